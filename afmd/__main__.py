@@ -1,0 +1,5 @@
+import sys
+
+from afmd.cli import main
+
+sys.exit(main())

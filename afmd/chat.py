@@ -1,0 +1,68 @@
+"""Validated messages → the message list a model's chat template expects.
+
+OpenAI clients send conversations templates were never written for: several system or
+developer messages, runs of user messages, tool arguments as JSON strings. This module
+normalises them into the shape Hugging Face chat templates handle (one leading system
+message, alternating turns, tool-call arguments as objects) so every model sees a
+conversation its template renders correctly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from afmd.protocol.request import Message, ToolCall
+
+
+def _arguments(call: ToolCall) -> Any:
+    # Templates render arguments with `tojson`; a JSON string would be double-encoded.
+    try:
+        return orjson.loads(call.arguments)
+    except orjson.JSONDecodeError:
+        return call.arguments
+
+
+def template_messages(
+    messages: tuple[Message, ...], *, instructions: str = ""
+) -> list[dict[str, Any]]:
+    system_parts = [instructions] if instructions else []
+    system_parts += [
+        m.content for m in messages if m.role in ("system", "developer") and m.content
+    ]
+    out: list[dict[str, Any]] = []
+    if system_parts:
+        out.append({"role": "system", "content": "\n\n".join(system_parts)})
+    call_names: dict[str, str] = {}
+    for message in messages:
+        if message.role in ("system", "developer"):
+            continue
+        if message.role == "user":
+            if out and out[-1]["role"] == "user":
+                out[-1]["content"] += "\n\n" + (message.content or "")
+            else:
+                out.append({"role": "user", "content": message.content or ""})
+        elif message.role == "assistant":
+            item: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
+            if message.tool_calls:
+                item["tool_calls"] = [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": _arguments(call)},
+                    }
+                    for call in message.tool_calls
+                ]
+                for call in message.tool_calls:
+                    call_names[call.id] = call.name
+            out.append(item)
+        else:  # tool
+            item = {"role": "tool", "content": message.content or ""}
+            if message.tool_call_id is not None:
+                item["tool_call_id"] = message.tool_call_id
+                name = call_names.get(message.tool_call_id)
+                if name:
+                    item["name"] = name
+            out.append(item)
+    return out

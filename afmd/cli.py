@@ -1,0 +1,140 @@
+"""The ``afmd`` command.
+
+Exit codes are part of the daemon contract, because launchd's ``keep_alive`` acts on them:
+0 clean stop, 1 runtime failure (the server could not start or keep serving), 2 bad
+configuration or usage. The heavy stack (MLX, mlx-lm, Sanic) is imported only by the
+commands that serve, so ``--help``, ``version`` and ``check-config`` answer instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from afmd import __version__
+from afmd.config import Config, ConfigError, default_config_path, load_config
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_CONFIG = 2
+
+DESCRIPTION = """\
+afmd — the local AI daemon for Apple Silicon.
+
+Serves MLX models (through mlx-lm) behind the OpenAI Chat Completions API on
+http://127.0.0.1:9999/v1, so OpenAI SDKs, IDE plugins and agents work unchanged.
+Run `afmd serve` to start it on the built-in demo model (no download needed)."""
+
+EPILOG = """\
+examples:
+  afmd serve                                   # demo model on 127.0.0.1:9999
+  afmd serve --config ~/.config/afmd.toml      # settings from a TOML file
+  afmd serve --model mlx-community/Qwen2.5-0.5B-Instruct-4bit
+  afmd serve --host "" --unix-socket /tmp/afmd.sock
+  afmd check-config config.toml                # validate a config file
+
+exit codes: 0 clean stop, 1 runtime failure, 2 bad configuration."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="afmd",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"afmd {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="start the server",
+        description="Start the OpenAI-compatible server and serve until SIGINT/SIGTERM.",
+    )
+    serve.add_argument("--config", metavar="FILE",
+                       help="TOML config file (default: $AFMD_CONFIG, then "
+                            "$(brew --prefix)/etc/afmd/config.toml if present)")
+    serve.add_argument("--host", metavar="H",
+                       help='TCP address to listen on (default 127.0.0.1; "" for none)')
+    serve.add_argument("--port", metavar="P", type=int, help="TCP port (default 9999; 0 = any)")
+    serve.add_argument("--unix-socket", metavar="PATH", help="also listen on this Unix socket")
+    serve.add_argument("--model", metavar="ID_OR_PATH",
+                       help="model to serve by default: a configured id or alias, a local "
+                            "MLX model folder, or a Hugging Face repo id")
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--log-format", choices=("json", "console"))
+
+    check = commands.add_parser(
+        "check-config",
+        help="validate a config file and exit",
+        description="Load a config file exactly as `afmd serve` would and report problems.",
+    )
+    check.add_argument("file", metavar="FILE")
+
+    commands.add_parser("version", help="print the version")
+    return parser
+
+
+def _load(path: str | None, overrides: dict[str, Any]) -> Config:
+    if path is None:
+        found = default_config_path()
+        path = str(found) if found is not None else None
+    return load_config(path, overrides=overrides)
+
+
+def _config_error(exc: ConfigError) -> int:
+    print(f"afmd: configuration error: {exc}", file=sys.stderr)
+    return EXIT_CONFIG
+
+
+def _serve(args: argparse.Namespace) -> int:
+    overrides: dict[str, Any] = {
+        "server.host": args.host,
+        "server.port": args.port,
+        "server.unix_socket": args.unix_socket,
+        "log.level": args.log_level,
+        "log.format": args.log_format,
+        "model": args.model,
+    }
+    try:
+        config = _load(args.config, overrides)
+    except ConfigError as exc:
+        return _config_error(exc)
+
+    from afmd import logs
+
+    logs.configure(config.log.level, config.log.format)
+
+    from afmd.server import run
+
+    return run(config)
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+    except ConfigError as exc:
+        return _config_error(exc)
+    models = ", ".join(config.model_ids())
+    print(f"{args.file}: OK (default model {config.models.default}; models: {models})")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "check-config":
+        return _check_config(args)
+    if args.command == "version":
+        print(f"afmd {__version__}")
+        return EXIT_OK
+    parser.print_help()
+    return EXIT_CONFIG
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

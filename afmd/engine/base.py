@@ -1,0 +1,132 @@
+"""The seam between the pipeline and the model: what a generation is and what it yields.
+
+The pipeline never touches MLX. It hands the engine a :class:`GenerationRequest` (token ids
+and sampling settings) and reads a :class:`Generation` — an asyncio-side handle fed by the
+engine's thread — until a :class:`Finished` event. Keeping these types free of MLX lets the
+layers above be tested with a fake engine and keeps mlx imports in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from afmd.errors import APIError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Extra per-sequence logits processors (grammars); opaque to this layer.
+    logits_processors: Sequence[Callable[..., Any]] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Text:
+    """Decoded text of ``tokens`` new tokens (coalesced when the consumer is behind)."""
+
+    text: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+Event = Text | Finished
+
+
+class Generation:
+    """The consumer's handle on one running generation.
+
+    Events are appended from the engine thread through ``loop.call_soon_threadsafe`` and
+    drained in batches, so a slow consumer gets several tokens per wake-up instead of one
+    hop per token.
+    """
+
+    __slots__ = (
+        "_error",
+        "_events",
+        "_loop",
+        "_waiter",
+        "cancel_requested",
+        "created_at",
+        "done",
+        "finish",
+        "request",
+    )
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self._loop = loop
+        self._events: deque[Event] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: APIError | None = None
+        self.cancel_requested = False
+        self.done = False
+        self.finish: Finished | None = None
+        self.created_at = time.perf_counter()
+
+    # -- engine side (called on the event loop via call_soon_threadsafe) --
+    def push(self, events: Sequence[Event]) -> None:
+        self._events.extend(events)
+        for event in events:
+            if isinstance(event, Finished):
+                self.done = True
+                self.finish = event
+        self._wake()
+
+    def fail(self, error: APIError) -> None:
+        self._error = error
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- consumer side --
+    def cancel(self) -> None:
+        """Ask the engine to stop; it ends the stream with ``finish_reason="cancelled"``."""
+        self.cancel_requested = True
+
+    async def next_events(self) -> list[Event]:
+        """Wait for at least one event and return all that are ready."""
+        while not self._events:
+            if self._error is not None:
+                raise self._error
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        events = list(self._events)
+        self._events.clear()
+        return events

@@ -1,0 +1,245 @@
+"""Which models exist, which are loaded, and the handle the pipeline uses for each.
+
+Loading is slow (seconds to minutes) and may fail (a Hugging Face id with no network), so
+the registry loads off the event loop, remembers the outcome per model, and lets
+``/health`` report it truthfully while requests for a model that is still loading get a
+clear 503 instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from afmd.config import BUILTIN_DEMO_PATH, Config, ModelEntry
+from afmd.engine.base import Generation, GenerationRequest
+from afmd.engine.worker import BatchWorker
+from afmd.errors import APIError, NotFoundError, ServerError, ServiceUnavailableError
+
+log = logging.getLogger("afmd.engine")
+
+BUILTIN_PREFIX = "afmd:"
+DEFAULT_CONTEXT_LENGTH = 4096
+
+
+def _context_length_from(config: Mapping[str, Any]) -> int | None:
+    for source in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+            value = source.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model in memory with its tokenizer and generation thread."""
+
+    entry: ModelEntry
+    folder: Path | None
+    model: Any
+    tokenizer: Any
+    context_length: int
+    worker: BatchWorker
+    is_demo: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.entry.id
+
+    @property
+    def has_thinking(self) -> bool:
+        return bool(getattr(self.tokenizer, "has_thinking", False))
+
+    def render_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Prompt token ids through the model's own chat template."""
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            kwargs["tools"] = list(tools)
+        text = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False, **kwargs
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def start(self, request: GenerationRequest) -> Generation:
+        generation = Generation(request, asyncio.get_running_loop())
+        self.worker.submit(generation)
+        return generation
+
+    def cancel(self, generation: Generation) -> None:
+        generation.cancel()
+        self.worker.wake()
+
+
+def _load_sync(entry: ModelEntry, max_batch: int) -> LoadedModel:
+    # Heavy imports stay here so `afmd --help` and `check-config` start instantly.
+    from mlx_lm import load as mlx_load
+
+    from afmd.engine import demo
+
+    is_demo = entry.path.startswith(BUILTIN_PREFIX)
+    if is_demo:
+        variant = entry.path[len(BUILTIN_PREFIX):]
+        folder: Path | None = demo.materialize(variant)
+        source = str(folder)
+    else:
+        candidate = Path(entry.path).expanduser()
+        folder = candidate if candidate.exists() else None
+        source = str(candidate) if folder else entry.path
+    model, tokenizer, config = mlx_load(source, return_config=True)
+    context_length = entry.context_length or _context_length_from(config) or DEFAULT_CONTEXT_LENGTH
+    worker = BatchWorker(model, tokenizer, name=entry.id, max_batch=max_batch)
+    worker.start()
+    return LoadedModel(
+        entry=entry,
+        folder=folder,
+        model=model,
+        tokenizer=tokenizer,
+        context_length=context_length,
+        worker=worker,
+        is_demo=is_demo,
+    )
+
+
+class ModelRegistry:
+    """Resolves names to configured models and loads them on demand, once."""
+
+    def __init__(self, config: Config) -> None:
+        self._config = config
+        self._loaded: dict[str, LoadedModel] = {}
+        self._loading: dict[str, asyncio.Task[LoadedModel]] = {}
+        self._failed: dict[str, str] = {}
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    def resolve(self, name: str | None) -> ModelEntry:
+        entry = self._config.resolve_model(name)
+        if entry is None:
+            raise NotFoundError(
+                f"The model '{name}' does not exist. Available models: "
+                + ", ".join(self.listed_ids())
+                + ".",
+                code="model_not_found",
+                param="model",
+            )
+        return entry
+
+    def listed_ids(self) -> list[str]:
+        return [*self._config.model_ids(), *self._config.models.aliases]
+
+    def status(self) -> dict[str, str]:
+        """Per model: ``available``, or ``unavailable: <reason>``."""
+        result: dict[str, str] = {}
+        for entry in self._config.models.model:
+            if entry.id in self._loaded:
+                result[entry.id] = "available"
+            elif entry.id in self._failed:
+                result[entry.id] = f"unavailable: {self._failed[entry.id]}"
+            elif entry.id in self._loading:
+                result[entry.id] = "unavailable: loading"
+            else:
+                result[entry.id] = "available"  # loads on first use
+        return result
+
+    def loaded(self, model_id: str) -> LoadedModel | None:
+        return self._loaded.get(model_id)
+
+    def is_ready(self, model_id: str) -> bool:
+        return model_id in self._loaded
+
+    def is_loading(self, model_id: str) -> bool:
+        return model_id in self._loading
+
+    def failure(self, model_id: str) -> str | None:
+        return self._failed.get(model_id)
+
+    def begin_load(self, entry: ModelEntry) -> asyncio.Task[LoadedModel]:
+        task = self._loading.get(entry.id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._load(entry))
+            self._loading[entry.id] = task
+        return task
+
+    async def _load(self, entry: ModelEntry) -> LoadedModel:
+        max_batch = self._config.queue.max_concurrent_requests
+        try:
+            loaded = await asyncio.to_thread(_load_sync, entry, max_batch)
+        except Exception as exc:
+            reason = _describe_load_failure(entry, exc)
+            self._failed[entry.id] = reason
+            log.error("model load failed: %s", reason)
+            raise ServerError(
+                f"The model '{entry.id}' could not be loaded: {reason}",
+                code="model_load_failed",
+                param="model",
+            ) from None
+        finally:
+            self._loading.pop(entry.id, None)
+        self._failed.pop(entry.id, None)
+        self._loaded[entry.id] = loaded
+        return loaded
+
+    async def get(self, entry: ModelEntry, *, wait: bool = True) -> LoadedModel:
+        """The loaded model, loading it first when needed."""
+        loaded = self._loaded.get(entry.id)
+        if loaded is not None:
+            return loaded
+        if entry.id in self._failed and entry.id not in self._loading:
+            # Try again: a failure may have been transient (disk, memory).
+            self._failed.pop(entry.id, None)
+        task = self.begin_load(entry)
+        if not wait:
+            raise ServiceUnavailableError(
+                f"The model '{entry.id}' is still loading; retry shortly.",
+                code="model_not_ready",
+                headers={"Retry-After": "2"},
+            )
+        try:
+            return await asyncio.shield(task)
+        except APIError:
+            raise
+
+    def close(self) -> None:
+        for loaded in self._loaded.values():
+            loaded.worker.stop()
+        for task in self._loading.values():
+            task.cancel()
+
+
+def _describe_load_failure(entry: ModelEntry, exc: BaseException) -> str:
+    path = entry.path
+    local = Path(path).expanduser()
+    if not path.startswith(BUILTIN_PREFIX) and not local.exists():
+        looks_like_repo = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+        if looks_like_repo:
+            return (
+                f"'{path}' is not a local folder and could not be downloaded from Hugging Face "
+                f"({type(exc).__name__}: {exc})"
+            )
+        return f"'{path}' does not exist"
+    if local.is_dir() and not (local / "config.json").exists():
+        return f"'{path}' has no config.json; is it an MLX model folder?"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def read_model_config(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+__all__ = ["BUILTIN_DEMO_PATH", "LoadedModel", "ModelRegistry"]

@@ -1,0 +1,300 @@
+"""The generation thread: one per loaded model, decoding every running request together.
+
+MLX work must stay off the event loop (a decode step holds the GIL for milliseconds, and a
+long prefill for seconds), so each model owns a thread that drives mlx-lm's
+``BatchGenerator``. Requests join the running batch between steps and leave when done;
+cancellation is a flag checked once per step, so a cancelled or disconnected request frees
+its slot within one decode step. Results of a step go to the event loop in one
+``call_soon_threadsafe`` hop for all requests, not one per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+from afmd.engine.base import Event, Finished, Generation, SamplingParams, Text
+from afmd.errors import ServerError
+
+log = logging.getLogger("afmd.engine")
+
+_WAKE = object()
+_STOP = object()
+
+
+def make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array] | None:
+    """A per-request sampler with its own PRNG key.
+
+    Global MLX randomness would make a seeded request's output depend on whatever else is
+    in the batch; a key owned by the request and split once per step makes ``seed``
+    reproducible however requests interleave. ``None`` means greedy: the batch then
+    samples all greedy rows with one shared argmax.
+    """
+    if params.greedy:
+        return None
+    seed = params.seed if params.seed is not None else int.from_bytes(
+        threading.get_native_id().to_bytes(8, "little"), "little"
+    ) ^ time.time_ns()
+    key = [mx.random.key(seed & 0xFFFF_FFFF_FFFF_FFFF)]
+    inv_temp = 1.0 / params.temperature
+    top_p, top_k, min_p = params.top_p, params.top_k, params.min_p
+
+    def sample(logprobs: mx.array) -> mx.array:
+        if 0.0 < top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        if min_p > 0.0:
+            logprobs = apply_min_p(logprobs, min_p)
+        if top_k > 0:
+            logprobs = apply_top_k(logprobs, top_k)
+        key[0], sub = mx.random.split(key[0])
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return sample
+
+
+@dataclass(slots=True)
+class _Sequence:
+    generation: Generation
+    uid: int
+    detokenizer: Any
+    prompt_tokens: int
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    started_at: float = 0.0
+    first_token_at: float = 0.0
+    pending: list[Event] = field(default_factory=list)
+
+
+class BatchWorker:
+    """Owns a model's ``BatchGenerator`` and the thread that steps it."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        name: str,
+        max_batch: int = 8,
+        prefill_step_size: int = 2048,
+    ) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self._max_batch = max(1, max_batch)
+        self._prefill_step_size = prefill_step_size
+        self._eos = sorted(tokenizer.eos_token_ids)
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._active: dict[int, _Sequence] = {}
+        self._thread = threading.Thread(target=self._run, name=f"afmd-engine-{name}", daemon=True)
+        self._generator: BatchGenerator | None = None
+        self._started = False
+
+    # -- event-loop side --
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._thread.start()
+
+    def submit(self, generation: Generation) -> None:
+        self._inbox.put(generation)
+
+    def wake(self) -> None:
+        """Make the thread look at cancellation flags even if it is idle."""
+        self._inbox.put(_WAKE)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._started:
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+
+    # -- thread side --
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self._model,
+            max_tokens=256,
+            stop_tokens=[[t] for t in self._eos],
+            completion_batch_size=self._max_batch,
+            prefill_batch_size=self._max_batch,
+            prefill_step_size=self._prefill_step_size,
+        )
+
+    def _run(self) -> None:
+        self._generator = self._new_generator()
+        while True:
+            try:
+                if not self._take_inbox(block=not self._active):
+                    break
+                self._reap_cancelled()
+                if self._active:
+                    self._step()
+            except Exception as exc:  # a model failure must not kill the thread
+                log.exception("generation step failed")
+                self._fail_all(exc)
+        self._fail_all(None)
+
+    def _take_inbox(self, *, block: bool) -> bool:
+        items: list[Any] = []
+        if block:
+            items.append(self._inbox.get())
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            if item is _STOP:
+                return False
+            if isinstance(item, Generation):
+                self._admit(item)
+        return True
+
+    def _admit(self, generation: Generation) -> None:
+        request = generation.request
+        seq = _Sequence(
+            generation=generation,
+            uid=-1,
+            detokenizer=self._tokenizer.detokenizer,
+            prompt_tokens=len(request.prompt),
+            started_at=time.perf_counter(),
+        )
+        if generation.cancel_requested:
+            self._finish(seq, "cancelled")
+            self._flush([seq])
+            return
+        processors = list(request.logits_processors)
+        if request.sampling.repetition_penalty:
+            processors.extend(make_logits_processors(
+                repetition_penalty=request.sampling.repetition_penalty
+            ))
+        assert self._generator is not None
+        (uid,) = self._generator.insert(
+            [request.prompt],
+            max_tokens=[request.max_tokens],
+            samplers=[make_sampler(request.sampling)],
+            logits_processors=[processors],
+        )
+        seq.uid = uid
+        self._active[uid] = seq
+
+    def _reap_cancelled(self) -> None:
+        cancelled = [s for s in self._active.values() if s.generation.cancel_requested]
+        if not cancelled:
+            return
+        assert self._generator is not None
+        self._generator.remove([s.uid for s in cancelled])
+        for seq in cancelled:
+            del self._active[seq.uid]
+            self._finish(seq, "cancelled")
+        self._flush(cancelled)
+
+    def _step(self) -> None:
+        assert self._generator is not None
+        _, responses = self._generator.next()
+        if not responses:
+            return
+        now = time.perf_counter()
+        touched: list[_Sequence] = []
+        for response in responses:
+            seq = self._active.get(response.uid)
+            if seq is None:
+                continue
+            touched.append(seq)
+            if not seq.first_token_at:
+                seq.first_token_at = now
+            reason = response.finish_reason
+            if reason == "stop" and response.token in self._eos:
+                # The end-of-sequence token is a signal, not text.
+                pass
+            else:
+                seq.completion_tokens += 1
+                seq.detokenizer.add_token(response.token)
+                segment = seq.detokenizer.last_segment
+                if segment:
+                    seq.pending.append(Text(segment, 1))
+                elif seq.pending and isinstance(seq.pending[-1], Text):
+                    last = seq.pending[-1]
+                    seq.pending[-1] = Text(last.text, last.tokens + 1)
+                else:
+                    seq.pending.append(Text("", 1))
+            if reason is not None:
+                del self._active[response.uid]
+                self._finish(seq, reason)
+        self._flush(touched)
+
+    def _finish(self, seq: _Sequence, reason: str) -> None:
+        seq.detokenizer.finalize()
+        tail = seq.detokenizer.last_segment
+        if tail:
+            seq.pending.append(Text(tail, 0))
+        now = time.perf_counter()
+        seq.pending.append(
+            Finished(
+                finish_reason=reason,
+                prompt_tokens=seq.prompt_tokens,
+                completion_tokens=seq.completion_tokens,
+                cached_tokens=seq.cached_tokens,
+                timings={
+                    "queued_at": seq.generation.created_at,
+                    "started_at": seq.started_at,
+                    "first_token_at": seq.first_token_at or now,
+                    "finished_at": now,
+                },
+            )
+        )
+
+    def _flush(self, seqs: list[_Sequence]) -> None:
+        batch = [(s.generation, s.pending) for s in seqs if s.pending]
+        for s in seqs:
+            s.pending = []
+        if not batch:
+            return
+        loop = batch[0][0]._loop
+        with contextlib.suppress(RuntimeError):  # loop closed during shutdown
+            loop.call_soon_threadsafe(_deliver, batch)
+
+    def _fail_all(self, exc: BaseException | None) -> None:
+        seqs = list(self._active.values())
+        self._active.clear()
+        if self._generator is not None:
+            with contextlib.suppress(Exception):
+                self._generator.close()
+        if exc is not None:
+            self._generator = self._new_generator()
+        message = (
+            "The model failed while generating." if exc is not None
+            else "The server is shutting down."
+        )
+        error = ServerError(message, code="generation_failed" if exc else "shutting_down")
+        for seq in seqs:
+            loop = seq.generation._loop
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(seq.generation.fail, error)
+        # Generations still in the inbox at shutdown are failed too.
+        if exc is None:
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, Generation):
+                    with contextlib.suppress(RuntimeError):
+                        item._loop.call_soon_threadsafe(item.fail, error)
+
+
+def _deliver(batch: list[tuple[Generation, list[Event]]]) -> None:
+    for generation, events in batch:
+        generation.push(events)
+
+
+def active_loop() -> asyncio.AbstractEventLoop:
+    return asyncio.get_running_loop()

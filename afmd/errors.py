@@ -1,0 +1,110 @@
+"""One exception hierarchy for everything a client can be told.
+
+Every failure that reaches a client is an :class:`APIError`; the HTTP layer turns it into
+OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}`` without knowing which
+layer raised it. Lower layers raise these directly so the ``param`` that pinpoints the
+problem is chosen where the problem is understood.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+
+class APIError(Exception):
+    """An error with an HTTP status and an OpenAI error envelope."""
+
+    status: ClassVar[int] = 500
+    error_type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str] = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        status: int | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.default_code
+        self.param = param
+        if status is not None:
+            self.status = status  # type: ignore[misc]
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def envelope(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.status}, {self.code!r}, param={self.param!r})"
+
+
+class InvalidRequestError(APIError):
+    status = 400
+    error_type = "invalid_request_error"
+    default_code = "invalid_value"
+
+
+class AuthenticationError(APIError):
+    status = 401
+    error_type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+
+class PermissionDeniedError(APIError):
+    status = 403
+    error_type = "invalid_request_error"
+    default_code = "origin_not_allowed"
+
+
+class NotFoundError(APIError):
+    status = 404
+    error_type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class ConflictError(APIError):
+    status = 409
+    error_type = "invalid_request_error"
+    default_code = "conflict"
+
+
+class RateLimitError(APIError):
+    status = 429
+    error_type = "rate_limit_error"
+    default_code = "rate_limited"
+
+
+class ServerError(APIError):
+    status = 500
+    error_type = "server_error"
+    default_code = "internal_error"
+
+
+class ServiceUnavailableError(APIError):
+    status = 503
+    error_type = "server_error"
+    default_code = "server_overloaded"
+
+
+class GatewayTimeoutError(APIError):
+    status = 504
+    error_type = "timeout_error"
+    default_code = "timeout"
+
+
+class MethodNotAllowedError(APIError):
+    status = 405
+    error_type = "invalid_request_error"
+    default_code = "method_not_allowed"

@@ -1,0 +1,152 @@
+"""The Sanic application: routes, error envelopes and the access log.
+
+Sanic is configured to stay out of the way (no banner, no access log of its own, no
+touch-up, which fails in a frozen binary) and every error, whether raised by afmd or by
+Sanic's own routing and parsing, leaves as OpenAI's error envelope.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from sanic import Request, Sanic
+from sanic.exceptions import (
+    BadRequest,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    SanicException,
+)
+from sanic.handlers import ErrorHandler
+from sanic.response import HTTPResponse
+
+from afmd.config import Config
+from afmd.engine.models import ModelRegistry
+from afmd.errors import (
+    APIError,
+    InvalidRequestError,
+    MethodNotAllowedError,
+    NotFoundError,
+    ServerError,
+)
+from afmd.http import routes
+from afmd.http.access import log_access
+from afmd.logs import get_logger
+from afmd.pipeline import ChatPipeline
+
+_app_counter = itertools.count()
+
+
+@dataclass
+class AppState:
+    config: Config
+    registry: ModelRegistry
+    pipeline: ChatPipeline
+    started_at: int = field(default_factory=lambda: int(time.time()))
+
+
+class _EnvelopeErrorHandler(ErrorHandler):
+    """Every error as OpenAI's envelope, whichever layer raised it."""
+
+    def default(self, request: Request, exception: Exception) -> HTTPResponse:
+        error = to_api_error(exception, request)
+        if isinstance(error, ServerError) and not isinstance(exception, APIError):
+            get_logger("afmd").error(
+                "unhandled error", path=request.path, exc_info=exception
+            )
+        headers = dict(error.headers)
+        rid = getattr(request.ctx, "request_id", None) if request else None
+        if rid:
+            headers.setdefault("X-Request-ID", rid)
+            headers.setdefault("OpenAI-Request-ID", rid)
+        return routes.json_response(error.envelope(), status=error.status, headers=headers)
+
+
+def to_api_error(exception: BaseException, request: Request | None = None) -> APIError:
+    if isinstance(exception, APIError):
+        return exception
+    if isinstance(exception, MethodNotAllowed):
+        allowed = sorted(getattr(exception, "allowed_methods", None) or [])
+        method = request.method if request else "this method"
+        return MethodNotAllowedError(
+            f"Method {method} is not allowed for {request.path if request else 'this URL'}.",
+            headers={"Allow": ", ".join(allowed)} if allowed else None,
+        )
+    if isinstance(exception, NotFound):
+        path = request.path if request else ""
+        return NotFoundError(
+            f"Unknown request URL: {request.method if request else ''} {path}. Please check "
+            "the URL for typos.",
+            code="unknown_url",
+        )
+    if isinstance(exception, PayloadTooLarge):
+        return InvalidRequestError(
+            "The request body is larger than max_request_body_bytes.",
+            code="malformed_request",
+            status=413,
+        )
+    if isinstance(exception, BadRequest):
+        return InvalidRequestError(
+            f"Malformed request: {exception}", code="malformed_request"
+        )
+    if isinstance(exception, SanicException):
+        status = int(getattr(exception, "status_code", 500) or 500)
+        if status < 500:
+            return InvalidRequestError(str(exception), code="malformed_request", status=status)
+    return ServerError("The server had an error while processing your request.")
+
+
+def create_app(state: AppState, name: str | None = None) -> Sanic:
+    server = state.config.server
+    app = Sanic(
+        name or f"afmd_{next(_app_counter)}",
+        configure_logging=False,
+        error_handler=_EnvelopeErrorHandler(),
+    )
+    app.config.update(
+        {
+            "MOTD": False,
+            "ACCESS_LOG": False,
+            "TOUCHUP": False,
+            "NOISY_EXCEPTIONS": False,
+            "FALLBACK_ERROR_FORMAT": "json",
+            "REQUEST_MAX_SIZE": server.max_request_body_bytes,
+            "REQUEST_MAX_HEADER_SIZE": server.max_header_bytes,
+            "REQUEST_TIMEOUT": server.idle_timeout,
+            "KEEP_ALIVE_TIMEOUT": server.idle_timeout,
+            # Our own request_timeout governs generations; Sanic's inactivity timer must
+            # never cut a stream during a long prefill.
+            "RESPONSE_TIMEOUT": server.request_timeout + 60.0,
+            "GRACEFUL_SHUTDOWN_TIMEOUT": server.shutdown_grace,
+            "REAL_IP_HEADER": None,
+        }
+    )
+    app.ctx.state = state
+
+    app.add_route(routes.chat_completions, "/v1/chat/completions", methods=["POST"],
+                  name="chat_completions")
+    app.add_route(routes.chat_completions, "/chat/completions", methods=["POST"],
+                  name="chat_completions_root")
+    app.add_route(routes.cancel, "/v1/chat/completions/<request_id:str>/cancel",
+                  methods=["POST"], name="cancel")
+    app.add_route(routes.list_models, "/v1/models", methods=["GET"], name="models")
+    app.add_route(routes.get_model, "/v1/models/<model_id:path>", methods=["GET"],
+                  name="model")
+    app.add_route(routes.health, "/health", methods=["GET"], name="health")
+
+    @app.on_request
+    async def _mark_start(request: Request) -> None:
+        request.ctx.started = time.perf_counter()
+
+    @app.on_response
+    async def _access_log(request: Request, response: HTTPResponse) -> None:
+        if getattr(request.ctx, "streamed", False):
+            return  # logged when the stream ends
+        body = getattr(response, "body", None)
+        log_access(request, response.status, len(body) if body else 0)
+
+    return app
+
+

@@ -1,0 +1,209 @@
+"""The API's handlers: HTTP framing around the pipeline, and nothing else."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+from sanic import Request
+from sanic.response import HTTPResponse
+
+from afmd.errors import APIError, InvalidRequestError, NotFoundError
+from afmd.http.access import log_access
+from afmd.pipeline import ChatPipeline, ChatRun, Delta, Done
+from afmd.protocol.request import parse_chat_request, parse_json_body
+from afmd.protocol.response import (
+    DONE,
+    ChunkEncoder,
+    assistant_message,
+    completion_object,
+    error_event,
+    new_request_id,
+)
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+SSE_HEADERS = {
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+def json_response(
+    payload: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> HTTPResponse:
+    return HTTPResponse(
+        orjson.dumps(payload), status=status, headers=headers, content_type="application/json"
+    )
+
+
+def request_id_of(request: Request) -> str:
+    """The client's X-Request-ID when it is a sane token; otherwise a fresh one."""
+    rid = getattr(request.ctx, "request_id", None)
+    if rid:
+        return rid
+    sent = request.headers.get("x-request-id")
+    if sent is not None and not _REQUEST_ID.fullmatch(sent):
+        raise InvalidRequestError(
+            "X-Request-ID must be 1-128 characters among A-Z, a-z, 0-9, '.', '_', ':' and '-'.",
+            code="invalid_value",
+            param="X-Request-ID",
+        )
+    rid = sent or new_request_id()
+    request.ctx.request_id = rid
+    return rid
+
+
+def _id_headers(request_id: str) -> dict[str, str]:
+    return {"X-Request-ID": request_id, "OpenAI-Request-ID": request_id}
+
+
+async def chat_completions(request: Request) -> HTTPResponse | None:
+    state = request.app.ctx.state
+    pipeline: ChatPipeline = state.pipeline
+    request_id = request_id_of(request)
+    chat = parse_chat_request(parse_json_body(request.body))
+    request.ctx.model = chat.model
+    prepared = await pipeline.prepare(chat, request_id)
+    request.ctx.model = prepared.model_name
+    run = pipeline.start(prepared)
+    try:
+        if chat.stream:
+            await _stream(request, run)
+            return None
+        return await _complete(request, run)
+    finally:
+        pipeline.release(run)
+
+
+async def _complete(request: Request, run: ChatRun) -> HTTPResponse:
+    parts: list[str] = []
+    done: Done | None = None
+    while done is None:
+        for out in await run.next_outputs():
+            if isinstance(out, Delta):
+                parts.append(out.content)
+            else:
+                done = out
+    p = run.prepared
+    request.ctx.usage = done.usage
+    body = completion_object(
+        completion_id=p.completion_id,
+        created=p.created,
+        model=p.model_name,
+        fingerprint=p.fingerprint,
+        message=assistant_message("".join(parts)),
+        finish_reason=done.finish_reason,
+        usage=done.usage,
+    )
+    return json_response(body, headers=_id_headers(p.request_id))
+
+
+async def _stream(request: Request, run: ChatRun) -> None:
+    p = run.prepared
+    # The status line waits for the first token: until then any failure is a plain error.
+    batch = await run.next_outputs()
+    request.ctx.streamed = True
+    response = await request.respond(
+        status=200,
+        headers={**SSE_HEADERS, **_id_headers(p.request_id)},
+        content_type="text/event-stream",
+    )
+    encoder = ChunkEncoder(p.completion_id, p.created, p.model_name, p.fingerprint)
+    out_buf = [encoder.role()]
+    sent = 0
+    try:
+        while True:
+            for out in batch:
+                if isinstance(out, Delta):
+                    out_buf.append(encoder.content(out.content))
+                else:
+                    request.ctx.usage = out.usage
+                    request.ctx.finish_reason = out.finish_reason
+                    out_buf.append(encoder.finish(out.finish_reason))
+                    if p.request.include_usage:
+                        out_buf.append(encoder.usage(out.usage))
+                    out_buf.append(DONE)
+            data = b"".join(out_buf)
+            out_buf.clear()
+            sent += len(data)
+            await response.send(data)
+            if run.finished:
+                break
+            batch = await run.next_outputs()
+    except APIError as exc:
+        data = error_event(exc.envelope()) + DONE
+        sent += len(data)
+        request.ctx.stream_error = exc.code
+        await response.send(data)
+    finally:
+        log_access(request, 200, sent)
+    await response.eof()
+
+
+async def list_models(request: Request) -> HTTPResponse:
+    state = request.app.ctx.state
+    return json_response({"object": "list", "data": _model_objects(state)})
+
+
+async def get_model(request: Request, model_id: str) -> HTTPResponse:
+    state = request.app.ctx.state
+    for obj in _model_objects(state):
+        if obj["id"] == model_id:
+            return json_response(obj)
+    raise NotFoundError(
+        f"The model '{model_id}' does not exist.", code="model_not_found", param="model"
+    )
+
+
+def _model_objects(state: Any) -> list[dict[str, Any]]:
+    config = state.config
+    created = state.started_at
+    objects: list[dict[str, Any]] = []
+    for entry in config.models.model:
+        objects.append({"id": entry.id, "object": "model", "created": created,
+                        "owned_by": "afmd"})
+    for alias, target in config.models.aliases.items():
+        objects.append({"id": alias, "object": "model", "created": created,
+                        "owned_by": "afmd", "parent": target})
+    return objects
+
+
+async def health(request: Request) -> HTTPResponse:
+    state = request.app.ctx.state
+    registry = state.registry
+    default = state.config.resolve_model(None)
+    body: dict[str, Any] = {
+        "status": "ok",
+        "models": registry.status(),
+        "active_requests": state.pipeline.active_requests,
+        "queued_requests": 0,
+    }
+    status = 200
+    if default is not None and not registry.is_ready(default.id):
+        failure = registry.failure(default.id)
+        body["status"] = "unavailable"
+        body["reason"] = "model_load_failed" if failure and not registry.is_loading(
+            default.id) else "model_not_ready"
+        status = 503
+    return json_response(body, status=status)
+
+
+async def cancel(request: Request, request_id: str) -> HTTPResponse:
+    state = request.app.ctx.state
+    run = state.pipeline.find(request_id)
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.cancellation",
+    }
+    if run is None or run.finished:
+        err = NotFoundError(
+            f"No running request has the id '{request_id}'.", code="not_found", param=None
+        )
+        body["cancelled"] = False
+        body.update(err.envelope())
+        return json_response(body, status=404)
+    run.cancel()
+    body["cancelled"] = True
+    return json_response(body)

@@ -1,0 +1,113 @@
+"""Structured logging: one structlog pipeline for afmd's own events and the access log.
+
+Anything a client controls (path, headers, model name) ends up in log lines, so every
+string value is passed through :func:`sanitize` first: control, line-separator and bidi
+characters are percent-encoded, which makes it impossible for a request to start a new
+log line or visually reorder one, whichever renderer is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import unicodedata
+from collections.abc import MutableMapping
+from typing import Any, TextIO
+
+import orjson
+import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR}
+
+# Characters that can end or reorder a line in some viewer, beyond the C0/C1 controls.
+_UNSAFE_EXTRA = frozenset("\u2028\u2029\u0085\u061c\u200e\u200f\u202a\u202b\u202c\u202d"
+                          "\u202e\u2066\u2067\u2068\u2069\ufeff%")
+
+
+def _unsafe(ch: str) -> bool:
+    return ch in _UNSAFE_EXTRA or unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp", "Cs")
+
+
+def sanitize(text: str) -> str:
+    """Percent-encode (UTF-8) every character that could forge or disguise a log line."""
+    if text.isascii() and text.isprintable() and "%" not in text:
+        return text
+    out: list[str] = []
+    for ch in text:
+        if _unsafe(ch):
+            out.append("".join(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass")))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _sanitize_values(value: Any) -> Any:
+    if isinstance(value, str):
+        return sanitize(value)
+    if isinstance(value, dict):
+        return {sanitize(str(k)): _sanitize_values(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_sanitize_values(v) for v in value]
+    return value
+
+
+def sanitize_event(
+    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """structlog processor: sanitize every string in the event, keys included."""
+    return {sanitize(str(k)): _sanitize_values(v) for k, v in event_dict.items()}
+
+
+def _orjson_dumps(obj: Any, **_: Any) -> str:
+    return orjson.dumps(obj, default=str).decode()
+
+
+def configure(level: str = "info", fmt: str = "json", stream: TextIO | None = None) -> None:
+    """Set up structlog and route stdlib logging (mlx-lm, sanic) through the same output."""
+    numeric = _LEVELS.get(level, logging.INFO)
+    renderer: Any
+    if fmt == "console":
+        renderer = structlog.dev.ConsoleRenderer(colors=False)
+    else:
+        renderer = structlog.processors.JSONRenderer(serializer=_orjson_dumps)
+    pre_chain: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    structlog.configure(
+        processors=[
+            *pre_chain,
+            structlog.processors.format_exc_info,
+            sanitize_event,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                sanitize_event,
+                renderer,
+            ],
+            foreign_pre_chain=[
+                structlog.stdlib.add_logger_name,
+                *pre_chain,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(numeric)
+    for noisy in ("sanic.access", "sanic.root", "sanic.server", "sanic.error"):
+        logging.getLogger(noisy).setLevel(max(numeric, logging.WARNING))
+
+
+def get_logger(name: str = "afmd") -> Any:
+    return structlog.get_logger(name)
