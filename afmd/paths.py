@@ -1,0 +1,26 @@
+"""Where afmd keeps files on disk."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Root for regenerable data (e.g. the materialised demo models).
+
+    ``$AFMD_CACHE_DIR`` wins so tests and sandboxes can redirect everything; otherwise
+    the platform's cache location, because the contents can be rebuilt at any time and
+    must not end up in backups. A relative ``$XDG_CACHE_HOME`` is ignored, as the XDG
+    spec requires.
+    """
+    override = os.environ.get("AFMD_CACHE_DIR")
+    if override:
+        return Path(override).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "afmd"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "afmd"
+    return Path.home() / ".cache" / "afmd"

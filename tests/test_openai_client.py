@@ -1,0 +1,196 @@
+"""The official ``openai`` client against the real server on the real demo model."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+from openai_schemas import validate_chunk, validate_models, validate_response
+
+from conftest import parse_sse
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say something."},
+]
+
+
+def test_non_streaming_completion(client) -> None:
+    completion = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=12, temperature=0
+    )
+    validate_response(completion.model_dump(exclude_unset=True))
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason in ("length", "stop")
+    usage = completion.usage
+    assert usage.prompt_tokens > 0
+    assert 0 < usage.completion_tokens <= 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+    assert usage.completion_tokens_details.reasoning_tokens == 0
+    assert completion.id.startswith("chatcmpl-")
+    assert completion.model == "demo"
+
+
+def test_streaming_completion_with_usage(client) -> None:
+    stream = client.chat.completions.create(
+        model="demo",
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    for chunk in chunks:
+        validate_chunk(chunk.model_dump(exclude_unset=True))
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == "length"
+    usage_chunks = [c for c in chunks if c.usage is not None]
+    assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1]
+    assert usage_chunks[0].choices == []
+    usage = usage_chunks[0].usage
+    assert usage.completion_tokens == 16
+    assert usage.total_tokens == usage.prompt_tokens + 16
+
+    # Streamed and non-streamed greedy runs produce the same text.
+    whole = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=16, temperature=0
+    )
+    assert whole.choices[0].message.content == text
+
+
+def test_stream_wire_format(http) -> None:
+    response = http.post(
+        "/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 4, "stream": True,
+              "stream_options": {"include_usage": True}},
+        headers={"X-Request-ID": "trace-123"},
+    )
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["cache-control"] == "no-cache"
+    assert response.headers["x-accel-buffering"] == "no"
+    assert response.headers["x-request-id"] == "trace-123"
+    assert response.headers["openai-request-id"] == "trace-123"
+    body = response.text
+    assert body.endswith("data: [DONE]\n\n")
+    events = parse_sse(body)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    for chunk in chunks:
+        validate_chunk(chunk)
+        assert chunk["object"] == "chat.completion.chunk"
+        assert chunk["model"] == "demo"
+        assert chunk["system_fingerprint"].startswith("fp_")
+        assert chunk["created"] == chunks[0]["created"]
+    assert chunks[-2]["choices"][0]["delta"] == {}
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_max_tokens_exact(client) -> None:
+    for key in ("max_tokens", "max_completion_tokens"):
+        completion = client.chat.completions.create(
+            model="demo", messages=MESSAGES, temperature=0, **{key: 5}
+        )
+        assert completion.usage.completion_tokens == 5
+        assert completion.choices[0].finish_reason == "length"
+
+
+def test_greedy_is_deterministic(client) -> None:
+    texts = {
+        client.chat.completions.create(
+            model="demo", messages=MESSAGES, max_tokens=24, temperature=0
+        ).choices[0].message.content
+        for _ in range(2)
+    }
+    assert len(texts) == 1
+
+
+def test_seed_is_deterministic(client) -> None:
+    def sample(seed: int) -> str:
+        return client.chat.completions.create(
+            model="demo", messages=MESSAGES, max_tokens=24, temperature=1.0, seed=seed
+        ).choices[0].message.content
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3, 4)}) > 1
+
+
+def test_alias_and_default_model(client) -> None:
+    via_alias = client.chat.completions.create(
+        model="gpt-4o-mini", messages=MESSAGES, max_tokens=8, temperature=0
+    )
+    assert via_alias.model == "gpt-4o-mini"
+    direct = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=8, temperature=0
+    )
+    assert via_alias.choices[0].message.content == direct.choices[0].message.content
+
+
+def test_default_model_when_omitted(http) -> None:
+    response = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3})
+    assert response.status_code == 200
+    body = response.json()
+    validate_response(body)
+    assert body["model"] == "demo"
+
+
+def test_root_chat_path(http) -> None:
+    response = http.post("/chat/completions", json={"messages": MESSAGES, "max_tokens": 3})
+    assert response.status_code == 200
+    validate_response(response.json())
+
+
+def test_models_endpoints(client, http) -> None:
+    listed = http.get("/v1/models").json()
+    validate_models(listed)
+    ids = {m["id"]: m for m in listed["data"]}
+    assert "demo" in ids
+    assert ids["gpt-4o-mini"]["parent"] == "demo"
+    assert [m.id for m in client.models.list()] == list(ids)
+    assert client.models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"
+    missing = http.get("/v1/models/nope")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_health_answers_during_long_generation(server, http) -> None:
+    done = threading.Event()
+    result: dict[str, int] = {}
+
+    def long_generation() -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            r = c.post("/v1/chat/completions",
+                       json={"messages": MESSAGES, "max_tokens": 1500, "temperature": 0})
+            result["tokens"] = r.json()["usage"]["completion_tokens"]
+        done.set()
+
+    thread = threading.Thread(target=long_generation)
+    thread.start()
+    try:
+        seen_active = False
+        latencies = []
+        deadline = time.monotonic() + 60
+        while not done.is_set() and time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            health = http.get("/health")
+            latencies.append(time.perf_counter() - t0)
+            assert health.status_code == 200
+            if health.json()["active_requests"] >= 1:
+                seen_active = True
+            time.sleep(0.02)
+        assert seen_active, "the long generation was never reported as active"
+        assert max(latencies) < 1.0
+    finally:
+        thread.join(120)
+    assert result["tokens"] > 0
+    assert http.get("/health").json()["active_requests"] == 0
