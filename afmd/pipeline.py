@@ -12,7 +12,8 @@ import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 from afmd import __version__
 from afmd.chat import template_messages
@@ -20,8 +21,10 @@ from afmd.engine.base import Finished, Generation, GenerationRequest, SamplingPa
 from afmd.engine.models import LoadedModel, ModelRegistry
 from afmd.errors import APIError, ConflictError, GatewayTimeoutError, InvalidRequestError
 from afmd.output.stops import StopScanner
+from afmd.profiling import SAMPLE_EVERY, ProfileInput, samples, summary
 from afmd.protocol.request import ChatRequest
 from afmd.protocol.response import Usage, new_completion_id
+from afmd.scheduler import Cancelled, Scheduler, Ticket
 
 
 @dataclass(slots=True)
@@ -33,7 +36,8 @@ class Delta:
 class Done:
     finish_reason: str
     usage: Usage
-    timings: dict[str, float] = field(default_factory=dict)
+    # The X-AFM-Profile event payload ({"afm_profile": …} or {"afm_profile_extended": …}).
+    profile: dict[str, Any] | None = None
 
 
 Output = Delta | Done
@@ -50,7 +54,9 @@ class PreparedChat:
     completion_id: str
     created: int
     fingerprint: str
-    deadline: float
+    deadline: float  # time.monotonic() by which the whole request must be done
+    received_at: float  # time.perf_counter() when the request arrived
+    profile: str | None = None  # "summary" | "extended"
 
 
 def _fingerprint(model: LoadedModel) -> str:
@@ -59,21 +65,29 @@ def _fingerprint(model: LoadedModel) -> str:
 
 
 class ChatRun:
-    """One running chat completion: engine events in, client-visible outputs out."""
+    """One chat completion from queue to finish: engine events in, client outputs out."""
 
-    def __init__(self, prepared: PreparedChat, generation: Generation) -> None:
+    def __init__(self, prepared: PreparedChat) -> None:
         self.prepared = prepared
-        self.generation = generation
+        self.ticket = Ticket()
+        self.generation: Generation | None = None
         self._scanner = StopScanner(prepared.request.stop)
         self._stopped = False
+        self._cancelled_in_queue = False
         self.finished = False
 
     def cancel(self) -> None:
-        if not self.generation.done:
+        if self.generation is None:
+            self.ticket.cancel()
+        elif not self.generation.done:
             self.prepared.model.cancel(self.generation)
 
     async def next_outputs(self) -> list[Output]:
         """The next batch of outputs; the last batch ends with :class:`Done`."""
+        if self.generation is None:
+            self.finished = True
+            usage = Usage(prompt_tokens=len(self.prepared.prompt), completion_tokens=0)
+            return [Done("cancelled", usage)]
         remaining = self.prepared.deadline - time.monotonic()
         try:
             async with asyncio.timeout(max(remaining, 0.0)):
@@ -103,17 +117,47 @@ class ChatRun:
                 if text_parts:
                     outputs.append(Delta("".join(text_parts)))
                     text_parts = []
-                reason = "stop" if self._stopped else event.finish_reason
-                usage = Usage(
-                    prompt_tokens=event.prompt_tokens,
-                    completion_tokens=event.completion_tokens,
-                    cached_tokens=event.cached_tokens,
-                )
-                outputs.append(Done(reason, usage, dict(event.timings)))
+                outputs.append(self._done(event))
                 self.finished = True
         if text_parts:
             outputs.insert(0, Delta("".join(text_parts)))
         return outputs
+
+    def _done(self, event: Finished) -> Done:
+        reason = "stop" if self._stopped else event.finish_reason
+        usage = Usage(
+            prompt_tokens=event.prompt_tokens,
+            completion_tokens=event.completion_tokens,
+            cached_tokens=event.cached_tokens,
+        )
+        profile = None
+        mode = self.prepared.profile
+        if mode is not None:
+            t = event.timings
+            data = summary(
+                ProfileInput(
+                    prompt_tokens=event.prompt_tokens,
+                    cached_tokens=event.cached_tokens,
+                    completion_tokens=event.completion_tokens,
+                    received_at=self.prepared.received_at,
+                    started_at=t["started_at"],
+                    first_token_at=t["first_token_at"],
+                    finished_at=t["finished_at"],
+                    peak_memory_bytes=event.peak_memory_bytes,
+                    bytes_per_token=self.prepared.model.weights_bytes or None,
+                )
+            )
+            if mode == "extended":
+                offset = t["started_at"] - self.prepared.received_at
+                profile = {
+                    "afm_profile_extended": {
+                        "summary": data,
+                        "samples": samples(event.samples, offset),
+                    }
+                }
+            else:
+                profile = {"afm_profile": data}
+        return Done(reason, usage, profile)
 
     async def outputs(self) -> AsyncIterator[list[Output]]:
         while not self.finished:
@@ -123,12 +167,22 @@ class ChatRun:
 
 
 class ChatPipeline:
-    def __init__(self, registry: ModelRegistry, *, request_timeout: float) -> None:
+    def __init__(
+        self, registry: ModelRegistry, scheduler: Scheduler, *, request_timeout: float
+    ) -> None:
         self.registry = registry
+        self.scheduler = scheduler
         self.request_timeout = request_timeout
-        self._running: dict[str, ChatRun] = {}
+        self._runs: dict[str, ChatRun] = {}
 
-    async def prepare(self, request: ChatRequest, request_id: str) -> PreparedChat:
+    async def prepare(
+        self,
+        request: ChatRequest,
+        request_id: str,
+        *,
+        received_at: float | None = None,
+        profile: str | None = None,
+    ) -> PreparedChat:
         started = time.monotonic()
         entry = self.registry.resolve(request.model)
         model = await self.registry.get(entry)
@@ -180,19 +234,37 @@ class ChatPipeline:
             created=int(time.time()),
             fingerprint=_fingerprint(model),
             deadline=started + self.request_timeout,
+            received_at=received_at if received_at is not None else time.perf_counter(),
+            profile=profile,
         )
 
-    def start(self, prepared: PreparedChat) -> ChatRun:
-        if prepared.request_id in self._running:
+    async def start(self, prepared: PreparedChat) -> ChatRun:
+        """Register the run under its request id, wait for a slot, start generating.
+
+        The run is findable by id (for the cancel endpoint) while it waits in the queue; a
+        run cancelled there comes back without a generation and finishes as "cancelled".
+        """
+        rid = prepared.request_id
+        if rid in self._runs:
             raise ConflictError(
-                f"A request with X-Request-ID '{prepared.request_id}' is already running; "
+                f"A request with X-Request-ID '{rid}' is already running; "
                 "use a unique id per request.",
                 code="duplicate_request_id",
+                param="X-Request-ID",
             )
+        run = ChatRun(prepared)
+        self._runs[rid] = run
+        try:
+            await self.scheduler.acquire(run.ticket, prepared.deadline - time.monotonic())
+        except Cancelled:
+            return run
+        except BaseException:
+            self._forget(run)
+            raise
         r = prepared.request
-        generation = prepared.model.start(
+        run.generation = prepared.model.start(
             GenerationRequest(
-                request_id=prepared.request_id,
+                request_id=rid,
                 prompt=prepared.prompt,
                 max_tokens=prepared.max_tokens,
                 sampling=SamplingParams(
@@ -203,24 +275,23 @@ class ChatPipeline:
                     repetition_penalty=r.repetition_penalty,
                     seed=r.seed,
                 ),
+                sample_every=SAMPLE_EVERY if prepared.profile == "extended" else 0,
             )
         )
-        run = ChatRun(prepared, generation)
-        self._running[prepared.request_id] = run
         return run
 
     def release(self, run: ChatRun) -> None:
-        """Forget a run once its response is over; cancel it if it is still going."""
+        """The response is over: stop the generation if it still runs, free its slot."""
         run.cancel()
-        if self._running.get(run.prepared.request_id) is run:
-            del self._running[run.prepared.request_id]
+        self.scheduler.release(run.ticket)
+        self._forget(run)
+
+    def _forget(self, run: ChatRun) -> None:
+        if self._runs.get(run.prepared.request_id) is run:
+            del self._runs[run.prepared.request_id]
 
     def find(self, request_id: str) -> ChatRun | None:
-        return self._running.get(request_id)
-
-    @property
-    def active_requests(self) -> int:
-        return len(self._running)
+        return self._runs.get(request_id)
 
 
 __all__ = ["APIError", "ChatPipeline", "ChatRun", "Delta", "Done", "Output", "PreparedChat"]

@@ -25,6 +25,7 @@ from afmd.engine.models import ModelRegistry
 from afmd.http.app import AppState, create_app
 from afmd.logs import get_logger
 from afmd.pipeline import ChatPipeline
+from afmd.scheduler import Scheduler
 
 log = get_logger("afmd.server")
 
@@ -120,7 +121,12 @@ class Server:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.registry = ModelRegistry(config)
-        self.pipeline = ChatPipeline(self.registry, request_timeout=config.server.request_timeout)
+        self.scheduler = Scheduler(
+            config.queue.max_concurrent_requests, config.queue.max_queued_requests
+        )
+        self.pipeline = ChatPipeline(
+            self.registry, self.scheduler, request_timeout=config.server.request_timeout
+        )
         self.state = AppState(config=config, registry=self.registry, pipeline=self.pipeline)
         self.app = create_app(self.state)
         self.listeners: list[Listener] = []

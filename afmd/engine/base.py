@@ -40,6 +40,8 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     # Extra per-sequence logits processors (grammars); opaque to this layer.
     logits_processors: Sequence[Callable[..., Any]] = ()
+    # Record a memory/progress sample every this many tokens (0: none).
+    sample_every: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,9 @@ class Finished:
     completion_tokens: int
     cached_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    peak_memory_bytes: int | None = None
+    # (seconds since start, tokens so far, active memory bytes) when sampling was asked.
+    samples: tuple[tuple[float, int, int], ...] = ()
 
 
 Event = Text | Finished

@@ -47,6 +47,7 @@ class LoadedModel:
     context_length: int
     worker: BatchWorker
     is_demo: bool = False
+    weights_bytes: int = 0
 
     @property
     def id(self) -> str:
@@ -82,8 +83,9 @@ class LoadedModel:
         self.worker.wake()
 
 
-def _load_sync(entry: ModelEntry, max_batch: int) -> LoadedModel:
+def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     # Heavy imports stay here so `afmd --help` and `check-config` start instantly.
+    from mlx.utils import tree_flatten
     from mlx_lm import load as mlx_load
 
     from afmd.engine import demo
@@ -97,9 +99,18 @@ def _load_sync(entry: ModelEntry, max_batch: int) -> LoadedModel:
         candidate = Path(entry.path).expanduser()
         folder = candidate if candidate.exists() else None
         source = str(candidate) if folder else entry.path
-    model, tokenizer, config = mlx_load(source, return_config=True)
-    context_length = entry.context_length or _context_length_from(config) or DEFAULT_CONTEXT_LENGTH
-    worker = BatchWorker(model, tokenizer, name=entry.id, max_batch=max_batch)
+    model, tokenizer, model_config = mlx_load(source, return_config=True)
+    context_length = (
+        entry.context_length or _context_length_from(model_config) or DEFAULT_CONTEXT_LENGTH
+    )
+    worker = BatchWorker(
+        model,
+        tokenizer,
+        name=entry.id,
+        max_batch=config.queue.max_concurrent_requests,
+        prompt_cache_bytes=config.cache.prompt_cache_bytes,
+        prompt_cache_entries=config.cache.prompt_cache_entries,
+    )
     worker.start()
     return LoadedModel(
         entry=entry,
@@ -109,6 +120,7 @@ def _load_sync(entry: ModelEntry, max_batch: int) -> LoadedModel:
         context_length=context_length,
         worker=worker,
         is_demo=is_demo,
+        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
     )
 
 
@@ -174,9 +186,8 @@ class ModelRegistry:
         return task
 
     async def _load(self, entry: ModelEntry) -> LoadedModel:
-        max_batch = self._config.queue.max_concurrent_requests
         try:
-            loaded = await asyncio.to_thread(_load_sync, entry, max_batch)
+            loaded = await asyncio.to_thread(_load_sync, entry, self._config)
         except Exception as exc:
             reason = _describe_load_failure(entry, exc)
             self._failed[entry.id] = reason

@@ -10,7 +10,6 @@ its slot within one decode step. Results of a step go to the event loop in one
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import queue
@@ -22,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from afmd.engine.base import Event, Finished, Generation, SamplingParams, Text
@@ -74,6 +74,7 @@ class _Sequence:
     started_at: float = 0.0
     first_token_at: float = 0.0
     pending: list[Event] = field(default_factory=list)
+    samples: list[tuple[float, int, int]] = field(default_factory=list)
 
 
 class BatchWorker:
@@ -87,6 +88,8 @@ class BatchWorker:
         name: str,
         max_batch: int = 8,
         prefill_step_size: int = 2048,
+        prompt_cache_bytes: int = 1 << 30,
+        prompt_cache_entries: int = 16,
     ) -> None:
         self._model = model
         self._tokenizer = tokenizer
@@ -98,6 +101,13 @@ class BatchWorker:
         self._thread = threading.Thread(target=self._run, name=f"afmd-engine-{name}", daemon=True)
         self._generator: BatchGenerator | None = None
         self._started = False
+        # Owned by the thread: KV states of finished requests, reused for shared prefixes.
+        self._prompt_cache: LRUPromptCache | None = None
+        if prompt_cache_bytes > 0 and prompt_cache_entries > 0:
+            self._prompt_cache = LRUPromptCache(
+                max_size=prompt_cache_entries, max_bytes=prompt_cache_bytes
+            )
+        self._cache_key = name
 
     # -- event-loop side --
     def start(self) -> None:
@@ -177,14 +187,37 @@ class BatchWorker:
                 repetition_penalty=request.sampling.repetition_penalty
             ))
         assert self._generator is not None
+        cache, rest = self._cached_prefix(request.prompt)
+        seq.cached_tokens = len(request.prompt) - len(rest)
         (uid,) = self._generator.insert(
-            [request.prompt],
+            [rest],
             max_tokens=[request.max_tokens],
+            caches=[cache],
+            all_tokens=[request.prompt[: seq.cached_tokens]],
             samplers=[make_sampler(request.sampling)],
             logits_processors=[processors],
         )
         seq.uid = uid
         self._active[uid] = seq
+
+    def _cached_prefix(self, prompt: list[int]) -> tuple[Any, list[int]]:
+        """The longest cached KV state for a prefix of ``prompt``, and the tokens left."""
+        if self._prompt_cache is None:
+            return None, prompt
+        cache, rest = self._prompt_cache.fetch_nearest_cache(self._cache_key, prompt)
+        if cache is None:
+            return None, prompt
+        if not rest:
+            # An exact hit still needs one token to compute the next logits from.
+            if not can_trim_prompt_cache(cache):
+                return None, prompt
+            trim_prompt_cache(cache, 1)
+            rest = prompt[-1:]
+        return cache, list(rest)
+
+    def _remember(self, tokens: list[int] | None, cache: Any) -> None:
+        if self._prompt_cache is not None and tokens and cache is not None:
+            self._prompt_cache.insert_cache(self._cache_key, list(tokens), cache)
 
     def _reap_cancelled(self) -> None:
         cancelled = [s for s in self._active.values() if s.generation.cancel_requested]
@@ -212,6 +245,11 @@ class BatchWorker:
             if not seq.first_token_at:
                 seq.first_token_at = now
             reason = response.finish_reason
+            every = seq.generation.request.sample_every
+            if every and (seq.completion_tokens % every == 0 or reason is not None):
+                seq.samples.append(
+                    (now - seq.started_at, seq.completion_tokens, mx.get_active_memory())
+                )
             if reason == "stop" and response.token in self._eos:
                 # The end-of-sequence token is a signal, not text.
                 pass
@@ -228,6 +266,7 @@ class BatchWorker:
                     seq.pending.append(Text("", 1))
             if reason is not None:
                 del self._active[response.uid]
+                self._remember(response.all_tokens, response.prompt_cache)
                 self._finish(seq, reason)
         self._flush(touched)
 
@@ -249,6 +288,8 @@ class BatchWorker:
                     "first_token_at": seq.first_token_at or now,
                     "finished_at": now,
                 },
+                peak_memory_bytes=mx.get_peak_memory(),
+                samples=tuple(seq.samples),
             )
         )
 
@@ -294,7 +335,3 @@ class BatchWorker:
 def _deliver(batch: list[tuple[Generation, list[Event]]]) -> None:
     for generation, events in batch:
         generation.push(events)
-
-
-def active_loop() -> asyncio.AbstractEventLoop:
-    return asyncio.get_running_loop()

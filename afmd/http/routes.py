@@ -12,6 +12,7 @@ from sanic.response import HTTPResponse
 from afmd.errors import APIError, InvalidRequestError, NotFoundError
 from afmd.http.access import log_access
 from afmd.pipeline import ChatPipeline, ChatRun, Delta, Done
+from afmd.profiling import parse_profile_header
 from afmd.protocol.request import parse_chat_request, parse_json_body
 from afmd.protocol.response import (
     DONE,
@@ -20,6 +21,7 @@ from afmd.protocol.response import (
     completion_object,
     error_event,
     new_request_id,
+    sse,
 )
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -65,9 +67,14 @@ async def chat_completions(request: Request) -> HTTPResponse | None:
     request_id = request_id_of(request)
     chat = parse_chat_request(parse_json_body(request.body))
     request.ctx.model = chat.model
-    prepared = await pipeline.prepare(chat, request_id)
+    prepared = await pipeline.prepare(
+        chat,
+        request_id,
+        received_at=getattr(request.ctx, "started", None),
+        profile=parse_profile_header(request.headers.get("x-afm-profile")),
+    )
     request.ctx.model = prepared.model_name
-    run = pipeline.start(prepared)
+    run = await pipeline.start(prepared)
     try:
         if chat.stream:
             await _stream(request, run)
@@ -124,6 +131,8 @@ async def _stream(request: Request, run: ChatRun) -> None:
                     out_buf.append(encoder.finish(out.finish_reason))
                     if p.request.include_usage:
                         out_buf.append(encoder.usage(out.usage))
+                    if out.profile is not None:
+                        out_buf.append(sse(out.profile))
                     out_buf.append(DONE)
             data = b"".join(out_buf)
             out_buf.clear()
@@ -177,8 +186,8 @@ async def health(request: Request) -> HTTPResponse:
     body: dict[str, Any] = {
         "status": "ok",
         "models": registry.status(),
-        "active_requests": state.pipeline.active_requests,
-        "queued_requests": 0,
+        "active_requests": state.pipeline.scheduler.active,
+        "queued_requests": state.pipeline.scheduler.queued,
     }
     status = 200
     if default is not None and not registry.is_ready(default.id):

@@ -25,11 +25,18 @@ class StopScanner:
         if not self._stops:
             return text
         buffer = self._held + text
+        # The stop that *completes* first wins (ties: the one starting first), because that
+        # is where generation stops; "earliest start" would make the result depend on how
+        # the text was chunked ("c" vs "abcd" over "xabc" + "d" versus "xabcd").
         cut = -1
+        cut_end = -1
         for stop in self._stops:
             i = buffer.find(stop)
-            if i != -1 and (cut == -1 or i < cut):
-                cut = i
+            if i == -1:
+                continue
+            end = i + len(stop)
+            if cut == -1 or end < cut_end or (end == cut_end and i < cut):
+                cut, cut_end = i, end
         if cut != -1:
             self.stopped = True
             self._held = ""

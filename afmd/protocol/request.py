@@ -436,6 +436,29 @@ def _tool_choice(value: Any, tools: tuple[ToolSpec, ...]) -> Any:
         return value
     if not isinstance(value, dict):
         raise _wrong_type("tool_choice", "a string or an object", value)
+    kind = value.get("type")
+    if kind is None:
+        raise _missing("tool_choice.type")
+    if kind != "function":
+        raise _invalid(
+            "tool_choice.type", f"Invalid value for 'tool_choice.type': '{kind}'; expected "
+            "'function'."
+        )
+    function = value.get("function")
+    if function is None:
+        raise _missing("tool_choice.function")
+    if not isinstance(function, dict):
+        raise _wrong_type("tool_choice.function", "an object", function)
+    name = function.get("name")
+    if name is None:
+        raise _missing("tool_choice.function.name")
+    if not isinstance(name, str):
+        raise _wrong_type("tool_choice.function.name", "a string", name)
+    if all(tool.name != name for tool in tools):
+        raise _invalid(
+            "tool_choice.function.name",
+            f"'tool_choice' names the function '{name}', which is not among 'tools'.",
+        )
     return value
 
 
