@@ -2,8 +2,9 @@
 
 The pipeline owns everything between "the body is valid" and "bytes go out": resolving the
 model, rendering the prompt, enforcing the context window before any prefill, starting the
-generation, and turning raw decoded text into client-visible deltas (stop sequences now;
-reasoning and tool calls plug in here too). The HTTP layer only frames what this yields.
+generation under the turn's plan (grammar, output parsing), and turning decoded text into
+client-visible pieces (content, reasoning, tool calls). The HTTP layer only frames what
+this yields.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,27 +20,25 @@ from afmd.chat import template_messages
 from afmd.engine.base import Finished, Generation, GenerationRequest, SamplingParams, Text
 from afmd.engine.models import LoadedModel, ModelRegistry
 from afmd.errors import APIError, ConflictError, GatewayTimeoutError, InvalidRequestError
-from afmd.output.stops import StopScanner
+from afmd.output.pieces import Content, Piece
+from afmd.output.toolcalls import ParsedCall
 from afmd.profiling import SAMPLE_EVERY, ProfileInput, samples, summary
 from afmd.protocol.request import ChatRequest
 from afmd.protocol.response import Usage, new_completion_id
 from afmd.scheduler import Cancelled, Scheduler, Ticket
-
-
-@dataclass(slots=True)
-class Delta:
-    content: str = ""
+from afmd.turn import TurnPlan, plan_turn, template_kwargs
 
 
 @dataclass(slots=True)
 class Done:
     finish_reason: str
     usage: Usage
+    tool_calls: list[ParsedCall]
     # The X-AFM-Profile event payload ({"afm_profile": …} or {"afm_profile_extended": …}).
     profile: dict[str, Any] | None = None
 
 
-Output = Delta | Done
+Output = Piece | Done
 
 
 @dataclass(slots=True)
@@ -56,6 +54,7 @@ class PreparedChat:
     fingerprint: str
     deadline: float  # time.monotonic() by which the whole request must be done
     received_at: float  # time.perf_counter() when the request arrived
+    plan: TurnPlan
     profile: str | None = None  # "summary" | "extended"
 
 
@@ -71,9 +70,9 @@ class ChatRun:
         self.prepared = prepared
         self.ticket = Ticket()
         self.generation: Generation | None = None
-        self._scanner = StopScanner(prepared.request.stop)
-        self._stopped = False
-        self._cancelled_in_queue = False
+        self._output = prepared.plan.output_processor()
+        self._ended_by_us = False  # we stopped generation (stop sequence, call budget)
+        self._answer: list[str] | None = [] if prepared.plan.json_answer else None
         self.finished = False
 
     def cancel(self) -> None:
@@ -87,7 +86,7 @@ class ChatRun:
         if self.generation is None:
             self.finished = True
             usage = Usage(prompt_tokens=len(self.prepared.prompt), completion_tokens=0)
-            return [Done("cancelled", usage)]
+            return [Done("cancelled", usage, [])]
         remaining = self.prepared.deadline - time.monotonic()
         try:
             async with asyncio.timeout(max(remaining, 0.0)):
@@ -98,37 +97,41 @@ class ChatRun:
                 "The request did not complete within the server's request_timeout.",
                 code="timeout",
             ) from None
-        text_parts: list[str] = []
         outputs: list[Output] = []
+        output = self._output
         for event in events:
             if isinstance(event, Text):
-                if self._stopped or not event.text:
+                if self._ended_by_us or not event.text:
                     continue
-                safe = self._scanner.feed(event.text)
-                if safe:
-                    text_parts.append(safe)
-                if self._scanner.stopped:
-                    self._stopped = True
+                outputs.extend(output.feed(event.text))
+                if output.should_stop:
+                    self._ended_by_us = True
                     self.cancel()
             elif isinstance(event, Finished):
-                tail = self._scanner.flush()
-                if tail:
-                    text_parts.append(tail)
-                if text_parts:
-                    outputs.append(Delta("".join(text_parts)))
-                    text_parts = []
+                outputs.extend(output.finish())
+                if self._answer is not None:
+                    self._answer.extend(p.text for p in outputs if isinstance(p, Content))
                 outputs.append(self._done(event))
                 self.finished = True
-        if text_parts:
-            outputs.insert(0, Delta("".join(text_parts)))
+                return outputs
+        if self._answer is not None:
+            self._answer.extend(p.text for p in outputs if isinstance(p, Content))
         return outputs
 
     def _done(self, event: Finished) -> Done:
-        reason = "stop" if self._stopped else event.finish_reason
+        reason = event.finish_reason
+        calls = self._output.tool_calls
+        if self._ended_by_us and reason == "cancelled":
+            reason = "stop"  # our own early end (stop sequence, call budget), not a cancel
+        if calls and reason == "stop":
+            reason = "tool_calls"
+        if reason == "stop" and self._answer is not None:
+            self.prepared.plan.check_answer("".join(self._answer))
         usage = Usage(
             prompt_tokens=event.prompt_tokens,
             completion_tokens=event.completion_tokens,
             cached_tokens=event.cached_tokens,
+            reasoning_tokens=event.reasoning_tokens,
         )
         profile = None
         mode = self.prepared.profile
@@ -157,13 +160,7 @@ class ChatRun:
                 }
             else:
                 profile = {"afm_profile": data}
-        return Done(reason, usage, profile)
-
-    async def outputs(self) -> AsyncIterator[list[Output]]:
-        while not self.finished:
-            batch = await self.next_outputs()
-            if batch:
-                yield batch
+        return Done(reason, usage, calls, profile)
 
 
 class ChatPipeline:
@@ -189,11 +186,24 @@ class ChatPipeline:
         messages = template_messages(
             request.messages, instructions=self.registry.config.server.instructions
         )
+        if request.has_images and not model.supports_vision:
+            index = next(i for i, m in enumerate(request.messages) if m.has_images)
+            raise InvalidRequestError(
+                f"The model '{entry.id}' does not accept image input; send text only or "
+                "use a vision model.",
+                code="image_input_not_supported",
+                param=f"messages[{index}].content",
+            )
         tools = [t.as_template_tool() for t in request.tools] if request.tools else None
-        if request.tool_choice == "none":
+        if request.tool_choice.mode == "none":
             tools = None
         try:
-            prompt = await asyncio.to_thread(model.render_prompt, messages, tools=tools)
+            prompt = await asyncio.to_thread(
+                model.render_prompt,
+                messages,
+                tools=tools,
+                template_kwargs=template_kwargs(request, model),
+            )
         except Exception as exc:  # template errors are about the conversation's shape
             raise InvalidRequestError(
                 f"The model's chat template could not render these messages: {exc}",
@@ -223,6 +233,7 @@ class ChatPipeline:
                     code="context_length_exceeded",
                     param="messages",
                 )
+        plan = await asyncio.to_thread(plan_turn, request, model, prompt, max_tokens)
         return PreparedChat(
             request=request,
             request_id=request_id,
@@ -235,6 +246,7 @@ class ChatPipeline:
             fingerprint=_fingerprint(model),
             deadline=started + self.request_timeout,
             received_at=received_at if received_at is not None else time.perf_counter(),
+            plan=plan,
             profile=profile,
         )
 
@@ -275,7 +287,10 @@ class ChatPipeline:
                     repetition_penalty=r.repetition_penalty,
                     seed=r.seed,
                 ),
+                logits_processors=prepared.plan.logits_processors(),
                 sample_every=SAMPLE_EVERY if prepared.profile == "extended" else 0,
+                think_ids=prepared.model.think_ids,
+                starts_in_reasoning=prepared.plan.starts_in_reasoning,
             )
         )
         return run
@@ -294,4 +309,4 @@ class ChatPipeline:
         return self._runs.get(request_id)
 
 
-__all__ = ["APIError", "ChatPipeline", "ChatRun", "Delta", "Done", "Output", "PreparedChat"]
+__all__ = ["APIError", "ChatPipeline", "ChatRun", "Done", "Output", "PreparedChat"]

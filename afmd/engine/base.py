@@ -42,6 +42,9 @@ class GenerationRequest:
     logits_processors: Sequence[Callable[..., Any]] = ()
     # Record a memory/progress sample every this many tokens (0: none).
     sample_every: int = 0
+    # (start, end) token ids of the thinking block, to count reasoning tokens.
+    think_ids: tuple[int, int] | None = None
+    starts_in_reasoning: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     peak_memory_bytes: int | None = None
     # (seconds since start, tokens so far, active memory bytes) when sampling was asked.

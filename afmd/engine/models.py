@@ -20,11 +20,20 @@ from afmd.config import BUILTIN_DEMO_PATH, Config, ModelEntry
 from afmd.engine.base import Generation, GenerationRequest
 from afmd.engine.worker import BatchWorker
 from afmd.errors import APIError, NotFoundError, ServerError, ServiceUnavailableError
+from afmd.output.processor import ToolFormat
 
 log = logging.getLogger("afmd.engine")
 
 BUILTIN_PREFIX = "afmd:"
 DEFAULT_CONTEXT_LENGTH = 4096
+
+
+def _rfind(haystack: list[int], needle: list[int]) -> int:
+    n = len(needle)
+    for i in range(len(haystack) - n, -1, -1):
+        if haystack[i: i + n] == needle:
+            return i
+    return -1
 
 
 def _context_length_from(config: Mapping[str, Any]) -> int | None:
@@ -54,8 +63,65 @@ class LoadedModel:
         return self.entry.id
 
     @property
-    def has_thinking(self) -> bool:
-        return bool(getattr(self.tokenizer, "has_thinking", False))
+    def vocab_size(self) -> int:
+        args = getattr(self.model, "args", None)
+        size = getattr(args, "vocab_size", None)
+        return int(size) if size else len(self.tokenizer.get_vocab())
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return sorted(self.tokenizer.eos_token_ids)
+
+    @property
+    def supports_vision(self) -> bool:
+        return False  # mlx-lm serves text models; vision needs mlx-vlm
+
+    @property
+    def thinking(self) -> tuple[str, str] | None:
+        """The model's thinking markers, when its tokenizer has them."""
+        tok = self.tokenizer
+        if not getattr(tok, "has_thinking", False) or not tok.think_end:
+            return None
+        return tok.think_start, tok.think_end
+
+    def prompt_opens_thinking(self, prompt: list[int]) -> bool:
+        """Whether the chat template left a thinking block open at the end of the prompt."""
+        tok = self.tokenizer
+        start = getattr(tok, "think_start_tokens", None)
+        end = getattr(tok, "think_end_tokens", None)
+        if not start or not end:
+            return False
+        tail = prompt[-32:]  # templates open the block in the generation prompt itself
+        return _rfind(tail, list(start)) > _rfind(tail, list(end))
+
+    @property
+    def think_ids(self) -> tuple[int, int] | None:
+        tok = self.tokenizer
+        if self.thinking is None:
+            return None
+        start, end = tok.think_start_tokens, tok.think_end_tokens
+        if start and end and len(start) == 1 and len(end) == 1:
+            return start[0], end[0]
+        return None
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """How this model family writes tool calls (mlx-lm's detection), if it can."""
+        tok = self.tokenizer
+        parser = getattr(tok, "tool_parser", None)
+        if not getattr(tok, "has_tool_calling", False) or parser is None:
+            return None
+        module = getattr(parser, "__module__", "")
+        return ToolFormat(
+            start=tok.tool_call_start,
+            end=tok.tool_call_end,
+            parse=parser,
+            incremental_json=module.endswith(".json_tools"),
+        )
+
+    def single_token(self, text: str) -> int | None:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
 
     def render_prompt(
         self,

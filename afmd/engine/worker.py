@@ -75,6 +75,8 @@ class _Sequence:
     first_token_at: float = 0.0
     pending: list[Event] = field(default_factory=list)
     samples: list[tuple[float, int, int]] = field(default_factory=list)
+    in_reasoning: bool = False
+    reasoning_tokens: int = 0
 
 
 class BatchWorker:
@@ -176,6 +178,7 @@ class BatchWorker:
             detokenizer=self._tokenizer.detokenizer,
             prompt_tokens=len(request.prompt),
             started_at=time.perf_counter(),
+            in_reasoning=request.starts_in_reasoning,
         )
         if generation.cancel_requested:
             self._finish(seq, "cancelled")
@@ -246,15 +249,20 @@ class BatchWorker:
                 seq.first_token_at = now
             reason = response.finish_reason
             every = seq.generation.request.sample_every
-            if every and (seq.completion_tokens % every == 0 or reason is not None):
-                seq.samples.append(
-                    (now - seq.started_at, seq.completion_tokens, mx.get_active_memory())
-                )
+            sample = every and (seq.completion_tokens % every == 0 or reason is not None)
             if reason == "stop" and response.token in self._eos:
                 # The end-of-sequence token is a signal, not text.
                 pass
             else:
                 seq.completion_tokens += 1
+                think = seq.generation.request.think_ids
+                if think is not None:
+                    if response.token == think[0]:
+                        seq.in_reasoning = True
+                    if seq.in_reasoning:
+                        seq.reasoning_tokens += 1
+                    if response.token == think[1]:
+                        seq.in_reasoning = False
                 seq.detokenizer.add_token(response.token)
                 segment = seq.detokenizer.last_segment
                 if segment:
@@ -264,6 +272,10 @@ class BatchWorker:
                     seq.pending[-1] = Text(last.text, last.tokens + 1)
                 else:
                     seq.pending.append(Text("", 1))
+            if sample:  # counted after this step's token, so it is included
+                seq.samples.append(
+                    (now - seq.started_at, seq.completion_tokens, mx.get_active_memory())
+                )
             if reason is not None:
                 del self._active[response.uid]
                 self._remember(response.all_tokens, response.prompt_cache)
@@ -282,6 +294,7 @@ class BatchWorker:
                 prompt_tokens=seq.prompt_tokens,
                 completion_tokens=seq.completion_tokens,
                 cached_tokens=seq.cached_tokens,
+                reasoning_tokens=seq.reasoning_tokens,
                 timings={
                     "queued_at": seq.generation.created_at,
                     "started_at": seq.started_at,

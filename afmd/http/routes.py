@@ -11,7 +11,8 @@ from sanic.response import HTTPResponse
 
 from afmd.errors import APIError, InvalidRequestError, NotFoundError
 from afmd.http.access import log_access
-from afmd.pipeline import ChatPipeline, ChatRun, Delta, Done
+from afmd.output.pieces import Content, Reasoning, ToolCallArguments, ToolCallStart
+from afmd.pipeline import ChatPipeline, ChatRun, Done, PreparedChat
 from afmd.profiling import parse_profile_header
 from afmd.protocol.request import parse_chat_request, parse_json_body
 from afmd.protocol.response import (
@@ -57,8 +58,11 @@ def request_id_of(request: Request) -> str:
     return rid
 
 
-def _id_headers(request_id: str) -> dict[str, str]:
-    return {"X-Request-ID": request_id, "OpenAI-Request-ID": request_id}
+def _response_headers(prepared: PreparedChat) -> dict[str, str]:
+    headers = {"X-Request-ID": prepared.request_id, "OpenAI-Request-ID": prepared.request_id}
+    if prepared.plan.downgraded:
+        headers["X-Grammar-Constraints"] = "downgraded"
+    return headers
 
 
 async def chat_completions(request: Request) -> HTTPResponse | None:
@@ -85,26 +89,39 @@ async def chat_completions(request: Request) -> HTTPResponse | None:
 
 
 async def _complete(request: Request, run: ChatRun) -> HTTPResponse:
-    parts: list[str] = []
+    content: list[str] = []
+    reasoning: list[str] = []
     done: Done | None = None
     while done is None:
         for out in await run.next_outputs():
-            if isinstance(out, Delta):
-                parts.append(out.content)
-            else:
+            if isinstance(out, Content):
+                content.append(out.text)
+            elif isinstance(out, Reasoning):
+                reasoning.append(out.text)
+            elif isinstance(out, Done):
                 done = out
     p = run.prepared
     request.ctx.usage = done.usage
+    request.ctx.finish_reason = done.finish_reason
+    text = "".join(content)
+    calls = [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in done.tool_calls
+    ]
     body = completion_object(
         completion_id=p.completion_id,
         created=p.created,
         model=p.model_name,
         fingerprint=p.fingerprint,
-        message=assistant_message("".join(parts)),
+        message=assistant_message(
+            text if text or not calls else None,
+            reasoning="".join(reasoning) or None,
+            tool_calls=calls or None,
+        ),
         finish_reason=done.finish_reason,
         usage=done.usage,
     )
-    return json_response(body, headers=_id_headers(p.request_id))
+    return json_response(body, headers=_response_headers(p))
 
 
 async def _stream(request: Request, run: ChatRun) -> None:
@@ -114,7 +131,7 @@ async def _stream(request: Request, run: ChatRun) -> None:
     request.ctx.streamed = True
     response = await request.respond(
         status=200,
-        headers={**SSE_HEADERS, **_id_headers(p.request_id)},
+        headers={**SSE_HEADERS, **_response_headers(p)},
         content_type="text/event-stream",
     )
     encoder = ChunkEncoder(p.completion_id, p.created, p.model_name, p.fingerprint)
@@ -123,8 +140,21 @@ async def _stream(request: Request, run: ChatRun) -> None:
     try:
         while True:
             for out in batch:
-                if isinstance(out, Delta):
-                    out_buf.append(encoder.content(out.content))
+                if isinstance(out, Content):
+                    out_buf.append(encoder.content(out.text))
+                elif isinstance(out, Reasoning):
+                    out_buf.append(encoder.delta({"reasoning_content": out.text}))
+                elif isinstance(out, ToolCallStart):
+                    out_buf.append(encoder.delta({"tool_calls": [{
+                        "index": out.index,
+                        "id": out.id,
+                        "type": "function",
+                        "function": {"name": out.name, "arguments": ""},
+                    }]}))
+                elif isinstance(out, ToolCallArguments):
+                    out_buf.append(encoder.delta({"tool_calls": [{
+                        "index": out.index, "function": {"arguments": out.fragment},
+                    }]}))
                 else:
                     request.ctx.usage = out.usage
                     request.ctx.finish_reason = out.finish_reason

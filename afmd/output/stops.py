@@ -8,13 +8,14 @@ string ever reaches the client.
 
 from __future__ import annotations
 
+from afmd.output.markers import earliest, partial_suffix
+
 
 class StopScanner:
-    __slots__ = ("_held", "_longest", "_stops", "stopped")
+    __slots__ = ("_held", "_stops", "stopped")
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._stops = tuple(s for s in stops if s)
-        self._longest = max((len(s) for s in self._stops), default=0)
         self._held = ""
         self.stopped = False
 
@@ -25,34 +26,14 @@ class StopScanner:
         if not self._stops:
             return text
         buffer = self._held + text
-        # The stop that *completes* first wins (ties: the one starting first), because that
-        # is where generation stops; "earliest start" would make the result depend on how
-        # the text was chunked ("c" vs "abcd" over "xabc" + "d" versus "xabcd").
-        cut = -1
-        cut_end = -1
-        for stop in self._stops:
-            i = buffer.find(stop)
-            if i == -1:
-                continue
-            end = i + len(stop)
-            if cut == -1 or end < cut_end or (end == cut_end and i < cut):
-                cut, cut_end = i, end
+        cut, _ = earliest(buffer, self._stops)
         if cut != -1:
             self.stopped = True
             self._held = ""
             return buffer[:cut]
-        keep = self._holdback(buffer)
+        keep = partial_suffix(buffer, self._stops)
         self._held = buffer[len(buffer) - keep:] if keep else ""
         return buffer[: len(buffer) - keep]
-
-    def _holdback(self, buffer: str) -> int:
-        """Length of the longest suffix of ``buffer`` that starts some stop sequence."""
-        upto = min(len(buffer), self._longest - 1)
-        for n in range(upto, 0, -1):
-            tail = buffer[-n:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return n
-        return 0
 
     def flush(self) -> str:
         """Release held text once generation ended without completing a stop."""

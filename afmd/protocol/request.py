@@ -8,7 +8,10 @@ an unchecked field.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +83,7 @@ class Message:
     name: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
+    has_images: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +102,27 @@ class ToolSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """What the model may or must do with tools on the first step of this turn.
+
+    ``mode`` is ``none`` (tools hidden), ``auto`` (free; calls constrained once opened) or
+    ``required`` (must call one of ``allowed``); a named choice is ``required`` with one
+    allowed name.
+    """
+
+    mode: str = "auto"
+    allowed: tuple[str, ...] | None = None  # None: every tool in `tools`
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    kind: str  # "json_object" | "json_schema"
+    schema: dict[str, Any] | None = None
+    name: str | None = None
+    strict: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ChatRequest:
     messages: tuple[Message, ...]
     model: str | None = None
@@ -112,10 +137,11 @@ class ChatRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     tools: tuple[ToolSpec, ...] = ()
-    tool_choice: Any = None
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None
+    has_images: bool = False
 
 
 def _type_name(value: Any) -> str:
@@ -208,17 +234,59 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _text_content(value: Any, param: str, *, allow_null: bool = False) -> str | None:
+_DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,([A-Za-z0-9+/]*={0,2})", re.ASCII)
+
+
+def _check_image_part(part: dict[str, Any], p: str) -> None:
+    """Only inline ``data:`` images: afmd never fetches a URL on a client's behalf."""
+    image = part.get("image_url")
+    if image is None:
+        raise _missing(f"{p}.image_url")
+    if not isinstance(image, dict):
+        raise _wrong_type(f"{p}.image_url", "an object", image)
+    url = image.get("url")
+    if url is None:
+        raise _missing(f"{p}.image_url.url")
+    if not isinstance(url, str):
+        raise _wrong_type(f"{p}.image_url.url", "a string", url)
+    if not url.startswith("data:"):
+        raise InvalidRequestError(
+            "Only base64 'data:' image URLs are accepted; afmd does not fetch remote URLs.",
+            code="unsupported_image_url",
+            param=f"{p}.image_url.url",
+        )
+    match = _DATA_URL.fullmatch(url)
+    if match is None or len(match.group(1)) % 4 != 0:
+        raise InvalidRequestError(
+            "Malformed image data URL: expected 'data:image/<type>;base64,<data>'.",
+            code="invalid_image_url",
+            param=f"{p}.image_url.url",
+        )
+    try:
+        base64.b64decode(match.group(1), validate=True)
+    except binascii.Error:
+        raise InvalidRequestError(
+            "Malformed image data URL: the base64 payload does not decode.",
+            code="invalid_image_url",
+            param=f"{p}.image_url.url",
+        ) from None
+
+
+def _text_content(
+    value: Any, param: str, *, allow_null: bool = False
+) -> tuple[str | None, bool]:
+    """The text of a message's content, and whether it carried image parts."""
     """Content is a string or a list of text parts; parts are joined without separators."""
     if value is None:
         if allow_null:
-            return None
+            return None, False
         raise _missing(param)
     if isinstance(value, str):
-        return value
+        return value, False
     if not isinstance(value, list):
         raise _wrong_type(param, "a string or an array of content parts", value)
     texts: list[str] = []
+    images: list[int] = []
     for i, part in enumerate(value):
         p = f"{param}[{i}]"
         if not isinstance(part, dict):
@@ -233,17 +301,20 @@ def _text_content(value: Any, param: str, *, allow_null: bool = False) -> str | 
             if not isinstance(text, str):
                 raise _wrong_type(f"{p}.text", "a string", text)
             texts.append(text)
-        elif kind in ("image_url", "input_audio", "file"):
+        elif kind == "image_url":
+            _check_image_part(part, p)
+            images.append(i)
+        elif kind in ("input_audio", "file"):
             raise _invalid(
                 f"{p}.type",
-                f"Content part type '{kind}' is not supported by this model: it accepts text only.",
+                f"Content part type '{kind}' is not supported: afmd accepts text and images.",
             )
         else:
             raise _invalid(
                 f"{p}.type",
-                f"Invalid content part type '{kind}'; supported: 'text'.",
+                f"Invalid content part type '{kind}'; supported: 'text' and 'image_url'.",
             )
-    return "".join(texts)
+    return "".join(texts), bool(images)
 
 
 def _tool_calls(value: Any, param: str) -> tuple[ToolCall, ...]:
@@ -309,13 +380,17 @@ def _message(value: Any, index: int) -> Message:
                 f"{param}.function_call",
                 "'function_call' is deprecated and not supported; use 'tool_calls'.",
             )
-        content = _text_content(value.get("content"), f"{param}.content", allow_null=True)
+        content, images = _text_content(
+            value.get("content"), f"{param}.content", allow_null=True
+        )
         if content is None and not tool_calls:
             raise _missing(f"{param}.content")
-        return Message(role=role, content=content, name=name, tool_calls=tool_calls)
+        return Message(
+            role=role, content=content, name=name, tool_calls=tool_calls, has_images=images
+        )
     if "content" not in value:
         raise _missing(f"{param}.content")
-    content = _text_content(value["content"], f"{param}.content")
+    content, images = _text_content(value["content"], f"{param}.content")
     if role == "tool":
         call_id = value.get("tool_call_id")
         if call_id is None:
@@ -324,8 +399,10 @@ def _message(value: Any, index: int) -> Message:
             raise _wrong_type(f"{param}.tool_call_id", "a string", call_id)
         if not call_id:
             raise _invalid(f"{param}.tool_call_id", "A tool_call_id must not be empty.")
-        return Message(role=role, content=content, name=name, tool_call_id=call_id)
-    return Message(role=role, content=content, name=name)
+        return Message(
+            role=role, content=content, name=name, tool_call_id=call_id, has_images=images
+        )
+    return Message(role=role, content=content, name=name, has_images=images)
 
 
 def _messages(value: Any) -> tuple[Message, ...]:
@@ -421,9 +498,42 @@ def _tools(value: Any) -> tuple[ToolSpec, ...]:
     return tuple(tools)
 
 
-def _tool_choice(value: Any, tools: tuple[ToolSpec, ...]) -> Any:
+def _function_name(value: Any, param: str) -> str:
+    if not isinstance(value, dict):
+        raise _wrong_type(param, "an object", value)
+    if value.get("type", "function") != "function":
+        raise _invalid(f"{param}.type", "Only tools of type 'function' are supported.")
+    function = value.get("function")
+    if function is None:
+        # The Responses-style flat shape {"type": "function", "name": ...} is accepted too.
+        name = value.get("name")
+        if name is None:
+            raise _missing(f"{param}.function")
+        if not isinstance(name, str):
+            raise _wrong_type(f"{param}.name", "a string", name)
+        return name
+    if not isinstance(function, dict):
+        raise _wrong_type(f"{param}.function", "an object", function)
+    name = function.get("name")
+    if name is None:
+        raise _missing(f"{param}.function.name")
+    if not isinstance(name, str):
+        raise _wrong_type(f"{param}.function.name", "a string", name)
+    return name
+
+
+def _unknown_tool(name: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"'{param}' names the tool '{name}', which is not in 'tools'.",
+        code="unknown_tool",
+        param=param,
+    )
+
+
+def _tool_choice(value: Any, tools: tuple[ToolSpec, ...]) -> ToolChoice:
+    names = {t.name for t in tools}
     if value is None:
-        return None
+        return ToolChoice("auto" if tools else "none")
     if isinstance(value, str):
         if value not in ("none", "auto", "required"):
             raise _invalid(
@@ -433,36 +543,54 @@ def _tool_choice(value: Any, tools: tuple[ToolSpec, ...]) -> Any:
             )
         if value == "required" and not tools:
             raise _invalid("tool_choice", "'tool_choice' is 'required' but no 'tools' are given.")
-        return value
+        return ToolChoice(value if tools else "none")
     if not isinstance(value, dict):
         raise _wrong_type("tool_choice", "a string or an object", value)
     kind = value.get("type")
     if kind is None:
         raise _missing("tool_choice.type")
-    if kind != "function":
-        raise _invalid(
-            "tool_choice.type", f"Invalid value for 'tool_choice.type': '{kind}'; expected "
-            "'function'."
-        )
-    function = value.get("function")
-    if function is None:
-        raise _missing("tool_choice.function")
-    if not isinstance(function, dict):
-        raise _wrong_type("tool_choice.function", "an object", function)
-    name = function.get("name")
-    if name is None:
-        raise _missing("tool_choice.function.name")
-    if not isinstance(name, str):
-        raise _wrong_type("tool_choice.function.name", "a string", name)
-    if all(tool.name != name for tool in tools):
-        raise _invalid(
-            "tool_choice.function.name",
-            f"'tool_choice' names the function '{name}', which is not among 'tools'.",
-        )
-    return value
+    if kind == "function":
+        name = _function_name(value, "tool_choice")
+        param = "tool_choice.function.name" if "function" in value else "tool_choice.name"
+        if name not in names:
+            raise _unknown_tool(name, param)
+        return ToolChoice("required", (name,))
+    if kind == "allowed_tools":
+        spec = value.get("allowed_tools")
+        if spec is None:
+            raise _missing("tool_choice.allowed_tools")
+        if not isinstance(spec, dict):
+            raise _wrong_type("tool_choice.allowed_tools", "an object", spec)
+        mode = spec.get("mode", "auto")
+        if mode not in ("auto", "required"):
+            raise _invalid(
+                "tool_choice.allowed_tools.mode",
+                f"Invalid value '{mode}'; supported values are 'auto' and 'required'.",
+            )
+        listed = spec.get("tools")
+        if listed is None:
+            raise _missing("tool_choice.allowed_tools.tools")
+        if not isinstance(listed, list) or not listed:
+            raise _invalid(
+                "tool_choice.allowed_tools.tools", "'tools' must be a non-empty array."
+            )
+        allowed: list[str] = []
+        for i, item in enumerate(listed):
+            p = f"tool_choice.allowed_tools.tools[{i}]"
+            name = _function_name(item, p)
+            if name not in names:
+                raise _unknown_tool(name, p + (".function.name" if "function" in item
+                                                else ".name"))
+            allowed.append(name)
+        return ToolChoice(mode, tuple(dict.fromkeys(allowed)))
+    raise _invalid(
+        "tool_choice.type",
+        f"Invalid value for 'tool_choice.type': '{kind}'. Supported values are 'function' "
+        "and 'allowed_tools'.",
+    )
 
 
-def _response_format(value: Any) -> dict[str, Any] | None:
+def _response_format(value: Any) -> ResponseFormat | None:
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -470,13 +598,101 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     kind = value.get("type")
     if kind is None:
         raise _missing("response_format.type")
-    if kind not in ("text", "json_object", "json_schema"):
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if kind != "json_schema":
         raise _invalid(
             "response_format.type",
             f"Invalid value for 'response_format.type': '{kind}'. Supported values are: "
             "'text', 'json_object' and 'json_schema'.",
         )
-    return None if kind == "text" else value
+    spec = value.get("json_schema")
+    if spec is None:
+        raise _missing("response_format.json_schema")
+    if not isinstance(spec, dict):
+        raise _wrong_type("response_format.json_schema", "an object", spec)
+    name = spec.get("name")
+    if name is None:
+        raise _missing("response_format.json_schema.name")
+    if not isinstance(name, str):
+        raise _wrong_type("response_format.json_schema.name", "a string", name)
+    schema = spec.get("schema")
+    if schema is None:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise _wrong_type("response_format.json_schema.schema", "an object", schema)
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise _wrong_type("response_format.json_schema.strict", "a boolean", strict)
+    return ResponseFormat("json_schema", schema, name, bool(strict))
+
+
+def _check_tool_history(messages: tuple[Message, ...]) -> tuple[Message, ...]:
+    """Every call answered exactly once, right after its assistant message; tool outputs in
+    the order of the calls (whatever order the client sent them in)."""
+    seen_ids: dict[str, str] = {}
+    out: list[Message] = []
+    i = 0
+    while i < len(messages):
+        message = messages[i]
+        if message.role == "tool":
+            raise InvalidRequestError(
+                f"messages[{i}] answers tool call '{message.tool_call_id}', which no "
+                "preceding assistant message made (tool messages must directly follow the "
+                "assistant message whose calls they answer).",
+                code="unknown_tool_call_id",
+                param=f"messages[{i}].tool_call_id",
+            )
+        out.append(message)
+        i += 1
+        if message.role != "assistant" or not message.tool_calls:
+            continue
+        a = i - 1
+        order: dict[str, int] = {}
+        for k, call in enumerate(message.tool_calls):
+            if call.id in seen_ids or call.id in order:
+                raise InvalidRequestError(
+                    f"The tool call id '{call.id}' is used more than once.",
+                    code="duplicate_tool_call_id",
+                    param=f"messages[{a}].tool_calls[{k}].id",
+                )
+            order[call.id] = k
+        outputs: dict[str, Message] = {}
+        while i < len(messages) and messages[i].role == "tool":
+            tool = messages[i]
+            call_id = tool.tool_call_id or ""
+            if call_id not in order:
+                raise InvalidRequestError(
+                    f"messages[{i}] answers tool call '{call_id}', which messages[{a}] did "
+                    "not make.",
+                    code="unknown_tool_call_id",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            if call_id in outputs:
+                raise InvalidRequestError(
+                    f"Tool call '{call_id}' is answered more than once.",
+                    code="duplicate_tool_output",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            outputs[call_id] = tool
+            i += 1
+        for k, call in enumerate(message.tool_calls):
+            if call.id not in outputs:
+                raise InvalidRequestError(
+                    f"Tool call '{call.id}' of messages[{a}] has no tool message answering "
+                    "it; each call needs exactly one 'tool' message right after the "
+                    "assistant message.",
+                    code="missing_tool_output",
+                    param=f"messages[{a}].tool_calls[{k}]",
+                )
+            seen_ids[call.id] = call.name
+            out.append(outputs[call.id])
+    return tuple(out)
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
@@ -560,8 +776,19 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     tool_choice = _tool_choice(body.get("tool_choice"), tools)
     parallel = _bool(body, "parallel_tool_calls", True)
 
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise _wrong_type("reasoning_effort", "a string", effort)
+        if effort not in REASONING_EFFORTS:
+            raise _invalid(
+                "reasoning_effort",
+                f"Invalid value for 'reasoning_effort': '{effort}'. Supported values are: "
+                + ", ".join(f"'{e}'" for e in REASONING_EFFORTS) + ".",
+            )
+
     return ChatRequest(
-        messages=messages,
+        messages=_check_tool_history(messages),
         model=model,
         stream=stream,
         include_usage=include_usage,
@@ -577,4 +804,6 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
         response_format=_response_format(body.get("response_format")),
+        reasoning_effort=effort,
+        has_images=any(m.has_images for m in messages),
     )

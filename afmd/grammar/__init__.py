@@ -1,0 +1,1 @@
+"""Constrained decoding: grammars compiled by llguidance, enforced per sequence."""

@@ -1,0 +1,251 @@
+"""Grammars for tool calls and structured output, compiled with llguidance.
+
+llguidance was measured here as the only candidate with zero invalid-JSON outputs on a
+rich schema, ~2 ms compiles and an explicit warning when it drops a schema feature. Each
+schema is compiled strict first; if that fails only because of keywords llguidance cannot
+enforce, it is compiled lenient and the response says so (``X-Grammar-Constraints:
+downgraded``). A schema llguidance rejects even leniently is the client's error
+(400 ``invalid_schema``). The per-model tokenizer setup (0.05–2 s) is cached.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.hf
+from llguidance import LLMatcher, LLTokenizer
+
+from afmd.errors import InvalidRequestError
+
+_THINK_TEXT = r"/(.|\n)*/"
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A compiled grammar and whether it could only be enforced best-effort."""
+
+    text: str
+    tokenizer: LLTokenizer
+    downgraded: bool
+    warnings: tuple[str, ...] = ()
+
+    def matcher(self) -> LLMatcher:
+        return LLMatcher(self.tokenizer, self.text, log_level=0)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSchema:
+    name: str
+    parameters: dict[str, Any]
+    param: str  # where the schema came from, for error messages
+
+
+_tokenizers: dict[int, LLTokenizer] = {}
+_tokenizers_lock = threading.Lock()
+
+
+def llg_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> LLTokenizer:
+    """The llguidance view of a model's tokenizer, built once per tokenizer."""
+    key = id(tokenizer)
+    with _tokenizers_lock:
+        cached = _tokenizers.get(key)
+        if cached is None:
+            hf = getattr(tokenizer, "_tokenizer", tokenizer)
+            cached = llguidance.hf.from_tokenizer(
+                hf, n_vocab=vocab_size, eos_token=sorted(eos_ids)
+            )
+            _tokenizers[key] = cached
+        return cached
+
+
+class _CompileCache:
+    """Compiled grammars by source text: agents resend the same tools every turn."""
+
+    def __init__(self, size: int = 256) -> None:
+        self._size = size
+        self._items: OrderedDict[tuple[int, str], tuple[bool, tuple[str, ...]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def validate(self, grammar: str, tokenizer: LLTokenizer) -> tuple[bool, tuple[str, ...]]:
+        key = (id(tokenizer), grammar)
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None:
+                self._items.move_to_end(key)
+                return hit
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        result = (bool(is_error), tuple(messages))
+        with self._lock:
+            self._items[key] = result
+            if len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return result
+
+
+_cache = _CompileCache()
+
+
+def _with_options(schema: dict[str, Any], lenient: bool) -> dict[str, Any]:
+    guidance = dict(schema.get("x-guidance") or {})
+    guidance.update({"whitespace_flexible": False, "lenient": lenient})
+    return {**schema, "x-guidance": guidance}
+
+
+def _token(tokenizer: LLTokenizer, marker: str) -> str:
+    """A marker as a lark item: a token reference when it is one token, else a literal."""
+    ids = tokenizer.tokenize_str(marker)
+    if len(ids) == 1 and tokenizer.is_special_token(ids[0]) and marker.startswith("<") \
+            and marker.endswith(">"):
+        return marker
+    return json.dumps(marker)
+
+
+@dataclass(frozen=True, slots=True)
+class Thinking:
+    start: str
+    end: str
+    in_reasoning: bool  # the prompt already opened the thinking block
+    budget: int | None  # max tokens of thinking under this grammar (None: unbounded)
+
+
+def _thinking_rules(tokenizer: LLTokenizer, thinking: Thinking | None) -> tuple[str, str]:
+    """The start rule's prefix and the rules for an optional leading thinking block."""
+    if thinking is None:
+        return "", ""
+    attrs = f"[max_tokens={thinking.budget}]" if thinking.budget else ""
+    start, end = _token(tokenizer, thinking.start), _token(tokenizer, thinking.end)
+    rules = f'think_text{attrs}: {_THINK_TEXT}\n'
+    if thinking.in_reasoning:
+        rules += f'think: think_text {end} "\\n"? "\\n"?\n'
+        return "think ", rules
+    rules += f'think: {start} think_text {end} "\\n"? "\\n"?\n'
+    return "think? ", rules
+
+
+def _compile(
+    build: Any, tokenizer: LLTokenizer, *, param: str, what: str
+) -> Grammar:
+    """Compile strict, else lenient (downgraded), else reject as the client's error."""
+    strict_text = LLMatcher.grammar_from_lark(build(False))
+    is_error, messages = _cache.validate(strict_text, tokenizer)
+    if not is_error and not messages:
+        return Grammar(strict_text, tokenizer, downgraded=False)
+    lenient_text = LLMatcher.grammar_from_lark(build(True))
+    lenient_error, lenient_messages = _cache.validate(lenient_text, tokenizer)
+    if lenient_error:
+        detail = (lenient_messages or messages or ("unknown error",))[0]
+        raise InvalidRequestError(
+            f"The {what} cannot be used: {detail.strip().splitlines()[0]}",
+            code="invalid_schema",
+            param=param,
+        )
+    return Grammar(
+        lenient_text, tokenizer, downgraded=True, warnings=tuple(lenient_messages or messages)
+    )
+
+
+def json_schema_grammar(
+    tokenizer: LLTokenizer,
+    schema: dict[str, Any] | None,
+    *,
+    thinking: Thinking | None,
+    param: str,
+) -> Grammar:
+    """Output that is one JSON value matching ``schema`` (an object when None)."""
+    base = schema if schema is not None else {"type": "object"}
+    prefix, think_rules = _thinking_rules(tokenizer, thinking)
+
+    def build(lenient: bool) -> str:
+        body = json.dumps(_with_options(base, lenient))
+        return f"start: {prefix}answer\nanswer: %json {body}\n{think_rules}"
+
+    return _compile(build, tokenizer, param=param, what="JSON schema")
+
+
+def tool_grammar(
+    tokenizer: LLTokenizer,
+    tools: Sequence[ToolSchema],
+    *,
+    start: str,
+    end: str,
+    required: bool,
+    parallel: bool,
+    thinking: Thinking | None,
+) -> Grammar:
+    """Hermes-style calls ``<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>``.
+
+    ``required``: the turn is one or more calls (after optional thinking); otherwise free
+    text, optionally followed by calls whose arguments obey their schemas.
+    """
+    prefix, think_rules = _thinking_rules(tokenizer, thinking)
+    open_, close = _token(tokenizer, start), _token(tokenizer, end)
+
+    def build(lenient: bool) -> str:
+        lines = []
+        names = []
+        for i, tool in enumerate(tools):
+            call_schema = {
+                "type": "object",
+                "properties": {
+                    "name": {"const": tool.name},
+                    "arguments": tool.parameters or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            lines.append(f"fn{i}: %json {json.dumps(_with_options(call_schema, lenient))}")
+            names.append(f"fn{i}")
+        calls = 'call ("\\n" call)*' if parallel else "call"
+        body = "calls" if required else "TEXT | TEXT? calls"
+        return "\n".join(
+            [
+                f"start: {prefix}{body}",
+                f"calls: {calls}",
+                f'call: {open_} "\\n" ({" | ".join(names)}) "\\n" {close}',
+                "TEXT: /(.|\\n)+/",
+                *lines,
+                think_rules,
+            ]
+        )
+
+    try:
+        return _compile(build, tokenizer, param="tools", what="tool schema")
+    except InvalidRequestError as exc:
+        # Name the tool whose schema failed, when one alone does.
+        for tool in tools:
+            single = tool_grammar_probe(tokenizer, tool)
+            if single is not None:
+                raise InvalidRequestError(
+                    f"The parameters schema of tool '{tool.name}' cannot be used: {single}",
+                    code="invalid_schema",
+                    param=tool.param,
+                ) from None
+        raise exc
+
+
+def tool_grammar_probe(tokenizer: LLTokenizer, tool: ToolSchema) -> str | None:
+    """The error that one tool's parameters schema alone causes, if any."""
+    text = LLMatcher.grammar_from_json_schema(
+        tool.parameters or {"type": "object"},
+        defaults={"whitespace_flexible": False, "lenient": True},
+    )
+    is_error, messages = _cache.validate(text, tokenizer)
+    if is_error:
+        return (messages or ("invalid schema",))[0].strip().splitlines()[0]
+    return None
+
+
+__all__ = [
+    "Grammar",
+    "Thinking",
+    "ToolSchema",
+    "json_schema_grammar",
+    "llg_tokenizer",
+    "tool_grammar",
+]

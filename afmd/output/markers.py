@@ -1,0 +1,32 @@
+"""Hold-back of text that may be the start of a marker.
+
+Stop sequences, ``<think>`` tags and tool-call markers all arrive split across tokens, so
+every scanner needs the same primitive: how much of the buffer's tail could still grow
+into one of the markers, and so must not be released yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def partial_suffix(buffer: str, markers: Iterable[str]) -> int:
+    """Length of the longest tail of ``buffer`` that is a proper prefix of some marker."""
+    best = 0
+    for marker in markers:
+        upto = min(len(buffer), len(marker) - 1)
+        for n in range(upto, best, -1):
+            if buffer.endswith(marker[:n]):
+                best = n
+                break
+    return best
+
+
+def earliest(buffer: str, markers: Iterable[str]) -> tuple[int, str]:
+    """Index and text of the earliest complete marker in ``buffer``; ``(-1, "")`` if none."""
+    found, which = -1, ""
+    for marker in markers:
+        i = buffer.find(marker)
+        if i != -1 and (found == -1 or i < found):
+            found, which = i, marker
+    return found, which

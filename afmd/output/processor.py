@@ -1,0 +1,142 @@
+"""One request's output chain: stop sequences → reasoning → tool calls → content.
+
+Decoded text goes through the same chain whether the response is streamed or not, so a
+non-streamed response is exactly the concatenation of what a stream would have sent.
+Whitespace in the content channel is held while it could still turn out to be only the
+padding around a tool call or after a thinking block; it is released as soon as real text
+follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from afmd.output.pieces import Content, Piece, Reasoning
+from afmd.output.reasoning import ReasoningSplitter
+from afmd.output.stops import StopScanner
+from afmd.output.toolcalls import ParsedCall, ToolCallParser
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFormat:
+    """How a model family writes tool calls."""
+
+    start: str
+    end: str
+    parse: Callable[[str, Any], Any] | None = None
+    incremental_json: bool = True
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        *,
+        stops: tuple[str, ...] = (),
+        thinking: tuple[str, str] | None = None,
+        starts_in_reasoning: bool = False,
+        tool_format: ToolFormat | None = None,
+        tools: Any = None,
+        max_calls: int | None = None,
+        new_id: Callable[[], str] | None = None,
+    ) -> None:
+        self._stops = StopScanner(stops)
+        self._reasoning = (
+            ReasoningSplitter(thinking[0], thinking[1], in_reasoning=starts_in_reasoning)
+            if thinking
+            else None
+        )
+        self._tools = (
+            ToolCallParser(
+                tool_format.start,
+                tool_format.end,
+                new_id=new_id or (lambda: "call_0"),
+                parse=tool_format.parse,
+                tools=tools,
+                incremental_json=tool_format.incremental_json,
+                max_calls=max_calls,
+            )
+            if tool_format
+            else None
+        )
+        self._pending_ws = ""
+        self._content_started = False
+
+    @property
+    def should_stop(self) -> bool:
+        """Generation can end now: a stop sequence matched or the call budget is used."""
+        return self._stops.stopped or (self._tools is not None and self._tools.saturated)
+
+    @property
+    def stopped_by_sequence(self) -> bool:
+        return self._stops.stopped
+
+    @property
+    def tool_calls(self) -> list[ParsedCall]:
+        return self._tools.calls if self._tools is not None else []
+
+    def feed(self, text: str) -> list[Piece]:
+        return self._route(self._stops.feed(text), final=False)
+
+    def finish(self) -> list[Piece]:
+        return self._route(self._stops.flush(), final=True)
+
+    def _route(self, text: str, *, final: bool) -> list[Piece]:
+        if self._reasoning is not None:
+            pieces = self._reasoning.feed(text) if text else []
+            if final:
+                pieces += self._reasoning.flush()
+        else:
+            pieces = [Content(text)] if text else []
+        out: list[Piece] = []
+        for piece in pieces:
+            if isinstance(piece, Content):
+                out.extend(self._content(piece.text))
+            else:
+                out.append(piece)
+        if final:
+            if self._tools is not None:
+                out.extend(self._after_tools(self._tools.flush()))
+            if self._pending_ws and self._content_started and not self.tool_calls:
+                out.append(Content(self._pending_ws))
+            self._pending_ws = ""
+        return _merge(out)
+
+    def _content(self, text: str) -> list[Piece]:
+        if self._tools is None:
+            return self._whitespace(text)
+        return self._after_tools(self._tools.feed(text))
+
+    def _after_tools(self, pieces: list[Piece]) -> list[Piece]:
+        out: list[Piece] = []
+        for piece in pieces:
+            if isinstance(piece, Content):
+                out.extend(self._whitespace(piece.text))
+            else:
+                self._pending_ws = ""  # padding before a call is markup, not content
+                out.append(piece)
+        return out
+
+    def _whitespace(self, text: str) -> list[Piece]:
+        """Hold trailing whitespace; drop leading whitespace of the answer."""
+        text = self._pending_ws + text
+        stripped = text.rstrip()
+        self._pending_ws = text[len(stripped):]
+        if not self._content_started:
+            stripped = stripped.lstrip()
+            if not stripped:
+                return []
+            self._content_started = True
+        return [Content(stripped)] if stripped else []
+
+
+def _merge(pieces: list[Piece]) -> list[Piece]:
+    """Join neighbouring pieces of the same text channel (fewer, larger deltas)."""
+    out: list[Piece] = []
+    for piece in pieces:
+        if out and type(piece) is type(out[-1]) and isinstance(piece, Content | Reasoning):
+            out[-1] = type(piece)(out[-1].text + piece.text)
+        else:
+            out.append(piece)
+    return out

@@ -1,0 +1,210 @@
+"""How one assistant turn is generated and read back: the per-request output plan.
+
+From the request (tools, ``tool_choice``, ``response_format``, ``parallel_tool_calls``,
+``reasoning_effort``) and what the model can do (its thinking markers and tool-call
+format, as mlx-lm detects them), decide once per request: which grammar constrains
+decoding, which tokens are banned, how output text is split into reasoning, content and
+tool calls, and how the final output is checked. The pipeline then just runs the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from afmd.engine.models import LoadedModel
+from afmd.errors import InvalidRequestError, ServerError
+from afmd.grammar.compiler import (
+    Grammar,
+    Thinking,
+    ToolSchema,
+    json_schema_grammar,
+    llg_tokenizer,
+    tool_grammar,
+)
+from afmd.grammar.processor import BanTokens, GrammarProcessor
+from afmd.output.processor import OutputProcessor
+from afmd.protocol.request import ChatRequest
+from afmd.protocol.response import new_tool_call_id
+
+# Tokens a forced call may spend thinking first (the loop must reach the call).
+_MAX_FORCED_THINKING = 512
+
+
+def template_kwargs(request: ChatRequest, model: LoadedModel) -> dict[str, Any]:
+    """``reasoning_effort`` mapped onto the template's thinking switch, where it has one."""
+    if model.thinking is None or request.reasoning_effort is None:
+        return {}
+    return {"enable_thinking": request.reasoning_effort not in ("none", "minimal")}
+
+
+def _first_step(request: ChatRequest) -> bool:
+    """No tool call yet since the last user message: ``required`` still applies."""
+    for message in reversed(request.messages):
+        if message.role == "user":
+            return True
+        if message.role == "assistant" and message.tool_calls:
+            return False
+    return True
+
+
+@dataclass(slots=True)
+class TurnPlan:
+    request: ChatRequest
+    model: LoadedModel
+    grammar: Grammar | None = None
+    downgraded: bool = False
+    ban: tuple[int, ...] = ()
+    starts_in_reasoning: bool = False
+    max_calls: int | None = None
+    parse_tools: bool = False
+    schema: dict[str, Any] | None = None  # response_format schema to check the answer against
+    json_answer: bool = False
+    processors: list[Callable[..., Any]] = field(default_factory=list)
+
+    def logits_processors(self) -> list[Callable[..., Any]]:
+        """Fresh per-request processors (grammar matchers hold per-sequence state)."""
+        out: list[Callable[..., Any]] = []
+        if self.grammar is not None:
+            out.append(GrammarProcessor(self.grammar.matcher()))
+        if self.ban:
+            out.append(BanTokens(self.ban))
+        self.processors = out
+        return out
+
+    def output_processor(self) -> OutputProcessor:
+        model = self.model
+        return OutputProcessor(
+            stops=self.request.stop,
+            thinking=model.thinking,
+            starts_in_reasoning=self.starts_in_reasoning,
+            tool_format=model.tool_format if self.parse_tools else None,
+            tools=[t.as_template_tool() for t in self.request.tools],
+            max_calls=self.max_calls,
+            new_id=new_tool_call_id,
+        )
+
+    def check_answer(self, content: str | None) -> None:
+        """A structured answer that still fails its schema is an error, never silence."""
+        if not self.json_answer:
+            return
+        try:
+            value = orjson.loads(content or "")
+        except orjson.JSONDecodeError:
+            raise ServerError(
+                "The model's output is not valid JSON although a JSON response_format "
+                "was requested.",
+                code="invalid_json_output",
+            ) from None
+        if self.schema is not None:
+            error = _schema_error(self.schema, value)
+            if error is not None:
+                raise ServerError(
+                    f"The model's output does not match the requested JSON schema: {error}",
+                    code="invalid_json_output",
+                )
+        elif not isinstance(value, dict):
+            raise ServerError(
+                "The model's output is not a JSON object.", code="invalid_json_output"
+            )
+
+
+def _schema_error(schema: dict[str, Any], value: Any) -> str | None:
+    import jsonschema
+
+    validator_cls = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
+    error = jsonschema.exceptions.best_match(validator_cls(schema).iter_errors(value))
+    return None if error is None else error.message
+
+
+def _check_schema(schema: dict[str, Any], param: str) -> None:
+    import jsonschema
+
+    validator_cls = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
+    try:
+        validator_cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise InvalidRequestError(
+            f"Invalid JSON schema: {exc.message}", code="invalid_schema", param=param
+        ) from None
+
+
+def plan_turn(
+    request: ChatRequest, model: LoadedModel, prompt: list[int], max_tokens: int
+) -> TurnPlan:
+    plan = TurnPlan(request=request, model=model)
+    plan.starts_in_reasoning = model.prompt_opens_thinking(prompt)
+    choice = request.tool_choice
+    tool_format = model.tool_format
+    tools_on = bool(request.tools) and choice.mode != "none"
+    mode = choice.mode if _first_step(request) else "auto"
+
+    for i, tool in enumerate(request.tools):
+        if tool.parameters is not None:
+            _check_schema(tool.parameters, f"tools[{i}].function.parameters")
+    response_format = request.response_format
+    if response_format is not None and response_format.schema is not None:
+        _check_schema(response_format.schema, "response_format.json_schema.schema")
+
+    thinking = None
+    if model.thinking is not None:
+        budget = None
+        if mode == "required" or response_format is not None:
+            budget = max(16, min(_MAX_FORCED_THINKING, max_tokens // 4))
+        thinking = Thinking(
+            model.thinking[0], model.thinking[1], plan.starts_in_reasoning, budget
+        )
+
+    if not tools_on:
+        if tool_format is not None and request.tools:
+            banned = model.single_token(tool_format.start)
+            plan.ban = (banned,) if banned is not None else ()
+    else:
+        plan.parse_tools = tool_format is not None
+        plan.max_calls = None if request.parallel_tool_calls else 1
+
+    tokenizer = None
+
+    def llg() -> Any:
+        nonlocal tokenizer
+        if tokenizer is None:
+            tokenizer = llg_tokenizer(model.tokenizer, model.vocab_size, model.eos_ids)
+        return tokenizer
+
+    if tools_on and tool_format is not None and tool_format.incremental_json:
+        allowed = set(choice.allowed) if choice.allowed is not None else None
+        schemas = [
+            ToolSchema(t.name, t.parameters or {"type": "object"},
+                       f"tools[{i}].function.parameters")
+            for i, t in enumerate(request.tools)
+            if allowed is None or t.name in allowed
+        ]
+        plan.grammar = tool_grammar(
+            llg(),
+            schemas,
+            start=tool_format.start,
+            end=tool_format.end,
+            required=mode == "required",
+            parallel=request.parallel_tool_calls,
+            thinking=thinking,
+        )
+    elif tools_on and mode == "required":
+        # This model family's call format has no grammar here: best effort only.
+        plan.downgraded = True
+    elif response_format is not None:
+        param = (
+            "response_format.json_schema.schema"
+            if response_format.kind == "json_schema"
+            else "response_format"
+        )
+        plan.grammar = json_schema_grammar(
+            llg(), response_format.schema, thinking=thinking, param=param
+        )
+        plan.json_answer = True
+        plan.schema = response_format.schema
+    if plan.grammar is not None and plan.grammar.downgraded:
+        plan.downgraded = True
+    return plan
