@@ -99,6 +99,7 @@ class ServerConfig:
     request_timeout: float = 120.0
     shutdown_grace: float = 10.0
     instructions: str = ""
+    instructions_file: str = ""  # read at startup; joined after `instructions`
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,31 @@ class EngineConfig:
     """Engine resilience knobs."""
 
     retries: int = 2
+    retry_backoff: float = 0.2  # seconds before the first retry; doubles each time
+
+
+@dataclass(frozen=True)
+class ServerTool:
+    """A tool afmd runs itself: a command (JSON arguments on stdin, JSON on stdout)."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, object] = field(default_factory=lambda: {"type": "object"})
+    command: tuple[str, ...] = ()
+    python: str = ""  # "path/to/file.py:function", loaded by path
+    timeout: float = 5.0
+    cwd: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    max_output_bytes: int = 65536
+
+
+@dataclass(frozen=True)
+class ToolsConfig:
+    """Budgets for server tools, and the tools themselves."""
+
+    max_rounds: int = 4  # generation rounds per request that run server tools
+    max_calls: int = 16  # server tool calls per request
+    server: tuple[ServerTool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -176,6 +202,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     source: str | None = None
 
     def model_ids(self) -> tuple[str, ...]:
@@ -202,9 +229,10 @@ _SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "engine": EngineConfig,
     "context": ContextConfig,
+    "tools": ToolsConfig,
 }
 # Structured fields: only a TOML file can express them sensibly.
-_STRUCTURED = {("models", "aliases"), ("models", "model")}
+_STRUCTURED = {("models", "aliases"), ("models", "model"), ("tools", "server")}
 _ENTRY_KEYS = ("id", "path", "context_length")
 
 _KIND_NAMES = {
@@ -363,6 +391,7 @@ class _Merged:
     origin: dict[str, str] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     entries: list[ModelEntry] = field(default_factory=list)
+    server_tools: list[ServerTool] = field(default_factory=list)
     model_flag: str | None = None
 
     def set(self, section: str, name: str, value: object, origin: str) -> None:
@@ -399,6 +428,8 @@ def _apply_file(data: Mapping[str, object], merged: _Merged) -> None:
                 merged.aliases = _parse_aliases(value)
             elif (section, name) == ("models", "model"):
                 merged.entries = _parse_entries(value)
+            elif (section, name) == ("tools", "server"):
+                merged.server_tools = _parse_server_tools(value)
             elif name in _FIELDS[section]:
                 merged.set(section, name, _coerce(value, _FIELDS[section][name], key), "file")
             else:
@@ -456,6 +487,73 @@ def _parse_entries(value: object) -> list[ModelEntry]:
         context_length = ctx if isinstance(ctx, int) else None
         entries.append(ModelEntry(id=model_id, path=path, context_length=context_length))
     return entries
+
+
+_SERVER_TOOL_KEYS = tuple(f.name for f in dataclasses.fields(ServerTool))
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _parse_server_tools(value: object) -> list[ServerTool]:
+    if not isinstance(value, list):
+        raise ConfigError(
+            "tools.server", f"expected an array of [[tools.server]] tables, got {_describe(value)}"
+        )
+    tools: list[ServerTool] = []
+    names: set[str] = set()
+    for i, item in enumerate(value):
+        base = f"tools.server[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(base, f"expected a table, got {_describe(item)}")
+        for name in item:
+            if name not in _SERVER_TOOL_KEYS:
+                raise ConfigError(
+                    f"{base}.{name}",
+                    f"unknown key {name!r} in [[tools.server]]"
+                    f"{_suggest(name, _SERVER_TOOL_KEYS)}",
+                )
+        if "name" not in item:
+            raise ConfigError(f"{base}.name", "missing: every server tool needs 'name'")
+        name = _coerce(item["name"], "str", f"{base}.name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise ConfigError(f"{base}.name", "must be 1-64 characters among A-Z a-z 0-9 _ -")
+        if name in names:
+            raise ConfigError(f"{base}.name", f"duplicate server tool name {name!r}")
+        names.add(name)
+        command = _coerce(item.get("command", []), "strlist", f"{base}.command")
+        python = _coerce(item.get("python", ""), "str", f"{base}.python")
+        if bool(command) == bool(python):
+            raise ConfigError(base, "set exactly one of 'command' (an argv array) or 'python'")
+        if python and ":" not in str(python):
+            raise ConfigError(f"{base}.python", "expected 'path/to/file.py:function'")
+        parameters = item.get("parameters", {"type": "object"})
+        if not isinstance(parameters, dict):
+            raise ConfigError(f"{base}.parameters", "expected a table (a JSON Schema)")
+        env = item.get("env", {})
+        if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        ):
+            raise ConfigError(f"{base}.env", "expected a table of strings")
+        timeout = _coerce(item.get("timeout", 5.0), "float", f"{base}.timeout")
+        if not isinstance(timeout, float) or not 0 < timeout <= 3600:
+            raise ConfigError(f"{base}.timeout", "must be > 0 and <= 3600 seconds")
+        max_out = _coerce(item.get("max_output_bytes", 65536), "int", f"{base}.max_output_bytes")
+        if not isinstance(max_out, int) or max_out < 1:
+            raise ConfigError(f"{base}.max_output_bytes", "must be >= 1")
+        tools.append(
+            ServerTool(
+                name=name,
+                description=str(_coerce(item.get("description", ""), "str",
+                                        f"{base}.description")),
+                parameters=dict(parameters),
+                command=tuple(command),  # type: ignore[arg-type]
+                python=str(python),
+                timeout=timeout,
+                cwd=str(_coerce(item.get("cwd", ""), "str", f"{base}.cwd")),
+                env=dict(env),
+                max_output_bytes=max_out,
+            )
+        )
+    return tools
 
 
 def _apply_env(env: Mapping[str, str], merged: _Merged) -> None:
@@ -537,7 +635,8 @@ _MINIMUMS: dict[str, dict[str, float]] = {
     },
     "queue": {"max_concurrent_requests": 1, "max_queued_requests": 0},
     "cache": {"prompt_cache_bytes": 0, "prompt_cache_entries": 0},
-    "engine": {"retries": 0},
+    "engine": {"retries": 0, "retry_backoff": 0},
+    "tools": {"max_rounds": 1, "max_calls": 1},
 }
 
 
@@ -555,6 +654,17 @@ def _validate_server(merged: _Merged, server: ServerConfig) -> ServerConfig:
             f"path is longer than the OS limit of {_UNIX_PATH_MAX} bytes"
             f"{_from(merged, 'server.unix_socket')}",
         )
+    if server.instructions_file:
+        try:
+            text = Path(server.instructions_file).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                "server.instructions_file",
+                f"cannot read {server.instructions_file!r}: {getattr(exc, 'strerror', exc)}"
+                f"{_from(merged, 'server.instructions_file')}",
+            ) from None
+        joined = "\n\n".join(part for part in (server.instructions, text.strip()) if part)
+        server = dataclasses.replace(server, instructions=joined)
     floor = server.max_request_body_bytes + server.max_header_bytes + _BUFFER_SLACK
     if server.max_buffered_request_bytes < floor:
         # Raised rather than rejected: a buffer smaller than one maximal request is
@@ -634,6 +744,9 @@ def load_config(
     cfg = Config(
         **{section: cls(**merged.values[section]) for section, cls in _SECTIONS.items()},
         source=None if path is None else os.fspath(path),
+    )
+    cfg = dataclasses.replace(
+        cfg, tools=dataclasses.replace(cfg.tools, server=tuple(merged.server_tools))
     )
 
     file_ids = {entry.id for entry in merged.entries}

@@ -71,6 +71,8 @@ def test_example_file_covers_every_key() -> None:
                 assert "[[models.model]]" in text
             elif (section, f.name) == ("models", "aliases"):
                 assert "[models.aliases]" in text
+            elif (section, f.name) == ("tools", "server"):
+                assert "[[tools.server]]" in text
             else:
                 assert f"\n{f.name} = " in text, f"{section}.{f.name} missing"
                 assert f"AFMD_{section.upper()}_{f.name.upper()}" in text
