@@ -9,6 +9,7 @@ commands that serve, so ``--help``, ``version`` and ``check-config`` answer inst
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -102,6 +103,12 @@ def _serve(args: argparse.Namespace) -> int:
         config = _load(args.config, overrides)
     except ConfigError as exc:
         return _config_error(exc)
+
+    # transformers (through mlx-lm) prints plain-text warnings that would break the JSON
+    # log; afmd reports what matters itself.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     from afmd import logs
 

@@ -1,32 +1,52 @@
 """From a validated request to a stream of output events, independent of HTTP.
 
 The pipeline owns everything between "the body is valid" and "bytes go out": resolving the
-model, rendering the prompt, enforcing the context window before any prefill, starting the
-generation under the turn's plan (grammar, output parsing), and turning decoded text into
-client-visible pieces (content, reasoning, tool calls). The HTTP layer only frames what
-this yields.
+model, rendering the prompt (trimming old turns when the context policy says so), enforcing
+the context window before any prefill, and running the generation under the turn's plan
+(grammar, output parsing). A request may take several rounds: when the model calls only
+server tools, afmd runs them and generates again within the same request and slot; the
+client sees the text of every round but never a server tool's call or result. Transient
+model failures before anything reached the client are retried. The HTTP layer only frames
+what this yields.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from afmd import __version__
 from afmd.chat import template_messages
+from afmd.config import Config
+from afmd.context import droppable_units, without_units
 from afmd.engine.base import Finished, Generation, GenerationRequest, SamplingParams, Text
 from afmd.engine.models import LoadedModel, ModelRegistry
-from afmd.errors import APIError, ConflictError, GatewayTimeoutError, InvalidRequestError
-from afmd.output.pieces import Content, Piece
+from afmd.errors import (
+    APIError,
+    ConflictError,
+    GatewayTimeoutError,
+    InvalidRequestError,
+)
+from afmd.logs import get_logger
+from afmd.output.pieces import Content, Piece, ToolCallArguments, ToolCallStart
 from afmd.output.toolcalls import ParsedCall
 from afmd.profiling import SAMPLE_EVERY, ProfileInput, samples, summary
-from afmd.protocol.request import ChatRequest
+from afmd.protocol.request import ChatRequest, Message, ToolCall, ToolChoice
 from afmd.protocol.response import Usage, new_completion_id
 from afmd.scheduler import Cancelled, Scheduler, Ticket
+from afmd.servertools import ServerTools
 from afmd.turn import TurnPlan, plan_turn, template_kwargs
+
+log = get_logger("afmd.pipeline")
+
+_ANSWER_WITHOUT_TOOLS = (
+    "The tool budget for this request is used up. Answer the user now with what you have, "
+    "without calling any tool."
+)
 
 
 @dataclass(slots=True)
@@ -42,20 +62,42 @@ Output = Piece | Done
 
 
 @dataclass(slots=True)
+class Round:
+    """One generation: the prompt it starts from and the plan that shapes it."""
+
+    request: ChatRequest  # the conversation as the model sees it in this round
+    prompt: list[int]
+    max_tokens: int
+    plan: TurnPlan
+    trimmed: int = 0
+
+
+@dataclass(slots=True)
 class PreparedChat:
-    request: ChatRequest
+    request: ChatRequest  # as the client sent it (plus server tools)
     request_id: str
     model: LoadedModel
     model_name: str  # what the response reports: the name the client asked for
-    prompt: list[int]
-    max_tokens: int
+    round: Round
     completion_id: str
     created: int
     fingerprint: str
     deadline: float  # time.monotonic() by which the whole request must be done
     received_at: float  # time.perf_counter() when the request arrived
-    plan: TurnPlan
     profile: str | None = None  # "summary" | "extended"
+
+    # The first round's view, which is what the response headers describe.
+    @property
+    def plan(self) -> TurnPlan:
+        return self.round.plan
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.round.prompt
+
+    @property
+    def trimmed(self) -> int:
+        return self.round.trimmed
 
 
 def _fingerprint(model: LoadedModel) -> str:
@@ -63,114 +105,316 @@ def _fingerprint(model: LoadedModel) -> str:
     return "fp_" + digest[:10]
 
 
+@dataclass(slots=True)
+class _Totals:
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
+    reasoning: int = 0
+
+    def add(self, event: Finished) -> None:
+        self.prompt += event.prompt_tokens
+        self.completion += event.completion_tokens
+        self.cached += event.cached_tokens
+        self.reasoning += event.reasoning_tokens
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt, self.completion, self.cached, self.reasoning)
+
+
 class ChatRun:
     """One chat completion from queue to finish: engine events in, client outputs out."""
 
-    def __init__(self, prepared: PreparedChat) -> None:
+    def __init__(self, pipeline: ChatPipeline, prepared: PreparedChat) -> None:
+        self._pipeline = pipeline
         self.prepared = prepared
         self.ticket = Ticket()
         self.generation: Generation | None = None
-        self._output = prepared.plan.output_processor()
-        self._ended_by_us = False  # we stopped generation (stop sequence, call budget)
-        self._answer: list[str] | None = [] if prepared.plan.json_answer else None
         self.finished = False
+        self._round = prepared.round
+        self._rounds_with_tools = 0
+        self._server_calls = 0
+        self._tools_ran = False
+        self._emitted = False  # something reached the client: no more retries
+        self._attempt = 0
+        self._totals = _Totals()
+        self._cancel_requested = False
+        self._reset_round_state()
+
+    def _reset_round_state(self) -> None:
+        self._output = self._round.plan.output_processor()
+        self._ended_by_us = False  # we stopped generation (stop sequence, call budget)
+        self._answer: list[str] | None = [] if self._round.plan.json_answer else None
+        self._hidden: set[int] = set()  # processor indexes of server tool calls
+        self._visible: dict[int, int] = {}  # processor index -> client index
+
+    # -- control --
+    def start_generation(self) -> None:
+        rnd = self._round
+        r = rnd.request
+        self.generation = self.prepared.model.start(
+            GenerationRequest(
+                request_id=self.prepared.request_id,
+                prompt=rnd.prompt,
+                max_tokens=rnd.max_tokens,
+                sampling=SamplingParams(
+                    temperature=r.temperature,
+                    top_p=r.top_p,
+                    top_k=r.top_k,
+                    min_p=r.min_p,
+                    repetition_penalty=r.repetition_penalty,
+                    seed=r.seed,
+                ),
+                logits_processors=rnd.plan.logits_processors(),
+                sample_every=SAMPLE_EVERY if self.prepared.profile == "extended" else 0,
+                think_ids=self.prepared.model.think_ids,
+                starts_in_reasoning=rnd.plan.starts_in_reasoning,
+            )
+        )
 
     def cancel(self) -> None:
+        """Stop for good (client cancel or disconnect)."""
+        self._cancel_requested = True
+        self._stop_generation()
+
+    def _stop_generation(self) -> None:
         if self.generation is None:
             self.ticket.cancel()
         elif not self.generation.done:
             self.prepared.model.cancel(self.generation)
 
+    # -- output --
     async def next_outputs(self) -> list[Output]:
         """The next batch of outputs; the last batch ends with :class:`Done`."""
         if self.generation is None:
             self.finished = True
             usage = Usage(prompt_tokens=len(self.prepared.prompt), completion_tokens=0)
             return [Done("cancelled", usage, [])]
+        while True:
+            try:
+                events = await self._next_events()
+            except APIError as exc:
+                if not await self._retry(exc):
+                    raise
+                continue
+            outputs = self._consume(events)
+            if outputs and isinstance(outputs[-1], _RoundOver):
+                finished = outputs.pop().event
+                done = await self._end_round(finished)
+                if done is None:  # another round follows
+                    if outputs:
+                        self._emitted = True
+                        return outputs
+                    continue
+                outputs.append(done)
+                self.finished = True
+            if outputs:
+                self._emitted = True
+                return outputs
+
+    async def _next_events(self) -> list[Any]:
+        assert self.generation is not None
         remaining = self.prepared.deadline - time.monotonic()
         try:
             async with asyncio.timeout(max(remaining, 0.0)):
-                events = await self.generation.next_events()
+                return await self.generation.next_events()
         except TimeoutError:
-            self.cancel()
+            self._stop_generation()
             raise GatewayTimeoutError(
                 "The request did not complete within the server's request_timeout.",
                 code="timeout",
             ) from None
-        outputs: list[Output] = []
+
+    async def _retry(self, exc: APIError) -> bool:
+        """Retry a transient model failure if nothing reached the client and no tool ran."""
+        retries = self._pipeline.config.engine.retries
+        if (
+            exc.code != "generation_failed"
+            or self._emitted
+            or self._tools_ran
+            or self._cancel_requested
+            or self._attempt >= retries
+        ):
+            return False
+        delay = self._pipeline.config.engine.retry_backoff * (2 ** self._attempt)
+        self._attempt += 1
+        log.warning("retrying generation", request_id=self.prepared.request_id,
+                    attempt=self._attempt, delay_s=delay)
+        await asyncio.sleep(delay)
+        self._reset_round_state()
+        self.start_generation()
+        return True
+
+    def _consume(self, events: list[Any]) -> list[Any]:
+        outputs: list[Any] = []
         output = self._output
         for event in events:
             if isinstance(event, Text):
                 if self._ended_by_us or not event.text:
                     continue
-                outputs.extend(output.feed(event.text))
+                outputs.extend(self._visible_pieces(output.feed(event.text)))
                 if output.should_stop:
                     self._ended_by_us = True
-                    self.cancel()
+                    self._stop_generation()
             elif isinstance(event, Finished):
-                outputs.extend(output.finish())
+                outputs.extend(self._visible_pieces(output.finish()))
                 if self._answer is not None:
                     self._answer.extend(p.text for p in outputs if isinstance(p, Content))
-                outputs.append(self._done(event))
-                self.finished = True
+                outputs.append(_RoundOver(event))
                 return outputs
         if self._answer is not None:
             self._answer.extend(p.text for p in outputs if isinstance(p, Content))
         return outputs
 
-    def _done(self, event: Finished) -> Done:
-        reason = event.finish_reason
+    def _visible_pieces(self, pieces: list[Piece]) -> list[Piece]:
+        """Drop server tool calls; number the client's calls 0, 1, … in order."""
+        server = self._pipeline.server_tools
+        if not server:
+            return pieces
+        out: list[Piece] = []
+        for piece in pieces:
+            if isinstance(piece, ToolCallStart):
+                if piece.name in server:
+                    self._hidden.add(piece.index)
+                    continue
+                self._visible[piece.index] = len(self._visible)
+                out.append(dataclasses.replace(piece, index=self._visible[piece.index]))
+            elif isinstance(piece, ToolCallArguments):
+                if piece.index in self._hidden:
+                    continue
+                out.append(dataclasses.replace(piece, index=self._visible[piece.index]))
+            else:
+                out.append(piece)
+        return out
+
+    async def _end_round(self, event: Finished) -> Done | None:
+        """The round is over: finish the request, or run server tools and go on."""
+        self._totals.add(event)
+        server = self._pipeline.server_tools
         calls = self._output.tool_calls
-        if self._ended_by_us and reason == "cancelled":
+        client_calls = [c for c in calls if c.name not in server]
+        server_calls = [c for c in calls if c.name in server]
+        reason = event.finish_reason
+        if self._ended_by_us and reason == "cancelled" and not self._cancel_requested:
             reason = "stop"  # our own early end (stop sequence, call budget), not a cancel
-        if calls and reason == "stop":
+        if server_calls and not client_calls and reason == "stop":
+            await self._run_server_tools(server_calls)
+            if self._cancel_requested:
+                return Done("cancelled", self._totals.usage(), [], self._profile(event))
+            self.start_generation()
+            return None
+        if client_calls and reason == "stop":
             reason = "tool_calls"
         if reason == "stop" and self._answer is not None:
-            self.prepared.plan.check_answer("".join(self._answer))
-        usage = Usage(
-            prompt_tokens=event.prompt_tokens,
-            completion_tokens=event.completion_tokens,
-            cached_tokens=event.cached_tokens,
-            reasoning_tokens=event.reasoning_tokens,
-        )
-        profile = None
-        mode = self.prepared.profile
-        if mode is not None:
-            t = event.timings
-            data = summary(
-                ProfileInput(
-                    prompt_tokens=event.prompt_tokens,
-                    cached_tokens=event.cached_tokens,
-                    completion_tokens=event.completion_tokens,
-                    received_at=self.prepared.received_at,
-                    started_at=t["started_at"],
-                    first_token_at=t["first_token_at"],
-                    finished_at=t["finished_at"],
-                    peak_memory_bytes=event.peak_memory_bytes,
-                    bytes_per_token=self.prepared.model.weights_bytes or None,
-                )
+            self._round.plan.check_answer("".join(self._answer))
+        return Done(reason, self._totals.usage(), client_calls, self._profile(event))
+
+    async def _run_server_tools(self, calls: list[ParsedCall]) -> None:
+        pipeline = self._pipeline
+        budget = pipeline.config.tools
+        self._rounds_with_tools += 1
+        self._tools_ran = True
+        history = list(self._round.request.messages)
+        history.append(
+            Message(
+                role="assistant",
+                content=None,
+                tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in calls),
             )
-            if mode == "extended":
-                offset = t["started_at"] - self.prepared.received_at
-                profile = {
-                    "afm_profile_extended": {
-                        "summary": data,
-                        "samples": samples(event.samples, offset),
-                    }
-                }
+        )
+        for call in calls:
+            if self._server_calls >= budget.max_calls:
+                content = '{"error": "tool call budget exhausted"}'
             else:
-                profile = {"afm_profile": data}
-        return Done(reason, usage, calls, profile)
+                self._server_calls += 1
+                content = (await pipeline.server_tools.run(call.name, call.arguments)).content
+            history.append(Message(role="tool", content=content, tool_call_id=call.id))
+        exhausted = (
+            self._rounds_with_tools >= budget.max_rounds
+            or self._server_calls >= budget.max_calls
+        )
+        request = dataclasses.replace(self._round.request, messages=tuple(history))
+        if exhausted:
+            request = dataclasses.replace(
+                request,
+                tool_choice=ToolChoice("none"),
+                messages=(*request.messages, Message(role="system",
+                                                     content=_ANSWER_WITHOUT_TOOLS)),
+            )
+        self._round = await pipeline.build_round(request, self.prepared.model, trim=False)
+        self._reset_round_state()
+
+    def _profile(self, event: Finished) -> dict[str, Any] | None:
+        mode = self.prepared.profile
+        if mode is None:
+            return None
+        t = event.timings
+        data = summary(
+            ProfileInput(
+                prompt_tokens=self._totals.prompt,
+                cached_tokens=self._totals.cached,
+                completion_tokens=self._totals.completion,
+                received_at=self.prepared.received_at,
+                started_at=t["started_at"],
+                first_token_at=t["first_token_at"],
+                finished_at=t["finished_at"],
+                peak_memory_bytes=event.peak_memory_bytes,
+                bytes_per_token=self.prepared.model.weights_bytes or None,
+            )
+        )
+        if mode == "extended":
+            offset = t["started_at"] - self.prepared.received_at
+            return {
+                "afm_profile_extended": {
+                    "summary": data,
+                    "samples": samples(event.samples, offset),
+                }
+            }
+        return {"afm_profile": data}
 
 
+@dataclass(slots=True)
+class _RoundOver:
+    event: Finished
+
+
+def _context_error(limit: int, prompt: int, completion: int | None) -> InvalidRequestError:
+    if completion is not None:
+        return InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the "
+            "completion). Please reduce the length of the messages or completion.",
+            code="context_length_exceeded",
+            param="messages",
+        )
+    return InvalidRequestError(
+        f"This model's maximum context length is {limit} tokens. However, your messages "
+        f"resulted in {prompt} tokens. Please reduce the length of the messages.",
+        code="context_length_exceeded",
+        param="messages",
+    )
+
+
+@dataclass
 class ChatPipeline:
-    def __init__(
-        self, registry: ModelRegistry, scheduler: Scheduler, *, request_timeout: float
-    ) -> None:
-        self.registry = registry
-        self.scheduler = scheduler
-        self.request_timeout = request_timeout
-        self._runs: dict[str, ChatRun] = {}
+    registry: ModelRegistry
+    scheduler: Scheduler
+    request_timeout: float
+    tools: ServerTools | None = None  # default: the config's [[tools.server]]
+    _runs: dict[str, ChatRun] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tools is None:
+            self.tools = ServerTools(self.registry.config.tools.server)
+
+    @property
+    def server_tools(self) -> ServerTools:
+        assert self.tools is not None
+        return self.tools
+
+    @property
+    def config(self) -> Config:
+        return self.registry.config
 
     async def prepare(
         self,
@@ -183,9 +427,6 @@ class ChatPipeline:
         started = time.monotonic()
         entry = self.registry.resolve(request.model)
         model = await self.registry.get(entry)
-        messages = template_messages(
-            request.messages, instructions=self.registry.config.server.instructions
-        )
         if request.has_images and not model.supports_vision:
             index = next(i for i, m in enumerate(request.messages) if m.has_images)
             raise InvalidRequestError(
@@ -194,11 +435,44 @@ class ChatPipeline:
                 code="image_input_not_supported",
                 param=f"messages[{index}].content",
             )
+        request = self._with_server_tools(request)
+        first = await self.build_round(
+            request, model, trim=self.config.context.policy == "trim"
+        )
+        return PreparedChat(
+            request=request,
+            request_id=request_id,
+            model=model,
+            model_name=request.model or entry.id,
+            round=first,
+            completion_id=new_completion_id(),
+            created=int(time.time()),
+            fingerprint=_fingerprint(model),
+            deadline=started + self.request_timeout,
+            received_at=received_at if received_at is not None else time.perf_counter(),
+            profile=profile,
+        )
+
+    def _with_server_tools(self, request: ChatRequest) -> ChatRequest:
+        if not self.server_tools:
+            return request
+        for i, tool in enumerate(request.tools):
+            if tool.name in self.server_tools:
+                raise InvalidRequestError(
+                    f"The tool name '{tool.name}' is taken by a server tool of this afmd; "
+                    "rename your tool.",
+                    code="invalid_value",
+                    param=f"tools[{i}].function.name",
+                )
+        return dataclasses.replace(request, tools=(*request.tools, *self.server_tools.specs()))
+
+    async def _render(self, request: ChatRequest, model: LoadedModel) -> list[int]:
+        messages = template_messages(request.messages, instructions=self.config.server.instructions)
         tools = [t.as_template_tool() for t in request.tools] if request.tools else None
         if request.tool_choice.mode == "none":
             tools = None
         try:
-            prompt = await asyncio.to_thread(
+            return await asyncio.to_thread(
                 model.render_prompt,
                 messages,
                 tools=tools,
@@ -210,45 +484,50 @@ class ChatPipeline:
                 code="invalid_value",
                 param="messages",
             ) from None
+
+    async def build_round(
+        self, request: ChatRequest, model: LoadedModel, *, trim: bool
+    ) -> Round:
+        """Render, fit into the context window (trimming if allowed), and plan."""
         limit = model.context_length
-        if request.max_tokens is not None:
-            needed = len(prompt) + request.max_tokens
-            if needed > limit:
-                raise InvalidRequestError(
-                    f"This model's maximum context length is {limit} tokens. However, you "
-                    f"requested {needed} tokens ({len(prompt)} in the messages, "
-                    f"{request.max_tokens} in the completion). Please reduce the length of "
-                    "the messages or completion.",
-                    code="context_length_exceeded",
-                    param="messages",
-                )
-            max_tokens = request.max_tokens
+        budget = request.max_tokens
+        prompt = await self._render(request, model)
+        trimmed = 0
+        if len(prompt) + (budget or 1) > limit and trim:
+            request, prompt, trimmed = await self._trim(request, model, limit, budget or 1)
+        if budget is not None:
+            if len(prompt) + budget > limit:
+                raise _context_error(limit, len(prompt), budget)
+            max_tokens = budget
         else:
             max_tokens = limit - len(prompt)
             if max_tokens < 1:
-                raise InvalidRequestError(
-                    f"This model's maximum context length is {limit} tokens. However, your "
-                    f"messages resulted in {len(prompt)} tokens. Please reduce the length of "
-                    "the messages.",
-                    code="context_length_exceeded",
-                    param="messages",
-                )
+                raise _context_error(limit, len(prompt), None)
         plan = await asyncio.to_thread(plan_turn, request, model, prompt, max_tokens)
-        return PreparedChat(
-            request=request,
-            request_id=request_id,
-            model=model,
-            model_name=request.model or entry.id,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            completion_id=new_completion_id(),
-            created=int(time.time()),
-            fingerprint=_fingerprint(model),
-            deadline=started + self.request_timeout,
-            received_at=received_at if received_at is not None else time.perf_counter(),
-            plan=plan,
-            profile=profile,
-        )
+        return Round(request, prompt, max_tokens, plan, trimmed)
+
+    async def _trim(
+        self, request: ChatRequest, model: LoadedModel, limit: int, budget: int
+    ) -> tuple[ChatRequest, list[int], int]:
+        """Drop the fewest oldest units that make the prompt fit (binary search)."""
+        units = droppable_units(request.messages)
+        best: tuple[ChatRequest, list[int], int] | None = None
+        lo, hi = 1, len(units)
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            messages, dropped = without_units(request.messages, units, mid)
+            candidate = dataclasses.replace(request, messages=messages)
+            prompt = await self._render(candidate, model)
+            if len(prompt) + budget <= limit:
+                best = (candidate, prompt, dropped)
+                hi = mid - 1
+            else:
+                lo = mid + 1
+        if best is None:  # even the protected messages do not fit: report as usual
+            messages, dropped = without_units(request.messages, units, len(units))
+            candidate = dataclasses.replace(request, messages=messages)
+            return candidate, await self._render(candidate, model), dropped
+        return best
 
     async def start(self, prepared: PreparedChat) -> ChatRun:
         """Register the run under its request id, wait for a slot, start generating.
@@ -264,7 +543,7 @@ class ChatPipeline:
                 code="duplicate_request_id",
                 param="X-Request-ID",
             )
-        run = ChatRun(prepared)
+        run = ChatRun(self, prepared)
         self._runs[rid] = run
         try:
             await self.scheduler.acquire(run.ticket, prepared.deadline - time.monotonic())
@@ -273,26 +552,7 @@ class ChatPipeline:
         except BaseException:
             self._forget(run)
             raise
-        r = prepared.request
-        run.generation = prepared.model.start(
-            GenerationRequest(
-                request_id=rid,
-                prompt=prepared.prompt,
-                max_tokens=prepared.max_tokens,
-                sampling=SamplingParams(
-                    temperature=r.temperature,
-                    top_p=r.top_p,
-                    top_k=r.top_k,
-                    min_p=r.min_p,
-                    repetition_penalty=r.repetition_penalty,
-                    seed=r.seed,
-                ),
-                logits_processors=prepared.plan.logits_processors(),
-                sample_every=SAMPLE_EVERY if prepared.profile == "extended" else 0,
-                think_ids=prepared.model.think_ids,
-                starts_in_reasoning=prepared.plan.starts_in_reasoning,
-            )
-        )
+        run.start_generation()
         return run
 
     def release(self, run: ChatRun) -> None:

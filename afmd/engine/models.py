@@ -19,12 +19,13 @@ from typing import Any
 from afmd.config import BUILTIN_DEMO_PATH, Config, ModelEntry
 from afmd.engine.base import Generation, GenerationRequest
 from afmd.engine.worker import BatchWorker
-from afmd.errors import APIError, NotFoundError, ServerError, ServiceUnavailableError
+from afmd.errors import NotFoundError, ServerError, ServiceUnavailableError
 from afmd.output.processor import ToolFormat
 
 log = logging.getLogger("afmd.engine")
 
 BUILTIN_PREFIX = "afmd:"
+_LOAD_WAIT_S = 1.0
 DEFAULT_CONTEXT_LENGTH = 4096
 
 
@@ -269,25 +270,29 @@ class ModelRegistry:
         self._loaded[entry.id] = loaded
         return loaded
 
-    async def get(self, entry: ModelEntry, *, wait: bool = True) -> LoadedModel:
-        """The loaded model, loading it first when needed."""
+    async def get(self, entry: ModelEntry) -> LoadedModel:
+        """The loaded model; while it loads, 503 ``busy`` with ``Retry-After``.
+
+        Loading can take minutes (a download on first use), far longer than a client
+        should hold a request open; the first request starts the load.
+        """
         loaded = self._loaded.get(entry.id)
         if loaded is not None:
             return loaded
         if entry.id in self._failed and entry.id not in self._loading:
-            # Try again: a failure may have been transient (disk, memory).
-            self._failed.pop(entry.id, None)
+            # Try again: a failure may have been transient (disk, memory, network).
+            reason = self._failed.pop(entry.id)
+            log.info("retrying model load after failure: %s", reason)
         task = self.begin_load(entry)
-        if not wait:
-            raise ServiceUnavailableError(
-                f"The model '{entry.id}' is still loading; retry shortly.",
-                code="model_not_ready",
-                headers={"Retry-After": "2"},
-            )
         try:
-            return await asyncio.shield(task)
-        except APIError:
-            raise
+            # A small model (the demo) is ready within moments: spare the client a retry.
+            return await asyncio.wait_for(asyncio.shield(task), timeout=_LOAD_WAIT_S)
+        except TimeoutError:
+            raise ServiceUnavailableError(
+                f"The model '{entry.id}' is loading; retry shortly.",
+                code="busy",
+                headers={"Retry-After": "2"},
+            ) from None
 
     def close(self) -> None:
         for loaded in self._loaded.values():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -55,7 +56,7 @@ def make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array] | Non
             logprobs = apply_top_p(logprobs, top_p)
         if min_p > 0.0:
             logprobs = apply_min_p(logprobs, min_p)
-        if top_k > 0:
+        if 0 < top_k < logprobs.shape[-1]:
             logprobs = apply_top_k(logprobs, top_k)
         key[0], sub = mx.random.split(key[0])
         return mx.random.categorical(logprobs * inv_temp, key=sub)
@@ -110,6 +111,9 @@ class BatchWorker:
                 max_size=prompt_cache_entries, max_bytes=prompt_cache_bytes
             )
         self._cache_key = name
+        # Fault injection for tests of the retry path: the first N decode steps fail as
+        # a transient MLX error would (AFMD_INJECT_FAILURES=N, documented in the README).
+        self._inject_failures = int(os.environ.get("AFMD_INJECT_FAILURES", "0") or 0)
 
     # -- event-loop side --
     def start(self) -> None:
@@ -235,6 +239,9 @@ class BatchWorker:
 
     def _step(self) -> None:
         assert self._generator is not None
+        if self._inject_failures > 0:
+            self._inject_failures -= 1
+            raise RuntimeError("[metal::malloc] injected failure (AFMD_INJECT_FAILURES)")
         _, responses = self._generator.next()
         if not responses:
             return

@@ -46,7 +46,7 @@ def request_id_of(request: Request) -> str:
     rid = getattr(request.ctx, "request_id", None)
     if rid:
         return rid
-    sent = request.headers.get("x-request-id")
+    sent = request.headers.get("x-request-id") or None  # empty means absent
     if sent is not None and not _REQUEST_ID.fullmatch(sent):
         raise InvalidRequestError(
             "X-Request-ID must be 1-128 characters among A-Z, a-z, 0-9, '.', '_', ':' and '-'.",
@@ -62,6 +62,8 @@ def _response_headers(prepared: PreparedChat) -> dict[str, str]:
     headers = {"X-Request-ID": prepared.request_id, "OpenAI-Request-ID": prepared.request_id}
     if prepared.plan.downgraded:
         headers["X-Grammar-Constraints"] = "downgraded"
+    if prepared.trimmed:
+        headers["X-AFM-Trimmed-Messages"] = str(prepared.trimmed)
     return headers
 
 
@@ -69,7 +71,9 @@ async def chat_completions(request: Request) -> HTTPResponse | None:
     state = request.app.ctx.state
     pipeline: ChatPipeline = state.pipeline
     request_id = request_id_of(request)
-    chat = parse_chat_request(parse_json_body(request.body))
+    chat = parse_chat_request(
+        parse_json_body(request.body), server_tools=pipeline.server_tools.names
+    )
     request.ctx.model = chat.model
     prepared = await pipeline.prepare(
         chat,

@@ -12,6 +12,7 @@ import base64
 import binascii
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -530,10 +531,13 @@ def _unknown_tool(name: str, param: str) -> InvalidRequestError:
     )
 
 
-def _tool_choice(value: Any, tools: tuple[ToolSpec, ...]) -> ToolChoice:
-    names = {t.name for t in tools}
+def _tool_choice(
+    value: Any, tools: tuple[ToolSpec, ...], server_tools: Collection[str] = ()
+) -> ToolChoice:
+    names = {t.name for t in tools} | set(server_tools)
+    has_tools = bool(names)
     if value is None:
-        return ToolChoice("auto" if tools else "none")
+        return ToolChoice("auto" if has_tools else "none")
     if isinstance(value, str):
         if value not in ("none", "auto", "required"):
             raise _invalid(
@@ -541,9 +545,9 @@ def _tool_choice(value: Any, tools: tuple[ToolSpec, ...]) -> ToolChoice:
                 f"Invalid value for 'tool_choice': '{value}'. Supported values are: "
                 "'none', 'auto', 'required', or an object naming a function.",
             )
-        if value == "required" and not tools:
+        if value == "required" and not has_tools:
             raise _invalid("tool_choice", "'tool_choice' is 'required' but no 'tools' are given.")
-        return ToolChoice(value if tools else "none")
+        return ToolChoice(value if has_tools else "none")
     if not isinstance(value, dict):
         raise _wrong_type("tool_choice", "a string or an object", value)
     kind = value.get("type")
@@ -695,8 +699,14 @@ def _check_tool_history(messages: tuple[Message, ...]) -> tuple[Message, ...]:
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
-def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
-    """Check every field of a Chat Completions body; raise on the first problem."""
+def parse_chat_request(
+    body: dict[str, Any], *, server_tools: Collection[str] = ()
+) -> ChatRequest:
+    """Check every field of a Chat Completions body; raise on the first problem.
+
+    ``server_tools`` are the names of tools the server itself provides: a ``tool_choice``
+    may name them although the client's ``tools`` do not list them.
+    """
     for key in body:
         if key in ("functions", "function_call"):
             raise _invalid(
@@ -773,7 +783,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
             raise _invalid("logprobs", "'logprobs' is not supported; set it to false or omit it.")
 
     tools = _tools(body.get("tools"))
-    tool_choice = _tool_choice(body.get("tool_choice"), tools)
+    tool_choice = _tool_choice(body.get("tool_choice"), tools, server_tools)
     parallel = _bool(body, "parallel_tool_calls", True)
 
     effort = body.get("reasoning_effort")

@@ -1,0 +1,40 @@
+"""Which messages a conversation can lose when it outgrows the context window.
+
+With ``[context] policy = "trim"`` the oldest turns go first, under three invariants: the
+system/developer instructions stay, the last user message (and everything after it, the
+current turn) stays, and an assistant tool call never loses its outputs (or the outputs
+their call): a call and its results are dropped together as one unit.
+"""
+
+from __future__ import annotations
+
+from afmd.protocol.request import Message
+
+
+def droppable_units(messages: tuple[Message, ...]) -> list[list[int]]:
+    """Indexes of messages that may be dropped, grouped into units, oldest first."""
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
+    units: list[list[int]] = []
+    i = 0
+    while i < last_user:
+        message = messages[i]
+        if message.role in ("system", "developer"):
+            i += 1
+            continue
+        unit = [i]
+        i += 1
+        if message.role == "assistant" and message.tool_calls:
+            while i < len(messages) and messages[i].role == "tool":
+                unit.append(i)
+                i += 1
+        units.append(unit)
+    return units
+
+
+def without_units(
+    messages: tuple[Message, ...], units: list[list[int]], count: int
+) -> tuple[tuple[Message, ...], int]:
+    """The conversation minus its ``count`` oldest units, and how many messages went."""
+    dropped = {i for unit in units[:count] for i in unit}
+    kept = tuple(m for i, m in enumerate(messages) if i not in dropped)
+    return kept, len(dropped)
