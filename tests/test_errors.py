@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from conftest import ServerProcess, start_server
 from openai_schemas import validate_error, validate_response
 

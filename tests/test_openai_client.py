@@ -6,9 +6,9 @@ import threading
 import time
 
 import httpx
-from openai_schemas import validate_chunk, validate_models, validate_response
 
 from conftest import parse_sse
+from openai_schemas import validate_chunk, validate_models, validate_response
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

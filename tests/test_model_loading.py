@@ -1,0 +1,74 @@
+"""Models that cannot be loaded are reported clearly, never as a crash or a hang."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from conftest import start_server
+from openai_schemas import validate_error
+
+
+def test_unreachable_hugging_face_model_is_named(tmp_path) -> None:
+    repo = "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
+    server = start_server(
+        tmp_path, args=["--model", repo], env={"HF_HUB_OFFLINE": "1"}, ready=False
+    )
+    try:
+        failed = None
+        for _ in range(200):
+            health = httpx.get(server.url + "/health", timeout=5)
+            body = health.json()
+            if body["models"][repo].startswith("unavailable: '"):
+                failed = health
+                break
+            time.sleep(0.05)
+        assert failed is not None, body
+        assert failed.status_code == 503
+        assert body["status"] == "unavailable"
+        assert body["reason"] == "model_load_failed"
+        assert repo in body["models"][repo]
+        assert "Hugging Face" in body["models"][repo]
+        assert body["models"]["demo"] == "available"
+
+        chat = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            timeout=30,
+        )
+        assert chat.status_code == 500
+        err = chat.json()
+        validate_error(err)
+        assert err["error"]["code"] == "model_load_failed"
+        assert err["error"]["param"] == "model"
+        assert repo in err["error"]["message"]
+
+        # The other models still serve.
+        ok = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                  "max_tokens": 2},
+            timeout=30,
+        )
+        assert ok.status_code == 200
+    finally:
+        assert server.stop() == 0
+
+
+def test_missing_local_folder_is_reported(tmp_path) -> None:
+    missing = tmp_path / "no-such-model"
+    config = f'[[models.model]]\nid = "local"\npath = "{missing}"\n'
+    server = start_server(tmp_path, config=config)
+    try:
+        chat = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": "local", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
+        assert chat.status_code == 500
+        err = chat.json()["error"]
+        assert err["code"] == "model_load_failed"
+        assert str(missing) in err["message"] and "does not exist" in err["message"]
+    finally:
+        server.stop()
