@@ -295,9 +295,16 @@ class ChatRun:
         client_calls = [c for c in calls if c.name not in server]
         server_calls = [c for c in calls if c.name in server]
         reason = event.finish_reason
-        if self._ended_by_us and reason == "cancelled" and not self._cancel_requested:
-            reason = "stop"  # our own early end (stop sequence, call budget), not a cancel
+        if self._ended_by_us and not self._cancel_requested and (
+            reason == "cancelled" or self._output.stopped_by_sequence
+        ):
+            # Our own early end (stop sequence, call budget), not a cancel; a stop sequence
+            # wins even when its last token was also the last one max_tokens allowed.
+            reason = "stop"
         if server_calls and not client_calls and reason == "stop":
+            left = self._tokens_left()
+            if left is not None and left < 1:  # max_tokens bounds all rounds together
+                return Done("length", self._totals.usage(), [], self._profile(event))
             await self._run_server_tools(server_calls)
             if self._cancel_requested:
                 return Done("cancelled", self._totals.usage(), [], self._profile(event))
@@ -333,7 +340,9 @@ class ChatRun:
             self._rounds_with_tools >= budget.max_rounds
             or self._server_calls >= budget.max_calls
         )
-        request = dataclasses.replace(self._round.request, messages=tuple(history))
+        request = dataclasses.replace(
+            self._round.request, messages=tuple(history), max_tokens=self._tokens_left()
+        )
         if exhausted:
             request = dataclasses.replace(
                 request,
@@ -343,6 +352,11 @@ class ChatRun:
             )
         self._round = await pipeline.build_round(request, self.prepared.model, trim=False)
         self._reset_round_state()
+
+    def _tokens_left(self) -> int | None:
+        """What the client's max_tokens leaves for further rounds (None: no limit)."""
+        limit = self.prepared.request.max_tokens
+        return None if limit is None else limit - self._totals.completion
 
     def _profile(self, event: Finished) -> dict[str, Any] | None:
         mode = self.prepared.profile
@@ -552,6 +566,8 @@ class ChatPipeline:
         except BaseException:
             self._forget(run)
             raise
+        if run.ticket.cancelled:
+            return run  # cancelled just as the slot was handed over
         run.start_generation()
         return run
 
