@@ -12,22 +12,23 @@ from afmd.protocol.request import Message
 
 
 def droppable_units(messages: tuple[Message, ...]) -> list[list[int]]:
-    """Indexes of messages that may be dropped, grouped into units, oldest first."""
+    """Indexes of messages that may be dropped, grouped into turns, oldest first.
+
+    A turn is a user message and everything up to the next one (the assistant's reply, its
+    tool calls and their outputs), so dropping a unit never leaves an answer without its
+    question, a call without its outputs, or roles out of alternation. System and developer
+    messages inside a turn stay.
+    """
     last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
     units: list[list[int]] = []
-    i = 0
-    while i < last_user:
-        message = messages[i]
-        if message.role in ("system", "developer"):
-            i += 1
+    for i in range(last_user):
+        role = messages[i].role
+        if role in ("system", "developer"):
             continue
-        unit = [i]
-        i += 1
-        if message.role == "assistant" and message.tool_calls:
-            while i < len(messages) and messages[i].role == "tool":
-                unit.append(i)
-                i += 1
-        units.append(unit)
+        if role == "user" or not units:
+            units.append([i])
+        else:
+            units[-1].append(i)
     return units
 
 

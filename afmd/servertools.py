@@ -185,8 +185,16 @@ async def _communicate(
             chunks.append(chunk)
         return b"".join(chunks)
 
-    assert proc.stderr is not None
-    out, err = await asyncio.gather(read_out(), proc.stderr.read(65536))
+    async def read_err() -> bytes:
+        # Drain stderr to the end (keeping its tail): a tool that logs more than a pipe
+        # buffer would otherwise block on write and look like a timeout.
+        assert proc.stderr is not None
+        tail = b""
+        while chunk := await proc.stderr.read(65536):
+            tail = (tail + chunk)[-65536:]
+        return tail
+
+    out, err = await asyncio.gather(read_out(), read_err())
     await proc.wait()
     return out, err
 

@@ -9,6 +9,7 @@ tool calls, and how the final output is checked. The pipeline then just runs the
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,14 +93,18 @@ class TurnPlan:
         if not self.json_answer:
             return
         try:
-            value = orjson.loads(content or "")
-        except orjson.JSONDecodeError:
+            value = _loads(content or "")
+        except ValueError:
             raise ServerError(
                 "The model's output is not valid JSON although a JSON response_format "
                 "was requested.",
                 code="invalid_json_output",
             ) from None
         if self.schema is not None:
+            if self.downgraded:
+                # Best effort (X-Grammar-Constraints: downgraded): the grammar could not
+                # enforce every keyword, so the answer is not held to them.
+                return
             error = _schema_error(self.schema, value)
             if error is not None:
                 raise ServerError(
@@ -110,6 +115,15 @@ class TurnPlan:
             raise ServerError(
                 "The model's output is not a JSON object.", code="invalid_json_output"
             )
+
+
+def _loads(text: str) -> Any:
+    """JSON as the grammar allows it: orjson refuses numbers beyond a double's range
+    (``6e99999``), which JSON permits and a JSON grammar emits; the stdlib reads them."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)
 
 
 def _schema_error(schema: dict[str, Any], value: Any) -> str | None:
@@ -132,6 +146,12 @@ def _check_schema(schema: dict[str, Any], param: str) -> None:
         ) from None
 
 
+def _answer_schema(response_format: Any) -> dict[str, Any] | None:
+    if response_format is None:
+        return None
+    return response_format.schema if response_format.schema is not None else {"type": "object"}
+
+
 def plan_turn(
     request: ChatRequest, model: LoadedModel, prompt: list[int], max_tokens: int
 ) -> TurnPlan:
@@ -140,7 +160,11 @@ def plan_turn(
     choice = request.tool_choice
     tool_format = model.tool_format
     tools_on = bool(request.tools) and choice.mode != "none"
-    mode = choice.mode if _first_step(request) else "auto"
+    first = _first_step(request)
+    mode = choice.mode if first else "auto"
+    # After the first step a named choice no longer narrows the tools; allowed_tools do.
+    allowed_names = choice.allowed if (first or not choice.named) else None
+    thinking_off = request.reasoning_effort in ("none", "minimal")
 
     for i, tool in enumerate(request.tools):
         if tool.parameters is not None:
@@ -150,7 +174,7 @@ def plan_turn(
         _check_schema(response_format.schema, "response_format.json_schema.schema")
 
     thinking = None
-    if model.thinking is not None:
+    if model.thinking is not None and not (thinking_off and not plan.starts_in_reasoning):
         budget = None
         if mode == "required" or response_format is not None:
             budget = max(16, min(_MAX_FORCED_THINKING, max_tokens // 4))
@@ -175,7 +199,7 @@ def plan_turn(
         return tokenizer
 
     if tools_on and tool_format is not None and tool_format.incremental_json:
-        allowed = set(choice.allowed) if choice.allowed is not None else None
+        allowed = set(allowed_names) if allowed_names is not None else None
         schemas = [
             ToolSchema(t.name, t.parameters or {"type": "object"},
                        f"tools[{i}].function.parameters")
@@ -190,7 +214,11 @@ def plan_turn(
             required=mode == "required",
             parallel=request.parallel_tool_calls,
             thinking=thinking,
+            answer_schema=_answer_schema(response_format) if mode != "required" else None,
         )
+        if response_format is not None and mode != "required":
+            plan.json_answer = True
+            plan.schema = response_format.schema
     elif tools_on and mode == "required":
         # This model family's call format has no grammar here: best effort only.
         plan.downgraded = True

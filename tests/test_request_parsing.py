@@ -423,8 +423,9 @@ def test_unusable_image_part_rejected(url: str) -> None:
 
 
 def test_trailing_assistant_with_tool_calls_is_rejected() -> None:
+    # The precise problem is the unanswered call, not the position of the message.
     assert_error({"messages": [USER, {"role": "assistant", "tool_calls": [CALL]}]},
-                 "invalid_last_message", "messages[1].role")
+                 "missing_tool_output", "messages[1].tool_calls[0]")
 
 
 def test_first_error_wins_in_message_order() -> None:

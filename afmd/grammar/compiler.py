@@ -177,11 +177,13 @@ def tool_grammar(
     required: bool,
     parallel: bool,
     thinking: Thinking | None,
+    answer_schema: dict[str, Any] | None = None,
 ) -> Grammar:
     """Hermes-style calls ``<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>``.
 
     ``required``: the turn is one or more calls (after optional thinking); otherwise free
-    text, optionally followed by calls whose arguments obey their schemas.
+    text, optionally followed by calls whose arguments obey their schemas — or, with
+    ``answer_schema`` (a ``response_format``), either calls or a JSON answer.
     """
     prefix, think_rules = _thinking_rules(tokenizer, thinking)
     open_, close = _token(tokenizer, start), _token(tokenizer, end)
@@ -202,7 +204,13 @@ def tool_grammar(
             lines.append(f"fn{i}: %json {json.dumps(_with_options(call_schema, lenient))}")
             names.append(f"fn{i}")
         calls = 'call ("\\n" call)*' if parallel else "call"
-        body = "calls" if required else "TEXT | TEXT? calls"
+        if required:
+            body = "calls"
+        elif answer_schema is not None:
+            body = "answer | calls"
+            lines.append(f"answer: %json {json.dumps(_with_options(answer_schema, lenient))}")
+        else:
+            body = "TEXT | TEXT? calls"
         return "\n".join(
             [
                 f"start: {prefix}{body}",

@@ -153,7 +153,7 @@ async def _stream(request: Request, run: ChatRun) -> None:
                         "index": out.index,
                         "id": out.id,
                         "type": "function",
-                        "function": {"name": out.name, "arguments": ""},
+                        "function": {"name": out.name, "arguments": out.arguments},
                     }]}))
                 elif isinstance(out, ToolCallArguments):
                     out_buf.append(encoder.delta({"tool_calls": [{

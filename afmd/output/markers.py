@@ -23,10 +23,16 @@ def partial_suffix(buffer: str, markers: Iterable[str]) -> int:
 
 
 def earliest(buffer: str, markers: Iterable[str]) -> tuple[int, str]:
-    """Index and text of the earliest complete marker in ``buffer``; ``(-1, "")`` if none."""
-    found, which = -1, ""
+    """Start and text of the marker occurrence in ``buffer`` that completes first.
+
+    Text arrives left to right, so the marker that *ends* first is the one a stream meets
+    first ("c" within "abcd" over "xabcd"); ties go to the one starting earlier. Cutting
+    there makes the result independent of how the text was chunked.
+    """
+    best: tuple[int, int] | None = None
+    which = ""
     for marker in markers:
         i = buffer.find(marker)
-        if i != -1 and (found == -1 or i < found):
-            found, which = i, marker
-    return found, which
+        if i != -1 and (best is None or (i + len(marker), i) < best):
+            best, which = (i + len(marker), i), marker
+    return (-1, "") if best is None else (best[1], which)

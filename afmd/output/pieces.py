@@ -24,6 +24,7 @@ class ToolCallStart:
     index: int
     id: str
     name: str
+    arguments: str = ""  # the first argument fragment, when it is already known
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from afmd.output.pieces import Content, Piece, Reasoning
+from afmd.output.pieces import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 from afmd.output.reasoning import ReasoningSplitter
 from afmd.output.stops import StopScanner
 from afmd.output.toolcalls import ParsedCall, ToolCallParser
@@ -132,11 +132,22 @@ class OutputProcessor:
 
 
 def _merge(pieces: list[Piece]) -> list[Piece]:
-    """Join neighbouring pieces of the same text channel (fewer, larger deltas)."""
+    """Join neighbouring pieces of one channel (fewer, larger deltas); a call's first
+    argument fragment rides with its header, as OpenAI's first tool-call delta does."""
     out: list[Piece] = []
     for piece in pieces:
-        if out and type(piece) is type(out[-1]) and isinstance(piece, Content | Reasoning):
-            out[-1] = type(piece)(out[-1].text + piece.text)
+        last = out[-1] if out else None
+        if isinstance(piece, Content) and isinstance(last, Content):
+            out[-1] = Content(last.text + piece.text)
+        elif isinstance(piece, Reasoning) and isinstance(last, Reasoning):
+            out[-1] = Reasoning(last.text + piece.text)
+        elif isinstance(piece, ToolCallArguments) and isinstance(last, ToolCallStart) \
+                and last.index == piece.index:
+            out[-1] = ToolCallStart(last.index, last.id, last.name,
+                                    last.arguments + piece.fragment)
+        elif isinstance(piece, ToolCallArguments) and isinstance(last, ToolCallArguments) \
+                and last.index == piece.index:
+            out[-1] = ToolCallArguments(last.index, last.fragment + piece.fragment)
         else:
             out.append(piece)
     return out

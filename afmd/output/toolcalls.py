@@ -221,7 +221,8 @@ class ToolCallParser:
                 self._buf = self._buf[i + len(self._end):]
                 self._state = _OUTSIDE
             else:  # _WHOLE
-                i = self._buf.find(self._end)
+                # A format without an end marker (Mistral) runs to the end of generation.
+                i = self._buf.find(self._end) if self._end else -1
                 if i == -1:
                     break
                 raw = self._raw + self._buf[:i]
@@ -230,45 +231,53 @@ class ToolCallParser:
                 out.extend(self._whole_call(raw))
         return out
 
-    def _whole_call(self, raw: str) -> list[Piece]:
+    def _whole_call(self, raw: str, end: str | None = None) -> list[Piece]:
+        end = self._end if end is None else end
         parsed = self._parse_whole(raw)
-        if parsed is None:
+        if not parsed:
             if self._current is not None:
                 # Header already streamed: finish the call with what the text holds.
                 call, self._current = self._current, None
                 self.calls.append(call)
                 return []
-            return [Content(self._start + raw + self._end)]
-        name, arguments = parsed
+            return [Content(self._start + raw + end)]
         if self._current is not None:
             call, self._current = self._current, None
-            call.arguments = arguments
+            call.arguments = parsed[0][1]
             self.calls.append(call)
-            return [ToolCallArguments(len(self.calls) - 1, arguments)]
-        call = ParsedCall(self._new_id(), name, arguments)
-        index = len(self.calls)
-        self.calls.append(call)
-        return [ToolCallStart(index, call.id, name), ToolCallArguments(index, arguments)]
+            return [ToolCallArguments(len(self.calls) - 1, call.arguments)]
+        out: list[Piece] = []
+        # One block can hold several calls (pythonic ``[a(), b()]``, Mistral's list).
+        for name, arguments in parsed:
+            if self.saturated:
+                break
+            call = ParsedCall(self._new_id(), name, arguments)
+            index = len(self.calls)
+            self.calls.append(call)
+            out += [ToolCallStart(index, call.id, name), ToolCallArguments(index, arguments)]
+        return out
 
-    def _parse_whole(self, raw: str) -> tuple[str, str] | None:
+    def _parse_whole(self, raw: str) -> list[tuple[str, str]]:
         try:
             if self._parse is not None:
                 parsed = self._parse(raw, self._tools)
             else:
                 parsed = json.loads(raw.strip())
         except Exception:  # a model's malformed call is data, not a server error
-            return None
-        if isinstance(parsed, list):
-            parsed = parsed[0] if parsed else None
-        if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
-            return None
-        arguments = parsed.get("arguments", {})
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        return parsed["name"], arguments
+            return []
+        items = parsed if isinstance(parsed, list) else [parsed]
+        calls: list[tuple[str, str]] = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return []
+            arguments = item.get("arguments", {})
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            calls.append((item["name"], arguments))
+        return calls
 
     def flush(self) -> list[Piece]:
-        """End of generation: release held text; an unfinished call stays as it was sent."""
+        """End of generation: release held text; a streamed unfinished call stays as sent."""
         out: list[Piece] = []
         if self._state == _OUTSIDE:
             if self._buf and not self.saturated:
@@ -277,7 +286,14 @@ class ToolCallParser:
             self.calls.append(self._current)  # truncated (finish_reason tells)
             self._current = None
         elif not self.saturated:
-            out.append(Content(self._start + self._raw + self._buf))
+            # No end marker (a format without one, or generation ended just before it):
+            # the call still counts when its text parses whole. A call cut off before it
+            # parses is dropped: its markup must never reach content (finish_reason
+            # "length" tells the client the turn was cut).
+            out.extend(
+                p for p in self._whole_call(self._raw + self._buf, end="")
+                if not isinstance(p, Content)
+            )
         self._buf = ""
         self._raw = ""
         self._state = _OUTSIDE

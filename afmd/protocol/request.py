@@ -113,6 +113,7 @@ class ToolChoice:
 
     mode: str = "auto"
     allowed: tuple[str, ...] | None = None  # None: every tool in `tools`
+    named: bool = False  # a named function: forces the first step only, restricts nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,6 +421,13 @@ def _messages(value: Any) -> tuple[Message, ...]:
             code="missing_user_message",
             param="messages",
         )
+    if messages[-1].role == "assistant" and messages[-1].tool_calls:
+        raise InvalidRequestError(
+            f"Tool call '{messages[-1].tool_calls[0].id}' of the last message has no tool "
+            "message answering it; add a 'tool' message with its output.",
+            code="missing_tool_output",
+            param=f"messages[{len(messages) - 1}].tool_calls[0]",
+        )
     if messages[-1].role == "assistant":
         raise InvalidRequestError(
             "The last message is from the assistant; end the conversation with a user or "
@@ -558,7 +566,7 @@ def _tool_choice(
         param = "tool_choice.function.name" if "function" in value else "tool_choice.name"
         if name not in names:
             raise _unknown_tool(name, param)
-        return ToolChoice("required", (name,))
+        return ToolChoice("required", (name,), named=True)
     if kind == "allowed_tools":
         spec = value.get("allowed_tools")
         if spec is None:

@@ -1,0 +1,465 @@
+"""The output chain (stops → reasoning → tool calls → content) as a shared parser suite.
+
+In the spirit of vLLM's shared tool/reasoning parser tests: each case is a model's raw
+output text with the reasoning, content and tool calls a client must receive. Every case
+is replayed through :class:`afmd.output.processor.OutputProcessor` configured like the
+demo model (``<think>``/``</think>``, Hermes ``<tool_call>`` JSON) — with incremental
+argument streaming and with whole-call parsing — and through the other mlx-lm call
+formats where practical. Each text is fed whole, character by character and split at
+random boundaries (fixed seeds); the reassembled result must be the same whatever the
+split, and equal to what the case expects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from mlx_lm.tool_parsers import json_tools, mistral, pythonic, qwen3_coder
+
+from afmd.output.pieces import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
+from afmd.output.processor import OutputProcessor, ToolFormat
+
+THINK = ("<think>", "</think>")
+RANDOM_SPLITS = 20
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                       "unit": {"enum": ["c", "f"]}},
+    }}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    }}},
+]
+
+
+def hermes(incremental: bool) -> ToolFormat:
+    return ToolFormat(
+        start=json_tools.tool_call_start,
+        end=json_tools.tool_call_end,
+        parse=json_tools.parse_tool_call,
+        incremental_json=incremental,
+    )
+
+
+def whole_format(module: Any) -> ToolFormat:
+    """How afmd configures a non-JSON mlx-lm format: parsed whole at its end marker."""
+    return ToolFormat(
+        start=module.tool_call_start,
+        end=module.tool_call_end,
+        parse=module.parse_tool_call,
+        incremental_json=False,
+    )
+
+
+FORMATS: dict[str, ToolFormat] = {
+    "hermes-incremental": hermes(True),
+    "hermes-whole": hermes(False),
+    "qwen3_coder": whole_format(qwen3_coder),
+    "pythonic": whole_format(pythonic),
+    "mistral": whole_format(mistral),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    text: str
+    content: str = ""
+    reasoning: str = ""
+    # (name, arguments): a dict is compared as parsed JSON, a str as the exact raw text.
+    calls: tuple[tuple[str, Any], ...] = ()
+    stops: tuple[str, ...] = ()
+    starts_in_reasoning: bool = False
+    max_calls: int | None = None
+    should_stop: bool = False
+    markup_in_content: bool = False  # an unparseable call comes back as text, markup and all
+
+
+@dataclass
+class Replay:
+    content: str
+    reasoning: str
+    calls: list[dict[str, Any]]  # per index: id, name, arguments (fragments joined), fragments
+    should_stop: bool
+    final_calls: list[tuple[str, str, str]]  # what the processor reports at the end
+    pieces: list[Piece] = field(repr=False, default_factory=list)
+
+    def key(self) -> tuple[Any, ...]:
+        return (
+            self.content,
+            self.reasoning,
+            [(c["id"], c["name"], c["arguments"]) for c in self.calls],
+            self.should_stop,
+        )
+
+
+def call(name: str, arguments: Any) -> tuple[str, Any]:
+    return (name, arguments)
+
+
+def hermes_call(name: str, arguments: dict[str, Any], *, compact: bool = False) -> str:
+    if compact:
+        body = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"),
+                          ensure_ascii=False)
+        return f"<tool_call>\n{body}\n</tool_call>"
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+WEATHER = {"city": "Paris", "unit": "c"}
+NESTED = {
+    "query": 'a {b} [c] "d" \\ e }}',
+    "filters": [{"k": "x", "v": None}, {"k": "y", "v": [1, 2.5, True, {"deep": {}}]}],
+}
+
+# The demo model's format, in both parsing modes.
+HERMES_CASES = [
+    Case("plain", "The weather is nice today.", content="The weather is nice today."),
+    Case("surrounding-whitespace", "\n\n  Hello there\n", content="Hello there\n"),
+    Case("lookalikes", "a <tool_cal b <thin c </tool_call d < e > f",
+         content="a <tool_cal b <thin c </tool_call d < e > f"),
+    Case("partial-marker-at-end", "ends with <tool_c", content="ends with <tool_c"),
+    Case("partial-think-at-end", "ends with <thi", content="ends with <thi"),
+    Case("think-then-answer", "<think>\nLet me think.\n</think>\n\nThe answer is 4.",
+         reasoning="\nLet me think.\n", content="The answer is 4."),
+    Case("unterminated-think", "<think>still thinking", reasoning="still thinking"),
+    Case("call-markup-inside-think", "<think>maybe <tool_call> later</think>No call.",
+         reasoning="maybe <tool_call> later", content="No call."),
+    Case("single-call", hermes_call("get_weather", WEATHER),
+         calls=(call("get_weather", WEATHER),)),
+    Case("compact-call", hermes_call("add", {"a": 1, "b": 2}, compact=True),
+         calls=(call("add", {"a": 1, "b": 2}),)),
+    Case("call-without-newlines",
+         '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+         calls=(call("add", {"a": 1, "b": 2}),)),
+    Case("think-then-call",
+         "<think>I need the weather.</think>\n\n" + hermes_call("get_weather", WEATHER),
+         reasoning="I need the weather.", calls=(call("get_weather", WEATHER),)),
+    Case("content-then-call", "Let me check.\n\n" + hermes_call("get_weather", WEATHER),
+         content="Let me check.", calls=(call("get_weather", WEATHER),)),
+    Case("call-then-content", hermes_call("add", {"a": 1, "b": 2}) + "\nDone.",
+         content="Done.", calls=(call("add", {"a": 1, "b": 2}),)),
+    Case("content-around-call",
+         "Before.\n" + hermes_call("add", {"a": 1}) + "\nAfter.",
+         content="Before.\nAfter.", calls=(call("add", {"a": 1}),)),
+    Case("parallel-calls",
+         hermes_call("get_weather", WEATHER) + "\n" + hermes_call("add", {"a": 1, "b": 2}),
+         calls=(call("get_weather", WEATHER), call("add", {"a": 1, "b": 2}))),
+    Case("three-calls-after-thinking",
+         "<think>three</think>\n"
+         + "\n".join(hermes_call("add", {"a": i, "b": i}, compact=True) for i in range(3)),
+         reasoning="three",
+         calls=tuple(call("add", {"a": i, "b": i}) for i in range(3))),
+    Case("nested-arguments", hermes_call("search", NESTED), calls=(call("search", NESTED),)),
+    Case("empty-arguments", hermes_call("now", {}), calls=(call("now", {}),)),
+    Case("unicode-arguments", hermes_call("get_weather", {"city": "Zürich 東京 🌤"}),
+         calls=(call("get_weather", {"city": "Zürich 東京 🌤"}),)),
+    Case("arguments-before-name",
+         '<tool_call>\n{"arguments": {"a": 1}, "name": "add"}\n</tool_call>',
+         calls=(call("add", {"a": 1}),)),
+    Case("arguments-as-json-string",
+         '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>',
+         calls=(call("add", {"a": 1}),)),
+    Case("missing-end-marker", '<tool_call>\n{"name": "add", "arguments": {"a": 1}}',
+         calls=(call("add", {"a": 1}),)),
+    Case("unparseable-call-is-text", "<tool_call>\nnot json\n</tool_call>",
+         content="<tool_call>\nnot json\n</tool_call>", markup_in_content=True),
+    # Cut off before it parses: dropped, never leaked as markup (finish_reason tells).
+    Case("truncated-in-header", '<tool_call>\n{"name": "get_w'),
+    Case("max-calls-drops-the-second",
+         hermes_call("add", {"a": 1, "b": 2}) + "\n" + hermes_call("get_weather", WEATHER)
+         + "\ntrailing text",
+         calls=(call("add", {"a": 1, "b": 2}),), max_calls=1, should_stop=True),
+    Case("stop-sequence", "The answer</answer> is hidden", content="The answer",
+         stops=("</answer>",), should_stop=True),
+    Case("stop-sequence-never-completed", "x </ans y </answe", content="x </ans y </answe",
+         stops=("</answer>",)),
+    Case("first-of-several-stops", "line one\n\nline two STOP", content="line one",
+         stops=("STOP", "\n\n"), should_stop=True),
+    Case("stop-inside-thinking", "<think>abc STOP def</think>answer", reasoning="abc ",
+         stops=("STOP",), should_stop=True),
+    Case("stop-before-call", "Sure END" + hermes_call("add", {"a": 1}), content="Sure ",
+         stops=("END",), should_stop=True),
+    Case("reasoning-opened-by-prompt", "I am thinking</think>\n\nHello",
+         reasoning="I am thinking", content="Hello", starts_in_reasoning=True),
+    Case("reasoning-opened-by-prompt-then-call",
+         "plan\n</think>\n\n" + hermes_call("get_weather", WEATHER), reasoning="plan\n",
+         calls=(call("get_weather", WEATHER),), starts_in_reasoning=True),
+    Case("reasoning-opened-by-prompt-unterminated", "never closes",
+         reasoning="never closes", starts_in_reasoning=True),
+]
+
+QWEN3_CODER_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+
+OTHER_CASES = [
+    ("qwen3_coder", Case("xml-call", QWEN3_CODER_CALL,
+                         calls=(call("get_weather", {"city": "San Francisco", "days": 3}),))),
+    ("qwen3_coder", Case(
+        "xml-think-content-two-calls",
+        "<think>two</think>Checking.\n" + QWEN3_CODER_CALL + "\n"
+        + "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
+          "<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>",
+        reasoning="two", content="Checking.",
+        calls=(call("get_weather", {"city": "San Francisco", "days": 3}),
+               call("add", {"a": 1, "b": 2})))),
+    ("pythonic", Case("pythonic-call",
+                      '<|tool_call_start|>[get_weather(city="Paris", days=2)]<|tool_call_end|>',
+                      calls=(call("get_weather", {"city": "Paris", "days": 2}),))),
+    ("pythonic", Case("pythonic-two-calls-in-one-block",
+                      'See [1]. <|tool_call_start|>[get_weather(city="Paris"), '
+                      "add(a=1, b=2)]<|tool_call_end|>",
+                      content="See [1].",
+                      calls=(call("get_weather", {"city": "Paris"}),
+                             call("add", {"a": 1, "b": 2})))),
+    ("pythonic", Case("pythonic-max-calls",
+                      "<|tool_call_start|>[add(a=1, b=2), add(a=3, b=4)]<|tool_call_end|>",
+                      calls=(call("add", {"a": 1, "b": 2}),), max_calls=1, should_stop=True)),
+    ("mistral", Case("mistral-call", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+                     content="Sure.", calls=(call("get_weather", {"city": "Paris"}),))),
+    ("mistral", Case("mistral-two-calls",
+                     '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}add[ARGS]{"a": 1, "b": 2}',
+                     calls=(call("get_weather", {"city": "Paris"}),
+                            call("add", {"a": 1, "b": 2})))),
+    ("mistral", Case("mistral-json-list",
+                     '[1] [TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, '
+                     '{"name": "now", "arguments": {}}]',
+                     content="[1]", calls=(call("add", {"a": 1}), call("now", {})))),
+    ("hermes-incremental", Case(
+        "end-marker-inside-argument-string",
+        hermes_call("echo", {"text": "</tool_call> and <tool_call>"}),
+        calls=(call("echo", {"text": "</tool_call> and <tool_call>"}),))),
+    ("mistral", Case("mistral-plain-brackets", "a [TOOL b [x]", content="a [TOOL b [x]")),
+]
+
+ALL = [(fmt, case) for fmt in ("hermes-incremental", "hermes-whole") for case in HERMES_CASES]
+ALL += OTHER_CASES
+
+
+def replay(case: Case, fmt: str, chunks: list[str]) -> Replay:
+    ids = itertools.count()
+    processor = OutputProcessor(
+        stops=case.stops,
+        thinking=THINK,
+        starts_in_reasoning=case.starts_in_reasoning,
+        tool_format=FORMATS[fmt],
+        tools=TOOLS,
+        max_calls=case.max_calls,
+        new_id=lambda: f"call_{next(ids)}",
+    )
+    pieces: list[Piece] = []
+    stopped = False
+    for chunk in chunks:
+        pieces.extend(processor.feed(chunk))
+        if processor.should_stop:
+            stopped = True
+            break  # the pipeline ends generation here
+    pieces.extend(processor.finish())
+    content, reasoning = [], []
+    calls: list[dict[str, Any]] = []
+    for piece in pieces:
+        if isinstance(piece, Content | Reasoning):
+            assert piece.text, f"empty text piece {piece!r}"
+            (content if isinstance(piece, Content) else reasoning).append(piece.text)
+        elif isinstance(piece, ToolCallStart):
+            assert piece.index == len(calls), "tool call indexes must be 0, 1, … in order"
+            # The first fragment may ride with the header (OpenAI's first delta).
+            calls.append({"id": piece.id, "name": piece.name, "arguments": piece.arguments,
+                          "fragments": [piece.arguments] if piece.arguments else []})
+        else:
+            assert isinstance(piece, ToolCallArguments)
+            assert calls and piece.index == len(calls) - 1, (
+                "arguments must follow their own call's start"
+            )
+            assert piece.fragment, "empty argument fragment"
+            calls[-1]["arguments"] += piece.fragment
+            calls[-1]["fragments"].append(piece.fragment)
+    return Replay(
+        content="".join(content),
+        reasoning="".join(reasoning),
+        calls=calls,
+        should_stop=stopped,
+        final_calls=[(c.id, c.name, c.arguments) for c in processor.tool_calls],
+        pieces=pieces,
+    )
+
+
+def random_splits(text: str, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    if len(text) < 2:
+        return [text]
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(len(text) - 1, 12))))
+    return [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])]
+
+
+def splittings(case: Case) -> list[tuple[str, list[str]]]:
+    seed = zlib.crc32(case.id.encode())
+    out = [("whole", [case.text]), ("chars", list(case.text))]
+    out += [(f"random-{k}", random_splits(case.text, seed + k)) for k in range(RANDOM_SPLITS)]
+    return out
+
+
+MARKUP = {
+    "hermes-incremental": ("<tool_call>", "</tool_call>"),
+    "hermes-whole": ("<tool_call>", "</tool_call>"),
+    "qwen3_coder": ("<tool_call>", "</tool_call>", "<function=", "<parameter="),
+    "pythonic": ("<|tool_call_start|>", "<|tool_call_end|>"),
+    "mistral": ("[TOOL_CALLS]", "[ARGS]"),
+}
+
+
+def check_expected(result: Replay, case: Case, fmt: str) -> None:
+    assert result.content == case.content
+    assert result.reasoning == case.reasoning
+    assert [c["name"] for c in result.calls] == [name for name, _ in case.calls]
+    for got, (_, expected) in zip(result.calls, case.calls, strict=True):
+        if isinstance(expected, str):
+            assert got["arguments"] == expected
+        else:
+            # The fragments join to valid JSON: exactly the arguments.
+            assert json.loads(got["arguments"]) == expected
+    assert result.should_stop == case.should_stop
+    # What a non-streamed response reports is exactly what the stream sent.
+    assert result.final_calls == [(c["id"], c["name"], c["arguments"]) for c in result.calls]
+    assert len({c["id"] for c in result.calls}) == len(result.calls)
+    if not case.markup_in_content:
+        for marker in (*THINK, *MARKUP[fmt]):
+            assert marker not in result.content
+    for stop in case.stops:
+        assert stop not in result.content and stop not in result.reasoning
+
+
+@pytest.mark.parametrize(("fmt", "case"), ALL, ids=[f"{f}:{c.id}" for f, c in ALL])
+def test_case_whatever_the_split(fmt: str, case: Case) -> None:
+    reference = replay(case, fmt, [case.text])
+    check_expected(reference, case, fmt)
+    for name, chunks in splittings(case):
+        assert "".join(chunks) == case.text
+        result = replay(case, fmt, chunks)
+        assert result.key() == reference.key(), f"split {name}: {chunks!r}"
+        check_expected(result, case, fmt)
+
+
+def test_every_case_id_is_unique() -> None:
+    ids = [c.id for c in HERMES_CASES] + [c.id for _, c in OTHER_CASES]
+    assert len(ids) == len(set(ids))
+
+
+# Calls in the {"name": …, "arguments": {…}} shape (others are parsed whole by design).
+STREAMABLE = [
+    c for c in HERMES_CASES
+    if c.calls and not c.max_calls
+    and c.id not in ("arguments-before-name", "arguments-as-json-string")
+]
+
+
+@pytest.mark.parametrize("case", STREAMABLE, ids=lambda c: c.id)
+def test_incremental_json_streams_arguments_before_the_call_ends(case: Case) -> None:
+    """Char by char, the header (id, name) is out before the arguments end, and the
+    arguments of the JSON format arrive in several fragments as they are written."""
+    ids = itertools.count()
+    processor = OutputProcessor(thinking=THINK, starts_in_reasoning=case.starts_in_reasoning,
+                                tool_format=FORMATS["hermes-incremental"],
+                                new_id=lambda: f"call_{next(ids)}")
+    started_at: dict[int, int] = {}
+    last_fragment_at: dict[int, int] = {}
+    fragments: dict[int, int] = {}
+    for position, char in enumerate(case.text):
+        for piece in processor.feed(char):
+            if isinstance(piece, ToolCallStart):
+                started_at[piece.index] = position
+                if piece.arguments:
+                    fragments[piece.index] = fragments.get(piece.index, 0) + 1
+                    last_fragment_at[piece.index] = position
+            elif isinstance(piece, ToolCallArguments):
+                fragments[piece.index] = fragments.get(piece.index, 0) + 1
+                last_fragment_at[piece.index] = position
+    processor.finish()
+    assert len(started_at) == len(case.calls)
+    for index in range(len(case.calls)):
+        # The header (id, name) went out while the arguments were still being written…
+        assert started_at[index] < last_fragment_at[index]
+        # …and the arguments followed as produced, not in one piece at the end.
+        assert fragments[index] >= 2
+
+
+def test_whole_parsing_sends_arguments_in_one_fragment() -> None:
+    text = hermes_call("get_weather", WEATHER) + hermes_call("add", {"a": 1, "b": 2})
+    processor = OutputProcessor(thinking=THINK, tool_format=FORMATS["hermes-whole"])
+    pieces = [p for ch in text for p in processor.feed(ch)] + processor.finish()
+    starts = [p for p in pieces if isinstance(p, ToolCallStart)]
+    assert not [p for p in pieces if isinstance(p, ToolCallArguments)]
+    assert [s.index for s in starts] == [0, 1]
+    assert [json.loads(s.arguments) for s in starts] == [WEATHER, {"a": 1, "b": 2}]
+
+
+TRUNCATED_ARGS = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "x'
+
+
+@pytest.mark.parametrize("fmt", ["hermes-incremental", "hermes-whole"])
+def test_unterminated_call_at_finish_never_leaks_markup(fmt: str) -> None:
+    case = Case("truncated-arguments", TRUNCATED_ARGS)
+    results = [replay(case, fmt, chunks) for _, chunks in splittings(case)]
+    result = results[0]
+    assert all(r.key() == result.key() for r in results)
+    if fmt == "hermes-incremental":
+        # The header was already streamed: the call stays, truncated (finish_reason tells).
+        assert [(c["name"], c["arguments"]) for c in result.calls] == [
+            ("add", '{"a": 1, "b": "x')
+        ]
+        assert result.content == ""
+    else:
+        # Nothing was streamed for it and it does not parse: dropped, markup never leaks
+        # into content (finish_reason "length" tells the client the turn was cut).
+        assert result.calls == []
+        assert result.content == ""
+
+
+def test_max_calls_sets_should_stop_as_soon_as_the_first_call_closes() -> None:
+    first = hermes_call("add", {"a": 1, "b": 2})
+    processor = OutputProcessor(thinking=THINK, tool_format=FORMATS["hermes-incremental"],
+                                max_calls=1)
+    for i, char in enumerate(first):
+        processor.feed(char)
+        assert processor.should_stop == (i == len(first) - 1)
+    assert processor.feed("\n" + hermes_call("add", {"a": 3, "b": 4})) == []
+    assert processor.finish() == []
+    assert [(c.name, json.loads(c.arguments)) for c in processor.tool_calls] == [
+        ("add", {"a": 1, "b": 2})
+    ]
+
+
+def test_stop_hold_back_never_leaks_while_streaming() -> None:
+    """Text that could still grow into a stop sequence is not released early."""
+    processor = OutputProcessor(stops=("</answer>",), thinking=THINK)
+    emitted = ""
+    text = "value </ans"
+    for char in text:
+        emitted += "".join(p.text for p in processor.feed(char) if isinstance(p, Content))
+        assert "</" not in emitted
+    assert emitted == "value"  # the space is held too: it may be trailing whitespace
+    emitted += "".join(p.text for p in processor.feed("wer> more") if isinstance(p, Content))
+    emitted += "".join(p.text for p in processor.finish() if isinstance(p, Content))
+    assert emitted == "value "
+    assert processor.should_stop and processor.stopped_by_sequence
+
+
+def test_reasoning_and_content_never_mix_whatever_the_split() -> None:
+    text = "<think>a</think>b<think>c</think>d"
+    for seed in range(RANDOM_SPLITS):
+        processor = OutputProcessor(thinking=THINK)
+        pieces = [p for ch in random_splits(text, seed) for p in processor.feed(ch)]
+        pieces += processor.finish()
+        assert "".join(p.text for p in pieces if isinstance(p, Reasoning)) == "ac"
+        assert "".join(p.text for p in pieces if isinstance(p, Content)) == "bd"
