@@ -116,7 +116,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     from afmd.server import run
 
-    return run(config)
+    code = run(config)
+    # Skip interpreter teardown: MLX's native threads can abort the process while Python
+    # finalises ("terminate called without an active exception"), turning a clean stop
+    # into a crash exit code that launchd would treat as a failure.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _check_config(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ log line or visually reorder one, whichever renderer is used.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import unicodedata
@@ -45,11 +46,15 @@ def sanitize(text: str) -> str:
 def _sanitize_values(value: Any) -> Any:
     if isinstance(value, str):
         return sanitize(value)
+    if value is None or isinstance(value, bool | int | float):
+        return value
     if isinstance(value, dict):
         return {sanitize(str(k)): _sanitize_values(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
+    if isinstance(value, list | tuple | set | frozenset):
         return [_sanitize_values(v) for v in value]
-    return value
+    # Anything else (an exception, a path, a dataclass) would be rendered through its
+    # str()/repr() or natively by orjson, past this processor: render it here instead.
+    return sanitize(str(value))
 
 
 def sanitize_event(
@@ -57,6 +62,30 @@ def sanitize_event(
 ) -> MutableMapping[str, Any]:
     """structlog processor: sanitize every string in the event, keys included."""
     return {sanitize(str(k)): _sanitize_values(v) for k, v in event_dict.items()}
+
+
+def _single_line(renderer: Any) -> Any:
+    """The console renderer puts tracebacks and stacks on lines of their own; values are
+    sanitized by then, so every newline left is the renderer's and can be joined."""
+
+    def render(logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> str:
+        return str(renderer(logger, method, event_dict)).replace("\n", " ")
+
+    return render
+
+
+class _SafePrintLogger(structlog.PrintLogger):
+    """A PrintLogger that never raises: a closed or broken log stream (the reader of a pipe
+    went away) must not turn ``log.info`` into an exception in whatever called it, such as
+    the SIGTERM handler, which would then never stop the server. Like stdlib logging,
+    which swallows write errors in ``Handler.handleError``."""
+
+    def msg(self, message: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            super().msg(message)
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
 
 
 def _orjson_dumps(obj: Any, **_: Any) -> str:
@@ -68,7 +97,7 @@ def configure(level: str = "info", fmt: str = "json", stream: TextIO | None = No
     numeric = _LEVELS.get(level, logging.INFO)
     renderer: Any
     if fmt == "console":
-        renderer = structlog.dev.ConsoleRenderer(colors=False)
+        renderer = _single_line(structlog.dev.ConsoleRenderer(colors=False))
     else:
         renderer = structlog.processors.JSONRenderer(serializer=_orjson_dumps)
     pre_chain: list[Any] = [
@@ -76,6 +105,7 @@ def configure(level: str = "info", fmt: str = "json", stream: TextIO | None = No
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    printer = _SafePrintLogger(stream or sys.stderr)
     structlog.configure(
         processors=[
             *pre_chain,
@@ -84,7 +114,7 @@ def configure(level: str = "info", fmt: str = "json", stream: TextIO | None = No
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        logger_factory=lambda *_: printer,
         cache_logger_on_first_use=False,
     )
     handler = logging.StreamHandler(stream or sys.stderr)

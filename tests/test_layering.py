@@ -1,0 +1,274 @@
+"""The import direction inside afmd, enforced statically over every module's AST.
+
+Layers, lowest first; a module may import its own layer and lower ones, never higher:
+
+    0  afmd (``__init__``), afmd.errors, afmd.config, afmd.paths
+    1  afmd.logs
+    2  afmd.protocol.*, afmd.output.*, afmd.profiling
+    3  afmd.chat, afmd.context, afmd.engine.*, afmd.grammar.*, afmd.scheduler,
+       afmd.servertools
+    3.5 afmd.turn (plans a turn over engine + grammar, for the pipeline)
+    4  afmd.pipeline
+    5  afmd.http.*
+    6  afmd.server
+    7  afmd.cli, afmd.__main__
+
+Besides: Sanic only in afmd.http.* and afmd.server; MLX / mlx-lm only in afmd.engine.* and
+afmd.grammar.*, at module level or inside functions alike. A module missing from
+the table fails the test, so a new module has to be given its place.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "afmd"
+
+#: (pattern, layer); "x.*" matches the package x itself and everything below it.
+LAYERS: tuple[tuple[str, float], ...] = (
+    ("afmd", 0),
+    ("afmd.errors", 0),
+    ("afmd.config", 0),
+    ("afmd.paths", 0),
+    ("afmd.logs", 1),
+    ("afmd.protocol.*", 2),
+    ("afmd.output.*", 2),
+    ("afmd.profiling", 2),  # pure measurement helpers (stdlib only)
+    ("afmd.chat", 3),
+    ("afmd.engine.*", 3),
+    ("afmd.scheduler", 3),  # admission control in front of the engine
+    ("afmd.context", 3),  # context-window trimming of a conversation
+    ("afmd.grammar.*", 3),  # constrained decoding (llguidance, mlx logits processors)
+    ("afmd.servertools", 3),  # operator-configured tools afmd runs itself
+    ("afmd.turn", 3.5),  # the per-request output plan: above engine/grammar, below pipeline
+    ("afmd.pipeline", 4),
+    ("afmd.http.*", 5),
+    ("afmd.server", 6),
+    ("afmd.cli", 7),
+    ("afmd.__main__", 7),
+)
+
+#: Third-party top-level packages and the afmd modules allowed to import them.
+RESTRICTED: dict[str, tuple[str, ...]] = {
+    "sanic": ("afmd.http.*", "afmd.server"),
+    "mlx": ("afmd.engine.*", "afmd.grammar.*"),
+    "mlx_lm": ("afmd.engine.*", "afmd.grammar.*"),
+}
+
+
+def matches(module: str, pattern: str) -> bool:
+    if pattern.endswith(".*"):
+        base = pattern[:-2]
+        return module == base or module.startswith(base + ".")
+    return module == pattern
+
+
+def layer_of(module: str, layers: Sequence[tuple[str, float]] = LAYERS) -> float | None:
+    for pattern, layer in layers:
+        if matches(module, pattern):
+            return layer
+    return None
+
+
+@dataclass(frozen=True)
+class Import:
+    target: str  # dotted module name as resolved
+    line: int
+
+
+def module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def discover(root: Path) -> dict[str, Path]:
+    return {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+
+
+def _resolve_relative(module: str, is_package: bool, level: int, name: str | None) -> str:
+    parts = module.split(".")
+    if not is_package:
+        parts = parts[:-1]
+    if level > 1:
+        parts = parts[: len(parts) - (level - 1)]
+    return ".".join([*parts, name] if name else parts)
+
+
+def imports_of(source: str, module: str, is_package: bool, known: set[str]) -> Iterator[Import]:
+    """Every import anywhere in the module (functions and TYPE_CHECKING blocks included),
+    plus ``importlib.import_module("x")`` / ``__import__("x")`` with a literal name."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = (
+                _resolve_relative(module, is_package, node.level, node.module)
+                if node.level
+                else node.module or ""
+            )
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                # ``from afmd import logs`` imports the module afmd.logs, not just afmd.
+                yield Import(sub if sub in known else base, node.lineno)
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            name = (
+                func.attr if isinstance(func, ast.Attribute)
+                else func.id if isinstance(func, ast.Name) else ""
+            )
+            arg = node.args[0]
+            if (
+                name in ("import_module", "__import__")
+                and isinstance(arg, ast.Constant)
+                and isinstance(arg.value, str)
+            ):
+                yield Import(arg.value, node.lineno)
+
+
+def _owner(target: str, known: set[str]) -> str:
+    """The afmd module an import names (``afmd.engine.base.Foo`` → ``afmd.engine.base``)."""
+    while target not in known and "." in target:
+        target = target.rsplit(".", 1)[0]
+    return target
+
+
+def check(
+    root: Path,
+    layers: Sequence[tuple[str, float]] = LAYERS,
+    restricted: dict[str, tuple[str, ...]] = RESTRICTED,
+) -> list[str]:
+    """All layering violations in the package at ``root``, as readable lines."""
+    package = root.name
+    modules = discover(root)
+    known = set(modules)
+    problems: list[str] = []
+    for module, path in modules.items():
+        rel = path.relative_to(root.parent)
+        own = layer_of(module, layers)
+        if own is None:
+            problems.append(f"{rel}: module {module} has no layer; add it to LAYERS")
+        is_package = path.name == "__init__.py"
+        for imp in imports_of(path.read_text(encoding="utf-8"), module, is_package, known):
+            top = imp.target.split(".", 1)[0]
+            if top in restricted and not any(matches(module, p) for p in restricted[top]):
+                problems.append(
+                    f"{rel}:{imp.line}: {module} imports {imp.target}; only "
+                    f"{', '.join(restricted[top])} may import {top}"
+                )
+            if top != package or own is None:
+                continue
+            target = _owner(imp.target, known)
+            theirs = layer_of(target, layers)
+            if theirs is None:
+                if target not in known:
+                    problems.append(f"{rel}:{imp.line}: {module} imports unknown {imp.target}")
+                continue  # reported as unplaced on its own
+            if theirs > own:
+                problems.append(
+                    f"{rel}:{imp.line}: {module} (layer {own}) imports {target} "
+                    f"(layer {theirs}); lower layers must not import higher ones"
+                )
+    return problems
+
+
+# ---------------------------------------------------------------------------- the real tree
+
+
+def test_package_found() -> None:
+    modules = discover(PACKAGE_DIR)
+    for expected in ("afmd", "afmd.cli", "afmd.server", "afmd.logs", "afmd.output.stops",
+                     "afmd.http.access", "afmd.engine.worker"):
+        assert expected in modules
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = [m for m in discover(PACKAGE_DIR) if layer_of(m) is None]
+    assert not unplaced, f"place these modules in LAYERS (tests/test_layering.py): {unplaced}"
+
+
+def test_import_direction() -> None:
+    problems = check(PACKAGE_DIR)
+    assert not problems, "layering violations:\n" + "\n".join(problems)
+
+
+def test_heavy_imports_are_confined() -> None:
+    modules = discover(PACKAGE_DIR)
+    known = set(modules)
+    for module, path in modules.items():
+        tops = {
+            imp.target.split(".", 1)[0]
+            for imp in imports_of(path.read_text(), module, path.name == "__init__.py", known)
+        }
+        if "sanic" in tops:
+            assert matches(module, "afmd.http.*") or module == "afmd.server", module
+        if tops & {"mlx", "mlx_lm"}:
+            assert matches(module, "afmd.engine.*") or matches(module, "afmd.grammar.*"), module
+
+
+# ---------------------------------------------------------------------------- the checker
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "afmd"
+    for rel, text in {"__init__.py": "", **files}.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_checker_accepts_a_clean_tree(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "errors.py": "import json\n",
+        "logs.py": "from afmd.errors import X\n",
+        "output/__init__.py": "",
+        "output/stops.py": "from afmd import logs\nfrom . import __name__ as n\n",
+        "engine/__init__.py": "",
+        "engine/worker.py": "import mlx.core as mx\nfrom ..output.stops import S\n",
+        "http/__init__.py": "",
+        "http/app.py": "from sanic import Sanic\nfrom afmd.engine import worker\n",
+        "cli.py": "def main():\n    from afmd.http.app import create_app\n",
+    })
+    assert check(root) == []
+
+
+@pytest.mark.parametrize(
+    ("files", "needle"),
+    [
+        # a lower layer importing a higher one, in every spelling
+        ({"logs.py": "import afmd.pipeline\n", "pipeline.py": ""}, "afmd.logs (layer 1)"),
+        ({"logs.py": "from afmd.pipeline import X\n", "pipeline.py": ""}, "imports afmd.pipeline"),
+        ({"logs.py": "from afmd import cli\n", "cli.py": ""}, "imports afmd.cli"),
+        ({"output/__init__.py": "", "output/x.py": "from .. import server\n", "server.py": ""},
+         "afmd.output.x (layer 2) imports afmd.server"),
+        ({"config.py": "def f():\n    import afmd.logs\n", "logs.py": ""}, "imports afmd.logs"),
+        ({"engine/__init__.py": "", "engine/m.py": "from afmd.http.app import A\n",
+          "http/__init__.py": "", "http/app.py": ""}, "lower layers must not import higher"),
+        ({"pipeline.py": "import importlib\nimportlib.import_module('afmd.server')\n",
+          "server.py": ""}, "imports afmd.server"),
+        # heavy imports outside their layer
+        ({"pipeline.py": "from sanic import Request\n"}, "only afmd.http.*, afmd.server"),
+        ({"cli.py": "def f():\n    import sanic\n"}, "may import sanic"),
+        ({"pipeline.py": "import mlx.core as mx\n"}, "may import mlx"),
+        ({"chat.py": "def f():\n    from mlx_lm import load\n"}, "may import mlx_lm"),
+        # a module nobody placed
+        ({"newthing.py": ""}, "afmd.newthing has no layer"),
+        ({"tooling/__init__.py": "import mlx\n"}, "afmd.tooling has no layer"),
+        ({"tooling/__init__.py": "import mlx\n"}, "may import mlx"),
+        ({"grammar/__init__.py": "import afmd.turn\n", "turn.py": ""},
+         "afmd.grammar (layer 3) imports afmd.turn (layer 3.5)"),
+    ],
+)
+def test_checker_catches_violations(tmp_path: Path, files: dict[str, str], needle: str) -> None:
+    problems = check(_tree(tmp_path, files))
+    assert any(needle in p for p in problems), problems

@@ -1,0 +1,422 @@
+"""Logging: client-controlled text can never forge, split or disguise a log line."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import socket
+import time
+import unicodedata
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+from urllib.parse import unquote
+
+import pytest
+import structlog
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from afmd import logs
+from afmd.logs import sanitize
+
+from conftest import ServerProcess
+
+UNSAFE_CATEGORIES = ("Cc", "Cf", "Zl", "Zp", "Cs")
+LINE_BREAKERS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+
+
+# ---------------------------------------------------------------------------- sanitize
+
+
+@pytest.mark.parametrize(
+    ("char", "encoded"),
+    [
+        ("\r", "%0D"),
+        ("\n", "%0A"),
+        ("\x00", "%00"),
+        ("\x1b", "%1B"),
+        ("\x7f", "%7F"),
+        ("\t", "%09"),
+        ("\u2028", "%E2%80%A8"),
+        ("\u2029", "%E2%80%A9"),
+        ("\u0085", "%C2%85"),
+        ("\u202e", "%E2%80%AE"),
+        ("\u2066", "%E2%81%A6"),
+        ("\u2067", "%E2%81%A7"),
+        ("\u2068", "%E2%81%A8"),
+        ("\u2069", "%E2%81%A9"),
+        ("\u200f", "%E2%80%8F"),
+        ("\ufeff", "%EF%BB%BF"),
+        ("%", "%25"),
+    ],
+)
+def test_sanitize_encodes_unsafe_characters(char: str, encoded: str) -> None:
+    assert sanitize(char) == encoded
+    assert sanitize(f"a{char}b") == f"a{encoded}b"
+    assert unquote(sanitize(f"a{char}b")) == f"a{char}b"
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "hello world", "GET /v1/chat/completions?x=1&y=2", "é", "日本", "naïve café",
+     "Ünïcödé 日本語 текст ελληνικά عربى", "emoji 🙂", "quotes \" ' and \\ backslash",
+     "{\"json\": [1, 2]}"],
+)
+def test_sanitize_leaves_normal_text_alone(text: str) -> None:
+    assert sanitize(text) == text
+
+
+def test_sanitize_forged_line() -> None:
+    forged = 'ok\r\n{"event":"request","status":200}\u2028\x1b[2K\u202eevil'
+    out = sanitize(forged)
+    assert out == ('ok%0D%0A{"event":"request","status":200}%E2%80%A8%1B[2K%E2%80%AEevil')
+    assert len(out.splitlines()) == 1
+
+
+def test_sanitize_lone_surrogate() -> None:
+    # Header bytes that are not UTF-8 reach Python as surrogate escapes.
+    assert sanitize("a\udcffb") == "a%ED%B3%BFb"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text())
+def test_sanitize_property(text: str) -> None:
+    out = sanitize(text)
+    assert unquote(out, errors="strict") == text  # lossless
+    assert not any(unicodedata.category(ch) in UNSAFE_CATEGORIES for ch in out)
+    assert not any(ch in LINE_BREAKERS for ch in out)
+    assert sanitize(out) == out.replace("%", "%25")  # only "%" is touched a second time
+
+
+# ---------------------------------------------------------------------------- renderers
+
+
+@pytest.fixture()
+def restore_logging() -> Iterator[None]:
+    """configure() is process-global; put structlog and stdlib logging back afterwards."""
+    saved = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    names = ("sanic.access", "sanic.root", "sanic.server", "sanic.error", "afmd.test")
+    levels = {name: logging.getLogger(name).level for name in names}
+    yield
+    structlog.configure(**saved)
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    for name, lvl in levels.items():
+        logging.getLogger(name).setLevel(lvl)
+
+
+EVIL_KEY = 'k\ney\u2028"x":1'
+EVIL_VALUE = 'v\r\n{"event":"request","status":200}\u2029\x1b[31m\u202eevil\x00%\x85\x7f'
+
+
+class _Evil:
+    """An object whose str() carries line breaks, as an exception message might."""
+
+    def __str__(self) -> str:
+        return "obj\u2028line\x85two\x7f\u202e"
+
+    __repr__ = __str__
+
+
+def _one_line(output: str) -> str:
+    assert output.endswith("\n"), repr(output)
+    body = output[:-1]
+    assert "\n" not in body, repr(output)
+    assert len(output.splitlines()) == 1, repr(output)
+    assert not any(unicodedata.category(ch) in UNSAFE_CATEGORIES for ch in body), repr(body)
+    return body
+
+
+def test_json_renderer_one_line(restore_logging: None) -> None:
+    stream = io.StringIO()
+    logs.configure(fmt="json", stream=stream)
+    logs.get_logger("afmd.test").info("evil\nevent\u2028", **{EVIL_KEY: EVIL_VALUE})
+    event = json.loads(_one_line(stream.getvalue()))
+    assert event["event"] == "evil%0Aevent%E2%80%A8"
+    assert event[sanitize(EVIL_KEY)] == sanitize(EVIL_VALUE)
+    assert unquote(event[sanitize(EVIL_KEY)]) == EVIL_VALUE
+    assert event["level"] == "info"
+
+
+def test_json_renderer_nested_values(restore_logging: None) -> None:
+    stream = io.StringIO()
+    logs.configure(fmt="json", stream=stream)
+    logs.get_logger("afmd.test").info(
+        "nested", items=[EVIL_VALUE, {"k\n": (EVIL_VALUE, 1)}], n=3, ok=True, none=None
+    )
+    event = json.loads(_one_line(stream.getvalue()))
+    assert event["items"] == [sanitize(EVIL_VALUE), {"k%0A": [sanitize(EVIL_VALUE), 1]}]
+    assert (event["n"], event["ok"], event["none"]) == (3, True, None)
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_non_string_values_are_sanitized(restore_logging: None, fmt: str) -> None:
+    stream = io.StringIO()
+    logs.configure(fmt=fmt, stream=stream)
+    logs.get_logger("afmd.test").info(
+        "objects", obj=_Evil(), exc=ValueError("bad\u2028value\x85"), items={_Evil()}
+    )
+    _one_line(stream.getvalue())
+
+
+def test_console_renderer_one_line(restore_logging: None) -> None:
+    stream = io.StringIO()
+    logs.configure(fmt="console", stream=stream)
+    logs.get_logger("afmd.test").info("evil\nevent", **{EVIL_KEY: EVIL_VALUE})
+    line = _one_line(stream.getvalue())
+    assert "evil%0Aevent" in line
+    assert sanitize(EVIL_VALUE) in line
+    assert "\x1b" not in line  # colors are off: nothing can recolor the terminal
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_stdlib_logging_is_routed_and_sanitized(restore_logging: None, fmt: str) -> None:
+    stream = io.StringIO()
+    logs.configure(fmt=fmt, stream=stream)
+    std = logging.getLogger("afmd.test")
+    std.warning("model %s failed:\n%s", "x\u2028y", EVIL_VALUE)
+    line = _one_line(stream.getvalue())
+    if fmt == "json":
+        event = json.loads(line)
+        assert event["logger"] == "afmd.test"
+        assert event["level"] == "warning"
+        assert unquote(event["event"]) == f"model x\u2028y failed:\n{EVIL_VALUE}"
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_tracebacks_stay_on_one_line(restore_logging: None, fmt: str) -> None:
+    stream = io.StringIO()
+    logs.configure(fmt=fmt, stream=stream)
+    try:
+        raise RuntimeError("boom\nsecond line\u2028")
+    except RuntimeError:
+        logs.get_logger("afmd.test").exception("failed")
+        logging.getLogger("sanic.error").exception("sanic failed")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2, stream.getvalue()
+    if fmt == "json":
+        for line in lines:
+            event = json.loads(line)
+            assert "RuntimeError: boom%0Asecond line%E2%80%A8" in event["exception"]
+
+
+def test_level_filtering(restore_logging: None) -> None:
+    stream = io.StringIO()
+    logs.configure(level="warning", fmt="json", stream=stream)
+    logs.get_logger("afmd.test").info("hidden")
+    logs.get_logger("afmd.test").warning("shown")
+    logging.getLogger("afmd.test").info("hidden too")
+    events = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [e["event"] for e in events] == ["shown"]
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+def _poll(predicate: Callable[[], Any], timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result or time.monotonic() > deadline:
+            return result
+        time.sleep(0.02)
+
+
+def _access_events(server: ServerProcess, **match: Any) -> list[dict[str, Any]]:
+    with server._cond:
+        events = list(server.events)
+    return [
+        e for e in events
+        if e.get("event") == "request" and all(e.get(k) == v for k, v in match.items())
+    ]
+
+
+def _raw_http(server: ServerProcess, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+        conn.sendall(request)
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+    return data
+
+
+def test_access_log_for_chat_completion(server: ServerProcess, http: Any) -> None:
+    rid = f"logs-{uuid.uuid4().hex[:12]}"
+    response = http.post(
+        "/v1/chat/completions",
+        json={"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+              "max_tokens": 5, "temperature": 0},
+        headers={"X-Request-ID": rid, "User-Agent": "afmd-tests/1.0"},
+    )
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    events = _poll(lambda: _access_events(server, request_id=rid))
+    assert len(events) == 1, events
+    event = events[0]
+    assert event["method"] == "POST"
+    assert event["path"] == "/v1/chat/completions"
+    assert event["status"] == 200
+    assert event["request_id"] == rid
+    assert event["bytes"] == len(response.content)
+    assert event["model"] == "demo"
+    assert event["prompt_tokens"] == usage["prompt_tokens"]
+    assert event["completion_tokens"] == usage["completion_tokens"]
+    assert isinstance(event["duration_ms"], int | float) and event["duration_ms"] > 0
+    assert event["level"] == "info"
+
+
+def test_access_log_for_streamed_chat_completion(server: ServerProcess, http: Any) -> None:
+    rid = f"logs-{uuid.uuid4().hex[:12]}"
+    response = http.post(
+        "/v1/chat/completions",
+        json={"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+              "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
+        headers={"X-Request-ID": rid},
+    )
+    assert response.status_code == 200
+    usage_chunk = json.loads(response.text.split("data: ")[-2])
+    events = _poll(lambda: _access_events(server, request_id=rid))
+    assert len(events) == 1, events
+    event = events[0]
+    assert (event["method"], event["path"], event["status"]) == ("POST", "/v1/chat/completions",
+                                                                 200)
+    assert event["bytes"] == len(response.content)
+    assert event["model"] == "demo"
+    assert event["completion_tokens"] == usage_chunk["usage"]["completion_tokens"] == 4
+    assert event["prompt_tokens"] == usage_chunk["usage"]["prompt_tokens"]
+    assert event["duration_ms"] > 0
+
+
+def test_access_log_for_model_alias(server: ServerProcess, http: Any) -> None:
+    rid = f"logs-{uuid.uuid4().hex[:12]}"
+    response = http.post(
+        "/v1/chat/completions",
+        json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}],
+              "max_tokens": 2},
+        headers={"X-Request-ID": rid},
+    )
+    assert response.status_code == 200
+    events = _poll(lambda: _access_events(server, request_id=rid))
+    assert len(events) == 1
+    assert events[0]["model"] == response.json()["model"]
+
+
+def test_encoded_line_breaks_in_path_stay_on_one_line(server: ServerProcess) -> None:
+    marker = uuid.uuid4().hex[:12]
+    before = len(server.raw_lines)
+    path = f"/v1/models/{marker}a%0D%0Ab%E2%80%A8c%0A%7B%22event%22%3A%22forged%22%7D"
+    reply = _raw_http(
+        server,
+        f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode(),
+    )
+    assert reply.startswith(b"HTTP/1.1 404 "), reply[:200]
+
+    def mine() -> list[str]:
+        with server._cond:
+            return [line for line in server.raw_lines[before:] if marker in line]
+
+    lines = _poll(mine)
+    time.sleep(0.2)  # anything a forged newline would have produced has arrived by now
+    lines = mine()
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.endswith("\n") and len(line.splitlines()) == 1
+    assert not any(ch in LINE_BREAKERS for ch in line[:-1])
+    event = json.loads(line)
+    assert event["event"] == "request"
+    assert event["status"] == 404
+    assert event["method"] == "GET"
+    assert "\n" not in event["path"] and "\u2028" not in event["path"]
+    assert unquote(event["path"]) == path  # sanitize is reversible: nothing is lost
+    assert not any(e.get("event") == "forged" for e in server.events)
+    # Every line written meanwhile is a complete JSON object.
+    with server._cond:
+        for raw in server.raw_lines[before:]:
+            assert isinstance(json.loads(raw), dict), raw
+
+
+def test_invalid_request_id_with_raw_bytes(server: ServerProcess) -> None:
+    """Raw control and non-UTF-8 bytes in headers: a 400, and the log stays clean JSON."""
+    body = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
+    before = len(server.raw_lines)
+    reply = _raw_http(
+        server,
+        b"POST /v1/chat/completions HTTP/1.1\r\n"
+        b"Host: 127.0.0.1\r\n"
+        b"X-Request-ID: \xff\x1b[31mforged\xe2\x80\xa8id\x7f\r\n"
+        b"User-Agent: evil\xe2\x80\xa8agent\xc2\x85\x1b[2J\r\n"
+        b"Content-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n"
+        b"Connection: close\r\n\r\n" + body,
+    )
+    assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
+    assert b"X-Request-ID" in reply
+
+    def new_lines() -> list[str]:
+        with server._cond:
+            return server.raw_lines[before:]
+
+    def access() -> list[dict[str, Any]]:
+        return [e for e in map(json.loads, new_lines()) if e.get("event") == "request"]
+
+    events = _poll(access)
+    time.sleep(0.2)
+    for raw in new_lines():
+        assert raw.endswith("\n") and len(raw.splitlines()) == 1, raw
+        assert not any(unicodedata.category(ch) in UNSAFE_CATEGORIES for ch in raw[:-1]), raw
+        assert isinstance(json.loads(raw), dict)
+    assert len(access()) == 1, new_lines()
+    event = events[0]
+    assert (event["method"], event["path"], event["status"]) == ("POST", "/v1/chat/completions",
+                                                                 400)
+    assert event["request_id"] is None  # the invalid id is neither echoed nor logged
+    assert event["bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "target",
+    [b"/v1/models/x\xe2\x80\xa8y\x7fz", b"/v1/models/x\x1b[31my", b"/v1/models/a\x00b",
+     b"/v1/models/\xff\xfe"],
+)
+def test_raw_bytes_in_request_target(server: ServerProcess, target: bytes) -> None:
+    """Unencoded control or non-ASCII bytes in the path: a 400, and clean one-line logs."""
+    before = len(server.raw_lines)
+    reply = _raw_http(
+        server, b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
+    assert b'"error"' in reply
+
+    def new_lines() -> list[str]:
+        with server._cond:
+            return server.raw_lines[before:]
+
+    assert _poll(new_lines)
+    time.sleep(0.2)
+    for raw in new_lines():
+        assert raw.endswith("\n") and len(raw.splitlines()) == 1, raw
+        assert not any(unicodedata.category(ch) in UNSAFE_CATEGORIES for ch in raw[:-1]), raw
+        event = json.loads(raw)
+        assert event.get("level") != "error", event  # a bad client is not a server error
+        assert "Traceback" not in raw
+
+
+class _BrokenStream(io.StringIO):
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+@pytest.mark.parametrize("stream", [_BrokenStream(), "closed"])
+def test_logging_to_a_dead_stream_never_raises(restore_logging: None, stream: Any) -> None:
+    """A reader that went away must not make log calls raise in their callers (e.g. in
+    the SIGTERM handler, which would then never stop the server)."""
+    if stream == "closed":
+        stream = io.StringIO()
+        stream.close()
+    logs.configure(fmt="json", stream=stream)
+    logs.get_logger("afmd.test").info("stopping", reason="SIGTERM")
+    logs.get_logger("afmd.test").error("boom")
