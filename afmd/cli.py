@@ -35,6 +35,7 @@ examples:
   afmd serve --model mlx-community/Qwen2.5-0.5B-Instruct-4bit
   afmd serve --host "" --unix-socket /tmp/afmd.sock
   afmd check-config config.toml                # validate a config file
+  afmd doctor                                  # config, endpoint, server, port, models
 
 exit codes: 0 clean stop, 1 runtime failure, 2 bad configuration."""
 
@@ -75,6 +76,20 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("file", metavar="FILE")
 
     commands.add_parser("version", help="print the version")
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="diagnose a setup: config, endpoint, running server, port owner, models",
+        description="Report which config file afmd reads, the endpoint to give clients, "
+                    "whether a server answers there (and its /health), whether the port is "
+                    "taken and by which process, and each model's cache state. Exit code 0: "
+                    "no problem found; 1: a problem was found; 2: the config is invalid.",
+    )
+    doctor.add_argument("--config", metavar="FILE",
+                        help="config file to check (default: as `afmd serve` finds it)")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument("--timeout", metavar="S", type=float, default=2.0,
+                        help="seconds to wait for a running server's /health (default 2)")
     return parser
 
 
@@ -142,6 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "check-config":
         return _check_config(args)
+    if args.command == "doctor":
+        from afmd.doctor import run as doctor
+
+        return doctor(args.config, as_json=args.json, timeout=args.timeout)
     if args.command == "version":
         print(f"afmd {__version__}")
         return EXIT_OK

@@ -50,6 +50,7 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.http.*", 5),
     ("afmd.server", 6),
     ("afmd.cli", 7),
+    ("afmd.doctor", 7),
     ("afmd.__main__", 7),
 )
 
