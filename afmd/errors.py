@@ -108,3 +108,63 @@ class MethodNotAllowedError(APIError):
     status = 405
     error_type = "invalid_request_error"
     default_code = "method_not_allowed"
+
+
+# ----------------------------------------------------------------- transport-level refusals
+# Raised (or rendered) by the HTTP gate before a request reaches a handler.
+
+
+class RequestTimeoutError(APIError):
+    status = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
+class ExpectationFailedError(APIError):
+    status = 417
+    error_type = "invalid_request_error"
+    default_code = "malformed_request"
+
+
+class PayloadTooLargeError(APIError):
+    status = 413
+    error_type = "invalid_request_error"
+    default_code = "malformed_request"
+
+
+class UnsupportedMediaTypeError(APIError):
+    status = 415
+    error_type = "invalid_request_error"
+    default_code = "unsupported_media_type"
+
+
+class MisdirectedRequestError(APIError):
+    """The Host header names a server this one does not claim to be (DNS rebinding)."""
+
+    status = 421
+    error_type = "invalid_request_error"
+    default_code = "invalid_host"
+
+
+class HeaderFieldsTooLargeError(APIError):
+    status = 431
+    error_type = "invalid_request_error"
+    default_code = "malformed_request"
+
+
+class NotImplementedHTTPError(APIError):
+    """A transfer coding (or other framing feature) the server does not implement."""
+
+    status = 501
+    error_type = "invalid_request_error"
+    default_code = "malformed_request"
+
+
+class HTTPVersionNotSupportedError(APIError):
+    status = 505
+    error_type = "invalid_request_error"
+    default_code = "malformed_request"
+
+
+class TooManyConnectionsError(ServiceUnavailableError):
+    default_code = "too_many_connections"

@@ -29,10 +29,12 @@ from afmd.errors import (
     InvalidRequestError,
     MethodNotAllowedError,
     NotFoundError,
+    PayloadTooLargeError,
     ServerError,
 )
 from afmd.http import routes
 from afmd.http.access import log_access
+from afmd.http.gate import CORS_EXPOSE_HEADERS, normalize_origin
 from afmd.logs import get_logger
 from afmd.pipeline import ChatPipeline
 
@@ -82,11 +84,16 @@ def to_api_error(exception: BaseException, request: Request | None = None) -> AP
             code="unknown_url",
         )
     if isinstance(exception, PayloadTooLarge):
-        return InvalidRequestError(
-            "The request body is larger than max_request_body_bytes.",
-            code="malformed_request",
-            status=413,
-        )
+        # Sanic raises the same exception for an oversized request line + headers
+        # ("Request header exceeds the size limit"); that is not the body's fault.
+        if "header" in str(exception).lower():
+            return InvalidRequestError(
+                "The request line and headers are larger than max_header_bytes; shorten the "
+                "URL or the headers.",
+                code="malformed_request",
+                status=431,
+            )
+        return PayloadTooLargeError("The request body is larger than max_request_body_bytes.")
     if isinstance(exception, BadRequest):
         return InvalidRequestError(
             f"Malformed request: {exception}", code="malformed_request"
@@ -139,6 +146,25 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
     @app.on_request
     async def _mark_start(request: Request) -> None:
         request.ctx.started = time.perf_counter()
+
+    allowed_origins = frozenset(normalize_origin(o) for o in server.allowed_origins)
+    any_origin = "*" in server.allowed_origins
+    if allowed_origins:
+
+        @app.on_response
+        async def _cors(request: Request, response: HTTPResponse) -> None:
+            # The gate already refused disallowed origins with 403; streamed responses pass
+            # here too (request.respond() runs response middleware before the head is sent).
+            origin = request.headers.get("origin")
+            if origin and (any_origin or normalize_origin(origin) in allowed_origins):
+                headers = response.headers
+                headers["Access-Control-Allow-Origin"] = origin
+                headers["Access-Control-Expose-Headers"] = CORS_EXPOSE_HEADERS
+                vary = headers.get("Vary")
+                if not vary:
+                    headers["Vary"] = "Origin"
+                elif "origin" not in vary.lower():
+                    headers["Vary"] = f"{vary}, Origin"
 
     @app.on_response
     async def _access_log(request: Request, response: HTTPResponse) -> None:

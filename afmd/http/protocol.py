@@ -1,0 +1,352 @@
+"""afmd's HTTP/1.1 connection: Sanic's protocol behind the gate, with server-wide caps.
+
+Each connection feeds its bytes to a :class:`~afmd.http.gate.Gate`; only complete,
+screened, normalised requests reach Sanic's parser. On top of that the protocol enforces:
+
+* ``max_connections`` across all listeners: the next connection gets 503
+  ``too_many_connections`` (with ``Retry-After``) and is closed;
+* ``max_buffered_request_bytes`` across all connections, counting what the gate holds
+  and what Sanic holds (pipelined requests, and the body of a request being processed,
+  released when Sanic starts its next request): beyond it 503 ``server_overloaded``;
+* a deadline per request, from its first byte (``idle_timeout``: a slowloris is cut with
+  408 ``request_timeout``), and the keep-alive idle timeout.
+
+Replies the gate writes itself (``100 Continue``, preflights, refusals) are written only
+while Sanic is idle on the connection, so they never interleave with a response being
+sent; a refusal is written, the write side is shut, and what the client still sends is
+drained briefly (a lingering close), so the client reads the refusal instead of a reset.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import deque
+from time import monotonic
+from typing import Any, ClassVar
+
+from sanic import Sanic
+from sanic import headers as sanic_headers
+from sanic import helpers as sanic_helpers
+from sanic.exceptions import MethodNotAllowed, NotFound, ServiceUnavailable
+from sanic.http import Http, Stage
+from sanic.server.protocols.http_protocol import HttpProtocol
+
+from afmd.config import ServerConfig
+from afmd.errors import RequestTimeoutError, ServiceUnavailableError, TooManyConnectionsError
+from afmd.http.gate import Gate, GatePolicy, Rejection, Reply, RouteCheck
+from afmd.logs import get_logger
+
+log = get_logger("afmd.http")
+
+#: How long a refused connection is drained after its answer before it is closed.
+LINGER_SECONDS = 2.0
+
+_OPEN, _REFUSED, _LINGERING, _CLOSED = range(4)
+
+
+def _patch_reason_phrases() -> None:
+    """Sanic has no reason phrase for 421 (it would send "421 UNKNOWN")."""
+    for status, phrase in ((421, b"Misdirected Request"),
+                           (431, b"Request Header Fields Too Large")):
+        sanic_helpers.STATUS_CODES[status] = phrase
+        sanic_headers._HTTP1_STATUSLINES[status] = b"HTTP/1.1 %d %b\r\n" % (status, phrase)
+
+
+_patch_reason_phrases()
+
+
+def route_checker(app: Sanic) -> RouteCheck:
+    """The gate's route check, answered by the app's own router (so they always agree)."""
+    router = app.router
+
+    def check(method: str, path: str) -> tuple[int, tuple[str, ...]]:
+        try:
+            router.get(path, method, None)
+        except MethodNotAllowed as exc:
+            allowed = getattr(exc, "allowed_methods", None) or ()
+            return 405, tuple(sorted(str(m) for m in allowed))
+        except NotFound:
+            return 404, ()
+        except Exception:
+            return 404, ()
+        return 200, ()
+
+    return check
+
+
+class GateContext:
+    """What every connection of one server shares, across listeners and their restarts."""
+
+    def __init__(self, server: ServerConfig, route: RouteCheck, *, access_log: bool = True):
+        self.server = server
+        self.route = route
+        self.access_log = access_log
+        self.max_connections = server.max_connections
+        self.max_buffered = server.max_buffered_request_bytes
+        self.idle_timeout = server.idle_timeout
+        self.open_connections = 0
+        self.buffered = 0  # request bytes held by gates and Sanic, all connections
+        self.refused = 0
+        self.connections: set[AfmdProtocol] = set()
+
+    def policy(self, *, check_host: bool, extra_hosts: tuple[str, ...] = ()) -> GatePolicy:
+        return GatePolicy.from_config(self.server, self.route, check_host=check_host,
+                                      extra_hosts=extra_hosts)
+
+
+_TOO_MANY = Rejection.from_error(TooManyConnectionsError(
+    "The server has too many open connections; retry shortly.",
+    headers={"Retry-After": "1"}))
+_OVERLOADED = Rejection.from_error(ServiceUnavailableError(
+    "The server is holding too many request bytes (max_buffered_request_bytes); retry "
+    "shortly.", code="server_overloaded", headers={"Retry-After": "1"}))
+
+
+class AfmdHttp(Http):
+    """Sanic's HTTP/1.1 cycle, telling the protocol each time it goes idle."""
+
+    # The gate already bounds the head (max_header_bytes, answered with 431); Sanic's own
+    # ceiling (16 KiB, answered with 413) must never cut a head the gate accepted.
+    HEADER_MAX_SIZE = 1 << 62
+
+    def init_for_request(self) -> None:
+        super().init_for_request()
+        self.protocol.afmd_sanic_idle()
+
+
+class AfmdProtocol(HttpProtocol):
+    """One HTTP/1.1 connection; subclassed per listener by :func:`make_protocol`."""
+
+    HTTP_CLASS = AfmdHttp
+    __slots__ = ("_afmd_gate", "_afmd_held", "_afmd_linger", "_afmd_pending",
+                 "_afmd_sanic_held", "_afmd_state")
+
+    context: ClassVar[GateContext]
+    policy: ClassVar[GatePolicy]
+
+    # -- asyncio callbacks --
+    def connection_made(self, transport: Any) -> None:
+        ctx = self.context
+        self._afmd_pending: deque[bytes | Reply] = deque()
+        self._afmd_held = 0
+        self._afmd_sanic_held = 0
+        self._afmd_linger: Any = None
+        self._afmd_gate: Gate | None = None
+        if ctx.open_connections >= ctx.max_connections:
+            self._afmd_state = _REFUSED
+            self.transport = transport
+            ctx.refused += 1
+            self._log_refusal(_TOO_MANY)
+            transport.write(_TOO_MANY.render())
+            self._linger()
+            return
+        self._afmd_state = _OPEN
+        ctx.open_connections += 1
+        ctx.connections.add(self)
+        self._afmd_gate = Gate(self.policy)
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._afmd_linger is not None:
+            self._afmd_linger.cancel()
+            self._afmd_linger = None
+        if self._afmd_state == _REFUSED:
+            self._afmd_state = _CLOSED
+            self.transport = None
+            return
+        if self._afmd_state == _CLOSED:
+            return
+        self._afmd_state = _CLOSED
+        ctx = self.context
+        ctx.open_connections -= 1
+        ctx.connections.discard(self)
+        ctx.buffered -= self._afmd_held
+        self._afmd_held = 0
+        self._afmd_pending.clear()
+        if self._afmd_gate is not None:
+            self._afmd_gate.kill()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            if self._afmd_state != _OPEN:
+                return  # refused or lingering: drained and discarded
+            if not data:
+                self.close()
+                return
+            gate = self._afmd_gate
+            assert gate is not None
+            if gate.dead:
+                return
+            self._time = monotonic()
+            ctx = self.context
+            if ctx.buffered + len(data) > ctx.max_buffered:
+                self._refuse(_OVERLOADED)
+                return
+            outputs = gate.feed(data)
+            if outputs:
+                self._afmd_pending.extend(outputs)
+                self._drain()
+            self._account()
+        except Exception:
+            log.exception("connection error")
+            self.close()
+
+    # -- Sanic hooks --
+    def afmd_sanic_idle(self) -> None:
+        """Sanic starts a request-loop turn: the previous request is finished."""
+        if self._afmd_state != _OPEN:
+            return
+        self._afmd_sanic_held = len(self.recv_buffer)
+        gate = self._afmd_gate
+        if gate is not None:
+            gate.restart_clock()  # its wait behind the previous request was not its fault
+        self._drain()
+        self._account()
+
+    def check_timeouts(self) -> None:
+        """Deadlines: a request from its first byte, keep-alive idleness, response silence."""
+        try:
+            if not self._task or self._afmd_state != _OPEN:
+                return
+            now = monotonic()
+            http = self.http
+            stage = http.stage if http is not None else Stage.IDLE
+            idle = stage is Stage.IDLE and not self.recv_buffer
+            gate = self._afmd_gate
+            started = gate.started_at if gate is not None else None
+            if idle and started is not None:
+                left = started + self.context.idle_timeout - now
+                if left <= 0:
+                    self._expire()
+                    return
+            elif idle and not self._afmd_pending:
+                left = self._time + self.keep_alive_timeout - now
+                if left <= 0:
+                    self._task.cancel()
+                    return
+            elif http is not None and stage in (Stage.HANDLER, Stage.RESPONSE, Stage.FAILED):
+                if http.upgrade_websocket:
+                    return
+                left = self._time + self.response_timeout - now
+                if left <= 0:
+                    http.exception = ServiceUnavailable("Response Timeout")
+                    self._task.cancel()
+                    return
+            else:
+                left = 0.5
+            self._callback_check_timeouts = self.loop.call_later(
+                min(max(left, 0.05), 5.0), self.check_timeouts)
+        except Exception:
+            log.exception("connection timeout check failed")
+
+    def close_if_idle(self) -> bool:
+        if self._afmd_state != _OPEN:
+            self._close_transport()
+            return True
+        return super().close_if_idle()
+
+    # -- internals --
+    def _sanic_idle(self) -> bool:
+        http = self.http
+        return (http is None or http.stage is Stage.IDLE) and not self.recv_buffer
+
+    def _drain(self) -> None:
+        """Hand complete requests to Sanic; write the gate's replies when their turn comes."""
+        pending = self._afmd_pending
+        while pending and self._afmd_state == _OPEN:
+            item = pending[0]
+            if type(item) is bytes:
+                pending.popleft()
+                self._afmd_sanic_held += len(item)
+                HttpProtocol.data_received(self, item)
+                continue
+            assert isinstance(item, Reply)
+            if not self._sanic_idle():
+                return
+            pending.popleft()
+            if self.transport is None or self.transport.is_closing():
+                return
+            self.transport.write(item.data)
+            self._time = monotonic()
+            if item.is_continue and self._afmd_gate is not None:
+                self._afmd_gate.restart_clock()
+            if item.rejection is not None:
+                self._log_refusal(item.rejection)
+            if item.close:
+                self._linger()
+                return
+
+    def _account(self) -> None:
+        gate = self._afmd_gate
+        held = (gate.buffered if gate is not None else 0) + self._afmd_sanic_held
+        for item in self._afmd_pending:
+            if type(item) is bytes:
+                held += len(item)
+        if held != self._afmd_held:
+            self.context.buffered += held - self._afmd_held
+            self._afmd_held = held
+
+    def _refuse(self, rejection: Rejection) -> None:
+        """Stop reading requests and answer ``rejection`` once Sanic is idle."""
+        if self._afmd_gate is not None:
+            self._afmd_gate.kill()
+        self._afmd_pending.append(Reply(rejection.render(), close=True, rejection=rejection))
+        self._drain()
+        self._account()
+
+    def _expire(self) -> None:
+        timeout = self.context.idle_timeout
+        self._refuse(Rejection.from_error(RequestTimeoutError(
+            f"The request was not received completely within idle_timeout ({timeout:g} s).")))
+
+    def _linger(self) -> None:
+        """Shut the write side after the answer, drain the client briefly, then close."""
+        if self._afmd_state == _OPEN:
+            self._afmd_state = _LINGERING
+        if self._callback_check_timeouts is not None:
+            self._callback_check_timeouts.cancel()
+            self._callback_check_timeouts = None
+        if self._afmd_gate is not None:
+            self._afmd_gate.kill()
+        self._afmd_pending.clear()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        try:
+            if not transport.can_write_eof():
+                transport.close()
+                return
+            transport.write_eof()
+        except Exception:
+            self._close_transport()
+            return
+        self._afmd_linger = self.loop.call_later(LINGER_SECONDS, self._close_transport)
+
+    def _close_transport(self) -> None:
+        self._afmd_linger = None
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        try:
+            if transport.get_write_buffer_size():
+                transport.abort()  # the client stopped reading; do not wait on it
+            else:
+                transport.close()
+        except Exception:
+            transport.abort()
+
+    def _log_refusal(self, rejection: Rejection) -> None:
+        if self.context.access_log:
+            log.info("refused", status=rejection.status, code=rejection.code,
+                     message=rejection.message)
+
+
+def make_protocol(context: GateContext, policy: GatePolicy, name: str) -> type[AfmdProtocol]:
+    """A protocol class for one listener (Sanic instantiates it per connection)."""
+
+    def body(ns: dict[str, Any]) -> None:
+        ns["context"] = context
+        ns["policy"] = policy
+
+    return types.new_class(f"AfmdProtocol_{name}", (AfmdProtocol,), {}, body)
