@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -105,6 +106,10 @@ def _config_error(exc: ConfigError) -> int:
     return EXIT_CONFIG
 
 
+def _stop_while_starting(signum: int, frame: Any) -> None:
+    raise SystemExit(EXIT_OK)
+
+
 def _serve(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {
         "server.host": args.host,
@@ -125,13 +130,20 @@ def _serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    from afmd import logs
+    # Until the server's own handlers are in place (importing MLX takes a second or two), a
+    # SIGTERM/SIGINT is a clean stop: there is nothing in flight to drain yet.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_while_starting)
+    try:
+        from afmd import logs
 
-    logs.configure(config.log.level, config.log.format)
+        logs.configure(config.log.level, config.log.format)
 
-    from afmd.server import run
+        from afmd.server import run
 
-    code = run(config)
+        code = run(config)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else EXIT_OK
     # Skip interpreter teardown: MLX's native threads can abort the process while Python
     # finalises ("terminate called without an active exception"), turning a clean stop
     # into a crash exit code that launchd would treat as a failure.
