@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from afmd.errors import ServerError
 log = logging.getLogger("afmd.engine")
 
 _WAKE = object()
+_FLUSH_INTERVAL_S = 0.008
 _STOP = object()
 
 
@@ -104,6 +106,9 @@ class BatchWorker:
         self._thread = threading.Thread(target=self._run, name=f"afmd-engine-{name}", daemon=True)
         self._generator: BatchGenerator | None = None
         self._started = False
+        # Sequences with events not yet handed to the event loop, and when we last did.
+        self._unflushed: dict[int, _Sequence] = {}
+        self._last_flush = 0.0
         # Owned by the thread: KV states of finished requests, reused for shared prefixes.
         self._prompt_cache: LRUPromptCache | None = None
         if prompt_cache_bytes > 0 and prompt_cache_entries > 0:
@@ -119,6 +124,9 @@ class BatchWorker:
     def start(self) -> None:
         if not self._started:
             self._started = True
+            # The decode thread needs the GIL back the moment MLX returns; with the default
+            # 5 ms switch interval it can wait a whole interval behind the event loop.
+            sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
             self._thread.start()
 
     def submit(self, generation: Generation) -> None:
@@ -246,14 +254,15 @@ class BatchWorker:
         if not responses:
             return
         now = time.perf_counter()
-        touched: list[_Sequence] = []
+        urgent = False  # a first token or a finish goes out at once
         for response in responses:
             seq = self._active.get(response.uid)
             if seq is None:
                 continue
-            touched.append(seq)
+            self._unflushed[id(seq)] = seq
             if not seq.first_token_at:
                 seq.first_token_at = now
+                urgent = True
             reason = response.finish_reason
             every = seq.generation.request.sample_every
             sample = every and (seq.completion_tokens % every == 0 or reason is not None)
@@ -287,7 +296,14 @@ class BatchWorker:
                 del self._active[response.uid]
                 self._remember(response.all_tokens, response.prompt_cache)
                 self._finish(seq, reason)
-        self._flush(touched)
+                urgent = True
+        # Each hand-off wakes the event loop through a pipe and makes the two threads trade
+        # the GIL; between first token and finish, pace hand-offs so a hop carries the
+        # tokens of a few steps (a few ms of latency, invisible in a stream).
+        if urgent or now - self._last_flush >= _FLUSH_INTERVAL_S or not self._active:
+            self._flush(list(self._unflushed.values()))
+            self._unflushed.clear()
+            self._last_flush = now
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         seq.detokenizer.finalize()
