@@ -184,6 +184,23 @@ def _invalid(param: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(message, code="invalid_value", param=param)
 
 
+def _required(obj: dict[str, Any], key: str, param: str, kind: type, expected: str) -> Any:
+    """A field that must be present and of one JSON type (``param`` is its full path)."""
+    value = obj.get(key)
+    if value is None:
+        raise _missing(param)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _wrong_type(param, expected, value)
+    return value
+
+
+def _function_object(container: dict[str, Any], p: str) -> tuple[dict[str, Any], str]:
+    """``container["function"]`` and its ``name``, both checked."""
+    function = _required(container, "function", f"{p}.function", dict, "an object")
+    name = _required(function, "name", f"{p}.function.name", str, "a string")
+    return function, name
+
+
 def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
     value = body.get(key)
     if value is None:
@@ -337,16 +354,7 @@ def _tool_calls(value: Any, param: str) -> tuple[ToolCall, ...]:
         kind = call.get("type", "function")
         if kind != "function":
             raise _invalid(f"{p}.type", f"Invalid tool call type '{kind}'; expected 'function'.")
-        function = call.get("function")
-        if function is None:
-            raise _missing(f"{p}.function")
-        if not isinstance(function, dict):
-            raise _wrong_type(f"{p}.function", "an object", function)
-        name = function.get("name")
-        if name is None:
-            raise _missing(f"{p}.function.name")
-        if not isinstance(name, str):
-            raise _wrong_type(f"{p}.function.name", "a string", name)
+        function, name = _function_object(call, p)
         arguments = function.get("arguments", "{}")
         if not isinstance(arguments, str):
             raise _wrong_type(f"{p}.function.arguments", "a string", arguments)
@@ -475,16 +483,7 @@ def _tools(value: Any) -> tuple[ToolSpec, ...]:
             raise _missing(f"{p}.type")
         if kind != "function":
             raise _invalid(f"{p}.type", f"Invalid tool type '{kind}'; supported: 'function'.")
-        function = tool.get("function")
-        if function is None:
-            raise _missing(f"{p}.function")
-        if not isinstance(function, dict):
-            raise _wrong_type(f"{p}.function", "an object", function)
-        name = function.get("name")
-        if name is None:
-            raise _missing(f"{p}.function.name")
-        if not isinstance(name, str):
-            raise _wrong_type(f"{p}.function.name", "a string", name)
+        function, name = _function_object(tool, p)
         if not name or len(name) > 64 or not all(c.isascii() and (c.isalnum() or c in "_-")
                                                  for c in name):
             raise _invalid(
@@ -521,14 +520,7 @@ def _function_name(value: Any, param: str) -> str:
         if not isinstance(name, str):
             raise _wrong_type(f"{param}.name", "a string", name)
         return name
-    if not isinstance(function, dict):
-        raise _wrong_type(f"{param}.function", "an object", function)
-    name = function.get("name")
-    if name is None:
-        raise _missing(f"{param}.function.name")
-    if not isinstance(name, str):
-        raise _wrong_type(f"{param}.function.name", "a string", name)
-    return name
+    return _function_object(value, param)[1]
 
 
 def _unknown_tool(name: str, param: str) -> InvalidRequestError:
