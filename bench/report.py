@@ -104,11 +104,14 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
         plt.close(fig)
         return "no aggregate measurements"
     ax.set_xscale("log", base=2)
+    levels = sorted({int(c) for v in series.values() if v for c in v})
+    ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("aggregate tok/s")
     meta = doc["meta"]
-    ax.set_title(f"{meta['model']} — {meta['date']} {meta['host']}"
-                 + (" (provisional)" if meta.get("provisional") else ""))
+    model = str(meta.get("model", "")).split(" (")[0]
+    ax.set_title(f"{model}, {meta['date']} {meta['host']}"
+                 + (" (provisional)" if meta.get("provisional") else ""), fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
