@@ -139,6 +139,9 @@ class ChatRun:
         self._attempt = 0
         self._totals = _Totals()
         self._cancel_requested = False
+        self._timed_out = False
+        # One timer per request for request_timeout, not one per awaited batch of tokens.
+        self._deadline: asyncio.TimerHandle | None = None
         self._reset_round_state()
 
     def _reset_round_state(self) -> None:
@@ -150,6 +153,9 @@ class ChatRun:
 
     # -- control --
     def start_generation(self) -> None:
+        if self._deadline is None:
+            loop = asyncio.get_running_loop()  # its clock is time.monotonic(), as deadline's
+            self._deadline = loop.call_at(self.prepared.deadline, self._on_deadline)
         rnd = self._round
         r = rnd.request
         self.generation = self.prepared.model.start(
@@ -173,8 +179,10 @@ class ChatRun:
         )
 
     def cancel(self) -> None:
-        """Stop for good (client cancel or disconnect)."""
+        """Stop for good (client cancel or disconnect; also when the response is over)."""
         self._cancel_requested = True
+        if self._deadline is not None:
+            self._deadline.cancel()
         self._stop_generation()
 
     def _stop_generation(self) -> None:
@@ -214,16 +222,18 @@ class ChatRun:
 
     async def _next_events(self) -> list[Any]:
         assert self.generation is not None
-        remaining = self.prepared.deadline - time.monotonic()
-        try:
-            async with asyncio.timeout(max(remaining, 0.0)):
-                return await self.generation.next_events()
-        except TimeoutError:
-            self._stop_generation()
-            raise GatewayTimeoutError(
-                "The request did not complete within the server's request_timeout.",
-                code="timeout",
-            ) from None
+        if not self._timed_out:
+            events = await self.generation.next_events()
+            if not self._timed_out:
+                return events
+        raise _timeout_error()
+
+    def _on_deadline(self) -> None:
+        """request_timeout passed: stop the engine and wake the consumer with a 504."""
+        self._timed_out = True
+        self._stop_generation()
+        if self.generation is not None:
+            self.generation.fail(_timeout_error())
 
     async def _retry(self, exc: APIError) -> bool:
         """Retry a transient model failure if nothing reached the client and no tool ran."""
@@ -392,6 +402,12 @@ class _RoundOver:
     event: Finished
 
 
+def _timeout_error() -> GatewayTimeoutError:
+    return GatewayTimeoutError(
+        "The request did not complete within the server's request_timeout.", code="timeout"
+    )
+
+
 def _context_error(limit: int, prompt: int, completion: int | None) -> InvalidRequestError:
     if completion is not None:
         return InvalidRequestError(
@@ -480,17 +496,14 @@ class ChatPipeline:
                 )
         return dataclasses.replace(request, tools=(*request.tools, *self.server_tools.specs()))
 
-    async def _render(self, request: ChatRequest, model: LoadedModel) -> list[int]:
+    def _render_sync(self, request: ChatRequest, model: LoadedModel) -> list[int]:
         messages = template_messages(request.messages, instructions=self.config.server.instructions)
         tools = [t.as_template_tool() for t in request.tools] if request.tools else None
         if request.tool_choice.mode == "none":
             tools = None
         try:
-            return await asyncio.to_thread(
-                model.render_prompt,
-                messages,
-                tools=tools,
-                template_kwargs=template_kwargs(request, model),
+            return model.render_prompt(
+                messages, tools=tools, template_kwargs=template_kwargs(request, model)
             )
         except Exception as exc:  # template errors are about the conversation's shape
             raise InvalidRequestError(
@@ -499,16 +512,27 @@ class ChatPipeline:
                 param="messages",
             ) from None
 
+    async def _render(self, request: ChatRequest, model: LoadedModel) -> list[int]:
+        return await asyncio.to_thread(self._render_sync, request, model)
+
     async def build_round(
         self, request: ChatRequest, model: LoadedModel, *, trim: bool
     ) -> Round:
-        """Render, fit into the context window (trimming if allowed), and plan."""
+        """Render, fit into the context window (trimming if allowed), and plan.
+
+        All of it runs in one worker-thread hop: templates, tokenization and grammar
+        compilation are milliseconds of CPU that must not stall the event loop, and each
+        extra hop adds to the time to first token.
+        """
+        return await asyncio.to_thread(self._build_round_sync, request, model, trim)
+
+    def _build_round_sync(self, request: ChatRequest, model: LoadedModel, trim: bool) -> Round:
         limit = model.context_length
         budget = request.max_tokens
-        prompt = await self._render(request, model)
+        prompt = self._render_sync(request, model)
         trimmed = 0
         if len(prompt) + (budget or 1) > limit and trim:
-            request, prompt, trimmed = await self._trim(request, model, limit, budget or 1)
+            request, prompt, trimmed = self._trim(request, model, limit, budget or 1)
         if budget is not None:
             if len(prompt) + budget > limit:
                 raise _context_error(limit, len(prompt), budget)
@@ -517,10 +541,11 @@ class ChatPipeline:
             max_tokens = limit - len(prompt)
             if max_tokens < 1:
                 raise _context_error(limit, len(prompt), None)
-        plan = await asyncio.to_thread(plan_turn, request, model, prompt, max_tokens)
+        plan = plan_turn(request, model, prompt, max_tokens)
+        plan.prepare_processors()  # the grammar matcher is built here, off the event loop
         return Round(request, prompt, max_tokens, plan, trimmed)
 
-    async def _trim(
+    def _trim(
         self, request: ChatRequest, model: LoadedModel, limit: int, budget: int
     ) -> tuple[ChatRequest, list[int], int]:
         """Drop the fewest oldest units that make the prompt fit (binary search)."""
@@ -531,7 +556,7 @@ class ChatPipeline:
             mid = (lo + hi) // 2
             messages, dropped = without_units(request.messages, units, mid)
             candidate = dataclasses.replace(request, messages=messages)
-            prompt = await self._render(candidate, model)
+            prompt = self._render_sync(candidate, model)
             if len(prompt) + budget <= limit:
                 best = (candidate, prompt, dropped)
                 hi = mid - 1
@@ -540,7 +565,7 @@ class ChatPipeline:
         if best is None:  # even the protected messages do not fit: report as usual
             messages, dropped = without_units(request.messages, units, len(units))
             candidate = dataclasses.replace(request, messages=messages)
-            return candidate, await self._render(candidate, model), dropped
+            return candidate, self._render_sync(candidate, model), dropped
         return best
 
     async def start(self, prepared: PreparedChat) -> ChatRun:

@@ -65,15 +65,25 @@ class TurnPlan:
     schema: dict[str, Any] | None = None  # response_format schema to check the answer against
     json_answer: bool = False
     processors: list[Callable[..., Any]] = field(default_factory=list)
+    _prepared: list[Callable[..., Any]] | None = None
+
+    def prepare_processors(self) -> None:
+        """Build the first set of processors now (in a worker thread, not on the loop)."""
+        self._prepared = self._build_processors()
 
     def logits_processors(self) -> list[Callable[..., Any]]:
         """Fresh per-request processors (grammar matchers hold per-sequence state)."""
+        prepared, self._prepared = self._prepared, None
+        out = prepared if prepared is not None else self._build_processors()
+        self.processors = out
+        return out
+
+    def _build_processors(self) -> list[Callable[..., Any]]:
         out: list[Callable[..., Any]] = []
         if self.grammar is not None:
             out.append(GrammarProcessor(self.grammar.matcher()))
         if self.ban:
             out.append(BanTokens(self.ban))
-        self.processors = out
         return out
 
     def output_processor(self) -> OutputProcessor:

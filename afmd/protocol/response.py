@@ -20,8 +20,13 @@ DONE = b"data: [DONE]\n\n"
 _ALPHANUM = string.ascii_letters + string.digits
 
 
+def _alphanumerics(n: int) -> str:
+    # One getrandom() for the whole id, not one per character (secrets.choice).
+    return "".join(_ALPHANUM[b % 62] for b in secrets.token_bytes(n))
+
+
 def new_completion_id() -> str:
-    return "chatcmpl-" + "".join(secrets.choice(_ALPHANUM) for _ in range(29))
+    return "chatcmpl-" + _alphanumerics(29)
 
 
 def new_request_id() -> str:
@@ -29,7 +34,7 @@ def new_request_id() -> str:
 
 
 def new_tool_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ALPHANUM) for _ in range(24))
+    return "call_" + _alphanumerics(24)
 
 
 @dataclass(frozen=True, slots=True)
