@@ -9,7 +9,6 @@ clear 503 instead of hanging.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -315,13 +314,6 @@ def _describe_load_failure(entry: ModelEntry, exc: BaseException) -> str:
     if local.is_dir() and not (local / "config.json").exists():
         return f"'{path}' has no config.json; is it an MLX model folder?"
     return f"{type(exc).__name__}: {exc}"
-
-
-def read_model_config(folder: Path) -> dict[str, Any]:
-    try:
-        return json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 __all__ = ["BUILTIN_DEMO_PATH", "LoadedModel", "ModelRegistry"]
