@@ -256,7 +256,11 @@ class TrippingTools(ServerTools):
 def test_no_retry_once_a_server_tool_ran(
     demo_model: LoadedModel, tmp_path: Path, worker_faults: Any
 ) -> None:
-    tools = TrippingTools((ServerTool(name="trip", command=("true",)),), demo_model)
+    # Arguments can only be {}: the forced call always completes well within max_tokens.
+    empty = {"type": "object", "properties": {}, "additionalProperties": False}
+    tools = TrippingTools(
+        (ServerTool(name="trip", command=("true",), parameters=empty),), demo_model
+    )
     pipeline = pipeline_for(demo_model, tmp_path, "[engine]\nretries = 5\nretry_backoff = 0\n",
                             tools=tools)
     payload = {**body(max_tokens=64), "reasoning_effort": "none", "parallel_tool_calls": False,
