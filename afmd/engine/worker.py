@@ -333,15 +333,17 @@ class BatchWorker:
         batch = [(s.generation, s.pending) for s in seqs if s.pending]
         for s in seqs:
             s.pending = []
-        if not batch:
-            return
-        loop = batch[0][0]._loop
-        with contextlib.suppress(RuntimeError):  # loop closed during shutdown
-            loop.call_soon_threadsafe(_deliver, batch)
+        by_loop: dict[Any, list[tuple[Generation, list[Event]]]] = {}
+        for item in batch:
+            by_loop.setdefault(item[0]._loop, []).append(item)
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop closed (shutdown, tests)
+                loop.call_soon_threadsafe(_deliver, items)
 
     def _fail_all(self, exc: BaseException | None) -> None:
         seqs = list(self._active.values())
         self._active.clear()
+        self._unflushed.clear()
         if self._generator is not None:
             with contextlib.suppress(Exception):
                 self._generator.close()
