@@ -19,7 +19,7 @@ import os
 import re
 import sys
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -450,23 +450,29 @@ def _parse_aliases(value: object) -> dict[str, str]:
     return aliases
 
 
-def _parse_entries(value: object) -> list[ModelEntry]:
+def _table_array(
+    value: object, key: str, allowed: tuple[str, ...]
+) -> Iterator[tuple[int, str, dict[str, object]]]:
+    """The tables of a ``[[key]]`` array, each checked to hold only ``allowed`` keys."""
     if not isinstance(value, list):
-        raise ConfigError(
-            "models.model", f"expected an array of [[models.model]] tables, got {_describe(value)}"
-        )
-    entries: list[ModelEntry] = []
-    first_index: dict[str, int] = {}
+        raise ConfigError(key, f"expected an array of [[{key}]] tables, got {_describe(value)}")
     for i, item in enumerate(value):
-        base = f"models.model[{i}]"
+        base = f"{key}[{i}]"
         if not isinstance(item, dict):
             raise ConfigError(base, f"expected a table, got {_describe(item)}")
         for name in item:
-            if name not in _ENTRY_KEYS:
+            if name not in allowed:
                 raise ConfigError(
                     f"{base}.{name}",
-                    f"unknown key {name!r} in [[models.model]]{_suggest(name, _ENTRY_KEYS)}",
+                    f"unknown key {name!r} in [[{key}]]{_suggest(name, allowed)}",
                 )
+        yield i, base, item
+
+
+def _parse_entries(value: object) -> list[ModelEntry]:
+    entries: list[ModelEntry] = []
+    first_index: dict[str, int] = {}
+    for i, base, item in _table_array(value, "models.model", _ENTRY_KEYS):
         for required in ("id", "path"):
             if required not in item:
                 raise ConfigError(f"{base}.{required}", f"missing: every model needs {required!r}")
@@ -494,23 +500,9 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _parse_server_tools(value: object) -> list[ServerTool]:
-    if not isinstance(value, list):
-        raise ConfigError(
-            "tools.server", f"expected an array of [[tools.server]] tables, got {_describe(value)}"
-        )
     tools: list[ServerTool] = []
     names: set[str] = set()
-    for i, item in enumerate(value):
-        base = f"tools.server[{i}]"
-        if not isinstance(item, dict):
-            raise ConfigError(base, f"expected a table, got {_describe(item)}")
-        for name in item:
-            if name not in _SERVER_TOOL_KEYS:
-                raise ConfigError(
-                    f"{base}.{name}",
-                    f"unknown key {name!r} in [[tools.server]]"
-                    f"{_suggest(name, _SERVER_TOOL_KEYS)}",
-                )
+    for _, base, item in _table_array(value, "tools.server", _SERVER_TOOL_KEYS):
         if "name" not in item:
             raise ConfigError(f"{base}.name", "missing: every server tool needs 'name'")
         name = _coerce(item["name"], "str", f"{base}.name")
