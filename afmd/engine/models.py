@@ -13,13 +13,17 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from afmd.config import BUILTIN_DEMO_PATH, Config, ModelEntry
 from afmd.engine.base import Generation, GenerationRequest
-from afmd.engine.worker import BatchWorker
 from afmd.errors import NotFoundError, ServerError, ServiceUnavailableError
 from afmd.output.processor import ToolFormat
+
+if TYPE_CHECKING:
+    # The worker imports mlx-lm and with it transformers (~45 MB resident): only a model
+    # load may pay for that, not a server that has none (or has not loaded one yet).
+    from afmd.engine.worker import BatchWorker
 
 log = logging.getLogger("afmd.engine")
 
@@ -149,12 +153,31 @@ class LoadedModel:
         self.worker.wake()
 
 
+def _looks_like_repo(path: str) -> bool:
+    """``owner/name``: a Hugging Face id that mlx-lm may download, not a local path."""
+    return path.count("/") == 1 and not path.startswith((".", "/", "~"))
+
+
+def _missing_local_path(path: str) -> bool:
+    """A path that names a local folder which is not there, so no load can succeed."""
+    if path.startswith(BUILTIN_PREFIX) or _looks_like_repo(path):
+        return False
+    return not Path(path).expanduser().exists()
+
+
 def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
-    # Heavy imports stay here so `afmd --help` and `check-config` start instantly.
+    # Fail before the heavy imports: mlx-lm drags in transformers (~45 MB resident, a second
+    # or two), which a server whose model folder is missing would otherwise carry forever.
+    if _missing_local_path(entry.path):
+        raise FileNotFoundError(f"'{entry.path}' does not exist")
+
+    # Heavy imports stay here so `afmd --help`, `check-config` and a server that has not
+    # loaded a model yet start fast and small; PyInstaller still sees them statically.
     from mlx.utils import tree_flatten
     from mlx_lm import load as mlx_load
 
     from afmd.engine import demo
+    from afmd.engine.worker import BatchWorker
 
     is_demo = entry.path.startswith(BUILTIN_PREFIX)
     if is_demo:
@@ -304,8 +327,7 @@ def _describe_load_failure(entry: ModelEntry, exc: BaseException) -> str:
     path = entry.path
     local = Path(path).expanduser()
     if not path.startswith(BUILTIN_PREFIX) and not local.exists():
-        looks_like_repo = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-        if looks_like_repo:
+        if _looks_like_repo(path):
             return (
                 f"'{path}' is not a local folder and could not be downloaded from Hugging Face "
                 f"({type(exc).__name__}: {exc})"

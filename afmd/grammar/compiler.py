@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import llguidance
-import llguidance.hf
 from llguidance import LLMatcher, LLTokenizer
 
 from afmd.errors import InvalidRequestError
@@ -52,6 +50,10 @@ _tokenizers_lock = threading.Lock()
 
 def llg_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> LLTokenizer:
     """The llguidance view of a model's tokenizer, built once per tokenizer."""
+    # llguidance.hf imports transformers (~45 MB resident); only a loaded model needs it,
+    # so a server without one stays small.
+    import llguidance.hf
+
     key = id(tokenizer)
     with _tokenizers_lock:
         cached = _tokenizers.get(key)
