@@ -81,7 +81,7 @@ class TurnPlan:
     def _build_processors(self) -> list[Callable[..., Any]]:
         out: list[Callable[..., Any]] = []
         if self.grammar is not None:
-            out.append(GrammarProcessor(self.grammar.matcher()))
+            out.append(GrammarProcessor(self.grammar.matcher(), self.grammar.tokenizer.vocab_size))
         if self.ban:
             out.append(BanTokens(self.ban))
         return out

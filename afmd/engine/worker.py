@@ -27,6 +27,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prom
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from afmd.engine.base import Event, Finished, Generation, SamplingParams, Text
+from afmd.engine.decode import DecodeBatch
 from afmd.errors import ServerError
 
 log = logging.getLogger("afmd.engine")
@@ -143,7 +144,7 @@ class BatchWorker:
 
     # -- thread side --
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
+        generator = BatchGenerator(
             self._model,
             max_tokens=256,
             stop_tokens=[[t] for t in self._eos],
@@ -151,6 +152,8 @@ class BatchWorker:
             prefill_batch_size=self._max_batch,
             prefill_step_size=self._prefill_step_size,
         )
+        DecodeBatch.install(generator)
+        return generator
 
     def _run(self) -> None:
         self._generator = self._new_generator()

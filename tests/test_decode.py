@@ -1,0 +1,202 @@
+"""afmd's decode step against mlx-lm's own, on the real demo model, in process.
+
+``DecodeBatch`` replaces mlx-lm's step for speed; it must not change a single token. Each
+case runs the same batch through a plain ``BatchGenerator`` (mlx-lm's row-by-row
+processors, full normalisation) and through one with ``DecodeBatch`` installed, and
+compares every row's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import make_logits_processors
+
+from afmd.engine import demo
+from afmd.engine.base import SamplingParams
+from afmd.engine.decode import DecodeBatch
+from afmd.engine.worker import make_sampler
+from afmd.grammar.compiler import json_schema_grammar, llg_tokenizer
+from afmd.grammar.processor import BanTokens, GrammarProcessor, MaskBuilder
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "n": {"type": "integer"},
+    },
+    "required": ["name", "tags", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    root = tmp_path_factory.mktemp("decode-cache")
+    return mlx_lm.load(str(demo.materialize("demo", root)))
+
+
+@pytest.fixture(scope="module")
+def grammar(loaded: tuple[Any, Any]) -> Any:
+    model, tokenizer = loaded
+    vocab = model.args.vocab_size
+    llg = llg_tokenizer(tokenizer, vocab, sorted(tokenizer.eos_token_ids))
+    return json_schema_grammar(llg, SCHEMA, thinking=None, param="response_format")
+
+
+def _prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"record number {i} please " * (1 + i % 3)}],
+            add_generation_prompt=True,
+        )
+        for i in range(n)
+    ]
+
+
+def _run(
+    loaded: tuple[Any, Any],
+    rows: list[dict[str, Any]],
+    *,
+    ours: bool,
+    max_tokens: int = 40,
+    stagger: bool = False,
+) -> list[list[int]]:
+    """Every row's tokens. ``rows[i]`` may give ``processors`` (a factory) and ``sampler``."""
+    model, tokenizer = loaded
+    generator = BatchGenerator(
+        model,
+        stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+        completion_batch_size=len(rows),
+        prefill_batch_size=len(rows),
+    )
+    if ours:
+        DecodeBatch.install(generator)
+        assert isinstance(generator._generation_batch, DecodeBatch)
+    prompts = _prompts(tokenizer, len(rows))
+    out: dict[int, list[int]] = {}
+    order: list[int] = []
+
+    def insert(i: int) -> None:
+        row = rows[i]
+        (uid,) = generator.insert(
+            [prompts[i]],
+            max_tokens=[max_tokens],
+            samplers=[row.get("sampler", lambda: None)()],
+            logits_processors=[row.get("processors", list)()],
+        )
+        out[uid] = []
+        order.append(uid)
+
+    pending = list(range(len(rows)))
+    if not stagger:
+        for i in pending:
+            insert(i)
+        pending = []
+    else:  # rows join a running batch one step apart
+        insert(pending.pop(0))
+    finished = 0
+    while finished < len(rows):
+        _, responses = generator.next()
+        for response in responses:
+            out[response.uid].append(response.token)
+            finished += response.finish_reason is not None
+        if pending:
+            insert(pending.pop(0))
+    generator.close()
+    return [out[uid] for uid in order]
+
+
+def _both(loaded: tuple[Any, Any], rows: list[dict[str, Any]], **kw: Any) -> list[list[int]]:
+    theirs = _run(loaded, rows, ours=False, **kw)
+    mine = _run(loaded, rows, ours=True, **kw)
+    assert mine == theirs
+    return mine
+
+
+def test_greedy_batch_is_token_for_token_mlx_lm(loaded: tuple[Any, Any]) -> None:
+    tokens = _both(loaded, [{} for _ in range(6)], stagger=True)
+    assert all(len(t) > 1 for t in tokens)
+
+
+def test_constrained_rows_among_free_rows_match_and_parse(
+    loaded: tuple[Any, Any], grammar: Any
+) -> None:
+    vocab = loaded[0].args.vocab_size
+
+    def constrained() -> list[Any]:
+        return [GrammarProcessor(grammar.matcher(), vocab)]
+
+    rows = [{"processors": constrained}, {}, {"processors": constrained}, {}]
+    tokens = _both(loaded, rows, max_tokens=120, stagger=True)
+    tokenizer = loaded[1]
+    for i in (0, 2):
+        text = tokenizer.decode([t for t in tokens[i] if t not in tokenizer.eos_token_ids])
+        value = json.loads(text)
+        assert set(value) == {"name", "tags", "n"}
+
+
+def test_banned_tokens_and_repetition_penalty_rows_match(loaded: tuple[Any, Any]) -> None:
+    free = _run(loaded, [{}], ours=False)[0]
+    banned = tuple(sorted(set(free[:5])))
+
+    rows = [
+        {"processors": lambda: [BanTokens(banned)]},
+        {"processors": lambda: make_logits_processors(repetition_penalty=1.3)},
+        {},
+    ]
+    tokens = _both(loaded, rows)
+    assert not set(tokens[0][1:]) & set(banned)  # the first token is mlx-lm's step too
+
+
+def test_seeded_sampling_matches(loaded: tuple[Any, Any]) -> None:
+    def seeded(seed: int) -> Any:
+        return lambda: make_sampler(SamplingParams(temperature=0.8, top_p=0.9, seed=seed))
+
+    rows = [{"sampler": seeded(1)}, {}, {"sampler": seeded(2)}]
+    _both(loaded, rows)
+    # One sampler object shared by every row takes the batched call (it holds a PRNG
+    # key, so each run gets its own).
+    def shared_rows() -> list[dict[str, Any]]:
+        shared = make_sampler(SamplingParams(temperature=0.7, seed=5))
+        return [{"sampler": lambda: shared}, {"sampler": lambda: shared}]
+
+    theirs = _run(loaded, shared_rows(), ours=False)
+    assert _run(loaded, shared_rows(), ours=True) == theirs
+
+
+def test_mask_builder_rows(loaded: tuple[Any, Any], grammar: Any) -> None:
+    vocab = loaded[0].args.vocab_size
+    processor = GrammarProcessor(grammar.matcher(), vocab)
+    builder = MaskBuilder()
+    padded = vocab + 40  # a model vocabulary padded beyond its tokenizer's
+    rows = [(0, [processor]), (2, [BanTokens((3, 64, padded - 1))])]
+    allowed = np.array(builder.build(rows, [0, 0, 0], 3, padded))
+    assert allowed.shape == (3, padded)
+    assert allowed[1].all()  # unconstrained
+    assert allowed[2].sum() == padded - 3 and not allowed[2, [3, 64, padded - 1]].any()
+    assert 0 < allowed[0].sum() < vocab
+    assert not allowed[0, vocab:].any()  # padding ids are never valid under a grammar
+    # The per-row call (a sequence's first token) masks the same tokens.
+    single = GrammarProcessor(grammar.matcher(), vocab)
+    logits = single(mx.array([[1]]), mx.zeros((1, padded)))
+    assert (np.array(logits)[0] == 0).tolist() == allowed[0].tolist()
+
+
+def test_worker_runs_the_decode_step(tmp_path: Path, loaded: tuple[Any, Any]) -> None:
+    from afmd.engine.worker import BatchWorker
+
+    worker = BatchWorker(loaded[0], loaded[1], name="t")
+    generator = worker._new_generator()
+    try:
+        assert isinstance(generator._generation_batch, DecodeBatch)
+    finally:
+        generator.close()
