@@ -26,6 +26,7 @@ from afmd.config import Config
 from afmd.engine.models import ModelRegistry
 from afmd.http.app import AppState, create_app
 from afmd.http.protocol import GateContext, make_protocol, route_checker
+from afmd.http.routes import STATE_ROUTES
 from afmd.http.supervisor import ListenerState, ListenerSupervisor, Supervised
 from afmd.logs import get_logger
 from afmd.pipeline import ChatPipeline
@@ -202,7 +203,7 @@ class Server:
         self.state = AppState(config=config, registry=self.registry, pipeline=self.pipeline)
         self.app = create_app(self.state)
         self.gate = GateContext(config.server, route_checker(self.app),
-                                access_log=config.log.access_log)
+                                access_log=config.log.access_log, direct=STATE_ROUTES)
         self.listeners: list[Listener] = []
         self.supervisor = ListenerSupervisor(
             teardown=self._teardown_listener,

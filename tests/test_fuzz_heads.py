@@ -7,6 +7,7 @@ Against the real server, no head may produce a 500 or take the server down.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_transport import RawConn
 
-from afmd.http.gate import Gate, GatePolicy, Reply
+from afmd.http.gate import Direct, Gate, GatePolicy, Reply
 
 from conftest import ServerProcess, start_server
 
@@ -41,6 +42,7 @@ def _route(method: str, path: str) -> tuple[int, tuple[str, ...]]:
 
 POLICY = GatePolicy(route=_route, api_key=b"", max_header_bytes=1024, max_body_bytes=512,
                     allowed_origins=frozenset({"http://ok.example"}))
+DIRECT_POLICY = dataclasses.replace(POLICY, direct_paths=frozenset({"/health", "/v1/models"}))
 
 # --------------------------------------------------------------------------- strategies
 
@@ -169,6 +171,14 @@ def test_gate_is_total_and_split_independent(raw: bytes, cuts: list[int]) -> Non
     assert whole.buffered <= len(raw)
     if whole.dead:
         assert whole.buffered == 0
+    # Direct paths change nothing but the type of a bodiless GET's output.
+    direct = Gate(DIRECT_POLICY).feed(raw)
+    assert _summary([d.request if isinstance(d, Direct) else d for d in direct]) == (
+        _summary(at_once))
+    for out in direct:
+        if isinstance(out, Direct):
+            assert out.request.startswith(b"GET " + out.path.encode())
+            assert out.request.endswith(b"\r\n\r\n")  # no body
 
 
 @settings(max_examples=200, deadline=None)

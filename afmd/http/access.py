@@ -1,4 +1,4 @@
-"""The access log: one structured event per request, streamed or not."""
+"""The access log: one structured event per request, streamed or not, whoever answered it."""
 
 from __future__ import annotations
 
@@ -13,29 +13,54 @@ _log = get_logger("afmd.access")
 
 
 def log_access(request: Request, status: int, nbytes: int) -> None:
-    state = request.app.ctx.state
+    """Log a request Sanic handled, with what its handler noted on ``request.ctx``."""
+    ctx = request.ctx
+    log_request(
+        request.app.ctx.state, request.method, request.path, status, nbytes,
+        started=getattr(ctx, "started", None),
+        request_id=getattr(ctx, "request_id", None),
+        model=getattr(ctx, "model", None),
+        usage=getattr(ctx, "usage", None),
+        finish_reason=getattr(ctx, "finish_reason", None),
+        stream_error=getattr(ctx, "stream_error", None),
+    )
+
+
+def log_request(
+    state: Any,
+    method: str,
+    path: str,
+    status: int,
+    nbytes: int,
+    *,
+    started: float | None = None,
+    request_id: str | None = None,
+    model: str | None = None,
+    usage: Any = None,
+    finish_reason: str | None = None,
+    stream_error: str | None = None,
+) -> None:
+    """The ``request`` event, when ``log.access_log`` is on; ``started`` is a
+    :func:`time.perf_counter` reading. Requests the protocol answers without Sanic are
+    logged here directly, so both kinds of line have the same fields."""
     if not state.config.log.access_log:
         return
-    ctx = request.ctx
-    started = getattr(ctx, "started", None)
     fields: dict[str, Any] = {
-        "method": request.method,
-        "path": request.path,
+        "method": method,
+        "path": path,
         "status": status,
         "duration_ms": round((time.perf_counter() - started) * 1000, 2) if started else None,
-        "request_id": getattr(ctx, "request_id", None),
+        "request_id": request_id,
         "bytes": nbytes,
     }
-    model = getattr(ctx, "model", None)
     if model:
         fields["model"] = model
-    usage = getattr(ctx, "usage", None)
     if usage is not None:
         fields["prompt_tokens"] = usage.prompt_tokens
         fields["completion_tokens"] = usage.completion_tokens
         fields["cached_tokens"] = usage.cached_tokens
-    for extra in ("finish_reason", "stream_error"):
-        value = getattr(ctx, extra, None)
-        if value:
-            fields[extra] = value
+    if finish_reason:
+        fields["finish_reason"] = finish_reason
+    if stream_error:
+        fields["stream_error"] = stream_error
     _log.info("request", **fields)

@@ -34,7 +34,7 @@ from afmd.errors import (
 )
 from afmd.http import routes
 from afmd.http.access import log_access
-from afmd.http.gate import CORS_EXPOSE_HEADERS, normalize_origin
+from afmd.http.gate import cors_headers, normalize_origin
 from afmd.logs import get_logger
 from afmd.pipeline import ChatPipeline
 
@@ -138,10 +138,10 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
                   name="chat_completions_root")
     app.add_route(routes.cancel, "/v1/chat/completions/<request_id:str>/cancel",
                   methods=["POST"], name="cancel")
-    app.add_route(routes.list_models, "/v1/models", methods=["GET"], name="models")
+    for route in routes.STATE_ROUTES:
+        app.add_route(route.handler, route.path, methods=["GET"], name=route.name)
     app.add_route(routes.get_model, "/v1/models/<model_id:path>", methods=["GET"],
                   name="model")
-    app.add_route(routes.health, "/health", methods=["GET"], name="health")
 
     @app.on_request
     async def _mark_start(request: Request) -> None:
@@ -158,13 +158,12 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
             origin = request.headers.get("origin")
             if origin and (any_origin or normalize_origin(origin) in allowed_origins):
                 headers = response.headers
-                headers["Access-Control-Allow-Origin"] = origin
-                headers["Access-Control-Expose-Headers"] = CORS_EXPOSE_HEADERS
-                vary = headers.get("Vary")
-                if not vary:
-                    headers["Vary"] = "Origin"
-                elif "origin" not in vary.lower():
-                    headers["Vary"] = f"{vary}, Origin"
+                for name, value in cors_headers(origin):
+                    if name == "Vary" and (vary := headers.get("Vary")):
+                        if value.lower() not in vary.lower():
+                            headers["Vary"] = f"{vary}, {value}"
+                    else:
+                        headers[name] = value
 
     @app.on_response
     async def _access_log(request: Request, response: HTTPResponse) -> None:

@@ -15,13 +15,24 @@ Replies the gate writes itself (``100 Continue``, preflights, refusals) are writ
 while Sanic is idle on the connection, so they never interleave with a response being
 sent; a refusal is written, the write side is shut, and what the client still sends is
 drained briefly (a lingering close), so the client reads the refusal instead of a reset.
+
+Plain ``GET`` requests for the :data:`~afmd.http.routes.STATE_ROUTES` (``/health``,
+``/v1/models``) come out of the gate as :class:`~afmd.http.gate.Direct` and are answered
+here, under the same rule, without Sanic: health checks arrive in floods, and Sanic's
+per-request machinery (signals, routing, middleware, request objects) is most of their
+cost. The answer is the route's own (:meth:`~afmd.http.routes.StateRoute.answer`), with the
+headers Sanic's path adds (CORS, ``Connection``), and the same access-log event. Behind a
+request Sanic has not finished, when the client is not reading (the transport paused
+writing), or when the builder fails, the request goes to Sanic instead, as it always did:
+Sanic answers it in order, waits for the client, or answers the failure as usual.
 """
 
 from __future__ import annotations
 
 import types
 from collections import deque
-from time import monotonic
+from collections.abc import Iterable
+from time import monotonic, perf_counter
 from typing import Any, ClassVar
 
 from sanic import Sanic
@@ -33,7 +44,9 @@ from sanic.server.protocols.http_protocol import HttpProtocol
 
 from afmd.config import ServerConfig
 from afmd.errors import RequestTimeoutError, ServiceUnavailableError, TooManyConnectionsError
-from afmd.http.gate import Gate, GatePolicy, Rejection, Reply, RouteCheck
+from afmd.http.access import log_request
+from afmd.http.gate import Direct, Gate, GatePolicy, Rejection, Reply, RouteCheck, render_json
+from afmd.http.routes import StateRoute
 from afmd.logs import get_logger
 
 log = get_logger("afmd.http")
@@ -77,10 +90,13 @@ def route_checker(app: Sanic) -> RouteCheck:
 class GateContext:
     """What every connection of one server shares, across listeners and their restarts."""
 
-    def __init__(self, server: ServerConfig, route: RouteCheck, *, access_log: bool = True):
+    def __init__(self, server: ServerConfig, route: RouteCheck, *, access_log: bool = True,
+                 direct: Iterable[StateRoute] = ()):
         self.server = server
         self.route = route
         self.access_log = access_log
+        #: The routes answered without Sanic, by path (the app must serve them too).
+        self.direct: dict[str, StateRoute] = {r.path: r for r in direct}
         self.max_connections = server.max_connections
         self.max_buffered = server.max_buffered_request_bytes
         self.idle_timeout = server.idle_timeout
@@ -91,7 +107,7 @@ class GateContext:
 
     def policy(self, *, check_host: bool, extra_hosts: tuple[str, ...] = ()) -> GatePolicy:
         return GatePolicy.from_config(self.server, self.route, check_host=check_host,
-                                      extra_hosts=extra_hosts)
+                                      extra_hosts=extra_hosts, direct_paths=self.direct)
 
 
 _TOO_MANY = Rejection.from_error(TooManyConnectionsError(
@@ -127,7 +143,7 @@ class AfmdProtocol(HttpProtocol):
     # -- asyncio callbacks --
     def connection_made(self, transport: Any) -> None:
         ctx = self.context
-        self._afmd_pending: deque[bytes | Reply] = deque()
+        self._afmd_pending: deque[bytes | Reply | Direct] = deque()
         self._afmd_held = 0
         self._afmd_sanic_held = 0
         self._afmd_linger: Any = None
@@ -252,16 +268,28 @@ class AfmdProtocol(HttpProtocol):
         return (http is None or http.stage is Stage.IDLE) and not self.recv_buffer
 
     def _drain(self) -> None:
-        """Hand complete requests to Sanic; write the gate's replies when their turn comes."""
+        """Hand complete requests to Sanic; write the gate's replies and the direct answers
+        when their turn comes."""
         pending = self._afmd_pending
         while pending and self._afmd_state == _OPEN:
             item = pending[0]
+            if isinstance(item, Direct):
+                pending.popleft()
+                # Answered here only when it is next in line (Sanic idle) and the client
+                # reads (a paused transport would otherwise buffer without bound); else
+                # Sanic answers it in turn, with its own backpressure, exactly as before.
+                if self._sanic_idle() and self._can_write.is_set() and self._answer(item):
+                    if item.close:
+                        return
+                    continue
+                self._afmd_sanic_held += len(item.request)
+                HttpProtocol.data_received(self, item.request)
+                continue
             if type(item) is bytes:
                 pending.popleft()
                 self._afmd_sanic_held += len(item)
                 HttpProtocol.data_received(self, item)
                 continue
-            assert isinstance(item, Reply)
             if not self._sanic_idle():
                 return
             pending.popleft()
@@ -277,12 +305,33 @@ class AfmdProtocol(HttpProtocol):
                 self._linger()
                 return
 
+    def _answer(self, item: Direct) -> bool:
+        """Write the answer to ``item`` without Sanic (it is idle: the answer is next in
+        order); False when the request should go to Sanic after all."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return True  # nobody to answer
+        started = perf_counter()
+        state = self.app.ctx.state
+        try:
+            status, body = self.context.direct[item.path].answer(state)
+        except Exception:
+            return False  # Sanic runs the same builder and answers its failure as usual
+        transport.write(render_json(status, body, item.headers, close=item.close))
+        self._time = monotonic()
+        log_request(state, "GET", item.path, status, len(body), started=started)
+        if item.close:
+            self.close()  # as Sanic does after a Connection: close response
+        return True
+
     def _account(self) -> None:
         gate = self._afmd_gate
         held = (gate.buffered if gate is not None else 0) + self._afmd_sanic_held
         for item in self._afmd_pending:
             if type(item) is bytes:
                 held += len(item)
+            elif isinstance(item, Direct):
+                held += len(item.request)
         if held != self._afmd_held:
             self.context.buffered += held - self._afmd_held
             self._afmd_held = held

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -185,9 +187,34 @@ async def _stream(request: Request, run: ChatRun) -> None:
     await response.eof()
 
 
-async def list_models(request: Request) -> HTTPResponse:
-    state = request.app.ctx.state
-    return json_response({"object": "list", "data": _model_objects(state)})
+@dataclass(frozen=True, slots=True)
+class StateRoute:
+    """A ``GET`` route whose answer is built from the server's state alone.
+
+    Sanic serves it through :meth:`handler`; the connection protocol answers a plain,
+    bodiless request for it itself (:class:`~afmd.http.gate.Direct`), because under a
+    flood of health checks Sanic's per-request machinery costs several times what
+    building the answer does. Both go through :meth:`answer`, so the two paths cannot
+    disagree on status or body.
+    """
+
+    path: str
+    name: str
+    #: ``build(state)`` -> ``(status, JSON payload)``.
+    build: Callable[[Any], tuple[int, Any]]
+
+    def answer(self, state: Any) -> tuple[int, bytes]:
+        """The status and the JSON body, as bytes."""
+        status, payload = self.build(state)
+        return status, orjson.dumps(payload)
+
+    async def handler(self, request: Request) -> HTTPResponse:
+        status, body = self.answer(request.app.ctx.state)
+        return HTTPResponse(body, status=status, content_type="application/json")
+
+
+def _models(state: Any) -> tuple[int, dict[str, Any]]:
+    return 200, {"object": "list", "data": _model_objects(state)}
 
 
 async def get_model(request: Request, model_id: str) -> HTTPResponse:
@@ -213,8 +240,7 @@ def _model_objects(state: Any) -> list[dict[str, Any]]:
     return objects
 
 
-async def health(request: Request) -> HTTPResponse:
-    state = request.app.ctx.state
+def _health(state: Any) -> tuple[int, dict[str, Any]]:
     registry = state.registry
     default = state.config.resolve_model(None)
     body: dict[str, Any] = {
@@ -230,7 +256,14 @@ async def health(request: Request) -> HTTPResponse:
         body["reason"] = "model_load_failed" if failure and not registry.is_loading(
             default.id) else "model_not_ready"
         status = 503
-    return json_response(body, status=status)
+    return status, body
+
+
+#: The routes that :class:`StateRoute` describes; ``create_app`` registers them.
+STATE_ROUTES = (
+    StateRoute("/v1/models", "models", _models),
+    StateRoute("/health", "health", _health),
+)
 
 
 async def cancel(request: Request, request_id: str) -> HTTPResponse:
