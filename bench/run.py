@@ -82,7 +82,7 @@ class Plan:
         else:
             plan = cls(quick=False, runs=5, batch_runs=3, max_tokens=256, levels=LEVELS,
                        ttft_runs=15, ttft_max_tokens=4, prefix_tokens=2000, prefix_runs=5,
-                       prefix_max_tokens=32, grammar_runs=3, grammar_max_tokens=256,
+                       prefix_max_tokens=32, grammar_runs=4, grammar_max_tokens=256,
                        grammar_batch=8,
                        rps_seconds=3.0, rps_runs=3, rps_connections=32, big=True,
                        access_log=True, profile=True, profile_seconds=8.0, timeout=300.0)
@@ -159,8 +159,12 @@ async def concurrent(port: int, bodies: list[dict[str, Any]], timeout: float
         return {"error": error}
     wall = max(r.t_end for r in rs) - min(r.t_send for r in rs)
     tokens = sum(r.tokens for r in rs)
+    # Decoding only: from the first stream's first token to the last stream's last one.
+    span = max(r.t_last for r in rs) - min(r.t_first for r in rs)
+    after_first = sum(max(r.tokens - 1, 0) for r in rs)
     return {
         "agg_tps": tokens / wall if wall > 0 else None,
+        "decode_agg_tps": after_first / span if span > 0 and after_first else None,
         "tokens": tokens,
         "wall": wall,
         "ttft": statistics.median(r.ttft for r in rs),
@@ -286,7 +290,7 @@ async def m_grammar(ctx: Ctx, port: int, tag: str) -> dict[str, Any]:
     """Constrained vs unconstrained, interleaved run by run so drift hits both alike."""
     p = ctx.plan
     mt = p.grammar_max_tokens
-    kinds = ("unconstrained", *GRAMMAR_KINDS)
+    kinds = ("unconstrained", "tools_as_text", *GRAMMAR_KINDS)
     # Warm-up: the first constrained request builds llguidance's tokenizer view.
     for k in kinds:
         await client.stream_chat(HOST, port, workload.grammar_bodies(
@@ -294,35 +298,47 @@ async def m_grammar(ctx: Ctx, port: int, tag: str) -> dict[str, Any]:
     alone: dict[str, list[client.StreamResult]] = {k: [] for k in kinds}
     batch: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     for r in range(p.grammar_runs):
-        for k in kinds:
+        # Alternate the order so what runs first (a cold prefix cache, say) hits each kind.
+        order = kinds if r % 2 == 0 else kinds[::-1]
+        for k in order:
             body = workload.grammar_bodies(workload.prompt(f"{tag}-g-{k}", r), mt)[k]
             alone[k].append(await client.stream_chat(HOST, port, body, timeout=p.timeout))
-        for k in kinds:
+        for k in order:
             bodies = [workload.grammar_bodies(workload.prompt(f"{tag}-gb-{k}-{r}", i), mt)[k]
                       for i in range(p.grammar_batch)]
             batch[k].append(await concurrent(port, bodies, p.timeout))
     out: dict[str, Any] = {}
-    base_alone = alone["unconstrained"]
-    base_batch = batch["unconstrained"]
     for k in kinds:
         why = _first_error(alone[k])
         out[f"grammar_{k}_alone_tps"] = stat(
             [r.e2e_tps if r.ok else None for r in alone[k]], "tok/s", reason=why)
+        out[f"grammar_{k}_alone_decode_tps"] = stat(
+            [r.decode_tps if r.ok else None for r in alone[k]], "tok/s", reason=why)
+        out[f"grammar_{k}_prompt_tokens"] = [r.prompt_tokens for r in alone[k]]
         out[f"grammar_{k}_alone_tokens"] = [r.tokens for r in alone[k]]
         out[f"grammar_{k}_alone_finish"] = [r.finish_reason for r in alone[k]]
         bwhy = next((x["error"] for x in batch[k] if "error" in x), None)
         out[f"grammar_{k}_batch_tps"] = stat(
             [x.get("agg_tps") for x in batch[k]], "tok/s", reason=bwhy)
-        if k == "unconstrained":
+        out[f"grammar_{k}_batch_decode_tps"] = stat(
+            [x.get("decode_agg_tps") for x in batch[k]], "tok/s", reason=bwhy)
+        if k not in GRAMMAR_KINDS:
             continue
-        pairs = [(c.e2e_tps, u.e2e_tps) for c, u in zip(alone[k], base_alone, strict=True)
-                 if c.ok and u.ok and c.e2e_tps and u.e2e_tps]
-        out[f"grammar_{k}_alone_pct"] = stat([c / u for c, u in pairs], "%", scale=100,
-                                             reason=why or _first_error(base_alone))
-        bpairs = [(c.get("agg_tps"), u.get("agg_tps")) for c, u in
-                  zip(batch[k], base_batch, strict=True)]
-        out[f"grammar_{k}_batch_pct"] = stat(
-            [c / u for c, u in bpairs if c and u], "%", scale=100, reason=bwhy)
+        # Against the same prompt without a grammar (workload.GRAMMAR_BASELINE): end to
+        # end, the verdict, and the decode phase alone (prefill excluded), for the detail.
+        base_alone = alone[workload.GRAMMAR_BASELINE[k]]
+        base_batch = batch[workload.GRAMMAR_BASELINE[k]]
+        for suffix, attr in (("", "e2e_tps"), ("_decode", "decode_tps")):
+            pairs = [(getattr(c, attr), getattr(u, attr))
+                     for c, u in zip(alone[k], base_alone, strict=True) if c.ok and u.ok]
+            out[f"grammar_{k}_alone{suffix}_pct"] = stat(
+                [c / u for c, u in pairs if c and u], "%", scale=100,
+                reason=why or _first_error(base_alone))
+            field = "agg_tps" if attr == "e2e_tps" else "decode_agg_tps"
+            bpairs = [(c.get(field), u.get(field)) for c, u in
+                      zip(batch[k], base_batch, strict=True)]
+            out[f"grammar_{k}_batch{suffix}_pct"] = stat(
+                [c / u for c, u in bpairs if c and u], "%", scale=100, reason=bwhy)
         if k == "json_schema":
             out["grammar_json_valid"] = [_valid_json(r) for r in alone[k] if r.ok]
     return out
@@ -540,8 +556,10 @@ async def idle_rss(ctx: Ctx, name: str, *, binary: Path | None = None,
 def find_binary(explicit: str | None) -> Path | None:
     if explicit:
         return Path(explicit)
-    for rel in ("build/dist/afmd/afmd", "build/dist/afmd", "dist/afmd/afmd", "dist/afmd"):
-        path = ROOT / rel
+    # build/build.py writes build/dist/afmd-<version>-<platform>/afmd (the onedir bundle).
+    candidates = sorted((ROOT / "build" / "dist").glob("afmd-*/afmd"), reverse=True)
+    candidates += [ROOT / "build/dist/afmd/afmd", ROOT / "dist/afmd/afmd"]
+    for path in candidates:
         if path.is_file() and os.access(path, os.X_OK):
             return path
     return None
@@ -564,7 +582,8 @@ async def bench_footprint(ctx: Ctx, binary: Path | None) -> None:
             a.setdefault(k, null(f"failed: {exc}"))
     if binary is None:
         for k in ("frozen_cold_start_s", "frozen_rss_demo_mb", "frozen_rss_no_model_mb"):
-            a[k] = null("not built (no build/dist/afmd binary; pass --binary PATH)")
+            a[k] = null("not built (no build/dist/afmd-*/afmd: run build/build.py, "
+                        "or pass --binary PATH)")
         return
     try:
         demo = await idle_rss(ctx, "afmd-frozen-demo", binary=binary)
@@ -810,21 +829,28 @@ def build_rows(ctx: Ctx) -> list[dict[str, Any]]:
     # grammar
     for kind, label in (("json_schema", "response_format json_schema"),
                         ("tool_required", 'tool_choice "required"')):
+        base = workload.GRAMMAR_BASELINE[kind]
         for where, key in (("alone", "alone"), (f"batch of {p.grammar_batch}", "batch")):
             v = med(_get(ctx, "afmd", f"grammar_{kind}_{key}_pct", ""))
+            decode = med(_get(ctx, "afmd", f"grammar_{kind}_{key}_decode_pct", ""))
             row(f"grammar_{kind}_{key}", f"grammar decode, {label}, {where} "
                 "(% of unconstrained)", "afmd ≥ 90%",
                 {"afmd": f"grammar_{kind}_{key}_pct"},
                 {"pass": None if v is None else v >= 90.0,
                  "constrained_tps": med(_get(ctx, "afmd", f"grammar_{kind}_{key}_tps", "")),
-                 "unconstrained_tps": med(_get(ctx, "afmd",
-                                               f"grammar_unconstrained_{key}_tps", "")),
+                 "unconstrained_tps": med(_get(ctx, "afmd", f"grammar_{base}_{key}_tps", "")),
+                 "decode_pct": decode,
                  "detail": "" if v is None else (
                      f"{_num(ctx, 'afmd', f'grammar_{kind}_{key}_tps')} vs "
-                     f"{_num(ctx, 'afmd', f'grammar_unconstrained_{key}_tps')} tok/s")},
+                     f"{_num(ctx, 'afmd', f'grammar_{base}_{key}_tps')} tok/s, prompt "
+                     f"{_prompt(ctx, kind)} vs {_prompt(ctx, base)} tokens; decode phase "
+                     f"alone {_pct(decode)}")},
                 reasons={"mlx_lm_server": no_mlx_grammar, "raw": no_raw_grammar},
-                note="completion_tokens / (end − send), constrained and unconstrained "
-                     "interleaved run by run")
+                note="completion_tokens / (end − send), against the same prompt without a "
+                     "grammar (for tools: the tool definitions as a system message), "
+                     "constrained and unconstrained interleaved run by run. Decode phase: "
+                     "tokens after the first / (last delta − first delta); in a batch "
+                     "Σ(tokens − 1) / (last delta of any − first delta of any)")
 
     # requests/s
     mh = med(_get(ctx, "mlx_lm_server", "health_rps", ""))
@@ -918,6 +944,16 @@ def _ms(ctx: Ctx, system: str, key: str) -> str:
     return "?" if v is None else f"{v:.0f} ms"
 
 
+def _pct(v: float | None) -> str:
+    return "?" if v is None else f"{v:.0f}%"
+
+
+def _prompt(ctx: Ctx, kind: str) -> str:
+    """A grammar request's prompt tokens as afmd counted them (the longest run's)."""
+    seen = [n for n in ctx.m["afmd"].get(f"grammar_{kind}_prompt_tokens") or () if n]
+    return str(max(seen)) if seen else "?"
+
+
 def _num(ctx: Ctx, system: str, key: str) -> str:
     v = med(_get(ctx, system, key, ""))
     return "?" if v is None else f"{v:.0f}"
@@ -991,7 +1027,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-dir", metavar="DIR",
                     help="where the models are built (default: a fresh temporary folder)")
     ap.add_argument("--binary", metavar="PATH",
-                    help="frozen afmd binary (default: build/dist/afmd/afmd if present)")
+                    help="frozen afmd binary (default: build/dist/afmd-*/afmd if present)")
     ap.add_argument("--runs", type=int, help="repeats per measurement (default 5; quick 2)")
     ap.add_argument("--max-tokens", type=int, help="tokens per stream (default 256; quick 32)")
     ap.add_argument("--no-big", action="store_true", help="skip the compute-bound model rows")

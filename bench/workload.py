@@ -8,6 +8,7 @@ the random-weight demo models rarely emit an end-of-sequence token, so streams r
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -102,12 +103,38 @@ TOOLS = [
 ]
 
 
+#: What each constrained request is compared with: the same prompt, no grammar. A tools
+#: request's prompt carries the tool definitions (~280 more tokens with the demo
+#: template), so its twin carries the same text as its system message instead.
+GRAMMAR_BASELINE = {"json_schema": "unconstrained", "tool_required": "tools_as_text"}
+
+
+#: The tool block a ChatML/Qwen2 template writes into the system message (the demo's).
+TOOLS_AS_TEXT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
 def grammar_bodies(text: str, max_tokens: int) -> dict[str, dict[str, Any]]:
-    """The unconstrained request and its two constrained twins."""
+    """The constrained requests and their unconstrained twins."""
     msgs = messages(text)
+    tools_text = TOOLS_AS_TEXT.format(tools="\n".join(json.dumps(t) for t in TOOLS))
     return {
         "unconstrained": chat_body(msgs, max_tokens),
         "json_schema": chat_body(msgs, max_tokens, response_format=RESPONSE_FORMAT),
+        "tools_as_text": chat_body([{"role": "system", "content": tools_text}, *msgs],
+                                   max_tokens),
         "tool_required": chat_body(msgs, max_tokens, tools=TOOLS, tool_choice="required"),
     }
 
