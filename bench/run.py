@@ -61,6 +61,7 @@ class Plan:
     grammar_runs: int
     grammar_max_tokens: int
     grammar_batch: int
+    grammar_alone: int  # single-stream samples per kind per run (they are short and noisy)
     rps_seconds: float
     rps_runs: int
     rps_connections: int
@@ -76,14 +77,14 @@ class Plan:
             plan = cls(quick=True, runs=2, batch_runs=2, max_tokens=32, levels=(1, 8),
                        ttft_runs=3, ttft_max_tokens=4, prefix_tokens=1000, prefix_runs=1,
                        prefix_max_tokens=8, grammar_runs=1, grammar_max_tokens=32,
-                       grammar_batch=8, rps_seconds=0.5, rps_runs=1, rps_connections=32,
-                       big=False,
+                       grammar_batch=8, grammar_alone=1, rps_seconds=0.5, rps_runs=1,
+                       rps_connections=32, big=False,
                        access_log=False, profile=False, profile_seconds=0.0, timeout=120.0)
         else:
             plan = cls(quick=False, runs=5, batch_runs=3, max_tokens=256, levels=LEVELS,
                        ttft_runs=15, ttft_max_tokens=4, prefix_tokens=2000, prefix_runs=5,
                        prefix_max_tokens=32, grammar_runs=4, grammar_max_tokens=256,
-                       grammar_batch=8,
+                       grammar_batch=8, grammar_alone=3,
                        rps_seconds=3.0, rps_runs=3, rps_connections=32, big=True,
                        access_log=True, profile=True, profile_seconds=8.0, timeout=300.0)
         if args.runs:
@@ -300,9 +301,11 @@ async def m_grammar(ctx: Ctx, port: int, tag: str) -> dict[str, Any]:
     for r in range(p.grammar_runs):
         # Alternate the order so what runs first (a cold prefix cache, say) hits each kind.
         order = kinds if r % 2 == 0 else kinds[::-1]
-        for k in order:
-            body = workload.grammar_bodies(workload.prompt(f"{tag}-g-{k}", r), mt)[k]
-            alone[k].append(await client.stream_chat(HOST, port, body, timeout=p.timeout))
+        for a in range(p.grammar_alone):
+            for k in order:
+                body = workload.grammar_bodies(
+                    workload.prompt(f"{tag}-g-{k}", r * p.grammar_alone + a), mt)[k]
+                alone[k].append(await client.stream_chat(HOST, port, body, timeout=p.timeout))
         for k in order:
             bodies = [workload.grammar_bodies(workload.prompt(f"{tag}-gb-{k}-{r}", i), mt)[k]
                       for i in range(p.grammar_batch)]
@@ -844,7 +847,7 @@ def build_rows(ctx: Ctx) -> list[dict[str, Any]]:
                      f"{_num(ctx, 'afmd', f'grammar_{kind}_{key}_tps')} vs "
                      f"{_num(ctx, 'afmd', f'grammar_{base}_{key}_tps')} tok/s, prompt "
                      f"{_prompt(ctx, kind)} vs {_prompt(ctx, base)} tokens; decode phase "
-                     f"alone {_pct(decode)}")},
+                     f"{_pct(decode)}")},
                 reasons={"mlx_lm_server": no_mlx_grammar, "raw": no_raw_grammar},
                 note="completion_tokens / (end − send), against the same prompt without a "
                      "grammar (for tools: the tool definitions as a system message), "

@@ -64,7 +64,7 @@ class BanTokens:
 
     def __init__(self, ids: Sequence[int]) -> None:
         self.ids = tuple(ids)
-        self._ids = mx.array(list(self.ids))
+        self._ids = mx.array(list(self.ids), dtype=mx.int32)
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         logits[..., self._ids] = _NEG_INF
