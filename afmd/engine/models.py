@@ -177,6 +177,7 @@ def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     from mlx_lm import load as mlx_load
 
     from afmd.engine import demo
+    from afmd.engine.layout import relayout_for_cpu
     from afmd.engine.worker import BatchWorker
 
     is_demo = entry.path.startswith(BUILTIN_PREFIX)
@@ -189,6 +190,7 @@ def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         folder = candidate if candidate.exists() else None
         source = str(candidate) if folder else entry.path
     model, tokenizer, model_config = mlx_load(source, return_config=True)
+    relayout_for_cpu(model)
     context_length = (
         entry.context_length or _context_length_from(model_config) or DEFAULT_CONTEXT_LENGTH
     )

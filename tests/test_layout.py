@@ -1,0 +1,51 @@
+"""The CPU layout of the output projection: faster, and bit for bit the same logits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import pytest
+
+from afmd.engine import demo
+from afmd.engine.layout import TransposedLinear, relayout_for_cpu
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    return mlx_lm.load(str(demo.materialize("demo", tmp_path_factory.mktemp("layout"))))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_transposed_head_gives_identical_logits(rows: int) -> None:
+    linear = nn.Linear(64, 2048, bias=False)
+    mx.eval(linear.parameters())
+    x = mx.random.normal((rows, 1, 64))
+    assert mx.array_equal(linear(x), TransposedLinear(linear)(x)).item()
+
+
+def test_model_is_relaid_out_on_cpu_with_identical_logits(loaded: tuple[Any, Any]) -> None:
+    model, tokenizer = loaded
+    tokens = mx.array([tokenizer.encode("hello there, how are you")] * 4)
+    before = model(tokens)
+    assert mx.default_device().type == mx.DeviceType.cpu  # MLX on this Linux CPU
+    assert relayout_for_cpu(model)
+    assert isinstance(model.lm_head, TransposedLinear)
+    assert "weight" not in model.lm_head  # re-laid out, not copied
+    assert mx.array_equal(before, model(tokens)).item()
+    assert not relayout_for_cpu(model)  # once only
+
+
+def test_heads_left_alone() -> None:
+    class Tied(nn.Module):
+        pass
+
+    assert not relayout_for_cpu(Tied())  # tied embeddings: no lm_head
+    biased = Tied()
+    biased.lm_head = nn.Linear(8, 16, bias=True)
+    assert not relayout_for_cpu(biased)
+    quantized = Tied()
+    quantized.lm_head = nn.QuantizedLinear(64, 64, bias=False)
+    assert not relayout_for_cpu(quantized)
