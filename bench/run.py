@@ -82,8 +82,8 @@ class Plan:
                        access_log=False, profile=False, profile_seconds=0.0, timeout=120.0)
         else:
             plan = cls(quick=False, runs=5, batch_runs=3, max_tokens=256, levels=LEVELS,
-                       ttft_runs=15, ttft_max_tokens=4, prefix_tokens=2000, prefix_runs=5,
-                       prefix_max_tokens=32, grammar_runs=4, grammar_max_tokens=256,
+                       ttft_runs=25, ttft_max_tokens=4, prefix_tokens=2000, prefix_runs=5,
+                       prefix_max_tokens=32, grammar_runs=6, grammar_max_tokens=256,
                        grammar_batch=8, grammar_alone=3,
                        rps_seconds=3.0, rps_runs=3, rps_connections=32, big=True,
                        access_log=True, profile=True, profile_seconds=8.0, timeout=300.0)
