@@ -281,9 +281,30 @@ def _prefix_run(raw: Raw, conv: list[dict[str, Any]], max_tokens: int) -> dict[s
     }
 
 
+def serve_ttft(folder: str) -> None:
+    """One raw time to first token per stdin line (a prompt), answered on stdout.
+
+    run.py interleaves these with a server's own TTFT requests, one at a time, so a burst
+    of noise on a shared machine hits both sides of a few-millisecond comparison alike.
+    """
+    from bench import workload
+
+    raw = Raw(folder)
+    raw.stream(workload.messages("warm up"), 2, stop_after=1)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        res = raw.stream(workload.messages(request["prompt"]), request["max_tokens"],
+                         stop_after=1)
+        print(json.dumps({"ttft": res["ttft"]}), flush=True)
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "materialize":
         print(json.dumps(materialize(Path(argv[1]), "--big" in argv)))
+        return 0
+    if argv and argv[0] == "ttft-server":
+        serve_ttft(argv[1])
         return 0
     if argv and argv[0] == "measure":
         spec = json.loads(Path(argv[1]).read_text())
