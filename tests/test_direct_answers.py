@@ -270,8 +270,10 @@ def test_health_counts_are_truthful(srv: ServerProcess) -> None:
     first = RawConn(srv.port, timeout=60)
     second = RawConn(srv.port, timeout=60)
     try:
-        # 8000 tokens take far longer than this test; it is cancelled below.
-        first.send(post_chat("X-Request-ID: direct-hog\r\n", stream=True, max_tokens=8000))
+        # 8000 greedy tokens take far longer than this test (sampled, the random demo
+        # model may pick its end token early); it is cancelled below.
+        first.send(post_chat("X-Request-ID: direct-hog\r\n", stream=True, max_tokens=8000,
+                              temperature=0))
         while b"data: " not in first.buf:
             assert first._fill()
         wait(1, 0)
