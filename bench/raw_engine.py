@@ -24,23 +24,12 @@ if __package__ in (None, ""):
 perf = time.perf_counter
 MAX_BATCH = 16  # afmd's bench config: [queue] max_concurrent_requests = 16
 
-# The optional compute-bound model: the demo-32k tokenizer on a larger random Qwen2.
-BIG_ARCH: dict[str, Any] = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
+# The optional compute-bound model: demo-32k (its config and tokenizer) made larger.
+BIG_SHAPE: dict[str, Any] = {
     "hidden_size": 512,
     "num_hidden_layers": 8,
     "num_attention_heads": 8,
-    "num_key_value_heads": 2,
     "intermediate_size": 1408,
-    "max_position_embeddings": 8192,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-06,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "use_sliding_window": False,
-    "attention_dropout": 0.0,
-    "torch_dtype": "float32",
 }
 
 
@@ -50,8 +39,10 @@ def build_big(base: Path, cache_root: Path) -> Path:
     import numpy as np
 
     base_config = json.loads((base / "config.json").read_text())
+    arch = {**base_config, **BIG_SHAPE}
+    arch.pop("afmd_demo", None)
     digest = hashlib.sha256(
-        json.dumps([BIG_ARCH, base.name, 1], sort_keys=True).encode()
+        json.dumps([BIG_SHAPE, base.name, 1], sort_keys=True).encode()
     ).hexdigest()[:12]
     target = cache_root / "models" / f"bench-big-{digest}"
     if (target / "model.safetensors").is_file():
@@ -60,9 +51,9 @@ def build_big(base: Path, cache_root: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     vocab = base_config["vocab_size"]
-    h, inter = BIG_ARCH["hidden_size"], BIG_ARCH["intermediate_size"]
-    head_dim = h // BIG_ARCH["num_attention_heads"]
-    kv = BIG_ARCH["num_key_value_heads"] * head_dim
+    h, inter = arch["hidden_size"], arch["intermediate_size"]
+    head_dim = h // arch["num_attention_heads"]
+    kv = arch["num_key_value_heads"] * head_dim
     rng = np.random.default_rng(0)
 
     def uniform(shape: tuple[int, ...], fan_in: int) -> mx.array:
@@ -76,7 +67,7 @@ def build_big(base: Path, cache_root: Path) -> Path:
         "lm_head.weight": mx.array(rng.normal(0, 0.4 / h ** 0.5 * 8, size=(vocab, h))
                                    .astype(np.float32)),
     }
-    for i in range(BIG_ARCH["num_hidden_layers"]):
+    for i in range(arch["num_hidden_layers"]):
         p = f"model.layers.{i}"
         weights.update({
             f"{p}.input_layernorm.weight": mx.ones((h,)),
@@ -93,9 +84,7 @@ def build_big(base: Path, cache_root: Path) -> Path:
             f"{p}.mlp.down_proj.weight": uniform((h, inter), inter),
         })
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-    config = {**base_config, **BIG_ARCH}
-    config.pop("afmd_demo", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "config.json").write_text(json.dumps(arch, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(base / name, tmp / name)
     shutil.rmtree(target, ignore_errors=True)

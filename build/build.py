@@ -71,11 +71,8 @@ def artifact_name(version: str | None = None, system: str | None = None,
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_sha256(path: Path) -> tuple[Path, str]:

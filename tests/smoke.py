@@ -36,7 +36,8 @@ def check_health(base_url: str) -> dict[str, Any]:
     return body
 
 
-def check_completion(client: Any) -> None:
+def check_completion(client: Any) -> Any:
+    """One non-streamed completion, checked against OpenAI's schema; returned for more."""
     completion = client.chat.completions.create(
         model="demo", messages=MESSAGES, max_tokens=12, temperature=0
     )
@@ -47,6 +48,7 @@ def check_completion(client: Any) -> None:
     assert choice.finish_reason in ("length", "stop")
     assert 0 < completion.usage.completion_tokens <= 12
     assert completion.model == "demo"
+    return completion
 
 
 def check_streamed_completion(client: Any) -> None:

@@ -33,6 +33,13 @@ H = "Host: localhost\r\n"
 HEALTH = "GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
 
 
+def _health_status(port: int | None = None, *, unix: str | None = None) -> int:
+    """The status of one ``HEALTH`` request over a fresh connection (TCP port or Unix socket)."""
+    with RawConn(port, unix=unix) as conn:
+        conn.send(HEALTH)
+        return conn.read_response().status
+
+
 @pytest.fixture()
 def sock_dir() -> Iterator[Path]:
     """A short directory for Unix sockets (sun_path is ~104 bytes; tmp_path can be long)."""
@@ -74,15 +81,11 @@ def test_unix_socket_and_tcp_together(tmp_path: Path, sock_dir: Path) -> None:
         assert f"unix:{path}" in proc.addresses
         assert stat.S_ISSOCK(os.lstat(path).st_mode)
         assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
-        with RawConn(unix=path) as conn:
-            conn.send(HEALTH)
-            assert conn.read_response().status == 200
+        assert _health_status(unix=path) == 200
         with RawConn(unix=path) as conn:  # the Unix socket always checks Host
             conn.send("GET /v1/models HTTP/1.1\r\nHost: evil.example\r\n\r\n")
             check_error(conn.read_response(), 421, "invalid_host")
-        with RawConn(proc.port) as conn:
-            conn.send(HEALTH)
-            assert conn.read_response().status == 200
+        assert _health_status(proc.port) == 200
         assert proc.stop() == 0, proc.log_text()[-4000:]
         assert not os.path.exists(path)  # removed on SIGTERM
     finally:
@@ -94,9 +97,7 @@ def test_unix_socket_only(tmp_path: Path, sock_dir: Path) -> None:
     proc = _serve(tmp_path, "--host", "", "--unix-socket", path)
     try:
         assert proc.addresses == [f"unix:{path}"]
-        with RawConn(unix=path) as conn:
-            conn.send(HEALTH)
-            assert conn.read_response().status == 200
+        assert _health_status(unix=path) == 200
     finally:
         assert proc.stop() == 0, proc.log_text()[-4000:]
 
@@ -124,9 +125,7 @@ def test_live_socket_is_not_stolen(tmp_path: Path, sock_dir: Path) -> None:
         result = _run_to_exit(tmp_path, "--port", "0", "--unix-socket", path)
         assert result.returncode == 1
         assert "another server is listening" in result.stderr
-        with RawConn(unix=path) as conn:  # the first server still owns it
-            conn.send(HEALTH)
-            assert conn.read_response().status == 200
+        assert _health_status(unix=path) == 200  # the first server still owns it
     finally:
         assert first.stop() == 0, first.log_text()[-4000:]
 
@@ -140,9 +139,7 @@ def test_stale_socket_is_replaced(tmp_path: Path, sock_dir: Path) -> None:
     proc = _serve(tmp_path, "--host", "", "--unix-socket", path)
     try:
         assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
-        with RawConn(unix=path) as conn:
-            conn.send(HEALTH)
-            assert conn.read_response().status == 200
+        assert _health_status(unix=path) == 200
     finally:
         assert proc.stop() == 0, proc.log_text()[-4000:]
 
@@ -154,9 +151,7 @@ def test_removed_socket_file_is_recreated(tmp_path: Path, sock_dir: Path) -> Non
         os.unlink(path)
         proc.wait_event("listener_state", timeout=5, state="running", attempt=1)
         assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
-        with RawConn(unix=path) as conn:
-            conn.send(HEALTH)
-            assert conn.read_response().status == 200
+        assert _health_status(unix=path) == 200
     finally:
         assert proc.stop() == 0, proc.log_text()[-4000:]
 
