@@ -8,7 +8,9 @@ compares every row's tokens.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_logits_processors
 
 from afmd.engine import demo
-from afmd.engine.base import SamplingParams
+from afmd.engine.base import Generation, GenerationRequest, SamplingParams, Text
 from afmd.engine.decode import DecodeBatch
 from afmd.engine.worker import make_sampler
 from afmd.grammar.compiler import json_schema_grammar, llg_tokenizer
@@ -200,3 +202,62 @@ def test_worker_runs_the_decode_step(tmp_path: Path, loaded: tuple[Any, Any]) ->
         assert isinstance(generator._generation_batch, DecodeBatch)
     finally:
         generator.close()
+
+
+def test_finished_rows_leave_a_cache_that_matches_their_tokens(
+    loaded: tuple[Any, Any],
+) -> None:
+    """A row's first token is handed out before it is fed to the model (``_step``): a row
+    that finishes then must leave with a KV cache and token list that agree, or the
+    prefix cache would later serve KV states for tokens that were never computed."""
+    model, tokenizer = loaded
+    generator = BatchGenerator(model, stop_tokens=[], completion_batch_size=4,
+                               prefill_batch_size=4)
+    DecodeBatch.install(generator)
+    prompts = _prompts(tokenizer, 3)
+    budgets = [1, 2, 6]
+    uids = generator.insert(prompts, max_tokens=budgets)
+    got: dict[int, list[int]] = {uid: [] for uid in uids}
+    finished: dict[int, Any] = {}
+    while len(finished) < len(uids):
+        _, responses = generator.next()
+        for response in responses:
+            got[response.uid].append(response.token)
+            if response.finish_reason is not None:
+                finished[response.uid] = response
+    generator.close()
+    for uid, prompt, budget in zip(uids, prompts, budgets, strict=True):
+        response = finished[uid]
+        assert len(got[uid]) == budget
+        offset = response.prompt_cache[0].offset
+        assert offset == len(response.all_tokens)
+        assert response.all_tokens == [*prompt, *got[uid]][:offset]
+        assert offset >= len(prompt) + budget - 1
+
+
+def test_first_token_handoff_waits_for_the_consumer() -> None:
+    """The engine thread's ack is set only after the woken consumer has run."""
+    from afmd.engine.worker import _deliver
+
+    async def main() -> list[str]:
+        loop = asyncio.get_running_loop()
+        generation = Generation(GenerationRequest("r", [1], 4), loop)
+        order: list[str] = []
+
+        async def consumer() -> None:
+            events = await generation.next_events()
+            order.append(f"consumer:{len(events)}")
+
+        task = asyncio.create_task(consumer())
+        await asyncio.sleep(0)
+        ack = threading.Event()
+
+        def engine() -> None:
+            loop.call_soon_threadsafe(_deliver, [(generation, [Text("a", 1)])], ack)
+            assert ack.wait(5)
+            order.append("ack")
+
+        await asyncio.gather(asyncio.to_thread(engine), task)
+        return order
+
+    assert asyncio.run(main()) == ["consumer:1", "ack"]
