@@ -346,7 +346,15 @@ async def m_prefix(ctx: Ctx, port: int, tag: str) -> dict[str, Any]:
 
 
 async def m_grammar(ctx: Ctx, port: int, tag: str) -> dict[str, Any]:
-    """Constrained vs unconstrained, interleaved run by run so drift hits both alike."""
+    """Each constrained request, then its unconstrained twin held to the same length.
+
+    A grammar ends its output when the value is complete (a json_schema record here is
+    100-256 tokens), while free text runs to max_tokens; a batch whose rows finish early
+    decodes its tail with fewer rows, so unequal lengths alone made a constrained batch
+    look ~10% slower. Each twin (same prompt; for tools, the tool block as text) gets, row
+    by row, max_tokens = the tokens its constrained request produced. The order of the
+    two grammar kinds alternates run by run so drift hits both alike.
+    """
     p = ctx.plan
     mt = p.grammar_max_tokens
     kinds = ("unconstrained", "tools_as_text", *GRAMMAR_KINDS)
@@ -357,17 +365,26 @@ async def m_grammar(ctx: Ctx, port: int, tag: str) -> dict[str, Any]:
     alone: dict[str, list[client.StreamResult]] = {k: [] for k in kinds}
     batch: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     for r in range(p.grammar_runs):
-        # Alternate the order so what runs first (a cold prefix cache, say) hits each kind.
-        order = kinds if r % 2 == 0 else kinds[::-1]
+        order = GRAMMAR_KINDS if r % 2 == 0 else GRAMMAR_KINDS[::-1]
         for a in range(p.grammar_alone):
             for k in order:
-                body = workload.grammar_bodies(
-                    workload.prompt(f"{tag}-g-{k}", r * p.grammar_alone + a), mt)[k]
-                alone[k].append(await client.stream_chat(HOST, port, body, timeout=p.timeout))
+                bodies = workload.grammar_bodies(
+                    workload.prompt(f"{tag}-g-{k}", r * p.grammar_alone + a), mt)
+                done = await client.stream_chat(HOST, port, bodies[k], timeout=p.timeout)
+                alone[k].append(done)
+                twin = workload.GRAMMAR_BASELINE[k]
+                alone[twin].append(await client.stream_chat(
+                    HOST, port, _held_to(bodies[twin], done, mt), timeout=p.timeout))
         for k in order:
-            bodies = [workload.grammar_bodies(workload.prompt(f"{tag}-gb-{k}-{r}", i), mt)[k]
-                      for i in range(p.grammar_batch)]
-            batch[k].append(await concurrent(port, bodies, p.timeout))
+            twin = workload.GRAMMAR_BASELINE[k]
+            pairs = [workload.grammar_bodies(workload.prompt(f"{tag}-gb-{k}-{r}", i), mt)
+                     for i in range(p.grammar_batch)]
+            done_batch = await concurrent(port, [b[k] for b in pairs], p.timeout)
+            batch[k].append(done_batch)
+            rows = done_batch.get("results") or [None] * len(pairs)
+            batch[twin].append(await concurrent(
+                port, [_held_to(b[twin], d, mt) for b, d in zip(pairs, rows, strict=True)],
+                p.timeout))
     out: dict[str, Any] = {}
     for k in kinds:
         why = _first_error(alone[k])
@@ -403,6 +420,13 @@ async def m_grammar(ctx: Ctx, port: int, tag: str) -> dict[str, Any]:
         if k == "json_schema":
             out["grammar_json_valid"] = [_valid_json(r) for r in alone[k] if r.ok]
     return out
+
+
+def _held_to(body: dict[str, Any], done: client.StreamResult | None, default: int
+             ) -> dict[str, Any]:
+    """``body`` limited to as many tokens as ``done`` (its constrained twin) produced."""
+    n = done.tokens if done is not None and done.ok and done.tokens > 0 else default
+    return {**body, "max_tokens": n}
 
 
 def _valid_json(r: client.StreamResult) -> bool | None:
@@ -919,8 +943,9 @@ def build_rows(ctx: Ctx) -> list[dict[str, Any]]:
                      f"{_pct(decode)}")},
                 reasons={"mlx_lm_server": no_mlx_grammar, "raw": no_raw_grammar},
                 note="completion_tokens / (end − send), against the same prompt without a "
-                     "grammar (for tools: the tool definitions as a system message), "
-                     "constrained and unconstrained interleaved run by run. Decode phase: "
+                     "grammar (for tools: the tool definitions as a system message), each "
+                     "unconstrained row held to the tokens its constrained twin produced "
+                     "(a grammar ends early; free text runs to max_tokens). Decode phase: "
                      "tokens after the first / (last delta − first delta); in a batch "
                      "Σ(tokens − 1) / (last delta of any − first delta of any)")
 

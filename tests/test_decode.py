@@ -177,20 +177,30 @@ def test_seeded_sampling_matches(loaded: tuple[Any, Any]) -> None:
 
 def test_mask_builder_rows(loaded: tuple[Any, Any], grammar: Any) -> None:
     vocab = loaded[0].args.vocab_size
-    processor = GrammarProcessor(grammar.matcher(), vocab)
+    processors = [GrammarProcessor(grammar.matcher(), vocab) for _ in range(2)]
     builder = MaskBuilder()
     padded = vocab + 40  # a model vocabulary padded beyond its tokenizer's
-    rows = [(0, [processor]), (2, [BanTokens((3, 64, padded - 1))])]
-    allowed = np.array(builder.build(rows, [0, 0, 0], 3, padded))
-    assert allowed.shape == (3, padded)
+    rows = [(0, [processors[0]]), (2, [BanTokens((3, 64, padded - 1))]), (3, [processors[1]])]
+    allowed = np.array(builder.build(rows, [0, 0, 0, 0], 4, padded))
+    assert allowed.shape == (4, padded)
     assert allowed[1].all()  # unconstrained
     assert allowed[2].sum() == padded - 3 and not allowed[2, [3, 64, padded - 1]].any()
-    assert 0 < allowed[0].sum() < vocab
-    assert not allowed[0, vocab:].any()  # padding ids are never valid under a grammar
+    for row in (0, 3):
+        assert 0 < allowed[row].sum() < vocab
+        assert not allowed[row, vocab:].any()  # padding ids are never valid under a grammar
     # The per-row call (a sequence's first token) masks the same tokens.
     single = GrammarProcessor(grammar.matcher(), vocab)
     logits = single(mx.array([[1]]), mx.zeros((1, padded)))
-    assert (np.array(logits)[0] == 0).tolist() == allowed[0].tolist()
+    assert (np.array(logits)[0] == 0).tolist() == allowed[0].tolist() == allowed[3].tolist()
+    # A step later, each row's mask follows its own matcher (rows fed different tokens).
+    options = np.flatnonzero(allowed[0])
+    fed = [int(options[0]), 0, 0, int(options[-1])]
+    later = np.array(builder.build(rows, fed, 4, padded))
+    for row in (0, 3):
+        alone = GrammarProcessor(grammar.matcher(), vocab)
+        alone(mx.array([[1]]), mx.zeros((1, padded)))
+        want = alone(mx.array([[fed[row]]]), mx.zeros((1, padded)))
+        assert (np.array(want)[0] == 0).tolist() == later[row].tolist()
 
 
 def test_worker_runs_the_decode_step(tmp_path: Path, loaded: tuple[Any, Any]) -> None:
