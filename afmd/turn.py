@@ -10,6 +10,7 @@ tool calls, and how the final output is checked. The pipeline then just runs the
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,15 +146,44 @@ def _schema_error(schema: dict[str, Any], value: Any) -> str | None:
 
 
 def _check_schema(schema: dict[str, Any], param: str) -> None:
+    problem = _schema_problem(schema)
+    if problem is not None:
+        raise InvalidRequestError(
+            f"Invalid JSON schema: {problem}", code="invalid_schema", param=param
+        )
+
+
+#: Verdicts by canonical schema text: checking against the metaschema is ~2.4 ms of pure
+#: Python (holding the GIL), and agents send the same tool schemas with every request.
+_schema_verdicts: dict[str, str | None] = {}
+_schema_verdicts_lock = threading.Lock()
+_SCHEMA_VERDICTS_MAX = 256
+
+
+def _schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why a JSON schema is invalid, or None."""
+    try:  # json, not orjson: NaN stays NaN and big integers stay exact in the key
+        key: str | None = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError):  # not plain JSON data: checked every time
+        key = None
+    if key is not None:
+        with _schema_verdicts_lock:
+            if key in _schema_verdicts:
+                return _schema_verdicts[key]
     import jsonschema
 
     validator_cls = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
     try:
         validator_cls.check_schema(schema)
+        problem = None
     except jsonschema.SchemaError as exc:
-        raise InvalidRequestError(
-            f"Invalid JSON schema: {exc.message}", code="invalid_schema", param=param
-        ) from None
+        problem = str(exc.message)
+    if key is not None:
+        with _schema_verdicts_lock:
+            if len(_schema_verdicts) >= _SCHEMA_VERDICTS_MAX:
+                _schema_verdicts.pop(next(iter(_schema_verdicts)))
+            _schema_verdicts[key] = problem
+    return problem
 
 
 def _answer_schema(response_format: Any) -> dict[str, Any] | None:

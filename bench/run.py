@@ -351,9 +351,10 @@ async def m_grammar(ctx: Ctx, port: int, tag: str) -> dict[str, Any]:
     A grammar ends its output when the value is complete (a json_schema record here is
     100-256 tokens), while free text runs to max_tokens; a batch whose rows finish early
     decodes its tail with fewer rows, so unequal lengths alone made a constrained batch
-    look ~10% slower. Each twin (same prompt; for tools, the tool block as text) gets, row
-    by row, max_tokens = the tokens its constrained request produced. The order of the
-    two grammar kinds alternates run by run so drift hits both alike.
+    look ~10% slower. Each twin (for tools, the tool block as text) gets, row
+    by row, max_tokens = the tokens its constrained request produced, and a prompt of its
+    own (see ``_bodies``). The order of the two grammar kinds alternates run by run so
+    drift hits both alike.
     """
     p = ctx.plan
     mt = p.grammar_max_tokens
@@ -368,23 +369,24 @@ async def m_grammar(ctx: Ctx, port: int, tag: str) -> dict[str, Any]:
         order = GRAMMAR_KINDS if r % 2 == 0 else GRAMMAR_KINDS[::-1]
         for a in range(p.grammar_alone):
             for k in order:
-                bodies = workload.grammar_bodies(
-                    workload.prompt(f"{tag}-g-{k}", r * p.grammar_alone + a), mt)
-                done = await client.stream_chat(HOST, port, bodies[k], timeout=p.timeout)
-                alone[k].append(done)
+                i = r * p.grammar_alone + a
                 twin = workload.GRAMMAR_BASELINE[k]
-                alone[twin].append(await client.stream_chat(
-                    HOST, port, _held_to(bodies[twin], done, mt), timeout=p.timeout))
+                body = _bodies(tag, "g", k, i, mt)[k]
+                done = await client.stream_chat(HOST, port, body, timeout=p.timeout)
+                alone[k].append(done)
+                body = _held_to(_bodies(tag, "u", k, i, mt)[twin], done, mt)
+                alone[twin].append(await client.stream_chat(HOST, port, body,
+                                                            timeout=p.timeout))
         for k in order:
             twin = workload.GRAMMAR_BASELINE[k]
-            pairs = [workload.grammar_bodies(workload.prompt(f"{tag}-gb-{k}-{r}", i), mt)
-                     for i in range(p.grammar_batch)]
-            done_batch = await concurrent(port, [b[k] for b in pairs], p.timeout)
+            n = p.grammar_batch
+            done_batch = await concurrent(
+                port, [_bodies(tag, f"gb{r}", k, i, mt)[k] for i in range(n)], p.timeout)
             batch[k].append(done_batch)
-            rows = done_batch.get("results") or [None] * len(pairs)
+            rows = done_batch.get("results") or [None] * n
             batch[twin].append(await concurrent(
-                port, [_held_to(b[twin], d, mt) for b, d in zip(pairs, rows, strict=True)],
-                p.timeout))
+                port, [_held_to(_bodies(tag, f"ub{r}", k, i, mt)[twin], d, mt)
+                       for i, d in enumerate(rows)], p.timeout))
     out: dict[str, Any] = {}
     for k in kinds:
         why = _first_error(alone[k])
@@ -420,6 +422,16 @@ async def m_grammar(ctx: Ctx, port: int, tag: str) -> dict[str, Any]:
         if k == "json_schema":
             out["grammar_json_valid"] = [_valid_json(r) for r in alone[k] if r.ok]
     return out
+
+
+def _bodies(tag: str, group: str, kind: str, i: int, max_tokens: int
+            ) -> dict[str, dict[str, Any]]:
+    """``workload.grammar_bodies`` for a prompt unique to (group, kind, i).
+
+    A constrained request and its twin get different prompts of the same length: with
+    one prompt, the twin (sent second) would be a full prefix-cache hit.
+    """
+    return workload.grammar_bodies(workload.prompt(f"{tag}-{group}-{kind}", i), max_tokens)
 
 
 def _held_to(body: dict[str, Any], done: client.StreamResult | None, default: int

@@ -271,3 +271,21 @@ def test_first_token_handoff_waits_for_the_consumer() -> None:
         return order
 
     assert asyncio.run(main()) == ["consumer:1", "ack"]
+
+
+def test_matchers_of_one_grammar_are_independent(grammar: Any) -> None:
+    """Matchers are copies of one prototype per grammar; none may see another's tokens."""
+    first, second = grammar.matcher(), grammar.matcher()
+    bitmask = np.zeros((1, (grammar.tokenizer.vocab_size + 31) // 32), dtype=np.int32)
+
+    def allowed(matcher: Any) -> list[int]:
+        bitmask.fill(0)
+        matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+        bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")
+        return np.flatnonzero(bits).tolist()
+
+    start = allowed(first)
+    assert first.consume_token(start[0])
+    assert allowed(first) != start
+    assert allowed(second) == start
+    assert allowed(grammar.matcher()) == start  # a later copy starts at the start too

@@ -283,3 +283,18 @@ def test_final_check_of_a_downgraded_schema_is_best_effort() -> None:
     _plan(json_schema_format(UNIQUE), downgraded=True).check_answer("[1, 1]")
     with pytest.raises(ServerError):
         _plan(json_schema_format(UNIQUE), downgraded=True).check_answer("[1, 1")
+
+
+def test_one_schema_verdict_serves_each_place_it_is_used(http) -> None:
+    """Schema checks are cached by schema; the error still names where this one was."""
+    bad = {"type": "object", "properties": {"x": {"type": 7}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": bad}}]
+    for _ in range(2):
+        error = post(http, tools=tools).json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_schema",
+                                                   "tools[0].function.parameters")
+        error = post(http, response_format=json_schema_format(bad)).json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_schema",
+                                                   "response_format.json_schema.schema")
+    good = {**bad, "properties": {"x": {"type": "integer"}}}
+    assert post(http, response_format=json_schema_format(good)).status_code == 200
