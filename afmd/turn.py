@@ -9,8 +9,8 @@ tool calls, and how the final output is checked. The pipeline then just runs the
 
 from __future__ import annotations
 
+import functools
 import json
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,37 +153,32 @@ def _check_schema(schema: dict[str, Any], param: str) -> None:
         )
 
 
-#: Verdicts by canonical schema text: checking against the metaschema is ~2.4 ms of pure
-#: Python (holding the GIL), and agents send the same tool schemas with every request.
-_schema_verdicts: dict[str, str | None] = {}
-_schema_verdicts_lock = threading.Lock()
-_SCHEMA_VERDICTS_MAX = 256
-
-
 def _schema_problem(schema: dict[str, Any]) -> str | None:
     """Why a JSON schema is invalid, or None."""
     try:  # json, not orjson: NaN stays NaN and big integers stay exact in the key
-        key: str | None = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError):  # not plain JSON data: checked every time
-        key = None
-    if key is not None:
-        with _schema_verdicts_lock:
-            if key in _schema_verdicts:
-                return _schema_verdicts[key]
+        return _metaschema_problem(schema)
+    return _schema_text_problem(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_text_problem(text: str) -> str | None:
+    """Verdicts cached by canonical schema text: checking against the metaschema is
+    ~2.4 ms of pure Python (holding the GIL), and agents send the same tool schemas with
+    every request."""
+    return _metaschema_problem(json.loads(text))
+
+
+def _metaschema_problem(schema: Any) -> str | None:
     import jsonschema
 
     validator_cls = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
     try:
         validator_cls.check_schema(schema)
-        problem = None
     except jsonschema.SchemaError as exc:
-        problem = str(exc.message)
-    if key is not None:
-        with _schema_verdicts_lock:
-            if len(_schema_verdicts) >= _SCHEMA_VERDICTS_MAX:
-                _schema_verdicts.pop(next(iter(_schema_verdicts)))
-            _schema_verdicts[key] = problem
-    return problem
+        return str(exc.message)
+    return None
 
 
 def _answer_schema(response_format: Any) -> dict[str, Any] | None:

@@ -52,9 +52,7 @@ class DecodeBatch(GenerationBatch):
         return batch
 
     def _step(self) -> tuple[list[int], list[Any]]:
-        if self._deferred:
-            self._deferred = False
-            self._launch(self._next_tokens)
+        self._launch_deferred()
         self._current_tokens = inputs = self._next_tokens
         n = len(self.uids)
         if 0 in self._num_tokens:
@@ -66,15 +64,18 @@ class DecodeBatch(GenerationBatch):
 
     def extend(self, batch: Any) -> None:
         # Joining rows come with their next tokens already computed; ours must be too.
-        if self._deferred:
-            self._deferred = False
-            self._launch(self._next_tokens)
+        self._launch_deferred()
         super().extend(batch)
 
     def filter(self, keep: list[int]) -> None:
         super().filter(keep)
         if not keep:
             self._deferred = False
+
+    def _launch_deferred(self) -> None:
+        if self._deferred:
+            self._deferred = False
+            self._launch(self._next_tokens)
 
     def _launch(self, inputs: mx.array) -> list[int]:
         """Start the forward pass on ``inputs`` (this step's tokens, one per row).

@@ -10,6 +10,7 @@ downgraded``). A schema llguidance rejects even leniently is the client's error
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -36,7 +37,7 @@ class Grammar:
     def matcher(self) -> LLMatcher:
         """A fresh matcher: a copy of this grammar's prototype (microseconds, where
         building one from the text takes ~2.5 ms of CPU per request)."""
-        return _prototypes.copy(self.tokenizer, self.text)
+        return _prototype(self.tokenizer, self.text).deep_copy()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,38 +96,17 @@ class _CompileCache:
 _cache = _CompileCache()
 
 
-class _Prototypes:
-    """One unused matcher per grammar text, copied for each request that needs one.
+@functools.lru_cache(maxsize=64)
+def _prototype(tokenizer: LLTokenizer, text: str) -> LLMatcher:
+    """One unused matcher per grammar, copied for each request that needs one.
 
     Eight concurrent json_schema requests used to spend ~20 ms of CPU building matchers
     before the first token (the same grammar each time, as agents resend their tools).
-    A prototype is never advanced, so its copies start where a new matcher does.
+    A prototype is never advanced, so its copies start where a new matcher does. The
+    cache key holds the tokenizer itself, so a freed tokenizer's id is never mistaken
+    for it.
     """
-
-    def __init__(self, size: int = 64) -> None:
-        self._size = size
-        # The tokenizer is kept in the value, so its id in the key cannot be reused.
-        self._items: OrderedDict[tuple[int, str], tuple[LLTokenizer, LLMatcher]] = (
-            OrderedDict()
-        )
-        self._lock = threading.Lock()
-
-    def copy(self, tokenizer: LLTokenizer, text: str) -> LLMatcher:
-        key = (id(tokenizer), text)
-        with self._lock:
-            hit = self._items.get(key)
-            if hit is not None and hit[0] is tokenizer:
-                self._items.move_to_end(key)
-                return hit[1].deep_copy()
-        prototype = LLMatcher(tokenizer, text, log_level=0)
-        with self._lock:
-            self._items[key] = (tokenizer, prototype)
-            if len(self._items) > self._size:
-                self._items.popitem(last=False)
-            return prototype.deep_copy()
-
-
-_prototypes = _Prototypes()
+    return LLMatcher(tokenizer, text, log_level=0)
 
 
 def _with_options(schema: dict[str, Any], lenient: bool) -> dict[str, Any]:
