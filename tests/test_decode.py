@@ -289,3 +289,60 @@ def test_matchers_of_one_grammar_are_independent(grammar: Any) -> None:
     assert allowed(first) != start
     assert allowed(second) == start
     assert allowed(grammar.matcher()) == start  # a later copy starts at the start too
+
+
+class _Force:
+    """A logits processor that makes the model write ``ids``, one per step."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self._ids = ids
+        self._step = 0
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        want = self._ids[min(self._step, len(self._ids) - 1)]
+        self._step += 1
+        return mx.where(mx.arange(logits.shape[-1]) == want, logits, float("-inf"))
+
+
+def test_first_visible_token_goes_out_at_once(
+    loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reasoning model opens with its think marker, which the client never sees as
+    text: the token after it is the client's first and must not wait for the next paced
+    hand-off. With pacing stretched to a minute, only urgency can deliver it early."""
+    from afmd.engine import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "_FLUSH_INTERVAL_S", 60.0)
+    model, tokenizer = loaded
+    think = tokenizer.encode("<think>", add_special_tokens=False)
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    words = tokenizer.encode(" hello world again and again", add_special_tokens=False)
+    assert len(think) == len(end) == 1 and len(words) >= 4
+    forced = [think[0], *words]
+    worker = worker_module.BatchWorker(model, tokenizer, name="visible")
+
+    async def main() -> list[list[Any]]:
+        request = GenerationRequest(
+            "r", _prompts(tokenizer, 1)[0], len(forced),
+            sampling=SamplingParams(temperature=0.0),
+            logits_processors=[_Force(forced)], think_ids=(think[0], end[0]),
+        )
+        generation = Generation(request, asyncio.get_running_loop())
+        worker.start()
+        worker.submit(generation)
+        hops: list[list[Any]] = []
+        while generation.finish is None or not hops or hops[-1][-1] is not generation.finish:
+            hops.append(await generation.next_events())
+        return hops
+
+    try:
+        hops = asyncio.run(main())
+    finally:
+        worker.stop()
+    texts = [[e for e in hop if isinstance(e, Text)] for hop in hops]
+    assert [e.text for e in texts[0]] == ["<think>"]
+    # The first visible token came alone, right after the marker; the rest, paced, only
+    # with the finish.
+    assert [sum(e.tokens for e in hop) for hop in texts[1:2]] == [1]
+    assert texts[1][0].text.strip() == tokenizer.decode(words[:1]).strip()
+    assert sum(e.tokens for hop in texts for e in hop) == len(forced)

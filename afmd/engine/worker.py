@@ -84,6 +84,8 @@ class _Sequence:
     samples: list[tuple[float, int, int]] = field(default_factory=list)
     in_reasoning: bool = False
     reasoning_tokens: int = 0
+    # Some text a client would see has been produced (see ``BatchWorker._step``).
+    shown: bool = False
 
 
 class BatchWorker:
@@ -270,6 +272,11 @@ class BatchWorker:
             if not seq.first_token_at:
                 seq.first_token_at = now
                 urgent = first = True
+            elif not seq.shown:
+                # Nothing visible yet (a reasoning model's opening think marker, leading
+                # whitespace): the client's first token is still to come; it goes out at
+                # once, not a flush interval later.
+                urgent = first = True
             reason = response.finish_reason
             every = seq.generation.request.sample_every
             sample = every and (seq.completion_tokens % every == 0 or reason is not None)
@@ -288,6 +295,12 @@ class BatchWorker:
                         seq.in_reasoning = False
                 seq.detokenizer.add_token(response.token)
                 segment = seq.detokenizer.last_segment
+                if (
+                    not seq.shown
+                    and segment.strip()
+                    and (think is None or response.token not in think)
+                ):
+                    seq.shown = True
                 if segment:
                     seq.pending.append(Text(segment, 1))
                 elif seq.pending and isinstance(seq.pending[-1], Text):
