@@ -270,11 +270,11 @@ def _prefix_run(raw: Raw, conv: list[dict[str, Any]], max_tokens: int) -> dict[s
     }
 
 
-def serve_ttft(folder: str) -> None:
-    """One raw time to first token per stdin line (a prompt), answered on stdout.
+def serve_samples(folder: str) -> None:
+    """One raw generation per stdin line (a prompt and a token budget), timed on stdout.
 
-    run.py interleaves these with a server's own TTFT requests, one at a time, so a burst
-    of noise on a shared machine hits both sides of a few-millisecond comparison alike.
+    run.py interleaves these with servers' own requests, one at a time, so a burst of
+    noise on a shared machine hits both sides of a comparison alike.
     """
     from bench import workload
 
@@ -284,16 +284,17 @@ def serve_ttft(folder: str) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         res = raw.stream(workload.messages(request["prompt"]), request["max_tokens"],
-                         stop_after=1)
-        print(json.dumps({"ttft": res["ttft"]}), flush=True)
+                         stop_after=request.get("stop_after"))
+        print(json.dumps({k: res[k] for k in ("ttft", "stream_tps", "decode_tps", "tokens")}),
+              flush=True)
 
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "materialize":
         print(json.dumps(materialize(Path(argv[1]), "--big" in argv)))
         return 0
-    if argv and argv[0] == "ttft-server":
-        serve_ttft(argv[1])
+    if argv and argv[0] == "sample-server":
+        serve_samples(argv[1])
         return 0
     if argv and argv[0] == "measure":
         spec = json.loads(Path(argv[1]).read_text())

@@ -63,6 +63,8 @@ class Plan:
     grammar_max_tokens: int
     grammar_batch: int
     grammar_alone: int  # single-stream samples per kind per run (they are short and noisy)
+    paired_runs: int  # single-stream rounds taking turns: afmd, mlx_lm.server, raw
+    paired_batch_runs: int  # rounds of 8 streams taking turns: afmd, mlx_lm.server
     rps_seconds: float
     rps_runs: int
     rps_connections: int
@@ -78,14 +80,15 @@ class Plan:
             plan = cls(quick=True, runs=2, batch_runs=2, max_tokens=32, levels=(1, 8),
                        ttft_runs=3, ttft_max_tokens=4, prefix_tokens=1000, prefix_runs=1,
                        prefix_max_tokens=8, grammar_runs=1, grammar_max_tokens=32,
-                       grammar_batch=8, grammar_alone=1, rps_seconds=0.5, rps_runs=1,
+                       grammar_batch=8, grammar_alone=1, paired_runs=1, paired_batch_runs=1,
+                       rps_seconds=0.5, rps_runs=1,
                        rps_connections=32, big=False,
                        access_log=False, profile=False, profile_seconds=0.0, timeout=120.0)
         else:
             plan = cls(quick=False, runs=5, batch_runs=3, max_tokens=256, levels=LEVELS,
                        ttft_runs=25, ttft_max_tokens=4, prefix_tokens=2000, prefix_runs=5,
                        prefix_max_tokens=32, grammar_runs=8, grammar_max_tokens=256,
-                       grammar_batch=8, grammar_alone=3,
+                       grammar_batch=8, grammar_alone=3, paired_runs=9, paired_batch_runs=4,
                        rps_seconds=3.0, rps_runs=3, rps_connections=32, big=True,
                        access_log=True, profile=True, profile_seconds=8.0, timeout=300.0)
         if args.runs:
@@ -206,19 +209,19 @@ async def m_single(ctx: Ctx, port: int, tag: str) -> dict[str, Any]:
     }
 
 
-class RawTTFT:
-    """A raw mlx-lm process (bench/raw_engine.py ttft-server) sampled between requests."""
+class RawSampler:
+    """A raw mlx-lm process (bench/raw_engine.py sample-server) sampled between requests."""
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
 
     @classmethod
-    async def start(cls, ctx: Ctx) -> RawTTFT | None:
+    async def start(cls, ctx: Ctx) -> RawSampler | None:
         folder = ctx.folders.get("demo-32k")
         if not folder:
             return None
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(ROOT / "bench" / "raw_engine.py"), "ttft-server", folder,
+            sys.executable, str(ROOT / "bench" / "raw_engine.py"), "sample-server", folder,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL, cwd=str(ROOT))
         assert proc.stdout is not None
@@ -226,20 +229,26 @@ class RawTTFT:
             async with asyncio.timeout(120):
                 while (await proc.stdout.readline()).strip() != b"ready":
                     if proc.stdout.at_eof():
-                        raise RuntimeError("raw ttft-server exited")
+                        raise RuntimeError("raw sample-server exited")
         except (TimeoutError, RuntimeError) as exc:
-            ctx.log(f"  ! paired raw TTFT unavailable: {exc}")
+            ctx.log(f"  ! paired raw samples unavailable: {exc}")
             proc.kill()
             return None
         return cls(proc)
 
-    async def sample(self, prompt: str, max_tokens: int) -> float | None:
+    async def sample(self, prompt: str, max_tokens: int, *, stop_after: int | None = None
+                     ) -> dict[str, Any] | None:
+        """One generation's timings: ttft, stream_tps, decode_tps, tokens."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}
-                                         ).encode() + b"\n")
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens,
+                                          "stop_after": stop_after}).encode() + b"\n")
         await self.proc.stdin.drain()
         line = await self.proc.stdout.readline()
-        return json.loads(line)["ttft"] if line else None
+        return json.loads(line) if line else None
+
+    async def ttft(self, prompt: str, max_tokens: int) -> float | None:
+        res = await self.sample(prompt, max_tokens, stop_after=1)
+        return res["ttft"] if res else None
 
     async def stop(self) -> None:
         if self.proc.stdin is not None:
@@ -258,7 +267,7 @@ async def m_ttft(ctx: Ctx, port: int, tag: str, *, afmd: bool = False) -> dict[s
     rs = []
     paired: list[float | None] = []
     headers = {"X-AFM-Profile": "true"} if afmd else None
-    raw = await RawTTFT.start(ctx) if afmd else None
+    raw = await RawSampler.start(ctx) if afmd else None
     try:
         for i in range(p.ttft_runs):
             text = workload.prompt(f"{tag}-ttft", i)
@@ -266,7 +275,7 @@ async def m_ttft(ctx: Ctx, port: int, tag: str, *, afmd: bool = False) -> dict[s
             rs.append(await client.stream_chat(HOST, port, body, timeout=p.timeout,
                                                headers=headers))
             if raw is not None:  # the server is idle now: one raw sample right after
-                paired.append(await raw.sample(text, p.ttft_max_tokens))
+                paired.append(await raw.ttft(text, p.ttft_max_tokens))
     finally:
         if raw is not None:
             await raw.stop()
@@ -743,6 +752,83 @@ async def bench_big(ctx: Ctx, systems: set[str]) -> None:
             srv.stop()
 
 
+# -- taking turns ------------------------------------------------------------------------
+
+
+async def bench_paired(ctx: Ctx) -> None:
+    """afmd, mlx_lm.server and raw mlx-lm taking turns, request by request.
+
+    The per-system phases run minutes apart, and this kind of shared VM has slow phases
+    (30-70% slower, raw mlx-lm included) about as long as a phase, so a ratio of two
+    phases can be off by more than the margin it tests. Here both servers are up (an
+    idle one costs 0.2% of a core) and one works at a time; each round's ratio compares
+    neighbours in time, and the order rotates round by round.
+    """
+    p = ctx.plan
+    folder = ctx.folders.get("demo-32k")
+    assert folder
+    afmd = servers.afmd_server(ctx.work, "afmd-paired", cache_root=ctx.cache,
+                               default="demo-32k")
+    mlx = servers.mlx_server(ctx.work, "mlx-paired", Path(folder))
+    raw: RawSampler | None = None
+    load_note(ctx, "paired-start")
+    try:
+        afmd.start()
+        mlx.start()
+        await afmd.ready()
+        await mlx.ready()
+        raw = await RawSampler.start(ctx)
+        if raw is None:
+            raise RuntimeError("the raw sampler did not start")
+        ports = {"afmd": afmd.port, "mlx_lm_server": mlx.port}
+        for system, port in ports.items():
+            await warm_up(port, f"{system}-paired", p.timeout)
+        single: dict[str, list[float | None]] = {s: [] for s in SYSTEMS}
+        for i in range(p.paired_runs):
+            text = workload.prompt("paired-single", i)  # new to each of the three
+            for system in SYSTEMS[i % 3:] + SYSTEMS[:i % 3]:
+                if system == "raw":
+                    res = await raw.sample(text, p.max_tokens)
+                    single[system].append(res["stream_tps"] if res else None)
+                    continue
+                r = await client.stream_chat(
+                    HOST, ports[system], workload.chat_body(workload.messages(text),
+                                                            p.max_tokens), timeout=p.timeout)
+                single[system].append(r.stream_tps if r.ok else None)
+        batch: dict[str, list[float | None]] = {s: [] for s in ports}
+        for r in range(p.paired_batch_runs):
+            bodies = [workload.chat_body(workload.messages(
+                workload.prompt(f"paired-c8-{r}", i)), p.max_tokens) for i in range(8)]
+            for system in (("afmd", "mlx_lm_server") if r % 2 == 0
+                           else ("mlx_lm_server", "afmd")):
+                batch[system].append((await concurrent(ports[system], bodies,
+                                                       p.timeout)).get("agg_tps"))
+    except Exception as exc:
+        ctx.log(f"  ! paired runs failed: {exc}")
+        ctx.m["afmd"]["paired_single_vs_mlx"] = null(f"failed: {exc}")
+        return
+    finally:
+        if raw is not None:
+            await raw.stop()
+        afmd.stop()
+        mlx.stop()
+        load_note(ctx, "paired-end")
+    for system in SYSTEMS:
+        ctx.m[system]["paired_single_tps"] = stat(single[system], "tok/s")
+    for system in ports:
+        ctx.m[system]["paired_agg_tps_c8"] = stat(batch[system], "tok/s")
+    a = ctx.m["afmd"]
+    a["paired_single_vs_mlx"] = stat(_ratios(single["afmd"], single["mlx_lm_server"]), "×")
+    a["paired_single_vs_raw"] = stat(_ratios(single["afmd"], single["raw"]), "×")
+    a["paired_c8_vs_mlx"] = stat(_ratios(batch["afmd"], batch["mlx_lm_server"]), "×")
+    ctx.log(f"  single stream {fmt(a['paired_single_vs_mlx'])} mlx, "
+            f"{fmt(a['paired_single_vs_raw'])} raw; 8 streams {fmt(a['paired_c8_vs_mlx'])} mlx")
+
+
+def _ratios(a: list[float | None], b: list[float | None]) -> list[float | None]:
+    return [x / y if x and y else None for x, y in zip(a, b, strict=True)]
+
+
 # -- raw in-process ----------------------------------------------------------------------
 
 
@@ -868,20 +954,31 @@ def build_rows(ctx: Ctx) -> list[dict[str, Any]]:
 
     # single-stream decode
     a, m, r = (med(_get(ctx, s, "single_tps", "")) for s in SYSTEMS)
-    vs_m, vs_r = _ratio(a, m), _ratio(a, r)
+    sep_m, sep_r = _ratio(a, m), _ratio(a, r)
+    # Verdict on the rounds taken in turns (bench_paired) when there are some.
+    pair_m = med(_get(ctx, "afmd", "paired_single_vs_mlx", ""))
+    pair_r = med(_get(ctx, "afmd", "paired_single_vs_raw", ""))
+    vs_m = pair_m if pair_m is not None else sep_m
+    vs_r = pair_r if pair_r is not None else sep_r
     ok = None if vs_m is None or vs_r is None else (vs_m >= 1.4 and vs_r >= 0.9)
     row("single_stream_decode_tps", f"single-stream tok/s, streamed ({p.max_tokens} tokens)",
         "afmd ≥ 1.4× mlx_lm.server and ≥ 0.9× raw", all3("single_tps"),
         {"pass": ok, "afmd_vs_mlx": vs_m, "afmd_vs_raw": vs_r,
-         "detail": _join(_x(vs_m, "mlx"), _x(vs_r, "raw"))},
+         "separate_phases": {"afmd_vs_mlx": sep_m, "afmd_vs_raw": sep_r},
+         "detail": _paired_detail(_join(_x(vs_m, "mlx"), _x(vs_r, "raw")),
+                                  _join(_x(sep_m, "mlx"), _x(sep_r, "raw")),
+                                  pair_m is not None)},
         note="completion_tokens (usage chunk) / (last delta − request sent); raw: tokens / "
-             "(last token − message list). The first-to-last-delta rate is in "
+             "(last token − message list). The verdict uses the median of per-round "
+             "ratios from rounds taken in turns (afmd, mlx_lm.server, raw, one request "
+             "each, same prompt); the columns and the ratios in brackets are the separate "
+             "phases. The first-to-last-delta rate is in "
              "measurements.*.single_decode_interval_tps (it overstates a server that "
              "coalesces tokens)")
 
     # TTFT
     a, m, r = (med(_get(ctx, s, "ttft_ms", "")) for s in SYSTEMS)
-    # afmd − raw from samples taken alternately (RawTTFT), when there are some: a few
+    # afmd − raw from samples taken alternately (RawSampler), when there are some: a few
     # milliseconds are compared, and noise on a shared machine comes in bursts.
     diff = med(_get(ctx, "afmd", "ttft_paired_diff_ms", ""))
     paired_raw = med(_get(ctx, "afmd", "ttft_paired_raw_ms", ""))
@@ -908,16 +1005,26 @@ def build_rows(ctx: Ctx) -> list[dict[str, Any]]:
         reasons = {s: "skipped in --quick" for s in SYSTEMS} if not measured else None
         check: dict[str, Any] = {"pass": None}
         target = "report"
+        note = None
         if c == 8:
             target = "afmd ≥ 1.5× mlx_lm.server"
             a, m = med(_get(ctx, "afmd", "agg_tps_c8", "")), med(
                 _get(ctx, "mlx_lm_server", "agg_tps_c8", ""))
-            vs = _ratio(a, m)
+            sep = _ratio(a, m)
+            pair = med(_get(ctx, "afmd", "paired_c8_vs_mlx", ""))
+            vs = pair if pair is not None else sep
             check = {"pass": None if vs is None else vs >= 1.5, "afmd_vs_mlx": vs,
-                     "detail": _join(_x(vs, "mlx"), _x(
-                         _ratio(a, med(_get(ctx, "raw", "agg_tps_c8", ""))), "raw"))}
+                     "separate_phases": {"afmd_vs_mlx": sep},
+                     "detail": _paired_detail(
+                         _x(vs, "mlx"),
+                         _join(_x(sep, "mlx"), _x(
+                             _ratio(a, med(_get(ctx, "raw", "agg_tps_c8", ""))), "raw")),
+                         pair is not None)}
+            note = ("the verdict uses the median of per-round ratios from rounds of 8 "
+                    "streams taken in turns (afmd, mlx_lm.server; same prompts); the "
+                    "columns and the ratios in brackets are the separate phases")
         row(f"aggregate_tps_c{c}", f"aggregate tok/s, {c} concurrent stream(s)", target,
-            keys, check, reasons=reasons)
+            keys, check, reasons=reasons, note=note)
 
     # prefix cache
     vals = {s: med(_get(ctx, s, "prefix_ratio_pct", "")) for s in SYSTEMS}
@@ -1035,6 +1142,12 @@ def _x(v: float | None, what: str) -> str:
     return f"{v:.2f}× {what}" if v is not None else ""
 
 
+def _paired_detail(verdict: str, separate: str, paired: bool) -> str:
+    if not paired:
+        return separate
+    return f"in turns {verdict}" + (f" (separate phases: {separate})" if separate else "")
+
+
 def _ttft_split(ctx: Ctx) -> str:
     q, e, o = (med(_get(ctx, "afmd", k, "")) for k in (
         "ttft_server_queue_ms", "ttft_server_engine_ms", "ttft_outside_server_ms"))
@@ -1121,6 +1234,9 @@ async def run_all(ctx: Ctx, binary: Path | None, systems: set[str]) -> None:
     if "raw" in systems:
         ctx.log("raw mlx-lm in-process:")
         await asyncio.to_thread(bench_raw, ctx)
+    if {"afmd", "mlx_lm_server", "raw"} <= systems:
+        ctx.log("taking turns (afmd, mlx_lm.server, raw mlx-lm):")
+        await bench_paired(ctx)
     if p.big and ctx.folders.get("big"):
         ctx.log("compute-bound model (hidden 512 × 8 layers):")
         await bench_big(ctx, systems)

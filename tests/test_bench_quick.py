@@ -86,3 +86,10 @@ def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
                 "aggregate_tps_c8", "prefix_second_turn_ttft", "health_requests_per_s"):
         assert rows[rid]["values"]["afmd"]["median"] is not None, (
             rid, rows[rid]["values"]["afmd"])
+
+    # The rounds taken in turns ran, and the verdicts they feed say so.
+    afmd = doc["measurements"]["afmd"]
+    for key in ("paired_single_vs_mlx", "paired_single_vs_raw", "paired_c8_vs_mlx"):
+        assert afmd[key]["median"] is not None and afmd[key]["median"] > 0, (key, afmd[key])
+    for rid in ("single_stream_decode_tps", "aggregate_tps_c8"):
+        assert rows[rid]["check"]["detail"].startswith("in turns "), rows[rid]["check"]
