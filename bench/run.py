@@ -88,7 +88,7 @@ class Plan:
             plan = cls(quick=False, runs=5, batch_runs=3, max_tokens=256, levels=LEVELS,
                        ttft_runs=25, ttft_max_tokens=4, prefix_tokens=2000, prefix_runs=5,
                        prefix_max_tokens=32, grammar_runs=8, grammar_max_tokens=256,
-                       grammar_batch=8, grammar_alone=3, paired_runs=9, paired_batch_runs=4,
+                       grammar_batch=8, grammar_alone=4, paired_runs=9, paired_batch_runs=4,
                        rps_seconds=3.0, rps_runs=3, rps_connections=32, big=True,
                        access_log=True, profile=True, profile_seconds=8.0, timeout=300.0)
         if args.runs:
