@@ -91,5 +91,7 @@ def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
     afmd = doc["measurements"]["afmd"]
     for key in ("paired_single_vs_mlx", "paired_single_vs_raw", "paired_c8_vs_mlx"):
         assert afmd[key]["median"] is not None and afmd[key]["median"] > 0, (key, afmd[key])
-    for rid in ("single_stream_decode_tps", "aggregate_tps_c8"):
+    for key in ("paired_ttft_minus_raw_ms", "paired_ttft_minus_mlx_ms"):
+        assert afmd[key]["median"] is not None, (key, afmd[key])
+    for rid in ("single_stream_decode_tps", "aggregate_tps_c8", "ttft_short_ms"):
         assert rows[rid]["check"]["detail"].startswith("in turns "), rows[rid]["check"]
