@@ -786,29 +786,10 @@ async def bench_paired(ctx: Ctx) -> None:
         ports = {"afmd": afmd.port, "mlx_lm_server": mlx.port}
         for system, port in ports.items():
             await warm_up(port, f"{system}-paired", p.timeout)
-        single: dict[str, list[float | None]] = {s: [] for s in SYSTEMS}
-        for i in range(p.paired_runs):
-            text = workload.prompt("paired-single", i)  # new to each of the three
-            for system in SYSTEMS[i % 3:] + SYSTEMS[:i % 3]:
-                if system == "raw":
-                    res = await raw.sample(text, p.max_tokens)
-                    single[system].append(res["stream_tps"] if res else None)
-                    continue
-                r = await client.stream_chat(
-                    HOST, ports[system], workload.chat_body(workload.messages(text),
-                                                            p.max_tokens), timeout=p.timeout)
-                single[system].append(r.stream_tps if r.ok else None)
-        ttft: dict[str, list[float | None]] = {s: [] for s in SYSTEMS}
-        for i in range(p.paired_ttft_runs):
-            text = workload.prompt("paired-ttft", i)
-            for system in SYSTEMS[i % 3:] + SYSTEMS[:i % 3]:
-                if system == "raw":
-                    ttft[system].append(await raw.ttft(text, p.ttft_max_tokens))
-                    continue
-                r = await client.stream_chat(
-                    HOST, ports[system], workload.chat_body(workload.messages(text),
-                                                            p.ttft_max_tokens), timeout=p.timeout)
-                ttft[system].append(r.ttft if r.ok else None)
+        single = await _in_turns(raw, ports, "paired-single", p.paired_runs, p.max_tokens,
+                                 p.timeout, first_token=False)
+        ttft = await _in_turns(raw, ports, "paired-ttft", p.paired_ttft_runs,
+                               p.ttft_max_tokens, p.timeout, first_token=True)
         batch: dict[str, list[float | None]] = {s: [] for s in ports}
         for r in range(p.paired_batch_runs):
             bodies = [workload.chat_body(workload.messages(
@@ -846,6 +827,26 @@ async def bench_paired(ctx: Ctx) -> None:
             f"{fmt(a['paired_single_vs_raw'])} raw; 8 streams {fmt(a['paired_c8_vs_mlx'])} "
             f"mlx; ttft afmd − raw {fmt(a['paired_ttft_minus_raw_ms'])}, afmd − mlx "
             f"{fmt(a['paired_ttft_minus_mlx_ms'])}")
+
+
+async def _in_turns(raw: RawSampler, ports: dict[str, int], tag: str, runs: int,
+                    max_tokens: int, timeout: float, *, first_token: bool
+                    ) -> dict[str, list[float | None]]:
+    """Per system, one value a round: each round's prompt (new to each of the three) goes
+    to afmd, mlx_lm.server and raw mlx-lm, the order rotating round by round; the value
+    is the time to first token (s) or the streamed rate (tok/s)."""
+    out: dict[str, list[float | None]] = {s: [] for s in SYSTEMS}
+    for i in range(runs):
+        text = workload.prompt(tag, i)
+        for system in SYSTEMS[i % 3:] + SYSTEMS[:i % 3]:
+            if system == "raw":
+                res = await raw.sample(text, max_tokens, stop_after=1 if first_token else None)
+                out[system].append(res["ttft" if first_token else "stream_tps"] if res else None)
+                continue
+            r = await client.stream_chat(HOST, ports[system], workload.chat_body(
+                workload.messages(text), max_tokens), timeout=timeout)
+            out[system].append((r.ttft if first_token else r.stream_tps) if r.ok else None)
+    return out
 
 
 def _ratios(a: list[float | None], b: list[float | None]) -> list[float | None]:

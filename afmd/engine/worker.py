@@ -271,10 +271,9 @@ class BatchWorker:
             self._unflushed[id(seq)] = seq
             if not seq.first_token_at:
                 seq.first_token_at = now
-                urgent = first = True
-            elif not seq.shown:
-                # Nothing visible yet (a reasoning model's opening think marker, leading
-                # whitespace): the client's first token is still to come; it goes out at
+            if not seq.shown:
+                # The client's first token is this one or still to come (after a reasoning
+                # model's opening think marker, or leading whitespace): it goes out at
                 # once, not a flush interval later.
                 urgent = first = True
             reason = response.finish_reason
