@@ -405,6 +405,96 @@ def test_raw_bytes_in_request_target(server: ServerProcess, target: bytes) -> No
         assert "Traceback" not in raw
 
 
+def _post_chat(server: ServerProcess, payload: dict[str, Any], rid: str) -> Any:
+    import httpx
+
+    return httpx.post(server.url + "/v1/chat/completions", json=payload,
+                      headers={"X-Request-ID": rid}, timeout=30)
+
+
+def test_access_log_of_a_400_names_its_code_and_param(server: ServerProcess) -> None:
+    """An operator reads why a request was refused from the access line alone; the param,
+    a key the client chose, cannot forge a line or smuggle terminal escapes."""
+    rid = f"logs-{uuid.uuid4().hex[:12]}"
+    key = 'x\r\n{"event":"forged","status":200}\x1b[2K\u2028"q\''
+    before = len(server.raw_lines)
+    response = _post_chat(
+        server, {"messages": [{"role": "user", "content": "hi"}], key: 1}, rid)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == key
+    events = _poll(lambda: _access_events(server, request_id=rid))
+    assert len(events) == 1, events
+    event = events[0]
+    assert event["status"] == 400
+    assert event["error_code"] == "unknown_parameter"
+    assert unquote(event["error_param"]) == key  # percent-encoded, nothing lost
+    assert "\n" not in event["error_param"] and "\x1b" not in event["error_param"]
+    assert event["level"] == "info"  # a client's mistake is not the server's error
+    time.sleep(0.2)
+    with server._cond:
+        new = server.raw_lines[before:]
+    for raw in new:
+        assert raw.endswith("\n") and len(raw.splitlines()) == 1, raw
+        assert not any(unicodedata.category(ch) in UNSAFE_CATEGORIES for ch in raw[:-1]), raw
+        assert isinstance(json.loads(raw), dict)
+    assert not any(e.get("event") == "forged" for e in server.events)
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "code", "param"),
+    [
+        # Raised by the pipeline after parsing: the context check, the model lookup.
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9},
+         400, "context_length_exceeded", "messages"),
+        ({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
+         404, "model_not_found", "model"),
+    ],
+)
+def test_access_log_of_pipeline_errors(server: ServerProcess, payload: dict[str, Any],
+                                       status: int, code: str, param: str) -> None:
+    rid = f"logs-{uuid.uuid4().hex[:12]}"
+    response = _post_chat(server, payload, rid)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["code"] == code
+    events = _poll(lambda: _access_events(server, request_id=rid))
+    assert len(events) == 1, events
+    assert (events[0]["status"], events[0]["error_code"], events[0]["error_param"]) == (
+        status, code, param)
+
+
+def test_access_log_of_a_success_has_no_error_fields(server: ServerProcess) -> None:
+    rid = f"logs-{uuid.uuid4().hex[:12]}"
+    response = _post_chat(
+        server, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, rid)
+    assert response.status_code == 200
+    events = _poll(lambda: _access_events(server, request_id=rid))
+    assert len(events) == 1
+    assert not {"error_code", "error_param", "disconnected"} & events[0].keys()
+
+
+def test_gate_refusals_are_logged_with_status_and_code(server: ServerProcess) -> None:
+    """A request the gate refuses before Sanic sees it still leaves a line saying why."""
+    marker = uuid.uuid4().hex[:12]
+    before = len(server.raw_lines)
+    reply = _raw_http(
+        server,
+        f"GET /health HTTP/1.1\r\nHost: evil-{marker}.example\r\nConnection: close\r\n\r\n"
+        .encode(),
+    )
+    status = int(reply.split(b" ", 2)[1])
+    assert status >= 400, reply[:200]
+    code = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"]
+
+    def refused() -> list[dict[str, Any]]:
+        with server._cond:
+            lines = server.raw_lines[before:]
+        return [e for e in map(json.loads, lines) if e.get("event") == "refused"]
+
+    events = _poll(refused)
+    assert events, server.raw_lines[before:]
+    assert (events[0]["status"], events[0]["code"]) == (status, code)
+
+
 class _BrokenStream(io.StringIO):
     def write(self, text: str) -> int:
         raise BrokenPipeError(32, "Broken pipe")

@@ -15,6 +15,7 @@ _log = get_logger("afmd.access")
 def log_access(request: Request, status: int, nbytes: int) -> None:
     """Log a request Sanic handled, with what its handler noted on ``request.ctx``."""
     ctx = request.ctx
+    error = getattr(ctx, "error", None)
     log_request(
         request.app.ctx.state, request.method, request.path, status, nbytes,
         started=getattr(ctx, "started", None),
@@ -23,6 +24,8 @@ def log_access(request: Request, status: int, nbytes: int) -> None:
         usage=getattr(ctx, "usage", None),
         finish_reason=getattr(ctx, "finish_reason", None),
         stream_error=getattr(ctx, "stream_error", None),
+        error_code=getattr(error, "code", None),
+        error_param=getattr(error, "param", None),
     )
 
 
@@ -39,10 +42,16 @@ def log_request(
     usage: Any = None,
     finish_reason: str | None = None,
     stream_error: str | None = None,
+    error_code: str | None = None,
+    error_param: str | None = None,
 ) -> None:
     """The ``request`` event, when ``log.access_log`` is on; ``started`` is a
     :func:`time.perf_counter` reading. Requests the protocol answers without Sanic are
-    logged here directly, so both kinds of line have the same fields."""
+    logged here directly, so both kinds of line have the same fields.
+
+    ``error_code`` and ``error_param`` are the envelope the client got (or, for a stream,
+    the error event that ended it): without them a refused request's line says only "400".
+    """
     if not state.config.log.access_log:
         return
     fields: dict[str, Any] = {
@@ -63,4 +72,8 @@ def log_request(
         fields["finish_reason"] = finish_reason
     if stream_error:
         fields["stream_error"] = stream_error
+    if error_code:
+        fields["error_code"] = error_code
+    if error_param:
+        fields["error_param"] = error_param
     _log.info("request", **fields)

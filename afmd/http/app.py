@@ -58,6 +58,8 @@ class _EnvelopeErrorHandler(ErrorHandler):
             get_logger("afmd").error(
                 "unhandled error", path=request.path, exc_info=exception
             )
+        if request is not None:
+            request.ctx.error = error  # the access log names its code and param
         headers = dict(error.headers)
         rid = getattr(request.ctx, "request_id", None) if request else None
         if rid:

@@ -181,6 +181,7 @@ async def _stream(request: Request, run: ChatRun) -> None:
         data = error_event(exc.envelope()) + DONE
         sent += len(data)
         request.ctx.stream_error = exc.code
+        request.ctx.error = exc
         await response.send(data)
     finally:
         log_access(request, 200, sent)
