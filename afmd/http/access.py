@@ -11,6 +11,10 @@ from afmd.logs import get_logger
 
 _log = get_logger("afmd.access")
 
+#: The status logged for a request whose client went away before its answer was sent
+#: (nginx's "client closed request"); it never goes on the wire.
+CLIENT_CLOSED = 499
+
 
 def log_access(request: Request, status: int, nbytes: int) -> None:
     """Log a request Sanic handled, with what its handler noted on ``request.ctx``."""
@@ -26,6 +30,7 @@ def log_access(request: Request, status: int, nbytes: int) -> None:
         stream_error=getattr(ctx, "stream_error", None),
         error_code=getattr(error, "code", None),
         error_param=getattr(error, "param", None),
+        disconnected=getattr(ctx, "disconnected", False),
     )
 
 
@@ -44,6 +49,7 @@ def log_request(
     stream_error: str | None = None,
     error_code: str | None = None,
     error_param: str | None = None,
+    disconnected: bool = False,
 ) -> None:
     """The ``request`` event, when ``log.access_log`` is on; ``started`` is a
     :func:`time.perf_counter` reading. Requests the protocol answers without Sanic are
@@ -51,6 +57,7 @@ def log_request(
 
     ``error_code`` and ``error_param`` are the envelope the client got (or, for a stream,
     the error event that ended it): without them a refused request's line says only "400".
+    ``disconnected`` marks a client that went away before its answer was complete.
     """
     if not state.config.log.access_log:
         return
@@ -76,4 +83,6 @@ def log_request(
         fields["error_code"] = error_code
     if error_param:
         fields["error_param"] = error_param
+    if disconnected:
+        fields["disconnected"] = True
     _log.info("request", **fields)

@@ -17,6 +17,7 @@ from sanic.exceptions import (
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    RequestCancelled,
     SanicException,
 )
 from sanic.handlers import ErrorHandler
@@ -33,7 +34,7 @@ from afmd.errors import (
     ServerError,
 )
 from afmd.http import routes
-from afmd.http.access import log_access
+from afmd.http.access import CLIENT_CLOSED, log_access
 from afmd.http.gate import cors_headers, normalize_origin
 from afmd.logs import get_logger
 from afmd.pipeline import ChatPipeline
@@ -53,6 +54,11 @@ class _EnvelopeErrorHandler(ErrorHandler):
     """Every error as OpenAI's envelope, whichever layer raised it."""
 
     def default(self, request: Request, exception: Exception) -> HTTPResponse:
+        if isinstance(exception, RequestCancelled) and request is not None:
+            # The client went away (queued, or before its answer): its doing, not a server
+            # error. Nothing reaches it; the status is for the access log only.
+            request.ctx.disconnected = True
+            return HTTPResponse(status=CLIENT_CLOSED)
         error = to_api_error(exception, request)
         if isinstance(error, ServerError) and not isinstance(exception, APIError):
             get_logger("afmd").error(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -183,6 +184,10 @@ async def _stream(request: Request, run: ChatRun) -> None:
         request.ctx.stream_error = exc.code
         request.ctx.error = exc
         await response.send(data)
+    except asyncio.CancelledError:
+        # The connection went away under the stream: the 200 stays, the line says why.
+        request.ctx.disconnected = True
+        raise
     finally:
         log_access(request, 200, sent)
     await response.eof()
