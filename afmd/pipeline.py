@@ -360,7 +360,10 @@ class ChatRun:
                 messages=(*request.messages, Message(role="system",
                                                      content=_ANSWER_WITHOUT_TOOLS)),
             )
-        self._round = await pipeline.build_round(request, self.prepared.model, trim=False)
+        # A round after server tools ran is free: tool_choice bound the request's first.
+        self._round = await pipeline.build_round(
+            request, self.prepared.model, trim=False, first_step=False
+        )
         self._reset_round_state()
 
     def _tokens_left(self) -> int | None:
@@ -516,7 +519,7 @@ class ChatPipeline:
         return await asyncio.to_thread(self._render_sync, request, model)
 
     async def build_round(
-        self, request: ChatRequest, model: LoadedModel, *, trim: bool
+        self, request: ChatRequest, model: LoadedModel, *, trim: bool, first_step: bool = True
     ) -> Round:
         """Render, fit into the context window (trimming if allowed), and plan.
 
@@ -524,9 +527,13 @@ class ChatPipeline:
         compilation are milliseconds of CPU that must not stall the event loop, and each
         extra hop adds to the time to first token.
         """
-        return await asyncio.to_thread(self._build_round_sync, request, model, trim)
+        return await asyncio.to_thread(
+            self._build_round_sync, request, model, trim, first_step
+        )
 
-    def _build_round_sync(self, request: ChatRequest, model: LoadedModel, trim: bool) -> Round:
+    def _build_round_sync(
+        self, request: ChatRequest, model: LoadedModel, trim: bool, first_step: bool = True
+    ) -> Round:
         limit = model.context_length
         budget = request.max_tokens
         prompt = self._render_sync(request, model)
@@ -541,7 +548,7 @@ class ChatPipeline:
             max_tokens = limit - len(prompt)
             if max_tokens < 1:
                 raise _context_error(limit, len(prompt), None)
-        plan = plan_turn(request, model, prompt, max_tokens)
+        plan = plan_turn(request, model, prompt, max_tokens, first_step=first_step)
         plan.prepare_processors()  # the grammar matcher is built here, off the event loop
         return Round(request, prompt, max_tokens, plan, trimmed)
 

@@ -43,16 +43,6 @@ def template_kwargs(request: ChatRequest, model: LoadedModel) -> dict[str, Any]:
     return {"enable_thinking": request.reasoning_effort not in ("none", "minimal")}
 
 
-def _first_step(request: ChatRequest) -> bool:
-    """No tool call yet since the last user message: ``required`` still applies."""
-    for message in reversed(request.messages):
-        if message.role == "user":
-            return True
-        if message.role == "assistant" and message.tool_calls:
-            return False
-    return True
-
-
 @dataclass(slots=True)
 class TurnPlan:
     request: ChatRequest
@@ -188,17 +178,28 @@ def _answer_schema(response_format: Any) -> dict[str, Any] | None:
 
 
 def plan_turn(
-    request: ChatRequest, model: LoadedModel, prompt: list[int], max_tokens: int
+    request: ChatRequest,
+    model: LoadedModel,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    first_step: bool = True,
 ) -> TurnPlan:
+    """The plan of one generation step.
+
+    ``first_step``: the request's first generation, which obeys ``required`` and a named
+    ``tool_choice`` whatever the history holds (a request whose history ends in tool
+    results starts with a first step too, as OpenAI enforces ``tool_choice`` on every
+    request). Only the rounds afmd adds itself after running server tools are free.
+    """
     plan = TurnPlan(request=request, model=model)
     plan.starts_in_reasoning = model.prompt_opens_thinking(prompt)
     choice = request.tool_choice
     tool_format = model.tool_format
     tools_on = bool(request.tools) and choice.mode != "none"
-    first = _first_step(request)
-    mode = choice.mode if first else "auto"
+    mode = choice.mode if first_step else "auto"
     # After the first step a named choice no longer narrows the tools; allowed_tools do.
-    allowed_names = choice.allowed if (first or not choice.named) else None
+    allowed_names = choice.allowed if (first_step or not choice.named) else None
     thinking_off = request.reasoning_effort in ("none", "minimal")
 
     for i, tool in enumerate(request.tools):

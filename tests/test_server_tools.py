@@ -24,7 +24,6 @@ import httpx
 import pytest
 
 from afmd import pipeline as pipeline_module
-from afmd import turn
 from afmd.chat import template_messages
 from afmd.config import ModelEntry, ServerTool, load_config
 from afmd.engine.models import LoadedModel, ModelRegistry
@@ -555,9 +554,11 @@ def test_budgets_stop_a_model_that_always_calls(
     demo_model: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     budget: str, runs: int,
 ) -> None:
-    # Make tool_choice bind every step, not only the first: the model then calls the
-    # tool in every round, and only the budget can end the loop.
-    monkeypatch.setattr(turn, "_first_step", lambda request: True)
+    # Make tool_choice bind every round, not only the request's first: the model then
+    # calls the tool in every round, and only the budget can end the loop.
+    plan_turn = pipeline_module.plan_turn
+    monkeypatch.setattr(pipeline_module, "plan_turn",
+                        lambda *a, **k: plan_turn(*a, **{**k, "first_step": True}))
     mark = tmp_path / "probe.jsonl"
     pipeline = in_process(demo_model, tmp_path, f"[tools]\n{budget}\n\n" + command_tool(
         PROBE, "echo_tool.py", env={"MARK_FILE": str(mark), "TOOL_NONCE": NONCE}))
@@ -579,6 +580,33 @@ def test_budgets_stop_a_model_that_always_calls(
     assert len(tool_outputs) == runs
     assert all(NONCE in (m.content or "") for m in tool_outputs)
     assert done.usage.completion_tokens <= 400
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_the_round_after_a_server_tool_ran_is_free(
+    demo_model: LoadedModel, tmp_path: Path, choice: str
+) -> None:
+    """tool_choice binds the request's first step; afmd's own next round may answer.
+
+    Were the next round forced too, the model would call the tool again in every round
+    until the budget (four rounds) ran out.
+    """
+    mark = tmp_path / "probe.jsonl"
+    pipeline = in_process(demo_model, tmp_path, command_tool(
+        PROBE, "echo_tool.py", env={"MARK_FILE": str(mark), "TOOL_NONCE": NONCE}))
+    body = forced(PROBE, max_tokens=200)
+    if choice == "required":
+        body["tool_choice"] = "required"
+    run, outputs = asyncio.run(chat(pipeline, body))
+    assert len(marks(mark)) == 1
+    last = run._round
+    assert last.request.tool_choice.mode != "none"  # not the budget's doing
+    assert [m.role for m in last.request.messages][-2:] == ["assistant", "tool"]
+    grammar = last.plan.grammar
+    assert grammar is not None and "TEXT" in grammar.text  # free text is allowed
+    done = outputs[-1]
+    assert isinstance(done, Done) and done.finish_reason in ("stop", "length")
+    assert done.tool_calls == []
 
 
 def test_calls_beyond_max_calls_in_one_round_get_a_budget_error(

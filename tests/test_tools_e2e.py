@@ -299,10 +299,14 @@ def assistant_turn(message: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    "choice", ["required", {"type": "function", "function": {"name": "add"}}],
+    ("choice", "names"),
+    [("required", ("get_weather", "add")),
+     ({"type": "function", "function": {"name": "add"}}, ("add",))],
     ids=["required", "named"],
 )
-def test_full_tool_loop_ends_with_a_text_answer(client, choice: Any) -> None:
+def test_full_tool_loop_ends_with_a_text_answer(
+    client, choice: Any, names: tuple[str, ...]
+) -> None:
     first = create(client, tool_choice=choice, parallel_tool_calls=False, seed=0)
     assert first.choices[0].finish_reason == "tool_calls"
     message = first.choices[0].message
@@ -312,8 +316,12 @@ def test_full_tool_loop_ends_with_a_text_answer(client, choice: Any) -> None:
         *({"role": "tool", "tool_call_id": c.id, "content": "22 degrees"}
           for c in message.tool_calls),
     ]
-    # required/named apply to the first step only: after the tool result, text is fine.
-    second = create(client, messages=history, tool_choice=choice, seed=0, max_tokens=40)
+    # required/named bind every request's first step, also after a tool result ...
+    again = create(client, messages=history, tool_choice=choice, parallel_tool_calls=False,
+                   seed=0)
+    assert check_forced_completion(again, names)
+    # ... and with auto, the model answers the tool result in text.
+    second = create(client, messages=history, tool_choice="auto", seed=0, max_tokens=40)
     answer = second.choices[0]
     assert answer.finish_reason in ("stop", "length")
     assert answer.message.tool_calls is None
@@ -333,7 +341,7 @@ def test_streamed_tool_loop_answer(client) -> None:
     message = first.choices[0].message
     history = [*MESSAGES, assistant_turn(message),
                {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"}]
-    streamed = collect_stream(client, messages=history, tool_choice="required", seed=1,
+    streamed = collect_stream(client, messages=history, tool_choice="auto", seed=1,
                               max_tokens=30)
     assert streamed["calls"] == []
     assert streamed["content"]
