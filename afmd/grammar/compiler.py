@@ -5,7 +5,9 @@ rich schema, ~2 ms compiles and an explicit warning when it drops a schema featu
 schema is compiled strict first; if that fails only because of keywords llguidance cannot
 enforce, it is compiled lenient and the response says so (``X-Grammar-Constraints:
 downgraded``). A schema llguidance rejects even leniently is the client's error
-(400 ``invalid_schema``). The per-model tokenizer setup (0.05–2 s) is cached.
+(400 ``invalid_schema``). The per-model tokenizer setup (0.05–2 s) is cached. A grammar
+is built from its own copy of a client's schema (``afmd.grammar.schemas``: re-rooted where
+it is embedded, objects closed where that is safe); checks use the schema as given.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from llguidance import LLMatcher, LLTokenizer
 
 from afmd.errors import InvalidRequestError
+from afmd.grammar.schemas import closed, reroot
 
 _THINK_TEXT = r"/(.|\n)*/"
 
@@ -176,7 +179,7 @@ def json_schema_grammar(
     param: str,
 ) -> Grammar:
     """Output that is one JSON value matching ``schema`` (an object when None)."""
-    base = schema if schema is not None else {"type": "object"}
+    base = closed(schema) if schema is not None else {"type": "object"}
     prefix, think_rules = _thinking_rules(tokenizer, thinking)
 
     def build(lenient: bool) -> str:
@@ -205,6 +208,13 @@ def tool_grammar(
     """
     prefix, think_rules = _thinking_rules(tokenizer, thinking)
     open_, close = _token(tokenizer, start), _token(tokenizer, end)
+    # Each call is its own JSON schema with the parameters under "arguments": their
+    # local references are re-rooted there, so tools' same-named $defs stay apart.
+    arguments = [
+        reroot(closed(tool.parameters or {"type": "object"}), ("properties", "arguments"))
+        for tool in tools
+    ]
+    answer = closed(answer_schema) if answer_schema is not None else None
 
     def build(lenient: bool) -> str:
         lines = []
@@ -212,10 +222,7 @@ def tool_grammar(
         for i, tool in enumerate(tools):
             call_schema = {
                 "type": "object",
-                "properties": {
-                    "name": {"const": tool.name},
-                    "arguments": tool.parameters or {"type": "object"},
-                },
+                "properties": {"name": {"const": tool.name}, "arguments": arguments[i]},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
@@ -224,9 +231,9 @@ def tool_grammar(
         calls = 'call ("\\n" call)*' if parallel else "call"
         if required:
             body = "calls"
-        elif answer_schema is not None:
+        elif answer is not None:
             body = "answer | calls"
-            lines.append(f"answer: %json {json.dumps(_with_options(answer_schema, lenient))}")
+            lines.append(f"answer: %json {json.dumps(_with_options(answer, lenient))}")
         else:
             body = "TEXT | TEXT? calls"
         return "\n".join(
@@ -258,7 +265,7 @@ def tool_grammar(
 def tool_grammar_probe(tokenizer: LLTokenizer, tool: ToolSchema) -> str | None:
     """The error that one tool's parameters schema alone causes, if any."""
     text = LLMatcher.grammar_from_json_schema(
-        tool.parameters or {"type": "object"},
+        closed(tool.parameters or {"type": "object"}),
         defaults={"whitespace_flexible": False, "lenient": True},
     )
     is_error, messages = _cache.validate(text, tokenizer)
