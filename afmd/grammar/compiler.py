@@ -112,6 +112,30 @@ def _prototype(tokenizer: LLTokenizer, text: str) -> LLMatcher:
     return LLMatcher(tokenizer, text, log_level=0)
 
 
+_ARGUMENTS = ("properties", "arguments")  # where a call's grammar holds the parameters
+
+
+def _grammar_copy(schema: dict[str, Any], embedded: bool = False) -> dict[str, Any]:
+    """The grammar's copy of a client's schema (closed; re-rooted under a call's
+    arguments when ``embedded``), cached by the schema's text: the walk is pure Python
+    on the request path, and agents resend the same schemas with every request."""
+    try:  # key order kept: it is the order the grammar generates keys in
+        text = json.dumps(schema, separators=(",", ":"))
+    except (TypeError, ValueError):  # not plain JSON data: llguidance will say so
+        return _transformed(schema, embedded)
+    return _cached_copy(text, embedded)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_copy(text: str, embedded: bool) -> dict[str, Any]:
+    return _transformed(json.loads(text), embedded)
+
+
+def _transformed(schema: dict[str, Any], embedded: bool) -> dict[str, Any]:
+    copy = closed(schema)
+    return reroot(copy, _ARGUMENTS) if embedded else copy
+
+
 def _with_options(schema: dict[str, Any], lenient: bool) -> dict[str, Any]:
     guidance = dict(schema.get("x-guidance") or {})
     guidance.update({"whitespace_flexible": False, "lenient": lenient})
@@ -179,7 +203,7 @@ def json_schema_grammar(
     param: str,
 ) -> Grammar:
     """Output that is one JSON value matching ``schema`` (an object when None)."""
-    base = closed(schema) if schema is not None else {"type": "object"}
+    base = _grammar_copy(schema) if schema is not None else {"type": "object"}
     prefix, think_rules = _thinking_rules(tokenizer, thinking)
 
     def build(lenient: bool) -> str:
@@ -210,11 +234,9 @@ def tool_grammar(
     open_, close = _token(tokenizer, start), _token(tokenizer, end)
     # Each call is its own JSON schema with the parameters under "arguments": their
     # local references are re-rooted there, so tools' same-named $defs stay apart.
-    arguments = [
-        reroot(closed(tool.parameters or {"type": "object"}), ("properties", "arguments"))
-        for tool in tools
-    ]
-    answer = closed(answer_schema) if answer_schema is not None else None
+    arguments = [_grammar_copy(tool.parameters or {"type": "object"}, embedded=True)
+                 for tool in tools]
+    answer = _grammar_copy(answer_schema) if answer_schema is not None else None
 
     def build(lenient: bool) -> str:
         lines = []
@@ -265,7 +287,7 @@ def tool_grammar(
 def tool_grammar_probe(tokenizer: LLTokenizer, tool: ToolSchema) -> str | None:
     """The error that one tool's parameters schema alone causes, if any."""
     text = LLMatcher.grammar_from_json_schema(
-        closed(tool.parameters or {"type": "object"}),
+        _grammar_copy(tool.parameters or {"type": "object"}),
         defaults={"whitespace_flexible": False, "lenient": True},
     )
     is_error, messages = _cache.validate(text, tokenizer)
