@@ -26,13 +26,18 @@ from afmd.config import Config
 from afmd.engine.models import ModelRegistry
 from afmd.http.app import AppState, create_app
 from afmd.http.protocol import GateContext, make_protocol, route_checker
-from afmd.http.routes import STATE_ROUTES
+from afmd.http.routes import STATE_ROUTES, interrupt_requests, server_stopping_error
 from afmd.http.supervisor import ListenerState, ListenerSupervisor, Supervised
 from afmd.logs import get_logger
 from afmd.pipeline import ChatPipeline
 from afmd.scheduler import Scheduler
 
 log = get_logger("afmd.server")
+
+
+#: After shutdown_grace, how long the requests still running get to write their ending
+#: (an error) before their connections are closed regardless.
+FINAL_WRITE_SECONDS = 1.0
 
 
 class StartupError(Exception):
@@ -406,6 +411,19 @@ class Server:
     def _connections(self) -> set[Any]:
         return set(self.gate.connections)  # every listener's, restarted ones' included
 
+    async def _close_when_idle(
+        self, deadline: float, each_turn: Callable[[], None] | None = None
+    ) -> None:
+        """Close connections as they go idle until none is left or ``deadline`` passes."""
+        while True:
+            if each_turn is not None:
+                each_turn()
+            for conn in self._connections():
+                conn.close_if_idle()
+            if not self._connections() or time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(0.02 if each_turn is not None else 0.05)
+
     async def shutdown(self) -> None:
         if self._stopping:
             return
@@ -415,14 +433,16 @@ class Server:
             if listener.server is not None and listener.server.server is not None:
                 with contextlib.suppress(Exception):
                     listener.server.server.close()
-        deadline = time.monotonic() + self.config.server.shutdown_grace
-        while time.monotonic() < deadline:
-            conns = self._connections()
-            for conn in conns:
-                conn.close_if_idle()
-            if not self._connections():
-                break
-            await asyncio.sleep(0.05)
+        await self._close_when_idle(time.monotonic() + self.config.server.shutdown_grace)
+        if self._connections():
+            # The grace period is over: what still runs ends the way any failure does
+            # (an error event, [DONE] and the body's last chunk for a stream), then goes
+            # idle and closes; only what cannot even do that in time is cut.
+            error = server_stopping_error()
+            await self._close_when_idle(
+                time.monotonic() + FINAL_WRITE_SECONDS,
+                each_turn=lambda: interrupt_requests(self.state, error),
+            )
         for conn in self._connections():
             with contextlib.suppress(Exception):
                 conn.close()

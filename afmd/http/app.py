@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from sanic import Request, Sanic
@@ -48,6 +49,10 @@ class AppState:
     registry: ModelRegistry
     pipeline: ChatPipeline
     started_at: int = field(default_factory=lambda: int(time.time()))
+    #: Request ids of the chat requests being handled (a count: ids may be sent twice).
+    running: Counter[str] = field(default_factory=Counter)
+    #: Set once the shutdown ends the requests still running: what they are told.
+    stop_error: APIError | None = None
 
 
 class _EnvelopeErrorHandler(ErrorHandler):
@@ -55,10 +60,13 @@ class _EnvelopeErrorHandler(ErrorHandler):
 
     def default(self, request: Request, exception: Exception) -> HTTPResponse:
         if isinstance(exception, RequestCancelled) and request is not None:
-            # The client went away (queued, or before its answer): its doing, not a server
-            # error. Nothing reaches it; the status is for the access log only.
-            request.ctx.disconnected = True
-            return HTTPResponse(status=CLIENT_CLOSED)
+            stop = request.app.ctx.state.stop_error
+            if stop is None:
+                # The client went away (queued, or before its answer): its doing, not a
+                # server error. Nothing reaches it; the status is for the access log only.
+                request.ctx.disconnected = True
+                return HTTPResponse(status=CLIENT_CLOSED)
+            exception = stop  # the shutdown closed the connection
         error = to_api_error(exception, request)
         if isinstance(error, ServerError) and not isinstance(exception, APIError):
             get_logger("afmd").error(

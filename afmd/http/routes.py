@@ -12,10 +12,10 @@ import orjson
 from sanic import Request
 from sanic.response import HTTPResponse
 
-from afmd.errors import APIError, InvalidRequestError, NotFoundError
+from afmd.errors import APIError, InvalidRequestError, NotFoundError, ServiceUnavailableError
 from afmd.http.access import log_access
 from afmd.output.pieces import Content, Reasoning, ToolCallArguments, ToolCallStart
-from afmd.pipeline import ChatPipeline, ChatRun, Done, PreparedChat
+from afmd.pipeline import ChatPipeline, ChatRun, Done, Output, PreparedChat
 from afmd.profiling import parse_profile_header
 from afmd.protocol.request import parse_chat_request, parse_json_body
 from afmd.protocol.response import (
@@ -70,6 +70,47 @@ def _response_headers(prepared: PreparedChat) -> dict[str, str]:
     return headers
 
 
+def server_stopping_error() -> ServiceUnavailableError:
+    """What a request still running when the shutdown grace period ends is told."""
+    return ServiceUnavailableError(
+        "The server is stopping; the request was ended before it completed. Retry it "
+        "when the server is back.",
+        code="server_shutting_down",
+    )
+
+
+def interrupt_requests(state: Any, error: APIError) -> None:
+    """End every chat request still running with ``error`` (the server is stopping).
+
+    Queued runs leave the queue and generations are cancelled; each handler then answers
+    ``error`` as it answers any failure (a plain error before the 200, an error event and
+    ``[DONE]`` after it) and its connection goes idle. Safe to call repeatedly: a run that
+    started a new round meanwhile (server tools) is caught by the next call.
+    """
+    state.stop_error = error
+    for request_id in list(state.running):
+        run = state.pipeline.find(request_id)
+        if run is None or run.finished:
+            continue
+        generation = run.generation
+        if generation is None:
+            run.ticket.cancel()  # still queued: start() returns it without a generation
+        elif not generation.done:
+            run.prepared.model.cancel(generation)
+            generation.fail(error)  # wakes its consumer now, even mid-prefill
+
+
+async def _next_outputs(state: Any, run: ChatRun) -> list[Output]:
+    """The run's next batch; a run the shutdown cancelled fails with the stop error."""
+    batch = await run.next_outputs()
+    stop = state.stop_error
+    if stop is not None and batch and isinstance(done := batch[-1], Done) and (
+        done.finish_reason == "cancelled"
+    ):
+        raise stop
+    return batch
+
+
 async def chat_completions(request: Request) -> HTTPResponse | None:
     state = request.app.ctx.state
     pipeline: ChatPipeline = state.pipeline
@@ -85,22 +126,33 @@ async def chat_completions(request: Request) -> HTTPResponse | None:
         profile=parse_profile_header(request.headers.get("x-afm-profile")),
     )
     request.ctx.model = prepared.model_name
-    run = await pipeline.start(prepared)
+    if state.stop_error is not None:
+        raise state.stop_error
+    # From here until it is released, interrupt_requests() finds the run by this id
+    # (start() registers it before it can wait in the queue).
+    state.running[request_id] += 1
     try:
-        if chat.stream:
-            await _stream(request, run)
-            return None
-        return await _complete(request, run)
+        run = await pipeline.start(prepared)
+        try:
+            if chat.stream:
+                await _stream(request, run)
+                return None
+            return await _complete(request, run)
+        finally:
+            pipeline.release(run)
     finally:
-        pipeline.release(run)
+        state.running[request_id] -= 1
+        if not state.running[request_id]:
+            del state.running[request_id]
 
 
 async def _complete(request: Request, run: ChatRun) -> HTTPResponse:
+    state = request.app.ctx.state
     content: list[str] = []
     reasoning: list[str] = []
     done: Done | None = None
     while done is None:
-        for out in await run.next_outputs():
+        for out in await _next_outputs(state, run):
             if isinstance(out, Content):
                 content.append(out.text)
             elif isinstance(out, Reasoning):
@@ -132,9 +184,10 @@ async def _complete(request: Request, run: ChatRun) -> HTTPResponse:
 
 
 async def _stream(request: Request, run: ChatRun) -> None:
+    state = request.app.ctx.state
     p = run.prepared
     # The status line waits for the first token: until then any failure is a plain error.
-    batch = await run.next_outputs()
+    batch = await _next_outputs(state, run)
     request.ctx.streamed = True
     response = await request.respond(
         status=200,
@@ -177,7 +230,7 @@ async def _stream(request: Request, run: ChatRun) -> None:
             await response.send(data)
             if run.finished:
                 break
-            batch = await run.next_outputs()
+            batch = await _next_outputs(state, run)
     except APIError as exc:
         data = error_event(exc.envelope()) + DONE
         sent += len(data)
@@ -186,7 +239,10 @@ async def _stream(request: Request, run: ChatRun) -> None:
         await response.send(data)
     except asyncio.CancelledError:
         # The connection went away under the stream: the 200 stays, the line says why.
-        request.ctx.disconnected = True
+        if state.stop_error is not None:  # closed by the shutdown, past its last chance
+            request.ctx.stream_error = state.stop_error.code
+        else:
+            request.ctx.disconnected = True
         raise
     finally:
         log_access(request, 200, sent)
