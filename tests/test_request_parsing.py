@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -621,3 +622,71 @@ def test_ignored_fields_accepted(key: str, value: Any) -> None:
 
 def test_all_ignored_fields_together() -> None:
     assert _generation_inputs(parse(**IGNORED)) == _generation_inputs(parse())
+
+
+# --------------------------------------------------------------------------- echoed values
+
+LONG = "v" * 200_000
+FN = {"type": "function", "function": {"name": "f"}}
+CALLED = {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "c1", "type": "function",
+                          "function": {"name": "f", "arguments": "{}"}}]}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"messages": [{"role": "user", "content": [{"type": LONG}]}]},
+         "messages[0].content[0].type"),
+        ({"messages": [{"role": "user", "content": [{"type": [LONG]}]}]},
+         "messages[0].content[0].type"),
+        ({"messages": [{"role": LONG, "content": "x"}]}, "messages[0].role"),
+        ({"tools": [{"type": LONG, "function": {"name": "f"}}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "function": {"name": LONG}}]},
+         "tools[0].function.name"),
+        ({"tools": [FN], "tool_choice": LONG}, "tool_choice"),
+        ({"tools": [FN], "tool_choice": {"type": LONG}}, "tool_choice.type"),
+        ({"tools": [FN], "tool_choice": {"type": "function", "function": {"name": LONG}}},
+         "tool_choice.function.name"),
+        ({"tools": [FN], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+            "mode": LONG, "tools": [FN]}}}, "tool_choice.allowed_tools.mode"),
+        ({"response_format": {"type": LONG}}, "response_format.type"),
+        ({"reasoning_effort": LONG}, "reasoning_effort"),
+        ({"messages": [USER, {**CALLED, "tool_calls": [{
+            "id": "c1", "type": LONG, "function": {"name": "f"}}]}, USER]},
+         "messages[1].tool_calls[0].type"),
+        ({"messages": [USER, {**CALLED, "tool_calls": [{
+            "id": LONG, "type": "function", "function": {"name": "f"}}]}]},
+         "messages[1].tool_calls[0]"),
+        ({"messages": [USER, {"role": "tool", "tool_call_id": LONG, "content": "x"}]},
+         "messages[1].tool_call_id"),
+        ({"messages": [USER, CALLED, {"role": "tool", "tool_call_id": LONG, "content": "x"}]},
+         "messages[2].tool_call_id"),
+    ],
+    ids=["part-type", "part-type-array", "role", "tool-type", "tool-name", "tool-choice",
+         "tool-choice-type", "tool-choice-name", "allowed-tools-mode", "response-format-type",
+         "reasoning-effort", "tool-call-type", "unanswered-call-id", "orphan-tool-output",
+         "unknown-tool-output"],
+)
+def test_long_value_is_cut_short_in_the_message(fields: dict[str, Any], param: str) -> None:
+    fields.setdefault("messages", [USER])
+    err = error_of(fields)
+    assert err.param == param
+    assert len(err.message) < 400, err.message[:500]
+    assert re.search(r"\(2000\d\d characters\)", err.message), err.message
+
+
+def test_long_unknown_field_names_are_cut_short() -> None:
+    err = error_of({"messages": [USER], LONG: 1})
+    assert err.code == "unknown_parameter"
+    assert len(err.message) < 400 and "200000 characters" in err.message
+    assert err.param is not None and len(err.param) <= 200 and err.param.startswith("vvv")
+    err = error_of({"messages": [USER], "stream": True, "stream_options": {LONG: 1}})
+    assert len(err.message) < 400 and err.param is not None and len(err.param) <= 200
+
+
+def test_short_values_are_quoted_whole() -> None:
+    err = error_of({"messages": [{"role": "user", "content": [{"type": "video"}]}]})
+    assert "'video'" in err.message
+    err = error_of({"messages": [{"role": "user", "content": [{"type": [1, "a"]}]}]})
+    assert """'[1,"a"]'""" in err.message

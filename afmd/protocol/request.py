@@ -19,6 +19,14 @@ from typing import Any
 import orjson
 
 from afmd.errors import InvalidRequestError
+from afmd.protocol.nesting import (
+    MAX_NESTING,
+    Segment,
+    nesting_path,
+    nesting_path_in_text,
+    nests_deeper_than,
+    param_of,
+)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -164,6 +172,32 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+#: Characters of a client's value an error message repeats: enough to recognise it, while
+#: a megabyte-long value still gets a small error.
+MAX_ECHO_CHARS = 100
+
+
+def _clip(text: str) -> str:
+    if len(text) <= MAX_ECHO_CHARS:
+        return text
+    return f"{text[:MAX_ECHO_CHARS]}… ({len(text)} characters)"
+
+
+def _quoted(value: Any) -> str:
+    """A client's value as an error message quotes it: a string as is, anything else as
+    JSON, cut short with its full length noted."""
+    if isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = orjson.dumps(value).decode()
+        except orjson.JSONEncodeError:
+            text = _type_name(value)
+    if len(text) <= MAX_ECHO_CHARS:
+        return f"'{text}'"
+    return f"'{text[:MAX_ECHO_CHARS]}…' ({len(text)} characters)"
+
+
 def _wrong_type(param: str, expected: str, value: Any) -> InvalidRequestError:
     return InvalidRequestError(
         f"Invalid type for '{param}': expected {expected}, but got {_type_name(value)}.",
@@ -180,7 +214,7 @@ def _missing(param: str) -> InvalidRequestError:
     )
 
 
-def _invalid(param: str, message: str) -> InvalidRequestError:
+def _invalid(param: str | None, message: str) -> InvalidRequestError:
     return InvalidRequestError(message, code="invalid_value", param=param)
 
 
@@ -234,7 +268,8 @@ def _number(value: Any, param: str, lo: float, hi: float) -> float:
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """Decode the body; only a JSON object is a request."""
+    """Decode the body; only a JSON object is a request, and only one nested at most
+    ``MAX_NESTING`` levels deep (see :mod:`afmd.protocol.nesting`)."""
     if not raw:
         raise InvalidRequestError(
             "The request body is empty; send a JSON object.", code="invalid_json"
@@ -242,15 +277,29 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise InvalidRequestError(
-            f"The request body is not valid JSON: {exc}.", code="invalid_json"
-        ) from None
+        # orjson's own depth limit: the text before it parsed, so name what is too deep.
+        path = nesting_path_in_text(raw) if "depth limit" in str(exc) else None
+        if path is None:
+            raise InvalidRequestError(
+                f"The request body is not valid JSON: {exc}.", code="invalid_json"
+            ) from None
+        raise _too_deep(path) from None
+    if nests_deeper_than(body):
+        raise _too_deep(nesting_path_in_text(raw) or nesting_path(body) or [])
     if not isinstance(body, dict):
         raise InvalidRequestError(
             f"The request body must be a JSON object, but got {_type_name(body)}.",
             code="invalid_type",
         )
     return body
+
+
+def _too_deep(path: list[Segment]) -> InvalidRequestError:
+    return _invalid(
+        param_of(path) if path else None,
+        f"The value is nested more than {MAX_NESTING} levels deep (arrays and objects, the "
+        f"body counting as one); afmd accepts at most {MAX_NESTING} levels.",
+    )
 
 
 _DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,([A-Za-z0-9+/]*={0,2})", re.ASCII)
@@ -326,12 +375,13 @@ def _text_content(
         elif kind in ("input_audio", "file"):
             raise _invalid(
                 f"{p}.type",
-                f"Content part type '{kind}' is not supported: afmd accepts text and images.",
+                f"Content part type {_quoted(kind)} is not supported: afmd accepts text and "
+                "images.",
             )
         else:
             raise _invalid(
                 f"{p}.type",
-                f"Invalid content part type '{kind}'; supported: 'text' and 'image_url'.",
+                f"Invalid content part type {_quoted(kind)}; supported: 'text' and 'image_url'.",
             )
     return "".join(texts), bool(images)
 
@@ -353,7 +403,9 @@ def _tool_calls(value: Any, param: str) -> tuple[ToolCall, ...]:
             raise _invalid(f"{p}.id", "A tool call id must not be empty.")
         kind = call.get("type", "function")
         if kind != "function":
-            raise _invalid(f"{p}.type", f"Invalid tool call type '{kind}'; expected 'function'.")
+            raise _invalid(
+                f"{p}.type", f"Invalid tool call type {_quoted(kind)}; expected 'function'."
+            )
         function, name = _function_object(call, p)
         arguments = function.get("arguments", "{}")
         if not isinstance(arguments, str):
@@ -374,7 +426,7 @@ def _message(value: Any, index: int) -> Message:
     if role not in ROLES:
         raise _invalid(
             f"{param}.role",
-            f"Invalid value for '{param}.role': '{role}'. Supported values are: "
+            f"Invalid value for '{param}.role': {_quoted(role)}. Supported values are: "
             + ", ".join(f"'{r}'" for r in ROLES)
             + ".",
         )
@@ -431,7 +483,7 @@ def _messages(value: Any) -> tuple[Message, ...]:
         )
     if messages[-1].role == "assistant" and messages[-1].tool_calls:
         raise InvalidRequestError(
-            f"Tool call '{messages[-1].tool_calls[0].id}' of the last message has no tool "
+            f"Tool call {_quoted(messages[-1].tool_calls[0].id)} of the last message has no tool "
             "message answering it; add a 'tool' message with its output.",
             code="missing_tool_output",
             param=f"messages[{len(messages) - 1}].tool_calls[0]",
@@ -482,13 +534,16 @@ def _tools(value: Any) -> tuple[ToolSpec, ...]:
         if kind is None:
             raise _missing(f"{p}.type")
         if kind != "function":
-            raise _invalid(f"{p}.type", f"Invalid tool type '{kind}'; supported: 'function'.")
+            raise _invalid(
+                f"{p}.type", f"Invalid tool type {_quoted(kind)}; supported: 'function'."
+            )
         function, name = _function_object(tool, p)
         if not name or len(name) > 64 or not all(c.isascii() and (c.isalnum() or c in "_-")
                                                  for c in name):
             raise _invalid(
                 f"{p}.function.name",
-                f"Invalid tool name '{name}': use 1-64 characters among a-z, A-Z, 0-9, _ and -.",
+                f"Invalid tool name {_quoted(name)}: use 1-64 characters among a-z, A-Z, "
+                "0-9, _ and -.",
             )
         if name in seen:
             raise _invalid(f"{p}.function.name", f"Duplicate tool name '{name}'.")
@@ -525,7 +580,7 @@ def _function_name(value: Any, param: str) -> str:
 
 def _unknown_tool(name: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(
-        f"'{param}' names the tool '{name}', which is not in 'tools'.",
+        f"'{param}' names the tool {_quoted(name)}, which is not in 'tools'.",
         code="unknown_tool",
         param=param,
     )
@@ -542,7 +597,7 @@ def _tool_choice(
         if value not in ("none", "auto", "required"):
             raise _invalid(
                 "tool_choice",
-                f"Invalid value for 'tool_choice': '{value}'. Supported values are: "
+                f"Invalid value for 'tool_choice': {_quoted(value)}. Supported values are: "
                 "'none', 'auto', 'required', or an object naming a function.",
             )
         if value == "required" and not has_tools:
@@ -569,7 +624,7 @@ def _tool_choice(
         if mode not in ("auto", "required"):
             raise _invalid(
                 "tool_choice.allowed_tools.mode",
-                f"Invalid value '{mode}'; supported values are 'auto' and 'required'.",
+                f"Invalid value {_quoted(mode)}; supported values are 'auto' and 'required'.",
             )
         listed = spec.get("tools")
         if listed is None:
@@ -589,7 +644,7 @@ def _tool_choice(
         return ToolChoice(mode, tuple(dict.fromkeys(allowed)))
     raise _invalid(
         "tool_choice.type",
-        f"Invalid value for 'tool_choice.type': '{kind}'. Supported values are 'function' "
+        f"Invalid value for 'tool_choice.type': {_quoted(kind)}. Supported values are 'function' "
         "and 'allowed_tools'.",
     )
 
@@ -609,7 +664,7 @@ def _response_format(value: Any) -> ResponseFormat | None:
     if kind != "json_schema":
         raise _invalid(
             "response_format.type",
-            f"Invalid value for 'response_format.type': '{kind}'. Supported values are: "
+            f"Invalid value for 'response_format.type': {_quoted(kind)}. Supported values are: "
             "'text', 'json_object' and 'json_schema'.",
         )
     spec = value.get("json_schema")
@@ -643,7 +698,7 @@ def _check_tool_history(messages: tuple[Message, ...]) -> tuple[Message, ...]:
         message = messages[i]
         if message.role == "tool":
             raise InvalidRequestError(
-                f"messages[{i}] answers tool call '{message.tool_call_id}', which no "
+                f"messages[{i}] answers tool call {_quoted(message.tool_call_id)}, which no "
                 "preceding assistant message made (tool messages must directly follow the "
                 "assistant message whose calls they answer).",
                 code="unknown_tool_call_id",
@@ -658,7 +713,7 @@ def _check_tool_history(messages: tuple[Message, ...]) -> tuple[Message, ...]:
         for k, call in enumerate(message.tool_calls):
             if call.id in seen_ids or call.id in order:
                 raise InvalidRequestError(
-                    f"The tool call id '{call.id}' is used more than once.",
+                    f"The tool call id {_quoted(call.id)} is used more than once.",
                     code="duplicate_tool_call_id",
                     param=f"messages[{a}].tool_calls[{k}].id",
                 )
@@ -669,14 +724,14 @@ def _check_tool_history(messages: tuple[Message, ...]) -> tuple[Message, ...]:
             call_id = tool.tool_call_id or ""
             if call_id not in order:
                 raise InvalidRequestError(
-                    f"messages[{i}] answers tool call '{call_id}', which messages[{a}] did "
+                    f"messages[{i}] answers tool call {_quoted(call_id)}, which messages[{a}] did "
                     "not make.",
                     code="unknown_tool_call_id",
                     param=f"messages[{i}].tool_call_id",
                 )
             if call_id in outputs:
                 raise InvalidRequestError(
-                    f"Tool call '{call_id}' is answered more than once.",
+                    f"Tool call {_quoted(call_id)} is answered more than once.",
                     code="duplicate_tool_output",
                     param=f"messages[{i}].tool_call_id",
                 )
@@ -685,7 +740,7 @@ def _check_tool_history(messages: tuple[Message, ...]) -> tuple[Message, ...]:
         for k, call in enumerate(message.tool_calls):
             if call.id not in outputs:
                 raise InvalidRequestError(
-                    f"Tool call '{call.id}' of messages[{a}] has no tool message answering "
+                    f"Tool call {_quoted(call.id)} of messages[{a}] has no tool message answering "
                     "it; each call needs exactly one 'tool' message right after the "
                     "assistant message.",
                     code="missing_tool_output",
@@ -714,7 +769,7 @@ def parse_chat_request(
             )
         if key not in KNOWN_FIELDS:
             raise InvalidRequestError(
-                f"Unrecognized request argument supplied: {key}",
+                f"Unrecognized request argument supplied: {_clip(key)}",
                 code="unknown_parameter",
                 param=key,
             )
@@ -738,7 +793,7 @@ def parse_chat_request(
         for key in options:
             if key not in ("include_usage", "include_obfuscation"):
                 raise InvalidRequestError(
-                    f"Unrecognized stream option: {key}",
+                    f"Unrecognized stream option: {_clip(key)}",
                     code="unknown_parameter",
                     param=f"stream_options.{key}",
                 )
@@ -793,7 +848,7 @@ def parse_chat_request(
         if effort not in REASONING_EFFORTS:
             raise _invalid(
                 "reasoning_effort",
-                f"Invalid value for 'reasoning_effort': '{effort}'. Supported values are: "
+                f"Invalid value for 'reasoning_effort': {_quoted(effort)}. Supported values are: "
                 + ", ".join(f"'{e}'" for e in REASONING_EFFORTS) + ".",
             )
 
