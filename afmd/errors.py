@@ -11,6 +11,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+#: Longest message and param a client is sent. Layers quote client values in errors (a
+#: model name, a tool name, a schema checker's verdict on a whole schema); each should cut
+#: them short itself, and this bounds every error body whichever layer forgot.
+MAX_MESSAGE_CHARS = 1000
+MAX_PARAM_CHARS = 200
+
+
+def _bounded_message(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}… (message cut short from {len(message)} characters)"
+
+
+def _bounded_param(param: str | None) -> str | None:
+    if param is None or len(param) <= MAX_PARAM_CHARS:
+        return param
+    return param[: MAX_PARAM_CHARS - 1] + "…"
+
 
 class APIError(Exception):
     """An error with an HTTP status and an OpenAI error envelope."""
@@ -28,10 +46,11 @@ class APIError(Exception):
         status: int | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        message = _bounded_message(message)
         super().__init__(message)
         self.message = message
         self.code = code or self.default_code
-        self.param = param
+        self.param = _bounded_param(param)
         if status is not None:
             self.status = status  # type: ignore[misc]
         self.headers: dict[str, str] = dict(headers or {})

@@ -11,6 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
+from afmd.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, InvalidRequestError, ServerError
+from afmd.protocol.nesting import MAX_NESTING, param_of
+
 from conftest import ServerProcess, start_server
 from openai_schemas import validate_error, validate_response
 
@@ -52,8 +55,31 @@ def _body(*messages: dict[str, Any], **fields: Any) -> dict[str, Any]:
     return {"messages": list(messages) or [USER], **fields}
 
 
+def _deep_part_type(levels: int) -> bytes:
+    """A content part whose ``type`` is an array nested ``levels`` deep, as JSON text."""
+    return (b'{"messages": [{"role": "user", "content": [{"type": '
+            + b"[" * levels + b"]" * levels + b"}]}]}")
+
+
+def _deep_schema(levels: int) -> bytes:
+    return (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
+            b'"json_schema", "json_schema": {"name": "x", "schema": '
+            + b'{"items": ' * levels + b"true" + b"}" * levels + b"}}}")
+
+
+# The param of a too-deep value: its path down to the first level past the limit.
+DEEP_PART_TYPE = param_of(["messages", 0, "content", 0, "type", *[0] * (MAX_NESTING - 5)])
+DEEP_SCHEMA = param_of(["response_format", "json_schema", "schema",
+                        *["items"] * (MAX_NESTING - 4)])
+
+
 # (request body: a dict sent as JSON or raw bytes, status, code, param)
 CASES = [
+    pytest.param(_deep_part_type(1000), 400, "invalid_value", DEEP_PART_TYPE,
+                 id="deep-content-part-type"),
+    pytest.param(_deep_part_type(2000), 400, "invalid_value", DEEP_PART_TYPE,
+                 id="deep-content-part-type-beyond-the-parser"),
+    pytest.param(_deep_schema(500), 400, "invalid_value", DEEP_SCHEMA, id="deep-schema"),
     pytest.param(b'{"messages": [', 400, "invalid_json", None, id="invalid-json"),
     pytest.param(b"{'messages': []}", 400, "invalid_json", None, id="single-quoted-json"),
     pytest.param(b"", 400, "invalid_json", None, id="empty-body"),
@@ -334,6 +360,29 @@ def test_unknown_model_lists_available_models(http: httpx.Client) -> None:
     error = check_error(http.post("/v1/chat/completions", json=_body(model="nope-7b")),
                         404, "model_not_found", "model")
     assert "nope-7b" in error["message"] and "demo" in error["message"]
+
+
+def test_long_values_are_cut_short_in_errors(http: httpx.Client) -> None:
+    """A 200,000-character value makes a small error, never a 200 KB one."""
+    long = "t" * 200_000
+    response = http.post("/v1/chat/completions", json=_body(
+        {"role": "user", "content": [{"type": long}]}))
+    error = check_error(response, 400, "invalid_value", "messages[0].content[0].type")
+    assert len(response.content) < 2048 and "(200000 characters)" in error["message"]
+    # The model name is quoted by another layer; every error body is bounded all the same.
+    response = http.post("/v1/chat/completions", json=_body(model=long))
+    check_error(response, 404, "model_not_found", "model")
+    assert len(response.content) < 2048, len(response.content)
+
+
+def test_every_error_message_and_param_is_bounded() -> None:
+    err = ServerError("Boom " + "x" * 100_000, param="p" * 10_000)
+    assert len(err.message) < MAX_MESSAGE_CHARS + 100
+    assert err.message.startswith("Boom xxx") and "100005 characters" in err.message
+    assert err.param is not None and len(err.param) == MAX_PARAM_CHARS
+    assert err.envelope()["error"]["message"] == err.message
+    short = InvalidRequestError("Fine as it is.", param="messages[0]")
+    assert (short.message, short.param) == ("Fine as it is.", "messages[0]")
 
 
 def test_context_budget_boundary_on_demo(http: httpx.Client) -> None:
