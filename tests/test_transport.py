@@ -227,7 +227,7 @@ def screen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def limits(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Small connection cap, short deadline, a buffered-bytes cap a few requests wide."""
-    proc = start_server(tmp_path_factory.mktemp("limits"), ready=False, config="""
+    proc = start_server(tmp_path_factory.mktemp("limits"), config="""
 [server]
 max_connections = 8
 idle_timeout = 1.5
