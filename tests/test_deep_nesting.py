@@ -135,6 +135,42 @@ def test_the_deepest_allowed_value_is_never_a_500(http: httpx.Client, place: str
         assert f"{MAX_NESTING} levels" not in error["message"], error
 
 
+# Schema keywords by how they nest: (opening text, closing text, levels each adds).
+SCHEMA_SHAPES: dict[str, tuple[str, str, int]] = {
+    "items": ('{"type":"array","items":', "}", 1),
+    "not": ('{"not":', "}", 1),
+    "additionalProperties": ('{"type":"object","additionalProperties":', "}", 1),
+    "if": ('{"if":', ',"then":true}', 1),
+    "anyOf": ('{"anyOf":[', "]}", 2),
+    "properties": ('{"type":"object","properties":{"a":', "}}", 2),
+    "prefixItems": ('{"type":"array","prefixItems":[', "]}", 2),
+    "$defs": ('{"$defs":{"a":', "}}", 2),
+    "allOf-properties": ('{"allOf":[{"properties":{"a":', "}}]}", 4),
+}
+
+
+@pytest.mark.parametrize("where", ["response_format", "tool_choice-required"])
+@pytest.mark.parametrize("shape", list(SCHEMA_SHAPES))
+def test_schemas_as_deep_as_allowed_are_served(
+    http: httpx.Client, shape: str, where: str
+) -> None:
+    """jsonschema's checks, the grammar's copy of the schema and its compile all recurse
+    per level: within the limit, every way of nesting a schema still compiles and runs."""
+    opening, closing, per_level = SCHEMA_SHAPES[shape]
+    above = 3 if where == "response_format" else 4  # containers around the schema
+    levels = (MAX_NESTING - above) // per_level
+    schema = opening * levels + "true" + closing * levels
+    if where == "response_format":
+        extra = f'"response_format":{{"type":"json_schema","json_schema":{{"name":"x",' \
+                f'"schema":{schema}}}}}'
+    else:
+        extra = f'"tools":[{{"type":"function","function":{{"name":"f","parameters":' \
+                f'{schema}}}}}],"tool_choice":"required"'
+    raw = ('{"max_tokens":8,"messages":[' + USER + "]," + extra + "}").encode()
+    response = post(http, raw)
+    assert response.status_code == 200, response.text[:500]
+
+
 # --------------------------------------------------------------------------- the walker
 
 
