@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from afmd.protocol.request import Message, ToolCall
+from afmd.core.request import Message, ToolCall
 
 
 def _arguments(call: ToolCall) -> Any:

@@ -23,6 +23,7 @@ from afmd import __version__
 from afmd.chat import template_messages
 from afmd.config import Config
 from afmd.context import droppable_units, without_units
+from afmd.core.request import ChatRequest, Message, ToolCall, ToolChoice
 from afmd.engine.base import Finished, Generation, GenerationRequest, SamplingParams, Text
 from afmd.engine.models import LoadedModel, ModelRegistry
 from afmd.errors import (
@@ -35,7 +36,6 @@ from afmd.logs import get_logger
 from afmd.output.pieces import Content, Piece, ToolCallArguments, ToolCallStart
 from afmd.output.toolcalls import ParsedCall
 from afmd.profiling import SAMPLE_EVERY, ProfileInput, samples, summary
-from afmd.protocol.request import ChatRequest, Message, ToolCall, ToolChoice
 from afmd.protocol.response import Usage, new_completion_id
 from afmd.scheduler import Cancelled, Scheduler, Ticket
 from afmd.servertools import ServerTools

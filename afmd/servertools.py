@@ -24,8 +24,8 @@ from typing import Any
 import orjson
 
 from afmd.config import ServerTool
+from afmd.core.request import ToolSpec
 from afmd.logs import get_logger
-from afmd.protocol.request import ToolSpec
 
 log = get_logger("afmd.tools")
 

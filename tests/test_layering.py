@@ -4,6 +4,7 @@ Layers, lowest first; a module may import its own layer and lower ones, never hi
 
     0  afmd (``__init__``), afmd.errors, afmd.config, afmd.paths
     1  afmd.logs
+    1.5 afmd.core.* (the turn and its output events, below every wire format)
     2  afmd.protocol.*, afmd.output.*, afmd.profiling
     3  afmd.chat, afmd.context, afmd.engine.*, afmd.grammar.*, afmd.scheduler,
        afmd.servertools
@@ -36,6 +37,7 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.config", 0),
     ("afmd.paths", 0),
     ("afmd.logs", 1),
+    ("afmd.core.*", 1.5),  # the internal request and event model: pure data
     ("afmd.protocol.*", 2),
     ("afmd.output.*", 2),
     ("afmd.profiling", 2),  # pure measurement helpers (stdlib only)

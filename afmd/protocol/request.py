@@ -13,11 +13,18 @@ import binascii
 import math
 import re
 from collections.abc import Collection
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from afmd.core.request import (
+    ChatRequest,
+    Message,
+    ResponseFormat,
+    ToolCall,
+    ToolChoice,
+    ToolSpec,
+)
 from afmd.errors import InvalidRequestError
 from afmd.protocol.nesting import (
     MAX_NESTING,
@@ -76,82 +83,6 @@ KNOWN_FIELDS = IGNORED_FIELDS | {
 }
 
 MAX_STOP_SEQUENCES = 4
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    role: str
-    content: str | None
-    name: str | None = None
-    tool_calls: tuple[ToolCall, ...] = ()
-    tool_call_id: str | None = None
-    has_images: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ToolSpec:
-    name: str
-    description: str | None
-    parameters: dict[str, Any] | None
-    strict: bool = False
-
-    def as_template_tool(self) -> dict[str, Any]:
-        function: dict[str, Any] = {"name": self.name}
-        if self.description is not None:
-            function["description"] = self.description
-        function["parameters"] = self.parameters or {"type": "object", "properties": {}}
-        return {"type": "function", "function": function}
-
-
-@dataclass(frozen=True, slots=True)
-class ToolChoice:
-    """What the model may or must do with tools on the first step of this turn.
-
-    ``mode`` is ``none`` (tools hidden), ``auto`` (free; calls constrained once opened) or
-    ``required`` (must call one of ``allowed``); a named choice is ``required`` with one
-    allowed name.
-    """
-
-    mode: str = "auto"
-    allowed: tuple[str, ...] | None = None  # None: every tool in `tools`
-    named: bool = False  # a named function: forces the first step only, restricts nothing
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseFormat:
-    kind: str  # "json_object" | "json_schema"
-    schema: dict[str, Any] | None = None
-    name: str | None = None
-    strict: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ChatRequest:
-    messages: tuple[Message, ...]
-    model: str | None = None
-    stream: bool = False
-    include_usage: bool = False
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    tools: tuple[ToolSpec, ...] = ()
-    tool_choice: ToolChoice = field(default_factory=ToolChoice)
-    parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
-    reasoning_effort: str | None = None
-    has_images: bool = False
 
 
 def _type_name(value: Any) -> str:
