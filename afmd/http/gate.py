@@ -8,10 +8,12 @@ code can refuse a request. So every connection's bytes go through a :class:`Gate
 * it buffers each request until it is COMPLETE (head and whole body), validating the
   framing as bytes arrive, and screens the head (Host, Origin, route, API key, media type,
   size) as soon as it is parsed, before any body byte is read;
-* a request that passes is forwarded to Sanic normalised: its header lines (trimmed), no
-  ``Expect`` (the gate itself answers ``100 Continue``), no ``Connection``/``Upgrade``
-  games, and a de-chunked body framed by ``Content-Length``. Sanic therefore only ever
-  parses complete, well-formed, Content-Length-framed requests;
+* a request that passes is forwarded to Sanic normalised: an origin-form target (an
+  absolute-form ``http://authority/path`` one is rewritten, its authority replacing the
+  Host header), its header lines trimmed of optional whitespace (SP and HTAB, nothing
+  else), no ``Expect`` (the gate itself answers ``100 Continue``), no
+  ``Connection``/``Upgrade`` games, and a de-chunked body framed by ``Content-Length``.
+  Sanic therefore only ever parses complete, well-formed, Content-Length-framed requests;
 * a request that fails becomes a :class:`Rejection`: an OpenAI error envelope sent with
   ``Connection: close``, after which the gate discards everything;
 * a bodiless ``GET`` of one of the policy's ``direct_paths`` (answers built from server
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import hmac
 import re
+import string
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -82,17 +85,23 @@ _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VERSION = re.compile(rb"HTTP/[0-9]\.[0-9]")
 # origin-form (a path, optional query; no fragment) or the asterisk-form of OPTIONS.
 _TARGET = re.compile(rb"/[\x21\x22\x24-\x7e]*|\*")
-# A header line: token ":" then a value without NUL, CR or LF: those three are what
-# parsers disagree on (smuggling); other control bytes in a value (ESC, DEL...) are passed
-# on for the application to judge, like nginx does, and are escaped in logs.
-_FIELD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\x00\r\n]*)")
+# absolute-form (RFC 9112 3.2.2), which servers must accept: "http://" (any case), an
+# authority screened like a Host header, then a path and/or a query, or nothing ("/").
+_ABSOLUTE = re.compile(rb"[Hh][Tt][Tt][Pp]://([^/?#]*)([/?][\x21\x22\x24-\x7e]*)?")
+_SCHEME = re.compile(rb"[A-Za-z][A-Za-z0-9+.\-]*:")
+# A header line: token ":" then a value of visible bytes (obs-text included), spaces and
+# tabs. Control characters are refused, not passed on: NUL, CR and LF are what parsers
+# disagree on (smuggling), and the others are whitespace to some readers (Python's
+# str.strip() drops \x1c-\x1f, VT and FF), so a value could pass for another one.
+_FIELD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([\t\x20-\x7e\x80-\xff]*)")
 # Every header line of a head at once (each line ends with CRLF but the last): one pass.
-_FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\x00\r\n]*"
+_FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*"
                      rb"(?:\r\n(?=.)|\Z))*", re.DOTALL)
 _DIGITS = re.compile(rb"[0-9]+")
 # chunk-size, then optionally whitespace and a ';' extension; nothing else.
 _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]+)(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?")
-_HOST = re.compile(rb"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9\-._~%!$&'()*+,;=]*)(?::[0-9]*)?")
+# host [ ":" port ], where RFC 3986 allows an empty port; its value is checked apart.
+_HOST = re.compile(rb"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9\-._~%!$&'()*+,;=]*)(?::([0-9]*))?")
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _NUL_CR_LF = re.compile(rb"[\x00\r\n]")
 _BARE_LF = re.compile(rb"(?<!\r)\n")
@@ -111,8 +120,14 @@ _SPECIAL = _REFRAMED | {b"host", b"content-type", b"authorization", b"origin",
 _HEAD, _BODY, _CHUNK_SIZE_LINE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER = range(6)
 
 
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
 def normalize_origin(origin: str) -> str:
-    return origin.strip().lower().rstrip("/")
+    """The form origins are compared in: only optional whitespace is trimmed and only
+    ASCII letters are folded, so that no other character (a leading U+00A0, a KELVIN SIGN
+    that ``str.lower`` turns into ``k``) can make a foreign origin match the allow-list."""
+    return origin.strip(" \t").translate(_ASCII_LOWER).rstrip("/")
 
 
 def cors_headers(origin: str) -> tuple[tuple[str, str], ...]:
@@ -127,6 +142,17 @@ def _normalize_host_entry(entry: str) -> str:
     if entry.count(":") > 1 and not entry.startswith("["):
         entry = f"[{entry}]"  # a bare IPv6 address as written in a config file
     return entry
+
+
+def _host_problem(host: bytes) -> str | None:
+    """Why ``host`` is not a valid ``host[:port]`` (None when it is)."""
+    m = _HOST.fullmatch(host)
+    if m is None:
+        return "is not a valid host[:port]"
+    port = (m.group(2) or b"").lstrip(b"0")
+    if len(port) > 5 or (port and int(port) > 65535):
+        return "has a port out of the range 0-65535"
+    return None
 
 
 def _show(value: bytes, limit: int = 100) -> str:
@@ -273,11 +299,13 @@ class GatePolicy:
 class _Request:
     """What the gate learnt from one request head."""
 
-    __slots__ = ("authorization", "chunked", "close", "content_type", "expect", "has_cl",
-                 "host", "hosts", "keep_alive_10", "kept", "length", "local", "method",
-                 "origin", "path", "preflight_method", "request_line", "version")
+    __slots__ = ("authority", "authorization", "chunked", "close", "content_type", "expect",
+                 "has_cl", "host", "host_line", "hosts", "keep_alive_10", "kept", "length",
+                 "local", "method", "origin", "path", "preflight_method", "request_line",
+                 "version")
 
     def __init__(self) -> None:
+        self.authority: bytes | None = None  # of an absolute-form target
         self.authorization: bytes | None = None
         self.chunked = False
         self.close = False
@@ -285,6 +313,7 @@ class _Request:
         self.expect: bytes | None = None
         self.has_cl = False
         self.host: bytes | None = None
+        self.host_line = -1  # index of the Host header in ``kept``
         self.hosts = 0
         self.keep_alive_10 = False
         self.kept: list[bytes] = []
@@ -472,12 +501,12 @@ class Gate:
         if version != b"HTTP/1.1" and version != b"HTTP/1.0":
             raise self._refuse(HTTPVersionNotSupportedError(
                 f"HTTP version {_show(version)} is not supported; use HTTP/1.1."))
-        if not _TARGET.fullmatch(target):
-            raise self._refuse(_bad(
-                "The request target must be a path starting with '/', in visible ASCII."))
         if len(target) > _MAX_TARGET:
             raise self._refuse(InvalidRequestError(
                 "The request URL is too long.", code="malformed_request", status=414))
+        if not _TARGET.fullmatch(target):
+            target = self._absolute(req, target)
+            request_line = b"%s %s %s" % (method, target, version)
         req.request_line = request_line
         req.method = method.decode("ascii")
         req.path = target.split(b"?", 1)[0].decode("ascii")
@@ -490,7 +519,7 @@ class Gate:
         te_seen = False
         seen: set[bytes] = set()
         fields = lines[1:]
-        if fields and not _FIELDS.fullmatch(head, len(request_line) + 2):
+        if fields and not _FIELDS.fullmatch(head, len(lines[0]) + 2):
             for line in fields:  # find the culprit, for a precise message
                 if not _FIELD.fullmatch(line):
                     raise self._refuse(_bad(self._field_problem(line)))
@@ -507,6 +536,7 @@ class Gate:
             if name == b"host":
                 req.hosts += 1
                 req.host = value
+                req.host_line = len(kept) - 1
             elif name == b"content-length":
                 lengths += 1
                 if lengths > 1:
@@ -543,8 +573,15 @@ class Gate:
         is_11 = version == b"HTTP/1.1"
         if req.hosts > 1 or (is_11 and req.hosts == 0):
             raise self._refuse(_bad("An HTTP/1.1 request needs exactly one Host header."))
-        if req.host is not None and not _HOST.fullmatch(req.host):
-            raise self._refuse(_bad("The Host header is not a valid host[:port]."))
+        if req.host is not None and (problem := _host_problem(req.host)):
+            raise self._refuse(_bad(f"The Host header {problem}."))
+        if req.authority is not None:
+            # RFC 9112 3.2.2: the target's authority is the host; the Host header (present
+            # and valid, as checked above) is ignored, and replaced for what reads it later.
+            req.host = req.authority
+            if req.host_line >= 0:
+                name = kept[req.host_line].partition(b":")[0]
+                kept[req.host_line] = name + b": " + req.authority
         if te_seen:
             codings = [c for c in codings if c]
             if req.has_cl:
@@ -571,6 +608,28 @@ class Gate:
         req.keep_alive_10 = not is_11 and not req.close
         return req
 
+    def _absolute(self, req: _Request, target: bytes) -> bytes:
+        """The origin-form of an absolute-form ``target``; its authority goes to ``req``."""
+        m = _ABSOLUTE.fullmatch(target)
+        if m is None:
+            scheme = _SCHEME.match(target)
+            if scheme and scheme.group().lower() != b"http:":
+                raise self._refuse(_bad(
+                    f"The request target's scheme '{_show(scheme.group()[:-1], 20)}' is not "
+                    "served here; send a path starting with '/' (or an http:// URL)."))
+            raise self._refuse(_bad(
+                "The request target must be a path starting with '/' (or an absolute "
+                "http:// URL), in visible ASCII, without a fragment."))
+        authority = m.group(1)
+        if b"@" in authority:
+            raise self._refuse(_bad("The request target's URL must not contain userinfo."))
+        if (problem := _host_problem(authority)) or not authority.partition(b":")[0]:
+            raise self._refuse(_bad(
+                f"The request target's authority {problem or 'has no host'}."))
+        req.authority = authority
+        rest = m.group(2) or b""
+        return rest if rest.startswith(b"/") else b"/" + rest
+
     @staticmethod
     def _field_problem(line: bytes) -> str:
         if line[:1] in (b" ", b"\t"):
@@ -584,6 +643,9 @@ class Gate:
             return "Whitespace between a header name and its colon is not allowed."
         if _CONTROL.search(name):
             return "A header name contains a control character."
+        if _TOKEN.fullmatch(name):
+            return ("A header value contains a control character; only visible characters, "
+                    "spaces and tabs are allowed.")
         return "A header name is not a valid token."
 
     # -- screening --

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 from sanic import Sanic
 from sanic import headers as sanic_headers
 from sanic import helpers as sanic_helpers
+from sanic.compat import Header
 from sanic.exceptions import MethodNotAllowed, NotFound, ServiceUnavailable
 from sanic.http import Http, Stage
 from sanic.server.protocols.http_protocol import HttpProtocol
@@ -128,6 +129,30 @@ class AfmdHttp(Http):
     def init_for_request(self) -> None:
         super().init_for_request()
         self.protocol.afmd_sanic_idle()
+
+    async def http1_request_header(self) -> None:
+        """Sanic's head parser, with the header values exactly as the gate forwarded them.
+
+        Sanic ``str.lstrip()``s each value after decoding it as UTF-8, which also drops a
+        leading U+00A0, U+2029, U+3000... (the gate refuses ASCII control characters and
+        trims SP and HTAB itself): ``X-Request-ID: \\u00a0abc`` would reach the handlers as
+        ``abc``. An all-ASCII head (nearly all of them) parses the same either way.
+        """
+        await Http.http1_request_header(self)
+        request = self.request
+        if request is not None and not request.head.isascii():
+            request.headers = Header(exact_fields(request.head))
+
+
+def exact_fields(head: bytes) -> list[tuple[str, str]]:
+    """``(lowercase name, value)`` pairs of a head the gate forwarded: every header line is
+    ``name: value``, the value already trimmed of optional whitespace."""
+    fields = []
+    for line in head.decode(errors="surrogateescape").split("\r\n")[1:]:
+        name, _, value = line.partition(":")
+        fields.append((name.lower(), value[1:] if value[:1] == " " else value))
+    return fields
+
 
 
 class AfmdProtocol(HttpProtocol):
