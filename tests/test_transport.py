@@ -753,15 +753,24 @@ def test_slow_but_timely_request_passes(limits: ServerProcess) -> None:
         assert conn.read_response().status == 200
 
 
+UPLOAD = f"POST {CHAT} HTTP/1.1\r\n{H}{JSON_CT}Content-Length: 100\r\n\r\n{{"
+
+
 def test_connection_cap(limits: ServerProcess) -> None:
+    """With every slot busy (requests whose bodies are on their way are never shed, see
+    tests/test_slowloris.py for what is), a newcomer's request gets 503."""
     held: list[RawConn] = []
     time.sleep(0.3)  # connections from earlier tests are gone
     try:
-        for _ in range(8):
+        for _ in range(7):
             conn = RawConn(limits.port)
+            conn.send(UPLOAD)
             held.append(conn)
+        held.append(RawConn(limits.port))
         held[-1].send(GET + H + "\r\n")  # the 8th is a real, working connection
         assert held[-1].read_response().status == 200
+        held[-1].send(UPLOAD)
+        time.sleep(0.1)
         with RawConn(limits.port) as extra:
             extra.send(GET + H + "\r\n")
             response = extra.read_response()
@@ -816,15 +825,17 @@ def test_default_connection_cap_is_64(tmp_path: Path) -> None:
     try:
         for _ in range(64):
             held.append(RawConn(proc.port))
+            held[-1].send(UPLOAD)  # busy: never shed
         time.sleep(0.2)
         with RawConn(proc.port) as extra:
             extra.send(GET + H + "\r\n")
             check_error(extra.read_response(), 503, "too_many_connections")
             assert extra.closed()
-        for conn in held:
-            conn.send(GET + H + "Connection: close\r\n\r\n")
-        for conn in held:
-            assert conn.read_response().status in (200, 503)  # 503: model still loading
+        held.pop(0).close()
+        time.sleep(0.2)
+        with RawConn(proc.port) as again:
+            again.send(GET + H + "Connection: close\r\n\r\n")
+            assert again.read_response().status in (200, 503)  # 503: model still loading
     finally:
         for conn in held:
             conn.close()

@@ -368,6 +368,11 @@ class Gate:
         """Bytes of request data the gate holds right now."""
         return len(self._buf) + len(self._body)
 
+    @property
+    def awaiting_head(self) -> bool:
+        """Between requests or inside a head: no request is being received past its head."""
+        return not self.dead and self._state == _HEAD
+
     def restart_clock(self) -> None:
         """Give the request being received a fresh deadline (its wait was not its fault)."""
         if self.started_at is not None:

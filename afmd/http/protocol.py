@@ -3,8 +3,21 @@
 Each connection feeds its bytes to a :class:`~afmd.http.gate.Gate`; only complete,
 screened, normalised requests reach Sanic's parser. On top of that the protocol enforces:
 
-* ``max_connections`` across all listeners: the next connection gets 503
-  ``too_many_connections`` (with ``Retry-After``) and is closed;
+* ``max_connections`` slots across all listeners, shed under pressure, so that clients
+  trickling head bytes (a slowloris) cannot hold every slot until ``idle_timeout`` and
+  lock everyone else out. At the cap a newcomer waits in an admission pool (as large
+  again) until its head is complete, then takes the slot of the connection that has
+  waited longest without a request in progress: one idle between requests (closed
+  silently, as a keep-alive timeout would) or one whose head is still incomplete
+  (answered 503 ``too_many_connections``). Slow newcomers therefore displace only each
+  other, in the pool (oldest first, when it is full), never a slot: were they to, every
+  attacker shed would reconnect and shed another, and legitimate newcomers would be shed
+  in that churn before their first bytes were read. A connection whose request is being
+  received past its head, processed or streamed is never shed, nor one accepted under
+  :data:`FRESH_GRACE` ago that has not sent a byte yet. When no slot can be freed, the
+  complete request is answered 503 ``too_many_connections`` (with ``Retry-After``) and
+  the connection closed. A connection that has been answered and is draining (lingering)
+  holds no slot;
 * ``max_buffered_request_bytes`` across all connections, counting what the gate holds
   and what Sanic holds (pipelined requests, and the body of a request being processed,
   released when Sanic starts its next request): beyond it 503 ``server_overloaded``;
@@ -54,8 +67,11 @@ log = get_logger("afmd.http")
 
 #: How long a refused connection is drained after its answer before it is closed.
 LINGER_SECONDS = 2.0
+#: How long a new connection that has not sent a byte yet is safe from shedding: its
+#: request is normally already in flight when it is accepted.
+FRESH_GRACE = 1.0
 
-_OPEN, _REFUSED, _LINGERING, _CLOSED = range(4)
+_OPEN, _LINGERING, _CLOSED = range(3)
 
 
 def _patch_reason_phrases() -> None:
@@ -101,10 +117,29 @@ class GateContext:
         self.max_connections = server.max_connections
         self.max_buffered = server.max_buffered_request_bytes
         self.idle_timeout = server.idle_timeout
-        self.open_connections = 0
+        self.open_connections = 0  # the connections holding one of max_connections slots
         self.buffered = 0  # request bytes held by gates and Sanic, all connections
         self.refused = 0
-        self.connections: set[AfmdProtocol] = set()
+        self.shed = 0
+        self.connections: set[AfmdProtocol] = set()  # open ones, lingering ones included
+        #: The admission pool: newcomers at the cap, oldest first, until their head is in.
+        self.waiting: dict[AfmdProtocol, None] = {}
+
+    def shed_one(self) -> bool:
+        """Free a slot: shed the slot holder that has waited longest without a request in
+        progress; False when none may be shed."""
+        now = monotonic()
+        victim: AfmdProtocol | None = None
+        oldest = now
+        for conn in self.connections:
+            since = conn.afmd_idle_since(now)
+            if since is not None and since <= oldest:
+                victim, oldest = conn, since
+        if victim is None:
+            return False
+        self.shed += 1
+        victim.afmd_shed()
+        return True
 
     def policy(self, *, check_host: bool, extra_hosts: tuple[str, ...] = ()) -> GatePolicy:
         return GatePolicy.from_config(self.server, self.route, check_host=check_host,
@@ -113,6 +148,10 @@ class GateContext:
 
 _TOO_MANY = Rejection.from_error(TooManyConnectionsError(
     "The server has too many open connections; retry shortly.",
+    headers={"Retry-After": "1"}))
+_SHED = Rejection.from_error(TooManyConnectionsError(
+    "The server is at max_connections and this connection's request head was still "
+    "incomplete, so it was closed to admit another client; retry.",
     headers={"Retry-After": "1"}))
 _OVERLOADED = Rejection.from_error(ServiceUnavailableError(
     "The server is holding too many request bytes (max_buffered_request_bytes); retry "
@@ -154,13 +193,13 @@ def exact_fields(head: bytes) -> list[tuple[str, str]]:
     return fields
 
 
-
 class AfmdProtocol(HttpProtocol):
     """One HTTP/1.1 connection; subclassed per listener by :func:`make_protocol`."""
 
     HTTP_CLASS = AfmdHttp
-    __slots__ = ("_afmd_gate", "_afmd_held", "_afmd_linger", "_afmd_pending",
-                 "_afmd_sanic_held", "_afmd_state")
+    __slots__ = ("_afmd_counted", "_afmd_fresh", "_afmd_gate", "_afmd_held", "_afmd_linger",
+                 "_afmd_pending", "_afmd_sanic_held", "_afmd_since", "_afmd_state",
+                 "_afmd_waiting")
 
     context: ClassVar[GateContext]
     policy: ClassVar[GatePolicy]
@@ -173,16 +212,20 @@ class AfmdProtocol(HttpProtocol):
         self._afmd_sanic_held = 0
         self._afmd_linger: Any = None
         self._afmd_gate: Gate | None = None
-        if ctx.open_connections >= ctx.max_connections:
-            self._afmd_state = _REFUSED
-            self.transport = transport
-            ctx.refused += 1
-            self._log_refusal(_TOO_MANY)
-            transport.write(_TOO_MANY.render())
-            self._linger()
-            return
+        self._afmd_counted = False
+        self._afmd_waiting = False
+        self._afmd_fresh = True
+        self._afmd_since = monotonic()
+        if ctx.open_connections < ctx.max_connections:
+            self._afmd_counted = True
+            ctx.open_connections += 1
+        else:
+            if len(ctx.waiting) >= ctx.max_connections:
+                ctx.shed += 1
+                next(iter(ctx.waiting)).afmd_shed()  # the pool is full: its oldest goes
+            self._afmd_waiting = True
+            ctx.waiting[self] = None
         self._afmd_state = _OPEN
-        ctx.open_connections += 1
         ctx.connections.add(self)
         self._afmd_gate = Gate(self.policy)
         super().connection_made(transport)
@@ -191,15 +234,11 @@ class AfmdProtocol(HttpProtocol):
         if self._afmd_linger is not None:
             self._afmd_linger.cancel()
             self._afmd_linger = None
-        if self._afmd_state == _REFUSED:
-            self._afmd_state = _CLOSED
-            self.transport = None
-            return
         if self._afmd_state == _CLOSED:
             return
         self._afmd_state = _CLOSED
+        self._release_slot()
         ctx = self.context
-        ctx.open_connections -= 1
         ctx.connections.discard(self)
         ctx.buffered -= self._afmd_held
         self._afmd_held = 0
@@ -211,10 +250,11 @@ class AfmdProtocol(HttpProtocol):
     def data_received(self, data: bytes) -> None:
         try:
             if self._afmd_state != _OPEN:
-                return  # refused or lingering: drained and discarded
+                return  # answered and lingering: drained and discarded
             if not data:
                 self.close()
                 return
+            self._afmd_fresh = False
             gate = self._afmd_gate
             assert gate is not None
             if gate.dead:
@@ -225,6 +265,8 @@ class AfmdProtocol(HttpProtocol):
                 self._refuse(_OVERLOADED)
                 return
             outputs = gate.feed(data)
+            if self._afmd_waiting and not self._admit(outputs):
+                return
             if outputs:
                 self._afmd_pending.extend(outputs)
                 self._drain()
@@ -238,6 +280,7 @@ class AfmdProtocol(HttpProtocol):
         """Sanic starts a request-loop turn: the previous request is finished."""
         if self._afmd_state != _OPEN:
             return
+        self._afmd_since = monotonic()
         self._afmd_sanic_held = len(self.recv_buffer)
         gate = self._afmd_gate
         if gate is not None:
@@ -280,6 +323,54 @@ class AfmdProtocol(HttpProtocol):
                 min(max(left, 0.05), 5.0), self.check_timeouts)
         except Exception:
             log.exception("connection timeout check failed")
+
+    # -- shedding --
+    def afmd_idle_since(self, now: float) -> float | None:
+        """Since when this connection has waited without a request in progress (idle
+        between requests, or its head incomplete); None when it must not be shed."""
+        if self._afmd_state != _OPEN or not self._afmd_counted or self._afmd_pending:
+            return None
+        gate = self._afmd_gate
+        if gate is None or not gate.awaiting_head or not self._sanic_idle():
+            return None
+        if self._afmd_fresh and now - self._afmd_since < FRESH_GRACE:
+            return None
+        return self._afmd_since
+
+    def _admit(self, outputs: list[bytes | Reply | Direct]) -> bool:
+        """A waiting connection that has sent a complete head takes a slot, freeing one if
+        need be; False when there is none to be had (it is refused)."""
+        gate = self._afmd_gate
+        assert gate is not None
+        if not any(type(o) is not Reply or o.rejection is None for o in outputs) and (
+                gate.dead or gate.awaiting_head):
+            return True  # no complete head yet, or only a refusal to write: no slot needed
+        ctx = self.context
+        ctx.waiting.pop(self, None)
+        self._afmd_waiting = False
+        if ctx.open_connections >= ctx.max_connections and not ctx.shed_one():
+            ctx.refused += 1
+            self._refuse(_TOO_MANY)
+            return False
+        self._afmd_counted = True
+        ctx.open_connections += 1
+        return True
+
+    def afmd_shed(self) -> None:
+        """Give up this connection's slot (or place in the pool) now: a started head is
+        answered 503, an idle connection is just closed."""
+        gate = self._afmd_gate
+        if gate is not None and gate.buffered:
+            self._refuse(_SHED)  # Sanic is idle: written at once, then a lingering close
+        else:
+            if gate is not None:
+                gate.kill()
+            self._afmd_state = _LINGERING
+            if self._callback_check_timeouts is not None:
+                self._callback_check_timeouts.cancel()
+                self._callback_check_timeouts = None
+            self._close_transport()
+        self._release_slot()  # the newcomer takes it now, whatever the close still waits on
 
     def close_if_idle(self) -> bool:
         if self._afmd_state != _OPEN:
@@ -343,7 +434,7 @@ class AfmdProtocol(HttpProtocol):
         except Exception:
             return False  # Sanic runs the same builder and answers its failure as usual
         transport.write(render_json(status, body, item.headers, close=item.close))
-        self._time = monotonic()
+        self._time = self._afmd_since = monotonic()
         log_request(state, "GET", item.path, status, len(body), started=started)
         if item.close:
             self.close()  # as Sanic does after a Connection: close response
@@ -374,10 +465,21 @@ class AfmdProtocol(HttpProtocol):
         self._refuse(Rejection.from_error(RequestTimeoutError(
             f"The request was not received completely within idle_timeout ({timeout:g} s).")))
 
+    def _release_slot(self) -> None:
+        """Give up this connection's slot or place in the admission pool (once)."""
+        if self._afmd_counted:
+            self._afmd_counted = False
+            self.context.open_connections -= 1
+        elif self._afmd_waiting:
+            self._afmd_waiting = False
+            self.context.waiting.pop(self, None)
+
     def _linger(self) -> None:
-        """Shut the write side after the answer, drain the client briefly, then close."""
+        """Shut the write side after the answer, drain the client briefly, then close; the
+        slot is free from now on (draining is bounded by LINGER_SECONDS)."""
         if self._afmd_state == _OPEN:
             self._afmd_state = _LINGERING
+        self._release_slot()
         if self._callback_check_timeouts is not None:
             self._callback_check_timeouts.cancel()
             self._callback_check_timeouts = None
