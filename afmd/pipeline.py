@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import hashlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,17 @@ from afmd import __version__
 from afmd.chat import template_messages
 from afmd.config import Config
 from afmd.context import droppable_units, without_units
+from afmd.core.events import (
+    Content,
+    Event,
+    Finish,
+    Piece,
+    Profile,
+    ToolCallArguments,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
 from afmd.core.request import ChatRequest, Message, ToolCall, ToolChoice
 from afmd.engine.base import Finished, Generation, GenerationRequest, SamplingParams, Text
 from afmd.engine.models import LoadedModel, ModelRegistry
@@ -33,10 +45,8 @@ from afmd.errors import (
     InvalidRequestError,
 )
 from afmd.logs import get_logger
-from afmd.output.pieces import Content, Piece, ToolCallArguments, ToolCallStart
 from afmd.output.toolcalls import ParsedCall
 from afmd.profiling import SAMPLE_EVERY, ProfileInput, samples, summary
-from afmd.protocol.response import Usage, new_completion_id
 from afmd.scheduler import Cancelled, Scheduler, Ticket
 from afmd.servertools import ServerTools
 from afmd.turn import TurnPlan, plan_turn, template_kwargs
@@ -47,18 +57,6 @@ _ANSWER_WITHOUT_TOOLS = (
     "The tool budget for this request is used up. Answer the user now with what you have, "
     "without calling any tool."
 )
-
-
-@dataclass(slots=True)
-class Done:
-    finish_reason: str
-    usage: Usage
-    tool_calls: list[ParsedCall]
-    # The X-AFM-Profile event payload ({"afm_profile": …} or {"afm_profile_extended": …}).
-    profile: dict[str, Any] | None = None
-
-
-Output = Piece | Done
 
 
 @dataclass(slots=True)
@@ -79,8 +77,6 @@ class PreparedChat:
     model: LoadedModel
     model_name: str  # what the response reports: the name the client asked for
     round: Round
-    completion_id: str
-    created: int
     fingerprint: str
     deadline: float  # time.monotonic() by which the whole request must be done
     received_at: float  # time.perf_counter() when the request arrived
@@ -131,6 +127,8 @@ class ChatRun:
         self.ticket = Ticket()
         self.generation: Generation | None = None
         self.finished = False
+        self.finish_reason: str | None = None  # once finished
+        self.usage: Usage | None = None  # once finished
         self._round = prepared.round
         self._rounds_with_tools = 0
         self._server_calls = 0
@@ -192,12 +190,32 @@ class ChatRun:
             self.prepared.model.cancel(self.generation)
 
     # -- output --
-    async def next_outputs(self) -> list[Output]:
-        """The next batch of outputs; the last batch ends with :class:`Done`."""
+    def __aiter__(self) -> AsyncIterator[list[Event]]:
+        return self._batches()
+
+    async def _batches(self) -> AsyncIterator[list[Event]]:
+        while not self.finished:
+            yield await self.next_outputs()
+
+    def _done(
+        self, reason: str, usage: Usage, calls: list[ParsedCall], profile: dict[str, Any] | None
+    ) -> list[Event]:
+        self.finished = True
+        self.finish_reason = reason
+        self.usage = usage
+        out: list[Event] = [
+            ToolCallEnd(i, ToolCall(c.id, c.name, c.arguments)) for i, c in enumerate(calls)
+        ]
+        out += [Finish(reason), usage]
+        if profile is not None:
+            out.append(Profile(profile))
+        return out
+
+    async def next_outputs(self) -> list[Event]:
+        """The next batch of outputs; the last batch ends with :class:`Finish`, usage."""
         if self.generation is None:
-            self.finished = True
             usage = Usage(prompt_tokens=len(self.prepared.prompt), completion_tokens=0)
-            return [Done("cancelled", usage, [])]
+            return self._done("cancelled", usage, [], None)
         while True:
             try:
                 events = await self._next_events()
@@ -214,8 +232,7 @@ class ChatRun:
                         self._emitted = True
                         return outputs
                     continue
-                outputs.append(done)
-                self.finished = True
+                outputs.extend(done)
             if outputs:
                 self._emitted = True
                 return outputs
@@ -297,7 +314,7 @@ class ChatRun:
                 out.append(piece)
         return out
 
-    async def _end_round(self, event: Finished) -> Done | None:
+    async def _end_round(self, event: Finished) -> list[Event] | None:
         """The round is over: finish the request, or run server tools and go on."""
         self._totals.add(event)
         server = self._pipeline.server_tools
@@ -314,17 +331,17 @@ class ChatRun:
         if server_calls and not client_calls and reason == "stop":
             left = self._tokens_left()
             if left is not None and left < 1:  # max_tokens bounds all rounds together
-                return Done("length", self._totals.usage(), [], self._profile(event))
+                return self._done("length", self._totals.usage(), [], self._profile(event))
             await self._run_server_tools(server_calls)
             if self._cancel_requested:
-                return Done("cancelled", self._totals.usage(), [], self._profile(event))
+                return self._done("cancelled", self._totals.usage(), [], self._profile(event))
             self.start_generation()
             return None
         if client_calls and reason == "stop":
             reason = "tool_calls"
         if reason == "stop" and self._answer is not None:
             self._round.plan.check_answer("".join(self._answer))
-        return Done(reason, self._totals.usage(), client_calls, self._profile(event))
+        return self._done(reason, self._totals.usage(), client_calls, self._profile(event))
 
     async def _run_server_tools(self, calls: list[ParsedCall]) -> None:
         pipeline = self._pipeline
@@ -478,8 +495,6 @@ class ChatPipeline:
             model=model,
             model_name=request.model or entry.id,
             round=first,
-            completion_id=new_completion_id(),
-            created=int(time.time()),
             fingerprint=_fingerprint(model),
             deadline=started + self.request_timeout,
             received_at=received_at if received_at is not None else time.perf_counter(),
@@ -617,4 +632,4 @@ class ChatPipeline:
         return self._runs.get(request_id)
 
 
-__all__ = ["APIError", "ChatPipeline", "ChatRun", "Done", "Output", "PreparedChat"]
+__all__ = ["APIError", "ChatPipeline", "ChatRun", "PreparedChat"]

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from afmd.core.ids import new_tool_call_id
 from afmd.core.request import ChatRequest
 from afmd.engine.models import LoadedModel
 from afmd.errors import InvalidRequestError, ServerError
@@ -30,7 +31,6 @@ from afmd.grammar.compiler import (
 )
 from afmd.grammar.processor import BanTokens, GrammarProcessor
 from afmd.output.processor import OutputProcessor
-from afmd.protocol.response import new_tool_call_id
 
 # Tokens a forced call may spend thinking first (the loop must reach the call).
 _MAX_FORCED_THINKING = 512

@@ -10,6 +10,7 @@ Layers, lowest first; a module may import its own layer and lower ones, never hi
        afmd.servertools
     3.5 afmd.turn (plans a turn over engine + grammar, for the pipeline)
     4  afmd.pipeline
+    4.5 afmd.dialects.* (wire formats: parse into afmd.core, encode its events, errors)
     5  afmd.http.*
     6  afmd.server
     7  afmd.cli, afmd.__main__
@@ -49,6 +50,7 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.servertools", 3),  # operator-configured tools afmd runs itself
     ("afmd.turn", 3.5),  # the per-request output plan: above engine/grammar, below pipeline
     ("afmd.pipeline", 4),
+    ("afmd.dialects.*", 4.5),  # adapters at the edge: above the pipeline, below HTTP
     ("afmd.http.*", 5),
     ("afmd.server", 6),
     ("afmd.cli", 7),

@@ -21,10 +21,11 @@ import httpx
 import pytest
 
 from afmd.config import ModelEntry, ServerTool, load_config
+from afmd.core.events import Finish
 from afmd.engine import models as models_module
 from afmd.engine.models import LoadedModel, ModelRegistry
 from afmd.errors import APIError, ServiceUnavailableError
-from afmd.pipeline import ChatPipeline, ChatRun, Done
+from afmd.pipeline import ChatPipeline, ChatRun
 from afmd.protocol.request import parse_chat_request
 from afmd.scheduler import Scheduler
 from afmd.servertools import ServerTools, ToolOutcome
@@ -190,8 +191,8 @@ def test_in_process_retry_then_success(
 
     run, outputs = asyncio.run(go())
     assert run._attempt == 2
-    assert isinstance(outputs[-1], Done)
-    assert outputs[-1].finish_reason in ("stop", "length")
+    assert isinstance(outputs[-2], Finish)
+    assert outputs[-2].reason in ("stop", "length")
 
 
 def test_in_process_retries_exhausted(

@@ -26,10 +26,10 @@ import pytest
 from afmd import pipeline as pipeline_module
 from afmd.chat import template_messages
 from afmd.config import ModelEntry, ServerTool, load_config
+from afmd.core.events import Content, Finish, ToolCallArguments, ToolCallEnd, ToolCallStart
 from afmd.engine.models import LoadedModel, ModelRegistry
-from afmd.output.pieces import Content, ToolCallArguments, ToolCallStart
 from afmd.output.toolcalls import ParsedCall
-from afmd.pipeline import ChatPipeline, ChatRun, Done
+from afmd.pipeline import ChatPipeline, ChatRun
 from afmd.protocol.request import Message, parse_chat_request
 from afmd.scheduler import Scheduler
 from afmd.servertools import ServerTools
@@ -564,10 +564,9 @@ def test_budgets_stop_a_model_that_always_calls(
         PROBE, "echo_tool.py", env={"MARK_FILE": str(mark), "TOOL_NONCE": NONCE}))
     run, outputs = asyncio.run(chat(pipeline, forced(PROBE, max_tokens=400)))
     assert len(marks(mark)) == runs  # default max_rounds is 4
-    done = outputs[-1]
-    assert isinstance(done, Done)
-    assert done.finish_reason in ("stop", "length")
-    assert done.tool_calls == []
+    assert isinstance(outputs[-2], Finish)
+    assert run.finish_reason in ("stop", "length")
+    assert not any(isinstance(o, ToolCallEnd) for o in outputs)
     assert not any(isinstance(o, ToolCallStart | ToolCallArguments) for o in outputs)
     text = "".join(o.text for o in outputs if isinstance(o, Content))
     assert NONCE not in text
@@ -579,7 +578,7 @@ def test_budgets_stop_a_model_that_always_calls(
     tool_outputs = [m for m in last.messages if m.role == "tool"]
     assert len(tool_outputs) == runs
     assert all(NONCE in (m.content or "") for m in tool_outputs)
-    assert done.usage.completion_tokens <= 400
+    assert run.usage is not None and run.usage.completion_tokens <= 400
 
 
 @pytest.mark.parametrize("choice", ["required", "named"])
@@ -604,9 +603,8 @@ def test_the_round_after_a_server_tool_ran_is_free(
     assert [m.role for m in last.request.messages][-2:] == ["assistant", "tool"]
     grammar = last.plan.grammar
     assert grammar is not None and "TEXT" in grammar.text  # free text is allowed
-    done = outputs[-1]
-    assert isinstance(done, Done) and done.finish_reason in ("stop", "length")
-    assert done.tool_calls == []
+    assert isinstance(outputs[-2], Finish) and run.finish_reason in ("stop", "length")
+    assert not any(isinstance(o, ToolCallEnd) for o in outputs)
 
 
 def test_calls_beyond_max_calls_in_one_round_get_a_budget_error(

@@ -25,6 +25,7 @@ from sanic.handlers import ErrorHandler
 from sanic.response import HTTPResponse
 
 from afmd.config import Config
+from afmd.dialects.openai_chat import OPENAI_CHAT
 from afmd.engine.models import ModelRegistry
 from afmd.errors import (
     APIError,
@@ -79,7 +80,9 @@ class _EnvelopeErrorHandler(ErrorHandler):
         if rid:
             headers.setdefault("X-Request-ID", rid)
             headers.setdefault("OpenAI-Request-ID", rid)
-        return routes.json_response(error.envelope(), status=error.status, headers=headers)
+        dialect = routes.dialect_of(request)
+        envelope = dialect.error_envelope(error) if dialect is not None else error.envelope()
+        return routes.json_response(envelope, status=error.status, headers=headers)
 
 
 def to_api_error(exception: BaseException, request: Request | None = None) -> APIError:
@@ -148,10 +151,12 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
     )
     app.ctx.state = state
 
-    app.add_route(routes.chat_completions, "/v1/chat/completions", methods=["POST"],
-                  name="chat_completions")
-    app.add_route(routes.chat_completions, "/chat/completions", methods=["POST"],
-                  name="chat_completions_root")
+    # A turn's route names its dialect: the adapter that parses its bodies, encodes its
+    # answers and renders its errors.
+    app.add_route(routes.turn, "/v1/chat/completions", methods=["POST"],
+                  name="chat_completions", ctx_dialect=OPENAI_CHAT)
+    app.add_route(routes.turn, "/chat/completions", methods=["POST"],
+                  name="chat_completions_root", ctx_dialect=OPENAI_CHAT)
     app.add_route(routes.cancel, "/v1/chat/completions/<request_id:str>/cancel",
                   methods=["POST"], name="cancel")
     for route in routes.STATE_ROUTES:

@@ -1,10 +1,16 @@
-"""The API's handlers: HTTP framing around the pipeline, and nothing else."""
+"""The API's handlers: HTTP framing around the pipeline, and nothing else.
+
+A turn's route names its dialect (``ctx_dialect``, :mod:`afmd.dialects`): the handler
+parses the body with it, prepares and runs the turn, and has it encode the run's events,
+so one handler serves every dialect and the wire formats live in their adapters.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,21 +18,13 @@ import orjson
 from sanic import Request
 from sanic.response import HTTPResponse
 
+from afmd.core.events import Event
+from afmd.core.ids import new_request_id
+from afmd.dialects.base import Dialect, Reply
 from afmd.errors import APIError, InvalidRequestError, NotFoundError, ServiceUnavailableError
 from afmd.http.access import log_access
-from afmd.output.pieces import Content, Reasoning, ToolCallArguments, ToolCallStart
-from afmd.pipeline import ChatPipeline, ChatRun, Done, Output, PreparedChat
+from afmd.pipeline import ChatPipeline, ChatRun, PreparedChat
 from afmd.profiling import parse_profile_header
-from afmd.protocol.request import parse_chat_request, parse_json_body
-from afmd.protocol.response import (
-    DONE,
-    ChunkEncoder,
-    assistant_message,
-    completion_object,
-    error_event,
-    new_request_id,
-    sse,
-)
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -61,6 +59,12 @@ def request_id_of(request: Request) -> str:
     return rid
 
 
+def dialect_of(request: Request | None) -> Dialect | None:
+    """The dialect of the route ``request`` matched (None: not a turn's route)."""
+    route = getattr(request, "route", None) if request is not None else None
+    return getattr(route.ctx, "dialect", None) if route is not None else None
+
+
 def _response_headers(prepared: PreparedChat) -> dict[str, str]:
     headers = {"X-Request-ID": prepared.request_id, "OpenAI-Request-ID": prepared.request_id}
     if prepared.plan.downgraded:
@@ -84,8 +88,8 @@ def interrupt_requests(state: Any, error: APIError) -> None:
 
     Queued runs leave the queue and generations are cancelled; each handler then answers
     ``error`` as it answers any failure (a plain error before the 200, an error event and
-    ``[DONE]`` after it) and its connection goes idle. Safe to call repeatedly: a run that
-    started a new round meanwhile (server tools) is caught by the next call.
+    the stream's end after it) and its connection goes idle. Safe to call repeatedly: a
+    run that started a new round meanwhile (server tools) is caught by the next call.
     """
     state.stop_error = error
     for request_id in list(state.running):
@@ -100,24 +104,30 @@ def interrupt_requests(state: Any, error: APIError) -> None:
             generation.fail(error)  # wakes its consumer now, even mid-prefill
 
 
-async def _next_outputs(state: Any, run: ChatRun) -> list[Output]:
-    """The run's next batch; a run the shutdown cancelled fails with the stop error."""
-    batch = await run.next_outputs()
+async def _next_batch(
+    state: Any, run: ChatRun, batches: AsyncIterator[list[Event]]
+) -> list[Event]:
+    """The run's next batch of events; a run the shutdown cancelled fails with its error."""
+    batch = await anext(batches)
     stop = state.stop_error
-    if stop is not None and batch and isinstance(done := batch[-1], Done) and (
-        done.finish_reason == "cancelled"
-    ):
+    if stop is not None and run.finished and run.finish_reason == "cancelled":
         raise stop
     return batch
 
 
-async def chat_completions(request: Request) -> HTTPResponse | None:
+def _note_end(request: Request, run: ChatRun) -> None:
+    request.ctx.usage = run.usage
+    request.ctx.finish_reason = run.finish_reason
+
+
+async def turn(request: Request) -> HTTPResponse | None:
+    """One turn in the dialect of the route: parse, prepare, run, encode."""
+    dialect = dialect_of(request)
+    assert dialect is not None, "a turn's route names its dialect (ctx_dialect)"
     state = request.app.ctx.state
     pipeline: ChatPipeline = state.pipeline
     request_id = request_id_of(request)
-    chat = parse_chat_request(
-        parse_json_body(request.body), server_tools=pipeline.server_tools.names
-    )
+    chat = dialect.parse(request.body, server_tools=pipeline.server_tools.names)
     request.ctx.model = chat.model
     prepared = await pipeline.prepare(
         chat,
@@ -126,6 +136,7 @@ async def chat_completions(request: Request) -> HTTPResponse | None:
         profile=parse_profile_header(request.headers.get("x-afm-profile")),
     )
     request.ctx.model = prepared.model_name
+    reply = dialect.reply(chat, model=prepared.model_name, fingerprint=prepared.fingerprint)
     if state.stop_error is not None:
         raise state.stop_error
     # From here until it is released, interrupt_requests() finds the run by this id
@@ -134,10 +145,11 @@ async def chat_completions(request: Request) -> HTTPResponse | None:
     try:
         run = await pipeline.start(prepared)
         try:
-            if chat.stream:
-                await _stream(request, run)
-                return None
-            return await _complete(request, run)
+            async with aclosing(aiter(run)) as batches:
+                if chat.stream:
+                    await _stream(request, run, batches, reply)
+                    return None
+                return await _complete(request, run, batches, reply)
         finally:
             pipeline.release(run)
     finally:
@@ -146,93 +158,46 @@ async def chat_completions(request: Request) -> HTTPResponse | None:
             del state.running[request_id]
 
 
-async def _complete(request: Request, run: ChatRun) -> HTTPResponse:
+async def _complete(
+    request: Request, run: ChatRun, batches: AsyncIterator[list[Event]], reply: Reply
+) -> HTTPResponse:
     state = request.app.ctx.state
-    content: list[str] = []
-    reasoning: list[str] = []
-    done: Done | None = None
-    while done is None:
-        for out in await _next_outputs(state, run):
-            if isinstance(out, Content):
-                content.append(out.text)
-            elif isinstance(out, Reasoning):
-                reasoning.append(out.text)
-            elif isinstance(out, Done):
-                done = out
-    p = run.prepared
-    request.ctx.usage = done.usage
-    request.ctx.finish_reason = done.finish_reason
-    text = "".join(content)
-    calls = [
-        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-        for c in done.tool_calls
-    ]
-    body = completion_object(
-        completion_id=p.completion_id,
-        created=p.created,
-        model=p.model_name,
-        fingerprint=p.fingerprint,
-        message=assistant_message(
-            text if text or not calls else None,
-            reasoning="".join(reasoning) or None,
-            tool_calls=calls or None,
-        ),
-        finish_reason=done.finish_reason,
-        usage=done.usage,
-    )
-    return json_response(body, headers=_response_headers(p))
+    events: list[Event] = []
+    while not run.finished:
+        events += await _next_batch(state, run, batches)
+    _note_end(request, run)
+    return HTTPResponse(reply.body(events), headers=_response_headers(run.prepared),
+                        content_type="application/json")
 
 
-async def _stream(request: Request, run: ChatRun) -> None:
+async def _stream(
+    request: Request, run: ChatRun, batches: AsyncIterator[list[Event]], reply: Reply
+) -> None:
     state = request.app.ctx.state
-    p = run.prepared
     # The status line waits for the first token: until then any failure is a plain error.
-    batch = await _next_outputs(state, run)
+    batch = await _next_batch(state, run, batches)
     request.ctx.streamed = True
     response = await request.respond(
         status=200,
-        headers={**SSE_HEADERS, **_response_headers(p)},
+        headers={**SSE_HEADERS, **_response_headers(run.prepared)},
         content_type="text/event-stream",
     )
-    encoder = ChunkEncoder(p.completion_id, p.created, p.model_name, p.fingerprint)
-    out_buf = [encoder.role()]
+    data = reply.stream_start()
     sent = 0
     try:
         while True:
-            for out in batch:
-                if isinstance(out, Content):
-                    out_buf.append(encoder.content(out.text))
-                elif isinstance(out, Reasoning):
-                    out_buf.append(encoder.delta({"reasoning_content": out.text}))
-                elif isinstance(out, ToolCallStart):
-                    out_buf.append(encoder.delta({"tool_calls": [{
-                        "index": out.index,
-                        "id": out.id,
-                        "type": "function",
-                        "function": {"name": out.name, "arguments": out.arguments},
-                    }]}))
-                elif isinstance(out, ToolCallArguments):
-                    out_buf.append(encoder.delta({"tool_calls": [{
-                        "index": out.index, "function": {"arguments": out.fragment},
-                    }]}))
-                else:
-                    request.ctx.usage = out.usage
-                    request.ctx.finish_reason = out.finish_reason
-                    out_buf.append(encoder.finish(out.finish_reason))
-                    if p.request.include_usage:
-                        out_buf.append(encoder.usage(out.usage))
-                    if out.profile is not None:
-                        out_buf.append(sse(out.profile))
-                    out_buf.append(DONE)
-            data = b"".join(out_buf)
-            out_buf.clear()
+            data += reply.stream(batch)
+            if run.finished:
+                _note_end(request, run)
+                data += reply.stream_end()
             sent += len(data)
             await response.send(data)
             if run.finished:
                 break
-            batch = await _next_outputs(state, run)
+            batch = await _next_batch(state, run, batches)
+            data = b""
     except APIError as exc:
-        data = error_event(exc.envelope()) + DONE
+        data = reply.stream_error(exc)
         sent += len(data)
         request.ctx.stream_error = exc.code
         request.ctx.error = exc

@@ -1,36 +1,12 @@
-"""What the output processors emit: typed pieces of the assistant's turn.
+"""What the output processors emit: the fragments of the assistant's turn.
 
-The pipeline turns these into OpenAI deltas; keeping them independent of the wire format
-lets streamed and non-streamed responses be built from the very same sequence.
+They are the first kinds of :mod:`afmd.core.events` (the run adds each call's end, the
+finish and the usage), kept free of any wire format so streamed and non-streamed
+responses, in every dialect, are built from the very same sequence.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from afmd.core.events import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 
-
-@dataclass(frozen=True, slots=True)
-class Content:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class Reasoning:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallStart:
-    index: int
-    id: str
-    name: str
-    arguments: str = ""  # the first argument fragment, when it is already known
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallArguments:
-    index: int
-    fragment: str
-
-
-Piece = Content | Reasoning | ToolCallStart | ToolCallArguments
+__all__ = ["Content", "Piece", "Reasoning", "ToolCallArguments", "ToolCallStart"]

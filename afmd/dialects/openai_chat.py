@@ -1,0 +1,254 @@
+"""OpenAI Chat Completions on the wire: its body in, its JSON and SSE out, its errors.
+
+Every chunk of a stream repeats the same ``id``, ``object``, ``created``, ``model`` and
+``system_fingerprint``; encoding them once per stream and splicing only the delta per chunk
+keeps per-token work to one small orjson call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from afmd.core.events import (
+    Content,
+    Event,
+    Finish,
+    Profile,
+    Reasoning,
+    ToolCallArguments,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from afmd.core.ids import alphanumerics
+from afmd.core.request import ChatRequest
+from afmd.errors import APIError
+from afmd.protocol.request import parse_chat_request, parse_json_body
+
+DONE = b"data: [DONE]\n\n"
+
+
+def new_completion_id() -> str:
+    return "chatcmpl-" + alphanumerics(29)
+
+
+def sse(payload: Mapping[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "audio_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": usage.reasoning_tokens,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    }
+
+
+class ChunkEncoder:
+    """Encodes the chunks of one stream."""
+
+    __slots__ = (
+        "_head",
+        "_tail_finish",
+        "_tail_open",
+        "completion_id",
+        "created",
+        "fingerprint",
+        "model",
+    )
+
+    def __init__(self, completion_id: str, created: int, model: str, fingerprint: str) -> None:
+        self.completion_id = completion_id
+        self.created = created
+        self.model = model
+        self.fingerprint = fingerprint
+        common = orjson.dumps(
+            {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "system_fingerprint": fingerprint,
+            }
+        )
+        # `{...common...,"choices":[{"index":0,"delta":` + delta + tail
+        self._head = b"data: " + common[:-1] + b',"choices":[{"index":0,"delta":'
+        self._tail_open = b',"logprobs":null,"finish_reason":null}]}\n\n'
+        self._tail_finish = b',"logprobs":null,"finish_reason":'
+
+    def delta(self, delta: Mapping[str, Any]) -> bytes:
+        return self._head + orjson.dumps(delta) + self._tail_open
+
+    def content(self, text: str) -> bytes:
+        return self._head + b'{"content":' + orjson.dumps(text) + b"}" + self._tail_open
+
+    def reasoning(self, text: str) -> bytes:
+        return self._head + b'{"reasoning_content":' + orjson.dumps(text) + b"}" + self._tail_open
+
+    def role(self) -> bytes:
+        return self._head + b'{"role":"assistant","content":""}' + self._tail_open
+
+    def finish(self, reason: str) -> bytes:
+        return self._head + b"{}" + self._tail_finish + orjson.dumps(reason) + b"}]}\n\n"
+
+    def usage(self, usage: Usage) -> bytes:
+        return sse(
+            {
+                "id": self.completion_id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "system_fingerprint": self.fingerprint,
+                "choices": [],
+                "usage": usage_object(usage),
+            }
+        )
+
+
+def _call_start(event: ToolCallStart) -> dict[str, Any]:
+    return {"tool_calls": [{
+        "index": event.index,
+        "id": event.id,
+        "type": "function",
+        "function": {"name": event.name, "arguments": event.arguments},
+    }]}
+
+
+def _call_arguments(event: ToolCallArguments) -> dict[str, Any]:
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.fragment}}]}
+
+
+def assistant_message(
+    content: str | None,
+    *,
+    reasoning: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": content,
+        "refusal": None,
+        "annotations": [],
+    }
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
+
+
+class ChatCompletionReply:
+    """One chat completion (``chat.completion``) or its stream of chunks."""
+
+    __slots__ = ("_chunks", "completion_id", "created", "fingerprint", "include_usage", "model")
+
+    def __init__(self, *, model: str, fingerprint: str, include_usage: bool) -> None:
+        self.completion_id = new_completion_id()
+        self.created = int(time.time())
+        self.model = model
+        self.fingerprint = fingerprint
+        self.include_usage = include_usage
+        self._chunks: ChunkEncoder | None = None
+
+    def body(self, events: Sequence[Event]) -> bytes:
+        content: list[str] = []
+        reasoning: list[str] = []
+        calls: list[dict[str, Any]] = []
+        reason = "stop"
+        usage = Usage(0, 0)
+        for event in events:
+            if isinstance(event, Content):
+                content.append(event.text)
+            elif isinstance(event, Reasoning):
+                reasoning.append(event.text)
+            elif isinstance(event, ToolCallEnd):
+                c = event.call
+                calls.append({"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}})
+            elif isinstance(event, Finish):
+                reason = event.reason
+            elif isinstance(event, Usage):
+                usage = event
+        text = "".join(content)
+        message = assistant_message(
+            text if text or not calls else None,
+            reasoning="".join(reasoning) or None,
+            tool_calls=calls or None,
+        )
+        return orjson.dumps({
+            "id": self.completion_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": [
+                {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+            ],
+            "usage": usage_object(usage),
+        })
+
+    def stream_start(self) -> bytes:
+        self._chunks = ChunkEncoder(self.completion_id, self.created, self.model,
+                                    self.fingerprint)
+        return self._chunks.role()
+
+    def stream(self, events: Sequence[Event]) -> bytes:
+        chunks = self._chunks
+        assert chunks is not None, "stream_start() comes first"
+        out: list[bytes] = []
+        for event in events:
+            if isinstance(event, Content):
+                out.append(chunks.content(event.text))
+            elif isinstance(event, Reasoning):
+                out.append(chunks.reasoning(event.text))
+            elif isinstance(event, ToolCallStart):
+                out.append(chunks.delta(_call_start(event)))
+            elif isinstance(event, ToolCallArguments):
+                out.append(chunks.delta(_call_arguments(event)))
+            elif isinstance(event, Finish):
+                out.append(chunks.finish(event.reason))
+            elif isinstance(event, Usage):
+                if self.include_usage:
+                    out.append(chunks.usage(event))
+            elif isinstance(event, Profile):
+                out.append(sse(event.payload))
+            # ToolCallEnd: a call's last delta already completed it in this dialect.
+        return b"".join(out)
+
+    def stream_end(self) -> bytes:
+        return DONE
+
+    def stream_error(self, error: APIError) -> bytes:
+        return sse(error.envelope()) + DONE
+
+
+class OpenAIChat:
+    """The ``/v1/chat/completions`` adapter."""
+
+    name = "openai_chat"
+
+    def parse(self, raw: bytes, *, server_tools: Collection[str] = ()) -> ChatRequest:
+        return parse_chat_request(parse_json_body(raw), server_tools=server_tools)
+
+    def reply(
+        self, request: ChatRequest, *, model: str, fingerprint: str
+    ) -> ChatCompletionReply:
+        return ChatCompletionReply(model=model, fingerprint=fingerprint,
+                                   include_usage=request.include_usage)
+
+    def error_envelope(self, error: APIError) -> dict[str, Any]:
+        return error.envelope()
+
+
+OPENAI_CHAT = OpenAIChat()
