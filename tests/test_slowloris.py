@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from test_transport import RawConn, check_error
 
+from afmd.http.protocol import FRESH_GRACE
+
 from conftest import ServerProcess, start_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +74,30 @@ def test_slow_heads_are_shed_oldest_first(small: ServerProcess) -> None:
         assert first.read_response().status == 200
         for conn in (*waiting, first, second):
             conn.close()
+    finally:
+        for conn in held:
+            conn.close()
+
+
+def test_a_new_connection_gets_time_to_send(small: ServerProcess) -> None:
+    """One that has sent nothing yet is spared for FRESH_GRACE (its request is on its way),
+    then it is the first to go."""
+    time.sleep(0.3)  # the previous test's connections are gone
+    started = time.monotonic()
+    held = [RawConn(small.port) for _ in range(4)]
+    try:
+        with RawConn(small.port) as early:
+            early.send(GET)
+            response = early.read_response()
+            if time.monotonic() - started < FRESH_GRACE / 2:  # else the grace may be over
+                check_error(response, 503, "too_many_connections")
+        time.sleep(max(0.0, started + FRESH_GRACE + 0.2 - time.monotonic()))
+        with RawConn(small.port) as late:
+            late.send(GET)
+            assert late.read_response().status == 200
+        assert held[0].closed(timeout=2) and held[0].buf == b""  # closed without a word
+        for conn in held[1:]:
+            assert not conn.closed(timeout=0.1)
     finally:
         for conn in held:
             conn.close()
