@@ -45,7 +45,6 @@ from afmd.errors import (
     InvalidRequestError,
 )
 from afmd.logs import get_logger
-from afmd.output.toolcalls import ParsedCall
 from afmd.profiling import SAMPLE_EVERY, ProfileInput, samples, summary
 from afmd.scheduler import Cancelled, Scheduler, Ticket
 from afmd.servertools import ServerTools
@@ -198,14 +197,12 @@ class ChatRun:
             yield await self.next_outputs()
 
     def _done(
-        self, reason: str, usage: Usage, calls: list[ParsedCall], profile: dict[str, Any] | None
+        self, reason: str, usage: Usage, calls: list[ToolCall], profile: dict[str, Any] | None
     ) -> list[Event]:
         self.finished = True
         self.finish_reason = reason
         self.usage = usage
-        out: list[Event] = [
-            ToolCallEnd(i, ToolCall(c.id, c.name, c.arguments)) for i, c in enumerate(calls)
-        ]
+        out: list[Event] = [ToolCallEnd(i, call) for i, call in enumerate(calls)]
         out += [Finish(reason), usage]
         if profile is not None:
             out.append(Profile(profile))
@@ -343,7 +340,7 @@ class ChatRun:
             self._round.plan.check_answer("".join(self._answer))
         return self._done(reason, self._totals.usage(), client_calls, self._profile(event))
 
-    async def _run_server_tools(self, calls: list[ParsedCall]) -> None:
+    async def _run_server_tools(self, calls: list[ToolCall]) -> None:
         pipeline = self._pipeline
         budget = pipeline.config.tools
         self._rounds_with_tools += 1
@@ -353,7 +350,7 @@ class ChatRun:
             Message(
                 role="assistant",
                 content=None,
-                tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in calls),
+                tool_calls=tuple(calls),
             )
         )
         for call in calls:

@@ -27,8 +27,8 @@ from afmd import pipeline as pipeline_module
 from afmd.chat import template_messages
 from afmd.config import ModelEntry, ServerTool, load_config
 from afmd.core.events import Content, Finish, ToolCallArguments, ToolCallEnd, ToolCallStart
+from afmd.core.request import ToolCall
 from afmd.engine.models import LoadedModel, ModelRegistry
-from afmd.output.toolcalls import ParsedCall
 from afmd.pipeline import ChatPipeline, ChatRun
 from afmd.protocol.request import Message, parse_chat_request
 from afmd.scheduler import Scheduler
@@ -617,7 +617,7 @@ def test_calls_beyond_max_calls_in_one_round_get_a_budget_error(
     async def three_parallel_calls() -> ChatRun:
         request = parse_chat_request(forced(PROBE), server_tools=pipeline.server_tools.names)
         run = ChatRun(pipeline, await pipeline.prepare(request, "req-budget"))
-        calls = [ParsedCall(f"call_{i}", PROBE, '{"word": "kumquat"}') for i in range(3)]
+        calls = [ToolCall(f"call_{i}", PROBE, '{"word": "kumquat"}') for i in range(3)]
         await run._run_server_tools(calls)
         return run
 

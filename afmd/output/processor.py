@@ -13,10 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from afmd.core.request import ToolCall
 from afmd.output.pieces import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 from afmd.output.reasoning import ReasoningSplitter
 from afmd.output.stops import StopScanner
-from afmd.output.toolcalls import ParsedCall, ToolCallParser
+from afmd.output.toolcalls import ToolCallParser
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,8 @@ class OutputProcessor:
         return self._stops.stopped
 
     @property
-    def tool_calls(self) -> list[ParsedCall]:
+    def tool_calls(self) -> list[ToolCall]:
+        """The complete calls so far, in order (a cut-off one joins at ``finish``)."""
         return self._tools.calls if self._tools is not None else []
 
     def feed(self, text: str) -> list[Piece]:

@@ -13,21 +13,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from afmd.core.request import ToolCall
 from afmd.output.markers import partial_suffix
 from afmd.output.pieces import Content, Piece, ToolCallArguments, ToolCallStart
 
 _OUTSIDE, _HEAD, _ARGS, _AFTER_ARGS, _WHOLE = range(5)
 _WS = " \t\r\n"
-
-
-@dataclass(slots=True)
-class ParsedCall:
-    id: str
-    name: str
-    arguments: str
 
 
 class _JsonValueEnd:
@@ -145,20 +138,17 @@ class ToolCallParser:
         self._incremental = incremental_json
         self._max_calls = max_calls
         self._buf = ""
-        self._raw = ""  # the current call's text, for the whole-call fallback
         self._state = _OUTSIDE
         self._scan = _JsonValueEnd()
-        self._current: ParsedCall | None = None
-        self.calls: list[ParsedCall] = []
+        # The call whose arguments are streaming: (id, name) and its arguments so far.
+        self._open: tuple[str, str] | None = None
+        self._arguments = ""
+        self.calls: list[ToolCall] = []  # complete calls, in order
 
     @property
     def saturated(self) -> bool:
         """The turn has as many calls as allowed; anything more would be dropped."""
         return self._max_calls is not None and len(self.calls) >= self._max_calls
-
-    @property
-    def in_call(self) -> bool:
-        return self._state != _OUTSIDE
 
     def feed(self, text: str) -> list[Piece]:
         if self.saturated:
@@ -179,7 +169,6 @@ class ToolCallParser:
                 if i:
                     out.append(Content(self._buf[:i]))
                 self._buf = self._buf[i + len(self._start):]
-                self._raw = ""
                 self._state = _HEAD if self._incremental else _WHOLE
             elif state == _HEAD:
                 verdict, name_start, name_end, value_start = _match_header(self._buf)
@@ -193,9 +182,9 @@ class ToolCallParser:
                 except ValueError:
                     self._state = _WHOLE
                     continue
-                self._current = ParsedCall(self._new_id(), name, "")
-                out.append(ToolCallStart(len(self.calls), self._current.id, name))
-                self._raw += self._buf[:value_start]
+                self._open = (self._new_id(), name)
+                self._arguments = ""
+                out.append(ToolCallStart(len(self.calls), self._open[0], name))
                 self._buf = self._buf[value_start:]
                 self._scan = _JsonValueEnd()
                 self._state = _ARGS
@@ -204,9 +193,7 @@ class ToolCallParser:
                     break
                 n = self._scan.feed(self._buf)
                 fragment, self._buf = self._buf[:n], self._buf[n:]
-                assert self._current is not None
-                self._current.arguments += fragment
-                self._raw += fragment
+                self._arguments += fragment
                 out.append(ToolCallArguments(len(self.calls), fragment))
                 if not self._scan.done:
                     break
@@ -215,9 +202,7 @@ class ToolCallParser:
                 i = self._buf.find(self._end)
                 if i == -1:
                     break
-                assert self._current is not None
-                self.calls.append(self._current)
-                self._current = None
+                self._close()
                 self._buf = self._buf[i + len(self._end):]
                 self._state = _OUTSIDE
             else:  # _WHOLE
@@ -225,33 +210,31 @@ class ToolCallParser:
                 i = self._buf.find(self._end) if self._end else -1
                 if i == -1:
                     break
-                raw = self._raw + self._buf[:i]
+                raw = self._buf[:i]
                 self._buf = self._buf[i + len(self._end):]
                 self._state = _OUTSIDE
                 out.extend(self._whole_call(raw))
         return out
 
+    def _close(self) -> None:
+        """The streaming call is complete (or cut off): it joins ``calls``, frozen."""
+        assert self._open is not None
+        call_id, name = self._open
+        self.calls.append(ToolCall(call_id, name, self._arguments))
+        self._open = None
+        self._arguments = ""
+
     def _whole_call(self, raw: str, end: str | None = None) -> list[Piece]:
         end = self._end if end is None else end
         parsed = self._parse_whole(raw)
         if not parsed:
-            if self._current is not None:
-                # Header already streamed: finish the call with what the text holds.
-                call, self._current = self._current, None
-                self.calls.append(call)
-                return []
             return [Content(self._start + raw + end)]
-        if self._current is not None:
-            call, self._current = self._current, None
-            call.arguments = parsed[0][1]
-            self.calls.append(call)
-            return [ToolCallArguments(len(self.calls) - 1, call.arguments)]
         out: list[Piece] = []
         # One block can hold several calls (pythonic ``[a(), b()]``, Mistral's list).
         for name, arguments in parsed:
             if self.saturated:
                 break
-            call = ParsedCall(self._new_id(), name, arguments)
+            call = ToolCall(self._new_id(), name, arguments)
             index = len(self.calls)
             self.calls.append(call)
             out += [ToolCallStart(index, call.id, name), ToolCallArguments(index, arguments)]
@@ -282,19 +265,16 @@ class ToolCallParser:
         if self._state == _OUTSIDE:
             if self._buf and not self.saturated:
                 out.append(Content(self._buf))
-        elif self._current is not None:
-            self.calls.append(self._current)  # truncated (finish_reason tells)
-            self._current = None
+        elif self._open is not None:
+            self._close()  # truncated (finish_reason tells)
         elif not self.saturated:
             # No end marker (a format without one, or generation ended just before it):
             # the call still counts when its text parses whole. A call cut off before it
             # parses is dropped: its markup must never reach content (finish_reason
             # "length" tells the client the turn was cut).
             out.extend(
-                p for p in self._whole_call(self._raw + self._buf, end="")
-                if not isinstance(p, Content)
+                p for p in self._whole_call(self._buf, end="") if not isinstance(p, Content)
             )
         self._buf = ""
-        self._raw = ""
         self._state = _OUTSIDE
         return out
