@@ -339,37 +339,71 @@ def test_encoded_line_breaks_in_path_stay_on_one_line(server: ServerProcess) -> 
             assert isinstance(json.loads(raw), dict), raw
 
 
-def test_invalid_request_id_with_raw_bytes(server: ServerProcess) -> None:
-    """Raw control and non-UTF-8 bytes in headers: a 400, and the log stays clean JSON."""
+def _clean_new_lines(server: ServerProcess, before: int) -> list[dict[str, Any]]:
+    """Every line logged since ``before``: one line each, no unsafe character, JSON."""
+    with server._cond:
+        lines = server.raw_lines[before:]
+    for raw in lines:
+        assert raw.endswith("\n") and len(raw.splitlines()) == 1, raw
+        assert not any(unicodedata.category(ch) in UNSAFE_CATEGORIES for ch in raw[:-1]), raw
+        assert isinstance(json.loads(raw), dict)
+    return [json.loads(raw) for raw in lines]
+
+
+def _chat_with_headers(server: ServerProcess, headers: bytes) -> bytes:
     body = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
-    before = len(server.raw_lines)
-    reply = _raw_http(
+    return _raw_http(
         server,
-        b"POST /v1/chat/completions HTTP/1.1\r\n"
-        b"Host: 127.0.0.1\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + headers
+        + b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+        + b"\r\nConnection: close\r\n\r\n" + body,
+    )
+
+
+def test_invalid_request_id_with_raw_bytes(server: ServerProcess) -> None:
+    """Raw control bytes in header values: the gate's 400 before any handler runs, the
+    forged id is never echoed, and the log stays clean JSON."""
+    before = len(server.raw_lines)
+    reply = _chat_with_headers(
+        server,
         b"X-Request-ID: \xff\x1b[31mforged\xe2\x80\xa8id\x7f\r\n"
-        b"User-Agent: evil\xe2\x80\xa8agent\xc2\x85\x1b[2J\r\n"
-        b"Content-Type: application/json\r\n"
-        b"Content-Length: " + str(len(body)).encode() + b"\r\n"
-        b"Connection: close\r\n\r\n" + body,
+        b"User-Agent: evil\xe2\x80\xa8agent\xc2\x85\x1b[2J\r\n",
+    )
+    assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert b"forged" not in reply and b"x-request-id" not in head.lower()
+    assert json.loads(body)["error"]["code"] == "malformed_request"
+    assert "control character" in json.loads(body)["error"]["message"]
+
+    def refusals() -> list[dict[str, Any]]:
+        return [e for e in _clean_new_lines(server, before) if e.get("event") == "refused"]
+
+    assert _poll(refusals)
+    time.sleep(0.2)
+    events = _clean_new_lines(server, before)
+    assert [(e["status"], e["code"]) for e in events if e.get("event") == "refused"] == [
+        (400, "malformed_request")]
+    assert not [e for e in events if e.get("event") == "request"]  # no handler ran
+
+
+def test_invalid_request_id_with_raw_non_ascii_bytes(server: ServerProcess) -> None:
+    """Non-UTF-8 bytes and Unicode line separators (no control bytes) pass the gate: the
+    handler's 400 names X-Request-ID, and the access line stays clean JSON."""
+    before = len(server.raw_lines)
+    reply = _chat_with_headers(
+        server,
+        b"X-Request-ID: \xffforged\xe2\x80\xa8id\r\n"
+        b"User-Agent: evil\xe2\x80\xa8agent\xc2\x85\r\n",
     )
     assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
     assert b"X-Request-ID" in reply
 
-    def new_lines() -> list[str]:
-        with server._cond:
-            return server.raw_lines[before:]
-
     def access() -> list[dict[str, Any]]:
-        return [e for e in map(json.loads, new_lines()) if e.get("event") == "request"]
+        return [e for e in _clean_new_lines(server, before) if e.get("event") == "request"]
 
     events = _poll(access)
     time.sleep(0.2)
-    for raw in new_lines():
-        assert raw.endswith("\n") and len(raw.splitlines()) == 1, raw
-        assert not any(unicodedata.category(ch) in UNSAFE_CATEGORIES for ch in raw[:-1]), raw
-        assert isinstance(json.loads(raw), dict)
-    assert len(access()) == 1, new_lines()
+    assert len(access()) == 1, _clean_new_lines(server, before)
     event = events[0]
     assert (event["method"], event["path"], event["status"]) == ("POST", "/v1/chat/completions",
                                                                  400)
