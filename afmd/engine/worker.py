@@ -240,6 +240,11 @@ class BatchWorker:
 
     def _remember(self, tokens: list[int] | None, cache: Any) -> None:
         if self._prompt_cache is not None and tokens and cache is not None:
+            # mlx-lm hands a finished row's KV state out as a lazy slice of the whole
+            # batch's buffers: unevaluated, each entry kept every row's keys and values
+            # alive while the cache counted only its own bytes, so prompt_cache_bytes
+            # bounded a fraction of what it held. Evaluating copies the row out now.
+            mx.eval([c.state for c in cache])
             self._prompt_cache.insert_cache(self._cache_key, list(tokens), cache)
 
     def _reap_cancelled(self) -> None:
