@@ -146,10 +146,13 @@ class LogConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Prefix KV cache bounds; memory, not entry count, is what runs out first."""
+    """Memory bounds of the prefix KV cache and of MLX's buffer pool (memory, not entry
+    count, is what runs out first)."""
 
     prompt_cache_bytes: int = 1073741824  # 0 disables the cache
     prompt_cache_entries: int = 16
+    # MLX's pool of freed buffers kept for reuse (mx.set_cache_limit); 0 keeps none.
+    mlx_buffer_cache_bytes: int = 268435456
 
 
 @dataclass(frozen=True)
@@ -626,7 +629,7 @@ _MINIMUMS: dict[str, dict[str, float]] = {
         "shutdown_grace": 0,
     },
     "queue": {"max_concurrent_requests": 1, "max_queued_requests": 0},
-    "cache": {"prompt_cache_bytes": 0, "prompt_cache_entries": 0},
+    "cache": {"prompt_cache_bytes": 0, "prompt_cache_entries": 0, "mlx_buffer_cache_bytes": 0},
     "engine": {"retries": 0, "retry_backoff": 0},
     "tools": {"max_rounds": 1, "max_calls": 1},
 }

@@ -173,12 +173,16 @@ def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
 
     # Heavy imports stay here so `afmd --help`, `check-config` and a server that has not
     # loaded a model yet start fast and small; PyInstaller still sees them statically.
+    import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm import load as mlx_load
 
     from afmd.engine import demo
     from afmd.engine.layout import relayout_for_cpu
+    from afmd.engine.memory import apply_memory_bounds
     from afmd.engine.worker import BatchWorker
+
+    apply_memory_bounds(config.cache.mlx_buffer_cache_bytes)
 
     is_demo = entry.path.startswith(BUILTIN_PREFIX)
     if is_demo:
@@ -191,6 +195,8 @@ def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         source = str(candidate) if folder else entry.path
     model, tokenizer, model_config = mlx_load(source, return_config=True)
     relayout_for_cpu(model)
+    # Loading and re-laying out weights freed buffers a serving process never reuses.
+    mx.clear_cache()
     context_length = (
         entry.context_length or _context_length_from(model_config) or DEFAULT_CONTEXT_LENGTH
     )
