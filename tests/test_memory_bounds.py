@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -95,7 +96,7 @@ def test_prefix_cache_holds_only_what_it_counts(loaded: LoadedModel) -> None:
     assert freed <= counted + (16 << 10), (freed, counted)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_freed_large_buffers_leave_the_heap_after_model_load() -> None:
     """glibc raises its mmap threshold to the size of each large block freed, so later
     blocks of that size come from the heap, where freed holes stay resident. After a
