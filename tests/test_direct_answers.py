@@ -136,6 +136,20 @@ def test_gate_forwards_other_requests(raw: str) -> None:
     assert all(type(out) is bytes for out in Gate(DIRECT).feed(raw.encode()))
 
 
+def test_empty_origin_gets_no_cors_headers() -> None:
+    """With any origin allowed, an empty Origin is still no origin: no CORS headers on a
+    direct answer or a refusal, as on Sanic's responses (one CORS rule for all three)."""
+    anyone = GatePolicy(route=_route, any_origin=True,
+                        direct_paths=frozenset({"/health", "/v1/models"}))
+    [out] = Gate(anyone).feed(get("/health", "Origin: \r\n").encode())
+    assert isinstance(out, Direct) and out.headers == ()
+    [out] = Gate(anyone).feed(get("/nope", "Origin: \r\n").encode())
+    assert b"access-control" not in getattr(out, "data", b"").lower()
+    [out] = Gate(anyone).feed(get("/health", "Origin: http://x.example\r\n").encode())
+    assert isinstance(out, Direct) and out.headers[0] == ("Access-Control-Allow-Origin",
+                                                          "http://x.example")
+
+
 def test_gate_refusals_come_first() -> None:
     """A direct path gets the same screening: refusals, not Direct."""
     [out] = Gate(DIRECT).feed(b"HEAD /health HTTP/1.1\r\nHost: localhost\r\n\r\n")

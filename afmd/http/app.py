@@ -30,14 +30,12 @@ from afmd.engine.models import ModelRegistry
 from afmd.errors import (
     APIError,
     InvalidRequestError,
-    MethodNotAllowedError,
-    NotFoundError,
     PayloadTooLargeError,
     ServerError,
 )
 from afmd.http import routes
 from afmd.http.access import CLIENT_CLOSED, log_access
-from afmd.http.gate import cors_headers, normalize_origin
+from afmd.http.gate import Cors, method_not_allowed, unknown_url
 from afmd.logs import get_logger
 from afmd.pipeline import ChatPipeline
 
@@ -88,20 +86,16 @@ class _EnvelopeErrorHandler(ErrorHandler):
 def to_api_error(exception: BaseException, request: Request | None = None) -> APIError:
     if isinstance(exception, APIError):
         return exception
+    # The gate refuses unknown URLs and methods first, with the same errors.
     if isinstance(exception, MethodNotAllowed):
         allowed = sorted(getattr(exception, "allowed_methods", None) or [])
-        method = request.method if request else "this method"
-        return MethodNotAllowedError(
-            f"Method {method} is not allowed for {request.path if request else 'this URL'}.",
-            headers={"Allow": ", ".join(allowed)} if allowed else None,
-        )
+        if request is None:
+            return method_not_allowed("this method", "this URL", allowed)
+        return method_not_allowed(request.method, request.path, allowed)
     if isinstance(exception, NotFound):
-        path = request.path if request else ""
-        return NotFoundError(
-            f"Unknown request URL: {request.method if request else ''} {path}. Please check "
-            "the URL for typos.",
-            code="unknown_url",
-        )
+        if request is None:
+            return unknown_url("", "")
+        return unknown_url(request.method, request.path)
     if isinstance(exception, PayloadTooLarge):
         # Sanic raises the same exception for an oversized request line + headers
         # ("Request header exceeds the size limit"); that is not the body's fault.
@@ -168,23 +162,14 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
     async def _mark_start(request: Request) -> None:
         request.ctx.started = time.perf_counter()
 
-    allowed_origins = frozenset(normalize_origin(o) for o in server.allowed_origins)
-    any_origin = "*" in server.allowed_origins
-    if allowed_origins:
+    cors = Cors.from_origins(server.allowed_origins)  # the gate's, from the same config
+    if cors.allowed:
 
         @app.on_response
         async def _cors(request: Request, response: HTTPResponse) -> None:
             # The gate already refused disallowed origins with 403; streamed responses pass
             # here too (request.respond() runs response middleware before the head is sent).
-            origin = request.headers.get("origin")
-            if origin and (any_origin or normalize_origin(origin) in allowed_origins):
-                headers = response.headers
-                for name, value in cors_headers(origin):
-                    if name == "Vary" and (vary := headers.get("Vary")):
-                        if value.lower() not in vary.lower():
-                            headers["Vary"] = f"{vary}, {value}"
-                    else:
-                        headers[name] = value
+            cors.apply(request.headers.get("origin"), response.headers)
 
     @app.on_response
     async def _access_log(request: Request, response: HTTPResponse) -> None:

@@ -31,8 +31,8 @@ import hmac
 import re
 import string
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, MutableMapping
+from dataclasses import dataclass, field
 from http import HTTPStatus
 
 import orjson
@@ -58,15 +58,17 @@ __all__ = [
     "CONTINUE",
     "CORS_ALLOW_HEADERS",
     "CORS_EXPOSE_HEADERS",
+    "Cors",
     "Direct",
     "Gate",
     "GatePolicy",
     "Rejection",
     "Reply",
     "RouteCheck",
-    "cors_headers",
+    "method_not_allowed",
     "normalize_origin",
     "render_json",
+    "unknown_url",
 ]
 
 #: ``route(method, path)`` -> ``(200, ())`` routable, ``(404, ())`` unknown URL, or
@@ -130,11 +132,64 @@ def normalize_origin(origin: str) -> str:
     return origin.strip(" \t").translate(_ASCII_LOWER).rstrip("/")
 
 
-def cors_headers(origin: str) -> tuple[tuple[str, str], ...]:
-    """What a response to an allowed ``origin`` carries so that the page may read it."""
-    return (("Access-Control-Allow-Origin", origin),
-            ("Access-Control-Expose-Headers", CORS_EXPOSE_HEADERS),
-            ("Vary", "Origin"))
+def unknown_url(method: str, path: str) -> NotFoundError:
+    return NotFoundError(
+        f"Unknown request URL: {method} {path}. Please check the URL for typos.",
+        code="unknown_url")
+
+
+def method_not_allowed(method: str, path: str, allowed: Iterable[str]) -> MethodNotAllowedError:
+    methods = ", ".join(allowed)
+    return MethodNotAllowedError(f"Method {method} is not allowed for {path}.",
+                                 headers={"Allow": methods} if methods else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Cors:
+    """Which origins may read afmd's answers, and the headers that tell browsers so: for
+    the gate's own answers and for Sanic's responses alike."""
+
+    allowed: frozenset[str] = frozenset()  # normalised (:func:`normalize_origin`)
+    any_origin: bool = False
+
+    @classmethod
+    def from_origins(cls, origins: Iterable[str]) -> Cors:
+        origins = tuple(origins)
+        return cls(frozenset(normalize_origin(o) for o in origins), "*" in origins)
+
+    def allows(self, origin: str) -> bool:
+        return self.any_origin or normalize_origin(origin) in self.allowed
+
+    def headers(self, origin: str | None) -> tuple[tuple[str, str], ...]:
+        """What a response to ``origin`` carries so that its page may read it (nothing
+        for no Origin or an empty one)."""
+        if not origin or not self.allows(origin):
+            return ()
+        return (("Access-Control-Allow-Origin", origin),
+                ("Access-Control-Expose-Headers", CORS_EXPOSE_HEADERS),
+                ("Vary", "Origin"))
+
+    def apply(self, origin: str | None, headers: MutableMapping[str, str]) -> None:
+        """Add :meth:`headers` to a response's own (a ``Vary`` it has is extended)."""
+        for name, value in self.headers(origin):
+            if name == "Vary" and (vary := headers.get("Vary")):
+                if value.lower() not in vary.lower():
+                    headers["Vary"] = f"{vary}, {value}"
+            else:
+                headers[name] = value
+
+    @staticmethod
+    def preflight(origin: str, allowed: Iterable[str], *, close: bool) -> bytes:
+        """The whole ``204`` answer to an allowed origin's preflight."""
+        lines = [status_line(204),
+                 b"access-control-allow-origin: " + origin.encode("latin-1"),
+                 b"access-control-allow-methods: " + ", ".join(allowed).encode("ascii"),
+                 b"access-control-allow-headers: " + CORS_ALLOW_HEADERS.encode(),
+                 b"access-control-max-age: " + CORS_MAX_AGE.encode(),
+                 b"vary: Origin"]
+        if close:
+            lines.append(b"connection: close")
+        return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
 def _normalize_host_entry(entry: str) -> str:
@@ -162,27 +217,32 @@ def _show(value: bytes, limit: int = 100) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Rejection:
-    """A refusal the gate answers itself, with ``Connection: close``."""
+    """A refusal afmd answers itself, with ``Connection: close``: the error's own
+    envelope (the one Sanic's error handler sends too) and its headers."""
 
-    status: int
-    code: str
-    message: str
+    error: APIError
     headers: tuple[tuple[str, str], ...] = ()
-    error_type: str = "invalid_request_error"
 
     @classmethod
     def from_error(
         cls, error: APIError, extra: Iterable[tuple[str, str]] = ()
     ) -> Rejection:
-        return cls(error.status, error.code, error.message,
-                   (*error.headers.items(), *extra), error.error_type)
+        return cls(error, (*error.headers.items(), *extra))
 
-    def envelope(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.error_type,
-                          "param": None, "code": self.code}}
+    @property
+    def status(self) -> int:
+        return self.error.status
+
+    @property
+    def code(self) -> str:
+        return self.error.code
+
+    @property
+    def message(self) -> str:
+        return self.error.message
 
     def render(self) -> bytes:
-        return render_json(self.status, orjson.dumps(self.envelope()), self.headers,
+        return render_json(self.status, orjson.dumps(self.error.envelope()), self.headers,
                            close=True)
 
 
@@ -262,6 +322,10 @@ class GatePolicy:
     open_paths: frozenset[str] = frozenset({"/health"})
     #: Paths whose bodiless GETs come out as :class:`Direct` instead of bytes.
     direct_paths: frozenset[str] = frozenset()
+    cors: Cors = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cors", Cors(self.allowed_origins, self.any_origin))
 
     @classmethod
     def from_config(
@@ -274,12 +338,13 @@ class GatePolicy:
         direct_paths: Iterable[str] = (),
     ) -> GatePolicy:
         hosts = {_normalize_host_entry(h) for h in (*server.allowed_hosts, *extra_hosts)}
+        cors = Cors.from_origins(server.allowed_origins)
         return cls(
             route=route,
             check_host=check_host and "*" not in hosts,
             allowed_hosts=frozenset(LOCAL_HOSTS | hosts),
-            allowed_origins=frozenset(normalize_origin(o) for o in server.allowed_origins),
-            any_origin="*" in server.allowed_origins,
+            allowed_origins=cors.allowed,
+            any_origin=cors.any_origin,
             api_key=server.api_key.encode(),
             max_header_bytes=server.max_header_bytes,
             max_body_bytes=server.max_request_body_bytes,
@@ -293,7 +358,7 @@ class GatePolicy:
         return name in self.allowed_hosts or value in self.allowed_hosts
 
     def origin_allowed(self, origin: str) -> bool:
-        return self.any_origin or normalize_origin(origin) in self.allowed_origins
+        return self.cors.allows(origin)
 
 
 class _Request:
@@ -669,16 +734,15 @@ class Gate:
         if req.method == "OPTIONS" and req.origin is not None and req.preflight_method:
             status, allowed = policy.route("OPTIONS", req.path)
             if status == 404:
-                raise self._refuse(self._unknown_url(req), req)
-            req.local = Reply(self._preflight(req, allowed), close=req.close)
+                raise self._refuse(unknown_url(req.method, req.path), req)
+            req.local = Reply(Cors.preflight(req.origin, allowed, close=req.close),
+                              close=req.close)
             return
         status, allowed = policy.route(req.method, req.path)
         if status == 404:
-            raise self._refuse(self._unknown_url(req), req)
+            raise self._refuse(unknown_url(req.method, req.path), req)
         if status == 405:
-            raise self._refuse(MethodNotAllowedError(
-                f"Method {req.method} is not allowed for {req.path}.",
-                headers={"Allow": ", ".join(allowed)}), req)
+            raise self._refuse(method_not_allowed(req.method, req.path, allowed), req)
         if policy.api_key and req.path not in policy.open_paths:
             self._authenticate(req)
         if req.method == "POST" and req.has_body:
@@ -707,27 +771,8 @@ class Gate:
             raise self._refuse(AuthenticationError(
                 "Incorrect API key provided.", headers={"WWW-Authenticate": "Bearer"}), req)
 
-    @staticmethod
-    def _unknown_url(req: _Request) -> NotFoundError:
-        return NotFoundError(
-            f"Unknown request URL: {req.method} {req.path}. Please check the URL for typos.",
-            code="unknown_url")
-
     def _cors(self, req: _Request | None) -> tuple[tuple[str, str], ...]:
-        if req is None or req.origin is None or not self.policy.origin_allowed(req.origin):
-            return ()
-        return cors_headers(req.origin)
-
-    def _preflight(self, req: _Request, allowed: tuple[str, ...]) -> bytes:
-        lines = [status_line(204),
-                 b"access-control-allow-origin: " + (req.origin or "").encode("latin-1"),
-                 b"access-control-allow-methods: " + ", ".join(allowed).encode("ascii"),
-                 b"access-control-allow-headers: " + CORS_ALLOW_HEADERS.encode(),
-                 b"access-control-max-age: " + CORS_MAX_AGE.encode(),
-                 b"vary: Origin"]
-        if req.close:
-            lines.append(b"connection: close")
-        return b"\r\n".join(lines) + b"\r\n\r\n"
+        return () if req is None else self.policy.cors.headers(req.origin)
 
     def _rejection(self, error: APIError, req: _Request | None = None) -> Rejection:
         return Rejection.from_error(error, self._cors(req))
