@@ -1,4 +1,4 @@
-"""Validated messages → the message list a model's chat template expects.
+"""Validated messages and tools → the lists a model's chat template expects.
 
 OpenAI clients send conversations templates were never written for: several system or
 developer messages, runs of user messages, tool arguments as JSON strings. This module
@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from afmd.core.request import Message, ToolCall
+from afmd.core.request import Message, ToolCall, ToolSpec
 
 
 def _arguments(call: ToolCall) -> Any:
@@ -22,6 +22,11 @@ def _arguments(call: ToolCall) -> Any:
         return orjson.loads(call.arguments)
     except orjson.JSONDecodeError:
         return call.arguments
+
+
+def template_tools(tools: tuple[ToolSpec, ...]) -> list[dict[str, Any]]:
+    """Tools as templates (and mlx-lm's call parsers) take them: OpenAI's function shape."""
+    return [tool.as_template_tool() for tool in tools]
 
 
 def template_messages(

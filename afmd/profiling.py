@@ -116,3 +116,16 @@ def samples(raw: tuple[tuple[float, int, int], ...], offset_s: float) -> list[di
         {"t_ms": round((t + offset_s) * 1000, 3), "tokens": n, "memory_bytes": m}
         for t, n, m in raw
     ]
+
+
+def payload(
+    mode: str, p: ProfileInput, raw_samples: tuple[tuple[float, int, int], ...] = ()
+) -> dict[str, Any]:
+    """The event a profiled stream ends with: ``{"afm_profile": summary}`` or, extended,
+    ``{"afm_profile_extended": {"summary", "samples"}}`` (sample times are seconds since
+    the engine started the request, as the engine records them)."""
+    data = summary(p)
+    if mode == "extended":
+        offset = p.started_at - p.received_at
+        return {"afm_profile_extended": {"summary": data, "samples": samples(raw_samples, offset)}}
+    return {"afm_profile": data}

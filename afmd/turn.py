@@ -30,7 +30,7 @@ from afmd.grammar.compiler import (
     tool_grammar,
 )
 from afmd.grammar.processor import BanTokens, GrammarProcessor
-from afmd.output.processor import OutputProcessor
+from afmd.output.processor import OutputProcessor, ToolFormat
 
 # Tokens a forced call may spend thinking first (the loop must reach the call).
 _MAX_FORCED_THINKING = 512
@@ -45,17 +45,21 @@ def template_kwargs(request: ChatRequest, model: LoadedModel) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class TurnPlan:
-    request: ChatRequest
-    model: LoadedModel
+    """What one round decided: its grammar and bans, how its output is read and checked."""
+
     grammar: Grammar | None = None
     downgraded: bool = False
     ban: tuple[int, ...] = ()
     starts_in_reasoning: bool = False
+    # How the output is read back: stop sequences, the model's thinking markers, its call
+    # format (None: calls are not parsed) and the tools as its call parsers take them.
+    stops: tuple[str, ...] = ()
+    thinking: tuple[str, str] | None = None
+    tool_format: ToolFormat | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)
     max_calls: int | None = None
-    parse_tools: bool = False
     schema: dict[str, Any] | None = None  # response_format schema to check the answer against
     json_answer: bool = False
-    processors: list[Callable[..., Any]] = field(default_factory=list)
     _prepared: list[Callable[..., Any]] | None = None
 
     def prepare_processors(self) -> None:
@@ -65,9 +69,7 @@ class TurnPlan:
     def logits_processors(self) -> list[Callable[..., Any]]:
         """Fresh per-request processors (grammar matchers hold per-sequence state)."""
         prepared, self._prepared = self._prepared, None
-        out = prepared if prepared is not None else self._build_processors()
-        self.processors = out
-        return out
+        return prepared if prepared is not None else self._build_processors()
 
     def _build_processors(self) -> list[Callable[..., Any]]:
         out: list[Callable[..., Any]] = []
@@ -78,13 +80,12 @@ class TurnPlan:
         return out
 
     def output_processor(self) -> OutputProcessor:
-        model = self.model
         return OutputProcessor(
-            stops=self.request.stop,
-            thinking=model.thinking,
+            stops=self.stops,
+            thinking=self.thinking,
             starts_in_reasoning=self.starts_in_reasoning,
-            tool_format=model.tool_format if self.parse_tools else None,
-            tools=[t.as_template_tool() for t in self.request.tools],
+            tool_format=self.tool_format,
+            tools=self.tools,
             max_calls=self.max_calls,
             new_id=new_tool_call_id,
         )
@@ -184,6 +185,7 @@ def plan_turn(
     max_tokens: int,
     *,
     first_step: bool = True,
+    template_tools: list[dict[str, Any]] | None = None,
 ) -> TurnPlan:
     """The plan of one generation step.
 
@@ -191,8 +193,10 @@ def plan_turn(
     ``tool_choice`` whatever the history holds (a request whose history ends in tool
     results starts with a first step too, as OpenAI enforces ``tool_choice`` on every
     request). Only the rounds afmd adds itself after running server tools are free.
+    ``template_tools``: the request's tools as the model's call parser takes them.
     """
-    plan = TurnPlan(request=request, model=model)
+    plan = TurnPlan(stops=request.stop, thinking=model.thinking,
+                    tools=template_tools if template_tools is not None else [])
     plan.starts_in_reasoning = model.prompt_opens_thinking(prompt)
     choice = request.tool_choice
     tool_format = model.tool_format
@@ -223,7 +227,7 @@ def plan_turn(
             banned = model.single_token(tool_format.start)
             plan.ban = (banned,) if banned is not None else ()
     else:
-        plan.parse_tools = tool_format is not None
+        plan.tool_format = tool_format
         plan.max_calls = None if request.parallel_tool_calls else 1
 
     tokenizer = None

@@ -245,7 +245,7 @@ def trim_round(model: LoadedModel, tmp_path: Path, messages: list[dict[str, Any]
 
 
 def test_pipeline_trims_the_fewest_oldest_units(small_model: LoadedModel, tmp_path: Path) -> None:
-    request, prepared, pipeline = trim_round(small_model, tmp_path, long_conversation())
+    request, prepared, _ = trim_round(small_model, tmp_path, long_conversation())
     original = request.messages
     kept = prepared.round.request.messages
     assert prepared.trimmed > 0
@@ -260,10 +260,8 @@ def test_pipeline_trims_the_fewest_oldest_units(small_model: LoadedModel, tmp_pa
     assert count >= 1
     fewer, _ = without_units(original, units, count - 1)
 
-    async def render() -> list[int]:
-        return await pipeline._render(dataclasses.replace(request, messages=fewer), small_model)
-
-    assert len(asyncio.run(render())) + MAX_TOKENS > LIMIT
+    fewer_prompt = prepared.rounds.render(dataclasses.replace(request, messages=fewer))
+    assert len(fewer_prompt) + MAX_TOKENS > LIMIT
     # The rendered prompt is the kept conversation, the last question included.
     text = small_model.tokenizer.decode(prepared.prompt)
     assert "Be brief." in text and "the last question?" in text

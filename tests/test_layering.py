@@ -8,7 +8,10 @@ Layers, lowest first; a module may import its own layer and lower ones, never hi
     2  afmd.protocol.*, afmd.output.*, afmd.profiling
     3  afmd.chat, afmd.context, afmd.engine.*, afmd.grammar.*, afmd.scheduler,
        afmd.servertools
-    3.5 afmd.turn (plans a turn over engine + grammar, for the pipeline)
+    3.5 afmd.turn (plans a turn over engine + grammar), afmd.toolloop (server tools
+        within a request)
+    3.6 afmd.rounds (renders, fits and plans each round of a request)
+    3.7 afmd.run (one request's round loop, as an async iterator of events)
     4  afmd.pipeline
     4.5 afmd.dialects.* (wire formats: parse into afmd.core, encode its events, errors)
     5  afmd.http.*
@@ -17,7 +20,9 @@ Layers, lowest first; a module may import its own layer and lower ones, never hi
 
 Besides: Sanic only in afmd.http.* and afmd.server; MLX / mlx-lm only in afmd.engine.* and
 afmd.grammar.*, at module level or inside functions alike. A module missing from
-the table fails the test, so a new module has to be given its place.
+the table fails the test, so a new module has to be given its place. The modules between
+the edges (turn, tool loop, rounds, run, pipeline) import no wire format: not
+afmd.protocol.*, afmd.dialects.* or afmd.http.*.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.grammar.*", 3),  # constrained decoding (llguidance, mlx logits processors)
     ("afmd.servertools", 3),  # operator-configured tools afmd runs itself
     ("afmd.turn", 3.5),  # the per-request output plan: above engine/grammar, below pipeline
+    ("afmd.toolloop", 3.5),  # server tools within one request: hidden, budgeted
+    ("afmd.rounds", 3.6),  # a round's prompt, budget and plan
+    ("afmd.run", 3.7),  # one request's round loop: engine events in, output events out
     ("afmd.pipeline", 4),
     ("afmd.dialects.*", 4.5),  # adapters at the edge: above the pipeline, below HTTP
     ("afmd.http.*", 5),
@@ -204,6 +212,24 @@ def test_every_module_has_a_layer() -> None:
 def test_import_direction() -> None:
     problems = check(PACKAGE_DIR)
     assert not problems, "layering violations:\n" + "\n".join(problems)
+
+
+#: The modules between the edges, and the wire formats they must not know.
+WIRE_FREE = ("afmd.turn", "afmd.toolloop", "afmd.rounds", "afmd.run", "afmd.pipeline")
+WIRE = ("afmd.protocol.*", "afmd.dialects.*", "afmd.http.*")
+
+
+def test_the_pipeline_knows_no_wire_format() -> None:
+    modules = discover(PACKAGE_DIR)
+    known = set(modules)
+    for module in WIRE_FREE:
+        path = modules[module]
+        for imp in imports_of(path.read_text(encoding="utf-8"), module, False, known):
+            target = _owner(imp.target, known)
+            assert not any(matches(target, w) for w in WIRE), (
+                f"{module}:{imp.line} imports {target}: wire formats belong to the "
+                "dialect adapters at the edge"
+            )
 
 
 def test_heavy_imports_are_confined() -> None:

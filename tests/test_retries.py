@@ -171,8 +171,8 @@ async def start(pipeline: ChatPipeline, payload: dict[str, Any]) -> ChatRun:
 
 async def drain(run: ChatRun) -> list[Any]:
     outputs: list[Any] = []
-    while not run.finished:
-        outputs += await run.next_outputs()
+    async for batch in run:
+        outputs += batch
     return outputs
 
 
@@ -190,7 +190,7 @@ def test_in_process_retry_then_success(
             pipeline.release(run)
 
     run, outputs = asyncio.run(go())
-    assert run._attempt == 2
+    assert run.attempt == 2
     assert isinstance(outputs[-2], Finish)
     assert outputs[-2].reason in ("stop", "length")
 
@@ -214,7 +214,7 @@ def test_in_process_retries_exhausted(
 
     started = time.monotonic()
     run = asyncio.run(go())
-    assert run._attempt == 2
+    assert run.attempt == 2
     assert time.monotonic() - started >= 0.05 + 0.1  # backoff doubles each time
 
 
@@ -226,7 +226,7 @@ def test_no_retry_once_output_reached_the_client(
     async def go() -> ChatRun:
         run = await start(pipeline, body(max_tokens=2000))
         try:
-            first = await run.next_outputs()
+            first = await anext(aiter(run))
             assert first and not run.finished  # something went out
             worker_faults(1000)
             with pytest.raises(APIError) as info:
@@ -237,7 +237,7 @@ def test_no_retry_once_output_reached_the_client(
             pipeline.release(run)
 
     run = asyncio.run(go())
-    assert run._attempt == 0
+    assert run.attempt == 0
 
 
 class TrippingTools(ServerTools):
@@ -279,7 +279,7 @@ def test_no_retry_once_a_server_tool_ran(
 
     run = asyncio.run(go())
     assert tools.runs == 1  # the tool ran once and was not re-run by a retry
-    assert run._attempt == 0
+    assert run.attempt == 0
 
 
 # --------------------------------------------------------------------------- busy

@@ -23,11 +23,12 @@ from typing import Any
 import httpx
 import pytest
 
-from afmd import pipeline as pipeline_module
+from afmd import rounds as rounds_module
+from afmd import toolloop
 from afmd.chat import template_messages
 from afmd.config import ModelEntry, ServerTool, load_config
 from afmd.core.events import Content, Finish, ToolCallArguments, ToolCallEnd, ToolCallStart
-from afmd.core.request import ToolCall
+from afmd.core.request import ChatRequest, ToolCall
 from afmd.engine.models import LoadedModel, ModelRegistry
 from afmd.pipeline import ChatPipeline, ChatRun
 from afmd.protocol.request import Message, parse_chat_request
@@ -538,8 +539,8 @@ async def chat(pipeline: ChatPipeline, body: dict[str, Any]) -> tuple[ChatRun, l
     run = await pipeline.start(prepared)
     outputs: list[Any] = []
     try:
-        while not run.finished:
-            outputs += await run.next_outputs()
+        async for batch in run:
+            outputs += batch
     finally:
         pipeline.release(run)
     return run, outputs
@@ -556,8 +557,8 @@ def test_budgets_stop_a_model_that_always_calls(
 ) -> None:
     # Make tool_choice bind every round, not only the request's first: the model then
     # calls the tool in every round, and only the budget can end the loop.
-    plan_turn = pipeline_module.plan_turn
-    monkeypatch.setattr(pipeline_module, "plan_turn",
+    plan_turn = rounds_module.plan_turn
+    monkeypatch.setattr(rounds_module, "plan_turn",
                         lambda *a, **k: plan_turn(*a, **{**k, "first_step": True}))
     mark = tmp_path / "probe.jsonl"
     pipeline = in_process(demo_model, tmp_path, f"[tools]\n{budget}\n\n" + command_tool(
@@ -571,10 +572,10 @@ def test_budgets_stop_a_model_that_always_calls(
     text = "".join(o.text for o in outputs if isinstance(o, Content))
     assert NONCE not in text
     # The last round was told to answer without tools, and had none.
-    last = run._round.request
+    last = run.round.request
     assert last.tool_choice.mode == "none"
     assert last.messages[-1] == Message(role="system",
-                                        content=pipeline_module._ANSWER_WITHOUT_TOOLS)
+                                        content=toolloop.ANSWER_WITHOUT_TOOLS)
     tool_outputs = [m for m in last.messages if m.role == "tool"]
     assert len(tool_outputs) == runs
     assert all(NONCE in (m.content or "") for m in tool_outputs)
@@ -598,7 +599,7 @@ def test_the_round_after_a_server_tool_ran_is_free(
         body["tool_choice"] = "required"
     run, outputs = asyncio.run(chat(pipeline, body))
     assert len(marks(mark)) == 1
-    last = run._round
+    last = run.round
     assert last.request.tool_choice.mode != "none"  # not the budget's doing
     assert [m.role for m in last.request.messages][-2:] == ["assistant", "tool"]
     grammar = last.plan.grammar
@@ -614,20 +615,22 @@ def test_calls_beyond_max_calls_in_one_round_get_a_budget_error(
     pipeline = in_process(demo_model, tmp_path, "[tools]\nmax_calls = 1\n\n" + command_tool(
         PROBE, "echo_tool.py", env={"MARK_FILE": str(mark), "TOOL_NONCE": NONCE}))
 
-    async def three_parallel_calls() -> ChatRun:
+    async def three_parallel_calls() -> ChatRequest:
         request = parse_chat_request(forced(PROBE), server_tools=pipeline.server_tools.names)
-        run = ChatRun(pipeline, await pipeline.prepare(request, "req-budget"))
+        prepared = await pipeline.prepare(request, "req-budget")
+        loop = toolloop.ToolLoop(pipeline.server_tools,
+                                 max_rounds=pipeline.config.tools.max_rounds,
+                                 max_calls=pipeline.config.tools.max_calls)
         calls = [ToolCall(f"call_{i}", PROBE, '{"word": "kumquat"}') for i in range(3)]
-        await run._run_server_tools(calls)
-        return run
+        return await loop.run(prepared.round.request, calls, prepared.max_tokens)
 
-    run = asyncio.run(three_parallel_calls())
+    next_request = asyncio.run(three_parallel_calls())
     assert len(marks(mark)) == 1
-    outputs = [m.content for m in run._round.request.messages if m.role == "tool"]
+    outputs = [m.content for m in next_request.messages if m.role == "tool"]
     assert len(outputs) == 3
     assert NONCE in (outputs[0] or "")
     assert outputs[1:] == ['{"error": "tool call budget exhausted"}'] * 2
-    assert run._round.request.tool_choice.mode == "none"
+    assert next_request.tool_choice.mode == "none"
 
 
 def test_instructions_come_before_the_client_system_message() -> None:

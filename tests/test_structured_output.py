@@ -258,8 +258,7 @@ def _plan(response_format: dict[str, Any], *, downgraded: bool = False) -> Any:
 
     request = parse_chat_request({"messages": MESSAGES, "response_format": response_format})
     schema = request.response_format.schema if request.response_format else None
-    return TurnPlan(request=request, model=None, json_answer=True, schema=schema,
-                    downgraded=downgraded)
+    return TurnPlan(json_answer=True, schema=schema, downgraded=downgraded)
 
 
 def test_final_check_accepts_every_number_json_allows() -> None:

@@ -226,7 +226,7 @@ class ToolCallParser:
 
     def _whole_call(self, raw: str, end: str | None = None) -> list[Piece]:
         end = self._end if end is None else end
-        parsed = self._parse_whole(raw)
+        parsed = _parse_whole(raw, self._parse, self._tools)
         if not parsed:
             return [Content(self._start + raw + end)]
         out: list[Piece] = []
@@ -239,25 +239,6 @@ class ToolCallParser:
             self.calls.append(call)
             out += [ToolCallStart(index, call.id, name), ToolCallArguments(index, arguments)]
         return out
-
-    def _parse_whole(self, raw: str) -> list[tuple[str, str]]:
-        try:
-            if self._parse is not None:
-                parsed = self._parse(raw, self._tools)
-            else:
-                parsed = json.loads(raw.strip())
-        except Exception:  # a model's malformed call is data, not a server error
-            return []
-        items = parsed if isinstance(parsed, list) else [parsed]
-        calls: list[tuple[str, str]] = []
-        for item in items:
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                return []
-            arguments = item.get("arguments", {})
-            if not isinstance(arguments, str):
-                arguments = json.dumps(arguments, ensure_ascii=False)
-            calls.append((item["name"], arguments))
-        return calls
 
     def flush(self) -> list[Piece]:
         """End of generation: release held text; a streamed unfinished call stays as sent."""
@@ -278,3 +259,23 @@ class ToolCallParser:
         self._buf = ""
         self._state = _OUTSIDE
         return out
+
+
+def _parse_whole(
+    raw: str, parse: Callable[[str, Any], Any] | None, tools: Any
+) -> list[tuple[str, str]]:
+    """(name, arguments JSON) of each call in one block of call markup; [] if it fails."""
+    try:
+        parsed = parse(raw, tools) if parse is not None else json.loads(raw.strip())
+    except Exception:  # a model's malformed call is data, not a server error
+        return []
+    items = parsed if isinstance(parsed, list) else [parsed]
+    calls: list[tuple[str, str]] = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return []
+        arguments = item.get("arguments", {})
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append((item["name"], arguments))
+    return calls

@@ -1,0 +1,133 @@
+"""A round: one generation's prompt, its token budget and its plan.
+
+Every round of a request is made the same way: the conversation rendered through the
+model's own chat template (with the operator's instructions and the request's tools),
+fitted into the context window before any prefill (trimming the oldest turns when the
+context policy allows it, for the request's first round only), and planned (grammar,
+output parsing). All of it is CPU work that must not stall the event loop, so a round is
+built in one worker-thread hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+
+from afmd.chat import template_messages, template_tools
+from afmd.context import droppable_units, without_units
+from afmd.core.request import ChatRequest
+from afmd.engine.models import LoadedModel
+from afmd.errors import InvalidRequestError
+from afmd.turn import TurnPlan, plan_turn, template_kwargs
+
+
+@dataclass(slots=True)
+class Round:
+    """One generation: the conversation as the model sees it, and how it is generated."""
+
+    request: ChatRequest
+    prompt: list[int]
+    max_tokens: int
+    plan: TurnPlan
+    trimmed: int = 0  # messages dropped to fit the context window
+
+
+class RoundBuilder:
+    """How one request's rounds are made; its tools are the same in every round."""
+
+    __slots__ = ("_instructions", "_tools", "_trim", "model")
+
+    def __init__(
+        self, model: LoadedModel, request: ChatRequest, *, instructions: str, trim: bool
+    ) -> None:
+        self.model = model
+        self._instructions = instructions
+        self._trim = trim
+        # Converted once per request, not per render (trimming renders several times).
+        self._tools = template_tools(request.tools)
+
+    async def first(self, request: ChatRequest) -> Round:
+        """The request's first round: trimmed if the policy allows, ``tool_choice`` binds."""
+        return await asyncio.to_thread(self._build, request, self._trim, True)
+
+    async def next(self, request: ChatRequest) -> Round:
+        """A round afmd adds after server tools ran: never trimmed, free of ``tool_choice``
+        (which binds the request's first step only)."""
+        return await asyncio.to_thread(self._build, request, False, False)
+
+    def render(self, request: ChatRequest) -> list[int]:
+        """The prompt's token ids (a template error is the conversation's fault: a 400)."""
+        messages = template_messages(request.messages, instructions=self._instructions)
+        tools = self._tools if request.tools and request.tool_choice.mode != "none" else None
+        try:
+            return self.model.render_prompt(
+                messages, tools=tools, template_kwargs=template_kwargs(request, self.model)
+            )
+        except Exception as exc:  # template errors are about the conversation's shape
+            raise InvalidRequestError(
+                f"The model's chat template could not render these messages: {exc}",
+                code="invalid_value",
+                param="messages",
+            ) from None
+
+    def _build(self, request: ChatRequest, trim: bool, first_step: bool) -> Round:
+        limit = self.model.context_length
+        budget = request.max_tokens
+        prompt = self.render(request)
+        trimmed = 0
+        if len(prompt) + (budget or 1) > limit and trim:
+            request, prompt, trimmed = self._fit(request, limit, budget or 1)
+        if budget is not None:
+            if len(prompt) + budget > limit:
+                raise _context_error(limit, len(prompt), budget)
+            max_tokens = budget
+        else:
+            max_tokens = limit - len(prompt)
+            if max_tokens < 1:
+                raise _context_error(limit, len(prompt), None)
+        plan = plan_turn(request, self.model, prompt, max_tokens, first_step=first_step,
+                         template_tools=self._tools)
+        plan.prepare_processors()  # the grammar matcher is built here, off the event loop
+        return Round(request, prompt, max_tokens, plan, trimmed)
+
+    def _fit(
+        self, request: ChatRequest, limit: int, budget: int
+    ) -> tuple[ChatRequest, list[int], int]:
+        """Drop the fewest oldest units that make the prompt fit (binary search)."""
+        units = droppable_units(request.messages)
+        best: tuple[ChatRequest, list[int], int] | None = None
+        lo, hi = 1, len(units)
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            messages, dropped = without_units(request.messages, units, mid)
+            candidate = dataclasses.replace(request, messages=messages)
+            prompt = self.render(candidate)
+            if len(prompt) + budget <= limit:
+                best = (candidate, prompt, dropped)
+                hi = mid - 1
+            else:
+                lo = mid + 1
+        if best is None:  # even the protected messages do not fit: report as usual
+            messages, dropped = without_units(request.messages, units, len(units))
+            candidate = dataclasses.replace(request, messages=messages)
+            return candidate, self.render(candidate), dropped
+        return best
+
+
+def _context_error(limit: int, prompt: int, completion: int | None) -> InvalidRequestError:
+    if completion is not None:
+        return InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the "
+            "completion). Please reduce the length of the messages or completion.",
+            code="context_length_exceeded",
+            param="messages",
+        )
+    return InvalidRequestError(
+        f"This model's maximum context length is {limit} tokens. However, your messages "
+        f"resulted in {prompt} tokens. Please reduce the length of the messages.",
+        code="context_length_exceeded",
+        param="messages",
+    )
+

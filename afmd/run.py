@@ -1,0 +1,353 @@
+"""One chat turn from its slot to its last event, as a loop that reads as it runs.
+
+Each round generates and reads the model's output back into events; a transient model
+failure before anything reached the client (and before any tool ran) is retried; when the
+round's only calls are to server tools, the tool loop runs them and the next round
+generates with their results; otherwise the turn finishes. The run is an async iterator of
+event batches (one per engine wake-up, so a stream sends one write per batch, not per
+token); the last batch ends with :class:`~afmd.core.events.Finish` and
+:class:`~afmd.core.events.Usage`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from afmd import profiling
+from afmd.config import Config
+from afmd.core.events import Content, Event, Finish, Profile, ToolCallEnd, ToolCallStart, Usage
+from afmd.core.request import ToolCall
+from afmd.engine.base import Finished, Generation, GenerationRequest, SamplingParams, Text
+from afmd.engine.models import LoadedModel
+from afmd.errors import APIError, GatewayTimeoutError
+from afmd.logs import get_logger
+from afmd.rounds import Round, RoundBuilder
+from afmd.scheduler import Ticket
+from afmd.servertools import ServerTools
+from afmd.toolloop import ClientView, ToolLoop
+from afmd.turn import TurnPlan
+
+log = get_logger("afmd.pipeline")
+
+
+@dataclass(slots=True)
+class PreparedChat:
+    """A request ready to run: its model, its first round, what its response reports."""
+
+    request_id: str
+    rounds: RoundBuilder
+    round: Round  # the first round, which the response headers describe
+    max_tokens: int | None  # the client's, for all rounds together
+    model_name: str  # what the response reports: the name the client asked for
+    fingerprint: str
+    deadline: float  # time.monotonic() by which the whole request must be done
+    received_at: float  # time.perf_counter() when the request arrived
+    profile: str | None = None  # "summary" | "extended"
+
+    @property
+    def model(self) -> LoadedModel:
+        return self.rounds.model
+
+    @property
+    def plan(self) -> TurnPlan:
+        return self.round.plan
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.round.prompt
+
+    @property
+    def trimmed(self) -> int:
+        return self.round.trimmed
+
+
+@dataclass(frozen=True, slots=True)
+class RunPolicy:
+    """What bounds every run: retries of transient failures, tool budgets, time."""
+
+    retries: int = 0
+    retry_backoff: float = 0.0  # seconds before the first retry; doubles each time
+    max_tool_rounds: int = 4
+    max_tool_calls: int = 16
+    request_timeout: float = 120.0
+
+    @classmethod
+    def of(cls, config: Config, request_timeout: float) -> RunPolicy:
+        return cls(
+            retries=config.engine.retries,
+            retry_backoff=config.engine.retry_backoff,
+            max_tool_rounds=config.tools.max_rounds,
+            max_tool_calls=config.tools.max_calls,
+            request_timeout=request_timeout,
+        )
+
+
+@dataclass(slots=True)
+class _Totals:
+    """Token counts over every round of the run."""
+
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
+    reasoning: int = 0
+
+    def add(self, event: Finished) -> None:
+        self.prompt += event.prompt_tokens
+        self.completion += event.completion_tokens
+        self.cached += event.cached_tokens
+        self.reasoning += event.reasoning_tokens
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt, self.completion, self.cached, self.reasoning)
+
+
+class _Reading:
+    """One round's engine output read back into the client's events."""
+
+    __slots__ = ("_calls", "_ended", "_stop", "_view", "answer", "ended_by_us", "output")
+
+    def __init__(
+        self, plan: TurnPlan, view: ClientView | None, stop: Callable[[], None]
+    ) -> None:
+        self.output = plan.output_processor()
+        self._calls = self.output.tool_calls  # the parser's own list: it only grows
+        self.answer: list[str] | None = [] if plan.json_answer else None
+        self.ended_by_us = False  # we stopped generation (stop sequence, call budget)
+        self._ended = 0  # calls whose end went out
+        self._view = view
+        self._stop = stop
+
+    def read(self, events: list[Any]) -> tuple[list[Event], Finished | None]:
+        """The events for the client, and the engine's end when the round ended."""
+        out: list[Event] = []
+        output = self.output
+        for event in events:
+            if isinstance(event, Text):
+                if self.ended_by_us or not event.text:
+                    continue
+                out += output.feed(event.text)
+                if output.should_stop:
+                    self.ended_by_us = True
+                    self._stop()
+            elif isinstance(event, Finished):
+                out += output.finish()
+                return self._deliver(out), event
+        return self._deliver(out), None
+
+    def _deliver(self, out: list[Event]) -> list[Event]:
+        if len(self._calls) > self._ended:
+            out = self._with_ends(out, self._calls)
+        if self._view is not None:
+            out = self._view(out)
+        if self.answer is not None:
+            self.answer.extend(e.text for e in out if isinstance(e, Content))
+        return out
+
+    def _with_ends(self, events: list[Event], calls: list[ToolCall]) -> list[Event]:
+        """Each newly complete call's end, before the next call starts."""
+        out: list[Event] = []
+        for event in events:
+            if isinstance(event, ToolCallStart):
+                while self._ended < min(event.index, len(calls)):
+                    out.append(ToolCallEnd(self._ended, calls[self._ended]))
+                    self._ended += 1
+            out.append(event)
+        while self._ended < len(calls):
+            out.append(ToolCallEnd(self._ended, calls[self._ended]))
+            self._ended += 1
+        return out
+
+    def reason(self, finished: Finished, *, cancelled: bool) -> str:
+        if self.ended_by_us and not cancelled and (
+            finished.finish_reason == "cancelled" or self.output.stopped_by_sequence
+        ):
+            # Our own early end (stop sequence, call budget), not a cancel; a stop sequence
+            # wins even when its last token was also the last one max_tokens allowed.
+            return "stop"
+        return finished.finish_reason
+
+
+class ChatRun:
+    """One turn's run; iterate it (once) for its batches of events."""
+
+    def __init__(self, prepared: PreparedChat, policy: RunPolicy, tools: ServerTools) -> None:
+        self.prepared = prepared
+        self.round = prepared.round
+        self.ticket = Ticket()
+        self.generation: Generation | None = None
+        self.finished = False
+        self.finish_reason: str | None = None  # once finished
+        self.usage: Usage | None = None  # once finished
+        self.attempt = 0  # retries made
+        self._policy = policy
+        self._tools = ToolLoop(tools, max_rounds=policy.max_tool_rounds,
+                               max_calls=policy.max_tool_calls)
+        self._totals = _Totals()
+        self._emitted = False  # something reached the client: no more retries
+        self._cancelled = False
+        self._timed_out = False
+        # One timer per request for request_timeout, not one per awaited batch of tokens.
+        self._deadline: asyncio.TimerHandle | None = None
+        self._events = self._run()
+
+    def __aiter__(self) -> AsyncIterator[list[Event]]:
+        return self._events
+
+    async def _run(self) -> AsyncIterator[list[Event]]:
+        if self.generation is None:  # cancelled while queued
+            yield self._end("cancelled", None)
+            return
+        while True:
+            reading = self._reading()
+            finished: Finished | None = None
+            while finished is None:
+                assert self.generation is not None
+                try:
+                    if self._timed_out:
+                        raise _timeout_error()
+                    events = await self.generation.next_events()
+                    if self._timed_out:
+                        raise _timeout_error()
+                except APIError as exc:
+                    if not await self._retry(exc):
+                        raise
+                    reading = self._reading()
+                    continue
+                out, finished = reading.read(events)
+                if finished is None and out:
+                    self._emitted = True
+                    yield out
+            self._totals.add(finished)
+            reason = reading.reason(finished, cancelled=self._cancelled)
+            client, server = self._tools.split(reading.output.tool_calls)
+            if server and not client and reason == "stop":
+                left = self._tokens_left()
+                if left is None or left >= 1:  # max_tokens bounds all rounds together
+                    if out:
+                        self._emitted = True
+                        yield out
+                    request = await self._tools.run(self.round.request, server, left)
+                    if self._cancelled:
+                        yield self._end("cancelled", finished)
+                        return
+                    self.round = await self.prepared.rounds.next(request)
+                    self.start_generation()
+                    continue
+                reason = "length"
+            elif client and reason == "stop":
+                reason = "tool_calls"
+            if reason == "stop" and reading.answer is not None:
+                self.round.plan.check_answer("".join(reading.answer))
+            yield out + self._end(reason, finished)
+            return
+
+    def _reading(self) -> _Reading:
+        return _Reading(self.round.plan, self._tools.view(), self._stop_generation)
+
+    async def _retry(self, exc: APIError) -> bool:
+        """Retry a transient model failure if nothing reached the client and no tool ran."""
+        policy = self._policy
+        if (
+            exc.code != "generation_failed"
+            or self._emitted
+            or self._tools.ran
+            or self._cancelled
+            or self.attempt >= policy.retries
+        ):
+            return False
+        delay = policy.retry_backoff * (2 ** self.attempt)
+        self.attempt += 1
+        log.warning("retrying generation", request_id=self.prepared.request_id,
+                    attempt=self.attempt, delay_s=delay)
+        await asyncio.sleep(delay)
+        self.start_generation()
+        return True
+
+    def _tokens_left(self) -> int | None:
+        """What the client's max_tokens leaves for further rounds (None: no limit)."""
+        limit = self.prepared.max_tokens
+        return None if limit is None else limit - self._totals.completion
+
+    def _end(self, reason: str, finished: Finished | None) -> list[Event]:
+        """The last events: finish reason, usage over all rounds, the profile if asked."""
+        if finished is None:  # never generated
+            usage = Usage(prompt_tokens=len(self.prepared.prompt), completion_tokens=0)
+        else:
+            usage = self._totals.usage()
+        self.finished = True
+        self.finish_reason = reason
+        self.usage = usage
+        out: list[Event] = [Finish(reason), usage]
+        if self.prepared.profile is not None and finished is not None:
+            out.append(Profile(_profile(self.prepared, self._totals, finished)))
+        return out
+
+    # -- control --
+    def start_generation(self) -> None:
+        if self._deadline is None:
+            loop = asyncio.get_running_loop()  # its clock is time.monotonic(), as deadline's
+            self._deadline = loop.call_at(self.prepared.deadline, self._on_deadline)
+        self.generation = self.prepared.model.start(_generation(self.prepared, self.round))
+
+    def cancel(self) -> None:
+        """Stop for good (client cancel or disconnect; also when the response is over)."""
+        self._cancelled = True
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._stop_generation()
+
+    def _stop_generation(self) -> None:
+        if self.generation is None:
+            self.ticket.cancel()
+        elif not self.generation.done:
+            self.prepared.model.cancel(self.generation)
+
+    def _on_deadline(self) -> None:
+        """request_timeout passed: stop the engine and wake the consumer with a 504."""
+        self._timed_out = True
+        self._stop_generation()
+        if self.generation is not None:
+            self.generation.fail(_timeout_error())
+
+
+def _generation(prepared: PreparedChat, rnd: Round) -> GenerationRequest:
+    r = rnd.request
+    return GenerationRequest(
+        request_id=prepared.request_id,
+        prompt=rnd.prompt,
+        max_tokens=rnd.max_tokens,
+        sampling=SamplingParams(
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+            repetition_penalty=r.repetition_penalty, seed=r.seed,
+        ),
+        logits_processors=rnd.plan.logits_processors(),
+        sample_every=profiling.SAMPLE_EVERY if prepared.profile == "extended" else 0,
+        think_ids=prepared.model.think_ids,
+        starts_in_reasoning=rnd.plan.starts_in_reasoning,
+    )
+
+
+def _profile(prepared: PreparedChat, totals: _Totals, finished: Finished) -> dict[str, Any]:
+    """The profile over all rounds' tokens, timed by the last round's engine timings."""
+    assert prepared.profile is not None
+    t = finished.timings
+    return profiling.payload(prepared.profile, profiling.ProfileInput(
+        prompt_tokens=totals.prompt,
+        cached_tokens=totals.cached,
+        completion_tokens=totals.completion,
+        received_at=prepared.received_at,
+        started_at=t["started_at"],
+        first_token_at=t["first_token_at"],
+        finished_at=t["finished_at"],
+        peak_memory_bytes=finished.peak_memory_bytes,
+        bytes_per_token=prepared.model.weights_bytes or None,
+    ), finished.samples)
+
+
+def _timeout_error() -> GatewayTimeoutError:
+    return GatewayTimeoutError(
+        "The request did not complete within the server's request_timeout.", code="timeout"
+    )
