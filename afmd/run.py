@@ -104,7 +104,7 @@ class _Totals:
         return Usage(self.prompt, self.completion, self.cached, self.reasoning)
 
 
-class _Reading:
+class RoundReader:
     """One round's engine output read back into the client's events."""
 
     __slots__ = ("_calls", "_ended", "_stop", "_view", "answer", "ended_by_us", "output")
@@ -244,8 +244,8 @@ class ChatRun:
             yield out + self._end(reason, finished)
             return
 
-    def _reading(self) -> _Reading:
-        return _Reading(self.round.plan, self._tools.view(), self._stop_generation)
+    def _reading(self) -> RoundReader:
+        return RoundReader(self.round.plan, self._tools.view(), self._stop_generation)
 
     async def _retry(self, exc: APIError) -> bool:
         """Retry a transient model failure if nothing reached the client and no tool ran."""
