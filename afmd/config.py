@@ -26,10 +26,13 @@ from pathlib import Path
 __all__ = [
     "BREW_PREFIXES",
     "BUILTIN_DEMO_32K_PATH",
+    "BUILTIN_DEMO_EMBEDDING_PATH",
     "BUILTIN_DEMO_PATH",
     "BUILTIN_MODELS",
     "DEMO_32K_MODEL_ID",
+    "DEMO_EMBEDDING_MODEL_ID",
     "DEMO_MODEL_ID",
+    "MODEL_KINDS",
     "CacheConfig",
     "Config",
     "ConfigError",
@@ -48,6 +51,10 @@ DEMO_MODEL_ID = "demo"
 BUILTIN_DEMO_PATH = "afmd:demo"
 DEMO_32K_MODEL_ID = "demo-32k"
 BUILTIN_DEMO_32K_PATH = "afmd:demo-32k"
+DEMO_EMBEDDING_MODEL_ID = "demo-embedding"
+BUILTIN_DEMO_EMBEDDING_PATH = "afmd:demo-embedding"
+#: What a model serves: chat (chat completions) or embedding (/v1/embeddings).
+MODEL_KINDS = ("chat", "embedding")
 
 #: Homebrew prefixes searched (in order, after ``$HOMEBREW_PREFIX``) for
 #: ``etc/afmd/config.toml``; module-level so tests can point it elsewhere.
@@ -117,12 +124,14 @@ class ModelEntry:
     id: str
     path: str
     context_length: int | None = None
+    kind: str | None = None  # one of MODEL_KINDS; None: read from the model's own config
 
 
 #: Always served, so a fresh install answers requests without downloading anything.
 BUILTIN_MODELS: tuple[ModelEntry, ...] = (
     ModelEntry(id=DEMO_MODEL_ID, path=BUILTIN_DEMO_PATH),
     ModelEntry(id=DEMO_32K_MODEL_ID, path=BUILTIN_DEMO_32K_PATH),
+    ModelEntry(id=DEMO_EMBEDDING_MODEL_ID, path=BUILTIN_DEMO_EMBEDDING_PATH, kind="embedding"),
 )
 
 
@@ -236,7 +245,7 @@ _SECTIONS: dict[str, type] = {
 }
 # Structured fields: only a TOML file can express them sensibly.
 _STRUCTURED = {("models", "aliases"), ("models", "model"), ("tools", "server")}
-_ENTRY_KEYS = ("id", "path", "context_length")
+_ENTRY_KEYS = ("id", "path", "context_length", "kind")
 
 _KIND_NAMES = {
     "bool": "boolean",
@@ -494,7 +503,17 @@ def _parse_entries(value: object) -> list[ModelEntry]:
             )
         first_index[model_id] = i
         context_length = ctx if isinstance(ctx, int) else None
-        entries.append(ModelEntry(id=model_id, path=path, context_length=context_length))
+        kind: str | None = None
+        if "kind" in item:
+            kind = str(_coerce(item["kind"], "str", f"{base}.kind"))
+            if kind not in MODEL_KINDS:
+                raise ConfigError(
+                    f"{base}.kind",
+                    f"must be one of {'|'.join(MODEL_KINDS)}, got {kind!r}"
+                    f"{_suggest(kind, MODEL_KINDS)}",
+                )
+        entries.append(ModelEntry(id=model_id, path=path, context_length=context_length,
+                                  kind=kind))
     return entries
 
 
