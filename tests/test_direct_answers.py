@@ -25,7 +25,8 @@ import pytest
 from test_listeners import InProcessServer
 from test_transport import RawConn, Response, chat_body, check_error
 
-from afmd.http.gate import CORS_EXPOSE_HEADERS, Direct, Gate, GatePolicy
+from afmd.http.gate import Direct, Forward, Gate
+from afmd.http.screen import CORS_EXPOSE_HEADERS, GatePolicy
 
 from conftest import ServerProcess, parse_sse, start_server
 
@@ -118,7 +119,7 @@ def test_gate_marks_direct_requests(raw: str, close: bool, cors: bool) -> None:
     [forwarded] = Gate(PLAIN).feed(raw.encode())
     [out] = Gate(DIRECT).feed(raw.encode())
     assert isinstance(out, Direct)
-    assert out.request == forwarded  # what Sanic would get, if it must answer after all
+    assert out.forward == forwarded  # what Sanic would get, if it must answer after all
     assert out.path == raw.split()[1].split("?")[0]
     assert out.close is close
     expected = ((("Access-Control-Allow-Origin", ORIGIN),
@@ -133,7 +134,7 @@ def test_gate_marks_direct_requests(raw: str, close: bool, cors: bool) -> None:
     get("/health/"),
 ])
 def test_gate_forwards_other_requests(raw: str) -> None:
-    assert all(type(out) is bytes for out in Gate(DIRECT).feed(raw.encode()))
+    assert all(type(out) is Forward for out in Gate(DIRECT).feed(raw.encode()))
 
 
 def test_empty_origin_gets_no_cors_headers() -> None:

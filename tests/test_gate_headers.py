@@ -15,21 +15,23 @@ import pytest
 from test_fuzz_heads import POLICY
 from test_transport import RawConn, check_error, exchange
 
-from afmd.http.gate import Direct, Gate, Reply, normalize_origin
+from afmd.http.gate import Forward, Gate, Output, Reply
+from afmd.http.screen import normalize_origin
 
 from conftest import ServerProcess, start_server
 
 GOOD = "http://ok.example"
 
 
-def feed(raw: bytes) -> list[bytes | Reply | Direct]:
+def feed(raw: bytes) -> list[Output]:
     return Gate(POLICY).feed(raw)
 
 
 def forwarded(raw: bytes) -> bytes:
+    """The request as Sanic is handed it."""
     out = feed(raw)
-    assert len(out) == 1 and isinstance(out[0], bytes), out
-    return out[0]
+    assert len(out) == 1 and isinstance(out[0], Forward), out
+    return out[0].render()
 
 
 def refused(raw: bytes) -> int:
@@ -92,7 +94,7 @@ def test_origin_with_other_whitespace_does_not_match(origin: bytes) -> None:
 
 def test_allowed_origin_still_matches() -> None:
     for origin in (GOOD, GOOD.upper().replace("HTTP", "http"), GOOD + "/"):
-        assert isinstance(feed(get(extra=f"Origin: \t{origin} \r\n".encode()))[0], bytes)
+        assert isinstance(feed(get(extra=f"Origin: \t{origin} \r\n".encode()))[0], Forward)
 
 
 def test_normalize_origin_folds_ascii_only() -> None:
@@ -177,7 +179,8 @@ def test_bad_absolute_form_is_refused(target: bytes, host: bytes | None) -> None
 
 def test_absolute_form_http10_needs_no_host() -> None:
     out = Gate(POLICY).feed(b"GET http://localhost/health HTTP/1.0\r\n\r\n")
-    assert isinstance(out[0], bytes) and out[0].startswith(b"GET /health HTTP/1.0\r\n")
+    assert isinstance(out[0], Forward)
+    assert out[0].render().startswith(b"GET /health HTTP/1.0\r\n")
 
 
 # --------------------------------------------------------------------------- real server

@@ -35,7 +35,7 @@ from afmd.errors import (
 )
 from afmd.http import routes
 from afmd.http.access import CLIENT_CLOSED, log_access
-from afmd.http.gate import Cors, method_not_allowed, unknown_url
+from afmd.http.screen import Cors, method_not_allowed, unknown_url
 from afmd.logs import get_logger
 from afmd.pipeline import ChatPipeline
 

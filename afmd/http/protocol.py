@@ -59,8 +59,10 @@ from sanic.server.protocols.http_protocol import HttpProtocol
 from afmd.config import ServerConfig
 from afmd.errors import RequestTimeoutError, ServiceUnavailableError, TooManyConnectionsError
 from afmd.http.access import log_request
-from afmd.http.gate import Direct, Gate, GatePolicy, Rejection, Reply, RouteCheck, render_json
+from afmd.http.gate import Direct, Forward, Gate, Output, Reply
 from afmd.http.routes import StateRoute
+from afmd.http.screen import GatePolicy, RouteCheck
+from afmd.http.wire import Rejection, render_json
 from afmd.logs import get_logger
 
 log = get_logger("afmd.http")
@@ -207,7 +209,7 @@ class AfmdProtocol(HttpProtocol):
     # -- asyncio callbacks --
     def connection_made(self, transport: Any) -> None:
         ctx = self.context
-        self._afmd_pending: deque[bytes | Reply | Direct] = deque()
+        self._afmd_pending: deque[Output] = deque()
         self._afmd_held = 0
         self._afmd_sanic_held = 0
         self._afmd_linger: Any = None
@@ -337,7 +339,7 @@ class AfmdProtocol(HttpProtocol):
             return None
         return self._afmd_since
 
-    def _admit(self, outputs: list[bytes | Reply | Direct]) -> bool:
+    def _admit(self, outputs: list[Output]) -> bool:
         """A waiting connection that has sent a complete head takes a slot, freeing one if
         need be; False when there is none to be had (it is refused)."""
         gate = self._afmd_gate
@@ -398,13 +400,11 @@ class AfmdProtocol(HttpProtocol):
                     if item.close:
                         return
                     continue
-                self._afmd_sanic_held += len(item.request)
-                HttpProtocol.data_received(self, item.request)
+                self._to_sanic(item.forward)
                 continue
-            if type(item) is bytes:
+            if type(item) is Forward:
                 pending.popleft()
-                self._afmd_sanic_held += len(item)
-                HttpProtocol.data_received(self, item)
+                self._to_sanic(item)
                 continue
             if not self._sanic_idle():
                 return
@@ -420,6 +420,13 @@ class AfmdProtocol(HttpProtocol):
             if item.close:
                 self._linger()
                 return
+
+    def _to_sanic(self, forward: Forward) -> None:
+        """Sanic re-reads the request from its canonical rendering, which it cannot parse
+        differently from the gate."""
+        data = forward.render()
+        self._afmd_sanic_held += len(data)
+        HttpProtocol.data_received(self, data)
 
     def _answer(self, item: Direct) -> bool:
         """Write the answer to ``item`` without Sanic (it is idle: the answer is next in
@@ -444,10 +451,10 @@ class AfmdProtocol(HttpProtocol):
         gate = self._afmd_gate
         held = (gate.buffered if gate is not None else 0) + self._afmd_sanic_held
         for item in self._afmd_pending:
-            if type(item) is bytes:
-                held += len(item)
+            if type(item) is Forward:
+                held += item.size
             elif isinstance(item, Direct):
-                held += len(item.request)
+                held += item.forward.size
         if held != self._afmd_held:
             self.context.buffered += held - self._afmd_held
             self._afmd_held = held

@@ -1,0 +1,239 @@
+"""Policy over a parsed request head: whether afmd serves it at all.
+
+:func:`screen` decides, from a :class:`~afmd.http.framing.RequestHead` alone and before
+any body byte is read, on the Host (DNS rebinding), the Origin (CORS), the route and
+method, the API key, the media type and the announced size. It also owns CORS: the
+preflight answer and the headers an allowed origin's responses carry, for the gate and
+for Sanic's responses alike (:class:`Cors`), and the 404 and 405 errors, whichever layer
+finds the URL unknown. Routing itself is a callable supplied by the HTTP layer, so this
+module knows nothing about Sanic.
+"""
+
+from __future__ import annotations
+
+import hmac
+import string
+from collections.abc import Callable, Iterable, MutableMapping
+from dataclasses import dataclass, field
+
+from afmd.config import ServerConfig
+from afmd.errors import (
+    AuthenticationError,
+    MethodNotAllowedError,
+    MisdirectedRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    UnsupportedMediaTypeError,
+)
+from afmd.http import wire
+from afmd.http.framing import RequestHead
+from afmd.http.wire import Refused, show
+
+__all__ = [
+    "CORS_ALLOW_HEADERS",
+    "CORS_EXPOSE_HEADERS",
+    "Cors",
+    "GatePolicy",
+    "RouteCheck",
+    "method_not_allowed",
+    "normalize_origin",
+    "screen",
+    "unknown_url",
+]
+
+#: ``route(method, path)`` -> ``(200, ())`` routable, ``(404, ())`` unknown URL, or
+#: ``(405, allowed_methods)`` when the path exists for other methods only.
+RouteCheck = Callable[[str, str], tuple[int, tuple[str, ...]]]
+
+CORS_ALLOW_HEADERS = "Authorization, Content-Type, X-Request-ID, X-AFM-Profile"
+CORS_EXPOSE_HEADERS = (
+    "X-Request-ID, OpenAI-Request-ID, X-Grammar-Constraints, X-AFM-Trimmed-Messages"
+)
+CORS_MAX_AGE = "600"
+LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
+
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
+def normalize_origin(origin: str) -> str:
+    """The form origins are compared in: only optional whitespace is trimmed and only
+    ASCII letters are folded, so that no other character (a leading U+00A0, a KELVIN SIGN
+    that ``str.lower`` turns into ``k``) can make a foreign origin match the allow-list."""
+    return origin.strip(" \t").translate(_ASCII_LOWER).rstrip("/")
+
+
+def unknown_url(method: str, path: str) -> NotFoundError:
+    return NotFoundError(
+        f"Unknown request URL: {method} {path}. Please check the URL for typos.",
+        code="unknown_url")
+
+
+def method_not_allowed(method: str, path: str, allowed: Iterable[str]) -> MethodNotAllowedError:
+    methods = ", ".join(allowed)
+    return MethodNotAllowedError(f"Method {method} is not allowed for {path}.",
+                                 headers={"Allow": methods} if methods else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Cors:
+    """Which origins may read afmd's answers, and the headers that tell browsers so."""
+
+    allowed: frozenset[str] = frozenset()  # normalised (:func:`normalize_origin`)
+    any_origin: bool = False
+
+    @classmethod
+    def from_origins(cls, origins: Iterable[str]) -> Cors:
+        origins = tuple(origins)
+        return cls(frozenset(normalize_origin(o) for o in origins), "*" in origins)
+
+    def allows(self, origin: str) -> bool:
+        return self.any_origin or normalize_origin(origin) in self.allowed
+
+    def headers(self, origin: str | None) -> tuple[tuple[str, str], ...]:
+        """What a response to ``origin`` carries so that its page may read it (nothing
+        for no Origin or an empty one)."""
+        if not origin or not self.allows(origin):
+            return ()
+        return (("Access-Control-Allow-Origin", origin),
+                ("Access-Control-Expose-Headers", CORS_EXPOSE_HEADERS),
+                ("Vary", "Origin"))
+
+    def apply(self, origin: str | None, headers: MutableMapping[str, str]) -> None:
+        """Add :meth:`headers` to a response's own (a ``Vary`` it has is extended)."""
+        for name, value in self.headers(origin):
+            if name == "Vary" and (vary := headers.get("Vary")):
+                if value.lower() not in vary.lower():
+                    headers["Vary"] = f"{vary}, {value}"
+            else:
+                headers[name] = value
+
+    @staticmethod
+    def preflight(origin: str, allowed: Iterable[str], *, close: bool) -> bytes:
+        """The whole ``204`` answer to an allowed origin's preflight."""
+        lines = [wire.status_line(204),
+                 b"access-control-allow-origin: " + origin.encode("latin-1"),
+                 b"access-control-allow-methods: " + ", ".join(allowed).encode("ascii"),
+                 b"access-control-allow-headers: " + CORS_ALLOW_HEADERS.encode(),
+                 b"access-control-max-age: " + CORS_MAX_AGE.encode(),
+                 b"vary: Origin"]
+        if close:
+            lines.append(b"connection: close")
+        return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def _normalize_host_entry(entry: str) -> str:
+    entry = entry.strip().lower()
+    if entry.count(":") > 1 and not entry.startswith("["):
+        entry = f"[{entry}]"  # a bare IPv6 address as written in a config file
+    return entry
+
+
+@dataclass(frozen=True)
+class GatePolicy:
+    """The screening decisions, from :class:`ServerConfig` plus a route check."""
+
+    route: RouteCheck
+    check_host: bool = True
+    allowed_hosts: frozenset[str] = LOCAL_HOSTS
+    allowed_origins: frozenset[str] = frozenset()
+    any_origin: bool = False
+    api_key: bytes = b""
+    max_header_bytes: int = 65536
+    max_body_bytes: int = 16 * 1024 * 1024
+    open_paths: frozenset[str] = frozenset({"/health"})
+    #: Paths whose bodiless GETs the gate marks for a direct answer.
+    direct_paths: frozenset[str] = frozenset()
+    cors: Cors = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cors", Cors(self.allowed_origins, self.any_origin))
+
+    @classmethod
+    def from_config(
+        cls,
+        server: ServerConfig,
+        route: RouteCheck,
+        *,
+        check_host: bool,
+        extra_hosts: Iterable[str] = (),
+        direct_paths: Iterable[str] = (),
+    ) -> GatePolicy:
+        hosts = {_normalize_host_entry(h) for h in (*server.allowed_hosts, *extra_hosts)}
+        cors = Cors.from_origins(server.allowed_origins)
+        return cls(
+            route=route,
+            check_host=check_host and "*" not in hosts,
+            allowed_hosts=frozenset(LOCAL_HOSTS | hosts),
+            allowed_origins=cors.allowed,
+            any_origin=cors.any_origin,
+            api_key=server.api_key.encode(),
+            max_header_bytes=server.max_header_bytes,
+            max_body_bytes=server.max_request_body_bytes,
+            direct_paths=frozenset(direct_paths),
+        )
+
+    def host_allowed(self, host: bytes) -> bool:
+        value = host.decode("ascii").lower()
+        m = wire.HOST.fullmatch(host)
+        name = m.group(1).decode("ascii").lower() if m else value
+        return name in self.allowed_hosts or value in self.allowed_hosts
+
+    def origin_allowed(self, origin: str) -> bool:
+        return self.cors.allows(origin)
+
+
+def screen(policy: GatePolicy, head: RequestHead) -> bytes | None:
+    """Refuse ``head`` (raise :class:`~afmd.http.wire.Refused`), or pass it: None, or the
+    answer to a CORS preflight, which afmd gives itself."""
+    # No Host at all is only possible in HTTP/1.0, which no browser speaks: it cannot be
+    # a DNS-rebinding attempt, so only a Host that is present is checked.
+    if policy.check_host and head.host is not None and not policy.host_allowed(head.host):
+        raise Refused(MisdirectedRequestError(
+            f"The Host '{show(head.host)}' is not served here; use localhost or add it to "
+            "server.allowed_hosts."))
+    origin = head.origin
+    if origin is not None and not policy.cors.allows(origin):
+        raise Refused(PermissionDeniedError(
+            f"Requests from the origin '{show(origin.encode('latin-1'))}' are not allowed; "
+            "add it to server.allowed_origins."))
+    if head.method == "OPTIONS" and origin is not None and head.preflight_method:
+        status, allowed = policy.route("OPTIONS", head.path)
+        if status == 404:
+            raise Refused(unknown_url(head.method, head.path), cors=True)
+        return policy.cors.preflight(origin, allowed, close=head.close)
+    status, allowed = policy.route(head.method, head.path)
+    if status == 404:
+        raise Refused(unknown_url(head.method, head.path), cors=True)
+    if status == 405:
+        raise Refused(method_not_allowed(head.method, head.path, allowed), cors=True)
+    if policy.api_key and head.path not in policy.open_paths:
+        _authenticate(head.authorization, policy.api_key)
+    if head.method == "POST" and head.has_body:
+        media = (head.content_type or b"").split(b";", 1)[0].strip(b" \t").lower()
+        if media != b"application/json":
+            raise Refused(UnsupportedMediaTypeError(
+                "The request body must be JSON, sent with 'Content-Type: "
+                "application/json'."), cors=True)
+    if head.length > policy.max_body_bytes:
+        raise Refused(PayloadTooLargeError(
+            f"The request body is larger than max_request_body_bytes "
+            f"({policy.max_body_bytes} bytes)."), cors=True)
+    return None
+
+
+def _authenticate(authorization: bytes | None, api_key: bytes) -> None:
+    token: bytes | None = None
+    if authorization:
+        scheme, _, rest = authorization.partition(b" ")
+        if scheme.lower() == b"bearer":
+            token = rest.strip(b" \t")
+    if not token:
+        raise Refused(AuthenticationError(
+            "You didn't provide an API key. Send it in an Authorization header using "
+            "Bearer auth (Authorization: Bearer YOUR_KEY).",
+            headers={"WWW-Authenticate": "Bearer"}), cors=True)
+    if not hmac.compare_digest(token, api_key):
+        raise Refused(AuthenticationError(
+            "Incorrect API key provided.", headers={"WWW-Authenticate": "Bearer"}),
+            cors=True)
