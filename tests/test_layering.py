@@ -14,6 +14,8 @@ Layers, lowest first; a module may import its own layer and lower ones, never hi
     3.7 afmd.run (one request's round loop, as an async iterator of events)
     4  afmd.pipeline
     4.5 afmd.dialects.* (wire formats: parse into afmd.core, encode its events, errors)
+    4.91-4.94 afmd.http.wire, .framing, .screen, .gate (the HTTP edge without I/O: no
+       Sanic, no asyncio; tests/test_compat.py keeps Sanic's internals in afmd.http.compat)
     5  afmd.http.*
     6  afmd.server
     7  afmd.cli, afmd.__main__
@@ -59,6 +61,10 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.run", 3.7),  # one request's round loop: engine events in, output events out
     ("afmd.pipeline", 4),
     ("afmd.dialects.*", 4.5),  # adapters at the edge: above the pipeline, below HTTP
+    ("afmd.http.wire", 4.91),  # HTTP/1.1 grammar, status lines, JSON responses
+    ("afmd.http.framing", 4.92),  # request heads and body framings
+    ("afmd.http.screen", 4.93),  # Host, Origin/CORS, route, key, media type, size
+    ("afmd.http.gate", 4.94),  # one connection's framer and screen, over the three
     ("afmd.http.*", 5),
     ("afmd.server", 6),
     ("afmd.cli", 7),
@@ -230,6 +236,19 @@ def test_the_pipeline_knows_no_wire_format() -> None:
                 f"{module}:{imp.line} imports {target}: wire formats belong to the "
                 "dialect adapters at the edge"
             )
+
+
+#: The HTTP edge's modules that take bytes and return decisions, tested by feeding bytes.
+SANS_IO = ("afmd.http.wire", "afmd.http.framing", "afmd.http.screen", "afmd.http.gate")
+
+
+def test_the_gate_does_no_io() -> None:
+    modules = discover(PACKAGE_DIR)
+    known = set(modules)
+    for module in SANS_IO:
+        for imp in imports_of(modules[module].read_text(encoding="utf-8"), module, False, known):
+            top = imp.target.split(".", 1)[0]
+            assert top not in ("sanic", "asyncio"), f"{module}:{imp.line} imports {imp.target}"
 
 
 def test_heavy_imports_are_confined() -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from test_transport import DIAGNOSE, RawConn, chat_body, check_error
 
-import afmd.server as server_module
+import afmd.http.listeners as listeners_module
 from afmd.config import load_config
 from afmd.http.supervisor import ListenerState
 from afmd.server import Server, StartupError
@@ -223,7 +223,7 @@ class InProcessServer:
                 self.cond.notify_all()
 
     @property
-    def listener(self) -> server_module.Listener:
+    def listener(self) -> listeners_module.Listener:
         return self.server.listeners[0]
 
     @property
@@ -332,7 +332,7 @@ def test_listener_breaks_again_after_a_restart(inproc: InProcessServer) -> None:
 
 def test_rebind_failures_then_success(inproc: InProcessServer,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    real_bind = server_module.bind_tcp
+    real_bind = listeners_module.bind_tcp
     calls: list[float] = []
 
     def flaky_bind(host: str, port: int) -> socket.socket:
@@ -341,7 +341,7 @@ def test_rebind_failures_then_success(inproc: InProcessServer,
             raise StartupError(f"cannot listen on {host}:{port}: the port is already in use")
         return real_bind(host, port)
 
-    monkeypatch.setattr(server_module, "bind_tcp", flaky_bind)
+    monkeypatch.setattr(listeners_module, "bind_tcp", flaky_bind)
     port = inproc.port
     inproc.listener.sock.shutdown(socket.SHUT_RDWR)
     running = inproc.wait_state("running", after=1, timeout=5)
@@ -360,7 +360,7 @@ def test_five_failed_rebinds_stop_the_server_with_exit_1(
     def broken_bind(host: str, port: int) -> socket.socket:
         raise StartupError(f"cannot listen on {host}:{port}: the port is already in use")
 
-    monkeypatch.setattr(server_module, "bind_tcp", broken_bind)
+    monkeypatch.setattr(listeners_module, "bind_tcp", broken_bind)
     started = time.monotonic()
     inproc.listener.sock.shutdown(socket.SHUT_RDWR)
     stopped = inproc.wait_state("stopped", timeout=10)

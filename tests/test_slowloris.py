@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_transport import RawConn, check_error
 
-from afmd.http.protocol import FRESH_GRACE
+from afmd.http.connections import FRESH_GRACE
 
 from conftest import ServerProcess, start_server
 
