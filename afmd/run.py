@@ -201,6 +201,7 @@ class ChatRun:
             yield self._end("cancelled", None)
             return
         while True:
+            # Generate, reading events as they come; retry a transient failure.
             reading = self._reading()
             finished: Finished | None = None
             while finished is None:
@@ -220,29 +221,37 @@ class ChatRun:
                 if finished is None and out:
                     self._emitted = True
                     yield out
+            # The round is over: run the server tools it called and go again, or finish.
             self._totals.add(finished)
-            reason = reading.reason(finished, cancelled=self._cancelled)
-            client, server = self._tools.split(reading.output.tool_calls)
-            if server and not client and reason == "stop":
-                left = self._tokens_left()
-                if left is None or left >= 1:  # max_tokens bounds all rounds together
-                    if out:
-                        self._emitted = True
-                        yield out
-                    request = await self._tools.run(self.round.request, server, left)
-                    if self._cancelled:
-                        yield self._end("cancelled", finished)
-                        return
-                    self.round = await self.prepared.rounds.next(request)
-                    self.start_generation()
-                    continue
-                reason = "length"
-            elif client and reason == "stop":
-                reason = "tool_calls"
-            if reason == "stop" and reading.answer is not None:
-                self.round.plan.check_answer("".join(reading.answer))
-            yield out + self._end(reason, finished)
-            return
+            reason, server_calls = self._settle(reading, finished)
+            if not server_calls:
+                yield out + self._end(reason, finished)
+                return
+            if out:
+                self._emitted = True
+                yield out
+            request = await self._tools.run(self.round.request, server_calls,
+                                            self._tokens_left())
+            if self._cancelled:
+                yield self._end("cancelled", finished)
+                return
+            self.round = await self.prepared.rounds.next(request)
+            self.start_generation()
+
+    def _settle(self, reading: RoundReader, finished: Finished) -> tuple[str, list[ToolCall]]:
+        """The round's finish reason; the server calls to run before the next (none: done)."""
+        reason = reading.reason(finished, cancelled=self._cancelled)
+        client, server = self._tools.split(reading.output.tool_calls)
+        if server and not client and reason == "stop":
+            left = self._tokens_left()
+            if left is None or left >= 1:
+                return reason, server
+            return "length", []  # max_tokens bounds all rounds together
+        if client and reason == "stop":
+            reason = "tool_calls"
+        if reason == "stop" and reading.answer is not None:
+            self.round.plan.check_answer("".join(reading.answer))
+        return reason, []
 
     def _reading(self) -> RoundReader:
         return RoundReader(self.round.plan, self._tools.view(), self._stop_generation)
