@@ -53,6 +53,16 @@ class Plan:
     profile: bool
     profile_seconds: float
     timeout: float  # per streamed request
+    soak_rounds: int  # memory soak: rounds of mixed requests, RSS read after each
+    soak_requests: int  # per round
+    soak_concurrency: int  # requests in flight (and the soak server's max_concurrent)
+    soak_settle_s: float  # idle before each RSS reading
+    soak_max_seconds: float  # no new round after this
+    slowloris_attackers: int
+    slowloris_legit: int  # legitimate clients, each one request at a time
+    slowloris_seconds: float  # how long the legitimate clients run
+    slowloris_warmup: float  # attack alone first, so it holds the slots
+    slowloris_max_connections: int | None  # None: afmd's default
 
     @classmethod
     def make(cls, args: argparse.Namespace) -> Plan:
@@ -64,7 +74,11 @@ class Plan:
                        paired_ttft_runs=3,
                        rps_seconds=0.5, rps_runs=1,
                        rps_connections=32, big=False,
-                       access_log=False, profile=False, profile_seconds=0.0, timeout=120.0)
+                       access_log=False, profile=False, profile_seconds=0.0, timeout=120.0,
+                       soak_rounds=2, soak_requests=20, soak_concurrency=4,
+                       soak_settle_s=0.2, soak_max_seconds=60.0,
+                       slowloris_attackers=40, slowloris_legit=2, slowloris_seconds=3.0,
+                       slowloris_warmup=1.0, slowloris_max_connections=16)
         else:
             plan = cls(quick=False, runs=5, batch_runs=3, max_tokens=256, levels=LEVELS,
                        ttft_runs=25, ttft_max_tokens=4, prefix_tokens=2000, prefix_runs=5,
@@ -72,7 +86,11 @@ class Plan:
                        grammar_batch=8, grammar_alone=4, paired_runs=9, paired_batch_runs=4,
                        paired_ttft_runs=30,
                        rps_seconds=3.0, rps_runs=3, rps_connections=32, big=True,
-                       access_log=True, profile=True, profile_seconds=8.0, timeout=300.0)
+                       access_log=True, profile=True, profile_seconds=8.0, timeout=300.0,
+                       soak_rounds=6, soak_requests=300, soak_concurrency=4,
+                       soak_settle_s=1.0, soak_max_seconds=900.0,
+                       slowloris_attackers=150, slowloris_legit=4, slowloris_seconds=20.0,
+                       slowloris_warmup=2.0, slowloris_max_connections=None)
         if args.runs:
             plan.runs = plan.batch_runs = plan.prefix_runs = plan.grammar_runs = args.runs
         if args.max_tokens:

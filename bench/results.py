@@ -227,6 +227,30 @@ class Paired(Flat):
     ttft_minus_mlx_ms: Value | None = None
 
 
+@dataclass
+class Soak(Flat):
+    """Rounds of mixed requests (``bench/soak.py``), RSS after each: does it level off?"""
+
+    PREFIX: ClassVar[str] = "soak_"
+    growth_pct: Value | None = None  # RSS over the second half of the rounds, % of the middle
+    growth_mib: Value | None = None
+    rss_mib: list[float] | None = None  # after each round; [0] before any request
+    rounds: list[dict[str, Any]] | None = None  # each round as bench/soak.py reports it
+    outcomes: dict[str, int] | None = None  # kind:result → count, over every round
+    setup: dict[str, Any] | None = None  # model, rounds, requests, concurrency, settle
+
+
+@dataclass
+class Slowloris(Flat):
+    """Legitimate clients against connections trickling a byte a second
+    (``bench/slowloris.py``)."""
+
+    PREFIX: ClassVar[str] = "slowloris_"
+    legit_success_pct: Value | None = None
+    latency_ms_p95: Value | None = None
+    summary: dict[str, Any] | None = None  # the attack's shape and bench/slowloris.py's counts
+
+
 Pick = Callable[["SystemResults"], Value | None]
 
 
@@ -245,6 +269,8 @@ class SystemResults:
     pyspy: dict[str, Any] | None = None
     extras: Extras = field(default_factory=Extras)
     paired: Paired = field(default_factory=Paired)
+    soak: Soak = field(default_factory=Soak)
+    slowloris: Slowloris = field(default_factory=Slowloris)
     errors: dict[str, str] = field(default_factory=dict)  # phase label → traceback
     fatal: str | None = None  # the server (or raw process) could not be measured at all
 
@@ -291,6 +317,8 @@ class SystemResults:
         for part in ((big, dict(self.paired.items())) if big_first
                      else (dict(self.paired.items()), big)):
             out.update(part)
+        out.update(self.soak.items())  # newer rows: their keys come after the older ones
+        out.update(self.slowloris.items())
         if self.errors:
             out["_errors"] = self.errors
         if self.fatal is not None:

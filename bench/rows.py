@@ -12,10 +12,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bench import workload
+from afmd.config import ServerConfig
+from bench import slowloris, soak, workload
 from bench.plan import BIG_MAX_TOKENS, LEVELS, SYSTEMS, Plan
 from bench.results import Measurements, Pick, SystemResults, Value, med, null
 from bench.verdicts import (
+    NotJudged,
     RatioInTurns,
     Threshold,
     Verdict,
@@ -44,6 +46,7 @@ NO_MLX_GRAMMAR = Missing(
 NO_RAW_GRAMMAR = Missing("raw mlx-lm has no grammar; afmd is compared with itself", na=True)
 NO_MLX_MODEL = Missing("mlx_lm.server cannot run without a model", na=True)
 NA = Missing("n/a", na=True)
+AFMD_ONLY = Missing("afmd only", na=True)
 QUICK = Missing("skipped in --quick")
 NO_BIG = Missing("skipped (--quick or --no-big)")
 MB80 = 80.0 * 1e6 / 2**20  # "≤ 80 MB" in MiB, the unit RSS is measured in
@@ -83,7 +86,8 @@ def evaluate(rows: list[Row], res: Measurements) -> list[dict[str, Any]]:
 
 def declare(p: Plan) -> list[Row]:
     """Every row, in the table's order (titles name the plan's token counts)."""
-    return [*_speed(p), *_grammar(p), *_requests(p), *_footprint(), *_extras(p)]
+    return [*_speed(p), *_grammar(p), *_requests(p), *_footprint(), *_resilience(p),
+            *_extras(p)]
 
 
 def _speed(p: Plan) -> list[Row]:
@@ -253,6 +257,80 @@ def _footprint() -> list[Row]:
         Row("frozen_rss_no_model_mb", "frozen binary RSS without a model (MiB)", "≤ 80 MB",
             mine(lambda s: s.footprint.frozen_rss_no_model_mb),
             Threshold(afmd(lambda s: s.footprint.frozen_rss_no_model_mb), "<=", MB80)),
+    ]
+
+
+SOAK_GROWTH_PCT = 5.0  # see bench/README.md, "Rows", for why this limit
+
+
+def _resilience(p: Plan) -> list[Row]:
+    """The memory soak and the slowloris: afmd alone, each on a server of its own."""
+    def growth(s: SystemResults) -> Value | None:
+        return s.soak.growth_pct
+
+    def plateau(res: Measurements) -> soak.Plateau | None:
+        flat = (res.afmd.soak.setup or {}).get("plateau")
+        return soak.Plateau(**flat) if flat else None
+
+    def soak_figures(res: Measurements) -> dict[str, Any]:
+        flat = plateau(res)
+        return {"growth_mib": flat.growth_mib if flat else None,
+                "rss_mib": res.afmd.soak.rss_mib}
+
+    def soak_detail(res: Measurements, _: float) -> str:
+        flat = plateau(res)
+        return flat.text() if flat else ""
+
+    rule: Verdict = Threshold(afmd(growth), "<=", SOAK_GROWTH_PCT, figures=soak_figures,
+                              detail=soak_detail)
+    if p.quick:
+        rule = NotJudged(rule, f"{p.soak_rounds} rounds × {p.soak_requests} requests are "
+                               "warm-up; the full run judges the plateau")
+
+    def success(s: SystemResults) -> Value | None:
+        return s.slowloris.legit_success_pct
+
+    def attack(res: Measurements) -> dict[str, Any]:
+        return res.afmd.slowloris.summary or {}
+
+    def attack_figures(res: Measurements) -> dict[str, Any]:
+        a = attack(res)
+        return {k: a.get(k) for k in ("legit_ok", "legit_tries", "latency_ms_p95",
+                                      "attack_connections")}
+
+    def attack_detail(res: Measurements, _: float) -> str:
+        a = attack(res)
+        return (f"{a.get('legit_ok')}/{a.get('legit_tries')} answered 200, p95 "
+                f"{a.get('latency_ms_p95')} ms; {a.get('attack_connections')} attack "
+                f"connections")
+
+    limit = (f"max_connections {p.slowloris_max_connections}" if p.slowloris_max_connections
+             else f"default max_connections ({ServerConfig().max_connections})")
+    return [
+        Row("memory_soak_rss_growth",
+            f"memory soak: RSS growth over the second half of {p.soak_rounds} rounds × "
+            f"{p.soak_requests} mixed requests (% of mid-run RSS)",
+            f"afmd ≤ {SOAK_GROWTH_PCT:.0f}%" + (" (full run)" if p.quick else ""),
+            {"afmd": growth, "mlx_lm_server": AFMD_ONLY, "raw": NO_RAW}, rule,
+            note=f"bench/soak.py on {soak.MODEL}, {p.soak_concurrency} requests in flight: "
+                 "streamed and non-streamed completions, streams cancelled and dropped, "
+                 "400s, tool_choice required and json_schema (every fourth with a new "
+                 "grammar), second turns; VmRSS after each round with the server idle "
+                 "(measurements.afmd.soak_rss_mib, round 0 before any request). The "
+                 "plateau is the last round's RSS against the middle round's: the first "
+                 "rounds pay one-time costs, a per-request leak keeps growing after them"),
+        Row("slowloris_legit_success",
+            f"slowloris: legitimate requests answered 200 under {p.slowloris_attackers} "
+            f"attackers trickling a byte a second, {limit} (%)",
+            "afmd ≥ 90%", {"afmd": success, "mlx_lm_server": AFMD_ONLY, "raw": NO_RAW},
+            Threshold(afmd(success), ">=", 90.0, figures=attack_figures,
+                      detail=attack_detail),
+            note=f"bench/slowloris.py: the attackers reconnect at once when shed and hold "
+                 f"the slots for {p.slowloris_warmup:g} s, then {p.slowloris_legit} "
+                 f"legitimate clients send requests on fresh connections for "
+                 f"{p.slowloris_seconds:g} s, one at a time (GET /health; every "
+                 f"{slowloris.CHAT_EVERY}th a 2-token chat completion), each with a "
+                 f"{slowloris.TIMEOUT:g} s limit"),
     ]
 
 

@@ -1,6 +1,6 @@
 """One command: how much of the raw engine speed afmd delivers, against mlx_lm.server.
 
-    python bench/run.py             # full run (about 10-15 minutes on 2 cores)
+    python bench/run.py             # full run (about 15-25 minutes on 2 cores)
     python bench/run.py --quick     # under 2 minutes; what CI runs
     python bench/run.py --help
 
@@ -33,6 +33,7 @@ from bench import document, servers, workload  # noqa: E402
 from bench.footprint import bench_footprint, bench_mlx_demo_rss, find_binary  # noqa: E402
 from bench.phases import bench_access_log, bench_big, bench_http, bench_raw  # noqa: E402
 from bench.plan import SYSTEMS, Ctx, Plan  # noqa: E402
+from bench.resilience import bench_slowloris, bench_soak  # noqa: E402
 from bench.turns import bench_paired  # noqa: E402
 
 perf = time.perf_counter
@@ -68,6 +69,10 @@ async def run_all(ctx: Ctx, binary: Path | None, systems: set[str]) -> None:
                 ctx.log(f"  ! access-log run failed: {exc}")
         ctx.log("afmd footprint (demo model, no model, frozen binary):")
         await bench_footprint(ctx, binary)
+        ctx.log(f"afmd memory soak ({p.soak_rounds} rounds × {p.soak_requests} requests):")
+        await bench_soak(ctx)
+        ctx.log(f"afmd under a slowloris ({p.slowloris_attackers} attackers):")
+        await bench_slowloris(ctx)
     if "mlx_lm_server" in systems:
         ctx.log("mlx_lm.server (demo-32k):")
         mlx = servers.mlx_server(ctx.work, "mlx_lm_server", Path(ctx.folders["demo-32k"] or ""))

@@ -45,6 +45,12 @@ CHAT = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nConnection: c
         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(CHAT_BODY)
         + CHAT_BODY)
 TIMEOUT = 5.0  # per legitimate request, connect included
+# The attack's shape unless told otherwise (the CLI's defaults and the harness's).
+WARMUP = 2.0
+BYTE_INTERVAL = 1.0
+RECONNECT_DELAY = 0.0
+CHAT_EVERY = 4
+PAUSE = 0.05
 
 
 @dataclass
@@ -153,8 +159,11 @@ async def legit(port: int, stop_at: float, stats: Stats, chat_every: int,
 
 
 async def attack(port: int, *, attackers: int, legit_clients: int, seconds: float,
-                 warmup: float, byte_interval: float, reconnect_delay: float,
-                 chat_every: int, pause: float) -> Stats:
+                 warmup: float = WARMUP, byte_interval: float = BYTE_INTERVAL,
+                 reconnect_delay: float = RECONNECT_DELAY, chat_every: int = CHAT_EVERY,
+                 pause: float = PAUSE) -> Stats:
+    """The attackers take the slots for ``warmup`` s, then legitimate clients join them
+    for ``seconds``; runs in the caller's event loop (the harness's or the CLI's)."""
     stats = Stats()
     loop = asyncio.get_running_loop()
     stop_at = loop.time() + warmup + seconds
@@ -173,13 +182,26 @@ async def attack(port: int, *, attackers: int, legit_clients: int, seconds: floa
 # -- our own server -----------------------------------------------------------------------
 
 
-def start_afmd(workdir: Path, max_connections: int, idle_timeout: float) -> tuple[
-        subprocess.Popen[bytes], int, Path]:
+def start_afmd(workdir: Path, max_connections: int | None = None,
+               idle_timeout: float | None = None, *, cache_dir: Path | None = None,
+               ) -> tuple[subprocess.Popen[bytes], int, Path]:
+    """afmd on its built-in demo model and an OS-chosen loopback port, once /health is 200.
+
+    A limit left ``None`` is afmd's own default, so the attack meets what users run;
+    ``cache_dir`` (AFMD_CACHE_DIR) lets a caller that has built the demo model reuse it.
+    Blocking (it runs its own event loop to probe /health): call it from a thread when
+    a loop is running.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    limits = "".join(f"{key} = {value}\n" for key, value in (
+        ("max_connections", max_connections), ("idle_timeout", idle_timeout))
+        if value is not None)
     config = workdir / "slowloris.toml"
-    config.write_text(f'[server]\nhost = "{HOST}"\nmax_connections = {max_connections}\n'
-                      f"idle_timeout = {idle_timeout}\n[log]\naccess_log = false\n")
+    config.write_text(f'[server]\nhost = "{HOST}"\n{limits}[log]\naccess_log = false\n')
     env = {**os.environ}
     env.pop("AFMD_CONFIG", None)
+    if cache_dir is not None:
+        env["AFMD_CACHE_DIR"] = str(cache_dir)
     env.setdefault("AFMD_CACHE_DIR", str(workdir / "cache"))
     log_path = workdir / "server.log"
     with log_path.open("wb") as log:
@@ -221,21 +243,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=0,
                         help="attack an afmd already listening on this loopback port")
-    parser.add_argument("--max-connections", type=int, default=64,
-                        help="the server's max_connections (only when it is started here)")
-    parser.add_argument("--idle-timeout", type=float, default=30.0,
-                        help="the server's idle_timeout (only when it is started here)")
+    parser.add_argument("--max-connections", type=int,
+                        help="the server's max_connections (only when it is started here; "
+                             "default: afmd's)")
+    parser.add_argument("--idle-timeout", type=float,
+                        help="the server's idle_timeout (only when it is started here; "
+                             "default: afmd's)")
     parser.add_argument("--attackers", type=int, default=150)
     parser.add_argument("--legit", type=int, default=4, help="legitimate clients")
     parser.add_argument("--seconds", type=float, default=20.0,
                         help="how long the legitimate clients run")
-    parser.add_argument("--warmup", type=float, default=2.0,
+    parser.add_argument("--warmup", type=float, default=WARMUP,
                         help="seconds of attack before the first legitimate request")
-    parser.add_argument("--byte-interval", type=float, default=1.0)
-    parser.add_argument("--reconnect-delay", type=float, default=0.0)
-    parser.add_argument("--chat-every", type=int, default=4,
+    parser.add_argument("--byte-interval", type=float, default=BYTE_INTERVAL)
+    parser.add_argument("--reconnect-delay", type=float, default=RECONNECT_DELAY)
+    parser.add_argument("--chat-every", type=int, default=CHAT_EVERY,
                         help="every Nth legitimate request is a chat completion (0: never)")
-    parser.add_argument("--pause", type=float, default=0.05,
+    parser.add_argument("--pause", type=float, default=PAUSE,
                         help="seconds a legitimate client waits between its requests")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

@@ -42,6 +42,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 CHAT = "/v1/chat/completions"
+MODEL = "demo"  # the README's Memory section was measured on it
 KINDS = ("plain", "stream", "cancel", "drop", "error", "tools", "json_schema", "second_turn")
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
          "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
@@ -320,7 +321,10 @@ async def _mlx_memory(client: httpx.AsyncClient) -> tuple[float | None, float | 
 async def soak(server: Server, *, rounds: int, requests: int, concurrency: int, seed: int,
                max_seconds: float, settle_s: float = 1.0,
                after_round: Callable[[RoundResult], Awaitable[None]] | None = None,
+               log: Callable[[str], None] = print,
                ) -> list[RoundResult]:
+    """Round 0 is the server before any request; ``log`` gets each round's table row as
+    it ends (the harness indents it into its progress log)."""
     results: list[RoundResult] = []
     limits = httpx.Limits(max_connections=concurrency * 2 + 4)
     async with httpx.AsyncClient(base_url=server.url, timeout=60.0, limits=limits) as client:
@@ -334,7 +338,7 @@ async def soak(server: Server, *, rounds: int, requests: int, concurrency: int, 
         sent = 0
         for n in range(1, rounds + 1):
             if time.monotonic() - start > max_seconds:
-                print(f"stopping: --max-seconds {max_seconds:.0f} reached", file=sys.stderr)
+                log(f"stopping: --max-seconds {max_seconds:.0f} reached")
                 break
             gate = asyncio.Semaphore(concurrency)
             outcomes: Counter[str] = Counter()
@@ -354,7 +358,7 @@ async def soak(server: Server, *, rounds: int, requests: int, concurrency: int, 
             results.append(RoundResult(
                 n, sent, seconds, proc_status_mib(server.pid, "VmRSS"),
                 proc_status_mib(server.pid, "VmHWM"), active, peak, dict(outcomes)))
-            print(_row(results[-1], results[0]), flush=True)
+            log(_row(results[-1], results[0]))
             if after_round is not None:
                 await after_round(results[-1])
     return results
@@ -382,6 +386,47 @@ def table(results: list[RoundResult]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Plateau:
+    """RSS from the middle round to the last: what the second half of the soak added.
+
+    The first rounds pay one-time costs (code paths touched for the first time, caches
+    filling to their bounds, worker threads and their heaps); a server that has levelled
+    off adds next to nothing after them, while a per-request leak keeps adding in the
+    second half as much as in any other stretch of requests.
+    """
+
+    from_round: int
+    to_round: int
+    from_requests: int
+    to_requests: int
+    from_mib: float
+    to_mib: float
+
+    @property
+    def growth_mib(self) -> float:
+        return self.to_mib - self.from_mib
+
+    @property
+    def growth_pct(self) -> float:
+        return 100 * self.growth_mib / self.from_mib
+
+    def text(self) -> str:
+        return (f"{self.from_mib:.1f} → {self.to_mib:.1f} MiB ({self.growth_mib:+.1f} MiB, "
+                f"{self.growth_pct:+.1f} %) from round {self.from_round} to "
+                f"{self.to_round} (requests {self.from_requests:,}–{self.to_requests:,})")
+
+
+def plateau(results: list[RoundResult]) -> Plateau | None:
+    """The growth over the last half of the rounds; None with fewer than two rounds."""
+    last = results[-1]
+    if last.round < 2:
+        return None
+    mid = results[last.round // 2]  # results[k] is round k
+    return Plateau(mid.round, last.round, mid.requests, last.requests, mid.rss_mib,
+                   last.rss_mib)
+
+
 def outcome_summary(results: list[RoundResult]) -> dict[str, int]:
     total: Counter[str] = Counter()
     for r in results:
@@ -394,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--requests", type=int, default=300, help="requests per round")
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--model", default="demo", choices=("demo", "demo-32k"))
+    p.add_argument("--model", default=MODEL, choices=("demo", "demo-32k"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seconds", type=float, default=900.0)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -415,12 +460,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"settings {settings or 'defaults'}", flush=True)
             results = asyncio.run(soak(
                 server, rounds=args.rounds, requests=args.requests,
-                concurrency=args.concurrency, seed=args.seed, max_seconds=args.max_seconds))
+                concurrency=args.concurrency, seed=args.seed, max_seconds=args.max_seconds,
+                log=lambda line: print(line, flush=True)))
         finally:
             server.stop()
     print()
     print(table(results))
+    flat = plateau(results)
     print()
+    print("plateau (second half):", flat.text() if flat else "needs two rounds or more")
     print("outcomes:", json.dumps(outcome_summary(results), indent=None))
     if args.json:
         args.json.write_text(json.dumps({

@@ -102,6 +102,24 @@ class RatioInTurns:
                                                       for k, v in sep.items()}})
 
 
+@dataclass(frozen=True)
+class NotJudged:
+    """``rule``'s numbers and text, with no verdict: too little was measured to judge.
+
+    The quick run's soak is warm-up only; a pass or fail there would say nothing about the
+    target, so it is shown (``would_pass``) and left out of the verdicts.
+    """
+
+    rule: Verdict
+    why: str
+
+    def __call__(self, res: Measurements) -> Check:
+        check = self.rule(res)
+        detail = f"not judged ({self.why})" + (f": {check.detail}" if check.detail else "")
+        return Check(None, detail, {**check.figures, "judged": False,
+                                    "would_pass": check.passed})
+
+
 def ttft(res: Measurements) -> Check:
     """afmd ≤ raw + 3 ms and < mlx_lm.server.
 

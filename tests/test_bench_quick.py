@@ -40,6 +40,8 @@ ROWS = {
     "frozen_cold_start_s",
     "frozen_rss_demo_mb",
     "frozen_rss_no_model_mb",
+    "memory_soak_rss_growth",
+    "slowloris_legit_success",
     "access_log_single_tps",
     "access_log_aggregate_tps_c8",
     "big_single_stream_tps",
@@ -83,7 +85,8 @@ def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
 
     # The rows afmd must always produce in quick mode, whatever the machine's load.
     for rid in ("single_stream_decode_tps", "ttft_short_ms", "aggregate_tps_c1",
-                "aggregate_tps_c8", "prefix_second_turn_ttft", "health_requests_per_s"):
+                "aggregate_tps_c8", "prefix_second_turn_ttft", "health_requests_per_s",
+                "memory_soak_rss_growth", "slowloris_legit_success"):
         assert rows[rid]["values"]["afmd"]["median"] is not None, (
             rid, rows[rid]["values"]["afmd"])
 
@@ -95,3 +98,17 @@ def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
         assert afmd[key]["median"] is not None, (key, afmd[key])
     for rid in ("single_stream_decode_tps", "aggregate_tps_c8", "ttft_short_ms"):
         assert rows[rid]["check"]["detail"].startswith("in turns "), rows[rid]["check"]
+
+    # The memory soak ran its quick rounds (RSS before any request, then after each), and
+    # two warm-up rounds are reported, never judged.
+    plan = meta["plan"]
+    assert len(afmd["soak_rss_mib"]) == plan["soak_rounds"] + 1, afmd["soak_rss_mib"]
+    assert sum(afmd["soak_outcomes"].values()) == plan["soak_rounds"] * plan["soak_requests"]
+    soak = rows["memory_soak_rss_growth"]["check"]
+    assert soak["pass"] is None and soak["judged"] is False, soak
+    assert soak["detail"].startswith("not judged"), soak
+    # The scaled-down slowloris: legitimate clients were answered while attackers, shed
+    # to make room for them, kept coming back.
+    attack = afmd["slowloris_summary"]
+    assert attack["legit_tries"] > 0 and attack["attack_connections"] > attack["attackers"]
+    assert rows["slowloris_legit_success"]["check"]["pass"] in (True, False)
