@@ -18,11 +18,10 @@ from typing import Any
 from afmd.config import Config
 from afmd.engine.models import ModelRegistry
 from afmd.http.app import AppState, create_app
-from afmd.http.compat import route_checker
 from afmd.http.connections import GateContext
 from afmd.http.listeners import Listener, Listeners, StartupError, bind_tcp, bind_unix, is_loopback
-from afmd.http.protocol import make_protocol
-from afmd.http.routes import STATE_ROUTES, interrupt_requests, server_stopping_error
+from afmd.http.protocol import direct_routes, make_protocol, route_checker
+from afmd.http.routes import interrupt_requests, server_stopping_error
 from afmd.http.supervisor import ListenerState, ListenerSupervisor
 from afmd.logs import get_logger
 from afmd.pipeline import ChatPipeline
@@ -53,7 +52,8 @@ class Server:
         self.state = AppState(config=config, registry=self.registry, pipeline=self.pipeline)
         self.app = create_app(self.state)
         self.gate = GateContext(config.server, route_checker(self.app),
-                                access_log=config.log.access_log, direct=STATE_ROUTES)
+                                access_log=config.log.access_log,
+                                direct=direct_routes(self.app))
         self._listeners = Listeners(self.app, on_gave_up=self._listener_gave_up)
         self._stop = asyncio.Event()
         self._stopping = False

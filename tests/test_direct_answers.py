@@ -22,11 +22,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from sanic import Sanic
 from test_listeners import InProcessServer
 from test_transport import RawConn, Response, chat_body, check_error
 
+from afmd.config import load_config
 from afmd.http.gate import Direct, Forward, Gate
+from afmd.http.protocol import direct_routes
+from afmd.http.routes import StateRoute
 from afmd.http.screen import CORS_EXPOSE_HEADERS, GatePolicy
+from afmd.server import Server
 
 from conftest import ServerProcess, parse_sse, start_server
 
@@ -381,6 +386,50 @@ def test_paused_transport_hands_requests_to_sanic() -> None:
             conn.send(get("/health"))  # writable and idle again: answered directly
             assert direct(conn.read_response())
     finally:
+        inproc.stop()
+
+
+def test_only_the_apps_own_state_routes_are_answered_directly() -> None:
+    """The fast path is the app's route code or nothing: a path is answered directly only
+    where the app serves it, on GET alone, with that very StateRoute's handler."""
+    def build(state: Any) -> tuple[int, Any]:
+        return 200, {}
+
+    served, shared, moved = (StateRoute(f"/{n}", n, build)
+                             for n in ("served", "shared", "moved"))
+    app = Sanic(f"direct_routes_{time.monotonic_ns()}", configure_logging=False)
+    app.add_route(served.handler, "/served", methods=["GET"], name="served")
+    app.add_route(shared.handler, "/shared", methods=["GET", "POST"], name="shared")
+    app.add_route(moved.handler, "/elsewhere", methods=["GET"], name="moved")
+    assert direct_routes(app) == (served,)
+    server = Server(load_config(None, env={}, overrides={"server.port": 0}))
+    registered = {r.uri: r.handler.__self__ for r in server.app.router.routes
+                  if isinstance(getattr(r.handler, "__self__", None), StateRoute)}
+    assert server.gate.direct == registered
+    assert set(registered) == {"/health", "/v1/models"}
+
+
+def test_a_failing_builder_is_answered_by_sanic() -> None:
+    """When the route's builder fails, the request goes to Sanic, which runs the same
+    builder and answers the failure as any handler's: an error envelope, not a dropped
+    connection."""
+    inproc = InProcessServer()
+    route = inproc.server.gate.direct["/health"]
+    build = route.build
+
+    def broken(state: Any) -> tuple[int, Any]:
+        raise RuntimeError("the builder broke")
+
+    object.__setattr__(route, "build", broken)  # the one object both paths call
+    try:
+        resp, _ = ask(inproc.port, get("/health"))
+        assert not direct(resp)
+        check_error(resp, 500, "internal_error")
+        object.__setattr__(route, "build", build)
+        resp, _ = ask(inproc.port, get("/health"))
+        assert direct(resp) and resp.status == 200
+    finally:
+        object.__setattr__(route, "build", build)
         inproc.stop()
 
 

@@ -38,16 +38,14 @@ from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 import sanic
-from sanic import Sanic
 from sanic import headers as sanic_headers
 from sanic import helpers as sanic_helpers
 from sanic.compat import Header
-from sanic.exceptions import MethodNotAllowed, NotFound, ServiceUnavailable
+from sanic.exceptions import ServiceUnavailable
 from sanic.http import Http, Stage
 from sanic.server.protocols.base_protocol import SanicProtocol
 from sanic.server.protocols.http_protocol import HttpProtocol
 
-from afmd.http.screen import RouteCheck
 from afmd.logs import get_logger
 
 if TYPE_CHECKING:
@@ -70,25 +68,6 @@ def _patch_reason_phrases() -> None:
 
 
 _patch_reason_phrases()
-
-
-def route_checker(app: Sanic) -> RouteCheck:
-    """The gate's route check, answered by the app's own router (so they always agree)."""
-    router = app.router
-
-    def check(method: str, path: str) -> tuple[int, tuple[str, ...]]:
-        try:
-            router.get(path, method, None)
-        except MethodNotAllowed as exc:
-            allowed = getattr(exc, "allowed_methods", None) or ()
-            return 405, tuple(sorted(str(m) for m in allowed))
-        except NotFound:
-            return 404, ()
-        except Exception:
-            return 404, ()
-        return 200, ()
-
-    return check
 
 
 def exact_fields(head: bytes) -> list[tuple[str, str]]:

@@ -36,12 +36,16 @@ from collections import deque
 from time import monotonic, perf_counter
 from typing import Any, ClassVar
 
+from sanic import Sanic
+from sanic.exceptions import MethodNotAllowed, NotFound
+
 from afmd.errors import RequestTimeoutError
 from afmd.http.access import log_request
 from afmd.http.compat import SanicConnection
 from afmd.http.connections import OVERLOADED, SHED, TOO_MANY, GateContext, Slot
 from afmd.http.gate import Direct, Forward, Gate, Output, Reply
-from afmd.http.screen import GatePolicy
+from afmd.http.routes import StateRoute
+from afmd.http.screen import GatePolicy, RouteCheck
 from afmd.http.wire import Rejection, render_json
 from afmd.logs import get_logger
 
@@ -51,6 +55,38 @@ log = get_logger("afmd.http")
 LINGER_SECONDS = 2.0
 
 _OPEN, _LINGERING, _CLOSED = range(3)
+
+
+def route_checker(app: Sanic) -> RouteCheck:
+    """The gate's route check, answered by the app's own router (so they always agree)."""
+    router = app.router
+
+    def check(method: str, path: str) -> tuple[int, tuple[str, ...]]:
+        try:
+            router.get(path, method, None)
+        except MethodNotAllowed as exc:
+            allowed = getattr(exc, "allowed_methods", None) or ()
+            return 405, tuple(sorted(str(m) for m in allowed))
+        except NotFound:
+            return 404, ()
+        except Exception:
+            return 404, ()
+        return 200, ()
+
+    return check
+
+
+def direct_routes(app: Sanic) -> tuple[StateRoute, ...]:
+    """The routes a connection may answer without Sanic: those the app serves, on GET
+    alone, with a :class:`~afmd.http.routes.StateRoute`'s handler, whose builder the
+    direct answer then calls. So the fast path exists only as the app's own route code."""
+    found = []
+    for route in app.router.routes:
+        state_route = getattr(route.handler, "__self__", None)
+        if (isinstance(state_route, StateRoute) and route.uri == state_route.path
+                and set(route.methods) == {"GET"}):
+            found.append(state_route)
+    return tuple(found)
 
 
 class _Lifecycle(SanicConnection):
