@@ -71,6 +71,28 @@ class Finished:
 Event = Text | Finished
 
 
+@dataclass(slots=True)
+class EmbeddingJob:
+    """One embeddings request's sequences for the model's embedding thread.
+
+    ``future`` receives a float32 numpy array, one row per input (the first
+    ``dimensions`` of each vector when set), or the :class:`APIError` that ended it.
+    """
+
+    inputs: Sequence[Sequence[int]]
+    future: asyncio.Future[Any]
+    dimensions: int | None = None
+    loop: asyncio.AbstractEventLoop = field(init=False)
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.loop = self.future.get_loop()
+
+    def cancel(self) -> None:
+        """Skip the job if its batch has not started; its result is dropped otherwise."""
+        self.cancelled = True
+
+
 class Generation:
     """The consumer's handle on one running generation.
 

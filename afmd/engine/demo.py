@@ -29,11 +29,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from afmd.engine.demo_template import CHAT_TEMPLATE
 from afmd.paths import cache_dir
 
-__all__ = ["DEMO_VARIANTS", "build", "materialize"]
+__all__ = ["CHAT_TEMPLATE", "DEMO_VARIANTS", "EMBEDDING_VARIANT", "build", "materialize"]
 
-DEMO_VARIANTS = ("demo", "demo-32k")
+#: The embedding variant: a Qwen3-style decoder whose last token's hidden state, L2
+#: normalized, is the embedding (as Qwen3-Embedding); afmd serves it on /v1/embeddings.
+EMBEDDING_VARIANT = "demo-embedding"
+DEMO_VARIANTS = ("demo", "demo-32k", EMBEDDING_VARIANT)
 
 # Bump whenever build() changes in a way the parameters below do not capture, so that
 # cached folders built by the old code are not reused.
@@ -42,6 +46,7 @@ _BUILDER_VERSION = 1
 _TOKENIZER_FILES = {
     "demo": "demo_tokenizer.json",
     "demo-32k": "demo_32k_tokenizer.json",
+    EMBEDDING_VARIANT: "demo_tokenizer.json",
 }
 
 # The model shape; vocab_size is taken from the tokenizer.
@@ -63,6 +68,32 @@ _ARCHITECTURE: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 
+# The embedding variant's shape: Qwen3 (q/k norms, no attention biases), its output
+# projection tied to the embedding table (an embedding model never uses it), and a
+# short context so that "input too long" is cheap to reach.
+_EMBEDDING_ARCHITECTURE: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "max_position_embeddings": 512,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "attention_dropout": 0.0,
+    "torch_dtype": "float32",
+}
+
+# The marker afmd's model-kind detection reads (afmd/engine/kinds.py): pooling, L2
+# normalization, and whether a prefix of the vector is itself an embedding (Matryoshka),
+# which is what lets a request ask for fewer `dimensions`.
+EMBEDDING_MARKER: dict[str, Any] = {"pooling": "last", "normalize": True, "matryoshka": True}
+
 # Weight initialisation. The standard deviations follow mlx's default init (embedding
 # normal(0, 1/sqrt(dims)), linear layers uniform(±1/sqrt(fan_in))), except the untied
 # lm_head: with a default-size head the logits are nearly uniform and sampling is
@@ -79,98 +110,6 @@ _MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer
 
 # Stale temporary build folders (from a killed process) older than this are removed.
 _STALE_TMP_S = 3600.0
-
-# Qwen2.5-style ChatML with Hermes tool calls (Qwen3's system layout: no default system
-# prompt). Every tag strips whitespace before it and all output is in string literals,
-# so the result is the same with or without trim_blocks/lstrip_blocks; in particular no
-# `{%-` can eat the newline after `<|im_end|>`. mlx-lm picks its "json_tools" parser
-# because the template contains "<tool_call>" and "tool_call.name".
-CHAT_TEMPLATE = r"""{%- macro content_text(content) %}
-    {%- if content is string %}
-        {{- content }}
-    {%- elif content is mapping %}
-        {{- content | tojson }}
-    {%- elif content is iterable %}
-        {%- for part in content %}
-            {%- if part is string %}
-                {{- part }}
-            {%- elif part.type == 'text' %}
-                {{- part.text }}
-            {%- endif %}
-        {%- endfor %}
-    {%- endif %}
-{%- endmacro %}
-{%- set has_system = messages and messages[0].role == 'system' %}
-{%- if tools or has_system %}
-    {{- '<|im_start|>system\n' }}
-    {%- if has_system %}
-        {{- content_text(messages[0].content) }}
-        {%- if tools %}
-            {{- '\n\n' }}
-        {%- endif %}
-    {%- endif %}
-    {%- if tools %}
-        {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
-        {{- 'You are provided with function signatures within <tools></tools> XML tags:\n' }}
-        {{- '<tools>' }}
-        {%- for tool in tools %}
-            {{- '\n' }}
-            {{- tool | tojson }}
-        {%- endfor %}
-        {{- '\n</tools>\n\nFor each function call, return a json object with function name ' }}
-        {{- 'and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n' }}
-        {{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' }}
-    {%- endif %}
-    {{- '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- set content = content_text(message.content) %}
-    {%- if message.role == 'system' and loop.first %}
-    {%- elif message.role == 'assistant' %}
-        {{- '<|im_start|>assistant' }}
-        {%- if message.tool_calls %}
-            {%- if content %}
-                {{- '\n' + content }}
-            {%- endif %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if tool_call.function is defined %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '\n<tool_call>\n{"name": "' }}
-                {{- tool_call.name }}
-                {{- '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- elif tool_call.arguments is defined and tool_call.arguments is not none %}
-                    {{- tool_call.arguments | tojson }}
-                {%- else %}
-                    {{- '{}' }}
-                {%- endif %}
-                {{- '}\n</tool_call>' }}
-            {%- endfor %}
-        {%- else %}
-            {{- '\n' + content }}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- else %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- endif %}
-{%- endif %}
-"""
 
 
 def materialize(variant: str = "demo", cache_root: Path | None = None) -> Path:
@@ -221,18 +160,21 @@ def build(variant: str, dest: Path) -> None:
     vocab = _added_token_ids(tokenizer_bytes)
     vocab_size = _vocab_size(tokenizer_bytes)
 
-    weights = {name: mx.array(array) for name, array in _weights(vocab_size).items()}
+    shapes = _weight_shapes(vocab_size, _architecture(variant))
+    weights = {name: mx.array(array) for name, array in _weights(shapes).items()}
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
 
     eos_ids = [vocab["<|im_end|>"], vocab["<|endoftext|>"]]
     config = {
-        **_ARCHITECTURE,
+        **_architecture(variant),
         "vocab_size": vocab_size,
         "bos_token_id": None,
         "eos_token_id": eos_ids,
         "pad_token_id": vocab["<|endoftext|>"],
         "afmd_demo": {"variant": variant, "fingerprint": _fingerprint(variant)},
     }
+    if variant == EMBEDDING_VARIANT:
+        config["afmd_embedding"] = EMBEDDING_MARKER
     _write_json(dest / "config.json", config)
     (dest / "tokenizer.json").write_bytes(tokenizer_bytes)
     _write_json(dest / "tokenizer_config.json", _tokenizer_config(vocab))
@@ -242,7 +184,32 @@ def build(variant: str, dest: Path) -> None:
 
 def _tokenizer_bytes(variant: str) -> bytes:
     """Read the shipped tokenizer; importlib.resources also finds it inside a frozen app."""
-    return resources.files("afmd").joinpath("data", _TOKENIZER_FILES[variant]).read_bytes()
+    raw = resources.files("afmd").joinpath("data", _TOKENIZER_FILES[variant]).read_bytes()
+    return _with_end_token(raw) if variant == EMBEDDING_VARIANT else raw
+
+
+def _with_end_token(tokenizer_bytes: bytes) -> bytes:
+    """The tokenizer, appending ``<|endoftext|>`` to every encoded text.
+
+    Last-token pooling wants one fixed final token whose hidden state has attended to the
+    whole input; Qwen3-Embedding's tokenizer appends ``<|endoftext|>`` the same way (a
+    post-processor, so any client of the tokenizer gets the same ids afmd does).
+    """
+    spec = json.loads(tokenizer_bytes)
+    end = "<|endoftext|>"
+    end_id = _added_token_ids(tokenizer_bytes)[end]
+    special = {"id": end, "type_id": 0}
+    spec["post_processor"] = {"type": "Sequence", "processors": [
+        spec["post_processor"],
+        {
+            "type": "TemplateProcessing",
+            "single": [{"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": special}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}, {"SpecialToken": special}],
+            "special_tokens": {end: {"id": end, "ids": [end_id], "tokens": [end]}},
+        },
+    ]}
+    return json.dumps(spec, ensure_ascii=False).encode()
 
 
 def _added_token_ids(tokenizer_bytes: bytes) -> dict[str, int]:
@@ -261,11 +228,17 @@ def _vocab_size(tokenizer_bytes: bytes) -> int:
     return max(ids) + 1
 
 
-def _parameters() -> dict[str, Any]:
+def _architecture(variant: str) -> dict[str, Any]:
+    return _EMBEDDING_ARCHITECTURE if variant == EMBEDDING_VARIANT else _ARCHITECTURE
+
+
+def _parameters(variant: str) -> dict[str, Any]:
     """Everything build() depends on besides the tokenizer bytes, for the fingerprint."""
+    extra = {"embedding": EMBEDDING_MARKER} if variant == EMBEDDING_VARIANT else {}
     return {
+        **extra,
         "builder_version": _BUILDER_VERSION,
-        "architecture": _ARCHITECTURE,
+        "architecture": _architecture(variant),
         "seed": _SEED,
         "embed_std": _EMBED_STD,
         "lm_head_std": _LM_HEAD_STD,
@@ -282,24 +255,34 @@ def _fingerprint(variant: str) -> str:
     """Short hash naming the cache folder: changes whenever the built bytes would."""
     if variant not in _FINGERPRINTS:
         digest = hashlib.sha256()
-        digest.update(json.dumps(_parameters(), sort_keys=True).encode())
+        digest.update(json.dumps(_parameters(variant), sort_keys=True).encode())
         digest.update(variant.encode() + b"\0")
         digest.update(_tokenizer_bytes(variant))
         _FINGERPRINTS[variant] = digest.hexdigest()[:12]
     return _FINGERPRINTS[variant]
 
 
-def _weight_shapes(vocab_size: int) -> list[tuple[str, tuple[int, ...], float]]:
-    """(name, shape, std) for every Qwen2 tensor, in the fixed order they are drawn."""
-    arch = _ARCHITECTURE
+def _weight_shapes(
+    vocab_size: int, arch: dict[str, Any]
+) -> list[tuple[str, tuple[int, ...], float]]:
+    """(name, shape, std) for every Qwen2 / Qwen3 tensor, in the fixed order they are drawn.
+
+    Qwen3 differs by norms on the query and key heads instead of attention biases, and
+    by an explicit head size; a tied output projection has no tensor of its own.
+    """
+    qwen3 = arch["model_type"] == "qwen3"
     hidden = arch["hidden_size"]
     inter = arch["intermediate_size"]
-    head_dim = hidden // arch["num_attention_heads"]
+    head_dim = arch.get("head_dim") or hidden // arch["num_attention_heads"]
     kv_dim = arch["num_key_value_heads"] * head_dim
     q_dim = arch["num_attention_heads"] * head_dim
 
     def linear_std(fan_in: int) -> float:
         return fan_in**-0.5 / 3**0.5  # std of uniform(±1/sqrt(fan_in))
+
+    def projection(name: str, rows: int) -> list[tuple[str, tuple[int, ...], float]]:
+        weight = (f"{name}.weight", (rows, hidden), linear_std(hidden))
+        return [weight] if qwen3 else [weight, (f"{name}.bias", (rows,), linear_std(hidden))]
 
     shapes: list[tuple[str, tuple[int, ...], float]] = [
         ("model.embed_tokens.weight", (vocab_size, hidden), _EMBED_STD)
@@ -308,26 +291,29 @@ def _weight_shapes(vocab_size: int) -> list[tuple[str, tuple[int, ...], float]]:
         p = f"model.layers.{i}"
         shapes += [
             (f"{p}.input_layernorm.weight", (hidden,), 0.0),
-            (f"{p}.self_attn.q_proj.weight", (q_dim, hidden), linear_std(hidden)),
-            (f"{p}.self_attn.q_proj.bias", (q_dim,), linear_std(hidden)),
-            (f"{p}.self_attn.k_proj.weight", (kv_dim, hidden), linear_std(hidden)),
-            (f"{p}.self_attn.k_proj.bias", (kv_dim,), linear_std(hidden)),
-            (f"{p}.self_attn.v_proj.weight", (kv_dim, hidden), linear_std(hidden)),
-            (f"{p}.self_attn.v_proj.bias", (kv_dim,), linear_std(hidden)),
+            *projection(f"{p}.self_attn.q_proj", q_dim),
+            *projection(f"{p}.self_attn.k_proj", kv_dim),
+            *projection(f"{p}.self_attn.v_proj", kv_dim),
             (f"{p}.self_attn.o_proj.weight", (hidden, q_dim), linear_std(q_dim)),
+        ]
+        if qwen3:
+            shapes += [
+                (f"{p}.self_attn.q_norm.weight", (head_dim,), 0.0),
+                (f"{p}.self_attn.k_norm.weight", (head_dim,), 0.0),
+            ]
+        shapes += [
             (f"{p}.post_attention_layernorm.weight", (hidden,), 0.0),
             (f"{p}.mlp.gate_proj.weight", (inter, hidden), linear_std(hidden)),
             (f"{p}.mlp.up_proj.weight", (inter, hidden), linear_std(hidden)),
             (f"{p}.mlp.down_proj.weight", (hidden, inter), linear_std(inter)),
         ]
-    shapes += [
-        ("model.norm.weight", (hidden,), 0.0),
-        ("lm_head.weight", (vocab_size, hidden), _LM_HEAD_STD),
-    ]
+    shapes.append(("model.norm.weight", (hidden,), 0.0))
+    if not arch["tie_word_embeddings"]:
+        shapes.append(("lm_head.weight", (vocab_size, hidden), _LM_HEAD_STD))
     return shapes
 
 
-def _weights(vocab_size: int) -> dict[str, np.ndarray]:
+def _weights(shapes: list[tuple[str, tuple[int, ...], float]]) -> dict[str, np.ndarray]:
     """Draw every tensor from one seeded stream; norms (std 0) are ones.
 
     Values are uniform with the wanted standard deviation, made from the raw PCG64 bit
@@ -337,7 +323,7 @@ def _weights(vocab_size: int) -> dict[str, np.ndarray]:
     """
     bits = np.random.default_rng(_SEED).bit_generator
     weights: dict[str, np.ndarray] = {}
-    for name, shape, std in _weight_shapes(vocab_size):
+    for name, shape, std in shapes:
         if std == 0.0:
             weights[name] = np.ones(shape, dtype=np.float32)
             continue

@@ -16,18 +16,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from afmd.config import BUILTIN_DEMO_PATH, Config, ModelEntry
+from afmd.engine import kinds
 from afmd.engine.base import Generation, GenerationRequest
-from afmd.errors import NotFoundError, ServerError, ServiceUnavailableError
+from afmd.engine.kinds import BUILTIN_PREFIX, CHAT, EMBEDDING, EmbeddingSpec
+from afmd.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    ServerError,
+    ServiceUnavailableError,
+)
 from afmd.output.processor import ToolFormat
 
 if TYPE_CHECKING:
     # The worker imports mlx-lm and with it transformers (~45 MB resident): only a model
     # load may pay for that, not a server that has none (or has not loaded one yet).
+    from afmd.engine.embedding import Embedder
     from afmd.engine.worker import BatchWorker
 
 log = logging.getLogger("afmd.engine")
 
-BUILTIN_PREFIX = "afmd:"
 _LOAD_WAIT_S = 1.0
 DEFAULT_CONTEXT_LENGTH = 4096
 
@@ -51,20 +58,43 @@ def _context_length_from(config: Mapping[str, Any]) -> int | None:
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A model in memory with its tokenizer and generation thread."""
+    """A model in memory with its tokenizer and its thread: generation or embedding."""
 
     entry: ModelEntry
     folder: Path | None
     model: Any
     tokenizer: Any
     context_length: int
-    worker: BatchWorker
+    worker: BatchWorker | None  # a chat model's
     is_demo: bool = False
     weights_bytes: int = 0
+    kind: str = CHAT
+    embedder: Embedder | None = None  # an embedding model's
 
     @property
     def id(self) -> str:
         return self.entry.id
+
+    @property
+    def embedding(self) -> EmbeddingSpec:
+        assert self.embedder is not None, f"{self.id} is not an embedding model"
+        return self.embedder.spec
+
+    @property
+    def hidden_size(self) -> int:
+        """The width of the model's hidden states: an embedding's full dimensions."""
+        args = getattr(self.model, "args", None)
+        size = getattr(args, "hidden_size", None)
+        if size is None:
+            size = self.model.model.embed_tokens.weight.shape[-1]
+        return int(size)
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text as the model's tokenizer makes them, its special tokens added
+        (an embedding model's tokenizer may append the token its pooling reads)."""
+        hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+        ids = hf(texts, add_special_tokens=True, return_attention_mask=False)["input_ids"]
+        return [list(row) for row in ids]
 
     @property
     def vocab_size(self) -> int:
@@ -144,31 +174,21 @@ class LoadedModel:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def start(self, request: GenerationRequest) -> Generation:
+        assert self.worker is not None, f"{self.id} is not a chat model"
         generation = Generation(request, asyncio.get_running_loop())
         self.worker.submit(generation)
         return generation
 
     def cancel(self, generation: Generation) -> None:
         generation.cancel()
-        self.worker.wake()
-
-
-def _looks_like_repo(path: str) -> bool:
-    """``owner/name``: a Hugging Face id that mlx-lm may download, not a local path."""
-    return path.count("/") == 1 and not path.startswith((".", "/", "~"))
-
-
-def _missing_local_path(path: str) -> bool:
-    """A path that names a local folder which is not there, so no load can succeed."""
-    if path.startswith(BUILTIN_PREFIX) or _looks_like_repo(path):
-        return False
-    return not Path(path).expanduser().exists()
+        if self.worker is not None:
+            self.worker.wake()
 
 
 def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     # Fail before the heavy imports: mlx-lm drags in transformers (~45 MB resident, a second
     # or two), which a server whose model folder is missing would otherwise carry forever.
-    if _missing_local_path(entry.path):
+    if kinds.missing_local_path(entry.path):
         raise FileNotFoundError(f"'{entry.path}' does not exist")
 
     # Heavy imports stay here so `afmd --help`, `check-config` and a server that has not
@@ -178,6 +198,7 @@ def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     from mlx_lm import load as mlx_load
 
     from afmd.engine import demo
+    from afmd.engine.embedding import Embedder
     from afmd.engine.layout import relayout_for_cpu
     from afmd.engine.memory import apply_memory_bounds
     from afmd.engine.worker import BatchWorker
@@ -194,21 +215,30 @@ def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         folder = candidate if candidate.exists() else None
         source = str(candidate) if folder else entry.path
     model, tokenizer, model_config = mlx_load(source, return_config=True)
-    relayout_for_cpu(model)
+    # A repo's files are on disk now: its folder can say what kind of model it is.
+    kind, spec = kinds.resolve(entry, folder or kinds.model_folder(entry.path), model_config)
+    if kind == CHAT:
+        relayout_for_cpu(model)  # an embedding model never runs its output projection
     # Loading and re-laying out weights freed buffers a serving process never reuses.
     mx.clear_cache()
     context_length = (
         entry.context_length or _context_length_from(model_config) or DEFAULT_CONTEXT_LENGTH
     )
-    worker = BatchWorker(
-        model,
-        tokenizer,
-        name=entry.id,
-        max_batch=config.queue.max_concurrent_requests,
-        prompt_cache_bytes=config.cache.prompt_cache_bytes,
-        prompt_cache_entries=config.cache.prompt_cache_entries,
-    )
-    worker.start()
+    worker: BatchWorker | None = None
+    embedder: Embedder | None = None
+    if spec is not None:
+        embedder = Embedder(model, spec, name=entry.id)
+        embedder.start()
+    else:
+        worker = BatchWorker(
+            model,
+            tokenizer,
+            name=entry.id,
+            max_batch=config.queue.max_concurrent_requests,
+            prompt_cache_bytes=config.cache.prompt_cache_bytes,
+            prompt_cache_entries=config.cache.prompt_cache_entries,
+        )
+        worker.start()
     return LoadedModel(
         entry=entry,
         folder=folder,
@@ -218,6 +248,8 @@ def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         worker=worker,
         is_demo=is_demo,
         weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+        kind=kind,
+        embedder=embedder,
     )
 
 
@@ -229,6 +261,7 @@ class ModelRegistry:
         self._loaded: dict[str, LoadedModel] = {}
         self._loading: dict[str, asyncio.Task[LoadedModel]] = {}
         self._failed: dict[str, str] = {}
+        self._kinds: dict[str, str] = {}  # read from disk once per model until it loads
 
     @property
     def config(self) -> Config:
@@ -245,6 +278,38 @@ class ModelRegistry:
                 param="model",
             )
         return entry
+
+    def kind_of(self, entry: ModelEntry) -> str:
+        """``chat`` or ``embedding``: the loaded model's, else what its folder says."""
+        loaded = self._loaded.get(entry.id)
+        if loaded is not None:
+            return loaded.kind
+        kind = self._kinds.get(entry.id)
+        if kind is None:
+            kind = self._kinds[entry.id] = kinds.declared_kind(entry)
+        return kind
+
+    def default_for(self, kind: str) -> ModelEntry | None:
+        """The model a request of ``kind`` that names none gets: the default model when it
+        is of that kind, else the first configured one that is."""
+        default = self._config.resolve_model(None)
+        if default is not None and self.kind_of(default) == kind:
+            return default
+        return next((e for e in self._config.models.model if self.kind_of(e) == kind), None)
+
+    def check_kind(self, entry: ModelEntry, kind: str, actual: str | None = None) -> None:
+        """400 ``invalid_model_kind`` unless ``entry`` serves ``kind``."""
+        actual = actual or self.kind_of(entry)
+        if actual == kind:
+            return
+        serves = "/v1/embeddings" if actual == EMBEDDING else "chat and completions"
+        wanted = "embeddings" if kind == EMBEDDING else "chat or completions"
+        raise InvalidRequestError(
+            f"The model '{entry.id}' is {_article(actual)} {actual} model: it serves "
+            f"{serves}, not {wanted}. Use {_article(kind)} {kind} model.",
+            code="invalid_model_kind",
+            param="model",
+        )
 
     def listed_ids(self) -> list[str]:
         return [*self._config.model_ids(), *self._config.models.aliases]
@@ -286,7 +351,7 @@ class ModelRegistry:
         try:
             loaded = await asyncio.to_thread(_load_sync, entry, self._config)
         except Exception as exc:
-            reason = _describe_load_failure(entry, exc)
+            reason = kinds.describe_load_failure(entry, exc)
             self._failed[entry.id] = reason
             log.error("model load failed: %s", reason)
             raise ServerError(
@@ -298,17 +363,22 @@ class ModelRegistry:
             self._loading.pop(entry.id, None)
         self._failed.pop(entry.id, None)
         self._loaded[entry.id] = loaded
+        self._kinds.pop(entry.id, None)
         return loaded
 
-    async def get(self, entry: ModelEntry) -> LoadedModel:
-        """The loaded model; while it loads, 503 ``busy`` with ``Retry-After``.
+    async def get(self, entry: ModelEntry, kind: str = CHAT) -> LoadedModel:
+        """The loaded model, if it serves ``kind`` (else 400 ``invalid_model_kind``); while
+        it loads, 503 ``busy`` with ``Retry-After``.
 
         Loading can take minutes (a download on first use), far longer than a client
-        should hold a request open; the first request starts the load.
+        should hold a request open; the first request starts the load. A model of the
+        wrong kind is refused before that when its folder already says what it is.
         """
         loaded = self._loaded.get(entry.id)
         if loaded is not None:
+            self.check_kind(entry, kind, loaded.kind)
             return loaded
+        self.check_kind(entry, kind)
         if entry.id in self._failed and entry.id not in self._loading:
             # Try again: a failure may have been transient (disk, memory, network).
             reason = self._failed.pop(entry.id)
@@ -316,34 +386,28 @@ class ModelRegistry:
         task = self.begin_load(entry)
         try:
             # A small model (the demo) is ready within moments: spare the client a retry.
-            return await asyncio.wait_for(asyncio.shield(task), timeout=_LOAD_WAIT_S)
+            loaded = await asyncio.wait_for(asyncio.shield(task), timeout=_LOAD_WAIT_S)
         except TimeoutError:
             raise ServiceUnavailableError(
                 f"The model '{entry.id}' is loading; retry shortly.",
                 code="busy",
                 headers={"Retry-After": "2"},
             ) from None
+        self.check_kind(entry, kind, loaded.kind)  # a download may have told us more
+        return loaded
 
     def close(self) -> None:
         for loaded in self._loaded.values():
-            loaded.worker.stop()
+            if loaded.worker is not None:
+                loaded.worker.stop()
+            if loaded.embedder is not None:
+                loaded.embedder.stop()
         for task in self._loading.values():
             task.cancel()
 
 
-def _describe_load_failure(entry: ModelEntry, exc: BaseException) -> str:
-    path = entry.path
-    local = Path(path).expanduser()
-    if not path.startswith(BUILTIN_PREFIX) and not local.exists():
-        if _looks_like_repo(path):
-            return (
-                f"'{path}' is not a local folder and could not be downloaded from Hugging Face "
-                f"({type(exc).__name__}: {exc})"
-            )
-        return f"'{path}' does not exist"
-    if local.is_dir() and not (local / "config.json").exists():
-        return f"'{path}' has no config.json; is it an MLX model folder?"
-    return f"{type(exc).__name__}: {exc}"
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
 
 
 __all__ = ["BUILTIN_DEMO_PATH", "LoadedModel", "ModelRegistry"]
