@@ -12,7 +12,7 @@ Layers, lowest first; a module may import its own layer and lower ones, never hi
         within a request)
     3.6 afmd.rounds (renders, fits and plans each round of a request)
     3.7 afmd.run (one request's round loop, as an async iterator of events)
-    4  afmd.pipeline
+    4  afmd.pipeline, afmd.embeddings
     4.5 afmd.dialects.* (wire formats: parse into afmd.core, encode its events, errors)
     4.91-4.94 afmd.http.wire, .framing, .screen, .gate (the HTTP edge without I/O: no
        Sanic, no asyncio; tests/test_compat.py keeps Sanic's internals in afmd.http.compat)
@@ -60,6 +60,7 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.rounds", 3.6),  # a round's prompt, budget and plan
     ("afmd.run", 3.7),  # one request's round loop: engine events in, output events out
     ("afmd.pipeline", 4),
+    ("afmd.embeddings", 4),  # the embeddings service: model, queue slot, batched encoding
     ("afmd.dialects.*", 4.5),  # adapters at the edge: above the pipeline, below HTTP
     ("afmd.http.wire", 4.91),  # HTTP/1.1 grammar, status lines, JSON responses
     ("afmd.http.framing", 4.92),  # request heads and body framings
@@ -221,7 +222,8 @@ def test_import_direction() -> None:
 
 
 #: The modules between the edges, and the wire formats they must not know.
-WIRE_FREE = ("afmd.turn", "afmd.toolloop", "afmd.rounds", "afmd.run", "afmd.pipeline")
+WIRE_FREE = ("afmd.turn", "afmd.toolloop", "afmd.rounds", "afmd.run", "afmd.pipeline",
+             "afmd.embeddings")
 WIRE = ("afmd.protocol.*", "afmd.dialects.*", "afmd.http.*")
 
 

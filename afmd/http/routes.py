@@ -258,12 +258,14 @@ def _model_objects(state: Any) -> list[dict[str, Any]]:
     config = state.config
     created = state.started_at
     objects: list[dict[str, Any]] = []
+    kinds: dict[str, str] = {}  # "chat" or "embedding": what each model serves
     for entry in config.models.model:
+        kinds[entry.id] = state.registry.kind_of(entry)
         objects.append({"id": entry.id, "object": "model", "created": created,
-                        "owned_by": "afmd"})
+                        "owned_by": "afmd", "kind": kinds[entry.id]})
     for alias, target in config.models.aliases.items():
         objects.append({"id": alias, "object": "model", "created": created,
-                        "owned_by": "afmd", "parent": target})
+                        "owned_by": "afmd", "parent": target, "kind": kinds.get(target)})
     return objects
 
 

@@ -1,0 +1,70 @@
+"""The embeddings handlers: HTTP framing around :mod:`afmd.embeddings`, and nothing else.
+
+The gate has screened the request (Host, Origin, key, content type, size) as for every
+route; the handler parses the body with its route's dialect, awaits the service and
+has the dialect encode the vectors. ``X-AFM-Profile`` is for streams and is ignored here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sanic import Request, Sanic
+from sanic.response import HTTPResponse
+
+from afmd.core.events import Usage
+from afmd.dialects.openai_embeddings import OPENAI_EMBEDDINGS, OpenAIEmbeddings
+from afmd.embeddings import EmbeddingService
+from afmd.errors import NotFoundError
+from afmd.http.routes import json_response, request_id_of
+
+
+def service_of(app: Sanic) -> EmbeddingService:
+    """The app's embedding service, made on first use from the state chat requests use."""
+    service: EmbeddingService | None = getattr(app.ctx, "embeddings", None)
+    if service is None:
+        state = app.ctx.state
+        pipeline = state.pipeline
+        service = app.ctx.embeddings = EmbeddingService(
+            registry=state.registry,
+            scheduler=pipeline.scheduler,
+            request_timeout=state.config.server.request_timeout,
+            taken=lambda request_id: pipeline.find(request_id) is not None,
+        )
+    return service
+
+
+def _dialect(request: Request) -> OpenAIEmbeddings:
+    route = getattr(request, "route", None)
+    dialect = getattr(route.ctx, "dialect", None) if route is not None else None
+    return dialect if isinstance(dialect, OpenAIEmbeddings) else OPENAI_EMBEDDINGS
+
+
+async def embeddings(request: Request) -> HTTPResponse:
+    dialect = _dialect(request)
+    request_id = request_id_of(request)
+    parsed = dialect.parse(request.body)
+    request.ctx.model = parsed.model
+    result = await service_of(request.app).embed(parsed, request_id)
+    request.ctx.model = result.model
+    request.ctx.usage = Usage(result.prompt_tokens, 0)
+    return HTTPResponse(
+        dialect.body(result, parsed),
+        headers={"X-Request-ID": request_id, "OpenAI-Request-ID": request_id},
+        content_type="application/json",
+    )
+
+
+async def cancel(request: Request, request_id: str) -> HTTPResponse:
+    run = service_of(request.app).find(request_id)
+    body: dict[str, Any] = {"id": request_id, "object": "embedding.cancellation"}
+    if run is None or run.cancelled:
+        error = NotFoundError(
+            f"No running request has the id '{request_id}'.", code="not_found", param=None
+        )
+        body["cancelled"] = False
+        body.update(error.envelope())
+        return json_response(body, status=404)
+    run.cancel()
+    body["cancelled"] = True
+    return json_response(body)
