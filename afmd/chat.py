@@ -50,6 +50,8 @@ def template_messages(
                 out.append({"role": "user", "content": message.content or ""})
         elif message.role == "assistant":
             item: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
+            if message.reasoning:
+                item["reasoning_content"] = message.reasoning
             if message.tool_calls:
                 item["tool_calls"] = [
                     {

@@ -26,6 +26,9 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     has_images: bool = False
+    #: An assistant turn's thinking as the client sent it back (Responses reasoning items);
+    #: templates that know ``reasoning_content`` render it, others drop it.
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
