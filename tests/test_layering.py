@@ -5,6 +5,8 @@ Layers, lowest first; a module may import its own layer and lower ones, never hi
     0  afmd (``__init__``), afmd.errors, afmd.config, afmd.paths
     1  afmd.logs
     1.5 afmd.core.* (the turn and its output events, below every wire format)
+    1.7 afmd.protocol.nesting, .fields (the checks every dialect's parser is built from)
+    1.8 afmd.protocol.body, .messages, .tools (parts of bodies, over those checks)
     2  afmd.protocol.*, afmd.output.*, afmd.profiling
     3  afmd.chat, afmd.context, afmd.engine.*, afmd.grammar.*, afmd.scheduler,
        afmd.servertools
@@ -46,6 +48,11 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.paths", 0),
     ("afmd.logs", 1),
     ("afmd.core.*", 1.5),  # the internal request and event model: pure data
+    ("afmd.protocol.nesting", 1.7),  # depth limit and param paths
+    ("afmd.protocol.fields", 1.7),  # typed checks, quoting, scalar tables: no dialect's own
+    ("afmd.protocol.body", 1.8),  # the JSON body, decoded and depth-checked
+    ("afmd.protocol.messages", 1.8),  # messages, content parts, tool history
+    ("afmd.protocol.tools", 1.8),  # tools, tool_choice, response_format
     ("afmd.protocol.*", 2),
     ("afmd.output.*", 2),
     ("afmd.profiling", 2),  # pure measurement helpers (stdlib only)
@@ -319,6 +326,13 @@ def test_checker_accepts_a_clean_tree(tmp_path: Path) -> None:
         ({"tooling/__init__.py": "import mlx\n"}, "may import mlx"),
         ({"grammar/__init__.py": "import afmd.turn\n", "turn.py": ""},
          "afmd.grammar (layer 3) imports afmd.turn (layer 3.5)"),
+        # the primitives every dialect's parser shares import no parser of a body
+        ({"protocol/__init__.py": "", "protocol/request.py": "",
+          "protocol/fields.py": "from afmd.protocol.request import KNOWN_FIELDS\n"},
+         "afmd.protocol.fields (layer 1.7) imports afmd.protocol.request (layer 2)"),
+        ({"protocol/__init__.py": "", "protocol/tools.py": "",
+          "protocol/fields.py": "from afmd.protocol import tools\n"},
+         "afmd.protocol.fields (layer 1.7) imports afmd.protocol.tools (layer 1.8)"),
     ],
 )
 def test_checker_catches_violations(tmp_path: Path, files: dict[str, str], needle: str) -> None:
