@@ -9,6 +9,7 @@ adapter at the edge turns those events into its wire format.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import time
@@ -86,6 +87,16 @@ class ChatPipeline:
             received_at=received_at if received_at is not None else time.perf_counter(),
             profile=profile,
         )
+
+    async def count(self, request: ChatRequest) -> int:
+        """The prompt tokens ``request`` would be given (its model's template with the
+        server's instructions and tools), without a slot or a generation: what the
+        token-counting endpoints answer."""
+        model = await self.registry.get(self.registry.resolve(request.model))
+        request = self._with_server_tools(request)
+        rounds = RoundBuilder(model, request, instructions=self.config.server.instructions,
+                              trim=False)
+        return len(await asyncio.to_thread(rounds.render, request))
 
     def _with_server_tools(self, request: ChatRequest) -> ChatRequest:
         if not self.server_tools:
