@@ -45,14 +45,46 @@ class GenerationRequest:
     # (start, end) token ids of the thinking block, to count reasoning tokens.
     think_ids: tuple[int, int] | None = None
     starts_in_reasoning: bool = False
+    # Log-probabilities of each generated token with this many alternatives (0-20; None:
+    # none, and the row keeps the decode step's fast path), and of the prompt's own tokens
+    # (echo), computed before generation starts.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Text exactly as ``tokenizer.decode`` of the generated ids (completions): mlx-lm's
+    # streaming detokenizers trim the first token's leading space, as chat wants.
+    verbatim: bool = False
+    # Tokens besides the model's end-of-sequence ones that end generation, unseen (the end
+    # markers of fill-in-the-middle).
+    stop_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token's log-probability and the most likely tokens at its position."""
+
+    token: int
+    logprob: float | None  # None: a prompt's first token, which nothing predicts
+    top: tuple[tuple[int, float], ...] = ()  # most likely first
 
 
 @dataclass(frozen=True, slots=True)
 class Text:
-    """Decoded text of ``tokens`` new tokens (coalesced when the consumer is behind)."""
+    """Decoded text of ``tokens`` new tokens (coalesced when the consumer is behind).
+
+    ``logprobs``, when the request asked for them, has one entry per token, and each such
+    event holds exactly one token: its text is what the detokenizer released on it.
+    """
 
     text: str
     tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The prompt's own tokens with their log-probabilities (the first one's is None)."""
+
+    tokens: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +100,7 @@ class Finished:
     samples: tuple[tuple[float, int, int], ...] = ()
 
 
-Event = Text | Finished
+Event = Text | PromptLogprobs | Finished
 
 
 @dataclass(slots=True)

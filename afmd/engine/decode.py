@@ -11,9 +11,11 @@ processors it replaces. What it changes, as measured by bench/run.py:
   forward pass is started first, then all grammar matchers advance and fill their masks in
   one llguidance call while MLX computes, and one ``where`` applies every mask.
 - **No normalisation nobody reads.** mlx-lm computes ``logsumexp`` over the whole
-  vocabulary for every row, every step, to return log-probabilities afmd never returns
-  (``logprobs`` is refused). Greedy rows take the argmax of the raw logits (the same
-  token: the normalisation shifts a row by one constant); only sampled rows normalise.
+  vocabulary for every row, every step, to return log-probabilities most requests never
+  ask for. Greedy rows take the argmax of the raw logits (the same token: the
+  normalisation shifts a row by one constant); only sampled rows normalise, and only the
+  rows that asked for log-probabilities (:attr:`DecodeBatch.logprob_rows`) get them, read
+  back from the same evaluation as their tokens (:mod:`afmd.engine.logprobs`).
 
 - **A first token goes out before the next step starts.** mlx-lm launches a step's
   successor before returning its tokens; a step that hands out some row's first token
@@ -32,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, greedy_sampler
 
+from afmd.engine.logprobs import RowLogprobs, step_logprobs
 from afmd.grammar.processor import MASKING, MaskBuilder
 
 _NEG_INF = float("-inf")
@@ -43,24 +46,29 @@ class DecodeBatch(GenerationBatch):
     _masks: MaskBuilder | None = None
     # The tokens last handed out have not been fed to the model yet (see ``_step``).
     _deferred = False
+    #: uid -> alternatives wanted, for the rows that report log-probabilities. Each
+    #: response's ``logprobs`` is then what :func:`afmd.engine.logprobs.resolve` reads.
+    logprob_rows: dict[int, int]
 
     @classmethod
     def install(cls, generator: Any) -> DecodeBatch:
         """Replace a fresh ``BatchGenerator``'s (empty) running batch with ours."""
         batch = cls.empty(generator.model, generator.sampler)
+        batch.logprob_rows = {}
         generator._generation_batch = batch
         return batch
 
     def _step(self) -> tuple[list[int], list[Any]]:
         self._launch_deferred()
         self._current_tokens = inputs = self._next_tokens
-        n = len(self.uids)
+        # What was kept for these tokens when they were sampled (see ``_launch``).
+        self._current_logprobs = self._next_logprobs
         if 0 in self._num_tokens:
             # A row's first token: hand it out before building and starting the next
             # forward pass, which on MLX's CPU backend costs the calling thread a few ms.
             self._deferred = True
-            return inputs.tolist(), [None] * n
-        return self._launch(inputs), [None] * n
+            return inputs.tolist(), self._current_logprobs
+        return self._launch(inputs), self._current_logprobs
 
     def extend(self, batch: Any) -> None:
         # Joining rows come with their next tokens already computed; ours must be too.
@@ -122,13 +130,27 @@ class DecodeBatch(GenerationBatch):
 
         self._next_tokens = self._sample(logits, n)
         self._next_logprobs = [None] * n
-        mx.async_eval(self._next_tokens, token_context)
+        wants = self._logprob_wants()
+        if wants:
+            step = step_logprobs(logits, self._next_tokens, wants)
+            for i, (row, k) in enumerate(wants):
+                self._next_logprobs[row] = RowLogprobs(step, i, k)
+            mx.async_eval(self._next_tokens, token_context, step.arrays)
+        else:
+            mx.async_eval(self._next_tokens, token_context)
 
         if tokens is None:
             tokens = inputs.tolist()
         for sequence, token in zip(self.tokens, tokens, strict=True):
             sequence.append(token)
         return tokens
+
+    def _logprob_wants(self) -> list[tuple[int, int]]:
+        """(row, alternatives) of the rows that report log-probabilities."""
+        rows = getattr(self, "logprob_rows", None)
+        if not rows:
+            return []
+        return [(i, rows[uid]) for i, uid in enumerate(self.uids) if uid in rows]
 
     def _sample(self, logits: mx.array, n: int) -> mx.array:
         samplers = [

@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from afmd.engine.base import Event, Finished, Generation, SamplingParams, Text
+from afmd.engine.base import Event, Finished, Generation, PromptLogprobs, SamplingParams, Text
 from afmd.engine.decode import DecodeBatch
+from afmd.engine.detokenize import ExactDetokenizer
+from afmd.engine.logprobs import prompt_logprobs, resolve
 from afmd.errors import ServerError
 
 log = logging.getLogger("afmd.engine")
@@ -86,6 +88,11 @@ class _Sequence:
     reasoning_tokens: int = 0
     # Some text a client would see has been produced (see ``BatchWorker._step``).
     shown: bool = False
+    # Alternatives per token when the request reports log-probabilities (else None).
+    logprobs: int | None = None
+    # Tokens that end this sequence unseen: the model's end-of-sequence ones and the
+    # request's own (fill-in-the-middle end markers).
+    stop_ids: frozenset[int] = frozenset()
 
 
 class BatchWorker:
@@ -111,6 +118,7 @@ class BatchWorker:
         self._active: dict[int, _Sequence] = {}
         self._thread = threading.Thread(target=self._run, name=f"afmd-engine-{name}", daemon=True)
         self._generator: BatchGenerator | None = None
+        self._batch: DecodeBatch | None = None  # the generator's running batch
         self._started = False
         # Sequences with events not yet handed to the event loop, and when we last did.
         self._unflushed: dict[int, _Sequence] = {}
@@ -157,7 +165,7 @@ class BatchWorker:
             prefill_batch_size=self._max_batch,
             prefill_step_size=self._prefill_step_size,
         )
-        DecodeBatch.install(generator)
+        self._batch = DecodeBatch.install(generator)
         return generator
 
     def _run(self) -> None:
@@ -195,13 +203,27 @@ class BatchWorker:
         seq = _Sequence(
             generation=generation,
             uid=-1,
-            detokenizer=self._tokenizer.detokenizer,
+            detokenizer=(
+                ExactDetokenizer(self._tokenizer) if request.verbatim
+                else self._tokenizer.detokenizer
+            ),
             prompt_tokens=len(request.prompt),
             started_at=time.perf_counter(),
             in_reasoning=request.starts_in_reasoning,
+            logprobs=request.logprobs,
+            stop_ids=frozenset(self._eos).union(request.stop_ids),
         )
         if generation.cancel_requested:
             self._finish(seq, "cancelled")
+            self._flush([seq])
+            return
+        if request.prompt_logprobs is not None:
+            seq.pending.append(PromptLogprobs(
+                prompt_logprobs(self._model, request.prompt, request.prompt_logprobs)
+            ))
+        if request.max_tokens <= 0:  # the prompt's numbers were all that was asked
+            seq.first_token_at = time.perf_counter()
+            self._finish(seq, "length")
             self._flush([seq])
             return
         processors = list(request.logits_processors)
@@ -219,9 +241,15 @@ class BatchWorker:
             all_tokens=[request.prompt[: seq.cached_tokens]],
             samplers=[make_sampler(request.sampling)],
             logits_processors=[processors],
+            stop_sequences=(
+                [StopSequences([[t] for t in sorted(seq.stop_ids)])] if request.stop_ids
+                else None
+            ),
         )
         seq.uid = uid
         self._active[uid] = seq
+        if seq.logprobs is not None and self._batch is not None:
+            self._batch.logprob_rows[uid] = seq.logprobs
 
     def _cached_prefix(self, prompt: list[int]) -> tuple[Any, list[int]]:
         """The longest cached KV state for a prefix of ``prompt``, and the tokens left."""
@@ -255,6 +283,7 @@ class BatchWorker:
         self._generator.remove([s.uid for s in cancelled])
         for seq in cancelled:
             del self._active[seq.uid]
+            self._forget_logprobs(seq)
             self._finish(seq, "cancelled")
         self._flush(cancelled)
 
@@ -284,7 +313,7 @@ class BatchWorker:
             reason = response.finish_reason
             every = seq.generation.request.sample_every
             sample = every and (seq.completion_tokens % every == 0 or reason is not None)
-            if reason == "stop" and response.token in self._eos:
+            if reason == "stop" and response.token in seq.stop_ids:
                 # The end-of-sequence token is a signal, not text.
                 pass
             else:
@@ -305,7 +334,11 @@ class BatchWorker:
                     and (think is None or response.token not in think)
                 ):
                     seq.shown = True
-                if segment:
+                if seq.logprobs is not None:
+                    # One event per token, so its numbers stay with the text it released.
+                    entry = resolve(response.logprobs, response.token, seq.logprobs)
+                    seq.pending.append(Text(segment, 1, (entry,)))
+                elif segment:
                     seq.pending.append(Text(segment, 1))
                 elif seq.pending and isinstance(seq.pending[-1], Text):
                     last = seq.pending[-1]
@@ -318,6 +351,7 @@ class BatchWorker:
                 )
             if reason is not None:
                 del self._active[response.uid]
+                self._forget_logprobs(seq)
                 self._remember(response.all_tokens, response.prompt_cache)
                 self._finish(seq, reason)
                 urgent = True
@@ -334,6 +368,10 @@ class BatchWorker:
             self._last_flush = now
             if ack is not None:
                 ack.wait(_FIRST_TOKEN_HANDOFF_S)
+
+    def _forget_logprobs(self, seq: _Sequence) -> None:
+        if seq.logprobs is not None and self._batch is not None:
+            self._batch.logprob_rows.pop(seq.uid, None)
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         seq.detokenizer.finalize()

@@ -1,0 +1,213 @@
+"""Log-probabilities: the engine's numbers against mlx-lm's own, and chat's wire shape.
+
+The reference is computed here, on the same demo model: the model run over the prompt and
+the generated tokens in one forward pass, ``log_softmax`` of its logits. afmd's numbers
+come from its batched decode step (and, for a prompt, from its own chunked pass), so they
+must agree within float32 tolerance, top alternatives in the same order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+
+from afmd.engine import demo
+from afmd.engine.base import (
+    Finished,
+    Generation,
+    GenerationRequest,
+    PromptLogprobs,
+    SamplingParams,
+    Text,
+    TokenLogprob,
+)
+from afmd.engine.detokenize import ExactDetokenizer
+from afmd.engine.logprobs import TokenTable, token_text
+from afmd.engine.worker import BatchWorker
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    return mlx_lm.load(str(demo.materialize("demo", tmp_path_factory.mktemp("lp-cache"))))
+
+
+@pytest.fixture(scope="module")
+def worker(loaded: tuple[Any, Any]) -> Iterator[BatchWorker]:
+    model, tokenizer = loaded
+    w = BatchWorker(model, tokenizer, name="logprobs-test", max_batch=4, prompt_cache_bytes=0)
+    w.start()
+    yield w
+    w.stop()
+
+
+def generate(worker: BatchWorker, *requests: GenerationRequest) -> list[list[Any]]:
+    """Every request's engine events, all submitted to the running batch together."""
+
+    async def one(request: GenerationRequest) -> list[Any]:
+        generation = Generation(request, asyncio.get_running_loop())
+        worker.submit(generation)
+        events: list[Any] = []
+        while not any(isinstance(e, Finished) for e in events):
+            events += await generation.next_events()
+        return events
+
+    async def every() -> list[list[Any]]:
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+
+    return asyncio.run(every())
+
+
+def reference(model: Any, ids: list[int]) -> np.ndarray:
+    """mlx-lm's log-probabilities at every position of ``ids``, in one forward pass."""
+    logits = model(mx.array([ids]))[0].astype(mx.float32)
+    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+def entries(events: list[Any]) -> list[TokenLogprob]:
+    out = [e.logprobs for e in events if isinstance(e, Text) and e.logprobs]
+    assert all(len(e) == 1 for e in out), "one token per event when logprobs are asked"
+    return [e[0] for e in out]
+
+
+def text_of(events: list[Any]) -> str:
+    return "".join(e.text for e in events if isinstance(e, Text))
+
+
+def assert_matches(lp: np.ndarray, position: int, entry: TokenLogprob, k: int) -> None:
+    row = lp[position]
+    assert entry.logprob == pytest.approx(float(row[entry.token]), abs=TOLERANCE)
+    expected = [int(i) for i in np.argsort(-row, kind="stable")[:k]]
+    assert [t for t, _ in entry.top] == expected
+    for token, value in entry.top:
+        assert value == pytest.approx(float(row[token]), abs=TOLERANCE)
+
+
+def request(prompt: list[int], max_tokens: int = 12, **extra: Any) -> GenerationRequest:
+    extra.setdefault("sampling", SamplingParams(temperature=0.0))
+    return GenerationRequest(request_id=f"r{time.monotonic_ns()}", prompt=prompt,
+                             max_tokens=max_tokens, **extra)
+
+
+def test_generated_token_logprobs_equal_mlx_lm(loaded, worker) -> None:
+    model, tokenizer = loaded
+    prompt = tokenizer.encode("def fibonacci(n):\n    if n < 2:\n", add_special_tokens=False)
+    (events,) = generate(worker, request(prompt, logprobs=5))
+    got = entries(events)
+    assert len(got) == 12
+    ids = [e.token for e in got]
+    lp = reference(model, prompt + ids)
+    for i, entry in enumerate(got):
+        assert_matches(lp, len(prompt) - 1 + i, entry, 5)
+        assert entry.token == int(np.argmax(lp[len(prompt) - 1 + i]))  # greedy
+
+
+def test_rows_that_ask_and_rows_that_do_not_share_a_batch(loaded, worker) -> None:
+    """Asking for logprobs changes no token, in greedy and seeded rows, whoever shares the
+    batch; each asking row's numbers match the reference of its own sequence."""
+    model, tokenizer = loaded
+    prompts = [tokenizer.encode(t, add_special_tokens=False)
+               for t in ("The quick brown fox", "import os\nimport sys\n", "Hello world")]
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    alone = generate(worker, request(prompts[0]), request(prompts[1], sampling=seeded),
+                     request(prompts[2]))
+    mixed = generate(worker, request(prompts[0], logprobs=3),
+                     request(prompts[1], sampling=seeded, logprobs=0), request(prompts[2]))
+    for before, after in zip(alone, mixed, strict=True):
+        assert text_of(before) == text_of(after)
+    for prompt, events, k in ((prompts[0], mixed[0], 3), (prompts[1], mixed[1], 0)):
+        got = entries(events)
+        lp = reference(model, prompt + [e.token for e in got])
+        for i, entry in enumerate(got):
+            assert_matches(lp, len(prompt) - 1 + i, entry, k)
+    assert entries(mixed[2]) == []
+
+
+def test_prompt_logprobs_equal_mlx_lm_across_chunks(loaded, worker) -> None:
+    model, tokenizer = loaded
+    text = "".join(f"line {i}: value = {i * i}\n" for i in range(60))
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    assert len(prompt) > 300  # more than one chunk of the prompt pass
+    (events,) = generate(worker, request(prompt, max_tokens=0, prompt_logprobs=4))
+    assert not [e for e in events if isinstance(e, Text)]
+    (finished,) = [e for e in events if isinstance(e, Finished)]
+    assert finished.finish_reason == "length" and finished.completion_tokens == 0
+    (echo,) = [e for e in events if isinstance(e, PromptLogprobs)]
+    assert [e.token for e in echo.tokens] == prompt
+    assert echo.tokens[0].logprob is None and echo.tokens[0].top == ()
+    lp = reference(model, prompt)
+    for i, entry in enumerate(echo.tokens[1:], start=1):
+        assert_matches(lp, i - 1, entry, 4)
+
+
+def test_stop_ids_end_generation_unseen(loaded, worker) -> None:
+    _, tokenizer = loaded
+    prompt = tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    (free,) = generate(worker, request(prompt, logprobs=0))
+    ids = [e.token for e in entries(free)]
+    cut = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    (stopped,) = generate(worker, request(prompt, logprobs=0, stop_ids=(ids[cut],),
+                                          verbatim=True))
+    (finished,) = [e for e in stopped if isinstance(e, Finished)]
+    assert finished.finish_reason == "stop"
+    assert [e.token for e in entries(stopped)] == ids[:cut]
+    assert text_of(stopped) == tokenizer.decode(ids[:cut])
+
+
+def test_verbatim_text_keeps_the_first_tokens_leading_space(loaded, worker) -> None:
+    """mlx-lm's streaming detokenizer drops the first token's leading space; a completion's
+    text is exactly ``tokenizer.decode`` of the generated ids."""
+    _, tokenizer = loaded
+    for text in ("x =", "for i in range(10):", "if", "return", "print(", "a, b ="):
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        (events,) = generate(worker, request(prompt, logprobs=0, verbatim=True))
+        ids = [e.token for e in entries(events)]
+        if tokenizer.decode(ids[:1]).startswith(" "):
+            break
+    else:
+        pytest.fail("no prompt whose first generated token starts with a space")
+    (chat,) = generate(worker, request(prompt))
+    assert text_of(events) == tokenizer.decode(ids)
+    assert text_of(chat) == tokenizer.decode(ids)[1:]  # what chat (rightly) shows
+
+
+def test_exact_detokenizer_concatenates_to_decode(loaded) -> None:
+    _, tokenizer = loaded
+    text = "  indented\n\tdéjà vu 日本語 ✓ \U0001f600 end  "
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detokenizer = ExactDetokenizer(tokenizer)
+    segments = []
+    for token in ids:
+        detokenizer.add_token(token)
+        segments.append(detokenizer.last_segment)
+    detokenizer.finalize()
+    segments.append(detokenizer.last_segment)
+    assert "".join(segments) == tokenizer.decode(ids) == text
+    assert "\ufffd" not in "".join(segments)
+
+
+def test_token_table_bytes_rebuild_the_text(loaded) -> None:
+    _, tokenizer = loaded
+    text = "naïve café — 日本 <think>x</think>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    table = TokenTable(tokenizer)
+    assert b"".join(table.bytes_of(t) for t in ids) == text.encode()
+    partial = [t for t in ids if not _is_utf8(table.bytes_of(t))]
+    assert partial, "the text should split some character across tokens"
+    assert token_text(table.bytes_of(partial[0])).startswith("bytes:\\x")
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
