@@ -38,6 +38,7 @@ __all__ = [
     "ConfigError",
     "ContextConfig",
     "EngineConfig",
+    "FimSetting",
     "LogConfig",
     "ModelEntry",
     "ModelsConfig",
@@ -118,6 +119,18 @@ class QueueConfig:
 
 
 @dataclass(frozen=True)
+class FimSetting:
+    """A model's fill-in-the-middle markers, named by the operator where afmd cannot read
+    them from the tokenizer (see afmd/fim.py for the families it detects)."""
+
+    prefix: str
+    suffix: str
+    middle: str = ""  # "": none, the middle follows the prefix (as Codestral's)
+    suffix_first: bool = False  # suffix, then prefix (Codestral's order)
+    stop: tuple[str, ...] = ()  # markers that end the middle, besides end-of-sequence
+
+
+@dataclass(frozen=True)
 class ModelEntry:
     """One servable model; ``path`` is a local MLX folder, a HF repo id or a builtin ``afmd:``."""
 
@@ -125,6 +138,7 @@ class ModelEntry:
     path: str
     context_length: int | None = None
     kind: str | None = None  # one of MODEL_KINDS; None: read from the model's own config
+    fim: FimSetting | None = None  # None: detected from the tokenizer, if it has markers
 
 
 #: Always served, so a fresh install answers requests without downloading anything.
@@ -245,7 +259,8 @@ _SECTIONS: dict[str, type] = {
 }
 # Structured fields: only a TOML file can express them sensibly.
 _STRUCTURED = {("models", "aliases"), ("models", "model"), ("tools", "server")}
-_ENTRY_KEYS = ("id", "path", "context_length", "kind")
+_ENTRY_KEYS = ("id", "path", "context_length", "kind", "fim")
+_FIM_KEYS = ("prefix", "suffix", "middle", "suffix_first", "stop")
 
 _KIND_NAMES = {
     "bool": "boolean",
@@ -512,9 +527,36 @@ def _parse_entries(value: object) -> list[ModelEntry]:
                     f"must be one of {'|'.join(MODEL_KINDS)}, got {kind!r}"
                     f"{_suggest(kind, MODEL_KINDS)}",
                 )
+        fim = _parse_fim(item["fim"], f"{base}.fim") if "fim" in item else None
         entries.append(ModelEntry(id=model_id, path=path, context_length=context_length,
-                                  kind=kind))
+                                  kind=kind, fim=fim))
     return entries
+
+
+def _parse_fim(value: object, key: str) -> FimSetting:
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"expected a table {{prefix, suffix, middle}}, got "
+                               f"{_describe(value)}")
+    for name in value:
+        if name not in _FIM_KEYS:
+            raise ConfigError(f"{key}.{name}", f"unknown key {name!r} in fim"
+                                               f"{_suggest(name, _FIM_KEYS)}")
+    markers: dict[str, str] = {}
+    for name in ("prefix", "suffix", "middle"):
+        if name not in value and name != "middle":
+            raise ConfigError(f"{key}.{name}", f"missing: a fim setting needs {name!r}")
+        markers[name] = str(_coerce(value.get(name, ""), "str", f"{key}.{name}"))
+        if name != "middle" and not markers[name]:
+            raise ConfigError(f"{key}.{name}", "must not be empty")
+    suffix_first = bool(_coerce(value.get("suffix_first", False), "bool",
+                                f"{key}.suffix_first"))
+    if not markers["middle"] and not suffix_first:
+        raise ConfigError(f"{key}.middle", "missing: needed unless suffix_first = true")
+    stop = _coerce(value.get("stop", []), "strlist", f"{key}.stop")
+    assert isinstance(stop, tuple | list)
+    return FimSetting(prefix=markers["prefix"], suffix=markers["suffix"],
+                      middle=markers["middle"], suffix_first=suffix_first,
+                      stop=tuple(str(s) for s in stop if s))
 
 
 _SERVER_TOOL_KEYS = tuple(f.name for f in dataclasses.fields(ServerTool))

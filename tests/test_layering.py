@@ -8,7 +8,7 @@ Layers, lowest first; a module may import its own layer and lower ones, never hi
     1.7 afmd.protocol.nesting, .fields (the checks every dialect's parser is built from)
     1.8 afmd.protocol.body, .messages, .tools (parts of bodies, over those checks)
     2  afmd.protocol.*, afmd.output.*, afmd.profiling
-    3  afmd.chat, afmd.context, afmd.engine.*, afmd.grammar.*, afmd.scheduler,
+    3  afmd.chat, afmd.context, afmd.engine.*, afmd.fim, afmd.grammar.*, afmd.scheduler,
        afmd.servertools
     3.5 afmd.turn (plans a turn over engine + grammar), afmd.toolloop (server tools
         within a request)
@@ -57,6 +57,7 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.output.*", 2),
     ("afmd.profiling", 2),  # pure measurement helpers (stdlib only)
     ("afmd.chat", 3),
+    ("afmd.fim", 3),  # fill-in-the-middle formats and prompts, from a model's tokenizer
     ("afmd.engine.*", 3),
     ("afmd.scheduler", 3),  # admission control in front of the engine
     ("afmd.context", 3),  # context-window trimming of a conversation

@@ -105,6 +105,12 @@ _LM_HEAD_STD = 0.4
 
 _CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+# Qwen2.5-Coder's fill-in-the-middle tokens (plain added tokens there too), appended to
+# the chat variants' trained vocabulary so /v1/completions with a suffix works on them.
+# Their output rows are zero: the model never predicts them, so its greedy output is
+# what it was without them (a FIM end marker for tests comes from a model's fim setting).
+_FIM_TOKENS = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>")
+_FIM_SEED = _SEED + 1
 
 _MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -160,8 +166,10 @@ def build(variant: str, dest: Path) -> None:
     vocab = _added_token_ids(tokenizer_bytes)
     vocab_size = _vocab_size(tokenizer_bytes)
 
-    shapes = _weight_shapes(vocab_size, _architecture(variant))
-    weights = {name: mx.array(array) for name, array in _weights(shapes).items()}
+    extra = 0 if variant == EMBEDDING_VARIANT else len(_FIM_TOKENS)
+    shapes = _weight_shapes(vocab_size - extra, _architecture(variant))
+    weights = {name: mx.array(array) for name, array in
+               _with_fim_rows(_weights(shapes), extra).items()}
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
 
     eos_ids = [vocab["<|im_end|>"], vocab["<|endoftext|>"]]
@@ -185,7 +193,35 @@ def build(variant: str, dest: Path) -> None:
 def _tokenizer_bytes(variant: str) -> bytes:
     """Read the shipped tokenizer; importlib.resources also finds it inside a frozen app."""
     raw = resources.files("afmd").joinpath("data", _TOKENIZER_FILES[variant]).read_bytes()
-    return _with_end_token(raw) if variant == EMBEDDING_VARIANT else raw
+    return _with_end_token(raw) if variant == EMBEDDING_VARIANT else _with_fim_tokens(raw)
+
+
+def _with_fim_tokens(tokenizer_bytes: bytes) -> bytes:
+    """The tokenizer with the FIM tokens added after every trained id."""
+    spec = json.loads(tokenizer_bytes)
+    next_id = _vocab_size(tokenizer_bytes)
+    for i, token in enumerate(_FIM_TOKENS):
+        spec["added_tokens"].append({
+            "id": next_id + i, "content": token, "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": False,
+        })
+    return json.dumps(spec, ensure_ascii=False).encode()
+
+
+def _with_fim_rows(weights: dict[str, np.ndarray], extra: int) -> dict[str, np.ndarray]:
+    """Weights grown by ``extra`` vocabulary rows: input embeddings from their own seeded
+    stream (the trained tokens' weights stay exactly as without them), output rows zero."""
+    if not extra:
+        return weights
+    embed = weights["model.embed_tokens.weight"]
+    rows = _weights([("rows", (extra, embed.shape[1]), _EMBED_STD)], seed=_FIM_SEED)["rows"]
+    weights["model.embed_tokens.weight"] = np.concatenate([embed, rows])
+    if "lm_head.weight" in weights:
+        head = weights["lm_head.weight"]
+        weights["lm_head.weight"] = np.concatenate(
+            [head, np.zeros((extra, head.shape[1]), dtype=head.dtype)]
+        )
+    return weights
 
 
 def _with_end_token(tokenizer_bytes: bytes) -> bytes:
@@ -313,7 +349,9 @@ def _weight_shapes(
     return shapes
 
 
-def _weights(shapes: list[tuple[str, tuple[int, ...], float]]) -> dict[str, np.ndarray]:
+def _weights(
+    shapes: list[tuple[str, tuple[int, ...], float]], seed: int = _SEED
+) -> dict[str, np.ndarray]:
     """Draw every tensor from one seeded stream; norms (std 0) are ones.
 
     Values are uniform with the wanted standard deviation, made from the raw PCG64 bit
@@ -321,7 +359,7 @@ def _weights(shapes: list[tuple[str, tuple[int, ...], float]]) -> dict[str, np.n
     Generator's distributions) stays the same across versions, and no libm call is
     involved whose last bit could differ between platforms.
     """
-    bits = np.random.default_rng(_SEED).bit_generator
+    bits = np.random.default_rng(seed).bit_generator
     weights: dict[str, np.ndarray] = {}
     for name, shape, std in shapes:
         if std == 0.0:
@@ -347,7 +385,7 @@ def _tokenizer_config(vocab: dict[str, int]) -> dict[str, Any]:
             "single_word": False,
             "special": token in _CONTROL_TOKENS,
         }
-        for token in _CONTROL_TOKENS + _MARKUP_TOKENS
+        for token in _CONTROL_TOKENS + _MARKUP_TOKENS + tuple(t for t in _FIM_TOKENS if t in vocab)
     }
     return {
         "tokenizer_class": "Qwen2Tokenizer",
