@@ -155,7 +155,9 @@ def parse_head(head: bytes) -> RequestHead:
     codings: list[bytes] = []
     connection: list[bytes] = []
     expect: bytes | None = None
-    single: dict[bytes, bytes] = {}  # Content-Type, Authorization, Origin
+    content_type: bytes | None = None
+    authorization: bytes | None = None
+    origin: bytes | None = None
     preflight: bytes | None = None
     for line in fields:
         raw_name, _, value = line.partition(b":")
@@ -183,10 +185,18 @@ def parse_head(head: bytes) -> RequestHead:
         elif name == b"transfer-encoding":
             te_seen = True
             codings.extend(c.strip(b" \t").lower() for c in value.split(b","))
-        elif name in (b"content-type", b"authorization", b"origin"):
-            if name in single:
-                raise Refused(bad(f"The {raw_name.decode()} header must not be repeated."))
-            single[name] = value
+        elif name == b"content-type":
+            if content_type is not None:
+                raise _repeated(raw_name)
+            content_type = value
+        elif name == b"authorization":
+            if authorization is not None:
+                raise _repeated(raw_name)
+            authorization = value
+        elif name == b"origin":
+            if origin is not None:
+                raise _repeated(raw_name)
+            origin = value
         elif name == b"expect":
             expect = value.lower() if expect is None else expect + b"," + value
         elif name == b"connection":
@@ -224,25 +234,28 @@ def parse_head(head: bytes) -> RequestHead:
         raise Refused(ExpectationFailedError(
             f"Unsupported expectation '{show(expect)}'; only 100-continue is supported."))
     close = b"close" in connection or (not is_11 and b"keep-alive" not in connection)
-    origin = single.get(b"origin")
-    return RequestHead(
-        method=method.decode("ascii"),
-        path=target.split(b"?", 1)[0].decode("ascii"),
-        request_line=request_line,
-        lines=tuple(kept),
-        size=len(head) + 4,
-        host=host,
-        origin=origin.decode("latin-1") if origin is not None else None,
-        authorization=single.get(b"authorization"),
-        content_type=single.get(b"content-type"),
-        preflight_method=preflight,
-        length=length,
-        chunked=chunked,
-        # HTTP/1.0 clients must not get a 1xx; no body, no wait.
-        expect_continue=expect is not None and is_11 and (chunked or length > 0),
-        close=close,
-        keep_alive_10=not is_11 and not close,
+    return RequestHead(  # positionally: this runs for every request
+        method.decode("ascii"),
+        target.split(b"?", 1)[0].decode("ascii"),  # path
+        request_line,
+        tuple(kept),  # lines
+        len(head) + 4,  # size
+        host,
+        origin.decode("latin-1") if origin is not None else None,
+        authorization,
+        content_type,
+        preflight,  # preflight_method
+        length,
+        chunked,
+        # expect_continue: HTTP/1.0 clients must not get a 1xx; no body, no wait.
+        expect is not None and is_11 and (chunked or length > 0),
+        close,
+        not is_11 and not close,  # keep_alive_10
     )
+
+
+def _repeated(raw_name: bytes) -> Refused:
+    return Refused(bad(f"The {raw_name.decode()} header must not be repeated."))
 
 
 def _absolute(target: bytes) -> tuple[bytes, bytes]:
