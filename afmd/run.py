@@ -225,7 +225,8 @@ class ChatRun:
             self._totals.add(finished)
             reason, server_calls = self._settle(reading, finished)
             if not server_calls:
-                yield out + self._end(reason, finished)
+                stop = reading.output.stop_sequence if reason == "stop" else None
+                yield out + self._end(reason, finished, stop)
                 return
             if out:
                 self._emitted = True
@@ -280,8 +281,11 @@ class ChatRun:
         limit = self.prepared.max_tokens
         return None if limit is None else limit - self._totals.completion
 
-    def _end(self, reason: str, finished: Finished | None) -> list[Event]:
-        """The last events: finish reason, usage over all rounds, the profile if asked."""
+    def _end(
+        self, reason: str, finished: Finished | None, stop_sequence: str | None = None
+    ) -> list[Event]:
+        """The last events: finish reason (with the stop sequence that matched, if one
+        did), usage over all rounds, the profile if asked."""
         if finished is None:  # never generated
             usage = Usage(prompt_tokens=len(self.prepared.prompt), completion_tokens=0)
         else:
@@ -289,7 +293,7 @@ class ChatRun:
         self.finished = True
         self.finish_reason = reason
         self.usage = usage
-        out: list[Event] = [Finish(reason), usage]
+        out: list[Event] = [Finish(reason, stop_sequence), usage]
         if self.prepared.profile is not None and finished is not None:
             out.append(Profile(_profile(self.prepared, self._totals, finished)))
         return out

@@ -51,6 +51,9 @@ class ToolCallEnd:
 @dataclass(frozen=True, slots=True)
 class Finish:
     reason: str  # "stop" | "length" | "tool_calls" | "cancelled"
+    #: The client's stop sequence that ended the turn (reason "stop"), for dialects
+    #: that report which one matched (Anthropic's ``stop_sequence``).
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,5 +71,40 @@ class Profile:
     payload: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token: str  # the token's text, or ``bytes:\xNN…`` when it holds part of a character
+    bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token of the output (or of an echoed prompt) with its log-probability."""
+
+    token: str
+    bytes: bytes
+    logprob: float | None  # None: an echoed prompt's first token, which nothing predicts
+    top: tuple[TopLogprob, ...] = ()  # the most likely tokens at its position, best first
+    offset: int = 0  # where its text starts in the choice's text (completions' text_offset)
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """The tokens whose text the events before it (in the same batch) carried; a token
+    whose text a stop sequence swallowed never gets one."""
+
+    tokens: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Events of one of the completions a request asked for several of at once (one per
+    prompt of a Completions request), ``index`` being its prompt's position."""
+
+    index: int
+    events: tuple[Event, ...]
+
+
 Piece = Content | Reasoning | ToolCallStart | ToolCallArguments
-Event = Piece | ToolCallEnd | Finish | Usage | Profile
+Event = Piece | ToolCallEnd | Finish | Usage | Profile | Logprobs | Choice

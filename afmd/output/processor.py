@@ -74,6 +74,11 @@ class OutputProcessor:
         return self._stops.stopped
 
     @property
+    def stop_sequence(self) -> str | None:
+        """The stop sequence that matched (None: none did)."""
+        return self._stops.matched
+
+    @property
     def tool_calls(self) -> list[ToolCall]:
         """The complete calls so far, in order (a cut-off one joins at ``finish``)."""
         return self._tools.calls if self._tools is not None else []

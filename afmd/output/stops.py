@@ -12,12 +12,13 @@ from afmd.output.markers import earliest, partial_suffix
 
 
 class StopScanner:
-    __slots__ = ("_held", "_stops", "stopped")
+    __slots__ = ("_held", "_stops", "matched", "stopped")
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop sequence that ended the text
 
     def feed(self, text: str) -> str:
         """The part of ``text`` that is safe to emit now."""
@@ -26,9 +27,10 @@ class StopScanner:
         if not self._stops:
             return text
         buffer = self._held + text
-        cut, _ = earliest(buffer, self._stops)
+        cut, which = earliest(buffer, self._stops)
         if cut != -1:
             self.stopped = True
+            self.matched = which
             self._held = ""
             return buffer[:cut]
         keep = partial_suffix(buffer, self._stops)
