@@ -1,0 +1,301 @@
+"""A run's events as a Responses API response: its output items and its semantic events.
+
+The events of a turn (:mod:`afmd.core.events`) become output items in the order the model
+wrote them: thinking as a ``reasoning`` item (its text as ``reasoning_text`` content; the
+API's ``summary`` is for summaries, which afmd does not write, so it stays empty), text as
+an assistant ``message`` with one ``output_text`` part, each call as a ``function_call``.
+Streamed, each item opens (``output_item.added``, ``content_part.added``), grows by deltas
+and closes (``….done``, ``content_part.done``, ``output_item.done``), every event numbered
+by ``sequence_number``; the non-streamed body is the same items, built from the same
+events. Deltas are the per-token path: their JSON is spliced into a pre-encoded head.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from afmd.core.events import (
+    Content,
+    Event,
+    Finish,
+    Profile,
+    Reasoning,
+    ToolCallArguments,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from afmd.dialects.responses_items import Item, item_id
+from afmd.dialects.responses_request import Echo
+from afmd.errors import APIError
+
+#: How a run that ended by itself or was cut short reads in a response's ``status``.
+STATUS = {"stop": "completed", "tool_calls": "completed", "length": "incomplete",
+          "cancelled": "cancelled"}
+#: The event that ends a stream, by status (a cancelled run is incomplete too).
+TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete",
+            "cancelled": "response.incomplete", "failed": "response.failed"}
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        # afmd's prefix cache keeps prompts as a side effect; it reports no writes.
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"event: " + payload["type"].encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+@dataclass(slots=True)
+class _Open:
+    """The output item being written."""
+
+    kind: str  # "message" | "reasoning" | "function_call"
+    index: int  # output_index
+    id: str
+    parts: list[str] = field(default_factory=list)
+    call_id: str = ""
+    name: str = ""
+    delta_head: bytes = b""  # the pre-encoded start of this item's delta events
+
+
+class ResponseBuilder:
+    """One response: its output items, and (when ``stream``) the events that build them."""
+
+    def __init__(self, echo: Echo, *, model: str, stream: bool) -> None:
+        self.echo = echo
+        self.model = model
+        self.stream = stream
+        self.id = item_id("resp")
+        self.created_at = int(time.time())
+        self.output: list[Item] = []
+        self.usage: Usage | None = None
+        self.reason: str | None = None
+        self._open: _Open | None = None
+        self._sequence = 2  # after start()'s two events
+        self._out: list[bytes] = []
+        self._encrypted = "reasoning.encrypted_content" in echo.include
+
+    # -- the response object --
+
+    def response(self, status: str, error: APIError | None = None) -> dict[str, Any]:
+        echo = self.echo
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": False,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": None if error is None else {
+                "code": "rate_limit_exceeded" if error.status == 429 else "server_error",
+                "message": error.message},
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete" else None,
+            "instructions": echo.instructions,
+            "max_output_tokens": echo.max_output_tokens,
+            "max_tool_calls": None,
+            "model": self.model,
+            "output": list(self.output) if status != "in_progress" else [],
+            "parallel_tool_calls": echo.parallel_tool_calls,
+            "previous_response_id": echo.previous_response_id,
+            "reasoning": echo.reasoning,
+            "service_tier": "default",
+            "store": echo.store,
+            "temperature": echo.temperature,
+            "text": echo.text,
+            "tool_choice": echo.tool_choice,
+            "tools": list(echo.tools),
+            "top_logprobs": 0,
+            "top_p": echo.top_p,
+            "truncation": echo.truncation,
+            "metadata": echo.metadata,
+        }
+        if echo.user is not None:
+            body["user"] = echo.user
+        if self.usage is not None and status != "in_progress":
+            body["usage"] = usage_object(self.usage)
+        return body
+
+    def status(self) -> str:
+        return STATUS.get(self.reason or "stop", "completed")
+
+    # -- events --
+
+    def _emit(self, payload: dict[str, Any]) -> None:
+        if self.stream:
+            payload["sequence_number"] = self._sequence
+            self._sequence += 1
+            self._out.append(sse_event(payload))
+
+    def _delta(self, item: _Open, text: str) -> None:
+        if self.stream:
+            self._out.append(item.delta_head + orjson.dumps(text) + b',"sequence_number":'
+                             + str(self._sequence).encode() + b"}\n\n")
+            self._sequence += 1
+
+    def start(self) -> bytes:
+        """``response.created`` and ``response.in_progress``, numbered 0 and 1 however
+        late the stream's head is written (it may go out after the first events were
+        encoded: those are numbered from 2 on)."""
+        response = self.response("in_progress")
+        return b"".join(
+            sse_event({"type": kind, "response": response, "sequence_number": number})
+            for number, kind in enumerate(("response.created", "response.in_progress")))
+
+    def take(self) -> bytes:
+        out, self._out = b"".join(self._out), []
+        return out
+
+    def feed(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, Content | Reasoning):
+                kind = "message" if isinstance(event, Content) else "reasoning"
+                item = self._open
+                if item is None or item.kind != kind:
+                    item = self._open_text(kind)
+                item.parts.append(event.text)
+                self._delta(item, event.text)
+            elif isinstance(event, ToolCallStart):
+                self._open_call(event)
+            elif isinstance(event, ToolCallArguments):
+                call = self._open_item()
+                call.parts.append(event.fragment)
+                self._delta(call, event.fragment)
+            elif isinstance(event, ToolCallEnd):
+                self._close(arguments=event.call.arguments)
+            elif isinstance(event, Finish):
+                self.reason = event.reason
+                self._close(status="completed" if self.status() == "completed" else "incomplete")
+            elif isinstance(event, Usage):
+                self.usage = event
+            elif isinstance(event, Profile):
+                key = next(iter(event.payload))
+                self._emit({"type": key, **event.payload})
+
+    def _open_item(self) -> _Open:
+        assert self._open is not None
+        return self._open
+
+    def _open_text(self, kind: str) -> _Open:
+        self._close()
+        prefix, part = ("msg", "output_text") if kind == "message" else ("rs", "reasoning_text")
+        item = _Open(kind, len(self.output), item_id(prefix))
+        self._open = item
+        if kind == "message":
+            added: Item = {"id": item.id, "type": "message", "status": "in_progress",
+                           "role": "assistant", "content": []}
+            empty = _output_text("")
+        else:
+            added = self._reasoning_item(item.id, [], "in_progress")
+            empty = {"type": "reasoning_text", "text": ""}
+        self._emit({"type": "response.output_item.added", "output_index": item.index,
+                    "item": added})
+        self._emit({"type": "response.content_part.added", "item_id": item.id,
+                    "output_index": item.index, "content_index": 0, "part": empty})
+        delta = f"response.{part}.delta"
+        extra = ',"logprobs":[]' if kind == "message" else ""
+        item.delta_head = (
+            f'event: {delta}\ndata: {{"type":"{delta}","item_id":"{item.id}",'
+            f'"output_index":{item.index},"content_index":0{extra},"delta":'
+        ).encode()
+        return item
+
+    def _open_call(self, event: ToolCallStart) -> None:
+        self._close()
+        item = _Open("function_call", len(self.output), item_id("fc"), call_id=event.id,
+                     name=event.name)
+        self._open = item
+        self._emit({"type": "response.output_item.added", "output_index": item.index,
+                    "item": self._call_item(item, "", "in_progress")})
+        delta = "response.function_call_arguments.delta"
+        item.delta_head = (f'event: {delta}\ndata: {{"type":"{delta}","item_id":"{item.id}",'
+                           f'"output_index":{item.index},"delta":').encode()
+        if event.arguments:
+            item.parts.append(event.arguments)
+            self._delta(item, event.arguments)
+
+    def _reasoning_item(self, rid: str, content: list[Item], status: str) -> Item:
+        item: Item = {"id": rid, "type": "reasoning", "summary": [], "content": content,
+                      "status": status}
+        if self._encrypted:
+            item["encrypted_content"] = None  # afmd's reasoning is plain text, above
+        return item
+
+    @staticmethod
+    def _call_item(item: _Open, arguments: str, status: str) -> Item:
+        return {"id": item.id, "type": "function_call", "status": status,
+                "call_id": item.call_id, "name": item.name, "arguments": arguments}
+
+    def _close(self, *, status: str = "completed", arguments: str | None = None) -> None:
+        """The open item's ``….done`` events, and the item into ``output``."""
+        item, self._open = self._open, None
+        if item is None:
+            return
+        text = "".join(item.parts)
+        base = {"item_id": item.id, "output_index": item.index}
+        if item.kind == "function_call":
+            text = text if arguments is None else arguments
+            if arguments is None and status == "completed":
+                status = "incomplete"  # never ended: cut short
+            self._emit({"type": "response.function_call_arguments.done", **base,
+                        "name": item.name, "arguments": text})
+            done = self._call_item(item, text, status)
+        else:
+            if item.kind == "message":
+                part: Item = _output_text(text)
+                self._emit({"type": "response.output_text.done", **base, "content_index": 0,
+                            "text": text, "logprobs": []})
+                done = {"id": item.id, "type": "message", "status": status,
+                        "role": "assistant", "content": [part]}
+            else:
+                part = {"type": "reasoning_text", "text": text}
+                self._emit({"type": "response.reasoning_text.done", **base,
+                            "content_index": 0, "text": text})
+                done = self._reasoning_item(item.id, [part], status)
+            self._emit({"type": "response.content_part.done", **base, "content_index": 0,
+                        "part": part})
+        self.output.append(done)
+        self._emit({"type": "response.output_item.done", "output_index": item.index,
+                    "item": done})
+
+    def finish(self) -> dict[str, Any]:
+        """The final response object, and its terminal event when streamed."""
+        self._close(status="incomplete")
+        status = self.status()
+        response = self.response(status)
+        self._emit({"type": TERMINAL[status], "response": response})
+        return response
+
+    def fail(self, error: APIError, param: str | None) -> dict[str, Any]:
+        """A failure after the stream began: an ``error`` event, then ``response.failed``."""
+        if self._open is not None:
+            item, self._open = self._open, None
+            text = "".join(item.parts)
+            if item.kind == "function_call":
+                self.output.append(self._call_item(item, text, "incomplete"))
+            elif item.kind == "message":
+                self.output.append({"id": item.id, "type": "message", "status": "incomplete",
+                                    "role": "assistant", "content": [_output_text(text)]})
+            else:
+                self.output.append(self._reasoning_item(
+                    item.id, [{"type": "reasoning_text", "text": text}], "incomplete"))
+        self._emit({"type": "error", "code": error.code, "message": error.message,
+                    "param": param})
+        response = self.response("failed", error)
+        self._emit({"type": "response.failed", "response": response})
+        return response

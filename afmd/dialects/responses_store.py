@@ -1,0 +1,149 @@
+"""Stored responses: what ``GET /v1/responses/{id}`` and ``previous_response_id`` read.
+
+Bounded two ways (``[responses] max_stored`` entries, the oldest leaving first, and ``ttl``
+seconds after creation), kept in memory, and with ``persist`` also written under the cache
+folder, one JSON file per response, so that a restart keeps them. Each entry holds its
+whole conversation (the items before it, its input, its output) so that continuing it
+never depends on an older entry still being there; in memory the items are shared between
+the entries of one conversation, on disk each file repeats them.
+
+Ids come only from afmd (``resp_`` and hex digits), and a client's id is only ever looked
+up in memory, never used as a path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from afmd.dialects.responses_items import Item
+from afmd.logs import get_logger
+
+log = get_logger("afmd.responses")
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    response: dict[str, Any]
+    input_items: tuple[Item, ...]
+    conversation: tuple[Item, ...]  # the items before, the input, the output
+    created: float  # time.time()
+
+    def to_json(self) -> bytes:
+        return orjson.dumps({"response": self.response, "input_items": self.input_items,
+                             "conversation": self.conversation, "created": self.created})
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Stored:
+        raw = orjson.loads(data)
+        return cls(raw["response"], tuple(raw["input_items"]), tuple(raw["conversation"]),
+                   float(raw["created"]))
+
+
+class ResponseStore:
+    """The bounded store; ``folder`` None keeps it in memory only."""
+
+    def __init__(self, max_stored: int, ttl: float, folder: Path | None = None) -> None:
+        self.max_stored = max_stored
+        self.ttl = ttl
+        self.folder = folder
+        self._entries: OrderedDict[str, Stored] = OrderedDict()  # oldest first
+        # One writer thread: file writes leave the event loop, in the order they were made.
+        self._writer = ThreadPoolExecutor(1, "afmd-responses") if folder else None
+        if folder is not None:
+            self._load(folder)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, response_id: str) -> Stored | None:
+        self._expire()
+        return self._entries.get(response_id)
+
+    def conversation(self, response_id: str) -> Sequence[Item] | None:
+        stored = self.get(response_id)
+        return None if stored is None else stored.conversation
+
+    def put(self, response_id: str, stored: Stored) -> None:
+        if self.max_stored <= 0:
+            return
+        self._entries[response_id] = stored
+        self._write(response_id, stored)
+        self._expire()
+        while len(self._entries) > self.max_stored:
+            oldest = next(iter(self._entries))
+            self._remove(oldest)
+
+    def delete(self, response_id: str) -> bool:
+        if self.get(response_id) is None:
+            return False
+        self._remove(response_id)
+        return True
+
+    def close(self) -> None:
+        """Finish the pending writes (at shutdown)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+
+    def _expire(self) -> None:
+        if self.ttl <= 0:
+            return
+        horizon = time.time() - self.ttl
+        while self._entries:
+            oldest, stored = next(iter(self._entries.items()))
+            if stored.created >= horizon:
+                break
+            self._remove(oldest)
+
+    def _remove(self, response_id: str) -> None:
+        del self._entries[response_id]
+        if self._writer is not None:
+            self._writer.submit(self._unlink, response_id)
+
+    # -- the folder --
+
+    def _path(self, response_id: str) -> Path:
+        assert self.folder is not None
+        return self.folder / f"{response_id}.json"
+
+    def _write(self, response_id: str, stored: Stored) -> None:
+        if self._writer is not None:
+            self._writer.submit(self._write_file, response_id, stored)
+
+    def _write_file(self, response_id: str, stored: Stored) -> None:
+        path = self._path(response_id)
+        tmp = path.with_suffix(".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(stored.to_json())
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("response not persisted", id=response_id, error=str(exc))
+
+    def _unlink(self, response_id: str) -> None:
+        with contextlib.suppress(OSError):
+            self._path(response_id).unlink()
+
+    def _load(self, folder: Path) -> None:
+        """The responses a previous run persisted, oldest first, bounds applied."""
+        found: list[tuple[str, Stored]] = []
+        for path in folder.glob("resp_*.json") if folder.is_dir() else ():
+            try:
+                found.append((path.stem, Stored.from_json(path.read_bytes())))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("stored response unreadable", path=str(path), error=str(exc))
+        found.sort(key=lambda entry: entry[1].created)
+        for response_id, stored in found:
+            self._entries[response_id] = stored
+        self._expire()
+        while len(self._entries) > max(self.max_stored, 0):
+            self._remove(next(iter(self._entries)))
