@@ -2,7 +2,8 @@
 
 Layers, lowest first; a module may import its own layer and lower ones, never higher:
 
-    0  afmd (``__init__``), afmd.errors, afmd.config, afmd.paths
+    0  afmd (``__init__``), afmd.errors, afmd.config (and afmd.config_fields,
+       .config_layers, .config_tables), afmd.paths
     1  afmd.logs
     1.5 afmd.core.* (the turn and its output events, below every wire format)
     1.7 afmd.protocol.nesting, .fields (the checks every dialect's parser is built from)
@@ -45,6 +46,9 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd", 0),
     ("afmd.errors", 0),
     ("afmd.config", 0),
+    ("afmd.config_fields", 0),  # config value kinds, bounds and choices, their walker
+    ("afmd.config_layers", 0),  # file, env and flags merged into config values
+    ("afmd.config_tables", 0),  # the config file's arrays of tables
     ("afmd.paths", 0),
     ("afmd.logs", 1),
     ("afmd.core.*", 1.5),  # the internal request and event model: pure data
@@ -66,7 +70,9 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.turn", 3.5),  # the per-request output plan: above engine/grammar, below pipeline
     ("afmd.toolloop", 3.5),  # server tools within one request: hidden, budgeted
     ("afmd.rounds", 3.6),  # a round's prompt, budget and plan
+    ("afmd.completions", 3.6),  # a Completions request's prompts as token ids (and FIM)
     ("afmd.run", 3.7),  # one request's round loop: engine events in, output events out
+    ("afmd.completion_run", 3.7),  # a Completions request's generations, one per prompt
     ("afmd.pipeline", 4),
     ("afmd.embeddings", 4),  # the embeddings service: model, queue slot, batched encoding
     ("afmd.dialects.*", 4.5),  # adapters at the edge: above the pipeline, below HTTP
@@ -231,7 +237,7 @@ def test_import_direction() -> None:
 
 #: The modules between the edges, and the wire formats they must not know.
 WIRE_FREE = ("afmd.turn", "afmd.toolloop", "afmd.rounds", "afmd.run", "afmd.pipeline",
-             "afmd.embeddings")
+             "afmd.embeddings", "afmd.completions", "afmd.completion_run")
 WIRE = ("afmd.protocol.*", "afmd.dialects.*", "afmd.http.*")
 
 
