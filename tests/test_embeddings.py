@@ -393,8 +393,10 @@ def test_queue_429_duplicate_id_and_cancel(strict: ServerProcess) -> None:
     X-Request-ID is a 409, and cancelling the waiting one by its id ends it."""
     url = strict.url
     hog_id, waiting_id = "hog-" + uuid.uuid4().hex, "emb-" + uuid.uuid4().hex
-    chat = {"model": "demo", "messages": [{"role": "user", "content": "Tell a story."}],
-            "max_tokens": 8000, "stream": True}
+    # Greedy, this chat runs to max_tokens on the demo model (as in tests/test_engine.py).
+    chat = {"model": "demo", "max_tokens": 8000, "stream": True, "temperature": 0,
+            "messages": [{"role": "system", "content": "You are terse."},
+                         {"role": "user", "content": "Tell me a long story."}]}
     with ThreadPoolExecutor(2) as pool:
         hog: Future[httpx.Response] = pool.submit(
             httpx.post, url + "/v1/chat/completions", json=chat, timeout=120,
