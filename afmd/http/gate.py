@@ -78,8 +78,7 @@ class Reply:
 CONTINUE_REPLY = Reply(CONTINUE, is_continue=True)
 
 
-@dataclass(frozen=True, slots=True)
-class Direct:
+class Direct(NamedTuple):
     """A screened, bodiless ``GET`` of one of ``GatePolicy.direct_paths``.
 
     Its answer depends on server state only, so the caller may build and write it itself
@@ -188,6 +187,12 @@ class Gate:
         if head.chunked:
             self._body = ChunkedBody(self.policy.max_body_bytes, self.policy.max_header_bytes)
         elif head.length:
+            buf = self._buf
+            if len(buf) >= head.length:  # all there already (most requests): no reader
+                body = bytes(buf[: head.length])
+                del buf[: head.length]
+                self._complete(body, out)
+                return True
             self._body = ContentLengthBody(head.length)
         else:
             self._complete(b"", out)
@@ -204,8 +209,8 @@ class Gate:
         if local is not None:
             out.append(Reply(local, close=head.close))
         elif not body and head.method == "GET" and head.path in self.policy.direct_paths:
-            out.append(Direct(Forward(head, body), head.path,
-                              self.policy.cors.headers(head.origin), head.close))
+            cors = self.policy.cors.headers(head.origin) if head.origin else ()
+            out.append(Direct(Forward(head, body), head.path, cors, head.close))
         else:
             out.append(Forward(head, body))
         if head.close:
