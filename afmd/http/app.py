@@ -26,7 +26,6 @@ from sanic.response import HTTPResponse
 
 from afmd.config import Config
 from afmd.dialects.openai_chat import OPENAI_CHAT
-from afmd.dialects.openai_completions import OPENAI_COMPLETIONS
 from afmd.dialects.openai_embeddings import OPENAI_EMBEDDINGS
 from afmd.engine.models import ModelRegistry
 from afmd.errors import (
@@ -35,7 +34,7 @@ from afmd.errors import (
     PayloadTooLargeError,
     ServerError,
 )
-from afmd.http import embeddings, routes
+from afmd.http import embeddings, responses, routes
 from afmd.http.access import CLIENT_CLOSED, log_access
 from afmd.http.screen import Cors, method_not_allowed, unknown_url
 from afmd.logs import get_logger
@@ -155,18 +154,13 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
                   name="chat_completions_root", ctx_dialect=OPENAI_CHAT)
     app.add_route(routes.cancel, "/v1/chat/completions/<request_id:str>/cancel",
                   methods=["POST"], name="cancel")
-    app.add_route(routes.turn, "/v1/completions", methods=["POST"],
-                  name="completions", ctx_dialect=OPENAI_COMPLETIONS)
-    app.add_route(routes.turn, "/completions", methods=["POST"],
-                  name="completions_root", ctx_dialect=OPENAI_COMPLETIONS)
-    app.add_route(routes.cancel, "/v1/completions/<request_id:str>/cancel",
-                  methods=["POST"], name="completions_cancel")
     app.add_route(embeddings.embeddings, "/v1/embeddings", methods=["POST"],
                   name="embeddings", ctx_dialect=OPENAI_EMBEDDINGS)
     app.add_route(embeddings.embeddings, "/embeddings", methods=["POST"],
                   name="embeddings_root", ctx_dialect=OPENAI_EMBEDDINGS)
     app.add_route(embeddings.cancel, "/v1/embeddings/<request_id:str>/cancel",
                   methods=["POST"], name="embeddings_cancel")
+    responses.add_routes(app, state.config)
     for route in routes.STATE_ROUTES:
         app.add_route(route.handler, route.path, methods=["GET"], name=route.name)
     app.add_route(routes.get_model, "/v1/models/<model_id:path>", methods=["GET"],

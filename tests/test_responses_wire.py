@@ -1,0 +1,293 @@
+"""The Responses API on the raw wire: the stream's events, their order and numbering, the
+error envelopes with their params, cancelling by X-Request-ID, the profile event."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+from responses_schemas import validate_event, validate_request, validate_response
+
+from openai_schemas import validate_error
+
+QUESTION = "What is the weather in Paris, and what is 2+3?"
+ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                      "b": {"type": "integer", "minimum": 0, "maximum": 999}}}
+TOOLS = [{"type": "function", "name": "add", "description": "Add two integers.",
+          "parameters": ADD, "strict": True}]
+LONG = 8000  # tokens: far longer than any test waits
+
+
+def sse_events(text: str) -> list[dict[str, Any]]:
+    """The events of a Responses stream, each block's ``event:`` line checked against its
+    data's ``type`` and every event against OpenAI's schema."""
+    events = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        head, _, data = block.partition("\n")
+        assert head.startswith("event: ") and data.startswith("data: "), block
+        event = json.loads(data[len("data: "):])
+        assert head[len("event: "):] == event["type"]
+        validate_event(event)
+        events.append(event)
+    return events
+
+
+def stream(http: httpx.Client, body: dict[str, Any], **headers: str) -> httpx.Response:
+    body = {"model": "demo", **body, "stream": True}
+    response = http.post("/v1/responses", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    return response
+
+
+def check_items(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each output item opens, grows by deltas and closes before the next one opens; the
+    deltas add up to what its done events say. Returns the items as done."""
+    items: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    text = ""
+    for event in events:
+        kind = event["type"]
+        if kind == "response.output_item.added":
+            assert current is None and event["output_index"] == len(items)
+            current, text = event["item"], ""
+            assert current["status"] == "in_progress"
+        elif kind == "response.output_item.done":
+            assert current is not None and event["item"]["id"] == current["id"]
+            items.append(event["item"])
+            current = None
+        elif kind.endswith(".delta"):
+            assert current is not None and event["item_id"] == current["id"]
+            text += event["delta"]
+        elif kind in ("response.output_text.done", "response.reasoning_text.done"):
+            assert event["text"] == text
+        elif kind == "response.function_call_arguments.done":
+            assert event["arguments"] == text and event["name"] == current["name"]
+    assert current is None
+    return items
+
+
+def test_stream_events_in_order_and_numbered(http) -> None:
+    """Reasoning, then calls, every event numbered 0, 1, 2, …; the terminal response holds
+    the items exactly as their done events gave them."""
+    body = {"input": QUESTION, "tools": TOOLS, "tool_choice": "required", "seed": 4,
+            "max_output_tokens": 300}
+    validate_request({k: v for k, v in body.items() if k != "seed"})
+    response = stream(http, body, **{"X-Request-ID": "resp-wire-1"})
+    assert response.headers["x-request-id"] == "resp-wire-1"
+    assert "[DONE]" not in response.text
+    events = sse_events(response.text)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed" and kinds.count("response.completed") == 1
+    created = events[0]["response"]
+    assert created["status"] == "in_progress" and created["output"] == []
+    items = check_items(events)
+    assert items[0]["type"] == "reasoning"
+    assert {i["type"] for i in items[1:]} == {"function_call"}
+    reasoning_events = kinds[kinds.index("response.output_item.added"):][:3]
+    assert reasoning_events == ["response.output_item.added", "response.content_part.added",
+                                "response.reasoning_text.delta"]
+    argument_deltas = kinds.count("response.function_call_arguments.delta")
+    assert argument_deltas > 2 * (len(items) - 1), "arguments stream fragment by fragment"
+    final = events[-1]["response"]
+    assert final["id"] == created["id"] and final["output"] == items
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    stored = http.get(f"/v1/responses/{final['id']}").json()
+    assert stored == final
+
+
+def test_streamed_text_is_the_whole_text(http) -> None:
+    body = {"input": "Tell me a story.", "max_output_tokens": 24, "temperature": 0}
+    whole = http.post("/v1/responses", json=body).json()
+    validate_response(whole)
+    events = sse_events(stream(http, body).text)
+    assert events[-1]["type"] == "response.incomplete"
+    final = events[-1]["response"]
+    assert final["status"] == "incomplete"
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    (item,) = check_items(events)
+    assert item["status"] == "incomplete"
+    assert item["content"] == whole["output"][0]["content"]
+    assert final["usage"]["output_tokens"] == whole["usage"]["output_tokens"] == 24
+    root = http.post("/responses", json=body)  # the root path, as chat's
+    assert root.status_code == 200
+    assert root.json()["output"][0]["content"] == whole["output"][0]["content"]
+
+
+def test_profile_event_comes_before_the_end(http, client) -> None:
+    body = {"input": "Hi.", "max_output_tokens": 16}
+    events = sse_events(stream(http, body, **{"X-AFM-Profile": "true"}).text)
+    assert events[-2]["type"] == "afm_profile"
+    profile = events[-2]["afm_profile"]
+    assert profile["completion_tokens"] == 16 and profile["prompt_tokens"] > 0
+    assert events[-2]["sequence_number"] == len(events) - 2
+    # The openai client passes it by.
+    kinds = [e.type for e in client.responses.create(
+        model="demo", stream=True, extra_headers={"X-AFM-Profile": "true"}, **body)]
+    assert kinds[-1] == "response.incomplete"
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+IMAGE = "data:image/png;base64,iVBORw0KGgo="
+
+BAD: list[tuple[dict[str, Any], str, str | None]] = [
+    ({"input": "x", "tools": [*TOOLS, {"type": "web_search"}]}, "unsupported_tool", "tools[1]"),
+    ({"input": "x", "tools": [{"type": "file_search", "vector_store_ids": []}]},
+     "unsupported_tool", "tools[0]"),
+    ({"input": "x", "tools": [{"type": "functon", "name": "f"}]}, "invalid_value",
+     "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "function"}]}, "missing_required_parameter",
+     "tools[0].name"),
+    ({"input": "x", "tools": [{"type": "function", "name": "bad name"}]}, "invalid_value",
+     "tools[0].name"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
+     "unknown_tool", "tool_choice.name"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "web_search_preview"}},
+     "unsupported_tool", "tool_choice.type"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "auto",
+                                                    "tools": [{"type": "function"}]}},
+     "missing_required_parameter", "tool_choice.tools[0].name"),
+    ({"input": "x", "tool_choice": "required"}, "invalid_value", "tool_choice"),
+    ({}, "missing_required_parameter", "input"),
+    ({"input": 3}, "invalid_type", "input"),
+    ({"input": [{"role": "user"}]}, "missing_required_parameter", "input[0].content"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "invalid_value", "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "invalid_value",
+     "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "unsupported_value", "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image",
+                                              "image_url": "https://x/y.png"}]}]},
+     "unsupported_image_url", "input[0].content[0].image_url"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": IMAGE,
+                                              "detail": "huge"}]}]},
+     "invalid_value", "input[0].content[0].detail"),
+    ({"input": [{"type": "web_search_call", "id": "ws", "status": "completed"}]},
+     "unsupported_value", "input[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "unsupported_value",
+     "input[0].type"),
+    ({"input": [{"role": "user", "content": "x"},
+                {"type": "function_call_output", "call_id": "c1", "output": "1"}]},
+     "unknown_tool_call_id", "input[1].call_id"),
+    ({"input": [{"role": "user", "content": "x"},
+                {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"}]},
+     "missing_tool_output", "input[1]"),
+    ({"input": [{"role": "user", "content": "x"},
+                {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "1"},
+                {"type": "function_call_output", "call_id": "c1", "output": "2"}]},
+     "duplicate_tool_output", "input[3].call_id"),
+    ({"input": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+     "invalid_last_message", "input[1]"),
+    ({"input": [{"role": "developer", "content": "x"}]}, "missing_user_message", "input"),
+    ({"input": "x", "max_output_tokens": 8}, "invalid_value", "max_output_tokens"),
+    ({"input": "x", "temperature": 3}, "invalid_value", "temperature"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}},
+     "missing_required_parameter", "text.format.name"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n",
+                                        "schema": {"type": "nope"}}}},
+     "invalid_schema", "text.format.schema"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "invalid_value", "text.format.type"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f",
+                               "parameters": {"type": "nope"}}]},
+     "invalid_schema", "tools[0].parameters"),
+    ({"input": "x", "reasoning": {"effort": "extreme"}}, "invalid_value", "reasoning.effort"),
+    ({"input": "x", "reasoning": {"budget": 3}}, "unknown_parameter", "reasoning.budget"),
+    ({"input": "x", "include": ["reasoning.plaintext"]}, "invalid_value", "include[0]"),
+    ({"input": "x", "metadata": {"k": 1}}, "invalid_type", "metadata.k"),
+    ({"input": "x", "truncation": "middle"}, "invalid_value", "truncation"),
+    ({"input": "x", "background": True}, "invalid_value", "background"),
+    ({"input": "x", "conversation": "conv_1"}, "unsupported_value", "conversation"),
+    ({"input": "x", "stream_options": {"include_obfuscation": False}}, "invalid_value",
+     "stream_options"),
+    ({"input": "x", "messages": []}, "unknown_parameter", "messages"),
+]
+
+
+@pytest.mark.parametrize(("body", "code", "param"), BAD, ids=[b[2] or "-" for b in BAD])
+def test_bad_input_is_a_400_naming_the_param(http, body: dict[str, Any], code: str,
+                                             param: str | None) -> None:
+    response = http.post("/v1/responses", json={"model": "demo", **body})
+    assert response.status_code == 400, response.text
+    validate_error(response.json())
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == (code, param), error
+
+
+def test_unknown_model_and_previous_response_are_404s(http) -> None:
+    model = http.post("/v1/responses", json={"model": "nope", "input": "x"})
+    assert model.status_code == 404 and model.json()["error"]["param"] == "model"
+    previous = http.post("/v1/responses", json={"input": "x", "previous_response_id": "r"})
+    assert previous.status_code == 404
+    assert previous.json()["error"]["code"] == "response_not_found"
+    counted = http.post("/v1/responses/input_tokens", json={"input": "x", "stream": True})
+    assert counted.status_code == 400
+    assert counted.json()["error"]["param"] == "stream"  # not a field of a count
+
+
+# -- cancel ---------------------------------------------------------------------------------
+
+
+class Background(threading.Thread):
+    """One Responses request on its own thread."""
+
+    def __init__(self, url: str, body: dict[str, Any], request_id: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body, self.request_id = url, body, request_id
+        self.text = ""
+        self.first = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=120) as c, c.stream(
+                "POST", self.url + "/v1/responses", json=self.body,
+                headers={"X-Request-ID": self.request_id}) as r:
+            for chunk in r.iter_text():
+                self.text += chunk
+                self.first.set()
+        self.first.set()
+
+
+def cancel(url: str, request_id: str) -> httpx.Response:
+    for _ in range(100):  # a non-streamed request is findable once it is prepared
+        response = httpx.post(f"{url}/v1/responses/{request_id}/cancel", timeout=10)
+        if response.status_code != 404:
+            return response
+        time.sleep(0.05)
+    return response
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["stream", "whole"])
+def test_cancel_by_request_id_ends_it_cancelled(server, streamed: bool) -> None:
+    rid = f"resp-cancel-{uuid.uuid4().hex[:8]}"
+    run = Background(server.url, {"input": "Tell me a long story.", "stream": streamed,
+                                  "max_output_tokens": LONG, "temperature": 0}, rid)
+    if streamed:
+        assert run.first.wait(30)
+    answer = cancel(server.url, rid)
+    assert answer.status_code == 200
+    assert answer.json() == {"id": rid, "object": "response.cancellation", "cancelled": True}
+    run.join(30)
+    if streamed:
+        events = sse_events(run.text)
+        assert events[-1]["type"] == "response.incomplete"
+        response = events[-1]["response"]
+    else:
+        response = json.loads(run.text)
+        validate_response(response)
+    assert response["status"] == "cancelled" and response["incomplete_details"] is None
+    assert response["output"][0]["status"] == "incomplete"
+    assert 0 < response["usage"]["output_tokens"] < LONG
+    gone = httpx.post(f"{server.url}/v1/responses/{rid}/cancel", timeout=10)
+    assert gone.status_code == 404 and gone.json()["cancelled"] is False
