@@ -118,6 +118,8 @@ def plan_for(tokenizer: Any, setting: FimSetting | None) -> FimPlan | None:
 
 
 def _resolve(tokenizer: Any, fmt: FimFormat) -> FimPlan:
+    configured = fmt.family == "configured"
+
     def marker(text: str | None) -> tuple[int, ...]:
         if not text:
             return ()
@@ -130,10 +132,15 @@ def _resolve(tokenizer: Any, fmt: FimFormat) -> FimPlan:
     end_ids: list[int] = [m[0] for m in (prefix, suffix, middle) if len(m) == 1]
     end_texts: list[str] = []
     for end in fmt.ends:
-        one = single_id(tokenizer, end)
-        if one is not None:
-            end_ids.append(one)
-        elif fmt.family == "configured":  # a family's optional ends may simply be absent
+        if not configured:  # a family's optional ends may simply be absent
+            one = single_id(tokenizer, end)
+            if one is not None:
+                end_ids.append(one)
+            continue
+        ids = marker(end)  # an operator's end may be any text the tokenizer makes one token
+        if len(ids) == 1:
+            end_ids.append(ids[0])
+        else:
             end_texts.append(end)
     return FimPlan(fmt, prefix, suffix, middle, tuple(dict.fromkeys(end_ids)),
                    tuple(end_texts))

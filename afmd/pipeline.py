@@ -16,8 +16,10 @@ import time
 from dataclasses import dataclass, field
 
 from afmd import __version__
+from afmd.completion_run import CompletionRun
+from afmd.completions import PreparedCompletion, prepare_completion
 from afmd.config import Config
-from afmd.core.request import ChatRequest
+from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.engine.models import LoadedModel, ModelRegistry
 from afmd.errors import ConflictError, InvalidRequestError
 from afmd.rounds import RoundBuilder
@@ -38,7 +40,7 @@ class ChatPipeline:
     request_timeout: float
     tools: ServerTools | None = None  # default: the config's [[tools.server]]
     policy: RunPolicy = field(init=False)
-    _runs: dict[str, ChatRun] = field(default_factory=dict)
+    _runs: dict[str, ChatRun | CompletionRun] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tools is None:
@@ -56,15 +58,21 @@ class ChatPipeline:
 
     async def prepare(
         self,
-        request: ChatRequest,
+        request: ChatRequest | CompletionRequest,
         request_id: str,
         *,
         received_at: float | None = None,
         profile: str | None = None,
-    ) -> PreparedChat:
+    ) -> PreparedChat | PreparedCompletion:
         started = time.monotonic()
         entry = self.registry.resolve(request.model)
         model = await self.registry.get(entry)
+        if isinstance(request, CompletionRequest):  # raw prompts: no template, no tools
+            return await prepare_completion(
+                model, entry, request, request_id, fingerprint=_fingerprint(model),
+                deadline=started + self.policy.request_timeout, received_at=received_at,
+                profile=profile,
+            )
         if request.has_images and not model.supports_vision:
             index = next(i for i, m in enumerate(request.messages) if m.has_images)
             raise InvalidRequestError(
@@ -111,7 +119,7 @@ class ChatPipeline:
                 )
         return dataclasses.replace(request, tools=(*request.tools, *self.server_tools.specs()))
 
-    async def start(self, prepared: PreparedChat) -> ChatRun:
+    async def start(self, prepared: PreparedChat | PreparedCompletion) -> ChatRun | CompletionRun:
         """Register the run under its request id, wait for a slot, start generating.
 
         The run is findable by id (for the cancel endpoint) while it waits in the queue; a
@@ -125,7 +133,10 @@ class ChatPipeline:
                 code="duplicate_request_id",
                 param="X-Request-ID",
             )
-        run = ChatRun(prepared, self.policy, self.server_tools)
+        run: ChatRun | CompletionRun = (
+            CompletionRun(prepared, self.policy) if isinstance(prepared, PreparedCompletion)
+            else ChatRun(prepared, self.policy, self.server_tools)
+        )
         self._runs[rid] = run
         try:
             await self.scheduler.acquire(run.ticket, prepared.deadline - time.monotonic())
@@ -139,18 +150,18 @@ class ChatPipeline:
         run.start_generation()
         return run
 
-    def release(self, run: ChatRun) -> None:
+    def release(self, run: ChatRun | CompletionRun) -> None:
         """The response is over: stop the generation if it still runs, free its slot."""
         run.cancel()
         self.scheduler.release(run.ticket)
         self._forget(run)
 
-    def _forget(self, run: ChatRun) -> None:
+    def _forget(self, run: ChatRun | CompletionRun) -> None:
         if self._runs.get(run.prepared.request_id) is run:
             del self._runs[run.prepared.request_id]
 
-    def find(self, request_id: str) -> ChatRun | None:
+    def find(self, request_id: str) -> ChatRun | CompletionRun | None:
         return self._runs.get(request_id)
 
 
-__all__ = ["ChatPipeline", "ChatRun", "PreparedChat"]
+__all__ = ["ChatPipeline", "ChatRun", "CompletionRun", "PreparedChat", "PreparedCompletion"]

@@ -29,7 +29,7 @@ from afmd.engine.base import (
     TokenLogprob,
 )
 from afmd.engine.detokenize import ExactDetokenizer
-from afmd.engine.logprobs import TokenTable, token_text
+from afmd.engine.tokens import TokenTable, token_text
 from afmd.engine.worker import BatchWorker
 
 TOLERANCE = 1e-4

@@ -88,3 +88,30 @@ class ChatRequest:
     response_format: ResponseFormat | None = None
     reasoning_effort: str | None = None
     has_images: bool = False
+    #: Report each generated token's log-probability with this many most likely
+    #: alternatives (0-20); None: no log-probabilities (``logprobs`` false or absent).
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """A legacy Completions turn: raw prompts, tokenized as given (no chat template).
+
+    Each prompt (a text or token ids) is one choice; all of them run as one request.
+    """
+
+    prompts: tuple[str | tuple[int, ...], ...]
+    model: str | None = None
+    suffix: str | None = None  # fill-in-the-middle: the text after the cursor
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    echo: bool = False  # the prompt's text (and its tokens' log-probabilities) first
+    logprobs: int | None = None  # alternatives per token (0-5); None: none reported

@@ -20,7 +20,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from afmd.engine.base import TokenLogprob
 
@@ -125,79 +124,3 @@ def prompt_logprobs(model: Any, prompt: list[int], k: int) -> tuple[TokenLogprob
             top = list(zip(ids[row], values[row], strict=True)) if ids else []
             out.append(TokenLogprob(token, float(chosen[row]), _ordered(top)))
     return tuple(out)
-
-
-class TokenTable:
-    """Each token's own bytes (what it adds to the text), as the model's detokenizer sees it.
-
-    A byte-level BPE token maps back to bytes through GPT-2's byte alphabet and an SPM
-    piece through its ``▁`` and ``<0xNN>`` conventions; any other tokenizer decodes the
-    token alone. A token may hold part of a UTF-8 character: its bytes are then not text.
-    """
-
-    __slots__ = ("_bytes", "_kind", "_tokenizer")
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        detokenizer = getattr(tokenizer, "_detokenizer", None)
-        self._kind = (
-            "bpe" if isinstance(detokenizer, BPEStreamingDetokenizer)
-            else "spm" if isinstance(detokenizer, SPMStreamingDetokenizer)
-            else "decode"
-        )
-        self._bytes: dict[int, bytes] = {}
-
-    def bytes_of(self, token: int) -> bytes:
-        cached = self._bytes.get(token)
-        if cached is None:
-            cached = self._bytes[token] = self._compute(token)
-        return cached
-
-    def _compute(self, token: int) -> bytes:
-        if self._kind == "decode":
-            return str(self._tokenizer.decode([token])).encode()
-        piece = self._tokenizer.convert_ids_to_tokens(token)
-        if piece is None:
-            return b""
-        if self._kind == "spm":
-            if piece.startswith("<0x") and len(piece) == 6:
-                return bytes([int(piece[3:5], 16)])
-            return piece.replace("\u2581", " ").encode()
-        decoder = _byte_decoder()
-        out = bytearray()
-        for char in piece:
-            value = decoder.get(char)
-            if value is None:
-                out += char.encode()
-            else:
-                out.append(value)
-        return bytes(out)
-
-
-def token_text(raw: bytes) -> str:
-    """A token as text: its bytes when they are UTF-8, else OpenAI's ``bytes:\\xNN`` form
-    (a token holding part of a character)."""
-    try:
-        return raw.decode()
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
-
-def _byte_decoder() -> dict[str, int]:
-    global _BYTE_DECODER
-    if _BYTE_DECODER is None:
-        # GPT-2's reversible byte alphabet: printable bytes stand for themselves, the
-        # others for code points from 256 up.
-        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                     *range(ord("®"), ord("ÿ") + 1)]
-        table = {chr(b): b for b in printable}
-        n = 0
-        for b in range(256):
-            if b not in printable:
-                table[chr(256 + n)] = b
-                n += 1
-        _BYTE_DECODER = table
-    return _BYTE_DECODER
-
-
-_BYTE_DECODER: dict[str, int] | None = None

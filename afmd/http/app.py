@@ -26,6 +26,7 @@ from sanic.response import HTTPResponse
 
 from afmd.config import Config
 from afmd.dialects.openai_chat import OPENAI_CHAT
+from afmd.dialects.openai_completions import OPENAI_COMPLETIONS
 from afmd.dialects.openai_embeddings import OPENAI_EMBEDDINGS
 from afmd.engine.models import ModelRegistry
 from afmd.errors import (
@@ -154,6 +155,12 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
                   name="chat_completions_root", ctx_dialect=OPENAI_CHAT)
     app.add_route(routes.cancel, "/v1/chat/completions/<request_id:str>/cancel",
                   methods=["POST"], name="cancel")
+    app.add_route(routes.turn, "/v1/completions", methods=["POST"],
+                  name="completions", ctx_dialect=OPENAI_COMPLETIONS)
+    app.add_route(routes.turn, "/completions", methods=["POST"],
+                  name="completions_root", ctx_dialect=OPENAI_COMPLETIONS)
+    app.add_route(routes.cancel, "/v1/completions/<request_id:str>/cancel",
+                  methods=["POST"], name="completions_cancel")
     app.add_route(embeddings.embeddings, "/v1/embeddings", methods=["POST"],
                   name="embeddings", ctx_dialect=OPENAI_EMBEDDINGS)
     app.add_route(embeddings.embeddings, "/embeddings", methods=["POST"],
