@@ -40,6 +40,14 @@ def _not_found(response_id: str) -> NotFoundError:
         "or expired).", code="response_not_found", param="response_id")
 
 
+async def stored_response(request: Request, response_id: str) -> HTTPResponse:
+    """``GET`` or ``DELETE`` one stored response (one route for both methods, so that a
+    405 lists both in ``Allow``)."""
+    if request.method == "DELETE":
+        return await delete(request, response_id)
+    return await retrieve(request, response_id)
+
+
 async def retrieve(request: Request, response_id: str) -> HTTPResponse:
     stored = _dialect(request).store.get(response_id)
     if stored is None:
@@ -134,10 +142,8 @@ def add_routes(app: Sanic, config: Config) -> OpenAIResponses:
         app.add_route(routes.turn, path, methods=["POST"], name=name, ctx_dialect=dialect)
     app.add_route(input_tokens, "/v1/responses/input_tokens", methods=["POST"],
                   name="responses_input_tokens", ctx_dialect=dialect)
-    app.add_route(retrieve, "/v1/responses/<response_id:str>", methods=["GET"],
-                  name="responses_retrieve", ctx_dialect=dialect)
-    app.add_route(delete, "/v1/responses/<response_id:str>", methods=["DELETE"],
-                  name="responses_delete", ctx_dialect=dialect)
+    app.add_route(stored_response, "/v1/responses/<response_id:str>",
+                  methods=["GET", "DELETE"], name="responses_stored", ctx_dialect=dialect)
     app.add_route(input_items, "/v1/responses/<response_id:str>/input_items",
                   methods=["GET"], name="responses_input_items", ctx_dialect=dialect)
     app.add_route(cancel, "/v1/responses/<request_id:str>/cancel", methods=["POST"],
