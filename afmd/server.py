@@ -144,40 +144,23 @@ class Server:
     async def wait_stopped(self) -> None:
         await self._stop.wait()
 
-    def _connections(self) -> set[Any]:
-        return set(self.gate.connections)  # every listener's, restarted ones' included
-
-    async def _close_when_idle(
-        self, deadline: float, each_turn: Callable[[], None] | None = None
-    ) -> None:
-        """Close connections as they go idle until none is left or ``deadline`` passes."""
-        while True:
-            if each_turn is not None:
-                each_turn()
-            for conn in self._connections():
-                conn.close_if_idle()
-            if not self._connections() or time.monotonic() >= deadline:
-                return
-            await asyncio.sleep(0.02 if each_turn is not None else 0.05)
-
     async def shutdown(self) -> None:
         if self._stopping:
             return
         self._stopping = True
         await self._listeners.stop_accepting()
-        await self._close_when_idle(time.monotonic() + self.config.server.shutdown_grace)
-        if self._connections():
+        # Every listener's connections, restarted ones' included.
+        await self.gate.close_when_idle(time.monotonic() + self.config.server.shutdown_grace)
+        if self.gate.connections:
             # The grace period is over: what still runs ends the way any failure does
             # (an error event, [DONE] and the body's last chunk for a stream), then goes
             # idle and closes; only what cannot even do that in time is cut.
             error = server_stopping_error()
-            await self._close_when_idle(
+            await self.gate.close_when_idle(
                 time.monotonic() + FINAL_WRITE_SECONDS,
                 each_turn=lambda: interrupt_requests(self.state, error),
             )
-        for conn in self._connections():
-            with contextlib.suppress(Exception):
-                conn.close()
+        self.gate.close_all()
         self._listeners.close()
         lifecycle = self._listeners.lifecycle
         if lifecycle is not None:

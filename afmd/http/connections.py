@@ -21,7 +21,9 @@ counts, orders and picks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable
 from time import monotonic
 from typing import Protocol
 
@@ -53,6 +55,10 @@ class Member(Protocol):
     def afmd_idle_since(self, now: float) -> float | None: ...
 
     def afmd_shed(self) -> None: ...
+
+    def close_if_idle(self) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 class GateContext:
@@ -91,6 +97,25 @@ class GateContext:
         self.shed += 1
         victim.afmd_shed()
         return True
+
+    async def close_when_idle(
+        self, deadline: float, each_turn: Callable[[], None] | None = None
+    ) -> None:
+        """Close connections as they go idle until none is left or ``deadline`` (a
+        :func:`time.monotonic` reading) passes; ``each_turn`` runs before every round."""
+        while True:
+            if each_turn is not None:
+                each_turn()
+            for conn in list(self.connections):
+                conn.close_if_idle()
+            if not self.connections or monotonic() >= deadline:
+                return
+            await asyncio.sleep(0.02 if each_turn is not None else 0.05)
+
+    def close_all(self) -> None:
+        for conn in list(self.connections):
+            with contextlib.suppress(Exception):
+                conn.close()
 
     def policy(self, *, check_host: bool, extra_hosts: tuple[str, ...] = ()) -> GatePolicy:
         return GatePolicy.from_config(self.server, self.route, check_host=check_host,
