@@ -27,6 +27,7 @@ from afmd.grammar.compiler import (
     ToolSchema,
     json_schema_grammar,
     llg_tokenizer,
+    text_grammar,
     tool_grammar,
 )
 from afmd.grammar.processor import BanTokens, GrammarProcessor
@@ -215,9 +216,10 @@ def plan_turn(
 
     thinking = None
     if model.thinking is not None and not (thinking_off and not plan.starts_in_reasoning):
-        budget = None
+        budget = request.thinking_budget
         if mode == "required" or response_format is not None:
-            budget = max(16, min(_MAX_FORCED_THINKING, max_tokens // 4))
+            forced = max(16, min(_MAX_FORCED_THINKING, max_tokens // 4))
+            budget = forced if budget is None else min(budget, forced)
         thinking = Thinking(
             model.thinking[0], model.thinking[1], plan.starts_in_reasoning, budget
         )
@@ -273,6 +275,12 @@ def plan_turn(
         )
         plan.json_answer = True
         plan.schema = response_format.schema
+    elif thinking is not None and thinking.budget is not None and not (
+        tools_on and tool_format is not None
+    ):
+        # Only a grammar can close the thinking block at the budget. (Where the model's
+        # call format has no grammar here, the budget is not enforced.)
+        plan.grammar = text_grammar(llg(), thinking)
     if plan.grammar is not None and plan.grammar.downgraded:
         plan.downgraded = True
     return plan

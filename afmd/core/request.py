@@ -87,6 +87,9 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     reasoning_effort: str | None = None
+    #: Most tokens the model may spend thinking before it must answer (None: unbounded);
+    #: enforced by the grammar, which closes the thinking block at the budget.
+    thinking_budget: int | None = None
     has_images: bool = False
     #: Report each generated token's log-probability with this many most likely
     #: alternatives (0-20); None: no log-probabilities (``logprobs`` false or absent).

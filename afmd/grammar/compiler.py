@@ -213,6 +213,17 @@ def json_schema_grammar(
     return _compile(build, tokenizer, param=param, what="JSON schema")
 
 
+def text_grammar(tokenizer: LLTokenizer, thinking: Thinking) -> Grammar:
+    """Free text after an optional thinking block: only there to bound the thinking
+    (``thinking.budget``), which no other grammar of the turn would."""
+    prefix, think_rules = _thinking_rules(tokenizer, thinking)
+
+    def build(lenient: bool) -> str:
+        return f"start: {prefix}TEXT?\nTEXT: /(.|\\n)+/\n{think_rules}"
+
+    return _compile(build, tokenizer, param="thinking", what="thinking budget")
+
+
 def tool_grammar(
     tokenizer: LLTokenizer,
     tools: Sequence[ToolSchema],
@@ -302,5 +313,6 @@ __all__ = [
     "ToolSchema",
     "json_schema_grammar",
     "llg_tokenizer",
+    "text_grammar",
     "tool_grammar",
 ]
