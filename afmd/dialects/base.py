@@ -8,8 +8,8 @@ head went out and ``stream_error`` after it.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import Any, Protocol
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from afmd.core.events import Event
 from afmd.core.request import ChatRequest
@@ -54,3 +54,41 @@ class Dialect(Protocol):
     def error_envelope(self, error: APIError) -> dict[str, Any]:
         """The JSON body of an error response in this dialect."""
         ...
+
+
+class ErrorStyle(Protocol):
+    """How one route's errors look: the part of a :class:`Dialect` the HTTP gate needs to
+    answer a refusal (401, 404, 413, …) in the envelope of the route it was meant for."""
+
+    def error_envelope(self, error: APIError) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class OwnStatuses(Protocol):
+    """A dialect whose errors go out with statuses and headers of its own (Anthropic's
+    529 ``overloaded_error`` for afmd's 503s); others keep the error's."""
+
+    def error_status(self, error: APIError) -> tuple[int, Mapping[str, str]]: ...
+
+
+@runtime_checkable
+class KeepsAlive(Protocol):
+    """A reply whose stream shows it is alive while nothing else is sent (Anthropic's
+    ``ping``): the handler opens the stream and sends :meth:`keepalive` whenever
+    ``keepalive_interval`` seconds pass without a write (queued, a long prefill)."""
+
+    keepalive_interval: float
+
+    def keepalive(self) -> bytes: ...
+
+
+def error_response(
+    style: ErrorStyle | None, error: APIError
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """The status, JSON body and headers of ``error`` in ``style`` (OpenAI's when None)."""
+    if style is None:
+        return error.status, error.envelope(), dict(error.headers)
+    if isinstance(style, OwnStatuses):
+        status, headers = style.error_status(error)
+        return status, style.error_envelope(error), dict(headers)
+    return error.status, style.error_envelope(error), dict(error.headers)

@@ -25,6 +25,7 @@ from sanic.handlers import ErrorHandler
 from sanic.response import HTTPResponse
 
 from afmd.config import Config
+from afmd.dialects.base import error_response
 from afmd.dialects.openai_chat import OPENAI_CHAT
 from afmd.dialects.openai_completions import OPENAI_COMPLETIONS
 from afmd.dialects.openai_embeddings import OPENAI_EMBEDDINGS
@@ -75,14 +76,13 @@ class _EnvelopeErrorHandler(ErrorHandler):
             )
         if request is not None:
             request.ctx.error = error  # the access log names its code and param
-        headers = dict(error.headers)
+        # In the envelope (and with the status) of the route's dialect.
+        status, envelope, headers = error_response(routes.dialect_of(request), error)
         rid = getattr(request.ctx, "request_id", None) if request else None
         if rid:
             headers.setdefault("X-Request-ID", rid)
             headers.setdefault("OpenAI-Request-ID", rid)
-        dialect = routes.dialect_of(request)
-        envelope = dialect.error_envelope(error) if dialect is not None else error.envelope()
-        return routes.json_response(envelope, status=error.status, headers=headers)
+        return routes.json_response(envelope, status=status, headers=headers)
 
 
 def to_api_error(exception: BaseException, request: Request | None = None) -> APIError:

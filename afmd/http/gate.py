@@ -12,8 +12,9 @@ parser and screen, over :mod:`afmd.http.framing` (heads and bodies) and
   size) as soon as it is parsed, before any body byte is read;
 * a request that passes comes out as a :class:`Forward`: its parsed head and its
   de-chunked body, which the connection hands to Sanic (:mod:`afmd.http.compat`);
-* a request that fails becomes a :class:`~afmd.http.wire.Rejection`: an OpenAI error
-  envelope sent with ``Connection: close``, after which the gate discards everything;
+* a request that fails becomes a :class:`~afmd.http.wire.Rejection`: an error in the
+  envelope of the route it was for (OpenAI's, Anthropic's) sent with ``Connection:
+  close``, after which the gate discards everything;
 * a bodiless ``GET`` of one of the policy's ``direct_paths`` (answers built from server
   state alone, like ``/health``) passes the same screen and comes out as a :class:`Direct`,
   which the caller may answer itself instead of handing it to Sanic.
@@ -171,7 +172,9 @@ class Gate:
         except Refused as refused:
             head = self._head
             extra = self.policy.cors.headers(head.origin) if refused.cors and head else ()
-            rejection = Rejection.from_error(refused.error, extra)
+            # Once a head is parsed, its refusal reads like its route's own errors.
+            style = self.policy.style_of(head.method, head.path) if head else None
+            rejection = Rejection.from_error(refused.error, extra, style)
             self.kill()
             out.append(Reply(rejection.render(), close=True, rejection=rejection))
         if not self.dead and self._body is None and not self._buf:

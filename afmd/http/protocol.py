@@ -39,13 +39,14 @@ from typing import Any, ClassVar
 from sanic import Sanic
 from sanic.exceptions import MethodNotAllowed, NotFound
 
+from afmd.dialects.base import ErrorStyle
 from afmd.errors import RequestTimeoutError
 from afmd.http.access import log_request
 from afmd.http.compat import SanicConnection
 from afmd.http.connections import OVERLOADED, SHED, TOO_MANY, GateContext, Slot
 from afmd.http.gate import Direct, Forward, Gate, Output, Reply
 from afmd.http.routes import StateRoute
-from afmd.http.screen import GatePolicy, RouteCheck
+from afmd.http.screen import GatePolicy, RouteCheck, RouteVerdict
 from afmd.http.wire import Rejection, render_json
 from afmd.logs import get_logger
 
@@ -58,20 +59,37 @@ _OPEN, _LINGERING, _CLOSED = range(3)
 
 
 def route_checker(app: Sanic) -> RouteCheck:
-    """The gate's route check, answered by the app's own router (so they always agree)."""
-    router = app.router
+    """The gate's route check, answered by the app's own router (so they always agree).
 
-    def check(method: str, path: str) -> tuple[int, tuple[str, ...]]:
+    It also names the envelope a refusal goes out in: the route's dialect, or for a path
+    no route serves (or not with this method), the dialect of the routes it lies under
+    (``/v1/messages/…``: Anthropic's), so that a client reads every error it can get.
+    """
+    router = app.router
+    families: list[tuple[str, ErrorStyle]] = []  # (static path prefix, its routes' style)
+    for route in router.routes:
+        style = getattr(route.ctx, "dialect", None)
+        if style is not None:
+            families.append((route.uri.split("<", 1)[0].rstrip("/"), style))
+    families.sort(key=lambda family: -len(family[0]))
+
+    def family(path: str) -> ErrorStyle | None:
+        for prefix, style in families:
+            if path == prefix or path.startswith(prefix + "/"):
+                return style
+        return None
+
+    def check(method: str, path: str) -> RouteVerdict:
         try:
-            router.get(path, method, None)
+            route = router.get(path, method, None)[0]
         except MethodNotAllowed as exc:
             allowed = getattr(exc, "allowed_methods", None) or ()
-            return 405, tuple(sorted(str(m) for m in allowed))
+            return RouteVerdict(405, tuple(sorted(str(m) for m in allowed)), family(path))
         except NotFound:
-            return 404, ()
+            return RouteVerdict(404, (), family(path))
         except Exception:
-            return 404, ()
-        return 200, ()
+            return RouteVerdict(404, (), family(path))
+        return RouteVerdict(200, (), getattr(route.ctx, "dialect", None))
 
     return check
 

@@ -15,8 +15,10 @@ import hmac
 import string
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from afmd.config import ServerConfig
+from afmd.dialects.base import ErrorStyle
 from afmd.errors import (
     AuthenticationError,
     MethodNotAllowedError,
@@ -28,7 +30,7 @@ from afmd.errors import (
 )
 from afmd.http import wire
 from afmd.http.framing import RequestHead
-from afmd.http.wire import Refused, show
+from afmd.http.wire import Refused, bad, show
 
 __all__ = [
     "CORS_ALLOW_HEADERS",
@@ -36,17 +38,29 @@ __all__ = [
     "Cors",
     "GatePolicy",
     "RouteCheck",
+    "RouteVerdict",
     "method_not_allowed",
     "normalize_origin",
     "screen",
     "unknown_url",
 ]
 
-#: ``route(method, path)`` -> ``(200, ())`` routable, ``(404, ())`` unknown URL, or
-#: ``(405, allowed_methods)`` when the path exists for other methods only.
-RouteCheck = Callable[[str, str], tuple[int, tuple[str, ...]]]
 
-CORS_ALLOW_HEADERS = "Authorization, Content-Type, X-Request-ID, X-AFM-Profile"
+class RouteVerdict(NamedTuple):
+    """What the app's router says of a request line."""
+
+    status: int  # 200 routable, 404 unknown URL, 405 the path exists for other methods
+    allowed: tuple[str, ...] = ()  # with 405: the methods it exists for
+    #: The envelope errors about this path go out in (None: OpenAI's): a route's own
+    #: dialect, and for an unknown path that of the routes it lies under.
+    style: ErrorStyle | None = None
+
+
+#: ``route(method, path)`` -> a :class:`RouteVerdict`, or its first two fields alone.
+RouteCheck = Callable[[str, str], RouteVerdict | tuple[int, tuple[str, ...]]]
+
+CORS_ALLOW_HEADERS = ("Authorization, Content-Type, X-Request-ID, X-AFM-Profile, X-API-Key, "
+                      "Anthropic-Version, Anthropic-Beta")
 CORS_EXPOSE_HEADERS = (
     "X-Request-ID, OpenAI-Request-ID, X-Grammar-Constraints, X-AFM-Trimmed-Messages"
 )
@@ -182,6 +196,14 @@ class GatePolicy:
     def origin_allowed(self, origin: str) -> bool:
         return self.cors.allows(origin)
 
+    def verdict(self, method: str, path: str) -> RouteVerdict:
+        found = self.route(method, path)
+        return found if isinstance(found, RouteVerdict) else RouteVerdict(*found)
+
+    def style_of(self, method: str, path: str) -> ErrorStyle | None:
+        """The envelope of errors about a request for ``path`` (None: OpenAI's)."""
+        return self.verdict(method, path).style
+
 
 def screen(policy: GatePolicy, head: RequestHead) -> bytes | None:
     """Refuse ``head`` (raise :class:`~afmd.http.wire.Refused`), or pass it: None, or the
@@ -198,17 +220,17 @@ def screen(policy: GatePolicy, head: RequestHead) -> bytes | None:
             f"Requests from the origin '{show(origin.encode('latin-1'))}' are not allowed; "
             "add it to server.allowed_origins."))
     if head.method == "OPTIONS" and origin is not None and head.preflight_method:
-        status, allowed = policy.route("OPTIONS", head.path)
+        status, allowed, _ = policy.verdict("OPTIONS", head.path)
         if status == 404:
             raise Refused(unknown_url(head.method, head.path), cors=True)
         return policy.cors.preflight(origin, allowed, close=head.close)
-    status, allowed = policy.route(head.method, head.path)
+    status, allowed, _ = policy.verdict(head.method, head.path)
     if status == 404:
         raise Refused(unknown_url(head.method, head.path), cors=True)
     if status == 405:
         raise Refused(method_not_allowed(head.method, head.path, allowed), cors=True)
     if policy.api_key and head.path not in policy.open_paths:
-        _authenticate(head.authorization, policy.api_key)
+        _authenticate(head, policy.api_key)
     if head.method == "POST" and head.has_body:
         media = (head.content_type or b"").split(b";", 1)[0].strip(b" \t").lower()
         if media != b"application/json":
@@ -222,16 +244,30 @@ def screen(policy: GatePolicy, head: RequestHead) -> bytes | None:
     return None
 
 
-def _authenticate(authorization: bytes | None, api_key: bytes) -> None:
-    token: bytes | None = None
-    if authorization:
+def _api_key_header(head: RequestHead) -> bytes | None:
+    """The ``x-api-key`` header (Anthropic's clients send the key there), if sent once."""
+    found: bytes | None = None
+    for line in head.lines:  # kept lines read "Name: value"
+        if line[:10].lower() == b"x-api-key:":
+            if found is not None:
+                raise Refused(bad("The x-api-key header must not be repeated."), cors=True)
+            found = line[10:].strip(b" \t")
+    return found
+
+
+def _authenticate(head: RequestHead, api_key: bytes) -> None:
+    """The key from ``x-api-key`` when sent, else from ``Authorization: Bearer``; on every
+    route alike (a key is a key, whichever client's habit carried it)."""
+    token = _api_key_header(head)
+    authorization = head.authorization
+    if token is None and authorization:
         scheme, _, rest = authorization.partition(b" ")
         if scheme.lower() == b"bearer":
             token = rest.strip(b" \t")
     if not token:
         raise Refused(AuthenticationError(
             "You didn't provide an API key. Send it in an Authorization header using "
-            "Bearer auth (Authorization: Bearer YOUR_KEY).",
+            "Bearer auth (Authorization: Bearer YOUR_KEY) or in an x-api-key header.",
             headers={"WWW-Authenticate": "Bearer"}), cors=True)
     if not hmac.compare_digest(token, api_key):
         raise Refused(AuthenticationError(

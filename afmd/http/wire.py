@@ -18,6 +18,7 @@ from http import HTTPStatus
 
 import orjson
 
+from afmd.dialects.base import ErrorStyle, error_response
 from afmd.errors import APIError, InvalidRequestError
 
 __all__ = [
@@ -144,21 +145,24 @@ def render_json(status: int, body: bytes, headers: Iterable[tuple[str, str]] = (
 
 @dataclass(frozen=True, slots=True)
 class Rejection:
-    """A refusal afmd answers itself, with ``Connection: close``: the error's own
-    envelope (the one Sanic's error handler sends too) and its headers."""
+    """A refusal afmd answers itself, with ``Connection: close``: the error in the
+    envelope of the route it was meant for (the one Sanic's error handler sends too; see
+    :func:`afmd.dialects.base.error_response`) and its headers."""
 
     error: APIError
     headers: tuple[tuple[str, str], ...] = ()
+    style: ErrorStyle | None = None  # None: OpenAI's envelope
 
     @classmethod
     def from_error(
-        cls, error: APIError, extra: Iterable[tuple[str, str]] = ()
+        cls, error: APIError, extra: Iterable[tuple[str, str]] = (),
+        style: ErrorStyle | None = None,
     ) -> Rejection:
-        return cls(error, (*error.headers.items(), *extra))
+        return cls(error, (*error.headers.items(), *extra), style)
 
     @property
     def status(self) -> int:
-        return self.error.status
+        return error_response(self.style, self.error)[0]
 
     @property
     def code(self) -> str:
@@ -169,5 +173,6 @@ class Rejection:
         return self.error.message
 
     def render(self) -> bytes:
-        return render_json(self.status, orjson.dumps(self.error.envelope()), self.headers,
+        status, body, headers = error_response(self.style, self.error)
+        return render_json(status, orjson.dumps(body), {**dict(self.headers), **headers}.items(),
                            close=True)
