@@ -22,6 +22,7 @@ from afmd.core.events import Content, Event, Finish, Profile, ToolCallEnd, ToolC
 from afmd.core.request import ToolCall
 from afmd.engine.base import Finished, Generation, GenerationRequest, SamplingParams, Text
 from afmd.engine.models import LoadedModel
+from afmd.engine.tokens import LogprobQueue, TokenTable, token_table
 from afmd.errors import APIError, GatewayTimeoutError
 from afmd.logs import get_logger
 from afmd.rounds import Round, RoundBuilder
@@ -107,12 +108,16 @@ class _Totals:
 class RoundReader:
     """One round's engine output read back into the client's events."""
 
-    __slots__ = ("_calls", "_ended", "_stop", "_view", "answer", "ended_by_us", "output")
+    __slots__ = ("_calls", "_ended", "_logprobs", "_stop", "_view", "answer", "ended_by_us",
+                 "output")
 
     def __init__(
-        self, plan: TurnPlan, view: ClientView | None, stop: Callable[[], None]
+        self, plan: TurnPlan, view: ClientView | None, stop: Callable[[], None],
+        table: TokenTable | None = None,
     ) -> None:
         self.output = plan.output_processor()
+        # With log-probabilities asked: each token's, once the stop check released its text.
+        self._logprobs = LogprobQueue(table) if table is not None else None
         self._calls = self.output.tool_calls  # the parser's own list: it only grows
         self.answer: list[str] | None = [] if plan.json_answer else None
         self.ended_by_us = False  # we stopped generation (stop sequence, call budget)
@@ -126,7 +131,11 @@ class RoundReader:
         output = self.output
         for event in events:
             if isinstance(event, Text):
-                if self.ended_by_us or not event.text:
+                if self.ended_by_us:
+                    continue
+                if self._logprobs is not None:
+                    self._logprobs.add(event.text, event.logprobs)
+                if not event.text:
                     continue
                 out += output.feed(event.text)
                 if output.should_stop:
@@ -134,8 +143,18 @@ class RoundReader:
                     self._stop()
             elif isinstance(event, Finished):
                 out += output.finish()
+                self._add_logprobs(out)
+                if self._logprobs is not None:
+                    self._logprobs.drop()
                 return self._deliver(out), event
+        self._add_logprobs(out)
         return self._deliver(out), None
+
+    def _add_logprobs(self, out: list[Event]) -> None:
+        if self._logprobs is not None:
+            ready = self._logprobs.release(self.output.released)
+            if ready is not None:
+                out.append(ready)
 
     def _deliver(self, out: list[Event]) -> list[Event]:
         if len(self._calls) > self._ended:
@@ -255,7 +274,10 @@ class ChatRun:
         return reason, []
 
     def _reading(self) -> RoundReader:
-        return RoundReader(self.round.plan, self._tools.view(), self._stop_generation)
+        table = None
+        if self.round.request.logprobs is not None:
+            table = token_table(self.prepared.model.tokenizer)
+        return RoundReader(self.round.plan, self._tools.view(), self._stop_generation, table)
 
     async def _retry(self, exc: APIError) -> bool:
         """Retry a transient model failure if nothing reached the client and no tool ran."""
@@ -340,6 +362,7 @@ def _generation(prepared: PreparedChat, rnd: Round) -> GenerationRequest:
         sample_every=profiling.SAMPLE_EVERY if prepared.profile == "extended" else 0,
         think_ids=prepared.model.think_ids,
         starts_in_reasoning=rnd.plan.starts_in_reasoning,
+        logprobs=r.logprobs,
     )
 
 

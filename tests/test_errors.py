@@ -155,7 +155,8 @@ CASES = [
     pytest.param(_body(stop=["END", 7]), 400, "invalid_type", "stop[1]",
                  id="stop-non-string-entry"),
     pytest.param(_body(stop=12), 400, "invalid_type", "stop", id="stop-number"),
-    pytest.param(_body(logprobs=True), 400, "invalid_value", "logprobs", id="logprobs-true"),
+    pytest.param(_body(logprobs=True, top_logprobs=21), 400, "invalid_value", "top_logprobs",
+                 id="top-logprobs-above-20"),
     pytest.param(_body(temprature=0.2), 400, "unknown_parameter", "temprature",
                  id="unknown-top-level-field"),
     pytest.param(_body(functions=[{"name": "get_weather", "parameters": {}}]), 400,
@@ -281,9 +282,9 @@ def test_stop_with_four_entries_accepted(http: httpx.Client) -> None:
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("GET", "/v1/nope"), ("POST", "/v1/completions"), ("GET", "/"),
+    [("GET", "/v1/nope"), ("POST", "/v1/edits"), ("GET", "/"),
      ("POST", "/v1/chat/completion")],
-    ids=["get-unknown", "legacy-completions", "root", "typo"],
+    ids=["get-unknown", "legacy-edits", "root", "typo"],
 )
 def test_unknown_path(http: httpx.Client, method: str, path: str) -> None:
     response = http.request(method, path, json=_body())

@@ -32,6 +32,8 @@ from afmd.engine.detokenize import ExactDetokenizer
 from afmd.engine.tokens import TokenTable, token_text
 from afmd.engine.worker import BatchWorker
 
+from openai_schemas import validate_chunk, validate_error, validate_response
+
 TOLERANCE = 1e-4
 
 
@@ -211,3 +213,115 @@ def _is_utf8(raw: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+# -- chat: logprobs and top_logprobs on /v1/chat/completions ---------------------------
+
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+def chat_reference(loaded: tuple[Any, Any], n: int) -> tuple[list[int], list[int], np.ndarray]:
+    """The chat prompt as the server renders it, the model's greedy continuation (up to
+    ``n`` tokens, not its EOS) and the log-probabilities at every position."""
+    model, tokenizer = loaded
+    text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    prompt = list(tokenizer.encode(text, add_special_tokens=False))
+    out: list[int] = []
+    eos = set(tokenizer.eos_token_ids)
+    while len(out) < n:
+        lp = reference(model, prompt + out)
+        token = int(np.argmax(lp[-1]))
+        if token in eos:
+            break
+        out.append(token)
+    return prompt, out, reference(model, prompt + out)
+
+
+def assert_chat_entries(entries: list[dict[str, Any]], loaded: tuple[Any, Any],
+                        prompt: list[int], out: list[int], lp: np.ndarray, k: int) -> None:
+    table = TokenTable(loaded[1])
+    assert [e["token"] for e in entries] == [table.text_of(t) for t in out]
+    for i, (entry, token) in enumerate(zip(entries, out, strict=True)):
+        row = lp[len(prompt) - 1 + i]
+        assert bytes(entry["bytes"]) == table.bytes_of(token)
+        assert entry["logprob"] == pytest.approx(float(row[token]), abs=TOLERANCE)
+        expected = [int(t) for t in np.argsort(-row, kind="stable")[:k]]
+        assert [a["token"] for a in entry["top_logprobs"]] == [table.text_of(t) for t in expected]
+        for alt, t in zip(entry["top_logprobs"], expected, strict=True):
+            assert alt["logprob"] == pytest.approx(float(row[t]), abs=TOLERANCE)
+            assert bytes(alt["bytes"]) == table.bytes_of(t)
+
+
+def test_chat_logprobs_with_top_logprobs(client, loaded) -> None:
+    prompt, out, lp = chat_reference(loaded, 10)
+    reply = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=10,
+                                           temperature=0, logprobs=True, top_logprobs=3)
+    body = reply.model_dump(exclude_unset=True)
+    validate_response(body)
+    entries = body["choices"][0]["logprobs"]["content"]
+    assert body["choices"][0]["logprobs"]["refusal"] is None
+    assert_chat_entries(entries, loaded, prompt, out, lp, 3)
+    raw = b"".join(bytes(e["bytes"]) for e in entries).decode()
+    assert reply.choices[0].message.content == raw.strip()  # the answer, trimmed as chat is
+
+
+def test_chat_logprobs_streamed_match_the_whole(client, loaded) -> None:
+    prompt, out, lp = chat_reference(loaded, 10)
+    chunks = list(client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=10, temperature=0, logprobs=True,
+        top_logprobs=2, stream=True))
+    entries: list[dict[str, Any]] = []
+    for chunk in chunks:
+        data = chunk.model_dump(exclude_unset=True)
+        validate_chunk(data)
+        for choice in data["choices"]:
+            if choice.get("logprobs"):
+                entries += choice["logprobs"]["content"]
+                # A token's numbers ride with the text it made.
+                assert choice["delta"].get("content") is not None
+    assert_chat_entries(entries, loaded, prompt, out, lp, 2)
+
+
+def test_chat_logprobs_without_alternatives_and_not_asked(http) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    r = http.post("/v1/chat/completions", json={**body, "logprobs": True})
+    data = r.json()
+    validate_response(data)
+    entries = data["choices"][0]["logprobs"]["content"]
+    assert len(entries) == data["usage"]["completion_tokens"]
+    assert all(e["top_logprobs"] == [] for e in entries)
+    for asked in ({}, {"logprobs": False}):
+        r = http.post("/v1/chat/completions", json={**body, **asked})
+        assert r.json()["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs_stop_at_a_stop_sequence(http, loaded) -> None:
+    """A token whose text a stop sequence swallowed has no entry; the text before it
+    does."""
+    _, out, _ = chat_reference(loaded, 12)
+    table = TokenTable(loaded[1])
+    pieces = [table.text_of(t) for t in out]
+    k = next(i for i in range(2, len(pieces)) if pieces[i].strip()
+             and "".join(pieces).find(pieces[i]) == len("".join(pieces[:i])))
+    r = http.post("/v1/chat/completions", json={
+        "messages": MESSAGES, "max_tokens": 12, "temperature": 0, "logprobs": True,
+        "stop": [pieces[k]]})
+    data = r.json()
+    validate_response(data)
+    assert data["choices"][0]["finish_reason"] == "stop"
+    assert [e["token"] for e in data["choices"][0]["logprobs"]["content"]] == pieces[:k]
+
+
+@pytest.mark.parametrize(("fields", "code", "param"), [
+    ({"logprobs": True, "top_logprobs": 21}, "invalid_value", "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "invalid_value", "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": "3"}, "invalid_type", "top_logprobs"),
+    ({"top_logprobs": 3}, "invalid_value", "top_logprobs"),
+    ({"logprobs": False, "top_logprobs": 3}, "invalid_value", "top_logprobs"),
+    ({"logprobs": "yes"}, "invalid_type", "logprobs"),
+])
+def test_chat_logprobs_bad_input(http, fields: dict[str, Any], code: str, param: str) -> None:
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, **fields})
+    assert r.status_code == 400, r.text
+    validate_error(r.json())
+    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == (code, param)

@@ -555,7 +555,7 @@ def test_tool_errors(fields: dict[str, Any], code: str, param: str) -> None:
          "stream_options.include_usage"),
         ({"stream": True, "stream_options": {"chunk": 1}}, "unknown_parameter",
          "stream_options.chunk"),
-        ({"logprobs": True}, "invalid_value", "logprobs"),
+        ({"top_logprobs": 2}, "invalid_value", "top_logprobs"),
         ({"logprobs": "no"}, "invalid_type", "logprobs"),
         ({"response_format": "json"}, "invalid_type", "response_format"),
         ({"response_format": {}}, "missing_required_parameter", "response_format.type"),
@@ -567,7 +567,8 @@ def test_tool_errors(fields: dict[str, Any], code: str, param: str) -> None:
     ],
     ids=["model-type", "stream-string", "stream-int", "stream-options-without-stream",
          "stream-options-stream-false", "stream-options-type", "include-usage-type",
-         "stream-option-unknown", "logprobs-true", "logprobs-type", "response-format-type",
+         "stream-option-unknown", "top-logprobs-without-logprobs", "logprobs-type",
+         "response-format-type",
          "response-format-no-type", "response-format-unknown", "functions", "function-call",
          "unknown-typo", "unknown-prompt"],
 )

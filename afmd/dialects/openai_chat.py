@@ -17,8 +17,10 @@ from afmd.core.events import (
     Content,
     Event,
     Finish,
+    Logprobs,
     Profile,
     Reasoning,
+    TokenLogprob,
     ToolCallArguments,
     ToolCallEnd,
     ToolCallStart,
@@ -90,6 +92,11 @@ class ChunkEncoder:
     def delta(self, delta: Mapping[str, Any]) -> bytes:
         return self._head + orjson.dumps(delta) + self._tail_open
 
+    def with_logprobs(self, delta: bytes, tokens: Sequence[TokenLogprob]) -> bytes:
+        """A chunk whose delta (encoded) came from ``tokens``."""
+        return (self._head + delta + b',"logprobs":' + orjson.dumps(logprobs_object(tokens))
+                + b',"finish_reason":null}]}\n\n')
+
     def content(self, text: str) -> bytes:
         return self._head + b'{"content":' + orjson.dumps(text) + b"}" + self._tail_open
 
@@ -114,6 +121,25 @@ class ChunkEncoder:
                 "usage": usage_object(usage),
             }
         )
+
+
+def logprobs_object(tokens: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """``choices[].logprobs``: the tokens, each with its bytes and top alternatives."""
+    return {
+        "content": [
+            {
+                "token": t.token,
+                "logprob": t.logprob,
+                "bytes": list(t.bytes),
+                "top_logprobs": [
+                    {"token": a.token, "logprob": a.logprob, "bytes": list(a.bytes)}
+                    for a in t.top
+                ],
+            }
+            for t in tokens
+        ],
+        "refusal": None,
+    }
 
 
 def _call_start(event: ToolCallStart) -> dict[str, Any]:
@@ -151,9 +177,12 @@ def assistant_message(
 class ChatCompletionReply:
     """One chat completion (``chat.completion``) or its stream of chunks."""
 
-    __slots__ = ("_chunks", "completion_id", "created", "fingerprint", "include_usage", "model")
+    __slots__ = ("_chunks", "completion_id", "created", "fingerprint", "include_usage",
+                 "logprobs", "model")
 
-    def __init__(self, *, model: str, fingerprint: str, include_usage: bool) -> None:
+    def __init__(self, *, model: str, fingerprint: str, include_usage: bool,
+                 logprobs: bool = False) -> None:
+        self.logprobs = logprobs  # the client asked for them
         self.completion_id = new_completion_id()
         self.created = int(time.time())
         self.model = model
@@ -165,6 +194,7 @@ class ChatCompletionReply:
         content: list[str] = []
         reasoning: list[str] = []
         calls: list[dict[str, Any]] = []
+        tokens: list[TokenLogprob] = []
         reason = "stop"
         usage = Usage(0, 0)
         for event in events:
@@ -180,6 +210,8 @@ class ChatCompletionReply:
                 reason = event.reason
             elif isinstance(event, Usage):
                 usage = event
+            elif isinstance(event, Logprobs):
+                tokens.extend(event.tokens)
         text = "".join(content)
         message = assistant_message(
             text if text or not calls else None,
@@ -192,9 +224,12 @@ class ChatCompletionReply:
             "created": self.created,
             "model": self.model,
             "system_fingerprint": self.fingerprint,
-            "choices": [
-                {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-            ],
+            "choices": [{
+                "index": 0,
+                "message": message,
+                "logprobs": logprobs_object(tokens) if self.logprobs else None,
+                "finish_reason": reason,
+            }],
             "usage": usage_object(usage),
         })
 
@@ -207,10 +242,22 @@ class ChatCompletionReply:
         chunks = self._chunks
         assert chunks is not None, "stream_start() comes first"
         out: list[bytes] = []
+        last: bytes | None = None  # the delta of the batch's last text chunk, if it is last
         for event in events:
+            if isinstance(event, Logprobs):
+                # With the text its tokens made: the last text chunk of this batch.
+                if last is not None:
+                    out[-1] = chunks.with_logprobs(last, event.tokens)
+                else:
+                    out.append(chunks.with_logprobs(b"{}", event.tokens))
+                last = None
+                continue
+            last = None
             if isinstance(event, Content):
+                last = b'{"content":' + orjson.dumps(event.text) + b"}"
                 out.append(chunks.content(event.text))
             elif isinstance(event, Reasoning):
+                last = b'{"reasoning_content":' + orjson.dumps(event.text) + b"}"
                 out.append(chunks.reasoning(event.text))
             elif isinstance(event, ToolCallStart):
                 out.append(chunks.delta(_call_start(event)))
@@ -245,7 +292,8 @@ class OpenAIChat:
         self, request: ChatRequest, *, model: str, fingerprint: str
     ) -> ChatCompletionReply:
         return ChatCompletionReply(model=model, fingerprint=fingerprint,
-                                   include_usage=request.include_usage)
+                                   include_usage=request.include_usage,
+                                   logprobs=request.logprobs is not None)
 
     def error_envelope(self, error: APIError) -> dict[str, Any]:
         return error.envelope()

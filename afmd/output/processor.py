@@ -63,6 +63,7 @@ class OutputProcessor:
         )
         self._pending_ws = ""
         self._content_started = False
+        self.released = 0  # characters of fed text the stop check has let through
 
     @property
     def should_stop(self) -> bool:
@@ -84,10 +85,14 @@ class OutputProcessor:
         return self._tools.calls if self._tools is not None else []
 
     def feed(self, text: str) -> list[Piece]:
-        return self._route(self._stops.feed(text), final=False)
+        safe = self._stops.feed(text)
+        self.released += len(safe)
+        return self._route(safe, final=False)
 
     def finish(self) -> list[Piece]:
-        return self._route(self._stops.flush(), final=True)
+        rest = self._stops.flush()
+        self.released += len(rest)
+        return self._route(rest, final=True)
 
     def _route(self, text: str, *, final: bool) -> list[Piece]:
         if self._reasoning is not None:

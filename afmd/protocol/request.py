@@ -67,7 +67,6 @@ IGNORED_FIELDS = frozenset(
         "prompt_cache_key",
         "verbosity",
         "web_search_options",
-        "top_logprobs",
     }
 )
 
@@ -80,11 +79,6 @@ def _one_choice(n: int, param: str) -> None:
         raise invalid(
             param, f"Invalid '{param}': {n}. afmd generates one choice per request; use 1."
         )
-
-
-def _no_logprobs(logprobs: bool, param: str) -> None:
-    if logprobs:
-        raise invalid(param, f"'{param}' is not supported; set it to false or omit it.")
 
 
 # The scalar fields in groups, each read where it stands in the order the body is checked
@@ -102,7 +96,8 @@ _SAMPLING = (
     Scalar("repetition_penalty", "number", minimum=0.0, maximum=10.0),
     Scalar("seed", "integer"),
     Scalar("n", "integer", default=1, minimum=1, rule=_one_choice),
-    Scalar("logprobs", "boolean", default=False, rule=_no_logprobs),
+    Scalar("logprobs", "boolean", default=False),
+    Scalar("top_logprobs", "integer", minimum=0, maximum=20),
 )
 _TOOL_USE = (
     Scalar("parallel_tool_calls", "boolean", default=True),
@@ -164,6 +159,8 @@ def parse_chat_request(
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools, server_tools)
     tool_use = read_scalars(body, _TOOL_USE)
 
+    if sampling["top_logprobs"] is not None and not sampling["logprobs"]:
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs' set to true.")
     # Both limits may be sent (old and new clients alike); the stricter one holds.
     max_tokens, limit = sampling["max_tokens"], sampling["max_completion_tokens"]
     if limit is not None and (max_tokens is None or limit < max_tokens):
@@ -187,4 +184,5 @@ def parse_chat_request(
         response_format=parse_response_format(body.get("response_format")),
         reasoning_effort=tool_use["reasoning_effort"],
         has_images=any(m.has_images for m in messages),
+        logprobs=(sampling["top_logprobs"] or 0) if sampling["logprobs"] else None,
     )
