@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from sanic.response import HTTPResponse
 
 from afmd.core.events import Event
 from afmd.core.ids import new_request_id
-from afmd.dialects.base import Dialect, Reply
+from afmd.dialects.base import Dialect, KeepsAlive, Reply
 from afmd.errors import APIError, InvalidRequestError, NotFoundError, ServiceUnavailableError
 from afmd.http.access import log_access
 from afmd.pipeline import ChatPipeline, ChatRun, PreparedChat
@@ -143,12 +144,12 @@ async def turn(request: Request) -> HTTPResponse | None:
     # (start() registers it before it can wait in the queue).
     state.running[request_id] += 1
     try:
+        if chat.stream:
+            await _stream(request, prepared, reply)
+            return None
         run = await pipeline.start(prepared)
         try:
             async with aclosing(aiter(run)) as batches:
-                if chat.stream:
-                    await _stream(request, run, batches, reply)
-                    return None
                 return await _complete(request, run, batches, reply)
         finally:
             pipeline.release(run)
@@ -170,48 +171,115 @@ async def _complete(
                         content_type="application/json")
 
 
-async def _stream(
-    request: Request, run: ChatRun, batches: AsyncIterator[list[Event]], reply: Reply
-) -> None:
+class _EventStream:
+    """A turn's SSE response. Its status line waits for the first batch of events (until
+    then any failure is a plain error), unless the dialect keeps quiet streams alive
+    (:class:`~afmd.dialects.base.KeepsAlive`): then a wait past its interval (queued, a
+    long prefill) opens the stream and sends its keep-alive, again after every quiet
+    interval, and a later failure is an error event like any after the stream began."""
+
+    __slots__ = ("_closed", "_first", "_headers", "_last", "_lock", "_pinger", "_request",
+                 "_response", "sent")
+
+    def __init__(self, request: Request, reply: Reply, headers: dict[str, str]) -> None:
+        self._request = request
+        self._first = reply.stream_start()  # before any batch is encoded, as replies expect
+        self._headers = headers
+        self._response: Any = None
+        self._lock = asyncio.Lock()  # one write at a time: a batch, or a keep-alive
+        self._last = time.monotonic()
+        self._closed = False
+        self._pinger: asyncio.Task[None] | None = None
+        self.sent = 0
+        if isinstance(reply, KeepsAlive):
+            self._pinger = asyncio.create_task(
+                self._keep_alive(reply.keepalive_interval, reply.keepalive()))
+
+    @property
+    def opened(self) -> bool:
+        return self._response is not None
+
+    async def write(self, data: bytes, *, last: bool = False) -> None:
+        """Send ``data``; ``last``: nothing but this follows (no keep-alive after it)."""
+        if last:
+            self.stop()
+        async with self._lock:
+            await self._send(data)
+
+    async def _send(self, data: bytes) -> None:
+        if self._response is None:
+            self._request.ctx.streamed = True
+            self._response = await self._request.respond(
+                status=200, headers=self._headers, content_type="text/event-stream")
+            data = self._first + data
+        self._last = time.monotonic()
+        self.sent += len(data)
+        await self._response.send(data)
+
+    async def _keep_alive(self, interval: float, ping: bytes) -> None:
+        """Send ``ping`` whenever ``interval`` seconds pass without a write."""
+        try:
+            while True:
+                await asyncio.sleep(max(0.0, self._last + interval - time.monotonic()))
+                async with self._lock:
+                    if self._closed:
+                        return
+                    if time.monotonic() - self._last >= interval:
+                        await self._send(ping)
+        except Exception:  # the connection went away: the handler learns it itself
+            return
+
+    def stop(self) -> None:
+        """No more keep-alives. A keep-alive being written is left to finish (cut short,
+        the stream would be left mid-event); a waiting one ends at once."""
+        self._closed = True
+        if self._pinger is not None and not self._lock.locked():
+            self._pinger.cancel()
+
+    async def eof(self) -> None:
+        await self._response.eof()
+
+
+async def _stream(request: Request, prepared: PreparedChat, reply: Reply) -> None:
     state = request.app.ctx.state
-    # The status line waits for the first token: until then any failure is a plain error.
-    batch = await _next_batch(state, run, batches)
-    request.ctx.streamed = True
-    response = await request.respond(
-        status=200,
-        headers={**SSE_HEADERS, **_response_headers(run.prepared)},
-        content_type="text/event-stream",
-    )
-    data = reply.stream_start()
-    sent = 0
+    pipeline: ChatPipeline = state.pipeline
+    out = _EventStream(request, reply, {**SSE_HEADERS, **_response_headers(prepared)})
     try:
-        while True:
-            data += reply.stream(batch)
-            if run.finished:
-                _note_end(request, run)
-                data += reply.stream_end()
-            sent += len(data)
-            await response.send(data)
-            if run.finished:
-                break
-            batch = await _next_batch(state, run, batches)
-            data = b""
+        try:
+            run = await pipeline.start(prepared)
+            try:
+                async with aclosing(aiter(run)) as batches:
+                    while True:
+                        batch = await _next_batch(state, run, batches)
+                        data = reply.stream(batch)
+                        if run.finished:
+                            _note_end(request, run)
+                            data += reply.stream_end()
+                        await out.write(data, last=run.finished)
+                        if run.finished:
+                            break
+            finally:
+                pipeline.release(run)
+        finally:
+            out.stop()
     except APIError as exc:
-        data = reply.stream_error(exc)
-        sent += len(data)
+        if not out.opened:
+            raise  # nothing was sent: a plain error
         request.ctx.stream_error = exc.code
         request.ctx.error = exc
-        await response.send(data)
+        await out.write(reply.stream_error(exc))
     except asyncio.CancelledError:
         # The connection went away under the stream: the 200 stays, the line says why.
-        if state.stop_error is not None:  # closed by the shutdown, past its last chance
-            request.ctx.stream_error = state.stop_error.code
-        else:
-            request.ctx.disconnected = True
+        if out.opened:
+            if state.stop_error is not None:  # closed by the shutdown, past its last chance
+                request.ctx.stream_error = state.stop_error.code
+            else:
+                request.ctx.disconnected = True
         raise
     finally:
-        log_access(request, 200, sent)
-    await response.eof()
+        if out.opened:
+            log_access(request, 200, out.sent)
+    await out.eof()
 
 
 @dataclass(frozen=True, slots=True)
