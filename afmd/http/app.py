@@ -36,7 +36,7 @@ from afmd.errors import (
     PayloadTooLargeError,
     ServerError,
 )
-from afmd.http import embeddings, responses, routes
+from afmd.http import embeddings, messages, responses, routes
 from afmd.http.access import CLIENT_CLOSED, log_access
 from afmd.http.screen import Cors, method_not_allowed, unknown_url
 from afmd.logs import get_logger
@@ -168,6 +168,7 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
     app.add_route(embeddings.cancel, "/v1/embeddings/<request_id:str>/cancel",
                   methods=["POST"], name="embeddings_cancel")
     responses.add_routes(app, state.config)
+    messages.add_routes(app)
     for route in routes.STATE_ROUTES:
         app.add_route(route.handler, route.path, methods=["GET"], name=route.name)
     app.add_route(routes.get_model, "/v1/models/<model_id:path>", methods=["GET"],

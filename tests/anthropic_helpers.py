@@ -1,0 +1,69 @@
+"""What the Anthropic Messages tests share: tools, a prompt, and the SSE reader."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and what is 2+3?"}]
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 999},
+        "b": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+# String properties carry maxLength and integers bounds so that the demo model's calls
+# stay short (its random weights otherwise write until max_tokens).
+TOOLS = [
+    {"name": "get_weather", "description": "Current weather in a city.",
+     "input_schema": WEATHER},
+    {"name": "add", "description": "Add two integers.", "input_schema": ADD},
+]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+#: A prompt the demo model answers at length when greedy (for runs that must last).
+STORY = {"system": "You are terse.",
+         "messages": [{"role": "user", "content": "Tell me a long story."}],
+         "temperature": 0}
+STORY_CHAT = {"messages": [{"role": "system", "content": "You are terse."},
+                           {"role": "user", "content": "Tell me a long story."}],
+              "temperature": 0}
+#: Seeds with which the demo model thinks before its forced calls (and one it does not).
+THINKS = (4, 11)
+NO_THINKING = 0
+
+
+def parse_events(text: str) -> list[tuple[str, dict[str, Any]]]:
+    """An Anthropic SSE body as (event name, data) pairs; the name must be the data's
+    ``type``, as Anthropic's are."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        lines = block.split("\n")
+        assert len(lines) == 2, block
+        assert lines[0].startswith("event: ") and lines[1].startswith("data: "), block
+        name, data = lines[0][len("event: "):], json.loads(lines[1][len("data: "):])
+        assert data["type"] == name, block
+        out.append((name, data))
+    return out
+
+
+def error_of(response: Any) -> tuple[str, str]:
+    """The type and message of an Anthropic error response, checked for its shape."""
+    body = response.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"}, body
+    return body["error"]["type"], body["error"]["message"]

@@ -1,0 +1,489 @@
+"""Anthropic's Messages API on the wire: the SSE events in order, the error envelope and
+statuses (the gate's refusals included), x-api-key, CORS, queue, ping, cancel, profile,
+shutdown; and the pieces under them (the error mapping, the gate's per-route envelope,
+the stop sequence the output chain reports, the thinking budget's grammar)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from afmd.config import load_config
+from afmd.core.request import ChatRequest, Message
+from afmd.dialects.anthropic_messages import ANTHROPIC_MESSAGES
+from afmd.dialects.base import error_response
+from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.errors import (
+    APIError,
+    AuthenticationError,
+    GatewayTimeoutError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    RateLimitError,
+    ServerError,
+    ServiceUnavailableError,
+    UnsupportedMediaTypeError,
+)
+from afmd.grammar.compiler import llg_tokenizer
+from afmd.http.gate import Gate, Reply
+from afmd.http.screen import GatePolicy, RouteVerdict
+from afmd.output.processor import OutputProcessor
+from afmd.turn import plan_turn
+
+from anthropic_helpers import (
+    MESSAGES,
+    SCHEMAS,
+    STORY,
+    STORY_CHAT,
+    THINKS,
+    TOOLS,
+    error_of,
+    parse_events,
+)
+from conftest import ServerProcess, start_server
+
+PATH = "/v1/messages"
+KEY = "sk-anthropic-test"
+ORIGIN = "http://good.example"
+BODY_LIMIT = 4096
+LONG = 8000  # tokens: far longer than any test waits
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    return {"model": "demo", "max_tokens": 8, "messages": MESSAGES, **fields}
+
+
+def story(**fields: Any) -> dict[str, Any]:
+    """A stream that lasts far longer than any test waits."""
+    return body(**{**STORY, "max_tokens": LONG, "stream": True, **fields})
+
+
+def blocks_of(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The content blocks a stream built, checked event by event: each block starts,
+    takes deltas of its own kind and stops before the next starts, indexes 0, 1, …"""
+    kinds = {"text": "text_delta", "thinking": "thinking_delta",
+             "tool_use": "input_json_delta"}
+    built: list[dict[str, Any]] = []
+    open_block: dict[str, Any] | None = None
+    for name, data in events:
+        if name == "content_block_start":
+            assert open_block is None and data["index"] == len(built)
+            open_block = dict(data["content_block"], _json="")
+        elif name == "content_block_delta":
+            assert open_block is not None and data["index"] == len(built)
+            delta = data["delta"]
+            assert delta["type"] == kinds[open_block["type"]]
+            key = {"text_delta": "text", "thinking_delta": "thinking"}.get(delta["type"])
+            if key:
+                open_block[key] += delta[key]
+            else:
+                open_block["_json"] += delta["partial_json"]
+        elif name == "content_block_stop":
+            assert open_block is not None and data["index"] == len(built)
+            built.append(open_block)
+            open_block = None
+    assert open_block is None
+    return built
+
+
+# --------------------------------------------------------------------------- the stream
+
+
+@pytest.mark.parametrize("seed", THINKS[:1])
+def test_stream_event_order_with_thinking_and_tool_use(http: httpx.Client, seed: int) -> None:
+    response = http.post(PATH, json=body(max_tokens=300, tools=TOOLS, stream=True, seed=seed,
+                                         tool_choice={"type": "any"}))
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in parse_events(response.text) if e[0] != "ping"]
+    names = [name for name, _ in events]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    assert set(names[1:-2]) == {"content_block_start", "content_block_delta",
+                                "content_block_stop"}
+    start = events[0][1]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None
+    assert start["id"].startswith("msg_") and start["model"] == "demo"
+    built = blocks_of(events)
+    assert built[0]["type"] == "thinking" and built[0]["thinking"]
+    assert built[0]["signature"] == ""
+    calls = built[1:]
+    assert calls and all(b["type"] == "tool_use" for b in calls)
+    for block in calls:
+        assert block["id"].startswith("toolu_") and block["input"] == {}
+        jsonschema.validate(json.loads(block["_json"]), SCHEMAS[block["name"]])
+    fragments = [d for n, d in events if n == "content_block_delta"
+                 and d["delta"]["type"] == "input_json_delta"]
+    assert len(fragments) > len(calls)
+    delta = events[-2][1]
+    assert delta["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    usage = delta["usage"]
+    assert usage["output_tokens"] > 0 and usage["input_tokens"] > 0
+    assert usage["output_tokens_details"]["thinking_tokens"] > 0
+    assert usage["cache_creation_input_tokens"] == 0
+
+
+def test_stream_of_text_ends_with_max_tokens(http: httpx.Client) -> None:
+    response = http.post(PATH, json=body(max_tokens=6, stream=True, temperature=0))
+    events = [e for e in parse_events(response.text) if e[0] != "ping"]
+    built = blocks_of(events)
+    assert [b["type"] for b in built] == ["text"]
+    whole = http.post(PATH, json=body(max_tokens=6, temperature=0)).json()
+    assert whole["content"] == [{"type": "text", "text": built[0]["text"]}]
+    assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
+    assert events[-2][1]["usage"]["output_tokens"] == 6
+    assert whole["usage"]["output_tokens"] == 6
+
+
+def test_profile_event_before_message_stop(server: ServerProcess, http: httpx.Client) -> None:
+    response = http.post(PATH, json=body(stream=True), headers={"X-AFM-Profile": "true"})
+    names = [name for name, _ in parse_events(response.text)]
+    assert names[-3:] == ["message_delta", "afm_profile", "message_stop"]
+    profile = parse_events(response.text)[-2][1]["afm_profile"]
+    assert profile["completion_tokens"] == 8
+    # The official client steps over the event.
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    with claude.messages.stream(model="demo", max_tokens=8, messages=MESSAGES,
+                                extra_headers={"X-AFM-Profile": "true"}) as stream:
+        message = stream.get_final_message()
+    assert message.usage.output_tokens == 8
+
+
+def test_cancel_by_request_id(server: ServerProcess, http: httpx.Client) -> None:
+    rid = f"anthropic-{uuid.uuid4().hex[:8]}"
+    text: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("POST", server.url + PATH, json=story(),
+                          headers={"X-Request-ID": rid}, timeout=60) as response:
+            for chunk in response.iter_text():
+                text.append(chunk)
+                if "content_block_delta" in chunk:
+                    started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert started.wait(30)
+    cancelled = http.post(f"{PATH}/{rid}/cancel")
+    assert cancelled.status_code == 200
+    assert cancelled.json() == {"id": rid, "type": "message_cancellation", "cancelled": True}
+    reader.join(30)
+    events = parse_events("".join(text))
+    assert events[-2][1]["delta"]["stop_reason"] == "cancelled"
+    assert events[-1][0] == "message_stop"
+    missing = http.post(f"{PATH}/{rid}/cancel")
+    assert missing.status_code == 404
+    assert error_of(missing)[0] == "not_found_error"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_request_errors_are_anthropic_errors(http: httpx.Client) -> None:
+    cases = [
+        ({"model": "demo", "messages": MESSAGES}, "max_tokens: "),
+        (body(max_tokens=0), "max_tokens: "),
+        (body(messages=[]), "messages: "),
+        (body(messages=[{"role": "system", "content": "x"}]), "messages[0].role: "),
+        (body(messages=[*MESSAGES, {"role": "assistant", "content": "Sure"}]),
+         "messages[1].role: "),
+        (body(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
+         "tools[0].type: "),
+        (body(tools=[{"name": "f"}]), "tools[0].input_schema: "),
+        (body(tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}), "tool_choice.name: "),
+        (body(tool_choice={"type": "any"}), "tool_choice.type: "),
+        (body(tools=[{"name": "f", "input_schema": {"type": "object", "properties": 3}}]),
+         "tools[0].input_schema: "),
+        (body(stop_sequences="x"), "stop_sequences: "),
+        (body(thinking={"type": "sometimes"}), "thinking.type: "),
+        (body(output_config={"effort": "extreme"}), "output_config.effort: "),
+        (body(stream="yes"), "stream: "),
+    ]
+    for payload, prefix in cases:
+        response = http.post(PATH, json=payload)
+        assert response.status_code == 400, (payload, response.text)
+        kind, message = error_of(response)
+        assert kind == "invalid_request_error"
+        assert message.startswith(prefix), (prefix, message)
+    broken = http.post(PATH, content=b"{", headers={"Content-Type": "application/json"})
+    assert broken.status_code == 400 and error_of(broken)[0] == "invalid_request_error"
+
+
+def test_the_gates_refusals_use_the_routes_envelope(http: httpx.Client) -> None:
+    unknown = http.post(f"{PATH}/nope", json={})
+    assert unknown.status_code == 404 and error_of(unknown)[0] == "not_found_error"
+    method = http.get(PATH)
+    assert method.status_code == 405 and error_of(method)[0] == "invalid_request_error"
+    assert method.headers["allow"] == "POST"
+    media = http.post(PATH, content=b"{}", headers={"Content-Type": "text/plain"})
+    assert media.status_code == 415 and error_of(media)[0] == "invalid_request_error"
+    count = http.post(f"{PATH}/count_tokens", json={"messages": MESSAGES})
+    assert count.status_code == 400
+    assert error_of(count) == ("invalid_request_error",
+                               "model: Missing required parameter: 'model'.")
+    # Other routes keep OpenAI's envelope.
+    chat = http.post("/v1/nope", json={})
+    assert chat.status_code == 404 and chat.json()["error"]["code"] == "unknown_url"
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = start_server(tmp_path_factory.mktemp("guarded"), config=f"""
+[server]
+api_key = "{KEY}"
+allowed_origins = ["{ORIGIN}"]
+max_request_body_bytes = {BODY_LIMIT}
+""")
+    yield proc
+    proc.stop()
+
+
+def test_api_key_in_x_api_key_or_bearer(guarded: ServerProcess) -> None:
+    url = guarded.url + PATH
+    for headers in ({"x-api-key": KEY}, {"Authorization": f"Bearer {KEY}"},
+                    {"x-api-key": KEY, "anthropic-version": "2023-06-01",
+                     "anthropic-beta": "prompt-caching-2024-07-31"}):
+        assert httpx.post(url, json=body(max_tokens=1), headers=headers).status_code == 200
+    for headers in ({}, {"x-api-key": "sk-wrong"}, {"x-api-key": ""},
+                    {"x-api-key": "sk-wrong", "Authorization": f"Bearer {KEY}"}):
+        refused = httpx.post(url, json=body(max_tokens=1), headers=headers)
+        assert refused.status_code == 401, headers
+        assert error_of(refused)[0] == "authentication_error"
+    # Any route takes the key either way; other routes answer in OpenAI's envelope.
+    chat = guarded.url + "/v1/chat/completions"
+    payload = {"messages": MESSAGES, "max_tokens": 1}
+    assert httpx.post(chat, json=payload, headers={"x-api-key": KEY}).status_code == 200
+    assert httpx.post(chat, json=payload).json()["error"]["code"] == "invalid_api_key"
+    # The official client sends x-api-key.
+    claude = anthropic.Anthropic(base_url=guarded.url, api_key=KEY, max_retries=0)
+    assert claude.messages.create(**body(max_tokens=1)).usage.output_tokens == 1
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=guarded.url, api_key="sk-wrong",
+                            max_retries=0).messages.create(**body(max_tokens=1))
+
+
+def test_guarded_refusals(guarded: ServerProcess) -> None:
+    url = guarded.url + PATH
+    large = httpx.post(url, json=body(system="x" * BODY_LIMIT), headers={"x-api-key": KEY})
+    assert large.status_code == 413 and error_of(large)[0] == "request_too_large"
+    foreign = httpx.post(url, json=body(), headers={"x-api-key": KEY,
+                                                    "Origin": "http://evil.example"})
+    assert foreign.status_code == 403 and error_of(foreign)[0] == "permission_error"
+    preflight = httpx.options(url, headers={"Origin": ORIGIN,
+                                            "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 204
+    allowed = {h.strip().lower()
+               for h in preflight.headers["access-control-allow-headers"].split(",")}
+    assert {"x-api-key", "anthropic-version", "anthropic-beta", "content-type"} <= allowed
+    allowed_origin = httpx.post(url, json=body(max_tokens=1),
+                                headers={"x-api-key": KEY, "Origin": ORIGIN})
+    assert allowed_origin.headers["access-control-allow-origin"] == ORIGIN
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One slot, one place in the queue, and a short request_timeout."""
+    proc = start_server(tmp_path_factory.mktemp("tight"), config="""
+[queue]
+max_concurrent_requests = 1
+max_queued_requests = 1
+[server]
+request_timeout = 9
+""")
+    yield proc
+    proc.stop()
+
+
+def test_queued_stream_pings_then_fails_with_an_error_event(tight: ServerProcess) -> None:
+    """A stream waiting in the queue opens and pings; its request_timeout passing later
+    (queued or generating) is an error event; a third request is refused with 429."""
+    url = tight.url
+    hog_started = threading.Event()
+
+    def hog() -> None:
+        payload = {**STORY_CHAT, "max_tokens": LONG, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=payload,
+                          timeout=60) as response:
+            for _ in response.iter_bytes():
+                hog_started.set()
+
+    threading.Thread(target=hog, daemon=True).start()
+    assert hog_started.wait(30)
+    waited: list[tuple[float, str]] = []
+    sent = time.monotonic()
+    queued_open = threading.Event()
+
+    def queued() -> None:
+        with httpx.stream("POST", url + PATH, json=story(), timeout=60) as response:
+            assert response.status_code == 200
+            queued_open.set()
+            for line in response.iter_lines():
+                waited.append((time.monotonic() - sent, line))
+
+    reader = threading.Thread(target=queued, daemon=True)
+    reader.start()
+    assert queued_open.wait(15), "the queued stream did not open"
+    refused = httpx.post(url + PATH, json=body())
+    assert refused.status_code == 429
+    assert int(refused.headers["retry-after"]) >= 1
+    assert error_of(refused)[0] == "rate_limit_error"
+    reader.join(60)
+    events = parse_events("".join(line + "\n" for _, line in waited))
+    names = [name for name, _ in events]
+    assert names[:2] == ["message_start", "ping"]
+    ping_at = next(t for t, line in waited if line == "event: ping")
+    assert 4.0 < ping_at < 8.0, ping_at
+    assert names[-1] == "error" and "message_stop" not in names
+    assert events[-1][1]["error"]["type"] == "timeout_error"
+
+
+def test_shutdown_is_overloaded_with_retry_after(tmp_path: Path) -> None:
+    proc = start_server(tmp_path, config="[server]\nshutdown_grace = 1\n")
+    results: dict[str, Any] = {}
+    generating = threading.Event()
+
+    def plain() -> None:
+        results["plain"] = httpx.post(proc.url + PATH, json=story(stream=False), timeout=60)
+
+    def streamed() -> None:
+        with httpx.stream("POST", proc.url + PATH, json=story(), timeout=60) as response:
+            text = ""
+            for chunk in response.iter_text():
+                text += chunk
+                if "content_block_delta" in text:
+                    generating.set()
+            results["stream"] = text
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (plain, streamed)]
+    for thread in threads:
+        thread.start()
+    try:
+        assert generating.wait(30)
+        time.sleep(0.3)
+        proc.proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(30)
+    finally:
+        assert proc.stop() == 0
+    plain_response = results["plain"]
+    assert plain_response.status_code == 529
+    assert plain_response.headers["retry-after"] == "1"
+    assert error_of(plain_response)[0] == "overloaded_error"
+    last = parse_events(results["stream"])[-1]
+    assert last[0] == "error" and last[1]["error"]["type"] == "overloaded_error"
+
+
+# --------------------------------------------------------------------------- the pieces
+
+
+@pytest.mark.parametrize(("error", "status", "kind"), [
+    (InvalidRequestError("x"), 400, "invalid_request_error"),
+    (AuthenticationError("x"), 401, "authentication_error"),
+    (PermissionDeniedError("x"), 403, "permission_error"),
+    (NotFoundError("x"), 404, "not_found_error"),
+    (PayloadTooLargeError("x"), 413, "request_too_large"),
+    (UnsupportedMediaTypeError("x"), 415, "invalid_request_error"),
+    (RateLimitError("x", headers={"Retry-After": "3"}), 429, "rate_limit_error"),
+    (ServerError("x"), 500, "api_error"),
+    (ServiceUnavailableError("x", code="busy"), 529, "overloaded_error"),
+    (GatewayTimeoutError("x"), 504, "timeout_error"),
+])
+def test_error_mapping(error: APIError, status: int, kind: str) -> None:
+    got_status, envelope, headers = error_response(ANTHROPIC_MESSAGES, error)
+    assert got_status == status
+    assert envelope == {"type": "error", "error": {"type": kind, "message": "x"}}
+    if status in (429, 529):
+        assert headers["Retry-After"] == ("3" if status == 429 else "1")
+    # Without a style, the error is OpenAI's, as before.
+    assert error_response(None, error) == (error.status, error.envelope(),
+                                           dict(error.headers))
+
+
+def test_params_are_named_in_anthropics_terms() -> None:
+    def message(error: APIError) -> str:
+        return ANTHROPIC_MESSAGES.error_envelope(error)["error"]["message"]
+
+    assert message(InvalidRequestError("bad", param="tools[2].function.parameters")) == (
+        "tools[2].input_schema: bad")
+    assert message(InvalidRequestError("bad", param="response_format.json_schema.schema")) == (
+        "output_config.format.schema: bad")
+    assert message(InvalidRequestError("bad", param="messages[3].content",
+                                       code="image_input_not_supported")) == "messages: bad"
+    assert message(InvalidRequestError("bad", param="max_tokens")) == "max_tokens: bad"
+
+
+def test_the_gate_answers_in_the_style_its_route_names() -> None:
+    def route(method: str, path: str) -> RouteVerdict | tuple[int, tuple[str, ...]]:
+        if path == PATH:
+            return RouteVerdict(200 if method == "POST" else 405, ("POST",),
+                                ANTHROPIC_MESSAGES)
+        return 404, ()  # a check written before styles: OpenAI's envelope
+
+    policy = GatePolicy(route=route, api_key=KEY.encode())
+    for path, status, kind in ((PATH, 401, "authentication_error"), ("/v1/x", 404, None)):
+        out = Gate(policy).feed(f"POST {path} HTTP/1.1\r\nHost: localhost\r\n"
+                                "Content-Length: 0\r\n\r\n".encode())
+        assert isinstance(out[0], Reply) and out[0].rejection is not None
+        assert out[0].rejection.status == status
+        payload = json.loads(out[0].data.split(b"\r\n\r\n", 1)[1])
+        if kind is None:
+            assert payload["error"]["code"] == "unknown_url"
+        else:
+            assert payload["error"]["type"] == kind
+    accepted = Gate(policy).feed(f"POST {PATH} HTTP/1.1\r\nHost: localhost\r\nx-api-key: "
+                                 f"{KEY}\r\nContent-Length: 0\r\n\r\n".encode())
+    assert not isinstance(accepted[0], Reply)
+
+
+def test_output_chain_names_the_stop_that_matched() -> None:
+    output = OutputProcessor(stops=("END", "</answer>"))
+    assert output.stop_sequence is None
+    pieces = output.feed("some text </ans") + output.feed("wer> more")
+    assert output.stopped_by_sequence and output.stop_sequence == "</answer>"
+    assert "".join(p.text for p in pieces) == "some text"
+
+
+@pytest.fixture(scope="module")
+def demo_model() -> Iterator[LoadedModel]:
+    registry = ModelRegistry(load_config(None, env={}))
+
+    async def load() -> LoadedModel:
+        return await registry.begin_load(registry.resolve("demo"))
+
+    yield asyncio.run(load())
+    registry.close()
+
+
+def test_thinking_budget_closes_the_block_in_free_text(demo_model: LoadedModel) -> None:
+    """With no tools and no format the budget still binds: a grammar ends the thinking
+    block at the budget (and a request without a budget keeps the grammar-free path)."""
+    request = ChatRequest(messages=(Message("user", "Hi"),), thinking_budget=3)
+    prompt = demo_model.render_prompt([{"role": "user", "content": "Hi"}])
+    assert plan_turn(ChatRequest(messages=request.messages), demo_model, prompt,
+                     64).grammar is None
+    grammar = plan_turn(request, demo_model, prompt, 64).grammar
+    assert grammar is not None
+    tokenizer = llg_tokenizer(demo_model.tokenizer, demo_model.vocab_size, demo_model.eos_ids)
+    start, end = (tokenizer.tokenize_str(m) for m in ("<think>", "</think>"))
+    words = tokenizer.tokenize_str(" one two three four")
+    assert len(words) >= 4
+    matcher = grammar.matcher()
+    assert matcher.consume_tokens(start + words[:3])
+    assert matcher.validate_tokens(words[3:4]) == 0, "a fourth thinking token"
+    assert matcher.validate_tokens(end) == len(end)
+    free = grammar.matcher()
+    assert free.consume_tokens(words), "an answer without thinking is free text"
