@@ -449,6 +449,54 @@ def test_the_gate_answers_in_the_style_its_route_names() -> None:
     assert not isinstance(accepted[0], Reply)
 
 
+def test_a_conversation_in_afmds_terms() -> None:
+    """Blocks become afmd's messages: system blocks joined, a user turn's results as tool
+    messages in the order of the calls then its text, thinking as the turn's reasoning,
+    consecutive turns of one role as one, the choice and sampling fields mapped."""
+    raw = json.dumps({
+        "model": "claude-x", "max_tokens": 50, "stop_sequences": ["END"],
+        "system": [{"type": "text", "text": "Be brief."},
+                   {"type": "text", "text": "Be right.", "cache_control": {"type": "x"}}],
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "user", "content": [{"type": "text", "text": "And a sum."}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Two calls.", "signature": "sig"},
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "text", "text": "Calling."},
+                {"type": "tool_use", "id": "toolu_a", "name": "get_weather",
+                 "input": {"city": "Paris", "unit": "celsius"}},
+                {"type": "tool_use", "id": "toolu_b", "name": "add", "input": {"a": 2, "b": 3}},
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_b", "content": "5"},
+                {"type": "tool_result", "tool_use_id": "toolu_a", "is_error": True,
+                 "content": [{"type": "text", "text": "down"}]},
+                {"type": "text", "text": "Go on."},
+            ]},
+        ],
+        "tools": TOOLS, "tool_choice": {"type": "tool", "name": "add",
+                                        "disable_parallel_tool_use": True},
+        "thinking": {"type": "enabled", "budget_tokens": 20},
+        "output_config": {"effort": "max"}, "top_k": 5, "unknown_field": [1],
+    }).encode()
+    chat = ANTHROPIC_MESSAGES.parse(raw)
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "Be brief.\n\nBe right."), ("user", "Weather?\n\nAnd a sum."),
+        ("assistant", "Calling."), ("tool", "Error: down"), ("tool", "5"), ("user", "Go on.")]
+    assistant = chat.messages[2]
+    assert assistant.reasoning == "Two calls."
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in assistant.tool_calls] == [
+        ("toolu_a", "get_weather", {"city": "Paris", "unit": "celsius"}),
+        ("toolu_b", "add", {"a": 2, "b": 3})]
+    assert [m.tool_call_id for m in chat.messages[3:5]] == ["toolu_a", "toolu_b"]
+    assert chat.tool_choice.mode == "required" and chat.tool_choice.allowed == ("add",)
+    assert not chat.parallel_tool_calls
+    assert (chat.model, chat.max_tokens, chat.stop, chat.top_k) == ("claude-x", 50, ("END",), 5)
+    assert (chat.reasoning_effort, chat.thinking_budget) == ("xhigh", 20)
+    assert [t.parameters for t in chat.tools] == [t["input_schema"] for t in TOOLS]
+
+
 def test_output_chain_names_the_stop_that_matched() -> None:
     output = OutputProcessor(stops=("END", "</answer>"))
     assert output.stop_sequence is None

@@ -17,8 +17,8 @@ Choices where afmd and Anthropic differ (the README's Anthropic section says the
   known at the end, in ``message_delta``, whose usage the client takes as the totals.
 * ``stop_reason`` is ``cancelled`` for a run cancelled by its ``X-Request-ID`` (Anthropic
   has no such end; afmd's chat says ``finish_reason: "cancelled"`` alike).
-* A ``thinking`` block's ``signature`` is empty: afmd does not sign its reasoning, and
-  drops thinking blocks sent back.
+* A ``thinking`` block's ``signature`` is empty: afmd does not sign its reasoning (and
+  takes thinking blocks sent back whatever their signature).
 * Errors: afmd's 503 (overloaded, a model still loading, shutting down) is Anthropic's
   529 ``overloaded_error``; 429 and 529 carry ``Retry-After``. The message starts with
   the param the problem is in (``max_tokens: …``), as Anthropic's do.

@@ -8,9 +8,9 @@ calls) followed by its text; consecutive turns of one role are one turn, as Anth
 merges them. Every problem is a 400 naming its param (``messages[2].content[0].source``).
 
 Fields that mean nothing locally are accepted and ignored, as are unknown ones (Anthropic
-adds fields often, and clients send them). ``thinking`` blocks sent back are dropped: the
-chat templates afmd renders drop earlier turns' reasoning anyway, and their signatures
-are opaque.
+adds fields often, and clients send them). ``thinking`` blocks sent back become that
+assistant turn's reasoning (templates that know ``reasoning_content`` render it, others
+drop it); their signatures are opaque to afmd, and ``redacted_thinking`` has no text.
 """
 
 from __future__ import annotations
@@ -274,11 +274,14 @@ def _unsupported_block(kind: str, p: str, role: str) -> InvalidRequestError:
 
 def _assistant(turn: _Turn) -> Message:
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[ToolCall] = []
     for p, block in turn.blocks:
         kind = _block_type(block, p)
         if kind == "text":
             texts.append(required(block, "text", f"{p}.text", str, "a string"))
+        elif kind == "thinking":
+            thoughts.append(required(block, "thinking", f"{p}.thinking", str, "a string"))
         elif kind == "tool_use":
             call_id = required(block, "id", f"{p}.id", str, "a string")
             if not call_id:
@@ -290,12 +293,13 @@ def _assistant(turn: _Turn) -> Message:
             name = required(block, "name", f"{p}.name", str, "a string")
             arguments = required(block, "input", f"{p}.input", dict, "an object")
             calls.append(ToolCall(call_id, name, orjson.dumps(arguments).decode()))
-        elif kind in ("thinking", "redacted_thinking"):
+        elif kind == "redacted_thinking":
             continue  # see the module docstring
         else:
             raise _unsupported_block(kind, p, "assistant")
     text = "\n\n".join(t for t in texts if t)
-    return Message("assistant", text or (None if calls else ""), tool_calls=tuple(calls))
+    return Message("assistant", text or (None if calls else ""), tool_calls=tuple(calls),
+                   reasoning="\n\n".join(t for t in thoughts if t) or None)
 
 
 def _image(block: dict[str, Any], p: str) -> None:
