@@ -266,7 +266,9 @@ SCREENING = [
     ("origin-before-route", _head(path="/v1/nope", extra="Origin: http://evil.example\r\n"),
      403, "origin_not_allowed"),
     ("route-unknown", _head(path="/v1/nope"), 404, "unknown_url"),
-    ("route-before-auth", _head(path="/v1/completions", extra=JSON_CT), 404, "unknown_url"),
+    # (an unknown route: /v1/completions is served now)
+    ("route-before-auth", _head(path="/v1/engines/davinci/completions", extra=JSON_CT), 404,
+     "unknown_url"),
     ("method-wrong", _head(method="PUT"), 405, "method_not_allowed"),
     ("method-before-auth", _head(method="DELETE", extra=""), 405, "method_not_allowed"),
     ("auth-missing", _head(extra=JSON_CT), 401, "invalid_api_key"),
