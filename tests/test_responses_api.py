@@ -132,6 +132,24 @@ def test_function_call_loop_codex_style(client) -> None:
     assert third.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 1
 
 
+def test_previous_response_id_through_a_function_call(client) -> None:
+    """The stored turn ends in calls; the next request sends only their outputs."""
+    first, _ = create(client, input=QUESTION, tools=TOOLS, tool_choice="required",
+                      parallel_tool_calls=False, max_output_tokens=300,
+                      extra_body={"seed": 1})
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    second, _ = create(client, previous_response_id=first.id, tools=TOOLS,
+                       max_output_tokens=16, input=[
+                           {"type": "function_call_output", "call_id": call.call_id,
+                            "output": "5"}])
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 1
+    with pytest.raises(openai.BadRequestError) as unanswered:
+        client.responses.create(model="demo", previous_response_id=first.id, tools=TOOLS,
+                                input="What now?")
+    assert unanswered.value.body["code"] == "missing_tool_output"
+    assert unanswered.value.body["param"] == "previous_response_id"
+
+
 def test_previous_response_id_continues_from_the_prefix_cache(client) -> None:
     kwargs = {"instructions": "You are terse.", "max_output_tokens": 16, "temperature": 0}
     first, first_wire = create(client, input="Tell me about Paris.", **kwargs)

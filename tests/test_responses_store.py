@@ -154,7 +154,8 @@ KEY = {"Authorization": "Bearer sekrit"}
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("responses-guarded")
-    srv = start_server(tmp, config='[server]\napi_key = "sekrit"\nrequest_timeout = 1.0\n')
+    srv = start_server(tmp, config='[server]\napi_key = "sekrit"\nrequest_timeout = 3.0\n'
+                       "[queue]\nmax_concurrent_requests = 1\nmax_queued_requests = 0\n")
     yield srv
     srv.stop()
 
@@ -205,6 +206,24 @@ def test_a_failure_after_the_stream_began_is_error_then_failed(guarded: ServerPr
                               headers=KEY).json()
     validate_response(stored_object)
     assert stored_object == response_object
+
+
+def test_a_full_queue_is_429_and_a_late_answer_504(guarded: ServerProcess) -> None:
+    """The queue and request_timeout hold for this dialect as for chat, in its envelope."""
+    long = {"input": "Tell me a long story.", "max_output_tokens": 8000, "temperature": 0}
+    with httpx.Client(timeout=30) as c, c.stream(
+            "POST", guarded.url + "/v1/responses", json={**long, "stream": True},
+            headers=KEY) as hog:
+        chunks = hog.iter_bytes()  # kept: a dropped iterator closes the stream
+        next(chunks)  # it holds the only slot
+        full = httpx.post(guarded.url + "/v1/responses", json=long, headers=KEY, timeout=30)
+        assert full.status_code == 429 and "retry-after" in full.headers
+        validate_error(full.json())
+        assert full.json()["error"]["code"] == "rate_limited"
+    late = httpx.post(guarded.url + "/v1/responses", json=long, headers=KEY, timeout=30)
+    assert late.status_code == 504
+    validate_error(late.json())
+    assert late.json()["error"]["code"] == "timeout"
 
 
 def test_persisted_responses_survive_a_restart(tmp_path: Path) -> None:

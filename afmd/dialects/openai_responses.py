@@ -1,7 +1,8 @@
 """OpenAI's Responses API on the wire (``POST /v1/responses``): the adapter.
 
-The body is checked into the internal request (:mod:`afmd.dialects.responses_request`,
-items in :mod:`afmd.dialects.responses_items`), the run's events become a response object
+The body is checked into the internal request (:mod:`afmd.dialects.responses_request`;
+items in :mod:`afmd.dialects.responses_items`, tools, ``text`` and the rest in
+:mod:`afmd.dialects.responses_fields`), the run's events become a response object
 or its stream of semantic events (:mod:`afmd.dialects.responses_output`), and a response
 with ``store`` (the API's default) is kept in the bounded store
 (:mod:`afmd.dialects.responses_store`) that ``previous_response_id`` and the

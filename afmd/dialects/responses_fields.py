@@ -1,0 +1,232 @@
+"""The fields of a Responses body that shape the turn beyond its input: function tools
+(flat, as this API defines them) and ``tool_choice``, ``text.format``, ``reasoning``,
+``include`` and ``metadata``, each checked and also returned in the form the response
+object echoes. OpenAI's hosted tools are ``unsupported_tool``, named by their index.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from typing import Any
+
+from afmd.core.request import ResponseFormat, ToolChoice, ToolSpec
+from afmd.errors import InvalidRequestError
+from afmd.protocol.fields import (
+    invalid,
+    missing,
+    not_one_of,
+    optional,
+    quoted,
+    reject_unknown,
+    required,
+    wrong_type,
+)
+
+#: OpenAI's hosted tools: a local model has none of them.
+HOSTED_TOOLS = frozenset({
+    "file_search", "computer", "computer_use_preview", "web_search", "web_search_2025_08_26",
+    "web_search_preview", "web_search_preview_2025_03_11", "mcp", "code_interpreter",
+    "programmatic_tool_calling", "image_generation", "local_shell", "shell", "custom",
+    "namespace", "tool_search", "apply_patch",
+})
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+SUMMARIES = ("auto", "concise", "detailed")
+INCLUDABLE = (
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs", "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+)
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
+MAX_METADATA = 16
+
+
+def _unsupported_tool(param: str, kind: Any) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"The tool type {quoted(kind)} is one of OpenAI's hosted tools, which afmd does not "
+        "have; only 'function' tools are supported.", code="unsupported_tool", param=param)
+
+
+def parse_tools(value: Any) -> tuple[tuple[ToolSpec, ...], tuple[dict[str, Any], ...]]:
+    """The function tools (flat, as Responses defines them) and their echo."""
+    if value is None:
+        return (), ()
+    if not isinstance(value, list):
+        raise wrong_type("tools", "an array", value)
+    specs: list[ToolSpec] = []
+    echo: list[dict[str, Any]] = []
+    for i, tool in enumerate(value):
+        p = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise wrong_type(p, "an object", tool)
+        kind = tool.get("type")
+        if kind is None:
+            raise missing(f"{p}.type")
+        if kind in HOSTED_TOOLS:
+            raise _unsupported_tool(p, kind)
+        if kind != "function":
+            raise not_one_of(f"{p}.type", kind, ("function",))
+        name = required(tool, "name", f"{p}.name", str, "a string")
+        if _NAME.fullmatch(name) is None:
+            raise invalid(f"{p}.name", f"Invalid tool name {quoted(name)}: use 1-64 "
+                          "characters among a-z, A-Z, 0-9, _ and -.")
+        if any(s.name == name for s in specs):
+            raise invalid(f"{p}.name", f"Duplicate tool name '{name}'.")
+        description = optional(tool, "description", f"{p}.description", str, "a string")
+        parameters = optional(tool, "parameters", f"{p}.parameters", dict, "an object")
+        strict = optional(tool, "strict", f"{p}.strict", bool, "a boolean")
+        strict = True if strict is None else strict  # the Responses API's default
+        specs.append(ToolSpec(name, description, parameters, strict))
+        echo.append({"type": "function", "name": name, "description": description,
+                     "parameters": parameters, "strict": strict})
+    return tuple(specs), tuple(echo)
+
+
+def _choice_name(value: Any, param: str, names_: set[str]) -> str:
+    if not isinstance(value, dict):
+        raise wrong_type(param, "an object", value)
+    kind = value.get("type")
+    if kind is None:
+        raise missing(f"{param}.type")
+    if kind in HOSTED_TOOLS:
+        raise _unsupported_tool(f"{param}.type", kind)
+    if kind != "function":
+        raise not_one_of(f"{param}.type", kind, ("function",))
+    name = required(value, "name", f"{param}.name", str, "a string")
+    if name not in names_:
+        raise InvalidRequestError(
+            f"'{param}' names the tool {quoted(name)}, which is not in 'tools'.",
+            code="unknown_tool", param=f"{param}.name")
+    return name
+
+
+def parse_tool_choice(
+    value: Any, tools: tuple[ToolSpec, ...], server_tools: Collection[str]
+) -> tuple[ToolChoice, str | dict[str, Any]]:
+    """``tool_choice`` against the tools on offer, and its echo."""
+    names_ = {t.name for t in tools} | set(server_tools)
+    if value is None:
+        return ToolChoice("auto" if names_ else "none"), "auto"
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise not_one_of("tool_choice", value, ("none", "auto", "required"))
+        if value == "required" and not names_:
+            raise invalid("tool_choice", "'tool_choice' is 'required' but no 'tools' are given.")
+        return ToolChoice(value if names_ else "none"), value
+    if not isinstance(value, dict):
+        raise wrong_type("tool_choice", "a string or an object", value)
+    kind = value.get("type")
+    if kind is None:
+        raise missing("tool_choice.type")
+    if kind == "allowed_tools":
+        mode = value.get("mode")
+        if mode is None:
+            raise missing("tool_choice.mode")
+        if mode not in ("auto", "required"):
+            raise not_one_of("tool_choice.mode", mode, ("auto", "required"))
+        listed = value.get("tools")
+        if listed is None:
+            raise missing("tool_choice.tools")
+        if not isinstance(listed, list) or not listed:
+            raise invalid("tool_choice.tools", "'tool_choice.tools' must be a non-empty array.")
+        allowed = [_choice_name(t, f"tool_choice.tools[{i}]", names_)
+                   for i, t in enumerate(listed)]
+        return ToolChoice(mode, tuple(dict.fromkeys(allowed))), {
+            "type": "allowed_tools", "mode": mode,
+            "tools": [{"type": "function", "name": n} for n in allowed]}
+    name = _choice_name(value, "tool_choice", names_)
+    return ToolChoice("required", (name,), named=True), {"type": "function", "name": name}
+
+
+def parse_text(value: Any) -> tuple[ResponseFormat | None, dict[str, Any]]:
+    """``text`` (its ``format`` enforced by the grammar, as chat's ``response_format``)."""
+    if value is None:
+        return None, {"format": {"type": "text"}, "verbosity": "medium"}
+    if not isinstance(value, dict):
+        raise wrong_type("text", "an object", value)
+    reject_unknown(value, frozenset({"format", "verbosity"}), prefix="text.")
+    verbosity = value.get("verbosity") or "medium"
+    if verbosity not in ("low", "medium", "high"):
+        raise not_one_of("text.verbosity", verbosity, ("low", "medium", "high"))
+    spec = value.get("format")
+    if spec is None:
+        return None, {"format": {"type": "text"}, "verbosity": verbosity}
+    if not isinstance(spec, dict):
+        raise wrong_type("text.format", "an object", spec)
+    kind = spec.get("type")
+    if kind is None:
+        raise missing("text.format.type")
+    if kind == "text":
+        return None, {"format": {"type": "text"}, "verbosity": verbosity}
+    if kind == "json_object":
+        return ResponseFormat("json_object"), {"format": {"type": "json_object"},
+                                               "verbosity": verbosity}
+    if kind != "json_schema":
+        raise not_one_of("text.format.type", kind, ("text", "json_object", "json_schema"))
+    name = required(spec, "name", "text.format.name", str, "a string")
+    if _NAME.fullmatch(name) is None:
+        raise invalid("text.format.name", f"Invalid name {quoted(name)}: use 1-64 characters "
+                      "among a-z, A-Z, 0-9, _ and -.")
+    schema = required(spec, "schema", "text.format.schema", dict, "an object")
+    strict = optional(spec, "strict", "text.format.strict", bool, "a boolean")
+    description = optional(spec, "description", "text.format.description", str, "a string")
+    echo: dict[str, Any] = {"type": "json_schema", "name": name, "schema": schema,
+                            "strict": bool(strict)}
+    if description is not None:
+        echo["description"] = description
+    return (ResponseFormat("json_schema", schema, name, bool(strict)),
+            {"format": echo, "verbosity": verbosity})
+
+
+def parse_reasoning(value: Any) -> dict[str, Any]:
+    """``reasoning``: ``effort`` maps like chat's ``reasoning_effort``; the rest is echoed."""
+    if value is None:
+        return {"effort": None, "summary": None}
+    if not isinstance(value, dict):
+        raise wrong_type("reasoning", "an object", value)
+    reject_unknown(value, frozenset({"effort", "summary", "generate_summary", "context",
+                                     "mode"}), prefix="reasoning.")
+    effort = value.get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise not_one_of("reasoning.effort", effort, REASONING_EFFORTS)
+    summary = value.get("summary")
+    for key in ("summary", "generate_summary"):
+        given = value.get(key)
+        if given is not None and given not in SUMMARIES:
+            raise not_one_of(f"reasoning.{key}", given, SUMMARIES)
+    for key in ("context", "mode"):
+        optional(value, key, f"reasoning.{key}", str, "a string")
+    return {"effort": effort, "summary": summary or value.get("generate_summary")}
+
+
+def parse_include(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise wrong_type("include", "an array", value)
+    for i, entry in enumerate(value):
+        if entry not in INCLUDABLE:
+            if not isinstance(entry, str):
+                raise wrong_type(f"include[{i}]", "a string", entry)
+            raise not_one_of(f"include[{i}]", entry, INCLUDABLE)
+    return tuple(value)
+
+
+def parse_metadata(value: Any) -> dict[str, str]:
+    """Up to 16 string pairs, keys of at most 64 characters and values of at most 512."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise wrong_type("metadata", "an object", value)
+    if len(value) > MAX_METADATA:
+        raise invalid("metadata", f"'metadata' holds at most {MAX_METADATA} pairs, "
+                      f"got {len(value)}.")
+    for key, text in value.items():
+        if len(key) > 64:
+            raise invalid(f"metadata.{key[:64]}", "A metadata key is at most 64 characters.")
+        if not isinstance(text, str):
+            raise wrong_type(f"metadata.{key}", "a string", text)
+        if len(text) > 512:
+            raise invalid(f"metadata.{key}", "A metadata value is at most 512 characters.")
+    return dict(value)
