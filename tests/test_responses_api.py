@@ -132,6 +132,19 @@ def test_function_call_loop_codex_style(client) -> None:
     assert third.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 1
 
 
+def test_named_and_allowed_tool_choices_bind_the_call(client) -> None:
+    allowed = {"type": "allowed_tools", "mode": "required",
+               "tools": [{"type": "function", "name": "add"}]}
+    for choice in ({"type": "function", "name": "add"}, allowed):
+        response, wire = create(client, input=QUESTION, tools=TOOLS, tool_choice=choice,
+                                parallel_tool_calls=False, max_output_tokens=300,
+                                extra_body={"seed": 2})
+        assert wire["tool_choice"] == choice
+        (call,) = [item for item in response.output if item.type == "function_call"]
+        assert call.name == "add"
+        jsonschema.validate(json.loads(call.arguments), ADD)
+
+
 def test_previous_response_id_through_a_function_call(client) -> None:
     """The stored turn ends in calls; the next request sends only their outputs."""
     first, _ = create(client, input=QUESTION, tools=TOOLS, tool_choice="required",
