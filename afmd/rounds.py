@@ -74,11 +74,13 @@ class RoundBuilder:
     def _build(self, request: ChatRequest, trim: bool, first_step: bool) -> Round:
         limit = self.model.context_length
         budget = request.max_tokens
+        # The room the prompt must leave: all of max_tokens, unless it is only a cap.
+        need = budget if budget is not None and not request.max_tokens_shrinks else 1
         prompt = self.render(request)
         trimmed = 0
-        if len(prompt) + (budget or 1) > limit and trim:
-            request, prompt, trimmed = self._fit(request, limit, budget or 1)
-        if budget is not None:
+        if len(prompt) + need > limit and trim:
+            request, prompt, trimmed = self._fit(request, limit, need)
+        if budget is not None and not request.max_tokens_shrinks:
             if len(prompt) + budget > limit:
                 raise _context_error(limit, len(prompt), budget)
             max_tokens = budget
@@ -86,6 +88,8 @@ class RoundBuilder:
             max_tokens = limit - len(prompt)
             if max_tokens < 1:
                 raise _context_error(limit, len(prompt), None)
+            if budget is not None:
+                max_tokens = min(budget, max_tokens)
         plan = plan_turn(request, self.model, prompt, max_tokens, first_step=first_step,
                          template_tools=self._tools)
         plan.prepare_processors()  # the grammar matcher is built here, off the event loop

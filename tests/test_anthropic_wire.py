@@ -303,6 +303,10 @@ max_concurrent_requests = 1
 max_queued_requests = 1
 [server]
 request_timeout = 9
+[[models.model]]
+id = "tiny-ctx"
+path = "afmd:demo"
+context_length = 64
 """)
     yield proc
     proc.stop()
@@ -349,6 +353,30 @@ def test_queued_stream_pings_then_fails_with_an_error_event(tight: ServerProcess
     assert 4.0 < ping_at < 8.0, ping_at
     assert names[-1] == "error" and "message_stop" not in names
     assert events[-1][1]["error"]["type"] == "timeout_error"
+
+
+def test_max_tokens_is_a_cap_the_context_window_lowers(tight: ServerProcess) -> None:
+    """Claude Code asks for max_tokens far beyond a small local context: the answer runs
+    until the window is full and says so (chat still refuses it, as OpenAI does)."""
+    response = httpx.post(tight.url + PATH, json=body(model="tiny-ctx", max_tokens=32000,
+                                                      **STORY), timeout=60)
+    assert response.status_code == 200, response.text
+    message = response.json()
+    assert message["stop_reason"] == "model_context_window_exceeded"
+    usage = message["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage[
+        "output_tokens"] == 64
+    capped = httpx.post(tight.url + PATH, json=body(model="tiny-ctx", max_tokens=3, **STORY),
+                        timeout=60).json()
+    assert capped["stop_reason"] == "max_tokens" and capped["usage"]["output_tokens"] == 3
+    chat = httpx.post(tight.url + "/v1/chat/completions", timeout=60, json={
+        **STORY_CHAT, "model": "tiny-ctx", "max_tokens": 32000})
+    assert chat.status_code == 400
+    assert chat.json()["error"]["code"] == "context_length_exceeded"
+    too_long = httpx.post(tight.url + PATH, timeout=60, json=body(
+        model="tiny-ctx", messages=[{"role": "user", "content": "word " * 200}]))
+    assert too_long.status_code == 400
+    assert error_of(too_long)[1].startswith("messages: This model's maximum context length")
 
 
 def test_shutdown_is_overloaded_with_retry_after(tmp_path: Path) -> None:

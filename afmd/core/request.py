@@ -90,6 +90,9 @@ class ChatRequest:
     #: Most tokens the model may spend thinking before it must answer (None: unbounded);
     #: enforced by the grammar, which closes the thinking block at the budget.
     thinking_budget: int | None = None
+    #: ``max_tokens`` is a cap the context window may lower (Anthropic's), not a demand a
+    #: prompt too long to leave room for it fails (OpenAI's 400).
+    max_tokens_shrinks: bool = False
     has_images: bool = False
     #: Report each generated token's log-probability with this many most likely
     #: alternatives (0-20); None: no log-probabilities (``logprobs`` false or absent).

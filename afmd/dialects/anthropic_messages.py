@@ -17,6 +17,8 @@ Choices where afmd and Anthropic differ (the README's Anthropic section says the
   known at the end, in ``message_delta``, whose usage the client takes as the totals.
 * ``stop_reason`` is ``cancelled`` for a run cancelled by its ``X-Request-ID`` (Anthropic
   has no such end; afmd's chat says ``finish_reason: "cancelled"`` alike).
+* ``max_tokens`` is a cap, as Anthropic's: a prompt that leaves less room in the context
+  window still runs, and ends with ``model_context_window_exceeded`` when it fills it.
 * A ``thinking`` block's ``signature`` is empty: afmd does not sign its reasoning (and
   takes thinking blocks sent back whatever their signature).
 * Errors: afmd's 503 (overloaded, a model still loading, shutting down) is Anthropic's
@@ -103,12 +105,17 @@ def usage_object(usage: Usage) -> dict[str, Any]:
     }
 
 
-def stop_reason(finish: Finish) -> tuple[str, str | None]:
-    """``stop_reason`` and ``stop_sequence`` for the run's end."""
+def stop_reason(finish: Finish, usage: Usage | None = None,
+                max_tokens: int | None = None) -> tuple[str, str | None]:
+    """``stop_reason`` and ``stop_sequence`` for the run's end; a length end short of
+    ``max_tokens`` is the context window's."""
     if finish.reason == "stop":
         if finish.stop_sequence is not None:
             return "stop_sequence", finish.stop_sequence
         return "end_turn", None
+    if (finish.reason == "length" and usage is not None and max_tokens is not None
+            and usage.completion_tokens < max_tokens):
+        return "model_context_window_exceeded", None
     return _STOP_REASONS.get(finish.reason, finish.reason), None
 
 
@@ -127,14 +134,15 @@ class MessageReply:
 
     keepalive_interval = PING_INTERVAL
 
-    __slots__ = ("_block", "_index", "_stop", "message_id", "model")
+    __slots__ = ("_block", "_finish", "_index", "max_tokens", "message_id", "model")
 
-    def __init__(self, *, model: str) -> None:
+    def __init__(self, *, model: str, max_tokens: int | None = None) -> None:
         self.message_id = new_message_id()
         self.model = model
+        self.max_tokens = max_tokens
         self._index = -1  # the last block opened
         self._block: str | None = None  # the open block's type
-        self._stop: tuple[str, str | None] = ("end_turn", None)
+        self._finish = Finish("stop")
 
     def _message(self, content: list[dict[str, Any]], usage: Usage | None,
                  stop: tuple[str | None, str | None]) -> dict[str, Any]:
@@ -152,7 +160,7 @@ class MessageReply:
     def body(self, events: Sequence[Event]) -> bytes:
         content: list[dict[str, Any]] = []
         usage = Usage(0, 0)
-        stop: tuple[str, str | None] = ("end_turn", None)
+        finish = Finish("stop")
         for event in events:
             last = content[-1] if content else None
             if isinstance(event, Reasoning):
@@ -171,9 +179,10 @@ class MessageReply:
                 content.append({"type": "tool_use", "id": tool_use_id(call.id),
                                 "name": call.name, "input": tool_input(call.arguments)})
             elif isinstance(event, Finish):
-                stop = stop_reason(event)
+                finish = event
             elif isinstance(event, Usage):
                 usage = event
+        stop = stop_reason(finish, usage, self.max_tokens)
         return orjson.dumps(self._message(content, usage, stop))
 
     # -- the stream --
@@ -227,9 +236,9 @@ class MessageReply:
                 out.append(self._close())
             elif isinstance(event, Finish):
                 out.append(self._close())
-                self._stop = stop_reason(event)
+                self._finish = event
             elif isinstance(event, Usage):
-                reason, sequence = self._stop
+                reason, sequence = stop_reason(self._finish, event, self.max_tokens)
                 out.append(sse("message_delta", {
                     "type": "message_delta",
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
@@ -261,7 +270,7 @@ class AnthropicMessages:
         return parse_count_request(raw, server_tools=server_tools)
 
     def reply(self, request: ChatRequest, *, model: str, fingerprint: str) -> MessageReply:
-        return MessageReply(model=model)
+        return MessageReply(model=model, max_tokens=request.max_tokens)
 
     def error_status(self, error: APIError) -> tuple[int, Mapping[str, str]]:
         status = 529 if error.status == 503 else error.status

@@ -124,6 +124,7 @@ def _parse(
         response_format=response_format,
         reasoning_effort=reasoning_effort,
         thinking_budget=budget if kind == "enabled" else None,
+        max_tokens_shrinks=True,  # a cap, as Anthropic's: the context window may lower it
         has_images=images,
     )
 
