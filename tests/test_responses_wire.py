@@ -289,7 +289,9 @@ def test_cancel_by_request_id_ends_it_cancelled(server, streamed: bool) -> None:
         response = json.loads(run.text)
         validate_response(response)
     assert response["status"] == "cancelled" and response["incomplete_details"] is None
-    assert response["output"][0]["status"] == "incomplete"
-    assert 0 < response["usage"]["output_tokens"] < LONG
+    # A whole response may be cancelled before its first token (then it has no output).
+    assert response["output"] or not streamed
+    assert all(item["status"] == "incomplete" for item in response["output"])
+    assert (0 if response["output"] else -1) < response["usage"]["output_tokens"] < LONG
     gone = httpx.post(f"{server.url}/v1/responses/{rid}/cancel", timeout=10)
     assert gone.status_code == 404 and gone.json()["cancelled"] is False
