@@ -136,7 +136,7 @@ def parse_head(head: bytes) -> RequestHead:
             "The request URL is too long.", code="malformed_request", status=414))
     authority: bytes | None = None
     if not wire.TARGET.fullmatch(target):
-        authority, target = _absolute(target)
+        authority, target = wire.split_absolute(target)
         request_line = b"%s %s %s" % (method, target, version)
 
     fields = lines[1:]
@@ -256,27 +256,6 @@ def parse_head(head: bytes) -> RequestHead:
 
 def _repeated(raw_name: bytes) -> Refused:
     return Refused(bad(f"The {raw_name.decode()} header must not be repeated."))
-
-
-def _absolute(target: bytes) -> tuple[bytes, bytes]:
-    """The authority and the origin-form of an absolute-form ``target``."""
-    m = wire.ABSOLUTE.fullmatch(target)
-    if m is None:
-        scheme = wire.SCHEME.match(target)
-        if scheme and scheme.group().lower() != b"http:":
-            raise Refused(bad(
-                f"The request target's scheme '{show(scheme.group()[:-1], 20)}' is not "
-                "served here; send a path starting with '/' (or an http:// URL)."))
-        raise Refused(bad(
-            "The request target must be a path starting with '/' (or an absolute "
-            "http:// URL), in visible ASCII, without a fragment."))
-    authority = m.group(1)
-    if b"@" in authority:
-        raise Refused(bad("The request target's URL must not contain userinfo."))
-    if (problem := wire.host_problem(authority)) or not authority.partition(b":")[0]:
-        raise Refused(bad(f"The request target's authority {problem or 'has no host'}."))
-    rest = m.group(2) or b""
-    return authority, rest if rest.startswith(b"/") else b"/" + rest
 
 
 class ContentLengthBody:

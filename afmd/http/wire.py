@@ -30,6 +30,7 @@ __all__ = [
     "host_problem",
     "render_json",
     "show",
+    "split_absolute",
     "status_line",
 ]
 
@@ -115,6 +116,27 @@ class Refused(Exception):
         super().__init__(error.message)
         self.error = error
         self.cors = cors
+
+
+def split_absolute(target: bytes) -> tuple[bytes, bytes]:
+    """The authority and the origin-form of an absolute-form ``target``."""
+    m = ABSOLUTE.fullmatch(target)
+    if m is None:
+        scheme = SCHEME.match(target)
+        if scheme and scheme.group().lower() != b"http:":
+            raise Refused(bad(
+                f"The request target's scheme '{show(scheme.group()[:-1], 20)}' is not "
+                "served here; send a path starting with '/' (or an http:// URL)."))
+        raise Refused(bad(
+            "The request target must be a path starting with '/' (or an absolute "
+            "http:// URL), in visible ASCII, without a fragment."))
+    authority = m.group(1)
+    if b"@" in authority:
+        raise Refused(bad("The request target's URL must not contain userinfo."))
+    if (problem := host_problem(authority)) or not authority.partition(b":")[0]:
+        raise Refused(bad(f"The request target's authority {problem or 'has no host'}."))
+    rest = m.group(2) or b""
+    return authority, rest if rest.startswith(b"/") else b"/" + rest
 
 
 _STATUS_LINES: dict[int, bytes] = {}
