@@ -18,7 +18,7 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from afmd.engine import demo
+from afmd.engine import demo, logprobs
 from afmd.engine.base import (
     Finished,
     Generation,
@@ -99,7 +99,11 @@ def request(prompt: list[int], max_tokens: int = 12, **extra: Any) -> Generation
                              max_tokens=max_tokens, **extra)
 
 
-def test_generated_token_logprobs_equal_mlx_lm(loaded, worker) -> None:
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "mlx-graph"])
+def test_generated_token_logprobs_equal_mlx_lm(loaded, worker, monkeypatch, on_host) -> None:
+    """Both ways of normalising a row: numpy on the host (MLX's CPU backend) and the
+    step's own MLX graph (a GPU), forced here whatever the device."""
+    monkeypatch.setattr(logprobs, "_on_host", lambda: on_host)
     model, tokenizer = loaded
     prompt = tokenizer.encode("def fibonacci(n):\n    if n < 2:\n", add_special_tokens=False)
     (events,) = generate(worker, request(prompt, logprobs=5))

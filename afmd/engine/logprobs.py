@@ -1,11 +1,16 @@
 """Log-probabilities of the tokens a model generates or is given, for the rows that ask.
 
 The decode step normalises only the rows that asked (a greedy row that did not ask keeps
-taking the argmax of raw logits), computes the sampled token's log-probability and the
-top alternatives in the same lazy graph as the next tokens, so they are evaluated with
-them and reading them back never waits behind the next forward pass. Values are
-``log_softmax`` of the logits the sampler saw (after grammar masks and penalties, before
-temperature and top-p), in float32, as mlx-lm reports them.
+taking the argmax of raw logits). Values are ``log_softmax`` of the logits the sampler saw
+(after grammar masks and penalties, before temperature and top-p), in float32, as mlx-lm
+reports them, with the most likely alternatives.
+
+Where the normalisation runs depends on the device. On a GPU it joins the step's lazy
+graph (evaluated with the next tokens, so reading it back never waits behind the next
+forward pass). MLX's CPU backend computes ``exp`` one element at a time, which made a
+32k-vocabulary row's log-softmax and top-k cost several decode steps; there the step
+keeps the row's logits (a copy, evaluated with the tokens) and numpy's vectorised
+routines normalise it when the token is handed out.
 
 A prompt's own log-probabilities (``echo``) need the logits of every prompt position,
 which a prefill throws away; :func:`prompt_logprobs` runs the model over the prompt once
@@ -14,7 +19,7 @@ more, in chunks through a KV cache, keeping only the numbers asked for.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -26,30 +31,54 @@ from afmd.engine.base import TokenLogprob
 #: The most alternatives a position reports (OpenAI's chat maximum).
 MAX_TOP = 20
 # Prompt positions evaluated per forward pass: bounds the float32 logits held at once.
-_PROMPT_CHUNK = 256
+_PROMPT_CHUNK = 64
 
 
-@dataclass(slots=True)
+def _on_host() -> bool:
+    return mx.default_device() == mx.cpu
+
+
 class StepLogprobs:
-    """One decode step's numbers for the rows that asked, read back once for all rows."""
+    """One step's numbers for the rows that asked (``wants``: (row, k) pairs), computed
+    lazily; :attr:`arrays` is what to evaluate together with the step's tokens."""
 
-    chosen: mx.array  # (rows,)
-    top_ids: mx.array | None  # (rows, k) unordered, or None when no row wants any
-    top_values: mx.array | None
-    _lists: tuple[list[Any], list[Any], list[Any]] | None = field(default=None, init=False)
+    __slots__ = ("_lists", "_logits", "_on_host", "arrays")
 
-    @property
-    def arrays(self) -> list[mx.array]:
-        return [a for a in (self.chosen, self.top_ids, self.top_values) if a is not None]
+    def __init__(self, logits: mx.array, tokens: mx.array, wants: list[tuple[int, int]]
+                 ) -> None:
+        rows = [row for row, _ in wants]
+        if len(rows) < logits.shape[0]:
+            index = mx.array(rows)
+            logits, tokens = logits[index], tokens[index]
+        logits = logits.astype(mx.float32)
+        self._on_host = _on_host()
+        self._lists: tuple[list[Any], list[Any], list[Any]] | None = None
+        self._logits: np.ndarray | mx.array = logits
+        if self._on_host:
+            self.arrays = [logits]
+            return
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1), axis=-1)[:, 0]
+        k = min(max(k for _, k in wants), logprobs.shape[-1])
+        if k <= 0:
+            self.arrays = [chosen]
+            return
+        top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+        self.arrays = [chosen, top_ids, mx.take_along_axis(logprobs, top_ids, axis=-1)]
 
-    def lists(self) -> tuple[list[Any], list[Any], list[Any]]:
+    def row(self, index: int, token: int, k: int) -> TokenLogprob:
+        """Row ``index``'s numbers (the arrays evaluated)."""
+        if self._on_host:
+            if not isinstance(self._logits, np.ndarray):
+                self._logits = np.array(self._logits)
+            return _from_logits(self._logits[index], token, k, normalised=False)
         if self._lists is None:
-            self._lists = (
-                self.chosen.tolist(),
-                self.top_ids.tolist() if self.top_ids is not None else [],
-                self.top_values.tolist() if self.top_values is not None else [],
-            )
-        return self._lists
+            chosen, *top = self.arrays
+            self._lists = (chosen.tolist(), top[0].tolist() if top else [],
+                           top[1].tolist() if top else [])
+        chosen_l, ids, values = self._lists
+        pairs = list(zip(ids[index][:k], values[index][:k], strict=True)) if ids else []
+        return TokenLogprob(token, float(chosen_l[index]), _ordered(pairs))
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,21 +90,9 @@ class RowLogprobs:
     k: int
 
 
-def step_logprobs(logits: mx.array, tokens: mx.array, wants: list[tuple[int, int]]) -> StepLogprobs:
-    """The sampled tokens' log-probabilities and top alternatives of rows ``wants`` ((row,
-    k) pairs), lazily: the caller evaluates them together with ``tokens``."""
-    rows = [row for row, _ in wants]
-    if len(rows) < logits.shape[0]:
-        index = mx.array(rows)
-        logits, tokens = logits[index], tokens[index]
-    logits = logits.astype(mx.float32)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1), axis=-1)[:, 0]
-    k = min(max(k for _, k in wants), logprobs.shape[-1])
-    if k <= 0:
-        return StepLogprobs(chosen, None, None)
-    top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
-    return StepLogprobs(chosen, top_ids, mx.take_along_axis(logprobs, top_ids, axis=-1))
+def step_logprobs(logits: mx.array, tokens: mx.array, wants: list[tuple[int, int]]
+                  ) -> StepLogprobs:
+    return StepLogprobs(logits, tokens, wants)
 
 
 def resolve(entry: Any, token: int, k: int) -> TokenLogprob:
@@ -85,20 +102,24 @@ def resolve(entry: Any, token: int, k: int) -> TokenLogprob:
     own step when the row joined the batch), that step's full log-probability vector.
     """
     if isinstance(entry, RowLogprobs):
-        chosen, ids, values = entry.step.lists()
-        i = entry.index
-        top = list(zip(ids[i][: entry.k], values[i][: entry.k], strict=True)) if ids else []
-        return TokenLogprob(token, float(chosen[i]), _ordered(top))
-    vector = np.array(entry.astype(mx.float32)).reshape(-1)
-    return TokenLogprob(token, float(vector[token]), _top(vector, k))
+        return entry.step.row(entry.index, token, entry.k)
+    return _from_logits(np.array(entry.astype(mx.float32)).reshape(-1), token, k,
+                        normalised=True)
 
 
-def _top(vector: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:
+def _from_logits(vector: np.ndarray, token: int, k: int, *, normalised: bool
+                 ) -> TokenLogprob:
+    if normalised:
+        lse = 0.0
+    else:
+        top = float(vector.max())
+        lse = top + float(np.log(np.exp(vector - top).sum(dtype=np.float64)))
     k = min(k, vector.shape[-1])
-    if k <= 0:
-        return ()
-    ids = np.argpartition(-vector, k - 1)[:k]
-    return _ordered([(int(i), float(vector[i])) for i in ids])
+    pairs: list[tuple[int, float]] = []
+    if k > 0:
+        ids = np.argpartition(vector, vector.shape[-1] - k)[-k:]
+        pairs = [(int(i), float(vector[i]) - lse) for i in ids]
+    return TokenLogprob(token, float(vector[token]) - lse, _ordered(pairs))
 
 
 def _ordered(pairs: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -115,12 +136,9 @@ def prompt_logprobs(model: Any, prompt: list[int], k: int) -> tuple[TokenLogprob
     inputs = prompt[:-1]
     for start in range(0, len(inputs), _PROMPT_CHUNK):
         chunk = inputs[start : start + _PROMPT_CHUNK]
-        targets = mx.array(prompt[start + 1 : start + 1 + len(chunk)])
+        targets = prompt[start + 1 : start + 1 + len(chunk)]
         logits = model(mx.array([chunk]), cache=cache)[0]
-        step = step_logprobs(logits, targets, [(row, k) for row in range(len(chunk))])
+        step = StepLogprobs(logits, mx.array(targets), [(row, k) for row in range(len(chunk))])
         mx.eval(step.arrays)
-        chosen, ids, values = step.lists()
-        for row, token in enumerate(prompt[start + 1 : start + 1 + len(chunk)]):
-            top = list(zip(ids[row], values[row], strict=True)) if ids else []
-            out.append(TokenLogprob(token, float(chosen[row]), _ordered(top)))
+        out += [step.row(row, token, k) for row, token in enumerate(targets)]
     return tuple(out)
