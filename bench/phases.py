@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from bench import servers
 from bench.grammar import m_grammar
+from bench.logprobs import m_logprobs
 from bench.measure import m_levels, m_prefix, m_rps, m_single, m_ttft, warm_up
 from bench.plan import BIG_MAX_TOKENS, ROOT, Ctx
 from bench.profiled import profile_afmd, strace_both
@@ -76,6 +77,9 @@ async def bench_http(ctx: Ctx, system: str, srv: servers.Server, *, grammar: boo
         if grammar:
             r.grammar = await guarded(ctx, system, "grammar",
                                       m_grammar(ctx, srv.port, system)) or r.grammar
+            r.logprobs = await guarded(ctx, system, "logprobs",
+                                       m_logprobs(ctx, srv.port, system)) or r.logprobs
+            ctx.log(f"    top_logprobs 5 decode {fmt(r.logprobs.pct)} of without")
         r.floods.update(await guarded(ctx, system, "requests/s", m_rps(
             ctx, srv.port, {"health": "/health", "models": "/v1/models"})) or {})
         health = r.flood("health")

@@ -255,6 +255,18 @@ Pick = Callable[["SystemResults"], Value | None]
 
 
 @dataclass
+class LogprobsRate(Flat):
+    """Greedy decode with top_logprobs 5 against the same-length requests without."""
+
+    PREFIX: ClassVar[str] = "logprobs_"
+    with_tps: Value | None = None
+    without_tps: Value | None = None
+    pct: Value | None = None  # decode phase, per-pair ratio
+    e2e_pct: Value | None = None
+    tokens: list[int] | None = None
+
+
+@dataclass
 class SystemResults:
     """Everything measured for one system, and what went wrong while measuring it."""
 
@@ -271,6 +283,7 @@ class SystemResults:
     paired: Paired = field(default_factory=Paired)
     soak: Soak = field(default_factory=Soak)
     slowloris: Slowloris = field(default_factory=Slowloris)
+    logprobs: LogprobsRate = field(default_factory=LogprobsRate)
     errors: dict[str, str] = field(default_factory=dict)  # phase label → traceback
     fatal: str | None = None  # the server (or raw process) could not be measured at all
 
@@ -319,6 +332,7 @@ class SystemResults:
             out.update(part)
         out.update(self.soak.items())  # newer rows: their keys come after the older ones
         out.update(self.slowloris.items())
+        out.update(self.logprobs.items())
         if self.errors:
             out["_errors"] = self.errors
         if self.fatal is not None:

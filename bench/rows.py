@@ -86,8 +86,8 @@ def evaluate(rows: list[Row], res: Measurements) -> list[dict[str, Any]]:
 
 def declare(p: Plan) -> list[Row]:
     """Every row, in the table's order (titles name the plan's token counts)."""
-    return [*_speed(p), *_grammar(p), *_requests(p), *_footprint(), *_resilience(p),
-            *_extras(p)]
+    return [*_speed(p), *_grammar(p), _logprobs(p), *_requests(p), *_footprint(),
+            *_resilience(p), *_extras(p)]
 
 
 def _speed(p: Plan) -> list[Row]:
@@ -194,6 +194,31 @@ def _grammar_row(kind: str, label: str, where: str, key: str) -> Row:
              "(a grammar ends early; free text runs to max_tokens). Decode phase: "
              "tokens after the first / (last delta − first delta); in a batch "
              "Σ(tokens − 1) / (last delta of any − first delta of any)")
+
+
+def _logprobs(p: Plan) -> Row:
+    """afmd's greedy decode rate with top_logprobs 5 as % of the same without."""
+    def pct(s: SystemResults) -> Value | None:
+        return s.logprobs.pct
+
+    def figures(res: Measurements) -> dict[str, Any]:
+        lp = res.afmd.logprobs
+        return {"with_tps": med(lp.with_tps), "without_tps": med(lp.without_tps),
+                "e2e_pct": med(lp.e2e_pct)}
+
+    def detail(res: Measurements, _: float) -> str:
+        lp = res.afmd.logprobs
+        return (f"decode {num(med(lp.with_tps))} vs {num(med(lp.without_tps))} tok/s; "
+                f"end to end {num(med(lp.e2e_pct), suffix='%')}")
+
+    return Row(
+        "logprobs_top5_decode", "decode with logprobs, top_logprobs 5 (% of without)",
+        "afmd ≥ 85%", {"afmd": pct, "mlx_lm_server": AFMD_ONLY, "raw": NO_RAW},
+        Threshold(afmd(pct), ">=", 85.0, figures=figures, detail=detail),
+        note=f"{2 * p.runs} pairs of single greedy streams ({p.max_tokens} tokens), unique "
+             "prompts of equal length, one asking logprobs with top_logprobs 5 and one "
+             "not, the second held to the first's tokens, the order alternating; per-pair "
+             "ratio of decode-phase rates (tokens after the first / (last − first delta))")
 
 
 def _requests(p: Plan) -> list[Row]:

@@ -30,6 +30,7 @@ ROWS = {
     "grammar_json_schema_batch",
     "grammar_tool_required_alone",
     "grammar_tool_required_batch",
+    "logprobs_top5_decode",
     "health_requests_per_s",
     "models_requests_per_s",
     "idle_rss_demo_mb",
