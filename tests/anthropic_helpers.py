@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from anthropic.types import Message, RawMessageStreamEvent
+from anthropic.types.shared import ErrorResponse
+from pydantic import TypeAdapter
+
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and what is 2+3?"}]
 
 WEATHER = {
@@ -45,9 +49,34 @@ THINKS = (4, 11)
 NO_THINKING = 0
 
 
+_EVENTS: TypeAdapter[Any] = TypeAdapter(RawMessageStreamEvent)
+#: afmd's own events (the SDK skips them) and the one it ends a cancelled run with.
+AFMD_EVENTS = ("afm_profile", "afm_profile_extended")
+AFMD_STOP_REASONS = ("cancelled",)
+
+
+def validate_message(obj: dict[str, Any]) -> None:
+    """Valid as the SDK's own types say (which it does not check itself)."""
+    if obj.get("stop_reason") in AFMD_STOP_REASONS:
+        obj = {**obj, "stop_reason": "end_turn"}
+    Message.model_validate(obj)
+
+
+def validate_event(name: str, data: dict[str, Any]) -> None:
+    if name == "error":
+        if data["error"]["type"] != "request_too_large":  # Anthropic's; the SDK lacks it
+            ErrorResponse.model_validate(data)
+    elif name == "message_start":
+        validate_message(data["message"])
+    elif name == "message_delta" and data["delta"]["stop_reason"] in AFMD_STOP_REASONS:
+        _EVENTS.validate_python({**data, "delta": {**data["delta"], "stop_reason": "end_turn"}})
+    elif name != "ping" and name not in AFMD_EVENTS:
+        _EVENTS.validate_python(data)
+
+
 def parse_events(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """An Anthropic SSE body as (event name, data) pairs; the name must be the data's
-    ``type``, as Anthropic's are."""
+    """An Anthropic SSE body as (event name, data) pairs, each valid as the SDK's types
+    say; the name must be the data's ``type``, as Anthropic's are."""
     out: list[tuple[str, dict[str, Any]]] = []
     for block in text.split("\n\n"):
         if not block.strip():
@@ -57,6 +86,7 @@ def parse_events(text: str) -> list[tuple[str, dict[str, Any]]]:
         assert lines[0].startswith("event: ") and lines[1].startswith("data: "), block
         name, data = lines[0][len("event: "):], json.loads(lines[1][len("data: "):])
         assert data["type"] == name, block
+        validate_event(name, data)
         out.append((name, data))
     return out
 
@@ -66,4 +96,5 @@ def error_of(response: Any) -> tuple[str, str]:
     body = response.json()
     assert set(body) == {"type", "error"} and body["type"] == "error", body
     assert set(body["error"]) == {"type", "message"}, body
+    validate_event("error", body)
     return body["error"]["type"], body["error"]["message"]

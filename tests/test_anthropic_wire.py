@@ -53,6 +53,7 @@ from anthropic_helpers import (
     TOOLS,
     error_of,
     parse_events,
+    validate_message,
 )
 from conftest import ServerProcess, start_server
 
@@ -142,6 +143,7 @@ def test_stream_of_text_ends_with_max_tokens(http: httpx.Client) -> None:
     built = blocks_of(events)
     assert [b["type"] for b in built] == ["text"]
     whole = http.post(PATH, json=body(max_tokens=6, temperature=0)).json()
+    validate_message(whole)
     assert whole["content"] == [{"type": "text", "text": built[0]["text"]}]
     assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
     assert events[-2][1]["usage"]["output_tokens"] == 6
@@ -362,6 +364,7 @@ def test_max_tokens_is_a_cap_the_context_window_lowers(tight: ServerProcess) -> 
                                                       **STORY), timeout=60)
     assert response.status_code == 200, response.text
     message = response.json()
+    validate_message(message)
     assert message["stop_reason"] == "model_context_window_exceeded"
     usage = message["usage"]
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage[
