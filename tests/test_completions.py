@@ -619,3 +619,40 @@ def test_four_prompts_take_one_slot_then_429_and_504(tight: ServerProcess) -> No
     assert hog.events[-1] == "[DONE]"
     assert hog.events[-2]["error"]["code"] == "timeout"
     wait_for(lambda: health(url)["active_requests"] == 0)
+
+
+# -- transient failures and shutdown ---------------------------------------------------
+
+
+def test_transient_failures_are_retried_then_generation_failed(tmp_path: Path, lm) -> None:
+    """A decode step failing before anything reached the client is retried (every prompt
+    anew); past ``[engine] retries`` the request is a 500 ``generation_failed``."""
+    proc = start_server(tmp_path, config="[engine]\nretries = 2\nretry_backoff = 0.01\n",
+                        env={"AFMD_INJECT_FAILURES": "2"})
+    try:
+        prompts = ["def add(a, b):", "Hello there"]
+        r = post(proc.url, {"prompt": prompts, "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert [c["text"] for c in r.json()["choices"]] == [
+            lm[1].decode(greedy(lm, encode(lm, p), 6)) for p in prompts]
+    finally:
+        proc.stop()
+    proc = start_server(tmp_path, config="[engine]\nretries = 1\nretry_backoff = 0.01\n",
+                        env={"AFMD_INJECT_FAILURES": "1000"})
+    try:
+        r = post(proc.url, {"prompt": ["a", "b"], "max_tokens": 6})
+        assert_error(r, 500, "generation_failed", None)
+    finally:
+        proc.stop()
+
+
+def test_shutdown_ends_a_running_stream_with_an_error_event(tmp_path: Path) -> None:
+    proc = start_server(tmp_path, config="[server]\nshutdown_grace = 0.5\n")
+    run = Background(proc.url, {"prompt": ["a", "b"], "max_tokens": LONG, "stream": True},
+                     "shutdown")
+    run.first.wait(30)
+    assert proc.stop() == 0
+    run.join(30)
+    assert run.status == 200
+    assert run.events[-1] == "[DONE]"
+    assert run.events[-2]["error"]["code"] == "server_shutting_down"
