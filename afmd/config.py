@@ -135,8 +135,26 @@ class ModelsConfig:
     """Served models; the default includes the builtins so ``ModelsConfig()`` is usable as is."""
 
     default: str = DEMO_MODEL_ID
+    # Bytes the loaded models may take together (weights and KV caches, measured); 0: a
+    # share of physical memory, 60 % on macOS and 50 % on Linux (afmd/engine/budget.py).
+    memory_budget_bytes: int = field(default=0, metadata=at_least(0))
+    # Models loaded at once; one more unloads the least recently used idle one first.
+    max_loaded: int = field(default=3, metadata=at_least(1))
+    # Seconds an idle model stays loaded: -1 forever, 0 unloaded after each request.
+    keep_alive: float = field(default=300.0, metadata=at_least(-1))
     aliases: dict[str, str] = field(default_factory=dict)
     model: tuple[ModelEntry, ...] = BUILTIN_MODELS
+
+    def keep_alive_of(self, entry: ModelEntry) -> float:
+        """The model's own keep-alive, else ``[models] keep_alive``."""
+        return self.keep_alive if entry.keep_alive is None else entry.keep_alive
+
+    def preloads(self, entry: ModelEntry) -> bool:
+        """Whether ``entry`` loads at start: its ``preload``, else whether it is the
+        default model (the built-in demo unless another is configured)."""
+        if entry.preload is not None:
+            return entry.preload
+        return self.aliases.get(self.default, self.default) == entry.id
 
 
 @dataclass(frozen=True)

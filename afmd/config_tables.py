@@ -25,7 +25,7 @@ __all__ = [
 
 #: What a model serves: chat (chat completions) or embedding (/v1/embeddings).
 MODEL_KINDS = ("chat", "embedding")
-_ENTRY_KEYS = ("id", "path", "context_length", "kind", "fim")
+_ENTRY_KEYS = ("id", "path", "context_length", "kind", "fim", "keep_alive", "preload")
 _FIM_KEYS = ("prefix", "suffix", "middle", "suffix_first", "stop")
 
 
@@ -50,6 +50,8 @@ class ModelEntry:
     context_length: int | None = None
     kind: str | None = None  # one of MODEL_KINDS; None: read from the model's own config
     fim: FimSetting | None = None  # None: detected from the tokenizer, if it has markers
+    keep_alive: float | None = None  # idle seconds before unloading; None: [models] keep_alive
+    preload: bool | None = None  # load at start; None: only the default model does
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,18 @@ def parse_entries(value: object) -> list[ModelEntry]:
                     f"{suggest(kind, MODEL_KINDS)}",
                 )
         fim = _parse_fim(item["fim"], f"{base}.fim") if "fim" in item else None
+        keep_alive = None
+        if "keep_alive" in item:
+            keep_alive = coerce(item["keep_alive"], "float", f"{base}.keep_alive")
+            assert isinstance(keep_alive, float)
+            if not keep_alive >= -1:  # NaN too
+                raise ConfigError(f"{base}.keep_alive",
+                                  f"must be >= -1 (-1 keeps the model loaded), got {keep_alive!r}")
+        preload = None
+        if "preload" in item:
+            preload = bool(coerce(item["preload"], "bool", f"{base}.preload"))
         entries.append(ModelEntry(id=model_id, path=path, context_length=context_length,
-                                  kind=kind, fim=fim))
+                                  kind=kind, fim=fim, keep_alive=keep_alive, preload=preload))
     return entries
 
 
