@@ -24,6 +24,7 @@ class EmbeddingRequest:
     model: str | None = None
     encoding_format: str = "float"  # "float" | "base64"
     dimensions: int | None = None
+    keep_alive: float | None = None  # as afmd.core.request.ChatRequest's
 
 
 @dataclass(frozen=True, slots=True)

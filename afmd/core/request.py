@@ -97,6 +97,9 @@ class ChatRequest:
     #: Report each generated token's log-probability with this many most likely
     #: alternatives (0-20); None: no log-probabilities (``logprobs`` false or absent).
     logprobs: int | None = None
+    #: Seconds the model stays loaded once idle after this request (negative: for good);
+    #: None: the model's own keep-alive. Ollama's top-level ``keep_alive``.
+    keep_alive: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,3 +124,4 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     echo: bool = False  # the prompt's text (and its tokens' log-probabilities) first
     logprobs: int | None = None  # alternatives per token (0-5); None: none reported
+    keep_alive: float | None = None  # as ChatRequest's

@@ -39,6 +39,7 @@ from afmd.protocol.fields import (
     string_list,
     wrong_type,
 )
+from afmd.protocol.keep_alive import keep_alive_of
 
 __all__ = ["parse_count_request", "parse_messages_request"]
 
@@ -126,6 +127,7 @@ def _parse(
         thinking_budget=budget if kind == "enabled" else None,
         max_tokens_shrinks=True,  # a cap, as Anthropic's: the context window may lower it
         has_images=images,
+        keep_alive=keep_alive_of(body),
     )
 
 

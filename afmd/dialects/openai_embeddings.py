@@ -26,8 +26,10 @@ from afmd.protocol.fields import (
     reject_unknown,
     wrong_type,
 )
+from afmd.protocol.keep_alive import keep_alive_of
 
-KNOWN_FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})
+KNOWN_FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user",
+                          "keep_alive"})
 ENCODING_FORMATS = ("float", "base64")
 #: OpenAI's limit on the entries of ``input``.
 MAX_INPUTS = 2048
@@ -106,7 +108,7 @@ def parse_embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
     inputs, params = parse_inputs(body.get("input"))
     return EmbeddingRequest(
         inputs=inputs, params=params, model=model, encoding_format=encoding,
-        dimensions=dimensions,
+        dimensions=dimensions, keep_alive=keep_alive_of(body),
     )
 
 

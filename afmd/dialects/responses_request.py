@@ -32,6 +32,7 @@ from afmd.protocol.fields import (
     reject_unknown,
     wrong_type,
 )
+from afmd.protocol.keep_alive import keep_alive_of
 
 # Fields of the API that change nothing a local model could honour: accepted, unused.
 IGNORED_FIELDS = frozenset({
@@ -60,7 +61,8 @@ _SCALARS = (
     Scalar("background", "boolean", default=False),
 )
 _STRUCTURED = frozenset({"input", "tools", "tool_choice", "text", "reasoning", "include",
-                         "metadata", "stream_options", "conversation", "prompt"})
+                         "metadata", "stream_options", "conversation", "prompt",
+                         "keep_alive"})
 KNOWN_FIELDS = IGNORED_FIELDS | names(_SCALARS) | _STRUCTURED
 
 #: ``POST /v1/responses/input_tokens`` takes a subset (TokenCountsBody).
@@ -207,5 +209,6 @@ def parse_responses_request(
         response_format=response_format,
         reasoning_effort=reasoning["effort"],
         has_images=any(m.has_images for m in messages),
+        keep_alive=None if counting else keep_alive_of(body),
         echo=echo,
     )

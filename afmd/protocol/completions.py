@@ -21,6 +21,7 @@ from afmd.protocol.fields import (
     string_list,
     wrong_type,
 )
+from afmd.protocol.keep_alive import keep_alive_of
 from afmd.protocol.request import MAX_STOP_SEQUENCES, parse_stream_options
 
 __all__ = ["COMPLETION_SCALARS", "MAX_PROMPTS", "parse_completion_request"]
@@ -60,7 +61,8 @@ COMPLETION_SCALARS = (
     Scalar("stream", "boolean", default=False),
 )
 
-_KNOWN = _IGNORED | names(COMPLETION_SCALARS) | {"prompt", "stop", "stream_options"}
+_KNOWN = _IGNORED | names(COMPLETION_SCALARS) | {"prompt", "stop", "stream_options",
+                                                  "keep_alive"}
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
@@ -87,6 +89,7 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
         stop=string_list(body.get("stop"), "stop", MAX_STOP_SEQUENCES),
         echo=values["echo"],
         logprobs=values["logprobs"],
+        keep_alive=keep_alive_of(body),
     )
 
 

@@ -32,6 +32,7 @@ from afmd.protocol.fields import (
     string_list,
     wrong_type,
 )
+from afmd.protocol.keep_alive import keep_alive_of
 from afmd.protocol.messages import check_tool_history, parse_messages
 from afmd.protocol.tools import parse_response_format, parse_tool_choice, parse_tools
 
@@ -110,7 +111,8 @@ CHAT_SCALARS = (_MODEL, _STREAM, *_SAMPLING, *_TOOL_USE)
 KNOWN_FIELDS = (
     IGNORED_FIELDS
     | names(CHAT_SCALARS)
-    | {"messages", "stream_options", "stop", "tools", "tool_choice", "response_format"}
+    | {"messages", "stream_options", "stop", "tools", "tool_choice", "response_format",
+       "keep_alive"}
 )
 
 _DEPRECATED = {
@@ -185,4 +187,5 @@ def parse_chat_request(
         reasoning_effort=tool_use["reasoning_effort"],
         has_images=any(m.has_images for m in messages),
         logprobs=(sampling["top_logprobs"] or 0) if sampling["logprobs"] else None,
+        keep_alive=keep_alive_of(body),
     )
