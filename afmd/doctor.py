@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import http.client
 import json
 import os
 import re
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from afmd import __version__
+from afmd import __version__, endpoint, hubcache
 from afmd.config import (
     BREW_PREFIXES,
     Config,
@@ -40,7 +39,6 @@ EXIT_PROBLEM = 1
 EXIT_CONFIG = 2
 
 _DEMO_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-_HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclass
@@ -117,64 +115,6 @@ def _brew_log(config_path: str | None, env: dict[str, str]) -> Path | None:
         if log.is_file():
             return log
     return None
-
-
-# ---------------------------------------------------------------------------- server probe
-
-
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
-
-
-def _connect_host(host: str) -> str:
-    """The address to dial for a listen address (wildcards mean "this machine")."""
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "::1"
-    return host
-
-
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def probe_health(conn: http.client.HTTPConnection) -> dict[str, Any]:
-    """GET /health on a connection; never raises. Plain http.client: no proxy settings apply,
-    exactly like a local IDE plugin that dials 127.0.0.1."""
-    try:
-        conn.request("GET", "/health", headers={"Accept": "application/json"})
-        response = conn.getresponse()
-        raw = response.read(65536)
-    except (OSError, http.client.HTTPException) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return {"answering": False, "error": reason or type(exc).__name__}
-    finally:
-        conn.close()
-    result: dict[str, Any] = {"answering": True, "http_status": response.status}
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and "status" in body and "models" in body:
-        result["afmd"] = True
-        result["health"] = body
-    else:
-        result["afmd"] = False
-        result["server_header"] = response.getheader("Server")
-    return result
 
 
 # ---------------------------------------------------------------------------- port owner
@@ -310,11 +250,15 @@ def _model_state(path: str) -> tuple[str, str | None, bool]:
         return "local folder", ("present" if ok else "folder has no config.json"), not ok
     if path.startswith(("/", "~", ".")) or local.exists():
         return "local folder", f"missing: {local}", True
-    if _HF_REPO.match(path):
-        cached = huggingface_hub_cache() / ("models--" + path.replace("/", "--"))
-        if cached.is_dir():
-            return "Hugging Face repo", f"downloaded ({cached})", False
-        return "Hugging Face repo", "not downloaded yet (fetched on first use)", False
+    if hubcache.REPO_ID.match(path):
+        cached = hubcache.inspect(path)
+        if cached is not None and cached.complete:
+            return "Hugging Face repo", f"downloaded ({cached.snapshot})", False
+        if cached is not None:
+            return "Hugging Face repo", (f"partly downloaded ({cached.folder}): "
+                                         f"`afmd pull {path}` completes it"), False
+        return "Hugging Face repo", (f"not downloaded yet (`afmd pull {path}`, or fetched "
+                                     "on first use)"), False
     return "unknown", f"neither a folder nor a Hugging Face repo id: {path}", True
 
 
@@ -357,17 +301,13 @@ def diagnose(config_flag: str | None = None, *, env: dict[str, str] | None = Non
     report.api_key_required = bool(server.api_key)
     report.unix_socket = server.unix_socket or None
     if server.host:
-        report.endpoint = _url(server.host, server.port) + "/v1"
+        report.endpoint = endpoint.url_of(server.host, server.port) + "/v1"
 
     # A running server: TCP first, the Unix socket when there is no TCP listener.
-    if server.host and server.port:
-        dial = _connect_host(server.host)
-        report.server = {"url": _url(dial, server.port) + "/health",
-                         **probe_health(http.client.HTTPConnection(dial, server.port,
-                                                                   timeout=timeout))}
-    elif server.unix_socket:
-        report.server = {"url": f"unix:{server.unix_socket} /health",
-                         **probe_health(_UnixHTTPConnection(server.unix_socket, timeout))}
+    where = endpoint.from_config(config)
+    if where is not None:
+        report.server = {"url": where.health_label(),
+                         **endpoint.probe_health(where.connect(timeout), where.api_key)}
     else:
         report.server = {"answering": False, "error": "port 0: the OS picks a port at start"}
     health = report.server.get("health") if report.server.get("afmd") else None

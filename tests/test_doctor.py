@@ -205,7 +205,12 @@ def test_unix_socket_server(tmp_path: Path) -> None:
 
 def test_model_cache_states(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hf_home = tmp_path / "hf"
-    (hf_home / "hub" / "models--org--cached").mkdir(parents=True)
+    snapshot = hf_home / "hub" / "models--org--cached" / "snapshots" / ("c" * 40)
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (snapshot / name).write_text("{}")
+    # An interrupted download: a folder, but no config.json yet (afmd pull fetches it last).
+    (hf_home / "hub" / "models--org--partial" / "snapshots" / ("d" * 40)).mkdir(parents=True)
     monkeypatch.setenv("HF_HOME", str(hf_home))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
@@ -223,6 +228,7 @@ def test_model_cache_states(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         f'[server]\nport = {_free_port()}\n'
         '[[models.model]]\nid = "cached"\npath = "org/cached"\n'
         '[[models.model]]\nid = "remote"\npath = "org/not-yet"\n'
+        '[[models.model]]\nid = "partial"\npath = "org/partial"\n'
         f'[[models.model]]\nid = "here"\npath = "{local}"\n'
         f'[[models.model]]\nid = "gone"\npath = "{tmp_path / "missing"}"\n'
     )
@@ -231,6 +237,7 @@ def test_model_cache_states(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert by_id["cached"]["kind"] == "Hugging Face repo"
     assert by_id["cached"]["cache"].startswith("downloaded")
     assert by_id["remote"]["cache"].startswith("not downloaded yet")
+    assert by_id["partial"]["cache"].startswith("partly downloaded")
     assert by_id["here"] == {**by_id["here"], "kind": "local folder", "cache": "present"}
     assert by_id["gone"]["missing"] is True
     assert by_id["demo"]["cache"] == f"built at {demo}"

@@ -50,6 +50,7 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.config_layers", 0),  # file, env and flags merged into config values
     ("afmd.config_tables", 0),  # the config file's arrays of tables
     ("afmd.paths", 0),
+    ("afmd.hubcache", 0),  # the Hugging Face cache on disk: which repos, complete or not
     ("afmd.logs", 1),
     ("afmd.core.*", 1.5),  # the internal request and event model: pure data
     ("afmd.protocol.nesting", 1.7),  # depth limit and param paths
@@ -84,6 +85,10 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.server", 6),
     ("afmd.cli", 7),
     ("afmd.doctor", 7),
+    ("afmd.cli_models", 7),  # pull, list, ps, rm, show
+    ("afmd.endpoint", 7),  # finding and asking a running server (doctor, ps, list, rm)
+    ("afmd.hub", 7),  # pulls through huggingface_hub, verified
+    ("afmd.progress", 7),  # per-file download progress
     ("afmd.__main__", 7),
 )
 

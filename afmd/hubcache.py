@@ -1,0 +1,167 @@
+"""The Hugging Face hub cache as afmd reads it: which model repos are on disk, and whether
+each is complete enough to serve.
+
+The cache is shared with mlx-lm, LM Studio and every ``huggingface_hub`` user, so afmd
+reads its standard layout (``models--OWNER--NAME/{refs,snapshots,blobs}``) rather than
+keeping a list of its own, and a model pulled by another tool counts as present. Standard
+library only: ``afmd list``, ``afmd rm`` and ``afmd doctor`` answer without importing the
+hub client.
+
+A snapshot counts as complete when it has ``config.json`` and every weight file the model
+needs (those a ``model.safetensors.index.json`` names, else at least one ``*.safetensors``),
+none of them a dangling link. ``afmd pull`` downloads ``config.json`` last and writes the
+ref only after every file was verified, so an interrupted pull never satisfies this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from afmd.paths import huggingface_hub_cache
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_PREFIX = "models--"
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRepo:
+    """One model repo in the cache and the snapshot afmd would serve from it."""
+
+    repo: str
+    folder: Path  # models--OWNER--NAME
+    snapshot: Path | None
+    missing: tuple[str, ...]  # what the snapshot lacks to be served (empty: complete)
+    size_bytes: int
+
+    @property
+    def complete(self) -> bool:
+        return self.snapshot is not None and not self.missing
+
+
+def repo_folder(repo: str, cache: Path | None = None) -> Path:
+    return (cache or huggingface_hub_cache()) / (_PREFIX + repo.replace("/", "--"))
+
+
+def snapshot_of(folder: Path, revision: str = "main") -> Path | None:
+    """The snapshot ``revision`` names (a ref or a commit), else the newest one there is."""
+    snapshots = folder / "snapshots"
+    if _COMMIT.match(revision) and (snapshots / revision).is_dir():
+        return snapshots / revision
+    try:
+        ref = (folder / "refs" / revision).read_text(encoding="utf-8").strip()
+    except OSError:
+        ref = ""
+    if ref and (snapshots / ref).is_dir():
+        return snapshots / ref
+    try:
+        found = sorted((p for p in snapshots.iterdir() if p.is_dir()),
+                       key=lambda p: p.stat().st_mtime)
+    except OSError:
+        return None
+    return found[-1] if found else None
+
+
+def missing_files(snapshot: Path) -> tuple[str, ...]:
+    """What an MLX model folder lacks to be loaded: config.json, its weights."""
+    missing = [] if (snapshot / "config.json").is_file() else ["config.json"]
+    index = snapshot / "model.safetensors.index.json"
+    weights: list[str] = []
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+            weights = sorted(set(weight_map.values()))
+        except (OSError, ValueError, AttributeError):
+            missing.append("model.safetensors.index.json (unreadable)")
+    if weights:
+        missing += [w for w in weights if not (snapshot / w).is_file()]
+    elif not index.is_file() and not any(p.is_file() for p in snapshot.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    return tuple(missing)
+
+
+def snapshot_size(snapshot: Path) -> int:
+    """Bytes of the files the snapshot links to (each blob once)."""
+    seen: set[Path] = set()
+    total = 0
+    for path in snapshot.rglob("*"):
+        try:
+            real = path.resolve()
+            if real in seen or not real.is_file():
+                continue
+            seen.add(real)
+            total += real.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def _repo_id(folder: Path) -> str | None:
+    name = folder.name[len(_PREFIX):]
+    owner, sep, rest = name.partition("--")
+    repo = f"{owner}/{rest}" if sep else name
+    return repo if REPO_ID.match(repo) else None
+
+
+def inspect(repo: str, revision: str = "main", cache: Path | None = None) -> CachedRepo | None:
+    """The repo's state in the cache (None: nothing of it is there)."""
+    folder = repo_folder(repo, cache)
+    if not folder.is_dir():
+        return None
+    snapshot = snapshot_of(folder, revision)
+    if snapshot is None:
+        return CachedRepo(repo, folder, None, ("a snapshot",), 0)
+    return CachedRepo(repo, folder, snapshot, missing_files(snapshot), snapshot_size(snapshot))
+
+
+def cached_repos(cache: Path | None = None) -> Iterator[CachedRepo]:
+    """Every model repo in the cache, complete or not, by name."""
+    root = cache or huggingface_hub_cache()
+    try:
+        folders = sorted(p for p in root.iterdir() if p.name.startswith(_PREFIX) and p.is_dir())
+    except OSError:
+        return
+    for folder in folders:
+        repo = _repo_id(folder)
+        if repo is not None:
+            found = inspect(repo, cache=root)
+            if found is not None:
+                yield found
+
+
+def complete_snapshot(repo: str, cache: Path | None = None) -> Path | None:
+    """The repo's servable snapshot, if the cache holds one."""
+    found = inspect(repo, cache=cache)
+    return found.snapshot if found is not None and found.complete else None
+
+
+def remove(repo: str, cache: Path | None = None) -> int:
+    """Delete every revision of ``repo`` (and its download locks); the bytes freed."""
+    root = cache or huggingface_hub_cache()
+    folder = repo_folder(repo, root)
+    freed = 0
+    for dirpath, _dirs, files in os.walk(folder):
+        for name in files:
+            path = Path(dirpath) / name
+            if not path.is_symlink():
+                with contextlib.suppress(OSError):
+                    freed += path.stat().st_size
+    shutil.rmtree(folder, ignore_errors=False)
+    shutil.rmtree(root / ".locks" / folder.name, ignore_errors=True)
+    return freed
+
+
+def human_bytes(n: float) -> str:
+    """``1.5 GB``: sizes as people read them (powers of 1024, one decimal)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"  # pragma: no cover
