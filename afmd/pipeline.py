@@ -154,6 +154,7 @@ class ChatPipeline:
         """The response is over: stop the generation if it still runs, free its slot."""
         run.cancel()
         self.scheduler.release(run.ticket)
+        run.prepared.model.touch()  # idle from now: /health's idle_since
         self._forget(run)
 
     def _forget(self, run: ChatRun | CompletionRun) -> None:

@@ -437,4 +437,5 @@ def test_health_body_shape(srv: ServerProcess) -> None:
     resp, _ = ask(srv.port, get("/health"))
     body = json.loads(resp.body)
     assert body["status"] == "ok" and body["models"]["demo"]
-    assert set(body) == {"status", "models", "active_requests", "queued_requests"}
+    assert set(body) == {"status", "models", "active_requests", "queued_requests",
+                         "model_details"}

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,11 @@ class LoadedModel:
     weights_bytes: int = 0
     kind: str = CHAT
     embedder: Embedder | None = None  # an embedding model's
+    #: When a request last got or released the model (Unix time, as /health reports it).
+    last_used: float = field(default_factory=time.time)
+
+    def touch(self) -> None:
+        self.last_used = time.time()
 
     @property
     def id(self) -> str:
@@ -377,6 +383,7 @@ class ModelRegistry:
         loaded = self._loaded.get(entry.id)
         if loaded is not None:
             self.check_kind(entry, kind, loaded.kind)
+            loaded.touch()
             return loaded
         self.check_kind(entry, kind)
         if entry.id in self._failed and entry.id not in self._loading:

@@ -146,6 +146,12 @@ class BatchWorker:
     def submit(self, generation: Generation) -> None:
         self._inbox.put(generation)
 
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of KV state the prefix cache holds (a plain counter: safe to read from
+        the event loop while the thread updates it)."""
+        return self._prompt_cache.nbytes if self._prompt_cache is not None else 0
+
     def wake(self) -> None:
         """Make the thread look at cancellation flags even if it is idle."""
         self._inbox.put(_WAKE)

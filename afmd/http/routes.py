@@ -24,6 +24,7 @@ from afmd.core.ids import new_request_id
 from afmd.dialects.base import Dialect, KeepsAlive, Reply
 from afmd.errors import APIError, InvalidRequestError, NotFoundError, ServiceUnavailableError
 from afmd.http.access import log_access
+from afmd.http.model_detail import model_details
 from afmd.pipeline import ChatPipeline, ChatRun, PreparedChat
 from afmd.profiling import parse_profile_header
 
@@ -345,6 +346,7 @@ def _health(state: Any) -> tuple[int, dict[str, Any]]:
         "models": registry.status(),
         "active_requests": state.pipeline.scheduler.active,
         "queued_requests": state.pipeline.scheduler.queued,
+        "model_details": model_details(state),
     }
     status = 200
     if default is not None and not registry.is_ready(default.id):
