@@ -37,6 +37,8 @@ examples:
   afmd serve --host "" --unix-socket /tmp/afmd.sock
   afmd check-config config.toml                # validate a config file
   afmd doctor                                  # config, endpoint, server, port, models
+  afmd pull mlx-community/Qwen2.5-0.5B-Instruct-4bit   # download with progress, verified
+  afmd list / afmd ps / afmd show MODEL / afmd rm REPO # models on disk, loaded, described
 
 exit codes: 0 clean stop, 1 runtime failure, 2 bad configuration."""
 
@@ -91,6 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument("--timeout", metavar="S", type=float, default=2.0,
                         help="seconds to wait for a running server's /health (default 2)")
+
+    from afmd import cli_models
+
+    cli_models.add_parsers(commands)
     return parser
 
 
@@ -134,6 +140,17 @@ def _serve(args: argparse.Namespace) -> int:
     # SIGTERM/SIGINT is a clean stop: there is nothing in flight to drain yet.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop_while_starting)
+
+    # A Hugging Face model not on disk yet is pulled first, with the progress `afmd pull`
+    # shows, so a first start is not a silent download behind a "loading" model.
+    from afmd.cli_models import pull_before_serving
+
+    try:
+        failed = pull_before_serving(config)
+    except SystemExit as exc:
+        failed = exc.code if isinstance(exc.code, int) else EXIT_OK
+    if failed is not None:
+        return failed
     try:
         from afmd import logs
 
@@ -173,6 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from afmd.doctor import run as doctor
 
         return doctor(args.config, as_json=args.json, timeout=args.timeout)
+    if args.command in ("pull", "list", "ps", "rm", "show"):
+        from afmd import cli_models
+
+        return cli_models.run(args)
     if args.command == "version":
         print(f"afmd {__version__}")
         return EXIT_OK
