@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,6 +260,24 @@ def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     )
 
 
+@dataclass(slots=True)
+class LoadCounts:
+    """Per model id since the server started: completed loads, failed ones, unloads and
+    seconds spent in completed loads (``/metrics`` reads them; they outlive an unload)."""
+
+    loads: Counter[str] = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)
+    unloads: Counter[str] = field(default_factory=Counter)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def loaded(self, model_id: str, seconds: float) -> None:
+        self.loads[model_id] += 1
+        self.seconds[model_id] = self.seconds.get(model_id, 0.0) + seconds
+
+    def unloaded(self, model_id: str) -> None:
+        self.unloads[model_id] += 1
+
+
 class ModelRegistry:
     """Resolves names to configured models and loads them on demand, once."""
 
@@ -268,6 +287,7 @@ class ModelRegistry:
         self._loading: dict[str, asyncio.Task[LoadedModel]] = {}
         self._failed: dict[str, str] = {}
         self._kinds: dict[str, str] = {}  # read from disk once per model until it loads
+        self.counts = LoadCounts()
 
     @property
     def config(self) -> Config:
@@ -354,11 +374,13 @@ class ModelRegistry:
         return task
 
     async def _load(self, entry: ModelEntry) -> LoadedModel:
+        started = time.perf_counter()
         try:
             loaded = await asyncio.to_thread(_load_sync, entry, self._config)
         except Exception as exc:
             reason = kinds.describe_load_failure(entry, exc)
             self._failed[entry.id] = reason
+            self.counts.failures[entry.id] += 1
             log.error("model load failed: %s", reason)
             raise ServerError(
                 f"The model '{entry.id}' could not be loaded: {reason}",
@@ -370,6 +392,7 @@ class ModelRegistry:
         self._failed.pop(entry.id, None)
         self._loaded[entry.id] = loaded
         self._kinds.pop(entry.id, None)
+        self.counts.loaded(entry.id, time.perf_counter() - started)
         return loaded
 
     async def get(self, entry: ModelEntry, kind: str = CHAT) -> LoadedModel:
