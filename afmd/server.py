@@ -83,13 +83,15 @@ class Server:
 
         The Unix socket and loopback TCP are what a DNS-rebinding page would reach, so they
         always check; a listener on another interface checks only when allowed_hosts says
-        which names are valid. ``"*"`` in allowed_hosts turns the check off.
+        which names are valid. ``"*"`` in allowed_hosts turns the check off. Only this
+        machine reaches those two, so they serve ``/metrics`` without the API key.
         """
         allowed = self.config.server.allowed_hosts
         loopback = kind == "tcp" and is_loopback(host)
         check = kind == "unix" or loopback or bool(allowed)
         extra = (host,) if loopback else ()
-        policy = self.gate.policy(check_host=check, extra_hosts=extra)
+        policy = self.gate.policy(check_host=check, extra_hosts=extra,
+                                  local=kind == "unix" or loopback)
         return make_protocol(self.gate, policy, kind)
 
     def _bind_all(self) -> None:

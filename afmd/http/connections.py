@@ -117,9 +117,11 @@ class GateContext:
             with contextlib.suppress(Exception):
                 conn.close()
 
-    def policy(self, *, check_host: bool, extra_hosts: tuple[str, ...] = ()) -> GatePolicy:
+    def policy(self, *, check_host: bool, extra_hosts: tuple[str, ...] = (),
+               local: bool = False) -> GatePolicy:
         return GatePolicy.from_config(self.server, self.route, check_host=check_host,
-                                      extra_hosts=extra_hosts, direct_paths=self.direct)
+                                      extra_hosts=extra_hosts, direct_paths=self.direct,
+                                      local=local)
 
 
 class Slot:

@@ -66,6 +66,11 @@ CORS_EXPOSE_HEADERS = (
 )
 CORS_MAX_AGE = "600"
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
+#: Paths read without the API key: the health check everywhere (load balancers, ``afmd
+#: doctor``), and the metrics too on a listener only this machine reaches (loopback TCP,
+#: the Unix socket); on any other listener a configured key guards them.
+OPEN_PATHS = frozenset({"/health"})
+LOCAL_OPEN_PATHS = OPEN_PATHS | {"/metrics"}
 
 _ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 
@@ -155,7 +160,7 @@ class GatePolicy:
     api_key: bytes = b""
     max_header_bytes: int = 65536
     max_body_bytes: int = 16 * 1024 * 1024
-    open_paths: frozenset[str] = frozenset({"/health"})
+    open_paths: frozenset[str] = OPEN_PATHS
     #: Paths whose bodiless GETs the gate marks for a direct answer.
     direct_paths: frozenset[str] = frozenset()
     cors: Cors = field(init=False, repr=False, compare=False)
@@ -172,7 +177,10 @@ class GatePolicy:
         check_host: bool,
         extra_hosts: Iterable[str] = (),
         direct_paths: Iterable[str] = (),
+        local: bool = False,
     ) -> GatePolicy:
+        """``local``: the listener is reachable from this machine alone (loopback TCP or
+        the Unix socket), where :data:`LOCAL_OPEN_PATHS` need no key."""
         hosts = {_normalize_host_entry(h) for h in (*server.allowed_hosts, *extra_hosts)}
         cors = Cors.from_origins(server.allowed_origins)
         return cls(
@@ -185,6 +193,7 @@ class GatePolicy:
             max_header_bytes=server.max_header_bytes,
             max_body_bytes=server.max_request_body_bytes,
             direct_paths=frozenset(direct_paths),
+            open_paths=LOCAL_OPEN_PATHS if local else OPEN_PATHS,
         )
 
     def host_allowed(self, host: bytes) -> bool:
