@@ -55,6 +55,7 @@ class Server:
                                 access_log=config.log.access_log,
                                 direct=direct_routes(self.app))
         self._listeners = Listeners(self.app, on_gave_up=self._listener_gave_up)
+        self.listener_state_callbacks.append(self.state.metrics.listener_state)
         self._stop = asyncio.Event()
         self._stopping = False
         self.exit_code = 0

@@ -17,7 +17,9 @@ CLIENT_CLOSED = 499
 
 
 def log_access(request: Request, status: int, nbytes: int) -> None:
-    """Log a request Sanic handled, with what its handler noted on ``request.ctx``."""
+    """Log a request Sanic handled, with what its handler noted on ``request.ctx``, and
+    count it in ``/metrics`` (whether or not the access log is on)."""
+    request.app.ctx.state.metrics.answered(request, status)
     ctx = request.ctx
     error = getattr(ctx, "error", None)
     log_request(

@@ -38,6 +38,7 @@ from afmd.errors import (
 )
 from afmd.http import embeddings, messages, responses, routes
 from afmd.http.access import CLIENT_CLOSED, log_access
+from afmd.http.metrics import Metrics, metrics
 from afmd.http.screen import Cors, method_not_allowed, unknown_url
 from afmd.logs import get_logger
 from afmd.pipeline import ChatPipeline
@@ -55,6 +56,8 @@ class AppState:
     running: Counter[str] = field(default_factory=Counter)
     #: Set once the shutdown ends the requests still running: what they are told.
     stop_error: APIError | None = None
+    #: What ``GET /metrics`` reports: this server's own, never a process-wide registry.
+    metrics: Metrics = field(default_factory=Metrics)
 
 
 class _EnvelopeErrorHandler(ErrorHandler):
@@ -173,6 +176,7 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
         app.add_route(route.handler, route.path, methods=["GET"], name=route.name)
     app.add_route(routes.get_model, "/v1/models/<model_id:path>", methods=["GET"],
                   name="model")
+    app.add_route(metrics, "/metrics", methods=["GET"], name="metrics")
 
     @app.on_request
     async def _mark_start(request: Request) -> None:

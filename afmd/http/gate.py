@@ -74,6 +74,8 @@ class Reply:
     close: bool = False
     rejection: Rejection | None = None
     is_continue: bool = False
+    #: A rejection's method and path, when its head was parsed (``/metrics`` counts it).
+    target: tuple[str, str] | None = None
 
 
 CONTINUE_REPLY = Reply(CONTINUE, is_continue=True)
@@ -176,7 +178,8 @@ class Gate:
             style = self.policy.style_of(head.method, head.path) if head else None
             rejection = Rejection.from_error(refused.error, extra, style)
             self.kill()
-            out.append(Reply(rejection.render(), close=True, rejection=rejection))
+            out.append(Reply(rejection.render(), close=True, rejection=rejection,
+                             target=(head.method, head.path) if head else None))
         if not self.dead and self._body is None and not self._buf:
             self.started_at = None
         return out

@@ -312,10 +312,13 @@ class AfmdProtocol(_Lifecycle):
             self.afmd_touch()
             if item.is_continue:
                 self._afmd_gate.restart_clock()
-            if item.rejection is not None and self.context.access_log:
+            if item.rejection is not None:
                 rejection = item.rejection
-                log.info("refused", status=rejection.status, code=rejection.code,
-                         message=rejection.message)
+                self.app.ctx.state.metrics.refused(self.app, item.target, rejection.style,
+                                                   rejection.status)
+                if self.context.access_log:
+                    log.info("refused", status=rejection.status, code=rejection.code,
+                             message=rejection.message)
             if item.close:
                 self._linger()
                 return
@@ -336,6 +339,7 @@ class AfmdProtocol(_Lifecycle):
         self.afmd_touch()
         self._afmd_slot.since = monotonic()
         log_request(state, "GET", item.path, status, len(body), started=started)
+        state.metrics.direct(item.path, status)
         if item.close:
             self.close()  # as Sanic does after a Connection: close response
         return True

@@ -119,6 +119,7 @@ async def _next_batch(
 
 def _note_end(request: Request, run: ChatRun) -> None:
     request.ctx.usage = run.usage
+    request.ctx.run = run  # its model and engine timings, for /metrics
     request.ctx.finish_reason = run.finish_reason
 
 
