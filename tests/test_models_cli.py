@@ -74,7 +74,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str],
     server_env = {**env}
     server_env.pop("AFMD_SERVER_PORT")
     proc = start_server(
-        tmp, config="[server]\nrequest_timeout = 30\n[queue]\nmax_concurrent_requests = 1\n",
+        tmp, config="[server]\nrequest_timeout = 30\n[queue]\nmax_concurrent_requests = 1\n"
+                    "[models]\nkeep_alive = -1\n",  # loaded for good: no expiry
         args=["--model", REPO, "--unix-socket", sock], env=server_env)
     yield proc, sock
     proc.stop()
@@ -124,7 +125,7 @@ def test_health_keeps_its_shape_and_adds_model_details(served: tuple[ServerProce
     detail = body["model_details"][REPO]
     assert detail["state"] == "loaded" and detail["path"] == REPO
     assert detail["memory_bytes"] > 1_000_000  # the demo's float32 weights alone
-    assert detail["expires_at"] is None  # no keep_alive: loaded until the server stops
+    assert detail["expires_at"] is None  # keep_alive -1: loaded until the server stops
     assert time.time() - 600 < detail["idle_since"] <= time.time()
     assert body["model_details"]["demo-32k"] == {
         "state": "available", "path": "afmd:demo-32k", "memory_bytes": None, "active": 0,
@@ -325,3 +326,19 @@ def test_parameters_and_quantization_from_weight_headers(tmp_path: Path) -> None
     assert quantization_of(config, tensors) == "4-bit (group 64)"
     eight = {"group_size": 64, "bits": 4, "layer": {"bits": 8, "group_size": 64}}
     assert count_parameters(tensors, eight) == 256 * 256 + 512  # a per-layer override
+
+
+def test_ps_turns_instants_into_durations() -> None:
+    from afmd.cli_models import ps_row
+
+    now = 1_000_000.0
+    idle = ps_row("m", {"state": "loaded", "memory_bytes": 5, "active": 0, "queued": 0,
+                        "idle_since": now - 12.34, "expires_at": now + 287.66}, now)
+    assert idle == {"id": "m", "state": "loaded", "memory_bytes": 5, "active": 0,
+                    "queued": 0, "idle_s": 12.3, "expires_in_s": 287.7}
+    busy = ps_row("m", {"state": "loaded", "memory_bytes": 5, "active": 1, "queued": 2,
+                        "idle_since": None, "expires_at": None}, now)
+    assert (busy["idle_s"], busy["expires_in_s"]) == (0.0, None)
+    loading = ps_row("m", {"state": "loading", "memory_bytes": None, "active": 0,
+                           "queued": 1, "idle_since": None, "expires_at": None}, now)
+    assert (loading["idle_s"], loading["queued"]) == (None, 1)
