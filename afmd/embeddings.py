@@ -16,10 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from afmd.config import ModelEntry
 from afmd.core.embeddings import EmbeddingRequest, Embeddings
 from afmd.engine.base import EmbeddingJob
 from afmd.engine.kinds import EMBEDDING
 from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.engine.residency import Lease
 from afmd.errors import (
     ConflictError,
     GatewayTimeoutError,
@@ -69,10 +71,22 @@ class EmbeddingService:
 
     async def embed(self, request: EmbeddingRequest, request_id: str) -> Embeddings:
         deadline = time.monotonic() + self.request_timeout
-        model = await self.model_for(request.model)
+        # Held until the vectors are out: a model in use is never unloaded.
+        lease = await self.registry.lease(self.entry_for(request.model), EMBEDDING,
+                                          deadline=deadline, keep_alive=request.keep_alive)
+        try:
+            return await self._embed(lease, request, request_id, deadline)
+        finally:
+            lease.release()
+
+    async def _embed(
+        self, lease: Lease, request: EmbeddingRequest, request_id: str, deadline: float
+    ) -> Embeddings:
+        model = lease.model
         self._check_dimensions(model, request.dimensions)
         sequences = await self._sequences(model, request)
         run = self._register(request_id)
+        lease.ticket = run.ticket  # queued until it holds a slot: /health's counts
         try:
             try:
                 await self.scheduler.acquire(run.ticket, deadline - time.monotonic())
@@ -104,8 +118,8 @@ class EmbeddingService:
             model=request.model or model.id,
         )
 
-    async def model_for(self, name: str | None) -> LoadedModel:
-        """The embedding model ``name`` names; with none named, the default one."""
+    def entry_for(self, name: str | None) -> ModelEntry:
+        """The configured embedding model ``name`` names; with none named, the default."""
         if name is None:
             entry = self.registry.default_for(EMBEDDING)
             if entry is None:
@@ -116,7 +130,7 @@ class EmbeddingService:
                 )
         else:
             entry = self.registry.resolve(name)
-        return await self.registry.get(entry, EMBEDDING)
+        return entry
 
     @staticmethod
     def _check_dimensions(model: LoadedModel, dimensions: int | None) -> None:

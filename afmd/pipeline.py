@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from afmd import __version__
 from afmd.completion_run import CompletionRun
 from afmd.completions import PreparedCompletion, prepare_completion
-from afmd.config import Config
+from afmd.config import Config, ModelEntry
 from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.engine.residency import Lease
 from afmd.errors import ConflictError, InvalidRequestError
 from afmd.rounds import RoundBuilder
 from afmd.run import ChatRun, PreparedChat, RunPolicy
@@ -41,6 +42,8 @@ class ChatPipeline:
     tools: ServerTools | None = None  # default: the config's [[tools.server]]
     policy: RunPolicy = field(init=False)
     _runs: dict[str, ChatRun | CompletionRun] = field(default_factory=dict)
+    #: Each prepared request's hold on its model, by the prepared object's identity.
+    _leases: dict[int, Lease] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tools is None:
@@ -66,7 +69,28 @@ class ChatPipeline:
     ) -> PreparedChat | PreparedCompletion:
         started = time.monotonic()
         entry = self.registry.resolve(request.model)
-        model = await self.registry.get(entry)
+        # Held until the response is over (release): a model in use is never unloaded.
+        lease = await self.registry.lease(entry, deadline=started + self.policy.request_timeout,
+                                          keep_alive=request.keep_alive)
+        try:
+            prepared = await self._prepare(lease.model, entry, request, request_id, started,
+                                           received_at, profile)
+        except BaseException:
+            lease.release()
+            raise
+        self._leases[id(prepared)] = lease
+        return prepared
+
+    async def _prepare(
+        self,
+        model: LoadedModel,
+        entry: ModelEntry,
+        request: ChatRequest | CompletionRequest,
+        request_id: str,
+        started: float,
+        received_at: float | None,
+        profile: str | None,
+    ) -> PreparedChat | PreparedCompletion:
         if isinstance(request, CompletionRequest):  # raw prompts: no template, no tools
             return await prepare_completion(
                 model, entry, request, request_id, fingerprint=_fingerprint(model),
@@ -100,11 +124,15 @@ class ChatPipeline:
         """The prompt tokens ``request`` would be given (its model's template with the
         server's instructions and tools), without a slot or a generation: what the
         token-counting endpoints answer."""
-        model = await self.registry.get(self.registry.resolve(request.model))
-        request = self._with_server_tools(request)
-        rounds = RoundBuilder(model, request, instructions=self.config.server.instructions,
-                              trim=False)
-        return len(await asyncio.to_thread(rounds.render, request))
+        lease = await self.registry.lease(self.registry.resolve(request.model),
+                                          keep_alive=request.keep_alive)
+        try:
+            request = self._with_server_tools(request)
+            rounds = RoundBuilder(lease.model, request,
+                                  instructions=self.config.server.instructions, trim=False)
+            return len(await asyncio.to_thread(rounds.render, request))
+        finally:
+            lease.release()
 
     def _with_server_tools(self, request: ChatRequest) -> ChatRequest:
         if not self.server_tools:
@@ -127,6 +155,7 @@ class ChatPipeline:
         """
         rid = prepared.request_id
         if rid in self._runs:
+            self._release_model(prepared)
             raise ConflictError(
                 f"A request with X-Request-ID '{rid}' is already running; "
                 "use a unique id per request.",
@@ -138,12 +167,16 @@ class ChatPipeline:
             else ChatRun(prepared, self.policy, self.server_tools)
         )
         self._runs[rid] = run
+        lease = self._leases.get(id(prepared))
+        if lease is not None:
+            lease.ticket = run.ticket  # queued until it holds a slot: /health's counts
         try:
             await self.scheduler.acquire(run.ticket, prepared.deadline - time.monotonic())
         except Cancelled:
             return run
         except BaseException:
             self._forget(run)
+            self._release_model(prepared)
             raise
         if run.ticket.cancelled:
             return run  # cancelled just as the slot was handed over
@@ -155,7 +188,17 @@ class ChatPipeline:
         run.cancel()
         self.scheduler.release(run.ticket)
         run.prepared.model.touch()  # idle from now: /health's idle_since
+        self._release_model(run.prepared)
         self._forget(run)
+
+    def discard(self, prepared: PreparedChat | PreparedCompletion) -> None:
+        """A prepared request that will not start: its model is free again."""
+        self._release_model(prepared)
+
+    def _release_model(self, prepared: PreparedChat | PreparedCompletion) -> None:
+        lease = self._leases.pop(id(prepared), None)
+        if lease is not None:
+            lease.release()
 
     def _forget(self, run: ChatRun | CompletionRun) -> None:
         if self._runs.get(run.prepared.request_id) is run:

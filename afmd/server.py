@@ -58,6 +58,7 @@ class Server:
         self.listener_state_callbacks.append(self.state.metrics.listener_state)
         self._stop = asyncio.Event()
         self._stopping = False
+        self._preload: asyncio.Task[None] | None = None
         self.exit_code = 0
 
     @property
@@ -108,9 +109,11 @@ class Server:
     async def start(self) -> None:
         await self._listeners.start(self._bind_all)
         default = self.config.resolve_model(None)
-        if default is not None:
+        if default is not None and self.config.models.preloads(default):
             task = self.registry.begin_load(default)
             task.add_done_callback(self._on_default_loaded)
+        # The other models marked preload, after the default (whose load this joins).
+        self._preload = asyncio.get_running_loop().create_task(self.registry.preload())
         log.info(
             "listening",
             addresses=[listener.describe() for listener in self.listeners],
@@ -170,6 +173,8 @@ class Server:
             with contextlib.suppress(Exception):
                 await lifecycle.before_stop()
                 await lifecycle.after_stop()
+        if self._preload is not None:
+            self._preload.cancel()
         await asyncio.to_thread(self.registry.close)
         self._listeners.restore_exception_handler()
         log.info("stopped", exit_code=self.exit_code)

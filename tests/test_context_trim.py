@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from afmd.config import load_config
 from afmd.context import droppable_units, without_units
 from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.engine.residency import Lease
 from afmd.errors import InvalidRequestError
 from afmd.pipeline import ChatPipeline
 from afmd.protocol.request import ChatRequest, Message, ToolCall, parse_chat_request
@@ -226,8 +227,8 @@ def pipeline_for(model: LoadedModel, tmp_path: Path, policy: str) -> ChatPipelin
     path.write_text(f'[context]\npolicy = "{policy}"\n' + SMALL_MODEL)
 
     class Registry(ModelRegistry):
-        async def get(self, entry: Any) -> LoadedModel:
-            return model
+        async def lease(self, entry: Any, *args: Any, **kwargs: Any) -> Lease:
+            return Lease.detached(model)
 
     return ChatPipeline(Registry(load_config(path, env={})), Scheduler(2, 2),
                         request_timeout=60)

@@ -24,6 +24,7 @@ from afmd.config import ModelEntry, ServerTool, load_config
 from afmd.core.events import Finish
 from afmd.engine import models as models_module
 from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.engine.residency import Lease
 from afmd.errors import APIError, ServiceUnavailableError
 from afmd.pipeline import ChatPipeline, ChatRun
 from afmd.protocol.request import parse_chat_request
@@ -156,8 +157,8 @@ def pipeline_for(model: LoadedModel, tmp_path: Path, toml: str = "",
     path.write_text(toml)
 
     class Registry(ModelRegistry):
-        async def get(self, entry: ModelEntry) -> LoadedModel:
-            return model
+        async def lease(self, entry: ModelEntry, *args: Any, **kwargs: Any) -> Lease:
+            return Lease.detached(model)
 
     return ChatPipeline(Registry(load_config(path, env={})), Scheduler(2, 2),
                         request_timeout=60, tools=tools)
@@ -285,13 +286,17 @@ def test_no_retry_once_a_server_tool_ran(
 # --------------------------------------------------------------------------- busy
 
 
-class _Worker:
-    def stop(self, timeout: float = 5.0) -> None:
-        pass
-
-
 class _Loaded:
-    worker = _Worker()
+    """What the registry reads of a loaded model."""
+
+    worker = embedder = None
+    kind = "chat"
+    weights_bytes = memory_bytes = 0
+    id = "demo"
+    last_used = 0.0
+
+    def touch(self) -> None:
+        pass
 
 
 def test_busy_while_a_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -304,14 +309,14 @@ def test_busy_while_a_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
         return _Loaded()
 
     monkeypatch.setattr(models_module, "_load_sync", slow_load)
-    monkeypatch.setattr(models_module, "_LOAD_WAIT_S", 0.2)
     registry = ModelRegistry(load_config(None, env={}))
     entry = registry.resolve("demo")
 
     async def go() -> Any:
         for _ in range(2):  # a second request does not start a second load
             with pytest.raises(ServiceUnavailableError) as info:
-                await registry.get(entry)
+                # A request waits for the load until its deadline (request_timeout).
+                await registry.get(entry, deadline=time.monotonic() + 0.2)
             error = info.value
             assert error.status == 503
             assert error.code == "busy"

@@ -32,6 +32,7 @@ from afmd.core.events import (
 from afmd.dialects.openai_chat import OPENAI_CHAT
 from afmd.engine.base import Finished, Text
 from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.engine.residency import Lease
 from afmd.output.processor import ToolFormat
 from afmd.pipeline import ChatPipeline
 from afmd.run import RoundReader
@@ -125,8 +126,8 @@ class SharedRegistry(ModelRegistry):
         super().__init__(load_config(None, env={}))
         self._model = model
 
-    async def get(self, entry: ModelEntry) -> LoadedModel:
-        return self._model
+    async def lease(self, entry: ModelEntry, *args: Any, **kwargs: Any) -> Lease:
+        return Lease.detached(self._model)
 
 
 @pytest.fixture(scope="module")

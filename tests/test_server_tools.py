@@ -30,6 +30,7 @@ from afmd.config import ModelEntry, ServerTool, load_config
 from afmd.core.events import Content, Finish, ToolCallArguments, ToolCallEnd, ToolCallStart
 from afmd.core.request import ChatRequest, ToolCall
 from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.engine.residency import Lease
 from afmd.pipeline import ChatPipeline, ChatRun
 from afmd.protocol.request import Message, parse_chat_request
 from afmd.scheduler import Scheduler
@@ -509,8 +510,8 @@ class SharedRegistry(ModelRegistry):
         super().__init__(config)
         self._model = model
 
-    async def get(self, entry: ModelEntry) -> LoadedModel:
-        return self._model
+    async def lease(self, entry: ModelEntry, *args: Any, **kwargs: Any) -> Lease:
+        return Lease.detached(self._model)
 
 
 @pytest.fixture(scope="module")

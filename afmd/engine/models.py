@@ -2,8 +2,9 @@
 
 Loading is slow (seconds to minutes) and may fail (a Hugging Face id with no network), so
 the registry loads off the event loop, remembers the outcome per model, and lets
-``/health`` report it truthfully while requests for a model that is still loading get a
-clear 503 instead of hanging.
+``/health`` report it truthfully. A request for a model that is not loaded starts its load
+and waits for it within its deadline (then 503 ``busy``: it is still loading); which
+models stay loaded, within the memory budget, is :mod:`afmd.engine.residency`'s.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from afmd.config import BUILTIN_DEMO_PATH, Config, ModelEntry
-from afmd.engine import kinds
+from afmd.engine import budget, kinds
 from afmd.engine.base import Generation, GenerationRequest
 from afmd.engine.kinds import BUILTIN_PREFIX, CHAT, EMBEDDING, EmbeddingSpec
+from afmd.engine.residency import Lease, Residency, Usage
 from afmd.errors import (
     InvalidRequestError,
     NotFoundError,
@@ -37,7 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("afmd.engine")
 
-_LOAD_WAIT_S = 1.0
 DEFAULT_CONTEXT_LENGTH = 4096
 
 
@@ -81,6 +82,14 @@ class LoadedModel:
     @property
     def id(self) -> str:
         return self.entry.id
+
+    @property
+    def memory_bytes(self) -> int:
+        """Measured: the weights, the prefix cache's KV state and the running batch's."""
+        worker = self.worker
+        if worker is None:
+            return self.weights_bytes
+        return self.weights_bytes + worker.cache_bytes + worker.live_cache_bytes
 
     @property
     def embedding(self) -> EmbeddingSpec:
@@ -279,15 +288,22 @@ class LoadCounts:
 
 
 class ModelRegistry:
-    """Resolves names to configured models and loads them on demand, once."""
+    """Resolves names to configured models and loads them on demand, one load at a time
+    per model, within the memory budget."""
 
     def __init__(self, config: Config) -> None:
         self._config = config
-        self._loaded: dict[str, LoadedModel] = {}
         self._loading: dict[str, asyncio.Task[LoadedModel]] = {}
         self._failed: dict[str, str] = {}
         self._kinds: dict[str, str] = {}  # read from disk once per model until it loads
         self.counts = LoadCounts()
+        self.residency = Residency(
+            budget.effective_budget(config.models.memory_budget_bytes),
+            config.models.max_loaded,
+            on_unload=self.counts.unloaded,
+        )
+        self._loaded = self.residency.loaded  # one dict: the residency adds and removes
+        self._ever_loaded: set[str] = set()
 
     @property
     def config(self) -> Config:
@@ -366,18 +382,59 @@ class ModelRegistry:
     def failure(self, model_id: str) -> str | None:
         return self._failed.get(model_id)
 
-    def begin_load(self, entry: ModelEntry) -> asyncio.Task[LoadedModel]:
+    def was_loaded(self, model_id: str) -> bool:
+        """Whether the model has been loaded since the server started (maybe unloaded
+        since: it loads again on demand)."""
+        return model_id in self._ever_loaded
+
+    def begin_load(
+        self, entry: ModelEntry, deadline: float | None = None, *, evict: bool = True
+    ) -> asyncio.Task[LoadedModel]:
+        """The model's load, started unless under way; it waits for room in the budget
+        until ``deadline`` (default: ``request_timeout`` from now), unloading idle models
+        for it unless ``evict`` is false."""
         task = self._loading.get(entry.id)
         if task is None:
-            task = asyncio.get_running_loop().create_task(self._load(entry))
+            if deadline is None:
+                deadline = time.monotonic() + self._config.server.request_timeout
+            task = asyncio.get_running_loop().create_task(self._load(entry, deadline, evict))
             self._loading[entry.id] = task
         return task
 
-    async def _load(self, entry: ModelEntry) -> LoadedModel:
+    async def _load(self, entry: ModelEntry, deadline: float, evict: bool) -> LoadedModel:
+        try:
+            return await self._load_within_budget(entry, deadline, evict)
+        finally:
+            self._loading.pop(entry.id, None)
+
+    def _too_large(self, entry: ModelEntry, size: int, when: str) -> InvalidRequestError:
+        need, limit = budget.format_bytes(size), budget.format_bytes(self.residency.budget)
+        reason = (f"larger than the memory budget: its weights take {need} ({size} bytes) "
+                  f"{when}, the whole budget is {limit} ({self.residency.budget} bytes)")
+        self._failed[entry.id] = reason
+        return InvalidRequestError(
+            f"The model '{entry.id}' is {reason}. Raise [models] memory_budget_bytes or "
+            "use a smaller (more quantized) model.",
+            code="model_too_large",
+            param="model",
+        )
+
+    async def _load_within_budget(
+        self, entry: ModelEntry, deadline: float, evict: bool
+    ) -> LoadedModel:
+        residency = self.residency
+        try:
+            size = await asyncio.to_thread(budget.size_before_loading, entry)
+        except Exception:  # unreadable: the load itself will say what is wrong
+            size = None
+        if size is not None and size > residency.budget:
+            raise self._too_large(entry, size, "on disk")
+        await residency.make_room(entry.id, size or 0, deadline, evict=evict)
         started = time.perf_counter()
         try:
             loaded = await asyncio.to_thread(_load_sync, entry, self._config)
         except Exception as exc:
+            residency.unreserve(entry.id)
             reason = kinds.describe_load_failure(entry, exc)
             self._failed[entry.id] = reason
             self.counts.failures[entry.id] += 1
@@ -387,47 +444,117 @@ class ModelRegistry:
                 code="model_load_failed",
                 param="model",
             ) from None
-        finally:
-            self._loading.pop(entry.id, None)
+        except BaseException:  # cancelled (the server is stopping)
+            residency.unreserve(entry.id)
+            raise
+        if loaded.weights_bytes > residency.budget:  # its size was not known before
+            residency.unreserve(entry.id)
+            await asyncio.to_thread(residency.free, loaded)
+            raise self._too_large(entry, loaded.weights_bytes, "in memory")
         self._failed.pop(entry.id, None)
-        self._loaded[entry.id] = loaded
         self._kinds.pop(entry.id, None)
+        self._ever_loaded.add(entry.id)
         self.counts.loaded(entry.id, time.perf_counter() - started)
+        log.info("model loaded: %s (%s)", entry.id, budget.format_bytes(loaded.memory_bytes))
+        residency.admit(loaded, self._config.models.keep_alive_of(entry))
         return loaded
 
-    async def get(self, entry: ModelEntry, kind: str = CHAT) -> LoadedModel:
-        """The loaded model, if it serves ``kind`` (else 400 ``invalid_model_kind``); while
-        it loads, 503 ``busy`` with ``Retry-After``.
+    async def lease(
+        self,
+        entry: ModelEntry,
+        kind: str = CHAT,
+        *,
+        deadline: float | None = None,
+        keep_alive: float | None = None,
+    ) -> Lease:
+        """A hold on the loaded model, if it serves ``kind`` (else 400
+        ``invalid_model_kind``), loading it first if need be; release it when the request
+        is over. Past ``deadline`` (default: ``request_timeout`` from now) a model still
+        loading is 503 ``busy``, and one that found no room 503 ``model_unavailable``,
+        both with ``Retry-After``. ``keep_alive``: the request's own (seconds).
 
-        Loading can take minutes (a download on first use), far longer than a client
-        should hold a request open; the first request starts the load. A model of the
-        wrong kind is refused before that when its folder already says what it is.
+        A model of the wrong kind is refused before loading when its folder already says
+        what it is.
         """
-        loaded = self._loaded.get(entry.id)
-        if loaded is not None:
-            self.check_kind(entry, kind, loaded.kind)
-            loaded.touch()
-            return loaded
-        self.check_kind(entry, kind)
-        if entry.id in self._failed and entry.id not in self._loading:
-            # Try again: a failure may have been transient (disk, memory, network).
-            reason = self._failed.pop(entry.id)
-            log.info("retrying model load after failure: %s", reason)
-        task = self.begin_load(entry)
+        if deadline is None:
+            deadline = time.monotonic() + self._config.server.request_timeout
+        if keep_alive is None:
+            keep_alive = self._config.models.keep_alive_of(entry)
+        residency = self.residency
+        residency.waiting[entry.id] += 1
         try:
-            # A small model (the demo) is ready within moments: spare the client a retry.
-            loaded = await asyncio.wait_for(asyncio.shield(task), timeout=_LOAD_WAIT_S)
-        except TimeoutError:
-            raise ServiceUnavailableError(
-                f"The model '{entry.id}' is loading; retry shortly.",
-                code="busy",
-                headers={"Retry-After": "2"},
-            ) from None
-        self.check_kind(entry, kind, loaded.kind)  # a download may have told us more
-        return loaded
+            while True:
+                loaded = self._loaded.get(entry.id)
+                if loaded is not None:
+                    # (again: a download may have told more than the folder did)
+                    self.check_kind(entry, kind, loaded.kind)
+                    return residency.hold(loaded, keep_alive)
+                self.check_kind(entry, kind)
+                if entry.id in self._failed and entry.id not in self._loading:
+                    # Try again: a failure may have been transient (disk, memory, network).
+                    log.info("retrying model load after failure: %s",
+                             self._failed.pop(entry.id))
+                task = self.begin_load(entry, deadline)
+                try:
+                    await asyncio.wait_for(asyncio.shield(task),
+                                           max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise (residency.room_error(entry.id) or self._still_loading(entry)) from None
+                except ServiceUnavailableError:
+                    # That load gave up waiting for room at its own deadline; ours may be
+                    # later (it was started by another request).
+                    if time.monotonic() >= deadline:
+                        raise
+        finally:
+            residency.waiting[entry.id] -= 1
+            if not residency.waiting[entry.id]:
+                del residency.waiting[entry.id]
+            residency.settle(entry.id)
+
+    def _still_loading(self, entry: ModelEntry) -> ServiceUnavailableError:
+        return ServiceUnavailableError(
+            f"The model '{entry.id}' is loading; retry shortly.",
+            code="busy",
+            headers={"Retry-After": "2"},
+        )
+
+    async def get(
+        self, entry: ModelEntry, kind: str = CHAT, *, deadline: float | None = None
+    ) -> LoadedModel:
+        """The loaded model, as :meth:`lease` gets it, held for no request (its
+        keep-alive starts at once)."""
+        lease = await self.lease(entry, kind, deadline=deadline)
+        lease.release()
+        return lease.model
+
+    def usage(self, model_id: str) -> Usage | None:
+        """A loaded model's memory, requests and idle time (None: not loaded)."""
+        return self.residency.usage(model_id)
+
+    def queued(self, model_id: str) -> int:
+        """Requests waiting for the model to load."""
+        return self.residency.waiting[model_id]
+
+    async def preload(self) -> None:
+        """Load the models marked ``preload`` (the default model unless configured),
+        the default first; one that does not fit beside the others is left to load on
+        demand."""
+        models = self._config.models
+        log.info("model memory budget: %s, at most %d models loaded",
+                 budget.format_bytes(self.residency.budget), models.max_loaded)
+        default = self._config.resolve_model(None)
+        wanted = [e for e in models.model if models.preloads(e)]
+        wanted.sort(key=lambda e: e is not default)
+        for entry in wanted:
+            try:
+                await self.begin_load(entry, deadline=time.monotonic(), evict=False)
+            except ServiceUnavailableError as exc:
+                log.warning("not preloading %s: %s", entry.id, exc.message)
+            except Exception:  # logged by the load; /health reports it
+                pass
 
     def close(self) -> None:
-        for loaded in self._loaded.values():
+        for loaded in self.residency.close():
             if loaded.worker is not None:
                 loaded.worker.stop()
             if loaded.embedder is not None:

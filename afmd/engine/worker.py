@@ -152,6 +152,16 @@ class BatchWorker:
         the event loop while the thread updates it)."""
         return self._prompt_cache.nbytes if self._prompt_cache is not None else 0
 
+    @property
+    def live_cache_bytes(self) -> int:
+        """Bytes of KV state the running batch holds, read from the event loop: a cache
+        the thread swaps meanwhile is counted at the next read."""
+        batch = self._batch
+        try:
+            return sum(c.nbytes for c in batch.prompt_cache) if batch is not None else 0
+        except Exception:  # a list resized under the read: 0 now, right next time
+            return 0
+
     def wake(self) -> None:
         """Make the thread look at cancellation flags even if it is idle."""
         self._inbox.put(_WAKE)

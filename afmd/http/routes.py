@@ -145,6 +145,7 @@ async def turn(request: Request) -> HTTPResponse | None:
     # From here until it is released, interrupt_requests() finds the run by this id
     # (start() registers it before it can wait in the queue).
     state.running[request_id] += 1
+        pipeline.discard(prepared)
     try:
         if chat.stream:
             await _stream(request, prepared, reply)
@@ -350,7 +351,12 @@ def _health(state: Any) -> tuple[int, dict[str, Any]]:
         "model_details": model_details(state),
     }
     status = 200
-    if default is not None and not registry.is_ready(default.id):
+    # Not ready while the default model's first load is due or under way, or failed; once
+    # loaded it may be unloaded when idle, and then loads again on demand.
+    if default is not None and not registry.is_ready(default.id) and (
+        registry.failure(default.id) is not None
+        or (state.config.models.preloads(default) and not registry.was_loaded(default.id))
+    ):
         failure = registry.failure(default.id)
         body["status"] = "unavailable"
         body["reason"] = "model_load_failed" if failure and not registry.is_loading(
