@@ -52,6 +52,7 @@ __all__ = [
     "DEMO_EMBEDDING_MODEL_ID",
     "DEMO_MODEL_ID",
     "MODEL_KINDS",
+    "ApiConfig",
     "CacheConfig",
     "Config",
     "ConfigError",
@@ -215,6 +216,15 @@ class ResponsesConfig:
 
 
 @dataclass(frozen=True)
+class ApiConfig:
+    """How request bodies are read."""
+
+    # Unknown top-level fields: False ignores them (listed in X-AFM-Ignored-Fields), as
+    # IDE plugins sending other servers' fields need; True refuses them, as OpenAI does.
+    strict: bool = False
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole, validated configuration; ``source`` says which file (if any) fed it."""
 
@@ -227,6 +237,7 @@ class Config:
     context: ContextConfig = field(default_factory=ContextConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
     source: str | None = None
 
     def model_ids(self) -> tuple[str, ...]:
@@ -255,6 +266,7 @@ _SECTIONS: dict[str, type] = {
     "context": ContextConfig,
     "tools": ToolsConfig,
     "responses": ResponsesConfig,
+    "api": ApiConfig,
 }
 
 
