@@ -25,6 +25,7 @@ class EmbeddingRequest:
     encoding_format: str = "float"  # "float" | "base64"
     dimensions: int | None = None
     keep_alive: float | None = None  # as afmd.core.request.ChatRequest's
+    ignored_fields: tuple[str, ...] = ()  # as afmd.core.request.ChatRequest's
 
 
 @dataclass(frozen=True, slots=True)

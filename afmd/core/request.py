@@ -100,6 +100,12 @@ class ChatRequest:
     #: Seconds the model stays loaded once idle after this request (negative: for good);
     #: None: the model's own keep-alive. Ollama's top-level ``keep_alive``.
     keep_alive: float | None = None
+    #: Variables for the model's chat template from the client (``enable_thinking``);
+    #: they win over those afmd derives from ``reasoning_effort``.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Top-level fields of the body afmd did not know and ignored, in the body's order
+    #: (the response names them in ``X-AFM-Ignored-Fields``).
+    ignored_fields: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,3 +131,4 @@ class CompletionRequest:
     echo: bool = False  # the prompt's text (and its tokens' log-probabilities) first
     logprobs: int | None = None  # alternatives per token (0-5); None: none reported
     keep_alive: float | None = None  # as ChatRequest's
+    ignored_fields: tuple[str, ...] = ()  # as ChatRequest's
