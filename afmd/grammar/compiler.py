@@ -23,9 +23,10 @@ from typing import Any
 from llguidance import LLMatcher, LLTokenizer
 
 from afmd.errors import InvalidRequestError
+from afmd.grammar.calls import CallGrammar, JsonObjectCalls
+from afmd.grammar.frames import Build, Frame, Thinking, Tool
+from afmd.grammar.params import Inexact, with_options
 from afmd.grammar.schemas import closed, reroot
-
-_THINK_TEXT = r"/(.|\n)*/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,50 +138,22 @@ def _transformed(schema: dict[str, Any], embedded: bool) -> dict[str, Any]:
 
 
 def _with_options(schema: dict[str, Any], lenient: bool) -> dict[str, Any]:
-    guidance = dict(schema.get("x-guidance") or {})
-    guidance.update({"whitespace_flexible": False, "lenient": lenient})
-    return {**schema, "x-guidance": guidance}
-
-
-def _token(tokenizer: LLTokenizer, marker: str) -> str:
-    """A marker as a lark item: a token reference when it is one token, else a literal."""
-    ids = tokenizer.tokenize_str(marker)
-    if len(ids) == 1 and tokenizer.is_special_token(ids[0]) and marker.startswith("<") \
-            and marker.endswith(">"):
-        return marker
-    return json.dumps(marker)
-
-
-@dataclass(frozen=True, slots=True)
-class Thinking:
-    start: str
-    end: str
-    in_reasoning: bool  # the prompt already opened the thinking block
-    budget: int | None  # max tokens of thinking under this grammar (None: unbounded)
-
-
-def _thinking_rules(tokenizer: LLTokenizer, thinking: Thinking | None) -> tuple[str, str]:
-    """The start rule's prefix and the rules for an optional leading thinking block."""
-    if thinking is None:
-        return "", ""
-    attrs = f"[max_tokens={thinking.budget}]" if thinking.budget else ""
-    start, end = _token(tokenizer, thinking.start), _token(tokenizer, thinking.end)
-    rules = f'think_text{attrs}: {_THINK_TEXT}\n'
-    if thinking.in_reasoning:
-        rules += f'think: think_text {end} "\\n"? "\\n"?\n'
-        return "think ", rules
-    rules += f'think: {start} think_text {end} "\\n"? "\\n"?\n'
-    return "think? ", rules
+    return with_options(schema, lenient)
 
 
 def _compile(
     build: Any, tokenizer: LLTokenizer, *, param: str, what: str
 ) -> Grammar:
     """Compile strict, else lenient (downgraded), else reject as the client's error."""
-    strict_text = LLMatcher.grammar_from_lark(build(False))
-    is_error, messages = _cache.validate(strict_text, tokenizer)
-    if not is_error and not messages:
-        return Grammar(strict_text, tokenizer, downgraded=False)
+    try:
+        strict_text: str | None = LLMatcher.grammar_from_lark(build(False))
+    except Inexact:  # the family's format cannot express a keyword: lenient, downgraded
+        strict_text = None
+    messages: Sequence[str] = ()
+    if strict_text is not None:
+        is_error, messages = _cache.validate(strict_text, tokenizer)
+        if not is_error and not messages:
+            return Grammar(strict_text, tokenizer, downgraded=False)
     lenient_text = LLMatcher.grammar_from_lark(build(True))
     lenient_error, lenient_messages = _cache.validate(lenient_text, tokenizer)
     if lenient_error:
@@ -201,25 +174,34 @@ def json_schema_grammar(
     *,
     thinking: Thinking | None,
     param: str,
+    syntax: CallGrammar | None = None,
 ) -> Grammar:
-    """Output that is one JSON value matching ``schema`` (an object when None)."""
+    """Output that is one JSON value matching ``schema`` (an object when None), framed as
+    the model's family frames an answer (after its thinking; harmony: on ``final``)."""
     base = _grammar_copy(schema) if schema is not None else {"type": "object"}
-    prefix, think_rules = _thinking_rules(tokenizer, thinking)
+    frame = syntax.frame if syntax is not None else Frame()
 
     def build(lenient: bool) -> str:
-        body = json.dumps(_with_options(base, lenient))
-        return f"start: {prefix}answer\nanswer: %json {body}\n{think_rules}"
+        b = Build(tokenizer, lenient)
+        prefix = frame.prefix(b, thinking)
+        answer = frame.answer(b, base)
+        return "\n".join([f"start: {prefix}{answer}", *b.rules.lines])
 
     return _compile(build, tokenizer, param=param, what="JSON schema")
 
 
-def text_grammar(tokenizer: LLTokenizer, thinking: Thinking) -> Grammar:
+def text_grammar(
+    tokenizer: LLTokenizer, thinking: Thinking, syntax: CallGrammar | None = None
+) -> Grammar:
     """Free text after an optional thinking block: only there to bound the thinking
     (``thinking.budget``), which no other grammar of the turn would."""
-    prefix, think_rules = _thinking_rules(tokenizer, thinking)
+    frame = syntax.frame if syntax is not None else Frame()
 
     def build(lenient: bool) -> str:
-        return f"start: {prefix}TEXT?\nTEXT: /(.|\\n)+/\n{think_rules}"
+        b = Build(tokenizer, lenient)
+        prefix = frame.prefix(b, thinking)
+        text = frame.text(b)
+        return "\n".join([f"start: {prefix}{text}?", *b.rules.lines])
 
     return _compile(build, tokenizer, param="thinking", what="thinking budget")
 
@@ -234,51 +216,34 @@ def tool_grammar(
     parallel: bool,
     thinking: Thinking | None,
     answer_schema: dict[str, Any] | None = None,
+    syntax: CallGrammar | None = None,
 ) -> Grammar:
-    """Hermes-style calls ``<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>``.
+    """Calls in the family's markup (``syntax``; by default Hermes-style JSON between
+    ``start`` and ``end``).
 
     ``required``: the turn is one or more calls (after optional thinking); otherwise free
     text, optionally followed by calls whose arguments obey their schemas — or, with
     ``answer_schema`` (a ``response_format``), either calls or a JSON answer.
     """
-    prefix, think_rules = _thinking_rules(tokenizer, thinking)
-    open_, close = _token(tokenizer, start), _token(tokenizer, end)
-    # Each call is its own JSON schema with the parameters under "arguments": their
-    # local references are re-rooted there, so tools' same-named $defs stay apart.
-    arguments = [_grammar_copy(tool.parameters or {"type": "object"}, embedded=True)
-                 for tool in tools]
+    family = syntax if syntax is not None else JsonObjectCalls(start, end)
+    frame = family.frame
+    # Each call's parameters are the grammar's closed copy; a family that embeds them in
+    # a larger object re-roots their pointers there itself.
+    copies = [Tool(tool.name, _grammar_copy(tool.parameters or {"type": "object"}))
+              for tool in tools]
     answer = _grammar_copy(answer_schema) if answer_schema is not None else None
 
     def build(lenient: bool) -> str:
-        lines = []
-        names = []
-        for i, tool in enumerate(tools):
-            call_schema = {
-                "type": "object",
-                "properties": {"name": {"const": tool.name}, "arguments": arguments[i]},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            lines.append(f"fn{i}: %json {json.dumps(_with_options(call_schema, lenient))}")
-            names.append(f"fn{i}")
-        calls = 'call ("\\n" call)*' if parallel else "call"
+        b = Build(tokenizer, lenient)
+        prefix = frame.prefix(b, thinking)
+        calls = family.calls(b, copies, parallel)
         if required:
-            body = "calls"
+            body = calls
         elif answer is not None:
-            body = "answer | calls"
-            lines.append(f"answer: %json {json.dumps(_with_options(answer, lenient))}")
+            body = f"{frame.answer(b, answer)} | {calls}"
         else:
-            body = "TEXT | TEXT? calls"
-        return "\n".join(
-            [
-                f"start: {prefix}{body}",
-                f"calls: {calls}",
-                f'call: {open_} "\\n" ({" | ".join(names)}) "\\n" {close}',
-                "TEXT: /(.|\\n)+/",
-                *lines,
-                think_rules,
-            ]
-        )
+            body = frame.text_or_calls(b, calls, family.opener)
+        return "\n".join([f"start: {prefix}{body}", *b.rules.lines])
 
     try:
         return _compile(build, tokenizer, param="tools", what="tool schema")
@@ -308,6 +273,7 @@ def tool_grammar_probe(tokenizer: LLTokenizer, tool: ToolSchema) -> str | None:
 
 
 __all__ = [
+    "CallGrammar",
     "Grammar",
     "Thinking",
     "ToolSchema",

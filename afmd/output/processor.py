@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from afmd.core.request import ToolCall
+from afmd.output.formats.base import CallContext, CallLog, CallReader, ToolIndex
+from afmd.output.formats.registry import Family, family
 from afmd.output.pieces import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 from afmd.output.reasoning import ReasoningSplitter
 from afmd.output.stops import StopScanner
@@ -22,12 +24,28 @@ from afmd.output.toolcalls import ToolCallParser
 
 @dataclass(frozen=True, slots=True)
 class ToolFormat:
-    """How a model family writes tool calls."""
+    """How a model family writes tool calls.
+
+    ``family``: afmd's reader for it (:mod:`afmd.output.formats.registry`, by mlx-lm's
+    parser name); None reads calls between ``start`` and ``end`` with ``parse`` (or, with
+    ``incremental_json``, as Hermes JSON streamed as written).
+    """
 
     start: str
     end: str
     parse: Callable[[str, Any], Any] | None = None
     incremental_json: bool = True
+    family: str | None = None
+
+    @property
+    def reader_family(self) -> Family | None:
+        return family(self.family)
+
+    @property
+    def channels(self) -> bool:
+        """The family's markup carries the reasoning too (harmony's channels)."""
+        found = self.reader_family
+        return found is not None and found.channels
 
 
 class OutputProcessor:
@@ -41,26 +59,40 @@ class OutputProcessor:
         tools: Any = None,
         max_calls: int | None = None,
         new_id: Callable[[], str] | None = None,
+        enforced: bool = False,
+        calls_on: bool = True,
+        call_offset: int = 0,
     ) -> None:
+        """``enforced``: a grammar makes the calls well formed; ``calls_on`` False: the
+        format is read for its channels only (tools are off); ``call_offset``: calls
+        earlier in the conversation, for families whose call ids count them."""
         self._stops = StopScanner(stops)
+        found = tool_format.reader_family if tool_format else None
+        self._channels = found is not None and found.channels
         self._reasoning = (
             ReasoningSplitter(thinking[0], thinking[1], in_reasoning=starts_in_reasoning)
-            if thinking
+            if thinking and not self._channels
             else None
         )
-        self._tools = (
-            ToolCallParser(
-                tool_format.start,
-                tool_format.end,
-                new_id=new_id or (lambda: "call_0"),
-                parse=tool_format.parse,
-                tools=tools,
-                incremental_json=tool_format.incremental_json,
-                max_calls=max_calls,
-            )
-            if tool_format
-            else None
-        )
+        make_id = new_id or (lambda: "call_0")
+        family_id = found.call_id if found is not None else None
+        if family_id is not None:
+            def ids(name: str, index: int) -> str:
+                return family_id(name, call_offset + index)
+        else:
+            def ids(name: str, index: int) -> str:
+                return make_id()
+        self._log = CallLog(ids, max_calls)
+        self._tools: CallReader | None = None
+        if tool_format is not None:
+            ctx = CallContext(self._log, ToolIndex(tools), enforced, tool_format.parse,
+                              calls_on)
+            if found is not None and found.reader is not None:
+                self._tools = found.reader(ctx)
+            else:
+                incremental = found.incremental_json if found else tool_format.incremental_json
+                self._tools = ToolCallParser(tool_format.start, tool_format.end, ctx,
+                                             incremental_json=incremental)
         self._pending_ws = ""
         self._content_started = False
         self.released = 0  # characters of fed text the stop check has let through
@@ -68,7 +100,7 @@ class OutputProcessor:
     @property
     def should_stop(self) -> bool:
         """Generation can end now: a stop sequence matched or the call budget is used."""
-        return self._stops.stopped or (self._tools is not None and self._tools.saturated)
+        return self._stops.stopped or self._log.saturated
 
     @property
     def stopped_by_sequence(self) -> bool:
@@ -82,7 +114,7 @@ class OutputProcessor:
     @property
     def tool_calls(self) -> list[ToolCall]:
         """The complete calls so far, in order (a cut-off one joins at ``finish``)."""
-        return self._tools.calls if self._tools is not None else []
+        return self._log.calls
 
     def feed(self, text: str) -> list[Piece]:
         safe = self._stops.feed(text)
@@ -95,18 +127,23 @@ class OutputProcessor:
         return self._route(rest, final=True)
 
     def _route(self, text: str, *, final: bool) -> list[Piece]:
-        if self._reasoning is not None:
-            pieces = self._reasoning.feed(text) if text else []
-            if final:
-                pieces += self._reasoning.flush()
-        else:
-            pieces = [Content(text)] if text else []
         out: list[Piece] = []
-        for piece in pieces:
-            if isinstance(piece, Content):
-                out.extend(self._content(piece.text))
+        if self._channels:
+            # The family's reader splits reasoning, content and calls itself.
+            assert self._tools is not None
+            out = self._after_tools(self._tools.feed(text)) if text else []
+        else:
+            if self._reasoning is not None:
+                pieces = self._reasoning.feed(text) if text else []
+                if final:
+                    pieces += self._reasoning.flush()
             else:
-                out.append(piece)
+                pieces = [Content(text)] if text else []
+            for piece in pieces:
+                if isinstance(piece, Content):
+                    out.extend(self._content(piece.text))
+                else:
+                    out.append(piece)
         if final:
             if self._tools is not None:
                 out.extend(self._after_tools(self._tools.flush()))
@@ -125,6 +162,8 @@ class OutputProcessor:
         for piece in pieces:
             if isinstance(piece, Content):
                 out.extend(self._whitespace(piece.text))
+            elif isinstance(piece, Reasoning):
+                out.append(piece)
             else:
                 self._pending_ws = ""  # padding before a call is markup, not content
                 out.append(piece)

@@ -1,59 +1,26 @@
-"""Tool calls out of the model's text, streamed as they are written.
+"""Calls between two markers: Hermes/Qwen ``<tool_call>{json}</tool_call>``, and any
+family afmd has no reader of its own for.
 
-The model writes calls in its family's markup (Hermes/Qwen ``<tool_call>{json}</tool_call>``,
-Qwen3-coder XML, Mistral, pythonic, …). For the JSON format the call's header (name) is
-recognised as soon as it is complete and the arguments are forwarded fragment by fragment
-as the model produces them, so a client sees arguments stream; the concatenated fragments
-are exactly the arguments' JSON text. Other formats are parsed whole at their end marker
-with mlx-lm's parser for that family. Markup never reaches ``content``; a call that cannot
-be parsed is returned as text rather than dropped.
+For the JSON format the call's header (name) is recognised as soon as it is complete and
+the arguments are forwarded fragment by fragment as the model produces them, so a client
+sees arguments stream; the concatenated fragments are exactly the arguments' JSON text.
+Otherwise a block is parsed whole at its end marker with mlx-lm's parser for the family.
+Markup never reaches ``content``; a call that cannot be parsed is returned as text rather
+than dropped. (The families with their own markup are in :mod:`afmd.output.formats`.)
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any
 
 from afmd.core.request import ToolCall
+from afmd.output.formats.base import CallContext, parse_whole
+from afmd.output.formats.jsonargs import JsonValueEnd
 from afmd.output.markers import partial_suffix
-from afmd.output.pieces import Content, Piece, ToolCallArguments, ToolCallStart
+from afmd.output.pieces import Content, Piece
 
 _OUTSIDE, _HEAD, _ARGS, _AFTER_ARGS, _WHOLE = range(5)
 _WS = " \t\r\n"
-
-
-class _JsonValueEnd:
-    """Finds where a JSON object/array ends, fed incrementally."""
-
-    __slots__ = ("depth", "done", "escape", "in_string")
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = False
-        self.escape = False
-        self.done = False
-
-    def feed(self, text: str) -> int:
-        """How many characters of ``text`` belong to the value (all, until it closes)."""
-        for i, ch in enumerate(text):
-            if self.in_string:
-                if self.escape:
-                    self.escape = False
-                elif ch == "\\":
-                    self.escape = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.done = True
-                    return i + 1
-        return len(text)
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -66,7 +33,7 @@ _PARTIAL = ("partial", 0, 0, 0)
 _FAIL = ("fail", 0, 0, 0)
 
 
-def _match_header(text: str) -> tuple[str, int, int, int]:
+def match_header(text: str) -> tuple[str, int, int, int]:
     """Match ``{"name": "<str>", "arguments":`` at the start of ``text``.
 
     Returns ``("match", name_start, name_end, value_start)`` (the name is the JSON string
@@ -123,32 +90,28 @@ class ToolCallParser:
         self,
         start: str,
         end: str,
+        ctx: CallContext,
         *,
-        new_id: Callable[[], str],
-        parse: Callable[[str, Any], Any] | None = None,
-        tools: Any = None,
         incremental_json: bool = True,
-        max_calls: int | None = None,
     ) -> None:
         self._start = start
         self._end = end
-        self._new_id = new_id
-        self._parse = parse
-        self._tools = tools
+        self._ctx = ctx
+        self._log = ctx.log
         self._incremental = incremental_json
-        self._max_calls = max_calls
         self._buf = ""
         self._state = _OUTSIDE
-        self._scan = _JsonValueEnd()
-        # The call whose arguments are streaming: (id, name) and its arguments so far.
-        self._open: tuple[str, str] | None = None
-        self._arguments = ""
-        self.calls: list[ToolCall] = []  # complete calls, in order
+        self._scan = JsonValueEnd()
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The complete calls, in order."""
+        return self._log.calls
 
     @property
     def saturated(self) -> bool:
         """The turn has as many calls as allowed; anything more would be dropped."""
-        return self._max_calls is not None and len(self.calls) >= self._max_calls
+        return self._log.saturated
 
     def feed(self, text: str) -> list[Piece]:
         if self.saturated:
@@ -171,7 +134,7 @@ class ToolCallParser:
                 self._buf = self._buf[i + len(self._start):]
                 self._state = _HEAD if self._incremental else _WHOLE
             elif state == _HEAD:
-                verdict, name_start, name_end, value_start = _match_header(self._buf)
+                verdict, name_start, name_end, value_start = match_header(self._buf)
                 if verdict == "partial" and self._end not in self._buf:
                     break
                 if verdict != "match" or self._buf[value_start] not in "{[":
@@ -182,19 +145,17 @@ class ToolCallParser:
                 except ValueError:
                     self._state = _WHOLE
                     continue
-                self._open = (self._new_id(), name)
-                self._arguments = ""
-                out.append(ToolCallStart(len(self.calls), self._open[0], name))
+                if self._ctx.calls_on:
+                    out.extend(self._log.open(name))
                 self._buf = self._buf[value_start:]
-                self._scan = _JsonValueEnd()
+                self._scan = JsonValueEnd()
                 self._state = _ARGS
             elif state == _ARGS:
                 if not self._buf:
                     break
                 n = self._scan.feed(self._buf)
                 fragment, self._buf = self._buf[:n], self._buf[n:]
-                self._arguments += fragment
-                out.append(ToolCallArguments(len(self.calls), fragment))
+                out.extend(self._log.write(fragment))
                 if not self._scan.done:
                     break
                 self._state = _AFTER_ARGS
@@ -202,11 +163,12 @@ class ToolCallParser:
                 i = self._buf.find(self._end)
                 if i == -1:
                     break
-                self._close()
+                if self._log.streaming:
+                    self._log.close()
                 self._buf = self._buf[i + len(self._end):]
                 self._state = _OUTSIDE
             else:  # _WHOLE
-                # A format without an end marker (Mistral) runs to the end of generation.
+                # A format without an end marker runs to the end of generation.
                 i = self._buf.find(self._end) if self._end else -1
                 if i == -1:
                     break
@@ -216,28 +178,17 @@ class ToolCallParser:
                 out.extend(self._whole_call(raw))
         return out
 
-    def _close(self) -> None:
-        """The streaming call is complete (or cut off): it joins ``calls``, frozen."""
-        assert self._open is not None
-        call_id, name = self._open
-        self.calls.append(ToolCall(call_id, name, self._arguments))
-        self._open = None
-        self._arguments = ""
-
     def _whole_call(self, raw: str, end: str | None = None) -> list[Piece]:
         end = self._end if end is None else end
-        parsed = _parse_whole(raw, self._parse, self._tools)
+        parsed = parse_whole(raw, self._ctx.parse, self._ctx.tools.raw)
         if not parsed:
             return [Content(self._start + raw + end)]
         out: list[Piece] = []
+        if not self._ctx.calls_on:
+            return out
         # One block can hold several calls (pythonic ``[a(), b()]``, Mistral's list).
         for name, arguments in parsed:
-            if self.saturated:
-                break
-            call = ToolCall(self._new_id(), name, arguments)
-            index = len(self.calls)
-            self.calls.append(call)
-            out += [ToolCallStart(index, call.id, name), ToolCallArguments(index, arguments)]
+            out += self._log.whole(name, arguments)
         return out
 
     def flush(self) -> list[Piece]:
@@ -246,9 +197,9 @@ class ToolCallParser:
         if self._state == _OUTSIDE:
             if self._buf and not self.saturated:
                 out.append(Content(self._buf))
-        elif self._open is not None:
-            self._close()  # truncated (finish_reason tells)
-        elif not self.saturated:
+        elif self._log.streaming:
+            self._log.close()  # truncated (finish_reason tells)
+        elif not self.saturated and self._state != _AFTER_ARGS:
             # No end marker (a format without one, or generation ended just before it):
             # the call still counts when its text parses whole. A call cut off before it
             # parses is dropped: its markup must never reach content (finish_reason
@@ -259,23 +210,3 @@ class ToolCallParser:
         self._buf = ""
         self._state = _OUTSIDE
         return out
-
-
-def _parse_whole(
-    raw: str, parse: Callable[[str, Any], Any] | None, tools: Any
-) -> list[tuple[str, str]]:
-    """(name, arguments JSON) of each call in one block of call markup; [] if it fails."""
-    try:
-        parsed = parse(raw, tools) if parse is not None else json.loads(raw.strip())
-    except Exception:  # a model's malformed call is data, not a server error
-        return []
-    items = parsed if isinstance(parsed, list) else [parsed]
-    calls: list[tuple[str, str]] = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return []
-        arguments = item.get("arguments", {})
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        calls.append((item["name"], arguments))
-    return calls

@@ -1,0 +1,63 @@
+"""Every call format afmd reads, by the name mlx-lm gives its tool parser.
+
+mlx-lm detects a model's call format from its chat template or vocabulary and names a
+module of ``mlx_lm.tool_parsers``; afmd keys its own readers (and, in
+``afmd.grammar.calls``, its grammars) by the same name, so a model is read the way mlx-lm
+recognises it. ``harmony`` (gpt-oss) is afmd's own: mlx-lm has no parser for it, afmd
+recognises it from the vocabulary. A name missing here is read by the generic reader:
+markers, then mlx-lm's parser on the whole block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from afmd.output.formats import gemma, harmony, kimi, mistral, pythonic, tagged
+from afmd.output.formats.base import CallContext, CallReader
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    name: str
+    start: str  # what opens the calls ("": nothing to ban when tools are hidden)
+    end: str
+    # The family's own reader; None: the generic one (markers and mlx-lm's parser, or
+    # the Hermes JSON stream with ``incremental_json``).
+    reader: Callable[[CallContext], CallReader] | None = None
+    incremental_json: bool = False
+    channels: bool = False  # the markup carries reasoning too (no thinking markers)
+    call_id: Callable[[str, int], str] | None = None  # ids the family's template expects
+
+
+def _tagged(name: str, syntax: tagged.Syntax) -> Family:
+    return Family(name, syntax.section[0], syntax.section[1], tagged.reader(syntax))
+
+
+FAMILIES: dict[str, Family] = {
+    family.name: family
+    for family in (
+        Family("json_tools", "<tool_call>", "</tool_call>", incremental_json=True),
+        _tagged("qwen3_coder", tagged.QWEN3_CODER),
+        _tagged("glm47", tagged.GLM47),
+        _tagged("laguna", tagged.GLM47),
+        _tagged("longcat", tagged.LONGCAT),
+        _tagged("minimax_m2", tagged.MINIMAX_M2),
+        _tagged("muse_spark", tagged.MUSE_SPARK),
+        _tagged("minicpm5", tagged.MINICPM5),
+        _tagged("kimi_k3", tagged.KIMI_K3),
+        Family("kimi_k2", kimi.SECTION[0], kimi.SECTION[1], kimi.KimiReader,
+               call_id=kimi.call_id),
+        Family("mistral", mistral.MARKER, "", mistral.MistralReader,
+               call_id=mistral.call_id),
+        Family("pythonic", pythonic.START, pythonic.END, pythonic.PythonicReader),
+        Family("gemma4", gemma.GEMMA4.start, gemma.GEMMA4.end, gemma.reader(gemma.GEMMA4)),
+        Family("function_gemma", gemma.FUNCTION_GEMMA.start, gemma.FUNCTION_GEMMA.end,
+               gemma.reader(gemma.FUNCTION_GEMMA)),
+        Family("harmony", "", "", harmony.reader, channels=True),
+    )
+}
+
+
+def family(name: str | None) -> Family | None:
+    return FAMILIES.get(name) if name else None
