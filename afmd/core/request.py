@@ -19,6 +19,17 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageInput:
+    """An image part as the client sent it (its base64 payload decoded, the picture not):
+    only a vision model pays for decoding it, and an undecodable one is named by ``param``.
+    """
+
+    data: bytes
+    param: str  # the part itself (``messages[0].content[1].image_url``)
+    offset: int  # where it sits in the message's text (its text parts are joined as is)
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     role: str
     content: str | None
@@ -26,6 +37,8 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     has_images: bool = False
+    #: The image parts, in order (``has_images`` is true when there are any).
+    images: tuple[ImageInput, ...] = ()
     #: An assistant turn's thinking as the client sent it back (Responses reasoning items);
     #: templates that know ``reasoning_content`` render it, others drop it.
     reasoning: str | None = None
