@@ -24,7 +24,15 @@ from typing import Any
 
 import orjson
 
-from afmd.core.request import ChatRequest, Message, ResponseFormat, ToolCall, ToolChoice, ToolSpec
+from afmd.core.request import (
+    ChatRequest,
+    ImageInput,
+    Message,
+    ResponseFormat,
+    ToolCall,
+    ToolChoice,
+    ToolSpec,
+)
 from afmd.errors import InvalidRequestError
 from afmd.protocol.body import parse_json_body
 from afmd.protocol.fields import (
@@ -207,14 +215,15 @@ def _messages(value: Any) -> tuple[tuple[Message, ...], bool]:
             continue
         texts: list[str] = []
         results: dict[str, Message] = {}
-        pictured = False  # this turn's text comes with images
+        pictures: list[ImageInput] = []  # this turn's images, placed in its text
         for p, block in turn.blocks:
             kind = _block_type(block, p)
             if kind == "text":
                 texts.append(required(block, "text", f"{p}.text", str, "a string"))
             elif kind == "image":
-                _image(block, p)
-                pictured = images = True
+                pictures.append(ImageInput(_image(block, p), f"{p}.source",
+                                           len("\n\n".join(texts))))
+                images = True
             elif kind == "tool_result":
                 call_id, message, has_image = _tool_result(block, p)
                 if not any(c.id == call_id for c in calls):
@@ -239,7 +248,8 @@ def _messages(value: Any) -> tuple[tuple[Message, ...], bool]:
                     code="missing_tool_output", param=f"messages[{calls_at}].content")
             out.append(results[call.id])
         if texts or not results:
-            out.append(Message("user", "\n\n".join(texts), has_images=pictured))
+            out.append(Message("user", "\n\n".join(texts), has_images=bool(pictures),
+                               images=tuple(pictures)))
         calls = ()
     last = turns[-1]
     if last.role == "assistant":
@@ -305,8 +315,9 @@ def _assistant(turn: _Turn) -> Message:
                    reasoning="\n\n".join(t for t in thoughts if t) or None)
 
 
-def _image(block: dict[str, Any], p: str) -> None:
-    """Only inline base64 images: afmd never fetches a URL on a client's behalf."""
+def _image(block: dict[str, Any], p: str) -> bytes:
+    """The image's bytes; only inline base64 images: afmd never fetches a URL on a
+    client's behalf."""
     source = required(block, "source", f"{p}.source", dict, "an object")
     kind = required(source, "type", f"{p}.source.type", str, "a string")
     if kind != "base64":
@@ -321,7 +332,7 @@ def _image(block: dict[str, Any], p: str) -> None:
     try:
         if not _BASE64.fullmatch(data) or len(data) % 4:
             raise binascii.Error
-        base64.b64decode(data, validate=True)
+        return base64.b64decode(data, validate=True)
     except binascii.Error:
         raise InvalidRequestError("The image data is not valid base64.",
                                   code="invalid_image_url", param=f"{p}.source.data") from None
@@ -332,7 +343,7 @@ def _tool_result(block: dict[str, Any], p: str) -> tuple[str, Message, bool]:
     call_id = required(block, "tool_use_id", f"{p}.tool_use_id", str, "a string")
     is_error = optional(block, "is_error", f"{p}.is_error", bool, "a boolean")
     content = block.get("content")
-    images = False
+    images: list[ImageInput] = []
     if content is None:
         text = ""
     elif isinstance(content, str):
@@ -345,8 +356,8 @@ def _tool_result(block: dict[str, Any], p: str) -> tuple[str, Message, bool]:
             if kind == "text":
                 texts.append(required(part, "text", f"{q}.text", str, "a string"))
             elif kind == "image":
-                _image(part, q)
-                images = True
+                images.append(ImageInput(_image(part, q), f"{q}.source",
+                                         len("\n\n".join(texts))))
             else:
                 raise invalid(f"{q}.type", f"Content block type {quoted(kind)} is not "
                               "supported in a tool_result; supported: 'text' and 'image'.")
@@ -354,8 +365,12 @@ def _tool_result(block: dict[str, Any], p: str) -> tuple[str, Message, bool]:
     else:
         raise wrong_type(f"{p}.content", "a string or an array of content blocks", content)
     if is_error:
-        text = f"Error: {text}" if text else "Error"
-    return call_id, Message("tool", text, tool_call_id=call_id, has_images=images), images
+        prefix = "Error: " if text else "Error"
+        text = prefix + text
+        images = [ImageInput(i.data, i.param, i.offset + len(prefix)) for i in images]
+    message = Message("tool", text, tool_call_id=call_id, has_images=bool(images),
+                      images=tuple(images))
+    return call_id, message, bool(images)
 
 
 # ---------------------------------------------------------------------------- tools

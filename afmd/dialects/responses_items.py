@@ -16,11 +16,11 @@ import base64
 import binascii
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from afmd.core.request import Message, ToolCall
+from afmd.core.request import ImageInput, Message, ToolCall
 from afmd.errors import InvalidRequestError
 from afmd.protocol.fields import invalid, missing, not_one_of, quoted, required, wrong_type
 
@@ -118,9 +118,19 @@ def _text_of(parts: Sequence[Item]) -> str:
     return "".join(part.get("text") or part.get("refusal") or "" for part in parts)
 
 
-def _has_images(parts: Any) -> bool:
-    return isinstance(parts, list) and any(
-        isinstance(p, dict) and p.get("type") == "input_image" for p in parts)
+def _images(parts: Any, param: Callable[[str], str]) -> tuple[ImageInput, ...]:
+    """The (checked) image parts' bytes, each placed in the parts' joined text."""
+    if not isinstance(parts, list):
+        return ()
+    images: list[ImageInput] = []
+    length = 0
+    for j, part in enumerate(parts):
+        if part.get("type") == "input_image":
+            data = base64.b64decode(part["image_url"].partition(",")[2])
+            images.append(ImageInput(data, param(f"[{j}].image_url"), length))
+        else:
+            length += len(part.get("text") or part.get("refusal") or "")
+    return tuple(images)
 
 
 # ---------------------------------------------------------------------------- items
@@ -325,14 +335,16 @@ def to_messages(items: Sequence[Item], params: ItemParams) -> tuple[Message, ...
             output = item["output"]
             text = output if isinstance(output, str) else _text_of(output)
             where = open_calls[call_id][0]
+            images = _images(output, lambda rest, i=index: params(i, ".output" + rest))
             pending[where][call_id] = Message(role="tool", content=text,
                                               tool_call_id=call_id,
-                                              has_images=_has_images(output))
+                                              has_images=bool(images), images=images)
             answered[call_id] = index
         else:  # a user, system or developer message
             flush()
+            images = _images(item["content"], lambda rest, i=index: params(i, ".content" + rest))
             messages.append(Message(role=item["role"], content=_text_of(item["content"]),
-                                    has_images=_has_images(item["content"])))
+                                    has_images=bool(images), images=images))
     flush()
     for call_id, (_, index) in open_calls.items():
         if call_id not in answered:

@@ -14,7 +14,7 @@ import binascii
 import re
 from typing import Any
 
-from afmd.core.request import Message, ToolCall
+from afmd.core.request import ImageInput, Message, ToolCall
 from afmd.errors import InvalidRequestError
 from afmd.protocol.fields import (
     invalid,
@@ -31,8 +31,9 @@ _ROLE_SET = frozenset(ROLES)
 _DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,([A-Za-z0-9+/]*={0,2})", re.ASCII)
 
 
-def _check_image_part(part: dict[str, Any], p: str) -> None:
-    """Only inline ``data:`` images: afmd never fetches a URL on a client's behalf."""
+def _check_image_part(part: dict[str, Any], p: str) -> bytes:
+    """The image's bytes; only inline ``data:`` images: afmd never fetches a URL on a
+    client's behalf."""
     image = required(part, "image_url", f"{p}.image_url", dict, "an object")
     url = required(image, "url", f"{p}.image_url.url", str, "a string")
     if not url.startswith("data:"):
@@ -49,7 +50,7 @@ def _check_image_part(part: dict[str, Any], p: str) -> None:
             param=f"{p}.image_url.url",
         )
     try:
-        base64.b64decode(match.group(1), validate=True)
+        return base64.b64decode(match.group(1), validate=True)
     except binascii.Error:
         raise InvalidRequestError(
             "Malformed image data URL: the base64 payload does not decode.",
@@ -60,21 +61,23 @@ def _check_image_part(part: dict[str, Any], p: str) -> None:
 
 def text_content(
     value: Any, param: str, *, allow_null: bool = False
-) -> tuple[str | None, bool]:
-    """The text of a message's content, and whether it carried image parts.
+) -> tuple[str | None, tuple[ImageInput, ...]]:
+    """The text of a message's content, and its image parts.
 
-    Content is a string or a list of text parts; parts are joined without separators.
+    Content is a string or a list of text and image parts; text parts are joined without
+    separators, and each image keeps its place in that text.
     """
     if value is None:
         if allow_null:
-            return None, False
+            return None, ()
         raise missing(param)
     if isinstance(value, str):
-        return value, False
+        return value, ()
     if not isinstance(value, list):
         raise wrong_type(param, "a string or an array of content parts", value)
     texts: list[str] = []
-    images = False
+    images: list[ImageInput] = []
+    length = 0
     for i, part in enumerate(value):
         p = f"{param}[{i}]"
         if not isinstance(part, dict):
@@ -84,9 +87,9 @@ def text_content(
             raise missing(f"{p}.type")
         if kind == "text":
             texts.append(required(part, "text", f"{p}.text", str, "a string"))
+            length += len(texts[-1])
         elif kind == "image_url":
-            _check_image_part(part, p)
-            images = True
+            images.append(ImageInput(_check_image_part(part, p), f"{p}.image_url", length))
         elif kind in ("input_audio", "file"):
             raise invalid(
                 f"{p}.type",
@@ -98,7 +101,7 @@ def text_content(
                 f"{p}.type",
                 f"Invalid content part type {quoted(kind)}; supported: 'text' and 'image_url'.",
             )
-    return "".join(texts), images
+    return "".join(texts), tuple(images)
 
 
 # The hot paths below accept a well-formed value inline and hand anything else to the
@@ -170,25 +173,24 @@ def message(value: Any, param: str) -> Message:
                 f"{param}.function_call",
                 "'function_call' is deprecated and not supported; use 'tool_calls'.",
             )
-        content, images = value.get("content"), False
+        content, images = value.get("content"), ()
         if type(content) is not str:
             content, images = text_content(content, f"{param}.content", allow_null=True)
         if content is None and not calls:
             raise missing(f"{param}.content")
-        return Message(
-            role=role, content=content, name=name, tool_calls=calls, has_images=images
-        )
+        return Message(role=role, content=content, name=name, tool_calls=calls,
+                       has_images=bool(images), images=images)
     if "content" not in value:
         raise missing(f"{param}.content")
-    content, images = value["content"], False
+    content, images = value["content"], ()
     if type(content) is not str:
         content, images = text_content(content, f"{param}.content")
     if role == "tool":
         call_id = _nonempty_id(value, "tool_call_id", f"{param}.tool_call_id", "A tool_call_id")
-        return Message(
-            role=role, content=content, name=name, tool_call_id=call_id, has_images=images
-        )
-    return Message(role=role, content=content, name=name, has_images=images)
+        return Message(role=role, content=content, name=name, tool_call_id=call_id,
+                       has_images=bool(images), images=images)
+    return Message(role=role, content=content, name=name, has_images=bool(images),
+                   images=images)
 
 
 def parse_messages(value: Any, param: str = "messages") -> tuple[Message, ...]:
