@@ -141,11 +141,11 @@ async def turn(request: Request) -> HTTPResponse | None:
     request.ctx.model = prepared.model_name
     reply = dialect.reply(chat, model=prepared.model_name, fingerprint=prepared.fingerprint)
     if state.stop_error is not None:
+        pipeline.discard(prepared)
         raise state.stop_error
     # From here until it is released, interrupt_requests() finds the run by this id
     # (start() registers it before it can wait in the queue).
     state.running[request_id] += 1
-        pipeline.discard(prepared)
     try:
         if chat.stream:
             await _stream(request, prepared, reply)
