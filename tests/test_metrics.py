@@ -192,6 +192,38 @@ def test_state_is_read_at_scrape_time(served: ServerProcess) -> None:
     assert now.samples["afmd_listener_up"] == {(("listener", served.url),): 1}
 
 
+def test_unloads_and_reloads_are_counted(tmp_path: Path) -> None:
+    """``keep_alive: 0`` unloads the model right after its request; the next one loads it
+    again. The counts outlive the unload; memory is reported while it is loaded."""
+    proc = start_server(tmp_path)
+    model = (("model", "demo-embedding"),)
+    try:
+        once = {"model": "demo-embedding", "input": "hello", "keep_alive": 0}
+        _wait_loaded(proc.url, "/v1/embeddings", once)
+        deadline = time.monotonic() + 30
+        while (now := scrape(proc.url)).get("afmd_model_unloads_total",
+                                            model="demo-embedding") != 1:
+            assert time.monotonic() < deadline, now.text
+            time.sleep(0.05)
+        assert now.value("afmd_model_loaded", model="demo-embedding") == 0
+        assert model not in now.samples["afmd_model_memory_bytes"]
+        assert now.value("afmd_model_loads_total", model="demo-embedding") == 1
+        first_load = now.value("afmd_model_load_seconds_total", model="demo-embedding")
+        assert first_load > 0
+
+        again = httpx.post(proc.url + "/v1/embeddings",
+                           json={**once, "keep_alive": -1}, timeout=60)
+        assert again.status_code == 200, again.text
+        now = scrape(proc.url)
+        assert now.value("afmd_model_loads_total", model="demo-embedding") == 2
+        assert now.value("afmd_model_unloads_total", model="demo-embedding") == 1
+        assert now.value("afmd_model_load_seconds_total", model="demo-embedding") > first_load
+        assert now.value("afmd_model_loaded", model="demo-embedding") == 1
+        assert now.value("afmd_model_memory_bytes", model="demo-embedding") > 0
+    finally:
+        proc.stop()
+
+
 def test_gauges_count_running_and_queued_requests(tmp_path: Path) -> None:
     """One slot: a long stream holds it, a second request waits in the queue."""
     proc = start_server(tmp_path, config="[queue]\nmax_concurrent_requests = 1\n")

@@ -270,20 +270,21 @@ def _model_families(state: Any, models: list[str]) -> Iterator[Any]:
     counts = registry.counts
     loaded = GaugeMetricFamily("afmd_model_loaded", "1 while the model is in memory.",
                                labels=("model",))
-    memory = GaugeMetricFamily("afmd_model_memory_bytes", "Memory a loaded model holds: its "
-                               "weights and its prefix cache's KV state.", labels=("model",))
+    memory = GaugeMetricFamily("afmd_model_memory_bytes", "Memory a loaded model holds, "
+                               "measured: weights and KV caches (prefix cache, running batch).",
+                               labels=("model",))
     for model in models:
         handle = registry.loaded(model)
         loaded.add_metric((model,), 0.0 if handle is None else 1.0)
         if handle is not None:
-            cache = getattr(handle.worker, "cache_bytes", 0) if handle.worker else 0
-            memory.add_metric((model,), handle.weights_bytes + cache)
+            memory.add_metric((model,), handle.memory_bytes)
     yield loaded
     yield memory
     for name, doc, series in (
         ("afmd_model_loads", "Completed model loads.", counts.loads),
         ("afmd_model_load_failures", "Model loads that failed.", counts.failures),
-        ("afmd_model_unloads", "Models unloaded to free memory.", counts.unloads),
+        ("afmd_model_unloads", "Unloads (idle past keep_alive, or making room).",
+         counts.unloads),
         ("afmd_model_load_seconds", "Time spent in completed model loads.", counts.seconds),
     ):
         family = CounterMetricFamily(name, doc, labels=("model",))
