@@ -29,9 +29,38 @@ def template_tools(tools: tuple[ToolSpec, ...]) -> list[dict[str, Any]]:
     return [tool.as_template_tool() for tool in tools]
 
 
+def _content(message: Message, images: bool) -> str | list[dict[str, Any]]:
+    """The text, or with ``images`` and image parts, the parts in order: text parts and
+    ``{"type": "image", "image": ImageInput}`` where each image sat."""
+    text = message.content or ""
+    if not images or not message.images:
+        return text
+    parts: list[dict[str, Any]] = []
+    at = 0
+    for image in message.images:
+        if image.offset > at:
+            parts.append({"type": "text", "text": text[at:image.offset]})
+            at = image.offset
+        parts.append({"type": "image", "image": image})
+    if at < len(text):
+        parts.append({"type": "text", "text": text[at:]})
+    return parts
+
+
+def _joined(first: Any, second: Any) -> Any:
+    """Two user turns as one (templates expect alternating turns)."""
+    if isinstance(first, str) and isinstance(second, str):
+        return first + "\n\n" + second
+    listed = [p if isinstance(p, list) else [{"type": "text", "text": p}]
+              for p in (first, second)]
+    return [*listed[0], {"type": "text", "text": "\n\n"}, *listed[1]]
+
+
 def template_messages(
-    messages: tuple[Message, ...], *, instructions: str = ""
+    messages: tuple[Message, ...], *, instructions: str = "", images: bool = False
 ) -> list[dict[str, Any]]:
+    """The conversation as chat-template messages; with ``images`` (a vision model) a
+    message with images has a list of parts as its content."""
     system_parts = [instructions] if instructions else []
     system_parts += [
         m.content for m in messages if m.role in ("system", "developer") and m.content
@@ -44,10 +73,11 @@ def template_messages(
         if message.role in ("system", "developer"):
             continue
         if message.role == "user":
+            content = _content(message, images)
             if out and out[-1]["role"] == "user":
-                out[-1]["content"] += "\n\n" + (message.content or "")
+                out[-1]["content"] = _joined(out[-1]["content"], content)
             else:
-                out.append({"role": "user", "content": message.content or ""})
+                out.append({"role": "user", "content": content})
         elif message.role == "assistant":
             item: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
             if message.reasoning:
@@ -65,7 +95,7 @@ def template_messages(
                     call_names[call.id] = call.name
             out.append(item)
         else:  # tool
-            item = {"role": "tool", "content": message.content or ""}
+            item = {"role": "tool", "content": _content(message, images)}
             if message.tool_call_id is not None:
                 item["tool_call_id"] = message.tool_call_id
                 name = call_names.get(message.tool_call_id)

@@ -75,6 +75,8 @@ DEMO_32K_MODEL_ID = "demo-32k"
 BUILTIN_DEMO_32K_PATH = "afmd:demo-32k"
 DEMO_EMBEDDING_MODEL_ID = "demo-embedding"
 BUILTIN_DEMO_EMBEDDING_PATH = "afmd:demo-embedding"
+DEMO_VISION_MODEL_ID = "demo-vision"
+BUILTIN_DEMO_VISION_PATH = "afmd:demo-vision"
 
 #: Homebrew prefixes searched (in order, after ``$HOMEBREW_PREFIX``) for
 #: ``etc/afmd/config.toml``; module-level so tests can point it elsewhere.
@@ -128,6 +130,7 @@ BUILTIN_MODELS: tuple[ModelEntry, ...] = (
     ModelEntry(id=DEMO_MODEL_ID, path=BUILTIN_DEMO_PATH),
     ModelEntry(id=DEMO_32K_MODEL_ID, path=BUILTIN_DEMO_32K_PATH),
     ModelEntry(id=DEMO_EMBEDDING_MODEL_ID, path=BUILTIN_DEMO_EMBEDDING_PATH, kind="embedding"),
+    ModelEntry(id=DEMO_VISION_MODEL_ID, path=BUILTIN_DEMO_VISION_PATH, kind="vision"),
 )
 
 
@@ -143,6 +146,9 @@ class ModelsConfig:
     max_loaded: int = field(default=3, metadata=at_least(1))
     # Seconds an idle model stays loaded: -1 forever, 0 unloaded after each request.
     keep_alive: float = field(default=300.0, metadata=at_least(-1))
+    # Pixels (width x height) an image part may have, checked before it is decoded: a
+    # decoded picture takes three bytes a pixel, however small its file.
+    max_image_pixels: int = field(default=33554432, metadata=at_least(1))
     aliases: dict[str, str] = field(default_factory=dict)
     model: tuple[ModelEntry, ...] = BUILTIN_MODELS
 

@@ -23,8 +23,9 @@ __all__ = [
     "parse_server_tools",
 ]
 
-#: What a model serves: chat (chat completions) or embedding (/v1/embeddings).
-MODEL_KINDS = ("chat", "embedding")
+#: What a model serves: chat (chat completions), embedding (/v1/embeddings) or vision (chat
+#: with images, loaded through mlx-vlm).
+MODEL_KINDS = ("chat", "embedding", "vision")
 _ENTRY_KEYS = ("id", "path", "context_length", "kind", "fim", "keep_alive", "preload")
 _FIM_KEYS = ("prefix", "suffix", "middle", "suffix_first", "stop")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from afmd.chat import template_messages, template_tools
 from afmd.context import droppable_units, without_units
@@ -31,12 +32,13 @@ class Round:
     max_tokens: int
     plan: TurnPlan
     trimmed: int = 0  # messages dropped to fit the context window
+    vision: Any = None  # a vision model's image inputs for this prompt (None: no image)
 
 
 class RoundBuilder:
     """How one request's rounds are made; its tools are the same in every round."""
 
-    __slots__ = ("_instructions", "_tools", "_trim", "model")
+    __slots__ = ("_instructions", "_pictures", "_tools", "_trim", "model")
 
     def __init__(
         self, model: LoadedModel, request: ChatRequest, *, instructions: str, trim: bool
@@ -46,6 +48,7 @@ class RoundBuilder:
         self._trim = trim
         # Converted once per request, not per render (trimming renders several times).
         self._tools = template_tools(request.tools)
+        self._pictures: dict[int, Any] = {}  # a vision model's decoded images, likewise
 
     async def first(self, request: ChatRequest) -> Round:
         """The request's first round: trimmed if the policy allows, ``tool_choice`` binds."""
@@ -58,12 +61,24 @@ class RoundBuilder:
 
     def render(self, request: ChatRequest) -> list[int]:
         """The prompt's token ids (a template error is the conversation's fault: a 400)."""
-        messages = template_messages(request.messages, instructions=self._instructions)
+        return self._render(request)[0]
+
+    def _render(self, request: ChatRequest) -> tuple[list[int], Any]:
+        """The prompt's token ids and, for a vision model, its image inputs."""
+        vision = self.model.vision
+        messages = template_messages(request.messages, instructions=self._instructions,
+                                     images=vision is not None)
         tools = self._tools if request.tools and request.tool_choice.mode != "none" else None
         try:
+            if vision is not None:
+                return vision.render(messages, tools=tools,
+                                     template_kwargs=template_kwargs(request, self.model),
+                                     decoded=self._pictures)
             return self.model.render_prompt(
                 messages, tools=tools, template_kwargs=template_kwargs(request, self.model)
-            )
+            ), None
+        except InvalidRequestError:  # an image's own (undecodable, too large)
+            raise
         except Exception as exc:  # template errors are about the conversation's shape
             raise InvalidRequestError(
                 f"The model's chat template could not render these messages: {exc}",
@@ -76,10 +91,11 @@ class RoundBuilder:
         budget = request.max_tokens
         # The room the prompt must leave: all of max_tokens, unless it is only a cap.
         need = budget if budget is not None and not request.max_tokens_shrinks else 1
-        prompt = self.render(request)
+        prompt, vision = self._render(request)
         trimmed = 0
         if len(prompt) + need > limit and trim:
             request, prompt, trimmed = self._fit(request, limit, need)
+            vision = self._render(request)[1] if vision is not None else None
         if budget is not None and not request.max_tokens_shrinks:
             if len(prompt) + budget > limit:
                 raise _context_error(limit, len(prompt), budget)
@@ -93,7 +109,7 @@ class RoundBuilder:
         plan = plan_turn(request, self.model, prompt, max_tokens, first_step=first_step,
                          template_tools=self._tools)
         plan.prepare_processors()  # the grammar matcher is built here, off the event loop
-        return Round(request, prompt, max_tokens, plan, trimmed)
+        return Round(request, prompt, max_tokens, plan, trimmed, vision)
 
     def _fit(
         self, request: ChatRequest, limit: int, budget: int

@@ -363,6 +363,7 @@ def _generation(prepared: PreparedChat, rnd: Round) -> GenerationRequest:
         think_ids=prepared.model.think_ids,
         starts_in_reasoning=rnd.plan.starts_in_reasoning,
         logprobs=r.logprobs,
+        vision=rnd.vision,
     )
 
 

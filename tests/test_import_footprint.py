@@ -17,7 +17,8 @@ import sys
 from conftest import ROOT
 
 #: Modules that must wait for a model load (or a grammar built for a loaded model).
-HEAVY = ("transformers", "mlx_lm", "llguidance.hf", "afmd.engine.worker")
+HEAVY = ("transformers", "mlx_lm", "llguidance.hf", "afmd.engine.worker", "mlx_vlm", "PIL",
+         "afmd.engine.vision")
 
 # Imports the way `afmd serve` does (cli, then logs and server), builds the whole server
 # object, then lets the registry try a model whose local folder does not exist, as the

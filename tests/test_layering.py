@@ -61,6 +61,7 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.protocol.*", 2),
     ("afmd.output.*", 2),
     ("afmd.profiling", 2),  # pure measurement helpers (stdlib only)
+    ("afmd.images", 2),  # a request's image parts decoded (Pillow), for vision models
     ("afmd.chat", 3),
     ("afmd.fim", 3),  # fill-in-the-middle formats and prompts, from a model's tokenizer
     ("afmd.engine.*", 3),

@@ -56,6 +56,9 @@ class GenerationRequest:
     # Tokens besides the model's end-of-sequence ones that end generation, unseen (the end
     # markers of fill-in-the-middle).
     stop_ids: tuple[int, ...] = ()
+    # A vision model's inputs besides the prompt ids (pixel values, image grids), opaque
+    # to this layer; None: the prompt has no image.
+    vision: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,8 @@ __all__ = ["CHAT_TEMPLATE", "DEMO_VARIANTS", "EMBEDDING_VARIANT", "build", "mate
 #: normalized, is the embedding (as Qwen3-Embedding); afmd serves it on /v1/embeddings.
 EMBEDDING_VARIANT = "demo-embedding"
 DEMO_VARIANTS = ("demo", "demo-32k", EMBEDDING_VARIANT)
+#: The vision variant (a Qwen2-VL for mlx-vlm), built by afmd.engine.demo_vision.
+VISION_VARIANT = "demo-vision"
 
 # Bump whenever build() changes in a way the parameters below do not capture, so that
 # cached folders built by the old code are not reused.
@@ -126,6 +128,10 @@ def materialize(variant: str = "demo", cache_root: Path | None = None) -> Path:
     processes) each build privately and whoever renames second simply adopts the
     winner's identical folder.
     """
+    if variant == VISION_VARIANT:  # its builder needs mlx-vlm: imported on demand
+        from afmd.engine import demo_vision
+
+        return demo_vision.materialize(cache_root)
     if variant not in DEMO_VARIANTS:
         raise ValueError(f"unknown demo variant {variant!r}; expected one of {DEMO_VARIANTS}")
     models_dir = Path(cache_dir() if cache_root is None else cache_root) / "models"

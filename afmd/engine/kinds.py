@@ -15,6 +15,12 @@ from small JSON files in the model's folder (never from weights). The rule, firs
 4. Otherwise a chat model. A Hugging Face repo that is not downloaded yet counts as what
    its entry says (chat by default) until it loads and its folder can be read.
 
+A chat model is a vision model, loaded through mlx-vlm instead of mlx-lm, when its entry
+says ``kind = "vision"``, or when it says nothing and its ``config.json`` has a
+``vision_config`` (as every mlx-vlm conversion of an image-text model has) while mlx-vlm
+is installed (the ``vision`` extra); the built-in ``demo-vision`` is one. It serves chat
+and completions like any chat model, and takes images.
+
 An embedding model with no statement of its own (``kind = "embedding"`` on a plain
 mlx-lm folder, as mlx-community's Qwen3-Embedding conversions are) pools the last token
 and normalizes, which is how Qwen3-Embedding is meant to be used. ``matryoshka`` (a prefix
@@ -35,10 +41,13 @@ from afmd.paths import huggingface_hub_cache
 
 CHAT = "chat"
 EMBEDDING = "embedding"
+VISION = "vision"  # an entry's kind: a chat model loaded through mlx-vlm
 POOLINGS = ("last", "mean", "cls")
 BUILTIN_PREFIX = "afmd:"
 #: The built-in variants that are embedding models (afmd.engine.demo builds them).
 EMBEDDING_VARIANTS = frozenset({"demo-embedding"})
+#: The built-in variants that are vision models (afmd.engine.demo_vision builds them).
+VISION_VARIANTS = frozenset({"demo-vision"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +154,7 @@ def resolve(
     entry: ModelEntry, folder: Path | None, config: Mapping[str, Any] | None = None
 ) -> tuple[str, EmbeddingSpec | None]:
     """The entry's kind and, for an embedding model, its pooling (rule in the module doc)."""
-    if entry.kind == CHAT:
+    if entry.kind in (CHAT, VISION):
         return CHAT, None
     variant = entry.path[len(BUILTIN_PREFIX):] if entry.path.startswith(BUILTIN_PREFIX) else None
     spec = folder_spec(folder, config) if folder is not None else None
@@ -159,7 +168,7 @@ def resolve(
 def declared_kind(entry: ModelEntry) -> str:
     """The entry's kind as far as is known without loading it."""
     if entry.kind is not None:
-        return entry.kind
+        return CHAT if entry.kind == VISION else entry.kind
     if entry.path.startswith(BUILTIN_PREFIX):
         return EMBEDDING if entry.path[len(BUILTIN_PREFIX):] in EMBEDDING_VARIANTS else CHAT
     folder = model_folder(entry.path)
@@ -167,6 +176,22 @@ def declared_kind(entry: ModelEntry) -> str:
         return resolve(entry, folder)[0] if folder is not None else CHAT
     except ValueError:
         return EMBEDDING  # a malformed afmd_embedding marker still says "embedding"
+
+
+def is_vision(entry: ModelEntry, folder: Path | None) -> bool:
+    """Whether the chat model loads through mlx-vlm (rule in the module doc)."""
+    if entry.kind is not None:
+        return entry.kind == VISION
+    if entry.path.startswith(BUILTIN_PREFIX):
+        return entry.path[len(BUILTIN_PREFIX):] in VISION_VARIANTS
+    if folder is None:
+        return False
+    config = _read_json(folder / "config.json")
+    if not isinstance(config, dict) or not isinstance(config.get("vision_config"), dict):
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("mlx_vlm") is not None
 
 
 def describe_load_failure(entry: ModelEntry, exc: BaseException) -> str:

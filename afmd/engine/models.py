@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     # The worker imports mlx-lm and with it transformers (~45 MB resident): only a model
     # load may pay for that, not a server that has none (or has not loaded one yet).
     from afmd.engine.embedding import Embedder
+    from afmd.engine.vision import VisionSupport, VisionWorker
     from afmd.engine.worker import BatchWorker
 
 log = logging.getLogger("afmd.engine")
@@ -68,13 +69,14 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     context_length: int
-    worker: BatchWorker | None  # a chat model's
+    worker: BatchWorker | VisionWorker | None  # a chat model's
     is_demo: bool = False
     weights_bytes: int = 0
     kind: str = CHAT
     embedder: Embedder | None = None  # an embedding model's
     #: When a request last got or released the model (Unix time, as /health reports it).
     last_used: float = field(default_factory=time.time)
+    vision: VisionSupport | None = None  # a vision model's prompt side (mlx-vlm)
 
     def touch(self) -> None:
         self.last_used = time.time()
@@ -124,7 +126,7 @@ class LoadedModel:
 
     @property
     def supports_vision(self) -> bool:
-        return False  # mlx-lm serves text models; vision needs mlx-vlm
+        return self.vision is not None
 
     @property
     def thinking(self) -> tuple[str, str] | None:
@@ -222,6 +224,13 @@ def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     apply_memory_bounds(config.cache.mlx_buffer_cache_bytes)
 
     is_demo = entry.path.startswith(BUILTIN_PREFIX)
+    if kinds.is_vision(entry, kinds.model_folder(entry.path)):
+        from afmd.engine import vision
+
+        variant = entry.path[len(BUILTIN_PREFIX):]
+        local = demo.materialize(variant) if is_demo else Path(entry.path).expanduser()
+        source = str(local) if local.exists() else entry.path
+        return vision.load(entry, config, source, is_demo)
     if is_demo:
         variant = entry.path[len(BUILTIN_PREFIX):]
         folder: Path | None = demo.materialize(variant)

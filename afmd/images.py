@@ -1,0 +1,75 @@
+"""A request's image parts decoded into pictures a vision model's processor takes.
+
+Decoding runs only for a vision model (a text-only one refuses images before this), off
+the event loop, and each failure is the client's 400 naming the part: bytes that are no
+image Pillow reads in the formats the API accepts (PNG, JPEG, WebP, GIF) are
+``invalid_image``; a picture larger than ``[models] max_image_pixels`` is
+``image_too_large``, decided from the header before any pixel is decoded, because the
+decoded RGB array is what costs memory (three bytes a pixel, however small the file).
+
+An animated GIF gives its first frame; transparency is flattened onto white, since
+vision models take RGB.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+from PIL import Image, ImageFile
+
+from afmd.core.request import ImageInput
+from afmd.errors import InvalidRequestError
+
+#: Pillow's names of the formats the image parts may carry.
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+
+# Pillow's own bomb check would raise (past twice its limit) or warn before ours runs;
+# afmd's limit is the operator's and is checked first.
+Image.MAX_IMAGE_PIXELS = None
+# A truncated file is an error, not a picture with a grey bottom.
+ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+
+def decode(image: ImageInput, max_pixels: int) -> Image.Image:
+    """The part's picture as RGB, or the 400 that names why it cannot be one."""
+    try:
+        picture = Image.open(io.BytesIO(image.data), formats=FORMATS)
+    except Exception:
+        raise _invalid(image, "is not a PNG, JPEG, WebP or GIF image") from None
+    width, height = picture.size
+    if width * height > max_pixels:
+        raise InvalidRequestError(
+            f"The image is {width}x{height} = {width * height} pixels, more than this "
+            f"server's limit of {max_pixels} ([models] max_image_pixels); send a smaller "
+            "image.",
+            code="image_too_large",
+            param=image.param,
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. a PNG's oversized text chunk
+            picture.seek(0)  # an animated GIF: its first frame
+            picture.load()
+            return _rgb(picture)
+    except Exception:
+        raise _invalid(image, "could not be decoded (truncated or corrupt data)") from None
+
+
+def _rgb(picture: Image.Image) -> Image.Image:
+    if picture.mode == "RGB":
+        return picture
+    if picture.mode == "P" and "transparency" in picture.info:
+        picture = picture.convert("RGBA")
+    if picture.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = picture.convert("RGBA")
+        background = Image.new("RGB", rgba.size, (255, 255, 255))
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background
+    return picture.convert("RGB")
+
+
+def _invalid(image: ImageInput, why: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"The image data {why}.", code="invalid_image", param=image.param
+    )
