@@ -267,6 +267,22 @@ class LogprobsRate(Flat):
 
 
 @dataclass
+class ModelSwitch(Flat):
+    """Loading a model on demand and switching models (``bench/models.py``): time to first
+    token of a request whose model is not loaded, cold and after an unload, and of
+    alternating requests for two models within the budget and over it."""
+
+    PREFIX: ClassVar[str] = "models_"
+    cold_ttft_ms: Value | None = None  # first load of the model in the process
+    warm_ttft_ms: Value | None = None  # loaded again after an unload (page cache warm)
+    loaded_ttft_ms: Value | None = None  # the same request, the model already loaded
+    within_ttft_ms: Value | None = None  # two models alternating, both stay loaded
+    over_ttft_ms: Value | None = None  # two models alternating, max_loaded 1
+    loads: dict[str, int] | None = None  # model loads per case, from the servers' logs
+    setup: dict[str, Any] | None = None
+
+
+@dataclass
 class SystemResults:
     """Everything measured for one system, and what went wrong while measuring it."""
 
@@ -284,6 +300,7 @@ class SystemResults:
     soak: Soak = field(default_factory=Soak)
     slowloris: Slowloris = field(default_factory=Slowloris)
     logprobs: LogprobsRate = field(default_factory=LogprobsRate)
+    models: ModelSwitch = field(default_factory=ModelSwitch)
     errors: dict[str, str] = field(default_factory=dict)  # phase label → traceback
     fatal: str | None = None  # the server (or raw process) could not be measured at all
 
@@ -333,6 +350,7 @@ class SystemResults:
         out.update(self.soak.items())  # newer rows: their keys come after the older ones
         out.update(self.slowloris.items())
         out.update(self.logprobs.items())
+        out.update(self.models.items())
         if self.errors:
             out["_errors"] = self.errors
         if self.fatal is not None:

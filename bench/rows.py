@@ -87,7 +87,7 @@ def evaluate(rows: list[Row], res: Measurements) -> list[dict[str, Any]]:
 def declare(p: Plan) -> list[Row]:
     """Every row, in the table's order (titles name the plan's token counts)."""
     return [*_speed(p), *_grammar(p), _logprobs(p), *_requests(p), *_footprint(),
-            *_resilience(p), *_extras(p)]
+            *_resilience(p), *_models(), *_extras(p)]
 
 
 def _speed(p: Plan) -> list[Row]:
@@ -357,6 +357,30 @@ def _resilience(p: Plan) -> list[Row]:
                  f"{slowloris.CHAT_EVERY}th a 2-token chat completion), each with a "
                  f"{slowloris.TIMEOUT:g} s limit"),
     ]
+
+
+def _models() -> list[Row]:
+    """bench/models.py: a load's cost in time to first token, and switching models."""
+    m = "a request for demo-32k"
+    cases = (
+        ("model_load_cold_ttft_ms", f"{m} not loaded yet (cold): time to first token (ms)",
+         lambda s: s.models.cold_ttft_ms, "the first load in a fresh afmd (its default "
+         "demo loaded); the files were just built, so the page cache holds them"),
+        ("model_load_warm_ttft_ms", f"{m} after an unload (warm page cache): time to first "
+         "token (ms)", lambda s: s.models.warm_ttft_ms,
+         "the request before had keep_alive 0; already loaded, the same request takes "
+         "measurements.afmd.models_loaded_ttft_ms"),
+        ("model_switch_within_ttft_ms", "two models alternating, within the budget (both "
+         "stay loaded): time to first token (ms)", lambda s: s.models.within_ttft_ms,
+         "max_loaded = 3; loads during the alternation: measurements.afmd.models_loads"),
+        ("model_switch_over_ttft_ms", "two models alternating, over the budget (max_loaded "
+         "1: a reload each time): time to first token (ms)",
+         lambda s: s.models.over_ttft_ms, "each request unloads the other model and "
+                                          "loads its own"),
+    )
+    return [Row(rid, title, "report", {"afmd": pick, "mlx_lm_server": AFMD_ONLY,
+                                       "raw": NO_RAW}, note=note)
+            for rid, title, pick, note in cases]
 
 
 def _extras(p: Plan) -> list[Row]:

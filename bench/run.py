@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
 
 from bench import document, servers, workload  # noqa: E402
 from bench.footprint import bench_footprint, bench_mlx_demo_rss, find_binary  # noqa: E402
+from bench.models import bench_models  # noqa: E402
 from bench.phases import bench_access_log, bench_big, bench_http, bench_raw  # noqa: E402
 from bench.plan import SYSTEMS, Ctx, Plan  # noqa: E402
 from bench.resilience import bench_slowloris, bench_soak  # noqa: E402
@@ -73,6 +74,8 @@ async def run_all(ctx: Ctx, binary: Path | None, systems: set[str]) -> None:
         await bench_soak(ctx)
         ctx.log(f"afmd under a slowloris ({p.slowloris_attackers} attackers):")
         await bench_slowloris(ctx)
+        ctx.log("afmd loading and switching models (demo-32k):")
+        await bench_models(ctx)
     if "mlx_lm_server" in systems:
         ctx.log("mlx_lm.server (demo-32k):")
         mlx = servers.mlx_server(ctx.work, "mlx_lm_server", Path(ctx.folders["demo-32k"] or ""))
