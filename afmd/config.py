@@ -191,6 +191,9 @@ class EngineConfig:
     retries: int = field(default=2, metadata=at_least(0))
     # Seconds before the first retry; doubles each time.
     retry_backoff: float = field(default=0.2, metadata=at_least(0))
+    # Speculate with n-grams of the prompt (and the output so far) for a request decoding
+    # alone: verified, so it changes no token; it stops itself where it does not pay.
+    prompt_lookup: bool = True
 
 
 @dataclass(frozen=True)
@@ -334,6 +337,17 @@ def _validate_aliases(models: ModelsConfig) -> None:
             )
 
 
+def _validate_drafts(models: ModelsConfig) -> None:
+    ids = {entry.id for entry in models.model}
+    for i, entry in enumerate(models.model):
+        if entry.draft is not None and entry.draft not in ids:
+            raise ConfigError(
+                f"models.model[{i}].draft",
+                f"unknown model {entry.draft!r}{suggest(entry.draft, ids)} "
+                f"(known: {', '.join(sorted(ids))})",
+            )
+
+
 def _validate_default(merged: Merged, models: ModelsConfig) -> None:
     ids = [entry.id for entry in models.model]
     if models.default not in ids and models.default not in models.aliases:
@@ -404,6 +418,7 @@ def load_config(
     # Aliases are checked before --model so that a flag naming an alias can be trusted,
     # and the default after it because --model replaces whatever default was set.
     _validate_aliases(models)
+    _validate_drafts(models)
     if merged.model_flag is not None:
         models = _apply_model_flag(merged.model_flag, models)
     _validate_default(merged, models)

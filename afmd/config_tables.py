@@ -26,7 +26,8 @@ __all__ = [
 #: What a model serves: chat (chat completions), embedding (/v1/embeddings) or vision (chat
 #: with images, loaded through mlx-vlm).
 MODEL_KINDS = ("chat", "embedding", "vision")
-_ENTRY_KEYS = ("id", "path", "context_length", "kind", "fim", "keep_alive", "preload")
+_ENTRY_KEYS = ("id", "path", "context_length", "kind", "fim", "keep_alive", "preload",
+               "draft")
 _FIM_KEYS = ("prefix", "suffix", "middle", "suffix_first", "stop")
 
 
@@ -53,6 +54,7 @@ class ModelEntry:
     fim: FimSetting | None = None  # None: detected from the tokenizer, if it has markers
     keep_alive: float | None = None  # idle seconds before unloading; None: [models] keep_alive
     preload: bool | None = None  # load at start; None: only the default model does
+    draft: str | None = None  # id of a smaller model (same tokenizer) proposing its tokens
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,14 @@ def parse_entries(value: object) -> list[ModelEntry]:
         preload = None
         if "preload" in item:
             preload = bool(coerce(item["preload"], "bool", f"{base}.preload"))
+        draft = None
+        if "draft" in item:
+            draft = str(coerce(item["draft"], "str", f"{base}.draft"))
+            if draft in ("", model_id):
+                raise ConfigError(f"{base}.draft", "must name another model's id")
         entries.append(ModelEntry(id=model_id, path=path, context_length=context_length,
-                                  kind=kind, fim=fim, keep_alive=keep_alive, preload=preload))
+                                  kind=kind, fim=fim, keep_alive=keep_alive, preload=preload,
+                                  draft=draft))
     return entries
 
 
