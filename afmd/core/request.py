@@ -110,6 +110,9 @@ class ChatRequest:
     #: Report each generated token's log-probability with this many most likely
     #: alternatives (0-20); None: no log-probabilities (``logprobs`` false or absent).
     logprobs: int | None = None
+    #: The text the client expects the answer to be close to (OpenAI's Predicted Outputs,
+    #: ``prediction``): proposed to the model where the output agrees with it.
+    prediction: str | None = None
     #: Seconds the model stays loaded once idle after this request (negative: for good);
     #: None: the model's own keep-alive. Ollama's top-level ``keep_alive``.
     keep_alive: float | None = None
@@ -143,5 +146,6 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     echo: bool = False  # the prompt's text (and its tokens' log-probabilities) first
     logprobs: int | None = None  # alternatives per token (0-5); None: none reported
+    prediction: str | None = None  # as ChatRequest's
     keep_alive: float | None = None  # as ChatRequest's
     ignored_fields: tuple[str, ...] = ()  # as ChatRequest's
