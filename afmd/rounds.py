@@ -69,14 +69,13 @@ class RoundBuilder:
         messages = template_messages(request.messages, instructions=self._instructions,
                                      images=vision is not None)
         tools = self._tools if request.tools and request.tool_choice.mode != "none" else None
+        # The client's chat_template_kwargs win over what afmd derives (reasoning_effort).
+        kwargs = {**template_kwargs(request, self.model), **request.chat_template_kwargs}
         try:
             if vision is not None:
-                return vision.render(messages, tools=tools,
-                                     template_kwargs=template_kwargs(request, self.model),
+                return vision.render(messages, tools=tools, template_kwargs=kwargs,
                                      decoded=self._pictures)
-            return self.model.render_prompt(
-                messages, tools=tools, template_kwargs=template_kwargs(request, self.model)
-            ), None
+            return self.model.render_prompt(messages, tools=tools, template_kwargs=kwargs), None
         except InvalidRequestError:  # an image's own (undecodable, too large)
             raise
         except Exception as exc:  # template errors are about the conversation's shape

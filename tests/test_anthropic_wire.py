@@ -526,6 +526,7 @@ def test_a_conversation_in_afmds_terms() -> None:
     assert (chat.model, chat.max_tokens, chat.stop, chat.top_k) == ("claude-x", 50, ("END",), 5)
     assert (chat.reasoning_effort, chat.thinking_budget) == ("xhigh", 20)
     assert [t.parameters for t in chat.tools] == [t["input_schema"] for t in TOOLS]
+    assert chat.ignored_fields == ("unknown_field",)  # named in X-AFM-Ignored-Fields
 
 
 def test_output_chain_names_the_stop_that_matched() -> None:

@@ -157,8 +157,6 @@ CASES = [
     pytest.param(_body(stop=12), 400, "invalid_type", "stop", id="stop-number"),
     pytest.param(_body(logprobs=True, top_logprobs=21), 400, "invalid_value", "top_logprobs",
                  id="top-logprobs-above-20"),
-    pytest.param(_body(temprature=0.2), 400, "unknown_parameter", "temprature",
-                 id="unknown-top-level-field"),
     pytest.param(_body(functions=[{"name": "get_weather", "parameters": {}}]), 400,
                  "invalid_value", "functions", id="legacy-functions"),
     pytest.param(_body(tools=[{"type": "function", "function": {"name": "get weather"}}]),
@@ -260,6 +258,17 @@ def test_ignored_field_accepted(http: httpx.Client, key: str, value: Any) -> Non
     body = response.json()
     validate_response(body)
     assert body["usage"]["completion_tokens"] == 2
+    assert "X-AFM-Ignored-Fields" not in response.headers  # OpenAI's fields: known
+
+
+def test_unknown_top_level_field_ignored_and_named(http: httpx.Client) -> None:
+    """A misspelt field is no error by default ([api] strict is off), but the response
+    says it was ignored (tests/test_tolerant_requests.py covers strict mode)."""
+    response = http.post("/v1/chat/completions",
+                         json=_body(max_tokens=2, temprature=0.2))
+    assert response.status_code == 200, response.text
+    validate_response(response.json())
+    assert response.headers["X-AFM-Ignored-Fields"] == "temprature"
 
 
 def test_all_ignored_fields_together_change_nothing(http: httpx.Client) -> None:

@@ -452,16 +452,17 @@ def test_access_log_of_a_400_names_its_code_and_param(server: ServerProcess) -> 
     rid = f"logs-{uuid.uuid4().hex[:12]}"
     key = 'x\r\n{"event":"forged","status":200}\x1b[2K\u2028"q\''
     before = len(server.raw_lines)
-    response = _post_chat(
-        server, {"messages": [{"role": "user", "content": "hi"}], key: 1}, rid)
+    # A nested unknown field is refused whatever [api] strict says.
+    response = _post_chat(server, {"messages": [{"role": "user", "content": "hi"}],
+                                   "stream": True, "stream_options": {key: 1}}, rid)
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == key
+    assert response.json()["error"]["param"] == "stream_options." + key
     events = _poll(lambda: _access_events(server, request_id=rid))
     assert len(events) == 1, events
     event = events[0]
     assert event["status"] == 400
     assert event["error_code"] == "unknown_parameter"
-    assert unquote(event["error_param"]) == key  # percent-encoded, nothing lost
+    assert unquote(event["error_param"]) == "stream_options." + key  # percent-encoded
     assert "\n" not in event["error_param"] and "\x1b" not in event["error_param"]
     assert event["level"] == "info"  # a client's mistake is not the server's error
     time.sleep(0.2)

@@ -25,14 +25,16 @@ def parse(**fields: Any) -> ChatRequest:
     return parse_chat_request(fields)
 
 
-def error_of(body: dict[str, Any]) -> InvalidRequestError:
+def error_of(body: dict[str, Any], *, strict: bool = False) -> InvalidRequestError:
     with pytest.raises(InvalidRequestError) as info:
-        parse_chat_request(body)
+        parse_chat_request(body, strict=strict)
     return info.value
 
 
-def assert_error(body: dict[str, Any], code: str, param: str | None) -> InvalidRequestError:
-    err = error_of(body)
+def assert_error(
+    body: dict[str, Any], code: str, param: str | None, *, strict: bool = False
+) -> InvalidRequestError:
+    err = error_of(body, strict=strict)
     assert (err.code, err.param, err.status) == (code, param, 400), repr(err)
     assert err.envelope()["error"]["type"] == "invalid_request_error"
     assert err.message.strip()
@@ -562,18 +564,22 @@ def test_tool_errors(fields: dict[str, Any], code: str, param: str) -> None:
         ({"response_format": {"type": "xml"}}, "invalid_value", "response_format.type"),
         ({"functions": [{"name": "f"}]}, "invalid_value", "functions"),
         ({"function_call": "auto"}, "invalid_value", "function_call"),
-        ({"temprature": 0.5}, "unknown_parameter", "temprature"),
-        ({"prompt": "hi"}, "unknown_parameter", "prompt"),
     ],
     ids=["model-type", "stream-string", "stream-int", "stream-options-without-stream",
          "stream-options-stream-false", "stream-options-type", "include-usage-type",
          "stream-option-unknown", "top-logprobs-without-logprobs", "logprobs-type",
          "response-format-type",
-         "response-format-no-type", "response-format-unknown", "functions", "function-call",
-         "unknown-typo", "unknown-prompt"],
+         "response-format-no-type", "response-format-unknown", "functions", "function-call"],
 )
 def test_field_errors(fields: dict[str, Any], code: str, param: str) -> None:
     assert_error({"messages": [USER], **fields}, code, param)
+    assert_error({"messages": [USER], **fields}, code, param, strict=True)
+
+
+@pytest.mark.parametrize("field", ["temprature", "prompt"], ids=["typo", "prompt"])
+def test_unknown_fields_ignored_or_refused_when_strict(field: str) -> None:
+    assert parse(**{field: 0.5}).ignored_fields == (field,)
+    assert_error({"messages": [USER], field: 0.5}, "unknown_parameter", field, strict=True)
 
 
 @pytest.mark.parametrize("tools", [[WEATHER], None], ids=["other-tool", "no-tools"])
@@ -587,7 +593,8 @@ def test_tool_choice_naming_an_absent_tool(tools: Any) -> None:
 
 
 def test_unknown_field_reported_before_message_errors() -> None:
-    assert_error({"messages": "bad", "bogus": 1}, "unknown_parameter", "bogus")
+    assert_error({"messages": "bad", "bogus": 1}, "unknown_parameter", "bogus", strict=True)
+    assert_error({"messages": "bad", "bogus": 1}, "invalid_type", "messages")
 
 
 def test_response_format() -> None:
@@ -623,6 +630,8 @@ def test_ignored_fields_accepted(key: str, value: Any) -> None:
 
 def test_all_ignored_fields_together() -> None:
     assert _generation_inputs(parse(**IGNORED)) == _generation_inputs(parse())
+    # OpenAI's own fields are known: X-AFM-Ignored-Fields names only unknown ones.
+    assert parse(**IGNORED).ignored_fields == ()
 
 
 # --------------------------------------------------------------------------- echoed values
@@ -678,7 +687,7 @@ def test_long_value_is_cut_short_in_the_message(fields: dict[str, Any], param: s
 
 
 def test_long_unknown_field_names_are_cut_short() -> None:
-    err = error_of({"messages": [USER], LONG: 1})
+    err = error_of({"messages": [USER], LONG: 1}, strict=True)
     assert err.code == "unknown_parameter"
     assert len(err.message) < 400 and "200000 characters" in err.message
     assert err.param is not None and len(err.param) <= 200 and err.param.startswith("vvv")

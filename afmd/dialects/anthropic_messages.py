@@ -263,11 +263,13 @@ class AnthropicMessages:
 
     name = "anthropic_messages"
 
-    def parse(self, raw: bytes, *, server_tools: Collection[str] = ()) -> ChatRequest:
-        return parse_messages_request(raw, server_tools=server_tools)
+    def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
+              strict: bool = False) -> ChatRequest:
+        return parse_messages_request(raw, server_tools=server_tools, strict=strict)
 
-    def parse_count(self, raw: bytes, *, server_tools: Collection[str] = ()) -> ChatRequest:
-        return parse_count_request(raw, server_tools=server_tools)
+    def parse_count(self, raw: bytes, *, server_tools: Collection[str] = (),
+                    strict: bool = False) -> ChatRequest:
+        return parse_count_request(raw, server_tools=server_tools, strict=strict)
 
     def reply(self, request: ChatRequest, *, model: str, fingerprint: str) -> MessageReply:
         return MessageReply(model=model, max_tokens=request.max_tokens)
@@ -296,6 +298,8 @@ def _param(error: APIError) -> str | None:
         return None
     if error.code == "image_input_not_supported":
         return "messages"  # the pipeline counts afmd's messages, not the client's
+    if error.code == "unknown_parameter":
+        return param  # the client's own field, whatever it is called
     for pattern, replacement in _PARAMS:
         if pattern.fullmatch(param):
             return pattern.sub(replacement, param)

@@ -7,10 +7,13 @@ the call it answers, so each user turn becomes its tool messages (in the order o
 calls) followed by its text; consecutive turns of one role are one turn, as Anthropic
 merges them. Every problem is a 400 naming its param (``messages[2].content[0].source``).
 
-Fields that mean nothing locally are accepted and ignored, as are unknown ones (Anthropic
-adds fields often, and clients send them). ``thinking`` blocks sent back become that
-assistant turn's reasoning (templates that know ``reasoning_content`` render it, others
-drop it); their signatures are opaque to afmd, and ``redacted_thinking`` has no text.
+Fields of Anthropic's API that mean nothing locally are accepted and ignored. Unknown ones
+are ignored too and listed in the request's ``ignored_fields`` (Anthropic adds fields
+often, and clients send them before afmd knows them); with ``strict`` (``[api] strict``)
+they are refused as Anthropic refuses them, ``<field>: Extra inputs are not permitted``.
+``thinking`` blocks sent back become that assistant turn's reasoning (templates that know
+``reasoning_content`` render it, others drop it); their signatures are opaque to afmd, and
+``redacted_thinking`` has no text.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from afmd.protocol.fields import (
     read_scalars,
     required,
     string_list,
+    unknown_keys,
     wrong_type,
 )
 from afmd.protocol.keep_alive import keep_alive_of
@@ -74,6 +78,20 @@ _CREATE = (
     Scalar("seed", "integer"),  # afmd's own, as on chat: reproducible sampling
 )
 
+#: The fields of a count_tokens body, Anthropic's (the SDK's, its betas included) and
+#: afmd's ``keep_alive``; those afmd does not act on are accepted all the same.
+COUNT_FIELDS = frozenset({
+    "model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
+    "output_format", "cache_control", "context_management", "mcp_servers", "speed",
+    "compaction", "billing_policy", "user_profile_id", "workspace_id", "keep_alive",
+})
+#: A create body's: the above, generation's own fields, and afmd's ``seed``.
+CREATE_FIELDS = COUNT_FIELDS | {
+    "max_tokens", "stream", "temperature", "top_p", "top_k", "stop_sequences", "metadata",
+    "service_tier", "container", "diagnostics", "inference_geo", "fallbacks",
+    "fallback_credit_token", "thread", "seed",
+}
+
 
 @dataclass(slots=True)
 class _Turn:
@@ -85,20 +103,33 @@ class _Turn:
 
 
 def parse_messages_request(
-    raw: bytes, *, server_tools: Collection[str] = ()
+    raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
 ) -> ChatRequest:
     """A ``POST /v1/messages`` body; the first problem is a 400 naming its param."""
-    return _parse(parse_json_body(raw), _CREATE, server_tools)
+    return _parse(parse_json_body(raw), _CREATE, CREATE_FIELDS, server_tools, strict)
 
 
-def parse_count_request(raw: bytes, *, server_tools: Collection[str] = ()) -> ChatRequest:
+def parse_count_request(
+    raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
+) -> ChatRequest:
     """A ``POST /v1/messages/count_tokens`` body: a create body without ``max_tokens``."""
-    return _parse(parse_json_body(raw), (_MODEL,), server_tools)
+    return _parse(parse_json_body(raw), (_MODEL,), COUNT_FIELDS, server_tools, strict)
 
 
 def _parse(
-    body: dict[str, Any], scalars: tuple[Scalar, ...], server_tools: Collection[str]
+    body: dict[str, Any],
+    scalars: tuple[Scalar, ...],
+    known: frozenset[str],
+    server_tools: Collection[str],
+    strict: bool,
 ) -> ChatRequest:
+    ignored = unknown_keys(body, known, strict=False)
+    if strict and ignored:
+        # Anthropic's own words for it (the envelope puts the field first).
+        raise InvalidRequestError("Extra inputs are not permitted", code="unknown_parameter",
+                                  param=ignored[0])
+    if ignored:  # a field ignored is not checked either (count_tokens reads create's parts)
+        body = {key: value for key, value in body.items() if key not in ignored}
     values = read_scalars(body, scalars)
     max_tokens: int | None = values.get("max_tokens")
     system = _system(body.get("system"))
@@ -136,6 +167,7 @@ def _parse(
         max_tokens_shrinks=True,  # a cap, as Anthropic's: the context window may lower it
         has_images=images,
         keep_alive=keep_alive_of(body),
+        ignored_fields=ignored,
     )
 
 

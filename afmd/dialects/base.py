@@ -43,8 +43,13 @@ class Reply(Protocol):
 class Dialect(Protocol):
     name: str
 
-    def parse(self, raw: bytes, *, server_tools: Collection[str] = ()) -> ChatRequest:
-        """The body checked field by field into the internal request (400s name the field)."""
+    def parse(
+        self, raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
+    ) -> ChatRequest:
+        """The body checked field by field into the internal request (400s name the field).
+
+        An unknown top-level field is ignored and listed in the request's
+        ``ignored_fields``; ``strict`` (``[api] strict``) refuses it instead."""
         ...
 
     def reply(self, request: ChatRequest, *, model: str, fingerprint: str) -> Reply:

@@ -285,8 +285,10 @@ class OpenAIChat:
 
     name = "openai_chat"
 
-    def parse(self, raw: bytes, *, server_tools: Collection[str] = ()) -> ChatRequest:
-        return parse_chat_request(parse_json_body(raw), server_tools=server_tools)
+    def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
+              strict: bool = False) -> ChatRequest:
+        return parse_chat_request(parse_json_body(raw), server_tools=server_tools,
+                                  strict=strict)
 
     def reply(
         self, request: ChatRequest, *, model: str, fingerprint: str

@@ -153,8 +153,9 @@ class OpenAICompletions:
 
     name = "openai_completions"
 
-    def parse(self, raw: bytes, *, server_tools: Collection[str] = ()) -> CompletionRequest:
-        return parse_completion_request(parse_json_body(raw))
+    def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
+              strict: bool = False) -> CompletionRequest:
+        return parse_completion_request(parse_json_body(raw), strict=strict)
 
     def reply(
         self, request: CompletionRequest, *, model: str, fingerprint: str

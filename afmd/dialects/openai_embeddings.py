@@ -23,7 +23,7 @@ from afmd.protocol.fields import (
     missing,
     not_one_of,
     optional,
-    reject_unknown,
+    unknown_keys,
     wrong_type,
 )
 from afmd.protocol.keep_alive import keep_alive_of
@@ -93,8 +93,10 @@ def parse_inputs(value: Any) -> tuple[tuple[Input, ...], tuple[str, ...]]:
     return tuple(inputs), params
 
 
-def parse_embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
-    reject_unknown(body, KNOWN_FIELDS)
+def parse_embedding_request(body: dict[str, Any], *, strict: bool = False) -> EmbeddingRequest:
+    """Check every field; an unknown top-level one is ignored and listed (``strict``: a
+    400 ``unknown_parameter``, as OpenAI answers)."""
+    ignored = unknown_keys(body, KNOWN_FIELDS, strict=strict)
     model = optional(body, "model", "model", str, "a string")
     optional(body, "user", "user", str, "a string")  # accepted and ignored, as in chat
     encoding = optional(body, "encoding_format", "encoding_format", str, "a string")
@@ -108,7 +110,7 @@ def parse_embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
     inputs, params = parse_inputs(body.get("input"))
     return EmbeddingRequest(
         inputs=inputs, params=params, model=model, encoding_format=encoding,
-        dimensions=dimensions, keep_alive=keep_alive_of(body),
+        dimensions=dimensions, keep_alive=keep_alive_of(body), ignored_fields=ignored,
     )
 
 
@@ -141,8 +143,8 @@ class OpenAIEmbeddings:
 
     name = "openai_embeddings"
 
-    def parse(self, raw: bytes) -> EmbeddingRequest:
-        return parse_embedding_request(parse_json_body(raw))
+    def parse(self, raw: bytes, *, strict: bool = False) -> EmbeddingRequest:
+        return parse_embedding_request(parse_json_body(raw), strict=strict)
 
     def body(self, result: Embeddings, request: EmbeddingRequest) -> bytes:
         return encode_response(result, request)

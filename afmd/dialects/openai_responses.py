@@ -104,16 +104,18 @@ class OpenAIResponses:
     def __init__(self, store: ResponseStore) -> None:
         self.store = store
 
-    def parse(self, raw: bytes, *, server_tools: Collection[str] = ()) -> ResponsesRequest:
+    def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
+              strict: bool = False) -> ResponsesRequest:
         return parse_responses_request(parse_json_body(raw), lookup=self.store.conversation,
-                                       server_tools=server_tools)
+                                       server_tools=server_tools, strict=strict)
 
     def parse_count(
-        self, raw: bytes, *, server_tools: Collection[str] = ()
+        self, raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
     ) -> ResponsesRequest:
         """An ``input_tokens`` body (the fields that shape the prompt, nothing else)."""
         return parse_responses_request(parse_json_body(raw), lookup=self.store.conversation,
-                                       server_tools=server_tools, counting=True)
+                                       server_tools=server_tools, counting=True,
+                                       strict=strict)
 
     def reply(self, request: ChatRequest, *, model: str, fingerprint: str) -> ResponsesReply:
         assert isinstance(request, ResponsesRequest), "parse() made it"

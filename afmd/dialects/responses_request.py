@@ -24,12 +24,20 @@ from afmd.dialects.responses_fields import (
 )
 from afmd.dialects.responses_items import Item, ItemParams, canonical_items, to_messages
 from afmd.errors import InvalidRequestError, NotFoundError
+from afmd.protocol.extensions import (
+    CHAT_TEMPLATE_KWARGS,
+    REPEAT_PENALTY,
+    REPETITION_PENALTY,
+    chat_template_kwargs_of,
+    repetition_penalty_of,
+)
 from afmd.protocol.fields import (
     Scalar,
     invalid,
     names,
     read_scalars,
     reject_unknown,
+    unknown_keys,
     wrong_type,
 )
 from afmd.protocol.keep_alive import keep_alive_of
@@ -52,7 +60,8 @@ _SCALARS = (
     # The local-server extensions chat accepts too.
     Scalar("top_k", "integer", default=0, minimum=0),
     Scalar("min_p", "number", default=0.0, minimum=0.0, maximum=1.0),
-    Scalar("repetition_penalty", "number", minimum=0.0, maximum=10.0),
+    REPETITION_PENALTY,
+    REPEAT_PENALTY,
     Scalar("seed", "integer"),
     Scalar("parallel_tool_calls", "boolean", default=True),
     Scalar("store", "boolean", default=True),
@@ -62,13 +71,15 @@ _SCALARS = (
 )
 _STRUCTURED = frozenset({"input", "tools", "tool_choice", "text", "reasoning", "include",
                          "metadata", "stream_options", "conversation", "prompt",
-                         "keep_alive"})
+                         "keep_alive", CHAT_TEMPLATE_KWARGS})
 KNOWN_FIELDS = IGNORED_FIELDS | names(_SCALARS) | _STRUCTURED
 
-#: ``POST /v1/responses/input_tokens`` takes a subset (TokenCountsBody).
+#: ``POST /v1/responses/input_tokens`` takes a subset (TokenCountsBody), and the template's
+#: variables, which change the count.
 COUNT_FIELDS = frozenset({"conversation", "input", "instructions", "model",
                           "parallel_tool_calls", "personality", "previous_response_id",
-                          "reasoning", "text", "tool_choice", "tools", "truncation"})
+                          "reasoning", "text", "tool_choice", "tools", "truncation",
+                          CHAT_TEMPLATE_KWARGS})
 
 #: ``previous_response_id`` -> the stored conversation's items, or None if unknown.
 Lookup = Callable[[str], Sequence[Item] | None]
@@ -138,9 +149,13 @@ def parse_responses_request(
     lookup: Lookup,
     server_tools: Collection[str] = (),
     counting: bool = False,
+    strict: bool = False,
 ) -> ResponsesRequest:
-    """Check every field of a Responses body (``counting``: an ``input_tokens`` body)."""
-    reject_unknown(body, COUNT_FIELDS if counting else KNOWN_FIELDS)
+    """Check every field of a Responses body (``counting``: an ``input_tokens`` body). An
+    unknown top-level field is ignored and listed (``strict``: a 400, as OpenAI's)."""
+    ignored = unknown_keys(body, COUNT_FIELDS if counting else KNOWN_FIELDS, strict=strict)
+    if ignored:  # a field ignored is not checked either (a count reads create's scalars)
+        body = {key: value for key, value in body.items() if key not in ignored}
     scalars = read_scalars(body, _SCALARS)
     _refuse(body)
     previous = scalars["previous_response_id"]
@@ -201,7 +216,7 @@ def parse_responses_request(
         top_p=scalars["top_p"],
         top_k=scalars["top_k"],
         min_p=scalars["min_p"],
-        repetition_penalty=scalars["repetition_penalty"],
+        repetition_penalty=repetition_penalty_of(body),
         seed=scalars["seed"],
         tools=tools,
         tool_choice=choice,
@@ -210,5 +225,7 @@ def parse_responses_request(
         reasoning_effort=reasoning["effort"],
         has_images=any(m.has_images for m in messages),
         keep_alive=None if counting else keep_alive_of(body),
+        chat_template_kwargs=chat_template_kwargs_of(body),
+        ignored_fields=ignored,
         echo=echo,
     )

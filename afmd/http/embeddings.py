@@ -16,6 +16,7 @@ from afmd.core.events import Usage
 from afmd.dialects.openai_embeddings import OPENAI_EMBEDDINGS, OpenAIEmbeddings
 from afmd.embeddings import EmbeddingService
 from afmd.errors import NotFoundError
+from afmd.http.ignored import ignored_headers
 from afmd.http.routes import json_response, request_id_of
 
 
@@ -43,14 +44,15 @@ def _dialect(request: Request) -> OpenAIEmbeddings:
 async def embeddings(request: Request) -> HTTPResponse:
     dialect = _dialect(request)
     request_id = request_id_of(request)
-    parsed = dialect.parse(request.body)
+    parsed = dialect.parse(request.body, strict=request.app.ctx.state.config.api.strict)
     request.ctx.model = parsed.model
+    extra = ignored_headers(parsed.ignored_fields, request_id)
     result = await service_of(request.app).embed(parsed, request_id)
     request.ctx.model = result.model
     request.ctx.usage = Usage(result.prompt_tokens, 0)
     return HTTPResponse(
         dialect.body(result, parsed),
-        headers={"X-Request-ID": request_id, "OpenAI-Request-ID": request_id},
+        headers={"X-Request-ID": request_id, "OpenAI-Request-ID": request_id, **extra},
         content_type="application/json",
     )
 

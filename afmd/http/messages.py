@@ -13,6 +13,7 @@ from sanic.response import HTTPResponse
 from afmd.dialects.anthropic_messages import ANTHROPIC_MESSAGES
 from afmd.errors import NotFoundError
 from afmd.http import routes
+from afmd.http.ignored import ignored_headers
 
 
 def add_routes(app: Sanic) -> None:
@@ -27,12 +28,16 @@ def add_routes(app: Sanic) -> None:
 async def count_tokens(request: Request) -> HTTPResponse:
     """The prompt's tokens as ``/v1/messages`` would render it (tools and system
     included); nothing is queued or generated."""
-    pipeline = request.app.ctx.state.pipeline
+    state = request.app.ctx.state
+    pipeline = state.pipeline
     chat = ANTHROPIC_MESSAGES.parse_count(request.body,
-                                          server_tools=pipeline.server_tools.names)
+                                          server_tools=pipeline.server_tools.names,
+                                          strict=state.config.api.strict)
     request.ctx.model = chat.model
     tokens = await pipeline.count(chat)
-    return routes.json_response({"input_tokens": tokens})
+    return routes.json_response(
+        {"input_tokens": tokens},
+        headers=ignored_headers(chat.ignored_fields, getattr(request.ctx, "request_id", None)))
 
 
 async def cancel(request: Request, request_id: str) -> HTTPResponse:

@@ -21,6 +21,7 @@ from afmd.dialects.openai_responses import OpenAIResponses
 from afmd.dialects.responses_store import ResponseStore
 from afmd.errors import InvalidRequestError, NotFoundError
 from afmd.http import routes
+from afmd.http.ignored import ignored_headers
 from afmd.http.routes import json_response, request_id_of
 from afmd.paths import cache_dir
 
@@ -106,13 +107,16 @@ async def input_items(request: Request, response_id: str) -> HTTPResponse:
 
 async def input_tokens(request: Request) -> HTTPResponse:
     """How many tokens the input would take (``TokenCountsResource``)."""
-    request_id_of(request)  # a bad X-Request-ID is refused here as everywhere
-    pipeline = request.app.ctx.state.pipeline
+    request_id = request_id_of(request)  # a bad X-Request-ID is refused here as everywhere
+    state = request.app.ctx.state
+    pipeline = state.pipeline
     parsed = _dialect(request).parse_count(request.body,
-                                           server_tools=pipeline.server_tools.names)
+                                           server_tools=pipeline.server_tools.names,
+                                           strict=state.config.api.strict)
     request.ctx.model = parsed.model
     count = await pipeline.count(parsed)
-    return json_response({"object": "response.input_tokens", "input_tokens": count})
+    return json_response({"object": "response.input_tokens", "input_tokens": count},
+                         headers=ignored_headers(parsed.ignored_fields, request_id))
 
 
 async def cancel(request: Request, request_id: str) -> HTTPResponse:

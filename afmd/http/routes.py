@@ -24,6 +24,7 @@ from afmd.core.ids import new_request_id
 from afmd.dialects.base import Dialect, KeepsAlive, Reply
 from afmd.errors import APIError, InvalidRequestError, NotFoundError, ServiceUnavailableError
 from afmd.http.access import log_access
+from afmd.http.ignored import ignored_headers
 from afmd.http.model_detail import model_details
 from afmd.pipeline import ChatPipeline, ChatRun, PreparedChat
 from afmd.profiling import parse_profile_header
@@ -67,8 +68,9 @@ def dialect_of(request: Request | None) -> Dialect | None:
     return getattr(route.ctx, "dialect", None) if route is not None else None
 
 
-def _response_headers(prepared: PreparedChat) -> dict[str, str]:
-    headers = {"X-Request-ID": prepared.request_id, "OpenAI-Request-ID": prepared.request_id}
+def _response_headers(prepared: PreparedChat, extra: dict[str, str]) -> dict[str, str]:
+    headers = {"X-Request-ID": prepared.request_id, "OpenAI-Request-ID": prepared.request_id,
+               **extra}
     if prepared.plan.downgraded:
         headers["X-Grammar-Constraints"] = "downgraded"
     if prepared.trimmed:
@@ -130,8 +132,10 @@ async def turn(request: Request) -> HTTPResponse | None:
     state = request.app.ctx.state
     pipeline: ChatPipeline = state.pipeline
     request_id = request_id_of(request)
-    chat = dialect.parse(request.body, server_tools=pipeline.server_tools.names)
+    chat = dialect.parse(request.body, server_tools=pipeline.server_tools.names,
+                         strict=state.config.api.strict)
     request.ctx.model = chat.model
+    extra = ignored_headers(chat.ignored_fields, request_id)
     prepared = await pipeline.prepare(
         chat,
         request_id,
@@ -148,12 +152,12 @@ async def turn(request: Request) -> HTTPResponse | None:
     state.running[request_id] += 1
     try:
         if chat.stream:
-            await _stream(request, prepared, reply)
+            await _stream(request, prepared, reply, extra)
             return None
         run = await pipeline.start(prepared)
         try:
             async with aclosing(aiter(run)) as batches:
-                return await _complete(request, run, batches, reply)
+                return await _complete(request, run, batches, reply, extra)
         finally:
             pipeline.release(run)
     finally:
@@ -163,14 +167,15 @@ async def turn(request: Request) -> HTTPResponse | None:
 
 
 async def _complete(
-    request: Request, run: ChatRun, batches: AsyncIterator[list[Event]], reply: Reply
+    request: Request, run: ChatRun, batches: AsyncIterator[list[Event]], reply: Reply,
+    extra: dict[str, str],
 ) -> HTTPResponse:
     state = request.app.ctx.state
     events: list[Event] = []
     while not run.finished:
         events += await _next_batch(state, run, batches)
     _note_end(request, run)
-    return HTTPResponse(reply.body(events), headers=_response_headers(run.prepared),
+    return HTTPResponse(reply.body(events), headers=_response_headers(run.prepared, extra),
                         content_type="application/json")
 
 
@@ -243,10 +248,12 @@ class _EventStream:
         await self._response.eof()
 
 
-async def _stream(request: Request, prepared: PreparedChat, reply: Reply) -> None:
+async def _stream(
+    request: Request, prepared: PreparedChat, reply: Reply, extra: dict[str, str]
+) -> None:
     state = request.app.ctx.state
     pipeline: ChatPipeline = state.pipeline
-    out = _EventStream(request, reply, {**SSE_HEADERS, **_response_headers(prepared)})
+    out = _EventStream(request, reply, {**SSE_HEADERS, **_response_headers(prepared, extra)})
     try:
         try:
             run = await pipeline.start(prepared)

@@ -11,14 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 from afmd.core.request import CompletionRequest
+from afmd.protocol.extensions import REPEAT_PENALTY, REPETITION_PENALTY, repetition_penalty_of
 from afmd.protocol.fields import (
     Scalar,
     invalid,
     missing,
     names,
     read_scalars,
-    reject_unknown,
     string_list,
+    unknown_keys,
     wrong_type,
 )
 from afmd.protocol.keep_alive import keep_alive_of
@@ -52,7 +53,8 @@ COMPLETION_SCALARS = (
     Scalar("top_p", "number", default=1.0, minimum=0.0, maximum=1.0),
     Scalar("top_k", "integer", default=0, minimum=0),
     Scalar("min_p", "number", default=0.0, minimum=0.0, maximum=1.0),
-    Scalar("repetition_penalty", "number", minimum=0.0, maximum=10.0),
+    REPETITION_PENALTY,
+    REPEAT_PENALTY,
     Scalar("seed", "integer"),
     Scalar("n", "integer", default=1, minimum=1, rule=_exactly_one),
     Scalar("best_of", "integer", default=1, minimum=1, rule=_exactly_one),
@@ -61,13 +63,16 @@ COMPLETION_SCALARS = (
     Scalar("stream", "boolean", default=False),
 )
 
+# ``chat_template_kwargs`` is not among them: a completion has no chat template, so a client
+# sending it (one extra body for every endpoint) learns from the header that it was ignored.
 _KNOWN = _IGNORED | names(COMPLETION_SCALARS) | {"prompt", "stop", "stream_options",
                                                   "keep_alive"}
 
 
-def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
-    """Check every field of a Completions body; raise on the first problem."""
-    reject_unknown(body, _KNOWN)
+def parse_completion_request(body: dict[str, Any], *, strict: bool = False) -> CompletionRequest:
+    """Check every field of a Completions body; raise on the first problem. An unknown
+    top-level field is ignored and listed (``strict``: a 400, as in chat)."""
+    ignored = unknown_keys(body, _KNOWN, strict=strict)
     prompts = parse_prompt(body.get("prompt"))
     values = read_scalars(body, COMPLETION_SCALARS)
     if values["suffix"] is not None and values["echo"]:
@@ -84,12 +89,13 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
         top_p=values["top_p"],
         top_k=values["top_k"],
         min_p=values["min_p"],
-        repetition_penalty=values["repetition_penalty"],
+        repetition_penalty=repetition_penalty_of(body),
         seed=values["seed"],
         stop=string_list(body.get("stop"), "stop", MAX_STOP_SEQUENCES),
         echo=values["echo"],
         logprobs=values["logprobs"],
         keep_alive=keep_alive_of(body),
+        ignored_fields=ignored,
     )
 
 

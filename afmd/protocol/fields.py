@@ -124,6 +124,33 @@ def reject_unknown(
             )
 
 
+def unknown_keys(
+    obj: Mapping[str, Any],
+    known: frozenset[str],
+    *,
+    strict: bool,
+    what: str = "Unrecognized request argument supplied",
+    deprecated: Mapping[str, str] | None = None,
+) -> tuple[str, ...]:
+    """The top-level keys of a body outside ``known``, in the body's order, which a
+    tolerant parser ignores: clients send fields meant for other servers (``options``,
+    ``num_ctx``), and refusing them breaks the client where ignoring them changes nothing
+    it could get elsewhere. ``strict`` refuses the first one instead, as
+    :func:`reject_unknown`. ``deprecated`` keys are refused either way: ignoring
+    ``functions`` would silently drop the client's tools."""
+    if known.issuperset(obj):  # most bodies
+        return ()
+    if strict:
+        reject_unknown(obj, known, what=what, deprecated=deprecated)
+    unknown: list[str] = []
+    for key in obj:
+        if deprecated and key in deprecated:
+            raise invalid(key, deprecated[key])
+        if key not in known:
+            unknown.append(key)
+    return tuple(unknown)
+
+
 # ---------------------------------------------------------------------------- typed values
 
 

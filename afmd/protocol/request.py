@@ -21,6 +21,13 @@ from afmd.core.request import (
     ToolSpec,
 )
 from afmd.protocol.body import parse_json_body
+from afmd.protocol.extensions import (
+    CHAT_TEMPLATE_KWARGS,
+    REPEAT_PENALTY,
+    REPETITION_PENALTY,
+    chat_template_kwargs_of,
+    repetition_penalty_of,
+)
 from afmd.protocol.fields import (
     Scalar,
     invalid,
@@ -30,6 +37,7 @@ from afmd.protocol.fields import (
     read_scalars,
     reject_unknown,
     string_list,
+    unknown_keys,
     wrong_type,
 )
 from afmd.protocol.keep_alive import keep_alive_of
@@ -91,10 +99,10 @@ _SAMPLING = (
     Scalar("max_completion_tokens", "integer", minimum=1),
     Scalar("temperature", "number", default=1.0, minimum=0.0, maximum=2.0),
     Scalar("top_p", "number", default=1.0, minimum=0.0, maximum=1.0),
-    # Common extensions of local servers (mlx_lm.server, llama.cpp, vLLM).
+    # Common extensions of local servers (mlx_lm.server, llama.cpp, vLLM); the repetition
+    # penalty (and its alias) is read by afmd.protocol.extensions.
     Scalar("top_k", "integer", default=0, minimum=0),
     Scalar("min_p", "number", default=0.0, minimum=0.0, maximum=1.0),
-    Scalar("repetition_penalty", "number", minimum=0.0, maximum=10.0),
     Scalar("seed", "integer"),
     Scalar("n", "integer", default=1, minimum=1, rule=_one_choice),
     Scalar("logprobs", "boolean", default=False),
@@ -106,13 +114,13 @@ _TOOL_USE = (
 )
 
 #: Every scalar field of a chat body.
-CHAT_SCALARS = (_MODEL, _STREAM, *_SAMPLING, *_TOOL_USE)
+CHAT_SCALARS = (_MODEL, _STREAM, *_SAMPLING, REPETITION_PENALTY, REPEAT_PENALTY, *_TOOL_USE)
 
 KNOWN_FIELDS = (
     IGNORED_FIELDS
     | names(CHAT_SCALARS)
     | {"messages", "stream_options", "stop", "tools", "tool_choice", "response_format",
-       "keep_alive"}
+       "keep_alive", CHAT_TEMPLATE_KWARGS}
 )
 
 _DEPRECATED = {
@@ -144,19 +152,22 @@ def parse_stream_options(value: Any, stream: bool) -> bool:
 
 
 def parse_chat_request(
-    body: dict[str, Any], *, server_tools: Collection[str] = ()
+    body: dict[str, Any], *, server_tools: Collection[str] = (), strict: bool = False
 ) -> ChatRequest:
     """Check every field of a Chat Completions body; raise on the first problem.
 
     ``server_tools`` are the names of tools the server itself provides: a ``tool_choice``
-    may name them although the client's ``tools`` do not list them.
+    may name them although the client's ``tools`` do not list them. An unknown top-level
+    field is ignored (listed in the request's ``ignored_fields``), or with ``strict`` a
+    400 ``unknown_parameter`` as OpenAI answers.
     """
-    reject_unknown(body, KNOWN_FIELDS, deprecated=_DEPRECATED)
+    ignored = unknown_keys(body, KNOWN_FIELDS, strict=strict, deprecated=_DEPRECATED)
     model = read_scalar(body, _MODEL)
     messages = parse_messages(body.get("messages"))
     stream = read_scalar(body, _STREAM)
     include_usage = parse_stream_options(body.get("stream_options"), stream)
     sampling = read_scalars(body, _SAMPLING)
+    repetition_penalty = repetition_penalty_of(body)
     tools = parse_tools(body.get("tools"))
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools, server_tools)
     tool_use = read_scalars(body, _TOOL_USE)
@@ -177,7 +188,7 @@ def parse_chat_request(
         top_p=sampling["top_p"],
         top_k=sampling["top_k"],
         min_p=sampling["min_p"],
-        repetition_penalty=sampling["repetition_penalty"],
+        repetition_penalty=repetition_penalty,
         seed=sampling["seed"],
         stop=string_list(body.get("stop"), "stop", MAX_STOP_SEQUENCES),
         tools=tools,
@@ -188,4 +199,6 @@ def parse_chat_request(
         has_images=any(m.has_images for m in messages),
         logprobs=(sampling["top_logprobs"] or 0) if sampling["logprobs"] else None,
         keep_alive=keep_alive_of(body),
+        chat_template_kwargs=chat_template_kwargs_of(body),
+        ignored_fields=ignored,
     )
