@@ -100,6 +100,10 @@ class Server:
         assert self.proc is not None
         return self.proc.pid
 
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -159,6 +163,35 @@ def afmd_server(workdir: Path, name: str, *, cache_root: Path, binary: Path | No
         log_path=workdir / f"{name}.log",
         env={"AFMD_CACHE_DIR": str(cache_root)},
     )
+
+
+def afmd_process(workdir: Path, name: str, config: str, *, env: dict[str, str],
+                 launcher: str | None = None, timeout: float = 120.0) -> Server:
+    """``afmd serve`` from a config text on a free loopback port, started and ready.
+
+    Blocking (it runs its own event loop to wait for /health): the standalone scripts
+    (soak, slowloris) call it directly, the harness from a thread. ``launcher`` runs the
+    server through another script (a probe that instruments it) instead of ``-m afmd``.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cfg = workdir / f"{name}.toml"
+    cfg.write_text(config)
+    entry = [launcher] if launcher else ["-m", "afmd"]
+    server = Server(
+        name=name,
+        cmd=[sys.executable, *entry, "serve", "--config", str(cfg), "--port", str(port),
+             "--log-format", "json"],
+        port=port,
+        log_path=workdir / "server.log",
+        env=env,
+    ).start()
+    try:
+        asyncio.run(server.ready(timeout))
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def mlx_server(workdir: Path, name: str, model_folder: Path) -> Server:

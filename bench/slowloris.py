@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -36,7 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HOST = "127.0.0.1"
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script
+    sys.path.insert(0, str(ROOT))
+
+from bench.servers import HOST, afmd_process  # noqa: E402
+
 ATTACK_HEAD = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: "
 HEALTH = b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
 CHAT_BODY = json.dumps({"messages": [{"role": "user", "content": "Hi."}],
@@ -192,41 +196,16 @@ def start_afmd(workdir: Path, max_connections: int | None = None,
     Blocking (it runs its own event loop to probe /health): call it from a thread when
     a loop is running.
     """
-    workdir.mkdir(parents=True, exist_ok=True)
     limits = "".join(f"{key} = {value}\n" for key, value in (
         ("max_connections", max_connections), ("idle_timeout", idle_timeout))
         if value is not None)
-    config = workdir / "slowloris.toml"
-    config.write_text(f'[server]\nhost = "{HOST}"\n{limits}[log]\naccess_log = false\n')
-    env = {**os.environ}
-    env.pop("AFMD_CONFIG", None)
-    if cache_dir is not None:
-        env["AFMD_CACHE_DIR"] = str(cache_dir)
-    env.setdefault("AFMD_CACHE_DIR", str(workdir / "cache"))
-    log_path = workdir / "server.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "afmd", "serve", "--config", str(config), "--port", "0",
-             "--log-format", "json"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-            cwd=str(workdir))
-    deadline = time.monotonic() + 120
-    port = 0
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("afmd exited:\n" + log_path.read_text()[-3000:])
-        for line in log_path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                event = json.loads(line)
-                for address in event.get("addresses", ()) if event.get("event") == (
-                        "listening") else ():
-                    if address.startswith("http://"):
-                        port = int(address.rsplit(":", 1)[1].rstrip("/"))
-        if port and asyncio.run(one_request(port, HEALTH)) == "200":
-            return proc, port, log_path
-        time.sleep(0.2)
-    stop_afmd(proc)
-    raise RuntimeError("afmd not ready:\n" + log_path.read_text()[-3000:])
+    cache = cache_dir if cache_dir is not None else Path(
+        os.environ.get("AFMD_CACHE_DIR") or workdir / "cache")
+    server = afmd_process(
+        workdir, "slowloris", f'[server]\nhost = "{HOST}"\n{limits}[log]\naccess_log = false\n',
+        env={"AFMD_CACHE_DIR": str(cache)})
+    assert server.proc is not None
+    return server.proc, server.port, server.log_path
 
 
 def stop_afmd(proc: subprocess.Popen[bytes]) -> None:

@@ -22,12 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,33 +36,17 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
+if str(ROOT) not in sys.path:  # run as a script
+    sys.path.insert(0, str(ROOT))
+
+from bench.servers import HOST, Server, afmd_process  # noqa: E402
+
 CHAT = "/v1/chat/completions"
 MODEL = "demo"  # the README's Memory section was measured on it
 KINDS = ("plain", "stream", "cancel", "drop", "error", "tools", "json_schema", "second_turn")
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
          "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
          "sierra", "tango", "uniform", "victor", "whiskey", "xray")
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @dataclass
@@ -92,46 +72,17 @@ def proc_status_mib(pid: int, key: str) -> float:
 
 def start_server(workdir: Path, *, model: str, concurrency: int, settings: dict[str, str],
                  launcher: str | None, cache_dir: Path) -> Server:
-    """``afmd serve`` on an OS-chosen loopback port; returns once /health is 200."""
-    config = workdir / "soak.toml"
-    config.write_text(
-        f'[server]\nhost = "{HOST}"\nrequest_timeout = 60.0\n'
-        f"[queue]\nmax_concurrent_requests = {concurrency}\nmax_queued_requests = 256\n"
-        f'[models]\ndefault = "{model}"\n[log]\naccess_log = false\n'
-    )
-    env = {**os.environ, "AFMD_CACHE_DIR": str(cache_dir)}
-    env.pop("AFMD_CONFIG", None)
+    """``afmd serve`` on a free loopback port; returns once /health is 200."""
+    env = {"AFMD_CACHE_DIR": str(cache_dir)}
     for key, value in settings.items():
         section, name = key.split(".", 1)
         env[f"AFMD_{section.upper()}_{name.upper()}"] = value
-    entry = [launcher] if launcher else ["-m", "afmd"]
-    log_path = workdir / "server.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, *entry, "serve", "--config", str(config), "--port", "0",
-             "--log-format", "json"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-            cwd=str(workdir),
-        )
-    server = Server(proc, "", log_path)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + log_path.read_text()[-3000:])
-        for line in log_path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                event = json.loads(line)
-                for address in event.get("addresses", ()) if event.get("event") == "listening" \
-                        else ():
-                    if address.startswith("http://"):
-                        server.url = address
-        if server.url:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(server.url + "/health", timeout=5).status_code == 200:
-                    return server
-        time.sleep(0.1)
-    server.stop()
-    raise RuntimeError("server not ready:\n" + log_path.read_text()[-3000:])
+    return afmd_process(
+        workdir, "soak",
+        f'[server]\nhost = "{HOST}"\nrequest_timeout = 60.0\n'
+        f"[queue]\nmax_concurrent_requests = {concurrency}\nmax_queued_requests = 256\n"
+        f'[models]\ndefault = "{model}"\n[log]\naccess_log = false\n',
+        env=env, launcher=launcher)
 
 
 # -- the workload ---------------------------------------------------------------------
@@ -169,7 +120,7 @@ def _tools(variant: int) -> list[dict[str, Any]]:
 
 
 _ERRORS: tuple[dict[str, Any], ...] = (
-    {"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1},
+    {"messages": [{"role": "user", "content": "hi"}], "temperature": "warm"},
     {"messages": "not a list"},
     {"messages": [{"role": "user", "content": "hi"}], "n": 2},
     {"messages": [{"role": "user", "content": "hi"}], "response_format": {
