@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from afmd.core.ids import new_tool_call_id
 from afmd.core.request import ChatRequest
 from afmd.engine.models import LoadedModel
 from afmd.errors import InvalidRequestError, ServerError
+from afmd.grammar.calls import CallGrammar, for_family
 from afmd.grammar.compiler import (
     Grammar,
     Thinking,
@@ -31,15 +33,62 @@ from afmd.grammar.compiler import (
     tool_grammar,
 )
 from afmd.grammar.processor import BanTokens, GrammarProcessor
+from afmd.output.formats import detect
 from afmd.output.processor import OutputProcessor, ToolFormat
 
 # Tokens a forced call may spend thinking first (the loop must reach the call).
 _MAX_FORCED_THINKING = 512
+# gpt-oss's reasoning levels, for OpenAI's reasoning_effort values.
+_HARMONY_EFFORT = {"none": "low", "minimal": "low", "low": "low", "medium": "medium",
+                   "high": "high"}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFormats:
+    """How a model writes calls and reasoning, and afmd's grammar for its calls."""
+
+    tool_format: ToolFormat | None
+    thinking: tuple[str, str] | None  # markers (None for channels: harmony reads its own)
+    syntax: CallGrammar | None  # None: its calls cannot be forced
+
+    @property
+    def channels(self) -> bool:
+        return self.tool_format is not None and self.tool_format.channels
+
+
+_formats: dict[int, tuple[Any, ModelFormats]] = {}
+_formats_lock = threading.Lock()
+
+
+def model_formats(model: LoadedModel) -> ModelFormats:
+    """Detected once per tokenizer: reading a large vocabulary costs milliseconds."""
+    tokenizer = model.tokenizer
+    with _formats_lock:
+        hit = _formats.get(id(tokenizer))
+        if hit is not None and hit[0] is tokenizer:
+            return hit[1]
+    vocab = tokenizer.get_vocab()
+    tool_format = detect.call_format(model.tool_format, vocab)
+    thinking = detect.thinking_markers(model.thinking, vocab)
+    name = tool_format.family if tool_format is not None else None
+    found = ModelFormats(
+        tool_format,
+        None if tool_format is not None and tool_format.channels else thinking,
+        for_family(name, array_calls=detect.array_calls(vocab)),
+    )
+    with _formats_lock:
+        _formats[id(tokenizer)] = (tokenizer, found)
+    return found
 
 
 def template_kwargs(request: ChatRequest, model: LoadedModel) -> dict[str, Any]:
-    """``reasoning_effort`` mapped onto the template's thinking switch, where it has one."""
-    if model.thinking is None or request.reasoning_effort is None:
+    """``reasoning_effort`` mapped onto the template's thinking switch, where it has one
+    (gpt-oss: its reasoning level)."""
+    if request.reasoning_effort is None:
+        return {}
+    if model_formats(model).channels:
+        return {"reasoning_effort": _HARMONY_EFFORT.get(request.reasoning_effort, "medium")}
+    if model.thinking is None:
         return {}
     return {"enable_thinking": request.reasoning_effort not in ("none", "minimal")}
 
@@ -57,6 +106,9 @@ class TurnPlan:
     stops: tuple[str, ...] = ()
     thinking: tuple[str, str] | None = None
     tool_format: ToolFormat | None = None
+    calls_on: bool = True  # False: the format is only read for its channels
+    enforced: bool = False  # the grammar makes every call well formed
+    call_offset: int = 0  # calls earlier in the conversation (ids that count them)
     tools: list[dict[str, Any]] = field(default_factory=list)
     max_calls: int | None = None
     schema: dict[str, Any] | None = None  # response_format schema to check the answer against
@@ -89,6 +141,9 @@ class TurnPlan:
             tools=self.tools,
             max_calls=self.max_calls,
             new_id=new_tool_call_id,
+            enforced=self.enforced,
+            calls_on=self.calls_on,
+            call_offset=self.call_offset,
         )
 
     def check_answer(self, content: str | None) -> None:
@@ -196,11 +251,13 @@ def plan_turn(
     request). Only the rounds afmd adds itself after running server tools are free.
     ``template_tools``: the request's tools as the model's call parser takes them.
     """
-    plan = TurnPlan(stops=request.stop, thinking=model.thinking,
+    formats = model_formats(model)
+    plan = TurnPlan(stops=request.stop, thinking=formats.thinking,
                     tools=template_tools if template_tools is not None else [])
     plan.starts_in_reasoning = model.prompt_opens_thinking(prompt)
     choice = request.tool_choice
-    tool_format = model.tool_format
+    tool_format = formats.tool_format
+    syntax = formats.syntax
     tools_on = bool(request.tools) and choice.mode != "none"
     mode = choice.mode if first_step else "auto"
     # After the first step a named choice no longer narrows the tools; allowed_tools do.
@@ -215,22 +272,27 @@ def plan_turn(
         _check_schema(response_format.schema, "response_format.json_schema.schema")
 
     thinking = None
-    if model.thinking is not None and not (thinking_off and not plan.starts_in_reasoning):
+    can_think = formats.thinking is not None or formats.channels
+    if can_think and not (thinking_off and not plan.starts_in_reasoning):
         budget = request.thinking_budget
         if mode == "required" or response_format is not None:
             forced = max(16, min(_MAX_FORCED_THINKING, max_tokens // 4))
             budget = forced if budget is None else min(budget, forced)
-        thinking = Thinking(
-            model.thinking[0], model.thinking[1], plan.starts_in_reasoning, budget
-        )
+        start, end = formats.thinking or ("", "")
+        # gpt-oss reasons on its analysis channel before every answer: expected, bounded.
+        thinking = Thinking(start, end, plan.starts_in_reasoning, budget,
+                            required=formats.channels)
 
     if not tools_on:
-        if tool_format is not None and request.tools:
+        if tool_format is not None and request.tools and tool_format.start:
             banned = model.single_token(tool_format.start)
             plan.ban = (banned,) if banned is not None else ()
+        if formats.channels:
+            plan.tool_format, plan.calls_on = tool_format, False
     else:
         plan.tool_format = tool_format
         plan.max_calls = None if request.parallel_tool_calls else 1
+        plan.call_offset = sum(len(m.tool_calls) for m in request.messages)
 
     tokenizer = None
 
@@ -240,7 +302,7 @@ def plan_turn(
             tokenizer = llg_tokenizer(model.tokenizer, model.vocab_size, model.eos_ids)
         return tokenizer
 
-    if tools_on and tool_format is not None and tool_format.incremental_json:
+    if tools_on and syntax is not None:
         allowed = set(allowed_names) if allowed_names is not None else None
         schemas = [
             ToolSchema(t.name, t.parameters or {"type": "object"},
@@ -248,6 +310,7 @@ def plan_turn(
             for i, t in enumerate(request.tools)
             if allowed is None or t.name in allowed
         ]
+        assert tool_format is not None
         plan.grammar = tool_grammar(
             llg(),
             schemas,
@@ -257,7 +320,9 @@ def plan_turn(
             parallel=request.parallel_tool_calls,
             thinking=thinking,
             answer_schema=_answer_schema(response_format) if mode != "required" else None,
+            syntax=syntax,
         )
+        plan.enforced = True
         if response_format is not None and mode != "required":
             plan.json_answer = True
             plan.schema = response_format.schema
@@ -271,7 +336,7 @@ def plan_turn(
             else "response_format"
         )
         plan.grammar = json_schema_grammar(
-            llg(), response_format.schema, thinking=thinking, param=param
+            llg(), response_format.schema, thinking=thinking, param=param, syntax=syntax
         )
         plan.json_answer = True
         plan.schema = response_format.schema
@@ -280,7 +345,7 @@ def plan_turn(
     ):
         # Only a grammar can close the thinking block at the budget. (Where the model's
         # call format has no grammar here, the budget is not enforced.)
-        plan.grammar = text_grammar(llg(), thinking)
+        plan.grammar = text_grammar(llg(), thinking, syntax)
     if plan.grammar is not None and plan.grammar.downgraded:
         plan.downgraded = True
     return plan

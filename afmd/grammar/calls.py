@@ -184,7 +184,8 @@ class GemmaCalls(CallGrammar):
     def _pair(self, b: Build, p: Param, tool: Tool) -> str:
         if p.string:
             text = b.rules.terminal(raw_value(string_terminal(p.raw, tool.parameters,
-                                                              b.lenient), trimmed=False))
+                                                              b.lenient),
+                                              forbid=(self.quote,), trimmed=False))
             value = f"{b.m(self.quote)} {text} {b.m(self.quote)}"
         else:
             value = b.json(p.schema)
@@ -251,14 +252,16 @@ class TaggedCalls(CallGrammar):
             return b.rules.add(f"{header} {b.json(p.schema)} {b.m(before + tag + after)}",
                                "param")
         expression = string_terminal(p.raw, tool.parameters, b.lenient)
-        special = b.is_token(tag)
-        if special and before:
-            raise Inexact("layout before a closing token")  # no family has one
         if self.cdata:
             value = b.rules.terminal(_cdata(expression, tag))
             return b.rules.add(f"{header} {value} {b.m(after)}", "param")
-        if special:
-            value = b.rules.terminal(raw_value(expression, trimmed=self.trimmed))
+        if b.starts_with_token(tag):
+            # Text never produces the token, so the value simply ends where it comes; it
+            # must not spell the tag out either (readers see text).
+            if before:
+                raise Inexact("layout before a closing token")  # no family has one
+            value = b.rules.terminal(raw_value(expression, forbid=(tag,),
+                                               trimmed=self.trimmed))
             return b.rules.add(f"{header} {value} {b.m(tag + after)}", "param")
         value = b.rules.terminal(raw_value(expression, forbid=(tag,), close=before + tag,
                                            trimmed=self.trimmed))

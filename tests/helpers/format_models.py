@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from tokenizers import Tokenizer
 
 from afmd.engine import demo
 from helpers.formats import SPECS, Spec
@@ -42,11 +43,14 @@ def build(spec: Spec, dest: Path) -> Path:
     shapes = demo._weight_shapes(vocab_size, demo._ARCHITECTURE)
     seed = _SEED + sorted(SPECS).index(spec.id)
     weights = demo._weights(shapes, seed=seed)
-    opener = spec.think[0] if spec.think else None
-    if opener is not None and spec.think_rival is not None:
+    if spec.think and spec.think_rival:
+        # The first tokens where the thinking opener and its rival differ get one row.
+        encoder = Tokenizer.from_str(json.dumps(tokenizer))
+        mine = encoder.encode(spec.think[0], add_special_tokens=False).ids
+        rival = encoder.encode(spec.think_rival, add_special_tokens=False).ids
+        k = next(i for i, (a, b) in enumerate(zip(mine, rival, strict=False)) if a != b)
         head = weights["lm_head.weight"]
-        think_id = ids.get(opener) or ids[_first_special(opener, ids)]
-        head[think_id] = head[ids[spec.think_rival]]
+        head[mine[k]] = head[rival[k]]
     mx.save_safetensors(str(dest / "model.safetensors"),
                         {k: mx.array(v) for k, v in weights.items()}, metadata={"format": "mlx"})
     config = {**demo._ARCHITECTURE, "vocab_size": vocab_size, "bos_token_id": None,
@@ -73,11 +77,6 @@ def build(spec: Spec, dest: Path) -> Path:
         "chat_template": spec.template,
     }, indent=2, ensure_ascii=False))
     return dest
-
-
-def _first_special(marker: str, ids: dict[str, int]) -> str:
-    """The special token a multi-token marker starts with (``<|channel>thought``)."""
-    return next(token for token in ids if marker.startswith(token))
 
 
 class FormatModels:

@@ -200,7 +200,7 @@ SPECS: dict[str, Spec] = {s.id: s for s in (
     Spec("kimi_k3", "kimi_k3", ("<|endoftext|>", "<|open|>", "<|close|>", "<|sep|>",
                                 "<|end_of_msg|>"),
          ("<|end_of_msg|>", "<|endoftext|>"), t.KIMI_K3, _kimi_k3,
-         ("<|open|>think<|sep|>", "<|close|>think<|sep|>")),
+         ("<|open|>think<|sep|>", "<|close|>think<|sep|>"), "<|open|>tools<|sep|>"),
     Spec("mistral", "mistral", (
         "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
         "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]",

@@ -249,8 +249,10 @@ class TaggedReader(MarkupReader):
             text = self.cut(len(self.buf) - keep)
             self.write(stream.feed(text))
             return False
-        text = self.cut(i) if i != -1 else self.cut(len(self.buf))
-        if i != -1:
+        if i == -1:  # cut off: a partial closing tag is not part of the value
+            text = self.cut(len(self.buf) - partial_suffix(self.buf, (close,)))
+        else:
+            text = self.cut(i)
             self.cut(len(close))
         self.write(stream.feed(text) + stream.end())
         self._value = None
