@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     # The worker imports mlx-lm and with it transformers (~45 MB resident): only a model
     # load may pay for that, not a server that has none (or has not loaded one yet).
     from afmd.engine.embedding import Embedder
-    from afmd.engine.vision import VisionSupport, VisionWorker
+    from afmd.engine.vision import VisionSupport
+    from afmd.engine.vision_worker import VisionWorker
     from afmd.engine.worker import BatchWorker
 
 log = logging.getLogger("afmd.engine")
