@@ -283,6 +283,20 @@ class ModelSwitch(Flat):
 
 
 @dataclass
+class VisionCost(Flat):
+    """Text streams' aggregate rate beside a vision request against alone
+    (``bench/vision.py``), and the vision request's own first token and decode rate."""
+
+    PREFIX: ClassVar[str] = "vision_"
+    text_alone_tps: Value | None = None
+    text_beside_tps: Value | None = None
+    pct: Value | None = None  # beside as % of alone, per run
+    vision_ttft_ms: Value | None = None
+    vision_tps: Value | None = None
+    setup: dict[str, Any] | None = None
+
+
+@dataclass
 class SystemResults:
     """Everything measured for one system, and what went wrong while measuring it."""
 
@@ -301,6 +315,7 @@ class SystemResults:
     slowloris: Slowloris = field(default_factory=Slowloris)
     logprobs: LogprobsRate = field(default_factory=LogprobsRate)
     models: ModelSwitch = field(default_factory=ModelSwitch)
+    vision: VisionCost = field(default_factory=VisionCost)
     errors: dict[str, str] = field(default_factory=dict)  # phase label → traceback
     fatal: str | None = None  # the server (or raw process) could not be measured at all
 
@@ -351,6 +366,7 @@ class SystemResults:
         out.update(self.slowloris.items())
         out.update(self.logprobs.items())
         out.update(self.models.items())
+        out.update(self.vision.items())
         if self.errors:
             out["_errors"] = self.errors
         if self.fatal is not None:

@@ -87,7 +87,7 @@ def evaluate(rows: list[Row], res: Measurements) -> list[dict[str, Any]]:
 def declare(p: Plan) -> list[Row]:
     """Every row, in the table's order (titles name the plan's token counts)."""
     return [*_speed(p), *_grammar(p), _logprobs(p), *_requests(p), *_footprint(),
-            *_resilience(p), *_models(), *_extras(p)]
+            *_resilience(p), *_models(), _vision(), *_extras(p)]
 
 
 def _speed(p: Plan) -> list[Row]:
@@ -357,6 +357,23 @@ def _resilience(p: Plan) -> list[Row]:
                  f"{slowloris.CHAT_EVERY}th a 2-token chat completion), each with a "
                  f"{slowloris.TIMEOUT:g} s limit"),
     ]
+
+
+def _vision() -> Row:
+    """bench/vision.py: what a vision request beside them costs text streams."""
+    def pct(s: SystemResults) -> Value | None:
+        return s.vision.pct
+
+    return Row(
+        "vision_beside_text_aggregate",
+        "aggregate tok/s of 4 text streams (demo-32k) beside a vision request (demo-vision, "
+        "a 112x112 picture), % of alone", "report",
+        {"afmd": pct, "mlx_lm_server": AFMD_ONLY, "raw": NO_RAW},
+        note="a vision model decodes one sequence at a time on its own thread; text "
+             "requests never batch with it, they share the cores. Per run, the same four "
+             "greedy streams alone and beside the vision request (which starts first and "
+             "ends last); its own first token and decode rate: "
+             "measurements.afmd.vision_vision_ttft_ms, vision_vision_tps")
 
 
 def _models() -> list[Row]:

@@ -36,6 +36,7 @@ from bench.phases import bench_access_log, bench_big, bench_http, bench_raw  # n
 from bench.plan import SYSTEMS, Ctx, Plan  # noqa: E402
 from bench.resilience import bench_slowloris, bench_soak  # noqa: E402
 from bench.turns import bench_paired  # noqa: E402
+from bench.vision import bench_vision  # noqa: E402
 
 perf = time.perf_counter
 
@@ -76,6 +77,8 @@ async def run_all(ctx: Ctx, binary: Path | None, systems: set[str]) -> None:
         await bench_slowloris(ctx)
         ctx.log("afmd loading and switching models (demo-32k):")
         await bench_models(ctx)
+        ctx.log("afmd text streams beside a vision request (demo-32k, demo-vision):")
+        await bench_vision(ctx)
     if "mlx_lm_server" in systems:
         ctx.log("mlx_lm.server (demo-32k):")
         mlx = servers.mlx_server(ctx.work, "mlx_lm_server", Path(ctx.folders["demo-32k"] or ""))

@@ -47,6 +47,7 @@ ROWS = {
     "model_load_warm_ttft_ms",
     "model_switch_within_ttft_ms",
     "model_switch_over_ttft_ms",
+    "vision_beside_text_aggregate",
     "access_log_single_tps",
     "access_log_aggregate_tps_c8",
     "big_single_stream_tps",
