@@ -23,8 +23,6 @@ from typing import Any
 import jsonschema
 import orjson
 import pytest
-from helpers.format_models import FormatModels
-from helpers.formats import SPECS, Spec
 
 from afmd.chat import template_messages
 from afmd.config import load_config
@@ -43,6 +41,9 @@ from afmd.engine.models import ModelRegistry
 from afmd.pipeline import ChatPipeline
 from afmd.scheduler import Scheduler
 from afmd.turn import model_formats
+
+from helpers.format_models import FormatModels
+from helpers.formats import SPECS, Spec
 
 SEEDS = (0, 1, 2, 3)
 WEATHER = {"type": "object", "properties": {
@@ -260,3 +261,42 @@ def test_history_reasoning_renders_for_harmony(models: Models) -> None:
     rendered = models.model(spec).tokenizer.apply_chat_template(
         messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert "<|channel|>analysis<|message|>I should add.<|end|>" in rendered
+
+
+PICK = {"type": "object", "properties": {
+    "color": {"enum": ["red", "green", "dark blue"]},
+    "code": {"type": "string", "pattern": "^[a-z]{3}-[0-9]{2}$"},
+    "word": {"type": "string", "minLength": 2, "maxLength": 5}},
+    "required": ["color", "code", "word"], "additionalProperties": False}
+PER_PARAMETER = [s for s in FAMILIES if s.id in (
+    "qwen3_coder", "glm47", "longcat", "minimax_m2", "muse_spark", "minicpm5", "kimi_k3",
+    "gemma4", "function_gemma")]
+
+
+@pytest.mark.parametrize("spec", PER_PARAMETER, ids=lambda s: s.id)
+def test_raw_strings_obey_their_schema(models: Models, spec: Spec) -> None:
+    """Strings written raw (no JSON quotes to hang a JSON grammar on) still keep to their
+    enum, pattern and lengths: the grammar writes those as terminals of their own."""
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": PICK}}]
+    for seed in SEEDS[:2]:
+        events = models.run(spec, tools=tools, tool_choice="required", seed=seed,
+                            parallel_tool_calls=False, reasoning_effort="none")
+        (end,) = [e for e in events if isinstance(e, ToolCallEnd)]
+        jsonschema.validate(json.loads(end.call.arguments), PICK)
+
+
+@pytest.mark.parametrize("spec", FAMILIES, ids=lambda s: s.id)
+def test_what_a_format_cannot_express_is_downgraded(models: Models, spec: Spec) -> None:
+    """A top-level anyOf is enforced inside a JSON object, not by a sequence of tagged
+    parameters: those families generate it best-effort and say so."""
+    from afmd.turn import plan_turn
+
+    either = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"type": "integer"}},
+              "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}
+    request = OPENAI_CHAT.parse(orjson.dumps({
+        "messages": [USER], "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": either}}]}))
+    plan = plan_turn(request, models.model(spec), [], 100)
+    assert plan.grammar is not None
+    assert plan.downgraded == (spec in PER_PARAMETER or spec.id == "pythonic")
