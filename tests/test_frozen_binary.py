@@ -199,6 +199,50 @@ def test_frozen_server_end_to_end(frozen: FrozenBuild, tmp_path: Path) -> None:
     assert cold_start_s < 60
 
 
+def _png_url(seed: int) -> str:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT_S + 180)
+def test_frozen_server_answers_images(frozen: FrozenBuild, tmp_path: Path) -> None:
+    """mlx-vlm and Pillow made it into the binary (what it excludes of their dependencies
+    is not needed): demo-vision is built and answers images, a corrupt one is a 400."""
+    import httpx
+
+    env = _env(AFMD_CACHE_DIR=str(tmp_path / "cache"))
+    server = start_command([str(frozen.executable), "serve", "--port", "0", "--log-format",
+                            "json"], cwd=tmp_path, env=env)
+    try:
+        wait_healthy(server.url, server.proc)
+
+        def ask(url: str) -> httpx.Response:
+            return httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+                "model": "demo-vision", "temperature": 0, "max_tokens": 8,
+                "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image_url", "image_url": {"url": url}}]}]})
+
+        first, second = ask(_png_url(1)), ask(_png_url(2))
+        assert first.status_code == 200, first.text
+        assert second.status_code == 200, second.text
+        assert (first.json()["choices"][0]["message"]["content"]
+                != second.json()["choices"][0]["message"]["content"])
+        corrupt = ask("data:image/png;base64,iVBORw0KGgoAAAAAAAAAAA==")
+        assert corrupt.status_code == 400
+        assert corrupt.json()["error"]["code"] == "invalid_image"
+    finally:
+        assert server.stop(signal.SIGTERM) == 0, server.log_text()[-3000:]
+
+
 # ---------------------------------------------------------------------------- build scripts
 
 

@@ -369,3 +369,22 @@ def test_streamed_image_answer_equals_the_whole_one(srv: ServerProcess,
                    if c["choices"])
     assert text == whole
     assert json.dumps(chunks)  # plain JSON all the way
+
+
+def test_grammar_and_logprobs_on_a_vision_model(client: openai.OpenAI) -> None:
+    url = png_url(noise(14))
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 8}},
+              "required": ["colour"], "additionalProperties": False}
+    shaped = client.chat.completions.create(
+        model=MODEL, max_tokens=60, messages=[{"role": "user", "content": parts(url)}],
+        response_format={"type": "json_schema",  # type: ignore[misc,typeddict-item]
+                         "json_schema": {"name": "c", "schema": schema, "strict": True}})
+    assert set(json.loads(shaped.choices[0].message.content or "")) == {"colour"}
+    scored = client.chat.completions.create(
+        model=MODEL, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+        messages=[{"role": "user", "content": parts(url)}])  # type: ignore[misc]
+    entries = scored.choices[0].logprobs.content
+    assert len(entries) == scored.usage.completion_tokens
+    for entry in entries:  # greedy: the chosen token is the most likely one
+        assert len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)
