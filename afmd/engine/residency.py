@@ -114,6 +114,7 @@ def free_model(model: LoadedModel) -> None:
         model.embedder.stop()
     model.worker = None
     model.embedder = None
+    model.vision = None  # a vision model's image side
     model.model = None
     gc.collect()  # the model's modules hold cycles (parents and children)
     mx.clear_cache()  # and MLX's pool of freed buffers gives them back
