@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
-import threading
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,124 +15,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Re-exported: test files import these from here (``from conftest import start_server``).
+from helpers.servers import DIAGNOSE, ServerProcess, afmd_command, start_server  # noqa: E402
 
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen[str]
-    events: list[dict[str, Any]] = field(default_factory=list)
-    raw_lines: list[str] = field(default_factory=list)
-    addresses: list[str] = field(default_factory=list)
-    _cond: threading.Condition = field(default_factory=threading.Condition)
-
-    @property
-    def url(self) -> str:
-        for address in self.addresses:
-            if address.startswith("http://"):
-                return address
-        raise AssertionError(f"no TCP listener: {self.addresses}")
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
-
-    def _reader(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            with self._cond:
-                self.raw_lines.append(line)
-                with contextlib.suppress(ValueError):
-                    event = json.loads(line)
-                    if isinstance(event, dict):
-                        self.events.append(event)
-                        if event.get("event") == "listening":
-                            self.addresses = list(event.get("addresses", []))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    def wait_event(self, name: str, timeout: float = 30.0, **match: Any) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for event in self.events:
-                    if event.get("event") == name and all(
-                        event.get(k) == v for k, v in match.items()
-                    ):
-                        return event
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or (self.proc.poll() is not None and not self._alive_reader()):
-                    raise AssertionError(
-                        f"no '{name}' event; log:\n" + "".join(self.raw_lines[-50:])
-                    )
-                self._cond.wait(min(remaining, 0.2))
-
-    def _alive_reader(self) -> bool:
-        return self.proc.stderr is not None and not self.proc.stderr.closed
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError("server exited:\n" + "".join(self.raw_lines[-50:]))
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.05)
-        raise AssertionError("server never became healthy:\n" + "".join(self.raw_lines[-50:]))
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-    def log_text(self) -> str:
-        return "".join(self.raw_lines)
-
-
-def afmd_command() -> list[str]:
-    return [sys.executable, "-m", "afmd"]
-
-
-def start_server(
-    tmp_path: Path,
-    *,
-    config: str | None = None,
-    args: Sequence[str] = (),
-    env: dict[str, str] | None = None,
-    ready: bool = True,
-    port: bool = True,
-) -> ServerProcess:
-    """Start ``afmd serve`` on a free port; wait for its model unless ``ready=False``."""
-    cmd = [*afmd_command(), "serve", "--log-format", "json"]
-    if config is not None:
-        path = tmp_path / f"config-{time.monotonic_ns()}.toml"
-        path.write_text(config)
-        cmd += ["--config", str(path)]
-    if port:
-        cmd += ["--port", "0"]
-    cmd += list(args)
-    full_env = {**os.environ, **(env or {})}
-    full_env.pop("AFMD_CONFIG", None)
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=full_env,
-        cwd=str(tmp_path),
-    )
-    server = ServerProcess(proc)
-    threading.Thread(target=server._reader, daemon=True).start()
-    server.wait_event("listening", timeout=60)
-    if ready:
-        server.wait_ready()
-    return server
+__all__ = ["DIAGNOSE", "ROOT", "ServerProcess", "afmd_command", "parse_sse", "start_server"]
 
 
 @pytest.fixture(scope="session", autouse=True)

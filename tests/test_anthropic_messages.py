@@ -12,8 +12,8 @@ import anthropic
 import jsonschema
 import pytest
 
-from anthropic_helpers import MESSAGES, NO_THINKING, SCHEMAS, THINKS, TOOLS
 from conftest import ServerProcess
+from helpers.anthropic_cases import MESSAGES, NO_THINKING, SCHEMAS, THINKS, TOOLS
 
 ALIAS = "gpt-4o-mini"  # the shared server's alias of demo (Claude Code's names work alike)
 TOOL_USE_ID = re.compile(r"^toolu_[A-Za-z0-9]{24}$")

@@ -44,7 +44,8 @@ from afmd.http.screen import GatePolicy, RouteVerdict
 from afmd.output.processor import OutputProcessor
 from afmd.turn import plan_turn
 
-from anthropic_helpers import (
+from conftest import ServerProcess, start_server
+from helpers.anthropic_cases import (
     MESSAGES,
     SCHEMAS,
     STORY,
@@ -55,7 +56,6 @@ from anthropic_helpers import (
     parse_events,
     validate_message,
 )
-from conftest import ServerProcess, start_server
 
 PATH = "/v1/messages"
 KEY = "sk-anthropic-test"

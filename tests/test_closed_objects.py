@@ -26,7 +26,7 @@ from afmd.config import load_config
 from afmd.engine.models import LoadedModel, ModelRegistry
 from afmd.grammar.compiler import ToolSchema, json_schema_grammar, llg_tokenizer, tool_grammar
 
-from openai_schemas import validate_response
+from helpers.openai_schemas import validate_response
 
 SEEDS = range(12)
 MESSAGES = [{"role": "user", "content": "Plan a trip as JSON."}]

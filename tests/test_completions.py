@@ -32,7 +32,7 @@ from afmd.engine.detokenize import ExactDetokenizer
 from afmd.engine.tokens import token_table
 
 from conftest import ServerProcess, parse_sse, start_server
-from openai_schemas import _allow_nullable, validate_error
+from helpers.openai_schemas import _allow_nullable, validate_error
 
 COMPLETIONS = "/v1/completions"
 _SCHEMAS = Path(__file__).parent / "data" / "openai-completions-schemas.json"

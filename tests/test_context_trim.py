@@ -29,7 +29,7 @@ from afmd.protocol.request import ChatRequest, Message, ToolCall, parse_chat_req
 from afmd.scheduler import Scheduler
 
 from conftest import ServerProcess, parse_sse, start_server
-from openai_schemas import validate_error, validate_response
+from helpers.openai_schemas import validate_error, validate_response
 
 CHAT = "/v1/chat/completions"
 LIMIT = 300

@@ -23,8 +23,6 @@ from typing import Any
 
 import pytest
 from sanic import Sanic
-from test_listeners import InProcessServer
-from test_transport import RawConn, Response, chat_body, check_error
 
 from afmd.config import load_config
 from afmd.http.gate import Direct, Forward, Gate
@@ -34,6 +32,8 @@ from afmd.http.screen import CORS_EXPOSE_HEADERS, GatePolicy
 from afmd.server import Server
 
 from conftest import ServerProcess, parse_sse, start_server
+from helpers.inprocess import InProcessServer
+from helpers.raw_http import RawConn, Response, chat_body, check_error
 
 KEY = "sk-direct-test"
 ORIGIN = "http://good.example"

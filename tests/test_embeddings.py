@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import ServerProcess, start_server
-from openai_schemas import _allow_nullable, validate_models
+from helpers.openai_schemas import _allow_nullable, validate_models
 
 EMBED = "/v1/embeddings"
 MODEL = "demo-embedding"

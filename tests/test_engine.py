@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from conftest import ServerProcess, parse_sse, start_server
-from openai_schemas import validate_chunk, validate_error
-from openai_schemas import validate_response as validate_openai_response
+from helpers.openai_schemas import validate_chunk, validate_error
+from helpers.openai_schemas import validate_response as validate_openai_response
 
 CHAT = "/v1/chat/completions"
 LONG = 8000  # tokens: ~20 s of decoding here, far longer than any test waits

@@ -15,7 +15,7 @@ from afmd.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, InvalidRequestError,
 from afmd.protocol.nesting import MAX_NESTING, param_of
 
 from conftest import ServerProcess, start_server
-from openai_schemas import validate_error, validate_response
+from helpers.openai_schemas import validate_error, validate_response
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER = {"role": "user", "content": "Say something."}

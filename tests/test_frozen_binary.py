@@ -30,7 +30,7 @@ import pytest
 import afmd
 
 from conftest import ROOT
-from smoke import process_tree, run_smoke_checks, start_command, vm_rss_kib, wait_healthy
+from helpers.smoke import process_tree, run_smoke_checks, start_command, vm_rss_kib, wait_healthy
 
 IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
 SKIP_FROZEN = os.environ.get("AFMD_SKIP_FROZEN") == "1" and not IN_CI

@@ -7,43 +7,18 @@ Against the real server, no head may produce a 500 or take the server down.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_transport import RawConn
 
 from afmd.http.gate import Direct, Forward, Gate, Output, Reply
-from afmd.http.screen import GatePolicy
 
 from conftest import ServerProcess, start_server
-
-ROUTES = {
-    "/v1/chat/completions": ("POST",),
-    "/chat/completions": ("POST",),
-    "/v1/models": ("GET",),
-    "/health": ("GET",),
-}
-
-
-def _route(method: str, path: str) -> tuple[int, tuple[str, ...]]:
-    if path.startswith("/v1/models/"):
-        allowed: tuple[str, ...] = ("GET",)
-    elif re.fullmatch(r"/v1/chat/completions/[^/]+/cancel", path):
-        allowed = ("POST",)
-    elif path in ROUTES:
-        allowed = ROUTES[path]
-    else:
-        return 404, ()
-    return (200, ()) if method in allowed else (405, allowed)
-
-
-POLICY = GatePolicy(route=_route, api_key=b"", max_header_bytes=1024, max_body_bytes=512,
-                    allowed_origins=frozenset({"http://ok.example"}))
-DIRECT_POLICY = dataclasses.replace(POLICY, direct_paths=frozenset({"/health", "/v1/models"}))
+from helpers.fuzz import DIRECT_POLICY, POLICY
+from helpers.raw_http import RawConn
 
 # --------------------------------------------------------------------------- strategies
 

@@ -12,13 +12,13 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from test_fuzz_heads import POLICY
-from test_transport import RawConn, check_error, exchange
 
 from afmd.http.gate import Forward, Gate, Output, Reply
 from afmd.http.screen import normalize_origin
 
 from conftest import ServerProcess, start_server
+from helpers.fuzz import POLICY
+from helpers.raw_http import RawConn, check_error, exchange
 
 GOOD = "http://ok.example"
 

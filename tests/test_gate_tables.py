@@ -13,12 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_transport import CODES, MALFORMED, SCREEN_CONFIG, SCREENING
 
 from afmd.config import load_config
 from afmd.http.gate import Gate, Output, Reply
 from afmd.http.screen import GatePolicy
 from afmd.server import Server
+
+from helpers.screening import CODES, MALFORMED, SCREEN_CONFIG, SCREENING
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from conftest import ROOT, afmd_command
-from smoke import start_command
+from helpers.smoke import start_command
 
 FORMULA = ROOT / "homebrew" / "afmd.rb"
 HARNESS = ROOT / "homebrew" / "test" / "formula_harness.rb"

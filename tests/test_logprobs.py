@@ -32,7 +32,7 @@ from afmd.engine.detokenize import ExactDetokenizer
 from afmd.engine.tokens import TokenTable, token_text
 from afmd.engine.worker import BatchWorker
 
-from openai_schemas import validate_chunk, validate_error, validate_response
+from helpers.openai_schemas import validate_chunk, validate_error, validate_response
 
 TOLERANCE = 1e-4
 

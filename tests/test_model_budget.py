@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from conftest import ServerProcess, start_server
-from openai_schemas import validate_error
+from helpers.openai_schemas import validate_error
 
 CHAT = "/v1/chat/completions"
 #: Greedy, this chat runs to max_tokens on the demo model (as in tests/test_engine.py).

@@ -7,7 +7,7 @@ import time
 import httpx
 
 from conftest import start_server
-from openai_schemas import validate_error
+from helpers.openai_schemas import validate_error
 
 
 def test_unreachable_hugging_face_model_is_named(tmp_path) -> None:

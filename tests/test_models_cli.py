@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers.hub import FakeHub, safetensors_bytes
 
 from conftest import ROOT, ServerProcess, start_server
+from helpers.hub import FakeHub, safetensors_bytes
 
 REPO = "test-org/demo"
 EMBED = "test-org/embed"

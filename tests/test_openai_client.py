@@ -8,8 +8,8 @@ import time
 import httpx
 
 from conftest import parse_sse
-from openai_schemas import validate_chunk, validate_models, validate_response
-from smoke import MESSAGES, check_completion
+from helpers.openai_schemas import validate_chunk, validate_models, validate_response
+from helpers.smoke import MESSAGES, check_completion
 
 
 def test_non_streaming_completion(client) -> None:

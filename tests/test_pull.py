@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.hub import FakeHub, safetensors_bytes
 
 from conftest import ROOT
+from helpers.hub import FakeHub, safetensors_bytes
 
 REPO = "test-org/tiny-mlx"
 CHUNK = 10 * 1024 * 1024  # huggingface_hub writes what it received in chunks of this size

@@ -12,7 +12,8 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from responses_schemas import (
+
+from helpers.responses_schemas import (
     validate,
     validate_event,
     validate_item_list,

@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-from responses_schemas import validate_event, validate_response
 
 from afmd.chat import template_messages
 from afmd.config import ConfigError, load_config
@@ -21,7 +20,8 @@ from afmd.dialects.responses_items import ItemParams, canonical_items, to_messag
 from afmd.dialects.responses_store import ResponseStore, Stored
 
 from conftest import ServerProcess, start_server
-from openai_schemas import validate_error
+from helpers.openai_schemas import validate_error
+from helpers.responses_schemas import validate_event, validate_response
 
 # -- the store ------------------------------------------------------------------------------
 

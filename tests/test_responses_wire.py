@@ -11,9 +11,9 @@ from typing import Any
 
 import httpx
 import pytest
-from responses_schemas import validate_event, validate_request, validate_response
 
-from openai_schemas import validate_error
+from helpers.openai_schemas import validate_error
+from helpers.responses_schemas import validate_event, validate_request, validate_response
 
 QUESTION = "What is the weather in Paris, and what is 2+3?"
 ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],

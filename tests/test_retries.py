@@ -32,7 +32,7 @@ from afmd.scheduler import Scheduler
 from afmd.servertools import ServerTools, ToolOutcome
 
 from conftest import ServerProcess, start_server
-from openai_schemas import validate_error, validate_response
+from helpers.openai_schemas import validate_error, validate_response
 
 CHAT = "/v1/chat/completions"
 

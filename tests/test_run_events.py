@@ -41,7 +41,7 @@ from afmd.servertools import ServerTools
 from afmd.toolloop import ClientView
 from afmd.turn import TurnPlan
 
-from openai_schemas import validate_response
+from helpers.openai_schemas import validate_response
 
 SMALL = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
                                                 "maximum": 9}},

@@ -25,7 +25,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from conftest import ServerProcess, start_server
-from openai_schemas import validate_response
+from helpers.openai_schemas import validate_response
 
 TOOLS_DIR = Path(__file__).parent / "tools"
 MESSAGES = [{"role": "user", "content": "Register a person and a node."}]

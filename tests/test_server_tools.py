@@ -37,7 +37,7 @@ from afmd.scheduler import Scheduler
 from afmd.servertools import ServerTools
 
 from conftest import ServerProcess, parse_sse, start_server
-from openai_schemas import validate_chunk, validate_error, validate_response
+from helpers.openai_schemas import validate_chunk, validate_error, validate_response
 
 CHAT = "/v1/chat/completions"
 TOOLS_DIR = Path(__file__).parent / "tools"

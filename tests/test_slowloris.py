@@ -19,11 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_transport import RawConn, check_error
 
 from afmd.http.connections import FRESH_GRACE
 
 from conftest import ServerProcess, start_server
+from helpers.raw_http import RawConn, check_error
 
 ROOT = Path(__file__).resolve().parent.parent
 GET = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"

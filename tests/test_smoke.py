@@ -7,7 +7,7 @@ two stay comparable: a failure only there points at the packaging, not at afmd.
 from __future__ import annotations
 
 from conftest import ServerProcess
-from smoke import run_smoke_checks
+from helpers.smoke import run_smoke_checks
 
 
 def test_source_tree_smoke(server: ServerProcess) -> None:

@@ -25,7 +25,7 @@ from afmd.config import load_config
 from afmd.http.ignored import MAX_NAME_CHARS, MAX_NAMES, header_value
 
 from conftest import ServerProcess, parse_sse, start_server
-from openai_schemas import validate_chunk, validate_error, validate_response
+from helpers.openai_schemas import validate_chunk, validate_error, validate_response
 
 HEADER = "X-AFM-Ignored-Fields"
 USER = [{"role": "user", "content": "Say something."}]

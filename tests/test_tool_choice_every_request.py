@@ -16,7 +16,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from openai_schemas import validate_response
+from helpers.openai_schemas import validate_response
 
 LOOKUP = {
     "type": "object",

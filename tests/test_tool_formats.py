@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from helpers.formats import SPECS, Calls, Spec
 
 from afmd.output.formats.base import parse_whole
 from afmd.output.formats.registry import FAMILIES
 from afmd.output.pieces import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 from afmd.output.processor import OutputProcessor, ToolFormat
+
+from helpers.formats import SPECS, Calls, Spec
 
 SPLITS = 12
 

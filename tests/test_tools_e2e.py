@@ -21,7 +21,7 @@ import pytest
 from afmd.chat import template_messages
 from afmd.protocol.request import parse_chat_request
 
-from openai_schemas import validate_chunk, validate_error, validate_response
+from helpers.openai_schemas import validate_chunk, validate_error, validate_response
 
 CALL_ID = re.compile(r"^call_[A-Za-z0-9]{24}$")
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and what is 2+3?"}]

@@ -12,206 +12,33 @@ and SIGTERM draining a running stream.
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from conftest import ServerProcess, parse_sse, start_server
-
-KEY = "sk-transport-test"
-GOOD_ORIGIN = "http://good.example"
-AUTH = f"Authorization: Bearer {KEY}\r\n"
-JSON_CT = "Content-Type: application/json\r\n"
-CHAT = "/v1/chat/completions"
-BODY_LIMIT = 4096
-HEAD_LIMIT = 2048
-
-SCREEN_CONFIG = f"""
-[server]
-api_key = "{KEY}"
-allowed_origins = ["{GOOD_ORIGIN}"]
-allowed_hosts = ["api.example"]
-max_request_body_bytes = {BODY_LIMIT}
-max_header_bytes = {HEAD_LIMIT}
-"""
-
-
-# --------------------------------------------------------------------------- raw client
-
-
-@dataclass
-class Response:
-    status: int
-    reason: str
-    headers: dict[str, str]
-    header_list: list[tuple[str, str]]
-    body: bytes
-    interim: list[int] = field(default_factory=list)
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-    @property
-    def code(self) -> str:
-        return self.json()["error"]["code"]
-
-
-class RawConn:
-    """A socket speaking HTTP/1.1 by hand, reading exactly one response at a time."""
-
-    def __init__(self, port: int | None = None, unix: str | None = None,
-                 timeout: float = 10.0) -> None:
-        if unix is not None:
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.settimeout(timeout)
-            self.sock.connect(unix)
-        else:
-            assert port is not None
-            self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-        self.sock.settimeout(timeout)
-        self.buf = b""
-        self.eof = False
-
-    def __enter__(self) -> RawConn:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
-    def send(self, data: bytes | str) -> None:
-        self.sock.sendall(data.encode("latin-1") if isinstance(data, str) else data)
-
-    def _fill(self) -> bool:
-        try:
-            data = self.sock.recv(65536)
-        except ConnectionResetError:
-            data = b""
-        if not data:
-            self.eof = True
-            return False
-        self.buf += data
-        return True
-
-    def _until(self, marker: bytes) -> bytes:
-        while marker not in self.buf:
-            if not self._fill():
-                raise AssertionError(f"connection closed before {marker!r}; got {self.buf!r}")
-        part, _, self.buf = self.buf.partition(marker)
-        return part
-
-    def _exactly(self, n: int) -> bytes:
-        while len(self.buf) < n:
-            if not self._fill():
-                raise AssertionError(f"connection closed after {len(self.buf)}/{n} bytes")
-        data, self.buf = self.buf[:n], self.buf[n:]
-        return data
-
-    def read_interim(self, timeout: float = 3.0) -> bytes:
-        """Wait for a 1xx head (e.g. ``100 Continue``) and return it."""
-        old = self.sock.gettimeout()
-        self.sock.settimeout(timeout)
-        try:
-            head = self._until(b"\r\n\r\n")
-        finally:
-            self.sock.settimeout(old)
-        return head
-
-    def read_response(self, method: str = "GET") -> Response:
-        interim: list[int] = []
-        while True:
-            head = self._until(b"\r\n\r\n").decode("latin-1")
-            status_line, *lines = head.split("\r\n")
-            version, status_text, *reason = status_line.split(" ", 2)
-            assert version == "HTTP/1.1", status_line
-            status = int(status_text)
-            header_list = []
-            for line in lines:
-                name, _, value = line.partition(":")
-                header_list.append((name.strip().lower(), value.strip()))
-            headers: dict[str, str] = {}
-            for name, value in header_list:
-                headers[name] = f"{headers[name]}, {value}" if name in headers else value
-            if 100 <= status < 200:
-                assert not lines or lines == [""], f"1xx with headers: {head!r}"
-                interim.append(status)
-                continue
-            if status in (204, 304) or method == "HEAD":
-                body = b""
-            elif "content-length" in headers:
-                body = self._exactly(int(headers["content-length"]))
-            elif headers.get("transfer-encoding") == "chunked":
-                parts = []
-                while True:
-                    size = int(self._until(b"\r\n"), 16)
-                    if size == 0:
-                        self._until(b"\r\n")
-                        break
-                    parts.append(self._exactly(size))
-                    assert self._exactly(2) == b"\r\n"
-                body = b"".join(parts)
-            else:
-                while self._fill():
-                    pass
-                body, self.buf = self.buf, b""
-            return Response(status, reason[0] if reason else "", headers, header_list, body,
-                            interim)
-
-    def closed(self, timeout: float = 5.0) -> bool:
-        """True when the server closes the connection (EOF) with nothing more to read."""
-        if self.buf:
-            return False
-        if self.eof:
-            return True
-        self.sock.settimeout(timeout)
-        try:
-            data = self.sock.recv(65536)
-        except ConnectionResetError:
-            return True
-        except TimeoutError:
-            return False
-        if data:
-            self.buf += data
-            return False
-        self.eof = True
-        return True
-
-
-def exchange(port: int, raw: bytes | str, method: str = "GET",
-             wait: float = 5.0) -> tuple[Response, bool]:
-    """One request on a fresh connection: the response, and whether the server closed."""
-    with RawConn(port) as conn:
-        conn.send(raw)
-        response = conn.read_response(method)
-        return response, conn.closed(timeout=wait)
-
-
-def check_error(response: Response, status: int, code: str) -> dict[str, Any]:
-    assert response.status == status, (response.status, response.body)
-    assert response.headers["content-type"].startswith("application/json")
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["code"] == code, error
-    message = error["message"]
-    assert message[:1].isupper() and " " in message and "\n" not in message, message
-    return error
-
-
-def chat_body(**fields: Any) -> bytes:
-    payload = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2, **fields}
-    return json.dumps(payload).encode()
-
+from conftest import DIAGNOSE, ServerProcess, parse_sse, start_server
+from helpers.raw_http import RawConn, chat_body, check_error, exchange
+from helpers.screening import (
+    AUTH,
+    BODY_LIMIT,
+    CHAT,
+    CHUNKED,
+    CODES,
+    GET,
+    GOOD_ORIGIN,
+    HEAD_LIMIT,
+    JSON_CT,
+    MALFORMED,
+    POST_HEAD,
+    SCREEN_CONFIG,
+    SCREENING,
+    H,
+)
 
 # --------------------------------------------------------------------------- servers
 
@@ -240,62 +67,6 @@ max_buffered_request_bytes = 0
 
 
 # --------------------------------------------------------------------------- screening
-
-
-def _head(method: str = "POST", path: str = CHAT, *, host: str = "localhost",
-          extra: str = AUTH + JSON_CT, length: int = 20, expect: bool = True) -> str:
-    head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n{extra}"
-    if length:
-        head += f"Content-Length: {length}\r\n"
-    if expect:
-        head += "Expect: 100-continue\r\n"
-    return head + "\r\n"
-
-
-SCREENING = [
-    # (id, head, status, code)
-    ("host-foreign", _head(host="evil.example"), 421, "invalid_host"),
-    ("host-foreign-port", _head(host="evil.example:80"), 421, "invalid_host"),
-    ("host-lookalike", _head(host="localhost.evil.example"), 421, "invalid_host"),
-    ("host-before-origin", _head(host="evil.example", extra=AUTH + JSON_CT
-                                 + "Origin: http://evil.example\r\n"), 421, "invalid_host"),
-    ("origin-foreign", _head(extra=AUTH + JSON_CT + "Origin: http://evil.example\r\n"),
-     403, "origin_not_allowed"),
-    ("origin-null", _head(extra=AUTH + JSON_CT + "Origin: null\r\n"), 403,
-     "origin_not_allowed"),
-    ("origin-before-route", _head(path="/v1/nope", extra="Origin: http://evil.example\r\n"),
-     403, "origin_not_allowed"),
-    ("route-unknown", _head(path="/v1/nope"), 404, "unknown_url"),
-    # (an unknown route: /v1/completions is served now)
-    ("route-before-auth", _head(path="/v1/engines/davinci/completions", extra=JSON_CT), 404,
-     "unknown_url"),
-    ("method-wrong", _head(method="PUT"), 405, "method_not_allowed"),
-    ("method-before-auth", _head(method="DELETE", extra=""), 405, "method_not_allowed"),
-    ("auth-missing", _head(extra=JSON_CT), 401, "invalid_api_key"),
-    ("auth-wrong", _head(extra="Authorization: Bearer sk-wrong\r\n" + JSON_CT), 401,
-     "invalid_api_key"),
-    ("auth-prefix", _head(extra=f"Authorization: Bearer {KEY[:-1]}\r\n" + JSON_CT), 401,
-     "invalid_api_key"),
-    ("auth-not-bearer", _head(extra=f"Authorization: Basic {KEY}\r\n" + JSON_CT), 401,
-     "invalid_api_key"),
-    ("auth-models", _head(method="GET", path="/v1/models", extra="", length=0,
-                          expect=False), 401, "invalid_api_key"),
-    ("auth-root-chat", _head(path="/chat/completions", extra=JSON_CT), 401,
-     "invalid_api_key"),
-    ("auth-before-media", _head(extra="Content-Type: text/plain\r\n"), 401,
-     "invalid_api_key"),
-    ("media-text", _head(extra=AUTH + "Content-Type: text/plain\r\n"), 415,
-     "unsupported_media_type"),
-    ("media-missing", _head(extra=AUTH), 415, "unsupported_media_type"),
-    ("media-form", _head(extra=AUTH + "Content-Type: application/x-www-form-urlencoded\r\n"),
-     415, "unsupported_media_type"),
-    ("media-before-size", _head(extra=AUTH + "Content-Type: text/plain\r\n",
-                                length=BODY_LIMIT + 1), 415, "unsupported_media_type"),
-    ("body-too-large", _head(length=BODY_LIMIT + 1), 413, "malformed_request"),
-    ("body-huge", _head(length=10**30), 413, "malformed_request"),
-    ("cancel-too-large", _head(path=f"{CHAT}/abc/cancel", length=BODY_LIMIT + 1), 413,
-     "malformed_request"),
-]
 
 
 @pytest.mark.parametrize(("head", "status", "code"), [c[1:] for c in SCREENING],
@@ -432,104 +203,6 @@ def test_no_cors_headers_without_origin(screen: ServerProcess) -> None:
 
 
 # --------------------------------------------------------------------------- strict framing
-
-H = "Host: localhost\r\n"
-GET = "GET /health HTTP/1.1\r\n"
-POST_HEAD = f"POST {CHAT} HTTP/1.1\r\n{H}{AUTH}{JSON_CT}"
-CHUNKED = POST_HEAD + "Transfer-Encoding: chunked\r\n\r\n"
-
-MALFORMED = [
-    # (id, raw request, status)
-    ("cl-and-te", POST_HEAD + "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
-     "0\r\n\r\n", 400),
-    ("te-and-cl", POST_HEAD + "Transfer-Encoding: chunked\r\nContent-Length: 0\r\n\r\n", 400),
-    ("cl-repeated-same", POST_HEAD + "Content-Length: 2\r\nContent-Length: 2\r\n\r\n{}", 400),
-    ("cl-conflicting", POST_HEAD + "Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400),
-    ("cl-list", POST_HEAD + "Content-Length: 2, 2\r\n\r\n{}", 400),
-    ("cl-plus", POST_HEAD + "Content-Length: +2\r\n\r\n{}", 400),
-    ("cl-minus", POST_HEAD + "Content-Length: -2\r\n\r\n{}", 400),
-    ("cl-hex", POST_HEAD + "Content-Length: 0x2\r\n\r\n{}", 400),
-    ("cl-underscore", POST_HEAD + "Content-Length: 1_0\r\n\r\n{}", 400),
-    ("cl-fullwidth", (POST_HEAD + "Content-Length: ").encode() + "２".encode()
-     + b"\r\n\r\n{}", 400),
-    ("cl-empty", POST_HEAD + "Content-Length:\r\n\r\n", 400),
-    ("space-before-colon", GET + "Host : localhost\r\n\r\n", 400),
-    ("tab-before-colon", GET + H + "X-A\t: 1\r\n\r\n", 400),
-    ("obs-fold", GET + H + "X-A: 1\r\n 2\r\n\r\n", 400),
-    ("obs-fold-tab", GET + H + "X-A: 1\r\n\t2\r\n\r\n", 400),
-    ("obs-fold-colon", GET + H + "X-A: 1\r\n X-B: 2\r\n\r\n", 400),
-    ("nul-in-value", GET + H + "X-A: a\x00b\r\n\r\n", 400),
-    ("cr-in-value", GET + H + "X-A: a\rb\r\n\r\n", 400),
-    ("lf-in-value", GET + H + "X-A: a\nb\r\n\r\n", 400),
-    ("nul-in-name", GET + H + "X-\x00A: 1\r\n\r\n", 400),
-    ("cr-in-name", GET + H + "X\r-A: 1\r\n\r\n", 400),
-    ("no-colon", GET + H + "X-A\r\n\r\n", 400),
-    ("empty-name", GET + H + ": 1\r\n\r\n", 400),
-    ("bare-lf-lines", "GET /health HTTP/1.1\nHost: localhost\n\n", 400),
-    ("host-missing", GET + "\r\n", 400),
-    ("host-duplicate", GET + H + H + "\r\n", 400),
-    ("host-duplicate-foreign", GET + H + "Host: evil.example\r\n\r\n", 400),
-    ("host-invalid", GET + "Host: local host\r\n\r\n", 400),
-    ("host-userinfo", GET + "Host: user@localhost\r\n\r\n", 400),
-    ("host-port-out-of-range", GET + "Host: localhost:99999\r\n\r\n", 400),
-    ("host-port-sign", GET + "Host: localhost:-1\r\n\r\n", 400),
-    ("ctl-in-value", GET + H + "X-A: \x1fa\r\n\r\n", 400),
-    ("vt-in-value", GET + H + "X-A: \x0ba\r\n\r\n", 400),
-    ("chunk-plus", CHUNKED + "+2\r\n{}\r\n0\r\n\r\n", 400),
-    ("chunk-minus-zero", CHUNKED + "-0\r\n\r\n", 400),
-    ("chunk-0x", CHUNKED + "0x2\r\n{}\r\n0\r\n\r\n", 400),
-    ("chunk-fullwidth", CHUNKED.encode() + "２".encode() + b"\r\n{}\r\n0\r\n\r\n", 400),
-    ("chunk-leading-space", CHUNKED + " 2\r\n{}\r\n0\r\n\r\n", 400),
-    ("chunk-trailing-space", CHUNKED + "2 \r\n{}\r\n0\r\n\r\n", 400),
-    ("chunk-empty-size", CHUNKED + "\r\n{}\r\n0\r\n\r\n", 400),
-    ("chunk-underscore", CHUNKED + "1_0\r\n", 400),
-    ("chunk-no-crlf-after-data", CHUNKED + "2\r\n{}XX0\r\n\r\n", 400),
-    ("chunk-lf-after-data", CHUNKED + "2\r\n{}\n0\r\n\r\n", 400),
-    ("chunk-bare-lf-size", CHUNKED + "2\n{}\r\n0\r\n\r\n", 400),
-    ("chunk-trailer-fold", CHUNKED + "2\r\n{}\r\n0\r\nX-T: 1\r\n 2\r\n\r\n", 400),
-    ("chunk-trailer-nul", CHUNKED + "2\r\n{}\r\n0\r\nX-T: \x00\r\n\r\n", 400),
-    ("te-http10", f"POST {CHAT} HTTP/1.0\r\n{H}{AUTH}{JSON_CT}"
-     "Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
-    ("te-empty", POST_HEAD + "Transfer-Encoding:\r\n\r\n", 400),
-    ("te-gzip", POST_HEAD + "Transfer-Encoding: gzip\r\n\r\n", 501),
-    ("te-gzip-chunked", POST_HEAD + "Transfer-Encoding: gzip, chunked\r\n\r\n", 501),
-    ("te-chunked-twice", POST_HEAD + "Transfer-Encoding: chunked\r\n"
-     "Transfer-Encoding: chunked\r\n\r\n", 501),
-    ("te-identity", POST_HEAD + "Transfer-Encoding: identity\r\n\r\n", 501),
-    ("te-chunked-suffix", POST_HEAD + "Transfer-Encoding: chunkedx\r\n\r\n", 501),
-    ("version-lower", "GET /health http/1.1\r\n" + H + "\r\n", 400),
-    ("version-letters", "GET /health HTTP/1.x\r\n" + H + "\r\n", 400),
-    ("version-fullwidth", b"GET /health HTTP/" + "１".encode() + b".1\r\n"
-     + H.encode() + b"\r\n", 400),
-    ("version-no-minor", "GET /health HTTP/1\r\n" + H + "\r\n", 400),
-    ("version-long", "GET /health HTTP/1.10\r\n" + H + "\r\n", 400),
-    ("version-https", "GET /health HTTPS/1.1\r\n" + H + "\r\n", 400),
-    ("request-line-extra-space", "GET  /health HTTP/1.1\r\n" + H + "\r\n", 400),
-    ("request-line-tab", "GET\t/health HTTP/1.1\r\n" + H + "\r\n", 400),
-    ("request-line-short", "GET /health\r\n" + H + "\r\n", 400),
-    ("target-absolute-https", "GET https://localhost/health HTTP/1.1\r\n" + H + "\r\n", 400),
-    ("target-absolute-userinfo", "GET http://u@localhost/health HTTP/1.1\r\n" + H + "\r\n",
-     400),
-    ("target-absolute-port", "GET http://localhost:65536/health HTTP/1.1\r\n" + H + "\r\n",
-     400),
-    ("target-absolute-no-host-header", "GET http://localhost/health HTTP/1.1\r\n\r\n", 400),
-    ("target-non-ascii", b"GET /health" + "é".encode() + b" HTTP/1.1\r\n"
-     + H.encode() + b"\r\n", 400),
-    ("method-not-token", "G(T /health HTTP/1.1\r\n" + H + "\r\n", 400),
-    ("head-too-large", GET + H + "X-Big: " + "a" * HEAD_LIMIT + "\r\n\r\n", 431),
-    ("head-too-large-unterminated", GET + H + "X-Big: " + "a" * (HEAD_LIMIT + 10), 431),
-    ("trailer-too-large", CHUNKED + "2\r\n{}\r\n0\r\nX-Big: " + "a" * HEAD_LIMIT
-     + "\r\n\r\n", 431),
-    ("chunked-too-large", CHUNKED + f"{BODY_LIMIT:x}\r\n" + "a" * BODY_LIMIT + "\r\n"
-     "1\r\na\r\n0\r\n\r\n", 413),
-    ("chunk-size-huge", CHUNKED + "f" * 40 + "\r\n", 413),
-    ("expect-unknown", POST_HEAD + "Content-Length: 2\r\nExpect: 200-ok\r\n\r\n", 417),
-    ("version-2", "GET /health HTTP/2.0\r\n" + H + "\r\n", 505),
-]
-
-CODES = {400: "malformed_request", 413: "malformed_request", 417: "malformed_request",
-         431: "malformed_request", 501: "malformed_request", 505: "malformed_request"}
-
 
 @pytest.mark.parametrize(("raw", "status"), [c[1:] for c in MALFORMED],
                          ids=[c[0] for c in MALFORMED])
@@ -856,10 +529,6 @@ def _refused_soon(port: int, within: float = 2.0) -> bool:
             return True
         time.sleep(0.02)
     return False
-
-
-#: Servers whose exit code a test asserts dump every thread's stack if they abort.
-DIAGNOSE = {"PYTHONFAULTHANDLER": "1"}
 
 
 def test_sigterm_drains_a_running_stream(tmp_path: Path) -> None:

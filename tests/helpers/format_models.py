@@ -18,6 +18,7 @@ import mlx.core as mx
 from tokenizers import Tokenizer
 
 from afmd.engine import demo
+
 from helpers.formats import SPECS, Spec
 
 _SEED = 1000

@@ -12,9 +12,9 @@ from typing import Any
 
 import jsonschema
 
-from openai_schemas import _allow_nullable
+from helpers.openai_schemas import _allow_nullable
 
-_PATH = Path(__file__).parent / "data" / "openai-responses-schemas.json"
+_PATH = Path(__file__).parent.parent / "data" / "openai-responses-schemas.json"
 
 
 def _discriminated(node: Any) -> Any:

@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
-from conftest import ServerProcess
-from openai_schemas import validate_chunk, validate_error, validate_response
+from helpers.openai_schemas import validate_chunk, validate_error, validate_response
+from helpers.servers import ServerProcess
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

@@ -10,7 +10,7 @@ from typing import Any
 
 import jsonschema
 
-_PATH = Path(__file__).parent / "data" / "openai-chat-schemas.json"
+_PATH = Path(__file__).parent.parent / "data" / "openai-chat-schemas.json"
 
 
 def _allow_nullable(node: Any) -> Any:
