@@ -56,6 +56,9 @@ class GenerationRequest:
     # Tokens besides the model's end-of-sequence ones that end generation, unseen (the end
     # markers of fill-in-the-middle).
     stop_ids: tuple[int, ...] = ()
+    # The client's guess of the output (OpenAI's ``prediction``): proposed to the model
+    # where the output so far agrees with it (afmd.engine.speculative).
+    prediction: str | None = None
     # A vision model's inputs besides the prompt ids (pixel values, image grids), opaque
     # to this layer; None: the prompt has no image.
     vision: Any = None
@@ -101,6 +104,12 @@ class Finished:
     peak_memory_bytes: int | None = None
     # (seconds since start, tokens so far, active memory bytes) when sampling was asked.
     samples: tuple[tuple[float, int, int], ...] = ()
+    # The prediction's tokens that appeared in the output, and the others (OpenAI's
+    # accepted/rejected_prediction_tokens); per proposal source, the tokens verification
+    # accepted and rejected and its passes.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    speculation: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 Event = Text | PromptLogprobs | Finished

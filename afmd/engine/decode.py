@@ -23,6 +23,13 @@ processors it replaces. What it changes, as measured by bench/run.py:
   Building and starting a forward pass costs the calling thread a few milliseconds on
   MLX's CPU backend, and the time to first token paid for it.
 
+- **A row decoding alone speculates.** When its request allows it (:attr:`spec_rows`)
+  and no other row shares the batch, proposed tokens are verified several per forward
+  pass (:mod:`afmd.engine.speculative`) and one step hands out every token that held.
+  Rows joining end it (a pass in flight is settled first, its tokens handed out with the
+  next step); a batch of one is where it pays, and where the single user of a local
+  server is.
+
 A sequence's first token is still sampled by mlx-lm's own step when it joins the batch
 (``PromptProcessingBatch.generate``), which is why processors also work one row at a time.
 """
@@ -33,8 +40,17 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, greedy_sampler
+from mlx_lm.models.cache import trim_prompt_cache
 
 from afmd.engine.logprobs import RowLogprobs, step_logprobs
+from afmd.engine.speculative import (
+    RowSpec,
+    Verification,
+    accepted_count,
+    consume,
+    grammar_masks,
+    grammar_prefix,
+)
 from afmd.grammar.processor import MASKING, MaskBuilder
 
 _NEG_INF = float("-inf")
@@ -49,14 +65,45 @@ class DecodeBatch(GenerationBatch):
     #: uid -> alternatives wanted, for the rows that report log-probabilities. Each
     #: response's ``logprobs`` is then what :func:`afmd.engine.logprobs.resolve` reads.
     logprob_rows: dict[int, int]
+    #: uid -> the row's speculation, for the rows that may speculate when alone.
+    spec_rows: dict[int, RowSpec]
+    # The verification pass in flight (a batch of one row only).
+    _verify: Verification | None = None
+    _trimmable: bool | None = None
+    # uid -> tokens a settled pass accepted, handed out with the row's next step.
+    _backlog: dict[int, list[int]]
+    # uid -> prompt length (what the row's KV cache held when its first token went out).
+    _prompt_len: dict[int, int]
 
     @classmethod
     def install(cls, generator: Any) -> DecodeBatch:
         """Replace a fresh ``BatchGenerator``'s (empty) running batch with ours."""
         batch = cls.empty(generator.model, generator.sampler)
         batch.logprob_rows = {}
+        batch.spec_rows = {}
+        batch._backlog = {}
+        batch._prompt_len = {}
         generator._generation_batch = batch
         return batch
+
+    def next(self) -> list[Any]:
+        """Every row's tokens of this step: one each, or several for a row whose
+        proposal held (mlx-lm's ``next`` with lists, and a finish inside one)."""
+        if not self.uids:
+            return []
+        if self._verify is not None or self._may_speculate():
+            responses = self._speculate()
+            if responses is not None:
+                return responses
+        tokens, logprobs = self._step()
+        handed = [[t] for t in tokens]
+        extra = [list(logprobs[i : i + 1]) for i in range(len(tokens))]
+        for i, uid in enumerate(self.uids):
+            backlog = self._backlog.pop(uid, None) if self._backlog else None
+            if backlog:
+                handed[i] = backlog + handed[i]
+                extra[i] = [None] * len(backlog) + extra[i]
+        return self._account(handed, extra)
 
     def _step(self) -> tuple[list[int], list[Any]]:
         self._launch_deferred()
@@ -73,12 +120,153 @@ class DecodeBatch(GenerationBatch):
     def extend(self, batch: Any) -> None:
         # Joining rows come with their next tokens already computed; ours must be too.
         self._launch_deferred()
+        if self._verify is not None:
+            accepted, pending = self._resolve()
+            self._backlog[self.uids[0]] = accepted
+            self._next_tokens = mx.array([pending], dtype=mx.uint32)
+            self._next_logprobs = [None]
         super().extend(batch)
 
     def filter(self, keep: list[int]) -> None:
+        if not keep:
+            self._verify = None
         super().filter(keep)
         if not keep:
             self._deferred = False
+
+    # -- handing tokens out --
+    def _account(self, handed: list[list[int]], logprobs: list[list[Any]]) -> list[Any]:
+        """Responses for each row's tokens in order, ending a row at its first finish."""
+        responses: list[Any] = []
+        keep: list[int] = []
+        for i, uid in enumerate(self.uids):
+            if self._num_tokens[i] == 0:  # its first token is never in its cache yet
+                self._prompt_len[uid] = len(self.tokens[i])
+            spec = self.spec_rows.get(uid) if self.spec_rows else None
+            finish = None
+            for token, lp in zip(handed[i], logprobs[i], strict=True):
+                self._num_tokens[i] += 1
+                if spec is not None:
+                    spec.history.append(token)
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    finish = "length"
+                if self._matchers[i].advance(token):
+                    finish = "stop"
+                if finish is None:
+                    responses.append(self.Response(uid, token, lp, None, None, None))
+                    continue
+                cache, tokens = self._leaving(i)
+                responses.append(self.Response(uid, token, lp, finish, cache, tokens))
+                break
+            if finish is None:
+                keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+    def _leaving(self, i: int) -> tuple[list[Any], list[int]]:
+        """A finishing row's KV cache and tokens, cut back to the token it ended on (a
+        verification may have fed tokens past it)."""
+        if self._verify is not None:  # only a batch of one verifies: this row's pass
+            verify, self._verify = self._verify, None
+            trim_prompt_cache(self.prompt_cache, verify.k)
+            self.tokens[i].append(int(verify.first.item()))
+        uid = self.uids[i]
+        tokens = self.tokens[i]
+        keep = self._prompt_len.pop(uid, 0) + self._num_tokens[i]
+        self._backlog.pop(uid, None)
+        surplus = len(tokens) - keep
+        cache = self.extract_cache(i)
+        if surplus > 0:
+            trim_prompt_cache(cache, surplus)
+            for c in cache:
+                if getattr(c, "keys", None) is not None and hasattr(c, "offset"):
+                    c.keys = c.keys[..., : c.offset, :]
+                    c.values = c.values[..., : c.offset, :]
+            tokens = tokens[:keep]
+        return cache, tokens
+
+    # -- speculation (a batch of one row) --
+    def _may_speculate(self) -> bool:
+        if len(self.uids) != 1 or not self.spec_rows:
+            return False
+        spec = self.spec_rows.get(self.uids[0])
+        if spec is None or not spec.enabled or self._num_tokens[0] == 0:
+            return False
+        if self.max_tokens[0] - self._num_tokens[0] < 3:
+            return False
+        if self._trimmable is None:
+            self._trimmable = all(c.is_trimmable() for c in self.prompt_cache)
+        return self._trimmable
+
+    def _speculate(self) -> list[Any] | None:
+        """One step of the lone row: settle the pass in flight (hand out what held), then
+        start the next; ``None``: nothing to propose, take the plain step."""
+        spec = self.spec_rows[self.uids[0]]
+        if self._verify is not None:
+            accepted, pending = self._resolve()
+            handed = [*accepted, pending]
+            responses = self._account([handed], [[None] * len(handed)])
+            if self.uids:
+                self._launch_after(spec, pending)
+            return responses
+        self._launch_deferred()
+        if spec.constrained:
+            # The proposal must go through the grammar first: wait for the token.
+            pending = int(self._next_tokens.item())
+            responses = self._account([[pending]], [[None]])
+            if self.uids:
+                self._launch_after(spec, pending)
+            return responses
+        # The token is still being computed: propose after the model's likely choice
+        # (the source's guess), verified with it, so this step need not wait for it.
+        budget = self.max_tokens[0] - self._num_tokens[0] - 2
+        got = spec.propose(budget, guess=True)
+        if got is None:
+            return None
+        state, proposal = got
+        first = self._next_tokens
+        rest = proposal[1:]
+        verify = Verification(spec, state, first, _as_array(rest), len(rest))
+        verify.launch(self.model, self.prompt_cache, None)
+        self._verify = verify
+        return self._account([[int(first.item())]], [[None]])
+
+    def _launch_after(self, spec: RowSpec, pending: int) -> None:
+        """Feed ``pending`` (handed out, not yet in the cache) with a proposal, or alone."""
+        budget = self.max_tokens[0] - self._num_tokens[0] - 1
+        got = spec.propose(budget, guess=False) if budget > 0 else None
+        if got is not None:
+            state, proposal = got
+            mask = None
+            if spec.constrained:
+                proposal = _as_list(proposal)
+                proposal = proposal[: grammar_prefix(spec.processors, pending, proposal)]
+                if proposal:
+                    mask = grammar_masks(spec.processors, pending, proposal,
+                                         int(self.model.args.vocab_size))
+            if len(proposal):
+                first = mx.array([pending], dtype=mx.uint32)
+                verify = Verification(spec, state, first, _as_array(proposal), len(proposal))
+                verify.launch(self.model, self.prompt_cache, mask)
+                self._verify = verify
+                return
+        self._launch(mx.array([pending], dtype=mx.uint32))
+
+    def _resolve(self) -> tuple[list[int], int]:
+        """Wait for the pass in flight: the proposed tokens that held (now in the cache)
+        and the model's token after them (not yet in it)."""
+        verify, self._verify = self._verify, None
+        assert verify is not None
+        proposal, targets = verify.resolve()
+        n = accepted_count(proposal, targets)
+        rejected = verify.k - n
+        if rejected:
+            trim_prompt_cache(self.prompt_cache, rejected)
+        consume(verify.spec.processors, proposal[:n])
+        self.tokens[0] += [int(verify.first.item()), *proposal[:n]]
+        verify.state.record(verify.k, n, len(verify.spec.history))
+        return proposal[:n], targets[n]
 
     def _launch_deferred(self) -> None:
         if self._deferred:
@@ -170,3 +358,11 @@ class DecodeBatch(GenerationBatch):
             ],
             axis=0,
         )
+
+
+def _as_array(tokens: list[int] | mx.array) -> mx.array:
+    return tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)
+
+
+def _as_list(tokens: list[int] | mx.array) -> list[int]:
+    return tokens.tolist() if isinstance(tokens, mx.array) else list(tokens)

@@ -217,6 +217,7 @@ def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     from mlx_lm import load as mlx_load
 
     from afmd.engine import demo
+    from afmd.engine.draft import load_draft
     from afmd.engine.embedding import Embedder
     from afmd.engine.layout import relayout_for_cpu
     from afmd.engine.memory import apply_memory_bounds
@@ -263,6 +264,8 @@ def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
             max_batch=config.queue.max_concurrent_requests,
             prompt_cache_bytes=config.cache.prompt_cache_bytes,
             prompt_cache_entries=config.cache.prompt_cache_entries,
+            prompt_lookup=config.engine.prompt_lookup,
+            draft_model=load_draft(entry, config, tokenizer),
         )
         worker.start()
     return LoadedModel(

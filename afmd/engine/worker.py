@@ -25,12 +25,14 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import make_logits_processors
 
 from afmd.engine.base import Event, Finished, Generation, PromptLogprobs, SamplingParams, Text
 from afmd.engine.decode import DecodeBatch
 from afmd.engine.detokenize import ExactDetokenizer
 from afmd.engine.logprobs import prompt_logprobs, resolve
+from afmd.engine.sampling import RowSampler
+from afmd.engine.speculative import RowSpec
 from afmd.errors import ServerError
 
 log = logging.getLogger("afmd.engine")
@@ -43,33 +45,9 @@ _STOP = object()
 
 
 def make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array] | None:
-    """A per-request sampler with its own PRNG key.
-
-    Global MLX randomness would make a seeded request's output depend on whatever else is
-    in the batch; a key owned by the request and split once per step makes ``seed``
-    reproducible however requests interleave. ``None`` means greedy: the batch then
-    samples all greedy rows with one shared argmax.
-    """
-    if params.greedy:
-        return None
-    seed = params.seed if params.seed is not None else int.from_bytes(
-        threading.get_native_id().to_bytes(8, "little"), "little"
-    ) ^ time.time_ns()
-    key = [mx.random.key(seed & 0xFFFF_FFFF_FFFF_FFFF)]
-    inv_temp = 1.0 / params.temperature
-    top_p, top_k, min_p = params.top_p, params.top_k, params.min_p
-
-    def sample(logprobs: mx.array) -> mx.array:
-        if 0.0 < top_p < 1.0:
-            logprobs = apply_top_p(logprobs, top_p)
-        if min_p > 0.0:
-            logprobs = apply_min_p(logprobs, min_p)
-        if 0 < top_k < logprobs.shape[-1]:
-            logprobs = apply_top_k(logprobs, top_k)
-        key[0], sub = mx.random.split(key[0])
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
-
-    return sample
+    """A per-request sampler with its own PRNG key (:class:`RowSampler`); ``None``
+    means greedy: the batch then samples all greedy rows with one shared argmax."""
+    return RowSampler.of(params)
 
 
 @dataclass(slots=True)
@@ -93,6 +71,8 @@ class _Sequence:
     # Tokens that end this sequence unseen: the model's end-of-sequence ones and the
     # request's own (fill-in-the-middle end markers).
     stop_ids: frozenset[int] = frozenset()
+    # Speculation's numbers, read when the sequence leaves (see DecodeBatch.spec_rows).
+    spec: RowSpec | None = None
 
 
 class BatchWorker:
@@ -108,8 +88,12 @@ class BatchWorker:
         prefill_step_size: int = 2048,
         prompt_cache_bytes: int = 1 << 30,
         prompt_cache_entries: int = 16,
+        prompt_lookup: bool = True,
+        draft_model: Any = None,
     ) -> None:
         self._model = model
+        self._prompt_lookup = prompt_lookup
+        self._draft_model = draft_model
         self._tokenizer = tokenizer
         self._max_batch = max(1, max_batch)
         self._prefill_step_size = prefill_step_size
@@ -250,12 +234,17 @@ class BatchWorker:
         assert self._generator is not None
         cache, rest = self._cached_prefix(request.prompt)
         seq.cached_tokens = len(request.prompt) - len(rest)
+        sampler = make_sampler(request.sampling)
+        seq.spec = RowSpec.for_request(
+            request, processors, sampler, seq.stop_ids, tokenizer=self._tokenizer,
+            prompt_lookup=self._prompt_lookup, draft=self._draft_model,
+        )
         (uid,) = self._generator.insert(
             [rest],
             max_tokens=[request.max_tokens],
             caches=[cache],
             all_tokens=[request.prompt[: seq.cached_tokens]],
-            samplers=[make_sampler(request.sampling)],
+            samplers=[sampler],
             logits_processors=[processors],
             stop_sequences=(
                 [StopSequences([[t] for t in sorted(seq.stop_ids)])] if request.stop_ids
@@ -266,6 +255,8 @@ class BatchWorker:
         self._active[uid] = seq
         if seq.logprobs is not None and self._batch is not None:
             self._batch.logprob_rows[uid] = seq.logprobs
+        if seq.spec is not None and self._batch is not None:
+            self._batch.spec_rows[uid] = seq.spec
 
     def _cached_prefix(self, prompt: list[int]) -> tuple[Any, list[int]]:
         """The longest cached KV state for a prefix of ``prompt``, and the tokens left."""
@@ -388,6 +379,8 @@ class BatchWorker:
     def _forget_logprobs(self, seq: _Sequence) -> None:
         if seq.logprobs is not None and self._batch is not None:
             self._batch.logprob_rows.pop(seq.uid, None)
+        if seq.spec is not None and self._batch is not None:
+            self._batch.spec_rows.pop(seq.uid, None)
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         seq.detokenizer.finalize()
@@ -410,6 +403,7 @@ class BatchWorker:
                 },
                 peak_memory_bytes=mx.get_peak_memory(),
                 samples=tuple(seq.samples),
+                **_speculation(seq.spec),
             )
         )
 
@@ -452,6 +446,14 @@ class BatchWorker:
                 if isinstance(item, Generation):
                     with contextlib.suppress(RuntimeError):
                         item._loop.call_soon_threadsafe(item.fail, error)
+
+
+def _speculation(spec: RowSpec | None) -> dict[str, Any]:
+    if spec is None:
+        return {}
+    accepted, rejected = spec.usage()
+    return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": rejected,
+            "speculation": spec.stats() if spec.enabled else {}}
 
 
 def _deliver(
