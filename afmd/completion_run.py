@@ -276,7 +276,11 @@ class CompletionRun:
             ends = [r.finished for r in readers if r.finished is not None]
             usage = Usage(sum(e.prompt_tokens for e in ends),
                           sum(e.completion_tokens for e in ends),
-                          sum(e.cached_tokens for e in ends))
+                          sum(e.cached_tokens for e in ends),
+                          accepted_prediction_tokens=sum(
+                              e.accepted_prediction_tokens for e in ends),
+                          rejected_prediction_tokens=sum(
+                              e.rejected_prediction_tokens for e in ends))
         self.finished = True
         self.finish_reason = "cancelled" if "cancelled" in reasons else reasons[0]
         self.usage = usage
@@ -300,6 +304,9 @@ class CompletionRun:
             finished_at=max(t["finished_at"] for t in timings),
             peak_memory_bytes=max((e.peak_memory_bytes or 0 for e in ends), default=None),
             bytes_per_token=self.prepared.model.weights_bytes or None,
+            accepted_prediction_tokens=usage.accepted_prediction_tokens,
+            rejected_prediction_tokens=usage.rejected_prediction_tokens,
+            speculation=profiling.add_speculation({}, *(e.speculation for e in ends)),
         ), ends[0].samples)
 
     # -- control --
@@ -327,6 +334,7 @@ class CompletionRun:
             prompt_logprobs=r.logprobs if r.echo and r.logprobs is not None else None,
             verbatim=True,
             stop_ids=prepared.stop_ids,
+            prediction=r.prediction,
         )
 
     def cancel(self) -> None:

@@ -13,7 +13,7 @@ import functools
 import platform
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 PROFILE_KEYS = (
@@ -29,6 +29,9 @@ PROFILE_KEYS = (
     "chip",
     "gpu_power_w",
     "bandwidth_gb_s",
+    "accepted_prediction_tokens",
+    "rejected_prediction_tokens",
+    "speculation",
 )
 
 # Keep a sample at least this often (tokens) for the extended profile.
@@ -85,6 +88,22 @@ class ProfileInput:
     finished_at: float
     peak_memory_bytes: int | None
     bytes_per_token: int | None  # weight bytes read per decoded token, when known
+    # The prediction's tokens that appeared in the output and the others (as usage), and
+    # per proposal source the tokens speculative verification accepted and rejected.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    speculation: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def add_speculation(total: dict[str, dict[str, int]], *counts: dict[str, dict[str, int]]
+                    ) -> dict[str, dict[str, int]]:
+    """``total`` plus each of ``counts`` (per proposal source, per count)."""
+    for each in counts:
+        for source, numbers in each.items():
+            mine = total.setdefault(source, {})
+            for key, n in numbers.items():
+                mine[key] = mine.get(key, 0) + n
+    return total
 
 
 def summary(p: ProfileInput) -> dict[str, Any]:
@@ -107,6 +126,9 @@ def summary(p: ProfileInput) -> dict[str, Any]:
         "chip": chip_name(),
         "gpu_power_w": None,
         "bandwidth_gb_s": bandwidth,
+        "accepted_prediction_tokens": p.accepted_prediction_tokens,
+        "rejected_prediction_tokens": p.rejected_prediction_tokens,
+        "speculation": {k: dict(v) for k, v in p.speculation.items()},
     }
 
 

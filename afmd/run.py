@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from afmd import profiling
@@ -94,15 +94,22 @@ class _Totals:
     completion: int = 0
     cached: int = 0
     reasoning: int = 0
+    accepted: int = 0  # prediction tokens (the first round's: the only one with it)
+    rejected: int = 0
+    speculation: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def add(self, event: Finished) -> None:
         self.prompt += event.prompt_tokens
         self.completion += event.completion_tokens
         self.cached += event.cached_tokens
         self.reasoning += event.reasoning_tokens
+        self.accepted += event.accepted_prediction_tokens
+        self.rejected += event.rejected_prediction_tokens
+        profiling.add_speculation(self.speculation, event.speculation)
 
     def usage(self) -> Usage:
-        return Usage(self.prompt, self.completion, self.cached, self.reasoning)
+        return Usage(self.prompt, self.completion, self.cached, self.reasoning,
+                     self.accepted, self.rejected)
 
 
 class RoundReader:
@@ -364,6 +371,9 @@ def _generation(prepared: PreparedChat, rnd: Round) -> GenerationRequest:
         starts_in_reasoning=rnd.plan.starts_in_reasoning,
         logprobs=r.logprobs,
         vision=rnd.vision,
+        # What the client predicted is this turn's answer: later rounds (after server
+        # tools) write something else.
+        prediction=r.prediction if rnd is prepared.round else None,
     )
 
 
@@ -381,6 +391,9 @@ def _profile(prepared: PreparedChat, totals: _Totals, finished: Finished) -> dic
         finished_at=t["finished_at"],
         peak_memory_bytes=finished.peak_memory_bytes,
         bytes_per_token=prepared.model.weights_bytes or None,
+        accepted_prediction_tokens=totals.accepted,
+        rejected_prediction_tokens=totals.rejected,
+        speculation=totals.speculation,
     ), finished.samples)
 
 

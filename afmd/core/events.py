@@ -62,6 +62,9 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    #: The request's prediction tokens that appeared in the output, and the others.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

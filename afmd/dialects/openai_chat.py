@@ -51,8 +51,8 @@ def usage_object(usage: Usage) -> dict[str, Any]:
         "completion_tokens_details": {
             "reasoning_tokens": usage.reasoning_tokens,
             "audio_tokens": 0,
-            "accepted_prediction_tokens": 0,
-            "rejected_prediction_tokens": 0,
+            "accepted_prediction_tokens": usage.accepted_prediction_tokens,
+            "rejected_prediction_tokens": usage.rejected_prediction_tokens,
         },
     }
 

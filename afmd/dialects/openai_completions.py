@@ -29,12 +29,19 @@ def new_completion_id() -> str:
 
 
 def usage_object(usage: Usage) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "audio_tokens": 0},
     }
+    if usage.accepted_prediction_tokens or usage.rejected_prediction_tokens:
+        # Only when the request sent a prediction: the details are chat's otherwise.
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": usage.accepted_prediction_tokens,
+            "rejected_prediction_tokens": usage.rejected_prediction_tokens,
+        }
+    return out
 
 
 @dataclass(slots=True)

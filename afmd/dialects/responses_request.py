@@ -41,6 +41,7 @@ from afmd.protocol.fields import (
     wrong_type,
 )
 from afmd.protocol.keep_alive import keep_alive_of
+from afmd.protocol.prediction import parse_prediction
 
 # Fields of the API that change nothing a local model could honour: accepted, unused.
 IGNORED_FIELDS = frozenset({
@@ -70,7 +71,7 @@ _SCALARS = (
     Scalar("background", "boolean", default=False),
 )
 _STRUCTURED = frozenset({"input", "tools", "tool_choice", "text", "reasoning", "include",
-                         "metadata", "stream_options", "conversation", "prompt",
+                         "metadata", "stream_options", "conversation", "prompt", "prediction",
                          "keep_alive", CHAT_TEMPLATE_KWARGS})
 KNOWN_FIELDS = IGNORED_FIELDS | names(_SCALARS) | _STRUCTURED
 
@@ -224,6 +225,7 @@ def parse_responses_request(
         response_format=response_format,
         reasoning_effort=reasoning["effort"],
         has_images=any(m.has_images for m in messages),
+        prediction=None if counting else parse_prediction(body.get("prediction")),
         keep_alive=None if counting else keep_alive_of(body),
         chat_template_kwargs=chat_template_kwargs_of(body),
         ignored_fields=ignored,

@@ -23,6 +23,7 @@ from afmd.protocol.fields import (
     wrong_type,
 )
 from afmd.protocol.keep_alive import keep_alive_of
+from afmd.protocol.prediction import parse_prediction
 from afmd.protocol.request import MAX_STOP_SEQUENCES, parse_stream_options
 
 __all__ = ["COMPLETION_SCALARS", "MAX_PROMPTS", "parse_completion_request"]
@@ -66,7 +67,7 @@ COMPLETION_SCALARS = (
 # ``chat_template_kwargs`` is not among them: a completion has no chat template, so a client
 # sending it (one extra body for every endpoint) learns from the header that it was ignored.
 _KNOWN = _IGNORED | names(COMPLETION_SCALARS) | {"prompt", "stop", "stream_options",
-                                                  "keep_alive"}
+                                                  "keep_alive", "prediction"}
 
 
 def parse_completion_request(body: dict[str, Any], *, strict: bool = False) -> CompletionRequest:
@@ -94,6 +95,7 @@ def parse_completion_request(body: dict[str, Any], *, strict: bool = False) -> C
         stop=string_list(body.get("stop"), "stop", MAX_STOP_SEQUENCES),
         echo=values["echo"],
         logprobs=values["logprobs"],
+        prediction=parse_prediction(body.get("prediction")),
         keep_alive=keep_alive_of(body),
         ignored_fields=ignored,
     )

@@ -42,6 +42,7 @@ from afmd.protocol.fields import (
 )
 from afmd.protocol.keep_alive import keep_alive_of
 from afmd.protocol.messages import check_tool_history, parse_messages
+from afmd.protocol.prediction import parse_prediction
 from afmd.protocol.tools import parse_response_format, parse_tool_choice, parse_tools
 
 __all__ = [
@@ -70,7 +71,6 @@ IGNORED_FIELDS = frozenset(
         "presence_penalty",
         "logit_bias",
         "service_tier",
-        "prediction",
         "modalities",
         "safety_identifier",
         "prompt_cache_key",
@@ -119,6 +119,7 @@ CHAT_SCALARS = (_MODEL, _STREAM, *_SAMPLING, REPETITION_PENALTY, REPEAT_PENALTY,
 KNOWN_FIELDS = (
     IGNORED_FIELDS
     | names(CHAT_SCALARS)
+    | {"prediction"}
     | {"messages", "stream_options", "stop", "tools", "tool_choice", "response_format",
        "keep_alive", CHAT_TEMPLATE_KWARGS}
 )
@@ -198,6 +199,7 @@ def parse_chat_request(
         reasoning_effort=tool_use["reasoning_effort"],
         has_images=any(m.has_images for m in messages),
         logprobs=(sampling["top_logprobs"] or 0) if sampling["logprobs"] else None,
+        prediction=parse_prediction(body.get("prediction")),
         keep_alive=keep_alive_of(body),
         chat_template_kwargs=chat_template_kwargs_of(body),
         ignored_fields=ignored,
