@@ -33,14 +33,18 @@ _RATE = {"type": ["number", "null"], "exclusiveMinimum": 0}
 #: total_ms: until it finished); rates are null when there was nothing to measure;
 #: peak_memory_bytes is null where the platform cannot tell; chip names the processor;
 #: gpu_power_w is null (afmd does not sample power); bandwidth_gb_s is the estimate
-#: "weight bytes per decoded token x decode rate", null without a decode rate.
+#: "weight bytes per decoded token x decode rate", null without a decode rate. The
+#: prediction's counts are usage's; ``speculation`` has, per proposal source that ran
+#: (prediction, prompt_lookup, draft), the proposed tokens verification accepted and
+#: rejected and its passes.
 PROFILE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "required": [
         "prompt_tokens", "cached_tokens", "completion_tokens", "queue_ms", "ttft_ms",
         "total_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes",
-        "chip", "gpu_power_w", "bandwidth_gb_s",
+        "chip", "gpu_power_w", "bandwidth_gb_s", "accepted_prediction_tokens",
+        "rejected_prediction_tokens", "speculation",
     ],
     "properties": {
         "prompt_tokens": _COUNT,
@@ -55,6 +59,18 @@ PROFILE_SCHEMA: dict[str, Any] = {
         "chip": {"type": "string", "minLength": 1},
         "gpu_power_w": {"type": ["number", "null"], "minimum": 0},
         "bandwidth_gb_s": {"type": ["number", "null"], "minimum": 0},
+        "accepted_prediction_tokens": _COUNT,
+        "rejected_prediction_tokens": _COUNT,
+        "speculation": {
+            "type": "object",
+            "propertyNames": {"enum": ["prediction", "prompt_lookup", "draft"]},
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["accepted", "rejected", "verifications"],
+                "properties": {"accepted": _COUNT, "rejected": _COUNT, "verifications": _COUNT},
+            },
+        },
     },
 }
 

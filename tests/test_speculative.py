@@ -1,0 +1,627 @@
+"""Speculative decoding: proposed tokens verified several per forward pass, on the demo models.
+
+Speculation must change no token. Each engine case runs the same request through a plain
+``BatchGenerator`` with afmd's decode step and once more with a proposal source attached
+(the client's prediction, prompt lookup, a draft model), and compares every token; the
+sources must also have been used (verification passes that accepted tokens), or the
+comparison would prove nothing. Both ways of projecting a verification pass are covered:
+numpy's (the CPU layout the server uses) and MLX's own (any other head, and GPUs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import BatchGenerator
+
+from afmd.config import Config, ModelEntry, load_config
+from afmd.engine import demo
+from afmd.engine.base import Finished, Generation, GenerationRequest, SamplingParams, Text
+from afmd.engine.decode import DecodeBatch
+from afmd.engine.draft import DraftMismatch, load_draft
+from afmd.engine.layout import relayout_for_cpu
+from afmd.engine.proposals import LookupSource, PredictionSource
+from afmd.engine.sampling import RowSampler
+from afmd.engine.speculative import RowSpec, SourceState, grammar_prefix
+from afmd.engine.verify_head import HostHead, VerifyHead
+from afmd.engine.worker import BatchWorker
+from afmd.grammar.compiler import json_schema_grammar, llg_tokenizer
+from afmd.grammar.frames import Thinking
+from afmd.grammar.processor import GrammarProcessor
+
+from conftest import ServerProcess, parse_sse, start_server
+
+GREEDY = SamplingParams(temperature=0.0)
+QUESTIONS = ("write me a story about a cat", "explain relativity to a child")
+
+
+def _load(variant: str, root: Path, *, relayout: bool) -> tuple[Any, Any]:
+    model, tokenizer = mlx_lm.load(str(demo.materialize(variant, root)))
+    if relayout:
+        relayout_for_cpu(model)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("spec-cache")
+
+
+@pytest.fixture(scope="module")
+def host(cache_root: Path) -> tuple[Any, Any]:
+    """The demo model as the server lays it out on the CPU (numpy projects the passes)."""
+    return _load("demo", cache_root, relayout=True)
+
+
+@pytest.fixture(scope="module")
+def device(cache_root: Path) -> tuple[Any, Any]:
+    """The demo model as loaded (MLX projects the passes)."""
+    return _load("demo", cache_root, relayout=False)
+
+
+@pytest.fixture(scope="module")
+def big_vocab(cache_root: Path) -> tuple[Any, Any]:
+    return _load("demo-32k", cache_root, relayout=True)
+
+
+def _prompt(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                              add_generation_prompt=True))
+
+
+class Run:
+    """One request through a fresh generator: its tokens, last response and speculation."""
+
+    def __init__(self, loaded: tuple[Any, Any], prompt: list[int], max_tokens: int, *,
+                 sampling: SamplingParams = GREEDY, prediction: str | None = None,
+                 lookup: bool = False, draft: Any = None, processors: tuple[Any, ...] = (),
+                 stop_ids: tuple[int, ...] = (), logprobs: int | None = None) -> None:
+        model, tokenizer = loaded
+        self.loaded = loaded
+        eos = sorted(tokenizer.eos_token_ids)
+        self.generator = BatchGenerator(model, stop_tokens=[[t] for t in eos],
+                                        completion_batch_size=4, prefill_batch_size=4)
+        self.batch = DecodeBatch.install(self.generator)
+        self.sampler = RowSampler.of(sampling)
+        stops = frozenset(eos).union(stop_ids)
+        request = GenerationRequest("r", prompt, max_tokens, sampling=sampling,
+                                    prediction=prediction, logprobs=logprobs)
+        self.spec = RowSpec.for_request(request, processors, self.sampler, stops,
+                                        tokenizer=tokenizer, prompt_lookup=lookup, draft=draft)
+        self.uid = self.insert(prompt, max_tokens, list(processors), stop_ids, self.spec,
+                               self.sampler)
+        self.tokens: dict[int, list[int]] = {self.uid: []}
+        self.last: dict[int, Any] = {}
+        self.most_in_one_step = 0
+
+    def insert(self, prompt: list[int], max_tokens: int, processors: list[Any],
+               stop_ids: tuple[int, ...], spec: RowSpec | None, sampler: Any) -> int:
+        eos = sorted(self.loaded[1].eos_token_ids)
+        stops = [[t] for t in sorted(set(eos) | set(stop_ids))]
+        from mlx_lm.generate import StopSequences
+
+        (uid,) = self.generator.insert([prompt], max_tokens=[max_tokens], samplers=[sampler],
+                                       logits_processors=[processors],
+                                       stop_sequences=[StopSequences(stops)])
+        if spec is not None:
+            self.batch.spec_rows[uid] = spec
+        return uid
+
+    def step(self) -> None:
+        _, responses = self.generator.next()
+        count: dict[int, int] = {}
+        for r in responses:
+            self.tokens.setdefault(r.uid, []).append(r.token)
+            count[r.uid] = count.get(r.uid, 0) + 1
+            if r.finish_reason is not None:
+                self.last[r.uid] = r
+        self.most_in_one_step = max([self.most_in_one_step, *count.values()])
+
+    def finish(self) -> list[int]:
+        while len(self.last) < len(self.tokens):
+            self.step()
+        self.generator.close()
+        return self.tokens[self.uid]
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return self.spec.stats() if self.spec is not None else {}
+
+
+def plain(loaded: tuple[Any, Any], prompt: list[int], max_tokens: int, **kw: Any) -> list[int]:
+    return Run(loaded, prompt, max_tokens, **kw).finish()
+
+
+def _text(tokenizer: Any, tokens: list[int]) -> str:
+    return tokenizer.decode([t for t in tokens if t not in tokenizer.eos_token_ids])
+
+
+def _edited(tokenizer: Any, text: str) -> str:
+    """``text`` with a few tokens in the middle replaced (an edit that rejoins)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    mid = len(ids) // 2
+    return tokenizer.decode(ids[:mid] + tokenizer.encode(" banana split", add_special_tokens=False)
+                            + ids[mid + 3:])
+
+
+def _consistent(run: Run, prompt: list[int], uid: int | None = None) -> None:
+    """A finished row's KV cache and token list agree with what was handed out."""
+    uid = run.uid if uid is None else uid
+    response = run.last[uid]
+    offset = response.prompt_cache[0].offset
+    assert offset == len(response.all_tokens)
+    assert response.all_tokens == [*prompt, *run.tokens[uid]][:offset]
+    assert offset >= len(prompt) + len(run.tokens[uid]) - 1
+
+
+# -- greedy identity, each source --------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["host", "device"])
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_prediction_exact_and_edited_change_no_token(
+    request: pytest.FixtureRequest, layout: str, question: str
+) -> None:
+    loaded = request.getfixturevalue(layout)
+    tokenizer = loaded[1]
+    prompt = _prompt(tokenizer, question)
+    want = plain(loaded, prompt, 200)
+    for prediction in (_text(tokenizer, want), _edited(tokenizer, _text(tokenizer, want))):
+        run = Run(loaded, prompt, 200, prediction=prediction)
+        assert run.finish() == want
+        stats = run.stats()["prediction"]
+        assert stats["verifications"] > 0 and stats["accepted"] > len(want) // 3, stats
+        assert run.most_in_one_step > 4
+        _consistent(run, prompt)
+    assert isinstance(VerifyHead.of(loaded[0]), HostHead) == (layout == "host")
+
+
+def test_prediction_on_the_32k_vocabulary(big_vocab: tuple[Any, Any]) -> None:
+    tokenizer = big_vocab[1]
+    prompt = _prompt(tokenizer, QUESTIONS[0])
+    want = plain(big_vocab, prompt, 160)
+    run = Run(big_vocab, prompt, 160, prediction=_edited(tokenizer, _text(tokenizer, want)))
+    assert run.finish() == want
+    assert run.stats()["prediction"]["accepted"] > 80
+
+
+def test_prediction_longer_than_max_tokens(host: tuple[Any, Any]) -> None:
+    tokenizer = host[1]
+    prompt = _prompt(tokenizer, QUESTIONS[1])
+    full = plain(host, prompt, 120)
+    for budget in (3, 4, 17, 40):
+        run = Run(host, prompt, budget, prediction=_text(tokenizer, full))
+        assert run.finish() == full[:budget]
+        assert run.last[run.uid].finish_reason == "length"
+        _consistent(run, prompt)
+
+
+def test_prompt_lookup_changes_no_token(host: tuple[Any, Any]) -> None:
+    tokenizer = host[1]
+    # The model repeats itself (its greedy output loops): lookup finds the loop.
+    for question in QUESTIONS:
+        prompt = _prompt(tokenizer, question)
+        want = plain(host, prompt, 200)
+        run = Run(host, prompt, 200, lookup=True)
+        assert run.finish() == want
+        _consistent(run, prompt)
+    assert run.stats()["prompt_lookup"]["accepted"] > 0
+
+
+def test_draft_model_changes_no_token(host: tuple[Any, Any], device: tuple[Any, Any]) -> None:
+    tokenizer = host[1]
+    prompt = _prompt(tokenizer, QUESTIONS[0])
+    want = plain(host, prompt, 120)
+    # The same weights drafting: every proposal holds (the cache bookkeeping is exercised
+    # over long accepted runs).
+    run = Run(host, prompt, 120, draft=device[0])
+    assert run.finish() == want
+    stats = run.stats()["draft"]
+    assert stats["accepted"] > 60 and stats["rejected"] <= stats["verifications"]
+    _consistent(run, prompt)
+
+
+def test_sources_are_tried_best_first(host: tuple[Any, Any]) -> None:
+    tokenizer = host[1]
+    prompt = _prompt(tokenizer, QUESTIONS[0])
+    want = plain(host, prompt, 150)
+    run = Run(host, prompt, 150, prediction=_text(tokenizer, want), lookup=True,
+              draft=host[0])
+    assert run.finish() == want
+    stats = run.stats()
+    assert stats["prediction"]["accepted"] > 100
+    assert stats["prediction"]["verifications"] > stats["draft"]["verifications"]
+
+
+# -- sampling ------------------------------------------------------------------------------
+
+
+def test_seeded_sampling_is_the_same_with_and_without_speculation(
+    host: tuple[Any, Any]
+) -> None:
+    tokenizer = host[1]
+    prompt = _prompt(tokenizer, QUESTIONS[0])
+    for sampling in (SamplingParams(temperature=0.7, seed=11),
+                     SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=5)):
+        want = plain(host, prompt, 120, sampling=sampling)
+        assert plain(host, prompt, 120, sampling=sampling) == want  # reproducible
+        run = Run(host, prompt, 120, sampling=sampling, prediction=_text(tokenizer, want),
+                  lookup=True)
+        assert run.finish() == want
+        assert run.stats()["prediction"]["accepted"] > 30
+
+
+def test_noise_positions_match_one_step_at_a_time() -> None:
+    """The verification's noise for position i is what the sampler draws at step i."""
+    params = SamplingParams(temperature=0.9, seed=3)
+    one, many = RowSampler.of(params), RowSampler.of(params)
+    assert one is not None and many is not None
+    logits = mx.random.normal((5, 64), key=mx.random.key(1))
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    stepwise = [int(one(logprobs[i : i + 1]).item()) for i in range(5)]
+    noise, keys = many.noise(5, 64)
+    together = mx.argmax(many.scores(logprobs) + noise, axis=-1).tolist()
+    assert together == stepwise
+    many.commit(keys, 2)
+    again = RowSampler.of(params)
+    assert again is not None
+    again(logprobs[:1])
+    again(logprobs[:1])
+    assert mx.array_equal(many.key, again.key).item()
+
+
+# -- ends: stop tokens, max_tokens, joins, cancellation -----------------------------------
+
+
+def test_a_stop_token_inside_an_accepted_proposal_ends_there(host: tuple[Any, Any]) -> None:
+    tokenizer = host[1]
+    prompt = _prompt(tokenizer, QUESTIONS[1])
+    full = plain(host, prompt, 150)
+    stop = full[60]  # a token the request says ends it (as fill-in-the-middle's markers)
+    want = plain(host, prompt, 150, stop_ids=(stop,))
+    assert want == full[: full.index(stop) + 1]
+    run = Run(host, prompt, 150, prediction=_text(tokenizer, full), stop_ids=(stop,))
+    assert run.finish() == want
+    assert run.last[run.uid].finish_reason == "stop"
+    _consistent(run, prompt)
+
+
+def test_a_row_joining_settles_the_pass_in_flight(host: tuple[Any, Any]) -> None:
+    tokenizer = host[1]
+    first, second = (_prompt(tokenizer, q) for q in QUESTIONS)
+    want_first, want_second = plain(host, first, 150), plain(host, second, 60)
+    run = Run(host, first, 150, prediction=_text(tokenizer, want_first))
+    while run.batch._verify is None:
+        run.step()
+    other = run.insert(second, 60, [], (), None, None)
+    run.tokens[other] = []
+    run.finish()
+    assert run.tokens[run.uid] == want_first
+    assert run.tokens[other] == want_second
+    _consistent(run, first)
+    _consistent(run, second, other)
+
+
+def test_cancelling_mid_verification_leaves_a_clean_batch(host: tuple[Any, Any]) -> None:
+    tokenizer = host[1]
+    prompt = _prompt(tokenizer, QUESTIONS[0])
+    want = plain(host, prompt, 100)
+    run = Run(host, prompt, 100, prediction=_text(tokenizer, want))
+    while run.batch._verify is None:
+        run.step()
+    run.generator.remove([run.uid])  # what the worker does for a cancelled request
+    assert run.batch._verify is None and not run.batch.uids
+    # The generator carries on, and the next request is untouched by what was in flight.
+    run.uid = run.insert(prompt, 100, [], (), None, None)
+    run.tokens, run.last = {run.uid: []}, {}
+    assert run.finish() == want
+
+
+def test_cancel_through_the_worker_mid_verification(host: tuple[Any, Any]) -> None:
+    model, tokenizer = host
+    prompt = _prompt(tokenizer, QUESTIONS[0])
+    want = plain(host, prompt, 400)
+    worker = BatchWorker(model, tokenizer, name="spec-cancel", prompt_cache_bytes=0)
+
+    async def main() -> Finished:
+        loop = asyncio.get_running_loop()
+        request = GenerationRequest("r", prompt, 400, sampling=GREEDY,
+                                    prediction=_text(tokenizer, want))
+        generation = Generation(request, loop)
+        worker.start()
+        worker.submit(generation)
+        seen = 0
+        while seen < 10:
+            seen += sum(e.tokens for e in await generation.next_events() if isinstance(e, Text))
+        generation.cancel()
+        worker.wake()
+        while generation.finish is None:
+            await generation.next_events()
+        return generation.finish
+
+    try:
+        finish = asyncio.run(main())
+    finally:
+        worker.stop()
+    assert finish.finish_reason == "cancelled"
+    assert finish.completion_tokens < 400
+    assert finish.accepted_prediction_tokens > 0
+
+
+# -- grammars ------------------------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "required": ["name", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def grammar(host: tuple[Any, Any]) -> Any:
+    model, tokenizer = host
+    llg = llg_tokenizer(tokenizer, model.args.vocab_size, sorted(tokenizer.eos_token_ids))
+    return json_schema_grammar(llg, SCHEMA, thinking=None, param="response_format")
+
+
+def test_grammar_rows_speculate_and_keep_their_output(host: tuple[Any, Any], grammar: Any
+                                                      ) -> None:
+    model, tokenizer = host
+    vocab = model.args.vocab_size
+    prompt = _prompt(tokenizer, "a record please")
+
+    def constrained() -> tuple[Any, ...]:
+        return (GrammarProcessor(grammar.matcher(), vocab),)
+
+    want = plain(host, prompt, 120, processors=constrained())
+    value = json.loads(_text(tokenizer, want))
+    assert set(value) == {"name", "tags"}
+    run = Run(host, prompt, 120, processors=constrained(), prediction=_text(tokenizer, want))
+    assert run.finish() == want
+    assert run.stats()["prediction"]["accepted"] > len(want) // 3
+    # A prediction the grammar refuses part-way: the proposals stop at the refusal.
+    broken = _text(tokenizer, want).replace('"', "'", 3)
+    run = Run(host, prompt, 120, processors=constrained(), prediction=broken)
+    assert run.finish() == want
+    _consistent(run, prompt)
+
+
+def test_a_thinking_budget_grammar_keeps_its_state_under_speculation(
+    host: tuple[Any, Any]
+) -> None:
+    """A thinking block bounded by a budget (a ``max_tokens`` lexeme) under a JSON answer:
+    rejected proposals once left the matcher allowing end-of-sequence mid-thought (the
+    answer never came: 500 invalid_json_output on the server)."""
+    model, tokenizer = host
+    llg = llg_tokenizer(tokenizer, model.args.vocab_size, sorted(tokenizer.eos_token_ids))
+    grammar = json_schema_grammar(llg, SCHEMA, thinking=Thinking("<think>", "</think>",
+                                                                  False, 40),
+                                  param="response_format")
+    prompt = _prompt(tokenizer, "Describe a person as JSON.")  # it thinks first
+    passes = 0
+    for sampling in (GREEDY, SamplingParams(temperature=1.0, seed=1)):
+        def constrained() -> tuple[Any, ...]:
+            return (GrammarProcessor(grammar.matcher(), grammar.tokenizer.vocab_size),)
+
+        want = plain(host, prompt, 200, sampling=sampling, processors=constrained())
+        run = Run(host, prompt, 200, sampling=sampling, processors=constrained(),
+                  lookup=True)
+        assert run.finish() == want
+        passes += run.stats()["prompt_lookup"]["verifications"]
+        thought, answer = _text(tokenizer, want).split("</think>", 1)
+        assert thought.startswith("<think>")
+        assert set(json.loads(answer)) == {"name", "tags"}
+    assert passes > 2
+
+
+def test_a_grammar_ends_a_proposal_at_the_first_token_it_refuses(
+    host: tuple[Any, Any], grammar: Any
+) -> None:
+    model, tokenizer = host
+    proc = GrammarProcessor(grammar.matcher(), model.args.vocab_size)
+    proc.advance(-1)  # the first call sees the prompt, as mlx-lm's first step makes it
+    good = tokenizer.encode('{"name":"x","tags":[]}', add_special_tokens=False)
+    assert grammar_prefix([proc], good[0], good[1:]) == len(good) - 1
+    bad = tokenizer.encode('{"name":"x","oops":1}', add_special_tokens=False)
+    refused = grammar_prefix([proc], bad[0], bad[1:])
+    text = tokenizer.decode(bad[: refused + 1])
+    assert 0 < refused < len(bad) - 1 and "oops" not in text, text
+    # Validating moved nothing: the matcher still takes the good tokens.
+    assert grammar_prefix([proc], good[0], good[1:]) == len(good) - 1
+
+
+# -- who speculates ------------------------------------------------------------------------
+
+
+def test_rows_with_logprobs_do_not_speculate_but_count_the_prediction(
+    host: tuple[Any, Any]
+) -> None:
+    tokenizer = host[1]
+    prompt = _prompt(tokenizer, QUESTIONS[0])
+    want = plain(host, prompt, 80)
+    request = GenerationRequest("r", prompt, 80, logprobs=2,
+                                prediction=_text(tokenizer, want))
+    spec = RowSpec.for_request(request, (), None, frozenset(), tokenizer=tokenizer,
+                               prompt_lookup=True)
+    assert spec is not None and not spec.enabled
+    assert [s.source.name for s in spec.sources] == ["prediction"]
+
+
+def test_a_losing_source_backs_off_and_comes_back() -> None:
+    state = SourceState(LookupSource())
+    for _ in range(3):
+        state.record(8, 0, 100)
+    assert state.resume_at == 116 and state.pause == 32
+    spec = RowSpec([1, 2, 3, 1, 2], 3, [state])
+    spec.history += [3]  # 1 2 3 1 2 3: the lookup has a match
+    assert spec.propose(4, guess=False) is None  # paused
+    spec.history += [0] * 110
+    spec.history += [1, 2, 3]
+    assert spec.propose(4, guess=False) is not None
+    state.record(8, 8, 200)
+    assert state.pause == 16  # a good pass resets the back-off
+
+
+def test_prediction_alignment_follows_edits() -> None:
+    p = PredictionSource([10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
+    history = [1, 2]
+    assert p.propose(history, 2, 3) == [10, 11, 12]
+    history += [10, 11, 99]  # diverged
+    assert p.propose(history, 2, 3) == []
+    history += [15, 16]  # rejoined further on (the edit deleted 12-14)
+    assert p.propose(history, 2, 3) == [17, 18, 19]
+    assert p.matched == 4 and p.rejected == 6
+
+
+def test_prediction_alignment_across_tokenizations() -> None:
+    """The model writes "abc" as one token where the prediction has "a", "bc"."""
+    pieces = {1: "a", 2: "bc", 3: "d", 4: "abc", 5: "e"}
+    p = PredictionSource([1, 2, 3, 5], lambda ids: [pieces[i] for i in ids])
+    assert p.propose([0, 4], 1, 2) == [3, 5]
+    assert p.matched == 2
+
+
+# -- draft models --------------------------------------------------------------------------
+
+
+def test_a_draft_with_another_tokenizer_is_refused_at_load(tmp_path: Path) -> None:
+    config = load_config(None, env={})
+    entry = ModelEntry("demo-32k", "afmd:demo-32k", draft="demo")
+    tokenizer = mlx_lm.load(str(demo.materialize("demo-32k")))[1]
+    with pytest.raises(DraftMismatch, match="does not share the tokenizer of 'demo-32k'"):
+        load_draft(entry, config, tokenizer)
+    assert load_draft(ModelEntry("demo", "afmd:demo"), config, tokenizer) is None
+
+
+def test_draft_config_names_a_model(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[[models.model]]\nid = "big"\npath = "afmd:demo"\ndraft = "dmeo"\n')
+    with pytest.raises(Exception, match=r"models.model\[0\].draft: unknown model 'dmeo'"):
+        load_config(path, env={})
+    path.write_text('[[models.model]]\nid = "big"\npath = "afmd:demo"\ndraft = "big"\n')
+    with pytest.raises(Exception, match="must name another model"):
+        load_config(path, env={})
+    assert not load_config(None, env={"AFMD_ENGINE_PROMPT_LOOKUP": "false"}).engine.prompt_lookup
+    assert isinstance(Config().engine.prompt_lookup, bool)
+
+
+# -- the server ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    tmp = tmp_path_factory.mktemp("spec-server")
+    config = ('[[models.model]]\nid = "drafted"\npath = "afmd:demo-32k"\ndraft = "demo"\n')
+    proc = start_server(tmp, config=config)
+    yield proc
+    proc.stop()
+
+
+def _chat(http: httpx.Client, content: str, **extra: Any) -> httpx.Response:
+    body = {"model": "demo", "messages": [{"role": "user", "content": content}],
+            "max_tokens": 150, "temperature": 0, **extra}
+    return http.post("/v1/chat/completions", json=body)
+
+
+def test_chat_prediction_usage_and_profile(spec_server: ServerProcess,
+                                           host: tuple[Any, Any]) -> None:
+    with httpx.Client(base_url=spec_server.url, timeout=60) as http:
+        plain_answer = _chat(http, "usage please").json()
+        text = plain_answer["choices"][0]["message"]["content"]
+        details = plain_answer["usage"]["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] == details["rejected_prediction_tokens"] == 0
+        response = _chat(http, "usage please",
+                         prediction={"type": "content", "content": [{"type": "text",
+                                                                     "text": text}]})
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["choices"][0]["message"]["content"] == text
+        details = answer["usage"]["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] > 0
+        # Every token of the prediction counted once, accepted or not.
+        predicted = len(host[1].encode(text, add_special_tokens=False))
+        assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] \
+            == predicted
+        streamed = http.post(
+            "/v1/chat/completions",
+            json={"model": "demo", "messages": [{"role": "user", "content": "usage please"}],
+                  "max_tokens": 150, "temperature": 0, "stream": True,
+                  "stream_options": {"include_usage": True},
+                  "prediction": {"type": "content", "content": text}},
+            headers={"X-AFM-Profile": "true"},
+        )
+        events = [e for e in parse_sse(streamed.text) if e != "[DONE]"]
+        profile = next(e["afm_profile"] for e in events if "afm_profile" in e)
+        usage = next(e["usage"] for e in events if e.get("usage"))
+        streamed_text = "".join(c["choices"][0]["delta"].get("content") or ""
+                                for c in events if c.get("choices"))
+        assert streamed_text == text
+        counts = usage["completion_tokens_details"]
+        assert profile["accepted_prediction_tokens"] == counts["accepted_prediction_tokens"]
+        assert profile["rejected_prediction_tokens"] == counts["rejected_prediction_tokens"]
+        assert profile["speculation"]["prediction"]["accepted"] > 0
+
+
+@pytest.mark.parametrize(("value", "param"), [
+    ("text", "prediction"),
+    ({"type": "text", "content": "x"}, "prediction.type"),
+    ({"type": "content"}, "prediction.content"),
+    ({"type": "content", "content": 5}, "prediction.content"),
+    ({"type": "content", "content": [{"type": "image", "text": "x"}]},
+     "prediction.content[0].type"),
+    ({"type": "content", "content": [{"type": "text"}]}, "prediction.content[0].text"),
+    ({"type": "content", "content": "x", "extra": 1}, "prediction.extra"),
+])
+def test_a_malformed_prediction_is_a_400_naming_it(
+    spec_server: ServerProcess, value: Any, param: str
+) -> None:
+    with httpx.Client(base_url=spec_server.url, timeout=60) as http:
+        for path, body in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+            ("/v1/completions", {"prompt": "x"}),
+            ("/v1/responses", {"input": "x"}),
+        ):
+            response = http.post(path, json={"model": "demo", "prediction": value, **body})
+            assert response.status_code == 400, (path, response.text)
+            assert response.json()["error"]["param"] == param, (path, response.text)
+
+
+def test_completions_and_responses_take_a_prediction(spec_server: ServerProcess) -> None:
+    with httpx.Client(base_url=spec_server.url, timeout=60) as http:
+        body = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 100,
+                "temperature": 0}
+        text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        answer = http.post("/v1/completions", json={
+            **body, "prediction": {"type": "content", "content": text}}).json()
+        assert answer["choices"][0]["text"] == text
+        assert answer["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+        body = {"model": "demo", "input": "hello there", "max_output_tokens": 100,
+                "temperature": 0}
+        first = http.post("/v1/responses", json=body).json()
+        said = first["output"][-1]["content"][0]["text"]
+        again = http.post("/v1/responses", json={
+            **body, "prediction": {"type": "content", "content": said}}).json()
+        assert again["output"][-1]["content"][0]["text"] == said
+
+
+def test_a_draft_with_another_tokenizer_fails_the_load(spec_server: ServerProcess) -> None:
+    """demo-32k with demo as its draft is refused at load (another tokenizer), with the
+    reason in the error and in /health; the default model serves on."""
+    with httpx.Client(base_url=spec_server.url, timeout=60) as http:
+        response = _chat(http, "hello", model="drafted")
+        assert response.status_code == 500, response.text
+        error = response.json()["error"]
+        assert error["code"] == "model_load_failed" and error["param"] == "model"
+        assert "does not share the tokenizer of 'drafted'" in error["message"]
+        detail = http.get("/health").json()["model_details"]["drafted"]
+        assert "does not share the tokenizer" in json.dumps(detail)
+        assert _chat(http, "hello").status_code == 200
