@@ -87,6 +87,8 @@ CASES = [
 def applies(spec: Spec, case: Case) -> bool:
     if case.reasoning and spec.think is None and spec.id != "harmony":
         return False
+    if case.content and case.calls and not spec.text_then_calls:
+        return False  # Llama's calls are the whole turn
     return spec.parallel or not case.parallel
 
 

@@ -41,6 +41,9 @@ class CallGrammar:
     def calls(self, b: Build, tools: Sequence[Tool], parallel: bool) -> str:
         raise NotImplementedError
 
+    def text_or_calls(self, b: Build, calls: str) -> str:
+        return self.frame.text_or_calls(b, calls, self.opener)
+
     @staticmethod
     def repeat(b: Build, call: str, parallel: bool, sep: str = "") -> str:
         if not parallel:
@@ -77,6 +80,22 @@ def _named_object(tool: Tool, key: str) -> dict[str, Any]:
         "required": ["name", key],
         "additionalProperties": False,
     }
+
+
+class LlamaCalls(CallGrammar):
+    """Llama 3.1-3.3: the turn is ``{"name": …, "parameters": {…}}`` (``; `` between
+    several); free text is anything that does not open with ``{``."""
+
+    opener = "{"
+
+    def calls(self, b: Build, tools: Sequence[Tool], parallel: bool) -> str:
+        names = [b.rules.add(b.json(_named_object(t, "parameters")), "fn") for t in tools]
+        call = b.rules.add(" | ".join(names), "call")
+        return self.repeat(b, call, parallel, "; ")
+
+    def text_or_calls(self, b: Build, calls: str) -> str:
+        plain = b.rules.terminal(r"/[^{\s](.|\n)*/")
+        return f"{plain} | {calls}"
 
 
 class KimiK2Calls(CallGrammar):
@@ -328,6 +347,7 @@ GRAMMARS: dict[str, CallGrammar] = {
     "gemma4": GemmaCalls(),
     "function_gemma": GemmaCalls("<start_function_call>", "<end_function_call>", "<escape>"),
     "harmony": HarmonyCalls(),
+    "llama3_json": LlamaCalls(),
 }
 
 

@@ -242,7 +242,7 @@ def tool_grammar(
         elif answer is not None:
             body = f"{frame.answer(b, answer)} | {calls}"
         else:
-            body = frame.text_or_calls(b, calls, family.opener)
+            body = family.text_or_calls(b, calls)
         return "\n".join([f"start: {prefix}{body}", *b.rules.lines])
 
     try:

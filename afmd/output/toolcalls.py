@@ -33,8 +33,8 @@ _PARTIAL = ("partial", 0, 0, 0)
 _FAIL = ("fail", 0, 0, 0)
 
 
-def match_header(text: str) -> tuple[str, int, int, int]:
-    """Match ``{"name": "<str>", "arguments":`` at the start of ``text``.
+def match_header(text: str, key: str = "arguments") -> tuple[str, int, int, int]:
+    """Match ``{"name": "<str>", "arguments":`` (or another ``key``) at the start of ``text``.
 
     Returns ``("match", name_start, name_end, value_start)`` (the name is the JSON string
     ``text[name_start:name_end]``), ``"partial"`` while the text could still become a
@@ -69,7 +69,7 @@ def match_header(text: str) -> tuple[str, int, int, int]:
         return _PARTIAL
     name_end = j + 1
     k = name_end
-    for literal in (",", '"arguments"', ":"):
+    for literal in (",", f'"{key}"', ":"):
         k = _skip_ws(text, k)
         chunk = text[k: k + len(literal)]
         if chunk != literal[: len(chunk)]:

@@ -280,6 +280,32 @@ KIMI_K3 = (
     "{%- endif %}"
 )
 
+LLAMA3 = (
+    "{{- '<|begin_of_text|>' }}{%- set has_system = messages and messages[0].role == 'system' %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}"
+    "{%- if tools %}{{- 'Environment: ipython\n' }}{%- endif %}"
+    "{{- 'Cutting Knowledge Date: December 2023\n\n' }}"
+    "{%- if has_system %}{{- messages[0].content }}{%- endif %}{{- '<|eot_id|>' }}"
+    "{%- set first = namespace(user=true) %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{- '<|start_header_id|>user<|end_header_id|>\n\n' }}"
+    "{%- if tools and first.user %}{{- 'Given the following functions, please respond with "
+    "a JSON for a function call with its proper arguments that best answers the given "
+    "prompt.\n\nRespond in the format {\"name\": function name, \"parameters\": "
+    "dictionary of argument name and its value}. Do not use variables.\n\n' }}"
+    "{%- for tool in tools %}{{- (tool | tojson) + '\n\n' }}{%- endfor %}"
+    "{%- set first.user = false %}{%- endif %}{{- m.content + '<|eot_id|>' }}"
+    "{%- elif m.role == 'assistant' %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{%- if m.tool_calls %}{%- for tool_call in m.tool_calls %}" + _CALL
+    + "{%- if not loop.first %}{{- '; ' }}{%- endif %}{{- '{\"name\": \"' + tc.name + "
+    "'\", \"parameters\": ' + (tc.arguments | tojson) + '}' }}{%- endfor %}"
+    "{{- '<|eom_id|>' }}{%- else %}{{- m.content + '<|eot_id|>' }}{%- endif %}"
+    "{%- elif m.role == 'tool' %}{{- '<|start_header_id|>ipython<|end_header_id|>\n\n'"
+    " + m.content + '<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{%- endif %}"
+)
+
 __all__ = ["FUNCTION_GEMMA", "GEMMA4", "GLM47", "HARMONY", "HERMES", "KIMI_K2", "KIMI_K3",
-           "LONGCAT", "MINICPM5", "MINIMAX_M2", "MISTRAL", "MISTRAL_V3", "MUSE_SPARK",
+           "LLAMA3", "LONGCAT", "MINICPM5", "MINIMAX_M2", "MISTRAL", "MISTRAL_V3", "MUSE_SPARK",
            "PYTHONIC", "QWEN3_CODER"]

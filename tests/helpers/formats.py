@@ -43,6 +43,7 @@ class Spec:
     think: tuple[str, str] | None = None  # reasoning markers the model writes
     think_rival: str | None = None  # the token the thinking opener ties with
     parallel: bool = True  # several calls fit in one turn
+    text_then_calls: bool = True  # calls may follow text in the same turn
     family: str | None = None  # afmd's reader (default: the parser's name)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -145,6 +146,11 @@ def _mistral_v3(calls: Calls) -> str:
     return "[TOOL_CALLS] [" + ", ".join(items) + "]"
 
 
+def _llama3(calls: Calls) -> str:
+    return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False)
+                     for n, a in calls)
+
+
 def _harmony(calls: Calls) -> str:
     assert len(calls) == 1, "harmony writes one call per turn"
     (n, a), = calls
@@ -215,4 +221,9 @@ SPECS: dict[str, Spec] = {s.id: s for s in (
         "<|constrain|>", "<|return|>", "<|call|>"),
          ("<|return|>", "<|call|>", "<|endoftext|>"), t.HARMONY, _harmony, parallel=False,
          family="harmony"),
+    Spec("llama3", None, (
+        "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+        "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"),
+         ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"), t.LLAMA3, _llama3,
+         family="llama3_json", text_then_calls=False),
 )}

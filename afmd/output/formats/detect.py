@@ -4,7 +4,8 @@ mlx-lm names the call format of most families (its tool parser, from the chat te
 or the vocabulary) and finds ``<think>``-style markers; afmd attaches its own reader to
 that name. Two families mlx-lm 0.32.2 does not know are recognised here from the
 vocabulary alone: gpt-oss's harmony (its channel tokens), whose channels carry both the
-reasoning and the calls, and Mistral's ``[THINK]``/``[/THINK]`` reasoning (Magistral,
+reasoning and the calls, Llama 3.1-3.3's JSON calls (``<|python_tag|>``, ``<|eom_id|>``),
+and Mistral's ``[THINK]``/``[/THINK]`` reasoning (Magistral,
 Devstral).
 """
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from afmd.output.processor import ToolFormat
 
 HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>")
+LLAMA_TOKENS = ("<|python_tag|>", "<|eom_id|>")
 MISTRAL_THINK = ("[THINK]", "[/THINK]")
 
 
@@ -33,6 +35,9 @@ def call_format(detected: ToolFormat | None, vocab: Mapping[str, int]) -> ToolFo
     if all(token in vocab for token in HARMONY_TOKENS):
         return ToolFormat(start="", end="", parse=None, incremental_json=False,
                           family="harmony")
+    if all(token in vocab for token in LLAMA_TOKENS):
+        return ToolFormat(start="<|python_tag|>", end="", parse=None, incremental_json=False,
+                          family="llama3_json")
     return None
 
 

@@ -3,9 +3,9 @@
 mlx-lm detects a model's call format from its chat template or vocabulary and names a
 module of ``mlx_lm.tool_parsers``; afmd keys its own readers (and, in
 ``afmd.grammar.calls``, its grammars) by the same name, so a model is read the way mlx-lm
-recognises it. ``harmony`` (gpt-oss) is afmd's own: mlx-lm has no parser for it, afmd
-recognises it from the vocabulary. A name missing here is read by the generic reader:
-markers, then mlx-lm's parser on the whole block.
+recognises it. ``harmony`` (gpt-oss) and ``llama3_json`` (Llama 3.1-3.3) are afmd's own:
+mlx-lm has no parser for them, afmd recognises them from the vocabulary. A name missing
+here is read by the generic reader: markers, then mlx-lm's parser on the whole block.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from afmd.output.formats import gemma, harmony, kimi, mistral, pythonic, tagged
+from afmd.output.formats import gemma, harmony, kimi, llama, mistral, pythonic, tagged
 from afmd.output.formats.base import CallContext, CallReader
 
 
@@ -55,6 +55,7 @@ FAMILIES: dict[str, Family] = {
         Family("function_gemma", gemma.FUNCTION_GEMMA.start, gemma.FUNCTION_GEMMA.end,
                gemma.reader(gemma.FUNCTION_GEMMA)),
         Family("harmony", "", "", harmony.reader, channels=True),
+        Family("llama3_json", llama.PYTHON_TAG, "", llama.reader),
     )
 }
 
