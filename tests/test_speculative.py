@@ -183,6 +183,23 @@ def test_prediction_exact_and_edited_change_no_token(
     assert isinstance(VerifyHead.of(loaded[0]), HostHead) == (layout == "host")
 
 
+def test_near_ties_are_projected_by_mlx_as_a_step_would(
+    host: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the rounding bound made huge every position counts as a near-tie and is
+    projected again by MLX alone: the path that keeps numpy's rounding out of the picks."""
+    from afmd.engine import verify_head
+
+    monkeypatch.setattr(verify_head, "_EPS32", 1.0)
+    tokenizer = host[1]
+    prompt = _prompt(tokenizer, QUESTIONS[0])
+    for sampling in (GREEDY, SamplingParams(temperature=0.8, seed=2)):
+        want = plain(host, prompt, 80, sampling=sampling)
+        run = Run(host, prompt, 80, sampling=sampling, prediction=_text(tokenizer, want))
+        assert run.finish() == want
+        assert run.stats()["prediction"]["accepted"] > 20
+
+
 def test_prediction_on_the_32k_vocabulary(big_vocab: tuple[Any, Any]) -> None:
     tokenizer = big_vocab[1]
     prompt = _prompt(tokenizer, QUESTIONS[0])

@@ -133,11 +133,9 @@ class HostHead(VerifyHead):
             scores = np.array(sampler.scores(logprobs) + self._noise)
             tol = 4.0 * tol * sampler.inv_temp
         picks = scores.argmax(axis=-1)
-        rows = np.arange(scores.shape[0])
-        best = scores[rows, picks]
-        runner = scores.copy()
-        runner[rows, picks] = _NEG_INF
-        close = np.flatnonzero(best - runner.max(axis=-1) <= tol)
+        best = scores[np.arange(scores.shape[0]), picks]
+        # A runner-up within the bound (the best itself always counts once).
+        close = np.flatnonzero((scores >= (best - tol)[:, None]).sum(axis=-1) > 1)
         out = picks.tolist()
         for i in close.tolist():
             out[i] = self._exact(i)
