@@ -88,7 +88,7 @@ class Pair:
     @property
     def cpu_ratio(self) -> float | None:
         """Server CPU per token without over with speculation."""
-        a, b = getattr(self.plain, "cpu_s", None), getattr(self.spec, "cpu_s", None)
+        a, b = CPU.get(id(self.plain)), CPU.get(id(self.spec))
         if not (a and b and self.plain.tokens and self.spec.tokens):
             return None
         return (a / self.plain.tokens) / (b / self.spec.tokens)
@@ -150,16 +150,19 @@ def _counts(results: list[client.StreamResult]) -> dict[str, Any]:
 
 #: port -> the afmd process serving it, for its CPU time per request.
 PIDS: dict[int, int] = {}
+#: id of a request's result -> the server's CPU seconds while it ran.
+CPU: dict[int, float] = {}
 
 
 async def _stream(port: int, body: dict[str, Any]) -> client.StreamResult:
-    """One request; ``cpu_s`` is the server's CPU seconds meanwhile (less disturbed by a
-    busy machine than wall-clock rates)."""
+    """One request, with the server's CPU seconds meanwhile kept in :data:`CPU` (less
+    disturbed by a busy machine than wall-clock rates)."""
     pid = PIDS.get(port)
     before = servers.cpu_seconds(pid) if pid else None
     res = await client.stream_chat(HOST, port, body, timeout=TIMEOUT, headers=PROFILE)
     after = servers.cpu_seconds(pid) if pid else None
-    res.cpu_s = after - before if before is not None and after is not None else None
+    if before is not None and after is not None:
+        CPU[id(res)] = after - before
     return res
 
 

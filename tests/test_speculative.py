@@ -30,7 +30,7 @@ from afmd.engine.draft import DraftMismatch, load_draft
 from afmd.engine.layout import relayout_for_cpu
 from afmd.engine.proposals import LookupSource, PredictionSource
 from afmd.engine.sampling import RowSampler
-from afmd.engine.speculative import RowSpec, SourceState, grammar_prefix
+from afmd.engine.speculative import RowSpec, SourceState, Standing, grammar_prefix
 from afmd.engine.verify_head import HostHead, VerifyHead
 from afmd.engine.worker import BatchWorker
 from afmd.grammar.compiler import json_schema_grammar, llg_tokenizer
@@ -486,6 +486,25 @@ def test_a_losing_source_backs_off_and_comes_back() -> None:
     assert spec.propose(4, guess=False) is not None
     state.record(8, 8, 200)
     assert state.pause == 16  # a good pass resets the back-off
+
+
+def test_a_source_that_keeps_losing_starts_the_next_request_paused() -> None:
+    standing: dict[str, Standing] = {}
+
+    def row(prompt: list[int], *sources: Any) -> RowSpec:
+        return RowSpec.of(prompt, sources, stop_ids=frozenset(), processors=(), sampler=None,
+                          standing=standing)
+
+    first = row([1, 2, 3], LookupSource()).sources[0]
+    for _ in range(3):
+        first.record(8, 0, 10)
+    assert standing["prompt_lookup"].ewma < 0.2
+    second = row([1, 2, 3, 1, 2], LookupSource()).sources[0]
+    assert second.resume_at == 5 + 32  # paused from the start, as long as the last pause
+    prediction = row([1], PredictionSource([1]), LookupSource()).sources
+    assert prediction[0].standing is None and prediction[0].resume_at == 0
+    second.record(8, 8, 40)  # it won once: the next request tries at once
+    assert row([1, 2], LookupSource()).sources[0].resume_at == 0
 
 
 def test_prediction_alignment_follows_edits() -> None:

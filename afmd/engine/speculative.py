@@ -41,6 +41,16 @@ _PAUSE_MIN, _PAUSE_MAX = 16, 1024  # tokens of output
 
 
 @dataclass(slots=True)
+class Standing:
+    """How a kind of source has fared on a model lately, across requests (the worker
+    keeps one per kind): a request starts where the last ones left it, so a source that
+    keeps losing (a draft that never agrees) starts paused instead of losing again."""
+
+    ewma: float = 0.5
+    pause: int = _PAUSE_MIN
+
+
+@dataclass(slots=True)
 class SourceState:
     """One proposal source of a row, with what it earned and its back-off."""
 
@@ -51,6 +61,15 @@ class SourceState:
     accepted: int = 0
     rejected: int = 0
     verifications: int = 0
+    standing: Standing | None = None
+
+    @classmethod
+    def starting(cls, source: Any, standing: Standing | None, now: int) -> SourceState:
+        state = cls(source, standing=standing)
+        if standing is not None and standing.ewma < _THRESHOLD:
+            state.ewma, state.pause = standing.ewma, standing.pause
+            state.resume_at = now + standing.pause
+        return state
 
     def record(self, proposed: int, accepted: int, now: int) -> None:
         self.verifications += 1
@@ -64,6 +83,9 @@ class SourceState:
             self.resume_at = now + self.pause
             self.pause = min(2 * self.pause, _PAUSE_MAX)
             self.ewma = 0.5
+        if self.standing is not None:
+            self.standing.ewma = (1 - _EWMA) * self.standing.ewma + _EWMA * rate
+            self.standing.pause = self.pause
 
 
 @dataclass(slots=True)
@@ -81,15 +103,23 @@ class RowSpec:
 
     @classmethod
     def of(cls, prompt: Sequence[int], sources: Sequence[Any], *, stop_ids: frozenset[int],
-           processors: Sequence[Any], sampler: RowSampler | None) -> RowSpec:
+           processors: Sequence[Any], sampler: RowSampler | None,
+           standing: dict[str, Standing] | None = None) -> RowSpec:
         prediction = next((s for s in sources if isinstance(s, PredictionSource)), None)
-        return cls(list(prompt), len(prompt), [SourceState(s) for s in sources], stop_ids,
-                   tuple(processors), sampler, prediction)
+        states = [
+            SourceState.starting(
+                s, None if standing is None or s is prediction
+                else standing.setdefault(s.name, Standing()), len(prompt))
+            for s in sources
+        ]
+        return cls(list(prompt), len(prompt), states, stop_ids, tuple(processors), sampler,
+                   prediction)
 
     @classmethod
     def for_request(cls, request: GenerationRequest, processors: Sequence[Any],
                     sampler: RowSampler | None, stop_ids: frozenset[int], *,
-                    tokenizer: Any, prompt_lookup: bool, draft: Any = None) -> RowSpec | None:
+                    tokenizer: Any, prompt_lookup: bool, draft: Any = None,
+                    standing: dict[str, Standing] | None = None) -> RowSpec | None:
         """The row's speculation, or None when it has no source or must not speculate:
         log-probabilities are reported one step at a time (a verified token's numbers
         would come from another pass), and a processor that reads the row's past tokens
@@ -107,7 +137,7 @@ class RowSpec:
         if not sources:
             return None
         spec = cls.of(request.prompt, sources, stop_ids=stop_ids, processors=processors,
-                      sampler=sampler)
+                      sampler=sampler, standing=standing)
         spec.enabled = allowed  # else kept only to count the prediction's tokens
         return spec
 

@@ -32,7 +32,7 @@ from afmd.engine.decode import DecodeBatch
 from afmd.engine.detokenize import ExactDetokenizer
 from afmd.engine.logprobs import prompt_logprobs, resolve
 from afmd.engine.sampling import RowSampler
-from afmd.engine.speculative import RowSpec
+from afmd.engine.speculative import RowSpec, Standing
 from afmd.errors import ServerError
 
 log = logging.getLogger("afmd.engine")
@@ -94,6 +94,8 @@ class BatchWorker:
         self._model = model
         self._prompt_lookup = prompt_lookup
         self._draft_model = draft_model
+        # Owned by the thread: how each kind of proposal source fared lately.
+        self._standing: dict[str, Standing] = {}
         self._tokenizer = tokenizer
         self._max_batch = max(1, max_batch)
         self._prefill_step_size = prefill_step_size
@@ -238,6 +240,7 @@ class BatchWorker:
         seq.spec = RowSpec.for_request(
             request, processors, sampler, seq.stop_ids, tokenizer=self._tokenizer,
             prompt_lookup=self._prompt_lookup, draft=self._draft_model,
+            standing=self._standing,
         )
         (uid,) = self._generator.insert(
             [rest],
