@@ -16,9 +16,35 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Re-exported: test files import these from here (``from conftest import start_server``).
+from helpers.frozen import FIXTURE as FROZEN_FIXTURE  # noqa: E402
+from helpers.frozen import BackgroundBuild, build_skipped  # noqa: E402
 from helpers.servers import DIAGNOSE, ServerProcess, afmd_command, start_server  # noqa: E402
 
 __all__ = ["DIAGNOSE", "ROOT", "ServerProcess", "afmd_command", "parse_sse", "start_server"]
+
+
+#: The frozen build started by pytest_collection_modifyitems, for the ``frozen`` fixture.
+FROZEN_BUILD = pytest.StashKey[BackgroundBuild]()
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected what they do
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests that need the frozen build run last, and the build starts now, so that its
+    minutes overlap everything else (see tests/helpers/frozen.py)."""
+    needing = [item for item in items if FROZEN_FIXTURE in getattr(item, "fixturenames", ())]
+    if not needing:
+        return
+    items[:] = [item for item in items if item not in needing] + needing
+    if (config.option.collectonly or os.environ.get("AFMD_FROZEN_BINARY")
+            or build_skipped()):
+        return
+    config.stash[FROZEN_BUILD] = BackgroundBuild()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    build = config.stash.get(FROZEN_BUILD, None)
+    if build is not None:
+        build.close()
 
 
 @pytest.fixture(scope="session", autouse=True)

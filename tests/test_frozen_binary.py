@@ -1,7 +1,9 @@
 """The frozen ``afmd`` (build/build.py + build/afmd.spec), built once per test session and put
-through the same end-to-end checks as the source tree (tests/smoke.py).
+through the same end-to-end checks as the source tree (tests/helpers/smoke.py).
 
-It runs in the normal ``pytest`` run. The build takes about 1–3 minutes on a 2-core machine;
+It runs in the normal ``pytest`` run (marked slow). The build takes about 1–3 minutes on a
+2-core machine; it starts in the background during collection and the tests that need it
+run last, so it overlaps the rest of the suite (tests/helpers/frozen.py).
 ``AFMD_SKIP_FROZEN=1`` skips it locally, but never where ``CI=true``. ``AFMD_FROZEN_BINARY``
 points the checks at an already built executable instead of building one (the macOS
 release workflow runs them on the signed build that way).
@@ -20,22 +22,19 @@ import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 
 import afmd
 
-from conftest import ROOT
+from conftest import FROZEN_BUILD, ROOT
+from helpers.frozen import BUILD_TIMEOUT_S, BackgroundBuild, FrozenBuild, build_skipped
 from helpers.smoke import process_tree, run_smoke_checks, start_command, vm_rss_kib, wait_healthy
 
-IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
-SKIP_FROZEN = os.environ.get("AFMD_SKIP_FROZEN") == "1" and not IN_CI
-needs_build = pytest.mark.skipif(SKIP_FROZEN, reason="AFMD_SKIP_FROZEN=1 (outside CI)")
-BUILD_TIMEOUT_S = 900
+needs_build = pytest.mark.skipif(build_skipped(), reason="AFMD_SKIP_FROZEN=1 (outside CI)")
 
 
 def _load_build_script() -> ModuleType:
@@ -49,13 +48,6 @@ def _load_build_script() -> ModuleType:
 build_script = _load_build_script()
 
 
-@dataclass
-class FrozenBuild:
-    executable: Path
-    summary: dict[str, Any] | None  # None for AFMD_FROZEN_BINARY
-    wall_s: float
-
-
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AFMD_")}
     env["HOMEBREW_PREFIX"] = "/nonexistent-afmd-test-prefix"
@@ -64,26 +56,29 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def frozen(tmp_path_factory: pytest.TempPathFactory) -> FrozenBuild:
+def frozen(request: pytest.FixtureRequest) -> Iterator[FrozenBuild]:
     prebuilt = os.environ.get("AFMD_FROZEN_BINARY")
     if prebuilt:
         path = Path(prebuilt).resolve()
         assert path.is_file(), f"AFMD_FROZEN_BINARY={prebuilt} is not a file"
-        return FrozenBuild(path, None, 0.0)
-    root = tmp_path_factory.mktemp("frozen")
-    started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "build" / "build.py"), "--out", str(root / "dist"),
-         "--work", str(root / "work"), "--install-build-deps", "--json"],
-        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, cwd=str(ROOT),
-        stdin=subprocess.DEVNULL,
-    )
-    wall = time.monotonic() - started
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    print(f"\nfrozen build: {wall:.0f} s, {summary['artifact_bytes'] / 1e6:.1f} MB tarball, "
-          f"{summary['installed_bytes'] / 1e6:.1f} MB unpacked")
-    return FrozenBuild(Path(summary["executable"]), summary, wall)
+        yield FrozenBuild(path, None, 0.0)
+        return
+    # Started in the background during collection (tests/conftest.py); built here only
+    # where that did not start it (AFMD_SKIP_FROZEN=1, and a test asks for it all the same).
+    build = request.config.stash.get(FROZEN_BUILD, None)
+    own = build is None
+    if build is None:
+        build = BackgroundBuild()
+    try:
+        result = build.result()
+        assert result.summary is not None
+        print(f"\nfrozen build: {result.wall_s:.0f} s, "
+              f"{result.summary['artifact_bytes'] / 1e6:.1f} MB tarball, "
+              f"{result.summary['installed_bytes'] / 1e6:.1f} MB unpacked")
+        yield result
+    finally:
+        if own:
+            build.close()
 
 
 def _run(frozen: FrozenBuild, *args: str, cwd: Path, env: dict[str, str] | None = None,
@@ -99,6 +94,7 @@ def _run(frozen: FrozenBuild, *args: str, cwd: Path, env: dict[str, str] | None 
 # ---------------------------------------------------------------------------- the artifact
 
 
+@pytest.mark.slow
 @needs_build
 @pytest.mark.timeout(BUILD_TIMEOUT_S + 60)
 def test_artifact_is_named_and_checksummed(frozen: FrozenBuild) -> None:
@@ -124,6 +120,7 @@ def test_artifact_is_named_and_checksummed(frozen: FrozenBuild) -> None:
     assert frozen.executable == tarball.parent / name / "afmd"
 
 
+@pytest.mark.slow
 @needs_build
 @pytest.mark.timeout(BUILD_TIMEOUT_S + 60)
 def test_light_commands(frozen: FrozenBuild, tmp_path: Path) -> None:
@@ -153,6 +150,7 @@ def test_light_commands(frozen: FrozenBuild, tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- serving
 
 
+@pytest.mark.slow
 @needs_build
 @pytest.mark.timeout(BUILD_TIMEOUT_S + 180)
 def test_frozen_server_end_to_end(frozen: FrozenBuild, tmp_path: Path) -> None:
@@ -212,6 +210,7 @@ def _png_url(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(BUILD_TIMEOUT_S + 180)
 def test_frozen_server_answers_images(frozen: FrozenBuild, tmp_path: Path) -> None:
     """mlx-vlm and Pillow made it into the binary (what it excludes of their dependencies
