@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,38 +21,60 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers.frozen import FIXTURE as FROZEN_FIXTURE  # noqa: E402
 from helpers.frozen import BackgroundBuild, build_skipped  # noqa: E402
 from helpers.servers import DIAGNOSE, ServerProcess, afmd_command, start_server  # noqa: E402
+from helpers.session import ENV as RUN_DIR_ENV  # noqa: E402
+from helpers.session import run_dir  # noqa: E402
 
 __all__ = ["DIAGNOSE", "ROOT", "ServerProcess", "afmd_command", "parse_sse", "start_server"]
 
+#: The run's shared folder, when this process made it, and the variable's value before.
+_MADE_RUN_DIR = pytest.StashKey[tuple[Path, str | None]]()
 
-#: The frozen build started by pytest_collection_modifyitems, for the ``frozen`` fixture.
-FROZEN_BUILD = pytest.StashKey[BackgroundBuild]()
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's shared folder (tests/helpers/session.py), made once, before any worker."""
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller made it
+        return
+    path = Path(tempfile.mkdtemp(prefix="afmd-tests-"))
+    config.stash[_MADE_RUN_DIR] = (path, os.environ.get(RUN_DIR_ENV))
+    os.environ[RUN_DIR_ENV] = str(path)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    made = config.stash.get(_MADE_RUN_DIR, None)
+    if made is None:
+        return
+    path, old = made
+    BackgroundBuild(path / "frozen").kill()
+    shutil.rmtree(path, ignore_errors=True)
+    if old is None:
+        os.environ.pop(RUN_DIR_ENV, None)
+    else:
+        os.environ[RUN_DIR_ENV] = old
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected what they do
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests that need the frozen build run last, and the build starts now, so that its
-    minutes overlap everything else (see tests/helpers/frozen.py)."""
-    needing = [item for item in items if FROZEN_FIXTURE in getattr(item, "fixturenames", ())]
-    if not needing:
+    """The files with tests that need the frozen build run last, and the build starts now,
+    so that its minutes overlap everything else (see tests/helpers/frozen.py)."""
+    files = {item.path for item in items
+             if FROZEN_FIXTURE in getattr(item, "fixturenames", ())}
+    if not files:
         return
-    items[:] = [item for item in items if item not in needing] + needing
+    items[:] = ([item for item in items if item.path not in files]
+                + [item for item in items if item.path in files])
     if (config.option.collectonly or os.environ.get("AFMD_FROZEN_BINARY")
             or build_skipped()):
         return
-    config.stash[FROZEN_BUILD] = BackgroundBuild()
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    build = config.stash.get(FROZEN_BUILD, None)
-    if build is not None:
-        build.close()
+    BackgroundBuild(run_dir() / "frozen").start()
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One demo-model cache per test session, never the user's own."""
-    path = tmp_path_factory.mktemp("afmd-cache")
+def _cache_dir() -> Iterator[Path]:
+    """One demo-model cache per test run, never the user's own: shared by pytest-xdist's
+    workers (a model is built privately and renamed into place, so concurrent builders are
+    safe), so each demo model is built once per run."""
+    path = run_dir() / "afmd-cache"
+    path.mkdir(exist_ok=True)
     old = os.environ.get("AFMD_CACHE_DIR")
     os.environ["AFMD_CACHE_DIR"] = str(path)
     yield path

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -30,8 +29,9 @@ import pytest
 
 import afmd
 
-from conftest import FROZEN_BUILD, ROOT
+from conftest import ROOT
 from helpers.frozen import BUILD_TIMEOUT_S, BackgroundBuild, FrozenBuild, build_skipped
+from helpers.session import run_dir
 from helpers.smoke import process_tree, run_smoke_checks, start_command, vm_rss_kib, wait_healthy
 
 needs_build = pytest.mark.skipif(build_skipped(), reason="AFMD_SKIP_FROZEN=1 (outside CI)")
@@ -56,29 +56,22 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def frozen(request: pytest.FixtureRequest) -> Iterator[FrozenBuild]:
+def frozen() -> FrozenBuild:
     prebuilt = os.environ.get("AFMD_FROZEN_BINARY")
     if prebuilt:
         path = Path(prebuilt).resolve()
         assert path.is_file(), f"AFMD_FROZEN_BINARY={prebuilt} is not a file"
-        yield FrozenBuild(path, None, 0.0)
-        return
-    # Started in the background during collection (tests/conftest.py); built here only
-    # where that did not start it (AFMD_SKIP_FROZEN=1, and a test asks for it all the same).
-    build = request.config.stash.get(FROZEN_BUILD, None)
-    own = build is None
-    if build is None:
-        build = BackgroundBuild()
-    try:
-        result = build.result()
-        assert result.summary is not None
-        print(f"\nfrozen build: {result.wall_s:.0f} s, "
-              f"{result.summary['artifact_bytes'] / 1e6:.1f} MB tarball, "
-              f"{result.summary['installed_bytes'] / 1e6:.1f} MB unpacked")
-        yield result
-    finally:
-        if own:
-            build.close()
+        return FrozenBuild(path, None, 0.0)
+    # Started in the background during collection (tests/conftest.py); start() only
+    # starts it where that did not (AFMD_SKIP_FROZEN=1, and a test asks for it all the same).
+    build = BackgroundBuild(run_dir() / "frozen")
+    build.start()
+    result = build.result()
+    assert result.summary is not None
+    print(f"\nfrozen build: {result.wall_s:.0f} s, "
+          f"{result.summary['artifact_bytes'] / 1e6:.1f} MB tarball, "
+          f"{result.summary['installed_bytes'] / 1e6:.1f} MB unpacked")
+    return result
 
 
 def _run(frozen: FrozenBuild, *args: str, cwd: Path, env: dict[str, str] | None = None,

@@ -1,20 +1,25 @@
 """The frozen build (build/build.py) for tests/test_frozen_binary.py, started in the
-background as soon as the session knows a selected test needs it.
+background as soon as a session knows a selected test needs it, once per run.
 
 The build is minutes of PyInstaller, mostly on one core, while the rest of the suite spends
-much of its time waiting on sockets and child servers: run side by side, with the tests that
-need the build moved to the end of the run (tests/conftest.py does both), the build costs
-the suite little wall time. A test that asks for it earlier just waits for it.
+much of its time waiting on sockets and child servers: run side by side, with the tests
+that need the build scheduled last (tests/conftest.py does both), the build costs the suite
+little wall time. A test that asks for it earlier just waits for it.
+
+Everything lives in files under the run's folder (``helpers.session.run_dir``), shared by
+pytest-xdist's workers: the first process to claim ``started`` builds, detached in its own
+process group, and whichever worker runs the tests waits for the ``rc`` file. The process
+that made the run's folder kills a build still running at the end and removes the folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
+import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +29,21 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 BUILD_TIMEOUT_S = 900
 #: Every test that takes the ``frozen`` fixture: what tells the conftest to start the build.
 FIXTURE = "frozen"
+#: The builds this process started, kept so that their Popen objects are not collected
+#: (with a warning) while they run.
+_STARTED: list[subprocess.Popen[bytes]] = []
+
+# Runs the build with its output in files and writes its exit code last, atomically, so
+# that a process other than the one that started it can wait for it.
+_WRAPPER = """
+import os, subprocess, sys
+out, err, rc, *cmd = sys.argv[1:]
+with open(out, "w") as o, open(err, "w") as e:
+    code = subprocess.run(cmd, stdout=o, stderr=e, stdin=subprocess.DEVNULL).returncode
+with open(rc + ".tmp", "w") as f:
+    f.write(str(code))
+os.replace(rc + ".tmp", rc)
+"""
 
 
 @dataclass
@@ -40,46 +60,54 @@ def build_skipped() -> bool:
 
 
 class BackgroundBuild:
-    """``build/build.py --json`` running in its own temporary folder from construction on."""
+    """The run's one build, in ``root``: started by :meth:`start`, awaited by :meth:`result`."""
 
-    def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="afmd-frozen-"))
-        self._stdout = (self.root / "build.out").open("w+")
-        self._stderr = (self.root / "build.err").open("w+")
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "build" / "build.py"), "--out", str(self.root / "dist"),
-             "--work", str(self.root / "work"), "--install-build-deps", "--json"],
-            stdout=self._stdout, stderr=self._stderr, text=True, cwd=str(ROOT),
-            stdin=subprocess.DEVNULL,
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.started_file = root / "started"
+        self.rc_file = root / "rc"
+
+    def start(self) -> bool:
+        """Start the build unless a process of this run already did; True if this one did."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.started_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        cmd = [sys.executable, str(ROOT / "build" / "build.py"), "--out",
+               str(self.root / "dist"), "--work", str(self.root / "work"),
+               "--install-build-deps", "--json"]
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WRAPPER, str(self.root / "build.out"),
+             str(self.root / "build.err"), str(self.rc_file), *cmd],
+            cwd=str(ROOT), stdin=subprocess.DEVNULL, start_new_session=True,
         )
-        self._result: FrozenBuild | None = None
+        _STARTED.append(proc)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"pid": proc.pid, "started": time.time()}, f)
+        return True
 
     def result(self) -> FrozenBuild:
         """Wait for the build (within BUILD_TIMEOUT_S of its start) and read its summary."""
-        if self._result is not None:
-            return self._result
-        left = BUILD_TIMEOUT_S - (time.monotonic() - self.started)
-        try:
-            code = self.proc.wait(max(left, 1.0))
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"the frozen build took over {BUILD_TIMEOUT_S} s") from None
-        wall = time.monotonic() - self.started
-        self._stdout.seek(0)
-        self._stderr.seek(0)
-        out, err = self._stdout.read(), self._stderr.read()
-        assert code == 0, (out + err)[-6000:]
+        deadline = time.monotonic() + BUILD_TIMEOUT_S
+        while not self.rc_file.exists():
+            if time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"the frozen build took over {BUILD_TIMEOUT_S} s")
+            time.sleep(0.5)
+        started = json.loads(self.started_file.read_text())["started"]
+        wall = self.rc_file.stat().st_mtime - started
+        out = (self.root / "build.out").read_text()
+        err = (self.root / "build.err").read_text()
+        assert self.rc_file.read_text() == "0", (out + err)[-6000:]
         summary = json.loads(out.strip().splitlines()[-1])
-        self._result = FrozenBuild(Path(summary["executable"]), summary, wall)
-        return self._result
+        return FrozenBuild(Path(summary["executable"]), summary, wall)
 
-    def close(self) -> None:
-        """Stop a build nobody waited for, and remove the folder."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._stdout.close()
-        self._stderr.close()
-        shutil.rmtree(self.root, ignore_errors=True)
+    def kill(self) -> None:
+        """Stop a build still running (its whole process group: the wrapper and PyInstaller)."""
+        if not self.rc_file.exists():
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                pid = json.loads(self.started_file.read_text())["pid"]
+                os.killpg(pid, signal.SIGKILL)
+        for proc in _STARTED:
+            proc.wait()
