@@ -314,6 +314,7 @@ context_length = 64
     proc.stop()
 
 
+@pytest.mark.slow
 def test_queued_stream_pings_then_fails_with_an_error_event(tight: ServerProcess) -> None:
     """A stream waiting in the queue opens and pings; its request_timeout passing later
     (queued or generating) is an error event; a third request is refused with 429."""
@@ -382,6 +383,7 @@ def test_max_tokens_is_a_cap_the_context_window_lowers(tight: ServerProcess) -> 
     assert error_of(too_long)[1].startswith("messages: This model's maximum context length")
 
 
+@pytest.mark.slow
 def test_shutdown_is_overloaded_with_retry_after(tmp_path: Path) -> None:
     proc = start_server(tmp_path, config="[server]\nshutdown_grace = 1\n")
     results: dict[str, Any] = {}

@@ -6,7 +6,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.slow  # a benchmark run
 
 
 def test_embeddings_bench_runs_and_agrees_with_in_process() -> None:

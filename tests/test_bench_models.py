@@ -7,7 +7,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.slow  # a benchmark run
 
 
 def test_models_bench_runs_and_counts_its_loads() -> None:

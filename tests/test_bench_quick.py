@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the benchmark's quick mode
+
 ROOT = Path(__file__).resolve().parent.parent
 
 ROWS = {

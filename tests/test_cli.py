@@ -16,6 +16,8 @@ import afmd
 
 from conftest import ROOT, afmd_command, start_server
 
+pytestmark = pytest.mark.slow  # a CLI subprocess per test, servers stopped by signals
+
 SERVE_FLAGS = ("--config", "--host", "--port", "--unix-socket", "--model")
 
 

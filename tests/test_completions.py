@@ -623,6 +623,7 @@ def test_four_prompts_take_one_slot_then_429_and_504(tight: ServerProcess) -> No
 # -- transient failures and shutdown ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_transient_failures_are_retried_then_generation_failed(tmp_path: Path, lm) -> None:
     """A decode step failing before anything reached the client is retried (every prompt
     anew); past ``[engine] retries`` the request is a 500 ``generation_failed``."""
@@ -645,6 +646,7 @@ def test_transient_failures_are_retried_then_generation_failed(tmp_path: Path, l
         proc.stop()
 
 
+@pytest.mark.slow
 def test_shutdown_ends_a_running_stream_with_an_error_event(tmp_path: Path) -> None:
     proc = start_server(tmp_path, config="[server]\nshutdown_grace = 0.5\n")
     run = Background(proc.url, {"prompt": ["a", "b"], "max_tokens": LONG, "stream": True},

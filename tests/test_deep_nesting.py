@@ -237,6 +237,7 @@ _JSON = st.recursive(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(value=_JSON, limit=st.integers(1, 6), chunk=st.sampled_from([1, 2, 3, 5, 1 << 20]),
        indent=st.sampled_from([None, 1]), ascii_only=st.booleans())

@@ -238,6 +238,7 @@ def test_sampling_varies(loaded) -> None:
     assert len(outputs) == 3
 
 
+@pytest.mark.slow
 def test_32k_variant_loads(cache_root: Path) -> None:
     folder = demo.materialize("demo-32k", cache_root)
     assert folder.name.startswith("demo-32k-")

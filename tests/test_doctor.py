@@ -20,6 +20,8 @@ from afmd.config import BREW_PREFIXES
 
 from conftest import ROOT, ServerProcess, afmd_command, start_server
 
+pytestmark = pytest.mark.slow  # CLI subprocesses and servers
+
 
 def _env(**extra: str) -> dict[str, str]:
     """The test environment without afmd settings (the cache dir excepted)."""

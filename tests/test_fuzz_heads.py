@@ -20,6 +20,8 @@ from conftest import ServerProcess, start_server
 from helpers.fuzz import DIRECT_POLICY, POLICY
 from helpers.raw_http import RawConn
 
+pytestmark = pytest.mark.slow  # property-based fuzzing, and a server
+
 # --------------------------------------------------------------------------- strategies
 
 METHODS = ["GET", "POST", "PUT", "OPTIONS", "HEAD", "DELETE", "PATCH", "CONNECT", "get",

@@ -23,6 +23,8 @@ import pytest
 from conftest import ROOT, afmd_command
 from helpers.smoke import start_command
 
+pytestmark = pytest.mark.slow  # ruby and a server run as launchd would
+
 FORMULA = ROOT / "homebrew" / "afmd.rb"
 HARNESS = ROOT / "homebrew" / "test" / "formula_harness.rb"
 UPDATE = ROOT / "homebrew" / "update_formula.py"

@@ -14,7 +14,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.slow  # fresh interpreters measuring imports
 
 #: Modules that must wait for a model load (or a grammar built for a loaded model).
 HEAVY = ("transformers", "mlx_lm", "llguidance.hf", "afmd.engine.worker", "mlx_vlm", "PIL",

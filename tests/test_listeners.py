@@ -27,6 +27,8 @@ from conftest import DIAGNOSE, ServerProcess, afmd_command, parse_sse, start_ser
 from helpers.inprocess import InProcessServer
 from helpers.raw_http import RawConn, chat_body, check_error
 
+pytestmark = pytest.mark.slow  # a server per test, several stopped or broken on purpose
+
 H = "Host: localhost\r\n"
 HEALTH = "GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
 

@@ -20,6 +20,8 @@ from afmd.config import BUILTIN_DEMO_PATH, CacheConfig, Config, ModelEntry
 from afmd.engine.base import GenerationRequest, SamplingParams
 from afmd.engine.models import LoadedModel, _load_sync
 
+pytestmark = pytest.mark.slow  # memory soaks
+
 ROOT = Path(__file__).resolve().parent.parent
 POOL = 1 << 20  # the MLX buffer pool these tests configure
 ENTRIES = 4

@@ -28,6 +28,8 @@ from afmd.http.metrics import CONTENT_TYPE, TTFT_BUCKETS, Buckets
 
 from conftest import ServerProcess, parse_sse, start_server
 
+pytestmark = pytest.mark.slow  # a server per test, each with its own counters
+
 KEY = "sk-metrics-test"
 BEARER = {"Authorization": f"Bearer {KEY}"}
 CHAT = "/v1/chat/completions"

@@ -5,9 +5,12 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 
 from conftest import start_server
 from helpers.openai_schemas import validate_error
+
+pytestmark = pytest.mark.slow  # servers that fail to load their model
 
 
 def test_unreachable_hugging_face_model_is_named(tmp_path) -> None:

@@ -20,6 +20,8 @@ import pytest
 from conftest import ROOT, ServerProcess, start_server
 from helpers.hub import FakeHub, safetensors_bytes
 
+pytestmark = pytest.mark.slow  # the hub stand-in, CLI subprocesses and a server
+
 REPO = "test-org/demo"
 EMBED = "test-org/embed"
 PS_KEYS = {"id", "state", "memory_bytes", "active", "queued", "idle_s", "expires_in_s"}

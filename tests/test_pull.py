@@ -24,6 +24,8 @@ import pytest
 from conftest import ROOT
 from helpers.hub import FakeHub, safetensors_bytes
 
+pytestmark = pytest.mark.slow  # the hub stand-in and pulls through huggingface_hub
+
 REPO = "test-org/tiny-mlx"
 CHUNK = 10 * 1024 * 1024  # huggingface_hub writes what it received in chunks of this size
 

@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from conftest import ServerProcess, parse_sse, start_server
+
+pytestmark = pytest.mark.slow  # servers stopped mid-stream
 
 CHAT = "/v1/chat/completions"
 LONG = 8000  # tokens: far longer than the test runs

@@ -25,6 +25,8 @@ from afmd.http.connections import FRESH_GRACE
 from conftest import ServerProcess, start_server
 from helpers.raw_http import RawConn, check_error
 
+pytestmark = pytest.mark.slow  # servers under slow-client attacks, waiting out timeouts
+
 ROOT = Path(__file__).resolve().parent.parent
 GET = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
 SLOW = b"GET /health HTTP/1.1\r\nHost: loc"  # a head that never completes

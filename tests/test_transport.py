@@ -384,6 +384,7 @@ def test_body_at_the_limit_is_accepted(screen: ServerProcess) -> None:
 # --------------------------------------------------------------------------- limits
 
 
+@pytest.mark.slow
 def test_slowloris_is_cut_by_the_deadline(limits: ServerProcess) -> None:
     """A request trickling a byte at a time is answered 408 idle_timeout after its start."""
     raw = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 100
@@ -410,6 +411,7 @@ def test_slowloris_is_cut_by_the_deadline(limits: ServerProcess) -> None:
         sender.join(5)
 
 
+@pytest.mark.slow
 def test_keep_alive_idle_connection_is_closed(limits: ServerProcess) -> None:
     with RawConn(limits.port) as conn:
         conn.send(GET + H + "\r\n")
@@ -419,6 +421,7 @@ def test_keep_alive_idle_connection_is_closed(limits: ServerProcess) -> None:
         assert 1.2 < time.monotonic() - started < 3.5
 
 
+@pytest.mark.slow
 def test_slow_but_timely_request_passes(limits: ServerProcess) -> None:
     raw = (GET + H + "Connection: close\r\n\r\n").encode()
     with RawConn(limits.port) as conn:
@@ -431,6 +434,7 @@ def test_slow_but_timely_request_passes(limits: ServerProcess) -> None:
 UPLOAD = f"POST {CHAT} HTTP/1.1\r\n{H}{JSON_CT}Content-Length: 100\r\n\r\n{{"
 
 
+@pytest.mark.slow
 def test_connection_cap(limits: ServerProcess) -> None:
     """With every slot busy (requests whose bodies are on their way are never shed, see
     tests/test_slowloris.py for what is), a newcomer's request gets 503."""
@@ -463,6 +467,7 @@ def test_connection_cap(limits: ServerProcess) -> None:
             conn.close()
 
 
+@pytest.mark.slow
 def test_buffered_bytes_cap(limits: ServerProcess) -> None:
     """Partial uploads on several connections share one cap (here 64 KiB + 4 KiB + 256 KiB)."""
     head = (f"POST {CHAT} HTTP/1.1\r\n{H}{JSON_CT}Content-Length: 65536\r\n\r\n").encode()
@@ -494,6 +499,7 @@ def test_buffered_bytes_cap(limits: ServerProcess) -> None:
         check_error(conn.read_response("POST"), 400, "invalid_json")
 
 
+@pytest.mark.slow
 def test_default_connection_cap_is_64(tmp_path: Path) -> None:
     proc = start_server(tmp_path, ready=False)
     held: list[RawConn] = []
@@ -531,6 +537,7 @@ def _refused_soon(port: int, within: float = 2.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_sigterm_drains_a_running_stream(tmp_path: Path) -> None:
     proc = start_server(tmp_path, env=DIAGNOSE)
     body = chat_body(stream=True, max_tokens=300, temperature=0)
