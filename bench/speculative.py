@@ -15,7 +15,7 @@ characters in the middle replaced (an edit that diverges and rejoins).
     .venv/bin/python bench/speculative.py [--quick] [--json] [--rounds N] [--max-tokens N]
 
 Quick mode (a few seconds of requests): the edit and the never-matching prediction, one
-round each; the rest is "skipped in --quick".
+round each; the rest is "skipped in --quick". ``--only ID,ID`` runs some rows alone.
 """
 
 from __future__ import annotations
@@ -201,12 +201,6 @@ async def measure(args: argparse.Namespace, plain_port: int, lookup_port: int,
                   big: bool) -> list[Result]:
     n, rounds = args.max_tokens, args.rounds
     out: dict[str, Result] = {row.id: Result(row) for row in ROWS}
-    for row in ROWS:
-        if args.quick and not row.quick:
-            out[row.id].skipped = "skipped in --quick"
-    if not big:
-        out["draft_model"].skipped = out["draft_model"].skipped or "skipped (--no-big)"
-
     # Each prompt's own greedy output, the material of the edit rows.
     prompts = [workload.prompt("spec-edit", i) for i in range(max(rounds, 8))]
     outputs: dict[int, str] = {}
@@ -223,37 +217,38 @@ async def measure(args: argparse.Namespace, plain_port: int, lookup_port: int,
     async def edited(i: int) -> client.StreamResult:
         return await _stream(plain_port, _body(prompts[i], n, **_prediction(_edit(await own(i)))))
 
-    await _stream(plain_port, _body("warm up", 8))
-    await _stream(lookup_port, _body("warm up", 8))
-    _fill(out["edit_prediction"], await _pairs(rounds, plain, edited))
-
     async def unrelated(i: int) -> client.StreamResult:
         other = _edit(await own((i + 1) % len(prompts)))[::-1]  # text it never writes
         return await _stream(plain_port, _body(prompts[i], n, **_prediction(other)))
 
-    _fill(out["prediction_unrelated"], await _pairs(rounds, plain, unrelated))
-    if args.quick:
-        return list(out.values())
+    async def edit_row(result: Result) -> None:
+        _fill(result, await _pairs(rounds, plain, edited))
 
-    # The model's own output pasted into the prompt: it goes on repeating it.
-    repeats = [f"Repeat exactly: {await own(i)}" for i in range(rounds)]
-    _fill(out["lookup_repeat"], await _pairs(
-        rounds, lambda i: _stream(plain_port, _body(repeats[i], n)),
-        lambda i: _stream(lookup_port, _body(repeats[i], n))))
-    free = [workload.prompt("spec-free", i) for i in range(rounds)]
-    _fill(out["lookup_free"], await _pairs(
-        rounds, lambda i: _stream(plain_port, _body(free[i], n)),
-        lambda i: _stream(lookup_port, _body(free[i], n))))
+    async def unrelated_row(result: Result) -> None:
+        _fill(result, await _pairs(rounds, plain, unrelated))
 
-    if big:
+    async def lookup_repeat_row(result: Result) -> None:
+        # The model's own output pasted into the prompt: it goes on repeating it.
+        repeats = [f"Repeat exactly: {await own(i)}" for i in range(rounds)]
+        _fill(result, await _pairs(
+            rounds, lambda i: _stream(plain_port, _body(repeats[i], n)),
+            lambda i: _stream(lookup_port, _body(repeats[i], n))))
+
+    async def lookup_free_row(result: Result) -> None:
+        free = [workload.prompt("spec-free", i) for i in range(rounds)]
+        _fill(result, await _pairs(
+            rounds, lambda i: _stream(plain_port, _body(free[i], n)),
+            lambda i: _stream(lookup_port, _body(free[i], n))))
+
+    async def draft_row(result: Result) -> None:
         ask = [workload.prompt("spec-draft", i) for i in range(rounds)]
-        _fill(out["draft_model"], await _pairs(
+        _fill(result, await _pairs(
             rounds, lambda i: _stream(plain_port, _body(ask[i], BIG_TOKENS, model="big")),
             lambda i: _stream(plain_port, _body(ask[i], BIG_TOKENS, model="big-drafted"))))
 
-    conc = out["edit_concurrency_8"]
-    texts = [await own(i) for i in range(8)]
-    for r in range(rounds):
+    async def concurrency_row(conc: Result) -> None:
+        texts = [await own(i) for i in range(8)]
+
         async def batch(spec: bool) -> tuple[float | None, list[client.StreamResult]]:
             bodies = [_body(prompts[i], n, **(_prediction(_edit(texts[i])) if spec else {}))
                       for i in range(8)]
@@ -261,14 +256,31 @@ async def measure(args: argparse.Namespace, plain_port: int, lookup_port: int,
             span = max(x.t_end for x in rs) - min(x.t_send for x in rs)
             return (sum(x.tokens for x in rs) / span if span > 0 else None), list(rs)
 
-        order = (False, True) if r % 2 == 0 else (True, False)
-        got = {spec: await batch(spec) for spec in order}
-        (a, plain_rs), (b, spec_rs) = got[False], got[True]
-        if a and b:
-            conc.ratios.append(b / a)
-        conc.same_text &= [x.text for x in plain_rs] == [x.text for x in spec_rs]
-        conc.extra.setdefault("plain_agg_tps", []).append(a)
-        conc.extra.setdefault("spec_agg_tps", []).append(b)
+        for r in range(rounds):
+            order = (False, True) if r % 2 == 0 else (True, False)
+            got = {spec: await batch(spec) for spec in order}
+            (a, plain_rs), (b, spec_rs) = got[False], got[True]
+            if a and b:
+                conc.ratios.append(b / a)
+            conc.same_text &= [x.text for x in plain_rs] == [x.text for x in spec_rs]
+            conc.extra.setdefault("plain_agg_tps", []).append(a)
+            conc.extra.setdefault("spec_agg_tps", []).append(b)
+
+    runs = {"edit_prediction": edit_row, "lookup_repeat": lookup_repeat_row,
+            "lookup_free": lookup_free_row, "prediction_unrelated": unrelated_row,
+            "draft_model": draft_row, "edit_concurrency_8": concurrency_row}
+    await _stream(plain_port, _body("warm up", 8))
+    await _stream(lookup_port, _body("warm up", 8))
+    for row in ROWS:
+        result = out[row.id]
+        if args.quick and not row.quick:
+            result.skipped = "skipped in --quick"
+        elif args.only and row.id not in args.only:
+            result.skipped = "not asked (--only)"
+        elif row.id == "draft_model" and not big:
+            result.skipped = "skipped (--no-big)"
+        else:
+            await runs[row.id](result)
     return list(out.values())
 
 
@@ -291,15 +303,17 @@ def _server(work: Path, name: str, cache: Path, *, lookup: bool, big: Path | Non
 
 
 def _table(results: list[Result], load: tuple[float, float]) -> str:
-    lines = ["| row | target | with / without (median of rounds) | same text | verdict |",
-             "|---|---|---|---|---|"]
+    lines = ["| row | target | with / without (median of rounds) | server CPU per token, "
+             "without / with | same text | verdict |", "|---|---|---|---|---|---|"]
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.row.title} | {r.row.target} | {r.skipped} | | |")
+            lines.append(f"| {r.row.title} | {r.row.target} | {r.skipped} | | | |")
             continue
         v = "n/a" if r.value is None else f"{r.value:.2f}× ({len(r.ratios)} rounds)"
         verdict = {True: "pass", False: "FAIL", None: "report"}[r.passed]
-        lines.append(f"| {r.row.title} | {r.row.target} | {v} | "
+        cpu = r.extra.get("cpu_ratios") or []
+        c = f"{statistics.median(cpu):.2f}×" if cpu else "n/a"
+        lines.append(f"| {r.row.title} | {r.row.target} | {v} | {c} | "
                      f"{'yes' if r.same_text else 'NO'} | {verdict} |")
     lines.append(f"\nload average (1 min) before {load[0]:.2f}, after {load[1]:.2f}")
     return "\n".join(lines)
@@ -311,11 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--no-big", action="store_true", help="skip the draft model row")
+    ap.add_argument("--only", type=lambda v: set(v.split(",")), default=None,
+                    help="comma-separated row ids: " + ",".join(r.id for r in ROWS))
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     if args.rounds is None:
-        args.rounds = 1 if args.quick else 4
-    big_wanted = not (args.quick or args.no_big)
+        args.rounds = 1 if args.quick else 8
+    big_wanted = not (args.quick or args.no_big) and (
+        args.only is None or "draft_model" in args.only)
 
     from afmd.engine import demo
     from bench.raw_engine import build_big
