@@ -607,6 +607,26 @@ def test_chat_prediction_usage_and_profile(spec_server: ServerProcess,
         assert profile["speculation"]["prediction"]["accepted"] > 0
 
 
+def test_stop_sequences_and_seeds_hold_under_speculation(spec_server: ServerProcess) -> None:
+    """A stop string inside what a proposal wrote still ends the answer there (never
+    leaked), and a seeded sampled answer is the one it is without a prediction."""
+    with httpx.Client(base_url=spec_server.url, timeout=60) as http:
+        full = _chat(http, "stop here").json()["choices"][0]["message"]["content"]
+        stop = full[len(full) // 2 : len(full) // 2 + 4]
+        assert stop.strip() and full.count(stop) >= 1
+        want = _chat(http, "stop here", stop=[stop]).json()["choices"][0]
+        got = _chat(http, "stop here", stop=[stop],
+                    prediction={"type": "content", "content": full}).json()["choices"][0]
+        assert got == want
+        assert got["finish_reason"] == "stop" and stop not in got["message"]["content"]
+        sampled = {"temperature": 0.9, "seed": 7}
+        first = _chat(http, "sample", **sampled).json()["choices"][0]["message"]["content"]
+        again = _chat(http, "sample", **sampled,
+                      prediction={"type": "content", "content": first}).json()
+        assert again["choices"][0]["message"]["content"] == first
+        assert again["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+
+
 @pytest.mark.parametrize(("value", "param"), [
     ("text", "prediction"),
     ({"type": "text", "content": "x"}, "prediction.type"),
