@@ -209,7 +209,7 @@ def test_tool_choice_none_hides_the_tools(claude: anthropic.Anthropic) -> None:
 
 def test_full_tool_loop(claude: anthropic.Anthropic) -> None:
     """tool_use, then tool_result (one of them an error), then an answer."""
-    first = forced(claude, 1)
+    first = forced(claude, 3)
     calls = [b for b in first.content if b.type == "tool_use"]
     assert first.stop_reason == "tool_use" and len(calls) > 1
     results = [{"type": "tool_result", "tool_use_id": call.id,

@@ -45,8 +45,8 @@ STORY_CHAT = {"messages": [{"role": "system", "content": "You are terse."},
                            {"role": "user", "content": "Tell me a long story."}],
               "temperature": 0}
 #: Seeds with which the demo model thinks before its forced calls (and one it does not).
-THINKS = (4, 11)
-NO_THINKING = 0
+THINKS = (0, 11)
+NO_THINKING = 3
 
 
 _EVENTS: TypeAdapter[Any] = TypeAdapter(RawMessageStreamEvent)
