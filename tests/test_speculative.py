@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
 import pytest
 from mlx_lm.generate import BatchGenerator
@@ -198,6 +199,34 @@ def test_near_ties_are_projected_by_mlx_as_a_step_would(
         run = Run(host, prompt, 80, sampling=sampling, prediction=_text(tokenizer, want))
         assert run.finish() == want
         assert run.stats()["prediction"]["accepted"] > 20
+
+
+class _Capped(nn.Module):
+    """A model whose logits are soft-capped after the output projection (as Gemma 2's)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model, self.lm_head, self.args = model.model, model.lm_head, model.args
+
+    @property
+    def layers(self) -> Any:
+        return self.model.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        return mx.tanh(self.lm_head(self.model(inputs, cache)) / 5.0) * 5.0
+
+
+def test_a_head_with_something_after_it_stays_in_mlx(host: tuple[Any, Any]) -> None:
+    model, tokenizer = host
+    capped = _Capped(model)
+    assert isinstance(VerifyHead.of(model), HostHead)
+    assert not isinstance(VerifyHead.of(capped), HostHead)
+    prompt = _prompt(tokenizer, QUESTIONS[0])
+    loaded = (capped, tokenizer)
+    want = plain(loaded, prompt, 60)
+    run = Run(loaded, prompt, 60, prediction=_text(tokenizer, want))
+    assert run.finish() == want
+    assert run.stats()["prediction"]["accepted"] > 10
 
 
 def test_prediction_on_the_32k_vocabulary(big_vocab: tuple[Any, Any]) -> None:

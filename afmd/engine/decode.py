@@ -130,6 +130,11 @@ class DecodeBatch(GenerationBatch):
     def filter(self, keep: list[int]) -> None:
         if not keep:
             self._verify = None
+        kept = {self.uids[i] for i in keep}
+        for uid in self.uids:
+            if uid not in kept:  # cancelled rows leave without _leaving
+                self._prompt_len.pop(uid, None)
+                self._backlog.pop(uid, None)
         super().filter(keep)
         if not keep:
             self._deferred = False

@@ -243,15 +243,13 @@ def consume(processors: Sequence[Any], tokens: Sequence[int]) -> None:
 class Verification:
     """One verification pass in flight: ``first`` plus a ``k``-token proposal."""
 
-    __slots__ = ("_head", "_keys", "_mask", "_noise", "first", "k", "proposal", "spec",
-                 "state")
+    __slots__ = ("_head", "_keys", "_mask", "first", "k", "proposal", "spec", "state")
 
     def __init__(self, spec: RowSpec, state: SourceState, first: mx.array,
                  proposal: mx.array, k: int) -> None:
         self.spec, self.state, self.first, self.proposal, self.k = (
             spec, state, first, proposal, k)
         self._mask: np.ndarray | None = None
-        self._noise: mx.array | None = None
         self._keys: list[mx.array] = []
         self._head: VerifyHead | None = None
 
@@ -260,27 +258,28 @@ class Verification:
         inputs = mx.concatenate([self.first.astype(mx.uint32), self.proposal.astype(mx.uint32)])
         self._mask = mask
         head = VerifyHead.of(model)
-        sampler = self.spec.sampler
-        if sampler is not None:
-            self._noise, self._keys = sampler.noise(self.k + 1, head.vocab)
-        head.start(model, inputs[None], cache, mask, sampler, self._noise)
+        head.start(model, inputs[None], cache, mask, self.spec.sampler, self._noise)
         self._head = head
+
+    def _noise(self, vocab: int) -> mx.array:
+        """The sampled row's noise for the pass's positions (the keys kept to commit)."""
+        assert self.spec.sampler is not None
+        noise, self._keys = self.spec.sampler.noise(self.k + 1, vocab)
+        return noise
 
     def resolve(self) -> tuple[list[int], list[int]]:
         """(the proposal's tokens, the model's k+1 tokens), waiting for the pass."""
         assert self._head is not None
         targets = self._head.targets()
         if self.spec.sampler is not None:
-            accepted = _accepted(self.proposal.tolist(), targets)
+            accepted = accepted_count(self.proposal.tolist(), targets)
             self.spec.sampler.commit(self._keys, accepted + 1)
         return self.proposal.tolist(), targets
 
 
-def _accepted(proposal: list[int], targets: list[int]) -> int:
+def accepted_count(proposal: list[int], targets: list[int]) -> int:
+    """How many proposed tokens are the model's own choices, in order."""
     n = 0
     while n < len(proposal) and proposal[n] == targets[n]:
         n += 1
     return n
-
-
-accepted_count = _accepted

@@ -18,7 +18,7 @@ import contextlib
 import ctypes
 import glob
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -29,6 +29,9 @@ from afmd.engine.layout import TransposedLinear
 
 _NEG_INF = float("-inf")
 _EPS32 = 2.0**-24
+
+#: Draws a sampled row's noise for a vocabulary of the given width.
+Noise = Callable[[int], mx.array]
 
 
 class _Hidden(nn.Module):
@@ -44,18 +47,18 @@ _HIDDEN = _Hidden()
 class VerifyHead:
     """One pass: :meth:`start` builds it lazily, :meth:`targets` reads the picks."""
 
-    vocab: int
-
     @staticmethod
     def of(model: Any) -> VerifyHead:
         head = getattr(model, "lm_head", None)
         if (isinstance(head, TransposedLinear) and head.weight_t.dtype == mx.float32
-                and mx.default_device() == mx.cpu):
+                and mx.default_device() == mx.cpu and _head_is_last(model, head)):
             return HostHead(head)
         return DeviceHead(model)
 
     def start(self, model: Any, inputs: mx.array, cache: list[Any], mask: np.ndarray | None,
-              sampler: Any, noise: mx.array | None) -> None:
+              sampler: Any, noise: Noise) -> None:
+        """Build the pass; ``noise(vocab)`` draws a sampled row's noise (unused when
+        ``sampler`` is None: greedy)."""
         raise NotImplementedError
 
     def targets(self) -> list[int]:
@@ -66,16 +69,15 @@ class DeviceHead(VerifyHead):
     """The whole pass in MLX, picks included (evaluated with the pass)."""
 
     def __init__(self, model: Any) -> None:
-        self.vocab = int(model.args.vocab_size) if hasattr(model, "args") else 0
         self._picks: mx.array | None = None
 
     def start(self, model: Any, inputs: mx.array, cache: list[Any], mask: np.ndarray | None,
-              sampler: Any, noise: mx.array | None) -> None:
+              sampler: Any, noise: Noise) -> None:
         logits = model(inputs, cache=cache)[0]
-        self.vocab = logits.shape[-1]
         if mask is not None:
             logits = mx.where(mx.array(mask), logits, _NEG_INF)
-        self._picks = _pick(logits, sampler, noise)
+        drawn = noise(logits.shape[-1]) if sampler is not None else None
+        self._picks = _pick(logits, sampler, drawn)
         mx.async_eval(self._picks)
 
     def targets(self) -> list[int]:
@@ -88,20 +90,20 @@ class HostHead(VerifyHead):
 
     def __init__(self, head: TransposedLinear) -> None:
         self._head = head
-        self.vocab = head.weight_t.shape[-1]
         self._hidden: mx.array | None = None
         self._mask: np.ndarray | None = None
         self._sampler: Any = None
         self._noise: mx.array | None = None
 
     def start(self, model: Any, inputs: mx.array, cache: list[Any], mask: np.ndarray | None,
-              sampler: Any, noise: mx.array | None) -> None:
+              sampler: Any, noise: Noise) -> None:
         model.lm_head = _HIDDEN
         try:
             self._hidden = model(inputs, cache=cache)[0]
         finally:
             model.lm_head = self._head
-        self._mask, self._sampler, self._noise = mask, sampler, noise
+        self._mask, self._sampler = mask, sampler
+        self._noise = noise(self._head.weight_t.shape[-1]) if sampler is not None else None
         mx.async_eval(self._hidden)
 
     def _weight(self) -> tuple[np.ndarray, float]:
@@ -149,6 +151,24 @@ class HostHead(VerifyHead):
             logits = mx.where(mx.array(self._mask[i : i + 1]), logits, _NEG_INF)
         noise = self._noise[i : i + 1] if self._noise is not None else None
         return int(_pick(logits, self._sampler, noise).item())
+
+
+def _head_is_last(model: Any, head: TransposedLinear) -> bool:
+    """Whether the model's logits are its output projection of the hidden states, nothing
+    after (a logit scale or soft cap would be skipped by projecting on the host): checked
+    once per model, on one token."""
+    known: bool | None = getattr(model, "_afmd_head_last", None)
+    if known is None:
+        probe = mx.array([[0]])
+        logits = model(probe)[0]
+        model.lm_head = _HIDDEN
+        try:
+            hidden = model(probe)[0]
+        finally:
+            model.lm_head = head
+        known = bool(mx.allclose(head(hidden), logits, rtol=1e-4, atol=1e-4).item())
+        model._afmd_head_last = known
+    return known
 
 
 def _pick(logits: mx.array, sampler: Any, noise: mx.array | None) -> mx.array:
