@@ -26,6 +26,21 @@ from helpers.session import run_dir  # noqa: E402
 
 __all__ = ["DIAGNOSE", "ROOT", "ServerProcess", "afmd_command", "parse_sse", "start_server"]
 
+#: Workers for a run over the whole suite (or a folder): the tests wait on sockets, child
+#: servers and timeouts much of the time, so more workers than the 2 cores pay.
+WORKERS = 3
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """What ``-n auto`` (in pyproject's addopts) means: WORKERS for a run over the suite or
+    a folder, and none (in process, as without xdist) for a run that names test files or
+    tests, where starting workers costs more than it saves. ``-n N`` chooses for itself."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    named = any(arg.split("::")[0].endswith(".py") for arg in config.args)
+    return 0 if named else WORKERS
+
+
 #: The run's shared folder, when this process made it, and the variable's value before.
 _MADE_RUN_DIR = pytest.StashKey[tuple[Path, str | None]]()
 
