@@ -41,6 +41,19 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return 0 if named else WORKERS
 
 
+#: Slow files marked from here rather than by a ``pytestmark`` line of their own.
+SLOW_FILES = {
+    "test_tool_formats_e2e.py": "a model per call format, built and served in process",
+    "test_model_budget.py": "servers loading and unloading several models",
+    "test_speculative.py": "draft and target models decoding side by side",
+}
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if item.path.name in SLOW_FILES:
+        item.add_marker(pytest.mark.slow)
+
+
 #: The run's shared folder, when this process made it, and the variable's value before.
 _MADE_RUN_DIR = pytest.StashKey[tuple[Path, str | None]]()
 

@@ -434,6 +434,7 @@ def fim_server(tmp_path_factory: pytest.TempPathFactory, lm) -> Iterator[tuple[S
     proc.stop()
 
 
+@pytest.mark.slow
 def test_fim_stops_at_the_end_marker_unseen(fim_server, lm) -> None:
     proc, free, cut = fim_server
     r = post(proc.url, {"model": "coder", "prompt": FIM_PREFIX, "suffix": FIM_SUFFIX,
@@ -447,6 +448,7 @@ def test_fim_stops_at_the_end_marker_unseen(fim_server, lm) -> None:
     assert body["usage"]["completion_tokens"] == cut
 
 
+@pytest.mark.slow
 def test_model_without_fim_format(fim_server) -> None:
     proc, _, _ = fim_server
     r = post(proc.url, {"model": "plain", "prompt": "def f(", "suffix": ")\n"})
@@ -528,8 +530,10 @@ def test_bad_json_method_and_request_id(base_url) -> None:
 
 def test_cancel_by_request_id_ends_every_choice(server: ServerProcess) -> None:
     rid = f"cmpl-cancel-{time.monotonic_ns()}"
+    # Greedy: the demo model runs every prompt to max_tokens, so none can end on its own
+    # (a sampled one could draw the end token) before the cancel arrives.
     run = Background(server.url, {"prompt": ["a", "b", "c"], "max_tokens": LONG,
-                                  "stream": True}, rid)
+                                  "temperature": 0, "stream": True}, rid)
     run.first.wait(30)
     r = httpx.post(f"{server.url}{COMPLETIONS}/{rid}/cancel", timeout=10)
     assert r.status_code == 200 and r.json()["cancelled"] is True
@@ -574,6 +578,7 @@ def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("headers", "content", "status", "code"),
     [
@@ -595,6 +600,7 @@ def test_screening(tight: ServerProcess, headers: dict[str, str], content: bytes
     assert r.json()["error"]["code"] == code
 
 
+@pytest.mark.slow
 def test_four_prompts_take_one_slot_then_429_and_504(tight: ServerProcess) -> None:
     url = tight.url
     hog = Background(url, {"prompt": ["a", "b", "c", "d"], "max_tokens": LONG,

@@ -22,6 +22,8 @@ from afmd.protocol import nesting
 from afmd.protocol.nesting import MAX_NESTING, nesting_path, param_of
 from afmd.protocol.request import parse_json_body
 
+pytestmark = pytest.mark.slow  # property-based fuzzing of the nesting checks
+
 USER = '{"role":"user","content":"Say something."}'
 
 # How each kind of nesting is written: (opening text, closing text, leaf, path segment
@@ -237,7 +239,6 @@ _JSON = st.recursive(
 )
 
 
-@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(value=_JSON, limit=st.integers(1, 6), chunk=st.sampled_from([1, 2, 3, 5, 1 << 20]),
        indent=st.sampled_from([None, 1]), ascii_only=st.booleans())

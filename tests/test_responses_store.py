@@ -23,6 +23,8 @@ from conftest import ServerProcess, start_server
 from helpers.openai_schemas import validate_error
 from helpers.responses_schemas import validate_event, validate_response
 
+pytestmark = pytest.mark.slow  # restarts, persistence and its own servers
+
 # -- the store ------------------------------------------------------------------------------
 
 
@@ -226,7 +228,6 @@ def test_a_full_queue_is_429_and_a_late_answer_504(guarded: ServerProcess) -> No
     assert late.json()["error"]["code"] == "timeout"
 
 
-@pytest.mark.slow
 def test_persisted_responses_survive_a_restart(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     config = "[responses]\npersist = true\nmax_stored = 2\n"
