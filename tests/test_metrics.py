@@ -255,51 +255,52 @@ def test_gauges_count_running_and_queued_requests(tmp_path: Path) -> None:
         proc.stop()
 
 
-def test_gate_refusals_and_direct_answers_are_counted(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A key set, on a listener other machines reach (0.0.0.0)."""
+    proc = start_server(tmp_path_factory.mktemp("keyed"),
+                        config=f'[server]\nhost = "0.0.0.0"\napi_key = "{KEY}"\n')
+    yield proc
+    proc.stop()
+
+
+def test_gate_refusals_and_direct_answers_are_counted(keyed: ServerProcess) -> None:
     """The gate answers 401, 404 and 405 itself; the connection answers ``/health``."""
-    proc = start_server(tmp_path, config=f'[server]\nhost = "0.0.0.0"\napi_key = "{KEY}"\n')
-    url = f"http://127.0.0.1:{proc.port}"
-    try:
-        before = scrape(url, BEARER)
-        assert httpx.post(url + CHAT, json={"messages": MESSAGES}).status_code == 401
-        assert httpx.post(url + "/v1/messages", json={}).status_code == 401
-        assert httpx.get(url + "/nowhere", headers=BEARER).status_code == 404
-        assert httpx.put(url + "/health").status_code == 405
-        assert httpx.get(url + "/health").status_code == 200
-        assert httpx.get(url + "/v1/models", headers=BEARER).status_code == 200
-        after = scrape(url, BEARER)
-        assert after.moved(before, "afmd_http_requests_total") == {
-            _key(CHAT, "openai_chat", 401): 1,
-            _key("/v1/messages", "anthropic_messages", 401): 1,
-            _key("other", "none", 404): 1,
-            _key("other", "none", 405): 1,
-            _key("/health", "none", 200): 1,
-            _key("/v1/models", "none", 200): 1,
-            _key("/metrics", "none", 200): 1,
-        }
-    finally:
-        proc.stop()
+    url = f"http://127.0.0.1:{keyed.port}"
+    before = scrape(url, BEARER)
+    assert httpx.post(url + CHAT, json={"messages": MESSAGES}).status_code == 401
+    assert httpx.post(url + "/v1/messages", json={}).status_code == 401
+    assert httpx.get(url + "/nowhere", headers=BEARER).status_code == 404
+    assert httpx.put(url + "/health").status_code == 405
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/v1/models", headers=BEARER).status_code == 200
+    after = scrape(url, BEARER)
+    assert after.moved(before, "afmd_http_requests_total") == {
+        _key(CHAT, "openai_chat", 401): 1,
+        _key("/v1/messages", "anthropic_messages", 401): 1,
+        _key("other", "none", 404): 1,
+        _key("other", "none", 405): 1,
+        _key("/health", "none", 200): 1,
+        _key("/v1/models", "none", 200): 1,
+        _key("/metrics", "none", 200): 1,
+    }
 
 
-def test_metrics_need_the_key_on_a_listener_other_machines_reach(tmp_path: Path) -> None:
-    proc = start_server(tmp_path, config=f'[server]\nhost = "0.0.0.0"\napi_key = "{KEY}"\n')
-    url = f"http://127.0.0.1:{proc.port}"
-    try:
-        refused = httpx.get(url + "/metrics")
-        assert refused.status_code == 401, refused.text
-        assert refused.json()["error"]["code"] == "invalid_api_key"
-        assert refused.headers["www-authenticate"] == "Bearer"
-        assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer wrong"}
-                         ).status_code == 401
-        assert httpx.get(url + "/metrics", headers={"x-api-key": KEY}).status_code == 200
-        scrape(url, BEARER)
-        assert httpx.get(url + "/health").status_code == 200  # the health check stays open
-        # HEAD is what /health answers too: GET only.
-        head = httpx.head(url + "/metrics", headers=BEARER)
-        assert head.status_code == httpx.head(url + "/health").status_code == 405
-        assert head.headers["allow"] == "GET"
-    finally:
-        proc.stop()
+def test_metrics_need_the_key_on_a_listener_other_machines_reach(keyed: ServerProcess) -> None:
+    url = f"http://127.0.0.1:{keyed.port}"
+    refused = httpx.get(url + "/metrics")
+    assert refused.status_code == 401, refused.text
+    assert refused.json()["error"]["code"] == "invalid_api_key"
+    assert refused.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer wrong"}
+                     ).status_code == 401
+    assert httpx.get(url + "/metrics", headers={"x-api-key": KEY}).status_code == 200
+    scrape(url, BEARER)
+    assert httpx.get(url + "/health").status_code == 200  # the health check stays open
+    # HEAD is what /health answers too: GET only.
+    head = httpx.head(url + "/metrics", headers=BEARER)
+    assert head.status_code == httpx.head(url + "/health").status_code == 405
+    assert head.headers["allow"] == "GET"
 
 
 @pytest.fixture()
