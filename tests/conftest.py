@@ -32,7 +32,7 @@ WORKERS = 3
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """What ``-n auto`` (in pyproject's addopts) means: WORKERS for a run over the suite or
+    """What ``-n auto`` (an opt-in: ``pytest -n auto --dist loadfile``) means: WORKERS for a run over the suite or
     a folder, and none (in process, as without xdist) for a run that names test files or
     tests, where starting workers costs more than it saves. ``-n N`` chooses for itself."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
