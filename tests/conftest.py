@@ -32,9 +32,9 @@ WORKERS = 3
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """What ``-n auto`` (an opt-in: ``pytest -n auto --dist loadfile``) means: WORKERS for a run over the suite or
-    a folder, and none (in process, as without xdist) for a run that names test files or
-    tests, where starting workers costs more than it saves. ``-n N`` chooses for itself."""
+    """What ``-n auto`` (opt-in: ``pytest -n auto --dist loadfile``) means: WORKERS for a
+    run over the suite or a folder, and none (in process, as without xdist) for a run
+    that names test files or tests, where starting workers costs more than it saves."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
     named = any(arg.split("::")[0].endswith(".py") for arg in config.args)
