@@ -20,7 +20,7 @@ import orjson
 
 from afmd.core.ids import new_tool_call_id
 from afmd.core.request import ChatRequest
-from afmd.engine.models import LoadedModel
+from afmd.engine.loaded import LoadedModel
 from afmd.errors import InvalidRequestError, ServerError
 from afmd.grammar.calls import CallGrammar, for_family
 from afmd.grammar.compiler import (
@@ -177,11 +177,17 @@ class TurnPlan:
 
 def _loads(text: str) -> Any:
     """JSON as the grammar allows it: orjson refuses numbers beyond a double's range
-    (``6e99999``), which JSON permits and a JSON grammar emits; the stdlib reads them."""
+    (``6e99999``), which JSON permits and a JSON grammar emits; the stdlib reads them.
+    Output nested deeper than orjson reads recurses past the stdlib's limit too: that is
+    the same unreadable answer as any other invalid JSON, never a crash."""
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError:
+        pass
+    try:
         return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None
 
 
 def _schema_error(schema: dict[str, Any], value: Any) -> str | None:

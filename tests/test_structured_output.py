@@ -273,6 +273,17 @@ def test_final_check_accepts_every_number_json_allows() -> None:
         assert info.value.code == "invalid_json_output"
 
 
+def test_final_check_of_output_nested_too_deep_to_read_is_invalid_json() -> None:
+    """Nesting deeper than either parser reads is the invalid-JSON error, not a crash."""
+    from afmd.errors import ServerError
+
+    deep = "[" * 100_000 + "]" * 100_000
+    for plan in (_plan({"type": "json_object"}), _plan(json_schema_format(UNIQUE))):
+        with pytest.raises(ServerError) as info:
+            plan.check_answer(deep)
+        assert info.value.code == "invalid_json_output"
+
+
 def test_final_check_of_a_downgraded_schema_is_best_effort() -> None:
     from afmd.errors import ServerError
 
