@@ -194,7 +194,10 @@ def _schema_error(schema: dict[str, Any], value: Any) -> str | None:
     import jsonschema
 
     validator_cls = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
-    error = jsonschema.exceptions.best_match(validator_cls(schema).iter_errors(value))
+    try:  # a recursive schema lets the answer nest deeper than the validator recurses
+        error = jsonschema.exceptions.best_match(validator_cls(schema).iter_errors(value))
+    except RecursionError:
+        return "it nests too deeply to be checked"
     return None if error is None else error.message
 
 

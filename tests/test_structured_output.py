@@ -284,6 +284,20 @@ def test_final_check_of_output_nested_too_deep_to_read_is_invalid_json() -> None
         assert info.value.code == "invalid_json_output"
 
 
+def test_final_check_of_output_too_deep_for_the_schema_check_is_invalid_json() -> None:
+    """A recursive schema lets output nest as deep as the tokens allow; readable JSON
+    that the schema check cannot descend through is an answer left unchecked: an error."""
+    from afmd.errors import ServerError
+
+    nested = {"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
+              "$ref": "#/$defs/n"}
+    plan = _plan(json_schema_format(nested))
+    plan.check_answer("[[[]]]")
+    with pytest.raises(ServerError) as info:
+        plan.check_answer("[" * 1000 + "]" * 1000)
+    assert info.value.code == "invalid_json_output"
+
+
 def test_final_check_of_a_downgraded_schema_is_best_effort() -> None:
     from afmd.errors import ServerError
 
