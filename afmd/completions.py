@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from afmd import fim
 from afmd.config import ModelEntry
 from afmd.core.request import CompletionRequest
-from afmd.engine.models import LoadedModel
+from afmd.engine.loaded import LoadedModel
 from afmd.errors import InvalidRequestError
 from afmd.turn import TurnPlan
 

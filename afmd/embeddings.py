@@ -20,7 +20,8 @@ from afmd.config import ModelEntry
 from afmd.core.embeddings import EmbeddingRequest, Embeddings
 from afmd.engine.base import EmbeddingJob
 from afmd.engine.kinds import EMBEDDING
-from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.engine.loaded import LoadedModel
+from afmd.engine.models import ModelRegistry
 from afmd.engine.residency import Lease
 from afmd.errors import (
     ConflictError,

@@ -20,7 +20,8 @@ from afmd.completion_run import CompletionRun
 from afmd.completions import PreparedCompletion, prepare_completion
 from afmd.config import Config, ModelEntry
 from afmd.core.request import ChatRequest, CompletionRequest
-from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.engine.loaded import LoadedModel
+from afmd.engine.models import ModelRegistry
 from afmd.engine.residency import Lease
 from afmd.errors import ConflictError, InvalidRequestError
 from afmd.rounds import RoundBuilder

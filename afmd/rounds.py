@@ -18,7 +18,7 @@ from typing import Any
 from afmd.chat import template_messages, template_tools
 from afmd.context import droppable_units, without_units
 from afmd.core.request import ChatRequest
-from afmd.engine.models import LoadedModel
+from afmd.engine.loaded import LoadedModel
 from afmd.errors import InvalidRequestError
 from afmd.turn import TurnPlan, plan_turn, template_kwargs
 

@@ -21,7 +21,7 @@ from afmd.config import Config
 from afmd.core.events import Content, Event, Finish, Profile, ToolCallEnd, ToolCallStart, Usage
 from afmd.core.request import ToolCall
 from afmd.engine.base import Finished, Generation, GenerationRequest, SamplingParams, Text
-from afmd.engine.models import LoadedModel
+from afmd.engine.loaded import LoadedModel
 from afmd.engine.tokens import LogprobQueue, TokenTable, token_table
 from afmd.errors import APIError, GatewayTimeoutError
 from afmd.logs import get_logger

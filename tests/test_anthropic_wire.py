@@ -24,7 +24,8 @@ from afmd.config import load_config
 from afmd.core.request import ChatRequest, Message
 from afmd.dialects.anthropic_messages import ANTHROPIC_MESSAGES
 from afmd.dialects.base import error_response
-from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.engine.loaded import LoadedModel
+from afmd.engine.models import ModelRegistry
 from afmd.errors import (
     APIError,
     AuthenticationError,

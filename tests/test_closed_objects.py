@@ -23,7 +23,8 @@ import jsonschema
 import pytest
 
 from afmd.config import load_config
-from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.engine.loaded import LoadedModel
+from afmd.engine.models import ModelRegistry
 from afmd.grammar.compiler import ToolSchema, json_schema_grammar, llg_tokenizer, tool_grammar
 
 from helpers.openai_schemas import validate_response

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from afmd.config import load_config
 from afmd.context import droppable_units, without_units
-from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.engine.loaded import LoadedModel
+from afmd.engine.models import ModelRegistry
 from afmd.engine.residency import Lease
 from afmd.errors import InvalidRequestError
 from afmd.pipeline import ChatPipeline

@@ -18,7 +18,8 @@ import pytest
 
 from afmd.config import BUILTIN_DEMO_PATH, CacheConfig, Config, ModelEntry
 from afmd.engine.base import GenerationRequest, SamplingParams
-from afmd.engine.models import LoadedModel, _load_sync
+from afmd.engine.loaded import LoadedModel
+from afmd.engine.loading import load_sync
 
 pytestmark = pytest.mark.slow  # memory soaks
 
@@ -37,7 +38,7 @@ def loaded() -> Iterator[LoadedModel]:
         prompt_cache_bytes=CACHE_BYTES, prompt_cache_entries=ENTRIES,
         mlx_buffer_cache_bytes=POOL,
     ))
-    model = _load_sync(ModelEntry(id="demo", path=BUILTIN_DEMO_PATH), config)
+    model = load_sync(ModelEntry(id="demo", path=BUILTIN_DEMO_PATH), config)
     try:
         yield model
     finally:
@@ -105,14 +106,14 @@ def test_freed_large_buffers_leave_the_heap_after_model_load() -> None:
     model load (which pins the threshold) freeing them must give the memory back."""
     script = textwrap.dedent("""
         from afmd.config import BUILTIN_DEMO_PATH, Config, ModelEntry
-        from afmd.engine.models import _load_sync
+        from afmd.engine.loading import load_sync
 
         def rss():
             for line in open("/proc/self/status"):
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) / 1024
 
-        model = _load_sync(ModelEntry(id="demo", path=BUILTIN_DEMO_PATH), Config())
+        model = load_sync(ModelEntry(id="demo", path=BUILTIN_DEMO_PATH), Config())
         big = bytearray(16 << 20)  # freed: the dynamic threshold would rise to 16 MiB
         del big
         blocks, pins = [], []

@@ -260,7 +260,7 @@ def test_a_model_larger_than_the_budget_is_refused_before_loading(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     loads: list[str] = []
-    monkeypatch.setattr(models_module, "_load_sync", lambda entry, config: loads.append(entry.id))
+    monkeypatch.setattr(models_module, "load_sync", lambda entry, config: loads.append(entry.id))
     path = config_file(tmp_path, "[models]\nmemory_budget_bytes = 10000000\n")
     registry = ModelRegistry(load_config(path, env={}))
 

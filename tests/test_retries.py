@@ -23,7 +23,8 @@ import pytest
 from afmd.config import ModelEntry, ServerTool, load_config
 from afmd.core.events import Finish
 from afmd.engine import models as models_module
-from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.engine.loaded import LoadedModel
+from afmd.engine.models import ModelRegistry
 from afmd.engine.residency import Lease
 from afmd.errors import APIError, ServiceUnavailableError
 from afmd.pipeline import ChatPipeline, ChatRun
@@ -308,7 +309,7 @@ def test_busy_while_a_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
         release.wait(10)
         return _Loaded()
 
-    monkeypatch.setattr(models_module, "_load_sync", slow_load)
+    monkeypatch.setattr(models_module, "load_sync", slow_load)
     registry = ModelRegistry(load_config(None, env={}))
     entry = registry.resolve("demo")
 
@@ -337,7 +338,7 @@ def test_busy_while_a_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_fast_load_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models_module, "_load_sync", lambda entry, config: _Loaded())
+    monkeypatch.setattr(models_module, "load_sync", lambda entry, config: _Loaded())
     registry = ModelRegistry(load_config(None, env={}))
     loaded = asyncio.run(registry.get(registry.resolve("demo")))
     assert isinstance(loaded, _Loaded)  # no 503 for a model ready within the wait

@@ -31,7 +31,8 @@ from afmd.core.events import (
 )
 from afmd.dialects.openai_chat import OPENAI_CHAT
 from afmd.engine.base import Finished, Text
-from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.engine.loaded import LoadedModel
+from afmd.engine.models import ModelRegistry
 from afmd.engine.residency import Lease
 from afmd.output.processor import ToolFormat
 from afmd.pipeline import ChatPipeline

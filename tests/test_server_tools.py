@@ -29,7 +29,8 @@ from afmd.chat import template_messages
 from afmd.config import ModelEntry, ServerTool, load_config
 from afmd.core.events import Content, Finish, ToolCallArguments, ToolCallEnd, ToolCallStart
 from afmd.core.request import ChatRequest, ToolCall
-from afmd.engine.models import LoadedModel, ModelRegistry
+from afmd.engine.loaded import LoadedModel
+from afmd.engine.models import ModelRegistry
 from afmd.engine.residency import Lease
 from afmd.pipeline import ChatPipeline, ChatRun
 from afmd.protocol.request import Message, parse_chat_request

@@ -20,7 +20,7 @@ from typing import Any
 from afmd import fim
 from afmd.config import ModelEntry
 from afmd.engine import kinds
-from afmd.engine.models import DEFAULT_CONTEXT_LENGTH, _context_length_from
+from afmd.engine.loaded import DEFAULT_CONTEXT_LENGTH, context_length_from
 
 #: Chat template families, by a marker only that family's template writes (first match).
 TEMPLATE_FAMILIES: tuple[tuple[str, str], ...] = (
@@ -129,7 +129,7 @@ def summary(folder: Path, entry: ModelEntry) -> dict[str, Any]:
         "model_type": config.get("model_type"),
         "parameters": count_parameters(tensors, quant if isinstance(quant, Mapping) else None),
         "quantization": quantization_of(config, tensors),
-        "context_length": (entry.context_length or _context_length_from(config)
+        "context_length": (entry.context_length or context_length_from(config)
                            or DEFAULT_CONTEXT_LENGTH),
         "kind": kind,
     }

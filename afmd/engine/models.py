@@ -4,7 +4,8 @@ Loading is slow (seconds to minutes) and may fail (a Hugging Face id with no net
 the registry loads off the event loop, remembers the outcome per model, and lets
 ``/health`` report it truthfully. A request for a model that is not loaded starts its load
 and waits for it within its deadline (then 503 ``busy``: it is still loading); which
-models stay loaded, within the memory budget, is :mod:`afmd.engine.residency`'s.
+models stay loaded, within the memory budget, is :mod:`afmd.engine.residency`'s. The
+handle itself is :mod:`afmd.engine.loaded`'s, the load :mod:`afmd.engine.loading`'s.
 """
 
 from __future__ import annotations
@@ -13,15 +14,13 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from afmd.config import BUILTIN_DEMO_PATH, Config, ModelEntry
 from afmd.engine import budget, kinds
-from afmd.engine.base import Generation, GenerationRequest
-from afmd.engine.kinds import BUILTIN_PREFIX, CHAT, EMBEDDING, EmbeddingSpec
+from afmd.engine.kinds import CHAT, EMBEDDING
+from afmd.engine.loaded import LoadedModel
+from afmd.engine.loading import load_sync
 from afmd.engine.residency import Lease, Residency, Usage
 from afmd.errors import (
     InvalidRequestError,
@@ -29,257 +28,8 @@ from afmd.errors import (
     ServerError,
     ServiceUnavailableError,
 )
-from afmd.output.processor import ToolFormat
-
-if TYPE_CHECKING:
-    # The worker imports mlx-lm and with it transformers (~45 MB resident): only a model
-    # load may pay for that, not a server that has none (or has not loaded one yet).
-    from afmd.engine.embedding import Embedder
-    from afmd.engine.vision import VisionSupport
-    from afmd.engine.vision_worker import VisionWorker
-    from afmd.engine.worker import BatchWorker
 
 log = logging.getLogger("afmd.engine")
-
-DEFAULT_CONTEXT_LENGTH = 4096
-
-
-def _rfind(haystack: list[int], needle: list[int]) -> int:
-    n = len(needle)
-    for i in range(len(haystack) - n, -1, -1):
-        if haystack[i: i + n] == needle:
-            return i
-    return -1
-
-
-def _context_length_from(config: Mapping[str, Any]) -> int | None:
-    for source in (config, config.get("text_config") or {}):
-        for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
-            value = source.get(key)
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
-
-
-@dataclass(slots=True)
-class LoadedModel:
-    """A model in memory with its tokenizer and its thread: generation or embedding."""
-
-    entry: ModelEntry
-    folder: Path | None
-    model: Any
-    tokenizer: Any
-    context_length: int
-    worker: BatchWorker | VisionWorker | None  # a chat model's
-    is_demo: bool = False
-    weights_bytes: int = 0
-    kind: str = CHAT
-    embedder: Embedder | None = None  # an embedding model's
-    #: When a request last got or released the model (Unix time, as /health reports it).
-    last_used: float = field(default_factory=time.time)
-    vision: VisionSupport | None = None  # a vision model's prompt side (mlx-vlm)
-
-    def touch(self) -> None:
-        self.last_used = time.time()
-
-    @property
-    def id(self) -> str:
-        return self.entry.id
-
-    @property
-    def memory_bytes(self) -> int:
-        """Measured: the weights, the prefix cache's KV state and the running batch's."""
-        worker = self.worker
-        if worker is None:
-            return self.weights_bytes
-        return self.weights_bytes + worker.cache_bytes + worker.live_cache_bytes
-
-    @property
-    def embedding(self) -> EmbeddingSpec:
-        assert self.embedder is not None, f"{self.id} is not an embedding model"
-        return self.embedder.spec
-
-    @property
-    def hidden_size(self) -> int:
-        """The width of the model's hidden states: an embedding's full dimensions."""
-        args = getattr(self.model, "args", None)
-        size = getattr(args, "hidden_size", None)
-        if size is None:
-            size = self.model.model.embed_tokens.weight.shape[-1]
-        return int(size)
-
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
-        """Ids of each text as the model's tokenizer makes them, its special tokens added
-        (an embedding model's tokenizer may append the token its pooling reads)."""
-        hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
-        ids = hf(texts, add_special_tokens=True, return_attention_mask=False)["input_ids"]
-        return [list(row) for row in ids]
-
-    @property
-    def vocab_size(self) -> int:
-        args = getattr(self.model, "args", None)
-        size = getattr(args, "vocab_size", None)
-        return int(size) if size else len(self.tokenizer.get_vocab())
-
-    @property
-    def eos_ids(self) -> list[int]:
-        return sorted(self.tokenizer.eos_token_ids)
-
-    @property
-    def supports_vision(self) -> bool:
-        return self.vision is not None
-
-    @property
-    def thinking(self) -> tuple[str, str] | None:
-        """The model's thinking markers, when its tokenizer has them."""
-        tok = self.tokenizer
-        if not getattr(tok, "has_thinking", False) or not tok.think_end:
-            return None
-        return tok.think_start, tok.think_end
-
-    def prompt_opens_thinking(self, prompt: list[int]) -> bool:
-        """Whether the chat template left a thinking block open at the end of the prompt."""
-        tok = self.tokenizer
-        start = getattr(tok, "think_start_tokens", None)
-        end = getattr(tok, "think_end_tokens", None)
-        if not start or not end:
-            return False
-        tail = prompt[-32:]  # templates open the block in the generation prompt itself
-        return _rfind(tail, list(start)) > _rfind(tail, list(end))
-
-    @property
-    def think_ids(self) -> tuple[int, int] | None:
-        tok = self.tokenizer
-        if self.thinking is None:
-            return None
-        start, end = tok.think_start_tokens, tok.think_end_tokens
-        if start and end and len(start) == 1 and len(end) == 1:
-            return start[0], end[0]
-        return None
-
-    @property
-    def tool_format(self) -> ToolFormat | None:
-        """How this model family writes tool calls (mlx-lm's detection), if it can."""
-        tok = self.tokenizer
-        parser = getattr(tok, "tool_parser", None)
-        if not getattr(tok, "has_tool_calling", False) or parser is None:
-            return None
-        module = getattr(parser, "__module__", "")
-        return ToolFormat(
-            start=tok.tool_call_start,
-            end=tok.tool_call_end,
-            parse=parser,
-            incremental_json=module.endswith(".json_tools"),
-        )
-
-    def single_token(self, text: str) -> int | None:
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return ids[0] if len(ids) == 1 else None
-
-    def render_prompt(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        """Prompt token ids through the model's own chat template."""
-        kwargs = dict(template_kwargs or {})
-        if tools:
-            kwargs["tools"] = list(tools)
-        text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False, **kwargs
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def start(self, request: GenerationRequest) -> Generation:
-        assert self.worker is not None, f"{self.id} is not a chat model"
-        generation = Generation(request, asyncio.get_running_loop())
-        self.worker.submit(generation)
-        return generation
-
-    def cancel(self, generation: Generation) -> None:
-        generation.cancel()
-        if self.worker is not None:
-            self.worker.wake()
-
-
-def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
-    # Fail before the heavy imports: mlx-lm drags in transformers (~45 MB resident, a second
-    # or two), which a server whose model folder is missing would otherwise carry forever.
-    if kinds.missing_local_path(entry.path):
-        raise FileNotFoundError(f"'{entry.path}' does not exist")
-
-    # Heavy imports stay here so `afmd --help`, `check-config` and a server that has not
-    # loaded a model yet start fast and small; PyInstaller still sees them statically.
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm import load as mlx_load
-
-    from afmd.engine import demo
-    from afmd.engine.draft import load_draft
-    from afmd.engine.embedding import Embedder
-    from afmd.engine.layout import relayout_for_cpu
-    from afmd.engine.memory import apply_memory_bounds
-    from afmd.engine.worker import BatchWorker
-
-    apply_memory_bounds(config.cache.mlx_buffer_cache_bytes)
-
-    is_demo = entry.path.startswith(BUILTIN_PREFIX)
-    if kinds.is_vision(entry, kinds.model_folder(entry.path)):
-        from afmd.engine import vision
-
-        variant = entry.path[len(BUILTIN_PREFIX):]
-        local = demo.materialize(variant) if is_demo else Path(entry.path).expanduser()
-        source = str(local) if local.exists() else entry.path
-        return vision.load(entry, config, source, is_demo)
-    if is_demo:
-        variant = entry.path[len(BUILTIN_PREFIX):]
-        folder: Path | None = demo.materialize(variant)
-        source = str(folder)
-    else:
-        candidate = Path(entry.path).expanduser()
-        folder = candidate if candidate.exists() else None
-        source = str(candidate) if folder else entry.path
-    model, tokenizer, model_config = mlx_load(source, return_config=True)
-    # A repo's files are on disk now: its folder can say what kind of model it is.
-    kind, spec = kinds.resolve(entry, folder or kinds.model_folder(entry.path), model_config)
-    if kind == CHAT:
-        relayout_for_cpu(model)  # an embedding model never runs its output projection
-    # Loading and re-laying out weights freed buffers a serving process never reuses.
-    mx.clear_cache()
-    context_length = (
-        entry.context_length or _context_length_from(model_config) or DEFAULT_CONTEXT_LENGTH
-    )
-    worker: BatchWorker | None = None
-    embedder: Embedder | None = None
-    if spec is not None:
-        embedder = Embedder(model, spec, name=entry.id)
-        embedder.start()
-    else:
-        worker = BatchWorker(
-            model,
-            tokenizer,
-            name=entry.id,
-            max_batch=config.queue.max_concurrent_requests,
-            prompt_cache_bytes=config.cache.prompt_cache_bytes,
-            prompt_cache_entries=config.cache.prompt_cache_entries,
-            prompt_lookup=config.engine.prompt_lookup,
-            draft_model=load_draft(entry, config, tokenizer),
-        )
-        worker.start()
-    return LoadedModel(
-        entry=entry,
-        folder=folder,
-        model=model,
-        tokenizer=tokenizer,
-        context_length=context_length,
-        worker=worker,
-        is_demo=is_demo,
-        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
-        kind=kind,
-        embedder=embedder,
-    )
 
 
 @dataclass(slots=True)
@@ -445,7 +195,7 @@ class ModelRegistry:
         await residency.make_room(entry.id, size or 0, deadline, evict=evict)
         started = time.perf_counter()
         try:
-            loaded = await asyncio.to_thread(_load_sync, entry, self._config)
+            loaded = await asyncio.to_thread(load_sync, entry, self._config)
         except Exception as exc:
             residency.unreserve(entry.id)
             reason = kinds.describe_load_failure(entry, exc)

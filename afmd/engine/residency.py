@@ -34,7 +34,7 @@ from afmd.engine.budget import format_bytes
 from afmd.errors import ServiceUnavailableError
 
 if TYPE_CHECKING:
-    from afmd.engine.models import LoadedModel
+    from afmd.engine.loaded import LoadedModel
 
 log = logging.getLogger("afmd.engine")
 

@@ -34,7 +34,7 @@ from afmd.engine.vision_worker import VisionWorker
 
 if TYPE_CHECKING:
     from afmd.config import Config, ModelEntry
-    from afmd.engine.models import LoadedModel
+    from afmd.engine.loaded import LoadedModel
 
 #: Processor outputs that are the prompt itself rather than inputs of the vision side.
 _TEXT_KEYS = ("input_ids", "attention_mask")
@@ -122,7 +122,7 @@ def load(entry: ModelEntry, config: Config, source: str, is_demo: bool) -> Loade
     from mlx.utils import tree_flatten
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from afmd.engine.models import DEFAULT_CONTEXT_LENGTH, LoadedModel, _context_length_from
+    from afmd.engine.loaded import DEFAULT_CONTEXT_LENGTH, LoadedModel, context_length_from
 
     folder = Path(get_model_path(source))
     model, processor = vlm_load(str(folder))
@@ -132,7 +132,7 @@ def load(entry: ModelEntry, config: Config, source: str, is_demo: bool) -> Loade
     mx.clear_cache()
     raw = _config_json(folder)
     context_length = (
-        entry.context_length or _context_length_from(raw) or DEFAULT_CONTEXT_LENGTH
+        entry.context_length or context_length_from(raw) or DEFAULT_CONTEXT_LENGTH
     )
     worker = VisionWorker(model, tokenizer, name=entry.id)
     worker.start()

@@ -1,0 +1,97 @@
+"""Loading one configured model into memory: weights, tokenizer and its worker thread.
+
+Blocking and slow (seconds to minutes), so :mod:`afmd.engine.models` runs it off the event
+loop; the heavy imports wait inside the function, so importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from afmd.config import Config, ModelEntry
+from afmd.engine import kinds
+from afmd.engine.kinds import BUILTIN_PREFIX, CHAT
+from afmd.engine.loaded import DEFAULT_CONTEXT_LENGTH, LoadedModel, context_length_from
+
+
+def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
+    """The model in memory with its worker started; blocking, so the registry runs it in
+    a thread."""
+    # Fail before the heavy imports: mlx-lm drags in transformers (~45 MB resident, a second
+    # or two), which a server whose model folder is missing would otherwise carry forever.
+    if kinds.missing_local_path(entry.path):
+        raise FileNotFoundError(f"'{entry.path}' does not exist")
+
+    # Heavy imports stay here so `afmd --help`, `check-config` and a server that has not
+    # loaded a model yet start fast and small; PyInstaller still sees them statically.
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load as mlx_load
+
+    from afmd.engine import demo
+    from afmd.engine.draft import load_draft
+    from afmd.engine.embedding import Embedder
+    from afmd.engine.layout import relayout_for_cpu
+    from afmd.engine.memory import apply_memory_bounds
+    from afmd.engine.worker import BatchWorker
+
+    apply_memory_bounds(config.cache.mlx_buffer_cache_bytes)
+
+    is_demo = entry.path.startswith(BUILTIN_PREFIX)
+    if kinds.is_vision(entry, kinds.model_folder(entry.path)):
+        from afmd.engine import vision
+
+        variant = entry.path[len(BUILTIN_PREFIX):]
+        local = demo.materialize(variant) if is_demo else Path(entry.path).expanduser()
+        source = str(local) if local.exists() else entry.path
+        return vision.load(entry, config, source, is_demo)
+    if is_demo:
+        variant = entry.path[len(BUILTIN_PREFIX):]
+        folder: Path | None = demo.materialize(variant)
+        source = str(folder)
+    else:
+        candidate = Path(entry.path).expanduser()
+        folder = candidate if candidate.exists() else None
+        source = str(candidate) if folder else entry.path
+    model, tokenizer, model_config = mlx_load(source, return_config=True)
+    # A repo's files are on disk now: its folder can say what kind of model it is.
+    kind, spec = kinds.resolve(entry, folder or kinds.model_folder(entry.path), model_config)
+    if kind == CHAT:
+        relayout_for_cpu(model)  # an embedding model never runs its output projection
+    # Loading and re-laying out weights freed buffers a serving process never reuses.
+    mx.clear_cache()
+    context_length = (
+        entry.context_length or context_length_from(model_config) or DEFAULT_CONTEXT_LENGTH
+    )
+    worker: BatchWorker | None = None
+    embedder: Embedder | None = None
+    if spec is not None:
+        embedder = Embedder(model, spec, name=entry.id)
+        embedder.start()
+    else:
+        worker = BatchWorker(
+            model,
+            tokenizer,
+            name=entry.id,
+            max_batch=config.queue.max_concurrent_requests,
+            prompt_cache_bytes=config.cache.prompt_cache_bytes,
+            prompt_cache_entries=config.cache.prompt_cache_entries,
+            prompt_lookup=config.engine.prompt_lookup,
+            draft_model=load_draft(entry, config, tokenizer),
+        )
+        worker.start()
+    return LoadedModel(
+        entry=entry,
+        folder=folder,
+        model=model,
+        tokenizer=tokenizer,
+        context_length=context_length,
+        worker=worker,
+        is_demo=is_demo,
+        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+        kind=kind,
+        embedder=embedder,
+    )
+
+
+__all__ = ["load_sync"]
