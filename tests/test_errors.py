@@ -246,7 +246,6 @@ IGNORED = {
     "logit_bias": {"1": -100, "2": 5},
     "service_tier": "auto",
     "reasoning_effort": "low",
-    "prediction": {"type": "content", "content": "Something."},
 }
 
 

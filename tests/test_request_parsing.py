@@ -612,7 +612,6 @@ IGNORED = {
     "logit_bias": {"50256": -100},
     "service_tier": "auto",
     "reasoning_effort": "low",
-    "prediction": {"type": "content", "content": "x"},
 }
 
 
@@ -632,6 +631,16 @@ def test_all_ignored_fields_together() -> None:
     assert _generation_inputs(parse(**IGNORED)) == _generation_inputs(parse())
     # OpenAI's own fields are known: X-AFM-Ignored-Fields names only unknown ones.
     assert parse(**IGNORED).ignored_fields == ()
+
+
+def test_prediction_is_read_not_ignored() -> None:
+    """Speculative decoding proposes the prediction's tokens, so its text reaches the
+    engine (it changes the speed, never the tokens: tests/test_speculative.py)."""
+    assert parse().prediction is None
+    assert parse(prediction={"type": "content", "content": "x"}).prediction == "x"
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    request = parse(prediction={"type": "content", "content": parts})
+    assert (request.prediction, request.ignored_fields) == ("ab", ())
 
 
 # --------------------------------------------------------------------------- echoed values
