@@ -64,7 +64,7 @@ def test_example_file_equals_defaults_except_alias() -> None:
 
 def test_example_file_covers_every_key() -> None:
     text = EXAMPLE.read_text()
-    for section, cls in config_mod._SECTIONS.items():
+    for section, cls in config_mod.SECTIONS.items():
         assert f"[{section}]" in text
         for f in dataclasses.fields(cls):
             if (section, f.name) == ("models", "model"):

@@ -3,7 +3,7 @@
 Layers, lowest first; a module may import its own layer and lower ones, never higher:
 
     0  afmd (``__init__``), afmd.errors, afmd.config (and afmd.config_fields,
-       .config_layers, .config_tables), afmd.paths
+       .config_layers, .config_tables, .config_sections, .config_rules), afmd.paths
     1  afmd.logs
     1.5 afmd.core.* (the turn and its output events, below every wire format)
     1.7 afmd.protocol.nesting, .fields (the checks every dialect's parser is built from)
@@ -49,6 +49,8 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.config_fields", 0),  # config value kinds, bounds and choices, their walker
     ("afmd.config_layers", 0),  # file, env and flags merged into config values
     ("afmd.config_tables", 0),  # the config file's arrays of tables
+    ("afmd.config_sections", 0),  # the config's dataclasses, one per TOML table
+    ("afmd.config_rules", 0),  # the config's rules across settings, after the merge
     ("afmd.paths", 0),
     ("afmd.hubcache", 0),  # the Hugging Face cache on disk: which repos, complete or not
     ("afmd.logs", 1),
