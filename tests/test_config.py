@@ -62,6 +62,30 @@ def test_example_file_equals_defaults_except_alias() -> None:
     assert cfg.resolve_model("gpt-4o-mini") == cfg.resolve_model("demo")
 
 
+def test_example_file_model_tables_parse(tmp_path: Path) -> None:
+    """The commented [[models.model]] examples, uncommented, are a valid config (the
+    per-model keys, fim's inline table included), and every per-model key is described."""
+    import re
+
+    from afmd.config_tables import FimSetting
+
+    text = EXAMPLE.read_text()
+    for f in dataclasses.fields(ModelEntry):
+        assert re.search(rf"^#   {f.name} ", text, re.M), f"models.model {f.name} missing"
+    tables: list[str] = []
+    in_table = False
+    for line in text.splitlines():
+        in_table = line == "# [[models.model]]" or (
+            in_table and re.fullmatch(r"# \w+ = .+", line) is not None)
+        if in_table:
+            tables.append(line[2:])
+    cfg = load_text(tmp_path, "\n".join(tables))
+    coder = cfg.resolve_model("coder")
+    assert cfg.resolve_model("qwen2.5-0.5b") is not None and coder is not None
+    assert coder.fim == FimSetting(prefix="<PRE>", suffix="<SUF>", middle="<MID>",
+                                   stop=("<EOT>",))
+
+
 def test_example_file_covers_every_key() -> None:
     text = EXAMPLE.read_text()
     for section, cls in config_mod.SECTIONS.items():
