@@ -18,19 +18,25 @@ from afmd.core.embeddings import EmbeddingRequest, Embeddings, Input
 from afmd.errors import APIError
 from afmd.protocol.body import parse_json_body
 from afmd.protocol.fields import (
-    as_int,
+    Scalar,
     invalid,
     missing,
-    not_one_of,
-    optional,
+    names,
+    read_scalars,
     unknown_keys,
     wrong_type,
 )
 from afmd.protocol.keep_alive import keep_alive_of
 
-KNOWN_FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user",
-                          "keep_alive"})
 ENCODING_FORMATS = ("float", "base64")
+#: The body's scalar fields, in the order they are checked (``input`` after them).
+SCALARS = (
+    Scalar("model", "string"),
+    Scalar("user", "string"),  # accepted and ignored, as in chat
+    Scalar("encoding_format", "string", default="float", choices=ENCODING_FORMATS),
+    Scalar("dimensions", "integer", minimum=1),
+)
+KNOWN_FIELDS = names(SCALARS) | {"input", "keep_alive"}
 #: OpenAI's limit on the entries of ``input``.
 MAX_INPUTS = 2048
 
@@ -97,20 +103,12 @@ def parse_embedding_request(body: dict[str, Any], *, strict: bool = False) -> Em
     """Check every field; an unknown top-level one is ignored and listed (``strict``: a
     400 ``unknown_parameter``, as OpenAI answers)."""
     ignored = unknown_keys(body, KNOWN_FIELDS, strict=strict)
-    model = optional(body, "model", "model", str, "a string")
-    optional(body, "user", "user", str, "a string")  # accepted and ignored, as in chat
-    encoding = optional(body, "encoding_format", "encoding_format", str, "a string")
-    if encoding is None:
-        encoding = "float"
-    elif encoding not in ENCODING_FORMATS:
-        raise not_one_of("encoding_format", encoding, ENCODING_FORMATS)
-    dimensions = body.get("dimensions")
-    if dimensions is not None:
-        dimensions = as_int(dimensions, "dimensions", minimum=1)
+    values = read_scalars(body, SCALARS)
     inputs, params = parse_inputs(body.get("input"))
     return EmbeddingRequest(
-        inputs=inputs, params=params, model=model, encoding_format=encoding,
-        dimensions=dimensions, keep_alive=keep_alive_of(body), ignored_fields=ignored,
+        inputs=inputs, params=params, model=values["model"],
+        encoding_format=values["encoding_format"], dimensions=values["dimensions"],
+        keep_alive=keep_alive_of(body), ignored_fields=ignored,
     )
 
 
