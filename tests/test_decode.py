@@ -207,7 +207,7 @@ def test_worker_runs_the_decode_step(tmp_path: Path, loaded: tuple[Any, Any]) ->
     from afmd.engine.worker import BatchWorker
 
     worker = BatchWorker(loaded[0], loaded[1], name="t")
-    generator = worker._new_generator()
+    generator = worker._stepper.reset()
     try:
         assert isinstance(generator._generation_batch, DecodeBatch)
     finally:

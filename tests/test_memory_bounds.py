@@ -88,7 +88,7 @@ def test_prefix_cache_holds_only_what_it_counts(loaded: LoadedModel) -> None:
     and dropping it frees no more MLX memory than the bytes it counted: an entry that
     still referenced the batch's whole KV buffers would hold several times as much."""
     _burst(loaded, _prompts(loaded, 40, "prefix"))
-    cache = loaded.worker._prompt_cache
+    cache = loaded.worker._stepper.prompt_cache
     assert cache is not None
     assert 0 < len(cache) <= ENTRIES
     counted = cache.nbytes

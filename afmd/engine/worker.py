@@ -23,16 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from afmd.engine.base import Event, Finished, Generation, PromptLogprobs, SamplingParams, Text
-from afmd.engine.decode import DecodeBatch
 from afmd.engine.detokenize import ExactDetokenizer
+from afmd.engine.lockstep import Admission, Lockstep, StepPlan
 from afmd.engine.logprobs import prompt_logprobs, resolve
 from afmd.engine.sampling import RowSampler
 from afmd.engine.speculative import RowSpec, Standing
+from afmd.engine.stepper import Stepper
 from afmd.errors import ServerError
 
 log = logging.getLogger("afmd.engine")
@@ -75,8 +74,25 @@ class _Sequence:
     spec: RowSpec | None = None
 
 
+@dataclass(slots=True)
+class _Admission:
+    """A request about to join: its sequence, what the plan says of it, and the cached
+    prefix it resumes from (fetched when the plan was made, so the plan can say so)."""
+
+    seq: _Sequence
+    plan: Admission
+    cache: Any
+    rest: list[int]
+
+
 class BatchWorker:
-    """Owns a model's ``BatchGenerator`` and the thread that steps it."""
+    """Turns a :class:`~afmd.engine.stepper.Stepper`'s tokens into each request's events,
+    on the thread that steps it.
+
+    With a :class:`~afmd.engine.lockstep.Lockstep` (rank 0 of a sharded model), each
+    iteration's admissions and cancellations are broadcast as a plan before they are
+    applied, so the other ranks run the same model work (:mod:`afmd.engine.follower`).
+    """
 
     def __init__(
         self,
@@ -90,32 +106,36 @@ class BatchWorker:
         prompt_cache_entries: int = 16,
         prompt_lookup: bool = True,
         draft_model: Any = None,
+        lockstep: Lockstep | None = None,
     ) -> None:
+        self._stepper = Stepper(
+            model, tokenizer, name=name, max_batch=max_batch,
+            prefill_step_size=prefill_step_size, prompt_cache_bytes=prompt_cache_bytes,
+            prompt_cache_entries=prompt_cache_entries, lockstep=lockstep,
+        )
         self._model = model
+        self._lockstep = lockstep
+        # A sharded model never speculates (see ShardedDecodeBatch).
+        self._speculates = lockstep is None
         self._prompt_lookup = prompt_lookup
         self._draft_model = draft_model
         # Owned by the thread: how each kind of proposal source fared lately.
         self._standing: dict[str, Standing] = {}
         self._tokenizer = tokenizer
-        self._max_batch = max(1, max_batch)
-        self._prefill_step_size = prefill_step_size
-        self._eos = sorted(tokenizer.eos_token_ids)
+        self._eos = self._stepper.eos
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._active: dict[int, _Sequence] = {}
         self._thread = threading.Thread(target=self._run, name=f"afmd-engine-{name}", daemon=True)
-        self._generator: BatchGenerator | None = None
-        self._batch: DecodeBatch | None = None  # the generator's running batch
         self._started = False
         # Sequences with events not yet handed to the event loop, and when we last did.
         self._unflushed: dict[int, _Sequence] = {}
         self._last_flush = 0.0
-        # Owned by the thread: KV states of finished requests, reused for shared prefixes.
-        self._prompt_cache: LRUPromptCache | None = None
-        if prompt_cache_bytes > 0 and prompt_cache_entries > 0:
-            self._prompt_cache = LRUPromptCache(
-                max_size=prompt_cache_entries, max_bytes=prompt_cache_bytes
-            )
-        self._cache_key = name
+        #: When the thread started its current iteration (0.0: idle, waiting for work):
+        #: a watchdog of a sharded model reads it to find a step that never ends.
+        self.busy_since = 0.0
+        #: Called on the thread, instead of recovering, when a sharded model's step fails:
+        #: the other ranks are now out of step, and only a restart of the group helps.
+        self.on_fatal: Callable[[BaseException], None] | None = None
         # Fault injection for tests of the retry path: the first N decode steps fail as
         # a transient MLX error would (AFMD_INJECT_FAILURES=N, documented in the README).
         self._inject_failures = int(os.environ.get("AFMD_INJECT_FAILURES", "0") or 0)
@@ -136,17 +156,13 @@ class BatchWorker:
     def cache_bytes(self) -> int:
         """Bytes of KV state the prefix cache holds (a plain counter: safe to read from
         the event loop while the thread updates it)."""
-        return self._prompt_cache.nbytes if self._prompt_cache is not None else 0
+        return self._stepper.cache_bytes
 
     @property
     def live_cache_bytes(self) -> int:
         """Bytes of KV state the running batch holds, read from the event loop: a cache
         the thread swaps meanwhile is counted at the next read."""
-        batch = self._batch
-        try:
-            return sum(c.nbytes for c in batch.prompt_cache) if batch is not None else 0
-        except Exception:  # a list resized under the read: 0 now, right next time
-            return 0
+        return self._stepper.live_cache_bytes
 
     def wake(self) -> None:
         """Make the thread look at cancellation flags even if it is idle."""
@@ -158,33 +174,31 @@ class BatchWorker:
             self._thread.join(timeout)
 
     # -- thread side --
-    def _new_generator(self) -> BatchGenerator:
-        generator = BatchGenerator(
-            self._model,
-            max_tokens=256,
-            stop_tokens=[[t] for t in self._eos],
-            completion_batch_size=self._max_batch,
-            prefill_batch_size=self._max_batch,
-            prefill_step_size=self._prefill_step_size,
-        )
-        self._batch = DecodeBatch.install(generator)
-        return generator
-
     def _run(self) -> None:
-        self._generator = self._new_generator()
+        self._stepper.reset()
         while True:
             try:
-                if not self._take_inbox(block=not self._active):
+                items = self._take_inbox(block=not self._active)
+                if items is None:
                     break
-                self._reap_cancelled()
-                if self._active:
-                    self._step()
+                self.busy_since = time.monotonic()
+                self._iterate(items)
             except Exception as exc:  # a model failure must not kill the thread
+                if self._lockstep is not None and self.on_fatal is not None:
+                    log.exception("a step of the sharded model failed")
+                    self.on_fatal(exc)
+                    return
                 log.exception("generation step failed")
                 self._fail_all(exc)
+            finally:
+                self.busy_since = 0.0
+        if self._lockstep is not None:
+            with contextlib.suppress(Exception):  # the other ranks may be gone already
+                self._lockstep.share(StepPlan(stop=True).encode())
         self._fail_all(None)
 
-    def _take_inbox(self, *, block: bool) -> bool:
+    def _take_inbox(self, *, block: bool) -> list[Generation] | None:
+        """The requests that arrived (``None``: stop)."""
         items: list[Any] = []
         if block:
             items.append(self._inbox.get())
@@ -193,14 +207,33 @@ class BatchWorker:
                 items.append(self._inbox.get_nowait())
             except queue.Empty:
                 break
-        for item in items:
-            if item is _STOP:
-                return False
-            if isinstance(item, Generation):
-                self._admit(item)
-        return True
+        if any(item is _STOP for item in items):
+            for item in items:
+                if isinstance(item, Generation):
+                    self._inbox.put(item)  # failed with the rest by _fail_all
+            return None
+        return [item for item in items if isinstance(item, Generation)]
 
-    def _admit(self, generation: Generation) -> None:
+    def _iterate(self, arrivals: list[Generation]) -> None:
+        """Admit what arrived, drop what was cancelled, step the batch."""
+        admissions = [a for a in map(self._prepare, arrivals) if a is not None]
+        cancelled = [s for s in self._active.values() if s.generation.cancel_requested]
+        if self._lockstep is not None:
+            joining = sum(1 for a in admissions if a.plan.max_tokens > 0)
+            plan = StepPlan(
+                admit=[a.plan for a in admissions],
+                remove=[s.uid for s in cancelled],
+                active=len(self._active) + joining - len(cancelled),
+            )
+            self._lockstep.share(plan.encode())
+        for admission in admissions:
+            self._admit(admission)
+        self._remove(cancelled)
+        if self._active:
+            self._step()
+
+    def _prepare(self, generation: Generation) -> _Admission | None:
+        """A request's sequence and the model work it needs (``None``: none, it ended)."""
         request = generation.request
         seq = _Sequence(
             generation=generation,
@@ -218,12 +251,28 @@ class BatchWorker:
         if generation.cancel_requested:
             self._finish(seq, "cancelled")
             self._flush([seq])
-            return
-        if request.prompt_logprobs is not None:
+            return None
+        cache, rest = (None, request.prompt)
+        if request.max_tokens > 0:
+            cache, rest = self._stepper.cached_prefix(request.prompt)
+        seq.cached_tokens = len(request.prompt) - len(rest)
+        plan = Admission(
+            prompt=list(request.prompt),
+            cached=seq.cached_tokens,
+            max_tokens=request.max_tokens,
+            stop_ids=sorted(request.stop_ids),
+            prompt_logprobs=request.prompt_logprobs,
+        )
+        return _Admission(seq, plan, cache, rest)
+
+    def _admit(self, admission: _Admission) -> None:
+        seq, plan = admission.seq, admission.plan
+        request = seq.generation.request
+        if plan.prompt_logprobs is not None:
             seq.pending.append(PromptLogprobs(
-                prompt_logprobs(self._model, request.prompt, request.prompt_logprobs)
+                prompt_logprobs(self._model, plan.prompt, plan.prompt_logprobs)
             ))
-        if request.max_tokens <= 0:  # the prompt's numbers were all that was asked
+        if plan.max_tokens <= 0:  # the prompt's numbers were all that was asked
             seq.first_token_at = time.perf_counter()
             self._finish(seq, "length")
             self._flush([seq])
@@ -233,64 +282,28 @@ class BatchWorker:
             processors.extend(make_logits_processors(
                 repetition_penalty=request.sampling.repetition_penalty
             ))
-        assert self._generator is not None
-        cache, rest = self._cached_prefix(request.prompt)
-        seq.cached_tokens = len(request.prompt) - len(rest)
         sampler = make_sampler(request.sampling)
-        seq.spec = RowSpec.for_request(
-            request, processors, sampler, seq.stop_ids, tokenizer=self._tokenizer,
-            prompt_lookup=self._prompt_lookup, draft=self._draft_model,
-            standing=self._standing,
+        if self._speculates:
+            seq.spec = RowSpec.for_request(
+                request, processors, sampler, seq.stop_ids, tokenizer=self._tokenizer,
+                prompt_lookup=self._prompt_lookup, draft=self._draft_model,
+                standing=self._standing,
+            )
+        seq.uid = self._stepper.insert(
+            plan.prompt, admission.rest, admission.cache, max_tokens=plan.max_tokens,
+            sampler=sampler, processors=processors, stop_ids=plan.stop_ids,
         )
-        (uid,) = self._generator.insert(
-            [rest],
-            max_tokens=[request.max_tokens],
-            caches=[cache],
-            all_tokens=[request.prompt[: seq.cached_tokens]],
-            samplers=[sampler],
-            logits_processors=[processors],
-            stop_sequences=(
-                [StopSequences([[t] for t in sorted(seq.stop_ids)])] if request.stop_ids
-                else None
-            ),
-        )
-        seq.uid = uid
-        self._active[uid] = seq
-        if seq.logprobs is not None and self._batch is not None:
-            self._batch.logprob_rows[uid] = seq.logprobs
-        if seq.spec is not None and self._batch is not None:
-            self._batch.spec_rows[uid] = seq.spec
+        self._active[seq.uid] = seq
+        batch = self._stepper.batch
+        if seq.logprobs is not None and batch is not None:
+            batch.logprob_rows[seq.uid] = seq.logprobs
+        if seq.spec is not None and batch is not None:
+            batch.spec_rows[seq.uid] = seq.spec
 
-    def _cached_prefix(self, prompt: list[int]) -> tuple[Any, list[int]]:
-        """The longest cached KV state for a prefix of ``prompt``, and the tokens left."""
-        if self._prompt_cache is None:
-            return None, prompt
-        cache, rest = self._prompt_cache.fetch_nearest_cache(self._cache_key, prompt)
-        if cache is None:
-            return None, prompt
-        if not rest:
-            # An exact hit still needs one token to compute the next logits from.
-            if not can_trim_prompt_cache(cache):
-                return None, prompt
-            trim_prompt_cache(cache, 1)
-            rest = prompt[-1:]
-        return cache, list(rest)
-
-    def _remember(self, tokens: list[int] | None, cache: Any) -> None:
-        if self._prompt_cache is not None and tokens and cache is not None:
-            # mlx-lm hands a finished row's KV state out as a lazy slice of the whole
-            # batch's buffers: unevaluated, each entry kept every row's keys and values
-            # alive while the cache counted only its own bytes, so prompt_cache_bytes
-            # bounded a fraction of what it held. Evaluating copies the row out now.
-            mx.eval([c.state for c in cache])
-            self._prompt_cache.insert_cache(self._cache_key, list(tokens), cache)
-
-    def _reap_cancelled(self) -> None:
-        cancelled = [s for s in self._active.values() if s.generation.cancel_requested]
+    def _remove(self, cancelled: list[_Sequence]) -> None:
         if not cancelled:
             return
-        assert self._generator is not None
-        self._generator.remove([s.uid for s in cancelled])
+        self._stepper.remove([s.uid for s in cancelled])
         for seq in cancelled:
             del self._active[seq.uid]
             self._forget_logprobs(seq)
@@ -298,11 +311,10 @@ class BatchWorker:
         self._flush(cancelled)
 
     def _step(self) -> None:
-        assert self._generator is not None
         if self._inject_failures > 0:
             self._inject_failures -= 1
             raise RuntimeError("[metal::malloc] injected failure (AFMD_INJECT_FAILURES)")
-        _, responses = self._generator.next()
+        responses = self._stepper.next()
         if not responses:
             return
         now = time.perf_counter()
@@ -362,7 +374,7 @@ class BatchWorker:
             if reason is not None:
                 del self._active[response.uid]
                 self._forget_logprobs(seq)
-                self._remember(response.all_tokens, response.prompt_cache)
+                self._stepper.remember(response.all_tokens, response.prompt_cache)
                 self._finish(seq, reason)
                 urgent = True
         # Each hand-off wakes the event loop through a pipe and makes the two threads trade
@@ -380,10 +392,11 @@ class BatchWorker:
                 ack.wait(_FIRST_TOKEN_HANDOFF_S)
 
     def _forget_logprobs(self, seq: _Sequence) -> None:
-        if seq.logprobs is not None and self._batch is not None:
-            self._batch.logprob_rows.pop(seq.uid, None)
-        if seq.spec is not None and self._batch is not None:
-            self._batch.spec_rows.pop(seq.uid, None)
+        batch = self._stepper.batch
+        if seq.logprobs is not None and batch is not None:
+            batch.logprob_rows.pop(seq.uid, None)
+        if seq.spec is not None and batch is not None:
+            batch.spec_rows.pop(seq.uid, None)
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         seq.detokenizer.finalize()
@@ -425,11 +438,10 @@ class BatchWorker:
         seqs = list(self._active.values())
         self._active.clear()
         self._unflushed.clear()
-        if self._generator is not None:
-            with contextlib.suppress(Exception):
-                self._generator.close()
+        with contextlib.suppress(Exception):
+            self._stepper.close()
         if exc is not None:
-            self._generator = self._new_generator()
+            self._stepper.reset()
         message = (
             "The model failed while generating." if exc is not None
             else "The server is shutting down."
