@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from afmd.engine import demo
+from afmd.engine import demo, demo_tokenizer, demo_weights
 from afmd.paths import cache_dir
 
 VARIANT = "demo-vision"
@@ -140,7 +140,7 @@ def build(dest: Path) -> None:
     tokenizer_bytes = _tokenizer_bytes()
     spec = json.loads(tokenizer_bytes)
     vocab = {t["content"]: t["id"] for t in spec["added_tokens"]}
-    vocab_size = demo._vocab_size(tokenizer_bytes)
+    vocab_size = demo_tokenizer.vocab_size(tokenizer_bytes)
     config = _config(vocab, vocab_size)
     weights = _weights(config)
     mx.save_safetensors(str(dest / "model.safetensors"),
@@ -148,7 +148,7 @@ def build(dest: Path) -> None:
                         metadata={"format": "mlx"})
     demo._write_json(dest / "config.json", config)
     (dest / "tokenizer.json").write_bytes(tokenizer_bytes)
-    tokenizer_config = demo._tokenizer_config(vocab)
+    tokenizer_config = demo_tokenizer.tokenizer_config(vocab)
     tokenizer_config["chat_template"] = CHAT_TEMPLATE
     for token in _VISION_TOKENS:
         tokenizer_config["added_tokens_decoder"][str(vocab[token])] = {
@@ -168,7 +168,7 @@ def _tokenizer_bytes() -> bytes:
     """The chat demo's tokenizer (with its FIM tokens) and Qwen2-VL's vision tokens."""
     raw = demo._tokenizer_bytes("demo")
     spec = json.loads(raw)
-    next_id = demo._vocab_size(raw)
+    next_id = demo_tokenizer.vocab_size(raw)
     for i, token in enumerate(_VISION_TOKENS):
         spec["added_tokens"].append({
             "id": next_id + i, "content": token, "single_word": False, "lstrip": False,
@@ -209,9 +209,9 @@ def _weight_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], f
     for name, value in sorted(tree_flatten(model.parameters())):
         shape = tuple(value.shape)
         if name.endswith("embed_tokens.weight"):
-            std = demo._EMBED_STD
+            std = demo_weights.EMBED_STD
         elif name.endswith("lm_head.weight"):
-            std = demo._LM_HEAD_STD
+            std = demo_weights.LM_HEAD_STD
         elif "norm" in name.rsplit(".", 2)[-2] and name.endswith(".weight"):
             std = 0.0  # a norm's scale: ones
         elif name.endswith(".bias"):
@@ -228,7 +228,7 @@ def _weight_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], f
 
 
 def _weights(config: dict[str, Any]) -> dict[str, np.ndarray]:
-    return demo._weights(_weight_shapes(config), seed=_SEED)
+    return demo_weights.draw_weights(_weight_shapes(config), seed=_SEED)
 
 
 _FINGERPRINT: list[str] = []
@@ -241,7 +241,7 @@ def fingerprint() -> str:
         digest.update(json.dumps({
             "builder_version": _BUILDER_VERSION, "text": _TEXT, "vision": _VISION,
             "image_processor": _IMAGE_PROCESSOR, "seed": _SEED, "feature_std": _FEATURE_STD,
-            "embed_std": demo._EMBED_STD, "lm_head_std": demo._LM_HEAD_STD,
+            "embed_std": demo_weights.EMBED_STD, "lm_head_std": demo_weights.LM_HEAD_STD,
             "chat_template": CHAT_TEMPLATE, "files": _MODEL_FILES,
         }, sort_keys=True).encode())
         digest.update(_tokenizer_bytes())

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 from tokenizers import Tokenizer
 
-from afmd.engine import demo
+from afmd.engine import demo_weights
 
 from helpers.formats import SPECS, Spec
 
@@ -41,9 +41,9 @@ def build(spec: Spec, dest: Path) -> Path:
         for token, i in ids.items()
     ]
     vocab_size = first + len(spec.tokens)
-    shapes = demo._weight_shapes(vocab_size, demo._ARCHITECTURE)
+    shapes = demo_weights.weight_shapes(vocab_size, demo_weights.ARCHITECTURE)
     seed = _SEED + sorted(SPECS).index(spec.id)
-    weights = demo._weights(shapes, seed=seed)
+    weights = demo_weights.draw_weights(shapes, seed=seed)
     if spec.think and spec.think_rival:
         # The first tokens where the thinking opener and its rival differ get one row.
         encoder = Tokenizer.from_str(json.dumps(tokenizer))
@@ -54,7 +54,7 @@ def build(spec: Spec, dest: Path) -> Path:
         head[mine[k]] = head[rival[k]]
     mx.save_safetensors(str(dest / "model.safetensors"),
                         {k: mx.array(v) for k, v in weights.items()}, metadata={"format": "mlx"})
-    config = {**demo._ARCHITECTURE, "vocab_size": vocab_size, "bos_token_id": None,
+    config = {**demo_weights.ARCHITECTURE, "vocab_size": vocab_size, "bos_token_id": None,
               "eos_token_id": [ids[e] for e in spec.eos], "pad_token_id": ids[spec.eos[0]]}
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     (dest / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
@@ -74,7 +74,7 @@ def build(spec: Spec, dest: Path) -> Path:
         "errors": "replace",
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
-        "model_max_length": demo._ARCHITECTURE["max_position_embeddings"],
+        "model_max_length": demo_weights.ARCHITECTURE["max_position_embeddings"],
         "chat_template": spec.template,
     }, indent=2, ensure_ascii=False))
     return dest
