@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from afmd import doctor
+from afmd import doctor, port_owners
 from afmd.config import BREW_PREFIXES
 
 from conftest import ROOT, ServerProcess, afmd_command, start_server
@@ -171,13 +171,13 @@ def test_port_held_by_another_http_server(plain_http: int) -> None:
     assert any("not afmd" in p for p in report.problems), report.problems
 
 
-@pytest.mark.skipif(doctor._lsof() is None, reason="lsof is not installed")
+@pytest.mark.skipif(port_owners.find_lsof() is None, reason="lsof is not installed")
 def test_lsof_finds_the_owner_too() -> None:
     """The macOS path (no /proc): lsof names the pid and the full command."""
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen(1)
-        owners = doctor._lsof_owners(holder.getsockname()[1])
+        owners = port_owners.lsof_owners(holder.getsockname()[1])
     assert [o["pid"] for o in owners] == [os.getpid()]
     assert "python" in owners[0]["command"].lower() or "pytest" in owners[0]["command"]
 

@@ -85,9 +85,19 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.http.screen", 4.93),  # Host, Origin/CORS, route, key, media type, size
     ("afmd.http.gate", 4.94),  # one connection's framer and screen, over the three
     ("afmd.http.*", 5),
+    ("afmd.distributed", 1),  # a launched group of ranks (package docstring only)
+    ("afmd.distributed.env", 1),  # what a rank learns from its environment
+    ("afmd.distributed.control", 1),  # heartbeats over TCP, the watchdog
+    ("afmd.distributed.lead", 5.5),  # rank 0's side of the group
+    ("afmd.distributed.loss", 5.5),  # what rank 0 does when a rank is lost
+    ("afmd.distributed.follow", 5.5),  # a rank other than 0, as a process
     ("afmd.server", 6),
+    ("afmd.distributed.rank", 6.5),  # `afmd serve` as one rank: lead or follow
+    ("afmd.distributed.launch", 7),  # `afmd launch`: the ranks' process contract
     ("afmd.cli", 7),
     ("afmd.doctor", 7),
+    ("afmd.doctor_report", 7),  # what doctor found: its JSON and its screen text
+    ("afmd.port_owners", 7),  # the processes listening on a port (/proc, lsof)
     ("afmd.cli_models", 7),  # pull, list, ps, rm, show
     ("afmd.endpoint", 7),  # finding and asking a running server (doctor, ps, list, rm)
     ("afmd.hub", 7),  # pulls through huggingface_hub, verified
