@@ -24,6 +24,7 @@ from afmd.engine.loaded import LoadedModel
 from afmd.engine.models import ModelRegistry
 from afmd.engine.residency import Lease
 from afmd.errors import (
+    APIError,
     ConflictError,
     GatewayTimeoutError,
     InvalidRequestError,
@@ -47,15 +48,22 @@ class EmbeddingRun:
     ticket: Ticket = field(default_factory=Ticket)
     job: EmbeddingJob | None = None
     cancelled: bool = False
+    #: What the request is answered once cancelled (the shutdown's error, or 409).
+    error: APIError | None = None
 
-    def cancel(self) -> None:
+    def cancel(self, error: APIError | None = None) -> None:
+        """Stop the request; the first reason wins (a shutdown after a client's cancel
+        still answers the cancel)."""
+        if self.cancelled:
+            return
         self.cancelled = True
+        self.error = error or cancelled_error(self.request_id)
         self.ticket.cancel()  # still queued: it leaves the queue at once
         job = self.job
         if job is not None:
             job.cancel()  # not encoded yet: skipped; encoding: its result is dropped
             if not job.future.done():
-                job.future.set_exception(cancelled_error(self.request_id))
+                job.future.set_exception(self.error)
 
 
 @dataclass
@@ -69,6 +77,13 @@ class EmbeddingService:
 
     def find(self, request_id: str) -> EmbeddingRun | None:
         return self._runs.get(request_id)
+
+    def interrupt(self, error: APIError) -> None:
+        """End every request waiting for a slot or being embedded with ``error``: the
+        server is stopping, and what still runs when its grace period ends is answered,
+        not cut with its connection."""
+        for run in list(self._runs.values()):
+            run.cancel(error)
 
     async def embed(self, request: EmbeddingRequest, request_id: str) -> Embeddings:
         deadline = time.monotonic() + self.request_timeout
@@ -92,9 +107,9 @@ class EmbeddingService:
             try:
                 await self.scheduler.acquire(run.ticket, deadline - time.monotonic())
             except Cancelled:
-                raise cancelled_error(request_id) from None
-            if run.cancelled:
-                raise cancelled_error(request_id)
+                raise run.error or cancelled_error(request_id) from None
+            if run.error is not None:
+                raise run.error
             assert model.embedder is not None
             future = asyncio.get_running_loop().create_future()
             run.job = EmbeddingJob(sequences, future, request.dimensions)

@@ -19,6 +19,7 @@ from afmd.config import Config
 from afmd.engine.models import ModelRegistry
 from afmd.http.app import AppState, create_app
 from afmd.http.connections import GateContext
+from afmd.http.embeddings import interrupt_embeddings
 from afmd.http.listeners import Listener, Listeners, StartupError, bind_tcp, bind_unix, is_loopback
 from afmd.http.protocol import direct_routes, make_protocol, route_checker
 from afmd.http.routes import interrupt_requests, server_stopping_error
@@ -162,10 +163,13 @@ class Server:
             # (an error event, [DONE] and the body's last chunk for a stream), then goes
             # idle and closes; only what cannot even do that in time is cut.
             error = server_stopping_error()
+
+            def interrupt() -> None:
+                interrupt_requests(self.state, error)
+                interrupt_embeddings(self.app, error)
+
             await self.gate.close_when_idle(
-                time.monotonic() + FINAL_WRITE_SECONDS,
-                each_turn=lambda: interrupt_requests(self.state, error),
-            )
+                time.monotonic() + FINAL_WRITE_SECONDS, each_turn=interrupt)
         self.gate.close_all()
         self._listeners.close()
         lifecycle = self._listeners.lifecycle

@@ -186,3 +186,136 @@ def _dechunk(data: bytes) -> list[bytes]:
         out.append(data[:size])
         assert data[size:size + 2] == b"\r\n"
         data = data[size + 2:]
+
+
+#: A stream per endpoint that goes through the turn handler, each in its own wire format:
+#: path, body, and the text that shows its first content went out.
+OTHER_STREAMS = {
+    "completions": ("/v1/completions",
+                    {"prompt": "Once", "max_tokens": LONG, "temperature": 0, "stream": True},
+                    '"text"'),
+    "responses": ("/v1/responses",
+                  {"input": "Once", "max_output_tokens": LONG, "temperature": 0,
+                   "stream": True, "store": False},
+                  "response.output_text.delta"),
+    "messages": ("/v1/messages",
+                 {"model": "demo", "messages": [{"role": "user", "content": "Once"}],
+                  "max_tokens": LONG, "temperature": 0, "stream": True},
+                 "content_block_delta"),
+}
+
+
+def _sse_events(text: str) -> list[tuple[str | None, Any]]:
+    """(``event:`` name or None, JSON-decoded ``data:``) per block of an SSE body."""
+    out: list[tuple[str | None, Any]] = []
+    for block in text.split("\n\n"):
+        name, data = None, None
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                data = line[len("data: "):]
+        if data is not None:
+            out.append((name, data if data == "[DONE]" else json.loads(data)))
+    return out
+
+
+def test_sigterm_ends_every_endpoint_in_its_wire_format(tmp_path: Path) -> None:
+    """Completions, Responses and Messages streams cut by the shutdown end with their own
+    error events; an embeddings request still waiting for a slot gets the same 503 as a
+    queued chat request, not a cut connection or an answer after the grace period."""
+    server = start_server(
+        tmp_path,
+        config=("[server]\nshutdown_grace = 1.0\n"
+                f"[queue]\nmax_concurrent_requests = {len(OTHER_STREAMS)}\n"),
+    )
+    tag = uuid.uuid4().hex[:8]
+    texts: dict[str, str] = {}
+    statuses: dict[str, int] = {}
+    errors: dict[str, BaseException] = {}
+    first = {name: threading.Event() for name in OTHER_STREAMS}
+
+    def read(name: str) -> None:
+        path, body, marker = OTHER_STREAMS[name]
+        parts: list[str] = []
+        try:
+            with httpx.stream("POST", server.url + path, json=body, timeout=60,
+                              headers={"X-Request-ID": f"{name}-{tag}"}) as response:
+                statuses[name] = response.status_code
+                for chunk in response.iter_text():
+                    parts.append(chunk)
+                    if marker in "".join(parts[-2:]):
+                        first[name].set()
+        except BaseException as exc:  # recorded for the test to report
+            errors[name] = exc
+        finally:
+            texts[name] = "".join(parts)
+            first[name].set()
+
+    queued: dict[str, Any] = {}
+
+    def embed_in_queue() -> None:
+        try:
+            r = httpx.post(server.url + "/v1/embeddings", json={"input": "queued"},
+                           headers={"X-Request-ID": f"embed-{tag}"}, timeout=60)
+            queued["status"], queued["body"] = r.status_code, r.json()
+        except BaseException as exc:
+            queued["error"] = exc
+
+    try:
+        # The embedding model loaded first: the request below waits for a slot only.
+        warm = httpx.post(server.url + "/v1/embeddings", json={"input": "warm"}, timeout=60)
+        assert warm.status_code == 200, warm.text
+        threads = [threading.Thread(target=read, args=(name,), daemon=True)
+                   for name in OTHER_STREAMS]
+        for t in threads:
+            t.start()
+        for name, event in first.items():
+            assert event.wait(60), name
+        assert not errors, errors
+        waiter = threading.Thread(target=embed_in_queue, daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while httpx.get(server.url + "/health", timeout=5).json()["queued_requests"] < 1:
+            assert time.monotonic() < deadline, "the embeddings request never queued"
+            time.sleep(0.02)
+
+        server.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        waiter.join(30)
+        code = server.proc.wait(30)
+    finally:
+        server.stop()
+
+    for name in OTHER_STREAMS:
+        assert name not in errors, (name, repr(errors[name]), texts[name][-300:])
+        assert statuses[name] == 200
+    events = _sse_events(texts["completions"])
+    assert events[-1] == (None, "[DONE]"), texts["completions"][-500:]
+    assert events[-2][1]["error"]["code"] == "server_shutting_down"
+    assert any("choices" in data for _, data in events[:-2] if isinstance(data, dict))
+
+    events = _sse_events(texts["responses"])
+    assert [name for name, _ in events[-2:]] == ["error", "response.failed"], events[-2:]
+    assert events[-2][1]["code"] == "server_shutting_down"
+    failed = events[-1][1]["response"]  # its error code is one of OpenAI's enum
+    assert (failed["status"], failed["error"]["code"]) == ("failed", "server_error")
+    assert "stopping" in failed["error"]["message"]
+
+    events = _sse_events(texts["messages"])
+    name, data = events[-1]
+    assert name == "error", texts["messages"][-500:]
+    assert data["error"]["type"] == "overloaded_error"
+    assert "stopping" in data["error"]["message"]
+
+    assert "error" not in queued, repr(queued.get("error"))
+    assert queued["status"] == 503, queued
+    assert queued["body"]["error"]["code"] == "server_shutting_down"
+
+    assert code == 0, server.log_text()[-3000:]
+    access = {e["request_id"]: e for e in server.events if e.get("event") == "request"}
+    for name in OTHER_STREAMS:
+        assert access[f"{name}-{tag}"]["stream_error"] == "server_shutting_down"
+    assert access[f"embed-{tag}"]["error_code"] == "server_shutting_down"
+    assert not [e for e in server.events if e.get("level") == "error"]

@@ -15,7 +15,7 @@ from sanic.response import HTTPResponse
 from afmd.core.events import Usage
 from afmd.dialects.openai_embeddings import OPENAI_EMBEDDINGS, OpenAIEmbeddings
 from afmd.embeddings import EmbeddingService
-from afmd.errors import NotFoundError
+from afmd.errors import APIError, NotFoundError
 from afmd.http.ignored import ignored_headers
 from afmd.http.routes import json_response, request_id_of
 
@@ -35,6 +35,14 @@ def service_of(app: Sanic) -> EmbeddingService:
     return service
 
 
+def interrupt_embeddings(app: Sanic, error: APIError) -> None:
+    """End every embeddings request still waiting or running with ``error`` (the server
+    is stopping), as :func:`~afmd.http.routes.interrupt_requests` ends the turns."""
+    service: EmbeddingService | None = getattr(app.ctx, "embeddings", None)
+    if service is not None:
+        service.interrupt(error)
+
+
 def _dialect(request: Request) -> OpenAIEmbeddings:
     route = getattr(request, "route", None)
     dialect = getattr(route.ctx, "dialect", None) if route is not None else None
@@ -47,6 +55,9 @@ async def embeddings(request: Request) -> HTTPResponse:
     parsed = dialect.parse(request.body, strict=request.app.ctx.state.config.api.strict)
     request.ctx.model = parsed.model
     extra = ignored_headers(parsed.ignored_fields, request_id)
+    stop = request.app.ctx.state.stop_error
+    if stop is not None:  # the shutdown's grace period is over, as for a turn
+        raise stop
     result = await service_of(request.app).embed(parsed, request_id)
     request.ctx.model = result.model
     request.ctx.usage = Usage(result.prompt_tokens, 0)
