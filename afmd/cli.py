@@ -17,6 +17,7 @@ from typing import Any
 
 from afmd import __version__
 from afmd.config import Config, ConfigError, default_config_path, load_config
+from afmd.distributed.launch import add_parser as launch_parser
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -78,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("file", metavar="FILE")
 
+    launch_parser(commands)
     commands.add_parser("version", help="print the version")
 
     doctor = commands.add_parser(
@@ -128,6 +130,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = _load(args.config, overrides)
     except ConfigError as exc:
+        from afmd.distributed.env import write_outcome
+
+        write_outcome(EXIT_CONFIG, "configuration error")  # under `afmd launch`
         return _config_error(exc)
 
     # transformers (through mlx-lm) prints plain-text warnings that would break the JSON
@@ -156,9 +161,16 @@ def _serve(args: argparse.Namespace) -> int:
 
         logs.configure(config.log.level, config.log.format)
 
-        from afmd.server import run
+        from afmd.distributed.env import launched
 
-        code = run(config)
+        if launched():  # one rank of `afmd launch`
+            from afmd.distributed.rank import serve_rank
+
+            code = serve_rank(config)
+        else:
+            from afmd.server import run
+
+            code = run(config)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else EXIT_OK
     # Skip interpreter teardown: MLX's native threads can abort the process while Python
@@ -180,8 +192,17 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["_mlx-launch"]:  # afmd launch runs MLX's launcher through this
+        from afmd.engine.launcher import mlx_launch
+
+        return mlx_launch(raw[1:])
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "launch":
+        from afmd.distributed.launch import run as launch
+
+        return launch(args)
     if args.command == "serve":
         return _serve(args)
     if args.command == "check-config":

@@ -24,6 +24,7 @@ BUILTIN_DEMO_VISION_PATH = "afmd:demo-vision"
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _LOG_FORMATS = ("json", "console")
 _CONTEXT_POLICIES = ("fail", "trim")
+_SHARDING = ("auto", "tensor", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,25 @@ class ApiConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """How a model sharded over several ranks (``afmd launch``) is split and watched.
+
+    Read only by a rank of a launched group; a plain ``afmd serve`` ignores it.
+    """
+
+    # "tensor": every layer split across ranks; "pipeline": each rank a run of layers;
+    # "auto": tensor where the model supports it, else pipeline.
+    strategy: str = field(default="auto", metadata=one_of(*_SHARDING))
+    # Seconds without a heartbeat before a rank counts as lost.
+    heartbeat_timeout: float = field(default=10.0, metadata=at_least(0.5))
+    # Seconds one step of the group may take before a rank counts as lost (a hung rank
+    # still sends heartbeats if only its model thread is stuck).
+    step_timeout: float = field(default=120.0, metadata=at_least(1))
+    # Seconds the other ranks may take to come up (load their shard) and check in.
+    startup_timeout: float = field(default=600.0, metadata=at_least(1))
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole, validated configuration; ``source`` says which file (if any) fed it."""
 
@@ -178,6 +198,7 @@ class Config:
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     source: str | None = None
 
     def model_ids(self) -> tuple[str, ...]:
@@ -207,4 +228,5 @@ SECTIONS: dict[str, type] = {
     "tools": ToolsConfig,
     "responses": ResponsesConfig,
     "api": ApiConfig,
+    "distributed": DistributedConfig,
 }

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from afmd.config import Config
+from afmd.distributed.lead import GroupLead
+from afmd.distributed.loss import GroupLoss
 from afmd.engine.models import ModelRegistry
 from afmd.http.app import AppState, create_app
 from afmd.http.connections import GateContext
@@ -41,8 +43,10 @@ FINAL_WRITE_SECONDS = 1.0
 class Server:
     """afmd's HTTP server over one or more listeners."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, group: GroupLead | None = None) -> None:
         self.config = config
+        #: Rank 0's side of a launched group (``afmd launch``); None: a single process.
+        self.group = group
         self.registry = ModelRegistry(config)
         self.scheduler = Scheduler(
             config.queue.max_concurrent_requests, config.queue.max_queued_requests
@@ -50,7 +54,8 @@ class Server:
         self.pipeline = ChatPipeline(
             self.registry, self.scheduler, request_timeout=config.server.request_timeout
         )
-        self.state = AppState(config=config, registry=self.registry, pipeline=self.pipeline)
+        self.state = AppState(config=config, registry=self.registry, pipeline=self.pipeline,
+                              group=group)
         self.app = create_app(self.state)
         self.gate = GateContext(config.server, route_checker(self.app),
                                 access_log=config.log.access_log,
@@ -110,8 +115,14 @@ class Server:
     async def start(self) -> None:
         await self._listeners.start(self._bind_all)
         default = self.config.resolve_model(None)
-        if default is not None and self.config.models.preloads(default):
-            task = self.registry.begin_load(default)
+        if self.group is not None:
+            # Every rank loads its shard now, in step: it cannot wait for a first request.
+            self._lost = GroupLoss(self)
+            self.group.watch(self._lost.busy_since, self._lost.from_thread)
+        if default is not None and (
+            self.config.models.preloads(default) or self.group is not None
+        ):
+            task = self.registry.begin_load(default, deadline=float("inf"))
             task.add_done_callback(self._on_default_loaded)
         # The other models marked preload, after the default (whose load this joins).
         self._preload = asyncio.get_running_loop().create_task(self.registry.preload())
@@ -141,6 +152,10 @@ class Server:
         if exc is None:
             loaded = task.result()
             log.info("model ready", model=loaded.id, context_length=loaded.context_length)
+            if self.group is not None:
+                self._lost.attach(loaded)
+        elif self.group is not None:
+            self._lost.lose(None, f"this rank's shard failed to load: {exc}")
         # failures are logged by the registry and reported by /health
 
     def request_stop(self, reason: str = "signal") -> None:
@@ -179,6 +194,10 @@ class Server:
                 await lifecycle.after_stop()
         if self._preload is not None:
             self._preload.cancel()
+        if self.group is not None:
+            # Until here a rank lost mid-drain still fails what runs; from here the
+            # model's thread tells the other ranks to stop, and their leaving is expected.
+            self.group.close()
         await asyncio.to_thread(self.registry.close)
         self._listeners.restore_exception_handler()
         log.info("stopped", exit_code=self.exit_code)
@@ -186,8 +205,9 @@ class Server:
     async def serve(self, *, install_signal_handlers: bool = True) -> int:
         """Run until SIGINT/SIGTERM (or :meth:`request_stop`); return the exit code."""
         loop = asyncio.get_running_loop()
+        stop_signals = self._stop_signals()
         if install_signal_handlers:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in stop_signals:
                 loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
         try:
             await self.start()
@@ -195,15 +215,24 @@ class Server:
         finally:
             await self.shutdown()
             if install_signal_handlers:
-                for sig in (signal.SIGINT, signal.SIGTERM):
+                for sig in stop_signals:
                     loop.remove_signal_handler(sig)
         return self.exit_code
 
+    def _stop_signals(self) -> tuple[int, ...]:
+        """SIGINT and SIGTERM; rank 0 of a launched group stops on SIGINT only (from
+        ``afmd launch``): MLX's launcher sends SIGTERM the moment another rank dies, and
+        rank 0 must stay to fail what runs, say why, and exit 1 itself."""
+        if self.group is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            return (signal.SIGINT,)
+        return (signal.SIGINT, signal.SIGTERM)
 
-def run(config: Config) -> int:
+
+def run(config: Config, group: GroupLead | None = None) -> int:
     """Serve until stopped; the process exit code."""
     async def main() -> int:
-        server = Server(config)
+        server = Server(config, group)
         return await server.serve()
 
     try:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     # The worker imports mlx-lm and with it transformers (~45 MB resident): only a model
     # load may pay for that, not a server that has none (or has not loaded one yet).
     from afmd.engine.embedding import Embedder
+    from afmd.engine.sharding import Shard
     from afmd.engine.vision import VisionSupport
     from afmd.engine.vision_worker import VisionWorker
     from afmd.engine.worker import BatchWorker
@@ -66,6 +67,9 @@ class LoadedModel:
     #: When a request last got or released the model (Unix time, as /health reports it).
     last_used: float = field(default_factory=time.time)
     vision: VisionSupport | None = None  # a vision model's prompt side (mlx-vlm)
+    #: This rank's part of a model sharded over a launched group (kept loaded for good:
+    #: the other ranks hold the rest and cannot load it again alone).
+    shard: Shard | None = None
 
     def touch(self) -> None:
         self.last_used = time.time()

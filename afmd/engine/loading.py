@@ -28,11 +28,12 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     from mlx.utils import tree_flatten
     from mlx_lm import load as mlx_load
 
-    from afmd.engine import demo
+    from afmd.engine import demo, lockstep
     from afmd.engine.draft import load_draft
     from afmd.engine.embedding import Embedder
     from afmd.engine.layout import relayout_for_cpu
     from afmd.engine.memory import apply_memory_bounds
+    from afmd.engine.sharding import load_shard
     from afmd.engine.worker import BatchWorker
 
     apply_memory_bounds(config.cache.mlx_buffer_cache_bytes)
@@ -53,10 +54,21 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         candidate = Path(entry.path).expanduser()
         folder = candidate if candidate.exists() else None
         source = str(candidate) if folder else entry.path
-    model, tokenizer, model_config = mlx_load(source, return_config=True)
+    group = lockstep.current()
+    shard = None
+    if group is not None and entry == config.resolve_model(None):
+        # A launched group's model: this rank's share of it, in step with the others.
+        model, tokenizer, model_config, shard = load_shard(
+            folder or Path(source), group, config.distributed.strategy
+        )
+    else:
+        group = None
+        model, tokenizer, model_config = mlx_load(source, return_config=True)
     # A repo's files are on disk now: its folder can say what kind of model it is.
     kind, spec = kinds.resolve(entry, folder or kinds.model_folder(entry.path), model_config)
-    if kind == CHAT:
+    if shard is not None and kind != CHAT:
+        raise ValueError("only a chat model can be sharded over a launched group")
+    if kind == CHAT and shard is None:
         relayout_for_cpu(model)  # an embedding model never runs its output projection
     # Loading and re-laying out weights freed buffers a serving process never reuses.
     mx.clear_cache()
@@ -77,7 +89,8 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
             prompt_cache_bytes=config.cache.prompt_cache_bytes,
             prompt_cache_entries=config.cache.prompt_cache_entries,
             prompt_lookup=config.engine.prompt_lookup,
-            draft_model=load_draft(entry, config, tokenizer),
+            draft_model=None if shard else load_draft(entry, config, tokenizer),
+            lockstep=group,
         )
         worker.start()
     return LoadedModel(
@@ -91,6 +104,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
         kind=kind,
         embedder=embedder,
+        shard=shard,
     )
 
 

@@ -81,7 +81,12 @@ class Lockstep:
         else:
             zeros = mx.zeros((like.shape[0],), dtype=mx.int32)
             mine = mx.depends(zeros, like)
-        return self._all_sum(mine).astype(mx.uint32)
+        out = self._all_sum(mine).astype(mx.uint32)
+        # Evaluated now, not left to the step's asynchronous evaluation: a plan's
+        # broadcast issued while this sum is still in flight was seen to receive the
+        # next forward pass's bytes instead of its own (ring backend, CPU).
+        mx.eval(out)
+        return out
 
     def row_sampler(
         self, inner: Callable[[mx.array], mx.array] | None
@@ -182,3 +187,24 @@ class StepPlan:
             admit=[Admission(p, c, m, s, lp) for p, c, m, s, lp in raw["a"]],
             remove=list(raw["r"]), active=int(raw["n"]), stop=bool(raw["s"]),
         )
+
+
+_CURRENT: Lockstep | None = None
+
+
+def join(backend: str = "any") -> Lockstep | None:
+    """Join the group this process was launched into (``mlx.launch`` set the
+    environment) and remember it for the process: the model loader shards by it. A
+    group of one is no group (``None``): the model loads whole."""
+    global _CURRENT
+    if _CURRENT is None:
+        group = mx.distributed.init(strict=True, backend=backend)
+        if group.size() == 1:
+            return None
+        _CURRENT = Lockstep(group)
+    return _CURRENT
+
+
+def current() -> Lockstep | None:
+    """The process's group, if it was launched as one rank of several."""
+    return _CURRENT

@@ -21,7 +21,7 @@ from afmd.engine import budget, kinds
 from afmd.engine.kinds import CHAT, EMBEDDING
 from afmd.engine.loaded import LoadedModel
 from afmd.engine.loading import load_sync
-from afmd.engine.residency import Lease, Residency, Usage
+from afmd.engine.residency import RETRY_AFTER_S, Lease, Residency, Usage
 from afmd.errors import (
     InvalidRequestError,
     NotFoundError,
@@ -58,6 +58,8 @@ class ModelRegistry:
         self._config = config
         self._loading: dict[str, asyncio.Task[LoadedModel]] = {}
         self._failed: dict[str, str] = {}
+        # Models that must not serve again in this process (a launched group lost a rank).
+        self._withdrawn: dict[str, str] = {}
         self._kinds: dict[str, str] = {}  # read from disk once per model until it loads
         self.counts = LoadCounts()
         self.residency = Residency(
@@ -123,7 +125,9 @@ class ModelRegistry:
         """Per model: ``available``, or ``unavailable: <reason>``."""
         result: dict[str, str] = {}
         for entry in self._config.models.model:
-            if entry.id in self._loaded:
+            if entry.id in self._withdrawn:
+                result[entry.id] = f"unavailable: {self._withdrawn[entry.id]}"
+            elif entry.id in self._loaded:
                 result[entry.id] = "available"
             elif entry.id in self._failed:
                 result[entry.id] = f"unavailable: {self._failed[entry.id]}"
@@ -141,6 +145,11 @@ class ModelRegistry:
 
     def is_loading(self, model_id: str) -> bool:
         return model_id in self._loading
+
+    def withdraw(self, model_id: str, reason: str) -> None:
+        """From now on, requests for ``model_id`` are 503 ``model_unavailable`` (its
+        load no longer retried): the process is about to exit for a restart."""
+        self._withdrawn[model_id] = reason
 
     def failure(self, model_id: str) -> str | None:
         return self._failed.get(model_id)
@@ -244,6 +253,13 @@ class ModelRegistry:
         if keep_alive is None:
             keep_alive = self._config.models.keep_alive_of(entry)
         residency = self.residency
+        if entry.id in self._withdrawn:
+            raise ServiceUnavailableError(
+                f"The model '{entry.id}' is unavailable: {self._withdrawn[entry.id]}. The "
+                "server is restarting; retry shortly.",
+                code="model_unavailable", param="model",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         residency.waiting[entry.id] += 1
         try:
             while True:

@@ -11,6 +11,7 @@ import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from sanic import Request, Sanic
 from sanic.exceptions import (
@@ -58,6 +59,8 @@ class AppState:
     stop_error: APIError | None = None
     #: What ``GET /metrics`` reports: this server's own, never a process-wide registry.
     metrics: Metrics = field(default_factory=Metrics)
+    #: Rank 0's side of a launched group (afmd.distributed.lead.GroupLead), else None.
+    group: Any = None
 
 
 class _EnvelopeErrorHandler(ErrorHandler):

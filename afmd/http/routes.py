@@ -369,6 +369,16 @@ def _health(state: Any) -> tuple[int, dict[str, Any]]:
         body["reason"] = "model_load_failed" if failure and not registry.is_loading(
             default.id) else "model_not_ready"
         status = 503
+    group = state.group
+    if group is not None:  # rank 0 of a launched group: every rank, and a loss
+        loaded = registry.loaded(default.id) if default is not None else None
+        body["distributed"] = group.health(
+            {"weights_bytes": loaded.weights_bytes} if loaded is not None else None
+        )
+        if group.lost is not None:
+            body["status"] = "unavailable"
+            body["reason"] = group.lost
+            status = 503
     return status, body
 
 

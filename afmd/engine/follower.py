@@ -1,0 +1,96 @@
+"""A rank other than 0: the same model work as rank 0, in the same order, and nothing else.
+
+It has no requests, only rank 0's plans (:class:`~afmd.engine.lockstep.StepPlan`): each
+names the rows that join (prompt, cached prefix, limits) and leave, and the follower then
+takes the same step through its own :class:`~afmd.engine.stepper.Stepper`. Rows end where
+rank 0's end, because the tokens are rank 0's (broadcast inside the step) and the stop
+rules are the same. Its prefix cache sees the same inserts in the same order, so it holds
+what rank 0's holds; a plan that says otherwise means the ranks drifted apart, which is
+fatal (:class:`OutOfStep`), never silently wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+from afmd.engine.lockstep import Admission, Lockstep, StepPlan
+from afmd.engine.logprobs import prompt_logprobs
+from afmd.engine.stepper import Stepper
+
+log = logging.getLogger("afmd.engine")
+
+
+class OutOfStep(RuntimeError):
+    """This rank's state no longer matches rank 0's plan."""
+
+
+class Follower:
+    """Applies rank 0's plans to this rank's shard until a plan says stop."""
+
+    def __init__(self, stepper: Stepper, lockstep: Lockstep) -> None:
+        assert not lockstep.leads
+        self._stepper = stepper
+        self._lockstep = lockstep
+        self._active: set[int] = set()
+        #: When the current step began (0.0: waiting for rank 0's next plan).
+        self.busy_since = 0.0
+        self.steps = 0
+
+    def run(self) -> None:
+        """Blocks until rank 0 says stop (returns) or the group breaks (raises)."""
+        self._stepper.reset()
+        try:
+            while True:
+                plan = StepPlan.decode(self._lockstep.share())
+                if plan.stop:
+                    return
+                self.busy_since = time.monotonic()
+                self._apply(plan)
+                self.busy_since = 0.0
+        finally:
+            self._stepper.close()
+
+    def _apply(self, plan: StepPlan) -> None:
+        for admission in plan.admit:
+            self._admit(admission)
+        if plan.remove:
+            self._stepper.remove(plan.remove)
+            self._active.difference_update(plan.remove)
+        if len(self._active) != plan.active:
+            raise OutOfStep(f"{len(self._active)} rows running here, {plan.active} on rank 0")
+        if self._active:
+            self.steps += 1
+            for response in self._stepper.next():
+                if response.finish_reason is not None:
+                    self._active.discard(response.uid)
+                    self._stepper.remember(response.all_tokens, response.prompt_cache)
+
+    def _admit(self, admission: Admission) -> None:
+        prompt = admission.prompt
+        if admission.prompt_logprobs is not None:
+            prompt_logprobs(self._stepper.model, prompt, admission.prompt_logprobs)
+        if admission.max_tokens <= 0:
+            return
+        cache, rest = self._resume(prompt, admission.cached)
+        uid = self._stepper.insert(
+            prompt, rest, cache, max_tokens=admission.max_tokens, sampler=None,
+            processors=[], stop_ids=admission.stop_ids,
+        )
+        self._active.add(uid)
+
+    def _resume(self, prompt: list[int], cached: int) -> tuple[Any, list[int]]:
+        """The cached prefix rank 0 resumed ``prompt`` from: ``cached`` tokens of it."""
+        if cached == 0:
+            return None, prompt
+        cache, rest = self._stepper.cached_prefix(prompt)
+        got = len(prompt) - len(rest)
+        if got > cached and cache is not None and can_trim_prompt_cache(cache):
+            trim_prompt_cache(cache, got - cached)  # this rank kept a longer entry
+            got, rest = cached, prompt[cached:]
+        if got != cached:
+            raise OutOfStep(f"rank 0 resumed from {cached} cached tokens, this rank has {got}")
+        return cache, rest

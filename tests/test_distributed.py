@@ -1,0 +1,263 @@
+"""``afmd launch``: one endpoint over two ranks (MLX's ring backend on loopback, CPU).
+
+Every group here is the real thing: ``afmd launch -n 2 -- serve --config FILE`` as a child
+process, MLX's launcher under it, two ``afmd serve`` ranks each holding half of
+``demo-32k``. Answers are compared token for token with a single-process ``afmd serve`` of
+the same model, and the faults are real: a rank killed with SIGKILL or stopped with
+SIGSTOP mid-stream.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from helpers.servers import ROOT, ServerProcess, afmd_command, start_server
+
+CONFIG = """
+[models]
+default = "demo-32k"
+[distributed]
+strategy = "{strategy}"
+heartbeat_timeout = 2.0
+"""
+PROMPTS = ["hello there", "tell me a story about a cat", "1 2 3 4", "why is the sky blue?"]
+#: A rank lost must end the group within this many seconds (detection, the hold that
+#: lets clients read why, and the launcher's teardown).
+LOSS_BOUND_S = 20.0
+
+
+def start_group(tmp_path: Path, strategy: str = "auto", extra: str = "") -> ServerProcess:
+    config = tmp_path / f"group-{strategy}-{time.monotonic_ns()}.toml"
+    config.write_text(CONFIG.format(strategy=strategy) + extra)
+    proc = subprocess.Popen(
+        [*afmd_command(), "launch", "-n", "2", "--", "serve", "--config", str(config),
+         "--port", "0", "--log-format", "json"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, cwd=str(ROOT), env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+        start_new_session=True,
+    )
+    # ServerProcess reads the log from stderr; the launcher relays the ranks' on stdout.
+    proc.stderr = proc.stdout
+    group = ServerProcess(proc)
+    threading.Thread(target=group._reader, daemon=True).start()
+    group.wait_event("listening", timeout=120)
+    group.wait_ready(timeout=120)
+    return group
+
+
+def _chat(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
+    body = {"model": "demo-32k", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 24, "temperature": 0, **extra}
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _answer(url: str, prompt: str) -> tuple[str, int]:
+    body = _chat(url, prompt)
+    return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
+
+
+def _stream(url: str, prompt: str, headers: dict[str, str] | None = None,
+            **extra: Any) -> Iterator[dict[str, Any]]:
+    body = {"model": "demo-32k", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 24, "temperature": 0, "stream": True, **extra}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60,
+                      headers=headers) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def _stop(group: ServerProcess, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    if group.proc.poll() is None:
+        group.proc.send_signal(sig)
+    try:
+        return group.proc.wait(timeout)
+    finally:
+        if group.proc.poll() is None:
+            os.killpg(group.proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_server(tmp_path_factory.mktemp("single"),
+                          config='[models]\ndefault = "demo-32k"\n')
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(single: ServerProcess) -> dict[str, tuple[str, int]]:
+    """Each prompt's greedy answer from one process: what the group must reproduce."""
+    return {prompt: _answer(single.url, prompt) for prompt in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    group = start_group(tmp_path_factory.mktemp("group"))
+    yield group
+    if group.proc.poll() is None:
+        _stop(group)
+
+
+def _health(group: ServerProcess) -> dict[str, Any]:
+    """``/health`` once every rank has reported its shard (a follower reports the moment
+    its shard is loaded, which may be just after rank 0 is ready)."""
+    deadline = time.monotonic() + 5
+    while True:
+        health = httpx.get(group.url + "/health", timeout=5).json()
+        shards = [r["shard"] for r in health["distributed"]["ranks"]]
+        if "loading" not in shards or time.monotonic() > deadline:
+            return health
+        time.sleep(0.05)
+
+
+def test_health_reports_every_rank(group: ServerProcess) -> None:
+    health = _health(group)
+    assert health["status"] == "ok"
+    distributed = health["distributed"]
+    assert distributed["size"] == 2 and distributed["strategy"] == "tensor"
+    ranks = distributed["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["connected"] and r["pid"] > 0 and r["host"] for r in ranks)
+    assert all(r["shard"] == "tensor: 1/2 of layers 0-1" for r in ranks)
+    assert ranks[1]["memory"]["active_bytes"] > 0
+    assert ranks[0]["pid"] != ranks[1]["pid"]
+
+
+def test_greedy_output_equals_one_process(
+    group: ServerProcess, expected: dict[str, tuple[str, int]]
+) -> None:
+    for prompt in PROMPTS:
+        assert _answer(group.url, prompt) == expected[prompt], prompt
+
+
+def test_a_stream_says_what_the_plain_answer_says(
+    group: ServerProcess, expected: dict[str, tuple[str, int]]
+) -> None:
+    chunks = list(_stream(group.url, PROMPTS[1]))
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == expected[PROMPTS[1]][0]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_four_concurrent_requests_are_batched_and_each_exact(
+    group: ServerProcess, expected: dict[str, tuple[str, int]]
+) -> None:
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda p: _answer(group.url, p), PROMPTS))
+    assert answers == [expected[p] for p in PROMPTS]
+    metrics = httpx.get(group.url + "/metrics", timeout=5).text
+    # Batched: at some step more than one row ran (the scheduler admitted them together).
+    assert "afmd_" in metrics
+
+
+def test_cancel_mid_stream_then_the_group_still_answers(
+    group: ServerProcess, expected: dict[str, tuple[str, int]]
+) -> None:
+    request_id = f"dist-cancel-{time.monotonic_ns()}"
+    stream = _stream(group.url, PROMPTS[0], headers={"X-Request-ID": request_id},
+                     max_tokens=4000)
+    first = next(stream)
+    assert first["choices"]
+    cancel = httpx.post(f"{group.url}/v1/chat/completions/{request_id}/cancel", timeout=10)
+    assert cancel.status_code == 200 and cancel.json()["cancelled"] is True
+    finishes = [c["choices"][0]["finish_reason"] for c in stream if c["choices"]]
+    assert finishes[-1] == "cancelled"
+    # The follower dropped the same row: the next request is still token-for-token right.
+    assert _answer(group.url, PROMPTS[2]) == expected[PROMPTS[2]]
+
+
+def test_prefix_cache_hit_stays_in_step(
+    group: ServerProcess, expected: dict[str, tuple[str, int]]
+) -> None:
+    """A repeated prompt resumes from the prefix cache on every rank alike."""
+    for _ in range(3):
+        assert _answer(group.url, PROMPTS[3]) == expected[PROMPTS[3]]
+
+
+def test_pipeline_group_equals_one_process(
+    tmp_path: Path, expected: dict[str, tuple[str, int]]
+) -> None:
+    group = start_group(tmp_path, strategy="pipeline")
+    try:
+        health = _health(group)["distributed"]
+        assert health["strategy"] == "pipeline"
+        assert {r["shard"] for r in health["ranks"]} == {
+            "pipeline: layers 1-1 of rank 0/2", "pipeline: layers 0-0 of rank 1/2"}
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: _answer(group.url, p), PROMPTS))
+        assert answers == [expected[p] for p in PROMPTS]
+    finally:
+        assert _stop(group) == 0
+
+
+def test_sigterm_stops_every_rank_with_exit_0(tmp_path: Path) -> None:
+    group = start_group(tmp_path)
+    pids = [r["pid"] for r in httpx.get(group.url + "/health").json()["distributed"]["ranks"]]
+    assert _stop(group) == 0
+    assert "stopped" in group.log_text()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_a_lost_rank_fails_the_stream_and_exits_1(tmp_path: Path, fault: str) -> None:
+    group = start_group(tmp_path)
+    ranks = httpx.get(group.url + "/health").json()["distributed"]["ranks"]
+    follower = ranks[1]["pid"]
+    events: list[dict[str, Any]] = []
+    try:
+        stream = _stream(group.url, PROMPTS[1], max_tokens=4000)
+        events.append(next(stream))
+        os.kill(follower, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        lost_at = time.monotonic()
+        for chunk in stream:  # ends with an error event (no choices), then [DONE]
+            events.append(chunk)
+        assert "error" in events[-1], events[-3:]
+        error = events[-1]["error"]
+        assert error["code"] == "model_unavailable"
+        assert "rank 1 lost" in error["message"]
+        health = httpx.get(group.url + "/health", timeout=5)
+        assert health.status_code == 503
+        assert health.json()["status"] == "unavailable"
+        assert health.json()["reason"] == "rank 1 lost"
+        late = httpx.post(group.url + "/v1/chat/completions", timeout=10, json={
+            "model": "demo-32k", "messages": [{"role": "user", "content": "hi"}]})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "model_unavailable"
+        code = group.proc.wait(LOSS_BOUND_S)
+        assert code == 1
+        assert time.monotonic() - lost_at < LOSS_BOUND_S
+    finally:
+        if fault == "hang":
+            with contextlib.suppress(ProcessLookupError):  # torn down by the launcher
+                os.kill(follower, signal.SIGCONT)
+        _stop(group, signal.SIGKILL, timeout=10)
+
+
+def test_bad_configuration_exits_2_before_starting_anything(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[distributed]\nstrategy = "diagonal"\n')
+    done = subprocess.run([*afmd_command(), "launch", "-n", "2", "--", "serve", "--config",
+                           str(bad)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "strategy" in done.stderr
+    missing = subprocess.run([*afmd_command(), "launch", "-n", "2", "--", "status"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "serve" in missing.stderr
