@@ -168,6 +168,8 @@ def diagnose(config_flag: str | None = None, *, env: dict[str, str] | None = Non
                        "owners": owners, "found_with": via}
 
     report.models = describe_models(config, health)
+    if health is not None and isinstance(health.get("distributed"), dict):
+        report.distributed = health["distributed"]  # every rank, through rank 0
     report.paths = {"cache": str(cache_dir()), "huggingface_cache": str(huggingface_hub_cache())}
     log = _brew_log(report.config_path, env)
     if log is not None:
@@ -193,6 +195,10 @@ def _find_problems(report: Report, config: Config) -> None:
         who = owner_text(port["owners"]) or "a process doctor cannot see (another user?)"
         report.problems.append(f"port {port['port']} is taken by {who}, but no HTTP server "
                                "answers there; afmd serve would fail with exit code 1")
+    for rank in report.distributed.get("ranks", []):
+        if not rank.get("connected"):
+            report.problems.append(f"rank {rank['rank']} of the launched group is not "
+                                   "connected to rank 0")
     for model in report.models:
         if model["missing"]:
             report.problems.append(f"model {model['id']!r}: {model['cache']}")

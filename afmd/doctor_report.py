@@ -35,6 +35,8 @@ class Report:
     server: dict[str, Any] = field(default_factory=dict)
     port: dict[str, Any] = field(default_factory=dict)
     models: list[dict[str, Any]] = field(default_factory=list)
+    #: A launched group's ranks as rank 0's /health reports them (empty: one process).
+    distributed: dict[str, Any] = field(default_factory=dict)
     paths: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -58,6 +60,7 @@ class Report:
             "server": self.server,
             "port": self.port,
             "models": self.models,
+            "distributed": self.distributed,
             "paths": self.paths,
             "problems": self.problems,
             "notes": self.notes,
@@ -123,6 +126,16 @@ def render(report: Report) -> str:
         lines.append(f"  {model['id']:<14} {model['kind']}: {model['path']}"
                      f"{' (' + '; '.join(tags) + ')' if tags else ''}")
         lines.append(f"  {'':<14} {model['cache']}{status}")
+    if report.distributed:
+        group = report.distributed
+        lines.append(f"ranks      {group.get('size')} ({group.get('strategy')})"
+                     + (f": {group['lost']} ({group.get('detail')})" if group.get("lost") else ""))
+        for rank in group.get("ranks", []):
+            memory = ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.1f} MiB"
+                               for k, v in rank.get("memory", {}).items())
+            state = "" if rank.get("connected") else "  NOT CONNECTED"
+            lines.append(f"  rank {rank['rank']:<3} {rank.get('host')} pid {rank.get('pid')}: "
+                         f"{rank.get('shard')}; {memory or 'memory unknown'}{state}")
     lines.append("paths")
     for name, value in report.paths.items():
         lines.append(f"  {name:<18} {value}")

@@ -24,6 +24,8 @@ from typing import Any
 import orjson
 
 BEAT_INTERVAL_S = 0.5
+#: A rank's shard until it has loaded it.
+LOADING = "loading"
 _MAX_LINE = 1 << 16
 
 
@@ -113,11 +115,13 @@ class ControlServer:
         now = time.monotonic() if now is None else now
         with self._lock:
             for status in self.ranks.values():
-                if status.last_seen == 0.0:
-                    if now > startup_deadline:
-                        return status.rank, "never checked in"
-                elif status.closed:
+                if status.closed:
                     return status.rank, "its connection closed"
+                if status.shard in ("", LOADING):
+                    # Loading a shard may hold a rank's interpreter for seconds at a
+                    # time (imports, tokenizer, weights): only the startup bound applies.
+                    if now > startup_deadline:
+                        return status.rank, "never finished loading its shard"
                 elif now - status.last_seen > heartbeat_timeout:
                     return status.rank, f"no heartbeat for {heartbeat_timeout:g}s"
         return None

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from afmd.config import Config
-from afmd.distributed.control import Heartbeat
+from afmd.distributed.control import LOADING, Heartbeat
 from afmd.distributed.env import leader_host
 from afmd.logs import get_logger
 
@@ -34,7 +34,7 @@ def follow(config: Config, group: Any) -> int:
     from afmd.engine.stepper import Stepper
 
     port = int.from_bytes(group.share(), "little")
-    report: dict[str, Any] = {"shard": "loading"}
+    report: dict[str, Any] = {"shard": LOADING}
 
     def describe() -> dict[str, Any]:
         return {**report, "memory": memory()}
