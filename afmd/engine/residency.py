@@ -180,7 +180,7 @@ class Residency:
             return
         resident.clock = True
         # A shard of a launched group stays: its other ranks cannot load it again alone.
-        keep = -1.0 if resident.model.shard is not None else resident.keep_alive
+        keep = -1.0 if getattr(resident.model, "shard", None) else resident.keep_alive
         if keep == 0:
             self._unload(resident, "keep_alive 0")
         elif keep > 0:
@@ -232,7 +232,8 @@ class Residency:
         over_bytes = self.used_bytes() + size - self.budget
         idle = sorted(
             (r for r in self._residents.values()
-             if r.model.id != keep and not self.busy(r.model.id) and r.model.shard is None),
+             if r.model.id != keep and not self.busy(r.model.id)
+             and getattr(r.model, "shard", None) is None),
             key=lambda r: r.since,
         )
         victims: list[_Resident] = []

@@ -19,17 +19,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
-from afmd.engine.base import Event, Finished, Generation, PromptLogprobs, SamplingParams, Text
+from afmd.engine.base import Event, Generation, PromptLogprobs, SamplingParams
 from afmd.engine.detokenize import ExactDetokenizer
 from afmd.engine.lockstep import Admission, Lockstep, StepPlan
-from afmd.engine.logprobs import prompt_logprobs, resolve
+from afmd.engine.logprobs import prompt_logprobs
 from afmd.engine.sampling import RowSampler
+from afmd.engine.sequence import Row
 from afmd.engine.speculative import RowSpec, Standing
 from afmd.engine.stepper import Stepper
 from afmd.errors import ServerError
@@ -50,36 +51,11 @@ def make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array] | Non
 
 
 @dataclass(slots=True)
-class _Sequence:
-    generation: Generation
-    uid: int
-    detokenizer: Any
-    prompt_tokens: int
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    started_at: float = 0.0
-    first_token_at: float = 0.0
-    pending: list[Event] = field(default_factory=list)
-    samples: list[tuple[float, int, int]] = field(default_factory=list)
-    in_reasoning: bool = False
-    reasoning_tokens: int = 0
-    # Some text a client would see has been produced (see ``BatchWorker._step``).
-    shown: bool = False
-    # Alternatives per token when the request reports log-probabilities (else None).
-    logprobs: int | None = None
-    # Tokens that end this sequence unseen: the model's end-of-sequence ones and the
-    # request's own (fill-in-the-middle end markers).
-    stop_ids: frozenset[int] = frozenset()
-    # Speculation's numbers, read when the sequence leaves (see DecodeBatch.spec_rows).
-    spec: RowSpec | None = None
-
-
-@dataclass(slots=True)
 class _Admission:
     """A request about to join: its sequence, what the plan says of it, and the cached
     prefix it resumes from (fetched when the plan was made, so the plan can say so)."""
 
-    seq: _Sequence
+    seq: Row
     plan: Admission
     cache: Any
     rest: list[int]
@@ -124,11 +100,11 @@ class BatchWorker:
         self._tokenizer = tokenizer
         self._eos = self._stepper.eos
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._active: dict[int, _Sequence] = {}
+        self._active: dict[int, Row] = {}
         self._thread = threading.Thread(target=self._run, name=f"afmd-engine-{name}", daemon=True)
         self._started = False
         # Sequences with events not yet handed to the event loop, and when we last did.
-        self._unflushed: dict[int, _Sequence] = {}
+        self._unflushed: dict[int, Row] = {}
         self._last_flush = 0.0
         #: When the thread started its current iteration (0.0: idle, waiting for work):
         #: a watchdog of a sharded model reads it to find a step that never ends.
@@ -235,7 +211,7 @@ class BatchWorker:
     def _prepare(self, generation: Generation) -> _Admission | None:
         """A request's sequence and the model work it needs (``None``: none, it ended)."""
         request = generation.request
-        seq = _Sequence(
+        seq = Row(
             generation=generation,
             uid=-1,
             detokenizer=(
@@ -300,7 +276,7 @@ class BatchWorker:
         if seq.spec is not None and batch is not None:
             batch.spec_rows[seq.uid] = seq.spec
 
-    def _remove(self, cancelled: list[_Sequence]) -> None:
+    def _remove(self, cancelled: list[Row]) -> None:
         if not cancelled:
             return
         self._stepper.remove([s.uid for s in cancelled])
@@ -333,44 +309,7 @@ class BatchWorker:
                 # once, not a flush interval later.
                 urgent = first = True
             reason = response.finish_reason
-            every = seq.generation.request.sample_every
-            sample = every and (seq.completion_tokens % every == 0 or reason is not None)
-            if reason == "stop" and response.token in seq.stop_ids:
-                # The end-of-sequence token is a signal, not text.
-                pass
-            else:
-                seq.completion_tokens += 1
-                think = seq.generation.request.think_ids
-                if think is not None:
-                    if response.token == think[0]:
-                        seq.in_reasoning = True
-                    if seq.in_reasoning:
-                        seq.reasoning_tokens += 1
-                    if response.token == think[1]:
-                        seq.in_reasoning = False
-                seq.detokenizer.add_token(response.token)
-                segment = seq.detokenizer.last_segment
-                if (
-                    not seq.shown
-                    and segment.strip()
-                    and (think is None or response.token not in think)
-                ):
-                    seq.shown = True
-                if seq.logprobs is not None:
-                    # One event per token, so its numbers stay with the text it released.
-                    entry = resolve(response.logprobs, response.token, seq.logprobs)
-                    seq.pending.append(Text(segment, 1, (entry,)))
-                elif segment:
-                    seq.pending.append(Text(segment, 1))
-                elif seq.pending and isinstance(seq.pending[-1], Text):
-                    last = seq.pending[-1]
-                    seq.pending[-1] = Text(last.text, last.tokens + 1)
-                else:
-                    seq.pending.append(Text("", 1))
-            if sample:  # counted after this step's token, so it is included
-                seq.samples.append(
-                    (now - seq.started_at, seq.completion_tokens, mx.get_active_memory())
-                )
+            seq.take(response.token, reason, response.logprobs, now)
             if reason is not None:
                 del self._active[response.uid]
                 self._forget_logprobs(seq)
@@ -391,39 +330,17 @@ class BatchWorker:
             if ack is not None:
                 ack.wait(_FIRST_TOKEN_HANDOFF_S)
 
-    def _forget_logprobs(self, seq: _Sequence) -> None:
+    def _forget_logprobs(self, seq: Row) -> None:
         batch = self._stepper.batch
         if seq.logprobs is not None and batch is not None:
             batch.logprob_rows.pop(seq.uid, None)
         if seq.spec is not None and batch is not None:
             batch.spec_rows.pop(seq.uid, None)
 
-    def _finish(self, seq: _Sequence, reason: str) -> None:
-        seq.detokenizer.finalize()
-        tail = seq.detokenizer.last_segment
-        if tail:
-            seq.pending.append(Text(tail, 0))
-        now = time.perf_counter()
-        seq.pending.append(
-            Finished(
-                finish_reason=reason,
-                prompt_tokens=seq.prompt_tokens,
-                completion_tokens=seq.completion_tokens,
-                cached_tokens=seq.cached_tokens,
-                reasoning_tokens=seq.reasoning_tokens,
-                timings={
-                    "queued_at": seq.generation.created_at,
-                    "started_at": seq.started_at,
-                    "first_token_at": seq.first_token_at or now,
-                    "finished_at": now,
-                },
-                peak_memory_bytes=mx.get_peak_memory(),
-                samples=tuple(seq.samples),
-                **_speculation(seq.spec),
-            )
-        )
+    def _finish(self, seq: Row, reason: str) -> None:
+        seq.finish(reason)
 
-    def _flush(self, seqs: list[_Sequence], ack: threading.Event | None = None) -> None:
+    def _flush(self, seqs: list[Row], ack: threading.Event | None = None) -> None:
         batch = [(s.generation, s.pending) for s in seqs if s.pending]
         for s in seqs:
             s.pending = []
@@ -461,14 +378,6 @@ class BatchWorker:
                 if isinstance(item, Generation):
                     with contextlib.suppress(RuntimeError):
                         item._loop.call_soon_threadsafe(item.fail, error)
-
-
-def _speculation(spec: RowSpec | None) -> dict[str, Any]:
-    if spec is None:
-        return {}
-    accepted, rejected = spec.usage()
-    return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": rejected,
-            "speculation": spec.stats() if spec.enabled else {}}
 
 
 def _deliver(
