@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+import httpx
 import pytest
 
 import afmd
@@ -188,6 +189,33 @@ def test_frozen_server_end_to_end(frozen: FrozenBuild, tmp_path: Path) -> None:
     print(f"\nfrozen cold start to /health 200: {cold_start_s:.2f} s (fresh demo cache); "
           f"idle VmRSS {rss}")
     assert cold_start_s < 60
+
+
+@pytest.mark.slow
+@needs_build
+@pytest.mark.timeout(BUILD_TIMEOUT_S + 240)
+def test_frozen_launch_serves_over_two_ranks(frozen: FrozenBuild, tmp_path: Path) -> None:
+    """`afmd launch` from the binary alone: MLX's launcher runs through the binary's hidden
+    verb and starts the binary twice; SIGTERM stops both ranks with exit 0."""
+    config = tmp_path / "group.toml"
+    config.write_text('[models]\ndefault = "demo-32k"\n')
+    group = start_command(
+        [str(frozen.executable), "launch", "-n", "2", "--", "serve", "--config", str(config),
+         "--port", "0", "--log-format", "json"],
+        cwd=tmp_path, env=_env(AFMD_CACHE_DIR=str(tmp_path / "cache")),
+    )
+    try:
+        wait_healthy(group.url, group.proc)
+        health = httpx.get(group.url + "/health", timeout=5).json()
+        assert [r["rank"] for r in health["distributed"]["ranks"]] == [0, 1]
+        answer = httpx.post(group.url + "/v1/chat/completions", timeout=60, json={
+            "model": "demo-32k", "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hello"}]})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] > 0
+    finally:
+        code = group.stop(signal.SIGTERM, timeout=60)
+    assert code == 0, group.log_text()[-3000:]
 
 
 def _png_url(seed: int) -> str:
