@@ -297,6 +297,31 @@ class VisionCost(Flat):
 
 
 @dataclass
+class Distributed:
+    """One model over two ranks against one process, in turns (``bench/distributed.py``).
+
+    ``values`` by ``<system>_<kind>_<what>``: system ``one`` (the one process), ``tensor``
+    or ``pipeline``; kind ``single`` (one stream) or ``agg`` (several at once); what
+    ``tps``, ``x`` (median of per-round ratios to ``one``), ``bytes_per_token`` between
+    the ranks (socket counters) or ``lo_bytes_per_token`` (loopback's, HTTP included).
+    """
+
+    values: dict[str, Value] = field(default_factory=dict)
+    idle_cpu_pct: dict[str, float | None] | None = None  # each system alone, serving nothing
+    setup: dict[str, Any] | None = None
+
+    def get(self, key: str) -> Value | None:
+        return self.values.get(key)
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        for key, v in self.values.items():
+            yield f"distributed_{key}", v.to_json()
+        for key in ("idle_cpu_pct", "setup"):
+            if getattr(self, key) is not None:
+                yield f"distributed_{key}", getattr(self, key)
+
+
+@dataclass
 class SystemResults:
     """Everything measured for one system, and what went wrong while measuring it."""
 
@@ -316,6 +341,7 @@ class SystemResults:
     logprobs: LogprobsRate = field(default_factory=LogprobsRate)
     models: ModelSwitch = field(default_factory=ModelSwitch)
     vision: VisionCost = field(default_factory=VisionCost)
+    distributed: Distributed = field(default_factory=Distributed)
     errors: dict[str, str] = field(default_factory=dict)  # phase label → traceback
     fatal: str | None = None  # the server (or raw process) could not be measured at all
 
@@ -367,6 +393,7 @@ class SystemResults:
         out.update(self.logprobs.items())
         out.update(self.models.items())
         out.update(self.vision.items())
+        out.update(self.distributed.items())
         if self.errors:
             out["_errors"] = self.errors
         if self.fatal is not None:

@@ -120,6 +120,17 @@ class NotJudged:
                                     "would_pass": check.passed})
 
 
+@dataclass(frozen=True)
+class Reported:
+    """No target (a "report" row): the verdict column's text and the numbers behind it."""
+
+    detail: Callable[[Measurements], str]
+    figures: Callable[[Measurements], dict[str, Any]] | None = None
+
+    def __call__(self, res: Measurements) -> Check:
+        return Check(None, self.detail(res), self.figures(res) if self.figures else {})
+
+
 def ttft(res: Measurements) -> Check:
     """afmd ≤ raw + 3 ms and < mlx_lm.server.
 
