@@ -173,6 +173,37 @@ def test_greedy_output_equals_one_process(
         assert _answer(group.url, prompt) == expected[prompt], prompt
 
 
+#: Requests whose work is rank 0's alone (grammar masks, a seeded sampler, tool calls):
+#: the other ranks only see the tokens, and the answers must still be the single process's.
+RANK0_REQUESTS: list[dict[str, Any]] = [
+    {"temperature": 0.9, "seed": 7, "max_tokens": 32},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                         "legs": {"type": "integer"}},
+        "required": ["name", "legs"]}}}, "max_tokens": 60},
+    {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+        "required": ["city"]}}}], "tool_choice": "required", "max_tokens": 60},
+]
+
+
+def test_grammars_tools_and_seeded_sampling_match_one_process(
+    group: ServerProcess, single: ServerProcess
+) -> None:
+    for extra in RANK0_REQUESTS:
+        mine = _chat(group.url, PROMPTS[1], **extra)["choices"][0]
+        theirs = _chat(single.url, PROMPTS[1], **extra)["choices"][0]
+        for message in (mine["message"], theirs["message"]):
+            for call in message.get("tool_calls") or ():
+                call.pop("id")  # random per call
+        assert mine["message"] == theirs["message"], extra
+        assert mine["finish_reason"] == theirs["finish_reason"]
+    called = _chat(group.url, PROMPTS[1], **RANK0_REQUESTS[2])["choices"][0]
+    assert called["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    json.loads(_chat(group.url, PROMPTS[1], **RANK0_REQUESTS[1])["choices"][0]
+               ["message"]["content"])
+
+
 def test_a_stream_says_what_the_plain_answer_says(
     group: ServerProcess, expected: dict[str, tuple[str, int]]
 ) -> None:
