@@ -185,6 +185,36 @@ def test_verbatim_text_keeps_the_first_tokens_leading_space(loaded, worker) -> N
     assert text_of(chat) == tokenizer.decode(ids)[1:]  # what chat (rightly) shows
 
 
+@pytest.mark.parametrize("vocab", [100, 32768, 50257, 151936])
+def test_host_normalisation_is_a_full_log_softmax(vocab: int) -> None:
+    """The host path's shortcuts (alternatives found in the columns whose maximum can hold
+    them, exp in a reused buffer) give the numbers of a plain log-softmax and a full
+    sort, bit for bit: rows masked to a few tokens, vocabularies that are not a multiple
+    of the column count, the fallback for small ones, and a tie cut at the k-th place."""
+    rng = np.random.default_rng(vocab)
+    for trial in range(40):
+        row = (rng.standard_normal(vocab) * rng.uniform(0.5, 8.0)).astype(np.float32)
+        if trial % 4 == 1:  # a grammar allowing a handful of tokens
+            allowed = rng.choice(vocab, size=int(rng.integers(1, 12)), replace=False)
+            masked = np.full(vocab, -np.inf, dtype=np.float32)
+            masked[allowed] = row[allowed]
+            row = masked
+        if trial % 4 == 2:  # the best tokens at both ends, one of them in the last ids
+            row[[0, vocab - 1]] = row.max() + 1.0
+        k = int(rng.integers(0, logprobs.MAX_TOP + 1))
+        token = int(rng.integers(0, vocab))
+        got = logprobs._from_logits(row, token, k, normalised=False)
+        top = float(row.max())
+        lse = top + float(np.log(np.exp(row - top).sum(dtype=np.float64)))
+        order = np.lexsort((np.arange(vocab), -row))[: min(k, vocab)]
+        want = [(int(i), float(row[i]) - lse) for i in order if row[i] != -np.inf]
+        assert got.token == token and got.logprob == float(row[token]) - lse
+        assert list(got.top) == want
+    tied = np.zeros(vocab, dtype=np.float32)  # every value equal: the lowest ids
+    got = logprobs._from_logits(tied, 3, 5, normalised=False)
+    assert [i for i, _ in got.top] == [0, 1, 2, 3, 4]
+
+
 def test_exact_detokenizer_concatenates_to_decode(loaded) -> None:
     _, tokenizer = loaded
     text = "  indented\n\tdéjà vu 日本語 ✓ \U0001f600 end  "

@@ -19,6 +19,7 @@ more, in chunks through a KV cache, keeping only the numbers asked for.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,10 @@ from afmd.engine.base import TokenLogprob
 MAX_TOP = 20
 # Prompt positions evaluated per forward pass: bounds the float32 logits held at once.
 _PROMPT_CHUNK = 64
+# A row's top alternatives are looked for in a (_STRIDES, vocab / _STRIDES) view: numpy's
+# element-wise max over its rows is vectorised, a full-row argpartition is not.
+_STRIDES = 64
+_SCRATCH = threading.local()  # each thread's buffer for a row's exp (the engine's, tests')
 
 
 def _on_host() -> bool:
@@ -70,7 +75,8 @@ class StepLogprobs:
         """Row ``index``'s numbers (the arrays evaluated)."""
         if self._on_host:
             if not isinstance(self._logits, np.ndarray):
-                self._logits = np.array(self._logits)
+                # A view of MLX's buffer (kept alive by it): nothing writes to either.
+                self._logits = np.asarray(self._logits)
             return _from_logits(self._logits[index], token, k, normalised=False)
         if self._lists is None:
             chosen, *top = self.arrays
@@ -109,17 +115,56 @@ def resolve(entry: Any, token: int, k: int) -> TokenLogprob:
 
 def _from_logits(vector: np.ndarray, token: int, k: int, *, normalised: bool
                  ) -> TokenLogprob:
+    """Normalised with numpy's vectorised routines: the log-sum-exp accumulated in float64
+    over float32 ``exp`` (written into a reused buffer, not two fresh vocabulary-sized
+    arrays per token), the alternatives found without a full-row partition."""
     if normalised:
         lse = 0.0
     else:
         top = float(vector.max())
-        lse = top + float(np.log(np.exp(vector - top).sum(dtype=np.float64)))
+        scratch = _scratch(vector.shape[-1])
+        np.subtract(vector, top, out=scratch)
+        np.exp(scratch, out=scratch)
+        lse = top + float(np.log(scratch.sum(dtype=np.float64)))
     k = min(k, vector.shape[-1])
     pairs: list[tuple[int, float]] = []
     if k > 0:
-        ids = np.argpartition(vector, vector.shape[-1] - k)[-k:]
-        pairs = [(int(i), float(vector[i]) - lse) for i in ids]
-    return TokenLogprob(token, float(vector[token]) - lse, _ordered(pairs))
+        pairs = [(int(i), float(vector[i]) - lse) for i in _top_ids(vector, k)]
+    return TokenLogprob(token, float(vector[token]) - lse, _ordered(pairs)[:k])
+
+
+def _scratch(n: int) -> np.ndarray:
+    buffer: np.ndarray | None = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or buffer.shape[0] != n:
+        buffer = _SCRATCH.buffer = np.empty(n, dtype=np.float32)
+    return buffer
+
+
+def _top_ids(vector: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the ``k`` largest values of ``vector`` (a tie at the k-th cut at the
+    lower ids), in no order; -inf left out.
+
+    The vocabulary is viewed as ``_STRIDES`` rows; a column whose maximum is below the
+    k-th largest column maximum holds none of them (those k maxima are k distinct values
+    at least as large as all of its), so only the other columns are searched.
+    """
+    n = vector.shape[-1]
+    columns = n // _STRIDES
+    if columns < 4 * k:
+        ids, values = None, vector
+    else:
+        body = _STRIDES * columns
+        maxima = vector[:body].reshape(_STRIDES, columns).max(axis=0)
+        kth = np.partition(maxima, columns - k)[columns - k]
+        ids = (np.arange(0, body, columns)[:, None] + np.flatnonzero(maxima >= kth)).ravel()
+        if body < n:  # the last few ids, outside the view
+            ids = np.concatenate((ids, np.arange(body, n)))
+        values = vector[ids]
+    kth = np.partition(values, values.size - k)[values.size - k]
+    keep = np.flatnonzero(values > kth)
+    if kth != -np.inf:  # positions ascend with the ids: the first ties are the lower ids
+        keep = np.concatenate((keep, np.flatnonzero(values == kth)[: k - keep.size]))
+    return keep if ids is None else ids[keep]
 
 
 def _ordered(pairs: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
