@@ -119,6 +119,7 @@ class Server:
             # Every rank loads its shard now, in step: it cannot wait for a first request.
             self._lost = GroupLoss(self)
             self.group.watch(self._lost.busy_since, self._lost.from_thread)
+            self._lost.watch_supervisor()
         if default is not None and (
             self.config.models.preloads(default) or self.group is not None
         ):

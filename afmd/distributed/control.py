@@ -24,6 +24,8 @@ from typing import Any
 import orjson
 
 BEAT_INTERVAL_S = 0.5
+#: What rank 0 writes to wake the others (the only thing it ever writes to them).
+DOORBELL = b"\x01"
 #: A rank's shard until it has loaded it.
 LOADING = "loading"
 _MAX_LINE = 1 << 16
@@ -55,6 +57,7 @@ class ControlServer:
         self._sock = socket.create_server((host, 0))
         self._closing = False
         self._lock = threading.Lock()
+        self._conns: dict[int, socket.socket] = {}
 
     @property
     def port(self) -> int:
@@ -96,6 +99,7 @@ class ControlServer:
                     status = self.ranks.get(rank)
                     if status is None:
                         break
+                    self._conns[rank] = conn
                     status.host = str(msg.get("host", status.host))
                     status.pid = int(msg.get("pid", status.pid))
                     status.shard = str(msg.get("shard", status.shard))
@@ -105,6 +109,17 @@ class ControlServer:
         if status is not None:
             with self._lock:
                 status.closed = True
+
+    def ring(self) -> None:
+        """Wake every other rank out of its idle wait (the doorbell of a plan)."""
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            with contextlib.suppress(OSError):  # a rank gone: the watchdog says so
+                conn.sendall(DOORBELL)
+
+    def wait(self) -> None:  # rank 0 rings, never waits
+        raise NotImplementedError
 
     def lost(
         self, *, heartbeat_timeout: float, startup_deadline: float, now: float | None = None
@@ -189,6 +204,14 @@ class Heartbeat:
 
     def start(self) -> None:
         threading.Thread(target=self._beat, name="afmd-heartbeat", daemon=True).start()
+
+    def ring(self) -> None:  # only rank 0 rings
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        """Block until rank 0 rings (its next plan follows); ConnectionError if it is gone."""
+        if not self._sock.recv(1):
+            raise ConnectionError("rank 0 closed the control connection")
 
     def nudge(self) -> None:
         """Report now (the shard just loaded), not at the next beat."""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 BACKEND_ENV = "AFMD_DISTRIBUTED_BACKEND"
 LAUNCH_DIR_ENV = "AFMD_LAUNCH_DIR"
+SUPERVISOR_ENV = "AFMD_LAUNCH_PID"
 PID_FILE = "rank0.pid"
 OUTCOME_FILE = "outcome"
 
@@ -63,3 +64,20 @@ def write_pid() -> None:
     folder = launch_dir()
     if folder is not None and folder.is_dir():
         (folder / PID_FILE).write_text(f"{os.getpid()}\n")
+
+
+def supervisor_gone(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the ``afmd launch`` that started this group has exited (killed, say): the
+    group then stops, rather than serve on with nobody to stop it or report its end."""
+    env = os.environ if env is None else env
+    try:
+        pid = int(env.get(SUPERVISOR_ENV, ""))
+    except ValueError:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 from afmd.config import Config
-from afmd.distributed.control import LOADING, Heartbeat
+from afmd.distributed.control import BEAT_INTERVAL_S, LOADING, Heartbeat
 from afmd.distributed.env import leader_host
 from afmd.logs import get_logger
 
@@ -34,13 +35,21 @@ def follow(config: Config, group: Any) -> int:
     from afmd.engine.stepper import Stepper
 
     port = int.from_bytes(group.share(), "little")
-    report: dict[str, Any] = {"shard": LOADING}
+    report: dict[str, Any] = {"shard": LOADING, "memory": {}}
+    sampled = [0.0]
 
     def describe() -> dict[str, Any]:
-        return {**report, "memory": memory()}
+        # No MLX call on the heartbeat's thread: it must beat while a step runs.
+        return dict(report)
+
+    def refresh() -> None:
+        now = time.monotonic()
+        if now - sampled[0] >= BEAT_INTERVAL_S:
+            report["memory"], sampled[0] = memory(), now
 
     beat = Heartbeat(group.rank, (leader_host(), port), describe, _leader_lost)
     beat.start()
+    group.doorbell = beat
     try:
         entry = config.resolve_model(None)
         if entry is None:
@@ -49,6 +58,7 @@ def follow(config: Config, group: Any) -> int:
             folder_of(entry), group, config.distributed.strategy
         )
         report["shard"] = shard.describe()
+        refresh()
         beat.nudge()
         log.info("shard loaded", rank=group.rank, model=entry.id, shard=report["shard"])
         stepper = Stepper(
@@ -58,7 +68,7 @@ def follow(config: Config, group: Any) -> int:
             prompt_cache_entries=config.cache.prompt_cache_entries,
             lockstep=group,
         )
-        Follower(stepper, group).run()
+        Follower(stepper, group, after_plan=refresh).run()
     except Exception as exc:  # the group is broken or this rank cannot take part
         log.error("rank stopped by a failure", rank=group.rank, error=str(exc))
         print(f"afmd: rank {group.rank}: {exc}", file=sys.stderr)

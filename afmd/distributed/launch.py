@@ -33,7 +33,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from afmd.config import ConfigError, load_config
-from afmd.distributed.env import BACKEND_ENV, LAUNCH_DIR_ENV, OUTCOME_FILE, PID_FILE
+from afmd.distributed.env import (
+    BACKEND_ENV,
+    LAUNCH_DIR_ENV,
+    OUTCOME_FILE,
+    PID_FILE,
+    SUPERVISOR_ENV,
+)
 
 EXIT_OK, EXIT_LOST, EXIT_CONFIG = 0, 1, 2
 BACKENDS = ("ring", "jaccl")
@@ -194,8 +200,11 @@ class Supervisor:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        # MLX's launcher relays its stdin to the ranks, polling it every 100 ms: at EOF
+        # (/dev/null) that poll never sleeps. A pipe nobody writes to keeps it idle.
         self._proc = subprocess.Popen(self._launcher, start_new_session=True,
-                                      stdin=subprocess.DEVNULL)
+                                      stdin=subprocess.PIPE,
+                                      env={**os.environ, SUPERVISOR_ENV: str(os.getpid())})
         rank0_done: float | None = None
         while self._proc.poll() is None:
             time.sleep(0.1)

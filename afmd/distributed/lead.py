@@ -35,6 +35,7 @@ class GroupLead:
         self.control.start()
         # The other ranks learn where to report from the group itself.
         group.share(self.control.port.to_bytes(4, "little"))
+        group.doorbell = self.control
         self.lost: str | None = None  # "rank N lost", once it happened
         self.lost_detail: str = ""
         self.shard: str = "loading"

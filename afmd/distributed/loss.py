@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from afmd.distributed.env import write_outcome
+from afmd.distributed.env import supervisor_gone, write_outcome
 from afmd.distributed.lead import LOST_HOLD_S
 from afmd.engine.residency import RETRY_AFTER_S
 from afmd.errors import ServiceUnavailableError
@@ -38,6 +38,16 @@ class GroupLoss:
         self._worker = loaded.worker
         if self._worker is not None:
             self._worker.on_fatal = self._fatal_from_thread
+
+    def watch_supervisor(self) -> None:
+        """Every second: if ``afmd launch`` is gone (killed), stop the group (exit 1) rather
+        than serve on with nobody to stop it or report how it ended."""
+        if supervisor_gone():
+            log.error("afmd launch is gone: stopping the group")
+            self._server.exit_code = 1
+            self._server.request_stop("afmd launch is gone")
+            return
+        self._loop.call_later(1.0, self.watch_supervisor)
 
     def busy_since(self) -> float:
         worker = self._worker

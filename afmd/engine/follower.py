@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
@@ -31,8 +32,14 @@ class OutOfStep(RuntimeError):
 class Follower:
     """Applies rank 0's plans to this rank's shard until a plan says stop."""
 
-    def __init__(self, stepper: Stepper, lockstep: Lockstep) -> None:
+    def __init__(
+        self, stepper: Stepper, lockstep: Lockstep,
+        after_plan: Callable[[], None] | None = None,
+    ) -> None:
         assert not lockstep.leads
+        #: Called on this thread after each plan is applied (the heartbeat's numbers are
+        #: read here, between steps, never from another thread during one).
+        self._after_plan = after_plan
         self._stepper = stepper
         self._lockstep = lockstep
         self._active: set[int] = set()
@@ -45,12 +52,14 @@ class Follower:
         self._stepper.reset()
         try:
             while True:
-                plan = StepPlan.decode(self._lockstep.share())
+                plan = self._lockstep.share_plan()
                 if plan.stop:
                     return
                 self.busy_since = time.monotonic()
                 self._apply(plan)
                 self.busy_since = 0.0
+                if self._after_plan is not None:
+                    self._after_plan()
         finally:
             self._stepper.close()
 
@@ -68,6 +77,7 @@ class Follower:
                 if response.finish_reason is not None:
                     self._active.discard(response.uid)
                     self._stepper.remember(response.all_tokens, response.prompt_cache)
+        self._lockstep.idle = not self._active
 
     def _admit(self, admission: Admission) -> None:
         prompt = admission.prompt

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import orjson
@@ -35,6 +35,10 @@ class Lockstep:
         self.group = group
         self.rank = int(group.rank())
         self.size = int(group.size())
+        #: Wakes the other ranks before a plan that ends an idle spell (see share_plan).
+        self.doorbell: Doorbell | None = None
+        #: No row runs on any rank (every rank sets it alike after each step).
+        self.idle = True
 
     @property
     def leads(self) -> bool:
@@ -68,6 +72,22 @@ class Lockstep:
             body += bytes(memoryview(more))
         return body
 
+    def share_plan(self, plan: StepPlan | None = None) -> StepPlan:
+        """Rank 0's next plan on every rank.
+
+        MLX's ring backend polls while it waits in a collective, so a rank parked in one
+        burns a core for as long as rank 0 has nothing to do. When the group is idle the
+        others wait on the doorbell (a blocking read of the control connection) instead,
+        and rank 0 rings it before the plan that ends the idle spell.
+        """
+        if self.idle and self.doorbell is not None:
+            if self.leads:
+                self.doorbell.ring()
+            else:
+                self.doorbell.wait()
+        data = self.share(plan.encode() if plan is not None else None)
+        return plan if plan is not None else StepPlan.decode(data)
+
     def tokens(self, local: mx.array | None, like: mx.array) -> mx.array:
         """Rank 0's sampled tokens (``local``) on every rank, lazily, in the step's graph.
 
@@ -93,6 +113,14 @@ class Lockstep:
     ) -> _BroadcastSampler:
         """A row's sampler for mlx-lm's own first-token step: rank 0's pick, shared."""
         return _BroadcastSampler(self, inner)
+
+
+class Doorbell(Protocol):
+    """How rank 0 wakes the others out of an idle spell (afmd.distributed.control)."""
+
+    def ring(self) -> None: ...
+
+    def wait(self) -> None: ...
 
 
 class _BroadcastSampler:

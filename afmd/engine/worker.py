@@ -170,7 +170,7 @@ class BatchWorker:
                 self.busy_since = 0.0
         if self._lockstep is not None:
             with contextlib.suppress(Exception):  # the other ranks may be gone already
-                self._lockstep.share(StepPlan(stop=True).encode())
+                self._lockstep.share_plan(StepPlan(stop=True))
         self._fail_all(None)
 
     def _take_inbox(self, *, block: bool) -> list[Generation] | None:
@@ -201,12 +201,14 @@ class BatchWorker:
                 remove=[s.uid for s in cancelled],
                 active=len(self._active) + joining - len(cancelled),
             )
-            self._lockstep.share(plan.encode())
+            self._lockstep.share_plan(plan)
         for admission in admissions:
             self._admit(admission)
         self._remove(cancelled)
         if self._active:
             self._step()
+        if self._lockstep is not None:
+            self._lockstep.idle = not self._active
 
     def _prepare(self, generation: Generation) -> _Admission | None:
         """A request's sequence and the model work it needs (``None``: none, it ended)."""
