@@ -60,6 +60,49 @@ def _output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def response_object(echo: Echo, *, id: str, created_at: int, model: str, status: str,
+                    output: list[Item], usage: Usage | None,
+                    error: APIError | None = None) -> dict[str, Any]:
+    """The response as every event that carries it and the non-streamed body show it: the
+    request's settings echoed back, the output and usage only once the run is under way."""
+    body: dict[str, Any] = {
+        "id": id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "background": False,
+        "completed_at": int(time.time()) if status == "completed" else None,
+        "error": None if error is None else {
+            "code": "rate_limit_exceeded" if error.status == 429 else "server_error",
+            "message": error.message},
+        "incomplete_details": {"reason": "max_output_tokens"}
+        if status == "incomplete" else None,
+        "instructions": echo.instructions,
+        "max_output_tokens": echo.max_output_tokens,
+        "max_tool_calls": None,
+        "model": model,
+        "output": list(output) if status != "in_progress" else [],
+        "parallel_tool_calls": echo.parallel_tool_calls,
+        "previous_response_id": echo.previous_response_id,
+        "reasoning": echo.reasoning,
+        "service_tier": "default",
+        "store": echo.store,
+        "temperature": echo.temperature,
+        "text": echo.text,
+        "tool_choice": echo.tool_choice,
+        "tools": list(echo.tools),
+        "top_logprobs": 0,
+        "top_p": echo.top_p,
+        "truncation": echo.truncation,
+        "metadata": echo.metadata,
+    }
+    if echo.user is not None:
+        body["user"] = echo.user
+    if usage is not None and status != "in_progress":
+        body["usage"] = usage_object(usage)
+    return body
+
+
 @dataclass(slots=True)
 class _Open:
     """The output item being written."""
@@ -71,6 +114,66 @@ class _Open:
     call_id: str = ""
     name: str = ""
     delta_head: bytes = b""  # the pre-encoded start of this item's delta events
+
+
+def _reasoning_item(rid: str, content: list[Item], status: str, encrypted: bool) -> Item:
+    item: Item = {"id": rid, "type": "reasoning", "summary": [], "content": content,
+                  "status": status}
+    if encrypted:
+        item["encrypted_content"] = None  # afmd's reasoning is plain text, above
+    return item
+
+
+def _call_item(item: _Open, arguments: str, status: str) -> Item:
+    return {"id": item.id, "type": "function_call", "status": status,
+            "call_id": item.call_id, "name": item.name, "arguments": arguments}
+
+
+def _done_item(item: _Open, text: str, status: str, encrypted: bool) -> Item:
+    """The item as it ends, whether closed in turn or cut short by a failure; a text item's
+    one content part is the part its ``content_part.done`` event carries."""
+    if item.kind == "function_call":
+        return _call_item(item, text, status)
+    if item.kind == "message":
+        return {"id": item.id, "type": "message", "status": status, "role": "assistant",
+                "content": [_output_text(text)]}
+    return _reasoning_item(item.id, [{"type": "reasoning_text", "text": text}], status,
+                           encrypted)
+
+
+def _delta_head(event: str, item: _Open, fields: str) -> bytes:
+    """The bytes every delta of the item starts with: only the delta's text and its number
+    are encoded per token."""
+    return (f'event: {event}\ndata: {{"type":"{event}","item_id":"{item.id}",'
+            f'"output_index":{item.index}{fields},"delta":').encode()
+
+
+class _EventLog:
+    """The stream's events, numbered as they are written; a response that is not streamed
+    writes none (its body is built from the items alone)."""
+
+    __slots__ = ("out", "sequence", "stream")
+
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
+        self.sequence = 2  # after ResponseBuilder.start()'s two events
+        self.out: list[bytes] = []
+
+    def emit(self, payload: dict[str, Any]) -> None:
+        if self.stream:
+            payload["sequence_number"] = self.sequence
+            self.sequence += 1
+            self.out.append(sse_event(payload))
+
+    def delta(self, item: _Open, text: str) -> None:
+        if self.stream:
+            self.out.append(item.delta_head + orjson.dumps(text) + b',"sequence_number":'
+                            + str(self.sequence).encode() + b"}\n\n")
+            self.sequence += 1
+
+    def take(self) -> bytes:
+        out, self.out = b"".join(self.out), []
+        return out
 
 
 class ResponseBuilder:
@@ -86,67 +189,16 @@ class ResponseBuilder:
         self.usage: Usage | None = None
         self.reason: str | None = None
         self._open: _Open | None = None
-        self._sequence = 2  # after start()'s two events
-        self._out: list[bytes] = []
+        self._log = _EventLog(stream)
         self._encrypted = "reasoning.encrypted_content" in echo.include
 
-    # -- the response object --
-
     def response(self, status: str, error: APIError | None = None) -> dict[str, Any]:
-        echo = self.echo
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": status,
-            "background": False,
-            "completed_at": int(time.time()) if status == "completed" else None,
-            "error": None if error is None else {
-                "code": "rate_limit_exceeded" if error.status == 429 else "server_error",
-                "message": error.message},
-            "incomplete_details": {"reason": "max_output_tokens"}
-            if status == "incomplete" else None,
-            "instructions": echo.instructions,
-            "max_output_tokens": echo.max_output_tokens,
-            "max_tool_calls": None,
-            "model": self.model,
-            "output": list(self.output) if status != "in_progress" else [],
-            "parallel_tool_calls": echo.parallel_tool_calls,
-            "previous_response_id": echo.previous_response_id,
-            "reasoning": echo.reasoning,
-            "service_tier": "default",
-            "store": echo.store,
-            "temperature": echo.temperature,
-            "text": echo.text,
-            "tool_choice": echo.tool_choice,
-            "tools": list(echo.tools),
-            "top_logprobs": 0,
-            "top_p": echo.top_p,
-            "truncation": echo.truncation,
-            "metadata": echo.metadata,
-        }
-        if echo.user is not None:
-            body["user"] = echo.user
-        if self.usage is not None and status != "in_progress":
-            body["usage"] = usage_object(self.usage)
-        return body
+        return response_object(self.echo, id=self.id, created_at=self.created_at,
+                               model=self.model, status=status, output=self.output,
+                               usage=self.usage, error=error)
 
     def status(self) -> str:
         return STATUS.get(self.reason or "stop", "completed")
-
-    # -- events --
-
-    def _emit(self, payload: dict[str, Any]) -> None:
-        if self.stream:
-            payload["sequence_number"] = self._sequence
-            self._sequence += 1
-            self._out.append(sse_event(payload))
-
-    def _delta(self, item: _Open, text: str) -> None:
-        if self.stream:
-            self._out.append(item.delta_head + orjson.dumps(text) + b',"sequence_number":'
-                             + str(self._sequence).encode() + b"}\n\n")
-            self._sequence += 1
 
     def start(self) -> bytes:
         """``response.created`` and ``response.in_progress``, numbered 0 and 1 however
@@ -158,8 +210,7 @@ class ResponseBuilder:
             for number, kind in enumerate(("response.created", "response.in_progress")))
 
     def take(self) -> bytes:
-        out, self._out = b"".join(self._out), []
-        return out
+        return self._log.take()
 
     def feed(self, events: list[Event]) -> None:
         for event in events:
@@ -169,13 +220,13 @@ class ResponseBuilder:
                 if item is None or item.kind != kind:
                     item = self._open_text(kind)
                 item.parts.append(event.text)
-                self._delta(item, event.text)
+                self._log.delta(item, event.text)
             elif isinstance(event, ToolCallStart):
                 self._open_call(event)
             elif isinstance(event, ToolCallArguments):
                 call = self._open_item()
                 call.parts.append(event.fragment)
-                self._delta(call, event.fragment)
+                self._log.delta(call, event.fragment)
             elif isinstance(event, ToolCallEnd):
                 self._close(arguments=event.call.arguments)
             elif isinstance(event, Finish):
@@ -185,7 +236,7 @@ class ResponseBuilder:
                 self.usage = event
             elif isinstance(event, Profile):
                 key = next(iter(event.payload))
-                self._emit({"type": key, **event.payload})
+                self._log.emit({"type": key, **event.payload})
 
     def _open_item(self) -> _Open:
         assert self._open is not None
@@ -201,18 +252,15 @@ class ResponseBuilder:
                            "role": "assistant", "content": []}
             empty = _output_text("")
         else:
-            added = self._reasoning_item(item.id, [], "in_progress")
+            added = _reasoning_item(item.id, [], "in_progress", self._encrypted)
             empty = {"type": "reasoning_text", "text": ""}
-        self._emit({"type": "response.output_item.added", "output_index": item.index,
-                    "item": added})
-        self._emit({"type": "response.content_part.added", "item_id": item.id,
-                    "output_index": item.index, "content_index": 0, "part": empty})
-        delta = f"response.{part}.delta"
+        self._log.emit({"type": "response.output_item.added", "output_index": item.index,
+                        "item": added})
+        self._log.emit({"type": "response.content_part.added", "item_id": item.id,
+                        "output_index": item.index, "content_index": 0, "part": empty})
         extra = ',"logprobs":[]' if kind == "message" else ""
-        item.delta_head = (
-            f'event: {delta}\ndata: {{"type":"{delta}","item_id":"{item.id}",'
-            f'"output_index":{item.index},"content_index":0{extra},"delta":'
-        ).encode()
+        item.delta_head = _delta_head(f"response.{part}.delta", item,
+                                      f',"content_index":0{extra}')
         return item
 
     def _open_call(self, event: ToolCallStart) -> None:
@@ -220,26 +268,12 @@ class ResponseBuilder:
         item = _Open("function_call", len(self.output), item_id("fc"), call_id=event.id,
                      name=event.name)
         self._open = item
-        self._emit({"type": "response.output_item.added", "output_index": item.index,
-                    "item": self._call_item(item, "", "in_progress")})
-        delta = "response.function_call_arguments.delta"
-        item.delta_head = (f'event: {delta}\ndata: {{"type":"{delta}","item_id":"{item.id}",'
-                           f'"output_index":{item.index},"delta":').encode()
+        self._log.emit({"type": "response.output_item.added", "output_index": item.index,
+                        "item": _call_item(item, "", "in_progress")})
+        item.delta_head = _delta_head("response.function_call_arguments.delta", item, "")
         if event.arguments:
             item.parts.append(event.arguments)
-            self._delta(item, event.arguments)
-
-    def _reasoning_item(self, rid: str, content: list[Item], status: str) -> Item:
-        item: Item = {"id": rid, "type": "reasoning", "summary": [], "content": content,
-                      "status": status}
-        if self._encrypted:
-            item["encrypted_content"] = None  # afmd's reasoning is plain text, above
-        return item
-
-    @staticmethod
-    def _call_item(item: _Open, arguments: str, status: str) -> Item:
-        return {"id": item.id, "type": "function_call", "status": status,
-                "call_id": item.call_id, "name": item.name, "arguments": arguments}
+            self._log.delta(item, event.arguments)
 
     def _close(self, *, status: str = "completed", arguments: str | None = None) -> None:
         """The open item's ``….done`` events, and the item into ``output``."""
@@ -252,50 +286,39 @@ class ResponseBuilder:
             text = text if arguments is None else arguments
             if arguments is None and status == "completed":
                 status = "incomplete"  # never ended: cut short
-            self._emit({"type": "response.function_call_arguments.done", **base,
-                        "name": item.name, "arguments": text})
-            done = self._call_item(item, text, status)
-        else:
+            self._log.emit({"type": "response.function_call_arguments.done", **base,
+                            "name": item.name, "arguments": text})
+        done = _done_item(item, text, status, self._encrypted)
+        if item.kind != "function_call":
+            part: Item = done["content"][0]
             if item.kind == "message":
-                part: Item = _output_text(text)
-                self._emit({"type": "response.output_text.done", **base, "content_index": 0,
-                            "text": text, "logprobs": []})
-                done = {"id": item.id, "type": "message", "status": status,
-                        "role": "assistant", "content": [part]}
+                self._log.emit({"type": "response.output_text.done", **base,
+                                "content_index": 0, "text": text, "logprobs": []})
             else:
-                part = {"type": "reasoning_text", "text": text}
-                self._emit({"type": "response.reasoning_text.done", **base,
-                            "content_index": 0, "text": text})
-                done = self._reasoning_item(item.id, [part], status)
-            self._emit({"type": "response.content_part.done", **base, "content_index": 0,
-                        "part": part})
+                self._log.emit({"type": "response.reasoning_text.done", **base,
+                                "content_index": 0, "text": text})
+            self._log.emit({"type": "response.content_part.done", **base, "content_index": 0,
+                            "part": part})
         self.output.append(done)
-        self._emit({"type": "response.output_item.done", "output_index": item.index,
-                    "item": done})
+        self._log.emit({"type": "response.output_item.done", "output_index": item.index,
+                        "item": done})
 
     def finish(self) -> dict[str, Any]:
         """The final response object, and its terminal event when streamed."""
         self._close(status="incomplete")
         status = self.status()
         response = self.response(status)
-        self._emit({"type": TERMINAL[status], "response": response})
+        self._log.emit({"type": TERMINAL[status], "response": response})
         return response
 
     def fail(self, error: APIError, param: str | None) -> dict[str, Any]:
         """A failure after the stream began: an ``error`` event, then ``response.failed``."""
         if self._open is not None:
             item, self._open = self._open, None
-            text = "".join(item.parts)
-            if item.kind == "function_call":
-                self.output.append(self._call_item(item, text, "incomplete"))
-            elif item.kind == "message":
-                self.output.append({"id": item.id, "type": "message", "status": "incomplete",
-                                    "role": "assistant", "content": [_output_text(text)]})
-            else:
-                self.output.append(self._reasoning_item(
-                    item.id, [{"type": "reasoning_text", "text": text}], "incomplete"))
-        self._emit({"type": "error", "code": error.code, "message": error.message,
-                    "param": param})
+            self.output.append(_done_item(item, "".join(item.parts), "incomplete",
+                                          self._encrypted))
+        self._log.emit({"type": "error", "code": error.code, "message": error.message,
+                        "param": param})
         response = self.response("failed", error)
-        self._emit({"type": "response.failed", "response": response})
+        self._log.emit({"type": "response.failed", "response": response})
         return response
