@@ -247,7 +247,7 @@ def test_finished_rows_leave_a_cache_that_matches_their_tokens(
 
 def test_first_token_handoff_waits_for_the_consumer() -> None:
     """The engine thread's ack is set only after the woken consumer has run."""
-    from afmd.engine.worker import _deliver
+    from afmd.engine.handoff import _deliver
 
     async def main() -> list[str]:
         loop = asyncio.get_running_loop()
@@ -310,9 +310,10 @@ def test_first_visible_token_goes_out_at_once(
     """A reasoning model opens with its think marker, which the client never sees as
     text: the token after it is the client's first and must not wait for the next paced
     hand-off. With pacing stretched to a minute, only urgency can deliver it early."""
+    from afmd.engine import handoff
     from afmd.engine import worker as worker_module
 
-    monkeypatch.setattr(worker_module, "_FLUSH_INTERVAL_S", 60.0)
+    monkeypatch.setattr(handoff, "FLUSH_INTERVAL_S", 60.0)
     model, tokenizer = loaded
     think = tokenizer.encode("<think>", add_special_tokens=False)
     end = tokenizer.encode("</think>", add_special_tokens=False)

@@ -10,7 +10,6 @@ its slot within one decode step. Results of a step go to the event loop in one
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -19,46 +18,22 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors
-
-from afmd.engine.base import Event, Generation, PromptLogprobs, SamplingParams
-from afmd.engine.detokenize import ExactDetokenizer
-from afmd.engine.lockstep import Admission, Lockstep, StepPlan
-from afmd.engine.logprobs import prompt_logprobs
-from afmd.engine.sampling import RowSampler
+from afmd.engine.admission import Admissions, make_sampler
+from afmd.engine.base import Generation
+from afmd.engine.handoff import Handoff, fail, flush
+from afmd.engine.lockstep import Lockstep, StepPlan
 from afmd.engine.sequence import Row
-from afmd.engine.speculative import RowSpec, Standing
 from afmd.engine.stepper import Stepper
 from afmd.errors import ServerError
+
+__all__ = ["BatchWorker", "make_sampler"]
 
 log = logging.getLogger("afmd.engine")
 
 _WAKE = object()
-_FLUSH_INTERVAL_S = 0.008
-# At most this long the thread waits for the loop to take a first token (see _step).
-_FIRST_TOKEN_HANDOFF_S = 0.003
 _STOP = object()
-
-
-def make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array] | None:
-    """A per-request sampler with its own PRNG key (:class:`RowSampler`); ``None``
-    means greedy: the batch then samples all greedy rows with one shared argmax."""
-    return RowSampler.of(params)
-
-
-@dataclass(slots=True)
-class _Admission:
-    """A request about to join: its sequence, what the plan says of it, and the cached
-    prefix it resumes from (fetched when the plan was made, so the plan can say so)."""
-
-    seq: Row
-    plan: Admission
-    cache: Any
-    rest: list[int]
 
 
 class BatchWorker:
@@ -89,23 +64,17 @@ class BatchWorker:
             prefill_step_size=prefill_step_size, prompt_cache_bytes=prompt_cache_bytes,
             prompt_cache_entries=prompt_cache_entries, lockstep=lockstep,
         )
-        self._model = model
         self._lockstep = lockstep
         # A sharded model never speculates (see ShardedDecodeBatch).
-        self._speculates = lockstep is None
-        self._prompt_lookup = prompt_lookup
-        self._draft_model = draft_model
-        # Owned by the thread: how each kind of proposal source fared lately.
-        self._standing: dict[str, Standing] = {}
-        self._tokenizer = tokenizer
-        self._eos = self._stepper.eos
+        self._admissions = Admissions(
+            self._stepper, prompt_lookup=prompt_lookup, draft_model=draft_model,
+            speculates=lockstep is None,
+        )
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._active: dict[int, Row] = {}
         self._thread = threading.Thread(target=self._run, name=f"afmd-engine-{name}", daemon=True)
         self._started = False
-        # Sequences with events not yet handed to the event loop, and when we last did.
-        self._unflushed: dict[int, Row] = {}
-        self._last_flush = 0.0
+        self._handoff = Handoff()
         #: When the thread started its current iteration (0.0: idle, waiting for work):
         #: a watchdog of a sharded model reads it to find a step that never ends.
         self.busy_since = 0.0
@@ -192,7 +161,7 @@ class BatchWorker:
 
     def _iterate(self, arrivals: list[Generation]) -> None:
         """Admit what arrived, drop what was cancelled, step the batch."""
-        admissions = [a for a in map(self._prepare, arrivals) if a is not None]
+        admissions = [a for a in map(self._admissions.prepare, arrivals) if a is not None]
         cancelled = [s for s in self._active.values() if s.generation.cancel_requested]
         if self._lockstep is not None:
             joining = sum(1 for a in admissions if a.plan.max_tokens > 0)
@@ -203,80 +172,14 @@ class BatchWorker:
             )
             self._lockstep.share_plan(plan)
         for admission in admissions:
-            self._admit(admission)
+            row = self._admissions.admit(admission)
+            if row is not None:
+                self._active[row.uid] = row
         self._remove(cancelled)
         if self._active:
             self._step()
         if self._lockstep is not None:
             self._lockstep.idle = not self._active
-
-    def _prepare(self, generation: Generation) -> _Admission | None:
-        """A request's sequence and the model work it needs (``None``: none, it ended)."""
-        request = generation.request
-        seq = Row(
-            generation=generation,
-            uid=-1,
-            detokenizer=(
-                ExactDetokenizer(self._tokenizer) if request.verbatim
-                else self._tokenizer.detokenizer
-            ),
-            prompt_tokens=len(request.prompt),
-            started_at=time.perf_counter(),
-            in_reasoning=request.starts_in_reasoning,
-            logprobs=request.logprobs,
-            stop_ids=frozenset(self._eos).union(request.stop_ids),
-        )
-        if generation.cancel_requested:
-            self._finish(seq, "cancelled")
-            self._flush([seq])
-            return None
-        cache, rest = (None, request.prompt)
-        if request.max_tokens > 0:
-            cache, rest = self._stepper.cached_prefix(request.prompt)
-        seq.cached_tokens = len(request.prompt) - len(rest)
-        plan = Admission(
-            prompt=list(request.prompt),
-            cached=seq.cached_tokens,
-            max_tokens=request.max_tokens,
-            stop_ids=sorted(request.stop_ids),
-            prompt_logprobs=request.prompt_logprobs,
-        )
-        return _Admission(seq, plan, cache, rest)
-
-    def _admit(self, admission: _Admission) -> None:
-        seq, plan = admission.seq, admission.plan
-        request = seq.generation.request
-        if plan.prompt_logprobs is not None:
-            seq.pending.append(PromptLogprobs(
-                prompt_logprobs(self._model, plan.prompt, plan.prompt_logprobs)
-            ))
-        if plan.max_tokens <= 0:  # the prompt's numbers were all that was asked
-            seq.first_token_at = time.perf_counter()
-            self._finish(seq, "length")
-            self._flush([seq])
-            return
-        processors = list(request.logits_processors)
-        if request.sampling.repetition_penalty:
-            processors.extend(make_logits_processors(
-                repetition_penalty=request.sampling.repetition_penalty
-            ))
-        sampler = make_sampler(request.sampling)
-        if self._speculates:
-            seq.spec = RowSpec.for_request(
-                request, processors, sampler, seq.stop_ids, tokenizer=self._tokenizer,
-                prompt_lookup=self._prompt_lookup, draft=self._draft_model,
-                standing=self._standing,
-            )
-        seq.uid = self._stepper.insert(
-            plan.prompt, admission.rest, admission.cache, max_tokens=plan.max_tokens,
-            sampler=sampler, processors=processors, stop_ids=plan.stop_ids,
-        )
-        self._active[seq.uid] = seq
-        batch = self._stepper.batch
-        if seq.logprobs is not None and batch is not None:
-            batch.logprob_rows[seq.uid] = seq.logprobs
-        if seq.spec is not None and batch is not None:
-            batch.spec_rows[seq.uid] = seq.spec
 
     def _remove(self, cancelled: list[Row]) -> None:
         if not cancelled:
@@ -285,8 +188,8 @@ class BatchWorker:
         for seq in cancelled:
             del self._active[seq.uid]
             self._forget_logprobs(seq)
-            self._finish(seq, "cancelled")
-        self._flush(cancelled)
+            seq.finish("cancelled")
+        flush(cancelled)
 
     def _step(self) -> None:
         if self._inject_failures > 0:
@@ -302,7 +205,7 @@ class BatchWorker:
             seq = self._active.get(response.uid)
             if seq is None:
                 continue
-            self._unflushed[id(seq)] = seq
+            self._handoff.touched(seq)
             if not seq.first_token_at:
                 seq.first_token_at = now
             if not seq.shown:
@@ -316,21 +219,9 @@ class BatchWorker:
                 del self._active[response.uid]
                 self._forget_logprobs(seq)
                 self._stepper.remember(response.all_tokens, response.prompt_cache)
-                self._finish(seq, reason)
+                seq.finish(reason)
                 urgent = True
-        # Each hand-off wakes the event loop through a pipe and makes the two threads trade
-        # the GIL; between first token and finish, pace hand-offs so a hop carries the
-        # tokens of a few steps (a few ms of latency, invisible in a stream).
-        if urgent or now - self._last_flush >= _FLUSH_INTERVAL_S or not self._active:
-            # A first token is waited for: let the event loop send it before this thread
-            # goes back to building the next step, which would hold the GIL the loop needs
-            # (measured: the hand-off otherwise waits ~0.7 ms, a switch interval or more).
-            ack = threading.Event() if first else None
-            self._flush(list(self._unflushed.values()), ack)
-            self._unflushed.clear()
-            self._last_flush = now
-            if ack is not None:
-                ack.wait(_FIRST_TOKEN_HANDOFF_S)
+        self._handoff.pace(now, urgent=urgent or not self._active, first=first)
 
     def _forget_logprobs(self, seq: Row) -> None:
         batch = self._stepper.batch
@@ -339,24 +230,10 @@ class BatchWorker:
         if seq.spec is not None and batch is not None:
             batch.spec_rows.pop(seq.uid, None)
 
-    def _finish(self, seq: Row, reason: str) -> None:
-        seq.finish(reason)
-
-    def _flush(self, seqs: list[Row], ack: threading.Event | None = None) -> None:
-        batch = [(s.generation, s.pending) for s in seqs if s.pending]
-        for s in seqs:
-            s.pending = []
-        by_loop: dict[Any, list[tuple[Generation, list[Event]]]] = {}
-        for item in batch:
-            by_loop.setdefault(item[0]._loop, []).append(item)
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # that loop closed (shutdown, tests)
-                loop.call_soon_threadsafe(_deliver, items, ack)
-
     def _fail_all(self, exc: BaseException | None) -> None:
         seqs = list(self._active.values())
         self._active.clear()
-        self._unflushed.clear()
+        self._handoff.clear()
         with contextlib.suppress(Exception):
             self._stepper.close()
         if exc is not None:
@@ -367,9 +244,7 @@ class BatchWorker:
         )
         error = ServerError(message, code="generation_failed" if exc else "shutting_down")
         for seq in seqs:
-            loop = seq.generation._loop
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(seq.generation.fail, error)
+            fail(seq.generation, error)
         # Generations still in the inbox at shutdown are failed too.
         if exc is None:
             while True:
@@ -378,15 +253,5 @@ class BatchWorker:
                 except queue.Empty:
                     break
                 if isinstance(item, Generation):
-                    with contextlib.suppress(RuntimeError):
-                        item._loop.call_soon_threadsafe(item.fail, error)
+                    fail(item, error)
 
-
-def _deliver(
-    batch: list[tuple[Generation, list[Event]]], ack: threading.Event | None = None
-) -> None:
-    for generation, events in batch:
-        generation.push(events)
-    if ack is not None:
-        # Queued behind the consumers that push() just woke: set once they have run.
-        asyncio.get_running_loop().call_soon(ack.set)
