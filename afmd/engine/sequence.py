@@ -44,8 +44,12 @@ class Row:
     # Speculation's numbers, read when the sequence leaves (see DecodeBatch.spec_rows).
     spec: RowSpec | None = None
 
-    def take(self, token: int, reason: str | None, logprobs: Any, now: float) -> None:
-        """One token the engine produced for this row (``reason``: it ends here)."""
+    def take(self, token: int, reason: str | None, logprobs: Any, now: float) -> bool:
+        """One token the engine produced for this row (``reason``: it ends here); whether
+        the client was still waiting for visible text when it came."""
+        waiting = not self.shown
+        if not self.first_token_at:
+            self.first_token_at = now
         every = self.generation.request.sample_every
         sample = every and (self.completion_tokens % every == 0 or reason is not None)
         if reason == "stop" and token in self.stop_ids:
@@ -84,6 +88,7 @@ class Row:
             self.samples.append(
                 (now - self.started_at, self.completion_tokens, mx.get_active_memory())
             )
+        return waiting
 
     def finish(self, reason: str) -> None:
         """The sequence's last events: the detokenizer's tail, then its numbers."""

@@ -149,6 +149,13 @@ class Stepper:
         )
         return int(uid)
 
+    def forget(self, uid: int) -> None:
+        """A row left: drop what the decode step kept for it (log-probabilities wanted,
+        its speculation)."""
+        if self.batch is not None:
+            self.batch.logprob_rows.pop(uid, None)
+            self.batch.spec_rows.pop(uid, None)
+
     def remove(self, uids: list[int]) -> None:
         assert self._generator is not None
         if uids:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import sys
 import threading
 import time
@@ -23,6 +22,7 @@ from typing import Any
 from afmd.engine.admission import Admissions, make_sampler
 from afmd.engine.base import Generation
 from afmd.engine.handoff import Handoff, fail, flush
+from afmd.engine.inbox import Inbox
 from afmd.engine.lockstep import Lockstep, StepPlan
 from afmd.engine.sequence import Row
 from afmd.engine.stepper import Stepper
@@ -32,8 +32,6 @@ __all__ = ["BatchWorker", "make_sampler"]
 
 log = logging.getLogger("afmd.engine")
 
-_WAKE = object()
-_STOP = object()
 
 
 class BatchWorker:
@@ -70,7 +68,7 @@ class BatchWorker:
             self._stepper, prompt_lookup=prompt_lookup, draft_model=draft_model,
             speculates=lockstep is None,
         )
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._inbox = Inbox()
         self._active: dict[int, Row] = {}
         self._thread = threading.Thread(target=self._run, name=f"afmd-engine-{name}", daemon=True)
         self._started = False
@@ -111,11 +109,11 @@ class BatchWorker:
 
     def wake(self) -> None:
         """Make the thread look at cancellation flags even if it is idle."""
-        self._inbox.put(_WAKE)
+        self._inbox.wake()
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._started:
-            self._inbox.put(_STOP)
+            self._inbox.stop()
             self._thread.join(timeout)
 
     # -- thread side --
@@ -123,7 +121,7 @@ class BatchWorker:
         self._stepper.reset()
         while True:
             try:
-                items = self._take_inbox(block=not self._active)
+                items = self._inbox.take(block=not self._active)
                 if items is None:
                     break
                 self.busy_since = time.monotonic()
@@ -141,23 +139,6 @@ class BatchWorker:
             with contextlib.suppress(Exception):  # the other ranks may be gone already
                 self._lockstep.share_plan(StepPlan(stop=True))
         self._fail_all(None)
-
-    def _take_inbox(self, *, block: bool) -> list[Generation] | None:
-        """The requests that arrived (``None``: stop)."""
-        items: list[Any] = []
-        if block:
-            items.append(self._inbox.get())
-        while True:
-            try:
-                items.append(self._inbox.get_nowait())
-            except queue.Empty:
-                break
-        if any(item is _STOP for item in items):
-            for item in items:
-                if isinstance(item, Generation):
-                    self._inbox.put(item)  # failed with the rest by _fail_all
-            return None
-        return [item for item in items if isinstance(item, Generation)]
 
     def _iterate(self, arrivals: list[Generation]) -> None:
         """Admit what arrived, drop what was cancelled, step the batch."""
@@ -187,7 +168,7 @@ class BatchWorker:
         self._stepper.remove([s.uid for s in cancelled])
         for seq in cancelled:
             del self._active[seq.uid]
-            self._forget_logprobs(seq)
+            self._stepper.forget(seq.uid)
             seq.finish("cancelled")
         flush(cancelled)
 
@@ -206,29 +187,18 @@ class BatchWorker:
             if seq is None:
                 continue
             self._handoff.touched(seq)
-            if not seq.first_token_at:
-                seq.first_token_at = now
-            if not seq.shown:
-                # The client's first token is this one or still to come (after a reasoning
-                # model's opening think marker, or leading whitespace): it goes out at
-                # once, not a flush interval later.
+            # The client's first token is this one or still to come (after a reasoning
+            # model's opening think marker, or leading whitespace): it goes out at once,
+            # not a flush interval later.
+            if seq.take(response.token, response.finish_reason, response.logprobs, now):
                 urgent = first = True
-            reason = response.finish_reason
-            seq.take(response.token, reason, response.logprobs, now)
-            if reason is not None:
+            if response.finish_reason is not None:
                 del self._active[response.uid]
-                self._forget_logprobs(seq)
+                self._stepper.forget(seq.uid)
                 self._stepper.remember(response.all_tokens, response.prompt_cache)
-                seq.finish(reason)
+                seq.finish(response.finish_reason)
                 urgent = True
         self._handoff.pace(now, urgent=urgent or not self._active, first=first)
-
-    def _forget_logprobs(self, seq: Row) -> None:
-        batch = self._stepper.batch
-        if seq.logprobs is not None and batch is not None:
-            batch.logprob_rows.pop(seq.uid, None)
-        if seq.spec is not None and batch is not None:
-            batch.spec_rows.pop(seq.uid, None)
 
     def _fail_all(self, exc: BaseException | None) -> None:
         seqs = list(self._active.values())
@@ -238,20 +208,14 @@ class BatchWorker:
             self._stepper.close()
         if exc is not None:
             self._stepper.reset()
-        message = (
-            "The model failed while generating." if exc is not None
-            else "The server is shutting down."
+        error = (
+            ServerError("The model failed while generating.", code="generation_failed")
+            if exc is not None
+            else ServerError("The server is shutting down.", code="shutting_down")
         )
-        error = ServerError(message, code="generation_failed" if exc else "shutting_down")
         for seq in seqs:
             fail(seq.generation, error)
         # Generations still in the inbox at shutdown are failed too.
         if exc is None:
-            while True:
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(item, Generation):
-                    fail(item, error)
-
+            for generation in self._inbox.drain():
+                fail(generation, error)
