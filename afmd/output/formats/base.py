@@ -232,6 +232,17 @@ class MarkupReader:
         self.cut(len(marker))
         return marker
 
+    def rest_of_block(self, end: str, final: bool) -> tuple[str, bool] | None:
+        """The text before ``end`` (consumed with it) and whether ``end`` came: all that is
+        left when generation ended without it. None while it may still come."""
+        i = self.buf.find(end)
+        if i == -1 and not final:
+            return None
+        rest = self.cut(i if i != -1 else len(self.buf))
+        if i != -1:
+            self.cut(len(end))
+        return rest, i != -1
+
     def skip_ws(self) -> None:
         self.buf = self.buf.lstrip(_WS)
 

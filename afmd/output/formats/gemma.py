@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from afmd.output.formats.base import CallContext, MarkupReader, is_name
-from afmd.output.formats.values import dumps, escape, parse_value
+from afmd.output.formats.values import ArgumentsObject, dumps, escape, parse_value
 from afmd.output.markers import partial_suffix
 
 
@@ -33,18 +33,31 @@ _OUT, _PREFIX, _NAME, _ARGS, _KEY, _VALUE, _STRING, _AFTER, _JUNK = range(9)
 _KEY_IN_OBJECT = re.compile(r"(?<=[{,])\s*(\w+)\s*:")
 
 
-class _ValueEnd:
-    """Where a non-string value ends: a top-level ``,`` or ``}`` (not included)."""
+class _HeldValue:
+    """A non-string value, held until it ends (a top-level ``,`` or ``}``, not included):
+    it is only known to be JSON, or one of the family's looser literals, when whole."""
 
-    __slots__ = ("depth", "in_string", "quote")
+    __slots__ = ("depth", "in_string", "quote", "raw")
 
     def __init__(self, quote: str) -> None:
         self.quote = quote
         self.depth = 0
         self.in_string = False
+        self.raw = ""
+
+    def take(self) -> str:
+        """The value as JSON; the scanner starts over for the next one."""
+        text = dumps(_convert(self.raw, self.quote))
+        self.depth, self.in_string, self.raw = 0, False, ""
+        return text
 
     def feed(self, text: str) -> tuple[int, bool]:
         """(characters consumed, whether the value ended). A partial quote is held."""
+        n, ended = self._scan(text)
+        self.raw += text[:n]
+        return n, ended
+
+    def _scan(self, text: str) -> tuple[int, bool]:
         i = 0
         while i < len(text):
             if text.startswith(self.quote, i):
@@ -72,11 +85,10 @@ class GemmaReader(MarkupReader):
         super().__init__(ctx)
         self.s = syntax
         self.state = _OUT
-        self._keys = 0
+        self._args = ArgumentsObject()
         self._name = ""
         self._raw = ""  # the block so far, for the whole-parse fallback
-        self._value = ""
-        self._scan = _ValueEnd(syntax.quote)
+        self._held = _HeldValue(syntax.quote)
         self._first = 0
 
     def step(self, final: bool) -> bool:
@@ -115,7 +127,7 @@ class GemmaReader(MarkupReader):
                 return True
             self._raw += self.cut(i + 1)
             self._name = name
-            self._keys = 0
+            self._args.keys = 0
             if self.ctx.calls_on:
                 self.open_call(name)
             self.state = _ARGS
@@ -141,8 +153,7 @@ class GemmaReader(MarkupReader):
                 return False
             key = self.buf[:i].strip().strip('"')
             self.cut(i + 1)
-            self.write(("{" if not self._keys else ", ") + dumps(key) + ": ")
-            self._keys += 1
+            self.write(self._args.key(key))
             self.skip_ws()
             self.state = _VALUE
             return True
@@ -154,13 +165,11 @@ class GemmaReader(MarkupReader):
                 self.write('"')
                 self.state = _STRING
                 return True
-            n, ended = self._scan.feed(self.buf)
-            self._value += self.cut(n)
+            n, ended = self._held.feed(self.buf)
+            self.cut(n)
             if not ended and not final:
                 return False
-            self.write(dumps(_convert(self._value, s.quote)))
-            self._value = ""
-            self._scan = _ValueEnd(s.quote)
+            self.write(self._held.take())
             if not ended:
                 return self._cut_off(True)
             self.state = _ARGS
@@ -192,15 +201,13 @@ class GemmaReader(MarkupReader):
                 self.cut(1)  # stray text between calls
             return True
         # _JUNK: the block's rest, parsed whole at its end marker.
-        i = self.buf.find(s.end)
-        if i == -1 and not final:
+        got = self.rest_of_block(s.end, final)
+        if got is None:
             return False
-        rest = self.cut(i if i != -1 else len(self.buf))
-        if i != -1:
-            self.cut(len(s.end))
+        rest, closed = got
         if self.ctx.calls_on and len(self.log.calls) == self._first:
             raw = self._raw + rest
-            self.whole(raw, s.start + raw + s.end if i != -1 else "")
+            self.whole(raw, s.start + raw + s.end if closed else "")
         self.state = _OUT
         return True
 
@@ -214,10 +221,9 @@ class GemmaReader(MarkupReader):
     def _close(self) -> None:
         if not self.log.streaming:
             return
-        if self.state == _VALUE and self._value:
-            self.write(dumps(_convert(self._value, self.s.quote)))
-            self._value = ""
-        self.write("}" if self._keys else "{}")
+        if self.state == _VALUE and self._held.raw:
+            self.write(self._held.take())
+        self.write(self._args.close())
         self.close_call()
 
     def end(self) -> None:

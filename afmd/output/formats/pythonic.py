@@ -10,7 +10,7 @@ read whole by mlx-lm's parser at the end marker.
 from __future__ import annotations
 
 from afmd.output.formats.base import CallContext, MarkupReader, is_name
-from afmd.output.formats.values import Trim, ValueStream, dumps
+from afmd.output.formats.values import ArgumentsObject, Trim, ValueStream
 
 START, END = "<|tool_call_start|>", "<|tool_call_end|>"
 
@@ -57,9 +57,8 @@ class PythonicReader(MarkupReader):
         self.state = _OUT
         self._raw = ""
         self._first = 0  # calls before this block
-        self._keys = 0
+        self._args = ArgumentsObject()
         self._scan = LiteralEnd()
-        self._value: ValueStream | None = None
 
     def _consume(self, n: int) -> str:
         text = self.cut(n)
@@ -99,7 +98,7 @@ class PythonicReader(MarkupReader):
             self._consume(i + 1)
             if self.ctx.calls_on:
                 self.open_call(name)
-            self._keys = 0
+            self._args.keys = 0
             self.state = _ARGS
             return True
         if state == _ARGS:
@@ -111,7 +110,7 @@ class PythonicReader(MarkupReader):
                 self._close()
                 self.state = _SEP
                 return True
-            if self.buf[0] == "," and self._keys:
+            if self.buf[0] == "," and self._args.keys:
                 self._consume(1)
                 return True
             self.state = _KEY
@@ -130,22 +129,21 @@ class PythonicReader(MarkupReader):
                 self.state = _JUNK
                 return True
             self._consume(i + 1)
-            self.write(("{" if not self._keys else ", ") + dumps(key) + ": ")
-            self._keys += 1
+            value = ValueStream(string=False, verbatim=self.ctx.enforced, trim=Trim.SPACE)
+            self.write(self._args.key(key, value))
             self._scan = LiteralEnd()
-            self._value = ValueStream(string=False, verbatim=self.ctx.enforced, trim=Trim.SPACE)
             self.state = _VALUE
             return True
         if state == _VALUE:
-            assert self._value is not None
+            value = self._args.stream()
             n = self._scan.feed(self.buf)
             ended = n < len(self.buf)  # the literal ends inside the buffer
             text = self._consume(n)
             if not ended and not final:
-                self.write(self._value.feed(text))
+                self.write(value.feed(text))
                 return False
-            self.write(self._value.feed(text) + self._value.end())
-            self._value = None
+            self.write(value.feed(text) + value.end())
+            self._args.value = None
             if ended:
                 self.state = _ARGS
                 return True
@@ -171,19 +169,17 @@ class PythonicReader(MarkupReader):
             self.state = _OUT
             return True
         # _JUNK: the block's rest, parsed whole at its end marker.
-        i = self.buf.find(self.markers[1])
-        if i == -1 and not final:
+        got = self.rest_of_block(self.markers[1], final)
+        if got is None:
             return False
-        rest = self.cut(i if i != -1 else len(self.buf))
-        if i != -1:
-            self.cut(len(self.markers[1]))
+        rest, closed = got
         if self.log.streaming:
             self._close()
         if self.ctx.calls_on and len(self.log.calls) == self._first:
             # Nothing of the block was read as a call: mlx-lm's parser reads it whole
             # (after a streamed call, the rest is dropped rather than read twice).
             raw = self._raw + rest
-            self.whole(raw, self.markers[0] + raw + self.markers[1] if i != -1 else "")
+            self.whole(raw, self.markers[0] + raw + self.markers[1] if closed else "")
         self.state = _OUT
         return True
 
@@ -197,10 +193,8 @@ class PythonicReader(MarkupReader):
     def _close(self) -> None:
         if not self.log.streaming:
             return
-        if self._value is not None:
-            self.write(self._value.end())
-            self._value = None
-        self.write("}" if self._keys else "{}")
+        self.write(self._args.end_value())
+        self.write(self._args.close())
         self.close_call()
 
     def end(self) -> None:

@@ -6,8 +6,10 @@ naming the function, then parameters each with a key header and a raw value, the
 call and the section close. One state machine reads them all from a :class:`Syntax`; the
 call's ``arguments`` are built as JSON while the model writes the parameters (the key as
 soon as it is complete, a string value character by character), so the fragments
-concatenate to the final ``arguments``. Text inside a section that does not follow the
-syntax is handed whole to mlx-lm's parser for the family (some models write JSON there).
+concatenate to the final ``arguments``. The reader follows the sections and the calls'
+headers; its :class:`_Parameters` reads what lies between a call's header and its close.
+Text inside a section that does not follow the syntax is handed whole to mlx-lm's parser
+for the family (some models write JSON there).
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from afmd.output.formats.base import CallContext, MarkupReader, is_name
-from afmd.output.formats.values import Trim, ValueStream, dumps, parameter_is_string
+from afmd.output.formats.values import (
+    ArgumentsObject,
+    Trim,
+    ValueStream,
+    parameter_is_string,
+)
 from afmd.output.markers import earliest, partial_suffix
 
 _ATTR = re.compile(r'(\w+)\s*=\s*"([^"]*)"')
@@ -121,211 +128,230 @@ class TaggedReader(MarkupReader):
         super().__init__(ctx)
         self.s = syntax
         self.state = _OUT
-        self._name = ""
-        self._keys = 0  # parameters written in the open call
-        self._value: ValueStream | None = None
+        self._params = _Parameters(self)
         self._junk = ""  # the section's text so far, for the whole-parse fallback
 
-    # -- the states
-
     def step(self, final: bool) -> bool:
-        s = self.s
         state = self.state
         if state == _OUT:
-            marker = self.outside((s.section[0], *s.drop), final)
-            if marker is None:
-                return False
-            if marker != s.section[0]:
-                return True  # structural markup: dropped
-            self._junk = ""
-            self.state = _HEAD if s.call_open is None else _SECTION
-            return True
+            return self._outside(final)
         if state == _SECTION:
-            before = self.buf
-            marker, maybe = self.starts(tuple(m for m in (s.call_open, s.section[1]) if m))
-            self._junk += before[: len(before) - len(self.buf)]
-            if marker == s.section[1]:
-                self.state = _OUT
-            elif marker is not None:
-                self.state = _HEAD
-            elif maybe and not final:
-                return False
-            elif final and not self.buf:
-                self.state = _OUT  # cut off between calls: nothing more to read
-            else:
-                self.state = _JUNK
-            return True
+            return self._section(final)
         if state == _HEAD:
-            i, marker = earliest(self.buf, s.head_ends)
-            if i == -1:
-                if final:
-                    self.state = _JUNK
-                    return True
-                return False
-            name, _ = s.name(self.buf[:i])
-            if not is_name(name):
-                self.state = _JUNK
-                return True
-            self._junk += self.cut(i + (0 if marker in s.head_kept else len(marker)))
-            self._name = name
-            self._keys = 0
-            if self.ctx.calls_on:
-                self.open_call(name)
-            self.state = _PARAMS
-            return True
-        if state == _PARAMS:
-            return self._params(final)
-        if state == _KEY:
-            header = self.until(s.key[1])
-            if header is None:
-                if final:
-                    self._close_call()
-                    self.state = _OUT
-                    return True
-                return False
-            key, kind = s.key_name(header)
-            string = kind == "string" if s.strings_by_type else parameter_is_string(
-                self.ctx.tools.parameters(self._name), key)
-            self.write(("{" if not self._keys else ", ") + dumps(key) + ": ")
-            self._keys += 1
-            self._value = ValueStream(string=string, verbatim=self.ctx.enforced, trim=s.trim)
-            self.state = _VALUE_OPEN
-            return True
-        if state == _VALUE_OPEN:
-            if s.value[0]:
-                marker, maybe = self.starts((s.value[0],))
-                if marker is None and maybe and not final:
-                    return False
-            self.write(self._stream().start())
-            self.state = _VALUE
-            return True
-        if state == _VALUE:
-            return self._value_text(final)
-        if state == _BLOCK_HEAD:
-            assert s.json_block is not None
-            if self.until(s.json_block[1]) is None:
-                if final:
-                    self._close_call()
-                    self.state = _OUT
-                    return True
-                return False
-            self.state = _BLOCK
-            return True
-        if state == _BLOCK:
-            return self._block(final)
-        return self._junk_text(final)
+            return self._head(final)
+        if state == _JUNK:
+            return self._junk_text(final)
+        return self._params.step(state, final)
 
-    def _params(self, final: bool) -> bool:
+    def _outside(self, final: bool) -> bool:
         s = self.s
-        closers = [s.call_close or s.section[1], s.key[0]]
-        if s.json_block is not None and not self._keys:
-            closers.append(s.json_block[0])
-        marker, maybe = self.starts(closers)
-        if marker == s.key[0]:
-            self.state = _KEY
-        elif s.json_block is not None and marker == s.json_block[0]:
-            self.state = _BLOCK_HEAD
+        marker = self.outside((s.section[0], *s.drop), final)
+        if marker is None:
+            return False
+        if marker != s.section[0]:
+            return True  # structural markup: dropped
+        self._junk = ""
+        self.state = _HEAD if s.call_open is None else _SECTION
+        return True
+
+    def _section(self, final: bool) -> bool:
+        s = self.s
+        before = self.buf
+        marker, maybe = self.starts(tuple(m for m in (s.call_open, s.section[1]) if m))
+        self._junk += before[: len(before) - len(self.buf)]
+        if marker == s.section[1]:
+            self.state = _OUT
         elif marker is not None:
-            self._close_call()
-            self.state = _SECTION if s.call_close else _OUT
+            self.state = _HEAD
         elif maybe and not final:
             return False
-        elif final:
-            self._close_call()
-            self.state = _OUT
+        elif final and not self.buf:
+            self.state = _OUT  # cut off between calls: nothing more to read
         else:
-            # Stray text between parameters (mlx-lm's parsers skip it too).
-            i, _ = earliest(self.buf, closers)
-            keep = partial_suffix(self.buf, closers) if i == -1 else 0
-            self.cut(i if i != -1 else max(1, len(self.buf) - keep))
+            self.state = _JUNK
         return True
 
-    def _value_text(self, final: bool) -> bool:
-        close = self.s.value[1]
-        stream = self._stream()
-        i = self.buf.find(close)
-        if i == -1 and not final:
-            keep = partial_suffix(self.buf, (close,))
-            text = self.cut(len(self.buf) - keep)
-            self.write(stream.feed(text))
-            return False
-        if i == -1:  # cut off: a partial closing tag is not part of the value
-            text = self.cut(len(self.buf) - partial_suffix(self.buf, (close,)))
-        else:
-            text = self.cut(i)
-            self.cut(len(close))
-        self.write(stream.feed(text) + stream.end())
-        self._value = None
-        if i == -1:  # cut off: the call ends as it stands
-            self._close_call()
-            self.state = _OUT
-        else:
-            self.state = _PARAMS
-        return True
-
-    def _block(self, final: bool) -> bool:
-        """Kimi K3's raw JSON arguments: forwarded as written."""
-        assert self.s.json_block is not None
-        close = self.s.json_block[2]
-        i = self.buf.find(close)
-        if i == -1 and not final:
-            keep = partial_suffix(self.buf, (close,))
-            self.write(self.cut(len(self.buf) - keep).lstrip() if not self.log.written
-                       else self.cut(len(self.buf) - keep))
-            return False
-        text = self.cut(i if i != -1 else len(self.buf))
-        self.write(text.lstrip() if not self.log.written else text)
-        if i != -1:
-            self.cut(len(close))
-        self._keys = -1  # the arguments are written: nothing to close
-        self.state = _PARAMS if i != -1 else _OUT
+    def _head(self, final: bool) -> bool:
+        s = self.s
+        i, marker = earliest(self.buf, s.head_ends)
         if i == -1:
-            self._close_call()
+            if final:
+                self.state = _JUNK
+                return True
+            return False
+        name, _ = s.name(self.buf[:i])
+        if not is_name(name):
+            self.state = _JUNK
+            return True
+        self._junk += self.cut(i + (0 if marker in s.head_kept else len(marker)))
+        self._params.begin(name)
+        if self.ctx.calls_on:
+            self.open_call(name)
+        self.state = _PARAMS
         return True
 
     def _junk_text(self, final: bool) -> bool:
         """A section that is not in the syntax: parsed whole at its end (or the turn's)."""
-        close = self.s.section[1]
-        i = self.buf.find(close)
-        if i == -1 and not final:
+        got = self.rest_of_block(self.s.section[1], final)
+        if got is None:
             return False
-        raw = self._junk + self.cut(i if i != -1 else len(self.buf))
-        if i != -1:
-            self.cut(len(close))
+        rest, closed = got
+        raw = self._junk + rest
         if self.log.streaming:
             self.log.close()
         if self.ctx.calls_on:
-            if i != -1:
-                self.whole(raw, self.s.section[0] + raw + close)
-            else:
-                # Cut off: whatever parses counts, the rest is dropped (its markup must
-                # never reach content; finish_reason tells the turn was cut).
-                self.whole(raw, "")
+            # Cut off: whatever parses counts, the rest is dropped (its markup must never
+            # reach content; finish_reason tells the turn was cut).
+            self.whole(raw, self.s.section[0] + raw + self.s.section[1] if closed else "")
         self.state = _OUT
         return True
 
-    # -- helpers
-
-    def _stream(self) -> ValueStream:
-        assert self._value is not None
-        return self._value
-
-    def _close_call(self) -> None:
+    def end_call(self) -> None:
         if not self.log.streaming:
             return
-        if self._value is not None:
-            self.write(self._value.end())
-            self._value = None
-        if self._keys == 0:
-            self.write("{}")
-        elif self._keys > 0:
-            self.write("}")
+        self._params.close()
         self.close_call()
         self._junk = ""
 
+    def cut_off(self, final: bool) -> bool:
+        """Generation ended inside a call: it closes as it stands."""
+        if not final:
+            return False
+        self.end_call()
+        self.state = _OUT
+        return True
+
     def end(self) -> None:
         if self.log.streaming:
-            self._close_call()
+            self.end_call()
+
+
+class _Parameters:
+    """The open call's parameters, read into its JSON ``arguments`` as the model writes
+    them: each key once its header is complete, each value as it streams, Kimi K3's raw
+    JSON block as written. It scans its reader's buffer and moves its reader's state."""
+
+    __slots__ = ("args", "name", "r", "s")
+
+    def __init__(self, reader: TaggedReader) -> None:
+        self.r = reader
+        self.s = reader.s
+        self.name = ""
+        self.args = ArgumentsObject()
+
+    def begin(self, name: str) -> None:
+        self.name = name
+        self.args.keys = 0
+
+    def step(self, state: int, final: bool) -> bool:
+        if state == _PARAMS:
+            return self._params(final)
+        if state == _KEY:
+            return self._key(final)
+        if state == _VALUE_OPEN:
+            return self._value_open(final)
+        if state == _VALUE:
+            return self._value_text(final)
+        if state == _BLOCK_HEAD:
+            assert self.s.json_block is not None
+            if self.r.until(self.s.json_block[1]) is None:
+                return self.r.cut_off(final)
+            self.r.state = _BLOCK
+            return True
+        return self._block(final)
+
+    def _params(self, final: bool) -> bool:
+        r, s = self.r, self.s
+        closers = [s.call_close or s.section[1], s.key[0]]
+        if s.json_block is not None and not self.args.keys:
+            closers.append(s.json_block[0])
+        marker, maybe = r.starts(closers)
+        if marker == s.key[0]:
+            r.state = _KEY
+        elif s.json_block is not None and marker == s.json_block[0]:
+            r.state = _BLOCK_HEAD
+        elif marker is not None:
+            r.end_call()
+            r.state = _SECTION if s.call_close else _OUT
+        elif maybe and not final:
+            return False
+        elif final:
+            r.cut_off(final)
+        else:
+            # Stray text between parameters (mlx-lm's parsers skip it too).
+            i, _ = earliest(r.buf, closers)
+            keep = partial_suffix(r.buf, closers) if i == -1 else 0
+            r.cut(i if i != -1 else max(1, len(r.buf) - keep))
+        return True
+
+    def _key(self, final: bool) -> bool:
+        r, s = self.r, self.s
+        header = r.until(s.key[1])
+        if header is None:
+            return r.cut_off(final)
+        key, kind = s.key_name(header)
+        string = kind == "string" if s.strings_by_type else parameter_is_string(
+            r.ctx.tools.parameters(self.name), key)
+        value = ValueStream(string=string, verbatim=r.ctx.enforced, trim=s.trim)
+        r.write(self.args.key(key, value))
+        r.state = _VALUE_OPEN
+        return True
+
+    def _value_open(self, final: bool) -> bool:
+        r, s = self.r, self.s
+        if s.value[0]:
+            marker, maybe = r.starts((s.value[0],))
+            if marker is None and maybe and not final:
+                return False
+        r.write(self.args.stream().start())
+        r.state = _VALUE
+        return True
+
+    def _value_text(self, final: bool) -> bool:
+        r, close = self.r, self.s.value[1]
+        stream = self.args.stream()
+        i = r.buf.find(close)
+        if i == -1 and not final:
+            keep = partial_suffix(r.buf, (close,))
+            r.write(stream.feed(r.cut(len(r.buf) - keep)))
+            return False
+        if i == -1:  # cut off: a partial closing tag is not part of the value
+            text = r.cut(len(r.buf) - partial_suffix(r.buf, (close,)))
+        else:
+            text = r.cut(i)
+            r.cut(len(close))
+        r.write(stream.feed(text) + stream.end())
+        self.args.value = None
+        if i == -1:  # cut off: the call ends as it stands
+            return r.cut_off(True)
+        r.state = _PARAMS
+        return True
+
+    def _block(self, final: bool) -> bool:
+        """Kimi K3's raw JSON arguments: forwarded as written."""
+        r = self.r
+        assert self.s.json_block is not None
+        close = self.s.json_block[2]
+        i = r.buf.find(close)
+        if i == -1 and not final:
+            text = r.cut(len(r.buf) - partial_suffix(r.buf, (close,)))
+            r.write(text.lstrip() if not r.log.written else text)
+            return False
+        text = r.cut(i if i != -1 else len(r.buf))
+        r.write(text.lstrip() if not r.log.written else text)
+        if i != -1:
+            r.cut(len(close))
+        self.args.keys = -1  # the arguments are written: nothing to close
+        if i == -1:
+            return r.cut_off(True)
+        r.state = _PARAMS
+        return True
+
+    def close(self) -> None:
+        """The arguments' end, however far they got: the open value's end, then the
+        object's (each a fragment of its own)."""
+        self.r.write(self.args.end_value())
+        self.r.write(self.args.close())
 
 
 def reader(syntax: Syntax) -> Callable[[CallContext], TaggedReader]:

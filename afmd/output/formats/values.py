@@ -228,3 +228,34 @@ class ValueStream:
         if self.kind == "string":
             return escape(rest) + '"'
         return rest
+
+
+class ArgumentsObject:
+    """A call's ``arguments`` as the JSON object its parameters build, key by key: what a
+    reader writes before each key, and what ends the object however far it got (a call
+    cut off mid-value still closes as valid JSON)."""
+
+    __slots__ = ("keys", "value")
+
+    def __init__(self) -> None:
+        self.keys = 0  # -1: the arguments came whole (raw JSON): nothing to close
+        self.value: ValueStream | None = None  # the value streaming now
+
+    def key(self, name: str, value: ValueStream | None = None) -> str:
+        """The text before the key's value, which ``value`` streams (when given)."""
+        text = ("{" if not self.keys else ", ") + dumps(name) + ": "
+        self.keys += 1
+        self.value = value
+        return text
+
+    def stream(self) -> ValueStream:
+        assert self.value is not None
+        return self.value
+
+    def end_value(self) -> str:
+        """The open value's end ("" when none is open)."""
+        value, self.value = self.value, None
+        return "" if value is None else value.end()
+
+    def close(self) -> str:
+        return "{}" if self.keys == 0 else "}" if self.keys > 0 else ""
