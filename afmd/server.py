@@ -20,10 +20,11 @@ from afmd.distributed.lead import GroupLead
 from afmd.distributed.loss import GroupLoss
 from afmd.engine.models import ModelRegistry
 from afmd.http.app import AppState, create_app
+from afmd.http.binding import bind_listeners
 from afmd.http.connections import GateContext
 from afmd.http.embeddings import interrupt_embeddings
-from afmd.http.listeners import Listener, Listeners, StartupError, bind_tcp, bind_unix, is_loopback
-from afmd.http.protocol import direct_routes, make_protocol, route_checker
+from afmd.http.listeners import Listener, Listeners, StartupError
+from afmd.http.protocol import direct_routes, route_checker
 from afmd.http.routes import interrupt_requests, server_stopping_error
 from afmd.http.supervisor import ListenerState, ListenerSupervisor
 from afmd.logs import get_logger
@@ -86,31 +87,8 @@ class Server:
         return self.supervisor.subscribe()
 
     # -- lifecycle --
-    def _protocol_for(self, kind: str, host: str = "") -> Any:
-        """One protocol class per listener: whether it checks Host depends on where it is.
-
-        The Unix socket and loopback TCP are what a DNS-rebinding page would reach, so they
-        always check; a listener on another interface checks only when allowed_hosts says
-        which names are valid. ``"*"`` in allowed_hosts turns the check off. Only this
-        machine reaches those two, so they serve ``/metrics`` without the API key.
-        """
-        allowed = self.config.server.allowed_hosts
-        loopback = kind == "tcp" and is_loopback(host)
-        check = kind == "unix" or loopback or bool(allowed)
-        extra = (host,) if loopback else ()
-        policy = self.gate.policy(check_host=check, extra_hosts=extra,
-                                  local=kind == "unix" or loopback)
-        return make_protocol(self.gate, policy, kind)
-
     def _bind_all(self) -> None:
-        server = self.config.server
-        if server.host:
-            sock = bind_tcp(server.host, server.port)
-            self._listeners.add("tcp", sock.getsockname(), sock,
-                                self._protocol_for("tcp", server.host))
-        if server.unix_socket:
-            sock = bind_unix(server.unix_socket)
-            self._listeners.add("unix", server.unix_socket, sock, self._protocol_for("unix"))
+        bind_listeners(self.config.server, self.gate, self._listeners)
 
     async def start(self) -> None:
         await self._listeners.start(self._bind_all)
@@ -123,7 +101,9 @@ class Server:
         if default is not None and (
             self.config.models.preloads(default) or self.group is not None
         ):
-            task = self.registry.begin_load(default, deadline=float("inf"))
+            # A group's shard waits as long as it takes: its ranks are loading it together.
+            deadline = float("inf") if self.group is not None else None
+            task = self.registry.begin_load(default, deadline)
             task.add_done_callback(self._on_default_loaded)
         # The other models marked preload, after the default (whose load this joins).
         self._preload = asyncio.get_running_loop().create_task(self.registry.preload())
