@@ -19,12 +19,20 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
+import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator
 
 from afmd.config import Config, ModelEntry, load_config
-from afmd.engine import demo
-from afmd.engine.base import Finished, Generation, GenerationRequest, SamplingParams, Text
+from afmd.engine import demo, logprobs
+from afmd.engine.base import (
+    Finished,
+    Generation,
+    GenerationRequest,
+    SamplingParams,
+    Text,
+    TokenLogprob,
+)
 from afmd.engine.decode import DecodeBatch
 from afmd.engine.draft import DraftMismatch, load_draft
 from afmd.engine.layout import relayout_for_cpu
@@ -96,7 +104,10 @@ class Run:
                                         tokenizer=tokenizer, prompt_lookup=lookup, draft=draft)
         self.uid = self.insert(prompt, max_tokens, list(processors), stop_ids, self.spec,
                                self.sampler)
+        if logprobs is not None:
+            self.batch.logprob_rows[self.uid] = logprobs
         self.tokens: dict[int, list[int]] = {self.uid: []}
+        self.entries: dict[int, list[Any]] = {self.uid: []}
         self.last: dict[int, Any] = {}
         self.most_in_one_step = 0
 
@@ -118,6 +129,7 @@ class Run:
         count: dict[int, int] = {}
         for r in responses:
             self.tokens.setdefault(r.uid, []).append(r.token)
+            self.entries.setdefault(r.uid, []).append(r.logprobs)
             count[r.uid] = count.get(r.uid, 0) + 1
             if r.finish_reason is not None:
                 self.last[r.uid] = r
@@ -131,6 +143,12 @@ class Run:
 
     def stats(self) -> dict[str, dict[str, int]]:
         return self.spec.stats() if self.spec is not None else {}
+
+    def numbers(self, k: int, uid: int | None = None) -> list[TokenLogprob]:
+        """The row's log-probabilities, as the worker resolves them token by token."""
+        uid = self.uid if uid is None else uid
+        return [logprobs.resolve(e, t, k)
+                for e, t in zip(self.entries[uid], self.tokens[uid], strict=True)]
 
 
 def plain(loaded: tuple[Any, Any], prompt: list[int], max_tokens: int, **kw: Any) -> list[int]:
@@ -485,18 +503,79 @@ def test_a_grammar_ends_a_proposal_at_the_first_token_it_refuses(
 # -- who speculates ------------------------------------------------------------------------
 
 
-def test_rows_with_logprobs_do_not_speculate_but_count_the_prediction(
-    host: tuple[Any, Any]
+def _reference(model: Any, ids: list[int]) -> np.ndarray:
+    """mlx-lm's log-probabilities at every position of ``ids``, in one forward pass."""
+    logits = model(mx.array([ids]))[0].astype(mx.float32)
+    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+def _assert_numbers(got: list[TokenLogprob], want: list[np.ndarray], k: int) -> None:
+    """Each token's numbers within float32 tolerance of ``want`` (its position's row), the
+    alternatives in the same order."""
+    assert len(got) == len(want)
+    for entry, row in zip(got, want, strict=True):
+        assert entry.logprob == pytest.approx(float(row[entry.token]), abs=1e-4)
+        assert [t for t, _ in entry.top] == [int(i) for i in np.argsort(-row, kind="stable")[:k]]
+        for token, value in entry.top:
+            assert value == pytest.approx(float(row[token]), abs=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["host", "device"])
+def test_rows_with_logprobs_speculate_with_the_numbers_of_the_pass(
+    request: pytest.FixtureRequest, layout: str
 ) -> None:
-    tokenizer = host[1]
+    """Each verified token's numbers come from the pass that verified it (numpy's
+    projection on the host layout, MLX's otherwise) and match mlx-lm's own."""
+    loaded = request.getfixturevalue(layout)
+    model, tokenizer = loaded
     prompt = _prompt(tokenizer, QUESTIONS[0])
-    want = plain(host, prompt, 80)
-    request = GenerationRequest("r", prompt, 80, logprobs=2,
-                                prediction=_text(tokenizer, want))
-    spec = RowSpec.for_request(request, (), None, frozenset(), tokenizer=tokenizer,
-                               prompt_lookup=True)
-    assert spec is not None and not spec.enabled
-    assert [s.source.name for s in spec.sources] == ["prediction"]
+    want = plain(loaded, prompt, 80)
+    run = Run(loaded, prompt, 80, prediction=_text(tokenizer, want), lookup=True, logprobs=3)
+    assert run.spec is not None and run.spec.enabled
+    assert run.finish() == want
+    assert run.stats()["prediction"]["accepted"] > 20 and run.most_in_one_step > 4
+    lp = _reference(model, prompt + want)
+    _assert_numbers(run.numbers(3), [lp[len(prompt) - 1 + i] for i in range(len(want))], 3)
+    _consistent(run, prompt)
+
+
+def test_logprobs_of_a_pass_settled_by_a_row_joining(host: tuple[Any, Any]) -> None:
+    """The tokens a pass accepted go out with the next batched step, their numbers too."""
+    model, tokenizer = host
+    first, second = (_prompt(tokenizer, q) for q in QUESTIONS)
+    want = plain(host, first, 120)
+    run = Run(host, first, 120, prediction=_text(tokenizer, want), logprobs=2)
+    while run.batch._verify is None:
+        run.step()
+    other = run.insert(second, 40, [], (), None, None)
+    run.tokens[other] = []
+    run.finish()
+    assert run.tokens[run.uid] == want and run.most_in_one_step > 4
+    lp = _reference(model, first + want)
+    _assert_numbers(run.numbers(2), [lp[len(first) - 1 + i] for i in range(len(want))], 2)
+
+
+def test_logprobs_of_grammar_rows_under_speculation(host: tuple[Any, Any], grammar: Any
+                                                    ) -> None:
+    """A constrained row's numbers (of the masked logits) are those of one step at a time."""
+    model, tokenizer = host
+    vocab = model.args.vocab_size
+    prompt = _prompt(tokenizer, "a record please")
+
+    def constrained() -> tuple[Any, ...]:
+        return (GrammarProcessor(grammar.matcher(), vocab),)
+
+    step = Run(host, prompt, 120, processors=constrained(), logprobs=4)
+    want = step.finish()
+    run = Run(host, prompt, 120, processors=constrained(), prediction=_text(tokenizer, want),
+              logprobs=4)
+    assert run.finish() == want
+    assert run.stats()["prediction"]["accepted"] > len(want) // 3
+    for got, ref in zip(run.numbers(4), step.numbers(4), strict=True):
+        assert got.token == ref.token and [t for t, _ in got.top] == [t for t, _ in ref.top]
+        assert got.logprob == pytest.approx(ref.logprob, abs=1e-4)
+        for (_, a), (_, b) in zip(got.top, ref.top, strict=True):
+            assert a == pytest.approx(b, abs=1e-4)
 
 
 def test_a_losing_source_backs_off_and_comes_back() -> None:

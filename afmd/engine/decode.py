@@ -25,7 +25,8 @@ processors it replaces. What it changes, as measured by bench/run.py:
 
 - **A row decoding alone speculates.** When its request allows it (:attr:`spec_rows`)
   and no other row shares the batch, proposed tokens are verified several per forward
-  pass (:mod:`afmd.engine.speculative`) and one step hands out every token that held.
+  pass (:mod:`afmd.engine.speculative`) and one step hands out every token that held,
+  with the numbers of that pass when the row reports log-probabilities.
   Rows joining end it (a pass in flight is settled first, its tokens handed out with the
   next step); a batch of one is where it pays, and where the single user of a local
   server is.
@@ -70,8 +71,9 @@ class DecodeBatch(GenerationBatch):
     # The verification pass in flight (a batch of one row only).
     _verify: Verification | None = None
     _trimmable: bool | None = None
-    # uid -> tokens a settled pass accepted, handed out with the row's next step.
-    _backlog: dict[int, list[int]]
+    # uid -> tokens a settled pass accepted (and what resolves their log-probabilities),
+    # handed out with the row's next step.
+    _backlog: dict[int, tuple[list[int], list[Any]]]
     # uid -> prompt length (what the row's KV cache held when its first token went out).
     _prompt_len: dict[int, int]
 
@@ -101,8 +103,8 @@ class DecodeBatch(GenerationBatch):
         for i, uid in enumerate(self.uids):
             backlog = self._backlog.pop(uid, None) if self._backlog else None
             if backlog:
-                handed[i] = backlog + handed[i]
-                extra[i] = [None] * len(backlog) + extra[i]
+                handed[i] = backlog[0] + handed[i]
+                extra[i] = backlog[1] + extra[i]
         return self._account(handed, extra)
 
     def _step(self) -> tuple[list[int], list[Any]]:
@@ -121,10 +123,10 @@ class DecodeBatch(GenerationBatch):
         # Joining rows come with their next tokens already computed; ours must be too.
         self._launch_deferred()
         if self._verify is not None:
-            accepted, pending = self._resolve()
-            self._backlog[self.uids[0]] = accepted
+            accepted, pending, entries = self._resolve()
+            self._backlog[self.uids[0]] = (accepted, entries[:-1])
             self._next_tokens = mx.array([pending], dtype=mx.uint32)
-            self._next_logprobs = [None]
+            self._next_logprobs = entries[-1:]
         super().extend(batch)
 
     def filter(self, keep: list[int]) -> None:
@@ -209,9 +211,8 @@ class DecodeBatch(GenerationBatch):
         start the next; ``None``: nothing to propose, take the plain step."""
         spec = self.spec_rows[self.uids[0]]
         if self._verify is not None:
-            accepted, pending = self._resolve()
-            handed = [*accepted, pending]
-            responses = self._account([handed], [[None] * len(handed)])
+            accepted, pending, entries = self._resolve()
+            responses = self._account([[*accepted, pending]], [entries])
             if self.uids:
                 self._launch_after(spec, pending)
             return responses
@@ -219,7 +220,7 @@ class DecodeBatch(GenerationBatch):
         if spec.constrained:
             # The proposal must go through the grammar first: wait for the token.
             pending = int(self._next_tokens.item())
-            responses = self._account([[pending]], [[None]])
+            responses = self._account([[pending]], [self._next_logprobs[:1]])
             if self.uids:
                 self._launch_after(spec, pending)
             return responses
@@ -232,10 +233,11 @@ class DecodeBatch(GenerationBatch):
         state, proposal = got
         first = self._next_tokens
         rest = proposal[1:]
-        verify = Verification(spec, state, first, _as_array(rest), len(rest))
+        verify = Verification(spec, state, first, _as_array(rest), len(rest),
+                              self._wanted())
         verify.launch(self.model, self.prompt_cache, None)
         self._verify = verify
-        return self._account([[int(first.item())]], [[None]])
+        return self._account([[int(first.item())]], [self._next_logprobs[:1]])
 
     def _launch_after(self, spec: RowSpec, pending: int) -> None:
         """Feed ``pending`` (handed out, not yet in the cache) with a proposal, or alone."""
@@ -252,15 +254,17 @@ class DecodeBatch(GenerationBatch):
                                          int(self.model.args.vocab_size))
             if len(proposal):
                 first = mx.array([pending], dtype=mx.uint32)
-                verify = Verification(spec, state, first, _as_array(proposal), len(proposal))
+                verify = Verification(spec, state, first, _as_array(proposal), len(proposal),
+                                      self._wanted())
                 verify.launch(self.model, self.prompt_cache, mask)
                 self._verify = verify
                 return
         self._launch(mx.array([pending], dtype=mx.uint32))
 
-    def _resolve(self) -> tuple[list[int], int]:
-        """Wait for the pass in flight: the proposed tokens that held (now in the cache)
-        and the model's token after them (not yet in it)."""
+    def _resolve(self) -> tuple[list[int], int, list[Any]]:
+        """Wait for the pass in flight: the proposed tokens that held (now in the cache),
+        the model's token after them (not yet in it), and what resolves the
+        log-probabilities of each of those tokens."""
         verify, self._verify = self._verify, None
         assert verify is not None
         proposal, targets = verify.resolve()
@@ -271,7 +275,12 @@ class DecodeBatch(GenerationBatch):
         consume(verify.spec.processors, proposal[:n])
         self.tokens[0] += [int(verify.first.item()), *proposal[:n]]
         verify.state.record(verify.k, n, len(verify.spec.history))
-        return proposal[:n], targets[n]
+        return proposal[:n], targets[n], verify.entries(n + 1)
+
+    def _wanted(self) -> int | None:
+        """The alternatives the lone row reports, if it reports log-probabilities."""
+        rows = getattr(self, "logprob_rows", None)
+        return rows.get(self.uids[0]) if rows else None
 
     def _launch_deferred(self) -> None:
         if self._deferred:

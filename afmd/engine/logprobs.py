@@ -71,6 +71,14 @@ class StepLogprobs:
         top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
         self.arrays = [chosen, top_ids, mx.take_along_axis(logprobs, top_ids, axis=-1)]
 
+    @classmethod
+    def projected(cls, logits: np.ndarray) -> StepLogprobs:
+        """Rows whose logits numpy already holds (a verification pass projected on the
+        host), normalised the same way when a token is handed out."""
+        step = cls.__new__(cls)
+        step._on_host, step._lists, step._logits, step.arrays = True, None, logits, []
+        return step
+
     def row(self, index: int, token: int, k: int) -> TokenLogprob:
         """Row ``index``'s numbers (the arrays evaluated)."""
         if self._on_host:

@@ -11,7 +11,9 @@ greedy rows; for sampled rows, the argmax of the same scores plus the same Gumbe
 drawn from the request's own key chain for that position (:mod:`afmd.engine.sampling`).
 So speculation changes no token, greedy or seeded, and sampled output keeps the model's
 distribution exactly. Grammar masks are computed for every position, the matcher walked
-through the proposal first: a proposal ends at the first token the grammar refuses.
+through the proposal first: a proposal ends at the first token the grammar refuses. A row
+that reports log-probabilities takes each verified token's numbers from the pass that
+verified it (the logits the model computed for that position, masked as a step masks them).
 
 On MLX's CPU backend the output projection over the k+1 positions runs on numpy's BLAS
 (:mod:`afmd.engine.verify_head`): the reference BLAS MLX ships there costs a whole decode
@@ -28,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from afmd.engine.base import GenerationRequest
+from afmd.engine.logprobs import RowLogprobs
 from afmd.engine.proposals import DraftSource, LookupSource, PredictionSource
 from afmd.engine.sampling import RowSampler
 from afmd.engine.verify_head import VerifyHead
@@ -120,11 +123,10 @@ class RowSpec:
                     sampler: RowSampler | None, stop_ids: frozenset[int], *,
                     tokenizer: Any, prompt_lookup: bool, draft: Any = None,
                     standing: dict[str, Standing] | None = None) -> RowSpec | None:
-        """The row's speculation, or None when it has no source or must not speculate:
-        log-probabilities are reported one step at a time (a verified token's numbers
-        would come from another pass), and a processor that reads the row's past tokens
-        (repetition penalty) is not replayed over a proposal."""
-        allowed = request.logprobs is None and all(isinstance(p, MASKING) for p in processors)
+        """The row's speculation, or None when it has no source or must not speculate: a
+        processor that reads the row's past tokens (repetition penalty) is not replayed
+        over a proposal."""
+        allowed = all(isinstance(p, MASKING) for p in processors)
         sources: list[Any] = []
         if request.prediction:
             tokens = tokenizer.encode(request.prediction, add_special_tokens=False)
@@ -243,12 +245,15 @@ def consume(processors: Sequence[Any], tokens: Sequence[int]) -> None:
 class Verification:
     """One verification pass in flight: ``first`` plus a ``k``-token proposal."""
 
-    __slots__ = ("_head", "_keys", "_mask", "first", "k", "proposal", "spec", "state")
+    __slots__ = ("_head", "_keys", "_mask", "first", "k", "logprobs", "proposal", "spec",
+                 "state")
 
     def __init__(self, spec: RowSpec, state: SourceState, first: mx.array,
-                 proposal: mx.array, k: int) -> None:
+                 proposal: mx.array, k: int, logprobs: int | None = None) -> None:
+        """``logprobs``: the alternatives the row reports, if it reports log-probabilities."""
         self.spec, self.state, self.first, self.proposal, self.k = (
             spec, state, first, proposal, k)
+        self.logprobs = logprobs
         self._mask: np.ndarray | None = None
         self._keys: list[mx.array] = []
         self._head: VerifyHead | None = None
@@ -258,7 +263,8 @@ class Verification:
         inputs = mx.concatenate([self.first.astype(mx.uint32), self.proposal.astype(mx.uint32)])
         self._mask = mask
         head = VerifyHead.of(model)
-        head.start(model, inputs[None], cache, mask, self.spec.sampler, self._noise)
+        head.start(model, inputs[None], cache, mask, self.spec.sampler, self._noise,
+                   self.logprobs)
         self._head = head
 
     def _noise(self, vocab: int) -> mx.array:
@@ -275,6 +281,16 @@ class Verification:
             accepted = accepted_count(self.proposal.tolist(), targets)
             self.spec.sampler.commit(self._keys, accepted + 1)
         return self.proposal.tolist(), targets
+
+    def entries(self, n: int) -> list[RowLogprobs | None]:
+        """What :func:`afmd.engine.logprobs.resolve` reads for the tokens of the pass's
+        first ``n`` positions (after :meth:`resolve`); None each when the row does not
+        report log-probabilities."""
+        if self.logprobs is None:
+            return [None] * n
+        assert self._head is not None
+        step = self._head.logprobs()
+        return [RowLogprobs(step, i, self.logprobs) for i in range(n)]
 
 
 def accepted_count(proposal: list[int], targets: list[int]) -> int:

@@ -10,6 +10,10 @@ numpy rounds differently than MLX. A position whose best token leads the runner-
 less than the rounding bound of the two dot products is projected again by MLX alone,
 exactly as the decode step projects a single row, so the pick is always the one a step
 at a time would have made.
+
+A row that reports log-probabilities keeps the pass's logits (masked, before temperature,
+as the decode step keeps them): the numbers of the tokens that held come from the pass
+that verified them, as mlx-lm's own reference computes a sequence's in one pass.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import mlx.nn as nn
 import numpy as np
 
 from afmd.engine.layout import TransposedLinear
+from afmd.engine.logprobs import StepLogprobs, step_logprobs
 
 _NEG_INF = float("-inf")
 _EPS32 = 2.0**-24
@@ -56,12 +61,18 @@ class VerifyHead:
         return DeviceHead(model)
 
     def start(self, model: Any, inputs: mx.array, cache: list[Any], mask: np.ndarray | None,
-              sampler: Any, noise: Noise) -> None:
+              sampler: Any, noise: Noise, logprobs: int | None = None) -> None:
         """Build the pass; ``noise(vocab)`` draws a sampled row's noise (unused when
-        ``sampler`` is None: greedy)."""
+        ``sampler`` is None: greedy); ``logprobs``: the alternatives the row reports, if
+        it reports log-probabilities (:meth:`logprobs` then has them)."""
         raise NotImplementedError
 
     def targets(self) -> list[int]:
+        raise NotImplementedError
+
+    def logprobs(self) -> StepLogprobs:
+        """Every position's numbers (after :meth:`targets`), for a pass started with
+        ``logprobs``."""
         raise NotImplementedError
 
 
@@ -70,19 +81,29 @@ class DeviceHead(VerifyHead):
 
     def __init__(self, model: Any) -> None:
         self._picks: mx.array | None = None
+        self._logprobs: StepLogprobs | None = None
 
     def start(self, model: Any, inputs: mx.array, cache: list[Any], mask: np.ndarray | None,
-              sampler: Any, noise: Noise) -> None:
+              sampler: Any, noise: Noise, logprobs: int | None = None) -> None:
         logits = model(inputs, cache=cache)[0]
         if mask is not None:
             logits = mx.where(mx.array(mask), logits, _NEG_INF)
         drawn = noise(logits.shape[-1]) if sampler is not None else None
         self._picks = _pick(logits, sampler, drawn)
-        mx.async_eval(self._picks)
+        if logprobs is None:
+            mx.async_eval(self._picks)
+            return
+        rows = [(i, logprobs) for i in range(logits.shape[0])]
+        self._logprobs = step_logprobs(logits, self._picks, rows)
+        mx.async_eval(self._picks, self._logprobs.arrays)
 
     def targets(self) -> list[int]:
         assert self._picks is not None
         return self._picks.tolist()
+
+    def logprobs(self) -> StepLogprobs:
+        assert self._logprobs is not None, "a pass started with logprobs"
+        return self._logprobs
 
 
 class HostHead(VerifyHead):
@@ -94,15 +115,17 @@ class HostHead(VerifyHead):
         self._mask: np.ndarray | None = None
         self._sampler: Any = None
         self._noise: mx.array | None = None
+        self._keep = False
+        self._logprobs: StepLogprobs | None = None
 
     def start(self, model: Any, inputs: mx.array, cache: list[Any], mask: np.ndarray | None,
-              sampler: Any, noise: Noise) -> None:
+              sampler: Any, noise: Noise, logprobs: int | None = None) -> None:
         model.lm_head = _HIDDEN
         try:
             self._hidden = model(inputs, cache=cache)[0]
         finally:
             model.lm_head = self._head
-        self._mask, self._sampler = mask, sampler
+        self._mask, self._sampler, self._keep = mask, sampler, logprobs is not None
         self._noise = noise(self._head.weight_t.shape[-1]) if sampler is not None else None
         mx.async_eval(self._hidden)
 
@@ -124,6 +147,8 @@ class HostHead(VerifyHead):
             logits = hidden @ weight
         if self._mask is not None:
             logits = np.where(self._mask, logits, _NEG_INF)
+        if self._keep:
+            self._logprobs = StepLogprobs.projected(logits)
         # |numpy - MLX| for one logit is at most about 2·H·eps·Σ|h||w| (sequential sums).
         tol = 2.0 * hidden.shape[-1] * _EPS32 * np.abs(hidden).sum(axis=-1) * w_max
         sampler = self._sampler
@@ -142,6 +167,10 @@ class HostHead(VerifyHead):
         for i in close.tolist():
             out[i] = self._exact(i)
         return out
+
+    def logprobs(self) -> StepLogprobs:
+        assert self._logprobs is not None, "a pass started with logprobs, its targets read"
+        return self._logprobs
 
     def _exact(self, i: int) -> int:
         """Row ``i`` as the decode step picks it: MLX's projection of that row alone."""
