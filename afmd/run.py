@@ -11,27 +11,26 @@ token); the last batch ends with :class:`~afmd.core.events.Finish` and
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from afmd import profiling
-from afmd.config import Config
-from afmd.core.events import Content, Event, Finish, Profile, ToolCallEnd, ToolCallStart, Usage
+from afmd.core.events import Event, Finish, Profile, Usage
 from afmd.core.request import ToolCall
-from afmd.engine.base import Finished, Generation, GenerationRequest, SamplingParams, Text
+from afmd.engine.base import Finished, Generation, GenerationRequest, SamplingParams
 from afmd.engine.loaded import LoadedModel
-from afmd.engine.tokens import LogprobQueue, TokenTable, token_table
-from afmd.errors import APIError, GatewayTimeoutError
-from afmd.logs import get_logger
+from afmd.engine.tokens import token_table
+from afmd.errors import APIError
 from afmd.rounds import Round, RoundBuilder
+from afmd.run_control import RunControl, RunPolicy, timeout_error
+from afmd.run_reader import RoundReader
 from afmd.scheduler import Ticket
 from afmd.servertools import ServerTools
-from afmd.toolloop import ClientView, ToolLoop
+from afmd.toolloop import ToolLoop
 from afmd.turn import TurnPlan
 
-log = get_logger("afmd.pipeline")
+__all__ = ["ChatRun", "PreparedChat", "RoundReader", "RunPolicy"]
 
 
 @dataclass(slots=True)
@@ -65,27 +64,6 @@ class PreparedChat:
         return self.round.trimmed
 
 
-@dataclass(frozen=True, slots=True)
-class RunPolicy:
-    """What bounds every run: retries of transient failures, tool budgets, time."""
-
-    retries: int = 0
-    retry_backoff: float = 0.0  # seconds before the first retry; doubles each time
-    max_tool_rounds: int = 4
-    max_tool_calls: int = 16
-    request_timeout: float = 120.0
-
-    @classmethod
-    def of(cls, config: Config, request_timeout: float) -> RunPolicy:
-        return cls(
-            retries=config.engine.retries,
-            retry_backoff=config.engine.retry_backoff,
-            max_tool_rounds=config.tools.max_rounds,
-            max_tool_calls=config.tools.max_calls,
-            request_timeout=request_timeout,
-        )
-
-
 @dataclass(slots=True)
 class _Totals:
     """Token counts over every round of the run."""
@@ -112,90 +90,6 @@ class _Totals:
                      self.accepted, self.rejected)
 
 
-class RoundReader:
-    """One round's engine output read back into the client's events."""
-
-    __slots__ = ("_calls", "_ended", "_logprobs", "_stop", "_view", "answer", "ended_by_us",
-                 "output")
-
-    def __init__(
-        self, plan: TurnPlan, view: ClientView | None, stop: Callable[[], None],
-        table: TokenTable | None = None,
-    ) -> None:
-        self.output = plan.output_processor()
-        # With log-probabilities asked: each token's, once the stop check released its text.
-        self._logprobs = LogprobQueue(table) if table is not None else None
-        self._calls = self.output.tool_calls  # the parser's own list: it only grows
-        self.answer: list[str] | None = [] if plan.json_answer else None
-        self.ended_by_us = False  # we stopped generation (stop sequence, call budget)
-        self._ended = 0  # calls whose end went out
-        self._view = view
-        self._stop = stop
-
-    def read(self, events: list[Any]) -> tuple[list[Event], Finished | None]:
-        """The events for the client, and the engine's end when the round ended."""
-        out: list[Event] = []
-        output = self.output
-        for event in events:
-            if isinstance(event, Text):
-                if self.ended_by_us:
-                    continue
-                if self._logprobs is not None:
-                    self._logprobs.add(event.text, event.logprobs)
-                if not event.text:
-                    continue
-                out += output.feed(event.text)
-                if output.should_stop:
-                    self.ended_by_us = True
-                    self._stop()
-            elif isinstance(event, Finished):
-                out += output.finish()
-                self._add_logprobs(out)
-                if self._logprobs is not None:
-                    self._logprobs.drop()
-                return self._deliver(out), event
-        self._add_logprobs(out)
-        return self._deliver(out), None
-
-    def _add_logprobs(self, out: list[Event]) -> None:
-        if self._logprobs is not None:
-            ready = self._logprobs.release(self.output.released)
-            if ready is not None:
-                out.append(ready)
-
-    def _deliver(self, out: list[Event]) -> list[Event]:
-        if len(self._calls) > self._ended:
-            out = self._with_ends(out, self._calls)
-        if self._view is not None:
-            out = self._view(out)
-        if self.answer is not None:
-            self.answer.extend(e.text for e in out if isinstance(e, Content))
-        return out
-
-    def _with_ends(self, events: list[Event], calls: list[ToolCall]) -> list[Event]:
-        """Each newly complete call's end, before the next call starts."""
-        out: list[Event] = []
-        for event in events:
-            if isinstance(event, ToolCallStart):
-                while self._ended < min(event.index, len(calls)):
-                    out.append(ToolCallEnd(self._ended, calls[self._ended]))
-                    self._ended += 1
-            out.append(event)
-        while self._ended < len(calls):
-            out.append(ToolCallEnd(self._ended, calls[self._ended]))
-            self._ended += 1
-        return out
-
-    def reason(self, finished: Finished, *, cancelled: bool) -> str:
-        if self.ended_by_us and not cancelled and (
-            finished.finish_reason == "cancelled" or self.output.stopped_by_sequence
-        ):
-            # Our own early end (stop sequence, call budget), not a cancel; a stop sequence
-            # wins even when its last token was also the last one max_tokens allowed.
-            return "stop"
-        return finished.finish_reason
-
-
 class ChatRun:
     """One turn's run; iterate it (once) for its batches of events."""
 
@@ -207,17 +101,17 @@ class ChatRun:
         self.finished = False
         self.finish_reason: str | None = None  # once finished
         self.usage: Usage | None = None  # once finished
-        self.attempt = 0  # retries made
-        self._policy = policy
         self._tools = ToolLoop(tools, max_rounds=policy.max_tool_rounds,
                                max_calls=policy.max_tool_calls)
         self._totals = _Totals()
-        self._emitted = False  # something reached the client: no more retries
-        self._cancelled = False
-        self._timed_out = False
-        # One timer per request for request_timeout, not one per awaited batch of tokens.
-        self._deadline: asyncio.TimerHandle | None = None
+        self._control = RunControl(policy, prepared.request_id, prepared.deadline,
+                                   stop=self._stop_generation, fail=self._fail)
         self._events = self._run()
+
+    @property
+    def attempt(self) -> int:
+        """Retries made."""
+        return self._control.attempt
 
     def __aiter__(self) -> AsyncIterator[list[Event]]:
         return self._events
@@ -233,11 +127,9 @@ class ChatRun:
             while finished is None:
                 assert self.generation is not None
                 try:
-                    if self._timed_out:
-                        raise _timeout_error()
+                    self._control.check()
                     events = await self.generation.next_events()
-                    if self._timed_out:
-                        raise _timeout_error()
+                    self._control.check()
                 except APIError as exc:
                     if not await self._retry(exc):
                         raise
@@ -245,7 +137,7 @@ class ChatRun:
                     continue
                 out, finished = reading.read(events)
                 if finished is None and out:
-                    self._emitted = True
+                    self._control.emitted = True
                     yield out
             # The round is over: run the server tools it called and go again, or finish.
             self._totals.add(finished)
@@ -255,11 +147,11 @@ class ChatRun:
                 yield out + self._end(reason, finished, stop)
                 return
             if out:
-                self._emitted = True
+                self._control.emitted = True
                 yield out
             request = await self._tools.run(self.round.request, server_calls,
                                             self._tokens_left())
-            if self._cancelled:
+            if self._control.cancelled:
                 yield self._end("cancelled", finished)
                 return
             self.round = await self.prepared.rounds.next(request)
@@ -267,7 +159,7 @@ class ChatRun:
 
     def _settle(self, reading: RoundReader, finished: Finished) -> tuple[str, list[ToolCall]]:
         """The round's finish reason; the server calls to run before the next (none: done)."""
-        reason = reading.reason(finished, cancelled=self._cancelled)
+        reason = reading.reason(finished, cancelled=self._control.cancelled)
         client, server = self._tools.split(reading.output.tool_calls)
         if server and not client and reason == "stop":
             left = self._tokens_left()
@@ -288,20 +180,9 @@ class ChatRun:
 
     async def _retry(self, exc: APIError) -> bool:
         """Retry a transient model failure if nothing reached the client and no tool ran."""
-        policy = self._policy
-        if (
-            exc.code != "generation_failed"
-            or self._emitted
-            or self._tools.ran
-            or self._cancelled
-            or self.attempt >= policy.retries
-        ):
+        if not self._control.may_retry(exc, tools_ran=self._tools.ran):
             return False
-        delay = policy.retry_backoff * (2 ** self.attempt)
-        self.attempt += 1
-        log.warning("retrying generation", request_id=self.prepared.request_id,
-                    attempt=self.attempt, delay_s=delay)
-        await asyncio.sleep(delay)
+        await self._control.back_off()
         self.start_generation()
         return True
 
@@ -329,17 +210,12 @@ class ChatRun:
 
     # -- control --
     def start_generation(self) -> None:
-        if self._deadline is None:
-            loop = asyncio.get_running_loop()  # its clock is time.monotonic(), as deadline's
-            self._deadline = loop.call_at(self.prepared.deadline, self._on_deadline)
+        self._control.arm()
         self.generation = self.prepared.model.start(_generation(self.prepared, self.round))
 
     def cancel(self) -> None:
         """Stop for good (client cancel or disconnect; also when the response is over)."""
-        self._cancelled = True
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._stop_generation()
+        self._control.cancel()
 
     def _stop_generation(self) -> None:
         if self.generation is None:
@@ -347,12 +223,10 @@ class ChatRun:
         elif not self.generation.done:
             self.prepared.model.cancel(self.generation)
 
-    def _on_deadline(self) -> None:
-        """request_timeout passed: stop the engine and wake the consumer with a 504."""
-        self._timed_out = True
-        self._stop_generation()
+    def _fail(self) -> None:
+        """The deadline passed: the consumer wakes with the 504 even mid-prefill."""
         if self.generation is not None:
-            self.generation.fail(_timeout_error())
+            self.generation.fail(timeout_error())
 
 
 def _generation(prepared: PreparedChat, rnd: Round) -> GenerationRequest:
@@ -396,8 +270,3 @@ def _profile(prepared: PreparedChat, totals: _Totals, finished: Finished) -> dic
         speculation=totals.speculation,
     ), finished.samples)
 
-
-def _timeout_error() -> GatewayTimeoutError:
-    return GatewayTimeoutError(
-        "The request did not complete within the server's request_timeout.", code="timeout"
-    )

@@ -76,6 +76,8 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.rounds", 3.6),  # a round's prompt, budget and plan
     ("afmd.completions", 3.6),  # a Completions request's prompts as token ids (and FIM)
     ("afmd.run", 3.7),  # one request's round loop: engine events in, output events out
+    ("afmd.run_reader", 3.7),  # one round's engine output read back into the client's events
+    ("afmd.run_control", 3.7),  # a run's cancel, deadline and retries (chat and completions)
     ("afmd.completion_run", 3.7),  # a Completions request's generations, one per prompt
     ("afmd.pipeline", 4),
     ("afmd.embeddings", 4),  # the embeddings service: model, queue slot, batched encoding
@@ -254,8 +256,9 @@ def test_import_direction() -> None:
 
 
 #: The modules between the edges, and the wire formats they must not know.
-WIRE_FREE = ("afmd.turn", "afmd.toolloop", "afmd.rounds", "afmd.run", "afmd.pipeline",
-             "afmd.embeddings", "afmd.completions", "afmd.completion_run")
+WIRE_FREE = ("afmd.turn", "afmd.toolloop", "afmd.rounds", "afmd.run", "afmd.run_reader",
+             "afmd.run_control", "afmd.pipeline", "afmd.embeddings", "afmd.completions",
+             "afmd.completion_run")
 WIRE = ("afmd.protocol.*", "afmd.dialects.*", "afmd.http.*")
 
 
