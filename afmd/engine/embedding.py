@@ -90,77 +90,15 @@ def groups(lengths: Sequence[int]) -> list[list[int]]:
     return out
 
 
-class Embedder:
-    """Owns an embedding model's forward passes and the thread that runs them."""
+class Encoder:
+    """An embedding model's forward passes, kept apart from the thread so that they can be
+    run and measured directly (tests, the bench)."""
 
-    def __init__(
-        self, model: Any, spec: EmbeddingSpec, *, name: str, gather_s: float = GATHER_S
-    ) -> None:
+    def __init__(self, model: Any, spec: EmbeddingSpec) -> None:
         self._model = model
         self._trunk = model.model  # hidden states, without the projection to the vocabulary
         self.spec = spec
-        self._gather_s = gather_s
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"afmd-embed-{name}", daemon=True)
-        self._started = False
-        self.batches = 0  # forward passes run (tests and the bench read it)
-
-    # -- event-loop side --
-    def start(self) -> None:
-        if not self._started:
-            self._started = True
-            self._thread.start()
-
-    def submit(self, job: EmbeddingJob) -> None:
-        self._inbox.put(job)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        if self._started:
-            self._inbox.put(_STOP)
-            self._thread.join(timeout)
-
-    # -- thread side --
-    def _run(self) -> None:
-        while True:
-            jobs = self._take()
-            if jobs is None:
-                break
-            live = [job for job in jobs if not job.cancelled]
-            if not live:
-                continue
-            try:
-                results = self.encode_jobs(live)
-            except Exception:  # a model failure must not kill the thread
-                log.exception("embedding batch failed")
-                error = ServerError("The model failed while embedding.", code="generation_failed")
-                for job in live:
-                    _post(job, error)
-                continue
-            for job, vectors in zip(live, results, strict=True):
-                _post(job, vectors)
-        self._fail_inbox()
-
-    def _take(self) -> list[EmbeddingJob] | None:
-        first = self._inbox.get()
-        if first is _STOP:
-            return None
-        jobs: list[EmbeddingJob] = [first]
-        deadline = time.perf_counter() + self._gather_s
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    return jobs
-                try:
-                    item = self._inbox.get(timeout=remaining)
-                except queue.Empty:
-                    return jobs
-            if item is _STOP:
-                self._inbox.put(_STOP)  # stop after this batch
-                return jobs
-            jobs.append(item)
+        self.batches = 0  # forward passes run
 
     def encode_jobs(self, jobs: Sequence[EmbeddingJob]) -> list[np.ndarray]:
         """Every job's vectors, from as few forward passes as their sequences allow."""
@@ -233,6 +171,91 @@ class Embedder:
             assert total is not None
             return np.array(total / mx.array(lengths.astype(np.float32))[:, None])
         return out
+
+
+class Embedder:
+    """Owns an embedding model's forward passes and the thread that runs them."""
+
+    def __init__(
+        self, model: Any, spec: EmbeddingSpec, *, name: str, gather_s: float = GATHER_S
+    ) -> None:
+        self.encoder = Encoder(model, spec)
+        self._gather_s = gather_s
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"afmd-embed-{name}", daemon=True)
+        self._started = False
+
+    @property
+    def spec(self) -> EmbeddingSpec:
+        return self.encoder.spec
+
+    @property
+    def batches(self) -> int:
+        """Forward passes run (tests and the bench read it)."""
+        return self.encoder.batches
+
+    def encode_jobs(self, jobs: Sequence[EmbeddingJob]) -> list[np.ndarray]:
+        return self.encoder.encode_jobs(jobs)
+
+    def encode(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
+        return self.encoder.encode(sequences)
+
+    # -- event-loop side --
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._thread.start()
+
+    def submit(self, job: EmbeddingJob) -> None:
+        self._inbox.put(job)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._started:
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+
+    # -- thread side --
+    def _run(self) -> None:
+        while True:
+            jobs = self._take()
+            if jobs is None:
+                break
+            live = [job for job in jobs if not job.cancelled]
+            if not live:
+                continue
+            try:
+                results = self.encode_jobs(live)
+            except Exception:  # a model failure must not kill the thread
+                log.exception("embedding batch failed")
+                error = ServerError("The model failed while embedding.", code="generation_failed")
+                for job in live:
+                    _post(job, error)
+                continue
+            for job, vectors in zip(live, results, strict=True):
+                _post(job, vectors)
+        self._fail_inbox()
+
+    def _take(self) -> list[EmbeddingJob] | None:
+        first = self._inbox.get()
+        if first is _STOP:
+            return None
+        jobs: list[EmbeddingJob] = [first]
+        deadline = time.perf_counter() + self._gather_s
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    return jobs
+                try:
+                    item = self._inbox.get(timeout=remaining)
+                except queue.Empty:
+                    return jobs
+            if item is _STOP:
+                self._inbox.put(_STOP)  # stop after this batch
+                return jobs
+            jobs.append(item)
 
     def _fail_inbox(self) -> None:
         error = ServerError("The server is shutting down.", code="shutting_down")
