@@ -31,13 +31,10 @@ from afmd.engine.base import (
 )
 from afmd.engine.detokenize import ExactDetokenizer
 from afmd.engine.tokens import LogprobQueue, TokenTable, token_table
-from afmd.errors import APIError, GatewayTimeoutError
-from afmd.logs import get_logger
+from afmd.errors import APIError
 from afmd.output.stops import StopScanner
-from afmd.run import RunPolicy
+from afmd.run_control import RunControl, RunPolicy, timeout_error
 from afmd.scheduler import Ticket
-
-log = get_logger("afmd.pipeline")
 
 
 class ChoiceReader:
@@ -160,13 +157,14 @@ class CompletionRun:
         self.finished = False
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
-        self.attempt = 0
-        self._policy = policy
-        self._emitted = False
-        self._cancelled = False
-        self._timed_out = False
-        self._deadline: asyncio.TimerHandle | None = None
+        self._control = RunControl(policy, prepared.request_id, prepared.deadline,
+                                   stop=self._stop_generations, fail=self._fail)
         self._events = self._run()
+
+    @property
+    def attempt(self) -> int:
+        """Retries made."""
+        return self._control.attempt
 
     @property
     def generation(self) -> _Generations | None:
@@ -192,14 +190,14 @@ class CompletionRun:
                     continue
                 out: list[Event] = []
                 for index, events in batches:
-                    choice = readers[index].read(events, cancelled=self._cancelled)
+                    choice = readers[index].read(events, cancelled=self._control.cancelled)
                     if choice:
                         out.append(Choice(index, tuple(choice)))
                 if all(r.finished is not None for r in readers):
                     yield out + self._end(readers)
                     return
                 if out:
-                    self._emitted = True
+                    self._control.emitted = True
                     yield out
         finally:
             for future in pending.values():
@@ -209,22 +207,10 @@ class CompletionRun:
         self, readers: list[ChoiceReader], pending: dict[int, asyncio.Future[list[Any]]]
     ) -> list[tuple[int, list[Any]]]:
         """The events of every generation that has some, waiting for at least one."""
-        if self._timed_out:
-            raise _timeout_error()
+        self._control.check()
         active = [i for i, r in enumerate(readers) if r.finished is None]
-        if len(active) == 1 and active[0] not in pending:
-            (i,) = active
-            events = await self.generations[i].next_events()
-            out = [(i, events)]
-        else:
-            for i in active:
-                if i not in pending:
-                    pending[i] = asyncio.ensure_future(self.generations[i].next_events())
-            await asyncio.wait([pending[i] for i in active],
-                               return_when=asyncio.FIRST_COMPLETED)
-            out = [(i, pending.pop(i).result()) for i in active if pending[i].done()]
-        if self._timed_out:
-            raise _timeout_error()
+        out = await _any_events(self.generations, active, pending)
+        self._control.check()
         return out
 
     def _readers(self) -> list[ChoiceReader]:
@@ -247,19 +233,13 @@ class CompletionRun:
 
     async def _retry(self, exc: APIError, pending: dict[int, asyncio.Future[Any]]) -> bool:
         """Start over after a transient model failure if nothing reached the client."""
-        policy = self._policy
-        if (exc.code != "generation_failed" or self._emitted or self._cancelled
-                or self.attempt >= policy.retries):
+        if not self._control.may_retry(exc):
             return False
         for future in pending.values():
             future.cancel()
         pending.clear()
         self._stop_generations()
-        delay = policy.retry_backoff * (2 ** self.attempt)
-        self.attempt += 1
-        log.warning("retrying generation", request_id=self.prepared.request_id,
-                    attempt=self.attempt, delay_s=delay)
-        await asyncio.sleep(delay)
+        await self._control.back_off()
         self.start_generation()
         return True
 
@@ -273,76 +253,26 @@ class CompletionRun:
             usage = Usage(self.prepared.prompt_tokens, 0)
         else:
             reasons = [r.reason or "stop" for r in readers]
-            ends = [r.finished for r in readers if r.finished is not None]
-            usage = Usage(sum(e.prompt_tokens for e in ends),
-                          sum(e.completion_tokens for e in ends),
-                          sum(e.cached_tokens for e in ends),
-                          accepted_prediction_tokens=sum(
-                              e.accepted_prediction_tokens for e in ends),
-                          rejected_prediction_tokens=sum(
-                              e.rejected_prediction_tokens for e in ends))
+            usage = _usage([r.finished for r in readers if r.finished is not None])
         self.finished = True
         self.finish_reason = "cancelled" if "cancelled" in reasons else reasons[0]
         self.usage = usage
         out.append(usage)
         if self.prepared.profile is not None and not cancelled_in_queue:
-            out.append(Profile(self._profile(readers, usage)))
+            out.append(Profile(_profile(self.prepared, readers, usage)))
         return out
-
-    def _profile(self, readers: list[ChoiceReader], usage: Usage) -> dict[str, Any]:
-        """The profile over every choice: from the first start to the last end."""
-        assert self.prepared.profile is not None
-        ends = [r.finished for r in readers if r.finished is not None]
-        timings = [e.timings for e in ends]
-        return profiling.payload(self.prepared.profile, profiling.ProfileInput(
-            prompt_tokens=usage.prompt_tokens,
-            cached_tokens=usage.cached_tokens,
-            completion_tokens=usage.completion_tokens,
-            received_at=self.prepared.received_at,
-            started_at=min(t["started_at"] for t in timings),
-            first_token_at=min(t["first_token_at"] for t in timings),
-            finished_at=max(t["finished_at"] for t in timings),
-            peak_memory_bytes=max((e.peak_memory_bytes or 0 for e in ends), default=None),
-            bytes_per_token=self.prepared.model.weights_bytes or None,
-            accepted_prediction_tokens=usage.accepted_prediction_tokens,
-            rejected_prediction_tokens=usage.rejected_prediction_tokens,
-            speculation=profiling.add_speculation({}, *(e.speculation for e in ends)),
-        ), ends[0].samples)
 
     # -- control --
     def start_generation(self) -> None:
         """Submit every prompt's generation at once: the engine admits them together."""
-        if self._deadline is None:
-            loop = asyncio.get_running_loop()
-            self._deadline = loop.call_at(self.prepared.deadline, self._on_deadline)
+        self._control.arm()
         model = self.prepared.model
-        self.generations = [model.start(self._request(p)) for p in self.prepared.prompts]
-
-    def _request(self, prompt: CompletionPrompt) -> GenerationRequest:
-        prepared = self.prepared
-        r = prepared.request
-        return GenerationRequest(
-            request_id=prepared.request_id,
-            prompt=prompt.ids,
-            max_tokens=r.max_tokens,
-            sampling=SamplingParams(
-                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
-                repetition_penalty=r.repetition_penalty, seed=r.seed,
-            ),
-            sample_every=profiling.SAMPLE_EVERY if prepared.profile == "extended" else 0,
-            logprobs=r.logprobs,
-            prompt_logprobs=r.logprobs if r.echo and r.logprobs is not None else None,
-            verbatim=True,
-            stop_ids=prepared.stop_ids,
-            prediction=r.prediction,
-        )
+        self.generations = [model.start(_request(self.prepared, p))
+                            for p in self.prepared.prompts]
 
     def cancel(self) -> None:
         """Stop for good (client cancel or disconnect; also when the response is over)."""
-        self._cancelled = True
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._stop_generations()
+        self._control.cancel()
 
     def _stop_generations(self) -> None:
         if not self.generations:
@@ -352,15 +282,75 @@ class CompletionRun:
             if not generation.done:
                 self.prepared.model.cancel(generation)
 
-    def _on_deadline(self) -> None:
-        """request_timeout passed: stop the engine and wake the consumer with a 504."""
-        self._timed_out = True
-        self._stop_generations()
+    def _fail(self) -> None:
+        """The deadline passed: every consumer wakes with the 504 even mid-prefill."""
         for generation in self.generations:
-            generation.fail(_timeout_error())
+            generation.fail(timeout_error())
 
 
-def _timeout_error() -> GatewayTimeoutError:
-    return GatewayTimeoutError(
-        "The request did not complete within the server's request_timeout.", code="timeout"
+async def _any_events(
+    generations: list[Generation], active: list[int],
+    pending: dict[int, asyncio.Future[list[Any]]],
+) -> list[tuple[int, list[Any]]]:
+    """The events of each active generation that has some, waiting for at least one: a lone
+    generation is awaited as it is; several each get a future, kept in ``pending`` across
+    calls until its events are taken."""
+    if len(active) == 1 and active[0] not in pending:
+        (i,) = active
+        events = await generations[i].next_events()
+        return [(i, events)]
+    for i in active:
+        if i not in pending:
+            pending[i] = asyncio.ensure_future(generations[i].next_events())
+    await asyncio.wait([pending[i] for i in active], return_when=asyncio.FIRST_COMPLETED)
+    return [(i, pending.pop(i).result()) for i in active if pending[i].done()]
+
+
+def _request(prepared: PreparedCompletion, prompt: CompletionPrompt) -> GenerationRequest:
+    r = prepared.request
+    return GenerationRequest(
+        request_id=prepared.request_id,
+        prompt=prompt.ids,
+        max_tokens=r.max_tokens,
+        sampling=SamplingParams(
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+            repetition_penalty=r.repetition_penalty, seed=r.seed,
+        ),
+        sample_every=profiling.SAMPLE_EVERY if prepared.profile == "extended" else 0,
+        logprobs=r.logprobs,
+        prompt_logprobs=r.logprobs if r.echo and r.logprobs is not None else None,
+        verbatim=True,
+        stop_ids=prepared.stop_ids,
+        prediction=r.prediction,
     )
+
+
+def _usage(ends: list[Finished]) -> Usage:
+    return Usage(sum(e.prompt_tokens for e in ends),
+                 sum(e.completion_tokens for e in ends),
+                 sum(e.cached_tokens for e in ends),
+                 accepted_prediction_tokens=sum(e.accepted_prediction_tokens for e in ends),
+                 rejected_prediction_tokens=sum(e.rejected_prediction_tokens for e in ends))
+
+
+def _profile(
+    prepared: PreparedCompletion, readers: list[ChoiceReader], usage: Usage
+) -> dict[str, Any]:
+    """The profile over every choice: from the first start to the last end."""
+    assert prepared.profile is not None
+    ends = [r.finished for r in readers if r.finished is not None]
+    timings = [e.timings for e in ends]
+    return profiling.payload(prepared.profile, profiling.ProfileInput(
+        prompt_tokens=usage.prompt_tokens,
+        cached_tokens=usage.cached_tokens,
+        completion_tokens=usage.completion_tokens,
+        received_at=prepared.received_at,
+        started_at=min(t["started_at"] for t in timings),
+        first_token_at=min(t["first_token_at"] for t in timings),
+        finished_at=max(t["finished_at"] for t in timings),
+        peak_memory_bytes=max((e.peak_memory_bytes or 0 for e in ends), default=None),
+        bytes_per_token=prepared.model.weights_bytes or None,
+        accepted_prediction_tokens=usage.accepted_prediction_tokens,
+        rejected_prediction_tokens=usage.rejected_prediction_tokens,
+        speculation=profiling.add_speculation({}, *(e.speculation for e in ends)),
+    ), ends[0].samples)
