@@ -25,7 +25,8 @@ from afmd.engine.models import ModelRegistry
 from afmd.engine.residency import Lease
 from afmd.errors import ConflictError, InvalidRequestError
 from afmd.rounds import RoundBuilder
-from afmd.run import ChatRun, PreparedChat, RunPolicy
+from afmd.run import ChatRun, PreparedChat
+from afmd.run_control import RunPolicy
 from afmd.scheduler import Cancelled, Scheduler
 from afmd.servertools import ServerTools
 
@@ -33,6 +34,45 @@ from afmd.servertools import ServerTools
 def _fingerprint(model: LoadedModel) -> str:
     digest = hashlib.sha256(f"{__version__}:{model.id}:{model.entry.path}".encode()).hexdigest()
     return "fp_" + digest[:10]
+
+
+def _check_images(request: ChatRequest, model: LoadedModel, entry: ModelEntry) -> None:
+    """Images for a model that cannot see them are the client's mistake, named at the first
+    message that carries one (rather than dropped, which would answer another question)."""
+    if request.has_images and not model.supports_vision:
+        index = next(i for i, m in enumerate(request.messages) if m.has_images)
+        raise InvalidRequestError(
+            f"The model '{entry.id}' does not accept image input; send text only or "
+            "use a vision model.",
+            code="image_input_not_supported",
+            param=f"messages[{index}].content",
+        )
+
+
+def _with_server_tools(request: ChatRequest, tools: ServerTools) -> ChatRequest:
+    """The request with the operator's server tools beside its own, which may not take
+    their names (a call could not tell whose tool it is)."""
+    if not tools:
+        return request
+    for i, tool in enumerate(request.tools):
+        if tool.name in tools:
+            raise InvalidRequestError(
+                f"The tool name '{tool.name}' is taken by a server tool of this afmd; "
+                "rename your tool.",
+                code="invalid_value",
+                param=f"tools[{i}].function.name",
+            )
+    return dataclasses.replace(request, tools=(*request.tools, *tools.specs()))
+
+
+def _duplicate_id(rid: str) -> ConflictError:
+    """Two running requests under one id: cancel by id could not tell them apart."""
+    return ConflictError(
+        f"A request with X-Request-ID '{rid}' is already running; "
+        "use a unique id per request.",
+        code="duplicate_request_id",
+        param="X-Request-ID",
+    )
 
 
 @dataclass
@@ -98,15 +138,8 @@ class ChatPipeline:
                 deadline=started + self.policy.request_timeout, received_at=received_at,
                 profile=profile,
             )
-        if request.has_images and not model.supports_vision:
-            index = next(i for i, m in enumerate(request.messages) if m.has_images)
-            raise InvalidRequestError(
-                f"The model '{entry.id}' does not accept image input; send text only or "
-                "use a vision model.",
-                code="image_input_not_supported",
-                param=f"messages[{index}].content",
-            )
-        request = self._with_server_tools(request)
+        _check_images(request, model, entry)
+        request = _with_server_tools(request, self.server_tools)
         rounds = RoundBuilder(model, request, instructions=self.config.server.instructions,
                               trim=self.config.context.policy == "trim")
         return PreparedChat(
@@ -128,25 +161,12 @@ class ChatPipeline:
         lease = await self.registry.lease(self.registry.resolve(request.model),
                                           keep_alive=request.keep_alive)
         try:
-            request = self._with_server_tools(request)
+            request = _with_server_tools(request, self.server_tools)
             rounds = RoundBuilder(lease.model, request,
                                   instructions=self.config.server.instructions, trim=False)
             return len(await asyncio.to_thread(rounds.render, request))
         finally:
             lease.release()
-
-    def _with_server_tools(self, request: ChatRequest) -> ChatRequest:
-        if not self.server_tools:
-            return request
-        for i, tool in enumerate(request.tools):
-            if tool.name in self.server_tools:
-                raise InvalidRequestError(
-                    f"The tool name '{tool.name}' is taken by a server tool of this afmd; "
-                    "rename your tool.",
-                    code="invalid_value",
-                    param=f"tools[{i}].function.name",
-                )
-        return dataclasses.replace(request, tools=(*request.tools, *self.server_tools.specs()))
 
     async def start(self, prepared: PreparedChat | PreparedCompletion) -> ChatRun | CompletionRun:
         """Register the run under its request id, wait for a slot, start generating.
@@ -157,12 +177,7 @@ class ChatPipeline:
         rid = prepared.request_id
         if rid in self._runs:
             self._release_model(prepared)
-            raise ConflictError(
-                f"A request with X-Request-ID '{rid}' is already running; "
-                "use a unique id per request.",
-                code="duplicate_request_id",
-                param="X-Request-ID",
-            )
+            raise _duplicate_id(rid)
         run: ChatRun | CompletionRun = (
             CompletionRun(prepared, self.policy) if isinstance(prepared, PreparedCompletion)
             else ChatRun(prepared, self.policy, self.server_tools)
