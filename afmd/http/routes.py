@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -21,13 +19,20 @@ from sanic.response import HTTPResponse
 
 from afmd.core.events import Event
 from afmd.core.ids import new_request_id
-from afmd.dialects.base import Dialect, KeepsAlive, Reply
+from afmd.dialects.base import Dialect, Reply
 from afmd.errors import APIError, InvalidRequestError, NotFoundError, ServiceUnavailableError
 from afmd.http.access import log_access
+from afmd.http.event_stream import EventStream
 from afmd.http.ignored import ignored_headers
-from afmd.http.model_detail import model_details
+from afmd.http.state_routes import STATE_ROUTES, StateRoute, get_model
 from afmd.pipeline import ChatPipeline, ChatRun, PreparedChat
 from afmd.profiling import parse_profile_header
+
+# The state routes live in afmd.http.state_routes; app.py, the connection protocol and the
+# tests find them here too.
+__all__ = ["SSE_HEADERS", "STATE_ROUTES", "StateRoute", "cancel", "dialect_of",
+           "get_model", "interrupt_requests", "json_response", "request_id_of",
+           "server_stopping_error", "turn"]
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -179,81 +184,12 @@ async def _complete(
                         content_type="application/json")
 
 
-class _EventStream:
-    """A turn's SSE response. Its status line waits for the first batch of events (until
-    then any failure is a plain error), unless the dialect keeps quiet streams alive
-    (:class:`~afmd.dialects.base.KeepsAlive`): then a wait past its interval (queued, a
-    long prefill) opens the stream and sends its keep-alive, again after every quiet
-    interval, and a later failure is an error event like any after the stream began."""
-
-    __slots__ = ("_closed", "_first", "_headers", "_last", "_lock", "_pinger", "_request",
-                 "_response", "sent")
-
-    def __init__(self, request: Request, reply: Reply, headers: dict[str, str]) -> None:
-        self._request = request
-        self._first = reply.stream_start()  # before any batch is encoded, as replies expect
-        self._headers = headers
-        self._response: Any = None
-        self._lock = asyncio.Lock()  # one write at a time: a batch, or a keep-alive
-        self._last = time.monotonic()
-        self._closed = False
-        self._pinger: asyncio.Task[None] | None = None
-        self.sent = 0
-        if isinstance(reply, KeepsAlive):
-            self._pinger = asyncio.create_task(
-                self._keep_alive(reply.keepalive_interval, reply.keepalive()))
-
-    @property
-    def opened(self) -> bool:
-        return self._response is not None
-
-    async def write(self, data: bytes, *, last: bool = False) -> None:
-        """Send ``data``; ``last``: nothing but this follows (no keep-alive after it)."""
-        if last:
-            self.stop()
-        async with self._lock:
-            await self._send(data)
-
-    async def _send(self, data: bytes) -> None:
-        if self._response is None:
-            self._request.ctx.streamed = True
-            self._response = await self._request.respond(
-                status=200, headers=self._headers, content_type="text/event-stream")
-            data = self._first + data
-        self._last = time.monotonic()
-        self.sent += len(data)
-        await self._response.send(data)
-
-    async def _keep_alive(self, interval: float, ping: bytes) -> None:
-        """Send ``ping`` whenever ``interval`` seconds pass without a write."""
-        try:
-            while True:
-                await asyncio.sleep(max(0.0, self._last + interval - time.monotonic()))
-                async with self._lock:
-                    if self._closed:
-                        return
-                    if time.monotonic() - self._last >= interval:
-                        await self._send(ping)
-        except Exception:  # the connection went away: the handler learns it itself
-            return
-
-    def stop(self) -> None:
-        """No more keep-alives. A keep-alive being written is left to finish (cut short,
-        the stream would be left mid-event); a waiting one ends at once."""
-        self._closed = True
-        if self._pinger is not None and not self._lock.locked():
-            self._pinger.cancel()
-
-    async def eof(self) -> None:
-        await self._response.eof()
-
-
 async def _stream(
     request: Request, prepared: PreparedChat, reply: Reply, extra: dict[str, str]
 ) -> None:
     state = request.app.ctx.state
     pipeline: ChatPipeline = state.pipeline
-    out = _EventStream(request, reply, {**SSE_HEADERS, **_response_headers(prepared, extra)})
+    out = EventStream(request, reply, {**SSE_HEADERS, **_response_headers(prepared, extra)})
     try:
         try:
             run = await pipeline.start(prepared)
@@ -290,103 +226,6 @@ async def _stream(
         if out.opened:
             log_access(request, 200, out.sent)
     await out.eof()
-
-
-@dataclass(frozen=True, slots=True)
-class StateRoute:
-    """A ``GET`` route whose answer is built from the server's state alone.
-
-    Sanic serves it through :meth:`handler`; the connection protocol answers a plain,
-    bodiless request for it itself (:class:`~afmd.http.gate.Direct`), because under a
-    flood of health checks Sanic's per-request machinery costs several times what
-    building the answer does. Both go through :meth:`answer`, so the two paths cannot
-    disagree on status or body.
-    """
-
-    path: str
-    name: str
-    #: ``build(state)`` -> ``(status, JSON payload)``.
-    build: Callable[[Any], tuple[int, Any]]
-
-    def answer(self, state: Any) -> tuple[int, bytes]:
-        """The status and the JSON body, as bytes."""
-        status, payload = self.build(state)
-        return status, orjson.dumps(payload)
-
-    async def handler(self, request: Request) -> HTTPResponse:
-        status, body = self.answer(request.app.ctx.state)
-        return HTTPResponse(body, status=status, content_type="application/json")
-
-
-def _models(state: Any) -> tuple[int, dict[str, Any]]:
-    return 200, {"object": "list", "data": _model_objects(state)}
-
-
-async def get_model(request: Request, model_id: str) -> HTTPResponse:
-    state = request.app.ctx.state
-    for obj in _model_objects(state):
-        if obj["id"] == model_id:
-            return json_response(obj)
-    raise NotFoundError(
-        f"The model '{model_id}' does not exist.", code="model_not_found", param="model"
-    )
-
-
-def _model_objects(state: Any) -> list[dict[str, Any]]:
-    config = state.config
-    created = state.started_at
-    objects: list[dict[str, Any]] = []
-    kinds: dict[str, str] = {}  # "chat" or "embedding": what each model serves
-    for entry in config.models.model:
-        kinds[entry.id] = state.registry.kind_of(entry)
-        objects.append({"id": entry.id, "object": "model", "created": created,
-                        "owned_by": "afmd", "kind": kinds[entry.id]})
-    for alias, target in config.models.aliases.items():
-        objects.append({"id": alias, "object": "model", "created": created,
-                        "owned_by": "afmd", "parent": target, "kind": kinds.get(target)})
-    return objects
-
-
-def _health(state: Any) -> tuple[int, dict[str, Any]]:
-    registry = state.registry
-    default = state.config.resolve_model(None)
-    body: dict[str, Any] = {
-        "status": "ok",
-        "models": registry.status(),
-        "active_requests": state.pipeline.scheduler.active,
-        "queued_requests": state.pipeline.scheduler.queued,
-        "model_details": model_details(state),
-    }
-    status = 200
-    # Not ready while the default model's first load is due or under way, or failed; once
-    # loaded it may be unloaded when idle, and then loads again on demand.
-    if default is not None and not registry.is_ready(default.id) and (
-        registry.failure(default.id) is not None
-        or (state.config.models.preloads(default) and not registry.was_loaded(default.id))
-    ):
-        failure = registry.failure(default.id)
-        body["status"] = "unavailable"
-        body["reason"] = "model_load_failed" if failure and not registry.is_loading(
-            default.id) else "model_not_ready"
-        status = 503
-    group = state.group
-    if group is not None:  # rank 0 of a launched group: every rank, and a loss
-        loaded = registry.loaded(default.id) if default is not None else None
-        body["distributed"] = group.health(
-            {"weights_bytes": loaded.weights_bytes} if loaded is not None else None
-        )
-        if group.lost is not None:
-            body["status"] = "unavailable"
-            body["reason"] = group.lost
-            status = 503
-    return status, body
-
-
-#: The routes that :class:`StateRoute` describes; ``create_app`` registers them.
-STATE_ROUTES = (
-    StateRoute("/v1/models", "models", _models),
-    StateRoute("/health", "health", _health),
-)
 
 
 async def cancel(request: Request, request_id: str) -> HTTPResponse:
