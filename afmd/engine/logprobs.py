@@ -36,7 +36,8 @@ _PROMPT_CHUNK = 64
 # A row's top alternatives are looked for in a (_STRIDES, vocab / _STRIDES) view: numpy's
 # element-wise max over its rows is vectorised, a full-row argpartition is not.
 _STRIDES = 64
-_SCRATCH = threading.local()  # each thread's buffer for a row's exp (the engine's, tests')
+# Each thread's buffer for a row's exp and its view's row offsets, for one vocabulary size.
+_SCRATCH = threading.local()
 
 
 def _on_host() -> bool:
@@ -130,7 +131,7 @@ def _from_logits(vector: np.ndarray, token: int, k: int, *, normalised: bool
         lse = 0.0
     else:
         top = float(vector.max())
-        scratch = _scratch(vector.shape[-1])
+        scratch = _scratch(vector.shape[-1])[0]
         np.subtract(vector, top, out=scratch)
         np.exp(scratch, out=scratch)
         lse = top + float(np.log(scratch.sum(dtype=np.float64)))
@@ -141,11 +142,13 @@ def _from_logits(vector: np.ndarray, token: int, k: int, *, normalised: bool
     return TokenLogprob(token, float(vector[token]) - lse, _ordered(pairs)[:k])
 
 
-def _scratch(n: int) -> np.ndarray:
-    buffer: np.ndarray | None = getattr(_SCRATCH, "buffer", None)
-    if buffer is None or buffer.shape[0] != n:
-        buffer = _SCRATCH.buffer = np.empty(n, dtype=np.float32)
-    return buffer
+def _scratch(n: int) -> tuple[np.ndarray, np.ndarray]:
+    got: tuple[np.ndarray, np.ndarray] | None = getattr(_SCRATCH, "got", None)
+    if got is None or got[0].shape[0] != n:
+        columns = n // _STRIDES
+        got = _SCRATCH.got = (np.empty(n, dtype=np.float32),
+                              np.arange(0, _STRIDES * columns, max(columns, 1))[:, None])
+    return got
 
 
 def _top_ids(vector: np.ndarray, k: int) -> np.ndarray:
@@ -164,14 +167,16 @@ def _top_ids(vector: np.ndarray, k: int) -> np.ndarray:
         body = _STRIDES * columns
         maxima = vector[:body].reshape(_STRIDES, columns).max(axis=0)
         kth = np.partition(maxima, columns - k)[columns - k]
-        ids = (np.arange(0, body, columns)[:, None] + np.flatnonzero(maxima >= kth)).ravel()
+        ids = (_scratch(n)[1] + np.flatnonzero(maxima >= kth)).ravel()
         if body < n:  # the last few ids, outside the view
             ids = np.concatenate((ids, np.arange(body, n)))
         values = vector[ids]
-    kth = np.partition(values, values.size - k)[values.size - k]
-    keep = np.flatnonzero(values > kth)
-    if kth != -np.inf:  # positions ascend with the ids: the first ties are the lower ids
-        keep = np.concatenate((keep, np.flatnonzero(values == kth)[: k - keep.size]))
+    keep = np.argpartition(values, values.size - k)[-k:]
+    kth = values[keep].min()
+    if np.count_nonzero(values >= kth) > k:  # a tie at the k-th place, or -inf taken
+        keep = np.flatnonzero(values > kth)
+        if kth != -np.inf:  # positions ascend with the ids: the first ties, the lower ids
+            keep = np.concatenate((keep, np.flatnonzero(values == kth)[: k - keep.size]))
     return keep if ids is None else ids[keep]
 
 

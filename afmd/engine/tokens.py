@@ -23,7 +23,7 @@ class TokenTable:
     token alone. A token may hold part of a UTF-8 character: its bytes are then not text.
     """
 
-    __slots__ = ("_bytes", "_kind", "_tokenizer")
+    __slots__ = ("_bytes", "_kind", "_shown", "_tokenizer")
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
@@ -33,6 +33,9 @@ class TokenTable:
         self._kind = {"BPEStreamingDetokenizer": "bpe", "SPMStreamingDetokenizer": "spm"}.get(
             kind, "decode")
         self._bytes: dict[int, bytes] = {}
+        # id -> (text, bytes): a request with logprobs describes each token and its
+        # alternatives, every token, so neither is worked out twice.
+        self._shown: dict[int, tuple[str, bytes]] = {}
 
     def bytes_of(self, token: int) -> bytes:
         cached = self._bytes.get(token)
@@ -41,13 +44,21 @@ class TokenTable:
         return cached
 
     def text_of(self, token: int) -> str:
-        return token_text(self.bytes_of(token))
+        return self._show(token)[0]
 
     def describe(self, entry: base.TokenLogprob, offset: int = 0) -> TokenLogprob:
         """The engine's ids and numbers as the client sees them."""
-        raw = self.bytes_of(entry.token)
-        top = tuple(TopLogprob(self.text_of(t), self.bytes_of(t), v) for t, v in entry.top)
-        return TokenLogprob(token_text(raw), raw, entry.logprob, top, offset)
+        show = self._show
+        text, raw = show(entry.token)
+        top = tuple(TopLogprob(*show(t), v) for t, v in entry.top)
+        return TokenLogprob(text, raw, entry.logprob, top, offset)
+
+    def _show(self, token: int) -> tuple[str, bytes]:
+        shown = self._shown.get(token)
+        if shown is None:
+            raw = self.bytes_of(token)
+            shown = self._shown[token] = (token_text(raw), raw)
+        return shown
 
     def _compute(self, token: int) -> bytes:
         if self._kind == "decode":
