@@ -303,7 +303,8 @@ class Distributed:
     ``values`` by ``<system>_<kind>_<what>``: system ``one`` (the one process), ``tensor``
     or ``pipeline``; kind ``single`` (one stream) or ``agg`` (several at once); what
     ``tps``, ``x`` (median of per-round ratios to ``one``), ``bytes_per_token`` between
-    the ranks (socket counters) or ``lo_bytes_per_token`` (loopback's, HTTP included).
+    the ranks (socket counters; ``bytes_per_position``: over the positions the forward
+    passes computed, prompt included) or ``lo_bytes_per_token`` (loopback's, with HTTP).
     """
 
     values: dict[str, Value] = field(default_factory=dict)

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from afmd.config import ServerConfig
-from bench import slowloris, soak, workload
+from bench import distributed, slowloris, soak, workload
 from bench.plan import BIG_MAX_TOKENS, LEVELS, SYSTEMS, Plan
-from bench.results import Measurements, Pick, SystemResults, Value, med, null
+from bench.results import Measurements, Pick, SystemResults, Value, fmt, med, null
 from bench.verdicts import (
     NotJudged,
     RatioInTurns,
+    Reported,
     Threshold,
     Verdict,
     afmd,
@@ -87,7 +88,7 @@ def evaluate(rows: list[Row], res: Measurements) -> list[dict[str, Any]]:
 def declare(p: Plan) -> list[Row]:
     """Every row, in the table's order (titles name the plan's token counts)."""
     return [*_speed(p), *_grammar(p), _logprobs(p), *_requests(p), *_footprint(),
-            *_resilience(p), *_models(), _vision(), *_extras(p)]
+            *_resilience(p), *_models(), _vision(), *_extras(p), *distributed_rows(p.big)]
 
 
 def _speed(p: Plan) -> list[Row]:
@@ -424,6 +425,69 @@ def _extras(p: Plan) -> list[Row]:
             f"compute-bound (h512×8L): aggregate tok/s at 8 ({BIG_MAX_TOKENS} tokens each)",
             "report", big(big_c8), ratios_detail(big_c8)),
     ]
+
+
+def distributed_rows(measured: bool = True, max_tokens: int = distributed.MAX_TOKENS,
+                     streams: int = distributed.STREAMS,
+                     model: str = distributed.BIG_TITLE) -> list[Row]:
+    """bench/distributed.py: 2 ranks (tensor, pipeline) against 1, compute-bound model."""
+    def pick(key: str) -> Pick:
+        return lambda s: s.distributed.get(key)
+
+    def values(key: str) -> dict[str, Pick | Missing]:
+        return ({"afmd": pick(key), "mlx_lm_server": AFMD_ONLY, "raw": NO_RAW} if measured
+                else dict.fromkeys(SYSTEMS, NO_BIG))
+
+    def got(res: Measurements, key: str) -> str:
+        return fmt(res.afmd.distributed.get(key))
+
+    def rate(name: str, kind: str) -> Reported:
+        def detail(res: Measurements) -> str:
+            if res.afmd.distributed.get(f"{name}_{kind}_x") is None:
+                return ""
+            idle = (res.afmd.distributed.idle_cpu_pct or {}).get(name)
+            return (f"in turns {got(res, f'{name}_{kind}_tps')} against 1 rank "
+                    f"{got(res, f'one_{kind}_tps')}; idle, the group takes "
+                    f"{num(idle, '.1f', '%')} of a core")
+        return Reported(detail)
+
+    def traffic(name: str) -> Reported:
+        def detail(res: Measurements) -> str:
+            if res.afmd.distributed.get(f"{name}_single_bytes_per_token") is None:
+                return ""
+            return (f"{streams} streams {got(res, f'{name}_agg_bytes_per_token')}; per "
+                    f"position computed (prompt not cached + generated) "
+                    f"{got(res, f'{name}_single_bytes_per_position')} / "
+                    f"{got(res, f'{name}_agg_bytes_per_position')}; "
+                    f"loopback counter {got(res, f'{name}_single_lo_bytes_per_token')} / "
+                    f"{got(res, f'{name}_agg_lo_bytes_per_token')} against 1 rank's HTTP "
+                    f"{got(res, 'one_single_lo_bytes_per_token')} / "
+                    f"{got(res, 'one_agg_lo_bytes_per_token')}")
+        return Reported(detail)
+
+    how = ("bench/distributed.py: afmd serve and two afmd launch -n 2 groups (MLX ring "
+           "backend over loopback) of the same model up side by side, one working at a "
+           "time (the others stopped); each round the same new greedy prompts to each, the "
+           "order rotating; the value is the median of per-round ratios. Both ranks share "
+           "the cores the one process had alone")
+    rows = []
+    for name in distributed.STRATEGIES:
+        rows += [
+            Row(f"distributed_{name}_single_tps", f"2 ranks, {name} split, {model}: "
+                f"single-stream tok/s ({max_tokens} tokens), × 1 rank", "report",
+                values(f"{name}_single_x"), rate(name, "single"), how),
+            Row(f"distributed_{name}_aggregate_tps_c{streams}", f"2 ranks, {name} split, "
+                f"{model}: aggregate tok/s at {streams} ({max_tokens} tokens each), × 1 rank",
+                "report", values(f"{name}_agg_x"), rate(name, "agg"), how),
+            Row(f"distributed_{name}_bytes_per_token", f"2 ranks, {name} split: bytes "
+                "between the ranks per generated token, one stream", "report",
+                values(f"{name}_single_bytes_per_token"), traffic(name),
+                "payload the ranks received from each other over TCP (their sockets' "
+                "counters: collectives, step plans, heartbeats) / completion tokens, "
+                "prefill included; the loopback counter adds headers, HTTP and the host's "
+                "other loopback traffic"),
+        ]
+    return rows
 
 
 def _ttft_split(a: SystemResults) -> str:

@@ -30,6 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import document, servers, workload  # noqa: E402
+from bench.distributed import bench_distributed  # noqa: E402
 from bench.footprint import bench_footprint, bench_mlx_demo_rss, find_binary  # noqa: E402
 from bench.models import bench_models  # noqa: E402
 from bench.phases import bench_access_log, bench_big, bench_http, bench_raw  # noqa: E402
@@ -94,6 +95,9 @@ async def run_all(ctx: Ctx, binary: Path | None, systems: set[str]) -> None:
     if p.big and ctx.folders.get("big"):
         ctx.log("compute-bound model (hidden 512 × 8 layers):")
         await bench_big(ctx, systems)
+        if "afmd" in systems:
+            ctx.log("afmd over 2 ranks (tensor, pipeline) against 1, compute-bound model:")
+            await bench_distributed(ctx)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -113,8 +113,8 @@ def signal_all(pids: Iterable[int], sig: int) -> None:
 
 
 def pause(pids: Iterable[int]) -> None:
-    """Stop them: an idle group is not idle (MLX's ring polls its sockets, its launcher
-    polls the ranks), and would take CPU from whichever system is being measured."""
+    """Stop them, so that nothing of theirs takes CPU from the system being measured
+    (a group idles in several processes: its supervisor, MLX's launcher, the ranks)."""
     signal_all(pids, signal.SIGSTOP)
 
 
