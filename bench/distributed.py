@@ -23,7 +23,8 @@ cross-check, loopback's own byte counter, headers included, which also counts th
 benchmark's HTTP (the one process's loopback bytes per token are that baseline, shown
 beside) and anything else on the host.
 
-Alone (about 5 minutes on 2 quiet cores; each group takes 10-40 s to come up):
+Alone (13-14 minutes on this shared 2-core VM at load 5-11, where the one process ran at
+a quarter of its quiet-machine rate; each group takes 10-40 s to come up):
 
     .venv/bin/python bench/distributed.py [--rounds 3] [--max-tokens 32] [--json]
     .venv/bin/python bench/distributed.py --model demo-32k --strategies tensor --rounds 1
