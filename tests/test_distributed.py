@@ -204,6 +204,25 @@ def test_grammars_tools_and_seeded_sampling_match_one_process(
     assert shaped["message"]["content"].startswith('{"name"')  # the grammar held
 
 
+def test_prompt_logprobs_and_completions_match_one_process(
+    group: ServerProcess, single: ServerProcess
+) -> None:
+    """echo + logprobs with max_tokens 0 is a forward pass over the prompt alone (every
+    rank runs it), then a plain completion reuses the same batch."""
+    for body in ({"prompt": "one two three four", "echo": True, "logprobs": 2,
+                  "max_tokens": 0},
+                 {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0}):
+        answers = [httpx.post(url + "/v1/completions", timeout=60,
+                              json={"model": "demo-32k", **body}).json()
+                   for url in (group.url, single.url)]
+        mine, theirs = (a["choices"][0] for a in answers)
+        assert mine["text"] == theirs["text"]
+        if mine["logprobs"] is not None:
+            for ours, want in zip(mine["logprobs"]["token_logprobs"][1:],
+                                  theirs["logprobs"]["token_logprobs"][1:], strict=True):
+                assert abs(ours - want) < 1e-4
+
+
 def test_a_stream_says_what_the_plain_answer_says(
     group: ServerProcess, expected: dict[str, tuple[str, int]]
 ) -> None:

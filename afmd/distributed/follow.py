@@ -31,7 +31,7 @@ def _leader_lost() -> None:
 def follow(config: Config, group: Any) -> int:
     """Run this rank until rank 0 says stop; the exit code."""
     from afmd.engine.follower import Follower
-    from afmd.engine.sharding import folder_of, load_shard, memory
+    from afmd.engine.sharding import drop_output_projection, folder_of, load_shard, memory
     from afmd.engine.stepper import Stepper
 
     port = int.from_bytes(group.share(), "little")
@@ -57,6 +57,7 @@ def follow(config: Config, group: Any) -> int:
         model, tokenizer, _, shard = load_shard(
             folder_of(entry), group, config.distributed.strategy
         )
+        drop_output_projection(model)  # only rank 0 samples
         report["shard"] = shard.describe()
         refresh()
         beat.nudge()

@@ -19,7 +19,7 @@ from typing import Any
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from afmd.engine.lockstep import Admission, Lockstep, StepPlan
-from afmd.engine.logprobs import prompt_logprobs
+from afmd.engine.logprobs import prompt_pass
 from afmd.engine.stepper import Stepper
 
 log = logging.getLogger("afmd.engine")
@@ -82,7 +82,7 @@ class Follower:
     def _admit(self, admission: Admission) -> None:
         prompt = admission.prompt
         if admission.prompt_logprobs is not None:
-            prompt_logprobs(self._stepper.model, prompt, admission.prompt_logprobs)
+            prompt_pass(self._stepper.model, prompt)
         if admission.max_tokens <= 0:
             return
         cache, rest = self._resume(prompt, admission.cached)

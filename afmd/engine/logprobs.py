@@ -186,6 +186,15 @@ def _ordered(pairs: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
                         key=lambda p: (-p[1], p[0])))
 
 
+def prompt_pass(model: Any, prompt: list[int]) -> None:
+    """The forward passes :func:`prompt_logprobs` makes, chunk for chunk, without their
+    numbers: what a rank other than 0 of a sharded model runs alongside it."""
+    cache = make_prompt_cache(model)
+    inputs = prompt[:-1]
+    for start in range(0, len(inputs), _PROMPT_CHUNK):
+        mx.eval(model(mx.array([inputs[start : start + _PROMPT_CHUNK]]), cache=cache))
+
+
 def prompt_logprobs(model: Any, prompt: list[int], k: int) -> tuple[TokenLogprob, ...]:
     """Each prompt token's log-probability given the tokens before it (the first: None),
     with the ``k`` most likely tokens at its position."""

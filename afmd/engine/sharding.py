@@ -100,3 +100,27 @@ def memory() -> dict[str, int]:
 
     return {"active_bytes": int(mx.get_active_memory()),
             "peak_bytes": int(mx.get_peak_memory())}
+
+
+def drop_output_projection(model: Any) -> bool:
+    """On a rank other than 0, replace the output projection by nothing worth computing.
+
+    Only rank 0 samples, so the other ranks' logits are never read; yet every rank would
+    compute the whole vocabulary's projection each step (a large share of a small model's
+    work, and its weights' memory). What stays is a dependency on the last hidden state,
+    so the layers' collectives still run in order. A model whose projection is its tied
+    embeddings keeps it (the embeddings are still needed). Whether it was dropped.
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    args = getattr(model, "args", None)
+    if getattr(model, "lm_head", None) is None or getattr(args, "tie_word_embeddings", True):
+        return False
+
+    class _Unprojected(nn.Module):
+        def __call__(self, h: Any) -> Any:
+            return mx.depends(mx.zeros((*h.shape[:-1], 1), dtype=h.dtype), h)
+
+    model.lm_head = _Unprojected()
+    return True
