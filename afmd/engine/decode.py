@@ -41,17 +41,10 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, greedy_sampler
-from mlx_lm.models.cache import trim_prompt_cache
 
+from afmd.engine import handout, lone_row
 from afmd.engine.logprobs import RowLogprobs, step_logprobs
-from afmd.engine.speculative import (
-    RowSpec,
-    Verification,
-    accepted_count,
-    consume,
-    grammar_masks,
-    grammar_prefix,
-)
+from afmd.engine.speculative import RowSpec, Verification
 from afmd.grammar.processor import MASKING, MaskBuilder
 
 _NEG_INF = float("-inf")
@@ -93,8 +86,8 @@ class DecodeBatch(GenerationBatch):
         proposal held (mlx-lm's ``next`` with lists, and a finish inside one)."""
         if not self.uids:
             return []
-        if self._verify is not None or self._may_speculate():
-            responses = self._speculate()
+        if self._verify is not None or lone_row.may_speculate(self):
+            responses = lone_row.speculate(self)
             if responses is not None:
                 return responses
         tokens, logprobs = self._step()
@@ -105,7 +98,7 @@ class DecodeBatch(GenerationBatch):
             if backlog:
                 handed[i] = backlog[0] + handed[i]
                 extra[i] = backlog[1] + extra[i]
-        return self._account(handed, extra)
+        return handout.account(self, handed, extra)
 
     def _step(self) -> tuple[list[int], list[Any]]:
         self._launch_deferred()
@@ -123,7 +116,7 @@ class DecodeBatch(GenerationBatch):
         # Joining rows come with their next tokens already computed; ours must be too.
         self._launch_deferred()
         if self._verify is not None:
-            accepted, pending, entries = self._resolve()
+            accepted, pending, entries = lone_row.resolve(self)
             self._backlog[self.uids[0]] = (accepted, entries[:-1])
             self._next_tokens = mx.array([pending], dtype=mx.uint32)
             self._next_logprobs = entries[-1:]
@@ -134,153 +127,12 @@ class DecodeBatch(GenerationBatch):
             self._verify = None
         kept = {self.uids[i] for i in keep}
         for uid in self.uids:
-            if uid not in kept:  # cancelled rows leave without _leaving
+            if uid not in kept:  # cancelled rows leave without handout._leaving
                 self._prompt_len.pop(uid, None)
                 self._backlog.pop(uid, None)
         super().filter(keep)
         if not keep:
             self._deferred = False
-
-    # -- handing tokens out --
-    def _account(self, handed: list[list[int]], logprobs: list[list[Any]]) -> list[Any]:
-        """Responses for each row's tokens in order, ending a row at its first finish."""
-        responses: list[Any] = []
-        keep: list[int] = []
-        for i, uid in enumerate(self.uids):
-            if self._num_tokens[i] == 0:  # its first token is never in its cache yet
-                self._prompt_len[uid] = len(self.tokens[i])
-            spec = self.spec_rows.get(uid) if self.spec_rows else None
-            finish = None
-            for token, lp in zip(handed[i], logprobs[i], strict=True):
-                self._num_tokens[i] += 1
-                if spec is not None:
-                    spec.history.append(token)
-                if self._num_tokens[i] >= self.max_tokens[i]:
-                    finish = "length"
-                if self._matchers[i].advance(token):
-                    finish = "stop"
-                if finish is None:
-                    responses.append(self.Response(uid, token, lp, None, None, None))
-                    continue
-                cache, tokens = self._leaving(i)
-                responses.append(self.Response(uid, token, lp, finish, cache, tokens))
-                break
-            if finish is None:
-                keep.append(i)
-        if len(keep) < len(self.uids):
-            self.filter(keep)
-        return responses
-
-    def _leaving(self, i: int) -> tuple[list[Any], list[int]]:
-        """A finishing row's KV cache and tokens, cut back to the token it ended on (a
-        verification may have fed tokens past it)."""
-        if self._verify is not None:  # only a batch of one verifies: this row's pass
-            verify, self._verify = self._verify, None
-            trim_prompt_cache(self.prompt_cache, verify.k)
-            self.tokens[i].append(int(verify.first.item()))
-        uid = self.uids[i]
-        tokens = self.tokens[i]
-        keep = self._prompt_len.pop(uid, 0) + self._num_tokens[i]
-        self._backlog.pop(uid, None)
-        surplus = len(tokens) - keep
-        cache = self.extract_cache(i)
-        if surplus > 0:
-            trim_prompt_cache(cache, surplus)
-            for c in cache:
-                if getattr(c, "keys", None) is not None and hasattr(c, "offset"):
-                    c.keys = c.keys[..., : c.offset, :]
-                    c.values = c.values[..., : c.offset, :]
-            tokens = tokens[:keep]
-        return cache, tokens
-
-    # -- speculation (a batch of one row) --
-    def _may_speculate(self) -> bool:
-        if len(self.uids) != 1 or not self.spec_rows:
-            return False
-        spec = self.spec_rows.get(self.uids[0])
-        if spec is None or not spec.enabled or self._num_tokens[0] == 0:
-            return False
-        if self.max_tokens[0] - self._num_tokens[0] < 3:
-            return False
-        if self._trimmable is None:
-            self._trimmable = all(c.is_trimmable() for c in self.prompt_cache)
-        return self._trimmable
-
-    def _speculate(self) -> list[Any] | None:
-        """One step of the lone row: settle the pass in flight (hand out what held), then
-        start the next; ``None``: nothing to propose, take the plain step."""
-        spec = self.spec_rows[self.uids[0]]
-        if self._verify is not None:
-            accepted, pending, entries = self._resolve()
-            responses = self._account([[*accepted, pending]], [entries])
-            if self.uids:
-                self._launch_after(spec, pending)
-            return responses
-        self._launch_deferred()
-        if spec.constrained:
-            # The proposal must go through the grammar first: wait for the token.
-            pending = int(self._next_tokens.item())
-            responses = self._account([[pending]], [self._next_logprobs[:1]])
-            if self.uids:
-                self._launch_after(spec, pending)
-            return responses
-        # The token is still being computed: propose after the model's likely choice
-        # (the source's guess), verified with it, so this step need not wait for it.
-        budget = self.max_tokens[0] - self._num_tokens[0] - 2
-        got = spec.propose(budget, guess=True)
-        if got is None:
-            return None
-        state, proposal = got
-        first = self._next_tokens
-        rest = proposal[1:]
-        verify = Verification(spec, state, first, _as_array(rest), len(rest),
-                              self._wanted())
-        verify.launch(self.model, self.prompt_cache, None)
-        self._verify = verify
-        return self._account([[int(first.item())]], [self._next_logprobs[:1]])
-
-    def _launch_after(self, spec: RowSpec, pending: int) -> None:
-        """Feed ``pending`` (handed out, not yet in the cache) with a proposal, or alone."""
-        budget = self.max_tokens[0] - self._num_tokens[0] - 1
-        got = spec.propose(budget, guess=False) if budget > 0 else None
-        if got is not None:
-            state, proposal = got
-            mask = None
-            if spec.constrained:
-                proposal = _as_list(proposal)
-                proposal = proposal[: grammar_prefix(spec.processors, pending, proposal)]
-                if proposal:
-                    mask = grammar_masks(spec.processors, pending, proposal,
-                                         int(self.model.args.vocab_size))
-            if len(proposal):
-                first = mx.array([pending], dtype=mx.uint32)
-                verify = Verification(spec, state, first, _as_array(proposal), len(proposal),
-                                      self._wanted())
-                verify.launch(self.model, self.prompt_cache, mask)
-                self._verify = verify
-                return
-        self._launch(mx.array([pending], dtype=mx.uint32))
-
-    def _resolve(self) -> tuple[list[int], int, list[Any]]:
-        """Wait for the pass in flight: the proposed tokens that held (now in the cache),
-        the model's token after them (not yet in it), and what resolves the
-        log-probabilities of each of those tokens."""
-        verify, self._verify = self._verify, None
-        assert verify is not None
-        proposal, targets = verify.resolve()
-        n = accepted_count(proposal, targets)
-        rejected = verify.k - n
-        if rejected:
-            trim_prompt_cache(self.prompt_cache, rejected)
-        consume(verify.spec.processors, proposal[:n])
-        self.tokens[0] += [int(verify.first.item()), *proposal[:n]]
-        verify.state.record(verify.k, n, len(verify.spec.history))
-        return proposal[:n], targets[n], verify.entries(n + 1)
-
-    def _wanted(self) -> int | None:
-        """The alternatives the lone row reports, if it reports log-probabilities."""
-        rows = getattr(self, "logprob_rows", None)
-        return rows.get(self.uids[0]) if rows else None
 
     def _launch_deferred(self) -> None:
         if self._deferred:
@@ -297,17 +149,7 @@ class DecodeBatch(GenerationBatch):
         n = len(self.uids)
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
 
-        masked: list[tuple[int, list[Any]]] = []
-        others: list[tuple[int, list[Any]]] = []
-        for row, procs in enumerate(self.logits_processors or ()):
-            if not procs:
-                continue
-            mine = [p for p in procs if isinstance(p, MASKING)]
-            rest = [p for p in procs if not isinstance(p, MASKING)]
-            if mine:
-                masked.append((row, mine))
-            if rest:
-                others.append((row, rest))
+        masked, others = split_processors(self.logits_processors)
 
         tokens: list[int] | None = None
         if masked:
@@ -355,28 +197,45 @@ class DecodeBatch(GenerationBatch):
         return [(i, rows[uid]) for i, uid in enumerate(self.uids) if uid in rows]
 
     def _sample(self, logits: mx.array, n: int) -> mx.array:
-        samplers = [
-            None if s is None or s is greedy_sampler else s
-            for s in (self.samplers or [None] * n)
-        ]
-        if all(s is None for s in samplers):
-            return mx.argmax(logits, axis=-1)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        first = samplers[0]
-        if all(s is first for s in samplers):
-            return first(logprobs)
-        return mx.concatenate(
-            [
-                mx.argmax(logprobs[e : e + 1], axis=-1) if s is None else s(logprobs[e : e + 1])
-                for e, s in enumerate(samplers)
-            ],
-            axis=0,
-        )
+        return sample_rows(self.samplers, logits, n)
 
 
-def _as_array(tokens: list[int] | mx.array) -> mx.array:
-    return tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)
+def sample_rows(samplers: list[Any] | None, logits: mx.array, n: int) -> mx.array:
+    """Every row's next token: one argmax for a batch of greedy rows, one call for a
+    batch sharing a sampler, else row by row."""
+    picks = [
+        None if s is None or s is greedy_sampler else s
+        for s in (samplers or [None] * n)
+    ]
+    if all(s is None for s in picks):
+        return mx.argmax(logits, axis=-1)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    first = picks[0]
+    if all(s is first for s in picks):
+        return first(logprobs)
+    return mx.concatenate(
+        [
+            mx.argmax(logprobs[e : e + 1], axis=-1) if s is None else s(logprobs[e : e + 1])
+            for e, s in enumerate(picks)
+        ],
+        axis=0,
+    )
 
 
-def _as_list(tokens: list[int] | mx.array) -> list[int]:
-    return tokens.tolist() if isinstance(tokens, mx.array) else list(tokens)
+def split_processors(
+    processors: list[list[Any]] | None,
+) -> tuple[list[tuple[int, list[Any]]], list[tuple[int, list[Any]]]]:
+    """(row, processors) of the grammar masks, applied together, and of the others
+    (repetition penalty), applied mlx-lm's row-by-row way."""
+    masked: list[tuple[int, list[Any]]] = []
+    others: list[tuple[int, list[Any]]] = []
+    for row, procs in enumerate(processors or ()):
+        if not procs:
+            continue
+        mine = [p for p in procs if isinstance(p, MASKING)]
+        rest = [p for p in procs if not isinstance(p, MASKING)]
+        if mine:
+            masked.append((row, mine))
+        if rest:
+            others.append((row, rest))
+    return masked, others
