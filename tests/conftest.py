@@ -80,10 +80,33 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ[RUN_DIR_ENV] = old
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which would answer for loadfile
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` as tests/helpers/schedule.py hands it out."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from helpers.schedule import FileSchedule
+
+    return FileSchedule(config, log)
+
+
+#: The files that take a worker longest, handed out first under xdist (in collection
+#: order: tests/helpers/schedule.py), longest first: one started last would leave the
+#: others idle at the end, while short files (and the call-format file's per-family units)
+#: fill the gaps late.
+LONGEST_FILES = ("test_bench_quick.py", "test_completions.py", "test_cli.py",
+                 "test_listeners.py", "test_model_budget.py", "test_metrics.py",
+                 "test_models_cli.py", "test_memory_bounds.py")
+
+
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected what they do
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The files with tests that need the frozen build run last, and the build starts now,
-    so that its minutes overlap everything else (see tests/helpers/frozen.py)."""
+    """Under xdist the longest files go first. The files with tests that need the frozen
+    build run last, and the build starts now, so that its minutes overlap everything else
+    (see tests/helpers/frozen.py)."""
+    if hasattr(config, "workerinput"):
+        rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
     files = {item.path for item in items
              if FROZEN_FIXTURE in getattr(item, "fixturenames", ())}
     if not files:

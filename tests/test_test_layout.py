@@ -54,3 +54,22 @@ def test_the_checks_see_an_import_of_a_test_module(tmp_path: Path) -> None:
                       "def f():\n    from test_transport import x\n    import test_cli.sub\n")
     found = [name for _, name in _imported(sample) if _is_test_module(name)]
     assert found == ["test_transport", "test_cli.sub"]
+
+
+def test_the_schedules_file_names_are_test_files() -> None:
+    """A renamed or removed file would silently drop out of the conftest's tables."""
+    from conftest import LONGEST_FILES, SLOW_FILES
+    from helpers.schedule import SPLIT_BY_PARAMETER
+
+    named = {*LONGEST_FILES, *SLOW_FILES, *SPLIT_BY_PARAMETER}
+    assert sorted(name for name in named if not (TESTS / name).is_file()) == []
+
+
+def test_a_split_file_is_one_unit_per_parameter() -> None:
+    from helpers.schedule import unit_of
+
+    split = "tests/test_tool_formats_e2e.py"
+    assert unit_of(f"{split}::test_a[hermes]") == f"{split}::[hermes]"
+    assert unit_of(f"{split}::test_b[hermes]") == f"{split}::[hermes]"
+    assert unit_of(f"{split}::test_plain") == split
+    assert unit_of("tests/test_cli.py::test_version[x]") == "tests/test_cli.py"
