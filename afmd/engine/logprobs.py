@@ -124,21 +124,34 @@ def resolve(entry: Any, token: int, k: int) -> TokenLogprob:
 
 def _from_logits(vector: np.ndarray, token: int, k: int, *, normalised: bool
                  ) -> TokenLogprob:
-    """Normalised with numpy's vectorised routines: the log-sum-exp accumulated in float64
-    over float32 ``exp`` (written into a reused buffer, not two fresh vocabulary-sized
-    arrays per token), the alternatives found without a full-row partition."""
+    """Normalised with numpy's vectorised routines, in as few passes over the row as they
+    allow (on a busy machine each costs more than its arithmetic): the log-sum-exp
+    accumulated in float64 over float32 ``exp`` written into a reused buffer, the row's
+    maximum taken from the column maxima that also narrow the search for the alternatives
+    (a full-row partition costs several passes)."""
+    n = vector.shape[-1]
+    k = min(k, n)
+    columns = n // _STRIDES
+    maxima = None
+    if columns >= 4 * max(k, 1):
+        maxima = vector[: _STRIDES * columns].reshape(_STRIDES, columns).max(axis=0)
     if normalised:
         lse = 0.0
     else:
-        top = float(vector.max())
-        scratch = _scratch(vector.shape[-1])[0]
+        if maxima is None:
+            top = float(vector.max())
+        else:  # the same value as the row's maximum
+            top = float(maxima.max())
+            if _STRIDES * columns < n:
+                top = max(top, float(vector[_STRIDES * columns :].max()))
+        scratch = _scratch(n)[0]
         np.subtract(vector, top, out=scratch)
         np.exp(scratch, out=scratch)
         lse = top + float(np.log(scratch.sum(dtype=np.float64)))
-    k = min(k, vector.shape[-1])
     pairs: list[tuple[int, float]] = []
     if k > 0:
-        pairs = [(int(i), float(vector[i]) - lse) for i in _top_ids(vector, k)]
+        ids = _top_ids(vector, k, maxima)
+        pairs = [(i, v - lse) for i, v in zip(ids.tolist(), vector[ids].tolist(), strict=True)]
     return TokenLogprob(token, float(vector[token]) - lse, _ordered(pairs)[:k])
 
 
@@ -151,21 +164,21 @@ def _scratch(n: int) -> tuple[np.ndarray, np.ndarray]:
     return got
 
 
-def _top_ids(vector: np.ndarray, k: int) -> np.ndarray:
+def _top_ids(vector: np.ndarray, k: int, maxima: np.ndarray | None) -> np.ndarray:
     """The ids of the ``k`` largest values of ``vector`` (a tie at the k-th cut at the
     lower ids), in no order; -inf left out.
 
-    The vocabulary is viewed as ``_STRIDES`` rows; a column whose maximum is below the
-    k-th largest column maximum holds none of them (those k maxima are k distinct values
-    at least as large as all of its), so only the other columns are searched.
+    ``maxima``, when given, are the column maxima of the row viewed as ``_STRIDES`` rows: a
+    column whose maximum is below the k-th largest of them holds none of the k (those k
+    maxima are k distinct values at least as large as all of its), so only the other
+    columns are searched.
     """
     n = vector.shape[-1]
-    columns = n // _STRIDES
-    if columns < 4 * k:
+    if maxima is None:
         ids, values = None, vector
     else:
+        columns = maxima.shape[0]
         body = _STRIDES * columns
-        maxima = vector[:body].reshape(_STRIDES, columns).max(axis=0)
         kth = np.partition(maxima, columns - k)[columns - k]
         ids = (_scratch(n)[1] + np.flatnonzero(maxima >= kth)).ravel()
         if body < n:  # the last few ids, outside the view
