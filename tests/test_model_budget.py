@@ -153,10 +153,15 @@ def test_503_model_unavailable_when_every_model_stays_busy_past_the_deadline(
         assert "'demo-32k'" in error["message"] and "max_loaded (1 models)" in error["message"]
         assert loaded_models(server) == ["demo"]  # never unloaded while busy
         # The streams' answers are over; their leases go once the engine has dropped their
-        # rows, which on a loaded machine can be a while after the last byte.
+        # rows, which on a loaded machine can be a while after the last byte. Idle now, demo
+        # makes room for demo-32k: the switch goes on past a request's short deadline (which
+        # it can outlast on a loaded machine), and then demo-32k answers.
         wait_for(server, lambda h: h["model_details"]["demo"]["active"] == 0)
+        chat(server, "demo-32k")
+        wait_for(server, lambda h: [m for m, d in h["model_details"].items()
+                                    if d["state"] == "loaded"] == ["demo-32k"])
         again = chat(server, "demo-32k")
-        assert again.status_code == 200, again.text  # idle now: it makes room
+        assert again.status_code == 200, again.text
     finally:
         assert server.stop() == 0
 
