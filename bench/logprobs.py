@@ -1,13 +1,16 @@
 """The log-probabilities row: greedy decode with ``top_logprobs: 5`` against without.
 
 afmd only (mlx_lm.server's logprobs are another implementation; raw mlx-lm computes them
-for every row anyway). Each pair is two single-stream chat completions of equal-length
-unique prompts, one with ``logprobs: true, top_logprobs: 5`` and one without, the second
-held to the tokens the first produced and the order alternating pair by pair, so drift
-and unequal lengths hit both alike. The rate is the decode phase's (tokens after the
-first over first → last delta): what asking for log-probabilities costs per token. Each
-request's server CPU time per token is kept too (``/proc``): on a shared machine it is
-disturbed less than wall-clock rates.
+for every row anyway). Each pair is two single-stream chat completions of the same prompt
+(unique to the pair), one with ``logprobs: true, top_logprobs: 5`` and one without, the
+second held to the tokens the first produced and the order alternating pair by pair, so
+drift and unequal lengths hit both alike. Greedy, both write the same tokens, so prompt
+lookup (which both use) verifies the same proposals on both sides; two prompts' outputs
+loop differently and would gain unequally from it. The rate is the decode phase's (tokens
+after the first over first → last delta): what asking for log-probabilities costs per
+token; the second of a pair may find its prompt in the prefix cache, which only the
+end-to-end ratio sees (for either side in turn). Each request's server CPU time per token
+is kept too (``/proc``): on a shared machine it is disturbed less than wall-clock rates.
 
 Alone (the row's measurement on its own afmd, ``demo-32k``, no other phase):
 
@@ -63,9 +66,9 @@ async def m_logprobs(ctx: Ctx, port: int, tag: str, pid: int | None = None,
 
     for i in range(pairs):
         order = (True, False) if i % 2 == 0 else (False, True)
-        first = await one(2 * i, p.max_tokens, order[0])
+        first = await one(i, p.max_tokens, order[0])
         held = first.tokens if first.ok and first.tokens > 0 else p.max_tokens
-        second = await one(2 * i + 1, held, order[1])
+        second = await one(i, held, order[1])
         with_, without = (first, second) if order[0] else (second, first)
         asked.append(with_)
         plain.append(without)
