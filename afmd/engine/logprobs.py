@@ -33,11 +33,12 @@ from afmd.engine.base import TokenLogprob
 MAX_TOP = 20
 # Prompt positions evaluated per forward pass: bounds the float32 logits held at once.
 _PROMPT_CHUNK = 64
-# A row's top alternatives are looked for in a (_STRIDES, vocab / _STRIDES) view: numpy's
-# element-wise max over its rows is vectorised, a full-row argpartition is not.
+# A row's alternatives are bounded by the column maxima of a (_STRIDES, vocab / _STRIDES)
+# view: numpy's element-wise max over its rows is vectorised, a full-row partition is not.
 _STRIDES = 64
-# Each thread's buffer for a row's exp and its view's row offsets, for one vocabulary size.
-_SCRATCH = threading.local()
+# Candidates beyond which a row's alternatives are sorted by numpy rather than in Python.
+_FEW = 64
+_SCRATCH = threading.local()  # each thread's buffer for a row's exp (the engine's, tests')
 
 
 def _on_host() -> bool:
@@ -124,17 +125,18 @@ def resolve(entry: Any, token: int, k: int) -> TokenLogprob:
 
 def _from_logits(vector: np.ndarray, token: int, k: int, *, normalised: bool
                  ) -> TokenLogprob:
-    """Normalised with numpy's vectorised routines, in as few passes over the row as they
-    allow (on a busy machine each costs more than its arithmetic): the log-sum-exp
-    accumulated in float64 over float32 ``exp`` written into a reused buffer, the row's
-    maximum taken from the column maxima that also narrow the search for the alternatives
-    (a full-row partition costs several passes)."""
+    """Normalised with numpy's vectorised routines, in as few passes over the row and as
+    few calls as they allow (next to a forward pass each costs several times its
+    arithmetic): the log-sum-exp accumulated in float64 over float32 ``exp`` written into
+    a reused buffer, the row's maximum taken from the column maxima that also bound the
+    alternatives (a full-row partition costs several passes)."""
     n = vector.shape[-1]
     k = min(k, n)
     columns = n // _STRIDES
+    body = _STRIDES * columns
     maxima = None
     if columns >= 4 * max(k, 1):
-        maxima = vector[: _STRIDES * columns].reshape(_STRIDES, columns).max(axis=0)
+        maxima = vector[:body].reshape(_STRIDES, columns).max(axis=0)
     if normalised:
         lse = 0.0
     else:
@@ -142,55 +144,43 @@ def _from_logits(vector: np.ndarray, token: int, k: int, *, normalised: bool
             top = float(vector.max())
         else:  # the same value as the row's maximum
             top = float(maxima.max())
-            if _STRIDES * columns < n:
-                top = max(top, float(vector[_STRIDES * columns :].max()))
-        scratch = _scratch(n)[0]
+            if body < n:
+                top = max(top, float(vector[body:].max()))
+        scratch = _scratch(n)
         np.subtract(vector, top, out=scratch)
         np.exp(scratch, out=scratch)
         lse = top + float(np.log(scratch.sum(dtype=np.float64)))
-    pairs: list[tuple[int, float]] = []
-    if k > 0:
-        ids = _top_ids(vector, k, maxima)
-        pairs = [(i, v - lse) for i, v in zip(ids.tolist(), vector[ids].tolist(), strict=True)]
-    return TokenLogprob(token, float(vector[token]) - lse, _ordered(pairs)[:k])
+    best = _best(vector, k, maxima, lse) if k > 0 else ()
+    return TokenLogprob(token, float(vector[token]) - lse, best)
 
 
-def _scratch(n: int) -> tuple[np.ndarray, np.ndarray]:
-    got: tuple[np.ndarray, np.ndarray] | None = getattr(_SCRATCH, "got", None)
-    if got is None or got[0].shape[0] != n:
-        columns = n // _STRIDES
-        got = _SCRATCH.got = (np.empty(n, dtype=np.float32),
-                              np.arange(0, _STRIDES * columns, max(columns, 1))[:, None])
-    return got
+def _scratch(n: int) -> np.ndarray:
+    buffer: np.ndarray | None = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or buffer.shape[0] != n:
+        buffer = _SCRATCH.buffer = np.empty(n, dtype=np.float32)
+    return buffer
 
 
-def _top_ids(vector: np.ndarray, k: int, maxima: np.ndarray | None) -> np.ndarray:
-    """The ids of the ``k`` largest values of ``vector`` (a tie at the k-th cut at the
-    lower ids), in no order; -inf left out.
+def _best(vector: np.ndarray, k: int, maxima: np.ndarray | None, lse: float
+          ) -> tuple[tuple[int, float], ...]:
+    """The ``k`` largest values of ``vector`` as (id, value - lse), best first (a tie cut
+    at the lower ids), -inf left out.
 
-    ``maxima``, when given, are the column maxima of the row viewed as ``_STRIDES`` rows: a
-    column whose maximum is below the k-th largest of them holds none of the k (those k
-    maxima are k distinct values at least as large as all of its), so only the other
-    columns are searched.
+    ``maxima``, when given, are the column maxima of the row viewed as ``_STRIDES`` rows.
+    Their k-th largest bounds the k best from below (those k maxima are k distinct values
+    of the row), so the values at least as large are the candidates: a few, usually.
     """
-    n = vector.shape[-1]
-    if maxima is None:
-        ids, values = None, vector
-    else:
+    ids: np.ndarray | None = None
+    if maxima is not None:
         columns = maxima.shape[0]
-        body = _STRIDES * columns
-        kth = np.partition(maxima, columns - k)[columns - k]
-        ids = (_scratch(n)[1] + np.flatnonzero(maxima >= kth)).ravel()
-        if body < n:  # the last few ids, outside the view
-            ids = np.concatenate((ids, np.arange(body, n)))
-        values = vector[ids]
-    keep = np.argpartition(values, values.size - k)[-k:]
-    kth = values[keep].min()
-    if np.count_nonzero(values >= kth) > k:  # a tie at the k-th place, or -inf taken
-        keep = np.flatnonzero(values > kth)
-        if kth != -np.inf:  # positions ascend with the ids: the first ties, the lower ids
-            keep = np.concatenate((keep, np.flatnonzero(values == kth)[: k - keep.size]))
-    return keep if ids is None else ids[keep]
+        bound = np.partition(maxima, columns - k)[columns - k]
+        ids = np.flatnonzero(vector > bound if bound == -np.inf else vector >= bound)
+    if ids is None or ids.size > _FEW:
+        values = vector if ids is None else vector[ids]
+        order = np.argsort(-values, kind="stable")[:k]  # ties keep the ids' order
+        ids = order if ids is None else ids[order]
+    pairs = [(i, v - lse) for i, v in zip(ids.tolist(), vector[ids].tolist(), strict=True)]
+    return _ordered(pairs)[:k]
 
 
 def _ordered(pairs: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
