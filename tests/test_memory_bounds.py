@@ -9,94 +9,45 @@ import platform
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import pytest
 
-from afmd.config import BUILTIN_DEMO_PATH, CacheConfig, Config, ModelEntry
-from afmd.engine.base import GenerationRequest, SamplingParams
-from afmd.engine.loaded import LoadedModel
-from afmd.engine.loading import load_sync
+from helpers import memory_probes
 
 pytestmark = pytest.mark.slow  # memory soaks
 
 ROOT = Path(__file__).resolve().parent.parent
-POOL = 1 << 20  # the MLX buffer pool these tests configure
-ENTRIES = 4
-CACHE_BYTES = 512 << 10
 
 
 @pytest.fixture(scope="module")
-def loaded() -> Iterator[LoadedModel]:
-    """The demo model loaded as a server loads it, with small, easily exceeded bounds."""
-    before = mx.set_cache_limit(0)
-    mx.set_cache_limit(before)
-    config = Config(cache=CacheConfig(
-        prompt_cache_bytes=CACHE_BYTES, prompt_cache_entries=ENTRIES,
-        mlx_buffer_cache_bytes=POOL,
-    ))
-    model = load_sync(ModelEntry(id="demo", path=BUILTIN_DEMO_PATH), config)
-    try:
-        yield model
-    finally:
-        model.worker.stop()
-        mx.set_cache_limit(before)
+def bounds() -> dict[str, Any]:
+    """The demo model loaded as a server loads it, with small, easily exceeded bounds
+    (tests/helpers/memory_probes.py): a burst, then more prompts, in a process of its own,
+    where nothing else allocates or frees MLX memory meanwhile."""
+    return memory_probes.run("bounds")
 
 
-def _prompts(model: LoadedModel, n: int, tag: str) -> list[list[int]]:
-    """Distinct prompts of varied length (no two share more than the template's head)."""
-    return [
-        model.render_prompt([{"role": "user", "content": f"{tag} {i}: " + "lorem ipsum " * (
-            5 + (i * 37) % 120)}])
-        for i in range(n)
-    ]
-
-
-def _burst(model: LoadedModel, prompts: list[list[int]], max_tokens: int = 24) -> None:
-    async def main() -> None:
-        gate = asyncio.Semaphore(4)
-
-        async def one(i: int, prompt: list[int]) -> None:
-            async with gate:
-                generation = model.start(GenerationRequest(
-                    f"r{i}", prompt, max_tokens, sampling=SamplingParams(temperature=0.0)))
-                while not generation.done:
-                    await generation.next_events()
-
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-
-    asyncio.run(main())
-
-
-def test_mlx_buffer_pool_is_bounded_from_model_load(loaded: LoadedModel) -> None:
+def test_mlx_buffer_pool_is_bounded_from_model_load(bounds: dict[str, Any]) -> None:
     """MLX keeps freed buffers for reuse up to its cache limit; the limit must be the
     configured one from the moment the model loaded, and hold after a burst whose
     temporaries are several times its size."""
-    assert mx.set_cache_limit(POOL) == POOL  # returns the limit in force: load set it
-    weights = mx.get_active_memory()
-    mx.reset_peak_memory()
-    _burst(loaded, _prompts(loaded, 24, "pool"))
-    assert mx.get_peak_memory() - weights > 4 * POOL  # the burst freed more than fits
-    assert mx.get_cache_memory() <= POOL
+    pool = bounds["pool"]
+    assert pool["limit_after_load"] == memory_probes.POOL  # load set it
+    assert pool["peak_over_weights"] > 4 * memory_probes.POOL  # freed more than fits
+    assert pool["cache_memory"] <= memory_probes.POOL
 
 
-def test_prefix_cache_holds_only_what_it_counts(loaded: LoadedModel) -> None:
+def test_prefix_cache_holds_only_what_it_counts(bounds: dict[str, Any]) -> None:
     """After many distinct prompts the prefix cache holds at most its entries and bytes,
     and dropping it frees no more MLX memory than the bytes it counted: an entry that
     still referenced the batch's whole KV buffers would hold several times as much."""
-    _burst(loaded, _prompts(loaded, 40, "prefix"))
-    cache = loaded.worker._stepper.prompt_cache
-    assert cache is not None
-    assert 0 < len(cache) <= ENTRIES
-    counted = cache.nbytes
-    assert 0 < counted <= CACHE_BYTES
-    held = mx.get_active_memory()
-    cache.trim_to(n_sequences=0)  # the worker is idle: nothing else touches the cache
-    freed = held - mx.get_active_memory()
-    assert freed <= counted + (16 << 10), (freed, counted)
+    prefix = bounds["prefix"]
+    assert 0 < prefix["entries"] <= memory_probes.ENTRIES
+    counted = prefix["counted"]
+    assert 0 < counted <= memory_probes.CACHE_BYTES
+    assert prefix["freed"] <= counted + (16 << 10), prefix
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")

@@ -4,9 +4,6 @@ then the real registry on the demo models (memory measured and freed for real)."
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,7 +18,7 @@ from afmd.engine.models import ModelRegistry
 from afmd.engine.residency import Lease, Residency
 from afmd.errors import InvalidRequestError, ServiceUnavailableError
 
-TESTS = Path(__file__).resolve().parent
+from helpers import memory_probes
 
 
 @dataclass(eq=False)
@@ -223,12 +220,9 @@ def config_file(tmp_path: Path, text: str) -> Path:
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads RSS from /proc")
 def test_unloading_frees_the_memory_for_real() -> None:
     """MLX's active memory drops by the weights' size, and RSS by most of it: measured in
-    a process of its own (tests/helpers/unload_probe.py), where nothing else allocates or
-    frees meanwhile."""
-    proc = subprocess.run([sys.executable, "-m", "helpers.unload_probe"], cwd=TESTS,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    a process of its own (tests/helpers/memory_probes.py), where nothing else allocates
+    or frees meanwhile."""
+    got = memory_probes.run("unload")
     weights, grew_mx, freed_mx = got["weights"], got["grew_mx"], got["freed_mx"]
     assert weights > 15_000_000
     assert got["accounted"]  # memory_bytes: the weights plus the (idle) cache, measured
