@@ -26,15 +26,18 @@ from helpers.session import run_dir  # noqa: E402
 
 __all__ = ["DIAGNOSE", "ROOT", "ServerProcess", "afmd_command", "parse_sse", "start_server"]
 
-#: Workers for a run over the whole suite (or a folder): the tests wait on sockets, child
-#: servers and timeouts much of the time, so more workers than the 2 cores pay.
-WORKERS = 3
+#: Workers for a run over the whole suite (or a folder): one more than the cores, as the
+#: tests wait on sockets, child servers and timeouts much of the time. Two more was slower
+#: on 2 cores: each worker collects the whole suite and starts its own shared server.
+WORKERS = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+           else os.cpu_count() or 2) + 1
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """What ``-n auto`` (opt-in: ``pytest -n auto --dist loadfile``) means: WORKERS for a
-    run over the suite or a folder, and none (in process, as without xdist) for a run
-    that names test files or tests, where starting workers costs more than it saves."""
+    """What ``-n auto`` (pyproject.toml's addopts) means: WORKERS for a run over the
+    suite or a folder, and none (in process, as without xdist) for a run that names test
+    files or tests, where starting workers costs more than it saves.
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides it."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
     named = any(arg.split("::")[0].endswith(".py") for arg in config.args)
