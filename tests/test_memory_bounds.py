@@ -73,8 +73,10 @@ def test_freed_large_buffers_leave_the_heap_after_model_load() -> None:
             pins.append(bytearray(64 << 10))
         before = rss()
         del blocks
-        print(before - rss())
+        print(before - rss(), flush=True)
         model.worker.stop()
+        import os
+        os._exit(0)  # as `afmd serve`: MLX's threads can abort Python's teardown
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

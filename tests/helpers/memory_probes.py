@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -133,4 +134,8 @@ def bounds() -> dict[str, Any]:
 PROBES: dict[str, Callable[[], dict[str, Any]]] = {"unload": unload, "bounds": bounds}
 
 if __name__ == "__main__":
-    print(json.dumps(PROBES[sys.argv[1]]()))
+    print(json.dumps(PROBES[sys.argv[1]]()), flush=True)
+    # Skip interpreter teardown, as `afmd serve` does: MLX's native threads can abort the
+    # process while Python finalises ("terminate called without an active exception").
+    sys.stderr.flush()
+    os._exit(0)
