@@ -236,8 +236,10 @@ def test_four_concurrent_requests_are_batched_and_each_exact(
     group: ServerProcess, expected: dict[str, tuple[str, int]]
 ) -> None:
     def timed(prompt: str) -> tuple[str, float, float]:
+        # Four times the tokens of the expected answers: a client thread that the test
+        # machine starts late still joins the others' batch long before they finish.
         text, first, last = "", 0.0, 0.0
-        for chunk in _stream(group.url, prompt):
+        for chunk in _stream(group.url, prompt, max_tokens=96):
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 last = time.monotonic()
                 first = first or last
@@ -246,7 +248,11 @@ def test_four_concurrent_requests_are_batched_and_each_exact(
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         runs = list(pool.map(timed, PROMPTS))
-    assert [text for text, _, _ in runs] == [expected[p][0] for p in PROMPTS]
+    for prompt, (text, _, _) in zip(PROMPTS, runs, strict=True):
+        want, tokens = expected[prompt]
+        # Greedy: the longer answer begins with the expected one (all of it when that one
+        # stopped before its limit).
+        assert text.startswith(want) if tokens == 24 else text == want, (prompt, text)
     # Decoded together: every stream had its first token before any had its last.
     assert max(first for _, first, _ in runs) < min(last for _, _, last in runs)
 
