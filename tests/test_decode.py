@@ -304,12 +304,30 @@ class _Force:
         return mx.where(mx.arange(logits.shape[-1]) == want, logits, float("-inf"))
 
 
+class _Gate(_Force):
+    """:class:`_Force` that, asked for the token at ``hold``, waits until ``seen`` is set
+    (at most ``timeout`` seconds): the decode thread stops there until the client side
+    has what came before, however slowly this machine runs the event loop."""
+
+    def __init__(self, ids: list[int], hold: int, timeout: float = 20.0) -> None:
+        super().__init__(ids)
+        self.hold, self.timeout = hold, timeout
+        self.seen = threading.Event()
+        self.in_time: bool | None = None
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._step == self.hold:
+            self.in_time = self.seen.wait(self.timeout)
+        return super().__call__(tokens, logits)
+
+
 def test_first_visible_token_goes_out_at_once(
     loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A reasoning model opens with its think marker, which the client never sees as
     text: the token after it is the client's first and must not wait for the next paced
-    hand-off. With pacing stretched to a minute, only urgency can deliver it early."""
+    hand-off. With pacing stretched to a minute, only urgency can deliver it while the
+    decode thread is held a few tokens later."""
     from afmd.engine import handoff
     from afmd.engine import worker as worker_module
 
@@ -320,13 +338,17 @@ def test_first_visible_token_goes_out_at_once(
     words = tokenizer.encode(" hello world again and again", add_special_tokens=False)
     assert len(think) == len(end) == 1 and len(words) >= 4
     forced = [think[0], *words]
+    first_word = tokenizer.decode(words[:1]).strip()
+    # Held at the fifth token: mlx-lm computes a step ahead of the one it returns, so the
+    # first visible token (the second) has been handed to the worker well before.
+    gate = _Gate(forced, hold=4)
     worker = worker_module.BatchWorker(model, tokenizer, name="visible")
 
     async def main() -> list[list[Any]]:
         request = GenerationRequest(
             "r", _prompts(tokenizer, 1)[0], len(forced),
             sampling=SamplingParams(temperature=0.0),
-            logits_processors=[_Force(forced)], think_ids=(think[0], end[0]),
+            logits_processors=[gate], think_ids=(think[0], end[0]),
         )
         generation = Generation(request, asyncio.get_running_loop())
         worker.start()
@@ -334,6 +356,8 @@ def test_first_visible_token_goes_out_at_once(
         hops: list[list[Any]] = []
         while generation.finish is None or not hops or hops[-1][-1] is not generation.finish:
             hops.append(await generation.next_events())
+            if any(isinstance(e, Text) and e.text.strip() == first_word for e in hops[-1]):
+                gate.seen.set()
         return hops
 
     try:
@@ -341,9 +365,12 @@ def test_first_visible_token_goes_out_at_once(
     finally:
         worker.stop()
     texts = [[e for e in hop if isinstance(e, Text)] for hop in hops]
-    assert [e.text for e in texts[0]] == ["<think>"]
-    # The first visible token came alone, right after the marker; the rest, paced, only
-    # with the finish.
-    assert [sum(e.tokens for e in hop) for hop in texts[1:2]] == [1]
-    assert texts[1][0].text.strip() == tokenizer.decode(words[:1]).strip()
+    # The first visible token reached the client while the thread was held: it did not
+    # wait for the paced hand-off, which would have come with the finish.
+    assert gate.in_time is True
+    assert texts[0][0].text == "<think>"
+    got = next(i for i, hop in enumerate(texts) if any(e.text.strip() == first_word
+                                                        for e in hop))
+    assert sum(e.tokens for hop in texts[:got + 1] for e in hop) < len(forced)
+    assert hops[-1][-1] is not None and got < len(hops) - 1
     assert sum(e.tokens for hop in texts for e in hop) == len(forced)
