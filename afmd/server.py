@@ -15,6 +15,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from sanic import Sanic
+
 from afmd.config import Config
 from afmd.distributed.lead import GroupLead
 from afmd.distributed.loss import GroupLoss
@@ -39,6 +41,33 @@ log = get_logger("afmd.server")
 #: After shutdown_grace, how long the requests still running get to write their ending
 #: (an error) before their connections are closed regardless.
 FINAL_WRITE_SECONDS = 1.0
+
+
+DEMO_WARNING = (
+    "serving the built-in demo model: it has random weights and answers with nonsense "
+    "text; configure a real model in [[models.model]] or pass --model"
+)
+
+
+async def _end_what_runs(state: AppState, app: Sanic, gate: GateContext) -> None:
+    """After the grace period, what still runs ends the way any failure does (an error
+    event, [DONE] and the body's last chunk for a stream), then goes idle and closes;
+    only what cannot even do that in time is cut."""
+    error = server_stopping_error()
+
+    def interrupt() -> None:
+        interrupt_requests(state, error)
+        interrupt_embeddings(app, error)
+
+    await gate.close_when_idle(time.monotonic() + FINAL_WRITE_SECONDS, each_turn=interrupt)
+
+
+async def _stop_sanic(lifecycle: Any) -> None:
+    """Sanic's own stop hooks (listeners registered on the app), errors ignored."""
+    if lifecycle is not None:
+        with contextlib.suppress(Exception):
+            await lifecycle.before_stop()
+            await lifecycle.after_stop()
 
 
 class Server:
@@ -116,11 +145,7 @@ class Server:
         for listener in self.listeners:
             self.supervisor.emit(ListenerState("running", listener.describe()))
         if default is not None and default.path.startswith("afmd:"):
-            log.warning(
-                "serving the built-in demo model: it has random weights and answers with "
-                "nonsense text; configure a real model in [[models.model]] or pass --model",
-                model=default.id,
-            )
+            log.warning(DEMO_WARNING, model=default.id)
 
     def _listener_gave_up(self, state: ListenerState) -> None:
         self.exit_code = 1
@@ -155,24 +180,10 @@ class Server:
         # Every listener's connections, restarted ones' included.
         await self.gate.close_when_idle(time.monotonic() + self.config.server.shutdown_grace)
         if self.gate.connections:
-            # The grace period is over: what still runs ends the way any failure does
-            # (an error event, [DONE] and the body's last chunk for a stream), then goes
-            # idle and closes; only what cannot even do that in time is cut.
-            error = server_stopping_error()
-
-            def interrupt() -> None:
-                interrupt_requests(self.state, error)
-                interrupt_embeddings(self.app, error)
-
-            await self.gate.close_when_idle(
-                time.monotonic() + FINAL_WRITE_SECONDS, each_turn=interrupt)
+            await _end_what_runs(self.state, self.app, self.gate)
         self.gate.close_all()
         self._listeners.close()
-        lifecycle = self._listeners.lifecycle
-        if lifecycle is not None:
-            with contextlib.suppress(Exception):
-                await lifecycle.before_stop()
-                await lifecycle.after_stop()
+        await _stop_sanic(self._listeners.lifecycle)
         if self._preload is not None:
             self._preload.cancel()
         if self.group is not None:

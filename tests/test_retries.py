@@ -137,7 +137,7 @@ def demo_model() -> Iterator[LoadedModel]:
 
     model = asyncio.run(load())
     yield model
-    model.worker._inject_failures = 0
+    model.worker._faults.left = 0
     registry.close()
 
 
@@ -146,10 +146,10 @@ def worker_faults(demo_model: LoadedModel) -> Iterator[Any]:
     """Set how many of the next decode steps fail; reset afterwards."""
 
     def arm(n: int) -> None:
-        demo_model.worker._inject_failures = n
+        demo_model.worker._faults.left = n
 
     yield arm
-    demo_model.worker._inject_failures = 0
+    demo_model.worker._faults.left = 0
 
 
 def pipeline_for(model: LoadedModel, tmp_path: Path, toml: str = "",
@@ -252,7 +252,7 @@ class TrippingTools(ServerTools):
 
     async def run(self, name: str, arguments: str) -> ToolOutcome:
         self.runs += 1
-        self._model.worker._inject_failures = 1000
+        self._model.worker._faults.left = 1000
         return ToolOutcome('{"result": 1}', ok=True)
 
 

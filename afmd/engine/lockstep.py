@@ -201,6 +201,13 @@ class StepPlan:
     active: int = 0
     stop: bool = False
 
+    @classmethod
+    def before_step(cls, admit: list[Admission], remove: list[int], running: int) -> StepPlan:
+        """The plan of one iteration with ``running`` rows before it. A prompt-only pass
+        (``max_tokens`` 0) ends within the step, so it never counts as running."""
+        joining = sum(1 for a in admit if a.max_tokens > 0)
+        return cls(admit=admit, remove=remove, active=running + joining - len(remove))
+
     def encode(self) -> bytes:
         return orjson.dumps({
             "a": [[a.prompt, a.cached, a.max_tokens, a.stop_ids, a.prompt_logprobs]

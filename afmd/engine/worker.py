@@ -33,6 +33,51 @@ __all__ = ["BatchWorker", "make_sampler"]
 log = logging.getLogger("afmd.engine")
 
 
+class _InjectedFailures:
+    """Fault injection for tests of the retry path: the first N decode steps fail as a
+    transient MLX error would (``AFMD_INJECT_FAILURES=N``, documented in the README)."""
+
+    def __init__(self) -> None:
+        self.left = int(os.environ.get("AFMD_INJECT_FAILURES", "0") or 0)
+
+    def check(self) -> None:
+        if self.left > 0:
+            self.left -= 1
+            raise RuntimeError("[metal::malloc] injected failure (AFMD_INJECT_FAILURES)")
+
+
+def _ending(exc: BaseException | None) -> ServerError:
+    """What the requests still running hear when the thread fails (``exc``) or stops."""
+    if exc is not None:
+        return ServerError("The model failed while generating.", code="generation_failed")
+    return ServerError("The server is shutting down.", code="shutting_down")
+
+
+def _deliver(responses: list[Any], active: dict[int, Row], stepper: Stepper,
+             handoff: Handoff) -> None:
+    """A step's tokens into their rows' events; finished rows leave the batch and their
+    KV state goes to the prefix cache."""
+    now = time.perf_counter()
+    urgent = False  # a first token or a finish goes out at once
+    first = False
+    for response in responses:
+        seq = active.get(response.uid)
+        if seq is None:
+            continue
+        handoff.touched(seq)
+        # The client's first token is this one or still to come (after a reasoning
+        # model's opening think marker, or leading whitespace): it goes out at once,
+        # not a flush interval later.
+        if seq.take(response.token, response.finish_reason, response.logprobs, now):
+            urgent = first = True
+        if response.finish_reason is not None:
+            del active[response.uid]
+            stepper.forget(seq.uid)
+            stepper.remember(response.all_tokens, response.prompt_cache)
+            seq.finish(response.finish_reason)
+            urgent = True
+    handoff.pace(now, urgent=urgent or not active, first=first)
+
 
 class BatchWorker:
     """Turns a :class:`~afmd.engine.stepper.Stepper`'s tokens into each request's events,
@@ -79,9 +124,7 @@ class BatchWorker:
         #: Called on the thread, instead of recovering, when a sharded model's step fails:
         #: the other ranks are now out of step, and only a restart of the group helps.
         self.on_fatal: Callable[[BaseException], None] | None = None
-        # Fault injection for tests of the retry path: the first N decode steps fail as
-        # a transient MLX error would (AFMD_INJECT_FAILURES=N, documented in the README).
-        self._inject_failures = int(os.environ.get("AFMD_INJECT_FAILURES", "0") or 0)
+        self._faults = _InjectedFailures()
 
     # -- event-loop side --
     def start(self) -> None:
@@ -145,13 +188,8 @@ class BatchWorker:
         admissions = [a for a in map(self._admissions.prepare, arrivals) if a is not None]
         cancelled = [s for s in self._active.values() if s.generation.cancel_requested]
         if self._lockstep is not None:
-            joining = sum(1 for a in admissions if a.plan.max_tokens > 0)
-            plan = StepPlan(
-                admit=[a.plan for a in admissions],
-                remove=[s.uid for s in cancelled],
-                active=len(self._active) + joining - len(cancelled),
-            )
-            self._lockstep.share_plan(plan)
+            self._lockstep.share_plan(StepPlan.before_step(
+                [a.plan for a in admissions], [s.uid for s in cancelled], len(self._active)))
         for admission in admissions:
             row = self._admissions.admit(admission)
             if row is not None:
@@ -173,32 +211,10 @@ class BatchWorker:
         flush(cancelled)
 
     def _step(self) -> None:
-        if self._inject_failures > 0:
-            self._inject_failures -= 1
-            raise RuntimeError("[metal::malloc] injected failure (AFMD_INJECT_FAILURES)")
+        self._faults.check()
         responses = self._stepper.next()
-        if not responses:
-            return
-        now = time.perf_counter()
-        urgent = False  # a first token or a finish goes out at once
-        first = False
-        for response in responses:
-            seq = self._active.get(response.uid)
-            if seq is None:
-                continue
-            self._handoff.touched(seq)
-            # The client's first token is this one or still to come (after a reasoning
-            # model's opening think marker, or leading whitespace): it goes out at once,
-            # not a flush interval later.
-            if seq.take(response.token, response.finish_reason, response.logprobs, now):
-                urgent = first = True
-            if response.finish_reason is not None:
-                del self._active[response.uid]
-                self._stepper.forget(seq.uid)
-                self._stepper.remember(response.all_tokens, response.prompt_cache)
-                seq.finish(response.finish_reason)
-                urgent = True
-        self._handoff.pace(now, urgent=urgent or not self._active, first=first)
+        if responses:
+            _deliver(responses, self._active, self._stepper, self._handoff)
 
     def _fail_all(self, exc: BaseException | None) -> None:
         seqs = list(self._active.values())
@@ -208,11 +224,7 @@ class BatchWorker:
             self._stepper.close()
         if exc is not None:
             self._stepper.reset()
-        error = (
-            ServerError("The model failed while generating.", code="generation_failed")
-            if exc is not None
-            else ServerError("The server is shutting down.", code="shutting_down")
-        )
+        error = _ending(exc)
         for seq in seqs:
             fail(seq.generation, error)
         # Generations still in the inbox at shutdown are failed too.
