@@ -312,10 +312,7 @@ def _request(prepared: PreparedCompletion, prompt: CompletionPrompt) -> Generati
         request_id=prepared.request_id,
         prompt=prompt.ids,
         max_tokens=r.max_tokens,
-        sampling=SamplingParams(
-            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
-            repetition_penalty=r.repetition_penalty, seed=r.seed,
-        ),
+        sampling=SamplingParams.of(r),
         sample_every=profiling.SAMPLE_EVERY if prepared.profile == "extended" else 0,
         logprobs=r.logprobs,
         prompt_logprobs=r.logprobs if r.echo and r.logprobs is not None else None,

@@ -235,10 +235,7 @@ def _generation(prepared: PreparedChat, rnd: Round) -> GenerationRequest:
         request_id=prepared.request_id,
         prompt=rnd.prompt,
         max_tokens=rnd.max_tokens,
-        sampling=SamplingParams(
-            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
-            repetition_penalty=r.repetition_penalty, seed=r.seed,
-        ),
+        sampling=SamplingParams.of(r),
         logits_processors=rnd.plan.logits_processors(),
         sample_every=profiling.SAMPLE_EVERY if prepared.profile == "extended" else 0,
         think_ids=prepared.model.think_ids,

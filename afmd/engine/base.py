@@ -13,9 +13,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from afmd.errors import APIError
+
+if TYPE_CHECKING:
+    from afmd.core.request import ChatRequest, CompletionRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def of(cls, r: ChatRequest | CompletionRequest) -> SamplingParams:
+        """A request's sampling settings (chat and completions name them alike)."""
+        return cls(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+                   repetition_penalty=r.repetition_penalty, seed=r.seed)
 
 
 @dataclass(slots=True)
