@@ -125,6 +125,15 @@ def test_doctor_stays_light() -> None:
 # ---------------------------------------------------------------------------- something running
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server of its own, started by exec as a user's is: the doctor reads the command
+    line of the process that holds the port (a forked test server has its zygote's)."""
+    proc = start_server(tmp_path_factory.mktemp("doctor"), fork=False)
+    yield proc
+    proc.stop()
+
+
 def test_running_afmd_is_reported_with_its_pid(server: ServerProcess) -> None:
     report = doctor.diagnose(env=_env(AFMD_SERVER_PORT=str(server.port)))
     assert report.server["afmd"] is True

@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from helpers import zygote
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 #: Servers whose exit code a test asserts dump every thread's stack if they abort.
@@ -28,7 +30,7 @@ DIAGNOSE = {"PYTHONFAULTHANDLER": "1"}
 
 @dataclass
 class ServerProcess:
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[str] | zygote.ForkedServer
     events: list[dict[str, Any]] = field(default_factory=list)
     raw_lines: list[str] = field(default_factory=list)
     addresses: list[str] = field(default_factory=list)
@@ -116,8 +118,13 @@ def start_server(
     env: dict[str, str] | None = None,
     ready: bool = True,
     port: bool = True,
+    fork: bool = True,
 ) -> ServerProcess:
-    """Start ``afmd serve`` on a free port; wait for its model unless ``ready=False``."""
+    """Start ``afmd serve`` on a free port; wait for its model unless ``ready=False``.
+
+    The process is forked from a warm interpreter (:mod:`helpers.zygote`) where that is
+    the same as a fresh start for what afmd does; ``fork=False`` execs a fresh interpreter
+    always, for a test that reads the process's own command line."""
     cmd = [*afmd_command(), "serve", "--log-format", "json"]
     if config is not None:
         path = tmp_path / f"config-{time.monotonic_ns()}.toml"
@@ -128,15 +135,18 @@ def start_server(
     cmd += list(args)
     full_env = {**os.environ, **(env or {})}
     full_env.pop("AFMD_CONFIG", None)
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=full_env,
-        cwd=str(tmp_path),
-    )
+    proc: Any = (zygote.spawn(cmd[len(afmd_command()):], full_env, str(tmp_path))
+                 if fork else None)
+    if proc is None:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full_env,
+            cwd=str(tmp_path),
+        )
     server = ServerProcess(proc)
     threading.Thread(target=server._reader, daemon=True).start()
     server.wait_event("listening", timeout=60)

@@ -1,0 +1,78 @@
+"""The test servers forked from a warm interpreter (tests/helpers/zygote.py) are what a
+fresh ``afmd serve`` is, where the tests look: a process of its own with its exit code and
+log, a fresh random state, and a plain start wherever the environment would differ at
+import time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import start_server
+from helpers import zygote
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="the zygote is Linux only")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k != "AFMD_CONFIG"}, **extra}
+
+
+def test_a_forked_server_is_a_process_of_its_own(tmp_path: Path) -> None:
+    server = start_server(tmp_path)
+    assert isinstance(server.proc, zygote.ForkedServer)
+    status = Path(f"/proc/{server.proc.pid}/status").read_text()
+    parent = int(next(line for line in status.splitlines()
+                      if line.startswith("PPid:")).split()[1])
+    assert parent not in (os.getpid(), server.proc.pid)  # the zygote's child
+    assert server.stop(signal.SIGTERM) == 0
+    assert server.proc.returncode == 0
+    assert [e["addresses"] for e in server.events if e.get("event") == "listening"] == [
+        [server.url]]
+
+
+def test_exit_codes_and_stderr_are_the_childs(tmp_path: Path) -> None:
+    proc = zygote.spawn(["serve", "--config", str(tmp_path / "missing.toml"), "--port", "0"],
+                        _env(), str(tmp_path))
+    assert proc is not None
+    assert proc.wait(60) == 2
+    assert "missing.toml" in proc.stderr.read()
+    killed = zygote.spawn(["serve", "--port", "0"], _env(), str(tmp_path))
+    assert killed is not None
+    killed.kill()
+    assert killed.wait(30) == -signal.SIGKILL
+
+
+def test_an_environment_read_at_import_starts_plainly(tmp_path: Path) -> None:
+    assert zygote.spawn(["serve"], _env(HF_HOME=str(tmp_path)), str(tmp_path)) is None
+    assert zygote.spawn(["serve"], _env(TRANSFORMERS_VERBOSITY="info"), str(tmp_path)) is None
+    server = start_server(tmp_path, env={"HF_HOME": str(tmp_path / "hf")})
+    try:
+        assert not isinstance(server.proc, zygote.ForkedServer)
+    finally:
+        server.stop()
+    server = start_server(tmp_path, env={"AFMD_LOG_LEVEL": "debug"})  # read when it runs
+    try:
+        assert isinstance(server.proc, zygote.ForkedServer)
+    finally:
+        server.stop()
+
+
+def test_unseeded_sampling_differs_between_forked_servers(tmp_path: Path) -> None:
+    texts = []
+    for _ in range(2):
+        server = start_server(tmp_path)
+        try:
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": "demo", "prompt": "Once", "max_tokens": 24, "temperature": 1.0})
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        finally:
+            server.stop()
+    assert texts[0] != texts[1]
