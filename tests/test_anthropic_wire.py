@@ -152,7 +152,9 @@ def test_stream_of_text_ends_with_max_tokens(http: httpx.Client) -> None:
 
 
 def test_profile_event_before_message_stop(server: ServerProcess, http: httpx.Client) -> None:
-    response = http.post(PATH, json=body(stream=True), headers={"X-AFM-Profile": "true"})
+    # Greedy: a sampled token could be the end of the text before max_tokens.
+    response = http.post(PATH, json=body(stream=True, temperature=0),
+                         headers={"X-AFM-Profile": "true"})
     names = [name for name, _ in parse_events(response.text)]
     assert names[-3:] == ["message_delta", "afm_profile", "message_stop"]
     profile = parse_events(response.text)[-2][1]["afm_profile"]
@@ -160,6 +162,7 @@ def test_profile_event_before_message_stop(server: ServerProcess, http: httpx.Cl
     # The official client steps over the event.
     claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
     with claude.messages.stream(model="demo", max_tokens=8, messages=MESSAGES,
+                                extra_body={"temperature": 0},
                                 extra_headers={"X-AFM-Profile": "true"}) as stream:
         message = stream.get_final_message()
     assert message.usage.output_tokens == 8

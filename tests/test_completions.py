@@ -604,8 +604,10 @@ def test_screening(tight: ServerProcess, headers: dict[str, str], content: bytes
 @pytest.mark.slow
 def test_four_prompts_take_one_slot_then_429_and_504(tight: ServerProcess) -> None:
     url = tight.url
+    # Greedy: these four run to max_tokens, past the deadline (a sampled prompt can end
+    # early, and four ended early would free the slot for the queued request).
     hog = Background(url, {"prompt": ["a", "b", "c", "d"], "max_tokens": LONG,
-                           "stream": True}, "hog", AUTH)
+                           "temperature": 0, "stream": True}, "hog", AUTH)
     hog.first.wait(30)
     assert hog.status == 200, hog.json
     h = health(url)
@@ -656,8 +658,8 @@ def test_transient_failures_are_retried_then_generation_failed(tmp_path: Path, l
 @pytest.mark.slow
 def test_shutdown_ends_a_running_stream_with_an_error_event(tmp_path: Path) -> None:
     proc = start_server(tmp_path, config="[server]\nshutdown_grace = 0.5\n")
-    run = Background(proc.url, {"prompt": ["a", "b"], "max_tokens": LONG, "stream": True},
-                     "shutdown")
+    run = Background(proc.url, {"prompt": ["a", "b"], "max_tokens": LONG, "temperature": 0,
+                                "stream": True}, "shutdown")  # greedy: runs past the grace
     run.first.wait(30)
     assert proc.stop() == 0
     run.join(30)
