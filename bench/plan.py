@@ -75,10 +75,10 @@ class Plan:
                        rps_seconds=0.5, rps_runs=1,
                        rps_connections=32, big=False,
                        access_log=False, profile=False, profile_seconds=0.0, timeout=120.0,
-                       soak_rounds=2, soak_requests=20, soak_concurrency=4,
+                       soak_rounds=2, soak_requests=10, soak_concurrency=4,
                        soak_settle_s=0.2, soak_max_seconds=60.0,
-                       slowloris_attackers=40, slowloris_legit=2, slowloris_seconds=3.0,
-                       slowloris_warmup=1.0, slowloris_max_connections=16)
+                       slowloris_attackers=40, slowloris_legit=2, slowloris_seconds=1.5,
+                       slowloris_warmup=0.5, slowloris_max_connections=16)
         else:
             plan = cls(quick=False, runs=5, batch_runs=3, max_tokens=256, levels=LEVELS,
                        ttft_runs=25, ttft_max_tokens=4, prefix_tokens=2000, prefix_runs=5,

@@ -2,7 +2,9 @@
 
 No timing is asserted (CI machines are shared and noisy); only that the harness exits 0
 and writes a results document in which every row is present, each value either a number
-or an explicit null with a reason.
+or an explicit null with a reason; and that the phases measured what they stand for (the
+turns, the soak's rounds, the slowloris, the loads of the model-switching cases:
+bench/models.py runs as this phase, so it has no run of its own here).
 """
 
 from __future__ import annotations
@@ -120,3 +122,11 @@ def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
     attack = afmd["slowloris_summary"]
     assert attack["legit_tries"] > 0 and attack["attack_connections"] > attack["attackers"]
     assert rows["slowloris_legit_success"]["check"]["pass"] in (True, False)
+    # Loading and switching models (bench/models.py's cases): each case measured, and
+    # caused the loads it stands for: within the budget both models stay loaded; over it
+    # every request of the alternation loads its model.
+    for case in ("cold", "warm", "loaded", "within", "over"):
+        assert afmd[f"models_{case}_ttft_ms"]["median"] > 0, case
+    alternating = afmd["models_setup"]["alternating_requests"]
+    assert alternating == 2 * plan["runs"]
+    assert afmd["models_loads"] == {"within": 0, "over": alternating}

@@ -34,7 +34,7 @@ CONFIG = """
 default = "demo-32k"
 [distributed]
 strategy = "{strategy}"
-heartbeat_timeout = 8.0
+heartbeat_timeout = {heartbeat}
 """
 PROMPTS = ["hello there", "tell me a story about a cat", "1 2 3 4", "why is the sky blue?"]
 #: A rank lost must end the group within this many seconds (detection, the hold that
@@ -48,9 +48,13 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_group(tmp_path: Path, strategy: str = "auto", port: int = 0) -> ServerProcess:
+def start_group(tmp_path: Path, strategy: str = "auto", port: int = 0,
+                heartbeat: float = 8.0) -> ServerProcess:
+    """Two ranks under ``afmd launch``. A heartbeat timeout well above the heartbeat's
+    period: a loaded machine must not make a healthy rank look lost."""
     config = tmp_path / f"group-{strategy}-{time.monotonic_ns()}.toml"
-    config.write_text(CONFIG.format(strategy=strategy) + f"[server]\nport = {port}\n")
+    config.write_text(CONFIG.format(strategy=strategy, heartbeat=heartbeat)
+                      + f"[server]\nport = {port}\n")
     proc = subprocess.Popen(
         [*afmd_command(), "launch", "-n", "2", "--", "serve", "--config", str(config),
          "--log-format", "json"],
@@ -349,7 +353,10 @@ def test_pipeline_group_equals_one_process_then_a_killed_rank_ends_it(
 
 
 def test_a_hung_rank_is_found_by_its_heartbeat_and_the_group_exits_1(tmp_path: Path) -> None:
-    _lose_a_rank_mid_stream(start_group(tmp_path), signal.SIGSTOP)
+    # Shorter than the others' timeout: rank 0 polls in its collective until it gives up
+    # on the stopped rank, a core's worth of CPU the whole time; the group runs one
+    # stream here, and its heartbeats are still eight periods apart.
+    _lose_a_rank_mid_stream(start_group(tmp_path, heartbeat=4.0), signal.SIGSTOP)
 
 
 def test_bad_configuration_exits_2_before_starting_anything(tmp_path: Path) -> None:

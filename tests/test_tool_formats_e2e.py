@@ -68,7 +68,9 @@ class Models:
     def __init__(self, root: Path) -> None:
         folders = FormatModels(root)
         config = root / "afmd.toml"
-        config.write_text("".join(
+        # Every family stays loaded (tiny models): under the default max_loaded a test
+        # going through the families in turn would unload and load one for each.
+        config.write_text(f"[models]\nmax_loaded = {len(FAMILIES)}\n" + "".join(
             f'[[models.model]]\nid = "{s.id}"\npath = "{folders.folder(s.id)}"\n'
             for s in FAMILIES))
         self.registry = ModelRegistry(load_config(config, env={}))
