@@ -23,6 +23,9 @@ from helpers.frozen import BackgroundBuild, build_skipped  # noqa: E402
 from helpers.servers import DIAGNOSE, ServerProcess, afmd_command, start_server  # noqa: E402
 from helpers.session import ENV as RUN_DIR_ENV  # noqa: E402
 from helpers.session import run_dir  # noqa: E402
+from helpers.tls import share_default_context  # noqa: E402
+
+share_default_context()
 
 __all__ = ["DIAGNOSE", "ROOT", "ServerProcess", "afmd_command", "parse_sse", "start_server"]
 
