@@ -114,11 +114,11 @@ def bounds() -> dict[str, Any]:
         limit_after_load = mx.set_cache_limit(POOL)  # returns the limit in force
         weights = mx.get_active_memory()
         mx.reset_peak_memory()
-        burst(24, "pool")
+        burst(8, "pool")
         pool = {"limit_after_load": limit_after_load,
                 "peak_over_weights": mx.get_peak_memory() - weights,
                 "cache_memory": mx.get_cache_memory()}
-        burst(40, "prefix")
+        burst(12, "prefix")
         cache = model.worker._stepper.prompt_cache
         assert cache is not None
         entries, counted = len(cache), cache.nbytes
