@@ -3,8 +3,9 @@
 No timing is asserted (CI machines are shared and noisy); only that the harness exits 0
 and writes a results document in which every row is present, each value either a number
 or an explicit null with a reason; and that the phases measured what they stand for (the
-turns, the soak's rounds, the slowloris, the loads of the model-switching cases:
-bench/models.py runs as this phase, so it has no run of its own here).
+turns, the soak's rounds and the ending of each kind of request, the slowloris, the loads
+of the model-switching cases: bench/models.py and bench/soak.py run as these phases, so
+they have no run of their own here).
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ ROWS = {
     "big_aggregate_tps_c8",
 }
 SYSTEMS = ("afmd", "mlx_lm_server", "raw")
+#: bench/soak.py's request kinds (its KINDS) and how each may end (the error kind: a 400).
+SOAK_KINDS = ("plain", "stream", "cancel", "drop", "error", "tools", "json_schema",
+              "second_turn")
+SOAK_ENDINGS = {
+    "plain": {"200"}, "stream": {"stop", "length"}, "cancel": {"cancelled"},
+    "drop": {"dropped"}, "tools": {"tool_calls", "length"}, "json_schema": {"200", "stop"},
+    "second_turn": {"200 cached", "200 first turn"},
+}
 
 
 @pytest.mark.timeout(900)
@@ -114,6 +123,15 @@ def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
     plan = meta["plan"]
     assert len(afmd["soak_rss_mib"]) == plan["soak_rounds"] + 1, afmd["soak_rss_mib"]
     assert sum(afmd["soak_outcomes"].values()) == plan["soak_rounds"] * plan["soak_requests"]
+    # Every kind of request the soak sends ran, and each ended the way it should.
+    kinds = {outcome.split(":")[0] for outcome in afmd["soak_outcomes"]}
+    assert kinds == set(SOAK_KINDS), afmd["soak_outcomes"]
+    for outcome in afmd["soak_outcomes"]:
+        kind, result = outcome.split(":", 1)
+        if kind == "error":
+            assert result.startswith("400 "), outcome
+        else:
+            assert result in SOAK_ENDINGS[kind], outcome
     soak = rows["memory_soak_rss_growth"]["check"]
     assert soak["pass"] is None and soak["judged"] is False, soak
     assert soak["detail"].startswith("not judged"), soak
