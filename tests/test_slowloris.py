@@ -171,7 +171,7 @@ def test_legit_clients_get_through_a_slowloris(attacked: ServerProcess) -> None:
     """40 attackers trickling a byte a second and reconnecting at once, against 16 slots."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "slowloris.py"), "--port", str(attacked.port),
-         "--attackers", "40", "--legit", "2", "--seconds", "6", "--warmup", "1.5",
+         "--attackers", "40", "--legit", "2", "--seconds", "4", "--warmup", "1.0",
          "--chat-every", "4", "--json"],
         capture_output=True, text=True, timeout=60, check=True)
     report = json.loads(result.stdout)
