@@ -66,8 +66,12 @@ def start_group(tmp_path: Path, strategy: str = "auto", port: int = 0,
     proc.stderr = proc.stdout
     group = ServerProcess(proc)
     threading.Thread(target=group._reader, daemon=True).start()
-    group.wait_event("listening", timeout=120)
-    group.wait_ready(timeout=120)
+    try:
+        group.wait_event("listening", timeout=120)
+        group.wait_ready(timeout=120)
+    except AssertionError:
+        _stop(group, signal.SIGKILL, timeout=10)
+        raise
     return group
 
 
@@ -122,9 +126,18 @@ def expected(single: ServerProcess) -> dict[str, tuple[str, int]]:
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    # A fixed port, so that `afmd doctor --config` finds it as it would a user's.
-    group = start_group(tmp_path_factory.mktemp("group"), port=_free_port())
-    group.config = next(tmp_path_factory.getbasetemp().glob("group*/group-auto-*.toml"))
+    # A fixed port, so that `afmd doctor --config` finds it as it would a user's. A port
+    # found free can be taken before the group binds it (other tests' servers and clients
+    # take ports all the time): then the group fails to start, and another port is tried.
+    folder = tmp_path_factory.mktemp("group")
+    for attempt in range(3):
+        try:
+            group = start_group(folder, port=_free_port())
+            break
+        except AssertionError as exc:
+            if "already in use" not in str(exc) or attempt == 2:
+                raise
+    group.config = max(folder.glob("group-auto-*.toml"))  # the last one tried (ns names)
     yield group
     if group.proc.poll() is None:
         _stop(group)
