@@ -44,6 +44,13 @@ examples:
 exit codes: 0 clean stop, 1 runtime failure, 2 bad configuration."""
 
 
+
+#: Set (unless the user set them) before `serve` imports mlx-lm: transformers prints
+#: plain-text warnings that would break the JSON log; afmd reports what matters itself.
+QUIET_LIBRARIES = {"TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+                   "TOKENIZERS_PARALLELISM": "false"}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="afmd",
@@ -135,11 +142,8 @@ def _serve(args: argparse.Namespace) -> int:
         write_outcome(EXIT_CONFIG, "configuration error")  # under `afmd launch`
         return _config_error(exc)
 
-    # transformers (through mlx-lm) prints plain-text warnings that would break the JSON
-    # log; afmd reports what matters itself.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for key, value in QUIET_LIBRARIES.items():
+        os.environ.setdefault(key, value)
 
     # Until the server's own handlers are in place (importing MLX takes a second or two), a
     # SIGTERM/SIGINT is a clean stop: there is nothing in flight to drain yet.

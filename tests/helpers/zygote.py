@@ -204,9 +204,10 @@ class ForkedServer:
 
 
 def _as_serve_sets(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` with what `afmd serve` sets before it imports mlx-lm (afmd/cli.py)."""
-    return {"TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-            "TOKENIZERS_PARALLELISM": "false", **env}
+    """``env`` with what `afmd serve` sets before it imports mlx-lm."""
+    from afmd.cli import QUIET_LIBRARIES
+
+    return {**QUIET_LIBRARIES, **env}
 
 
 class _Zygote:
