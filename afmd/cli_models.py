@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from afmd import endpoint, hubcache
-from afmd.config import Config, ConfigError, ModelEntry, default_config_path, load_config
+from afmd.config import (
+    BUILTIN_SYSTEM_PATH,
+    Config,
+    ConfigError,
+    ModelEntry,
+    default_config_path,
+    load_config,
+)
 from afmd.engine.kinds import BUILTIN_PREFIX
 from afmd.hubcache import human_bytes
 from afmd.paths import huggingface_hub_cache, models_cache_dir
@@ -353,6 +360,10 @@ def _show_entry(name: str, config: Config) -> ModelEntry:
 def _show(args: argparse.Namespace) -> int:
     config = _config(args.config)
     entry = _show_entry(args.model, config)
+    if entry.path == BUILTIN_SYSTEM_PATH:  # Apple's model: no folder, the framework says
+        from afmd.engine.apple import framework
+
+        return _print_info(framework.describe(entry), args.json)
     folder = folder_of(entry)
     if folder is None:
         if entry.path.startswith(BUILTIN_PREFIX):
@@ -369,7 +380,11 @@ def _show(args: argparse.Namespace) -> int:
         **describe(folder, entry),
         "size_bytes": hubcache.snapshot_size(folder),
     }
-    if args.json:
+    return _print_info(info, args.json)
+
+
+def _print_info(info: dict[str, Any], as_json: bool) -> int:
+    if as_json:
         _print_json(info)
         return EXIT_OK
     labels = {"parameters": lambda v: f"{v:,}", "size_bytes": human_bytes}

@@ -137,6 +137,26 @@ def _ask() -> Availability:
     return Availability(name, _DETAILS[name])
 
 
+def describe(entry: ModelEntry) -> dict[str, object]:
+    """What ``afmd show`` says of Apple's model: what it is and whether it can answer."""
+    found = availability()
+    fm = sdk()
+    return {
+        "id": entry.id,
+        "path": entry.path,
+        "architecture": "Apple Foundation Model (on-device, the model of Apple Intelligence)",
+        "served_through": "apple-fm-sdk " + str(getattr(fm, "__version__", "?"))
+        if fm is not None else "apple-fm-sdk (not importable here)",
+        "context_length": entry.context_length or CONTEXT_LENGTH,
+        "kind": "chat",
+        "tool_format": "the framework's own tool calling (afmd captures the calls)",
+        "reasoning_format": None,
+        "structured_output": "GenerationSchema (JSON Schema rewritten; pattern described)",
+        "availability": found.status,
+        "detail": found.detail,
+    }
+
+
 def unavailable_error(entry_id: str, found: Availability) -> ServiceUnavailableError:
     """503 ``model_unavailable`` for a request the model cannot take, the reason named."""
     return ServiceUnavailableError(
@@ -158,6 +178,7 @@ __all__ = [
     "RETRY_AFTER_S",
     "Availability",
     "availability",
+    "describe",
     "forget",
     "is_system",
     "sdk",
