@@ -478,7 +478,9 @@ class _Job:
             return
         param = "tool_choice" if self.turn.forced is not None else \
             "response_format.json_schema.schema"
-        error = failures.api_error(fm, exc, schema_param=param)
+        images = self.turn.images  # refused as one (an OS without image prompts): the first
+        error = failures.api_error(fm, exc, schema_param=param,
+                                   image_param=images[0].param if images else None)
         if error.code == "generation_failed":
             log.warning("system model error", error=f"{type(exc).__name__}: {exc}")
         self._fail(error)
