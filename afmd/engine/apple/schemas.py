@@ -395,6 +395,12 @@ def convert_parameters(parameters: Any, *, title: str) -> AppleSchema:
 
 
 def _document(converter: _Converter, out: dict[str, Any], title: str) -> AppleSchema:
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        # A root that is a reference (``{"$ref": "#/$defs/Node"}``): the type itself at
+        # the root, its definition kept for the references inside it.
+        out = {**copy.deepcopy(converter.defs[ref.rsplit("/", 1)[-1]]),
+               **{k: v for k, v in out.items() if k != "$ref"}}
     out = dict(out)
     if out.get("type") == "object":
         out["title"] = type_name(title, "Response")

@@ -158,7 +158,7 @@ def synthesize(schema: dict[str, Any], root: dict[str, Any], depth: int = 0) -> 
     if "$ref" in schema:
         ref = schema["$ref"]
         target = root if ref == "#" else root["$defs"][ref.rsplit("/", 1)[-1]]
-        return synthesize(target, root, depth + 1) if depth < 4 else {}
+        return synthesize(target, root, depth + 1) if depth < 12 else {}
     if "anyOf" in schema:
         return synthesize(schema["anyOf"][0], root, depth + 1)
     kind = schema.get("type")
@@ -167,7 +167,7 @@ def synthesize(schema: dict[str, Any], root: dict[str, Any], depth: int = 0) -> 
         return {k: synthesize(v, root, depth + 1) for k, v in schema.get("properties", {}).items()
                 if k in required}
     if kind == "array":
-        count = max(schema.get("minItems", 1), 0) if depth < 4 else 0
+        count = max(schema.get("minItems", 1), 0) if depth < 6 else schema.get("minItems", 0)
         return [synthesize(schema.get("items", {"type": "string"}), root, depth + 1)
                 for _ in range(count)]
     if kind == "string":
