@@ -42,7 +42,7 @@ from afmd.engine.apple.tools import Capture, CapturedCall, framework_tools
 from afmd.engine.base import Finished, Generation, Refused, Text, ToolCalled
 from afmd.engine.kinds import CHAT
 from afmd.engine.loaded import LoadedModel
-from afmd.errors import APIError, InvalidRequestError
+from afmd.errors import APIError, InvalidRequestError, ServerError
 from afmd.logs import get_logger
 
 log = get_logger("afmd.engine.apple")
@@ -336,8 +336,8 @@ class _Job:
             self._fail(exc)
         except Exception as exc:  # a bug of ours: the request fails, the server goes on
             log.exception("system model generation failed")
-            self._fail(APIError(f"The system model failed: {type(exc).__name__}: {exc}",
-                                code="generation_failed"))
+            self._fail(ServerError(f"The system model failed: {type(exc).__name__}: {exc}",
+                                   code="generation_failed"))
         finally:
             self._stop_framework()
             self.worker.done(self)
