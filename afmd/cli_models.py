@@ -244,15 +244,20 @@ def _list(args: argparse.Namespace) -> int:
             "loaded": entry.id in loaded_ids or entry.path in loaded_paths,
         })
         info = summary(folder, entry) if folder is not None else {}
+        if entry.path == BUILTIN_SYSTEM_PATH:  # Apple's model: the system's, on the device
+            from afmd.engine.apple.framework import CONTEXT_LENGTH
+
+            info = {"context_length": entry.context_length or CONTEXT_LENGTH}
         extra.append((str(info.get("quantization", "-")), str(info.get("context_length", "-"))))
     partial = [c for c in hubcache.cached_repos() if not c.complete]
 
     if args.json:
         _print_json({"models": rows})
         return EXIT_OK
-    table = [(r["id"], human_bytes(r["size_bytes"]) if r["path"] else "not on disk", q, c,
+    table = [(r["id"], human_bytes(r["size_bytes"]) if r["path"] else
+              "on-device" if e.path == BUILTIN_SYSTEM_PATH else "not on disk", q, c,
               "yes" if r["configured"] else "-", "yes" if r["loaded"] else "-")
-             for r, (q, c) in zip(rows, extra, strict=True)]
+             for r, (q, c), (e, _) in zip(rows, extra, entries, strict=True)]
     print(_table(("ID", "SIZE", "QUANTIZATION", "CONTEXT", "CONFIGURED", "LOADED"), table))
     for c in partial:
         print(f"partial download: {c.repo} (missing {', '.join(c.missing)}): "
