@@ -225,7 +225,11 @@ class _Session:
         fm, turn = self.fm, self.turn
         model = framework.system_model()
         offered = turn.tools if turn.forced is None else ()
-        tools = framework_tools(fm, offered, self.capture, self.run_server) if offered else []
+        try:
+            tools = framework_tools(fm, offered, self.capture, self.run_server) if offered \
+                else []
+        except Exception as exc:  # a schema the framework would not build: the tools' fault
+            raise _Failure("tools", exc) from None
         if turn.history:
             transcript = await fm.Transcript.from_dict(turn.transcript())
             session = fm.LanguageModelSession.from_transcript(transcript, model=model,
@@ -270,11 +274,13 @@ class _Session:
             try:
                 parts.append(self.fm.ImageAttachment(path))
             except Exception as exc:
-                raise _ImageFailure(part.param, exc) from None
+                raise _Failure(part.param, exc) from None
         return parts
 
 
-class _ImageFailure(Exception):
+class _Failure(Exception):
+    """A framework error about one part of the request: the param it is about."""
+
     def __init__(self, param: str, exc: BaseException) -> None:
         super().__init__(str(exc))
         self.param = param
@@ -469,8 +475,9 @@ class _Job:
             self.generation.push([Refused(text)])
             self._end("stop", estimate(self._sent) + estimate(text))
             return
-        if isinstance(exc, _ImageFailure):
-            self._fail(failures.api_error(fm, exc.error, image_param=exc.param))
+        if isinstance(exc, _Failure):
+            self._fail(failures.api_error(fm, exc.error, image_param=exc.param,
+                                          schema_param=exc.param))
             return
         if self._calls and self.turn.parallel_calls:
             # The framework gave up while the client's calls waited: they are the answer.
