@@ -173,6 +173,7 @@ function actionButton(id, action, label) {
 
 function updateModelRow(row, m, now) {
   row.dataset.state = m.state;
+  row.dataset.source = m.source;
   const cells = row.children;
   const idCell = cells[0];
   idCell.replaceChildren(el("span", { "class": "model-id", text: m.id }));
@@ -461,6 +462,7 @@ function playRequest() {
     try { parsed = JSON.parse(tools); } catch (err) { throw new Error(`tools: not JSON (${err.message})`); }
     body.tools = Array.isArray(parsed) ? parsed : [parsed];
     body.tool_choice = $("tool-choice").value;
+    body.parallel_tool_calls = $("parallel-tool-calls").checked;
   }
   return body;
 }
