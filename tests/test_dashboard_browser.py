@@ -325,6 +325,7 @@ def test_the_key_flow(browser: Any, keyed: ServerProcess) -> None:
         ui.goto(url + "/")
         field = ui.get_by_test_id("api-key")
         expect(field).to_be_visible()
+        expect(ui.locator("main")).to_be_hidden()
         expect(ui.get_by_test_id("model-row")).to_have_count(0)
         # Nothing was read without the key: no refused request, no console error.
         assert not [r.url for r in watched.requests if "/ui/api/" in r.url]
@@ -360,6 +361,7 @@ def test_the_key_flow(browser: Any, keyed: ServerProcess) -> None:
         ui.reload()
         expect(_row(ui, "demo")).to_be_visible()
         expect(field).to_be_hidden()
+        expect(ui.locator("main")).to_be_visible()
         watched.check(allowed_errors=("401",))
         assert len(watched.errors) == refused
     with watched_page(browser, url) as fresh:  # another tab's session: asked again

@@ -319,9 +319,10 @@ function requestRow(r) {
       text: r.error_code ? `${r.status} ${r.error_code}` : String(r.status) }),
     el("td", { "class": "num", text: tokens }),
     el("td", { "class": "num", text: ms(r.ttft_ms) }),
-    el("td", { "class": "num", text: ms(r.duration_ms) }));
+    el("td", { "class": "num", text: ms(r.duration_ms) }),
+    el("td", { text: r.finish_reason || "" }));
   row.dataset.requestId = r.request_id || "";
-  row.title = r.request_id ? `request ${r.request_id}${r.finish_reason ? `, ${r.finish_reason}` : ""}` : "";
+  row.title = r.request_id ? `request ${r.request_id}` : "";
   return row;
 }
 
@@ -346,12 +347,9 @@ function drawChart(id, lines, unit) {
     if (line.second) poly.setAttribute("class", "second");
     children.push(poly);
   }
-  const label = document.createElementNS(SVG, "text");
-  label.setAttribute("x", "3");
-  label.setAttribute("y", "10");
-  label.textContent = `max ${Math.round(top / 1.15 * 10) / 10}${unit}`;
-  children.push(label);
   svg.replaceChildren(...children);
+  // The scale in the caption: text inside a stretched SVG would be stretched too.
+  $(`${id}-max`).textContent = `max ${Math.round((top / 1.15) * 10) / 10}${unit}`;
 }
 
 function renderCharts() {
