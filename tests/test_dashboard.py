@@ -35,9 +35,11 @@ KEY = "sk-dashboard-test"
 
 @pytest.fixture(scope="module")
 def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    folder = tmp_path_factory.mktemp("ui")
     server = start_server(
-        tmp_path_factory.mktemp("ui"),
-        config=('[server]\nallowed_origins = ["http://app.example"]\n'
+        folder,
+        config=(f'[server]\nallowed_origins = ["http://app.example"]\n'
+                f'unix_socket = "{folder / "afmd.sock"}"\n'
                 '[models.aliases]\n"gpt-4o-mini" = "demo"\n'))
     yield server
     server.stop()
@@ -188,7 +190,9 @@ def test_the_page_is_written_here_and_shipped_as_package_data() -> None:
 def test_status(ui: ServerProcess, http: httpx.Client) -> None:
     status = http.get("/ui/api/status").json()
     assert status["version"] == __version__
-    assert status["listeners"] == [{"address": ui.url, "up": True}]
+    assert sorted(status["listeners"], key=lambda x: x["address"]) == [
+        {"address": ui.url, "up": True},
+        {"address": next(a for a in ui.addresses if a.startswith("unix:")), "up": True}]
     assert status["config_file"] == ui.wait_event("listening")["config"]
     assert Path(status["config_file"]).is_file()
     assert status["default_model"] == "demo"
