@@ -24,6 +24,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from afmd.http.metrics import generations_of
+from afmd.logs import get_logger
+
+_log = get_logger("afmd.http")
 
 #: Requests kept for the page.
 RING_SIZE = 200
@@ -134,8 +137,10 @@ class Activity:
 
     def _tick(self) -> None:
         self._timer = None
-        with contextlib.suppress(Exception):  # a sample never breaks the server
+        try:
             self.sample(self._state)
+        except Exception:  # a sample never breaks the server; the next one is taken anyway
+            _log.error("the dashboard's per-second sample failed", exc_info=True)
         with contextlib.suppress(RuntimeError):  # the loop is closing
             self._schedule()
 
