@@ -55,6 +55,7 @@ from afmd.config_sections import (
     ResponsesConfig,
     ServerConfig,
     ToolsConfig,
+    UiConfig,
 )
 from afmd.config_tables import (
     MODEL_KINDS,
@@ -95,6 +96,7 @@ __all__ = [
     "ServerConfig",
     "ServerTool",
     "ToolsConfig",
+    "UiConfig",
     "default_config_path",
     "load_config",
 ]

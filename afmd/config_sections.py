@@ -185,6 +185,13 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class UiConfig:
+    """The dashboard in the browser (``/ui/``): served by afmd itself, screened like the API."""
+
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole, validated configuration; ``source`` says which file (if any) fed it."""
 
@@ -199,6 +206,7 @@ class Config:
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    ui: UiConfig = field(default_factory=UiConfig)
     source: str | None = None
 
     def model_ids(self) -> tuple[str, ...]:
@@ -229,4 +237,5 @@ SECTIONS: dict[str, type] = {
     "responses": ResponsesConfig,
     "api": ApiConfig,
     "distributed": DistributedConfig,
+    "ui": UiConfig,
 }
