@@ -58,6 +58,7 @@ from afmd.config_sections import (
     ServerConfig,
     SystemConfig,
     ToolsConfig,
+    UiConfig,
 )
 from afmd.config_tables import (
     MODEL_KINDS,
@@ -101,6 +102,7 @@ __all__ = [
     "ServerTool",
     "SystemConfig",
     "ToolsConfig",
+    "UiConfig",
     "default_config_path",
     "load_config",
 ]

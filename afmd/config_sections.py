@@ -199,6 +199,13 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class UiConfig:
+    """The dashboard in the browser (``/ui/``): served by afmd itself, screened like the API."""
+
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole, validated configuration; ``source`` says which file (if any) fed it."""
 
@@ -214,6 +221,7 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
+    ui: UiConfig = field(default_factory=UiConfig)
     source: str | None = None
 
     def model_ids(self) -> tuple[str, ...]:
@@ -245,4 +253,5 @@ SECTIONS: dict[str, type] = {
     "api": ApiConfig,
     "distributed": DistributedConfig,
     "system": SystemConfig,
+    "ui": UiConfig,
 }

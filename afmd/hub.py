@@ -29,7 +29,7 @@ from typing import TextIO
 
 from afmd.hubcache import REPO_ID, human_bytes, repo_folder
 from afmd.paths import huggingface_hub_cache
-from afmd.progress import bar_class
+from afmd.progress import Report, bar_class
 
 #: mlx-lm's own download patterns (``mlx_lm.utils.DEFAULT_ALLOW_PATTERNS``): afmd fetches
 #: exactly what a load of the repo would, and nothing it would not.
@@ -151,8 +151,11 @@ def _discard(link: Path) -> None:
             path.unlink()
 
 
-def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None) -> Pulled:
-    """Download and verify ``ref``; progress to ``out`` (stderr). Raises PullError."""
+def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
+         report: Report | None = None) -> Pulled:
+    """Download and verify ``ref``; progress to ``out`` (stderr), and to ``report`` when
+    given: each file with 0 bytes done before any download, its bytes as they come, and
+    all its bytes once it is verified (or was already there). Raises PullError."""
     out = out if out is not None else sys.stderr
     terminal = out.isatty() if terminal is None else terminal
     repo, revision = parse_ref(ref)
@@ -162,6 +165,9 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None) -
     out.write(f"pulling {repo}@{revision} (commit {commit[:12]}): {len(files)} files, "
               f"{human_bytes(total)}\n")
     out.flush()
+    if report is not None:
+        for remote in files:
+            report(remote.path, 0, remote.size)
 
     from huggingface_hub import hf_hub_download
 
@@ -174,7 +180,7 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None) -
         try:
             local = Path(hf_hub_download(
                 repo, remote.path, revision=commit, cache_dir=str(cache),
-                tqdm_class=bar_class(remote.path, out, terminal=terminal)))
+                tqdm_class=bar_class(remote.path, out, terminal=terminal, report=report)))
         except Exception as exc:
             raise PullError(f"downloading {remote.path}: {_explain(exc, repo, revision)}; "
                             "run the pull again to resume (finished files are kept)") from exc
@@ -190,6 +196,8 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None) -
             kind = "sha256" if remote.sha256 else "git blob id"
             raise PullError(f"{remote.path} failed verification ({kind} {actual}, the hub "
                             f"says {expected}); the file was deleted, run the pull again")
+        if report is not None:
+            report(remote.path, remote.size, remote.size)
     ref_file = repo_folder(repo, cache) / "refs" / revision
     if revision != commit:
         ref_file.parent.mkdir(parents=True, exist_ok=True)

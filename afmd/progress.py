@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -93,7 +94,30 @@ class _LineBar(tqdm):  # type: ignore[misc]
         super().close()
 
 
-def bar_class(label: str, stream: TextIO, *, terminal: bool) -> type[tqdm]:
+#: ``report(file, bytes done, bytes in all)``: progress for a caller that shows it itself
+#: (the dashboard's pulls), beside the bar.
+Report = Callable[[str, int, int | None], None]
+
+
+class _Reporting:
+    """Mixed into a bar: every update is also reported (the bar's own count, which the
+    hub client rewinds when it resumes a cut connection)."""
+
+    label = ""
+    report: Report | None = None
+
+    def update(self, n: float | None = 1) -> bool | None:
+        shown = super().update(n)  # type: ignore[misc]
+        if self.report is not None:
+            self.report(self.label, int(self.n), self.total)  # type: ignore[attr-defined]
+        return shown
+
+
+def bar_class(label: str, stream: TextIO, *, terminal: bool,
+              report: Report | None = None) -> type[tqdm]:
     """A bar class for one file, as the hub client wants a class, not an instance."""
     base: type[tqdm] = _TerminalBar if terminal else _LineBar
-    return type("FileBar", (base,), {"label": label, "stream": stream})
+    if report is None:
+        return type("FileBar", (base,), {"label": label, "stream": stream})
+    return type("FileBar", (_Reporting, base),
+                {"label": label, "stream": stream, "report": staticmethod(report)})

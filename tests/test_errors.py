@@ -290,9 +290,9 @@ def test_stop_with_four_entries_accepted(http: httpx.Client) -> None:
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("GET", "/v1/nope"), ("POST", "/v1/edits"), ("GET", "/"),
+    [("GET", "/v1/nope"), ("POST", "/v1/edits"), ("GET", "/v1"),
      ("POST", "/v1/chat/completion")],
-    ids=["get-unknown", "legacy-edits", "root", "typo"],
+    ids=["get-unknown", "legacy-edits", "bare-v1", "typo"],
 )
 def test_unknown_path(http: httpx.Client, method: str, path: str) -> None:
     response = http.request(method, path, json=_body())

@@ -307,7 +307,8 @@ def test_spec_and_scripts_are_consistent() -> None:
     spec = (ROOT / "build" / "afmd.spec").read_text()
     for needed in ('collect_data_files("sanic")', 'collect_data_files("tracerite")',
                    '"mlx_lm.models"', '"mlx_lm.tool_parsers"', '"mlx_lm.chat_templates"',
-                   '"llguidance"', 'includes=["data/*.json"]', "mlx.metallib", '"torch"'):
+                   '"llguidance"', 'includes=["data/*.json", "data/ui/*"]', "mlx.metallib",
+                   '"torch"'):
         assert needed in spec, needed
     sign = (ROOT / "build" / "sign.sh").read_text()
     for needed in ("--options runtime", "--timestamp", "codesign --verify --strict", "spctl",

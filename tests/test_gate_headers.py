@@ -8,6 +8,7 @@ never pass for another client's request id or match the Origin allow-list.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 
@@ -95,6 +96,49 @@ def test_origin_with_other_whitespace_does_not_match(origin: bytes) -> None:
 def test_allowed_origin_still_matches() -> None:
     for origin in (GOOD, GOOD.upper().replace("HTTP", "http"), GOOD + "/"):
         assert isinstance(feed(get(extra=f"Origin: \t{origin} \r\n".encode()))[0], Forward)
+
+
+@pytest.mark.parametrize(("host", "origin", "passes"), [
+    (b"127.0.0.1:9999", b"http://127.0.0.1:9999", True),  # the page afmd served, calling back
+    (b"LOCALHOST:9999", b"http://localhost:9999/", True),
+    (b"localhost", b"http://localhost", True),
+    (b"127.0.0.1:9999", b"http://127.0.0.1:9998", False),  # another port: another origin
+    (b"127.0.0.1:9999", b"http://localhost:9999", False),  # another name: another origin
+    (b"127.0.0.1:9999", b"https://127.0.0.1:9999", False),  # afmd speaks plain HTTP
+    (b"127.0.0.1:9999", b"null", False),
+])
+def test_an_origin_naming_the_host_is_the_servers_own(host: bytes, origin: bytes,
+                                                      passes: bool) -> None:
+    raw = get(b"/v1/models", host=host, extra=b"Origin: " + origin + b"\r\n")
+    if passes:
+        assert isinstance(feed(raw)[0], Forward)
+    else:
+        assert refused(raw) == 403
+
+
+def test_a_rebinding_page_is_not_its_own_origin() -> None:
+    """With every Host allowed ("*"), a DNS-rebinding page's Host is its own name: that it
+    names itself in Origin does not make it afmd's page."""
+    policy = dataclasses.replace(POLICY, check_host=False)
+    raw = get(b"/v1/models", host=b"evil.example:9999",
+              extra=b"Origin: http://evil.example:9999\r\n")
+    out = Gate(policy).feed(raw)
+    assert isinstance(out[0], Reply) and out[0].rejection is not None
+    assert out[0].rejection.status == 403
+
+
+def test_the_dashboards_page_is_read_without_the_key_its_data_is_not() -> None:
+    routes = {"/", "/ui/", "/ui/dashboard.js", "/ui/api/status", "/health", "/v1/models"}
+    policy = dataclasses.replace(POLICY, api_key=b"k",
+                                 route=lambda m, p: (200, ()) if p in routes else (404, ()))
+    for path, open_ in (("/", True), ("/ui/", True), ("/ui/dashboard.js", True),
+                        ("/health", True), ("/ui/api/status", False), ("/v1/models", False)):
+        out = Gate(policy).feed(get(path.encode()))
+        assert isinstance(out[0], Forward) is open_, path
+        if not open_:
+            assert out[0].rejection.status == 401
+        keyed = Gate(policy).feed(get(path.encode(), extra=b"Authorization: Bearer k\r\n"))
+        assert isinstance(keyed[0], Forward), path
 
 
 def test_normalize_origin_folds_ascii_only() -> None:

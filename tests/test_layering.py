@@ -8,14 +8,14 @@ Layers, lowest first; a module may import its own layer and lower ones, never hi
     1.5 afmd.core.* (the turn and its output events, below every wire format)
     1.7 afmd.protocol.nesting, .fields (the checks every dialect's parser is built from)
     1.8 afmd.protocol.body, .messages, .tools (parts of bodies, over those checks)
-    2  afmd.protocol.*, afmd.output.*, afmd.profiling
+    2  afmd.protocol.*, afmd.output.*, afmd.profiling, afmd.hub and afmd.progress (pulls)
     3  afmd.chat, afmd.context, afmd.engine.*, afmd.fim, afmd.grammar.*, afmd.scheduler,
        afmd.servertools
     3.5 afmd.turn (plans a turn over engine + grammar), afmd.toolloop (server tools
         within a request)
     3.6 afmd.rounds (renders, fits and plans each round of a request)
     3.7 afmd.run (one request's round loop, as an async iterator of events)
-    4  afmd.pipeline, afmd.embeddings
+    4  afmd.pipeline, afmd.embeddings, afmd.pulls
     4.5 afmd.dialects.* (wire formats: parse into afmd.core, encode its events, errors)
     4.91-4.94 afmd.http.wire, .framing, .screen, .gate (the HTTP edge without I/O: no
        Sanic, no asyncio; tests/test_compat.py keeps Sanic's internals in afmd.http.compat)
@@ -82,6 +82,7 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.completion_run", 3.7),  # a Completions request's generations, one per prompt
     ("afmd.pipeline", 4),
     ("afmd.embeddings", 4),  # the embeddings service: model, queue slot, batched encoding
+    ("afmd.pulls", 4),  # pulls a running server makes in the background (the dashboard's)
     ("afmd.dialects.*", 4.5),  # adapters at the edge: above the pipeline, below HTTP
     ("afmd.http.wire", 4.91),  # HTTP/1.1 grammar, status lines, JSON responses
     ("afmd.http.framing", 4.92),  # request heads and body framings
@@ -103,8 +104,8 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.port_owners", 7),  # the processes listening on a port (/proc, lsof)
     ("afmd.cli_models", 7),  # pull, list, ps, rm, show
     ("afmd.endpoint", 7),  # finding and asking a running server (doctor, ps, list, rm)
-    ("afmd.hub", 7),  # pulls through huggingface_hub, verified
-    ("afmd.progress", 7),  # per-file download progress
+    ("afmd.hub", 2),  # pulls through huggingface_hub, verified (the CLI's and the server's)
+    ("afmd.progress", 2),  # per-file download progress
     ("afmd.__main__", 7),
 )
 

@@ -187,6 +187,7 @@ class Generation:
         "done",
         "finish",
         "request",
+        "tokens",
     )
 
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
@@ -199,12 +200,17 @@ class Generation:
         self.done = False
         self.finish: Finished | None = None
         self.created_at = time.perf_counter()
+        #: Tokens generated so far, as they reach the event loop: a live count that the
+        #: dashboard's tokens-per-second reads while the generation runs.
+        self.tokens = 0
 
     # -- engine side (called on the event loop via call_soon_threadsafe) --
     def push(self, events: Sequence[Event]) -> None:
         self._events.extend(events)
         for event in events:
-            if isinstance(event, Finished):
+            if isinstance(event, Text):
+                self.tokens += event.tokens
+            elif isinstance(event, Finished):
                 self.done = True
                 self.finish = event
         self._wake()

@@ -131,6 +131,15 @@ class ModelRegistry:
         for it unless ``evict`` is false."""
         return self._loads.begin(entry, deadline, evict=evict)
 
+    async def unload(self, model_id: str, reason: str = "unloaded on request") -> bool:
+        """Unload an idle model now (the dashboard's unload); False: it was not loaded.
+        Raises 409 ``model_busy`` while requests hold or wait for it."""
+        task = self.residency.unload(model_id, reason)
+        if task is None:
+            return False
+        await task
+        return True
+
     async def lease(
         self,
         entry: ModelEntry,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from afmd.engine.budget import format_bytes
 from afmd.engine.keepalive import Lease, Leases, Resident, Slot, Usage
 from afmd.engine.unloading import Unloads, free_model
-from afmd.errors import ServiceUnavailableError
+from afmd.errors import ConflictError, ServiceUnavailableError
 
 if TYPE_CHECKING:
     from afmd.engine.loaded import LoadedModel
@@ -181,6 +181,25 @@ class Residency:
         victims = self._victims(0, keep=keep)
         for resident in victims or ():
             self._unload(resident, f"making room for {keep}")
+
+    def unload(self, model_id: str, reason: str) -> asyncio.Task[None] | None:
+        """Unload ``model_id`` now, as its keep-alive would (None: it is not loaded).
+        Refused with 409 while requests hold it or wait for it, and for a launched
+        group's shard, which its other ranks cannot load again alone."""
+        resident = self._leases.residents.get(model_id)
+        if resident is None:
+            return None
+        if getattr(resident.model, "shard", None) is not None:
+            raise ConflictError(
+                f"The model '{model_id}' is sharded over a launched group and stays loaded "
+                "while the group runs.", code="model_busy", param="model")
+        if self.busy(model_id):
+            usage = self._leases.usage(model_id)
+            held = f"{usage.active} running, {usage.queued} queued" if usage else "waiting"
+            raise ConflictError(
+                f"The model '{model_id}' is serving requests ({held}); unload it when it "
+                "is idle.", code="model_busy", param="model")
+        return self._unload(resident, reason)
 
     def _unload(self, resident: Resident, reason: str) -> asyncio.Task[None]:
         model = resident.model

@@ -7,6 +7,7 @@ from typing import Any
 
 from sanic import Request
 
+from afmd.http.metrics import first_token_seconds
 from afmd.logs import get_logger
 
 _log = get_logger("afmd.access")
@@ -22,6 +23,8 @@ def log_access(request: Request, status: int, nbytes: int) -> None:
     request.app.ctx.state.metrics.answered(request, status)
     ctx = request.ctx
     error = getattr(ctx, "error", None)
+    run = getattr(ctx, "run", None)
+    ttft = first_token_seconds(run) if run is not None else None
     log_request(
         request.app.ctx.state, request.method, request.path, status, nbytes,
         started=getattr(ctx, "started", None),
@@ -33,6 +36,7 @@ def log_access(request: Request, status: int, nbytes: int) -> None:
         error_code=getattr(error, "code", None),
         error_param=getattr(error, "param", None),
         disconnected=getattr(ctx, "disconnected", False),
+        ttft_ms=round(ttft * 1000, 2) if ttft is not None else None,
     )
 
 
@@ -52,6 +56,7 @@ def log_request(
     error_code: str | None = None,
     error_param: str | None = None,
     disconnected: bool = False,
+    ttft_ms: float | None = None,
 ) -> None:
     """The ``request`` event, when ``log.access_log`` is on; ``started`` is a
     :func:`time.perf_counter` reading. Requests the protocol answers without Sanic are
@@ -59,15 +64,23 @@ def log_request(
 
     ``error_code`` and ``error_param`` are the envelope the client got (or, for a stream,
     the error event that ended it): without them a refused request's line says only "400".
-    ``disconnected`` marks a client that went away before its answer was complete.
+    ``disconnected`` marks a client that went away before its answer was complete;
+    ``ttft_ms`` is a generating request's time to its first token.
+
+    The dashboard's ring of recent requests (:mod:`afmd.http.activity`) gets every line,
+    whether or not the log is on.
     """
+    duration_ms = round((time.perf_counter() - started) * 1000, 2) if started else None
+    state.activity.record(method, path, status, duration_ms=duration_ms,
+                          request_id=request_id, model=model, usage=usage, ttft_ms=ttft_ms,
+                          finish_reason=finish_reason, error_code=error_code or stream_error)
     if not state.config.log.access_log:
         return
     fields: dict[str, Any] = {
         "method": method,
         "path": path,
         "status": status,
-        "duration_ms": round((time.perf_counter() - started) * 1000, 2) if started else None,
+        "duration_ms": duration_ms,
         "request_id": request_id,
         "bytes": nbytes,
     }
@@ -77,6 +90,8 @@ def log_request(
         fields["prompt_tokens"] = usage.prompt_tokens
         fields["completion_tokens"] = usage.completion_tokens
         fields["cached_tokens"] = usage.cached_tokens
+    if ttft_ms is not None:
+        fields["ttft_ms"] = ttft_ms
     if finish_reason:
         fields["finish_reason"] = finish_reason
     if stream_error:

@@ -37,8 +37,9 @@ from afmd.errors import (
     PayloadTooLargeError,
     ServerError,
 )
-from afmd.http import embeddings, messages, responses, routes
+from afmd.http import dashboard, embeddings, messages, responses, routes
 from afmd.http.access import CLIENT_CLOSED, log_access
+from afmd.http.activity import Activity
 from afmd.http.metrics import Metrics, metrics
 from afmd.http.screen import Cors, method_not_allowed, unknown_url
 from afmd.logs import get_logger
@@ -61,6 +62,10 @@ class AppState:
     metrics: Metrics = field(default_factory=Metrics)
     #: Rank 0's side of a launched group (afmd.distributed.lead.GroupLead), else None.
     group: Any = None
+    #: The last requests and the per-second series the dashboard shows.
+    activity: Activity = field(default_factory=Activity)
+    #: The dashboard's own state (afmd.http.dashboard.Dashboard): None while it is off.
+    dashboard: Any = None
 
 
 class _EnvelopeErrorHandler(ErrorHandler):
@@ -126,6 +131,17 @@ def to_api_error(exception: BaseException, request: Request | None = None) -> AP
     return ServerError("The server had an error while processing your request.")
 
 
+#: ``GET /``'s answer: what Ollama's clients probe for (and a plain "it runs" for anyone).
+ROOT_TEXT = "Ollama is running"
+
+
+async def _root(request: Request) -> HTTPResponse:
+    redirect = dashboard.browser_redirect(request)  # a browser: to the dashboard
+    if redirect is not None:
+        return redirect
+    return HTTPResponse(ROOT_TEXT, content_type="text/plain; charset=utf-8")
+
+
 def create_app(state: AppState, name: str | None = None) -> Sanic:
     server = state.config.server
     app = Sanic(
@@ -180,6 +196,8 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
     app.add_route(routes.get_model, "/v1/models/<model_id:path>", methods=["GET"],
                   name="model")
     app.add_route(metrics, "/metrics", methods=["GET"], name="metrics")
+    app.add_route(_root, "/", methods=["GET", "HEAD"], name="root")
+    dashboard.add_routes(app, state)
 
     @app.on_request
     async def _mark_start(request: Request) -> None:

@@ -32,7 +32,8 @@ from sanic.response import HTTPResponse
 
 from afmd.http.supervisor import RUNNING, ListenerState
 
-__all__ = ["CONTENT_TYPE", "DECODE_BUCKETS", "TTFT_BUCKETS", "Metrics", "metrics"]
+__all__ = ["CONTENT_TYPE", "DECODE_BUCKETS", "TTFT_BUCKETS", "Metrics", "first_token_seconds",
+           "generations_of", "metrics"]
 
 #: The classic text format (0.0.4): what every Prometheus version scrapes.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -157,21 +158,17 @@ class Metrics:
         return label
 
     def _timings(self, model: str, run: Any, usage: Any) -> None:
-        """Time to first token (from the request's arrival, as ``X-AFM-Profile`` has it)
-        and each generation's decode speed, from the engine's own timings."""
-        generations = getattr(run, "generations", None)  # a Completions run: one per prompt
-        if generations is None:
-            generations = [run.generation] if run.generation is not None else []
-        ends = [g.finish for g in generations if g.finish is not None]
+        """Time to first token and each generation's decode speed, from the engine's own
+        timings."""
         self.cache_lookups[model] += 1
         if usage.cached_tokens:
             self.cache_hits[model] += 1
             self.cached_tokens[model] += usage.cached_tokens
-        first = [e.timings["first_token_at"] for e in ends if e.completion_tokens > 0]
-        if first:
+        first = first_token_seconds(run)
+        if first is not None:
             ttft = self.ttft.get(model) or self.ttft.setdefault(model, Buckets(TTFT_BUCKETS))
-            ttft.observe(TTFT_BUCKETS, max(0.0, min(first) - run.prepared.received_at))
-        for end in ends:
+            ttft.observe(TTFT_BUCKETS, first)
+        for end in _ends(run):
             seconds = end.timings["finished_at"] - end.timings["first_token_at"]
             if end.completion_tokens > 1 and seconds > 0:
                 decode = self.decode.get(model) or self.decode.setdefault(
@@ -188,6 +185,27 @@ class Metrics:
         from prometheus_client.exposition import generate_latest
 
         return bytes(generate_latest(self._registry))
+
+
+def generations_of(run: Any) -> list[Any]:
+    """A run's engine generations: a Completions run has one per prompt, a chat run its
+    current round's."""
+    generations = getattr(run, "generations", None)
+    if generations is None:
+        generation = getattr(run, "generation", None)
+        generations = [generation] if generation is not None else []
+    return list(generations)
+
+
+def _ends(run: Any) -> list[Any]:
+    return [g.finish for g in generations_of(run) if g.finish is not None]
+
+
+def first_token_seconds(run: Any) -> float | None:
+    """From the request's arrival to its first generated token (as ``X-AFM-Profile`` has
+    it: queue and prefill included); None when it generated nothing."""
+    first = [e.timings["first_token_at"] for e in _ends(run) if e.completion_tokens > 0]
+    return max(0.0, min(first) - run.prepared.received_at) if first else None
 
 
 class _Collector:

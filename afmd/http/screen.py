@@ -41,6 +41,7 @@ __all__ = [
     "RouteVerdict",
     "method_not_allowed",
     "normalize_origin",
+    "same_origin",
     "screen",
     "unknown_url",
 ]
@@ -68,10 +69,17 @@ CORS_EXPOSE_HEADERS = (
 CORS_MAX_AGE = "600"
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
 #: Paths read without the API key: the health check everywhere (load balancers, ``afmd
-#: doctor``), and the metrics too on a listener only this machine reaches (loopback TCP,
+#: doctor``), ``/`` (a constant answer clients probe; a browser is sent on to the
+#: dashboard), and the metrics too on a listener only this machine reaches (loopback TCP,
 #: the Unix socket); on any other listener a configured key guards them.
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})
 LOCAL_OPEN_PATHS = OPEN_PATHS | {"/metrics"}
+#: The dashboard's page and its static files (afmd.http.dashboard) are read without the
+#: key too: a browser loads them before the page can ask for the key, and they hold no
+#: secret. What the page reads and does, under :data:`UI_API_PREFIX`, is screened as the
+#: API is.
+UI_PREFIX = "/ui/"
+UI_API_PREFIX = "/ui/api/"
 
 _ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 
@@ -225,7 +233,7 @@ def screen(policy: GatePolicy, head: RequestHead) -> bytes | None:
             f"The Host '{show(head.host)}' is not served here; use localhost or add it to "
             "server.allowed_hosts."))
     origin = head.origin
-    if origin is not None and not policy.cors.allows(origin):
+    if origin is not None and not policy.cors.allows(origin) and not same_origin(policy, head):
         raise Refused(PermissionDeniedError(
             f"Requests from the origin '{show(origin.encode('latin-1'))}' are not allowed; "
             "add it to server.allowed_origins."))
@@ -239,7 +247,7 @@ def screen(policy: GatePolicy, head: RequestHead) -> bytes | None:
         raise Refused(unknown_url(head.method, head.path), cors=True)
     if status == 405:
         raise Refused(method_not_allowed(head.method, head.path, allowed), cors=True)
-    if policy.api_key and head.path not in policy.open_paths:
+    if policy.api_key and _needs_key(policy, head.path):
         _authenticate(head, policy.api_key)
     if head.method == "POST" and head.has_body:
         media = (head.content_type or b"").split(b";", 1)[0].strip(b" \t").lower()
@@ -252,6 +260,23 @@ def screen(policy: GatePolicy, head: RequestHead) -> bytes | None:
             f"The request body is larger than max_request_body_bytes "
             f"({policy.max_body_bytes} bytes)."), cors=True)
     return None
+
+
+def same_origin(policy: GatePolicy, head: RequestHead) -> bool:
+    """Whether the request's Origin is the server itself, as the client dialled it: a page
+    afmd served (the dashboard) calling back. Only for a Host this server answers to (a
+    DNS-rebinding page's Host is its own name, not one of ours), so an origin that names
+    the Host it was sent to is afmd's own. afmd speaks plain HTTP: the scheme is ``http``."""
+    host, origin = head.host, head.origin
+    if host is None or origin is None or not policy.host_allowed(host):
+        return False
+    return normalize_origin(origin) == "http://" + host.decode("ascii").lower()
+
+
+def _needs_key(policy: GatePolicy, path: str) -> bool:
+    if path in policy.open_paths:
+        return False
+    return not path.startswith(UI_PREFIX) or path.startswith(UI_API_PREFIX)
 
 
 def _api_key_header(head: RequestHead) -> bytes | None:

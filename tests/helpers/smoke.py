@@ -2,8 +2,9 @@
 server (tests/test_smoke.py) and the frozen binary (tests/test_frozen_binary.py).
 
 ``run_smoke_checks(base_url)`` is what a release must pass: /health ok, a non-streamed and a
-streamed chat completion through the official ``openai`` client, both schema-valid, and an
-invalid request answered with a schema-valid OpenAI error envelope.
+streamed chat completion through the official ``openai`` client, both schema-valid, an
+invalid request answered with a schema-valid OpenAI error envelope, and the dashboard's
+page with its files.
 """
 
 from __future__ import annotations
@@ -90,6 +91,21 @@ def check_error_envelope(base_url: str) -> None:
     assert missing.json()["error"]["code"] == "model_not_found"
 
 
+def check_dashboard(base_url: str) -> None:
+    """The dashboard's page and every file it names are served (package data, which a
+    frozen build must carry), and a browser's ``GET /`` is sent there."""
+    import re
+
+    root = httpx.get(base_url + "/", headers={"Accept": "text/html"}, timeout=10)
+    assert root.status_code == 302 and root.headers["location"] == "/ui/", root
+    page = httpx.get(base_url + "/ui/", timeout=10)
+    assert page.status_code == 200
+    assert 'data-testid="prompt"' in page.text, page.text[:200]
+    for url in sorted(set(re.findall(r'(?:src|href)="(/ui/[^"]+)"', page.text))):
+        asset = httpx.get(base_url + url, timeout=10)
+        assert asset.status_code == 200 and asset.content, url
+
+
 def run_smoke_checks(base_url: str) -> None:
     """Every end-to-end check, against the server at ``base_url`` (``http://host:port``)."""
     import openai
@@ -99,6 +115,7 @@ def run_smoke_checks(base_url: str) -> None:
     check_completion(client)
     check_streamed_completion(client)
     check_error_envelope(base_url)
+    check_dashboard(base_url)
 
 
 # ---------------------------------------------------------------------------- processes

@@ -1,0 +1,640 @@
+// afmd's dashboard: polls /ui/api/ and talks to the API itself, on this origin only.
+// The API key (when the server has one) lives in sessionStorage for this tab, nowhere else.
+"use strict";
+
+const KEY_STORAGE = "afmd.apiKey";
+const POLL_MS = 1000;
+const STATUS_EVERY = 10; // polls between two status reads
+const REQUESTS_SHOWN = 50;
+const CHART_SECONDS = 300;
+
+const $ = (id) => document.getElementById(id);
+const el = (tag, attrs = {}, ...children) => {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs)) {
+    if (name === "class") node.className = value;
+    else if (name === "text") node.textContent = value;
+    else if (name === "testid") node.dataset.testid = value;
+    else node.setAttribute(name, value);
+  }
+  for (const child of children) node.append(child);
+  return node;
+};
+
+// ------------------------------------------------------------------ formatting
+
+function bytes(n) {
+  if (n === null || n === undefined) return "—";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return `${n.toFixed(i === 0 ? 0 : 1)} ${units[i]}`;
+}
+
+function seconds(s) {
+  if (s === null || s === undefined) return "—";
+  s = Math.max(0, Math.round(s));
+  if (s < 60) return `${s}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m ${s % 60}s`;
+  const h = Math.floor(s / 3600);
+  if (h < 48) return `${h}h ${Math.floor((s % 3600) / 60)}m`;
+  return `${Math.floor(h / 24)}d ${h % 24}h`;
+}
+
+const ms = (v) => (v === null || v === undefined ? "—" : `${Math.round(v)} ms`);
+const clock = (t) => new Date(t * 1000).toLocaleTimeString([], { hour12: false });
+
+// ------------------------------------------------------------------ the key and the API
+
+class Unauthorized extends Error {}
+
+class APIError extends Error {
+  constructor(status, message, code) { super(message); this.status = status; this.code = code; }
+}
+
+function apiKey() { return sessionStorage.getItem(KEY_STORAGE) || ""; }
+
+function headers(extra = {}) {
+  const h = { ...extra };
+  const key = apiKey();
+  if (key) h.Authorization = `Bearer ${key}`;
+  return h;
+}
+
+async function errorOf(response) {
+  let message = `HTTP ${response.status}`;
+  let code = null;
+  try {
+    const body = await response.json();
+    const err = body.error || body;
+    if (err && err.message) message = err.message;
+    if (err && err.code) code = err.code;
+  } catch (_) { /* not JSON */ }
+  return new APIError(response.status, message, code);
+}
+
+async function api(path, options = {}) {
+  const init = { ...options, headers: headers(options.headers || {}), cache: "no-store" };
+  if (options.json !== undefined) {
+    init.method = init.method || "POST";
+    init.body = JSON.stringify(options.json);
+    init.headers["Content-Type"] = "application/json";
+    delete init.json;
+  }
+  const response = await fetch(path, init);
+  if (response.status === 401) throw new Unauthorized(await errorOf(response).then((e) => e.message));
+  if (!response.ok) throw await errorOf(response);
+  return response.json();
+}
+
+// ------------------------------------------------------------------ state
+
+const view = {
+  status: null,
+  statusAt: 0, // performance.now() when status was read
+  models: [],
+  seq: 0, // last request seen
+  after: 0, // last series second seen
+  requests: [],
+  series: [],
+  polls: 0,
+  sent: 0, // polls started
+  shown: 0, // the latest poll shown
+  timer: null,
+  busy: new Set(), // model ids with an action under way
+};
+
+function showKeyPanel(message) {
+  stopPolling();
+  $("main").hidden = true;
+  $("key-panel").hidden = false;
+  $("key-error").textContent = message || "";
+  $("api-key").focus();
+}
+
+function showMain() {
+  $("key-panel").hidden = true;
+  $("main").hidden = false;
+}
+
+function connection(ok, text) {
+  const node = $("connection");
+  node.textContent = text;
+  node.classList.toggle("lost", !ok);
+}
+
+// ------------------------------------------------------------------ status
+
+function renderStatus() {
+  const s = view.status;
+  if (!s) return;
+  $("version").textContent = s.version;
+  const elapsed = (performance.now() - view.statusAt) / 1000;
+  $("uptime").textContent = seconds(s.now - s.started_at + elapsed);
+  const list = $("listeners");
+  list.replaceChildren(...s.listeners.map((l) => el("li", {
+    "class": l.up ? "up" : "down", testid: "listener", text: l.address,
+    title: l.up ? "accepting connections" : "down",
+  })));
+  $("config-file").textContent = s.config_file || "none (built-in defaults)";
+}
+
+// ------------------------------------------------------------------ models
+
+function keepAliveText(m, now) {
+  if (m.state !== "loaded") return "—";
+  if (m.active || m.queued) return "in use";
+  if (m.expires_at !== null) return seconds(m.expires_at - now);
+  if (m.keep_alive_s !== null && m.keep_alive_s < 0) return "forever";
+  return "—";
+}
+
+function modelRow(m) {
+  const row = el("tr", { testid: "model-row" });
+  row.dataset.modelId = m.id;
+  row.append(
+    el("td", {}, el("span", { "class": "model-id", text: m.id })),
+    el("td", { "class": "kind" }),
+    el("td", {}, el("span", { "class": "state" }), el("span", { "class": "reason" })),
+    el("td", { "class": "num memory-cell" }),
+    el("td", { "class": "num active-cell" }),
+    el("td", { "class": "num queued-cell" }),
+    el("td", { "class": "num keep-cell" }),
+    el("td", { "class": "actions" }),
+  );
+  return row;
+}
+
+function actionButton(id, action, label) {
+  const button = el("button", { type: "button", testid: action, text: label });
+  button.addEventListener("click", () => modelAction(id, action));
+  return button;
+}
+
+function updateModelRow(row, m, now) {
+  row.dataset.state = m.state;
+  row.dataset.source = m.source;
+  const cells = row.children;
+  const idCell = cells[0];
+  idCell.replaceChildren(el("span", { "class": "model-id", text: m.id }));
+  if (m.default) idCell.append(el("span", { "class": "badge", text: "default" }));
+  if (m.source !== "configured") idCell.append(el("span", { "class": "badge", text: m.source }));
+  for (const alias of m.aliases) idCell.append(el("span", { "class": "badge", text: `alias ${alias}` }));
+  cells[1].textContent = m.kind || "—";
+  const state = cells[2].children[0];
+  state.textContent = m.state;
+  state.className = `state ${m.state}`;
+  cells[2].children[1].textContent = m.reason ? ` ${m.reason}` : "";
+  cells[3].textContent = m.memory_bytes === null ? (m.size_bytes ? `${bytes(m.size_bytes)} on disk` : "—") : bytes(m.memory_bytes);
+  cells[4].textContent = String(m.active);
+  cells[5].textContent = String(m.queued);
+  cells[6].textContent = keepAliveText(m, now);
+  // The actions a model's state allows, and only those (a row that is not loaded has no
+  // unload button at all).
+  const wanted = [];
+  if (m.source !== "downloaded") {
+    if (m.state === "loaded") wanted.push(["unload", "Unload"]);
+    else if (m.state === "available" || m.state === "unavailable") wanted.push(["load", "Load"]);
+  }
+  const actions = cells[7];
+  const have = [...actions.children].map((b) => b.dataset.testid).join(",");
+  if (have !== wanted.map((w) => w[0]).join(",")) {
+    actions.replaceChildren(...wanted.map(([action, label]) => actionButton(m.id, action, label)));
+  }
+  for (const button of actions.children) button.disabled = view.busy.has(m.id);
+}
+
+function renderModels(payload) {
+  view.models = payload.models;
+  const body = $("model-rows");
+  const rows = new Map([...body.children].map((r) => [r.dataset.modelId, r]));
+  const order = [];
+  for (const m of payload.models) {
+    let row = rows.get(m.id);
+    if (!row) row = modelRow(m);
+    rows.delete(m.id);
+    updateModelRow(row, m, payload.now);
+    order.push(row);
+  }
+  for (const gone of rows.values()) gone.remove();
+  order.forEach((row, i) => { if (body.children[i] !== row) body.insertBefore(row, body.children[i] || null); });
+
+  const mem = payload.memory;
+  $("memory-bar").max = Math.max(1, mem.budget_bytes);
+  $("memory-bar").value = mem.used_bytes;
+  $("memory-text").textContent =
+    `${bytes(mem.used_bytes)} of ${bytes(mem.budget_bytes)} budget · ${mem.loaded} of ${mem.max_loaded} models loaded`;
+  renderPulls(payload.pulls);
+  renderModelChoices(payload.models);
+}
+
+function renderPulls(pulls) {
+  $("pulls").replaceChildren(...pulls.map((p) => {
+    const done = p.total_bytes ? p.completed_bytes / p.total_bytes : 0;
+    const bar = el("progress", { testid: "pull-progress", max: "1" });
+    bar.value = p.state === "done" ? 1 : done;
+    let text = `${p.repo}@${p.revision}: `;
+    if (p.state === "pulling") text += p.total_bytes ? `${bytes(p.completed_bytes)} of ${bytes(p.total_bytes)} (${p.files_done}/${p.files} files)` : "listing files…";
+    else if (p.state === "done") text += `done, ${p.files} files, ${bytes(p.total_bytes)} verified`;
+    else text += `failed: ${p.error}`;
+    const item = el("li", { testid: "pull-row", "class": p.state }, bar, el("span", { text }));
+    item.dataset.repo = p.repo;
+    item.dataset.state = p.state;
+    return item;
+  }));
+}
+
+async function modelAction(id, action) {
+  view.busy.add(id);
+  $("model-error").textContent = "";
+  for (const row of $("model-rows").children) {
+    if (row.dataset.modelId === id) for (const b of row.querySelectorAll("button")) b.disabled = true;
+  }
+  try {
+    // Loading is answered once the model is in memory: poll meanwhile so the row says so.
+    const pending = api(`/ui/api/${action}`, { json: { model: id } });
+    setTimeout(poll, 100);
+    await pending;
+  } catch (err) {
+    if (err instanceof Unauthorized) { showKeyPanel(err.message); return; }
+    $("model-error").textContent = `${action} ${id}: ${err.message}`;
+  } finally {
+    view.busy.delete(id);
+  }
+  poll();
+}
+
+async function startPull(event) {
+  event.preventDefault();
+  const repo = $("pull-repo").value.trim();
+  if (!repo) return;
+  $("model-error").textContent = "";
+  try {
+    await api("/ui/api/pull", { json: { model: repo } });
+    $("pull-repo").value = "";
+  } catch (err) {
+    if (err instanceof Unauthorized) { showKeyPanel(err.message); return; }
+    $("model-error").textContent = `pull ${repo}: ${err.message}`;
+  }
+  poll();
+}
+
+// ------------------------------------------------------------------ live
+
+function renderActivity(payload) {
+  $("active-requests").textContent = `${payload.active} running · ${payload.queued} queued`;
+  const lines = Object.entries(payload.models)
+    .filter(([id, c]) => c.active || c.queued || view.models.some((m) => m.id === id && m.state === "loaded"))
+    .map(([id, c]) => {
+      const li = el("li", { testid: "model-activity" },
+        el("span", { "class": "model-id", text: id }),
+        el("span", { text: `${c.active} running · ${c.queued} queued` }));
+      li.dataset.modelId = id;
+      return li;
+    });
+  $("per-model").replaceChildren(...lines);
+
+  // Two polls may overlap (an action polls at once): keep only what is new.
+  const requests = payload.requests.filter((r) => r.seq > view.seq);
+  if (requests.length) {
+    view.requests = view.requests.concat(requests).slice(-REQUESTS_SHOWN);
+    $("request-rows").replaceChildren(...view.requests.slice().reverse().map(requestRow));
+  }
+  view.seq = Math.max(view.seq, payload.seq);
+  const points = payload.series.filter((p) => p.t > view.after);
+  if (points.length) {
+    view.series = view.series.concat(points).slice(-CHART_SECONDS);
+    view.after = points[points.length - 1].t;
+    renderCharts();
+  }
+}
+
+function requestRow(r) {
+  const tokens = r.prompt_tokens === null ? "—" : `${r.prompt_tokens} → ${r.completion_tokens}`;
+  const row = el("tr", { testid: "request-row" },
+    el("td", { text: clock(r.time) }),
+    el("td", { "class": "path", text: `${r.method} ${r.path}` }),
+    el("td", { text: r.model || "—" }),
+    el("td", { "class": r.status < 400 ? "status-ok" : "status-err",
+      text: r.error_code ? `${r.status} ${r.error_code}` : String(r.status) }),
+    el("td", { "class": "num", text: tokens }),
+    el("td", { "class": "num", text: ms(r.ttft_ms) }),
+    el("td", { "class": "num", text: ms(r.duration_ms) }),
+    el("td", { text: r.finish_reason || "" }));
+  row.dataset.requestId = r.request_id || "";
+  row.title = r.request_id ? `request ${r.request_id}` : "";
+  return row;
+}
+
+// ------------------------------------------------------------------ charts
+
+const SVG = "http://www.w3.org/2000/svg";
+
+function drawChart(id, lines, unit) {
+  const svg = $(id);
+  const end = view.series.length ? view.series[view.series.length - 1].t : 0;
+  const start = end - CHART_SECONDS;
+  let top = 0;
+  for (const line of lines) for (const [, v] of line.points) if (v !== null) top = Math.max(top, v);
+  top = top > 0 ? top * 1.15 : 1;
+  const children = [];
+  for (const line of lines) {
+    const pts = line.points.filter(([, v]) => v !== null)
+      .map(([t, v]) => `${(((t - start) / CHART_SECONDS) * 300).toFixed(1)},${(78 - (v / top) * 74).toFixed(1)}`);
+    if (!pts.length) continue;
+    const poly = document.createElementNS(SVG, "polyline");
+    poly.setAttribute("points", pts.length === 1 ? `${pts[0]} ${pts[0]}` : pts.join(" "));
+    if (line.second) poly.setAttribute("class", "second");
+    children.push(poly);
+  }
+  svg.replaceChildren(...children);
+  // The scale in the caption: text inside a stretched SVG would be stretched too.
+  $(`${id}-max`).textContent = `max ${Math.round((top / 1.15) * 10) / 10}${unit}`;
+}
+
+function renderCharts() {
+  const s = view.series;
+  drawChart("chart-tokens", [{ points: s.map((p) => [p.t, p.tokens_per_s]) }], "");
+  drawChart("chart-ttft", [{ points: s.map((p) => [p.t, p.ttft_ms]) }], " ms");
+  drawChart("chart-queue", [{ points: s.map((p) => [p.t, p.queued]) },
+    { points: s.map((p) => [p.t, p.active]), second: true }], "");
+  const last = s[s.length - 1];
+  const lastTtft = [...s].reverse().find((p) => p.ttft_ms !== null);
+  $("now-tokens").textContent = last ? `${Math.round(last.tokens_per_s)}` : "";
+  $("now-ttft").textContent = lastTtft ? `last ${Math.round(lastTtft.ttft_ms)} ms` : "";
+  $("now-queue").textContent = last ? `${last.queued} · ${last.active}` : "";
+}
+
+// ------------------------------------------------------------------ polling
+
+async function poll() {
+  const number = ++view.sent;
+  try {
+    const wantStatus = view.polls % STATUS_EVERY === 0 || !view.status;
+    view.polls += 1;
+    const [status, models, activity] = await Promise.all([
+      wantStatus ? api("/ui/api/status") : null,
+      api("/ui/api/models"),
+      api(`/ui/api/activity?since=${view.seq}&after=${view.after}`),
+    ]);
+    if (number < view.shown) return; // a later poll has been shown already
+    view.shown = number;
+    if (status) { view.status = status; view.statusAt = performance.now(); }
+    showMain();
+    renderStatus();
+    renderModels(models);
+    renderActivity(activity);
+    connection(true, `updated ${new Date().toLocaleTimeString([], { hour12: false })}`);
+  } catch (err) {
+    if (err instanceof Unauthorized) {
+      const refused = apiKey();
+      sessionStorage.removeItem(KEY_STORAGE);
+      showKeyPanel(refused ? `The server refused this key: ${err.message}` : "");
+      return;
+    }
+    connection(false, `cannot reach the server: ${err.message}`);
+  }
+}
+
+function startPolling() {
+  stopPolling();
+  view.polls = 0;
+  poll();
+  view.timer = setInterval(poll, POLL_MS);
+}
+
+function stopPolling() {
+  if (view.timer !== null) clearInterval(view.timer);
+  view.timer = null;
+}
+
+// ------------------------------------------------------------------ playground
+
+const play = { requestId: null, controller: null, cancelTimer: null };
+
+function randomId() {
+  const bytes = new Uint8Array(12);
+  crypto.getRandomValues(bytes);
+  return `ui-${[...bytes].map((b) => b.toString(16).padStart(2, "0")).join("")}`;
+}
+
+function renderModelChoices(models) {
+  const select = $("model");
+  const chat = models.filter((m) => m.kind === "chat" && m.source !== "downloaded");
+  const ids = chat.map((m) => m.id);
+  const have = [...select.options].map((o) => o.value);
+  if (have.join("\n") === ids.join("\n")) return;
+  const current = select.value;
+  select.replaceChildren(...chat.map((m) => el("option", { value: m.id, text: m.id })));
+  const preferred = ids.includes(current) ? current : (chat.find((m) => m.default) || chat[0] || {}).id;
+  if (preferred) select.value = preferred;
+}
+
+function resetReply() {
+  $("output").textContent = "";
+  $("reasoning").textContent = "";
+  $("reasoning-box").hidden = true;
+  $("tool-calls").replaceChildren();
+  $("play-error").textContent = "";
+  for (const id of ["finish-reason", "usage", "profile", "request-id"]) $(id).textContent = "";
+}
+
+function playRequest() {
+  const messages = [];
+  const system = $("system").value;
+  if (system.trim()) messages.push({ role: "system", content: system });
+  messages.push({ role: "user", content: $("prompt").value });
+  const body = {
+    model: $("model").value,
+    messages,
+    stream: true,
+    stream_options: { include_usage: true },
+  };
+  const temperature = $("temperature").value;
+  if (temperature !== "") body.temperature = Number(temperature);
+  const maxTokens = $("max-tokens").value;
+  if (maxTokens !== "") body.max_tokens = Number(maxTokens);
+  const tools = $("tools").value.trim();
+  if (tools) {
+    let parsed;
+    try { parsed = JSON.parse(tools); } catch (err) { throw new Error(`tools: not JSON (${err.message})`); }
+    body.tools = Array.isArray(parsed) ? parsed : [parsed];
+    body.tool_choice = $("tool-choice").value;
+    body.parallel_tool_calls = $("parallel-tool-calls").checked;
+  }
+  return body;
+}
+
+function toolCallItem(index) {
+  let item = $("tool-calls").querySelector(`li[data-index="${index}"]`);
+  if (!item) {
+    item = el("li", { testid: "tool-call" }, el("span", { "class": "name" }), el("pre"));
+    item.dataset.index = String(index);
+    $("tool-calls").append(item);
+    item.rawArguments = "";
+  }
+  return item;
+}
+
+function showArguments(item) {
+  let text = item.rawArguments;
+  try { text = JSON.stringify(JSON.parse(text), null, 2); } catch (_) { /* still streaming */ }
+  item.children[1].textContent = text;
+}
+
+function applyChunk(chunk) {
+  if (chunk.error) {
+    $("play-error").textContent = chunk.error.message || JSON.stringify(chunk.error);
+    return;
+  }
+  if (chunk.afm_profile) { showProfile(chunk.afm_profile); return; }
+  if (chunk.usage) showUsage(chunk.usage);
+  for (const choice of chunk.choices || []) {
+    const delta = choice.delta || {};
+    if (delta.reasoning_content) {
+      $("reasoning-box").hidden = false;
+      $("reasoning").append(delta.reasoning_content);
+    }
+    if (delta.content) $("output").append(delta.content);
+    for (const call of delta.tool_calls || []) {
+      const item = toolCallItem(call.index);
+      if (call.id) item.dataset.callId = call.id;
+      const fn = call.function || {};
+      if (fn.name) item.children[0].textContent = fn.name;
+      if (fn.arguments) { item.rawArguments += fn.arguments; showArguments(item); }
+    }
+    if (choice.finish_reason) $("finish-reason").textContent = choice.finish_reason;
+  }
+}
+
+function showUsage(u) {
+  let text = `${u.prompt_tokens} prompt + ${u.completion_tokens} completion = ${u.total_tokens} tokens`;
+  const cached = u.prompt_tokens_details && u.prompt_tokens_details.cached_tokens;
+  const reasoning = u.completion_tokens_details && u.completion_tokens_details.reasoning_tokens;
+  if (cached) text += `, ${cached} cached`;
+  if (reasoning) text += `, ${reasoning} reasoning`;
+  $("usage").textContent = text;
+}
+
+function showProfile(p) {
+  const parts = [`queue ${ms(p.queue_ms)}`, `TTFT ${ms(p.ttft_ms)}`, `total ${ms(p.total_ms)}`];
+  if (p.prefill_tokens_per_s !== null && p.prefill_tokens_per_s !== undefined) parts.push(`prefill ${Math.round(p.prefill_tokens_per_s)} tok/s`);
+  if (p.decode_tokens_per_s !== null && p.decode_tokens_per_s !== undefined) parts.push(`decode ${Math.round(p.decode_tokens_per_s)} tok/s`);
+  if (p.peak_memory_bytes) parts.push(`peak ${bytes(p.peak_memory_bytes)}`);
+  $("profile").textContent = parts.join(" · ");
+  $("profile").dataset.ttftMs = String(p.ttft_ms);
+}
+
+function setRunning(running) {
+  $("send").disabled = running;
+  $("stop").disabled = !running;
+  $("output").classList.toggle("running", running);
+}
+
+async function readStream(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.search(/\r?\n\r?\n/)) >= 0) {
+      const block = buffer.slice(0, cut);
+      buffer = buffer.slice(cut).replace(/^\r?\n\r?\n/, "");
+      const data = block.split(/\r?\n/).filter((l) => l.startsWith("data:"))
+        .map((l) => l.slice(5).replace(/^ /, "")).join("\n");
+      if (!data) continue; // a comment (keep-alive)
+      if (data === "[DONE]") return;
+      applyChunk(JSON.parse(data));
+    }
+  }
+}
+
+async function send(event) {
+  if (event) event.preventDefault();
+  if (play.requestId) return;
+  resetReply();
+  if (!$("model").value) { $("play-error").textContent = "No chat model to send to."; return; }
+  let body;
+  try { body = playRequest(); } catch (err) { $("play-error").textContent = err.message; return; }
+  const requestId = randomId();
+  play.requestId = requestId;
+  play.controller = new AbortController();
+  $("request-id").textContent = requestId;
+  setRunning(true);
+  try {
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST",
+      headers: headers({ "Content-Type": "application/json", "X-Request-ID": requestId,
+        "X-AFM-Profile": "true" }),
+      body: JSON.stringify(body),
+      signal: play.controller.signal,
+      cache: "no-store",
+    });
+    if (response.status === 401) { showKeyPanel((await errorOf(response)).message); return; }
+    if (!response.ok) { $("play-error").textContent = (await errorOf(response)).message; return; }
+    await readStream(response);
+  } catch (err) {
+    if (err.name !== "AbortError") $("play-error").textContent = err.message;
+  } finally {
+    clearTimeout(play.cancelTimer);
+    play.requestId = null;
+    play.controller = null;
+    setRunning(false);
+  }
+}
+
+async function stop() {
+  const requestId = play.requestId;
+  if (!requestId) return;
+  $("stop").disabled = true;
+  // The server ends the stream itself (finish_reason "cancelled"); should it not, within a
+  // few seconds, the connection is dropped, which cancels the generation too.
+  play.cancelTimer = setTimeout(() => { if (play.controller) play.controller.abort(); }, 5000);
+  try {
+    const response = await fetch(`/v1/chat/completions/${encodeURIComponent(requestId)}/cancel`, {
+      method: "POST", headers: headers(), cache: "no-store",
+    });
+    if (response.status === 404 && play.controller) play.controller.abort(); // already over
+    else if (!response.ok) $("play-error").textContent = (await errorOf(response)).message;
+  } catch (err) {
+    $("play-error").textContent = err.message;
+  }
+}
+
+// ------------------------------------------------------------------ start
+
+function saveKey(event) {
+  event.preventDefault();
+  const key = $("api-key").value.trim();
+  if (!key) return;
+  sessionStorage.setItem(KEY_STORAGE, key);
+  $("api-key").value = "";
+  $("key-error").textContent = "checking…";
+  startPolling();
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("key-form").addEventListener("submit", saveKey);
+  $("pull-form").addEventListener("submit", startPull);
+  $("play-form").addEventListener("submit", send);
+  $("stop").addEventListener("click", stop);
+  $("prompt").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) send(e);
+  });
+  setInterval(renderStatus, 1000); // the uptime ticks between status reads
+  boot();
+});
+
+async function boot() {
+  // Whether a key is needed is public: without one, ask for it before reading anything.
+  try {
+    const auth = await (await fetch("/ui/auth", { cache: "no-store" })).json();
+    if (auth.api_key_required && !apiKey()) { showKeyPanel(""); return; }
+  } catch (err) {
+    connection(false, `cannot reach the server: ${err.message}`);
+  }
+  startPolling();
+}

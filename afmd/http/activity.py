@@ -1,0 +1,192 @@
+"""The server's recent past, for the dashboard: the last requests and a per-second series.
+
+The last requests are the access log's lines kept in memory (a ring of
+:data:`RING_SIZE`), whether or not the log itself is on, so that the page shows what a
+tail of the log would without reading a file; the page's own traffic (``/ui/``) is left
+out of the ring, or its polling would be all there is to see.
+
+The series has one point a second for the last :data:`SERIES_SECONDS`: tokens generated
+during that second, the mean time to first token of the requests that ended in it, and the
+requests running and queued at its end. Tokens are counted as they reach the event loop
+(each generation's live count), so a long stream shows its speed while it runs, and the
+rest of a request's tokens are added when it ends, so that the series adds up to what the
+clients were told. Sampling is a timer on the event loop, started with the server; it
+reads counts the scheduler and the pipeline keep anyway and costs nothing per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from afmd.http.metrics import generations_of
+from afmd.logs import get_logger
+
+_log = get_logger("afmd.http")
+
+#: Requests kept for the page.
+RING_SIZE = 200
+#: Seconds of series kept.
+SERIES_SECONDS = 600
+#: Paths whose requests the ring leaves out: the dashboard's own page and polling.
+OWN_PREFIX = "/ui/"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEntry:
+    """One access-log line, as the page lists it."""
+
+    seq: int
+    time: float  # Unix time it ended
+    method: str
+    path: str
+    status: int
+    duration_ms: float | None
+    request_id: str | None
+    model: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    ttft_ms: float | None
+    finish_reason: str | None
+    error_code: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    t: int  # the Unix second it ends
+    tokens_per_s: float
+    ttft_ms: float | None  # mean over the requests that ended in it (None: none did)
+    active: int
+    queued: int
+
+
+class _Live:
+    """What the series has counted of one running request so far."""
+
+    __slots__ = ("counted", "seen")
+
+    def __init__(self) -> None:
+        self.seen: dict[Any, int] = {}  # generation -> its tokens at the last sample
+        self.counted = 0
+
+
+class Activity:
+    """The ring of recent requests and the series (module doc)."""
+
+    def __init__(self) -> None:
+        self.requests: deque[RequestEntry] = deque(maxlen=RING_SIZE)
+        self.series: deque[Point] = deque(maxlen=SERIES_SECONDS)
+        self._seq = 0
+        self._live: dict[str, _Live] = {}
+        self._tokens = 0  # generated since the last sample
+        self._ttfts: list[float] = []  # of requests ended since the last sample
+        self._timer: asyncio.TimerHandle | None = None
+        self._state: Any = None
+
+    # -- what happened (on the event loop) --
+    def record(
+        self,
+        method: str,
+        path: str,
+        status: int,
+        *,
+        duration_ms: float | None,
+        request_id: str | None,
+        model: str | None,
+        usage: Any,
+        ttft_ms: float | None,
+        finish_reason: str | None,
+        error_code: str | None,
+    ) -> None:
+        """A request ended (its access-log line): into the ring, its remaining tokens
+        and its time to first token into the series."""
+        live = self._live.pop(request_id, None) if request_id else None
+        if usage is not None:
+            self._tokens += max(0, usage.completion_tokens - (live.counted if live else 0))
+        if ttft_ms is not None:
+            self._ttfts.append(ttft_ms)
+        if path == OWN_PREFIX.rstrip("/") or path.startswith(OWN_PREFIX):
+            return
+        self._seq += 1
+        self.requests.append(RequestEntry(
+            self._seq, round(time.time(), 3), method, path, status, duration_ms, request_id,
+            model, usage.prompt_tokens if usage is not None else None,
+            usage.completion_tokens if usage is not None else None, ttft_ms, finish_reason,
+            error_code))
+
+    # -- the series --
+    def start(self, state: Any) -> None:
+        """Sample ``state`` every second from now on (in its event loop)."""
+        self._state = state
+        if self._timer is None:
+            self._schedule()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _schedule(self) -> None:
+        # On the next whole second, so that each point covers one second of the clock.
+        delay = 1.0 - (time.time() % 1.0)
+        self._timer = asyncio.get_running_loop().call_later(delay, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        try:
+            self.sample(self._state)
+        except Exception:  # a sample never breaks the server; the next one is taken anyway
+            _log.error("the dashboard's per-second sample failed", exc_info=True)
+        with contextlib.suppress(RuntimeError):  # the loop is closing
+            self._schedule()
+
+    def sample(self, state: Any, now: float | None = None) -> Point:
+        """Close the current second: count the running requests' new tokens."""
+        pipeline = state.pipeline
+        for request_id in list(state.running):
+            run = pipeline.find(request_id)
+            if run is None:
+                continue
+            live = self._live.get(request_id)
+            if live is None:
+                live = self._live[request_id] = _Live()
+            for generation in generations_of(run):
+                tokens = generation.tokens
+                new = tokens - live.seen.get(generation, 0)
+                live.seen[generation] = tokens
+                if new > 0:
+                    live.counted += new
+                    self._tokens += new
+        for request_id in [r for r in self._live if r not in state.running]:
+            del self._live[request_id]  # ended without an access-log line of its own
+        scheduler = pipeline.scheduler
+        ttfts = self._ttfts
+        point = Point(
+            t=round(time.time() if now is None else now),
+            tokens_per_s=float(self._tokens),
+            ttft_ms=round(sum(ttfts) / len(ttfts), 2) if ttfts else None,
+            active=scheduler.active,
+            queued=scheduler.queued,
+        )
+        self.series.append(point)
+        self._tokens = 0
+        self._ttfts = []
+        return point
+
+    # -- what the page reads --
+    def snapshot(self, since: int = 0, after: int = 0) -> dict[str, Any]:
+        """The ring's entries after sequence number ``since`` and the points after Unix
+        second ``after`` (0: all), oldest first; ``seq`` and ``t`` are where to resume."""
+        return {
+            "requests": [asdict(e) for e in self.requests if e.seq > since],
+            "series": [asdict(p) for p in self.series if p.t > after],
+            "seq": self._seq,
+            "t": self.series[-1].t if self.series else after,
+        }
+
+
+__all__ = ["OWN_PREFIX", "RING_SIZE", "SERIES_SECONDS", "Activity", "Point", "RequestEntry"]

@@ -1,0 +1,400 @@
+"""The dashboard in a real browser (Debian's Chromium through Playwright), each panel
+checked against the API's own answers: the model rows against ``/v1/models`` and
+``/health``, the live count during a stream, the last requests against the access log,
+the playground's text against the same request's stream, stop, unload and load, pull, the
+key flow; and on every page, no console error and no request off the server's origin.
+
+The hooks are the issue's ``data-testid``s, a contract outside checks rely on too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from afmd import __version__
+
+from conftest import ServerProcess, parse_sse, start_server
+from helpers.browser import Watched, launched, watched_page
+from helpers.hub import FakeHub, safetensors_bytes
+
+pytestmark = pytest.mark.slow  # a Chromium and servers of its own
+
+KEY = "sk-browser-test"
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with launched() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def dash(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_server(tmp_path_factory.mktemp("dash"),
+                          config='[models.aliases]\n"gpt-4o-mini" = "demo"\n')
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def page(browser: Any, dash: ServerProcess) -> Iterator[Watched]:
+    with watched_page(browser, dash.url) as watched:
+        yield watched
+        watched.check()
+
+
+def _expect() -> Any:
+    from playwright.sync_api import expect
+
+    return expect
+
+
+def _open(watched: Watched, url: str) -> Any:
+    """The dashboard as a browser reaches it: ``/`` sends it on to ``/ui/``."""
+    page = watched.page
+    page.goto(url + "/")
+    assert page.url == url + "/ui/"
+    _expect()(page.get_by_test_id("model-row").first).to_be_visible()
+    return page
+
+
+def _row(page: Any, model_id: str) -> Any:
+    return page.locator(f'[data-testid="model-row"][data-model-id="{model_id}"]')
+
+
+def _health(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/health", timeout=10).json()
+
+
+def _until(condition: Any, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition never held")
+
+
+def _stream(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The API's own streamed answer to ``body``: its text, reasoning, calls and usage."""
+    response = httpx.post(url + "/v1/chat/completions", json={**body, "stream": True},
+                          timeout=60)
+    assert response.status_code == 200, response.text
+    out: dict[str, Any] = {"content": "", "reasoning": "", "calls": {}, "finish": None}
+    for chunk in parse_sse(response.text):
+        if chunk == "[DONE]" or "choices" not in chunk:
+            continue
+        if chunk.get("usage"):
+            out["usage"] = chunk["usage"]
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            out["content"] += delta.get("content") or ""
+            out["reasoning"] += delta.get("reasoning_content") or ""
+            for call in delta.get("tool_calls") or []:
+                entry = out["calls"].setdefault(call["index"], {"name": "", "arguments": ""})
+                entry["name"] += call.get("function", {}).get("name") or ""
+                entry["arguments"] += call.get("function", {}).get("arguments") or ""
+            out["finish"] = choice.get("finish_reason") or out["finish"]
+    return out
+
+
+def _settings(page: Any, *, system: str = "", temperature: str = "0", max_tokens: str,
+              prompt: str) -> None:
+    page.get_by_test_id("system").fill(system)
+    page.get_by_test_id("temperature").fill(temperature)
+    page.get_by_test_id("max-tokens").fill(max_tokens)
+    page.get_by_test_id("prompt").fill(prompt)
+
+
+# ---------------------------------------------------------------------------- panels
+
+
+def test_model_rows_and_status_are_the_apis(page: Watched, dash: ServerProcess) -> None:
+    expect = _expect()
+    ui = _open(page, dash.url)
+    listed = [m["id"] for m in httpx.get(dash.url + "/v1/models").json()["data"]
+              if "parent" not in m]
+    configured = ui.locator('[data-testid="model-row"]:not([data-source="downloaded"])')
+    expect(configured).to_have_count(len(listed))
+    assert configured.evaluate_all("rows => rows.map(r => r.dataset.modelId)") == listed
+    for model_id, detail in _health(dash.url)["model_details"].items():
+        state = detail["state"].split(":")[0]
+        row = _row(ui, model_id)
+        expect(row).to_have_attribute("data-state", state)
+        expect(row).to_contain_text(model_id)
+        expect(row).to_contain_text(state)
+        expect(row.get_by_test_id("unload")).to_have_count(1 if state == "loaded" else 0)
+    expect(_row(ui, "demo")).to_contain_text("alias gpt-4o-mini")
+    memory = httpx.get(dash.url + "/ui/api/models").json()["memory"]
+    expect(ui.get_by_test_id("memory")).to_contain_text(
+        f"{memory['loaded']} of {memory['max_loaded']} models loaded")
+
+    expect(ui.get_by_test_id("version")).to_have_text(__version__)
+    expect(ui.get_by_test_id("listener")).to_have_text([dash.url])
+    expect(ui.get_by_test_id("config-file")).to_have_text(dash.wait_event("listening")["config"])
+    expect(ui.get_by_test_id("uptime")).to_have_text(re.compile(r"^\d+(s|m \d+s)$"))
+
+
+def test_live_count_last_requests_and_charts(page: Watched, dash: ServerProcess) -> None:
+    expect = _expect()
+    ui = _open(page, dash.url)
+    active = ui.get_by_test_id("active-requests")
+    expect(active).to_have_text(re.compile(r"^0 running"))
+    request_id = f"live-{time.monotonic_ns()}"
+    finished = threading.Event()
+
+    def run() -> None:
+        httpx.post(dash.url + "/v1/chat/completions", headers={"X-Request-ID": request_id},
+                   json={"model": "demo", "temperature": 0, "max_tokens": 6000,
+                         "messages": [{"role": "user", "content": "Count."}]}, timeout=120)
+        finished.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    _until(lambda: _health(dash.url)["active_requests"] == 1)
+    polls = len([r for r in page.requests if "/ui/api/activity" in r.url])
+    expect(active).to_have_text(re.compile(r"^1 running · 0 queued"))
+    # It reads the counts every second: at least three times in three and a half.
+    ui.wait_for_timeout(3500)
+    assert len([r for r in page.requests if "/ui/api/activity" in r.url]) - polls >= 3
+    expect(ui.locator('[data-testid="model-activity"][data-model-id="demo"]')).to_contain_text(
+        "1 running")
+    # The tokens chart draws the stream's speed while it runs.
+    expect(ui.locator("#chart-tokens polyline")).to_have_count(1)
+    assert httpx.post(f"{dash.url}/v1/chat/completions/{request_id}/cancel").status_code == 200
+    assert finished.wait(30)
+    expect(active).to_have_text(re.compile(r"^0 running"))
+
+    logged = dash.wait_event("request", request_id=request_id)
+    row = ui.locator(f'[data-testid="request-row"][data-request-id="{request_id}"]')
+    expect(row).to_contain_text("POST /v1/chat/completions")
+    expect(row).to_contain_text(
+        f"{logged['prompt_tokens']} → {logged['completion_tokens']}")
+    expect(row).to_contain_text(f"{round(logged['ttft_ms'])} ms")
+    cells = row.locator("td").all_text_contents()
+    assert cells[2] == "demo" and cells[3] == "200", cells
+
+
+def test_playground_streams_what_the_api_streams(page: Watched, dash: ServerProcess) -> None:
+    expect = _expect()
+    ui = _open(page, dash.url)
+    system, prompt = "You are terse.", "Write a line about rivers."
+    api = _stream(dash.url, {
+        "model": "demo", "temperature": 0, "max_tokens": 40,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": prompt}]})
+    _settings(ui, system=system, max_tokens="40", prompt=prompt)
+    with ui.expect_request("**/v1/chat/completions") as sent:
+        ui.get_by_test_id("send").click()
+    body = json.loads(sent.value.post_data)
+    assert body["messages"] == [{"role": "system", "content": system},
+                                {"role": "user", "content": prompt}]
+    assert (body["model"], body["temperature"], body["max_tokens"], body["stream"]) == (
+        "demo", 0, 40, True)
+    assert sent.value.headers["x-afm-profile"] == "true"
+    expect(ui.get_by_test_id("finish-reason")).to_have_text(api["finish"])
+    assert ui.get_by_test_id("output").text_content() == api["content"]
+    # Reasoning apart from the answer, never mixed into it.
+    assert ui.get_by_test_id("reasoning").text_content() == api["reasoning"]
+    expect(ui.get_by_test_id("reasoning-box")).to_be_visible(visible=bool(api["reasoning"]))
+    usage = api["usage"]
+    expect(ui.get_by_test_id("usage")).to_contain_text(
+        f"{usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion")
+    profile = ui.get_by_test_id("profile")
+    expect(profile).to_contain_text("TTFT")
+    expect(profile).to_contain_text("decode")
+    assert float(profile.get_attribute("data-ttft-ms")) > 0
+    expect(ui.get_by_test_id("stop")).to_be_disabled()
+    expect(ui.get_by_test_id("send")).to_be_enabled()
+
+
+def test_playground_renders_tool_calls(page: Watched, dash: ServerProcess) -> None:
+    expect = _expect()
+    ui = _open(page, dash.url)
+    prompt = "What is the weather in Paris?"
+    # One call (a random model repeats parallel calls until max_tokens), after a thinking
+    # block the grammar bounds.
+    api = _stream(dash.url, {"model": "demo", "temperature": 0, "max_tokens": 1500,
+                             "tools": [TOOL], "tool_choice": "required",
+                             "parallel_tool_calls": False,
+                             "messages": [{"role": "user", "content": prompt}]})
+    assert api["finish"] == "tool_calls" and api["calls"]
+    _settings(ui, max_tokens="1500", prompt=prompt)
+    ui.locator("details.tools summary").click()
+    ui.get_by_test_id("tools").fill(json.dumps([TOOL]))
+    ui.get_by_test_id("tool-choice").select_option("required")
+    ui.get_by_test_id("parallel-tool-calls").uncheck()
+    with ui.expect_request("**/v1/chat/completions") as sent:
+        ui.get_by_test_id("send").click()
+    body = json.loads(sent.value.post_data)
+    assert (body["tools"], body["tool_choice"], body["parallel_tool_calls"]) == (
+        [TOOL], "required", False)
+    expect(ui.get_by_test_id("finish-reason")).to_have_text("tool_calls")
+    calls = ui.get_by_test_id("tool-call")
+    expect(calls).to_have_count(len(api["calls"]))
+    for index, call in sorted(api["calls"].items()):
+        item = calls.nth(index)
+        expect(item.locator(".name")).to_have_text(call["name"])
+        shown = json.loads(item.locator("pre").text_content())
+        assert shown == json.loads(call["arguments"])
+    assert ui.get_by_test_id("output").text_content() == api["content"]
+    assert ui.get_by_test_id("reasoning").text_content() == api["reasoning"]
+
+
+def test_stop_cancels_the_request_on_the_server(page: Watched, dash: ServerProcess) -> None:
+    expect = _expect()
+    ui = _open(page, dash.url)
+    _settings(ui, max_tokens="6000", prompt="Tell a long story.")
+    ui.get_by_test_id("send").click()
+    expect(ui.get_by_test_id("output")).not_to_be_empty()
+    request_id = ui.get_by_test_id("request-id").text_content()
+    assert _health(dash.url)["active_requests"] == 1
+    ui.get_by_test_id("stop").click()
+    expect(ui.get_by_test_id("finish-reason")).to_have_text("cancelled")
+    logged = dash.wait_event("request", request_id=request_id)
+    assert logged["finish_reason"] == "cancelled" and logged["status"] == 200
+    assert 0 < logged["completion_tokens"] < 6000
+    assert not logged.get("disconnected")  # the server ended it, not a dropped connection
+    assert _health(dash.url)["active_requests"] == 0
+    expect(ui.get_by_test_id("send")).to_be_enabled()
+
+
+def test_unload_and_load_from_the_row(page: Watched, dash: ServerProcess) -> None:
+    expect = _expect()
+    ui = _open(page, dash.url)
+    row = _row(ui, "demo")
+    expect(row).to_have_attribute("data-state", "loaded")
+    row.get_by_test_id("unload").click()
+    expect(row).to_have_attribute("data-state", "available")
+    assert _health(dash.url)["model_details"]["demo"]["state"] == "available"
+    expect(row.get_by_test_id("unload")).to_have_count(0)
+    row.get_by_test_id("load").click()
+    expect(row).to_have_attribute("data-state", "loaded")
+    assert _health(dash.url)["model_details"]["demo"]["state"] == "loaded"
+    expect(row.get_by_test_id("unload")).to_have_count(1)
+
+
+def test_actions_refuse_another_origin(browser: Any, dash: ServerProcess) -> None:
+    """A page of another origin (the same server under another name) cannot unload."""
+    with watched_page(browser, dash.url) as watched:
+        ui = _open(watched, dash.url)
+        other = dash.url.replace("127.0.0.1", "localhost")
+        outcome = ui.evaluate("""async (url) => {
+            try {
+                const r = await fetch(url + "/ui/api/unload", {method: "POST",
+                    headers: {"Content-Type": "application/json"},
+                    body: JSON.stringify({model: "demo"})});
+                return "status " + r.status;
+            } catch (err) { return "refused: " + err.message; }
+        }""", other)
+        assert outcome.startswith("refused"), outcome
+        assert _health(dash.url)["model_details"]["demo"]["state"] == "loaded"
+        assert all("/ui/api/unload" not in r.url or r.url.startswith(other)
+                   for r in watched.requests)
+
+
+# ---------------------------------------------------------------------------- the key
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_server(tmp_path_factory.mktemp("keyed"),
+                          config=f'[server]\napi_key = "{KEY}"\n')
+    yield server
+    server.stop()
+
+
+def test_the_key_flow(browser: Any, keyed: ServerProcess) -> None:
+    expect = _expect()
+    url = keyed.url
+    with watched_page(browser, url) as watched:
+        ui = watched.page
+        ui.goto(url + "/")
+        field = ui.get_by_test_id("api-key")
+        expect(field).to_be_visible()
+        expect(ui.locator("main")).to_be_hidden()
+        expect(ui.get_by_test_id("model-row")).to_have_count(0)
+        # Nothing was read without the key: no refused request, no console error.
+        assert not [r.url for r in watched.requests if "/ui/api/" in r.url]
+
+        field.fill("not-the-key")
+        ui.get_by_test_id("api-key-submit").click()
+        expect(ui.get_by_test_id("api-key-error")).to_contain_text("refused")
+        assert ui.evaluate("sessionStorage.length") == 0  # a refused key is not kept
+        refused = len(watched.errors)
+        assert refused and all("401" in e for e in watched.errors), watched.errors
+
+        field.fill(KEY)
+        ui.get_by_test_id("api-key-submit").click()
+        expect(_row(ui, "demo")).to_have_attribute("data-state", "loaded")
+        assert ui.evaluate("sessionStorage.getItem('afmd.apiKey')") == KEY
+        assert ui.evaluate("localStorage.length") == 0
+        assert ui.context.cookies() == []
+        reads = [r for r in watched.requests if "/ui/api/" in r.url]
+        assert reads and reads[-1].headers["authorization"] == f"Bearer {KEY}"
+
+        # The key's actions and the playground send it too.
+        row = _row(ui, "demo")
+        row.get_by_test_id("unload").click()
+        expect(row).to_have_attribute("data-state", "available")
+        row.get_by_test_id("load").click()
+        expect(row).to_have_attribute("data-state", "loaded")
+        _settings(ui, max_tokens="8", prompt="Hi")
+        ui.get_by_test_id("send").click()
+        expect(ui.get_by_test_id("finish-reason")).to_have_text("length")
+        expect(ui.get_by_test_id("usage")).to_contain_text("8 completion")
+
+        # A reload keeps it (the tab's session); nothing else ever held it.
+        ui.reload()
+        expect(_row(ui, "demo")).to_be_visible()
+        expect(field).to_be_hidden()
+        expect(ui.locator("main")).to_be_visible()
+        watched.check(allowed_errors=("401",))
+        assert len(watched.errors) == refused
+    with watched_page(browser, url) as fresh:  # another tab's session: asked again
+        fresh.page.goto(url + "/ui/")
+        expect(fresh.page.get_by_test_id("api-key")).to_be_visible()
+        fresh.check()
+
+
+# ---------------------------------------------------------------------------- pull
+
+
+def test_pull_with_its_progress(browser: Any, tmp_path: Path) -> None:
+    expect = _expect()
+    files = {"config.json": json.dumps({"model_type": "qwen2"}).encode(),
+             "model.safetensors": safetensors_bytes({"w": ("F32", [512, 64])})}
+    with FakeHub() as hub:
+        hub.add_repo("test-org/tiny", files)
+        server = start_server(tmp_path, env={"HF_ENDPOINT": hub.url,
+                                             "HF_HOME": str(tmp_path / "hf"),
+                                             "HF_HUB_DISABLE_TELEMETRY": "1"})
+        try:
+            with watched_page(browser, server.url) as watched:
+                ui = _open(watched, server.url)
+                ui.get_by_test_id("pull-repo").fill("test-org/tiny")
+                ui.get_by_test_id("pull").click()
+                pulled = ui.locator('[data-testid="pull-row"][data-repo="test-org/tiny"]')
+                expect(pulled).to_have_attribute("data-state", "done", timeout=60_000)
+                assert pulled.get_by_test_id("pull-progress").evaluate("p => p.value") == 1
+                expect(pulled).to_contain_text("2 files")
+                row = _row(ui, "test-org/tiny")
+                expect(row).to_have_attribute("data-source", "downloaded")
+                expect(row).to_contain_text("not configured")
+                expect(row.get_by_test_id("load")).to_have_count(0)
+                watched.check()
+        finally:
+            server.stop()
