@@ -99,6 +99,14 @@ def test_models_lists_system_and_health_stays_200_when_it_is_not_the_default(
     assert aliased.json()["error"]["code"] == "model_unavailable"
 
 
+def test_the_dashboard_shows_it_and_cannot_load_it(demo_default: ServerProcess) -> None:
+    models = httpx.get(demo_default.url + "/ui/api/models").json()["models"]
+    (row,) = [m for m in models if m["id"] == "system"]
+    assert (row["state"], row["reason"]) == ("unavailable", "device_not_eligible")
+    load = httpx.post(demo_default.url + "/ui/api/load", json={"model": "system"})
+    assert load.status_code == 503 and load.json()["error"]["code"] == "model_unavailable"
+
+
 def _afmd(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "afmd", *args], capture_output=True,
                           text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": str(home)})

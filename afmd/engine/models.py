@@ -128,7 +128,11 @@ class ModelRegistry:
     ) -> asyncio.Task[LoadedModel]:
         """The model's load, started unless under way; it waits for room in the budget
         until ``deadline`` (default: ``request_timeout`` from now), unloading idle models
-        for it unless ``evict`` is false."""
+        for it unless ``evict`` is false. Apple's model where it cannot answer is 503
+        ``model_unavailable`` at once: there is nothing to load."""
+        found = self.availability(entry)
+        if found is not None and found.reason is not None:
+            raise framework.unavailable_error(entry.id, found)
         return self._loads.begin(entry, deadline, evict=evict)
 
     async def unload(self, model_id: str, reason: str = "unloaded on request") -> bool:
