@@ -307,9 +307,12 @@ class _Job:
         self._started = time.perf_counter()
         self._first: float | None = None
         self._ended = False
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self.loop.create_task(self._run())
+        # Held here (the worker holds the job until it is done): the loop keeps only a
+        # weak reference to a task.
+        self._task = self.loop.create_task(self._run())
 
     def cancel(self) -> None:
         """From any thread."""
