@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from afmd import endpoint, hubcache
-from afmd.config import Config, ConfigError, ModelEntry, default_config_path, load_config
+from afmd.config import (
+    BUILTIN_SYSTEM_PATH,
+    Config,
+    ConfigError,
+    ModelEntry,
+    default_config_path,
+    load_config,
+)
 from afmd.engine.kinds import BUILTIN_PREFIX
 from afmd.hubcache import human_bytes
 from afmd.paths import huggingface_hub_cache, models_cache_dir
@@ -237,15 +244,20 @@ def _list(args: argparse.Namespace) -> int:
             "loaded": entry.id in loaded_ids or entry.path in loaded_paths,
         })
         info = summary(folder, entry) if folder is not None else {}
+        if entry.path == BUILTIN_SYSTEM_PATH:  # Apple's model: the system's, on the device
+            from afmd.engine.apple.framework import CONTEXT_LENGTH
+
+            info = {"context_length": entry.context_length or CONTEXT_LENGTH}
         extra.append((str(info.get("quantization", "-")), str(info.get("context_length", "-"))))
     partial = [c for c in hubcache.cached_repos() if not c.complete]
 
     if args.json:
         _print_json({"models": rows})
         return EXIT_OK
-    table = [(r["id"], human_bytes(r["size_bytes"]) if r["path"] else "not on disk", q, c,
+    table = [(r["id"], human_bytes(r["size_bytes"]) if r["path"] else
+              "on-device" if e.path == BUILTIN_SYSTEM_PATH else "not on disk", q, c,
               "yes" if r["configured"] else "-", "yes" if r["loaded"] else "-")
-             for r, (q, c) in zip(rows, extra, strict=True)]
+             for r, (q, c), (e, _) in zip(rows, extra, entries, strict=True)]
     print(_table(("ID", "SIZE", "QUANTIZATION", "CONTEXT", "CONFIGURED", "LOADED"), table))
     for c in partial:
         print(f"partial download: {c.repo} (missing {', '.join(c.missing)}): "
@@ -353,6 +365,10 @@ def _show_entry(name: str, config: Config) -> ModelEntry:
 def _show(args: argparse.Namespace) -> int:
     config = _config(args.config)
     entry = _show_entry(args.model, config)
+    if entry.path == BUILTIN_SYSTEM_PATH:  # Apple's model: no folder, the framework says
+        from afmd.engine.apple import framework
+
+        return _print_info(framework.describe(entry), args.json)
     folder = folder_of(entry)
     if folder is None:
         if entry.path.startswith(BUILTIN_PREFIX):
@@ -369,7 +385,11 @@ def _show(args: argparse.Namespace) -> int:
         **describe(folder, entry),
         "size_bytes": hubcache.snapshot_size(folder),
     }
-    if args.json:
+    return _print_info(info, args.json)
+
+
+def _print_info(info: dict[str, Any], as_json: bool) -> int:
+    if as_json:
         _print_json(info)
         return EXIT_OK
     labels = {"parameters": lambda v: f"{v:,}", "size_bytes": human_bytes}

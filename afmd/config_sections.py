@@ -20,6 +20,10 @@ DEMO_EMBEDDING_MODEL_ID = "demo-embedding"
 BUILTIN_DEMO_EMBEDDING_PATH = "afmd:demo-embedding"
 DEMO_VISION_MODEL_ID = "demo-vision"
 BUILTIN_DEMO_VISION_PATH = "afmd:demo-vision"
+#: Apple's on-device Foundation Model (macOS 26+ with Apple Intelligence), through
+#: apple-fm-sdk; unavailable elsewhere (afmd.engine.apple).
+SYSTEM_MODEL_ID = "system"
+BUILTIN_SYSTEM_PATH = "afmd:system"
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _LOG_FORMATS = ("json", "console")
@@ -63,6 +67,7 @@ BUILTIN_MODELS: tuple[ModelEntry, ...] = (
     ModelEntry(id=DEMO_32K_MODEL_ID, path=BUILTIN_DEMO_32K_PATH),
     ModelEntry(id=DEMO_EMBEDDING_MODEL_ID, path=BUILTIN_DEMO_EMBEDDING_PATH, kind="embedding"),
     ModelEntry(id=DEMO_VISION_MODEL_ID, path=BUILTIN_DEMO_VISION_PATH, kind="vision"),
+    ModelEntry(id=SYSTEM_MODEL_ID, path=BUILTIN_SYSTEM_PATH),
 )
 
 
@@ -139,6 +144,15 @@ class ToolsConfig:
 
 
 @dataclass(frozen=True)
+class SystemConfig:
+    """Apple's on-device model (``system``), which calls tools itself mid-generation."""
+
+    # Seconds afmd waits after the model calls one of the client's tools for the calls it
+    # makes beside it (parallel calls), before it ends the turn with all of them.
+    tool_call_debounce: float = field(default=0.04, metadata=between(0, 10))
+
+
+@dataclass(frozen=True)
 class ContextConfig:
     """What to do when a prompt does not fit the model's context window."""
 
@@ -206,6 +220,7 @@ class Config:
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
     ui: UiConfig = field(default_factory=UiConfig)
     source: str | None = None
 
@@ -237,5 +252,6 @@ SECTIONS: dict[str, type] = {
     "responses": ResponsesConfig,
     "api": ApiConfig,
     "distributed": DistributedConfig,
+    "system": SystemConfig,
     "ui": UiConfig,
 }

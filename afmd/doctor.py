@@ -22,12 +22,14 @@ from typing import Any
 from afmd import endpoint, hubcache
 from afmd.config import (
     BREW_PREFIXES,
+    BUILTIN_SYSTEM_PATH,
     Config,
     ConfigError,
     default_config_path,
     load_config,
 )
 from afmd.doctor_report import EXIT_CONFIG, EXIT_OK, EXIT_PROBLEM, Report, owner_text, render
+from afmd.engine.apple import framework
 from afmd.paths import cache_dir, huggingface_hub_cache, models_cache_dir
 from afmd.port_owners import port_in_use, port_owners
 
@@ -82,6 +84,9 @@ def _brew_log(config_path: str | None, env: dict[str, str]) -> Path | None:
 
 def _model_state(path: str) -> tuple[str, str | None, bool]:
     """(kind, cache state, missing) of a configured model path."""
+    if path == BUILTIN_SYSTEM_PATH:  # Apple's model: what the framework says now
+        found = framework.availability()
+        return "Apple on-device model", f"{found.status} ({found.detail})", False
     if path.startswith("afmd:"):
         variant = path.split(":", 1)[1]
         pattern = re.compile(rf"^{re.escape(variant)}-[0-9a-f]{{12}}$")
@@ -202,6 +207,10 @@ def _find_problems(report: Report, config: Config) -> None:
     for model in report.models:
         if model["missing"]:
             report.problems.append(f"model {model['id']!r}: {model['cache']}")
+        elif model["default"] and model["path"] == BUILTIN_SYSTEM_PATH \
+                and not model["cache"].startswith("available"):
+            report.problems.append(f"the default model {model['id']!r} (Apple's on-device "
+                                   f"model) is {model['cache']}")
     if srv.get("afmd"):
         served = set(srv["health"].get("models", {}))
         configured = set(config.model_ids())

@@ -132,6 +132,11 @@ class ChatPipeline:
         received_at: float | None,
         profile: str | None,
     ) -> PreparedChat | PreparedCompletion:
+        if isinstance(request, CompletionRequest) and model.reads_conversation:
+            raise InvalidRequestError(
+                f"The model '{entry.id}' answers conversations, not raw prompts: use "
+                "/v1/chat/completions (or Responses, or Messages) with it.",
+                code="invalid_model_kind", param="model")
         if isinstance(request, CompletionRequest):  # raw prompts: no template, no tools
             return await prepare_completion(
                 model, entry, request, request_id, fingerprint=_fingerprint(model),
@@ -141,7 +146,8 @@ class ChatPipeline:
         _check_images(request, model, entry)
         request = _with_server_tools(request, self.server_tools)
         rounds = RoundBuilder(model, request, instructions=self.config.server.instructions,
-                              trim=self.config.context.policy == "trim")
+                              trim=self.config.context.policy == "trim",
+                              server_tools=self.server_tools.names)
         return PreparedChat(
             request_id=request_id,
             rounds=rounds,
@@ -163,8 +169,9 @@ class ChatPipeline:
         try:
             request = _with_server_tools(request, self.server_tools)
             rounds = RoundBuilder(lease.model, request,
-                                  instructions=self.config.server.instructions, trim=False)
-            return len(await asyncio.to_thread(rounds.render, request))
+                                  instructions=self.config.server.instructions, trim=False,
+                                  server_tools=self.server_tools.names)
+            return await asyncio.to_thread(rounds.prompt_tokens, request)
         finally:
             lease.release()
 

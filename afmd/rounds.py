@@ -18,9 +18,10 @@ from typing import Any
 from afmd.chat import template_messages, template_tools
 from afmd.context import droppable_units, without_units
 from afmd.core.request import ChatRequest
+from afmd.engine.apple.conversation import SystemTurn, system_turn
 from afmd.engine.loaded import LoadedModel
 from afmd.errors import InvalidRequestError
-from afmd.turn import TurnPlan, plan_turn, template_kwargs
+from afmd.turn import TurnPlan, check_schemas, plan_turn, template_kwargs
 
 
 @dataclass(slots=True)
@@ -33,19 +34,24 @@ class Round:
     plan: TurnPlan
     trimmed: int = 0  # messages dropped to fit the context window
     vision: Any = None  # a vision model's image inputs for this prompt (None: no image)
+    #: What a model that reads the conversation itself is given instead of ``prompt``
+    #: (Apple's on-device model: afmd.engine.apple.conversation.SystemTurn).
+    conversation: Any = None
 
 
 class RoundBuilder:
     """How one request's rounds are made; its tools are the same in every round."""
 
-    __slots__ = ("_instructions", "_pictures", "_tools", "_trim", "model")
+    __slots__ = ("_instructions", "_pictures", "_server_tools", "_tools", "_trim", "model")
 
     def __init__(
-        self, model: LoadedModel, request: ChatRequest, *, instructions: str, trim: bool
+        self, model: LoadedModel, request: ChatRequest, *, instructions: str, trim: bool,
+        server_tools: frozenset[str] = frozenset(),
     ) -> None:
         self.model = model
         self._instructions = instructions
         self._trim = trim
+        self._server_tools = server_tools  # their calls run inside a model that calls tools
         # Converted once per request, not per render (trimming renders several times).
         self._tools = template_tools(request.tools)
         self._pictures: dict[int, Any] = {}  # a vision model's decoded images, likewise
@@ -62,6 +68,41 @@ class RoundBuilder:
     def render(self, request: ChatRequest) -> list[int]:
         """The prompt's token ids (a template error is the conversation's fault: a 400)."""
         return self._render(request)[0]
+
+    def prompt_tokens(self, request: ChatRequest) -> int:
+        """What the conversation takes of the context window (blocking)."""
+        if self.model.reads_conversation:
+            worker: Any = self.model.worker
+            return int(worker.prompt_tokens(self._conversation(request, True)))
+        return len(self.render(request))
+
+    def _conversation(self, request: ChatRequest, first_step: bool) -> SystemTurn:
+        check_schemas(request)
+        return system_turn(request, instructions=self._instructions, first_step=first_step,
+                           server_tools=self._server_tools)
+
+    def _conversation_round(self, request: ChatRequest, first_step: bool) -> Round:
+        """A round of a model that reads the conversation itself (Apple's): no template,
+        no token ids and no grammar (the framework shapes its own output); the plan only
+        reads the answer back: stop sequences, calls, the JSON answer's check."""
+        if request.logprobs is not None:
+            raise InvalidRequestError(
+                f"The model '{self.model.id}' does not report log-probabilities.",
+                code="invalid_value", param="logprobs")
+        turn = self._conversation(request, first_step)
+        response_format = request.response_format
+        answers_json = response_format is not None and turn.forced is None
+        plan = TurnPlan(
+            downgraded=turn.downgraded,
+            stops=request.stop,
+            tools=self._tools,
+            max_calls=None if request.parallel_tool_calls else 1,
+            schema=response_format.schema if answers_json and response_format else None,
+            json_answer=answers_json,
+        )
+        limit = self.model.context_length
+        max_tokens = request.max_tokens if request.max_tokens is not None else limit
+        return Round(request, [], max_tokens, plan, conversation=turn)
 
     def _render(self, request: ChatRequest) -> tuple[list[int], Any]:
         """The prompt's token ids and, for a vision model, its image inputs."""
@@ -86,6 +127,8 @@ class RoundBuilder:
             ) from None
 
     def _build(self, request: ChatRequest, trim: bool, first_step: bool) -> Round:
+        if self.model.reads_conversation:
+            return self._conversation_round(request, first_step)
         limit = self.model.context_length
         budget = request.max_tokens
         # The room the prompt must leave: all of max_tokens, unless it is only a cap.

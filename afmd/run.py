@@ -11,7 +11,7 @@ token); the last batch ends with :class:`~afmd.core.events.Finish` and
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,7 +211,8 @@ class ChatRun:
     # -- control --
     def start_generation(self) -> None:
         self._control.arm()
-        self.generation = self.prepared.model.start(_generation(self.prepared, self.round))
+        self.generation = self.prepared.model.start(
+            _generation(self.prepared, self.round, self._tools.run_one))
 
     def cancel(self) -> None:
         """Stop for good (client cancel or disconnect; also when the response is over)."""
@@ -229,7 +230,8 @@ class ChatRun:
             self.generation.fail(timeout_error())
 
 
-def _generation(prepared: PreparedChat, rnd: Round) -> GenerationRequest:
+def _generation(prepared: PreparedChat, rnd: Round,
+                run_tool: Callable[[str, str], Awaitable[str]]) -> GenerationRequest:
     r = rnd.request
     return GenerationRequest(
         request_id=prepared.request_id,
@@ -245,6 +247,8 @@ def _generation(prepared: PreparedChat, rnd: Round) -> GenerationRequest:
         # What the client predicted is this turn's answer: later rounds (after server
         # tools) write something else.
         prediction=r.prediction if rnd is prepared.round else None,
+        conversation=rnd.conversation,
+        run_tool=run_tool if rnd.conversation is not None else None,
     )
 
 

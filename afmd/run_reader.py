@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from afmd.core.events import Content, Event, ToolCallEnd, ToolCallStart
+from afmd.core.events import Content, Event, Refusal, ToolCallEnd, ToolCallStart
 from afmd.core.request import ToolCall
-from afmd.engine.base import Finished, Text
+from afmd.engine.base import Finished, Refused, Text, ToolCalled
 from afmd.engine.tokens import LogprobQueue, TokenTable
 from afmd.toolloop import ClientView
 from afmd.turn import TurnPlan
@@ -56,6 +56,15 @@ class RoundReader:
                 if output.should_stop:
                     self.ended_by_us = True
                     self._stop()
+            elif isinstance(event, ToolCalled):
+                if self.ended_by_us:
+                    continue
+                out += output.call(event.name, event.arguments)
+                if output.should_stop:
+                    self.ended_by_us = True
+                    self._stop()
+            elif isinstance(event, Refused):
+                out.append(Refusal(event.text))
             elif isinstance(event, Finished):
                 out += output.finish()
                 self._add_logprobs(out)

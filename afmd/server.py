@@ -17,7 +17,7 @@ from typing import Any
 
 from sanic import Sanic
 
-from afmd.config import Config
+from afmd.config import BUILTIN_SYSTEM_PATH, Config
 from afmd.distributed.lead import GroupLead
 from afmd.distributed.loss import GroupLoss
 from afmd.engine.models import ModelRegistry
@@ -127,7 +127,11 @@ class Server:
             self._lost = GroupLoss(self)
             self.group.watch(self._lost.busy_since, self._lost.from_thread)
             self._lost.watch_supervisor()
-        if default is not None and (
+        unavailable = self.registry.unavailable_reason(default.id) if default else None
+        if unavailable is not None:  # Apple's model where it cannot run: /health says why
+            log.warning("model unavailable", model=default.id if default else None,
+                        reason=unavailable)
+        elif default is not None and (
             self.config.models.preloads(default) or self.group is not None
         ):
             # A group's shard waits as long as it takes: its ranks are loading it together.
@@ -144,7 +148,8 @@ class Server:
         )
         for listener in self.listeners:
             self.supervisor.emit(ListenerState("running", listener.describe()))
-        if default is not None and default.path.startswith("afmd:"):
+        if default is not None and default.path.startswith("afmd:") \
+                and default.path != BUILTIN_SYSTEM_PATH:  # Apple's model is a real one
             log.warning(DEMO_WARNING, model=default.id)
 
     def _listener_gave_up(self, state: ListenerState) -> None:

@@ -64,11 +64,21 @@ class ToolLoop:
         self._max_calls = max_calls
         self.rounds = 0  # rounds whose calls afmd ran
         self.calls = 0  # server tool calls run
+        self.inside = 0  # server calls a model made mid-generation (run_one)
 
     @property
     def ran(self) -> bool:
         """A tool ran (or is running): its effects may not be repeated by a retry."""
-        return self.rounds > 0
+        return self.rounds > 0 or self.inside > 0
+
+    async def run_one(self, name: str, arguments: str) -> str:
+        """One server call a model made itself mid-generation (Apple's on-device model
+        calls tools and goes on): run within the call budget; its output for the model."""
+        self.inside += 1
+        if self.calls >= self._max_calls:
+            return BUDGET_EXHAUSTED
+        self.calls += 1
+        return (await self._tools.run(name, arguments)).content
 
     def view(self) -> ClientView | None:
         """A fresh round's filter of events (None: no server tools, nothing to hide)."""

@@ -237,6 +237,17 @@ def _metaschema_problem(schema: Any) -> str | None:
     return None
 
 
+def check_schemas(request: ChatRequest) -> None:
+    """400 ``invalid_schema`` for a tool's parameters or a ``json_schema`` that is not a
+    JSON Schema, whichever model serves the request."""
+    for i, tool in enumerate(request.tools):
+        if tool.parameters is not None:
+            _check_schema(tool.parameters, f"tools[{i}].function.parameters")
+    response_format = request.response_format
+    if response_format is not None and response_format.schema is not None:
+        _check_schema(response_format.schema, "response_format.json_schema.schema")
+
+
 def _answer_schema(response_format: Any) -> dict[str, Any] | None:
     if response_format is None:
         return None
@@ -273,12 +284,8 @@ def plan_turn(
     allowed_names = choice.allowed if (first_step or not choice.named) else None
     thinking_off = request.reasoning_effort in ("none", "minimal")
 
-    for i, tool in enumerate(request.tools):
-        if tool.parameters is not None:
-            _check_schema(tool.parameters, f"tools[{i}].function.parameters")
+    check_schemas(request)
     response_format = request.response_format
-    if response_format is not None and response_format.schema is not None:
-        _check_schema(response_format.schema, "response_format.json_schema.schema")
 
     thinking = None
     can_think = formats.thinking is not None or formats.channels

@@ -51,7 +51,8 @@ class Afmd < Formula
         brew services start afmd
       Logs: #{var}/log/afmd.log    Diagnose a setup: afmd doctor
       Out of the box afmd serves the built-in "demo" model (random weights, nonsense text);
-      configure a real MLX model in [[models.model]].
+      configure a real MLX model in [[models.model]], or, on macOS 26 with Apple
+      Intelligence on, set [models] default = "system" for Apple's on-device model.
     EOS
   end
 

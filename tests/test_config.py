@@ -47,7 +47,8 @@ def test_defaults_without_file() -> None:
     assert cfg.source is None
     assert cfg.server.host == "127.0.0.1"
     assert cfg.server.port == 9999
-    assert cfg.model_ids() == ("demo", "demo-32k", "demo-embedding", "demo-vision")
+    assert cfg.model_ids() == ("demo", "demo-32k", "demo-embedding", "demo-vision",
+                               "system")
     assert cfg.resolve_model(None) == ModelEntry("demo", BUILTIN_DEMO_PATH)
     assert cfg.resolve_model("demo-32k") == ModelEntry("demo-32k", "afmd:demo-32k")
     assert cfg.resolve_model("nope") is None
@@ -382,7 +383,8 @@ def test_file_models_and_builtins(tmp_path: Path) -> None:
         context_length = 32768
         """,
     )
-    assert cfg.model_ids() == ("qwen", "demo", "demo-32k", "demo-embedding", "demo-vision")
+    assert cfg.model_ids() == ("qwen", "demo", "demo-32k", "demo-embedding", "demo-vision",
+                               "system")
     assert cfg.resolve_model(None) == ModelEntry(
         "qwen", "mlx-community/Qwen2.5-0.5B-Instruct-4bit", 32768
     )
@@ -391,7 +393,7 @@ def test_file_models_and_builtins(tmp_path: Path) -> None:
 
 def test_file_can_redefine_builtin_id(tmp_path: Path) -> None:
     cfg = load_text(tmp_path, "[[models.model]]\nid = 'demo'\npath = '/my/demo'\n")
-    assert cfg.model_ids() == ("demo", "demo-32k", "demo-embedding", "demo-vision")
+    assert cfg.model_ids() == ("demo", "demo-32k", "demo-embedding", "demo-vision", "system")
     assert cfg.resolve_model("demo") == ModelEntry("demo", "/my/demo")
 
 
@@ -404,11 +406,12 @@ def test_model_kind(tmp_path: Path) -> None:
     assert cfg.resolve_model("demo").kind is None  # read from the model's own config
 
 
-@pytest.mark.parametrize("name", ["demo", "demo-32k", "demo-embedding", "demo-vision"])
+@pytest.mark.parametrize("name", ["demo", "demo-32k", "demo-embedding", "demo-vision",
+                                  "system"])
 def test_model_flag_builtin_id(name: str) -> None:
     cfg = load_config(env={}, overrides={"model": name})
     assert cfg.models.default == name
-    assert cfg.model_ids() == ("demo", "demo-32k", "demo-embedding", "demo-vision")
+    assert cfg.model_ids() == ("demo", "demo-32k", "demo-embedding", "demo-vision", "system")
 
 
 def test_model_flag_alias_and_configured_id(tmp_path: Path) -> None:
@@ -421,7 +424,8 @@ def test_model_flag_alias_and_configured_id(tmp_path: Path) -> None:
     # A configured path picks the existing entry instead of adding a duplicate.
     cfg = load_text(tmp_path, text, overrides={"model": "org/q"})
     assert cfg.models.default == "q"
-    assert cfg.model_ids() == ("q", "demo", "demo-32k", "demo-embedding", "demo-vision")
+    assert cfg.model_ids() == ("q", "demo", "demo-32k", "demo-embedding", "demo-vision",
+                               "system")
 
 
 def test_model_flag_hf_repo_id(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -430,7 +434,8 @@ def test_model_flag_hf_repo_id(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
     cfg = load_config(env={}, overrides={"model": repo, "models.default": "demo-32k"})
     assert cfg.models.default == repo
     assert cfg.resolve_model(None) == ModelEntry(repo, repo)
-    assert cfg.model_ids() == ("demo", "demo-32k", "demo-embedding", "demo-vision", repo)
+    assert cfg.model_ids() == ("demo", "demo-32k", "demo-embedding", "demo-vision", "system",
+                               repo)
 
 
 def test_model_flag_local_dir_uses_basename(tmp_path: Path) -> None:

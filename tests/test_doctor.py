@@ -76,7 +76,7 @@ def test_nothing_running_free_port() -> None:
                            "owners": [], "found_with": ""}
     assert report.problems == [] and report.exit_code == 0
     ids = [m["id"] for m in report.models]
-    assert ids == ["demo", "demo-32k", "demo-embedding", "demo-vision"]
+    assert ids == ["demo", "demo-32k", "demo-embedding", "demo-vision", "system"]
     assert report.models[0]["default"] is True and report.models[0]["kind"] == "built-in"
 
 

@@ -159,9 +159,9 @@ def test_update_formula_refuses_bad_input(tmp_path: Path) -> None:
 
 def test_release_workflow_uses_the_scripts() -> None:
     workflow = (ROOT / ".github" / "workflows" / "release.yml").read_text()
-    for needed in ("macos-14", "build/build.py", "--sign", "homebrew/update_formula.py",
-                   "tests/test_frozen_binary.py", "AFMD_FROZEN_BINARY", "AFMD_SIGN_IDENTITY",
-                   ".tar.gz.sha256"):
+    for needed in ("macos-15", ".[test,system]", "build/build.py", "--sign",
+                   "homebrew/update_formula.py", "tests/test_frozen_binary.py",
+                   "AFMD_FROZEN_BINARY", "AFMD_SIGN_IDENTITY", ".tar.gz.sha256"):
         assert needed in workflow, needed
 
 

@@ -24,7 +24,8 @@ Layers, lowest first; a module may import its own layer and lower ones, never hi
     7  afmd.cli, afmd.__main__
 
 Besides: Sanic only in afmd.http.* and afmd.server; MLX / mlx-lm only in afmd.engine.* and
-afmd.grammar.*, at module level or inside functions alike. A module missing from
+afmd.grammar.*, Apple's apple_fm_sdk only in afmd.engine.apple.*, at module level or inside
+functions alike. A module missing from
 the table fails the test, so a new module has to be given its place. The modules between
 the edges (turn, tool loop, rounds, run, pipeline) import no wire format: not
 afmd.protocol.*, afmd.dialects.* or afmd.http.*.
@@ -113,6 +114,8 @@ RESTRICTED: dict[str, tuple[str, ...]] = {
     "sanic": ("afmd.http.*", "afmd.server"),
     "mlx": ("afmd.engine.*", "afmd.grammar.*"),
     "mlx_lm": ("afmd.engine.*", "afmd.grammar.*"),
+    # Apple's SDK (macOS only, optional): behind the engine boundary, with its model kind.
+    "apple_fm_sdk": ("afmd.engine.apple.*",),
 }
 
 

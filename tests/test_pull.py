@@ -238,7 +238,7 @@ def test_offline_and_unknown_repos_fail_clearly(hub: FakeHub, env: dict[str, str
 
     bad = afmd(env, "pull", "not a repo")
     assert_clean_failure(bad, "'not a repo' is not a Hugging Face repo id")
-    assert listed(env).keys() == {"demo", "demo-32k", "demo-embedding", "demo-vision"}
+    assert listed(env).keys() == {"demo", "demo-32k", "demo-embedding", "demo-vision", "system"}
 
 
 def test_progress_on_a_terminal_is_a_bar_per_file(hub: FakeHub, env: dict[str, str]) -> None:

@@ -28,6 +28,7 @@ class Fake:
     id: str
     memory_bytes: int = 10
     last_used: float = field(default_factory=time.time)
+    reads_conversation: bool = False  # Apple's model: none of afmd's memory
 
     def touch(self) -> None:
         self.last_used = time.time()
@@ -74,6 +75,27 @@ def test_least_recently_used_idle_model_makes_room() -> None:
         return freed
 
     assert run(main) == ["b"]
+
+
+def test_apples_model_neither_counts_nor_is_unloaded_for_room() -> None:
+    """It holds nothing of afmd's: loading another model beside it unloads nothing, and
+    making room never picks it (unloading it would free nothing)."""
+    async def main() -> list[str]:
+        res, freed = residency(max_loaded=2)
+        system, a = Fake("system", 0, reads_conversation=True), Fake("a")
+        admit(res, system, a)
+        use(res, system)
+        await asyncio.sleep(0.01)
+        use(res, a)  # system is the least recently used
+        await res.make_room("b", 10, time.monotonic() + 1)  # a and b: max_loaded
+        await res.drain()
+        assert sorted(res.loaded) == ["a", "system"]
+        await res.make_room("c", 10, time.monotonic() + 1)
+        await res.drain()
+        assert sorted(res.loaded) == ["system"]
+        return freed
+
+    assert run(main) == ["a"]
 
 
 def test_memory_budget_unloads_only_as_many_as_needed() -> None:

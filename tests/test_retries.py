@@ -295,6 +295,7 @@ class _Loaded:
     weights_bytes = memory_bytes = 0
     id = "demo"
     last_used = 0.0
+    reads_conversation = False  # an MLX model (Apple's reads the conversation itself)
 
     def touch(self) -> None:
         pass

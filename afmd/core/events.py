@@ -27,6 +27,14 @@ class Reasoning:
 
 
 @dataclass(frozen=True, slots=True)
+class Refusal:
+    """The model declined to answer, and says why: OpenAI's ``refusal``, not content (a
+    model that reports refusals as such: Apple's on-device model)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCallStart:
     index: int  # the client's numbering: 0, 1, … in the order calls start
     id: str
@@ -110,4 +118,4 @@ class Choice:
 
 
 Piece = Content | Reasoning | ToolCallStart | ToolCallArguments
-Event = Piece | ToolCallEnd | Finish | Usage | Profile | Logprobs | Choice
+Event = Piece | Refusal | ToolCallEnd | Finish | Usage | Profile | Logprobs | Choice

@@ -40,6 +40,7 @@ from afmd.core.events import (
     Finish,
     Profile,
     Reasoning,
+    Refusal,
     ToolCallArguments,
     ToolCallEnd,
     ToolCallStart,
@@ -134,7 +135,7 @@ class MessageReply:
 
     keepalive_interval = PING_INTERVAL
 
-    __slots__ = ("_block", "_finish", "_index", "max_tokens", "message_id", "model")
+    __slots__ = ("_block", "_finish", "_index", "_refused", "max_tokens", "message_id", "model")
 
     def __init__(self, *, model: str, max_tokens: int | None = None) -> None:
         self.message_id = new_message_id()
@@ -143,6 +144,7 @@ class MessageReply:
         self._index = -1  # the last block opened
         self._block: str | None = None  # the open block's type
         self._finish = Finish("stop")
+        self._refused = False  # the model declined: stop_reason "refusal", its text shown
 
     def _message(self, content: list[dict[str, Any]], usage: Usage | None,
                  stop: tuple[str | None, str | None]) -> dict[str, Any]:
@@ -161,6 +163,7 @@ class MessageReply:
         content: list[dict[str, Any]] = []
         usage = Usage(0, 0)
         finish = Finish("stop")
+        refused = False
         for event in events:
             last = content[-1] if content else None
             if isinstance(event, Reasoning):
@@ -169,7 +172,9 @@ class MessageReply:
                 else:
                     content.append({"type": "thinking", "thinking": event.text,
                                     "signature": ""})
-            elif isinstance(event, Content):
+            elif isinstance(event, Content | Refusal):
+                if isinstance(event, Refusal):
+                    refused = True
                 if last is not None and last["type"] == "text":
                     last["text"] += event.text
                 else:
@@ -182,7 +187,7 @@ class MessageReply:
                 finish = event
             elif isinstance(event, Usage):
                 usage = event
-        stop = stop_reason(finish, usage, self.max_tokens)
+        stop = ("refusal", None) if refused else stop_reason(finish, usage, self.max_tokens)
         return orjson.dumps(self._message(content, usage, stop))
 
     # -- the stream --
@@ -219,7 +224,9 @@ class MessageReply:
                     out.append(self._open({"type": "thinking", "thinking": "",
                                            "signature": ""}))
                 out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
-            elif isinstance(event, Content):
+            elif isinstance(event, Content | Refusal):
+                if isinstance(event, Refusal):
+                    self._refused = True
                 if self._block != "text":
                     out.append(self._open({"type": "text", "text": ""}))
                 out.append(self._delta({"type": "text_delta", "text": event.text}))
@@ -238,7 +245,8 @@ class MessageReply:
                 out.append(self._close())
                 self._finish = event
             elif isinstance(event, Usage):
-                reason, sequence = stop_reason(self._finish, event, self.max_tokens)
+                reason, sequence = ("refusal", None) if self._refused else \
+                    stop_reason(self._finish, event, self.max_tokens)
                 out.append(sse("message_delta", {
                     "type": "message_delta",
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},

@@ -20,6 +20,7 @@ from afmd.core.events import (
     Logprobs,
     Profile,
     Reasoning,
+    Refusal,
     TokenLogprob,
     ToolCallArguments,
     ToolCallEnd,
@@ -160,11 +161,12 @@ def assistant_message(
     *,
     reasoning: str | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    refusal: str | None = None,
 ) -> dict[str, Any]:
     message: dict[str, Any] = {
         "role": "assistant",
         "content": content,
-        "refusal": None,
+        "refusal": refusal,
         "annotations": [],
     }
     if reasoning:
@@ -193,6 +195,7 @@ class ChatCompletionReply:
     def body(self, events: Sequence[Event]) -> bytes:
         content: list[str] = []
         reasoning: list[str] = []
+        refusal: list[str] = []
         calls: list[dict[str, Any]] = []
         tokens: list[TokenLogprob] = []
         reason = "stop"
@@ -202,6 +205,8 @@ class ChatCompletionReply:
                 content.append(event.text)
             elif isinstance(event, Reasoning):
                 reasoning.append(event.text)
+            elif isinstance(event, Refusal):
+                refusal.append(event.text)
             elif isinstance(event, ToolCallEnd):
                 c = event.call
                 calls.append({"id": c.id, "type": "function",
@@ -214,9 +219,10 @@ class ChatCompletionReply:
                 tokens.extend(event.tokens)
         text = "".join(content)
         message = assistant_message(
-            text if text or not calls else None,
+            text if text or not (calls or refusal) else None,
             reasoning="".join(reasoning) or None,
             tool_calls=calls or None,
+            refusal="".join(refusal) or None,
         )
         return orjson.dumps({
             "id": self.completion_id,
@@ -259,6 +265,8 @@ class ChatCompletionReply:
             elif isinstance(event, Reasoning):
                 last = b'{"reasoning_content":' + orjson.dumps(event.text) + b"}"
                 out.append(chunks.reasoning(event.text))
+            elif isinstance(event, Refusal):
+                out.append(chunks.delta({"refusal": event.text}))
             elif isinstance(event, ToolCallStart):
                 out.append(chunks.delta(_call_start(event)))
             elif isinstance(event, ToolCallArguments):

@@ -24,6 +24,7 @@ from afmd.core.events import (
     Finish,
     Profile,
     Reasoning,
+    Refusal,
     ToolCallArguments,
     ToolCallEnd,
     ToolCallStart,
@@ -107,7 +108,7 @@ def response_object(echo: Echo, *, id: str, created_at: int, model: str, status:
 class _Open:
     """The output item being written."""
 
-    kind: str  # "message" | "reasoning" | "function_call"
+    kind: str  # "message" | "refusal" (a message whose part is one) | "reasoning" | …
     index: int  # output_index
     id: str
     parts: list[str] = field(default_factory=list)
@@ -134,9 +135,11 @@ def _done_item(item: _Open, text: str, status: str, encrypted: bool) -> Item:
     one content part is the part its ``content_part.done`` event carries."""
     if item.kind == "function_call":
         return _call_item(item, text, status)
-    if item.kind == "message":
+    if item.kind in ("message", "refusal"):
+        part = _output_text(text) if item.kind == "message" else \
+            {"type": "refusal", "refusal": text}
         return {"id": item.id, "type": "message", "status": status, "role": "assistant",
-                "content": [_output_text(text)]}
+                "content": [part]}
     return _reasoning_item(item.id, [{"type": "reasoning_text", "text": text}], status,
                            encrypted)
 
@@ -214,8 +217,9 @@ class ResponseBuilder:
 
     def feed(self, events: list[Event]) -> None:
         for event in events:
-            if isinstance(event, Content | Reasoning):
-                kind = "message" if isinstance(event, Content) else "reasoning"
+            if isinstance(event, Content | Reasoning | Refusal):
+                kind = "message" if isinstance(event, Content) else \
+                    "refusal" if isinstance(event, Refusal) else "reasoning"
                 item = self._open
                 if item is None or item.kind != kind:
                     item = self._open_text(kind)
@@ -244,13 +248,15 @@ class ResponseBuilder:
 
     def _open_text(self, kind: str) -> _Open:
         self._close()
-        prefix, part = ("msg", "output_text") if kind == "message" else ("rs", "reasoning_text")
+        prefix, part = {"message": ("msg", "output_text"), "refusal": ("msg", "refusal")}.get(
+            kind, ("rs", "reasoning_text"))
         item = _Open(kind, len(self.output), item_id(prefix))
         self._open = item
-        if kind == "message":
+        if kind in ("message", "refusal"):
             added: Item = {"id": item.id, "type": "message", "status": "in_progress",
                            "role": "assistant", "content": []}
-            empty = _output_text("")
+            empty = _output_text("") if kind == "message" else {"type": "refusal",
+                                                                 "refusal": ""}
         else:
             added = _reasoning_item(item.id, [], "in_progress", self._encrypted)
             empty = {"type": "reasoning_text", "text": ""}
@@ -294,6 +300,9 @@ class ResponseBuilder:
             if item.kind == "message":
                 self._log.emit({"type": "response.output_text.done", **base,
                                 "content_index": 0, "text": text, "logprobs": []})
+            elif item.kind == "refusal":
+                self._log.emit({"type": "response.refusal.done", **base,
+                                "content_index": 0, "refusal": text})
             else:
                 self._log.emit({"type": "response.reasoning_text.done", **base,
                                 "content_index": 0, "text": text})

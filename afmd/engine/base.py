@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +71,12 @@ class GenerationRequest:
     # A vision model's inputs besides the prompt ids (pixel values, image grids), opaque
     # to this layer; None: the prompt has no image.
     vision: Any = None
+    # A model that reads the conversation itself instead of prompt ids (Apple's on-device
+    # model: afmd.engine.apple.conversation.SystemTurn), opaque to this layer.
+    conversation: Any = None
+    # Runs one of the operator's server tools (name, JSON arguments) and returns what the
+    # model reads as its output: for a model that calls tools itself mid-generation.
+    run_tool: Callable[[str, str], Awaitable[str]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +127,24 @@ class Finished:
     speculation: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-Event = Text | PromptLogprobs | Finished
+@dataclass(frozen=True, slots=True)
+class ToolCalled:
+    """A tool call a model made as a structure rather than as text (Apple's framework calls
+    a tool object): numbered, given an id and budgeted like a written call."""
+
+    name: str
+    arguments: str  # JSON
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The model declined to answer (Apple's framework says so instead of writing text):
+    its explanation, which is not the answer's content."""
+
+    text: str
+
+
+Event = Text | PromptLogprobs | ToolCalled | Refused | Finished
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from afmd.config import ModelEntry
+from afmd.config import BUILTIN_SYSTEM_PATH, ModelEntry
 from afmd.engine import kinds
 
 #: The share of physical memory the default budget allows, per platform (module doc).
@@ -73,6 +73,8 @@ def size_before_loading(entry: ModelEntry) -> int | None:
     A built-in demo is built here if it was not yet (a moment's work its load would do
     anyway), so it is sized like any other folder.
     """
+    if entry.path == BUILTIN_SYSTEM_PATH:
+        return None  # Apple's model: its weights are the system's, not in afmd's memory
     if entry.path.startswith(kinds.BUILTIN_PREFIX):
         from afmd.engine import demo
 

@@ -21,6 +21,9 @@ from afmd.engine.kinds import CHAT, EmbeddingSpec
 from afmd.output.processor import ToolFormat
 
 if TYPE_CHECKING:
+    # Apple's model's worker (afmd.engine.apple): its SDK only on a generation.
+    from afmd.engine.apple.worker import SystemWorker
+
     # The worker imports mlx-lm and with it transformers (~45 MB resident): only a model
     # load may pay for that, not a server that has none (or has not loaded one yet).
     from afmd.engine.embedding import Embedder
@@ -59,7 +62,7 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     context_length: int
-    worker: BatchWorker | VisionWorker | None  # a chat model's
+    worker: BatchWorker | VisionWorker | SystemWorker | None  # a chat model's
     is_demo: bool = False
     weights_bytes: int = 0
     kind: str = CHAT
@@ -70,6 +73,9 @@ class LoadedModel:
     #: This rank's part of a model sharded over a launched group (kept loaded for good:
     #: the other ranks hold the rest and cannot load it again alone).
     shard: Shard | None = None
+    #: Apple's on-device model (afmd.engine.apple): it reads the conversation itself
+    #: (``GenerationRequest.conversation``), has no tokenizer here and no weights in afmd.
+    reads_conversation: bool = False
 
     def touch(self) -> None:
         self.last_used = time.time()
@@ -119,7 +125,7 @@ class LoadedModel:
 
     @property
     def supports_vision(self) -> bool:
-        return self.vision is not None
+        return self.vision is not None or self.reads_conversation
 
     @property
     def thinking(self) -> tuple[str, str] | None:

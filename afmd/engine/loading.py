@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from afmd.config import Config, ModelEntry
+from afmd.config import BUILTIN_SYSTEM_PATH, Config, ModelEntry
 from afmd.engine import kinds
 from afmd.engine.kinds import BUILTIN_PREFIX, CHAT
 from afmd.engine.loaded import DEFAULT_CONTEXT_LENGTH, LoadedModel, context_length_from
@@ -17,6 +17,10 @@ from afmd.engine.loaded import DEFAULT_CONTEXT_LENGTH, LoadedModel, context_leng
 def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     """The model in memory with its worker started; blocking, so the registry runs it in
     a thread."""
+    if entry.path == BUILTIN_SYSTEM_PATH:  # Apple's model: no weights, no MLX
+        from afmd.engine.apple.worker import load_system
+
+        return load_system(entry, config)
     # Fail before the heavy imports: mlx-lm drags in transformers (~45 MB resident, a second
     # or two), which a server whose model folder is missing would otherwise carry forever.
     if kinds.missing_local_path(entry.path):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from afmd.config import Config, ModelEntry
 from afmd.engine import budget, kinds
+from afmd.engine.apple import framework
 from afmd.engine.loaded import LoadedModel
 from afmd.engine.residency import RETRY_AFTER_S, Residency
 from afmd.errors import InvalidRequestError, ServerError, ServiceUnavailableError
@@ -146,7 +147,8 @@ class Loads:
             size = None
         if size is not None and size > residency.budget:
             raise self._too_large(entry, size, "on disk")
-        await residency.make_room(entry.id, size or 0, deadline, evict=evict)
+        if not framework.is_system(entry):  # Apple's model takes none of afmd's memory
+            await residency.make_room(entry.id, size or 0, deadline, evict=evict)
         started = time.perf_counter()
         try:
             loaded = await asyncio.to_thread(self._load_sync, entry, self._config)

@@ -16,6 +16,7 @@ import time
 
 from afmd.config import BUILTIN_DEMO_PATH, Config, ModelEntry
 from afmd.engine import budget
+from afmd.engine.apple import framework
 from afmd.engine.catalog import ModelCatalog
 from afmd.engine.kinds import CHAT
 from afmd.engine.loaded import LoadedModel
@@ -69,7 +70,24 @@ class ModelRegistry:
         return self._catalog.listed_ids()
 
     def status(self) -> dict[str, str]:
-        return self._loads.status()
+        status = self._loads.status()
+        for entry in self._config.models.model:
+            found = self.availability(entry)
+            if found is not None:
+                status[entry.id] = found.status
+        return status
+
+    def availability(self, entry: ModelEntry) -> framework.Availability | None:
+        """Apple's model's availability, asked of the framework now (None: another kind of
+        model, available as its loads say)."""
+        return framework.availability() if framework.is_system(entry) else None
+
+    def unavailable_reason(self, model_id: str) -> str | None:
+        """Why Apple's model cannot answer now (``device_not_eligible``, …); None for any
+        other model, or while it can."""
+        entry = self._config.resolve_model(model_id)
+        found = self.availability(entry) if entry is not None else None
+        return found.reason if found is not None else None
 
     def loaded(self, model_id: str) -> LoadedModel | None:
         return self._loaded.get(model_id)
@@ -81,6 +99,10 @@ class ModelRegistry:
         return self._loads.is_loading(model_id)
 
     def failure(self, model_id: str) -> str | None:
+        entry = self._config.resolve_model(model_id)
+        if entry is not None and framework.is_system(entry):
+            # The framework's answer now, not how an earlier load ended: it may be ready now.
+            return self.unavailable_reason(model_id)
         return self._loads.failure(model_id)
 
     def was_loaded(self, model_id: str) -> bool:
@@ -106,7 +128,11 @@ class ModelRegistry:
     ) -> asyncio.Task[LoadedModel]:
         """The model's load, started unless under way; it waits for room in the budget
         until ``deadline`` (default: ``request_timeout`` from now), unloading idle models
-        for it unless ``evict`` is false."""
+        for it unless ``evict`` is false. Apple's model where it cannot answer is 503
+        ``model_unavailable`` at once: there is nothing to load."""
+        found = self.availability(entry)
+        if found is not None and found.reason is not None:
+            raise framework.unavailable_error(entry.id, found)
         return self._loads.begin(entry, deadline, evict=evict)
 
     async def unload(self, model_id: str, reason: str = "unloaded on request") -> bool:
@@ -141,6 +167,9 @@ class ModelRegistry:
             keep_alive = self._config.models.keep_alive_of(entry)
         residency = self.residency
         self._loads.refuse_withdrawn(entry)
+        found = self.availability(entry)
+        if found is not None and found.reason is not None:
+            raise framework.unavailable_error(entry.id, found)
         residency.waiting[entry.id] += 1
         try:
             while True:
@@ -177,6 +206,10 @@ class ModelRegistry:
         wanted = [e for e in models.model if models.preloads(e)]
         wanted.sort(key=lambda e: e is not default)
         for entry in wanted:
+            found = self.availability(entry)
+            if found is not None and found.reason is not None:
+                log.info("not preloading %s: %s (%s)", entry.id, found.reason, found.detail)
+                continue
             try:
                 await self.begin_load(entry, deadline=time.monotonic(), evict=False)
             except ServiceUnavailableError as exc:

@@ -124,7 +124,9 @@ class Residency:
                 + sum(self._reserved.values()) + self._unloads.held_bytes())
 
     def _count(self) -> int:
-        return len(self.loaded) + len(self._reserved) + self._unloads.count()
+        """Models counted against ``max_loaded``: Apple's model holds nothing of afmd's."""
+        held = sum(1 for m in self.loaded.values() if not m.reads_conversation)
+        return held + len(self._reserved) + self._unloads.count()
 
     def _victims(self, size: int, keep: str | None = None) -> list[Resident] | None:
         """The idle models to unload, least recently used first, so that ``size`` more
@@ -136,6 +138,8 @@ class Residency:
         for resident in self._leases.idle(keep):
             if over_count <= 0 and over_bytes <= 0:
                 break
+            if resident.model.reads_conversation:
+                continue  # unloading it frees nothing
             victims.append(resident)
             over_count -= 1
             over_bytes -= resident.model.memory_bytes

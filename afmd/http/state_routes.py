@@ -86,9 +86,15 @@ def _health(state: Any) -> tuple[int, dict[str, Any]]:
         "model_details": model_details(state),
     }
     status = 200
+    # Apple's model as the default, where the framework cannot run it now: its reason.
+    unavailable = registry.unavailable_reason(default.id) if default is not None else None
+    if unavailable is not None:
+        body["status"] = "unavailable"
+        body["reason"] = unavailable
+        status = 503
     # Not ready while the default model's first load is due or under way, or failed; once
     # loaded it may be unloaded when idle, and then loads again on demand.
-    if default is not None and not registry.is_ready(default.id) and (
+    elif default is not None and not registry.is_ready(default.id) and (
         registry.failure(default.id) is not None
         or (state.config.models.preloads(default) and not registry.was_loaded(default.id))
     ):

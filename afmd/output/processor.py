@@ -116,6 +116,12 @@ class OutputProcessor:
         """The complete calls so far, in order (a cut-off one joins at ``finish``)."""
         return self._log.calls
 
+    def call(self, name: str, arguments: str) -> list[Piece]:
+        """A call the model reported whole rather than wrote (Apple's framework calls a
+        tool object): numbered, given an id and budgeted like a written one."""
+        self._pending_ws = ""
+        return self._log.whole(name, arguments)
+
     def feed(self, text: str) -> list[Piece]:
         safe = self._stops.feed(text)
         self.released += len(safe)
