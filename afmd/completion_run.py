@@ -124,7 +124,7 @@ class ChoiceReader:
         return finished.finish_reason
 
 
-class _Generations:
+class Generations:
     """A run's generations as one, for code that stops or fails "the" generation (the
     shutdown's interruption, the model's cancel)."""
 
@@ -167,8 +167,8 @@ class CompletionRun:
         return self._control.attempt
 
     @property
-    def generation(self) -> _Generations | None:
-        return _Generations(self.generations) if self.generations else None
+    def generation(self) -> Generations | None:
+        return Generations(self.generations) if self.generations else None
 
     def __aiter__(self) -> AsyncIterator[list[Event]]:
         return self._events
@@ -253,7 +253,9 @@ class CompletionRun:
             usage = Usage(self.prepared.prompt_tokens, 0)
         else:
             reasons = [r.reason or "stop" for r in readers]
-            usage = _usage([r.finished for r in readers if r.finished is not None])
+            usage = _usage([(r.finished, p.choice == 0) for r, p
+                            in zip(readers, self.prepared.prompts, strict=True)
+                            if r.finished is not None])
         self.finished = True
         self.finish_reason = "cancelled" if "cancelled" in reasons else reasons[0]
         self.usage = usage
@@ -311,8 +313,8 @@ def _request(prepared: PreparedCompletion, prompt: CompletionPrompt) -> Generati
     return GenerationRequest(
         request_id=prepared.request_id,
         prompt=prompt.ids,
-        max_tokens=r.max_tokens,
-        sampling=SamplingParams.of(r),
+        max_tokens=prompt.max_tokens,
+        sampling=SamplingParams.of(r, prompt.choice),
         sample_every=profiling.SAMPLE_EVERY if prepared.profile == "extended" else 0,
         logprobs=r.logprobs,
         prompt_logprobs=r.logprobs if r.echo and r.logprobs is not None else None,
@@ -322,12 +324,15 @@ def _request(prepared: PreparedCompletion, prompt: CompletionPrompt) -> Generati
     )
 
 
-def _usage(ends: list[Finished]) -> Usage:
-    return Usage(sum(e.prompt_tokens for e in ends),
-                 sum(e.completion_tokens for e in ends),
-                 sum(e.cached_tokens for e in ends),
-                 accepted_prediction_tokens=sum(e.accepted_prediction_tokens for e in ends),
-                 rejected_prediction_tokens=sum(e.rejected_prediction_tokens for e in ends))
+def _usage(ends: list[tuple[Finished, bool]]) -> Usage:
+    """Completion tokens over every choice; each prompt's tokens once (its first choice's
+    count), as OpenAI counts a prompt asked for ``n`` completions."""
+    firsts = [e for e, first in ends if first]
+    return Usage(sum(e.prompt_tokens for e in firsts),
+                 sum(e.completion_tokens for e, _ in ends),
+                 sum(e.cached_tokens for e in firsts),
+                 accepted_prediction_tokens=sum(e.accepted_prediction_tokens for e, _ in ends),
+                 rejected_prediction_tokens=sum(e.rejected_prediction_tokens for e, _ in ends))
 
 
 def _profile(

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from afmd import __version__
+from afmd.choices import ChoicesRun
 from afmd.completion_run import CompletionRun
 from afmd.completions import PreparedCompletion, prepare_completion
 from afmd.config import Config, ModelEntry
@@ -24,6 +25,7 @@ from afmd.engine.loaded import LoadedModel
 from afmd.engine.models import ModelRegistry
 from afmd.engine.residency import Lease
 from afmd.errors import ConflictError, InvalidRequestError
+from afmd.protocol.sampling import check_logit_bias
 from afmd.rounds import RoundBuilder
 from afmd.run import ChatRun, PreparedChat
 from afmd.run_control import RunPolicy
@@ -82,7 +84,7 @@ class ChatPipeline:
     request_timeout: float
     tools: ServerTools | None = None  # default: the config's [[tools.server]]
     policy: RunPolicy = field(init=False)
-    _runs: dict[str, ChatRun | CompletionRun] = field(default_factory=dict)
+    _runs: dict[str, ChatRun | ChoicesRun | CompletionRun] = field(default_factory=dict)
     #: Each prepared request's hold on its model, by the prepared object's identity.
     _leases: dict[int, Lease] = field(default_factory=dict)
 
@@ -139,9 +141,13 @@ class ChatPipeline:
                 profile=profile,
             )
         _check_images(request, model, entry)
+        check_logit_bias(request.logit_bias, model.vocab_size, entry.id)
         request = _with_server_tools(request, self.server_tools)
+        trim = request.trim_context
+        if trim is None:
+            trim = self.config.context.policy == "trim"
         rounds = RoundBuilder(model, request, instructions=self.config.server.instructions,
-                              trim=self.config.context.policy == "trim")
+                              trim=trim)
         return PreparedChat(
             request_id=request_id,
             rounds=rounds,
@@ -168,7 +174,9 @@ class ChatPipeline:
         finally:
             lease.release()
 
-    async def start(self, prepared: PreparedChat | PreparedCompletion) -> ChatRun | CompletionRun:
+    async def start(
+        self, prepared: PreparedChat | PreparedCompletion
+    ) -> ChatRun | ChoicesRun | CompletionRun:
         """Register the run under its request id, wait for a slot, start generating.
 
         The run is findable by id (for the cancel endpoint) while it waits in the queue; a
@@ -178,10 +186,13 @@ class ChatPipeline:
         if rid in self._runs:
             self._release_model(prepared)
             raise _duplicate_id(rid)
-        run: ChatRun | CompletionRun = (
-            CompletionRun(prepared, self.policy) if isinstance(prepared, PreparedCompletion)
-            else ChatRun(prepared, self.policy, self.server_tools)
-        )
+        run: ChatRun | ChoicesRun | CompletionRun
+        if isinstance(prepared, PreparedCompletion):
+            run = CompletionRun(prepared, self.policy)
+        elif prepared.round.request.n > 1:
+            run = ChoicesRun(prepared, self.policy, self.server_tools, prepared.round.request.n)
+        else:
+            run = ChatRun(prepared, self.policy, self.server_tools)
         self._runs[rid] = run
         lease = self._leases.get(id(prepared))
         if lease is not None:
@@ -199,7 +210,7 @@ class ChatPipeline:
         run.start_generation()
         return run
 
-    def release(self, run: ChatRun | CompletionRun) -> None:
+    def release(self, run: ChatRun | ChoicesRun | CompletionRun) -> None:
         """The response is over: stop the generation if it still runs, free its slot."""
         run.cancel()
         self.scheduler.release(run.ticket)
@@ -216,12 +227,13 @@ class ChatPipeline:
         if lease is not None:
             lease.release()
 
-    def _forget(self, run: ChatRun | CompletionRun) -> None:
+    def _forget(self, run: ChatRun | ChoicesRun | CompletionRun) -> None:
         if self._runs.get(run.prepared.request_id) is run:
             del self._runs[run.prepared.request_id]
 
-    def find(self, request_id: str) -> ChatRun | CompletionRun | None:
+    def find(self, request_id: str) -> ChatRun | ChoicesRun | CompletionRun | None:
         return self._runs.get(request_id)
 
 
-__all__ = ["ChatPipeline", "ChatRun", "CompletionRun", "PreparedChat", "PreparedCompletion"]
+__all__ = ["ChatPipeline", "ChatRun", "ChoicesRun", "CompletionRun", "PreparedChat",
+           "PreparedCompletion"]

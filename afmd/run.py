@@ -93,8 +93,10 @@ class _Totals:
 class ChatRun:
     """One turn's run; iterate it (once) for its batches of events."""
 
-    def __init__(self, prepared: PreparedChat, policy: RunPolicy, tools: ServerTools) -> None:
+    def __init__(self, prepared: PreparedChat, policy: RunPolicy, tools: ServerTools, *,
+                 choice: int = 0) -> None:
         self.prepared = prepared
+        self.choice = choice  # which of the request's ``n`` choices (its seed's offset)
         self.round = prepared.round
         self.ticket = Ticket()
         self.generation: Generation | None = None
@@ -211,7 +213,8 @@ class ChatRun:
     # -- control --
     def start_generation(self) -> None:
         self._control.arm()
-        self.generation = self.prepared.model.start(_generation(self.prepared, self.round))
+        self.generation = self.prepared.model.start(
+            _generation(self.prepared, self.round, self.choice))
 
     def cancel(self) -> None:
         """Stop for good (client cancel or disconnect; also when the response is over)."""
@@ -229,13 +232,13 @@ class ChatRun:
             self.generation.fail(timeout_error())
 
 
-def _generation(prepared: PreparedChat, rnd: Round) -> GenerationRequest:
+def _generation(prepared: PreparedChat, rnd: Round, choice: int) -> GenerationRequest:
     r = rnd.request
     return GenerationRequest(
         request_id=prepared.request_id,
         prompt=rnd.prompt,
         max_tokens=rnd.max_tokens,
-        sampling=SamplingParams.of(r),
+        sampling=SamplingParams.of(r, choice),
         logits_processors=rnd.plan.logits_processors(),
         sample_every=profiling.SAMPLE_EVERY if prepared.profile == "extended" else 0,
         think_ids=prepared.model.think_ids,
