@@ -19,12 +19,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from afmd.completion_run import Generations
-from afmd.core.events import Choice, Event, Profile, Usage
+from afmd.core.events import Choice, Event, Profile, Timings, Usage
 from afmd.engine.base import Generation
 from afmd.run import ChatRun, PreparedChat
 from afmd.run_control import RunPolicy
 from afmd.scheduler import Ticket
 from afmd.servertools import ServerTools
+
+#: What a choice's run ends with that is the request's, not the choice's.
+_RUN_END = Usage | Timings | Profile
 
 
 class ChoicesRun:
@@ -87,11 +90,11 @@ class ChoicesRun:
                     if not pending[i].done():
                         continue
                     batch = pending.pop(i).result()
-                    shown = [e for e in batch if not isinstance(e, Usage | Profile)]
+                    shown = [e for e in batch if not isinstance(e, _RUN_END)]
                     if shown:
                         out.append(Choice(i, tuple(shown)))
                     if self.runs[i].finished:
-                        ends[i] = [e for e in batch if isinstance(e, Usage | Profile)]
+                        ends[i] = [e for e in batch if isinstance(e, _RUN_END)]
                 if len(ends) == len(streams):
                     yield out + self._end(ends)
                     return
@@ -115,12 +118,11 @@ class ChoicesRun:
         self.finished = True
         self.finish_reason = "cancelled" if "cancelled" in reasons else reasons[0]
         self.usage = usage
-        out: list[Event] = [usage]
-        # The profile of the choice that ended last: its span covers the others'.
-        profile = next((e for i in reversed(list(ends)) for e in ends[i]
-                        if isinstance(e, Profile)), None)
-        if profile is not None:
-            out.append(profile)
+        # The timings and profile of the choice that ended last: its span covers the others'.
+        last = ends[next(reversed(ends))]
+        out: list[Event] = [e for e in last if isinstance(e, Timings)]
+        out.append(usage)
+        out += [e for e in last if isinstance(e, Profile)]
         return out
 
 

@@ -15,12 +15,23 @@ stop-sequence check has released the token's text, never for text a stop swallow
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from afmd import profiling
 from afmd.completions import CompletionPrompt, PreparedCompletion
-from afmd.core.events import Choice, Content, Event, Finish, Logprobs, Profile, TokenLogprob, Usage
+from afmd.core.events import (
+    Choice,
+    Content,
+    Event,
+    Finish,
+    Logprobs,
+    Profile,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
 from afmd.engine.base import (
     Finished,
     Generation,
@@ -259,7 +270,7 @@ class CompletionRun:
         self.finished = True
         self.finish_reason = "cancelled" if "cancelled" in reasons else reasons[0]
         self.usage = usage
-        out.append(usage)
+        out += [_timings(self.prepared, readers), usage]
         if self.prepared.profile is not None and not cancelled_in_queue:
             out.append(Profile(_profile(self.prepared, readers, usage)))
         return out
@@ -333,6 +344,19 @@ def _usage(ends: list[tuple[Finished, bool]]) -> Usage:
                  sum(e.cached_tokens for e in firsts),
                  accepted_prediction_tokens=sum(e.accepted_prediction_tokens for e, _ in ends),
                  rejected_prediction_tokens=sum(e.rejected_prediction_tokens for e, _ in ends))
+
+
+def _timings(prepared: PreparedCompletion, readers: list[ChoiceReader]) -> Timings:
+    """The choices' phases as one: from the first start to the first token, and from
+    there to the last end (they ran together)."""
+    total = time.perf_counter() - prepared.received_at
+    timings = [r.finished.timings for r in readers if r.finished is not None]
+    if not timings:
+        return Timings(total, prepared.load_seconds, 0.0, 0.0)
+    first = min(t["first_token_at"] for t in timings)
+    return Timings(total, prepared.load_seconds,
+                   max(0.0, first - min(t["started_at"] for t in timings)),
+                   max(0.0, max(t["finished_at"] for t in timings) - first))
 
 
 def _profile(

@@ -17,8 +17,8 @@ from afmd import fim
 from afmd.config import ModelEntry
 from afmd.core.request import CompletionRequest
 from afmd.engine.loaded import LoadedModel
+from afmd.engine.penalties import check_logit_bias
 from afmd.errors import InvalidRequestError
-from afmd.protocol.sampling import check_logit_bias
 from afmd.turn import TurnPlan
 
 
@@ -48,6 +48,7 @@ class PreparedCompletion:
     deadline: float  # time.monotonic()
     received_at: float  # time.perf_counter()
     profile: str | None = None
+    load_seconds: float = 0.0  # as PreparedChat's
     # What the response headers read of a chat turn's plan: nothing is ever downgraded.
     plan: TurnPlan = field(default_factory=TurnPlan)
     trimmed: int = 0

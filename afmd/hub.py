@@ -23,6 +23,7 @@ import fnmatch
 import hashlib
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -151,8 +152,11 @@ def _discard(link: Path) -> None:
             path.unlink()
 
 
-def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None) -> Pulled:
-    """Download and verify ``ref``; progress to ``out`` (stderr). Raises PullError."""
+def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
+         bars: Callable[[RemoteFile], type] | None = None) -> Pulled:
+    """Download and verify ``ref``; progress to ``out`` (stderr), or through the ``tqdm``
+    class ``bars`` makes for each file (Ollama's ``/api/pull`` reports it as its own
+    progress objects). Raises PullError."""
     out = out if out is not None else sys.stderr
     terminal = out.isatty() if terminal is None else terminal
     repo, revision = parse_ref(ref)
@@ -174,7 +178,8 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None) -
         try:
             local = Path(hf_hub_download(
                 repo, remote.path, revision=commit, cache_dir=str(cache),
-                tqdm_class=bar_class(remote.path, out, terminal=terminal)))
+                tqdm_class=(bars(remote) if bars is not None
+                            else bar_class(remote.path, out, terminal=terminal))))
         except Exception as exc:
             raise PullError(f"downloading {remote.path}: {_explain(exc, repo, revision)}; "
                             "run the pull again to resume (finished files are kept)") from exc

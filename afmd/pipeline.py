@@ -23,9 +23,9 @@ from afmd.config import Config, ModelEntry
 from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.engine.loaded import LoadedModel
 from afmd.engine.models import ModelRegistry
+from afmd.engine.penalties import check_logit_bias
 from afmd.engine.residency import Lease
 from afmd.errors import ConflictError, InvalidRequestError
-from afmd.protocol.sampling import check_logit_bias
 from afmd.rounds import RoundBuilder
 from afmd.run import ChatRun, PreparedChat
 from afmd.run_control import RunPolicy
@@ -115,12 +115,14 @@ class ChatPipeline:
         # Held until the response is over (release): a model in use is never unloaded.
         lease = await self.registry.lease(entry, deadline=started + self.policy.request_timeout,
                                           keep_alive=request.keep_alive)
+        waited = time.monotonic() - started  # the model's load, when it was not loaded
         try:
             prepared = await self._prepare(lease.model, entry, request, request_id, started,
                                            received_at, profile)
         except BaseException:
             lease.release()
             raise
+        prepared.load_seconds = waited
         self._leases[id(prepared)] = lease
         return prepared
 

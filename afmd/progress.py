@@ -97,3 +97,28 @@ def bar_class(label: str, stream: TextIO, *, terminal: bool) -> type[tqdm]:
     """A bar class for one file, as the hub client wants a class, not an instance."""
     base: type[tqdm] = _TerminalBar if terminal else _LineBar
     return type("FileBar", (base,), {"label": label, "stream": stream})
+
+
+class _ReportingBar(tqdm):  # type: ignore[misc]
+    """A bar that draws nothing and hands ``(completed, total)`` to ``report`` instead."""
+
+    report: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("name", None)
+        kwargs["disable"] = True
+        self._done = int(kwargs.get("initial") or 0)
+        self._total = kwargs.get("total")
+        super().__init__(*args, **kwargs)
+        type(self).report(self._done, self._total)
+
+    def update(self, n: float | None = 1) -> bool | None:
+        self._done += int(n or 0)
+        type(self).report(self._done, self._total)
+        return None
+
+
+def reporting_bar(report: Any) -> type[tqdm]:
+    """A bar class whose progress goes to ``report(completed_bytes, total_bytes)`` (called
+    from the downloading thread)."""
+    return type("ReportingBar", (_ReportingBar,), {"report": staticmethod(report)})

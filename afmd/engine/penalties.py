@@ -23,6 +23,7 @@ from mlx_lm.sample_utils import (
 )
 
 from afmd.engine.base import SamplingParams
+from afmd.errors import InvalidRequestError
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -63,4 +64,14 @@ def sampling_processors(params: SamplingParams, max_tokens: int) -> list[LogitsP
     return processors
 
 
-__all__ = ["OverOutput", "sampling_processors"]
+def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int, model: str) -> None:
+    """Every biased id within the model's vocabulary: a bias past its logits would be
+    written outside them."""
+    for token, _ in bias:
+        if token >= vocab_size:
+            raise InvalidRequestError(
+                f"Invalid token id {token} in 'logit_bias': the model '{model}' has ids "
+                f"0-{vocab_size - 1}.", code="invalid_value", param=f"logit_bias.{token}")
+
+
+__all__ = ["OverOutput", "check_logit_bias", "sampling_processors"]

@@ -37,7 +37,7 @@ from afmd.errors import (
     PayloadTooLargeError,
     ServerError,
 )
-from afmd.http import embeddings, messages, responses, routes
+from afmd.http import embeddings, messages, ollama, responses, routes
 from afmd.http.access import CLIENT_CLOSED, log_access
 from afmd.http.metrics import Metrics, metrics
 from afmd.http.screen import Cors, method_not_allowed, unknown_url
@@ -175,6 +175,7 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
                   methods=["POST"], name="embeddings_cancel")
     responses.add_routes(app, state.config)
     messages.add_routes(app)
+    ollama.add_routes(app)
     for route in routes.STATE_ROUTES:
         app.add_route(route.handler, route.path, methods=["GET"], name=route.name)
     app.add_route(routes.get_model, "/v1/models/<model_id:path>", methods=["GET"],

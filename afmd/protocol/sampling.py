@@ -5,7 +5,7 @@ to 100 added to the token's logit before sampling: -100 bans a token, 100 all bu
 it. ``presence_penalty`` and ``frequency_penalty`` (-2 to 2) lower the logit of every token
 the answer already holds, once for being there and once per occurrence. ``n`` asks for
 several choices of the same prompt (1 to :data:`MAX_CHOICES`), decoded together. Whether a
-biased id exists depends on the model, so :func:`check_logit_bias` runs once it is known.
+biased id exists depends on the model: :func:`afmd.engine.penalties.check_logit_bias`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ __all__ = [
     "FREQUENCY_PENALTY",
     "MAX_CHOICES",
     "PRESENCE_PENALTY",
-    "check_logit_bias",
     "choices_scalar",
     "logit_bias_of",
 ]
@@ -66,12 +65,3 @@ def logit_bias_of(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
         pairs.append((int(key), as_number(bias, param, -MAX_BIAS, MAX_BIAS)))
     return tuple(pairs)
 
-
-def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int, model: str) -> None:
-    """Every biased id within the model's vocabulary (a bias past its logits would be
-    written outside them)."""
-    for token, _ in bias:
-        if token >= vocab_size:
-            raise invalid(f"logit_bias.{token}",
-                          f"Invalid token id {token} in 'logit_bias': the model '{model}' has "
-                          f"ids 0-{vocab_size - 1}.")
