@@ -166,6 +166,15 @@ class ApiConfig:
 
 
 @dataclass(frozen=True)
+class OllamaConfig:
+    """Ollama's native API (``/api/...``), which every listener serves."""
+
+    # Also listen on 127.0.0.1:<port> (Ollama's own is 11434), for apps that only know
+    # Ollama's address; the same app, screening and limits. 0: no such listener.
+    port: int = field(default=0, metadata=between(0, 65535))
+
+
+@dataclass(frozen=True)
 class DistributedConfig:
     """How a model sharded over several ranks (``afmd launch``) is split and watched.
 
@@ -198,6 +207,7 @@ class Config:
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
+    ollama: OllamaConfig = field(default_factory=OllamaConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     source: str | None = None
 
@@ -228,5 +238,6 @@ SECTIONS: dict[str, type] = {
     "tools": ToolsConfig,
     "responses": ResponsesConfig,
     "api": ApiConfig,
+    "ollama": OllamaConfig,
     "distributed": DistributedConfig,
 }

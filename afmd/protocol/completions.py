@@ -75,7 +75,7 @@ COMPLETION_SCALARS = (
 # ``chat_template_kwargs`` is not among them: a completion has no chat template, so a client
 # sending it (one extra body for every endpoint) learns from the header that it was ignored.
 _KNOWN = _IGNORED | names(COMPLETION_SCALARS) | {"prompt", "stop", "stream_options",
-                                                  "keep_alive", "prediction"}
+                                                  "keep_alive", "prediction", "logit_bias"}
 
 
 def parse_completion_request(body: dict[str, Any], *, strict: bool = False) -> CompletionRequest:
