@@ -287,9 +287,9 @@ def test_stop_with_four_entries_accepted(http: httpx.Client) -> None:
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("GET", "/v1/nope"), ("POST", "/v1/edits"), ("GET", "/"),
+    [("GET", "/v1/nope"), ("POST", "/v1/edits"), ("GET", "/nope"),
      ("POST", "/v1/chat/completion")],
-    ids=["get-unknown", "legacy-edits", "root", "typo"],
+    ids=["get-unknown", "legacy-edits", "top-level", "typo"],
 )
 def test_unknown_path(http: httpx.Client, method: str, path: str) -> None:
     response = http.request(method, path, json=_body())

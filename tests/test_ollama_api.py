@@ -474,3 +474,37 @@ def test_ollama_port_serves_and_a_taken_one_is_refused(tmp_path: Path) -> None:
         assert f"pid {first.proc.pid}" in result.stderr  # who holds it, as doctor says
     finally:
         first.stop()
+
+
+def test_the_queue_refuses_in_ollamas_envelope(tmp_path: Path) -> None:
+    """A full queue is a 429 with ``Retry-After`` here too, its body ``{"error": ...}``."""
+    server = start_server(tmp_path, config="[queue]\nmax_concurrent_requests = 1\n"
+                                           "max_queued_requests = 0\n")
+    rid = "busy-" + uuid.uuid4().hex
+    first: list[dict[str, Any]] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", server.url + "/api/chat", timeout=60,
+                          headers={"X-Request-ID": rid},
+                          json={"model": "demo", "messages": MESSAGES,
+                                "options": {"num_predict": 4000}}) as response:
+            for line in response.iter_lines():
+                if line:
+                    first.append(json.loads(line))
+                    started.set()
+
+    thread = threading.Thread(target=stream)
+    try:
+        thread.start()
+        assert started.wait(30)
+        refused = httpx.post(server.url + "/api/generate", timeout=30,
+                             json={"model": "demo", "prompt": "hi", "stream": False})
+        assert refused.status_code == 429, refused.text
+        assert set(refused.json()) == {"error"} and refused.headers["Retry-After"]
+        assert httpx.post(f"{server.url}/v1/chat/completions/{rid}/cancel").status_code == 200
+        thread.join(30)
+        assert first[-1]["done_reason"] == "cancelled"
+    finally:
+        server.stop()
+        thread.join(5)
