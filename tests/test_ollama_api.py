@@ -353,6 +353,8 @@ def test_errors_are_ollamas(client: ollama.Client, http: httpx.Client) -> None:
     options = http.post("/api/generate", json={"model": "demo", "prompt": "x",
                                                "options": {"temperature": "hot"}})
     assert options.status_code == 400 and "options.temperature" in options.json()["error"]
+    builtin = http.request("DELETE", "/api/delete", json={"model": "demo"})
+    assert builtin.status_code == 400 and "not a download" in builtin.json()["error"]
     refused = http.post("/api/chat", json={"model": "demo", "messages": MESSAGES},
                         headers={"Host": "evil.example"})
     assert refused.status_code == 421 and set(refused.json()) == {"error"}

@@ -16,11 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import (
-    make_frequency_penalty,
-    make_logits_processors,
-    make_presence_penalty,
-)
 
 from afmd.engine.base import SamplingParams
 from afmd.errors import InvalidRequestError
@@ -47,6 +42,13 @@ class OverOutput:
 
 def sampling_processors(params: SamplingParams, max_tokens: int) -> list[LogitsProcessor]:
     """The processors ``params`` ask for, fresh for one sequence (they keep state)."""
+    # mlx-lm imports transformers: not before a model is loaded (tests/test_import_footprint).
+    from mlx_lm.sample_utils import (
+        make_frequency_penalty,
+        make_logits_processors,
+        make_presence_penalty,
+    )
+
     kwargs: dict[str, Any] = {}
     if params.repetition_context is not None:
         kwargs["repetition_context_size"] = max(1, params.repetition_context)

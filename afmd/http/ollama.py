@@ -209,7 +209,11 @@ async def delete(request: Request) -> HTTPResponse:
     request.ctx.model = name
     entry = state.registry.resolve(name)
     repo = entry.path
-    cached = hubcache.inspect(repo) if hubcache.REPO_ID.match(repo) else None
+    if not hubcache.REPO_ID.match(repo):
+        raise InvalidRequestError(f"model '{name}' is not a download ({repo}): only models in "
+                                  "the Hugging Face cache can be deleted; take a configured "
+                                  "one out of the configuration instead", param="model")
+    cached = hubcache.inspect(repo)
     if cached is None:
         raise NotFoundError(f"model '{name}' not found: only models downloaded into the "
                             "Hugging Face cache can be deleted", code="model_not_found",
