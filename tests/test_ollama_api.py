@@ -138,6 +138,11 @@ def test_stream_is_ndjson_by_default(http: httpx.Client) -> None:
     assert len(lines) >= 2 and lines[-1]["done"] is True
     assert all(line["done"] is False for line in lines[:-1])
     assert lines[-1]["created_at"].endswith("Z")
+    profiled = http.post("/api/chat", json={"model": "demo", "messages": MESSAGES,
+                                            "options": GREEDY},
+                         headers={"X-AFM-Profile": "true"})
+    last = json.loads(profiled.text.splitlines()[-1])
+    assert last["done"] is True and last["afm_profile"]["completion_tokens"] == 12
     whole = http.post("/api/chat", json={"model": "demo", "messages": MESSAGES,
                                          "options": GREEDY, "stream": False})
     assert whole.headers["content-type"] == "application/json"
@@ -338,6 +343,13 @@ def test_empty_prompts_load_and_unload(client: ollama.Client) -> None:
         time.sleep(0.1)
     again = client.chat(model="demo-32k", messages=[], keep_alive=0)  # not loaded: nothing
     assert again.done_reason == "unload"
+    # A turn's own keep_alive 0: the model goes once the answer is over.
+    answer = client.chat(model="demo-32k", messages=MESSAGES, options=GREEDY, keep_alive=0)
+    assert answer.eval_count == 12
+    deadline = time.monotonic() + 20
+    while "demo-32k:latest" in {m.model for m in client.ps().models}:
+        assert time.monotonic() < deadline, "demo-32k stayed loaded after keep_alive 0"
+        time.sleep(0.1)
 
 
 # -- errors, screening, cancel -------------------------------------------------------------
