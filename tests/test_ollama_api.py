@@ -522,3 +522,23 @@ def test_the_queue_refuses_in_ollamas_envelope(tmp_path: Path) -> None:
     finally:
         server.stop()
         thread.join(5)
+
+
+def test_truncate_drops_the_oldest_turns_to_fit_num_ctx(http: httpx.Client) -> None:
+    turns: list[dict[str, str]] = []
+    for i in range(12):
+        turns += [{"role": "user", "content": f"Question number {i} about colours?"},
+                  {"role": "assistant", "content": f"Answer number {i}: blue and red."}]
+    messages = [{"role": "system", "content": "Be brief."}, *turns,
+                {"role": "user", "content": "And the last one?"}]
+    body = {"model": "demo", "messages": messages, "stream": False,
+            "options": {"temperature": 0, "num_ctx": 120, "num_predict": 8}}
+    full = openai_chat(http, messages=messages, max_tokens=1)["usage"]["prompt_tokens"]
+    assert full > 120
+    trimmed = http.post("/api/chat", json=body)
+    assert trimmed.status_code == 200, trimmed.text
+    assert int(trimmed.headers["X-AFM-Trimmed-Messages"]) > 0
+    answer = trimmed.json()
+    assert answer["prompt_eval_count"] + answer["eval_count"] <= 120
+    refused = http.post("/api/chat", json={**body, "truncate": False})
+    assert refused.status_code == 400 and "context length" in refused.json()["error"]
