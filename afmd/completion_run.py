@@ -15,12 +15,23 @@ stop-sequence check has released the token's text, never for text a stop swallow
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from afmd import profiling
 from afmd.completions import CompletionPrompt, PreparedCompletion
-from afmd.core.events import Choice, Content, Event, Finish, Logprobs, Profile, TokenLogprob, Usage
+from afmd.core.events import (
+    Choice,
+    Content,
+    Event,
+    Finish,
+    Logprobs,
+    Profile,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
 from afmd.engine.base import (
     Finished,
     Generation,
@@ -124,7 +135,7 @@ class ChoiceReader:
         return finished.finish_reason
 
 
-class _Generations:
+class Generations:
     """A run's generations as one, for code that stops or fails "the" generation (the
     shutdown's interruption, the model's cancel)."""
 
@@ -167,8 +178,8 @@ class CompletionRun:
         return self._control.attempt
 
     @property
-    def generation(self) -> _Generations | None:
-        return _Generations(self.generations) if self.generations else None
+    def generation(self) -> Generations | None:
+        return Generations(self.generations) if self.generations else None
 
     def __aiter__(self) -> AsyncIterator[list[Event]]:
         return self._events
@@ -253,11 +264,13 @@ class CompletionRun:
             usage = Usage(self.prepared.prompt_tokens, 0)
         else:
             reasons = [r.reason or "stop" for r in readers]
-            usage = _usage([r.finished for r in readers if r.finished is not None])
+            usage = _usage([(r.finished, p.choice == 0) for r, p
+                            in zip(readers, self.prepared.prompts, strict=True)
+                            if r.finished is not None])
         self.finished = True
         self.finish_reason = "cancelled" if "cancelled" in reasons else reasons[0]
         self.usage = usage
-        out.append(usage)
+        out += [_timings(self.prepared, readers), usage]
         if self.prepared.profile is not None and not cancelled_in_queue:
             out.append(Profile(_profile(self.prepared, readers, usage)))
         return out
@@ -311,8 +324,8 @@ def _request(prepared: PreparedCompletion, prompt: CompletionPrompt) -> Generati
     return GenerationRequest(
         request_id=prepared.request_id,
         prompt=prompt.ids,
-        max_tokens=r.max_tokens,
-        sampling=SamplingParams.of(r),
+        max_tokens=prompt.max_tokens,
+        sampling=SamplingParams.of(r, prompt.choice),
         sample_every=profiling.SAMPLE_EVERY if prepared.profile == "extended" else 0,
         logprobs=r.logprobs,
         prompt_logprobs=r.logprobs if r.echo and r.logprobs is not None else None,
@@ -322,12 +335,28 @@ def _request(prepared: PreparedCompletion, prompt: CompletionPrompt) -> Generati
     )
 
 
-def _usage(ends: list[Finished]) -> Usage:
-    return Usage(sum(e.prompt_tokens for e in ends),
-                 sum(e.completion_tokens for e in ends),
-                 sum(e.cached_tokens for e in ends),
-                 accepted_prediction_tokens=sum(e.accepted_prediction_tokens for e in ends),
-                 rejected_prediction_tokens=sum(e.rejected_prediction_tokens for e in ends))
+def _usage(ends: list[tuple[Finished, bool]]) -> Usage:
+    """Completion tokens over every choice; each prompt's tokens once (its first choice's
+    count), as OpenAI counts a prompt asked for ``n`` completions."""
+    firsts = [e for e, first in ends if first]
+    return Usage(sum(e.prompt_tokens for e in firsts),
+                 sum(e.completion_tokens for e, _ in ends),
+                 sum(e.cached_tokens for e in firsts),
+                 accepted_prediction_tokens=sum(e.accepted_prediction_tokens for e, _ in ends),
+                 rejected_prediction_tokens=sum(e.rejected_prediction_tokens for e, _ in ends))
+
+
+def _timings(prepared: PreparedCompletion, readers: list[ChoiceReader]) -> Timings:
+    """The choices' phases as one: from the first start to the first token, and from
+    there to the last end (they ran together)."""
+    total = time.perf_counter() - prepared.received_at
+    timings = [r.finished.timings for r in readers if r.finished is not None]
+    if not timings:
+        return Timings(total, prepared.load_seconds, 0.0, 0.0)
+    first = min(t["first_token_at"] for t in timings)
+    return Timings(total, prepared.load_seconds,
+                   max(0.0, first - min(t["started_at"] for t in timings)),
+                   max(0.0, max(t["finished_at"] for t in timings) - first))
 
 
 def _profile(

@@ -17,6 +17,7 @@ from afmd import fim
 from afmd.config import ModelEntry
 from afmd.core.request import CompletionRequest
 from afmd.engine.loaded import LoadedModel
+from afmd.engine.penalties import check_logit_bias
 from afmd.errors import InvalidRequestError
 from afmd.turn import TurnPlan
 
@@ -28,6 +29,8 @@ class CompletionPrompt:
     ids: list[int]
     echo: str | None  # the prompt's text when echoed (None: not echoed)
     lead: int = 0  # ids afmd put before the client's text (the BOS): echoed as nothing
+    max_tokens: int = 16  # the request's, or what the context leaves when that is a cap
+    choice: int = 0  # which of the prompt's ``n`` completions (its seed's offset)
 
 
 @dataclass(slots=True)
@@ -45,6 +48,7 @@ class PreparedCompletion:
     deadline: float  # time.monotonic()
     received_at: float  # time.perf_counter()
     profile: str | None = None
+    load_seconds: float = 0.0  # as PreparedChat's
     # What the response headers read of a chat turn's plan: nothing is ever downgraded.
     plan: TurnPlan = field(default_factory=TurnPlan)
     trimmed: int = 0
@@ -55,7 +59,8 @@ class PreparedCompletion:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(p.ids) for p in self.prompts)
+        """Each prompt once, however many completions it has (as OpenAI counts ``n``)."""
+        return sum(len(p.ids) for p in self.prompts if p.choice == 0)
 
 
 async def prepare_completion(
@@ -69,6 +74,7 @@ async def prepare_completion(
     received_at: float | None,
     profile: str | None,
 ) -> PreparedCompletion:
+    check_logit_bias(request.logit_bias, model.vocab_size, entry.id)
     stop_ids: tuple[int, ...] = ()
     stops = request.stop
     plan = None
@@ -126,11 +132,12 @@ def _prompts(
                 code="invalid_value",
                 param=param,
             )
-        _check_fits(model, len(ids), request.max_tokens, param)
+        max_tokens = _fitted(model, request, len(ids), param)
         echo = None
         if request.echo:
             echo = prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))
-        out.append(CompletionPrompt(ids, echo, max(lead, 0)))
+        out.extend(CompletionPrompt(ids, echo, max(lead, 0), max_tokens, choice)
+                   for choice in range(request.n))
     return out
 
 
@@ -146,8 +153,22 @@ def _check_ids(model: LoadedModel, ids: tuple[int, ...], param: str) -> None:
             )
 
 
-def _check_fits(model: LoadedModel, prompt: int, completion: int, param: str) -> None:
+def _fitted(model: LoadedModel, request: CompletionRequest, prompt: int, param: str) -> int:
+    """The completion's token budget: the request's, which must fit the context window
+    with the prompt, or when it is only a cap, what the window leaves (at least one)."""
     limit = model.context_length
+    if request.context_window is not None:
+        limit = min(limit, request.context_window)
+    if request.max_tokens_shrinks:
+        left = limit - prompt
+        if left < 1:
+            _check_fits(limit, prompt, 1, param)
+        return min(request.max_tokens, left)
+    _check_fits(limit, prompt, request.max_tokens, param)
+    return request.max_tokens
+
+
+def _check_fits(limit: int, prompt: int, completion: int, param: str) -> None:
     if prompt + completion > limit:
         raise InvalidRequestError(
             f"This model's maximum context length is {limit} tokens, however you requested "

@@ -180,6 +180,15 @@ class ApiConfig:
 
 
 @dataclass(frozen=True)
+class OllamaConfig:
+    """Ollama's native API (``/api/...``), which every listener serves."""
+
+    # Also listen on 127.0.0.1:<port> (Ollama's own is 11434), for apps that only know
+    # Ollama's address; the same app, screening and limits. 0: no such listener.
+    port: int = field(default=0, metadata=between(0, 65535))
+
+
+@dataclass(frozen=True)
 class DistributedConfig:
     """How a model sharded over several ranks (``afmd launch``) is split and watched.
 
@@ -219,6 +228,7 @@ class Config:
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
+    ollama: OllamaConfig = field(default_factory=OllamaConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
     ui: UiConfig = field(default_factory=UiConfig)
@@ -251,6 +261,7 @@ SECTIONS: dict[str, type] = {
     "tools": ToolsConfig,
     "responses": ResponsesConfig,
     "api": ApiConfig,
+    "ollama": OllamaConfig,
     "distributed": DistributedConfig,
     "system": SystemConfig,
     "ui": UiConfig,

@@ -189,7 +189,9 @@ class EmbeddingService:
                             code="invalid_value",
                             param=f"{param}[{j}]",
                         )
-            if len(ids) > model.context_length:
+            if len(ids) > model.context_length and request.truncate:
+                ids = ids[: model.context_length]
+            elif len(ids) > model.context_length:
                 raise InvalidRequestError(
                     f"'{param}' is {len(ids)} tokens long; the model '{model.id}' embeds at "
                     f"most {model.context_length} tokens per input. Shorten or split it.",

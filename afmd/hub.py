@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import hashlib
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from afmd.hubcache import REPO_ID, human_bytes, repo_folder
 from afmd.paths import huggingface_hub_cache
-from afmd.progress import Report, bar_class
+from afmd.progress import bar_class
 
 #: mlx-lm's own download patterns (``mlx_lm.utils.DEFAULT_ALLOW_PATTERNS``): afmd fetches
 #: exactly what a load of the repo would, and nothing it would not.
@@ -47,6 +49,11 @@ class RemoteFile:
     size: int
     blob_id: str  # the git object id
     sha256: str | None  # LFS files only
+
+
+#: ``report(file, bytes done, bytes in all)``: a pull's progress for a caller that shows it
+#: itself, beside the command's own lines.
+Report = Callable[[RemoteFile, int, int | None], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +161,9 @@ def _discard(link: Path) -> None:
 def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
          report: Report | None = None) -> Pulled:
     """Download and verify ``ref``; progress to ``out`` (stderr), and to ``report`` when
-    given: each file with 0 bytes done before any download, its bytes as they come, and
-    all its bytes once it is verified (or was already there). Raises PullError."""
+    given (the dashboard's pulls, Ollama's ``/api/pull``): each file with 0 bytes done
+    before any download, its bytes as they come, and all its bytes once it is verified
+    (or was already there). Raises PullError."""
     out = out if out is not None else sys.stderr
     terminal = out.isatty() if terminal is None else terminal
     repo, revision = parse_ref(ref)
@@ -167,7 +175,7 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
     out.flush()
     if report is not None:
         for remote in files:
-            report(remote.path, 0, remote.size)
+            report(remote, 0, remote.size)
 
     from huggingface_hub import hf_hub_download
 
@@ -180,7 +188,9 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
         try:
             local = Path(hf_hub_download(
                 repo, remote.path, revision=commit, cache_dir=str(cache),
-                tqdm_class=bar_class(remote.path, out, terminal=terminal, report=report)))
+                tqdm_class=bar_class(
+                    remote.path, out, terminal=terminal,
+                    report=functools.partial(report, remote) if report is not None else None)))
         except Exception as exc:
             raise PullError(f"downloading {remote.path}: {_explain(exc, repo, revision)}; "
                             "run the pull again to resume (finished files are kept)") from exc
@@ -197,7 +207,7 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
             raise PullError(f"{remote.path} failed verification ({kind} {actual}, the hub "
                             f"says {expected}); the file was deleted, run the pull again")
         if report is not None:
-            report(remote.path, remote.size, remote.size)
+            report(remote, remote.size, remote.size)
     ref_file = repo_folder(repo, cache) / "refs" / revision
     if revision != commit:
         ref_file.parent.mkdir(parents=True, exist_ok=True)

@@ -16,12 +16,14 @@ import time
 from dataclasses import dataclass, field
 
 from afmd import __version__
+from afmd.choices import ChoicesRun
 from afmd.completion_run import CompletionRun
 from afmd.completions import PreparedCompletion, prepare_completion
 from afmd.config import Config, ModelEntry
 from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.engine.loaded import LoadedModel
 from afmd.engine.models import ModelRegistry
+from afmd.engine.penalties import check_logit_bias
 from afmd.engine.residency import Lease
 from afmd.errors import ConflictError, InvalidRequestError
 from afmd.rounds import RoundBuilder
@@ -82,7 +84,7 @@ class ChatPipeline:
     request_timeout: float
     tools: ServerTools | None = None  # default: the config's [[tools.server]]
     policy: RunPolicy = field(init=False)
-    _runs: dict[str, ChatRun | CompletionRun] = field(default_factory=dict)
+    _runs: dict[str, ChatRun | ChoicesRun | CompletionRun] = field(default_factory=dict)
     #: Each prepared request's hold on its model, by the prepared object's identity.
     _leases: dict[int, Lease] = field(default_factory=dict)
 
@@ -113,12 +115,14 @@ class ChatPipeline:
         # Held until the response is over (release): a model in use is never unloaded.
         lease = await self.registry.lease(entry, deadline=started + self.policy.request_timeout,
                                           keep_alive=request.keep_alive)
+        waited = time.monotonic() - started  # the model's load, when it was not loaded
         try:
             prepared = await self._prepare(lease.model, entry, request, request_id, started,
                                            received_at, profile)
         except BaseException:
             lease.release()
             raise
+        prepared.load_seconds = waited
         self._leases[id(prepared)] = lease
         return prepared
 
@@ -144,10 +148,13 @@ class ChatPipeline:
                 profile=profile,
             )
         _check_images(request, model, entry)
+        check_logit_bias(request.logit_bias, model.vocab_size, entry.id)
         request = _with_server_tools(request, self.server_tools)
+        trim = request.trim_context
+        if trim is None:
+            trim = self.config.context.policy == "trim"
         rounds = RoundBuilder(model, request, instructions=self.config.server.instructions,
-                              trim=self.config.context.policy == "trim",
-                              server_tools=self.server_tools.names)
+                              trim=trim, server_tools=self.server_tools.names)
         return PreparedChat(
             request_id=request_id,
             rounds=rounds,
@@ -175,7 +182,9 @@ class ChatPipeline:
         finally:
             lease.release()
 
-    async def start(self, prepared: PreparedChat | PreparedCompletion) -> ChatRun | CompletionRun:
+    async def start(
+        self, prepared: PreparedChat | PreparedCompletion
+    ) -> ChatRun | ChoicesRun | CompletionRun:
         """Register the run under its request id, wait for a slot, start generating.
 
         The run is findable by id (for the cancel endpoint) while it waits in the queue; a
@@ -185,10 +194,13 @@ class ChatPipeline:
         if rid in self._runs:
             self._release_model(prepared)
             raise _duplicate_id(rid)
-        run: ChatRun | CompletionRun = (
-            CompletionRun(prepared, self.policy) if isinstance(prepared, PreparedCompletion)
-            else ChatRun(prepared, self.policy, self.server_tools)
-        )
+        run: ChatRun | ChoicesRun | CompletionRun
+        if isinstance(prepared, PreparedCompletion):
+            run = CompletionRun(prepared, self.policy)
+        elif prepared.round.request.n > 1:
+            run = ChoicesRun(prepared, self.policy, self.server_tools, prepared.round.request.n)
+        else:
+            run = ChatRun(prepared, self.policy, self.server_tools)
         self._runs[rid] = run
         lease = self._leases.get(id(prepared))
         if lease is not None:
@@ -206,7 +218,7 @@ class ChatPipeline:
         run.start_generation()
         return run
 
-    def release(self, run: ChatRun | CompletionRun) -> None:
+    def release(self, run: ChatRun | ChoicesRun | CompletionRun) -> None:
         """The response is over: stop the generation if it still runs, free its slot."""
         run.cancel()
         self.scheduler.release(run.ticket)
@@ -223,12 +235,13 @@ class ChatPipeline:
         if lease is not None:
             lease.release()
 
-    def _forget(self, run: ChatRun | CompletionRun) -> None:
+    def _forget(self, run: ChatRun | ChoicesRun | CompletionRun) -> None:
         if self._runs.get(run.prepared.request_id) is run:
             del self._runs[run.prepared.request_id]
 
-    def find(self, request_id: str) -> ChatRun | CompletionRun | None:
+    def find(self, request_id: str) -> ChatRun | ChoicesRun | CompletionRun | None:
         return self._runs.get(request_id)
 
 
-__all__ = ["ChatPipeline", "ChatRun", "CompletionRun", "PreparedChat", "PreparedCompletion"]
+__all__ = ["ChatPipeline", "ChatRun", "ChoicesRun", "CompletionRun", "PreparedChat",
+           "PreparedCompletion"]

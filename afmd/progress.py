@@ -94,27 +94,26 @@ class _LineBar(tqdm):  # type: ignore[misc]
         super().close()
 
 
-#: ``report(file, bytes done, bytes in all)``: progress for a caller that shows it itself
-#: (the dashboard's pulls), beside the bar.
-Report = Callable[[str, int, int | None], None]
+#: ``report(bytes done, bytes in all)``: one file's progress for a caller that shows it
+#: itself (the dashboard's pulls, Ollama's ``/api/pull``), beside the bar.
+FileReport = Callable[[int, int | None], None]
 
 
 class _Reporting:
     """Mixed into a bar: every update is also reported (the bar's own count, which the
     hub client rewinds when it resumes a cut connection)."""
 
-    label = ""
-    report: Report | None = None
+    report: FileReport | None = None
 
     def update(self, n: float | None = 1) -> bool | None:
         shown = super().update(n)  # type: ignore[misc]
         if self.report is not None:
-            self.report(self.label, int(self.n), self.total)  # type: ignore[attr-defined]
+            self.report(int(self.n), self.total)  # type: ignore[attr-defined]
         return shown
 
 
 def bar_class(label: str, stream: TextIO, *, terminal: bool,
-              report: Report | None = None) -> type[tqdm]:
+              report: FileReport | None = None) -> type[tqdm]:
     """A bar class for one file, as the hub client wants a class, not an instance."""
     base: type[tqdm] = _TerminalBar if terminal else _LineBar
     if report is None:

@@ -15,10 +15,13 @@ import io
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from afmd.errors import InvalidRequestError
 from afmd.hubcache import REPO_ID
+
+if TYPE_CHECKING:
+    from afmd.hub import RemoteFile
 
 #: Finished pulls kept for the page.
 KEPT = 20
@@ -40,10 +43,10 @@ class Pull:
     finished_at: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def report(self, path: str, done: int, total: int | None) -> None:
-        """Progress from the download thread (afmd.progress.Report)."""
+    def report(self, remote: RemoteFile, done: int, total: int | None) -> None:
+        """Progress from the download thread (afmd.hub.Report)."""
         with self._lock:
-            entry = self.files.setdefault(path, [0, 0])
+            entry = self.files.setdefault(remote.path, [0, 0])
             entry[0] = done
             if total is not None:
                 entry[1] = total

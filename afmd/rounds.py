@@ -130,6 +130,8 @@ class RoundBuilder:
         if self.model.reads_conversation:
             return self._conversation_round(request, first_step)
         limit = self.model.context_length
+        if request.context_window is not None:
+            limit = min(limit, request.context_window)
         budget = request.max_tokens
         # The room the prompt must leave: all of max_tokens, unless it is only a cap.
         need = budget if budget is not None and not request.max_tokens_shrinks else 1

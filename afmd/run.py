@@ -11,12 +11,13 @@ token); the last batch ends with :class:`~afmd.core.events.Finish` and
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from afmd import profiling
-from afmd.core.events import Event, Finish, Profile, Usage
+from afmd.core.events import Event, Finish, Profile, Timings, Usage
 from afmd.core.request import ToolCall
 from afmd.engine.base import Finished, Generation, GenerationRequest, SamplingParams
 from afmd.engine.loaded import LoadedModel
@@ -46,6 +47,7 @@ class PreparedChat:
     deadline: float  # time.monotonic() by which the whole request must be done
     received_at: float  # time.perf_counter() when the request arrived
     profile: str | None = None  # "summary" | "extended"
+    load_seconds: float = 0.0  # spent waiting for the model before the turn was prepared
 
     @property
     def model(self) -> LoadedModel:
@@ -75,8 +77,13 @@ class _Totals:
     accepted: int = 0  # prediction tokens (the first round's: the only one with it)
     rejected: int = 0
     speculation: dict[str, dict[str, int]] = field(default_factory=dict)
+    prefill_s: float = 0.0  # each round's start to its first token
+    decode_s: float = 0.0  # each round's first token to its end
 
     def add(self, event: Finished) -> None:
+        t = event.timings
+        self.prefill_s += max(0.0, t["first_token_at"] - t["started_at"])
+        self.decode_s += max(0.0, t["finished_at"] - t["first_token_at"])
         self.prompt += event.prompt_tokens
         self.completion += event.completion_tokens
         self.cached += event.cached_tokens
@@ -93,8 +100,10 @@ class _Totals:
 class ChatRun:
     """One turn's run; iterate it (once) for its batches of events."""
 
-    def __init__(self, prepared: PreparedChat, policy: RunPolicy, tools: ServerTools) -> None:
+    def __init__(self, prepared: PreparedChat, policy: RunPolicy, tools: ServerTools, *,
+                 choice: int = 0) -> None:
         self.prepared = prepared
+        self.choice = choice  # which of the request's ``n`` choices (its seed's offset)
         self.round = prepared.round
         self.ticket = Ticket()
         self.generation: Generation | None = None
@@ -203,7 +212,10 @@ class ChatRun:
         self.finished = True
         self.finish_reason = reason
         self.usage = usage
-        out: list[Event] = [Finish(reason, stop_sequence), usage]
+        timings = Timings(time.perf_counter() - self.prepared.received_at,
+                          self.prepared.load_seconds, self._totals.prefill_s,
+                          self._totals.decode_s)
+        out: list[Event] = [timings, Finish(reason, stop_sequence), usage]
         if self.prepared.profile is not None and finished is not None:
             out.append(Profile(_profile(self.prepared, self._totals, finished)))
         return out
@@ -212,7 +224,7 @@ class ChatRun:
     def start_generation(self) -> None:
         self._control.arm()
         self.generation = self.prepared.model.start(
-            _generation(self.prepared, self.round, self._tools.run_one))
+            _generation(self.prepared, self.round, self.choice, self._tools.run_one))
 
     def cancel(self) -> None:
         """Stop for good (client cancel or disconnect; also when the response is over)."""
@@ -230,14 +242,14 @@ class ChatRun:
             self.generation.fail(timeout_error())
 
 
-def _generation(prepared: PreparedChat, rnd: Round,
+def _generation(prepared: PreparedChat, rnd: Round, choice: int,
                 run_tool: Callable[[str, str], Awaitable[str]]) -> GenerationRequest:
     r = rnd.request
     return GenerationRequest(
         request_id=prepared.request_id,
         prompt=rnd.prompt,
         max_tokens=rnd.max_tokens,
-        sampling=SamplingParams.of(r),
+        sampling=SamplingParams.of(r, choice),
         logits_processors=rnd.plan.logits_processors(),
         sample_every=profiling.SAMPLE_EVERY if prepared.profile == "extended" else 0,
         think_ids=prepared.model.think_ids,

@@ -117,7 +117,8 @@ class Server:
 
     # -- lifecycle --
     def _bind_all(self) -> None:
-        bind_listeners(self.config.server, self.gate, self._listeners)
+        bind_listeners(self.config.server, self.gate, self._listeners,
+                       ollama_port=self.config.ollama.port)
 
     async def start(self) -> None:
         await self._listeners.start(self._bind_all)

@@ -483,7 +483,7 @@ BAD = [
     ({"prompt": "hi", "max_tokens": 9000}, 400, "context_length_exceeded", "prompt"),
     ({"prompt": ["hi", "x " * 9000], "max_tokens": 8}, 400, "context_length_exceeded",
      "prompt[1]"),
-    ({"prompt": "hi", "n": 2}, 400, "invalid_value", "n"),
+    ({"prompt": "hi", "n": 9}, 400, "invalid_value", "n"),
     ({"prompt": "hi", "best_of": 3}, 400, "invalid_value", "best_of"),
     ({"prompt": "hi", "logprobs": 6}, 400, "invalid_value", "logprobs"),
     ({"prompt": "hi", "logprobs": -1}, 400, "invalid_value", "logprobs"),

@@ -80,6 +80,7 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.run_reader", 3.7),  # one round's engine output read back into the client's events
     ("afmd.run_control", 3.7),  # a run's cancel, deadline and retries (chat and completions)
     ("afmd.completion_run", 3.7),  # a Completions request's generations, one per prompt
+    ("afmd.choices", 3.7),  # a chat turn's n choices, one run each, in one slot
     ("afmd.pipeline", 4),
     ("afmd.embeddings", 4),  # the embeddings service: model, queue slot, batched encoding
     ("afmd.pulls", 4),  # pulls a running server makes in the background (the dashboard's)
@@ -101,10 +102,10 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.cli", 7),
     ("afmd.doctor", 7),
     ("afmd.doctor_report", 7),  # what doctor found: its JSON and its screen text
-    ("afmd.port_owners", 7),  # the processes listening on a port (/proc, lsof)
+    ("afmd.port_owners", 1),  # the processes listening on a port (/proc, lsof): stdlib
     ("afmd.cli_models", 7),  # pull, list, ps, rm, show
     ("afmd.endpoint", 7),  # finding and asking a running server (doctor, ps, list, rm)
-    ("afmd.hub", 2),  # pulls through huggingface_hub, verified (the CLI's and the server's)
+    ("afmd.hub", 2),  # pulls through huggingface_hub, verified (pull, the dashboard, /api/pull)
     ("afmd.progress", 2),  # per-file download progress
     ("afmd.__main__", 7),
 )

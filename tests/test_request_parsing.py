@@ -203,7 +203,7 @@ def test_integral_floats_accepted_as_integers() -> None:
         ("top_k", 0.5, "invalid_type"),
         ("seed", "7", "invalid_type"),
         ("seed", 1.5, "invalid_type"),
-        ("n", 2, "invalid_value"),
+        ("n", 9, "invalid_value"),
         ("n", 0, "invalid_value"),
         ("n", "1", "invalid_type"),
     ],
@@ -607,9 +607,6 @@ IGNORED = {
     "metadata": {"k": "v"},
     "store": False,
     "logprobs": False,
-    "frequency_penalty": 0.5,
-    "presence_penalty": -0.5,
-    "logit_bias": {"50256": -100},
     "service_tier": "auto",
     "reasoning_effort": "low",
 }

@@ -25,6 +25,9 @@ class EmbeddingRequest:
     encoding_format: str = "float"  # "float" | "base64"
     dimensions: int | None = None
     keep_alive: float | None = None  # as afmd.core.request.ChatRequest's
+    #: An input longer than the model's context is cut to it (Ollama's ``truncate``)
+    #: instead of refused.
+    truncate: bool = False
     ignored_fields: tuple[str, ...] = ()  # as afmd.core.request.ChatRequest's
 
 

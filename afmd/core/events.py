@@ -76,6 +76,17 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class Timings:
+    """How long the turn's phases took, in seconds, for dialects that report durations
+    (Ollama's ``*_duration``); it comes in the run's last batch, before its end."""
+
+    total: float  # from the request's arrival to its end
+    load: float  # waiting for the model (its load, when it was not loaded)
+    prompt: float  # prefill, until each generation's first token
+    generation: float  # decoding, from the first token to the last
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     """The ``X-AFM-Profile`` payload (``{"afm_profile": …}`` or the extended one)."""
 
@@ -118,4 +129,4 @@ class Choice:
 
 
 Piece = Content | Reasoning | ToolCallStart | ToolCallArguments
-Event = Piece | Refusal | ToolCallEnd | Finish | Usage | Profile | Logprobs | Choice
+Event = Piece | Refusal | ToolCallEnd | Finish | Usage | Timings | Profile | Logprobs | Choice

@@ -93,7 +93,18 @@ class ChatRequest:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
+    #: Tokens the repetition penalty looks back over (Ollama's ``repeat_last_n``; None:
+    #: mlx-lm's default).
+    repetition_context: int | None = None
+    #: OpenAI's additive penalties over the tokens generated so far, and its per-token
+    #: biases as (token id, bias) pairs.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
+    #: Choices of the same conversation, decoded together (choice ``i`` samples with
+    #: ``seed + i`` when a seed is given).
+    n: int = 1
     stop: tuple[str, ...] = ()
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
@@ -106,6 +117,12 @@ class ChatRequest:
     #: ``max_tokens`` is a cap the context window may lower (Anthropic's), not a demand a
     #: prompt too long to leave room for it fails (OpenAI's 400).
     max_tokens_shrinks: bool = False
+    #: A context window smaller than the model's, to fit the prompt and the answer in
+    #: (Ollama's ``num_ctx``); None, or a larger one: the model's.
+    context_window: int | None = None
+    #: Drop the oldest turns when the prompt does not fit (Ollama's ``truncate``); None:
+    #: the server's ``[context] policy``.
+    trim_context: bool | None = None
     has_images: bool = False
     #: Report each generated token's log-probability with this many most likely
     #: alternatives (0-20); None: no log-probabilities (``logprobs`` false or absent).
@@ -142,10 +159,19 @@ class CompletionRequest:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
+    repetition_context: int | None = None  # as ChatRequest's
+    presence_penalty: float = 0.0  # as ChatRequest's
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
+    n: int = 1  # choices per prompt, as ChatRequest's
     stop: tuple[str, ...] = ()
     echo: bool = False  # the prompt's text (and its tokens' log-probabilities) first
     logprobs: int | None = None  # alternatives per token (0-5); None: none reported
     prediction: str | None = None  # as ChatRequest's
     keep_alive: float | None = None  # as ChatRequest's
+    #: ``max_tokens`` is a cap the context window lowers (Ollama's ``num_predict``), not
+    #: a demand a prompt too long for it fails.
+    max_tokens_shrinks: bool = False
+    context_window: int | None = None  # as ChatRequest's
     ignored_fields: tuple[str, ...] = ()  # as ChatRequest's

@@ -87,6 +87,14 @@ class KeepsAlive(Protocol):
     def keepalive(self) -> bytes: ...
 
 
+@runtime_checkable
+class OwnMediaType(Protocol):
+    """A reply whose stream is not server-sent events (Ollama's NDJSON): its
+    ``Content-Type``."""
+
+    media_type: str
+
+
 def error_response(
     style: ErrorStyle | None, error: APIError
 ) -> tuple[int, dict[str, Any], dict[str, str]]:

@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from afmd.core.events import (
+    Choice,
     Content,
     Event,
     Finish,
@@ -71,7 +72,8 @@ class ChunkEncoder:
         "model",
     )
 
-    def __init__(self, completion_id: str, created: int, model: str, fingerprint: str) -> None:
+    def __init__(self, completion_id: str, created: int, model: str, fingerprint: str,
+                 index: int = 0) -> None:
         self.completion_id = completion_id
         self.created = created
         self.model = model
@@ -86,7 +88,8 @@ class ChunkEncoder:
             }
         )
         # `{...common...,"choices":[{"index":0,"delta":` + delta + tail
-        self._head = b"data: " + common[:-1] + b',"choices":[{"index":0,"delta":'
+        self._head = (b"data: " + common[:-1] + b',"choices":[{"index":'
+                      + str(index).encode() + b',"delta":')
         self._tail_open = b',"logprobs":null,"finish_reason":null}]}\n\n'
         self._tail_finish = b',"logprobs":null,"finish_reason":'
 
@@ -176,78 +179,113 @@ def assistant_message(
     return message
 
 
+def _choice_object(index: int, events: Sequence[Event], *, logprobs: bool) -> dict[str, Any]:
+    """One choice of a ``chat.completion`` from its events."""
+    content: list[str] = []
+    reasoning: list[str] = []
+    refusal: list[str] = []
+    calls: list[dict[str, Any]] = []
+    tokens: list[TokenLogprob] = []
+    reason = "stop"
+    for event in events:
+        if isinstance(event, Content):
+            content.append(event.text)
+        elif isinstance(event, Reasoning):
+            reasoning.append(event.text)
+        elif isinstance(event, Refusal):
+            refusal.append(event.text)
+        elif isinstance(event, ToolCallEnd):
+            c = event.call
+            calls.append({"id": c.id, "type": "function",
+                          "function": {"name": c.name, "arguments": c.arguments}})
+        elif isinstance(event, Finish):
+            reason = event.reason
+        elif isinstance(event, Logprobs):
+            tokens.extend(event.tokens)
+    text = "".join(content)
+    message = assistant_message(
+        text if text or not (calls or refusal) else None,
+        reasoning="".join(reasoning) or None,
+        tool_calls=calls or None,
+        refusal="".join(refusal) or None,
+    )
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs_object(tokens) if logprobs else None,
+        "finish_reason": reason,
+    }
+
+
 class ChatCompletionReply:
-    """One chat completion (``chat.completion``) or its stream of chunks."""
+    """One chat completion (``chat.completion``) or its stream of chunks; with ``n``
+    choices, the run's events come in :class:`~afmd.core.events.Choice` envelopes and each
+    choice's chunks carry its ``index``."""
 
     __slots__ = ("_chunks", "completion_id", "created", "fingerprint", "include_usage",
-                 "logprobs", "model")
+                 "logprobs", "model", "n")
 
     def __init__(self, *, model: str, fingerprint: str, include_usage: bool,
-                 logprobs: bool = False) -> None:
+                 logprobs: bool = False, n: int = 1) -> None:
         self.logprobs = logprobs  # the client asked for them
         self.completion_id = new_completion_id()
         self.created = int(time.time())
         self.model = model
         self.fingerprint = fingerprint
         self.include_usage = include_usage
-        self._chunks: ChunkEncoder | None = None
+        self.n = n
+        self._chunks: list[ChunkEncoder] = []
 
     def body(self, events: Sequence[Event]) -> bytes:
-        content: list[str] = []
-        reasoning: list[str] = []
-        refusal: list[str] = []
-        calls: list[dict[str, Any]] = []
-        tokens: list[TokenLogprob] = []
-        reason = "stop"
-        usage = Usage(0, 0)
-        for event in events:
-            if isinstance(event, Content):
-                content.append(event.text)
-            elif isinstance(event, Reasoning):
-                reasoning.append(event.text)
-            elif isinstance(event, Refusal):
-                refusal.append(event.text)
-            elif isinstance(event, ToolCallEnd):
-                c = event.call
-                calls.append({"id": c.id, "type": "function",
-                              "function": {"name": c.name, "arguments": c.arguments}})
-            elif isinstance(event, Finish):
-                reason = event.reason
-            elif isinstance(event, Usage):
-                usage = event
-            elif isinstance(event, Logprobs):
-                tokens.extend(event.tokens)
-        text = "".join(content)
-        message = assistant_message(
-            text if text or not (calls or refusal) else None,
-            reasoning="".join(reasoning) or None,
-            tool_calls=calls or None,
-            refusal="".join(refusal) or None,
-        )
+        usage = next((e for e in events if isinstance(e, Usage)), Usage(0, 0))
+        if self.n == 1:
+            choices = [_choice_object(0, events, logprobs=self.logprobs)]
+        else:
+            per: list[list[Event]] = [[] for _ in range(self.n)]
+            for event in events:
+                if isinstance(event, Choice):
+                    per[event.index].extend(event.events)
+            choices = [_choice_object(i, e, logprobs=self.logprobs) for i, e in enumerate(per)]
         return orjson.dumps({
             "id": self.completion_id,
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
             "system_fingerprint": self.fingerprint,
-            "choices": [{
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs_object(tokens) if self.logprobs else None,
-                "finish_reason": reason,
-            }],
+            "choices": choices,
             "usage": usage_object(usage),
         })
 
     def stream_start(self) -> bytes:
-        self._chunks = ChunkEncoder(self.completion_id, self.created, self.model,
-                                    self.fingerprint)
-        return self._chunks.role()
+        self._chunks = [ChunkEncoder(self.completion_id, self.created, self.model,
+                                     self.fingerprint, i) for i in range(self.n)]
+        return b"".join(chunks.role() for chunks in self._chunks)
 
     def stream(self, events: Sequence[Event]) -> bytes:
-        chunks = self._chunks
-        assert chunks is not None, "stream_start() comes first"
+        assert self._chunks, "stream_start() comes first"
         out: list[bytes] = []
+        run: list[Event] = []  # a single choice's events, not in an envelope
+        for event in events:
+            if not isinstance(event, Choice | Usage | Profile):
+                run.append(event)
+                continue
+            if run:
+                self._encode(self._chunks[0], run, out)
+                run = []
+            if isinstance(event, Choice):
+                self._encode(self._chunks[event.index], event.events, out)
+            elif isinstance(event, Usage):
+                if self.include_usage:
+                    out.append(self._chunks[0].usage(event))
+            else:
+                out.append(sse(event.payload))
+        if run:
+            self._encode(self._chunks[0], run, out)
+        return b"".join(out)
+
+    @staticmethod
+    def _encode(chunks: ChunkEncoder, events: Sequence[Event], out: list[bytes]) -> None:
+        """One choice's events as its chunks (usage and profile are the stream's)."""
         last: bytes | None = None  # the delta of the batch's last text chunk, if it is last
         for event in events:
             if isinstance(event, Logprobs):
@@ -273,13 +311,8 @@ class ChatCompletionReply:
                 out.append(chunks.delta(_call_arguments(event)))
             elif isinstance(event, Finish):
                 out.append(chunks.finish(event.reason))
-            elif isinstance(event, Usage):
-                if self.include_usage:
-                    out.append(chunks.usage(event))
-            elif isinstance(event, Profile):
-                out.append(sse(event.payload))
-            # ToolCallEnd: a call's last delta already completed it in this dialect.
-        return b"".join(out)
+            # ToolCallEnd: a call's last delta already completed it in this dialect;
+            # usage and the profile are the stream's own (see stream()).
 
     def stream_end(self) -> bytes:
         return DONE
@@ -303,7 +336,7 @@ class OpenAIChat:
     ) -> ChatCompletionReply:
         return ChatCompletionReply(model=model, fingerprint=fingerprint,
                                    include_usage=request.include_usage,
-                                   logprobs=request.logprobs is not None)
+                                   logprobs=request.logprobs is not None, n=request.n)
 
     def error_envelope(self, error: APIError) -> dict[str, Any]:
         return error.envelope()

@@ -170,7 +170,7 @@ class OpenAICompletions:
         return CompletionReply(model=model, fingerprint=fingerprint,
                                include_usage=request.include_usage,
                                logprobs=request.logprobs is not None,
-                               prompts=len(request.prompts))
+                               prompts=len(request.prompts) * request.n)
 
     def error_envelope(self, error: APIError) -> dict[str, Any]:
         return error.envelope()

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors
 
 from afmd.engine.base import Generation, PromptLogprobs, SamplingParams
 from afmd.engine.detokenize import ExactDetokenizer
 from afmd.engine.handoff import flush
 from afmd.engine.lockstep import Admission
 from afmd.engine.logprobs import prompt_logprobs
+from afmd.engine.penalties import sampling_processors
 from afmd.engine.sampling import RowSampler
 from afmd.engine.sequence import Row
 from afmd.engine.speculative import RowSpec, Standing
@@ -111,11 +111,8 @@ class Admissions:
             row.finish("length")
             flush([row])
             return None
-        processors = list(request.logits_processors)
-        if request.sampling.repetition_penalty:
-            processors.extend(make_logits_processors(
-                repetition_penalty=request.sampling.repetition_penalty
-            ))
+        processors = [*request.logits_processors,
+                      *sampling_processors(request.sampling, plan.max_tokens)]
         sampler = make_sampler(request.sampling)
         if self._speculates:
             row.spec = RowSpec.for_request(

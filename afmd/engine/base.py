@@ -29,16 +29,27 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float | None = None
     seed: int | None = None
+    repetition_context: int | None = None  # None: mlx-lm's default
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
     @classmethod
-    def of(cls, r: ChatRequest | CompletionRequest) -> SamplingParams:
-        """A request's sampling settings (chat and completions name them alike)."""
+    def of(cls, r: ChatRequest | CompletionRequest, choice: int = 0) -> SamplingParams:
+        """A request's sampling settings (chat and completions name them alike); choice
+        ``choice`` of several samples with the seed after the request's by as many."""
+        seed = r.seed
+        if seed is not None and choice:
+            seed = (seed + choice) & 0xFFFF_FFFF_FFFF_FFFF
         return cls(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
-                   repetition_penalty=r.repetition_penalty, seed=r.seed)
+                   repetition_penalty=r.repetition_penalty, seed=seed,
+                   repetition_context=r.repetition_context,
+                   presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
+                   logit_bias=r.logit_bias)
 
 
 @dataclass(slots=True)

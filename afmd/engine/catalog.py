@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from afmd import hubcache
 from afmd.config import Config, ModelEntry
 from afmd.engine import kinds
 from afmd.engine.kinds import EMBEDDING
@@ -27,9 +28,16 @@ class ModelCatalog:
         self._config = config
         self._loaded = loaded  # the residency's own dict: always current
         self._kinds: dict[str, str] = {}  # read from disk once per model until it loads
+        self._repos: dict[str, ModelEntry] = {}  # downloaded models named by repo id
 
     def resolve(self, name: str | None) -> ModelEntry:
         entry = self._config.resolve_model(name)
+        if entry is None and name is not None:
+            # Ollama's clients name a model's default tag (``demo:latest``); a model pulled
+            # into the Hugging Face cache serves under its repo id without configuring it.
+            base = name.removesuffix(":latest")
+            entry = self._config.resolve_model(base) if base != name else None
+            entry = entry or self._downloaded(base)
         if entry is None:
             raise NotFoundError(
                 f"The model '{name}' does not exist. Available models: "
@@ -38,6 +46,14 @@ class ModelCatalog:
                 code="model_not_found",
                 param="model",
             )
+        return entry
+
+    def _downloaded(self, repo: str) -> ModelEntry | None:
+        """The entry a complete download of ``repo`` serves under (one per repo, so that
+        its loads and leases are one model's)."""
+        entry = self._repos.get(repo)
+        if entry is None and hubcache.REPO_ID.match(repo) and hubcache.complete_snapshot(repo):
+            entry = self._repos[repo] = ModelEntry(id=repo, path=repo)
         return entry
 
     def listed_ids(self) -> list[str]:

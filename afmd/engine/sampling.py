@@ -12,8 +12,7 @@ with speculation or without, alone or in a batch.
 
 from __future__ import annotations
 
-import threading
-import time
+import os
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -37,9 +36,10 @@ class RowSampler:
         """``None`` for greedy requests: the batch samples those with one argmax."""
         if params.greedy:
             return None
-        seed = params.seed if params.seed is not None else int.from_bytes(
-            threading.get_native_id().to_bytes(8, "little"), "little"
-        ) ^ time.time_ns()
+        # Unseeded: a fresh draw for every sequence, so the choices of one request (made
+        # in the same instant on the same thread) never share a stream.
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8),
+                                                                            "little")
         return cls(params, seed)
 
     @property

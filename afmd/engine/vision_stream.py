@@ -86,14 +86,11 @@ class VisionStream:
 def sampling(request: GenerationRequest) -> tuple[Any, list[Any]]:
     """The request's sampler and logits processors, as mlx-vlm's ``generate_step`` takes
     them."""
+    from afmd.engine.penalties import sampling_processors
     from afmd.engine.worker import make_sampler
 
-    processors = list(request.logits_processors)
-    if request.sampling.repetition_penalty:
-        from mlx_lm.sample_utils import make_logits_processors
-
-        processors.extend(make_logits_processors(
-            repetition_penalty=request.sampling.repetition_penalty))
+    processors = [*request.logits_processors,
+                  *sampling_processors(request.sampling, request.max_tokens)]
     return make_sampler(request.sampling) or _argmax, processors
 
 

@@ -37,7 +37,7 @@ from afmd.errors import (
     PayloadTooLargeError,
     ServerError,
 )
-from afmd.http import dashboard, embeddings, messages, responses, routes
+from afmd.http import dashboard, embeddings, messages, ollama, responses, routes
 from afmd.http.access import CLIENT_CLOSED, log_access
 from afmd.http.activity import Activity
 from afmd.http.metrics import Metrics, metrics
@@ -131,15 +131,12 @@ def to_api_error(exception: BaseException, request: Request | None = None) -> AP
     return ServerError("The server had an error while processing your request.")
 
 
-#: ``GET /``'s answer: what Ollama's clients probe for (and a plain "it runs" for anyone).
-ROOT_TEXT = "Ollama is running"
-
-
 async def _root(request: Request) -> HTTPResponse:
+    """What Ollama's clients probe for, and a plain "it runs" for anyone else."""
     redirect = dashboard.browser_redirect(request)  # a browser: to the dashboard
     if redirect is not None:
         return redirect
-    return HTTPResponse(ROOT_TEXT, content_type="text/plain; charset=utf-8")
+    return HTTPResponse(ollama.ROOT_TEXT, content_type="text/plain; charset=utf-8")
 
 
 def create_app(state: AppState, name: str | None = None) -> Sanic:
@@ -191,6 +188,7 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
                   methods=["POST"], name="embeddings_cancel")
     responses.add_routes(app, state.config)
     messages.add_routes(app)
+    ollama.add_routes(app)
     for route in routes.STATE_ROUTES:
         app.add_route(route.handler, route.path, methods=["GET"], name=route.name)
     app.add_route(routes.get_model, "/v1/models/<model_id:path>", methods=["GET"],

@@ -6,8 +6,12 @@ from typing import Any
 
 from afmd.config import ServerConfig
 from afmd.http.connections import GateContext
-from afmd.http.listeners import Listeners, bind_tcp, bind_unix, is_loopback
+from afmd.http.listeners import Listeners, StartupError, bind_tcp, bind_unix, is_loopback
 from afmd.http.protocol import make_protocol
+from afmd.port_owners import port_in_use, port_owners
+
+#: Where ``[ollama] port`` listens: this machine only, as Ollama does by default.
+OLLAMA_HOST = "127.0.0.1"
 
 
 def protocol_for(server: ServerConfig, gate: GateContext, kind: str, host: str = "") -> Any:
@@ -25,8 +29,24 @@ def protocol_for(server: ServerConfig, gate: GateContext, kind: str, host: str =
     return make_protocol(gate, policy, kind)
 
 
-def bind_listeners(server: ServerConfig, gate: GateContext, listeners: Listeners) -> None:
-    """Bind the TCP listener and the Unix socket the config names (either may be off)."""
+def bind_ollama(port: int) -> Any:
+    """``[ollama] port``'s socket on loopback; a port already taken stops the start with a
+    sentence naming what holds it (as ``afmd doctor`` finds it)."""
+    if port_in_use(OLLAMA_HOST, port):
+        owners, _ = port_owners(port)
+        who = (", ".join(f"pid {o['pid']} ({o['command'] or '?'})" for o in owners)
+               or "a process afmd cannot see (another user's?)")
+        raise StartupError(
+            f"cannot listen on {OLLAMA_HOST}:{port} for [ollama] port: the port is in use "
+            f"by {who}. Stop it (an Ollama app or `ollama serve`?) or set another "
+            "[ollama] port (0 turns the listener off)")
+    return bind_tcp(OLLAMA_HOST, port)
+
+
+def bind_listeners(server: ServerConfig, gate: GateContext, listeners: Listeners,
+                   ollama_port: int = 0) -> None:
+    """Bind the TCP listener and the Unix socket the config names (either may be off), and
+    ``[ollama] port``'s loopback listener when set."""
     if server.host:
         sock = bind_tcp(server.host, server.port)
         listeners.add("tcp", sock.getsockname(), sock, protocol_for(server, gate, "tcp",
@@ -34,3 +54,10 @@ def bind_listeners(server: ServerConfig, gate: GateContext, listeners: Listeners
     if server.unix_socket:
         sock = bind_unix(server.unix_socket)
         listeners.add("unix", server.unix_socket, sock, protocol_for(server, gate, "unix"))
+    if ollama_port:
+        if server.host and server.port == ollama_port and is_loopback(server.host):
+            raise StartupError(f"[ollama] port {ollama_port} is [server] port too: choose "
+                               "another (Ollama's own is 11434), or 0 for no second listener")
+        sock = bind_ollama(ollama_port)
+        listeners.add("tcp", sock.getsockname(), sock,
+                      protocol_for(server, gate, "tcp", OLLAMA_HOST))

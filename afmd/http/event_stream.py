@@ -14,7 +14,7 @@ from typing import Any
 
 from sanic import Request
 
-from afmd.dialects.base import KeepsAlive, Reply
+from afmd.dialects.base import KeepsAlive, OwnMediaType, Reply
 
 
 class EventStream:
@@ -24,13 +24,15 @@ class EventStream:
     long prefill) opens the stream and sends its keep-alive, again after every quiet
     interval, and a later failure is an error event like any after the stream began."""
 
-    __slots__ = ("_closed", "_first", "_headers", "_last", "_lock", "_pinger", "_request",
-                 "_response", "sent")
+    __slots__ = ("_closed", "_first", "_headers", "_last", "_lock", "_media_type", "_pinger",
+                 "_request", "_response", "sent")
 
     def __init__(self, request: Request, reply: Reply, headers: dict[str, str]) -> None:
         self._request = request
         self._first = reply.stream_start()  # before any batch is encoded, as replies expect
         self._headers = headers
+        self._media_type = (reply.media_type if isinstance(reply, OwnMediaType)
+                            else "text/event-stream")
         self._response: Any = None
         self._lock = asyncio.Lock()  # one write at a time: a batch, or a keep-alive
         self._last = time.monotonic()
@@ -56,7 +58,7 @@ class EventStream:
         if self._response is None:
             self._request.ctx.streamed = True
             self._response = await self._request.respond(
-                status=200, headers=self._headers, content_type="text/event-stream")
+                status=200, headers=self._headers, content_type=self._media_type)
             data = self._first + data
         self._last = time.monotonic()
         self.sent += len(data)

@@ -19,6 +19,7 @@ from sanic.response import HTTPResponse
 
 from afmd.core.events import Event
 from afmd.core.ids import new_request_id
+from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.dialects.base import Dialect, Reply
 from afmd.errors import APIError, InvalidRequestError, NotFoundError, ServiceUnavailableError
 from afmd.http.access import log_access
@@ -130,15 +131,17 @@ def _note_end(request: Request, run: ChatRun) -> None:
     request.ctx.finish_reason = run.finish_reason
 
 
-async def turn(request: Request) -> HTTPResponse | None:
-    """One turn in the dialect of the route: parse, prepare, run, encode."""
+async def turn(request: Request, parsed: ChatRequest | CompletionRequest | None = None
+               ) -> HTTPResponse | None:
+    """One turn in the dialect of the route: parse, prepare, run, encode (``parsed``: the
+    body as the dialect already read it, for a route that looked at it first)."""
     dialect = dialect_of(request)
     assert dialect is not None, "a turn's route names its dialect (ctx_dialect)"
     state = request.app.ctx.state
     pipeline: ChatPipeline = state.pipeline
     request_id = request_id_of(request)
-    chat = dialect.parse(request.body, server_tools=pipeline.server_tools.names,
-                         strict=state.config.api.strict)
+    chat = parsed if parsed is not None else dialect.parse(
+        request.body, server_tools=pipeline.server_tools.names, strict=state.config.api.strict)
     request.ctx.model = chat.model
     extra = ignored_headers(chat.ignored_fields, request_id)
     prepared = await pipeline.prepare(

@@ -25,6 +25,12 @@ from afmd.protocol.fields import (
 from afmd.protocol.keep_alive import keep_alive_of
 from afmd.protocol.prediction import parse_prediction
 from afmd.protocol.request import MAX_STOP_SEQUENCES, parse_stream_options
+from afmd.protocol.sampling import (
+    FREQUENCY_PENALTY,
+    PRESENCE_PENALTY,
+    choices_scalar,
+    logit_bias_of,
+)
 
 __all__ = ["COMPLETION_SCALARS", "MAX_PROMPTS", "parse_completion_request"]
 
@@ -34,15 +40,15 @@ MAX_PROMPTS = 64
 MAX_LOGPROBS = 5
 
 # Fields OpenAI defines that change nothing a local model could honour (as for chat).
-_IGNORED = frozenset({"user", "frequency_penalty", "presence_penalty", "logit_bias"})
+_IGNORED = frozenset({"user"})
 
 
-def _exactly_one(value: int, param: str) -> None:
+def _best_of_one(value: int, param: str) -> None:
     if value != 1:
         raise invalid(
             param,
-            f"Invalid '{param}': {value}. afmd generates one completion per prompt; use 1 "
-            "(send several prompts for several completions).",
+            f"Invalid '{param}': {value}. afmd returns every completion it generates; use "
+            "'n' for several completions of a prompt.",
         )
 
 
@@ -56,9 +62,11 @@ COMPLETION_SCALARS = (
     Scalar("min_p", "number", default=0.0, minimum=0.0, maximum=1.0),
     REPETITION_PENALTY,
     REPEAT_PENALTY,
+    PRESENCE_PENALTY,
+    FREQUENCY_PENALTY,
     Scalar("seed", "integer"),
-    Scalar("n", "integer", default=1, minimum=1, rule=_exactly_one),
-    Scalar("best_of", "integer", default=1, minimum=1, rule=_exactly_one),
+    choices_scalar("completions of a prompt"),
+    Scalar("best_of", "integer", default=1, minimum=1, rule=_best_of_one),
     Scalar("echo", "boolean", default=False),
     Scalar("logprobs", "integer", minimum=0, maximum=MAX_LOGPROBS),
     Scalar("stream", "boolean", default=False),
@@ -67,7 +75,7 @@ COMPLETION_SCALARS = (
 # ``chat_template_kwargs`` is not among them: a completion has no chat template, so a client
 # sending it (one extra body for every endpoint) learns from the header that it was ignored.
 _KNOWN = _IGNORED | names(COMPLETION_SCALARS) | {"prompt", "stop", "stream_options",
-                                                  "keep_alive", "prediction"}
+                                                  "keep_alive", "prediction", "logit_bias"}
 
 
 def parse_completion_request(body: dict[str, Any], *, strict: bool = False) -> CompletionRequest:
@@ -76,6 +84,10 @@ def parse_completion_request(body: dict[str, Any], *, strict: bool = False) -> C
     ignored = unknown_keys(body, _KNOWN, strict=strict)
     prompts = parse_prompt(body.get("prompt"))
     values = read_scalars(body, COMPLETION_SCALARS)
+    if len(prompts) * values["n"] > MAX_PROMPTS:
+        raise invalid("n", f"{len(prompts)} prompts with 'n' {values['n']} make "
+                           f"{len(prompts) * values['n']} completions; afmd decodes at most "
+                           f"{MAX_PROMPTS} per request.")
     if values["suffix"] is not None and values["echo"]:
         raise invalid("echo", "'echo' cannot be combined with 'suffix': a fill-in-the-middle "
                               "completion has no prompt of its own to echo.")
@@ -91,7 +103,11 @@ def parse_completion_request(body: dict[str, Any], *, strict: bool = False) -> C
         top_k=values["top_k"],
         min_p=values["min_p"],
         repetition_penalty=repetition_penalty_of(body),
+        presence_penalty=values["presence_penalty"],
+        frequency_penalty=values["frequency_penalty"],
+        logit_bias=logit_bias_of(body),
         seed=values["seed"],
+        n=values["n"],
         stop=string_list(body.get("stop"), "stop", MAX_STOP_SEQUENCES),
         echo=values["echo"],
         logprobs=values["logprobs"],

@@ -43,6 +43,12 @@ from afmd.protocol.fields import (
 from afmd.protocol.keep_alive import keep_alive_of
 from afmd.protocol.messages import check_tool_history, parse_messages
 from afmd.protocol.prediction import parse_prediction
+from afmd.protocol.sampling import (
+    FREQUENCY_PENALTY,
+    PRESENCE_PENALTY,
+    choices_scalar,
+    logit_bias_of,
+)
 from afmd.protocol.tools import parse_response_format, parse_tool_choice, parse_tools
 
 __all__ = [
@@ -67,9 +73,6 @@ IGNORED_FIELDS = frozenset(
         "user",
         "metadata",
         "store",
-        "frequency_penalty",
-        "presence_penalty",
-        "logit_bias",
         "service_tier",
         "modalities",
         "safety_identifier",
@@ -81,13 +84,6 @@ IGNORED_FIELDS = frozenset(
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 MAX_STOP_SEQUENCES = 4
-
-
-def _one_choice(n: int, param: str) -> None:
-    if n != 1:
-        raise invalid(
-            param, f"Invalid '{param}': {n}. afmd generates one choice per request; use 1."
-        )
 
 
 # The scalar fields in groups, each read where it stands in the order the body is checked
@@ -103,8 +99,10 @@ _SAMPLING = (
     # penalty (and its alias) is read by afmd.protocol.extensions.
     Scalar("top_k", "integer", default=0, minimum=0),
     Scalar("min_p", "number", default=0.0, minimum=0.0, maximum=1.0),
+    PRESENCE_PENALTY,
+    FREQUENCY_PENALTY,
     Scalar("seed", "integer"),
-    Scalar("n", "integer", default=1, minimum=1, rule=_one_choice),
+    choices_scalar("choices"),
     Scalar("logprobs", "boolean", default=False),
     Scalar("top_logprobs", "integer", minimum=0, maximum=20),
 )
@@ -119,7 +117,7 @@ CHAT_SCALARS = (_MODEL, _STREAM, *_SAMPLING, REPETITION_PENALTY, REPEAT_PENALTY,
 KNOWN_FIELDS = (
     IGNORED_FIELDS
     | names(CHAT_SCALARS)
-    | {"prediction"}
+    | {"prediction", "logit_bias"}
     | {"messages", "stream_options", "stop", "tools", "tool_choice", "response_format",
        "keep_alive", CHAT_TEMPLATE_KWARGS}
 )
@@ -190,7 +188,11 @@ def parse_chat_request(
         top_k=sampling["top_k"],
         min_p=sampling["min_p"],
         repetition_penalty=repetition_penalty,
+        presence_penalty=sampling["presence_penalty"],
+        frequency_penalty=sampling["frequency_penalty"],
+        logit_bias=logit_bias_of(body),
         seed=sampling["seed"],
+        n=sampling["n"],
         stop=string_list(body.get("stop"), "stop", MAX_STOP_SEQUENCES),
         tools=tools,
         tool_choice=tool_choice,
