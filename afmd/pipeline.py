@@ -148,7 +148,8 @@ class ChatPipeline:
                 profile=profile,
             )
         _check_images(request, model, entry)
-        check_logit_bias(request.logit_bias, model.vocab_size, entry.id)
+        if not model.reads_conversation:  # Apple's model has no token ids to bias
+            check_logit_bias(request.logit_bias, model.vocab_size, entry.id)
         request = _with_server_tools(request, self.server_tools)
         trim = request.trim_context
         if trim is None:

@@ -89,6 +89,13 @@ class RoundBuilder:
             raise InvalidRequestError(
                 f"The model '{self.model.id}' does not report log-probabilities.",
                 code="invalid_value", param="logprobs")
+        for name, given in (("logit_bias", bool(request.logit_bias)),
+                            ("presence_penalty", request.presence_penalty != 0.0),
+                            ("frequency_penalty", request.frequency_penalty != 0.0)):
+            if given:  # the framework samples by itself: nothing to apply them to
+                raise InvalidRequestError(
+                    f"The model '{self.model.id}' does not take '{name}'.",
+                    code="invalid_value", param=name)
         turn = self._conversation(request, first_step)
         response_format = request.response_format
         answers_json = response_format is not None and turn.forced is None

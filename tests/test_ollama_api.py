@@ -84,6 +84,11 @@ def test_tags_list_every_model_with_details(client: ollama.Client) -> None:
     assert len(demo_model.digest or "") == 64
     raw = httpx.get(str(client._client.base_url) + "/api/tags").json()["models"]
     assert all(m["name"] == m["model"] for m in raw)
+    # Apple's on-device model has no folder: it is listed from what the framework says.
+    assert models["system:latest"].details.family == "apple-foundation"
+    shown = client.show("system")
+    assert shown.capabilities == ["completion", "tools"]
+    assert (shown.modelinfo or {})["apple-foundation.context_length"] == 8192
 
 
 def test_show_describes_the_model(client: ollama.Client, http: httpx.Client) -> None:

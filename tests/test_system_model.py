@@ -526,9 +526,13 @@ def test_requests_beyond_max_concurrent_requests_wait_for_a_session(
     assert peak["value"] == 2  # [queue] max_concurrent_requests
 
 
-def test_logprobs_and_raw_completions_are_refused(http: httpx.Client) -> None:
+def test_logprobs_bias_penalties_and_raw_completions_are_refused(http: httpx.Client) -> None:
     logprobs = chat(http, messages=user("hi"), logprobs=True)
     assert logprobs.status_code == 400 and logprobs.json()["error"]["param"] == "logprobs"
+    for field, value in (("logit_bias", {"5": 10}), ("presence_penalty", 0.5),
+                         ("frequency_penalty", -1.0)):  # sampling the framework has no hook for
+        refused = chat(http, messages=user("hi"), **{field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
     completions = http.post("/v1/completions", json={"model": "system", "prompt": "hi"})
     assert completions.status_code == 400
     assert completions.json()["error"]["code"] == "invalid_model_kind"

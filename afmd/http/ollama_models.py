@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from afmd import fim, hubcache
-from afmd.config import ModelEntry
+from afmd.config import BUILTIN_SYSTEM_PATH, ModelEntry
 from afmd.engine import kinds
 from afmd.engine.describe import describe, summary
 
@@ -51,6 +51,8 @@ def folder_of(state: Any, entry: ModelEntry) -> Path | None:
     loaded = state.registry.loaded(entry.id)
     if loaded is not None and loaded.folder is not None:
         return Path(loaded.folder)
+    if entry.path == BUILTIN_SYSTEM_PATH:  # Apple's model: the system's, no folder
+        return None
     if entry.path.startswith(kinds.BUILTIN_PREFIX):
         from afmd.engine import demo
 
@@ -135,13 +137,15 @@ def _modified(folder: Path | None) -> str:
 def tag_object(state: Any, name: str, entry: ModelEntry) -> dict[str, Any]:
     """One ``/api/tags`` entry (blocking: reads the folder)."""
     folder, config, info = _facts(state, entry)
+    details = (_system_show(name)["details"] if entry.path == BUILTIN_SYSTEM_PATH
+               else _details(config, info))
     return {
         "name": tagged(name),
         "model": tagged(name),
         "modified_at": _modified(folder),
         "size": hubcache.snapshot_size(folder) if folder is not None else 0,
         "digest": _digest(entry, folder),
-        "details": _details(config, info),
+        "details": details,
     }
 
 
@@ -192,6 +196,8 @@ def _capabilities(state: Any, entry: ModelEntry, folder: Path) -> list[str]:
 def show(state: Any, name: str, entry: ModelEntry) -> dict[str, Any]:
     """The ``/api/show`` object (blocking: reads the folder and maybe the tokenizer)."""
     folder, config, info = _facts(state, entry)
+    if entry.path == BUILTIN_SYSTEM_PATH:
+        return _system_show(name)
     if folder is None:
         return {"details": _details({}, {}), "model_info": {}, "capabilities": [],
                 "template": "", "parameters": "", "license": "", "modified_at": _modified(None)}
@@ -225,6 +231,24 @@ def show(state: Any, name: str, entry: ModelEntry) -> dict[str, Any]:
         "model_info": model_info,
         "capabilities": _capabilities(state, entry, folder),
         "modified_at": _modified(folder),
+    }
+
+
+def _system_show(name: str) -> dict[str, Any]:
+    """Apple's on-device model: what the framework says of itself (no folder to read)."""
+    from afmd.engine.apple.framework import CONTEXT_LENGTH
+
+    family = "apple-foundation"
+    return {
+        "license": "", "modelfile": "", "template": "",
+        "parameters": f"num_ctx {CONTEXT_LENGTH}",
+        "details": {"parent_model": "", "format": "apple", "family": family,
+                    "families": [family], "parameter_size": "", "quantization_level": ""},
+        "model_info": {"general.architecture": family,
+                       "general.basename": name.removesuffix(TAG),
+                       f"{family}.context_length": CONTEXT_LENGTH},
+        "capabilities": ["completion", "tools"],
+        "modified_at": _modified(None),
     }
 
 
