@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from afmd.engine import backend
 from afmd.engine.admission import Admissions, make_sampler
 from afmd.engine.base import Generation
 from afmd.engine.handoff import Handoff, fail, flush
@@ -26,6 +27,7 @@ from afmd.engine.inbox import Inbox
 from afmd.engine.lockstep import Lockstep, StepPlan
 from afmd.engine.sequence import Row
 from afmd.engine.stepper import Stepper
+from afmd.engine.warmup import warm_up
 from afmd.errors import ServerError
 
 __all__ = ["BatchWorker", "make_sampler"]
@@ -125,6 +127,7 @@ class BatchWorker:
         #: the other ranks are now out of step, and only a restart of the group helps.
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._faults = _InjectedFailures()
+        self._warm = threading.Event()
 
     # -- event-loop side --
     def start(self) -> None:
@@ -134,6 +137,11 @@ class BatchWorker:
             # 5 ms switch interval it can wait a whole interval behind the event loop.
             sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
             self._thread.start()
+
+    def ready(self, timeout: float | None = None) -> bool:
+        """Wait until the thread is ready to serve (the model warmed up on the GPU path:
+        requests submitted before wait behind it)."""
+        return self._warm.wait(timeout)
 
     def submit(self, generation: Generation) -> None:
         self._inbox.put(generation)
@@ -162,6 +170,7 @@ class BatchWorker:
     # -- thread side --
     def _run(self) -> None:
         self._stepper.reset()
+        self._warm_up()
         while True:
             try:
                 items = self._inbox.take(block=not self._active)
@@ -182,6 +191,18 @@ class BatchWorker:
             with contextlib.suppress(Exception):  # the other ranks may be gone already
                 self._lockstep.share_plan(StepPlan(stop=True))
         self._fail_all(None)
+
+    def _warm_up(self) -> None:
+        """The GPU path's warm-up (:mod:`afmd.engine.warmup`); a sharded model's ranks
+        would have to run it in step, so they do not."""
+        try:
+            if self._lockstep is None and backend.current().warms_up:
+                log.info("model warmed up in %.2f s", warm_up(self._stepper))
+        except Exception:  # a model that fails here fails its first request the same way
+            log.exception("warming the model up failed")
+            self._stepper.reset()
+        finally:
+            self._warm.set()
 
     def _iterate(self, arrivals: list[Generation]) -> None:
         """Admit what arrived, drop what was cancelled, step the batch."""
