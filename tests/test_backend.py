@@ -261,3 +261,36 @@ def test_the_gpu_path_warms_the_model_up_and_keeps_nothing_of_it(
         assert_greedy_agrees(model, prompt, got, want[: len(got)])
     finally:
         w.stop()
+
+
+def test_prompt_lookup_is_off_where_verification_builds_plans(
+    path: tuple[str, Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a verification pass would build an attention plan (MLX's CUDA backend in
+    half precision), a row gets no prompt-lookup source; a prediction still speculates."""
+    from afmd.engine.admission import Admissions
+    from afmd.engine.stepper import Stepper
+
+    _, model, tokenizer = path
+    prompt = _prompt(tokenizer, TEXTS[0])
+
+    async def spec_of(builds: bool, **extra: Any) -> Any:
+        monkeypatch.setattr(backend, "verify_builds_plans", lambda *_: builds)
+        stepper = Stepper(model, tokenizer, name="gate", prompt_cache_bytes=0)
+        stepper.reset()
+        try:
+            admissions = Admissions(stepper, prompt_lookup=True, draft_model=None,
+                                    speculates=True)
+            generation = Generation(_request(prompt, 4, **extra), asyncio.get_running_loop())
+            joining = admissions.prepare(generation)
+            assert joining is not None
+            row = admissions.admit(joining)
+            assert row is not None
+            return row.spec
+        finally:
+            stepper.close()
+
+    assert asyncio.run(spec_of(False)).stats() == {
+        "prompt_lookup": {"accepted": 0, "rejected": 0, "verifications": 0}}
+    assert asyncio.run(spec_of(True)) is None
+    assert list(asyncio.run(spec_of(True, prediction="a cat")).stats()) == ["prediction"]
