@@ -294,3 +294,34 @@ def test_prompt_lookup_is_off_where_verification_builds_plans(
         "prompt_lookup": {"accepted": 0, "rejected": 0, "verifications": 0}}
     assert asyncio.run(spec_of(True)) is None
     assert list(asyncio.run(spec_of(True, prediction="a cat")).stats()) == ["prediction"]
+
+
+def test_the_step_trace_accounts_for_every_token(
+    path: tuple[str, Any, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``AFMD_STEP_TRACE``: one line per iteration of the generation thread, whose tokens
+    add up to what the requests received and whose waits fit inside their step calls."""
+    import json
+
+    from afmd.engine import steptrace
+
+    name, model, tokenizer = path
+    trace = tmp_path / "steps.jsonl"
+    monkeypatch.setenv(steptrace.ENV, str(trace))
+    w = BatchWorker(model, tokenizer, name=f"trace-{name}", prompt_cache_bytes=0,
+                    prompt_lookup=False)
+    w.start()
+    try:
+        events = run(w, *(_request(_prompt(tokenizer, t), 10) for t in TEXTS[:3]))
+    finally:
+        w.stop()
+    finished = [next(e for e in evs if isinstance(e, Finished)) for evs in events]
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert lines and {line["model"] for line in lines} == {f"trace-{name}"}
+    ended = sum(f.finish_reason == "stop" for f in finished)  # an unseen end token
+    assert sum(line["tokens"] for line in lines) == sum(
+        f.completion_tokens for f in finished) + ended
+    assert max(line["rows"] for line in lines) == 3
+    for line in lines:
+        assert 0 <= line["wait_ms"] <= line["next_ms"] + 0.01
+        assert min(line["admit_ms"], line["deliver_ms"]) >= 0

@@ -27,6 +27,7 @@ from afmd.engine.inbox import Inbox
 from afmd.engine.lockstep import Lockstep, StepPlan
 from afmd.engine.sequence import Row
 from afmd.engine.stepper import Stepper
+from afmd.engine.steptrace import StepTrace
 from afmd.engine.warmup import warm_up
 from afmd.errors import ServerError
 
@@ -128,6 +129,7 @@ class BatchWorker:
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._faults = _InjectedFailures()
         self._warm = threading.Event()
+        self._trace = StepTrace.from_env(name)
 
     # -- event-loop side --
     def start(self) -> None:
@@ -190,6 +192,8 @@ class BatchWorker:
         if self._lockstep is not None:
             with contextlib.suppress(Exception):  # the other ranks may be gone already
                 self._lockstep.share_plan(StepPlan(stop=True))
+        if self._trace is not None:
+            self._trace.close()
         self._fail_all(None)
 
     def _warm_up(self) -> None:
@@ -206,6 +210,7 @@ class BatchWorker:
 
     def _iterate(self, arrivals: list[Generation]) -> None:
         """Admit what arrived, drop what was cancelled, step the batch."""
+        started = time.perf_counter()
         admissions = [a for a in map(self._admissions.prepare, arrivals) if a is not None]
         cancelled = [s for s in self._active.values() if s.generation.cancel_requested]
         if self._lockstep is not None:
@@ -217,7 +222,7 @@ class BatchWorker:
                 self._active[row.uid] = row
         self._remove(cancelled)
         if self._active:
-            self._step()
+            self._step(started)
         if self._lockstep is not None:
             self._lockstep.idle = not self._active
 
@@ -231,11 +236,22 @@ class BatchWorker:
             seq.finish("cancelled")
         flush(cancelled)
 
-    def _step(self) -> None:
+    def _step(self, started: float) -> None:
         self._faults.check()
+        trace, batch = self._trace, self._stepper.batch
+        if trace is None or batch is None:
+            responses = self._stepper.next()
+            if responses:
+                _deliver(responses, self._active, self._stepper, self._handoff)
+            return
+        rows, waited, stepping = len(self._active), batch.waited, time.perf_counter()
         responses = self._stepper.next()
+        delivering = time.perf_counter()
         if responses:
             _deliver(responses, self._active, self._stepper, self._handoff)
+        trace.record(rows=rows, tokens=len(responses), admit_s=stepping - started,
+                     next_s=delivering - stepping, wait_s=batch.waited - waited,
+                     deliver_s=time.perf_counter() - delivering)
 
     def _fail_all(self, exc: BaseException | None) -> None:
         seqs = list(self._active.values())
