@@ -9,6 +9,9 @@ generation thread itself (MLX's generation stream is per thread, and so are cuDN
 attention plans), through the same decode step requests take: two rows decoded together
 (one greedy reporting log-probabilities, one sampled), then one alone.
 
+On every path, the model's chat template is compiled here too (Jinja's compile of a
+template is a first request's largest host-side cost; transformers keeps it per template).
+
 Nothing of it remains afterwards: no prefix-cache entry, no row, no key of a request.
 Shapes a request brings later (its prompt length, the batch size) still meet their own
 first time; those are small next to the compilation done here.
@@ -52,6 +55,16 @@ def warm_up(stepper: Stepper) -> float:
         stepper.forget(uid)
     mx.clear_cache()
     return time.perf_counter() - started
+
+
+def compile_template(tokenizer: Any) -> None:
+    """Render a one-message conversation, so the template is compiled before a request
+    needs it; a template that refuses this conversation is left to the requests."""
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                      add_generation_prompt=True, tokenize=False)
+    except Exception:  # a request renders it again and reports what is wrong
+        return
 
 
 def _drain(stepper: Stepper, uids: set[int]) -> None:

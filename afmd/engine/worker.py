@@ -28,7 +28,7 @@ from afmd.engine.lockstep import Lockstep, StepPlan
 from afmd.engine.sequence import Row
 from afmd.engine.stepper import Stepper
 from afmd.engine.steptrace import StepTrace
-from afmd.engine.warmup import warm_up
+from afmd.engine.warmup import compile_template, warm_up
 from afmd.errors import ServerError
 
 __all__ = ["BatchWorker", "make_sampler"]
@@ -197,9 +197,10 @@ class BatchWorker:
         self._fail_all(None)
 
     def _warm_up(self) -> None:
-        """The GPU path's warm-up (:mod:`afmd.engine.warmup`); a sharded model's ranks
-        would have to run it in step, so they do not."""
+        """The chat template compiled, and the GPU path's warm-up (:mod:`afmd.engine.warmup`);
+        a sharded model's ranks would have to run that in step, so they do not."""
         try:
+            compile_template(self._stepper.tokenizer)
             if self._lockstep is None and backend.current().warms_up:
                 log.info("model warmed up in %.2f s", warm_up(self._stepper))
         except Exception:  # a model that fails here fails its first request the same way
