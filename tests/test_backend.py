@@ -85,12 +85,17 @@ def test_an_unknown_choice_fails_the_load(monkeypatch: pytest.MonkeyPatch, tmp_p
         load_sync(ModelEntry(id="demo", path="afmd:demo"), Config())
 
 
-def test_mlx_settings_keep_an_operators_value(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MLX_CUDA_GRAPH_CACHE_SIZE", "123")
-    monkeypatch.delenv("MLX_CUDA_SDPA_CACHE_SIZE", raising=False)
-    backend.prepare_mlx()
+def test_mlx_settings_on_cuda_only_keeping_an_operators_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import os
 
+    monkeypatch.setenv("MLX_CUDA_GRAPH_CACHE_SIZE", "123")
+    monkeypatch.delenv("MLX_CUDA_SDPA_CACHE_SIZE", raising=False)
+    backend.prepare_mlx()  # this machine: MLX's CPU backend, nothing to set
+    assert "MLX_CUDA_SDPA_CACHE_SIZE" not in os.environ
+    monkeypatch.setattr(backend, "device_kind", lambda: "cuda")
+    backend.prepare_mlx()
     assert os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"] == "123"
     assert os.environ["MLX_CUDA_SDPA_CACHE_SIZE"] == backend.CUDA_CACHE_SIZES[
         "MLX_CUDA_SDPA_CACHE_SIZE"]

@@ -96,8 +96,10 @@ def device_kind() -> DeviceKind:
 
 
 def prepare_mlx() -> None:
-    """Settings MLX reads when it first computes on a device, set before a model loads
-    (MLX's CUDA caches, :data:`CUDA_CACHE_SIZES`; other backends ignore them)."""
+    """Settings MLX reads when it first computes on a device, set before a model loads:
+    MLX's CUDA caches (:data:`CUDA_CACHE_SIZES`), on its CUDA backend only."""
+    if device_kind() != "cuda":
+        return
     for name, value in CUDA_CACHE_SIZES.items():
         os.environ.setdefault(name, value)
 
