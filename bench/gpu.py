@@ -218,12 +218,23 @@ async def _speculative(args: argparse.Namespace, systems: list[System], log: Any
             if plain.decode_tps and edit.decode_tps:
                 s.add("edit_ratio", edit.decode_tps / plain.decode_tps)
             s.add("edit_same_text", plain.text == edit.text)
+            # In half precision a verification pass and a step round differently, so a
+            # near-tie can part the two texts: where they part says how far they agreed.
+            s.add("edit_parted_at", _parted(plain.text, edit.text))
             spec = (edit.profile or {}).get("speculation") or {}
             s.add("edit_accepted", (spec.get("prediction") or {}).get("accepted"))
             s.add("edit_tokens", edit.tokens)
         log(f"  {s.name}: with / without prediction "
             f"{_f(_median(s.results.get('edit_ratio')))}x, same text "
             f"{all(s.results.get('edit_same_text') or [False])}")
+
+
+def _parted(a: str, b: str) -> int | None:
+    """The first character where ``a`` and ``b`` differ (None: the same text)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
 
 
 def steps(system: System) -> dict[str, Any]:
