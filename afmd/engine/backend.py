@@ -108,9 +108,9 @@ def verify_builds_plans(model: Any, backend: Backend | None = None) -> bool:
     """Whether a forward pass over several new tokens (a speculative verification)
     builds an attention plan each time: MLX's CUDA backend runs half-precision attention
     over more than one query through cuDNN, whose plan is keyed by the key length, which
-    every verification pass has anew (tens of milliseconds each, more than the steps a
-    typical proposal saves; each also counts toward the miss limit of
-    :data:`CUDA_CACHE_SIZES`). Unless ``MLX_CUDA_USE_CUDNN_SDPA=0`` turns that off."""
+    every verification pass has anew (building one costs more than the steps a typical
+    proposal saves, and each counts toward the miss limit of :data:`CUDA_CACHE_SIZES`).
+    Unless ``MLX_CUDA_USE_CUDNN_SDPA=0`` turns that off."""
     backend = backend or current()
     if backend.device != "cuda" or os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1") == "0":
         return False
