@@ -76,6 +76,7 @@ class Server:
     port: int
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None  # None: this process's (another checkout's afmd runs from its own)
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_after: float | None = None
@@ -90,6 +91,7 @@ class Server:
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **self.env},
+            cwd=self.cwd,
             start_new_session=True,
         )
         log.close()

@@ -27,6 +27,11 @@ from helpers.tls import share_default_context  # noqa: E402
 
 share_default_context()
 
+# MLX's CUDA backend multiplies float32 matrices in TF32 unless told otherwise: the tests
+# compare afmd's numbers with mlx-lm's in float32 (tests/helpers/numerics.py). Set before
+# anything computes, so test servers inherit it too; other backends ignore it.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
 __all__ = ["DIAGNOSE", "ROOT", "ServerProcess", "afmd_command", "parse_sse", "start_server"]
 
 #: Workers for a run over the whole suite (or a folder): one more than the cores, as the

@@ -32,11 +32,12 @@ from afmd.engine.detokenize import ExactDetokenizer
 from afmd.engine.tokens import token_table
 
 from conftest import ServerProcess, parse_sse, start_server
+from helpers.numerics import LOGPROB_TOLERANCE
 from helpers.openai_schemas import _allow_nullable, validate_error
 
 COMPLETIONS = "/v1/completions"
 _SCHEMAS = Path(__file__).parent / "data" / "openai-completions-schemas.json"
-TOLERANCE = 1e-4
+TOLERANCE = LOGPROB_TOLERANCE  # the device's (tests/helpers/numerics.py)
 LONG = 4000
 
 

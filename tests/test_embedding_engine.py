@@ -20,6 +20,8 @@ from afmd.engine.kinds import CHAT, EMBEDDING, EmbeddingSpec
 from afmd.engine.models import ModelRegistry
 from afmd.errors import InvalidRequestError
 
+from helpers.numerics import tolerance
+
 # -- kinds ---------------------------------------------------------------------------------
 
 
@@ -150,7 +152,8 @@ def test_concurrent_jobs_share_one_forward_pass(model: Any) -> None:
     for inputs, vectors in zip(jobs_inputs, results, strict=True):
         assert vectors.shape == (2, 64) and vectors.dtype == np.float32
         for ids, vector in zip(inputs, vectors, strict=True):
-            np.testing.assert_allclose(vector, unit(hidden(model, ids)[-1]), atol=2e-5)
+            np.testing.assert_allclose(vector, unit(hidden(model, ids)[-1]),
+                                       atol=tolerance(2e-5))
 
 
 def test_a_cancelled_job_is_skipped(model: Any) -> None:
@@ -183,7 +186,8 @@ def test_pooling_and_padding_match_each_sequence_alone(model: Any, pooling: str)
     for ids, vector in zip(seqs, got, strict=True):
         states = hidden(model, ids)
         expected = {"last": states[-1], "mean": states.mean(axis=0), "cls": states[0]}[pooling]
-        np.testing.assert_allclose(vector, expected, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(vector, expected, rtol=tolerance(1e-4),
+                                   atol=tolerance(1e-4))
 
 
 @pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
@@ -195,7 +199,7 @@ def test_long_inputs_stepped_through_a_cache_match_one_pass(
     whole = embedder.encode(seqs)
     monkeypatch.setattr(embedding, "STEP_TOKENS", 8)
     stepped = embedder.encode(seqs)
-    np.testing.assert_allclose(stepped, whole, atol=1e-4)
+    np.testing.assert_allclose(stepped, whole, atol=tolerance(1e-4))
 
 
 def test_groups_bound_rows_and_padded_tokens(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,9 +32,10 @@ from afmd.engine.detokenize import ExactDetokenizer
 from afmd.engine.tokens import TokenTable, token_text
 from afmd.engine.worker import BatchWorker
 
+from helpers.numerics import LOGIT_TOLERANCE, LOGPROB_TOLERANCE, assert_top_agrees
 from helpers.openai_schemas import validate_chunk, validate_error, validate_response
 
-TOLERANCE = 1e-4
+TOLERANCE = LOGPROB_TOLERANCE  # the device's (tests/helpers/numerics.py)
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +88,7 @@ def text_of(events: list[Any]) -> str:
 def assert_matches(lp: np.ndarray, position: int, entry: TokenLogprob, k: int) -> None:
     row = lp[position]
     assert entry.logprob == pytest.approx(float(row[entry.token]), abs=TOLERANCE)
-    expected = [int(i) for i in np.argsort(-row, kind="stable")[:k]]
-    assert [t for t, _ in entry.top] == expected
-    for token, value in entry.top:
-        assert value == pytest.approx(float(row[token]), abs=TOLERANCE)
+    assert_top_agrees(entry.top, row, k)
 
 
 def request(prompt: list[int], max_tokens: int = 12, **extra: Any) -> GenerationRequest:
@@ -113,7 +111,8 @@ def test_generated_token_logprobs_equal_mlx_lm(loaded, worker, monkeypatch, on_h
     lp = reference(model, prompt + ids)
     for i, entry in enumerate(got):
         assert_matches(lp, len(prompt) - 1 + i, entry, 5)
-        assert entry.token == int(np.argmax(lp[len(prompt) - 1 + i]))  # greedy
+        row = lp[len(prompt) - 1 + i]
+        assert row[entry.token] >= row.max() - LOGIT_TOLERANCE  # greedy (a near-tie off the CPU)
 
 
 def test_rows_that_ask_and_rows_that_do_not_share_a_batch(loaded, worker) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from afmd.engine import backend
 from afmd.engine.base import Generation, PromptLogprobs, SamplingParams
 from afmd.engine.detokenize import ExactDetokenizer
 from afmd.engine.handoff import flush
@@ -58,7 +59,10 @@ class Admissions:
         self._stepper = stepper
         self._tokenizer = stepper.tokenizer
         self._eos = frozenset(stepper.eos)
-        self._prompt_lookup = prompt_lookup
+        # Where a verification pass costs a new attention plan, a proposal guessed from
+        # the prompt rarely holds long enough to pay for it (a prediction or draft, asked
+        # for, still speculates).
+        self._prompt_lookup = prompt_lookup and not backend.verify_builds_plans(stepper.model)
         self._draft_model = draft_model
         self._speculates = speculates
         # How each kind of proposal source fared lately.

@@ -37,6 +37,7 @@ A sequence's first token is still sampled by mlx-lm's own step when it joins the
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -69,6 +70,9 @@ class DecodeBatch(GenerationBatch):
     _backlog: dict[int, tuple[list[int], list[Any]]]
     # uid -> prompt length (what the row's KV cache held when its first token went out).
     _prompt_len: dict[int, int]
+    #: Seconds this thread spent waiting for the device's tokens (see
+    #: :mod:`afmd.engine.steptrace`).
+    waited = 0.0
 
     @classmethod
     def install(cls, generator: Any) -> DecodeBatch:
@@ -109,7 +113,7 @@ class DecodeBatch(GenerationBatch):
             # A row's first token: hand it out before building and starting the next
             # forward pass, which on MLX's CPU backend costs the calling thread a few ms.
             self._deferred = True
-            return inputs.tolist(), self._current_logprobs
+            return self._read(inputs), self._current_logprobs
         return self._launch(inputs), self._current_logprobs
 
     def extend(self, batch: Any) -> None:
@@ -156,7 +160,7 @@ class DecodeBatch(GenerationBatch):
             # The masks need this step's input tokens; the forward pass does not need the
             # masks. Start it, then let llguidance work (GIL released) while MLX computes.
             mx.async_eval(logits)
-            tokens = inputs.tolist()
+            tokens = self._read(inputs)
             if self._masks is None:
                 self._masks = MaskBuilder()
             allowed = self._masks.build(masked, tokens, n, logits.shape[-1])
@@ -184,10 +188,17 @@ class DecodeBatch(GenerationBatch):
             mx.async_eval(self._next_tokens, token_context)
 
         if tokens is None:
-            tokens = inputs.tolist()
+            tokens = self._read(inputs)
         for sequence, token in zip(self.tokens, tokens, strict=True):
             sequence.append(token)
         return tokens
+
+    def _read(self, tokens: mx.array) -> list[int]:
+        """``tokens`` on the host: where the thread waits for the device."""
+        started = time.perf_counter()
+        out: list[int] = tokens.tolist()
+        self.waited += time.perf_counter() - started
+        return out
 
     def _logprob_wants(self) -> list[tuple[int, int]]:
         """(row, alternatives) of the rows that report log-probabilities."""

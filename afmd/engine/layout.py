@@ -8,10 +8,10 @@ decode step. With a 32k vocabulary that copy was a third of a batch-of-8 decode 
 Storing the projection already transposed, once at load, removes the copy and changes no
 result: the logits are bit for bit the same (tests/test_layout.py).
 
-Only a plain floating-point ``nn.Linear`` head without a bias, on the CPU device, is
-re-laid out: quantized heads have their own kernels, a head tied to the embedding table
-would need a second copy of it, ``addmm`` with a bias rounds differently once the operand
-is contiguous, and on a GPU there is nothing to gain.
+Only a plain floating-point ``nn.Linear`` head without a bias, on the CPU path
+(:mod:`afmd.engine.backend`), is re-laid out: quantized heads have their own kernels, a
+head tied to the embedding table would need a second copy of it, ``addmm`` with a bias
+rounds differently once the operand is contiguous, and on a GPU there is nothing to gain.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from afmd.engine import backend
 
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
@@ -37,8 +39,8 @@ class TransposedLinear(nn.Module):
 
 
 def relayout_for_cpu(model: Any) -> bool:
-    """Re-lay out ``model.lm_head`` when MLX runs on the CPU; True when it did."""
-    if mx.default_device().type != mx.DeviceType.cpu:
+    """Re-lay out ``model.lm_head`` on the CPU path; True when it did."""
+    if not backend.current().host_layout:
         return False
     head = getattr(model, "lm_head", None)
     if type(head) is not nn.Linear or "bias" in head or head.weight.dtype not in _FLOATS:

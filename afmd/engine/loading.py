@@ -6,12 +6,15 @@ loop; the heavy imports wait inside the function, so importing this module costs
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from afmd.config import BUILTIN_SYSTEM_PATH, Config, ModelEntry
 from afmd.engine import kinds
 from afmd.engine.kinds import BUILTIN_PREFIX, CHAT
 from afmd.engine.loaded import DEFAULT_CONTEXT_LENGTH, LoadedModel, context_length_from
+
+log = logging.getLogger("afmd.engine")
 
 
 def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
@@ -32,7 +35,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     from mlx.utils import tree_flatten
     from mlx_lm import load as mlx_load
 
-    from afmd.engine import demo, lockstep
+    from afmd.engine import backend, demo, lockstep
     from afmd.engine.draft import load_draft
     from afmd.engine.embedding import Embedder
     from afmd.engine.layout import relayout_for_cpu
@@ -40,6 +43,8 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     from afmd.engine.sharding import load_shard
     from afmd.engine.worker import BatchWorker
 
+    path = backend.current()  # an AFMD_BACKEND_LAYOUT that is not a choice fails the load
+    backend.prepare_mlx()
     apply_memory_bounds(config.cache.mlx_buffer_cache_bytes)
 
     is_demo = entry.path.startswith(BUILTIN_PREFIX)
@@ -97,6 +102,8 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
             lockstep=group,
         )
         worker.start()
+        worker.ready()  # the GPU path's warm-up is part of loading
+        log.info("model %s serves on the %s", entry.id, path.describe())
     return LoadedModel(
         entry=entry,
         folder=folder,

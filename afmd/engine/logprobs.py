@@ -5,12 +5,12 @@ taking the argmax of raw logits). Values are ``log_softmax`` of the logits the s
 (after grammar masks and penalties, before temperature and top-p), in float32, as mlx-lm
 reports them, with the most likely alternatives.
 
-Where the normalisation runs depends on the device. On a GPU it joins the step's lazy
-graph (evaluated with the next tokens, so reading it back never waits behind the next
-forward pass). MLX's CPU backend computes ``exp`` one element at a time, which made a
-32k-vocabulary row's log-softmax and top-k cost several decode steps; there the step
-keeps the row's logits (a copy, evaluated with the tokens) and numpy's vectorised
-routines normalise it when the token is handed out.
+Where the normalisation runs depends on the path (:mod:`afmd.engine.backend`). On the GPU
+path it joins the step's lazy graph (evaluated with the next tokens, so reading it back
+never waits behind the next forward pass). MLX's CPU backend computes ``exp`` one element
+at a time, which made a 32k-vocabulary row's log-softmax and top-k cost several decode
+steps; on the CPU path the step keeps the row's logits (a copy, evaluated with the tokens)
+and numpy's vectorised routines normalise it when the token is handed out.
 
 A prompt's own log-probabilities (``echo``) need the logits of every prompt position,
 which a prefill throws away; :func:`prompt_logprobs` runs the model over the prompt once
@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from afmd.engine import backend
 from afmd.engine.base import TokenLogprob
 
 #: The most alternatives a position reports (OpenAI's chat maximum).
@@ -42,7 +43,7 @@ _SCRATCH = threading.local()  # each thread's buffer for a row's exp (the engine
 
 
 def _on_host() -> bool:
-    return mx.default_device() == mx.cpu
+    return backend.current().host_layout
 
 
 class StepLogprobs:

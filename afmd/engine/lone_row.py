@@ -7,6 +7,7 @@ they replace when a batch of one row may speculate (see the batch's module docst
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -99,7 +100,9 @@ def resolve(self: DecodeBatch) -> tuple[list[int], int, list[Any]]:
     log-probabilities of each of those tokens."""
     verify, self._verify = self._verify, None
     assert verify is not None
+    started = time.perf_counter()
     proposal, targets = verify.resolve()
+    self.waited += time.perf_counter() - started
     n = accepted_count(proposal, targets)
     rejected = verify.k - n
     if rejected:

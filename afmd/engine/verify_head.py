@@ -1,10 +1,11 @@
 """The output projection of a verification pass, and the tokens it picks.
 
-On a GPU the whole pass stays in MLX. On MLX's CPU backend the GEMM is the reference BLAS
-the ``mlx[cpu]`` wheel ships, which costs about one single-token decode step per extra
-row of a large output projection: verifying 16 positions would cost 16 steps. There the
-pass stops at the hidden states and numpy's BLAS (one thread: the engine thread is one
-thread, and a busy machine made OpenBLAS's own threads slower, not faster) projects them.
+On the GPU path (:mod:`afmd.engine.backend`) the whole pass stays in MLX. On MLX's CPU
+backend the GEMM is the reference BLAS the ``mlx[cpu]`` wheel ships, which costs about one
+single-token decode step per extra row of a large output projection: verifying 16
+positions would cost 16 steps. On the CPU path the pass stops at the hidden states and
+numpy's BLAS (one thread: the engine thread is one thread, and a busy machine made
+OpenBLAS's own threads slower, not faster) projects them.
 
 numpy rounds differently than MLX. A position whose best token leads the runner-up by
 less than the rounding bound of the two dot products is projected again by MLX alone,
@@ -29,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from afmd.engine import backend
 from afmd.engine.layout import TransposedLinear
 from afmd.engine.logprobs import StepLogprobs, step_logprobs
 
@@ -56,7 +58,7 @@ class VerifyHead:
     def of(model: Any) -> VerifyHead:
         head = getattr(model, "lm_head", None)
         if (isinstance(head, TransposedLinear) and head.weight_t.dtype == mx.float32
-                and mx.default_device() == mx.cpu and _head_is_last(model, head)):
+                and backend.current().host_layout and _head_is_last(model, head)):
             return HostHead(head)
         return DeviceHead(model)
 

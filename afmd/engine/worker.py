@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from afmd.engine import backend
 from afmd.engine.admission import Admissions, make_sampler
 from afmd.engine.base import Generation
 from afmd.engine.handoff import Handoff, fail, flush
@@ -26,6 +27,8 @@ from afmd.engine.inbox import Inbox
 from afmd.engine.lockstep import Lockstep, StepPlan
 from afmd.engine.sequence import Row
 from afmd.engine.stepper import Stepper
+from afmd.engine.steptrace import StepTrace
+from afmd.engine.warmup import compile_template, warm_up
 from afmd.errors import ServerError
 
 __all__ = ["BatchWorker", "make_sampler"]
@@ -125,6 +128,8 @@ class BatchWorker:
         #: the other ranks are now out of step, and only a restart of the group helps.
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._faults = _InjectedFailures()
+        self._warm = threading.Event()
+        self._trace = StepTrace.from_env(name)
 
     # -- event-loop side --
     def start(self) -> None:
@@ -134,6 +139,11 @@ class BatchWorker:
             # 5 ms switch interval it can wait a whole interval behind the event loop.
             sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
             self._thread.start()
+
+    def ready(self, timeout: float | None = None) -> bool:
+        """Wait until the thread is ready to serve (the model warmed up on the GPU path:
+        requests submitted before wait behind it)."""
+        return self._warm.wait(timeout)
 
     def submit(self, generation: Generation) -> None:
         self._inbox.put(generation)
@@ -162,6 +172,7 @@ class BatchWorker:
     # -- thread side --
     def _run(self) -> None:
         self._stepper.reset()
+        self._warm_up()
         while True:
             try:
                 items = self._inbox.take(block=not self._active)
@@ -181,10 +192,26 @@ class BatchWorker:
         if self._lockstep is not None:
             with contextlib.suppress(Exception):  # the other ranks may be gone already
                 self._lockstep.share_plan(StepPlan(stop=True))
+        if self._trace is not None:
+            self._trace.close()
         self._fail_all(None)
+
+    def _warm_up(self) -> None:
+        """The chat template compiled, and the GPU path's warm-up (:mod:`afmd.engine.warmup`);
+        a sharded model's ranks would have to run that in step, so they do not."""
+        try:
+            compile_template(self._stepper.tokenizer)
+            if self._lockstep is None and backend.current().warms_up:
+                log.info("model warmed up in %.2f s", warm_up(self._stepper))
+        except Exception:  # a model that fails here fails its first request the same way
+            log.exception("warming the model up failed")
+            self._stepper.reset()
+        finally:
+            self._warm.set()
 
     def _iterate(self, arrivals: list[Generation]) -> None:
         """Admit what arrived, drop what was cancelled, step the batch."""
+        started = time.perf_counter()
         admissions = [a for a in map(self._admissions.prepare, arrivals) if a is not None]
         cancelled = [s for s in self._active.values() if s.generation.cancel_requested]
         if self._lockstep is not None:
@@ -196,7 +223,7 @@ class BatchWorker:
                 self._active[row.uid] = row
         self._remove(cancelled)
         if self._active:
-            self._step()
+            self._step(started)
         if self._lockstep is not None:
             self._lockstep.idle = not self._active
 
@@ -210,11 +237,22 @@ class BatchWorker:
             seq.finish("cancelled")
         flush(cancelled)
 
-    def _step(self) -> None:
+    def _step(self, started: float) -> None:
         self._faults.check()
+        trace, batch = self._trace, self._stepper.batch
+        if trace is None or batch is None:
+            responses = self._stepper.next()
+            if responses:
+                _deliver(responses, self._active, self._stepper, self._handoff)
+            return
+        rows, waited, stepping = len(self._active), batch.waited, time.perf_counter()
         responses = self._stepper.next()
+        delivering = time.perf_counter()
         if responses:
             _deliver(responses, self._active, self._stepper, self._handoff)
+        trace.record(rows=rows, tokens=len(responses), admit_s=stepping - started,
+                     next_s=delivering - stepping, wait_s=batch.waited - waited,
+                     deliver_s=time.perf_counter() - delivering)
 
     def _fail_all(self, exc: BaseException | None) -> None:
         seqs = list(self._active.values())

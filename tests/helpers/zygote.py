@@ -38,8 +38,11 @@ from typing import IO, Any
 #: when it runs, not when it is imported.
 RUNTIME_ENV_PREFIXES = ("AFMD_",)
 #: Sanic reads ``SANIC_LOG_EXTRA`` at import, but sets it (and what it read) again when it
-#: starts serving; a test process that ran a server in process has it set.
-RUNTIME_ENV = frozenset({"PYTHONFAULTHANDLER", "PYTEST_CURRENT_TEST", "SANIC_LOG_EXTRA"})
+#: starts serving; a test process that ran a server in process has it set. MLX reads its
+#: CUDA cache sizes when it first computes, and afmd sets them as a model loads
+#: (afmd/engine/backend.py), in process too.
+RUNTIME_ENV = frozenset({"PYTHONFAULTHANDLER", "PYTEST_CURRENT_TEST", "SANIC_LOG_EXTRA",
+                         "MLX_CUDA_GRAPH_CACHE_SIZE", "MLX_CUDA_SDPA_CACHE_SIZE"})
 #: What ``afmd serve`` imports by the time its model answers (``-X importtime`` of a start).
 PRELOAD = ("afmd.cli", "afmd.cli_models", "afmd.server", "afmd.logs", "afmd.engine.models",
            "afmd.engine.demo", "afmd.engine.worker", "mlx_lm", "mlx_lm.utils",
