@@ -5,11 +5,13 @@ other and to files of the tree by relative paths, which break silently when a pa
 heading is renamed. This reads every Markdown link and image in README.md, docs/*.md and
 bench/README.md and checks that its file exists and that its ``#anchor`` is a heading of the
 target, slugged as GitHub slugs headings. It also keeps the README short (a manual grows by
-pages, not by a longer front page) and every config key in the configuration page's table.
+pages, not by a longer front page), every config key in the configuration page's table, and
+every row of the layering test's table in the architecture page's.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import unicodedata
@@ -217,3 +219,43 @@ def test_the_slug_rules() -> None:
     )
     assert github_slug("`[ollama] port`") == "ollama-port"
     assert github_slug("GPU mode (`bench/gpu.py`)") == "gpu-mode-benchgpupy"
+
+
+def _layering_table() -> tuple[tuple[str, float], ...]:
+    """The (pattern, layer) table ``test_layering.py`` enforces, wherever under tests/ it is,
+    read from its source (a literal)."""
+    (path,) = ROOT.joinpath("tests").rglob("test_layering.py")
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.AnnAssign | ast.Assign):
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            if any(isinstance(x, ast.Name) and x.id == "LAYERS" for x in targets):
+                assert node.value is not None
+                return ast.literal_eval(node.value)
+    raise AssertionError(f"no LAYERS table in {path}")
+
+
+def _documented_layers() -> dict[float, str]:
+    """The architecture page's layer table: layer number → its row's folders and modules."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Layer rules per folder", 1)[1].split("\n## ", 1)[0]
+    rows: dict[float, str] = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"[0-9.]+", cells[0]):
+            rows[float(cells[0])] = cells[1]
+    return rows
+
+
+def test_the_architecture_page_places_every_module_as_the_layering_test_does() -> None:
+    # The page is read by people and the table by the test; a module moved in one and not
+    # the other would teach the wrong rule. ``afmd.x.y`` is written `x/y`, a package with
+    # everything below it ``afmd.x.*`` is `x/`.
+    rows = _documented_layers()
+    assert len(rows) > 10
+    wrong: list[str] = []
+    for pattern, layer in _layering_table():
+        name = pattern.removeprefix("afmd.") if pattern != "afmd" else "afmd"
+        name = name[:-2].replace(".", "/") + "/" if name.endswith(".*") else name.replace(".", "/")
+        if f"`{name}`" not in rows.get(float(layer), ""):
+            wrong.append(f"{pattern} (layer {layer}) is not `{name}` in the row of layer {layer}")
+    assert not wrong, "\n".join(wrong)
