@@ -57,15 +57,16 @@ def _without_code(text: str) -> str:
 
 
 def github_slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped (letters, digits,
-    ``-`` and ``_`` kept), each space a hyphen; inline markup is read as its text."""
+    """GitHub's anchor for a heading: lower case, every character but letters, marks,
+    digits, connector punctuation (``_``), ``-`` and spaces dropped, each space a hyphen;
+    inline markup is read as its text."""
     text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # links and images: their text
     text = re.sub(r"<[^>]+>", "", text)  # inline HTML tags
     text = text.strip().lower()
     kept = []
     for char in text:
         category = unicodedata.category(char)
-        if char in "-_ " or category[0] in "LN" or category == "Mn":
+        if char in "- " or category[0] in "LMN" or category == "Pc":
             kept.append(char)
     return "".join(kept).replace(" ", "-")
 
@@ -219,6 +220,7 @@ def test_the_slug_rules() -> None:
     )
     assert github_slug("`[ollama] port`") == "ollama-port"
     assert github_slug("GPU mode (`bench/gpu.py`)") == "gpu-mode-benchgpupy"
+    assert github_slug("Speed — measured × 2, naïve") == "speed--measured--2-naïve"
 
 
 def _layering_table() -> tuple[tuple[str, float], ...]:
