@@ -118,7 +118,7 @@ def weird(rng: random.Random, depth: int = 0) -> Any:
                            {"type": [1, 2]}, [[{}]]])
     if roll < 0.9:
         return [weird(rng, depth + 1) for _ in range(rng.randint(1, 3))]
-    return {rng.choice(FIELDS + ["type", "name", "role", "content", "id"]):
+    return {rng.choice([*FIELDS, "type", "name", "role", "content", "id"]):
             weird(rng, depth + 1) for _ in range(rng.randint(1, 3))}
 
 
@@ -142,7 +142,7 @@ def schema(rng: random.Random, depth: int = 0) -> Any:
     if roll < 0.55:
         return {"type": "string", rng.choice(["minLength", "maxLength", "pattern",
                                               "format"]): rng.choice(
-            NUMBERS + ["^a+$", "(", "\\d{99999}", "date-time", "x{2,1}"])}
+            [*NUMBERS, "^a+$", "(", "\\d{99999}", "date-time", "x{2,1}"])}
     if roll < 0.6:
         return {"enum": list(range(rng.choice([100, 20_000])))}
     if roll < 0.65:
