@@ -202,6 +202,13 @@ def _put_schema(dialect: str, body: dict[str, Any], rng: random.Random) -> None:
         body["format"] = s
 
 
+def _cap(obj: dict[str, Any], key: str, cap: int) -> None:
+    value = obj.get(key)
+    if value is None or (type(value) is int and not 0 <= value <= 64) or (
+            type(value) is float and 64 < value < 2**53):
+        obj[key] = cap
+
+
 def fuzz_body(rng: random.Random) -> tuple[str, str, bytes]:
     """One mutated body: (dialect, path, the JSON bytes)."""
     dialect, path, base = rng.choice(BASES)
@@ -225,10 +232,17 @@ def fuzz_body(rng: random.Random) -> tuple[str, str, bytes]:
             options = body.setdefault("options", {})
             if isinstance(options, dict):
                 options[rng.choice(OPTIONS)] = weird(rng)
-    # Accepted bodies stay short: cap output where a mutation did not touch the cap.
+    # Accepted bodies stay short: a cap a mutation removed comes back, and a valid but
+    # large one is lowered (a long generation is no bug: it would only end in the
+    # request timeout's 504 and slow the run). Wrong shapes are left as they are.
     for key in ("max_tokens", "max_output_tokens", "max_completion_tokens"):
-        if body.get(key) in (None,) and key in base:
-            body[key] = base[key]
+        if key in base:
+            _cap(body, key, base[key])
+    if dialect in ("ollama_chat", "ollama_generate"):
+        if body.get("options") is None:
+            body["options"] = {}
+        if isinstance(body["options"], dict):
+            _cap(body["options"], "num_predict", 16)
     return dialect, path, json.dumps(body).encode()
 
 
