@@ -29,7 +29,12 @@ import sys
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
+
+from afmd.logs import get_logger
+
+log = get_logger("afmd.grammar")
 
 #: Set in the worker's environment to the socket it serves; afmd's CLI entry checks it
 #: first, so the frozen binary (which has no ``-c``) can be its own worker.
@@ -60,13 +65,18 @@ def serve_from_env() -> None:
     _serve(Connection(int(os.environ[WORKER_ENV])))
 
 
-def _command() -> list[str]:
+def _command() -> tuple[list[str], dict[str, str]]:
+    """The worker's command line and the environment additions it needs."""
     if getattr(sys, "frozen", False):
-        return [sys.executable]
+        return [sys.executable], {}
     # A fresh interpreter running this module alone: not multiprocessing's spawn, which
-    # re-runs the parent's main script in the child unless it is guarded.
-    return [sys.executable, "-c",
-            "from afmd.grammar.sandbox import serve_from_env; serve_from_env()"]
+    # re-runs the parent's main script in the child unless it is guarded. It finds afmd
+    # where this process did, whatever its working directory.
+    here = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    return ([sys.executable, "-c",
+             "from afmd.grammar.sandbox import serve_from_env; serve_from_env()"],
+            {"PYTHONPATH": path})
 
 
 def _serve(conn: Connection) -> None:
@@ -162,9 +172,10 @@ class CompileWorker:
             self._stop()
             ours, theirs = socket.socketpair()
             fd = theirs.fileno()
-            env = {**os.environ, WORKER_ENV: str(fd)}
+            command, extra = _command()
+            env = {**os.environ, **extra, WORKER_ENV: str(fd)}
             try:
-                process = subprocess.Popen(_command(), env=env, pass_fds=(fd,),
+                process = subprocess.Popen(command, env=env, pass_fds=(fd,),
                                            stdin=subprocess.DEVNULL, close_fds=True)
             finally:
                 theirs.close()
@@ -180,26 +191,35 @@ class CompileWorker:
             if conn.poll(timeout_s):
                 return conn.recv()
         except (EOFError, OSError, BrokenPipeError):
+            code = self._stop()
             self.restarts += 1
-            self._stop()
             if expect_death:
                 return None
+            log.warning("grammar compile worker died; the request is refused and the "
+                        "worker restarted", exit_code=code, task=what)
             raise CompileFailed(f"the grammar compiler crashed while {what}") from None
-        self.restarts += 1
         self._stop()
+        self.restarts += 1
+        log.warning("grammar compile worker overran; the request is refused and the worker "
+                    "restarted", timeout_s=timeout_s, task=what)
         raise CompileFailed(
             f"the grammar compiler took longer than {timeout_s:g} s while {what}")
 
-    def _stop(self) -> None:
+    def _stop(self) -> int | None:
+        """Close and reap the worker; its exit status (negative: the signal), if known."""
         if self._conn is not None:
             self._conn.close()
             self._conn = None
         process, self._process = self._process, None
-        if process is not None:
-            if process.poll() is None:
-                process.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=5)
+        if process is None:
+            return None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=0.2)  # a worker that died has already exited
+        if process.poll() is None:
+            process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=5)
+        return process.returncode
 
 
 _worker = CompileWorker()
