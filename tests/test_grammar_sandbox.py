@@ -50,7 +50,8 @@ def test_the_upstream_fault_is_still_there() -> None:
     the screen (``afmd.grammar.limits``) may be relaxed."""
     done = subprocess.run([sys.executable, "-c", REPRODUCER], capture_output=True,
                           timeout=120)
-    assert done.returncode == -11, (done.returncode, done.stderr[-500:])
+    # SIGSEGV here (-11); a stack overflow may be SIGBUS elsewhere: killed by a signal.
+    assert done.returncode < 0, (done.returncode, done.stderr[-500:])
 
 
 # --------------------------------------------------------------------------- the screen
