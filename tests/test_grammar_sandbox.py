@@ -26,7 +26,7 @@ from afmd.engine.loaded import LoadedModel
 from afmd.engine.models import ModelRegistry
 from afmd.errors import InvalidRequestError
 from afmd.grammar.compiler import Grammar, json_schema_grammar, llg_tokenizer
-from afmd.grammar.limits import MAX_ENUM, schema_limit_param
+from afmd.grammar.limits import MAX_ENUM, MAX_PROPERTIES, schema_limit_param
 from afmd.grammar.sandbox import CompileFailed, CompileWorker, compile_worker
 
 INT64_MIN = -(2**63)
@@ -72,6 +72,8 @@ def test_the_screen_refuses_every_known_crash(schema: dict[str, Any]) -> None:
         ({"anyOf": [{"const": float("inf")}]}, "s.anyOf[0].const"),
         ({"default": 10**5000}, "s.default"),
         ({"enum": list(range(MAX_ENUM + 1))}, "s.enum"),
+        ({"properties": {"o": {"properties": {
+            f"p{i}": {} for i in range(MAX_PROPERTIES + 1)}}}}, "s.properties.o.properties"),
         ({"const": {"deep": [-1e300]}}, "s.const.deep[0]"),
     ],
 )
@@ -88,6 +90,7 @@ def test_the_screen_names_the_value(schema: dict[str, Any], param: str) -> None:
         {"type": "number", "minimum": -1e18, "maximum": 1e-300, "multipleOf": 0.5},
         {"enum": [True, False, None, "x", 1.5, -3]},
         {"enum": list(range(MAX_ENUM))},
+        {"properties": {f"p{i}": {"type": "integer"} for i in range(MAX_PROPERTIES)}},
     ],
 )
 def test_the_screen_passes_ordinary_schemas(schema: dict[str, Any]) -> None:

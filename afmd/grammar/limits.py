@@ -8,8 +8,9 @@ A larger thread stack does not help; the recursion has no end. Numbers outside i
 its schema reader fail, and bounds of that size are refused by it anyway, so the screen
 below costs a legitimate schema nothing: every number in the schema (wherever it sits,
 since ``const`` and ``enum`` values nest) must be finite and, compared as a double,
-above -2^63; an integer must fit int64, a float stay below 2^63. An enum is bounded as
-well, so one schema cannot make the compile that follows arbitrarily long.
+above -2^63; an integer must fit int64, a float stay below 2^63. An enum and an
+object's properties are bounded as well, so one schema cannot make the compile that
+follows arbitrarily long.
 
 What gets past this screen is still compiled in a separate process
 (:mod:`afmd.grammar.sandbox`), so an input this screen does not know about costs a
@@ -33,6 +34,9 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 #: Values one ``enum`` may list.
 MAX_ENUM = 10_000
+#: Properties one object schema may list: the compile grows faster than their number
+#: (optional ones above all), and the compile worker's time bound is the backstop.
+MAX_PROPERTIES = 1_000
 
 
 def schema_limit_problem(schema: Any) -> tuple[str, list[Segment]] | None:
@@ -46,6 +50,10 @@ def schema_limit_problem(schema: Any) -> tuple[str, list[Segment]] | None:
             if type(enum) is list and len(enum) > MAX_ENUM:
                 return (f"an enum lists {len(enum)} values; at most {MAX_ENUM} are "
                         "supported", [*path, "enum"])
+            properties = value.get("properties")
+            if type(properties) is dict and len(properties) > MAX_PROPERTIES:
+                return (f"an object lists {len(properties)} properties; at most "
+                        f"{MAX_PROPERTIES} are supported", [*path, "properties"])
             # Reversed, so that the first offending value in document order is named.
             stack.extend(([*path, key], child)
                          for key, child in reversed(list(value.items())))
@@ -87,4 +95,5 @@ def schema_limit_param(schema: Any, param: str) -> tuple[str, str] | None:
     return where + problem, param + ("" if below.startswith("[") else ".") + below
 
 
-__all__ = ["MAX_ENUM", "NUMBER_LIMIT", "schema_limit_param", "schema_limit_problem"]
+__all__ = ["MAX_ENUM", "MAX_PROPERTIES", "NUMBER_LIMIT", "schema_limit_param",
+           "schema_limit_problem"]
