@@ -264,9 +264,12 @@ async def run(url: str, bodies: int, seed: int, concurrency: int, timeout: float
                     "Content-Type": "application/json"})
                 status = str(response.status_code)
                 if response.status_code >= 500:
-                    failures.append({"dialect": dialect, "path": path, "status": status,
-                                     "body": payload.decode()[:2000],
-                                     "answer": response.text[:500]})
+                    failure = {"dialect": dialect, "path": path, "status": status,
+                               "body": payload.decode()[:2000],
+                               "answer": response.text[:500]}
+                    failures.append(failure)
+                    if len(failures) <= 10:  # as they come: a long run shows them early
+                        log("  5xx: " + json.dumps(failure)[:1500])
             except httpx.TimeoutException:
                 status = "timeout"
             except httpx.TransportError as exc:
