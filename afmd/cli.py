@@ -197,6 +197,12 @@ def _check_config(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
+    if argv is None and os.environ.get("AFMD_GRAMMAR_WORKER_FD"):
+        # The frozen binary started as the grammar compile worker (afmd.grammar.sandbox).
+        from afmd.grammar.sandbox import serve_from_env
+
+        serve_from_env()
+        return 0
     if raw[:1] == ["_mlx-launch"]:  # afmd launch runs MLX's launcher through this
         from afmd.engine.launcher import mlx_launch
 

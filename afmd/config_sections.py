@@ -165,6 +165,10 @@ class ResponsesConfig:
 
     # Responses kept, the oldest leaving first; 0 keeps none.
     max_stored: int = field(default=1000, metadata=at_least(0))
+    # Bytes the kept responses may hold together (each counted as its stored JSON: its
+    # echoed request fields, input, output and conversation), the oldest leaving first;
+    # 0: no limit but max_stored.
+    max_stored_bytes: int = field(default=256 * 1024 * 1024, metadata=at_least(0))
     # Seconds a response is kept after it was made; 0: no limit.
     ttl: float = field(default=86400.0, metadata=at_least(0))
     persist: bool = False  # also under the cache folder, so a restart keeps them

@@ -192,6 +192,9 @@ def _find_problems(report: Report, config: Config) -> None:
             f"something that is not afmd answers at {srv['url']} (HTTP {srv.get('http_status')})"
             + (f": {owner_text(port['owners'])}" if port.get("owners") else "")
         )
+    elif srv.get("limited"):
+        report.problems.append(f"afmd answers at {srv['url']} but shows its details only "
+                               "with its API key: put it in [server] api_key of this config")
     elif srv.get("afmd") and srv.get("http_status") != 200:
         reason = srv["health"].get("reason", "unknown")
         report.problems.append(f"afmd answers but is not ready: /health {srv['http_status']} "

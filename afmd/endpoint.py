@@ -121,6 +121,12 @@ def probe_health(conn: http.client.HTTPConnection, api_key: str = "") -> dict[st
     if isinstance(body, dict) and "status" in body and "models" in body:
         result["afmd"] = True
         result["health"] = body
+    elif isinstance(body, dict) and "status" in body and body.keys() <= {"status", "reason"}:
+        # afmd's answer to a request without the key on a keyed, non-loopback listener:
+        # the status alone (the key this command sent, if any, was not the server's).
+        result["afmd"] = True
+        result["limited"] = True
+        result["health"] = body
     else:
         result["afmd"] = False
         result["server_header"] = response.getheader("Server")
@@ -143,5 +149,9 @@ def health(endpoint: Endpoint | None, timeout: float = 2.0) -> dict[str, Any]:
     if not probe["afmd"]:
         raise ServerUnreachable(f"something that is not afmd answers at {endpoint.label} "
                                 f"(HTTP {probe['http_status']})")
+    if probe.get("limited"):
+        raise ServerUnreachable(f"the server at {endpoint.label} shows its details only with "
+                                "its API key: put it in [server] api_key of the config this "
+                                "command reads")
     body: dict[str, Any] = probe["health"]
     return body

@@ -32,6 +32,7 @@ from afmd.grammar.compiler import (
     text_grammar,
     tool_grammar,
 )
+from afmd.grammar.limits import schema_limit_param
 from afmd.grammar.processor import BanTokens, GrammarProcessor
 from afmd.output.formats import detect
 from afmd.output.processor import OutputProcessor, ToolFormat
@@ -202,6 +203,13 @@ def _schema_error(schema: dict[str, Any], value: Any) -> str | None:
 
 
 def _check_schema(schema: dict[str, Any], param: str) -> None:
+    # First what the grammar compiler cannot take (named down to the value), then the
+    # metaschema: a number the compiler would die on is a valid JSON Schema.
+    limit = schema_limit_param(schema, param)
+    if limit is not None:
+        raise InvalidRequestError(
+            f"Unsupported JSON schema: {limit[0]}", code="invalid_schema", param=limit[1]
+        )
     problem = _schema_problem(schema)
     if problem is not None:
         raise InvalidRequestError(

@@ -72,6 +72,42 @@ def test_store_persists_and_reloads(tmp_path: Path) -> None:
     assert not (tmp_path / "resp_1.json").exists()
 
 
+def big(n: int, size: int, created: float = 0.0) -> Stored:
+    """A stored response echoing a large ``user`` field, as a client may send one."""
+    base = stored(n, created)
+    return Stored({**base.response, "user": "u" * size}, base.input_items,
+                  base.conversation, created)
+
+
+def test_store_bounds_the_bytes_it_holds_oldest_first() -> None:
+    one = len(big(0, 100_000).to_json())
+    store = ResponseStore(max_stored=1000, ttl=0, max_bytes=3 * one + one // 2)
+    for n in range(6):
+        store.put(f"resp_{n}", big(n, 100_000))
+        assert store.bytes <= store.max_bytes
+    assert [store.get(f"resp_{n}") is not None for n in range(6)] == [False] * 3 + [True] * 3
+    assert store.bytes == 3 * one
+    store.delete("resp_5")
+    assert store.bytes == 2 * one
+    # One response larger than the whole bound is not kept (and pushes nothing out).
+    store.put("resp_huge", big(9, 10 * one))
+    assert store.get("resp_huge") is None and store.get("resp_4") is not None
+
+
+def test_a_persisted_store_honours_the_byte_bound_when_read_back(tmp_path: Path) -> None:
+    store = ResponseStore(max_stored=100, ttl=0, folder=tmp_path)
+    for n in range(5):
+        store.put(f"resp_{n}", big(n, 50_000, float(n)))
+    store.close()
+    assert len(list(tmp_path.glob("resp_*.json"))) == 5
+    one = (tmp_path / "resp_0.json").stat().st_size
+    again = ResponseStore(max_stored=100, ttl=0, folder=tmp_path, max_bytes=2 * one)
+    assert [again.get(f"resp_{n}") is not None for n in range(5)] == [False] * 3 + [True] * 2
+    again.close()
+    assert sorted(p.name for p in tmp_path.glob("resp_*.json")) == ["resp_3.json",
+                                                                    "resp_4.json"]
+
+
 # -- items into chat turns ------------------------------------------------------------------
 
 
@@ -131,14 +167,20 @@ def test_stored_items_are_named_by_previous_response_id() -> None:
 
 def test_responses_settings(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text("[responses]\nmax_stored = 5\nttl = 60\npersist = true\n")
+    path.write_text("[responses]\nmax_stored = 5\nttl = 60\npersist = true\n"
+                    "max_stored_bytes = 1048576\n")
     config = load_config(path, env={})
     assert (config.responses.max_stored, config.responses.ttl) == (5, 60.0)
     assert config.responses.persist is True
+    assert config.responses.max_stored_bytes == 1 << 20
+    assert load_config(None, env={}).responses.max_stored_bytes == 256 << 20
     env = load_config(None, env={"AFMD_RESPONSES_PERSIST": "false",
-                                 "AFMD_RESPONSES_MAX_STORED": "0"})
+                                 "AFMD_RESPONSES_MAX_STORED": "0",
+                                 "AFMD_RESPONSES_MAX_STORED_BYTES": "4096"})
     assert env.responses.persist is False and env.responses.max_stored == 0
+    assert env.responses.max_stored_bytes == 4096
     for bad, key in (("max_stored = -1", "responses.max_stored"),
+                     ("max_stored_bytes = -1", "responses.max_stored_bytes"),
                      ("ttl = -5", "responses.ttl"),
                      ("persist = 1", "responses.persist"),
                      ("max_stord = 3", "responses.max_stord")):

@@ -76,8 +76,9 @@ _ERROR_TYPES = {
 
 #: Params afmd's shared checks name in Chat Completions' terms, in Anthropic's.
 _PARAMS = (
-    (re.compile(r"tools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
+    (re.compile(r"tools\[(\d+)\]\.function\.parameters(.*)"), r"tools[\1].input_schema\2"),
     (re.compile(r"tools\[(\d+)\]\.function\.name"), r"tools[\1].name"),
+    (re.compile(r"response_format\.json_schema\.schema(.*)"), r"output_config.format.schema\1"),
     (re.compile(r"response_format(\..+)?"), "output_config.format.schema"),
 )
 

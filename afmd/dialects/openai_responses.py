@@ -36,8 +36,8 @@ def rename_param(param: str | None) -> str | None:
         return None
     if param.startswith("messages"):
         return "input"  # the message's index is not the item's: name the input as a whole
-    if param == "response_format.json_schema.schema":
-        return "text.format.schema"
+    if param.startswith("response_format.json_schema.schema"):
+        return "text.format.schema" + param.removeprefix("response_format.json_schema.schema")
     if param.startswith("response_format"):
         return "text.format"
     if param == "max_tokens":

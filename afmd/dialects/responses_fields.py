@@ -60,9 +60,8 @@ def parse_tools(value: Any) -> tuple[tuple[ToolSpec, ...], tuple[dict[str, Any],
         p = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise wrong_type(p, "an object", tool)
-        kind = tool.get("type")
-        if kind is None:
-            raise missing(f"{p}.type")
+        # A string before any lookup: an object or array here is unhashable.
+        kind = required(tool, "type", f"{p}.type", str, "a string")
         if kind in HOSTED_TOOLS:
             raise _unsupported_tool(p, kind)
         if kind != "function":
@@ -86,9 +85,7 @@ def parse_tools(value: Any) -> tuple[tuple[ToolSpec, ...], tuple[dict[str, Any],
 def _choice_name(value: Any, param: str, names_: set[str]) -> str:
     if not isinstance(value, dict):
         raise wrong_type(param, "an object", value)
-    kind = value.get("type")
-    if kind is None:
-        raise missing(f"{param}.type")
+    kind = required(value, "type", f"{param}.type", str, "a string")
     if kind in HOSTED_TOOLS:
         raise _unsupported_tool(f"{param}.type", kind)
     if kind != "function":
@@ -116,13 +113,9 @@ def parse_tool_choice(
         return ToolChoice(value if names_ else "none"), value
     if not isinstance(value, dict):
         raise wrong_type("tool_choice", "a string or an object", value)
-    kind = value.get("type")
-    if kind is None:
-        raise missing("tool_choice.type")
+    kind = required(value, "type", "tool_choice.type", str, "a string")
     if kind == "allowed_tools":
-        mode = value.get("mode")
-        if mode is None:
-            raise missing("tool_choice.mode")
+        mode = required(value, "mode", "tool_choice.mode", str, "a string")
         if mode not in ("auto", "required"):
             raise not_one_of("tool_choice.mode", mode, ("auto", "required"))
         listed = value.get("tools")

@@ -137,9 +137,7 @@ def _images(parts: Any, param: Callable[[str], str]) -> tuple[ImageInput, ...]:
 
 
 def _message(item: Item, p: str) -> Item:
-    role = item.get("role")
-    if role is None:
-        raise missing(f"{p}.role")
+    role = required(item, "role", f"{p}.role", str, "a string")
     if role not in ROLES:
         raise not_one_of(f"{p}.role", role, ROLES)
     parts = _content(item.get("content"), f"{p}.content", role)
@@ -220,6 +218,8 @@ def canonical_items(value: Any, param: str = "input") -> list[Item]:
         if not isinstance(item, dict):
             raise wrong_type(p, "an object", item)
         kind = item.get("type", "message")  # EasyInputMessage: the type may be left out
+        if not isinstance(kind, str):  # an object or array: unhashable below
+            raise wrong_type(f"{p}.type", "a string", kind)
         if kind == "message":
             items.append(_message(item, p))
         elif kind == "function_call":

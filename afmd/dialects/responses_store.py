@@ -1,11 +1,17 @@
 """Stored responses: what ``GET /v1/responses/{id}`` and ``previous_response_id`` read.
 
-Bounded two ways (``[responses] max_stored`` entries, the oldest leaving first, and ``ttl``
-seconds after creation), kept in memory, and with ``persist`` also written under the cache
-folder, one JSON file per response, so that a restart keeps them. Each entry holds its
-whole conversation (the items before it, its input, its output) so that continuing it
-never depends on an older entry still being there; in memory the items are shared between
-the entries of one conversation, on disk each file repeats them.
+Bounded three ways (``[responses] max_stored`` entries and ``max_stored_bytes`` bytes, the
+oldest leaving first, and ``ttl`` seconds after creation), kept in memory, and with
+``persist`` also written under the cache folder, one JSON file per response, so that a
+restart keeps them. Each entry holds its whole conversation (the items before it, its
+input, its output) so that continuing it never depends on an older entry still being
+there; in memory the items are shared between the entries of one conversation, on disk
+each file repeats them.
+
+An entry's bytes are its stored JSON: everything it keeps, the request fields its response
+echoes (a client's ``user`` or ``metadata`` as sent) included. Since the entries of one
+conversation share their items in memory, the sum bounds what the store holds from above,
+and it is exactly what the persisted folder holds.
 
 Ids come only from afmd (``resp_`` and hex digits), and a client's id is only ever looked
 up in memory, never used as a path.
@@ -52,11 +58,15 @@ class Stored:
 class ResponseStore:
     """The bounded store; ``folder`` None keeps it in memory only."""
 
-    def __init__(self, max_stored: int, ttl: float, folder: Path | None = None) -> None:
+    def __init__(self, max_stored: int, ttl: float, folder: Path | None = None, *,
+                 max_bytes: int = 0) -> None:
         self.max_stored = max_stored
+        self.max_bytes = max_bytes  # 0: no bound in bytes
         self.ttl = ttl
         self.folder = folder
         self._entries: OrderedDict[str, Stored] = OrderedDict()  # oldest first
+        self._sizes: dict[str, int] = {}  # each entry's stored JSON, in bytes
+        self.bytes = 0  # their sum
         # One writer thread: file writes leave the event loop, in the order they were made.
         self._writer = ThreadPoolExecutor(1, "afmd-responses") if folder else None
         if folder is not None:
@@ -76,12 +86,17 @@ class ResponseStore:
     def put(self, response_id: str, stored: Stored) -> None:
         if self.max_stored <= 0:
             return
-        self._entries[response_id] = stored
-        self._write(response_id, stored)
+        data = stored.to_json()
+        if self.max_bytes and len(data) > self.max_bytes:
+            log.warning("response not stored: larger than max_stored_bytes", id=response_id,
+                        bytes=len(data), max_stored_bytes=self.max_bytes)
+            return
+        if response_id in self._entries:
+            self._remove(response_id)
+        self._add(response_id, stored, len(data))
+        self._write(response_id, data)
         self._expire()
-        while len(self._entries) > self.max_stored:
-            oldest = next(iter(self._entries))
-            self._remove(oldest)
+        self._bound()
 
     def delete(self, response_id: str) -> bool:
         if self.get(response_id) is None:
@@ -104,8 +119,22 @@ class ResponseStore:
                 break
             self._remove(oldest)
 
+    def _add(self, response_id: str, stored: Stored, size: int) -> None:
+        self._entries[response_id] = stored
+        self._sizes[response_id] = size
+        self.bytes += size
+
+    def _bound(self) -> None:
+        """The oldest out until both the count and the bytes are within bounds."""
+        while self._entries and (
+            len(self._entries) > max(self.max_stored, 0)
+            or (self.max_bytes and self.bytes > self.max_bytes)
+        ):
+            self._remove(next(iter(self._entries)))
+
     def _remove(self, response_id: str) -> None:
         del self._entries[response_id]
+        self.bytes -= self._sizes.pop(response_id)
         if self._writer is not None:
             self._writer.submit(self._unlink, response_id)
 
@@ -115,16 +144,16 @@ class ResponseStore:
         assert self.folder is not None
         return self.folder / f"{response_id}.json"
 
-    def _write(self, response_id: str, stored: Stored) -> None:
+    def _write(self, response_id: str, data: bytes) -> None:
         if self._writer is not None:
-            self._writer.submit(self._write_file, response_id, stored)
+            self._writer.submit(self._write_file, response_id, data)
 
-    def _write_file(self, response_id: str, stored: Stored) -> None:
+    def _write_file(self, response_id: str, data: bytes) -> None:
         path = self._path(response_id)
         tmp = path.with_suffix(".tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(stored.to_json())
+            tmp.write_bytes(data)
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("response not persisted", id=response_id, error=str(exc))
@@ -135,15 +164,15 @@ class ResponseStore:
 
     def _load(self, folder: Path) -> None:
         """The responses a previous run persisted, oldest first, bounds applied."""
-        found: list[tuple[str, Stored]] = []
+        found: list[tuple[str, Stored, int]] = []
         for path in folder.glob("resp_*.json") if folder.is_dir() else ():
             try:
-                found.append((path.stem, Stored.from_json(path.read_bytes())))
+                data = path.read_bytes()
+                found.append((path.stem, Stored.from_json(data), len(data)))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("stored response unreadable", path=str(path), error=str(exc))
         found.sort(key=lambda entry: entry[1].created)
-        for response_id, stored in found:
-            self._entries[response_id] = stored
+        for response_id, stored, size in found:
+            self._add(response_id, stored, size)
         self._expire()
-        while len(self._entries) > max(self.max_stored, 0):
-            self._remove(next(iter(self._entries)))
+        self._bound()

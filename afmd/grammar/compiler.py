@@ -5,13 +5,17 @@ rich schema, ~2 ms compiles and an explicit warning when it drops a schema featu
 schema is compiled strict first; if that fails only because of keywords llguidance cannot
 enforce, it is compiled lenient and the response says so (``X-Grammar-Constraints:
 downgraded``). A schema llguidance rejects even leniently is the client's error
-(400 ``invalid_schema``). The per-model tokenizer setup (0.05–2 s) is cached. A grammar
+(400 ``invalid_schema``). Every new grammar text is validated in the compile worker
+(:mod:`afmd.grammar.sandbox`) before this process builds a matcher from it, so a text that
+crashes or stalls llguidance costs a request, not the server. The per-model tokenizer
+setup is cached. A grammar
 is built from its own copy of a client's schema (``afmd.grammar.schemas``: re-rooted where
 it is embedded, objects closed where that is safe); checks use the schema as given.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import threading
@@ -26,6 +30,7 @@ from afmd.errors import InvalidRequestError
 from afmd.grammar.calls import CallGrammar, JsonObjectCalls
 from afmd.grammar.frames import Build, Frame, Thinking, Tool
 from afmd.grammar.params import Inexact, with_options
+from afmd.grammar.sandbox import CompileFailed, TokenizerSource, compile_worker
 from afmd.grammar.schemas import closed, reroot
 
 
@@ -53,6 +58,9 @@ class ToolSchema:
 
 _tokenizers: dict[int, LLTokenizer] = {}
 _tokenizers_lock = threading.Lock()
+# What the compile worker needs to rebuild each tokenizer, by the LLTokenizer's id (both
+# tables keep their tokenizers for the process's life, so an id is never reused).
+_sources: dict[int, TokenizerSource] = {}
 
 
 def llg_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> LLTokenizer:
@@ -70,15 +78,37 @@ def llg_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> LL
                 hf, n_vocab=vocab_size, eos_token=sorted(eos_ids)
             )
             _tokenizers[key] = cached
+            _sources[id(cached)] = _source(hf, vocab_size, eos_ids)
         return cached
 
 
+def _source(hf: Any, vocab_size: int, eos_ids: Sequence[int]) -> TokenizerSource:
+    """The tokenizer as llguidance.hf serializes it, for the compile worker."""
+    backend = copy.copy(hf.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return TokenizerSource(backend.to_str(), vocab_size, tuple(sorted(eos_ids)))
+
+
+def _validate(grammar: str, tokenizer: LLTokenizer) -> tuple[bool, tuple[str, ...]]:
+    """The verdict on a grammar text, reached in the compile worker."""
+    key = id(tokenizer)
+    with _tokenizers_lock:
+        source = _sources.get(key)
+    if source is None:  # a tokenizer made elsewhere (tests): the worker compiles without it
+        return compile_worker().validate(grammar, None, None)
+    return compile_worker().validate(grammar, key, source)
+
+
 class _CompileCache:
-    """Compiled grammars by source text: agents resend the same tools every turn."""
+    """Compile verdicts by source text: agents resend the same tools every turn. A text
+    that killed or overran the compile worker is remembered as such too, so a client
+    repeating it costs one worker restart, not one per request."""
 
     def __init__(self, size: int = 256) -> None:
         self._size = size
-        self._items: OrderedDict[tuple[int, str], tuple[bool, tuple[str, ...]]] = OrderedDict()
+        self._items: OrderedDict[tuple[int, str], tuple[bool, tuple[str, ...]] | str] = (
+            OrderedDict())
         self._lock = threading.Lock()
 
     def validate(self, grammar: str, tokenizer: LLTokenizer) -> tuple[bool, tuple[str, ...]]:
@@ -87,13 +117,21 @@ class _CompileCache:
             hit = self._items.get(key)
             if hit is not None:
                 self._items.move_to_end(key)
-                return hit
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        result = (bool(is_error), tuple(messages))
+        if isinstance(hit, str):
+            raise CompileFailed(hit)
+        if hit is not None:
+            return hit
+        result: tuple[bool, tuple[str, ...]] | str
+        try:
+            result = _validate(grammar, tokenizer)
+        except CompileFailed as exc:
+            result = str(exc)
         with self._lock:
             self._items[key] = result
             if len(self._items) > self._size:
                 self._items.popitem(last=False)
+        if isinstance(result, str):
+            raise CompileFailed(result)
         return result
 
 
@@ -150,12 +188,17 @@ def _compile(
     except Inexact:  # the family's format cannot express a keyword: lenient, downgraded
         strict_text = None
     messages: Sequence[str] = ()
-    if strict_text is not None:
-        is_error, messages = _cache.validate(strict_text, tokenizer)
-        if not is_error and not messages:
-            return Grammar(strict_text, tokenizer, downgraded=False)
-    lenient_text = LLMatcher.grammar_from_lark(build(True))
-    lenient_error, lenient_messages = _cache.validate(lenient_text, tokenizer)
+    try:
+        if strict_text is not None:
+            is_error, messages = _cache.validate(strict_text, tokenizer)
+            if not is_error and not messages:
+                return Grammar(strict_text, tokenizer, downgraded=False)
+        lenient_text = LLMatcher.grammar_from_lark(build(True))
+        lenient_error, lenient_messages = _cache.validate(lenient_text, tokenizer)
+    except CompileFailed as exc:
+        raise InvalidRequestError(
+            f"The {what} cannot be used: {exc}.", code="invalid_schema", param=param
+        ) from None
     if lenient_error:
         detail = (lenient_messages or messages or ("unknown error",))[0]
         raise InvalidRequestError(
@@ -266,7 +309,10 @@ def tool_grammar_probe(tokenizer: LLTokenizer, tool: ToolSchema) -> str | None:
         _grammar_copy(tool.parameters or {"type": "object"}),
         defaults={"whitespace_flexible": False, "lenient": True},
     )
-    is_error, messages = _cache.validate(text, tokenizer)
+    try:
+        is_error, messages = _cache.validate(text, tokenizer)
+    except CompileFailed as exc:
+        return f"{exc}."
     if is_error:
         return (messages or ("invalid schema",))[0].strip().splitlines()[0]
     return None

@@ -46,7 +46,7 @@ from afmd.http.compat import SanicConnection
 from afmd.http.connections import OVERLOADED, SHED, TOO_MANY, GateContext, Slot
 from afmd.http.gate import Direct, Forward, Gate, Output, Reply
 from afmd.http.routes import StateRoute
-from afmd.http.screen import GatePolicy, RouteCheck, RouteVerdict
+from afmd.http.screen import GatePolicy, RouteCheck, RouteVerdict, presented_key
 from afmd.http.wire import Rejection, render_json
 from afmd.logs import get_logger
 
@@ -331,8 +331,11 @@ class AfmdProtocol(_Lifecycle):
             return True  # nobody to answer
         started = perf_counter()
         state = self.app.ctx.state
+        route = self.context.direct[item.path]
         try:
-            status, body = self.context.direct[item.path].answer(state)
+            full = route.full_for(state, transport.get_extra_info("sockname"),
+                                  presented_key(item.forward.head))
+            status, body = route.answer(state, full=full)
         except Exception:
             return False  # Sanic runs the same builder and answers its failure as usual
         transport.write(render_json(status, body, item.headers, close=item.close))

@@ -12,6 +12,7 @@ module knows nothing about Sanic.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import string
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
@@ -279,6 +280,46 @@ def _needs_key(policy: GatePolicy, path: str) -> bool:
     return not path.startswith(UI_PREFIX) or path.startswith(UI_API_PREFIX)
 
 
+def presented_key(head: RequestHead) -> bytes | None:
+    """The key a request carries (``x-api-key``, else ``Authorization: Bearer``), if any;
+    never raises (for answers that only vary with it, not for refusing)."""
+    for line in head.lines:
+        if line[:10].lower() == b"x-api-key:":
+            return line[10:].strip(b" \t")
+    return _bearer(head.authorization)
+
+
+def _bearer(authorization: bytes | None) -> bytes | None:
+    if not authorization:
+        return None
+    scheme, _, rest = authorization.partition(b" ")
+    return rest.strip(b" \t") if scheme.lower() == b"bearer" else None
+
+
+def local_connection(sockname: object) -> bool:
+    """Whether a connection (by its own end's address) could only come from this machine:
+    the Unix socket (a path), or a loopback address."""
+    if isinstance(sockname, str | bytes):
+        return True
+    if isinstance(sockname, tuple) and sockname and isinstance(sockname[0], str):
+        try:
+            return ipaddress.ip_address(sockname[0].split("%", 1)[0]).is_loopback
+        except ValueError:
+            return False
+    return False
+
+
+def reveals_machine(api_key: bytes, local: bool, key: bytes | None) -> bool:
+    """Whether an open path (``/health``) may describe the machine: model folders, pids,
+    the hosts of a distributed group. Always without a configured key (the whole API is
+    open then), on a connection only this machine can make (loopback, the Unix socket),
+    and to a request that carries the key; anyone else who reaches a keyed listener gets
+    the status alone."""
+    if not api_key or local:
+        return True
+    return key is not None and hmac.compare_digest(key, api_key)
+
+
 def _api_key_header(head: RequestHead) -> bytes | None:
     """The ``x-api-key`` header (Anthropic's clients send the key there), if sent once."""
     found: bytes | None = None
@@ -294,11 +335,8 @@ def _authenticate(head: RequestHead, api_key: bytes) -> None:
     """The key from ``x-api-key`` when sent, else from ``Authorization: Bearer``; on every
     route alike (a key is a key, whichever client's habit carried it)."""
     token = _api_key_header(head)
-    authorization = head.authorization
-    if token is None and authorization:
-        scheme, _, rest = authorization.partition(b" ")
-        if scheme.lower() == b"bearer":
-            token = rest.strip(b" \t")
+    if token is None:
+        token = _bearer(head.authorization)
     if not token:
         raise Refused(AuthenticationError(
             "You didn't provide an API key. Send it in an Authorization header using "

@@ -18,6 +18,7 @@ from sanic.response import HTTPResponse
 
 from afmd.errors import NotFoundError
 from afmd.http.model_detail import model_details
+from afmd.http.screen import local_connection, reveals_machine
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,15 +36,39 @@ class StateRoute:
     name: str
     #: ``build(state)`` -> ``(status, JSON payload)``.
     build: Callable[[Any], tuple[int, Any]]
+    #: The route is open (no key needed): its answer to a stranger says less (see
+    #: :func:`afmd.http.screen.reveals_machine`); ``limit(status, payload)`` -> payload.
+    limit: Callable[[int, Any], Any] | None = None
 
-    def answer(self, state: Any) -> tuple[int, bytes]:
-        """The status and the JSON body, as bytes."""
+    def answer(self, state: Any, *, full: bool = True) -> tuple[int, bytes]:
+        """The status and the JSON body, as bytes; ``full``: with the machine's details."""
         status, payload = self.build(state)
+        if not full and self.limit is not None:
+            payload = self.limit(status, payload)
         return status, orjson.dumps(payload)
 
+    def full_for(self, state: Any, sockname: object, key: bytes | None) -> bool:
+        """Whether this request may see the machine's details in the answer."""
+        if self.limit is None:
+            return True
+        return reveals_machine(state.config.server.api_key.encode(),
+                               local_connection(sockname), key)
+
     async def handler(self, request: Request) -> HTTPResponse:
-        status, body = self.answer(request.app.ctx.state)
+        state = request.app.ctx.state
+        full = self.full_for(state, request.conn_info.sockname if request.conn_info else None,
+                             _key_of(request))
+        status, body = self.answer(state, full=full)
         return HTTPResponse(body, status=status, content_type="application/json")
+
+
+def _key_of(request: Request) -> bytes | None:
+    """The key a request carries, as the gate reads it (``x-api-key``, else Bearer)."""
+    key = request.headers.get("x-api-key")
+    if key is not None:
+        return key.strip().encode("latin-1", "replace")
+    scheme, _, rest = request.headers.get("authorization", "").partition(" ")
+    return rest.strip().encode("latin-1", "replace") if scheme.lower() == "bearer" else None
 
 
 def _models(state: Any) -> tuple[int, dict[str, Any]]:
@@ -73,6 +98,13 @@ def _model_objects(state: Any) -> list[dict[str, Any]]:
         objects.append({"id": alias, "object": "model", "created": created,
                         "owned_by": "afmd", "parent": target, "kind": kinds.get(target)})
     return objects
+
+
+def _health_limited(status: int, body: dict[str, Any]) -> dict[str, Any]:
+    """``/health`` for a stranger on a keyed listener: whether the server is up (what a
+    load balancer needs) and why not, nothing about the machine (model folders, pids, the
+    hosts of a group). ``afmd doctor`` and ``afmd ps`` send the config's key."""
+    return {key: body[key] for key in ("status", "reason") if key in body}
 
 
 def _health(state: Any) -> tuple[int, dict[str, Any]]:
@@ -119,5 +151,5 @@ def _health(state: Any) -> tuple[int, dict[str, Any]]:
 #: The routes that :class:`StateRoute` describes; ``create_app`` registers them.
 STATE_ROUTES = (
     StateRoute("/v1/models", "models", _models),
-    StateRoute("/health", "health", _health),
+    StateRoute("/health", "health", _health, limit=_health_limited),
 )

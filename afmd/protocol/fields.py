@@ -174,15 +174,24 @@ def optional(obj: Mapping[str, Any], key: str, param: str, kind: type, expected:
     return value
 
 
+#: Integers a request may carry: what every API's integer fields (int64) hold.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_EXACT_FLOAT = float(2**53)
+
+
 def as_int(
     value: Any, param: str, *, minimum: float | None = None, maximum: float | None = None
 ) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        # 5.0 is what some JSON encoders produce for 5; accept exact integral floats.
-        if isinstance(value, float) and value.is_integer():
+        # 5.0 is what some JSON encoders produce for 5; accept exact integral floats, as
+        # far as a double holds integers exactly (1e20 is no one's integer).
+        if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_FLOAT:
             value = int(value)
         else:
             raise wrong_type(param, "an integer", value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise invalid(param, f"Invalid '{param}': the value is outside the range of a 64-bit "
+                             "integer.")
     if minimum is not None and value < minimum:
         raise invalid(param, f"Invalid '{param}': {value} is less than the minimum of {minimum}.")
     if maximum is not None and value > maximum:
@@ -283,8 +292,10 @@ def _reader(row: Scalar) -> Reader:
 
     elif kind == "integer":
 
+        int_lo, int_hi = max(lo, INT64_MIN), min(hi, INT64_MAX)
+
         def check(value: Any, param: str) -> Any:
-            if type(value) is int and lo <= value <= hi:
+            if type(value) is int and int_lo <= value <= int_hi:
                 return value
             return as_int(value, param, minimum=minimum, maximum=maximum)
 
