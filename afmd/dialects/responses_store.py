@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,6 +57,11 @@ class ResponseStore:
         self.ttl = ttl
         self.folder = folder
         self._entries: OrderedDict[str, Stored] = OrderedDict()  # oldest first
+        # Every stored item by its id, for item_reference (the AI SDK refers to the items
+        # of earlier steps by id), with how many entries hold it: a continued
+        # conversation's entries share their items.
+        self._items: dict[str, Item] = {}
+        self._holders: Counter[str] = Counter()
         # One writer thread: file writes leave the event loop, in the order they were made.
         self._writer = ThreadPoolExecutor(1, "afmd-responses") if folder else None
         if folder is not None:
@@ -69,6 +74,23 @@ class ResponseStore:
         self._expire()
         return self._entries.get(response_id)
 
+    def item(self, item_id: str) -> Item | None:
+        """The stored item with this id (any stored response's input or output item)."""
+        self._expire()
+        return self._items.get(item_id)
+
+    def _index(self, stored: Stored, change: int) -> None:
+        for item in stored.conversation:
+            key = item.get("id")
+            if not isinstance(key, str):
+                continue
+            self._holders[key] += change
+            if self._holders[key] > 0:
+                self._items[key] = item
+            else:
+                del self._holders[key]
+                self._items.pop(key, None)
+
     def conversation(self, response_id: str) -> Sequence[Item] | None:
         stored = self.get(response_id)
         return None if stored is None else stored.conversation
@@ -76,7 +98,11 @@ class ResponseStore:
     def put(self, response_id: str, stored: Stored) -> None:
         if self.max_stored <= 0:
             return
+        old = self._entries.get(response_id)
+        if old is not None:
+            self._index(old, -1)
         self._entries[response_id] = stored
+        self._index(stored, +1)
         self._write(response_id, stored)
         self._expire()
         while len(self._entries) > self.max_stored:
@@ -105,7 +131,7 @@ class ResponseStore:
             self._remove(oldest)
 
     def _remove(self, response_id: str) -> None:
-        del self._entries[response_id]
+        self._index(self._entries.pop(response_id), -1)
         if self._writer is not None:
             self._writer.submit(self._unlink, response_id)
 
@@ -144,6 +170,7 @@ class ResponseStore:
         found.sort(key=lambda entry: entry[1].created)
         for response_id, stored in found:
             self._entries[response_id] = stored
+            self._index(stored, +1)
         self._expire()
         while len(self._entries) > max(self.max_stored, 0):
             self._remove(next(iter(self._entries)))
