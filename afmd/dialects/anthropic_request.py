@@ -161,9 +161,9 @@ def _thinking(value: Any, max_tokens: int | None) -> tuple[str | None, int | Non
     kind = required(value, "type", "thinking.type", str, "a string")
     if kind not in THINKING_TYPES:
         raise not_one_of("thinking.type", kind, THINKING_TYPES)
-    display = optional(value, "display", "thinking.display", str, "a string")
-    if display is not None and display not in ("summarized", "omitted"):
-        raise not_one_of("thinking.display", display, ("summarized", "omitted"))
+    # How a client shows thinking ("summarized", "omitted", Claude Code's "updates", more
+    # to come): afmd returns its thinking as it was written whatever this says.
+    optional(value, "display", "thinking.display", str, "a string")
     if kind != "enabled":
         return kind, None
     (budget,) = read_scalars(value, (Scalar("budget_tokens", "integer", minimum=1,
