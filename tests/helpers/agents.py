@@ -100,7 +100,7 @@ def quick_model(dest: Path) -> Path:
     norm = mx.zeros_like(weights["model.norm.weight"])
     norm[0] = 1.0
     head = mx.zeros_like(weights["lm_head.weight"])
-    head[end, 0] = 4.0
+    head[end, 0] = 12.0
     weights["model.norm.weight"], weights["lm_head.weight"] = norm, head
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
     return dest
