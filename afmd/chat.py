@@ -4,7 +4,9 @@ OpenAI clients send conversations templates were never written for: several syst
 developer messages, runs of user messages, tool arguments as JSON strings. This module
 normalises them into the shape Hugging Face chat templates handle (one leading system
 message, alternating turns, tool-call arguments as objects) so every model sees a
-conversation its template renders correctly.
+conversation its template renders correctly. Anthropic's system messages inside the
+conversation (``Message.in_place``) stay where they stand; :func:`folded_system_turns` is
+the shape for a template that refuses a system turn there.
 """
 
 from __future__ import annotations
@@ -61,16 +63,21 @@ def template_messages(
 ) -> list[dict[str, Any]]:
     """The conversation as chat-template messages; with ``images`` (a vision model) a
     message with images has a list of parts as its content."""
+    # An in-place system message before the first turn is part of the leading prompt.
+    first_turn = next((i for i, m in enumerate(messages)
+                       if m.role not in ("system", "developer")), len(messages))
+    leading = [m.content for i, m in enumerate(messages) if m.role in ("system", "developer")
+               and m.content and (not m.in_place or i < first_turn)]
     system_parts = [instructions] if instructions else []
-    system_parts += [
-        m.content for m in messages if m.role in ("system", "developer") and m.content
-    ]
+    system_parts += leading
     out: list[dict[str, Any]] = []
     if system_parts:
         out.append({"role": "system", "content": "\n\n".join(system_parts)})
     call_names: dict[str, str] = {}
-    for message in messages:
+    for i, message in enumerate(messages):
         if message.role in ("system", "developer"):
+            if message.in_place and i > first_turn and message.content:
+                out.append({"role": "system", "content": message.content})
             continue
         if message.role == "user":
             content = _content(message, images)
@@ -103,3 +110,28 @@ def template_messages(
                     item["name"] = name
             out.append(item)
     return out
+
+
+def folded_system_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """``messages`` with every system turn after the first message folded into the nearest
+    user turn (the next one, else the one before), for templates that accept a system
+    message only first, as Anthropic folds them for models without mid-conversation
+    system support; None when there is none to fold."""
+    late = [i for i, m in enumerate(messages) if i > 0 and m["role"] == "system"]
+    if not late:
+        return None
+    out = [dict(m) for m in messages]
+    for i in late:
+        text = out[i]["content"]
+        after = next((j for j in range(i + 1, len(out)) if out[j]["role"] == "user"), None)
+        if after is not None:
+            out[after]["content"] = _joined(text, out[after]["content"])
+            continue
+        before = next((j for j in range(i - 1, -1, -1) if out[j]["role"] in ("user", "tool")),
+                      None)
+        if before is not None:
+            out[before]["content"] = _joined(out[before]["content"], text)
+        else:  # nothing to fold into: the leading system prompt takes it
+            out[0]["content"] = _joined(out[0]["content"], text)
+    dropped = set(late)
+    return [m for i, m in enumerate(out) if i not in dropped]

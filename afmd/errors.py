@@ -75,6 +75,21 @@ class InvalidRequestError(APIError):
     default_code = "invalid_value"
 
 
+class ContextLengthError(InvalidRequestError):
+    """A prompt (with the room its answer needs) over the model's context window. The
+    numbers travel with the error because dialects word it differently, and clients parse
+    the wording: Claude Code compacts a conversation when /v1/messages says ``prompt is
+    too long: N tokens > M maximum``, Anthropic's phrase."""
+
+    default_code = "context_length_exceeded"
+
+    def __init__(self, message: str, *, prompt_tokens: int, limit: int,
+                 param: str | None = "messages") -> None:
+        super().__init__(message, param=param)
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
 class AuthenticationError(APIError):
     status = 401
     error_type = "invalid_request_error"

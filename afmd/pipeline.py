@@ -168,10 +168,11 @@ class ChatPipeline:
             profile=profile,
         )
 
-    async def count(self, request: ChatRequest) -> int:
+    async def count(self, request: ChatRequest, *, must_fit: bool = False) -> int:
         """The prompt tokens ``request`` would be given (its model's template with the
         server's instructions and tools), without a slot or a generation: what the
-        token-counting endpoints answer."""
+        token-counting endpoints answer; ``must_fit`` refuses a prompt the context
+        window cannot hold, as a turn would."""
         lease = await self.registry.lease(self.registry.resolve(request.model),
                                           keep_alive=request.keep_alive)
         try:
@@ -179,7 +180,7 @@ class ChatPipeline:
             rounds = RoundBuilder(lease.model, request,
                                   instructions=self.config.server.instructions, trim=False,
                                   server_tools=self.server_tools.names)
-            return await asyncio.to_thread(rounds.prompt_tokens, request)
+            return await asyncio.to_thread(rounds.prompt_tokens, request, must_fit=must_fit)
         finally:
             lease.release()
 

@@ -20,7 +20,7 @@ from afmd.context import droppable_units, without_units
 from afmd.core.request import ChatRequest
 from afmd.engine.apple.conversation import SystemTurn, system_turn
 from afmd.engine.loaded import LoadedModel
-from afmd.errors import InvalidRequestError
+from afmd.errors import ContextLengthError, InvalidRequestError
 from afmd.turn import TurnPlan, check_schemas, plan_turn, template_kwargs
 
 
@@ -69,12 +69,20 @@ class RoundBuilder:
         """The prompt's token ids (a template error is the conversation's fault: a 400)."""
         return self._render(request)[0]
 
-    def prompt_tokens(self, request: ChatRequest) -> int:
-        """What the conversation takes of the context window (blocking)."""
+    def prompt_tokens(self, request: ChatRequest, *, must_fit: bool = False) -> int:
+        """What the conversation takes of the context window (blocking). ``must_fit``:
+        a prompt that leaves no room for one token of answer is the context error a turn
+        would get (Anthropic's count_tokens refuses what its create would)."""
         if self.model.reads_conversation:
             worker: Any = self.model.worker
             return int(worker.prompt_tokens(self._conversation(request, True)))
-        return len(self.render(request))
+        tokens = len(self.render(request))
+        limit = self.model.context_length
+        if request.context_window is not None:
+            limit = min(limit, request.context_window)
+        if must_fit and tokens >= limit:
+            raise _context_error(limit, tokens, None)
+        return tokens
 
     def _conversation(self, request: ChatRequest, first_step: bool) -> SystemTurn:
         check_schemas(request)
@@ -186,19 +194,14 @@ class RoundBuilder:
         return best
 
 
-def _context_error(limit: int, prompt: int, completion: int | None) -> InvalidRequestError:
+def _context_error(limit: int, prompt: int, completion: int | None) -> ContextLengthError:
     if completion is not None:
-        return InvalidRequestError(
+        return ContextLengthError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the "
             "completion). Please reduce the length of the messages or completion.",
-            code="context_length_exceeded",
-            param="messages",
-        )
-    return InvalidRequestError(
+            prompt_tokens=prompt, limit=limit)
+    return ContextLengthError(
         f"This model's maximum context length is {limit} tokens. However, your messages "
         f"resulted in {prompt} tokens. Please reduce the length of the messages.",
-        code="context_length_exceeded",
-        param="messages",
-    )
-
+        prompt_tokens=prompt, limit=limit)

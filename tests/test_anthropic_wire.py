@@ -6,7 +6,9 @@ the stop sequence the output chain reports, the thinking budget's grammar)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import re
 import signal
 import threading
 import time
@@ -20,10 +22,12 @@ import httpx
 import jsonschema
 import pytest
 
+from afmd.chat import folded_system_turns, template_messages
 from afmd.config import load_config
 from afmd.core.request import ChatRequest, Message
 from afmd.dialects.anthropic_messages import ANTHROPIC_MESSAGES
 from afmd.dialects.base import error_response
+from afmd.engine.demo_template import CHAT_TEMPLATE
 from afmd.engine.loaded import LoadedModel
 from afmd.engine.models import ModelRegistry
 from afmd.errors import (
@@ -204,7 +208,7 @@ def test_request_errors_are_anthropic_errors(http: httpx.Client) -> None:
         ({"model": "demo", "messages": MESSAGES}, "max_tokens: "),
         (body(max_tokens=0), "max_tokens: "),
         (body(messages=[]), "messages: "),
-        (body(messages=[{"role": "system", "content": "x"}]), "messages[0].role: "),
+        (body(messages=[{"role": "system", "content": "x"}]), "messages: "),
         (body(messages=[*MESSAGES, {"role": "assistant", "content": "Sure"}]),
          "messages[1].role: "),
         (body(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
@@ -384,7 +388,9 @@ def test_max_tokens_is_a_cap_the_context_window_lowers(tight: ServerProcess) -> 
     too_long = httpx.post(tight.url + PATH, timeout=60, json=body(
         model="tiny-ctx", messages=[{"role": "user", "content": "word " * 200}]))
     assert too_long.status_code == 400
-    assert error_of(too_long)[1].startswith("messages: This model's maximum context length")
+    kind, message = error_of(too_long)
+    match = re.fullmatch(r"prompt is too long: (\d+) tokens > 64 maximum", message)
+    assert kind == "invalid_request_error" and match and int(match[1]) >= 64, message
 
 
 @pytest.mark.slow
@@ -533,6 +539,121 @@ def test_a_conversation_in_afmds_terms() -> None:
     assert (chat.reasoning_effort, chat.thinking_budget) == ("xhigh", 20)
     assert [t.parameters for t in chat.tools] == [t["input_schema"] for t in TOOLS]
     assert chat.ignored_fields == ("unknown_field",)  # named in X-AFM-Ignored-Fields
+
+
+def test_system_messages_stay_where_they_stand() -> None:
+    """Claude Code's ``role: "system"`` messages inside ``messages`` (a string or text
+    blocks) stay in place: one before the first turn joins the system prompt, one between
+    a call and its results follows the results; the fields it sends that mean nothing
+    locally are accepted, even under strict, and named."""
+    raw = json.dumps({
+        "model": "demo", "max_tokens": 32000, "system": "Top.",
+        "messages": [
+            {"role": "system", "content": "Early."},
+            {"role": "user", "content": "Hi."},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "toolu_a", "name": "add", "input": {"a": 1}}]},
+            {"role": "system", "content": [{"type": "text", "text": "Mid."},
+                                           {"type": "text", "text": "Still mid."}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_a", "content": "2"},
+                {"type": "text", "text": "Go on."}]},
+            {"role": "system", "content": "Late."},
+        ],
+        "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015"}]},
+        "metadata": {"user_id": "u"},
+    }).encode()
+    for strict in (False, True):
+        chat = ANTHROPIC_MESSAGES.parse(raw, strict=strict)
+        assert [(m.role, m.content, m.in_place) for m in chat.messages] == [
+            ("system", "Top.", False), ("system", "Early.", True), ("user", "Hi.", False),
+            ("assistant", None, False), ("tool", "2", False),
+            ("system", "Mid.\n\nStill mid.", True), ("user", "Go on.", False),
+            ("system", "Late.", True)]
+        assert chat.ignored_fields == ("context_management", "metadata")
+        assert chat.reasoning_effort == "high" and chat.max_tokens_shrinks
+    assert [(m["role"], m["content"]) for m in template_messages(chat.messages)] == [
+        ("system", "Top.\n\nEarly."), ("user", "Hi."), ("assistant", ""), ("tool", "2"),
+        ("system", "Mid.\n\nStill mid."), ("user", "Go on."), ("system", "Late.")]
+    for bad, param in (({"role": "system", "content": [{"type": "image"}]},
+                        "messages[0].content[0].type"),
+                       ({"role": "tool", "content": "x"}, "messages[0].role")):
+        with pytest.raises(InvalidRequestError) as info:
+            ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[bad, *MESSAGES])).encode())
+        assert info.value.param == param
+    with pytest.raises(InvalidRequestError) as info:  # a system message is no user turn
+        ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[
+            {"role": "system", "content": "Only this."}])).encode())
+    assert info.value.code == "missing_user_message"
+
+
+#: The demo's template, made to refuse a system turn anywhere but first (as many do).
+_FIRST_SYSTEM_ONLY = (
+    "{%- for m in messages %}{%- if m.role == 'system' and not loop.first %}"
+    "{{- raise_exception('System message must be at the beginning.') }}"
+    "{%- endif %}{%- endfor %}" + CHAT_TEMPLATE)
+
+
+class _FirstSystemOnly:
+    """The demo's tokenizer rendering through :data:`_FIRST_SYSTEM_ONLY`."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def apply_chat_template(self, messages: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(messages, chat_template=_FIRST_SYSTEM_ONLY,
+                                                   **kwargs)
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        return list(self._tokenizer.encode(text, **kwargs))
+
+
+def test_late_system_turns_rendered_in_place_or_folded(demo_model: LoadedModel) -> None:
+    """The demo's template renders a system turn where it stands; one that refuses it
+    gets the text folded into the next user turn (the one before, at the end)."""
+    messages = [{"role": "system", "content": "Top."}, {"role": "user", "content": "Hi."},
+                {"role": "system", "content": "Mid."}, {"role": "user", "content": "Go."},
+                {"role": "system", "content": "Late."}]
+    decode = demo_model.tokenizer.decode
+    text = decode(demo_model.render_prompt(messages))
+    assert ("<|im_start|>user\nHi.<|im_end|>\n<|im_start|>system\nMid.<|im_end|>\n"
+            "<|im_start|>user\nGo.<|im_end|>\n<|im_start|>system\nLate.<|im_end|>") in text
+    strict = dataclasses.replace(demo_model, tokenizer=_FirstSystemOnly(demo_model.tokenizer))
+    folded = decode(strict.render_prompt(messages))
+    assert "<|im_start|>system" not in folded.split("<|im_end|>", 1)[1]
+    assert "<|im_start|>user\nMid.\n\nGo.\n\nLate.<|im_end|>" in folded
+    assert folded_system_turns(messages[:2]) is None
+
+
+def test_claude_codes_fields_and_overflow_on_the_wire(http: httpx.Client,
+                                                      tight: ServerProcess) -> None:
+    """A body as Claude Code sends it is answered, the unused fields named; count_tokens
+    counts a system message inside ``messages``; a prompt over the window is Anthropic's
+    ``prompt is too long`` on both routes."""
+    claude = body(max_tokens=32000, thinking={"type": "adaptive"},
+                  output_config={"effort": "medium"}, metadata={"user_id": "u"},
+                  context_management={"edits": []},
+                  messages=[{"role": "system", "content": "Be terse."}, *MESSAGES,
+                            {"role": "system", "content": [{"type": "text", "text": "Now."}]}])
+    beta = {"anthropic-beta": "claude-code-20250219,mid-conversation-system-2026-04-07"}
+    response = http.post(PATH + "?beta=true", json={**claude, "max_tokens": 4}, headers=beta)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-afm-ignored-fields"] == "metadata, context_management"
+    validate_message(response.json())
+    count = PATH + "/count_tokens?beta=true"
+    plain = {k: claude[k] for k in ("model", "messages")}
+    with_system = http.post(count, json=plain, headers=beta).json()["input_tokens"]
+    without = http.post(count, json={**plain, "messages": MESSAGES}).json()["input_tokens"]
+    assert with_system > without + 4
+    long = [{"role": "user", "content": "word " * 200}]
+    for path, extra in ((PATH, {"max_tokens": 32000}), (PATH + "/count_tokens", {})):
+        refused = httpx.post(tight.url + path, timeout=60,
+                             json={"model": "tiny-ctx", "messages": long, **extra})
+        assert refused.status_code == 400, refused.text
+        kind, message = error_of(refused)
+        match = re.fullmatch(r"prompt is too long: (\d+) tokens > 64 maximum", message)
+        assert kind == "invalid_request_error" and match and int(match[1]) > 200, message
 
 
 def test_output_chain_names_the_stop_that_matched() -> None:

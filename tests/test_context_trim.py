@@ -389,11 +389,11 @@ def test_protected_part_too_long_fails_even_with_trim(
 
 
 def test_fail_policy_is_the_default(http: httpx.Client) -> None:
-    # The shared default server: the demo model's 8192-token window, policy unset.
+    # The shared default server: the demo model's 131,072-token window, policy unset.
     messages = long_conversation()
     ok = http.post(CHAT, json={"messages": messages, "max_tokens": 4, "temperature": 0})
     assert ok.status_code == 200, ok.text
-    response = http.post(CHAT, json={"messages": messages, "max_tokens": 8190})
+    response = http.post(CHAT, json={"messages": messages, "max_tokens": 131070})
     assert response.status_code == 400, response.text
     error = response.json()
     validate_error(error)

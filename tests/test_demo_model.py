@@ -143,7 +143,7 @@ def test_config(cache_root: Path) -> None:
     ids = {t["content"]: t["id"] for t in vocab}
     assert config["model_type"] == "qwen2"
     assert config["tie_word_embeddings"] is False
-    assert config["max_position_embeddings"] == 8192
+    assert config["max_position_embeddings"] == 131072
     assert config["eos_token_id"] == [ids["<|im_end|>"], ids["<|endoftext|>"]]
 
 

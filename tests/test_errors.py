@@ -22,7 +22,7 @@ USER = {"role": "user", "content": "Say something."}
 CALL = {"id": "call_1", "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
-DEMO_CONTEXT = 8192
+DEMO_CONTEXT = 131072
 
 
 def check_error(
@@ -392,7 +392,7 @@ def test_every_error_message_and_param_is_bounded() -> None:
 
 
 def test_context_budget_boundary_on_demo(http: httpx.Client) -> None:
-    """Prompt plus max_tokens may fill the 8192-token window exactly, not one more."""
+    """Prompt plus max_tokens may fill the 131,072-token window exactly, not one more."""
     probe = http.post("/v1/chat/completions", json=_body(max_tokens=1))
     assert probe.status_code == 200, probe.text
     prompt_tokens = probe.json()["usage"]["prompt_tokens"]

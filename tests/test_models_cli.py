@@ -252,7 +252,7 @@ def test_list_shows_disk_config_and_loaded_state(served: tuple[ServerProcess, st
     assert table.stdout.splitlines()[0].split() == ["ID", "SIZE", "QUANTIZATION", "CONTEXT",
                                                      "CONFIGURED", "LOADED"]
     line = next(x for x in table.stdout.splitlines() if x.startswith(REPO))
-    assert line.split()[-4:] == ["fp32", "8192", "-", "yes"]
+    assert line.split()[-4:] == ["fp32", "131072", "-", "yes"]
     without = afmd(env, "list")  # no server: listed anyway, the loaded state said unknown
     assert without.returncode == 0 and "loaded state unknown: no afmd server" in without.stdout
 
@@ -292,7 +292,7 @@ def test_show_describes_a_model_without_loading_it(served: tuple[ServerProcess, 
     assert {"architecture", "context_length", "tool_format", "reasoning_format", "fim",
             "kind"} <= info.keys()
     assert info["architecture"] == "Qwen2ForCausalLM"
-    assert info["context_length"] == 8192
+    assert info["context_length"] == 131072
     assert info["tool_format"] == "json_tools"  # mlx-lm's own detection
     assert info["reasoning_format"] == "<think>…</think>"
     assert info["fim"] == "qwen"  # afmd.fim's detection: Qwen's four FIM tokens

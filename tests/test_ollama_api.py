@@ -97,7 +97,7 @@ def test_show_describes_the_model(client: ollama.Client, http: httpx.Client) -> 
     info = shown.modelinfo or {}
     assert info["general.architecture"] == "qwen2"
     assert info["general.basename"] == "demo"
-    assert info["qwen2.context_length"] == 8192
+    assert info["qwen2.context_length"] == 131072
     assert info["qwen2.embedding_length"] == config["hidden_size"]
     assert info["qwen2.block_count"] == config["num_hidden_layers"]
     # The demo's tokenizer has tool-call and thinking markers and Qwen's FIM tokens.
@@ -338,7 +338,7 @@ def test_empty_prompts_load_and_unload(client: ollama.Client) -> None:
     running = {m.model: m for m in client.ps().models}
     assert "demo-32k:latest" in running
     entry = running["demo-32k:latest"]
-    assert entry.context_length == 8192 and (entry.size or 0) > 0
+    assert entry.context_length == 131072 and (entry.size or 0) > 0
     assert entry.expires_at is not None
     unloaded = client.chat(model="demo-32k", messages=[], keep_alive=0)
     assert unloaded.done_reason == "unload" and unloaded.message.content == ""

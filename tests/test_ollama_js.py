@@ -83,7 +83,7 @@ def test_models(answers: dict[str, Any]) -> None:
     names = {m["name"] for m in answers["list"]["models"]}
     assert {"demo:latest", "demo-embedding:latest"} <= names
     show = answers["show"]
-    assert show["model_info"]["qwen2.context_length"] == 8192
+    assert show["model_info"]["qwen2.context_length"] == 131072
     assert "completion" in show["capabilities"] and "tools" in show["capabilities"]
     assert any(m["name"] == "demo:latest" for m in answers["ps"]["models"])
 

@@ -142,13 +142,13 @@ def test_profile_event_comes_before_the_end(http, client) -> None:
 IMAGE = "data:image/png;base64,iVBORw0KGgo="
 
 BAD: list[tuple[dict[str, Any], str, str | None]] = [
-    ({"input": "x", "tools": [*TOOLS, {"type": "web_search"}]}, "unsupported_tool", "tools[1]"),
-    ({"input": "x", "tools": [{"type": "file_search", "vector_store_ids": []}]},
-     "unsupported_tool", "tools[0]"),
-    ({"input": "x", "tools": [{"type": "functon", "name": "f"}]}, "invalid_value",
-     "tools[0].type"),
     ({"input": "x", "tools": [{"type": "function"}]}, "missing_required_parameter",
      "tools[0].name"),
+    ({"input": "x", "tools": [{"type": "custom", "name": "c", "format": {
+        "type": "grammar", "syntax": "regex", "definition": "("}}]}, "invalid_value",
+     "tools[0].format.definition"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [
+        {"type": "web_search"}]}]}, "invalid_value", "tools[0].tools[0].type"),
     ({"input": "x", "tools": [{"type": "function", "name": "bad name"}]}, "invalid_value",
      "tools[0].name"),
     ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
@@ -175,8 +175,6 @@ BAD: list[tuple[dict[str, Any], str, str | None]] = [
      "invalid_value", "input[0].content[0].detail"),
     ({"input": [{"type": "web_search_call", "id": "ws", "status": "completed"}]},
      "unsupported_value", "input[0].type"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "unsupported_value",
-     "input[0].type"),
     ({"input": [{"role": "user", "content": "x"},
                 {"type": "function_call_output", "call_id": "c1", "output": "1"}]},
      "unknown_tool_call_id", "input[1].call_id"),

@@ -184,8 +184,9 @@ def test_anthropic_messages(tolerant: ServerProcess) -> None:
         extra_body={**FOREIGN, "metadata": {"user_id": "u"}, "container": None})
     assert raw.http_response.status_code == 200
     assert raw.parse().usage.output_tokens == 4
-    # Anthropic's own fields (metadata, container) are known; the others are named.
-    assert raw.headers[HEADER] == FOREIGN_NAMES
+    # Unknown fields are named first, then Anthropic's own that change nothing locally
+    # (metadata, container): accepted, and named too, so a client can tell.
+    assert raw.headers[HEADER] == FOREIGN_NAMES + ", container, metadata"
     with claude.messages.with_streaming_response.create(
             model="demo", max_tokens=4, messages=USER, stream=True,
             extra_body={"num_ctx": 1}) as streamed:

@@ -42,6 +42,9 @@ class Message:
     #: An assistant turn's thinking as the client sent it back (Responses reasoning items);
     #: templates that know ``reasoning_content`` render it, others drop it.
     reasoning: str | None = None
+    #: A system message that stays where it stands in the conversation (Anthropic's
+    #: ``role: "system"`` inside ``messages``) instead of joining the leading system prompt.
+    in_place: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,11 @@ the call it answers, so each user turn becomes its tool messages (in the order o
 calls) followed by its text; consecutive turns of one role are one turn, as Anthropic
 merges them. Every problem is a 400 naming its param (``messages[2].content[0].source``).
 
+A ``role: "system"`` message inside ``messages`` (Claude Code sends them, with the
+``mid-conversation-system`` beta) is a string or text blocks, and stays where it stands: a
+system turn there when the model's chat template has one, otherwise folded into the
+nearest turn it accepts (:meth:`afmd.engine.loaded.LoadedModel.render_prompt`).
+
 ``thinking`` blocks sent back become that assistant turn's reasoning (templates that know
 ``reasoning_content`` render it, others drop it); their signatures are opaque to afmd, and
 ``redacted_thinking`` has no text.
@@ -84,8 +89,8 @@ def _turns(value: Any) -> list[_Turn]:
         if not isinstance(message, dict):
             raise wrong_type(p, "an object", message)
         role = required(message, "role", f"{p}.role", str, "a string")
-        if role not in ("user", "assistant"):
-            raise not_one_of(f"{p}.role", role, ("user", "assistant"))
+        if role not in ("user", "assistant", "system"):
+            raise not_one_of(f"{p}.role", role, ("user", "assistant", "system"))
         content = message.get("content")
         if content is None:
             raise missing(f"{p}.content")
@@ -97,7 +102,7 @@ def _turns(value: Any) -> list[_Turn]:
             blocks = [(f"{p}.content[{k}]", b) for k, b in enumerate(content)]
         else:
             raise wrong_type(f"{p}.content", "a string or an array of content blocks", content)
-        if turns and turns[-1].role == role:
+        if turns and turns[-1].role == role and role != "system":
             turns[-1].blocks.extend(blocks)
         else:
             turns.append(_Turn(role, i, blocks))
@@ -110,8 +115,15 @@ def parse_messages(value: Any) -> tuple[tuple[Message, ...], bool]:
     images = False
     calls: tuple[ToolCall, ...] = ()  # the previous assistant turn's, to be answered now
     calls_at = 0
+    held: list[Message] = []  # system messages sent between calls and their results
     turns = _turns(value)
     for turn in turns:
+        if turn.role == "system":
+            text = _system_text(turn)
+            if text:  # between a call and its results it waits for them (templates
+                # want a call's results right after it)
+                (held if calls else out).append(Message("system", text, in_place=True))
+            continue
         if turn.role == "assistant":
             message = _assistant(turn)
             out.append(message)
@@ -151,11 +163,18 @@ def parse_messages(value: Any) -> tuple[tuple[Message, ...], bool]:
                     "tool_result block in the next message.",
                     code="missing_tool_output", param=f"messages[{calls_at}].content")
             out.append(results[call.id])
+        out.extend(held)
+        held.clear()
         if texts or not results:
             out.append(Message("user", "\n\n".join(texts), has_images=bool(pictures),
                                images=tuple(pictures)))
         calls = ()
-    last = turns[-1]
+    spoken = [turn for turn in turns if turn.role != "system"]
+    if not spoken:
+        raise InvalidRequestError(
+            "The conversation has no user message.", code="missing_user_message",
+            param="messages")
+    last = spoken[-1]
     if last.role == "assistant":
         if calls:
             raise InvalidRequestError(
@@ -171,6 +190,18 @@ def parse_messages(value: Any) -> tuple[tuple[Message, ...], bool]:
             "The conversation has no user message.", code="missing_user_message",
             param="messages")
     return tuple(out), images
+
+
+def _system_text(turn: _Turn) -> str:
+    """A system message's text: its text blocks joined as the top-level ``system``'s are."""
+    texts = []
+    for p, block in turn.blocks:
+        kind = _block_type(block, p)
+        if kind != "text":
+            raise invalid(f"{p}.type", f"Content block type {quoted(kind)} is not supported "
+                          "in a system message; supported: 'text'.")
+        texts.append(required(block, "text", f"{p}.text", str, "a string"))
+    return "\n\n".join(t for t in texts if t)
 
 
 def _block_type(block: Any, p: str) -> str:

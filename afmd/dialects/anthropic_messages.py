@@ -23,7 +23,9 @@ Choices where afmd and Anthropic differ (docs/anthropic.md says the same):
   takes thinking blocks sent back whatever their signature).
 * Errors: afmd's 503 (overloaded, a model still loading, shutting down) is Anthropic's
   529 ``overloaded_error``; 429 and 529 carry ``Retry-After``. The message starts with
-  the param the problem is in (``max_tokens: …``), as Anthropic's do.
+  the param the problem is in (``max_tokens: …``), as Anthropic's do; a prompt over the
+  context window is Anthropic's ``prompt is too long: N tokens > M maximum``, the wording
+  Claude Code parses to compact a conversation.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from afmd.core.events import (
 from afmd.core.ids import alphanumerics
 from afmd.core.request import ChatRequest
 from afmd.dialects.anthropic_request import parse_count_request, parse_messages_request
-from afmd.errors import APIError
+from afmd.errors import APIError, ContextLengthError
 
 __all__ = ["ANTHROPIC_MESSAGES", "AnthropicMessages", "MessageReply", "tool_use_id"]
 
@@ -296,6 +298,9 @@ class AnthropicMessages:
         if kind is None:
             client = status < 500 or error.error_type == "invalid_request_error"
             kind = "invalid_request_error" if client else "api_error"
+        if isinstance(error, ContextLengthError):  # the wording Claude Code compacts on
+            return {"type": "error", "error": {"type": kind, "message": (
+                f"prompt is too long: {error.prompt_tokens} tokens > {error.limit} maximum")}}
         param = _param(error)
         message = f"{param}: {error.message}" if param else error.message
         return {"type": "error", "error": {"type": kind, "message": message}}

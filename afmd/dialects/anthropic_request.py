@@ -5,8 +5,9 @@ This module reads the top-level fields (sampling, stop sequences, ``thinking``,
 :mod:`afmd.dialects.anthropic_conversation`'s, the tools
 :mod:`afmd.dialects.anthropic_tools`'. Every problem is a 400 naming its param.
 
-Fields of Anthropic's API that mean nothing locally are accepted and ignored. Unknown ones
-are ignored too and listed in the request's ``ignored_fields`` (Anthropic adds fields
+Fields of Anthropic's API that mean nothing locally are accepted, ignored and listed in the
+request's ``ignored_fields`` (``X-AFM-Ignored-Fields``). Unknown ones are ignored and listed
+too (Anthropic adds fields
 often, and clients send them before afmd knows them); with ``strict`` (``[api] strict``)
 they are refused as Anthropic refuses them, ``<field>: Extra inputs are not permitted``.
 """
@@ -61,6 +62,15 @@ COUNT_FIELDS = frozenset({
     "output_format", "cache_control", "context_management", "mcp_servers", "speed",
     "compaction", "billing_policy", "user_profile_id", "workspace_id", "keep_alive",
 })
+#: Fields Anthropic's API acts on and a local model has nothing to do with (caching
+#: breakpoints, context editing, billing, routing, metadata): accepted, even under
+#: ``[api] strict``, and named in ``X-AFM-Ignored-Fields`` so a client can tell.
+UNUSED_FIELDS = frozenset({
+    "cache_control", "context_management", "mcp_servers", "speed", "compaction",
+    "billing_policy", "user_profile_id", "workspace_id", "metadata", "service_tier",
+    "container", "diagnostics", "inference_geo", "fallbacks", "fallback_credit_token",
+    "thread",
+})
 #: A create body's: the above, generation's own fields, and afmd's ``seed``.
 CREATE_FIELDS = COUNT_FIELDS | {
     "max_tokens", "stream", "temperature", "top_p", "top_k", "stop_sequences", "metadata",
@@ -97,6 +107,7 @@ def _parse(
                                   param=ignored[0])
     if ignored:  # a field ignored is not checked either (count_tokens reads create's parts)
         body = {key: value for key, value in body.items() if key not in ignored}
+    ignored = (*ignored, *(key for key in body if key in UNUSED_FIELDS))
     values = read_scalars(body, scalars)
     max_tokens: int | None = values.get("max_tokens")
     system = parse_system(body.get("system"))
@@ -150,9 +161,9 @@ def _thinking(value: Any, max_tokens: int | None) -> tuple[str | None, int | Non
     kind = required(value, "type", "thinking.type", str, "a string")
     if kind not in THINKING_TYPES:
         raise not_one_of("thinking.type", kind, THINKING_TYPES)
-    display = optional(value, "display", "thinking.display", str, "a string")
-    if display is not None and display not in ("summarized", "omitted"):
-        raise not_one_of("thinking.display", display, ("summarized", "omitted"))
+    # How a client shows thinking ("summarized", "omitted", Claude Code's "updates", more
+    # to come): afmd returns its thinking as it was written whatever this says.
+    optional(value, "display", "thinking.display", str, "a string")
     if kind != "enabled":
         return kind, None
     (budget,) = read_scalars(value, (Scalar("budget_tokens", "integer", minimum=1,

@@ -107,14 +107,16 @@ class OpenAIResponses:
     def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
               strict: bool = False) -> ResponsesRequest:
         return parse_responses_request(parse_json_body(raw), lookup=self.store.conversation,
-                                       server_tools=server_tools, strict=strict)
+                                       find_item=self.store.item, server_tools=server_tools,
+                                       strict=strict)
 
     def parse_count(
         self, raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
     ) -> ResponsesRequest:
         """An ``input_tokens`` body (the fields that shape the prompt, nothing else)."""
         return parse_responses_request(parse_json_body(raw), lookup=self.store.conversation,
-                                       server_tools=server_tools, counting=True,
+                                       find_item=self.store.item, server_tools=server_tools,
+                                       counting=True,
                                        strict=strict)
 
     def reply(self, request: ChatRequest, *, model: str, fingerprint: str) -> ResponsesReply:

@@ -1,13 +1,19 @@
-"""The fields of a Responses body that shape the turn beyond its input: function tools
-(flat, as this API defines them) and ``tool_choice``, ``text.format``, ``reasoning``,
-``include`` and ``metadata``, each checked and also returned in the form the response
-object echoes. OpenAI's hosted tools are ``unsupported_tool``, named by their index.
+"""The fields of a Responses body that shape the turn beyond its input: tools and
+``tool_choice``, ``text.format``, ``reasoning``, ``include`` and ``metadata``, each checked
+and also returned in the form the response object echoes.
+
+Tools as OpenAI defines them: ``function`` tools (flat), ``namespace`` tools (a group of
+function and custom tools, offered to the model as their functions; a call names its
+namespace), ``custom`` tools (free-form text input, e.g. Codex's ``apply_patch``: offered
+as a function of one string, its call returned as the text). Hosted tools afmd cannot run
+are left out of the prompt and named (``tools[i]``), refused only under ``[api] strict``.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 from afmd.core.request import ResponseFormat, ToolChoice, ToolSpec
@@ -23,13 +29,17 @@ from afmd.protocol.fields import (
     wrong_type,
 )
 
-#: OpenAI's hosted tools: a local model has none of them.
+#: OpenAI's hosted tools (and any other type that is not a function, a namespace of
+#: functions, or a custom tool): afmd cannot run them, so they are left out of the prompt
+#: and named in ``X-AFM-Ignored-Fields`` as ``tools[i]`` (``[api] strict``: a 400).
 HOSTED_TOOLS = frozenset({
     "file_search", "computer", "computer_use_preview", "web_search", "web_search_2025_08_26",
     "web_search_preview", "web_search_preview_2025_03_11", "mcp", "code_interpreter",
-    "programmatic_tool_calling", "image_generation", "local_shell", "shell", "custom",
-    "namespace", "tool_search", "apply_patch",
+    "programmatic_tool_calling", "image_generation", "local_shell", "shell",
+    "tool_search", "apply_patch",
 })
+TOOL_TYPES = ("function", "namespace", "custom")
+GRAMMAR_SYNTAXES = ("lark", "regex")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 SUMMARIES = ("auto", "concise", "detailed")
 INCLUDABLE = (
@@ -44,52 +54,148 @@ MAX_METADATA = 16
 
 def _unsupported_tool(param: str, kind: Any) -> InvalidRequestError:
     return InvalidRequestError(
-        f"The tool type {quoted(kind)} is one of OpenAI's hosted tools, which afmd does not "
-        "have; only 'function' tools are supported.", code="unsupported_tool", param=param)
+        f"The tool type {quoted(kind)} is a hosted tool, which afmd cannot run; 'function', "
+        "'namespace' and 'custom' tools are supported (without [api] strict, other tools "
+        "are left out and named in X-AFM-Ignored-Fields).", code="unsupported_tool",
+        param=param)
 
 
-def parse_tools(value: Any) -> tuple[tuple[ToolSpec, ...], tuple[dict[str, Any], ...]]:
-    """The function tools (flat, as Responses defines them) and their echo."""
+@dataclass(frozen=True, slots=True)
+class Tools:
+    """A body's ``tools``: what the model is offered (each namespace's and custom tool as a
+    function), the echo, the hosted tools left out, and how each offered name is called
+    back (a custom tool's call is its text, a namespaced function's names its namespace)."""
+
+    specs: tuple[ToolSpec, ...] = ()
+    echo: tuple[dict[str, Any], ...] = ()
+    ignored: tuple[str, ...] = ()
+    custom: frozenset[str] = frozenset()
+    namespaces: dict[str, str] = field(default_factory=dict)
+
+
+def custom_parameters(format_: dict[str, Any] | None) -> dict[str, Any]:
+    """A custom tool as the function the model is offered: one string, its free-form
+    input. A ``regex`` grammar is that string's pattern, enforced as any schema is."""
+    text: dict[str, Any] = {"type": "string"}
+    if format_ is not None and format_.get("syntax") == "regex":
+        # A JSON schema pattern searches; a custom tool's regex is the whole input.
+        text["pattern"] = f"^(?:{format_['definition']})$"
+    return {"type": "object", "properties": {"input": text}, "required": ["input"],
+            "additionalProperties": False}
+
+
+def _custom_format(value: Any, p: str) -> dict[str, Any] | None:
     if value is None:
-        return (), ()
+        return None
+    if not isinstance(value, dict):
+        raise wrong_type(p, "an object", value)
+    kind = required(value, "type", f"{p}.type", str, "a string")
+    if kind == "text":
+        return None
+    if kind != "grammar":
+        raise not_one_of(f"{p}.type", kind, ("text", "grammar"))
+    syntax = required(value, "syntax", f"{p}.syntax", str, "a string")
+    if syntax not in GRAMMAR_SYNTAXES:
+        raise not_one_of(f"{p}.syntax", syntax, GRAMMAR_SYNTAXES)
+    definition = required(value, "definition", f"{p}.definition", str, "a string")
+    if syntax == "regex":
+        try:
+            re.compile(definition)
+        except re.error as exc:
+            raise invalid(f"{p}.definition", f"The regex does not compile: {exc}.") from None
+    return {"type": "grammar", "syntax": syntax, "definition": definition}
+
+
+def _function_or_custom(tool: dict[str, Any], p: str, kind: str,
+                        specs: list[ToolSpec]) -> tuple[ToolSpec, dict[str, Any]]:
+    name = required(tool, "name", f"{p}.name", str, "a string")
+    if _NAME.fullmatch(name) is None:
+        raise invalid(f"{p}.name", f"Invalid tool name {quoted(name)}: use 1-64 "
+                      "characters among a-z, A-Z, 0-9, _ and -.")
+    if any(s.name == name for s in specs):
+        raise invalid(f"{p}.name", f"Duplicate tool name '{name}'.")
+    description = optional(tool, "description", f"{p}.description", str, "a string")
+    if kind == "custom":
+        format_ = _custom_format(tool.get("format"), f"{p}.format")
+        echo: dict[str, Any] = {"type": "custom", "name": name, "description": description,
+                                "format": format_ or {"type": "text"}}
+        return ToolSpec(name, description, custom_parameters(format_), True), echo
+    parameters = optional(tool, "parameters", f"{p}.parameters", dict, "an object")
+    strict = optional(tool, "strict", f"{p}.strict", bool, "a boolean")
+    strict = True if strict is None else strict  # the Responses API's default
+    return ToolSpec(name, description, parameters, strict), {
+        "type": "function", "name": name, "description": description,
+        "parameters": parameters, "strict": strict}
+
+
+def parse_tools(value: Any, *, strict: bool = False) -> Tools:
+    """Function tools (flat, as Responses defines them), namespaces of them, custom tools;
+    hosted tools left out (``strict``: refused)."""
+    if value is None:
+        return Tools()
     if not isinstance(value, list):
         raise wrong_type("tools", "an array", value)
     specs: list[ToolSpec] = []
     echo: list[dict[str, Any]] = []
+    ignored: list[str] = []
+    custom: set[str] = set()
+    namespaces: dict[str, str] = {}
     for i, tool in enumerate(value):
         p = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise wrong_type(p, "an object", tool)
-        # A string before any lookup: an object or array here is unhashable.
-        kind = required(tool, "type", f"{p}.type", str, "a string")
-        if kind in HOSTED_TOOLS:
-            raise _unsupported_tool(p, kind)
-        if kind != "function":
-            raise not_one_of(f"{p}.type", kind, ("function",))
-        name = required(tool, "name", f"{p}.name", str, "a string")
-        if _NAME.fullmatch(name) is None:
-            raise invalid(f"{p}.name", f"Invalid tool name {quoted(name)}: use 1-64 "
-                          "characters among a-z, A-Z, 0-9, _ and -.")
-        if any(s.name == name for s in specs):
-            raise invalid(f"{p}.name", f"Duplicate tool name '{name}'.")
-        description = optional(tool, "description", f"{p}.description", str, "a string")
-        parameters = optional(tool, "parameters", f"{p}.parameters", dict, "an object")
-        strict = optional(tool, "strict", f"{p}.strict", bool, "a boolean")
-        strict = True if strict is None else strict  # the Responses API's default
-        specs.append(ToolSpec(name, description, parameters, strict))
-        echo.append({"type": "function", "name": name, "description": description,
-                     "parameters": parameters, "strict": strict})
-    return tuple(specs), tuple(echo)
+        kind = tool.get("type")
+        if kind is None:
+            raise missing(f"{p}.type")
+        if not isinstance(kind, str):
+            raise wrong_type(f"{p}.type", "a string", kind)
+        if kind not in TOOL_TYPES:
+            if strict:
+                raise _unsupported_tool(p, kind)
+            ignored.append(p)
+            continue
+        if kind != "namespace":
+            spec, shown = _function_or_custom(tool, p, kind, specs)
+            specs.append(spec)
+            echo.append(shown)
+            if kind == "custom":
+                custom.add(spec.name)
+            continue
+        namespace = required(tool, "name", f"{p}.name", str, "a string")
+        if _NAME.fullmatch(namespace) is None:
+            raise invalid(f"{p}.name", f"Invalid namespace name {quoted(namespace)}: use "
+                          "1-64 characters among a-z, A-Z, 0-9, _ and -.")
+        inner = required(tool, "tools", f"{p}.tools", list, "an array")
+        members = []
+        for k, member in enumerate(inner):
+            q = f"{p}.tools[{k}]"
+            if not isinstance(member, dict):
+                raise wrong_type(q, "an object", member)
+            member_kind = required(member, "type", f"{q}.type", str, "a string")
+            if member_kind not in ("function", "custom"):
+                raise not_one_of(f"{q}.type", member_kind, ("function", "custom"))
+            spec, shown = _function_or_custom(member, q, member_kind, specs)
+            specs.append(spec)
+            members.append(shown)
+            namespaces[spec.name] = namespace
+            if member_kind == "custom":
+                custom.add(spec.name)
+        echo.append({"type": "namespace", "name": namespace,
+                     "description": optional(tool, "description", f"{p}.description", str,
+                                             "a string") or "",
+                     "tools": members})
+    return Tools(tuple(specs), tuple(echo), tuple(ignored), frozenset(custom), namespaces)
 
 
 def _choice_name(value: Any, param: str, names_: set[str]) -> str:
     if not isinstance(value, dict):
         raise wrong_type(param, "an object", value)
+    # A string before any lookup: an object or array here is unhashable.
     kind = required(value, "type", f"{param}.type", str, "a string")
-    if kind in HOSTED_TOOLS:
-        raise _unsupported_tool(f"{param}.type", kind)
-    if kind != "function":
-        raise not_one_of(f"{param}.type", kind, ("function",))
+    if kind not in ("function", "custom"):
+        if kind in HOSTED_TOOLS:
+            raise _unsupported_tool(f"{param}.type", kind)
+        raise not_one_of(f"{param}.type", kind, ("function", "custom"))
     name = required(value, "name", f"{param}.name", str, "a string")
     if name not in names_:
         raise InvalidRequestError(
@@ -129,7 +235,7 @@ def parse_tool_choice(
             "type": "allowed_tools", "mode": mode,
             "tools": [{"type": "function", "name": n} for n in allowed]}
     name = _choice_name(value, "tool_choice", names_)
-    return ToolChoice("required", (name,), named=True), {"type": "function", "name": name}
+    return ToolChoice("required", (name,), named=True), {"type": value["type"], "name": name}
 
 
 def parse_text(value: Any) -> tuple[ResponseFormat | None, dict[str, Any]]:

@@ -20,9 +20,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from afmd.core.request import ImageInput, Message, ToolCall
-from afmd.errors import InvalidRequestError
-from afmd.protocol.fields import invalid, missing, not_one_of, quoted, required, wrong_type
+from afmd.errors import InvalidRequestError, NotFoundError
+from afmd.protocol.fields import (
+    invalid,
+    missing,
+    not_one_of,
+    optional,
+    quoted,
+    required,
+    wrong_type,
+)
 
 Item = dict[str, Any]
 
@@ -33,11 +43,15 @@ HOSTED_ITEMS = frozenset({
     "image_generation_call", "code_interpreter_call", "local_shell_call",
     "local_shell_call_output", "shell_call", "shell_call_output", "apply_patch_call",
     "apply_patch_call_output", "mcp_list_tools", "mcp_approval_request",
-    "mcp_approval_response", "mcp_call", "custom_tool_call", "custom_tool_call_output",
+    "mcp_approval_response", "mcp_call",
     "tool_search_call", "tool_search_output", "additional_tools", "compaction",
     "compaction_trigger", "program", "program_output",
 })
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_call",
+              "custom_tool_call_output", "reasoning", "item_reference")
+#: The calls and their outputs, custom tools' beside functions'.
+CALLS = ("function_call", "custom_tool_call")
+OUTPUTS = ("function_call_output", "custom_tool_call_output")
 
 
 def item_id(prefix: str) -> str:
@@ -161,25 +175,45 @@ def _call_id(item: Item, p: str) -> str:
     return call_id
 
 
-def _function_call(item: Item, p: str) -> Item:
+def _call(item: Item, p: str, kind: str) -> Item:
+    """A function call (``arguments``, JSON text) or a custom tool's (``input``, free
+    text), its ``namespace`` kept when a namespace tool's function made it."""
     call_id = _call_id(item, p)
     name = required(item, "name", f"{p}.name", str, "a string")
-    arguments = item.get("arguments", "{}")
-    if not isinstance(arguments, str):
-        raise wrong_type(f"{p}.arguments", "a string", arguments)
-    return {"id": _given_id(item, p, "fc"), "type": "function_call", "call_id": call_id,
-            "name": name, "arguments": arguments, "status": "completed"}
+    if kind == "custom_tool_call":
+        text = required(item, "input", f"{p}.input", str, "a string")
+        out = {"id": _given_id(item, p, "ctc"), "type": kind, "call_id": call_id,
+               "name": name, "input": text, "status": "completed"}
+    else:
+        arguments = item.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise wrong_type(f"{p}.arguments", "a string", arguments)
+        out = {"id": _given_id(item, p, "fc"), "type": kind, "call_id": call_id,
+               "name": name, "arguments": arguments, "status": "completed"}
+    namespace = optional(item, "namespace", f"{p}.namespace", str, "a string")
+    if namespace is not None:
+        out["namespace"] = namespace
+    return out
 
 
-def _function_call_output(item: Item, p: str) -> Item:
+def _call_output(item: Item, p: str, kind: str) -> Item:
     call_id = _call_id(item, p)
     output = item.get("output")
     if output is None:
         raise missing(f"{p}.output")
     if not isinstance(output, str):
         output = _content(output, f"{p}.output", "tool")
-    return {"id": _given_id(item, p, "fco"), "type": "function_call_output",
+    prefix = "fco" if kind == "function_call_output" else "ctco"
+    return {"id": _given_id(item, p, prefix), "type": kind,
             "call_id": call_id, "output": output, "status": "completed"}
+
+
+def call_arguments(item: Item) -> str:
+    """A call item as the model wrote it: a custom tool's text is the one string of the
+    function it is offered as (:func:`afmd.dialects.responses_fields.custom_parameters`)."""
+    if item["type"] == "custom_tool_call":
+        return orjson.dumps({"input": item["input"]}).decode()
+    return str(item["arguments"])
 
 
 def _text_parts(value: Any, p: str, kind: str) -> list[Item]:
@@ -203,8 +237,10 @@ def _reasoning(item: Item, p: str) -> Item:
             "content": _text_parts(item.get("content"), f"{p}.content", "reasoning_text")}
 
 
-def canonical_items(value: Any, param: str = "input") -> list[Item]:
-    """``input`` (a string or a list of items) checked into canonical items."""
+def canonical_items(value: Any, param: str = "input", *,
+                    find_item: Callable[[str], Item | None] = lambda _: None) -> list[Item]:
+    """``input`` (a string or a list of items) checked into canonical items; an
+    ``item_reference`` is the stored item it names (``find_item``), unknown: a 404."""
     if isinstance(value, str):
         return [{"id": item_id("msg"), "type": "message", "role": "user",
                  "content": [{"type": "input_text", "text": value}], "status": "completed"}]
@@ -222,15 +258,21 @@ def canonical_items(value: Any, param: str = "input") -> list[Item]:
             raise wrong_type(f"{p}.type", "a string", kind)
         if kind == "message":
             items.append(_message(item, p))
-        elif kind == "function_call":
-            items.append(_function_call(item, p))
-        elif kind == "function_call_output":
-            items.append(_function_call_output(item, p))
+        elif kind in CALLS:
+            items.append(_call(item, p, kind))
+        elif kind in OUTPUTS:
+            items.append(_call_output(item, p, kind))
         elif kind == "reasoning":
             items.append(_reasoning(item, p))
         elif kind == "item_reference":
-            raise _unsupported(f"{p}.type", "Item references are not supported; send the "
-                               "item itself, or continue with 'previous_response_id'.")
+            ref = required(item, "id", f"{p}.id", str, "a string")
+            found = find_item(ref)
+            if found is None:
+                raise NotFoundError(
+                    f"Item with id {quoted(ref)} not found (no stored response has it: it "
+                    "was never stored, was deleted, or expired).", code="item_not_found",
+                    param=f"{p}.id")
+            items.append(dict(found))
         elif kind in HOSTED_ITEMS:
             raise _unsupported(f"{p}.type", f"Items of type {quoted(kind)} belong to "
                                "OpenAI's hosted tools, which afmd does not have.")
@@ -312,7 +354,7 @@ def to_messages(items: Sequence[Item], params: ItemParams) -> tuple[Message, ...
             if turn is not None and (turn.content or turn.calls):
                 flush()
             assistant(index).content.append(_text_of(item["content"]))
-        elif kind == "function_call":
+        elif kind in CALLS:
             call_id = item["call_id"]
             if call_id in open_calls or call_id in answered or any(
                     c.id == call_id for c, _ in (turn.calls if turn else [])):
@@ -320,8 +362,8 @@ def to_messages(items: Sequence[Item], params: ItemParams) -> tuple[Message, ...
                     f"The call_id {quoted(call_id)} is used by more than one function_call.",
                     code="duplicate_tool_call_id", param=params(index, ".call_id"))
             assistant(index).calls.append(
-                (ToolCall(call_id, item["name"], item["arguments"]), index))
-        elif kind == "function_call_output":
+                (ToolCall(call_id, item["name"], call_arguments(item)), index))
+        elif kind in OUTPUTS:
             flush()
             call_id = item["call_id"]
             if call_id in answered:

@@ -3,7 +3,9 @@
 The events of a turn (:mod:`afmd.core.events`) become output items in the order the model
 wrote them: thinking as a ``reasoning`` item (its text as ``reasoning_text`` content; the
 API's ``summary`` is for summaries, which afmd does not write, so it stays empty), text as
-an assistant ``message`` with one ``output_text`` part, each call as a ``function_call``.
+an assistant ``message`` with one ``output_text`` part, each call as a ``function_call``
+(with its ``namespace`` when a namespace tool's function made it) or, for a custom tool, a
+``custom_tool_call`` whose ``input`` is the text the model wrote (streamed once, whole).
 Streamed, each item opens (``output_item.added``, ``content_part.added``), grows by deltas
 and closes (``….done``, ``content_part.done``, ``output_item.done``), every event numbered
 by ``sequence_number``; the non-streamed body is the same items, built from the same
@@ -114,6 +116,7 @@ class _Open:
     parts: list[str] = field(default_factory=list)
     call_id: str = ""
     name: str = ""
+    namespace: str | None = None  # a namespace tool's function
     delta_head: bytes = b""  # the pre-encoded start of this item's delta events
 
 
@@ -126,14 +129,34 @@ def _reasoning_item(rid: str, content: list[Item], status: str, encrypted: bool)
 
 
 def _call_item(item: _Open, arguments: str, status: str) -> Item:
-    return {"id": item.id, "type": "function_call", "status": status,
-            "call_id": item.call_id, "name": item.name, "arguments": arguments}
+    """A function call, or a custom tool's: the text of the one string the model wrote
+    for it (what a call cut short wrote of it, when its JSON did not close)."""
+    if item.kind == "custom_tool_call":
+        out: Item = {"id": item.id, "type": "custom_tool_call", "status": status,
+                     "call_id": item.call_id, "name": item.name,
+                     "input": custom_input(arguments)}
+    else:
+        out = {"id": item.id, "type": "function_call", "status": status,
+               "call_id": item.call_id, "name": item.name, "arguments": arguments}
+    if item.namespace is not None:
+        out["namespace"] = item.namespace
+    return out
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool's input from the arguments of the function it was offered as."""
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return ""
+    text = value.get("input") if isinstance(value, dict) else None
+    return text if isinstance(text, str) else ""
 
 
 def _done_item(item: _Open, text: str, status: str, encrypted: bool) -> Item:
     """The item as it ends, whether closed in turn or cut short by a failure; a text item's
     one content part is the part its ``content_part.done`` event carries."""
-    if item.kind == "function_call":
+    if item.kind in ("function_call", "custom_tool_call"):
         return _call_item(item, text, status)
     if item.kind in ("message", "refusal"):
         part = _output_text(text) if item.kind == "message" else \
@@ -230,7 +253,8 @@ class ResponseBuilder:
             elif isinstance(event, ToolCallArguments):
                 call = self._open_item()
                 call.parts.append(event.fragment)
-                self._log.delta(call, event.fragment)
+                if call.kind == "function_call":
+                    self._log.delta(call, event.fragment)
             elif isinstance(event, ToolCallEnd):
                 self._close(arguments=event.call.arguments)
             elif isinstance(event, Finish):
@@ -271,15 +295,20 @@ class ResponseBuilder:
 
     def _open_call(self, event: ToolCallStart) -> None:
         self._close()
-        item = _Open("function_call", len(self.output), item_id("fc"), call_id=event.id,
-                     name=event.name)
+        custom = event.name in self.echo.custom_tools
+        item = _Open("custom_tool_call" if custom else "function_call", len(self.output),
+                     item_id("ctc" if custom else "fc"), call_id=event.id, name=event.name,
+                     namespace=self.echo.namespaces.get(event.name))
         self._open = item
         self._log.emit({"type": "response.output_item.added", "output_index": item.index,
                         "item": _call_item(item, "", "in_progress")})
-        item.delta_head = _delta_head("response.function_call_arguments.delta", item, "")
+        # A custom tool's input streams once whole: its deltas are the text, not JSON.
+        item.delta_head = b"" if custom else \
+            _delta_head("response.function_call_arguments.delta", item, "")
         if event.arguments:
             item.parts.append(event.arguments)
-            self._log.delta(item, event.arguments)
+            if not custom:
+                self._log.delta(item, event.arguments)
 
     def _close(self, *, status: str = "completed", arguments: str | None = None) -> None:
         """The open item's ``….done`` events, and the item into ``output``."""
@@ -288,14 +317,22 @@ class ResponseBuilder:
             return
         text = "".join(item.parts)
         base = {"item_id": item.id, "output_index": item.index}
-        if item.kind == "function_call":
+        calls = ("function_call", "custom_tool_call")
+        if item.kind in calls:
             text = text if arguments is None else arguments
             if arguments is None and status == "completed":
                 status = "incomplete"  # never ended: cut short
+        if item.kind == "function_call":
             self._log.emit({"type": "response.function_call_arguments.done", **base,
                             "name": item.name, "arguments": text})
+        elif item.kind == "custom_tool_call":
+            written = custom_input(text)
+            self._log.emit({"type": "response.custom_tool_call_input.delta", **base,
+                            "delta": written})
+            self._log.emit({"type": "response.custom_tool_call_input.done", **base,
+                            "input": written})
         done = _done_item(item, text, status, self._encrypted)
-        if item.kind != "function_call":
+        if item.kind not in calls:
             part: Item = done["content"][0]
             if item.kind == "message":
                 self._log.emit({"type": "response.output_text.done", **base,

@@ -4,7 +4,8 @@ The turn itself becomes the same :class:`~afmd.core.request.ChatRequest` chat bu
 tools, ``tool_choice``, grammars, reasoning, queueing and cancelling behave alike; what the
 response object repeats of its request (instructions, tools as sent, ``text``, metadata,
 the canonical input items) rides along in :class:`Echo`. Every problem is a 400 naming the
-exact param, as in chat; hosted tools are ``unsupported_tool`` naming their index.
+exact param, as in chat; hosted tools are left out and named (``unsupported_tool`` under
+``[api] strict``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ COUNT_FIELDS = frozenset({"conversation", "input", "instructions", "model",
 
 #: ``previous_response_id`` -> the stored conversation's items, or None if unknown.
 Lookup = Callable[[str], Sequence[Item] | None]
+#: An ``item_reference``'s id -> the stored item (any stored response's input or output).
+ItemLookup = Callable[[str], Item | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,10 @@ class Echo:
 
     instructions: str | None = None
     tools: tuple[dict[str, Any], ...] = ()
+    #: The offered names whose calls are custom_tool_call items (their text as ``input``).
+    custom_tools: frozenset[str] = frozenset()
+    #: Offered function names that belong to a namespace tool, and its name.
+    namespaces: dict[str, str] = field(default_factory=dict)
     tool_choice: str | dict[str, Any] = "auto"
     text: dict[str, Any] = field(default_factory=lambda: {"format": {"type": "text"}})
     reasoning: dict[str, Any] = field(
@@ -148,6 +155,7 @@ def parse_responses_request(
     body: dict[str, Any],
     *,
     lookup: Lookup,
+    find_item: ItemLookup = lambda _: None,
     server_tools: Collection[str] = (),
     counting: bool = False,
     strict: bool = False,
@@ -169,7 +177,7 @@ def parse_responses_request(
                 "was deleted, or expired).", code="response_not_found",
                 param="previous_response_id")
         history = tuple(found)
-    items = canonical_items(body.get("input"))
+    items = canonical_items(body.get("input"), find_item=find_item)
     params = ItemParams(len(history))
     conversation = to_messages((*history, *items), params)
     instructions = scalars["instructions"]
@@ -185,13 +193,16 @@ def parse_responses_request(
             raise invalid("stream_options", "The 'stream_options' parameter is only allowed "
                           "when 'stream' is enabled.")
         reject_unknown(options, frozenset({"include_obfuscation"}), prefix="stream_options.")
-    tools, tools_echo = parse_tools(body.get("tools"))
-    choice, choice_echo = parse_tool_choice(body.get("tool_choice"), tools, server_tools)
+    tools = parse_tools(body.get("tools"), strict=strict)
+    choice, choice_echo = parse_tool_choice(body.get("tool_choice"), tools.specs,
+                                            server_tools)
     response_format, text_echo = parse_text(body.get("text"))
     reasoning = parse_reasoning(body.get("reasoning"))
     echo = Echo(
         instructions=instructions,
-        tools=tools_echo,
+        tools=tools.echo,
+        custom_tools=tools.custom,
+        namespaces=tools.namespaces,
         tool_choice=choice_echo,
         text=text_echo,
         reasoning=reasoning,
@@ -219,7 +230,7 @@ def parse_responses_request(
         min_p=scalars["min_p"],
         repetition_penalty=repetition_penalty_of(body),
         seed=scalars["seed"],
-        tools=tools,
+        tools=tools.specs,
         tool_choice=choice,
         parallel_tool_calls=scalars["parallel_tool_calls"],
         response_format=response_format,
@@ -228,6 +239,6 @@ def parse_responses_request(
         prediction=None if counting else parse_prediction(body.get("prediction")),
         keep_alive=None if counting else keep_alive_of(body),
         chat_template_kwargs=chat_template_kwargs_of(body),
-        ignored_fields=ignored,
+        ignored_fields=(*ignored, *tools.ignored),
         echo=echo,
     )

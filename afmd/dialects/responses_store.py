@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -67,6 +67,11 @@ class ResponseStore:
         self._entries: OrderedDict[str, Stored] = OrderedDict()  # oldest first
         self._sizes: dict[str, int] = {}  # each entry's stored JSON, in bytes
         self.bytes = 0  # their sum
+        # Every stored item by its id, for item_reference (the AI SDK refers to the items
+        # of earlier steps by id), with how many entries hold it: a continued
+        # conversation's entries share their items.
+        self._items: dict[str, Item] = {}
+        self._holders: Counter[str] = Counter()
         # One writer thread: file writes leave the event loop, in the order they were made.
         self._writer = ThreadPoolExecutor(1, "afmd-responses") if folder else None
         if folder is not None:
@@ -78,6 +83,23 @@ class ResponseStore:
     def get(self, response_id: str) -> Stored | None:
         self._expire()
         return self._entries.get(response_id)
+
+    def item(self, item_id: str) -> Item | None:
+        """The stored item with this id (any stored response's input or output item)."""
+        self._expire()
+        return self._items.get(item_id)
+
+    def _index(self, stored: Stored, change: int) -> None:
+        for item in stored.conversation:
+            key = item.get("id")
+            if not isinstance(key, str):
+                continue
+            self._holders[key] += change
+            if self._holders[key] > 0:
+                self._items[key] = item
+            else:
+                del self._holders[key]
+                self._items.pop(key, None)
 
     def conversation(self, response_id: str) -> Sequence[Item] | None:
         stored = self.get(response_id)
@@ -121,6 +143,7 @@ class ResponseStore:
 
     def _add(self, response_id: str, stored: Stored, size: int) -> None:
         self._entries[response_id] = stored
+        self._index(stored, +1)
         self._sizes[response_id] = size
         self.bytes += size
 
@@ -133,7 +156,7 @@ class ResponseStore:
             self._remove(next(iter(self._entries)))
 
     def _remove(self, response_id: str) -> None:
-        del self._entries[response_id]
+        self._index(self._entries.pop(response_id), -1)
         self.bytes -= self._sizes.pop(response_id)
         if self._writer is not None:
             self._writer.submit(self._unlink, response_id)

@@ -32,7 +32,7 @@ ARCHITECTURE: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "intermediate_size": 128,
-    "max_position_embeddings": 8192,
+    "max_position_embeddings": 131072,
     "rope_theta": 1000000.0,
     "rms_norm_eps": 1e-06,
     "hidden_act": "silu",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from afmd.chat import folded_system_turns
 from afmd.config import ModelEntry
 from afmd.engine.base import Generation, GenerationRequest
 from afmd.engine.kinds import CHAT, EmbeddingSpec
@@ -181,13 +182,23 @@ class LoadedModel:
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Prompt token ids through the model's own chat template."""
+        """Prompt token ids through the model's own chat template. A template that refuses
+        a system turn after the first message (many raise on it) gets those folded into
+        the nearest user turn instead (:func:`afmd.chat.folded_system_turns`)."""
         kwargs = dict(template_kwargs or {})
         if tools:
             kwargs["tools"] = list(tools)
-        text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False, **kwargs
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=False, **kwargs
+            )
+        except Exception:
+            folded = folded_system_turns(list(messages))
+            if folded is None:
+                raise
+            text = self.tokenizer.apply_chat_template(
+                folded, add_generation_prompt=True, tokenize=False, **kwargs
+            )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def start(self, request: GenerationRequest) -> Generation:

@@ -34,7 +34,7 @@ async def count_tokens(request: Request) -> HTTPResponse:
                                           server_tools=pipeline.server_tools.names,
                                           strict=state.config.api.strict)
     request.ctx.model = chat.model
-    tokens = await pipeline.count(chat)
+    tokens = await pipeline.count(chat, must_fit=True)
     return routes.json_response(
         {"input_tokens": tokens},
         headers=ignored_headers(chat.ignored_fields, getattr(request.ctx, "request_id", None)))
