@@ -1,9 +1,10 @@
 """afmd's decode step for mlx-lm's batched generation.
 
-mlx-lm's ``GenerationBatch._step`` is right for a generic library and slower than it needs
-to be for a server; this subclass changes only the step, keeping its bookkeeping (insert,
-extend, filter, stop matching) as is. Outputs are token-for-token those of the per-row
-processors it replaces. What it changes, as measured by bench/run.py:
+mlx-lm's decode step (``GenerationBatch._step``) is right for a generic library and slower
+than it needs to be for a server; this subclass (through :mod:`afmd.engine.mlx_compat`)
+changes only the step, keeping its bookkeeping (insert, extend, filter, stop matching) as
+is. Outputs are token-for-token those of the per-row processors it replaces. What it
+changes, as measured by bench/run.py:
 
 - **Constrained rows are masked together.** mlx-lm slices every row that has a logits
   processor out of the batch, runs its processors and concatenates the rows back, and our
@@ -41,21 +42,22 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch, greedy_sampler
+from mlx_lm.sample_utils import greedy_sampler
 
 from afmd.engine import handout, lone_row
 from afmd.engine.logprobs import RowLogprobs, step_logprobs
+from afmd.engine.mlx_compat import GenerationRows
 from afmd.engine.speculative import RowSpec, Verification
 from afmd.grammar.processor import MASKING, MaskBuilder
 
 _NEG_INF = float("-inf")
 
 
-class DecodeBatch(GenerationBatch):
+class DecodeBatch(GenerationRows):
     """The running batch of a ``BatchGenerator``, stepped by afmd's decode step."""
 
     _masks: MaskBuilder | None = None
-    # The tokens last handed out have not been fed to the model yet (see ``_step``).
+    # The tokens last handed out have not been fed to the model yet (see ``afmd_step``).
     _deferred = False
     #: uid -> alternatives wanted, for the rows that report log-probabilities. Each
     #: response's ``logprobs`` is then what :func:`afmd.engine.logprobs.resolve` reads.
@@ -77,12 +79,12 @@ class DecodeBatch(GenerationBatch):
     @classmethod
     def install(cls, generator: Any) -> DecodeBatch:
         """Replace a fresh ``BatchGenerator``'s (empty) running batch with ours."""
-        batch = cls.empty(generator.model, generator.sampler)
+        batch = cls.attach(generator)
+        assert isinstance(batch, DecodeBatch)
         batch.logprob_rows = {}
         batch.spec_rows = {}
         batch._backlog = {}
         batch._prompt_len = {}
-        generator._generation_batch = batch
         return batch
 
     def next(self) -> list[Any]:
@@ -94,7 +96,7 @@ class DecodeBatch(GenerationBatch):
             responses = lone_row.speculate(self)
             if responses is not None:
                 return responses
-        tokens, logprobs = self._step()
+        tokens, logprobs = self.afmd_step()
         handed = [[t] for t in tokens]
         extra = [list(logprobs[i : i + 1]) for i in range(len(tokens))]
         for i, uid in enumerate(self.uids):
@@ -104,17 +106,17 @@ class DecodeBatch(GenerationBatch):
                 extra[i] = backlog[1] + extra[i]
         return handout.account(self, handed, extra)
 
-    def _step(self) -> tuple[list[int], list[Any]]:
+    def afmd_step(self) -> tuple[list[int], list[Any]]:
         self._launch_deferred()
-        self._current_tokens = inputs = self._next_tokens
-        # What was kept for these tokens when they were sampled (see ``_launch``).
-        self._current_logprobs = self._next_logprobs
-        if 0 in self._num_tokens:
+        # The logprobs are what was kept for these tokens when they were sampled (see
+        # ``_launch``).
+        inputs, logprobs = self.take_next()
+        if 0 in self.generated:
             # A row's first token: hand it out before building and starting the next
             # forward pass, which on MLX's CPU backend costs the calling thread a few ms.
             self._deferred = True
-            return self._read(inputs), self._current_logprobs
-        return self._launch(inputs), self._current_logprobs
+            return self._read(inputs), logprobs
+        return self._launch(inputs), logprobs
 
     def extend(self, batch: Any) -> None:
         # Joining rows come with their next tokens already computed; ours must be too.
@@ -122,8 +124,8 @@ class DecodeBatch(GenerationBatch):
         if self._verify is not None:
             accepted, pending, entries = lone_row.resolve(self)
             self._backlog[self.uids[0]] = (accepted, entries[:-1])
-            self._next_tokens = mx.array([pending], dtype=mx.uint32)
-            self._next_logprobs = entries[-1:]
+            self.next_tokens = mx.array([pending], dtype=mx.uint32)
+            self.next_logprobs = entries[-1:]
         super().extend(batch)
 
     def filter(self, keep: list[int]) -> None:
@@ -141,7 +143,7 @@ class DecodeBatch(GenerationBatch):
     def _launch_deferred(self) -> None:
         if self._deferred:
             self._deferred = False
-            self._launch(self._next_tokens)
+            self._launch(self.next_tokens)
 
     def _launch(self, inputs: mx.array) -> list[int]:
         """Start the forward pass on ``inputs`` (this step's tokens, one per row).
@@ -170,22 +172,23 @@ class DecodeBatch(GenerationBatch):
         if others:  # e.g. repetition penalty: mlx-lm's row-by-row way, for those rows only
             rows = [logits[e : e + 1] for e in range(n)]
             for row, procs in others:
-                context = self._token_context[row].update_and_fetch(inputs[row : row + 1])
+                context = self.token_context(row).update_and_fetch(inputs[row : row + 1])
                 token_context.append(context)
                 for proc in procs:
                     rows[row] = proc(context, rows[row])
             logits = mx.concatenate(rows, axis=0)
 
-        self._next_tokens = self._sample(logits, n)
-        self._next_logprobs = [None] * n
+        self.next_tokens = sampled = self._sample(logits, n)
+        kept: list[Any] = [None] * n
+        self.next_logprobs = kept
         wants = self._logprob_wants()
         if wants:
-            step = step_logprobs(logits, self._next_tokens, wants)
+            step = step_logprobs(logits, sampled, wants)
             for i, (row, k) in enumerate(wants):
-                self._next_logprobs[row] = RowLogprobs(step, i, k)
-            mx.async_eval(self._next_tokens, token_context, step.arrays)
+                kept[row] = RowLogprobs(step, i, k)
+            mx.async_eval(sampled, token_context, step.arrays)
         else:
-            mx.async_eval(self._next_tokens, token_context)
+            mx.async_eval(sampled, token_context)
 
         if tokens is None:
             tokens = self._read(inputs)

@@ -22,17 +22,17 @@ def account(
     responses: list[Any] = []
     keep: list[int] = []
     for i, uid in enumerate(self.uids):
-        if self._num_tokens[i] == 0:  # its first token is never in its cache yet
+        if self.generated[i] == 0:  # its first token is never in its cache yet
             self._prompt_len[uid] = len(self.tokens[i])
         spec = self.spec_rows.get(uid) if self.spec_rows else None
         finish = None
         for token, lp in zip(handed[i], logprobs[i], strict=True):
-            self._num_tokens[i] += 1
+            self.generated[i] += 1
             if spec is not None:
                 spec.history.append(token)
-            if self._num_tokens[i] >= self.max_tokens[i]:
+            if self.generated[i] >= self.max_tokens[i]:
                 finish = "length"
-            if self._matchers[i].advance(token):
+            if self.stop_matchers[i].advance(token):
                 finish = "stop"
             if finish is None:
                 responses.append(self.Response(uid, token, lp, None, None, None))
@@ -55,7 +55,7 @@ def _leaving(self: DecodeBatch, i: int) -> tuple[list[Any], list[int]]:
         self.tokens[i].append(int(verify.first.item()))
     uid = self.uids[i]
     tokens = self.tokens[i]
-    keep = self._prompt_len.pop(uid, 0) + self._num_tokens[i]
+    keep = self._prompt_len.pop(uid, 0) + self.generated[i]
     self._backlog.pop(uid, None)
     surplus = len(tokens) - keep
     cache = self.extract_cache(i)

@@ -31,9 +31,9 @@ def may_speculate(self: DecodeBatch) -> bool:
     if len(self.uids) != 1 or not self.spec_rows:
         return False
     spec = self.spec_rows.get(self.uids[0])
-    if spec is None or not spec.enabled or self._num_tokens[0] == 0:
+    if spec is None or not spec.enabled or self.generated[0] == 0:
         return False
-    if self.max_tokens[0] - self._num_tokens[0] < 3:
+    if self.max_tokens[0] - self.generated[0] < 3:
         return False
     if self._trimmable is None:
         self._trimmable = all(c.is_trimmable() for c in self.prompt_cache)
@@ -52,29 +52,29 @@ def speculate(self: DecodeBatch) -> list[Any] | None:
     self._launch_deferred()
     if spec.constrained:
         # The proposal must go through the grammar first: wait for the token.
-        pending = int(self._next_tokens.item())
-        responses = handout.account(self, [[pending]], [self._next_logprobs[:1]])
+        pending = int(self.next_tokens.item())
+        responses = handout.account(self, [[pending]], [self.next_logprobs[:1]])
         if self.uids:
             launch_after(self, spec, pending)
         return responses
     # The token is still being computed: propose after the model's likely choice
     # (the source's guess), verified with it, so this step need not wait for it.
-    budget = self.max_tokens[0] - self._num_tokens[0] - 2
+    budget = self.max_tokens[0] - self.generated[0] - 2
     got = spec.propose(budget, guess=True)
     if got is None:
         return None
     state, proposal = got
-    first = self._next_tokens
+    first = self.next_tokens
     rest = proposal[1:]
     verify = Verification(spec, state, first, _as_array(rest), len(rest),
                           _wanted(self))
     verify.launch(self.model, self.prompt_cache, None)
     self._verify = verify
-    return handout.account(self, [[int(first.item())]], [self._next_logprobs[:1]])
+    return handout.account(self, [[int(first.item())]], [self.next_logprobs[:1]])
 
 def launch_after(self: DecodeBatch, spec: RowSpec, pending: int) -> None:
     """Feed ``pending`` (handed out, not yet in the cache) with a proposal, or alone."""
-    budget = self.max_tokens[0] - self._num_tokens[0] - 1
+    budget = self.max_tokens[0] - self.generated[0] - 1
     got = spec.propose(budget, guess=False) if budget > 0 else None
     if got is not None:
         state, proposal = got

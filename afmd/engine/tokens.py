@@ -29,7 +29,7 @@ class TokenTable:
         self._tokenizer = tokenizer
         # mlx-lm picks the detokenizer by the tokenizer's decoder; its class says how a
         # token's piece maps to bytes (named, so this module needs no mlx-lm import).
-        kind = type(getattr(tokenizer, "_detokenizer", None)).__name__
+        kind = type(getattr(tokenizer, "detokenizer", None)).__name__
         self._kind = {"BPEStreamingDetokenizer": "bpe", "SPMStreamingDetokenizer": "spm"}.get(
             kind, "decode")
         self._bytes: dict[int, bytes] = {}
