@@ -15,14 +15,13 @@ import logging
 import time
 
 from afmd.config import BUILTIN_DEMO_PATH, Config, ModelEntry
-from afmd.engine import budget
 from afmd.engine.apple import framework
 from afmd.engine.catalog import ModelCatalog
 from afmd.engine.kinds import CHAT
 from afmd.engine.loaded import LoadedModel
 from afmd.engine.loading import load_sync
 from afmd.engine.loads import LoadCounts, Loads
-from afmd.engine.residency import Lease, Residency, Usage
+from afmd.engine.residency import Lease, Residency, Usage, effective_budget, format_bytes
 from afmd.errors import ServiceUnavailableError
 
 log = logging.getLogger("afmd.engine")
@@ -41,7 +40,7 @@ class ModelRegistry:
         self._config = config
         self.counts = LoadCounts()
         self.residency = Residency(
-            budget.effective_budget(config.models.memory_budget_bytes),
+            effective_budget(config.models.memory_budget_bytes),
             config.models.max_loaded,
             on_unload=self.counts.unloaded,
         )
@@ -201,7 +200,7 @@ class ModelRegistry:
         demand."""
         models = self._config.models
         log.info("model memory budget: %s, at most %d models loaded",
-                 budget.format_bytes(self.residency.budget), models.max_loaded)
+                 format_bytes(self.residency.budget), models.max_loaded)
         default = self._config.resolve_model(None)
         wanted = [e for e in models.model if models.preloads(e)]
         wanted.sort(key=lambda e: e is not default)
