@@ -2,10 +2,15 @@
 
 A request for a model that is not loaded starts its load and waits for it within its
 deadline (then 503 ``busy``: it is still loading). The registry is the one face the rest of
-afmd sees; behind it, names and kinds are :mod:`afmd.engine.catalog`'s, loads and their
-outcomes :mod:`afmd.engine.loads`'s, which models stay loaded within the memory budget
-:mod:`afmd.engine.residency`'s. The handle itself is :mod:`afmd.engine.loaded`'s, the load
-:mod:`afmd.engine.loading`'s.
+afmd sees, and owns which configured model a request names and which kind of model it is;
+loads and their outcomes are :mod:`afmd.engine.loads`'s, which models stay loaded within
+the memory budget :mod:`afmd.engine.residency`'s. The handle itself is
+:mod:`afmd.engine.loaded`'s, the load :mod:`afmd.engine.loading`'s.
+
+A request for a model of the wrong kind is refused before a load that may take minutes, so
+a model not loaded yet has its kind read from its folder (once: reading it costs disk
+I/O); once loaded the model's own word wins, since a download may tell more than the folder
+did, and after an unload the folder is read again.
 """
 
 from __future__ import annotations
@@ -14,15 +19,16 @@ import asyncio
 import logging
 import time
 
-from afmd.config import BUILTIN_DEMO_PATH, Config, ModelEntry
+from afmd import hubcache
+from afmd.config import Config, ModelEntry
+from afmd.engine import kinds
 from afmd.engine.apple import framework
-from afmd.engine.catalog import ModelCatalog
-from afmd.engine.kinds import CHAT
+from afmd.engine.kinds import CHAT, EMBEDDING
 from afmd.engine.loaded import LoadedModel
 from afmd.engine.loading import load_sync
 from afmd.engine.loads import LoadCounts, Loads
 from afmd.engine.residency import Lease, Residency, Usage, effective_budget, format_bytes
-from afmd.errors import ServiceUnavailableError
+from afmd.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 
 log = logging.getLogger("afmd.engine")
 
@@ -45,28 +51,82 @@ class ModelRegistry:
             on_unload=self.counts.unloaded,
         )
         self._loaded = self.residency.loaded  # one dict: the residency adds and removes
-        self._catalog = ModelCatalog(config, self._loaded)
+        self._kinds: dict[str, str] = {}  # read from disk once per model until it loads
+        self._repos: dict[str, ModelEntry] = {}  # downloaded models named by repo id
         self._loads = Loads(config, self.residency, self.counts, load=_load_sync,
-                            on_loaded=self._catalog.forget_kind)
+                            on_loaded=self.forget_kind)
 
     @property
     def config(self) -> Config:
         return self._config
 
+    # -- which configured model a request names, and its kind --
     def resolve(self, name: str | None) -> ModelEntry:
-        return self._catalog.resolve(name)
+        entry = self._config.resolve_model(name)
+        if entry is None and name is not None:
+            # Ollama's clients name a model's default tag (``demo:latest``); a model pulled
+            # into the Hugging Face cache serves under its repo id without configuring it.
+            base = name.removesuffix(":latest")
+            entry = self._config.resolve_model(base) if base != name else None
+            entry = entry or self._downloaded(base)
+        if entry is None:
+            raise NotFoundError(
+                f"The model '{name}' does not exist. Available models: "
+                + ", ".join(self.listed_ids())
+                + ".",
+                code="model_not_found",
+                param="model",
+            )
+        return entry
 
-    def kind_of(self, entry: ModelEntry) -> str:
-        return self._catalog.kind_of(entry)
-
-    def default_for(self, kind: str) -> ModelEntry | None:
-        return self._catalog.default_for(kind)
-
-    def check_kind(self, entry: ModelEntry, kind: str, actual: str | None = None) -> None:
-        self._catalog.check_kind(entry, kind, actual)
+    def _downloaded(self, repo: str) -> ModelEntry | None:
+        """The entry a complete download of ``repo`` serves under (one per repo, so that
+        its loads and leases are one model's)."""
+        entry = self._repos.get(repo)
+        if entry is None and hubcache.REPO_ID.match(repo) and hubcache.complete_snapshot(repo):
+            entry = self._repos[repo] = ModelEntry(id=repo, path=repo)
+        return entry
 
     def listed_ids(self) -> list[str]:
-        return self._catalog.listed_ids()
+        return [*self._config.model_ids(), *self._config.models.aliases]
+
+    def kind_of(self, entry: ModelEntry) -> str:
+        """``chat`` or ``embedding``: the loaded model's, else what its folder says."""
+        loaded = self._loaded.get(entry.id)
+        if loaded is not None:
+            return loaded.kind
+        kind = self._kinds.get(entry.id)
+        if kind is None:
+            kind = self._kinds[entry.id] = kinds.declared_kind(entry)
+        return kind
+
+    def forget_kind(self, model_id: str) -> None:
+        """A load has told the model's kind; after an unload its folder is read again."""
+        self._kinds.pop(model_id, None)
+
+    def default_for(self, kind: str) -> ModelEntry | None:
+        """The model a request of ``kind`` that names none gets: the default model when it
+        is of that kind, else the first configured one that is."""
+        default = self._config.resolve_model(None)
+        if default is not None and self.kind_of(default) == kind:
+            return default
+        return next((e for e in self._config.models.model if self.kind_of(e) == kind), None)
+
+    def check_kind(self, entry: ModelEntry, kind: str, actual: str | None = None) -> None:
+        """400 ``invalid_model_kind`` unless ``entry`` serves ``kind``."""
+        actual = actual or self.kind_of(entry)
+        if actual == kind:
+            return
+        serves = "/v1/embeddings" if actual == EMBEDDING else "chat and completions"
+        wanted = "embeddings" if kind == EMBEDDING else "chat or completions"
+        raise InvalidRequestError(
+            f"The model '{entry.id}' is {_article(actual)} {actual} model: it serves "
+            f"{serves}, not {wanted}. Use {_article(kind)} {kind} model.",
+            code="invalid_model_kind",
+            param="model",
+        )
+
+    # -- loads and residency --
 
     def status(self) -> dict[str, str]:
         status = self._loads.status()
@@ -175,9 +235,9 @@ class ModelRegistry:
                 loaded = self._loaded.get(entry.id)
                 if loaded is not None:
                     # (again: a download may have told more than the folder did)
-                    self._catalog.check_kind(entry, kind, loaded.kind)
+                    self.check_kind(entry, kind, loaded.kind)
                     return residency.hold(loaded, keep_alive)
-                self._catalog.check_kind(entry, kind)
+                self.check_kind(entry, kind)
                 await self._loads.wait(entry, deadline)
         finally:
             residency.waiting[entry.id] -= 1
@@ -225,4 +285,9 @@ class ModelRegistry:
         self._loads.close()
 
 
-__all__ = ["BUILTIN_DEMO_PATH", "LoadCounts", "LoadedModel", "ModelRegistry"]
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
+
+
+
+__all__ = ["ModelRegistry"]
