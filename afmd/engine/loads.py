@@ -95,10 +95,14 @@ class Loads:
         return self._failed.get(model_id)
 
     def was_loaded(self, model_id: str) -> bool:
+        """Whether the model has been loaded since the server started (maybe unloaded
+        since: it loads again on demand)."""
         return model_id in self._ever_loaded
 
     # -- withdrawn models --
     def withdraw(self, model_id: str, reason: str) -> None:
+        """From now on, requests for ``model_id`` are 503 ``model_unavailable`` (its
+        load no longer retried): the process is about to exit for a restart."""
         self._withdrawn[model_id] = reason
 
     def refuse_withdrawn(self, entry: ModelEntry) -> None:

@@ -27,7 +27,7 @@ from afmd.engine.kinds import CHAT, EMBEDDING
 from afmd.engine.loaded import LoadedModel
 from afmd.engine.loading import load_sync
 from afmd.engine.loads import LoadCounts, Loads
-from afmd.engine.residency import Lease, Residency, Usage, effective_budget, format_bytes
+from afmd.engine.residency import Lease, Residency, effective_budget, format_bytes
 from afmd.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 
 log = logging.getLogger("afmd.engine")
@@ -53,8 +53,10 @@ class ModelRegistry:
         self._loaded = self.residency.loaded  # one dict: the residency adds and removes
         self._kinds: dict[str, str] = {}  # read from disk once per model until it loads
         self._repos: dict[str, ModelEntry] = {}  # downloaded models named by repo id
-        self._loads = Loads(config, self.residency, self.counts, load=_load_sync,
-                            on_loaded=self.forget_kind)
+        #: The loads under way and how each model's last one ended (``is_loading``,
+        #: ``was_loaded``, ``withdraw``); which models stay loaded is :attr:`residency`'s.
+        self.loads = Loads(config, self.residency, self.counts, load=_load_sync,
+                           on_loaded=self.forget_kind)
 
     @property
     def config(self) -> Config:
@@ -129,7 +131,7 @@ class ModelRegistry:
     # -- loads and residency --
 
     def status(self) -> dict[str, str]:
-        status = self._loads.status()
+        status = self.loads.status()
         for entry in self._config.models.model:
             found = self.availability(entry)
             if found is not None:
@@ -154,33 +156,12 @@ class ModelRegistry:
     def is_ready(self, model_id: str) -> bool:
         return model_id in self._loaded
 
-    def is_loading(self, model_id: str) -> bool:
-        return self._loads.is_loading(model_id)
-
     def failure(self, model_id: str) -> str | None:
         entry = self._config.resolve_model(model_id)
         if entry is not None and framework.is_system(entry):
             # The framework's answer now, not how an earlier load ended: it may be ready now.
             return self.unavailable_reason(model_id)
-        return self._loads.failure(model_id)
-
-    def was_loaded(self, model_id: str) -> bool:
-        """Whether the model has been loaded since the server started (maybe unloaded
-        since: it loads again on demand)."""
-        return self._loads.was_loaded(model_id)
-
-    def usage(self, model_id: str) -> Usage | None:
-        """A loaded model's memory, requests and idle time (None: not loaded)."""
-        return self.residency.usage(model_id)
-
-    def queued(self, model_id: str) -> int:
-        """Requests waiting for the model to load."""
-        return self.residency.waiting[model_id]
-
-    def withdraw(self, model_id: str, reason: str) -> None:
-        """From now on, requests for ``model_id`` are 503 ``model_unavailable`` (its
-        load no longer retried): the process is about to exit for a restart."""
-        self._loads.withdraw(model_id, reason)
+        return self.loads.failure(model_id)
 
     def begin_load(
         self, entry: ModelEntry, deadline: float | None = None, *, evict: bool = True
@@ -192,7 +173,7 @@ class ModelRegistry:
         found = self.availability(entry)
         if found is not None and found.reason is not None:
             raise framework.unavailable_error(entry.id, found)
-        return self._loads.begin(entry, deadline, evict=evict)
+        return self.loads.begin(entry, deadline, evict=evict)
 
     async def unload(self, model_id: str, reason: str = "unloaded on request") -> bool:
         """Unload an idle model now (the dashboard's unload); False: it was not loaded.
@@ -225,7 +206,7 @@ class ModelRegistry:
         if keep_alive is None:
             keep_alive = self._config.models.keep_alive_of(entry)
         residency = self.residency
-        self._loads.refuse_withdrawn(entry)
+        self.loads.refuse_withdrawn(entry)
         found = self.availability(entry)
         if found is not None and found.reason is not None:
             raise framework.unavailable_error(entry.id, found)
@@ -238,7 +219,7 @@ class ModelRegistry:
                     self.check_kind(entry, kind, loaded.kind)
                     return residency.hold(loaded, keep_alive)
                 self.check_kind(entry, kind)
-                await self._loads.wait(entry, deadline)
+                await self.loads.wait(entry, deadline)
         finally:
             residency.waiting[entry.id] -= 1
             if not residency.waiting[entry.id]:
@@ -282,7 +263,7 @@ class ModelRegistry:
                 loaded.worker.stop()
             if loaded.embedder is not None:
                 loaded.embedder.stop()
-        self._loads.close()
+        self.loads.close()
 
 
 def _article(word: str) -> str:
