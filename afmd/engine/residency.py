@@ -150,7 +150,7 @@ class Lease:
     model: LoadedModel
     #: Seconds the model stays loaded once idle, if this is the last request to release it.
     keep_alive: float
-    _owner: Leases | None  # None: a model no registry manages (tests, tools)
+    _owner: Residency | None  # None: a model no registry manages (tests, tools)
     #: The request's scheduler ticket once it has one: holding a slot is being active.
     ticket: Slot | None = None
     released: bool = False
@@ -206,100 +206,6 @@ class Resident:
         self.timer = None
         self.expires_at = self.expires_wall = None
         self.clock = False
-
-
-class Leases:
-    """The loaded models' leases and clocks; ``unload`` is called when a clock runs out."""
-
-    def __init__(
-        self, unload: Callable[[Resident, str], object], changed: Callable[[], None]
-    ) -> None:
-        self.residents: dict[str, Resident] = {}
-        #: Requests waiting for a model's load, per model id: they make it busy.
-        self.waiting: Counter[str] = Counter()
-        self._unload = unload
-        self._changed = changed  # a model may have become idle: loads waiting for room look
-        self.closed = False
-
-    def add(self, model: LoadedModel, keep_alive: float) -> None:
-        self.residents[model.id] = Resident(model, keep_alive)
-
-    def hold(self, model: LoadedModel, keep_alive: float) -> Lease:
-        resident = self.residents[model.id]
-        resident.stop_clock()
-        resident.since = time.monotonic()
-        model.touch()
-        lease = Lease(model, keep_alive, self)
-        resident.leases.add(lease)
-        return lease
-
-    def release(self, lease: Lease) -> None:
-        if lease.released:
-            return
-        lease.released = True
-        resident = self.residents.get(lease.model.id)
-        if resident is None or lease not in resident.leases:
-            return  # unloaded meanwhile (the server is stopping)
-        resident.leases.discard(lease)
-        resident.keep_alive = lease.keep_alive
-        resident.since = time.monotonic()
-        lease.model.touch()
-        self.settle(lease.model.id)
-
-    def busy(self, model_id: str) -> bool:
-        resident = self.residents.get(model_id)
-        return bool(self.waiting[model_id] or (resident is not None and resident.leases))
-
-    def settle(self, model_id: str) -> None:
-        """Start an idle model's keep-alive (once nothing holds it or waits for it)."""
-        resident = self.residents.get(model_id)
-        if resident is None or resident.clock or self.busy(model_id) or self.closed:
-            return
-        resident.clock = True
-        # A shard of a launched group stays: its other ranks cannot load it again alone.
-        keep = -1.0 if getattr(resident.model, "shard", None) else resident.keep_alive
-        if keep == 0:
-            self._unload(resident, "keep_alive 0")
-        elif keep > 0:
-            resident.expire_in(keep, self._expire)
-        self._changed()
-
-    def _expire(self, resident: Resident) -> None:
-        if self.closed:
-            return
-        if self.residents.get(resident.model.id) is resident and resident.clock:
-            self._unload(resident, f"idle for keep_alive {resident.keep_alive:g}s")
-
-    def idle(self, keep: str | None = None) -> list[Resident]:
-        """The models that may be unloaded, least recently used first (a launched group's
-        shard never: its other ranks cannot load it again alone)."""
-        return sorted(
-            (r for r in self.residents.values()
-             if r.model.id != keep and not self.busy(r.model.id)
-             and getattr(r.model, "shard", None) is None),
-            key=lambda r: r.since,
-        )
-
-    def usage(self, model_id: str) -> Usage | None:
-        resident = self.residents.get(model_id)
-        if resident is None:
-            return None
-        active = sum(1 for lease in resident.leases if lease.active)
-        queued = len(resident.leases) - active + self.waiting[model_id]
-        busy = self.busy(model_id)
-        return Usage(
-            memory_bytes=resident.model.memory_bytes,
-            active=active,
-            queued=queued,
-            idle_since=None if busy else round(resident.model.last_used, 3),
-            expires_at=None if busy else resident.expires_wall,
-        )
-
-    def close(self) -> None:
-        """Safe from any thread: a timer that fires finds nothing to do."""
-        self.closed = True
-        for resident in self.residents.values():
-            resident.clock = False
 
 
 # ------------------------------------------------------------------------------ unloading
@@ -419,9 +325,12 @@ class Residency:
         self.max_loaded = max_loaded
         self.loaded: dict[str, LoadedModel] = {}
         self._changes = Changes()
-        self._leases = Leases(self._unload, self._changes.pulse)
+        #: The loaded models' leases and keep-alive clocks.
+        self.residents: dict[str, Resident] = {}
         #: Requests waiting for a model's load, per model id: they make it busy.
-        self.waiting = self._leases.waiting
+        self.waiting: Counter[str] = Counter()
+        #: Closed (the server stops): no clock unloads anything any more.
+        self.closed = False
         self._unloads = Unloads(free or free_model, on_unload, self._changes.pulse)
         self._reserved: dict[str, int] = {}  # loads under way: bytes their weights will take
         self._wanted: dict[str, int] = {}  # loads waiting for room: their sizes
@@ -431,33 +340,84 @@ class Residency:
         """Blocking: run off the event loop."""
         return self._unloads.free
 
-    @property
-    def closed(self) -> bool:
-        return self._leases.closed
-
-    # -- leases (the keep-alive's) --
+    # -- leases and keep-alive --
     def hold(self, model: LoadedModel, keep_alive: float) -> Lease:
-        return self._leases.hold(model, keep_alive)
+        resident = self.residents[model.id]
+        resident.stop_clock()
+        resident.since = time.monotonic()
+        model.touch()
+        lease = Lease(model, keep_alive, self)
+        resident.leases.add(lease)
+        return lease
 
     def release(self, lease: Lease) -> None:
-        self._leases.release(lease)
+        if lease.released:
+            return
+        lease.released = True
+        resident = self.residents.get(lease.model.id)
+        if resident is None or lease not in resident.leases:
+            return  # unloaded meanwhile (the server is stopping)
+        resident.leases.discard(lease)
+        resident.keep_alive = lease.keep_alive
+        resident.since = time.monotonic()
+        lease.model.touch()
+        self.settle(lease.model.id)
 
     def busy(self, model_id: str) -> bool:
-        return self._leases.busy(model_id)
+        resident = self.residents.get(model_id)
+        return bool(self.waiting[model_id] or (resident is not None and resident.leases))
 
     def settle(self, model_id: str) -> None:
         """Start an idle model's keep-alive (once nothing holds it or waits for it)."""
-        self._leases.settle(model_id)
+        resident = self.residents.get(model_id)
+        if resident is None or resident.clock or self.busy(model_id) or self.closed:
+            return
+        resident.clock = True
+        # A shard of a launched group stays: its other ranks cannot load it again alone.
+        keep = -1.0 if getattr(resident.model, "shard", None) else resident.keep_alive
+        if keep == 0:
+            self._unload(resident, "keep_alive 0")
+        elif keep > 0:
+            resident.expire_in(keep, self._expire)
+        self._changes.pulse()
+
+    def _expire(self, resident: Resident) -> None:
+        if self.closed:
+            return
+        if self.residents.get(resident.model.id) is resident and resident.clock:
+            self._unload(resident, f"idle for keep_alive {resident.keep_alive:g}s")
+
+    def _idle(self, keep: str | None = None) -> list[Resident]:
+        """The models that may be unloaded, least recently used first (a launched group's
+        shard never: its other ranks cannot load it again alone)."""
+        return sorted(
+            (r for r in self.residents.values()
+             if r.model.id != keep and not self.busy(r.model.id)
+             and getattr(r.model, "shard", None) is None),
+            key=lambda r: r.since,
+        )
 
     def usage(self, model_id: str) -> Usage | None:
-        return self._leases.usage(model_id)
+        resident = self.residents.get(model_id)
+        if resident is None:
+            return None
+        active = sum(1 for lease in resident.leases if lease.active)
+        queued = len(resident.leases) - active + self.waiting[model_id]
+        busy = self.busy(model_id)
+        return Usage(
+            memory_bytes=resident.model.memory_bytes,
+            active=active,
+            queued=queued,
+            idle_since=None if busy else round(resident.model.last_used, 3),
+            expires_at=None if busy else resident.expires_wall,
+        )
 
     # -- loading and unloading --
     def admit(self, model: LoadedModel, keep_alive: float) -> None:
         """A load finished: ``model`` is loaded, idle until a request holds it."""
         self._reserved.pop(model.id, None)
         self.loaded[model.id] = model
-        self._leases.add(model, keep_alive)
+        self.residents[model.id] = Resident(model, keep_alive)
         self.settle(model.id)
         self._trim(keep=model.id)
 
@@ -482,7 +442,7 @@ class Residency:
         over_count = self._count() + extra - self.max_loaded
         over_bytes = self.used_bytes() + size - self.budget
         victims: list[Resident] = []
-        for resident in self._leases.idle(keep):
+        for resident in self._idle(keep):
             if over_count <= 0 and over_bytes <= 0:
                 break
             if resident.model.reads_conversation:
@@ -533,7 +493,7 @@ class Residency:
         """Unload ``model_id`` now, as its keep-alive would (None: it is not loaded).
         Refused with 409 while requests hold it or wait for it, and for a launched
         group's shard, which its other ranks cannot load again alone."""
-        resident = self._leases.residents.get(model_id)
+        resident = self.residents.get(model_id)
         if resident is None:
             return None
         if getattr(resident.model, "shard", None) is not None:
@@ -541,7 +501,7 @@ class Residency:
                 f"The model '{model_id}' is sharded over a launched group and stays loaded "
                 "while the group runs.", code="model_busy", param="model")
         if self.busy(model_id):
-            usage = self._leases.usage(model_id)
+            usage = self.usage(model_id)
             held = f"{usage.active} running, {usage.queued} queued" if usage else "waiting"
             raise ConflictError(
                 f"The model '{model_id}' is serving requests ({held}); unload it when it "
@@ -551,7 +511,7 @@ class Residency:
     def _unload(self, resident: Resident, reason: str) -> asyncio.Task[None]:
         model = resident.model
         resident.stop_clock()
-        del self._leases.residents[model.id]
+        del self.residents[model.id]
         del self.loaded[model.id]
         return self._unloads.start(model, reason)
 
@@ -571,7 +531,9 @@ class Residency:
     def close(self) -> list[LoadedModel]:
         """Stop every timer (safe from any thread: a timer that fires finds nothing); the
         models still loaded, for the caller to stop."""
-        self._leases.close()
+        self.closed = True
+        for resident in self.residents.values():
+            resident.clock = False
         return list(self.loaded.values())
 
 
