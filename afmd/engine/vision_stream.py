@@ -86,8 +86,8 @@ class VisionStream:
 def sampling(request: GenerationRequest) -> tuple[Any, list[Any]]:
     """The request's sampler and logits processors, as mlx-vlm's ``generate_step`` takes
     them."""
+    from afmd.engine.admission import make_sampler
     from afmd.engine.penalties import sampling_processors
-    from afmd.engine.worker import make_sampler
 
     processors = [*request.logits_processors,
                   *sampling_processors(request.sampling, request.max_tokens)]
