@@ -51,7 +51,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from afmd.config import BUILTIN_SYSTEM_PATH, ModelEntry
 from afmd.engine import kinds
@@ -59,6 +59,7 @@ from afmd.errors import ConflictError, ServiceUnavailableError
 
 if TYPE_CHECKING:
     from afmd.engine.loaded import LoadedModel
+    from afmd.scheduler import Ticket
 
 log = logging.getLogger("afmd.engine")
 
@@ -137,12 +138,6 @@ def format_bytes(count: int) -> str:
 # ------------------------------------------------------------------ leases and keep-alive
 
 
-class Slot(Protocol):
-    """A request's place with the scheduler (:class:`afmd.scheduler.Ticket`)."""
-
-    holds_slot: bool
-
-
 @dataclass(eq=False, slots=True)
 class Lease:
     """One request's hold on a loaded model; :meth:`release` once its response is over."""
@@ -152,7 +147,7 @@ class Lease:
     keep_alive: float
     _owner: Residency | None  # None: a model no registry manages (tests, tools)
     #: The request's scheduler ticket once it has one: holding a slot is being active.
-    ticket: Slot | None = None
+    ticket: Ticket | None = None
     released: bool = False
 
     @classmethod
@@ -171,7 +166,7 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True)
-class Usage:
+class ModelUsage:
     """A loaded model's numbers for ``/health`` and ``afmd ps``. Times are instants (Unix
     time), so that two answers with nothing changed in between are the same bytes."""
 
@@ -397,14 +392,14 @@ class Residency:
             key=lambda r: r.since,
         )
 
-    def usage(self, model_id: str) -> Usage | None:
+    def usage(self, model_id: str) -> ModelUsage | None:
         resident = self.residents.get(model_id)
         if resident is None:
             return None
         active = sum(1 for lease in resident.leases if lease.active)
         queued = len(resident.leases) - active + self.waiting[model_id]
         busy = self.busy(model_id)
-        return Usage(
+        return ModelUsage(
             memory_bytes=resident.model.memory_bytes,
             active=active,
             queued=queued,
@@ -552,9 +547,8 @@ __all__ = [
     "DEFAULT_FRACTION",
     "RETRY_AFTER_S",
     "Lease",
+    "ModelUsage",
     "Residency",
-    "Slot",
-    "Usage",
     "effective_budget",
     "format_bytes",
     "free_model",
