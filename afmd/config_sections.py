@@ -77,7 +77,7 @@ class ModelsConfig:
 
     default: str = DEMO_MODEL_ID
     # Bytes the loaded models may take together (weights and KV caches, measured); 0: a
-    # share of physical memory, 60 % on macOS and 50 % on Linux (afmd/engine/budget.py).
+    # share of physical memory, 60 % on macOS and 50 % on Linux (afmd/engine/residency.py).
     memory_budget_bytes: int = field(default=0, metadata=at_least(0))
     # Models loaded at once; one more unloads the least recently used idle one first.
     max_loaded: int = field(default=3, metadata=at_least(1))

@@ -31,7 +31,7 @@ from afmd.engine.base import (
     GenerationRequest,
     SamplingParams,
     Text,
-    TokenLogprob,
+    TokenIdLogprob,
 )
 from afmd.engine.layout import TransposedLinear, relayout_for_cpu
 from afmd.engine.verify_head import DeviceHead, HostHead, VerifyHead
@@ -199,7 +199,7 @@ def _request(prompt: list[int], n: int, **extra: Any) -> GenerationRequest:
     return GenerationRequest(f"r{time.monotonic_ns()}", prompt, n, sampling=GREEDY, **extra)
 
 
-def _entries(events: list[Any]) -> list[TokenLogprob]:
+def _entries(events: list[Any]) -> list[TokenIdLogprob]:
     return [e.logprobs[0] for e in events if isinstance(e, Text) and e.logprobs]
 
 

@@ -22,9 +22,9 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_logits_processors
 
 from afmd.engine import demo
+from afmd.engine.admission import make_sampler
 from afmd.engine.base import Generation, GenerationRequest, SamplingParams, Text
 from afmd.engine.decode import DecodeBatch
-from afmd.engine.worker import make_sampler
 from afmd.grammar.compiler import json_schema_grammar, llg_tokenizer
 from afmd.grammar.processor import BanTokens, GrammarProcessor, MaskBuilder
 

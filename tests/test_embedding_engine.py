@@ -106,7 +106,7 @@ def test_wrong_kind_is_refused_before_any_load(tmp_path: Path) -> None:
     assert "'emb' is an embedding model" in chat.message
     embed = asyncio.run(ask("demo", EMBEDDING))
     assert "'demo' is a chat model" in embed.message
-    assert not registry.is_loading("emb") and not registry.is_ready("emb")
+    assert not registry.loads.is_loading("emb") and not registry.is_ready("emb")
     assert registry.default_for(EMBEDDING) == registry.resolve("emb")
 
 

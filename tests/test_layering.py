@@ -307,6 +307,50 @@ def test_heavy_imports_are_confined() -> None:
             assert matches(module, "afmd.engine.*") or matches(module, "afmd.grammar.*"), module
 
 
+def import_circles(root: Path) -> list[list[str]]:
+    """Groups of afmd modules that import one another, directly or around a loop, counting
+    every import (inside functions and ``TYPE_CHECKING`` blocks too): each is one concept
+    split in two, or a piece that belongs lower."""
+    modules = discover(root)
+    known = set(modules)
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        found = imports_of(path.read_text(encoding="utf-8"), module,
+                           path.name == "__init__.py", known)
+        graph[module] = {t for t in (_owner(i.target, known) for i in found)
+                         if t in known and t != module}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            group = [stack.pop()]
+            while group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return circles
+
+
+def test_no_import_circles() -> None:
+    circles = import_circles(PACKAGE_DIR)
+    assert not circles, "modules importing one another:\n" + "\n".join(map(str, circles))
+
+
 # ---------------------------------------------------------------------------- the checker
 
 
@@ -371,3 +415,15 @@ def test_checker_accepts_a_clean_tree(tmp_path: Path) -> None:
 def test_checker_catches_violations(tmp_path: Path, files: dict[str, str], needle: str) -> None:
     problems = check(_tree(tmp_path, files))
     assert any(needle in p for p in problems), problems
+
+
+def test_circles_are_found_however_imported(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "engine/__init__.py": "",
+        "engine/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                       "    from afmd.engine.b import B\n",
+        "engine/b.py": "def f():\n    from afmd.engine import c\n",
+        "engine/c.py": "from . import a\n",
+        "engine/d.py": "from afmd.engine import a\n",
+    })
+    assert import_circles(root) == [["afmd.engine.a", "afmd.engine.b", "afmd.engine.c"]]

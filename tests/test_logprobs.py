@@ -26,7 +26,7 @@ from afmd.engine.base import (
     PromptLogprobs,
     SamplingParams,
     Text,
-    TokenLogprob,
+    TokenIdLogprob,
 )
 from afmd.engine.detokenize import ExactDetokenizer
 from afmd.engine.tokens import TokenTable, token_text
@@ -75,7 +75,7 @@ def reference(model: Any, ids: list[int]) -> np.ndarray:
     return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
-def entries(events: list[Any]) -> list[TokenLogprob]:
+def entries(events: list[Any]) -> list[TokenIdLogprob]:
     out = [e.logprobs for e in events if isinstance(e, Text) and e.logprobs]
     assert all(len(e) == 1 for e in out), "one token per event when logprobs are asked"
     return [e[0] for e in out]
@@ -85,7 +85,7 @@ def text_of(events: list[Any]) -> str:
     return "".join(e.text for e in events if isinstance(e, Text))
 
 
-def assert_matches(lp: np.ndarray, position: int, entry: TokenLogprob, k: int) -> None:
+def assert_matches(lp: np.ndarray, position: int, entry: TokenIdLogprob, k: int) -> None:
     row = lp[position]
     assert entry.logprob == pytest.approx(float(row[entry.token]), abs=TOLERANCE)
     assert_top_agrees(entry.top, row, k)

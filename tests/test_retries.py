@@ -324,7 +324,7 @@ def test_busy_while_a_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
             assert error.code == "busy"
             assert int(error.headers["Retry-After"]) >= 1
             assert "loading" in error.message
-            assert registry.is_loading("demo")
+            assert registry.loads.is_loading("demo")
             assert registry.status()["demo"] == "unavailable: loading"
         release.set()
         return await registry.get(entry)

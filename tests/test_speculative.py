@@ -34,7 +34,7 @@ from afmd.engine.base import (
     GenerationRequest,
     SamplingParams,
     Text,
-    TokenLogprob,
+    TokenIdLogprob,
 )
 from afmd.engine.decode import DecodeBatch
 from afmd.engine.draft import DraftMismatch, load_draft
@@ -176,7 +176,7 @@ class Run:
     def stats(self) -> dict[str, dict[str, int]]:
         return self.spec.stats() if self.spec is not None else {}
 
-    def numbers(self, k: int, uid: int | None = None) -> list[TokenLogprob]:
+    def numbers(self, k: int, uid: int | None = None) -> list[TokenIdLogprob]:
         """The row's log-probabilities, as the worker resolves them token by token."""
         uid = self.uid if uid is None else uid
         return [logprobs.resolve(e, t, k)
@@ -542,7 +542,7 @@ def _reference(model: Any, ids: list[int]) -> np.ndarray:
     return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
-def _assert_numbers(got: list[TokenLogprob], want: list[np.ndarray], k: int) -> None:
+def _assert_numbers(got: list[TokenIdLogprob], want: list[np.ndarray], k: int) -> None:
     """Each token's numbers within the device's tolerance of ``want`` (its position's
     row), the alternatives in the same order (tests/helpers/numerics.py)."""
     assert len(got) == len(want)

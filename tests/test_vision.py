@@ -80,9 +80,9 @@ def png_header_only(width: int, height: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def vision_folder() -> Path:
-    from afmd.engine import demo_vision
+    from afmd.engine import demo
 
-    return demo_vision.materialize()  # the server (same AFMD_CACHE_DIR) reuses it
+    return demo.materialize("demo-vision")  # the server (same AFMD_CACHE_DIR) reuses it
 
 
 @pytest.fixture(scope="module")

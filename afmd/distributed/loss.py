@@ -71,7 +71,7 @@ class GroupLoss:
         group.close()
         default = server.config.resolve_model(None)
         if default is not None:
-            server.registry.withdraw(default.id, str(lost))
+            server.registry.loads.withdraw(default.id, str(lost))
         error = ServiceUnavailableError(
             f"The model is unavailable: {lost} ({detail}). The server is restarting; "
             "retry shortly.",

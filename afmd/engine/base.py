@@ -91,8 +91,10 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """One token's log-probability and the most likely tokens at its position."""
+class TokenIdLogprob:
+    """One token's log-probability and the most likely tokens at its position, as ids: what
+    the engine computes, before :mod:`afmd.engine.tokens` describes each token as text and
+    bytes (:class:`afmd.core.events.TokenLogprob`)."""
 
     token: int
     logprob: float | None  # None: a prompt's first token, which nothing predicts
@@ -109,14 +111,14 @@ class Text:
 
     text: str
     tokens: int
-    logprobs: tuple[TokenLogprob, ...] = ()
+    logprobs: tuple[TokenIdLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class PromptLogprobs:
     """The prompt's own tokens with their log-probabilities (the first one's is None)."""
 
-    tokens: tuple[TokenLogprob, ...]
+    tokens: tuple[TokenIdLogprob, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,10 @@
 """afmd's decode step for mlx-lm's batched generation.
 
-mlx-lm's ``GenerationBatch._step`` is right for a generic library and slower than it needs
-to be for a server; this subclass changes only the step, keeping its bookkeeping (insert,
-extend, filter, stop matching) as is. Outputs are token-for-token those of the per-row
-processors it replaces. What it changes, as measured by bench/run.py:
+mlx-lm's decode step (``GenerationBatch._step``) is right for a generic library and slower
+than it needs to be for a server; this subclass (through :mod:`afmd.engine.mlx_compat`)
+changes only the step, keeping its bookkeeping (insert, extend, filter, stop matching) as
+is. Outputs are token-for-token those of the per-row processors it replaces. What it
+changes, as measured by bench/run.py:
 
 - **Constrained rows are masked together.** mlx-lm slices every row that has a logits
   processor out of the batch, runs its processors and concatenates the rows back, and our
@@ -41,21 +42,29 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch, greedy_sampler
+from mlx_lm.models.cache import trim_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
 
-from afmd.engine import handout, lone_row
 from afmd.engine.logprobs import RowLogprobs, step_logprobs
-from afmd.engine.speculative import RowSpec, Verification
+from afmd.engine.mlx_compat import GenerationRows
+from afmd.engine.speculative import (
+    RowSpec,
+    Verification,
+    accepted_count,
+    consume,
+    grammar_masks,
+    grammar_prefix,
+)
 from afmd.grammar.processor import MASKING, MaskBuilder
 
 _NEG_INF = float("-inf")
 
 
-class DecodeBatch(GenerationBatch):
+class DecodeBatch(GenerationRows):
     """The running batch of a ``BatchGenerator``, stepped by afmd's decode step."""
 
     _masks: MaskBuilder | None = None
-    # The tokens last handed out have not been fed to the model yet (see ``_step``).
+    # The tokens last handed out have not been fed to the model yet (see ``afmd_step``).
     _deferred = False
     #: uid -> alternatives wanted, for the rows that report log-probabilities. Each
     #: response's ``logprobs`` is then what :func:`afmd.engine.logprobs.resolve` reads.
@@ -77,12 +86,12 @@ class DecodeBatch(GenerationBatch):
     @classmethod
     def install(cls, generator: Any) -> DecodeBatch:
         """Replace a fresh ``BatchGenerator``'s (empty) running batch with ours."""
-        batch = cls.empty(generator.model, generator.sampler)
+        batch = cls.attach(generator)
+        assert isinstance(batch, DecodeBatch)
         batch.logprob_rows = {}
         batch.spec_rows = {}
         batch._backlog = {}
         batch._prompt_len = {}
-        generator._generation_batch = batch
         return batch
 
     def next(self) -> list[Any]:
@@ -90,11 +99,11 @@ class DecodeBatch(GenerationBatch):
         proposal held (mlx-lm's ``next`` with lists, and a finish inside one)."""
         if not self.uids:
             return []
-        if self._verify is not None or lone_row.may_speculate(self):
-            responses = lone_row.speculate(self)
+        if self._verify is not None or self._may_speculate():
+            responses = self._speculate()
             if responses is not None:
                 return responses
-        tokens, logprobs = self._step()
+        tokens, logprobs = self.afmd_step()
         handed = [[t] for t in tokens]
         extra = [list(logprobs[i : i + 1]) for i in range(len(tokens))]
         for i, uid in enumerate(self.uids):
@@ -102,28 +111,28 @@ class DecodeBatch(GenerationBatch):
             if backlog:
                 handed[i] = backlog[0] + handed[i]
                 extra[i] = backlog[1] + extra[i]
-        return handout.account(self, handed, extra)
+        return self._account(handed, extra)
 
-    def _step(self) -> tuple[list[int], list[Any]]:
+    def afmd_step(self) -> tuple[list[int], list[Any]]:
         self._launch_deferred()
-        self._current_tokens = inputs = self._next_tokens
-        # What was kept for these tokens when they were sampled (see ``_launch``).
-        self._current_logprobs = self._next_logprobs
-        if 0 in self._num_tokens:
+        # The logprobs are what was kept for these tokens when they were sampled (see
+        # ``_launch``).
+        inputs, logprobs = self.take_next()
+        if 0 in self.generated:
             # A row's first token: hand it out before building and starting the next
             # forward pass, which on MLX's CPU backend costs the calling thread a few ms.
             self._deferred = True
-            return self._read(inputs), self._current_logprobs
-        return self._launch(inputs), self._current_logprobs
+            return self._read(inputs), logprobs
+        return self._launch(inputs), logprobs
 
     def extend(self, batch: Any) -> None:
         # Joining rows come with their next tokens already computed; ours must be too.
         self._launch_deferred()
         if self._verify is not None:
-            accepted, pending, entries = lone_row.resolve(self)
+            accepted, pending, entries = self._resolve()
             self._backlog[self.uids[0]] = (accepted, entries[:-1])
-            self._next_tokens = mx.array([pending], dtype=mx.uint32)
-            self._next_logprobs = entries[-1:]
+            self.next_tokens = mx.array([pending], dtype=mx.uint32)
+            self.next_logprobs = entries[-1:]
         super().extend(batch)
 
     def filter(self, keep: list[int]) -> None:
@@ -131,7 +140,7 @@ class DecodeBatch(GenerationBatch):
             self._verify = None
         kept = {self.uids[i] for i in keep}
         for uid in self.uids:
-            if uid not in kept:  # cancelled rows leave without handout._leaving
+            if uid not in kept:  # cancelled rows leave without _leaving
                 self._prompt_len.pop(uid, None)
                 self._backlog.pop(uid, None)
         super().filter(keep)
@@ -141,7 +150,7 @@ class DecodeBatch(GenerationBatch):
     def _launch_deferred(self) -> None:
         if self._deferred:
             self._deferred = False
-            self._launch(self._next_tokens)
+            self._launch(self.next_tokens)
 
     def _launch(self, inputs: mx.array) -> list[int]:
         """Start the forward pass on ``inputs`` (this step's tokens, one per row).
@@ -170,22 +179,23 @@ class DecodeBatch(GenerationBatch):
         if others:  # e.g. repetition penalty: mlx-lm's row-by-row way, for those rows only
             rows = [logits[e : e + 1] for e in range(n)]
             for row, procs in others:
-                context = self._token_context[row].update_and_fetch(inputs[row : row + 1])
+                context = self.token_context(row).update_and_fetch(inputs[row : row + 1])
                 token_context.append(context)
                 for proc in procs:
                     rows[row] = proc(context, rows[row])
             logits = mx.concatenate(rows, axis=0)
 
-        self._next_tokens = self._sample(logits, n)
-        self._next_logprobs = [None] * n
+        self.next_tokens = sampled = self._sample(logits, n)
+        kept: list[Any] = [None] * n
+        self.next_logprobs = kept
         wants = self._logprob_wants()
         if wants:
-            step = step_logprobs(logits, self._next_tokens, wants)
+            step = step_logprobs(logits, sampled, wants)
             for i, (row, k) in enumerate(wants):
-                self._next_logprobs[row] = RowLogprobs(step, i, k)
-            mx.async_eval(self._next_tokens, token_context, step.arrays)
+                kept[row] = RowLogprobs(step, i, k)
+            mx.async_eval(sampled, token_context, step.arrays)
         else:
-            mx.async_eval(self._next_tokens, token_context)
+            mx.async_eval(sampled, token_context)
 
         if tokens is None:
             tokens = self._read(inputs)
@@ -209,6 +219,151 @@ class DecodeBatch(GenerationBatch):
 
     def _sample(self, logits: mx.array, n: int) -> mx.array:
         return sample_rows(self.samplers, logits, n)
+
+    # -- handing a step's tokens out: mlx-lm's responses, one per token, a row ending at
+    # its first finish (length, a stop sequence) with a KV cache and token list that agree;
+    # used by the plain step and by speculation, which hands out several tokens a step --
+    def _account(self, handed: list[list[int]], logprobs: list[list[Any]]) -> list[Any]:
+        """Responses for each row's tokens in order, ending a row at its first finish."""
+        responses: list[Any] = []
+        keep: list[int] = []
+        for i, uid in enumerate(self.uids):
+            if self.generated[i] == 0:  # its first token is never in its cache yet
+                self._prompt_len[uid] = len(self.tokens[i])
+            spec = self.spec_rows.get(uid) if self.spec_rows else None
+            finish = None
+            for token, lp in zip(handed[i], logprobs[i], strict=True):
+                self.generated[i] += 1
+                if spec is not None:
+                    spec.history.append(token)
+                if self.generated[i] >= self.max_tokens[i]:
+                    finish = "length"
+                if self.stop_matchers[i].advance(token):
+                    finish = "stop"
+                if finish is None:
+                    responses.append(self.Response(uid, token, lp, None, None, None))
+                    continue
+                cache, tokens = self._leaving(i)
+                responses.append(self.Response(uid, token, lp, finish, cache, tokens))
+                break
+            if finish is None:
+                keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+    def _leaving(self, i: int) -> tuple[list[Any], list[int]]:
+        """A finishing row's KV cache and tokens, cut back to the token it ended on (a
+        verification may have fed tokens past it)."""
+        if self._verify is not None:  # only a batch of one verifies: this row's pass
+            verify, self._verify = self._verify, None
+            trim_prompt_cache(self.prompt_cache, verify.k)
+            self.tokens[i].append(int(verify.first.item()))
+        uid = self.uids[i]
+        tokens = self.tokens[i]
+        keep = self._prompt_len.pop(uid, 0) + self.generated[i]
+        self._backlog.pop(uid, None)
+        surplus = len(tokens) - keep
+        cache = self.extract_cache(i)
+        if surplus > 0:
+            trim_prompt_cache(cache, surplus)
+            for c in cache:
+                if getattr(c, "keys", None) is not None and hasattr(c, "offset"):
+                    c.keys = c.keys[..., : c.offset, :]
+                    c.values = c.values[..., : c.offset, :]
+            tokens = tokens[:keep]
+        return cache, tokens
+
+    # -- speculation: a row decoding alone verifies proposed tokens (the pass in flight
+    # is ``_verify``, the tokens a settled pass accepted ``_backlog``) --
+    def _may_speculate(self) -> bool:
+        if len(self.uids) != 1 or not self.spec_rows:
+            return False
+        spec = self.spec_rows.get(self.uids[0])
+        if spec is None or not spec.enabled or self.generated[0] == 0:
+            return False
+        if self.max_tokens[0] - self.generated[0] < 3:
+            return False
+        if self._trimmable is None:
+            self._trimmable = all(c.is_trimmable() for c in self.prompt_cache)
+        return self._trimmable
+
+    def _speculate(self) -> list[Any] | None:
+        """One step of the lone row: settle the pass in flight (hand out what held), then
+        start the next; ``None``: nothing to propose, take the plain step."""
+        spec = self.spec_rows[self.uids[0]]
+        if self._verify is not None:
+            accepted, pending, entries = self._resolve()
+            responses = self._account([[*accepted, pending]], [entries])
+            if self.uids:
+                self._launch_after(spec, pending)
+            return responses
+        self._launch_deferred()
+        if spec.constrained:
+            # The proposal must go through the grammar first: wait for the token.
+            pending = int(self.next_tokens.item())
+            responses = self._account([[pending]], [self.next_logprobs[:1]])
+            if self.uids:
+                self._launch_after(spec, pending)
+            return responses
+        # The token is still being computed: propose after the model's likely choice
+        # (the source's guess), verified with it, so this step need not wait for it.
+        budget = self.max_tokens[0] - self.generated[0] - 2
+        got = spec.propose(budget, guess=True)
+        if got is None:
+            return None
+        state, proposal = got
+        first = self.next_tokens
+        rest = proposal[1:]
+        verify = Verification(spec, state, first, _as_array(rest), len(rest), self._wanted())
+        verify.launch(self.model, self.prompt_cache, None)
+        self._verify = verify
+        return self._account([[int(first.item())]], [self.next_logprobs[:1]])
+
+    def _launch_after(self, spec: RowSpec, pending: int) -> None:
+        """Feed ``pending`` (handed out, not yet in the cache) with a proposal, or alone."""
+        budget = self.max_tokens[0] - self.generated[0] - 1
+        got = spec.propose(budget, guess=False) if budget > 0 else None
+        if got is not None:
+            state, proposal = got
+            mask = None
+            if spec.constrained:
+                proposal = _as_list(proposal)
+                proposal = proposal[: grammar_prefix(spec.processors, pending, proposal)]
+                if proposal:
+                    mask = grammar_masks(spec.processors, pending, proposal,
+                                         int(self.model.args.vocab_size))
+            if len(proposal):
+                first = mx.array([pending], dtype=mx.uint32)
+                verify = Verification(spec, state, first, _as_array(proposal), len(proposal),
+                                      self._wanted())
+                verify.launch(self.model, self.prompt_cache, mask)
+                self._verify = verify
+                return
+        self._launch(mx.array([pending], dtype=mx.uint32))
+
+    def _resolve(self) -> tuple[list[int], int, list[Any]]:
+        """Wait for the pass in flight: the proposed tokens that held (now in the cache),
+        the model's token after them (not yet in it), and what resolves the
+        log-probabilities of each of those tokens."""
+        verify, self._verify = self._verify, None
+        assert verify is not None
+        started = time.perf_counter()
+        proposal, targets = verify.resolve()
+        self.waited += time.perf_counter() - started
+        n = accepted_count(proposal, targets)
+        rejected = verify.k - n
+        if rejected:
+            trim_prompt_cache(self.prompt_cache, rejected)
+        consume(verify.spec.processors, proposal[:n])
+        self.tokens[0] += [int(verify.first.item()), *proposal[:n]]
+        verify.state.record(verify.k, n, len(verify.spec.history))
+        return proposal[:n], targets[n], verify.entries(n + 1)
+
+    def _wanted(self) -> int | None:
+        """The alternatives the lone row reports, if it reports log-probabilities."""
+        rows = getattr(self, "logprob_rows", None)
+        return rows.get(self.uids[0]) if rows else None
 
 
 def sample_rows(samplers: list[Any] | None, logits: mx.array, n: int) -> mx.array:
@@ -250,3 +405,11 @@ def split_processors(
         if rest:
             others.append((row, rest))
     return masked, others
+
+
+def _as_array(tokens: list[int] | mx.array) -> mx.array:
+    return tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)
+
+
+def _as_list(tokens: list[int] | mx.array) -> list[int]:
+    return tokens.tolist() if isinstance(tokens, mx.array) else list(tokens)

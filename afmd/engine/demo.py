@@ -11,37 +11,32 @@ package data, because a frozen binary has no corpus to train on. The same afmd v
 therefore produces byte-identical model folders on every platform, and the folder name
 carries a fingerprint of everything that goes into it, so a changed builder never
 reuses a stale cache entry. The weights are :mod:`afmd.engine.demo_weights`', the
-tokenizers :mod:`afmd.engine.demo_tokenizer`'s; this module names the variants and builds,
-fingerprints and places their folders.
+tokenizers :mod:`afmd.engine.demo_tokenizer`'s, the vision variant
+:mod:`afmd.engine.demo_vision`'s; this module names the variants, builds and fingerprints
+the text ones, and places every variant's folder (:mod:`afmd.engine.demo_folder`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import shutil
-import tempfile
-import time
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from afmd.engine import demo_tokenizer, demo_weights
+from afmd.engine import demo_folder, demo_tokenizer, demo_vision, demo_weights
 from afmd.engine.demo_template import CHAT_TEMPLATE
 from afmd.paths import cache_dir
 
-__all__ = ["CHAT_TEMPLATE", "DEMO_VARIANTS", "EMBEDDING_VARIANT", "build", "materialize"]
+__all__ = ["DEMO_VARIANTS", "EMBEDDING_VARIANT", "VISION_VARIANT", "build", "materialize"]
 
 #: The embedding variant: a Qwen3-style decoder whose last token's hidden state, L2
 #: normalized, is the embedding (as Qwen3-Embedding); afmd serves it on /v1/embeddings.
 EMBEDDING_VARIANT = "demo-embedding"
 DEMO_VARIANTS = ("demo", "demo-32k", EMBEDDING_VARIANT)
 #: The vision variant (a Qwen2-VL for mlx-vlm), built by afmd.engine.demo_vision.
-VISION_VARIANT = "demo-vision"
+VISION_VARIANT = demo_vision.VARIANT
 
 # Bump whenever build() changes in a way the parameters below do not capture, so that
 # cached folders built by the old code are not reused.
@@ -60,46 +55,21 @@ EMBEDDING_MARKER: dict[str, Any] = {"pooling": "last", "normalize": True, "matry
 
 _MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
-# Stale temporary build folders (from a killed process) older than this are removed.
-_STALE_TMP_S = 3600.0
-
 
 def materialize(variant: str = "demo", cache_root: Path | None = None) -> Path:
     """Return a folder holding a loadable MLX model for the variant, building it on first use.
 
-    The folder is ``<cache_root>/models/<variant>-<fingerprint>``. It only ever appears
-    by an atomic rename of a complete build, so concurrent callers (threads or
-    processes) each build privately and whoever renames second simply adopts the
-    winner's identical folder.
+    The folder is ``<cache_root>/models/<variant>-<fingerprint>``, placed whole by
+    :func:`afmd.engine.demo_folder.place`.
     """
-    if variant == VISION_VARIANT:  # its builder needs mlx-vlm: imported on demand
-        from afmd.engine import demo_vision
-
-        return demo_vision.materialize(cache_root)
+    models_dir = Path(cache_dir() if cache_root is None else cache_root) / "models"
+    if variant == VISION_VARIANT:
+        return demo_folder.place(models_dir / f"{variant}-{demo_vision.fingerprint()}",
+                                 demo_vision.build, demo_vision.MODEL_FILES)
     if variant not in DEMO_VARIANTS:
         raise ValueError(f"unknown demo variant {variant!r}; expected one of {DEMO_VARIANTS}")
-    models_dir = Path(cache_dir() if cache_root is None else cache_root) / "models"
-    target = models_dir / f"{variant}-{_fingerprint(variant)}"
-    if _is_complete(target):
-        return target
-
-    models_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_builds(models_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=models_dir))
-    try:
-        build(variant, tmp)
-        for _ in range(3):
-            try:
-                os.rename(tmp, target)
-                return target
-            except OSError:
-                if _is_complete(target):
-                    return target  # Lost a race to an identical build.
-                if target.exists():
-                    _discard(target, models_dir)  # Damaged (files deleted by hand).
-        raise OSError(f"could not place the demo model at {target}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return demo_folder.place(models_dir / f"{variant}-{_fingerprint(variant)}",
+                             lambda dest: build(variant, dest), _MODEL_FILES)
 
 
 def build(variant: str, dest: Path) -> None:
@@ -133,16 +103,13 @@ def build(variant: str, dest: Path) -> None:
     }
     if variant == EMBEDDING_VARIANT:
         config["afmd_embedding"] = EMBEDDING_MARKER
-    _write_json(dest / "config.json", config)
+    demo_folder.write_json(dest / "config.json", config)
     (dest / "tokenizer.json").write_bytes(tokenizer_bytes)
-    _write_json(dest / "tokenizer_config.json", demo_tokenizer.tokenizer_config(vocab))
-    for name in _MODEL_FILES:
-        _fsync(dest / name)
+    demo_folder.write_json(dest / "tokenizer_config.json", demo_tokenizer.tokenizer_config(vocab))
 
 
 def _tokenizer_bytes(variant: str) -> bytes:
-    """Read the shipped tokenizer; importlib.resources also finds it inside a frozen app."""
-    raw = resources.files("afmd").joinpath("data", _TOKENIZER_FILES[variant]).read_bytes()
+    raw = demo_tokenizer.shipped(_TOKENIZER_FILES[variant])
     if variant == EMBEDDING_VARIANT:
         return demo_tokenizer.with_end_token(raw)
     return demo_tokenizer.with_fim_tokens(raw)
@@ -183,44 +150,3 @@ def _fingerprint(variant: str) -> str:
         digest.update(_tokenizer_bytes(variant))
         _FINGERPRINTS[variant] = digest.hexdigest()[:12]
     return _FINGERPRINTS[variant]
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _fsync(path: Path) -> None:
-    """Flush before the rename publishes the folder, so a crash cannot leave it truncated."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _is_complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in _MODEL_FILES)
-
-
-def _discard(folder: Path, models_dir: Path) -> None:
-    """Move a folder aside atomically before deleting it, so it never looks half-gone."""
-    trash = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=models_dir))
-    with contextlib.suppress(OSError):
-        os.rename(folder, trash / "old")
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _remove_stale_builds(models_dir: Path) -> None:
-    """Delete temporary folders left by killed builds; recent ones may be in progress."""
-    cutoff = time.time() - _STALE_TMP_S
-    for entry in models_dir.glob(".*.tmp-*"):
-        try:
-            if entry.stat().st_mtime < cutoff:
-                shutil.rmtree(entry, ignore_errors=True)
-        except OSError:
-            pass

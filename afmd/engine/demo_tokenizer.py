@@ -8,6 +8,7 @@ end token for pooling) and writes transformers' view of them, as Qwen2.5 / Qwen3
 from __future__ import annotations
 
 import json
+from importlib import resources
 from typing import Any
 
 from afmd.engine.demo_template import CHAT_TEMPLATE
@@ -18,6 +19,7 @@ __all__ = [
     "FIM_TOKENS",
     "MARKUP_TOKENS",
     "added_token_ids",
+    "shipped",
     "tokenizer_config",
     "vocab_size",
     "with_end_token",
@@ -31,6 +33,12 @@ MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 # Their output rows are zero: the model never predicts them, so its greedy output is
 # what it was without them (a FIM end marker for tests comes from a model's fim setting).
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>")
+
+
+def shipped(filename: str) -> bytes:
+    """A shipped tokenizer, as trained; importlib.resources also finds it inside a frozen
+    app."""
+    return resources.files("afmd").joinpath("data", filename).read_bytes()
 
 
 def with_fim_tokens(tokenizer_bytes: bytes) -> bytes:

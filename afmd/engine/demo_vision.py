@@ -9,25 +9,25 @@ image: the pixels pass through a real (random) vision tower whose features repla
 image placeholder tokens the language model attends to.
 
 The folder is built the way the text demos are (seeded PCG64 weights, the shipped demo
-tokenizer plus Qwen2-VL's vision tokens, a fingerprinted cache folder placed by an atomic
-rename), and holds every file mlx-vlm's loader reads, so it never asks the hub for one.
+tokenizer plus Qwen2-VL's vision tokens) and placed the same way, by
+``afmd.engine.demo.materialize("demo-vision")`` (a fingerprinted cache folder,
+:mod:`afmd.engine.demo_folder`); it holds every file mlx-vlm's loader reads, so it never
+asks the hub for one. mlx-vlm itself is imported only to build it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from afmd.engine import demo, demo_tokenizer, demo_weights
-from afmd.paths import cache_dir
+from afmd.engine import demo_tokenizer, demo_weights
+from afmd.engine.demo_folder import write_json
+from afmd.engine.demo_template import CHAT_TEMPLATE as TEXT_TEMPLATE
 
 VARIANT = "demo-vision"
 
@@ -97,40 +97,16 @@ _IMAGE_PART = (
     "            "
 )
 _TEXT_PART = "{%- elif part.type == 'text' %}"
-if demo.CHAT_TEMPLATE.count(_TEXT_PART) != 1:
+if TEXT_TEMPLATE.count(_TEXT_PART) != 1:
     raise RuntimeError("the demo chat template changed: update demo_vision's image part")
-CHAT_TEMPLATE = demo.CHAT_TEMPLATE.replace(_TEXT_PART, _IMAGE_PART + _TEXT_PART)
+CHAT_TEMPLATE = TEXT_TEMPLATE.replace(_TEXT_PART, _IMAGE_PART + _TEXT_PART)
 
-_MODEL_FILES = (
+#: What the folder holds: every file mlx-vlm's loader reads.
+MODEL_FILES = (
     "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
     "preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
     "chat_template.jinja",
 )
-
-
-def materialize(cache_root: Path | None = None) -> Path:
-    """The model folder, built on first use (``afmd.engine.demo.materialize``'s rules)."""
-    models_dir = Path(cache_dir() if cache_root is None else cache_root) / "models"
-    target = models_dir / f"{VARIANT}-{fingerprint()}"
-    if _is_complete(target):
-        return target
-    models_dir.mkdir(parents=True, exist_ok=True)
-    demo._remove_stale_builds(models_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=models_dir))
-    try:
-        build(tmp)
-        for _ in range(3):
-            try:
-                os.rename(tmp, target)
-                return target
-            except OSError:
-                if _is_complete(target):
-                    return target
-                if target.exists():
-                    demo._discard(target, models_dir)
-        raise OSError(f"could not place the demo model at {target}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def build(dest: Path) -> None:
@@ -146,7 +122,7 @@ def build(dest: Path) -> None:
     mx.save_safetensors(str(dest / "model.safetensors"),
                         {k: mx.array(v) for k, v in weights.items()},
                         metadata={"format": "mlx"})
-    demo._write_json(dest / "config.json", config)
+    write_json(dest / "config.json", config)
     (dest / "tokenizer.json").write_bytes(tokenizer_bytes)
     tokenizer_config = demo_tokenizer.tokenizer_config(vocab)
     tokenizer_config["chat_template"] = CHAT_TEMPLATE
@@ -155,18 +131,16 @@ def build(dest: Path) -> None:
             "content": token, "lstrip": False, "normalized": False, "rstrip": False,
             "single_word": False, "special": True,
         }
-    demo._write_json(dest / "tokenizer_config.json", tokenizer_config)
-    demo._write_json(dest / "preprocessor_config.json", _IMAGE_PROCESSOR)
-    demo._write_json(dest / "video_preprocessor_config.json", _IMAGE_PROCESSOR)
-    demo._write_json(dest / "processor_config.json", {"processor_class": "Qwen2VLProcessor"})
+    write_json(dest / "tokenizer_config.json", tokenizer_config)
+    write_json(dest / "preprocessor_config.json", _IMAGE_PROCESSOR)
+    write_json(dest / "video_preprocessor_config.json", _IMAGE_PROCESSOR)
+    write_json(dest / "processor_config.json", {"processor_class": "Qwen2VLProcessor"})
     (dest / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
-    for name in _MODEL_FILES:
-        demo._fsync(dest / name)
 
 
 def _tokenizer_bytes() -> bytes:
     """The chat demo's tokenizer (with its FIM tokens) and Qwen2-VL's vision tokens."""
-    raw = demo._tokenizer_bytes("demo")
+    raw = demo_tokenizer.with_fim_tokens(demo_tokenizer.shipped("demo_tokenizer.json"))
     spec = json.loads(raw)
     next_id = demo_tokenizer.vocab_size(raw)
     for i, token in enumerate(_VISION_TOKENS):
@@ -242,12 +216,8 @@ def fingerprint() -> str:
             "builder_version": _BUILDER_VERSION, "text": _TEXT, "vision": _VISION,
             "image_processor": _IMAGE_PROCESSOR, "seed": _SEED, "feature_std": _FEATURE_STD,
             "embed_std": demo_weights.EMBED_STD, "lm_head_std": demo_weights.LM_HEAD_STD,
-            "chat_template": CHAT_TEMPLATE, "files": _MODEL_FILES,
+            "chat_template": CHAT_TEMPLATE, "files": MODEL_FILES,
         }, sort_keys=True).encode())
         digest.update(_tokenizer_bytes())
         _FINGERPRINT.append(digest.hexdigest()[:12])
     return _FINGERPRINT[0]
-
-
-def _is_complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in _MODEL_FILES)

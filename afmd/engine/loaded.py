@@ -110,7 +110,9 @@ class LoadedModel:
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Ids of each text as the model's tokenizer makes them, its special tokens added
         (an embedding model's tokenizer may append the token its pooling reads)."""
-        hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+        from afmd.engine.mlx_compat import hf_tokenizer
+
+        hf = hf_tokenizer(self.tokenizer)
         ids = hf(texts, add_special_tokens=True, return_attention_mask=False)["input_ids"]
         return [list(row) for row in ids]
 

@@ -6,8 +6,10 @@ loop; the heavy imports wait inside the function, so importing this module costs
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from afmd.config import BUILTIN_SYSTEM_PATH, Config, ModelEntry
 from afmd.engine import kinds
@@ -21,9 +23,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     """The model in memory with its worker started; blocking, so the registry runs it in
     a thread."""
     if entry.path == BUILTIN_SYSTEM_PATH:  # Apple's model: no weights, no MLX
-        from afmd.engine.apple.worker import load_system
-
-        return load_system(entry, config)
+        return _load_system(entry, config)
     # Fail before the heavy imports: mlx-lm drags in transformers (~45 MB resident, a second
     # or two), which a server whose model folder is missing would otherwise carry forever.
     if kinds.missing_local_path(entry.path):
@@ -49,12 +49,10 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
 
     is_demo = entry.path.startswith(BUILTIN_PREFIX)
     if kinds.is_vision(entry, kinds.model_folder(entry.path)):
-        from afmd.engine import vision
-
         variant = entry.path[len(BUILTIN_PREFIX):]
         local = demo.materialize(variant) if is_demo else Path(entry.path).expanduser()
         source = str(local) if local.exists() else entry.path
-        return vision.load(entry, config, source, is_demo)
+        return _load_vision(entry, config, source, is_demo)
     if is_demo:
         variant = entry.path[len(BUILTIN_PREFIX):]
         folder: Path | None = demo.materialize(variant)
@@ -117,6 +115,73 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         embedder=embedder,
         shard=shard,
     )
+
+
+def _load_system(entry: ModelEntry, config: Config) -> LoadedModel:
+    """Apple's model as a loaded model: nothing is loaded, its generations get threads."""
+    from afmd.engine.apple import framework
+    from afmd.engine.apple.worker import SystemWorker
+
+    found = framework.availability()
+    if found.reason is not None:
+        raise RuntimeError(f"{found.reason}: {found.detail}")
+    return LoadedModel(
+        entry=entry, folder=None, model=None, tokenizer=None,
+        context_length=entry.context_length or framework.CONTEXT_LENGTH,
+        worker=SystemWorker(entry.id, debounce=config.system.tool_call_debounce),
+        kind=CHAT, reads_conversation=True,
+    )
+
+
+def _load_vision(entry: ModelEntry, config: Config, source: str, is_demo: bool) -> LoadedModel:
+    """Load a vision model with mlx-vlm and start its generation thread."""
+    try:
+        from mlx_vlm.utils import get_model_path
+        from mlx_vlm.utils import load as vlm_load
+    except ImportError:
+        raise RuntimeError(
+            "this is a vision model, and vision support is not installed: "
+            "pip install 'afmd[vision]'"
+        ) from None
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from afmd.engine.vision import VisionSupport
+    from afmd.engine.vision_worker import VisionWorker
+
+    folder = Path(get_model_path(source))
+    model, processor = vlm_load(str(folder))
+    model_config = model.config
+    eos = getattr(model_config, "eos_token_id", None)
+    tokenizer = load_tokenizer(folder, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+    mx.clear_cache()
+    raw = _config_json(folder)
+    context_length = (
+        entry.context_length or context_length_from(raw) or DEFAULT_CONTEXT_LENGTH
+    )
+    worker = VisionWorker(model, tokenizer, name=entry.id)
+    worker.start()
+    return LoadedModel(
+        entry=entry,
+        folder=folder,
+        model=model,
+        tokenizer=tokenizer,
+        context_length=context_length,
+        worker=worker,  # type: ignore[arg-type]  # the same interface as BatchWorker's
+        is_demo=is_demo,
+        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+        vision=VisionSupport(model, processor, tokenizer, config.models.max_image_pixels),
+    )
+
+
+def _config_json(folder: Path) -> dict[str, Any]:
+    """The folder's config.json (its text side may sit under ``text_config``)."""
+    try:
+        data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 __all__ = ["load_sync"]

@@ -16,10 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from afmd.config import Config, ModelEntry
-from afmd.engine import budget, kinds
+from afmd.engine import kinds
 from afmd.engine.apple import framework
 from afmd.engine.loaded import LoadedModel
-from afmd.engine.residency import RETRY_AFTER_S, Residency
+from afmd.engine.residency import (
+    RETRY_AFTER_S,
+    Residency,
+    format_bytes,
+    size_before_loading,
+)
 from afmd.errors import InvalidRequestError, ServerError, ServiceUnavailableError
 
 log = logging.getLogger("afmd.engine")
@@ -90,10 +95,14 @@ class Loads:
         return self._failed.get(model_id)
 
     def was_loaded(self, model_id: str) -> bool:
+        """Whether the model has been loaded since the server started (maybe unloaded
+        since: it loads again on demand)."""
         return model_id in self._ever_loaded
 
     # -- withdrawn models --
     def withdraw(self, model_id: str, reason: str) -> None:
+        """From now on, requests for ``model_id`` are 503 ``model_unavailable`` (its
+        load no longer retried): the process is about to exit for a restart."""
         self._withdrawn[model_id] = reason
 
     def refuse_withdrawn(self, entry: ModelEntry) -> None:
@@ -142,7 +151,7 @@ class Loads:
     ) -> LoadedModel:
         residency = self._residency
         try:
-            size = await asyncio.to_thread(budget.size_before_loading, entry)
+            size = await asyncio.to_thread(size_before_loading, entry)
         except Exception:  # unreadable: the load itself will say what is wrong
             size = None
         if size is not None and size > residency.budget:
@@ -166,7 +175,7 @@ class Loads:
         self._on_loaded(entry.id)
         self._ever_loaded.add(entry.id)
         self._counts.loaded(entry.id, time.perf_counter() - started)
-        log.info("model loaded: %s (%s)", entry.id, budget.format_bytes(loaded.memory_bytes))
+        log.info("model loaded: %s (%s)", entry.id, format_bytes(loaded.memory_bytes))
         residency.admit(loaded, self._config.models.keep_alive_of(entry))
         return loaded
 
@@ -183,7 +192,7 @@ class Loads:
 
     def _too_large(self, entry: ModelEntry, size: int, when: str) -> InvalidRequestError:
         whole = self._residency.budget
-        need, limit = budget.format_bytes(size), budget.format_bytes(whole)
+        need, limit = format_bytes(size), format_bytes(whole)
         reason = (f"larger than the memory budget: its weights take {need} ({size} bytes) "
                   f"{when}, the whole budget is {limit} ({whole} bytes)")
         self._failed[entry.id] = reason

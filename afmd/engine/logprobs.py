@@ -28,7 +28,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from afmd.engine import backend
-from afmd.engine.base import TokenLogprob
+from afmd.engine.base import TokenIdLogprob
 
 #: The most alternatives a position reports (OpenAI's chat maximum).
 MAX_TOP = 20
@@ -82,7 +82,7 @@ class StepLogprobs:
         step._on_host, step._lists, step._logits, step.arrays = True, None, logits, []
         return step
 
-    def row(self, index: int, token: int, k: int) -> TokenLogprob:
+    def row(self, index: int, token: int, k: int) -> TokenIdLogprob:
         """Row ``index``'s numbers (the arrays evaluated)."""
         if self._on_host:
             if not isinstance(self._logits, np.ndarray):
@@ -95,7 +95,7 @@ class StepLogprobs:
                            top[1].tolist() if top else [])
         chosen_l, ids, values = self._lists
         pairs = list(zip(ids[index][:k], values[index][:k], strict=True)) if ids else []
-        return TokenLogprob(token, float(chosen_l[index]), _ordered(pairs))
+        return TokenIdLogprob(token, float(chosen_l[index]), _ordered(pairs))
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +112,7 @@ def step_logprobs(logits: mx.array, tokens: mx.array, wants: list[tuple[int, int
     return StepLogprobs(logits, tokens, wants)
 
 
-def resolve(entry: Any, token: int, k: int) -> TokenLogprob:
+def resolve(entry: Any, token: int, k: int) -> TokenIdLogprob:
     """A handed-out token's numbers from what the decode step kept for its row.
 
     ``entry`` is a :class:`RowLogprobs`, or, for a row's first token (sampled by mlx-lm's
@@ -125,7 +125,7 @@ def resolve(entry: Any, token: int, k: int) -> TokenLogprob:
 
 
 def _from_logits(vector: np.ndarray, token: int, k: int, *, normalised: bool
-                 ) -> TokenLogprob:
+                 ) -> TokenIdLogprob:
     """Normalised with numpy's vectorised routines, in as few passes over the row and as
     few calls as they allow (next to a forward pass each costs several times its
     arithmetic): the log-sum-exp accumulated in float64 over float32 ``exp`` written into
@@ -152,7 +152,7 @@ def _from_logits(vector: np.ndarray, token: int, k: int, *, normalised: bool
         np.exp(scratch, out=scratch)
         lse = top + float(np.log(scratch.sum(dtype=np.float64)))
     best = _best(vector, k, maxima, lse) if k > 0 else ()
-    return TokenLogprob(token, float(vector[token]) - lse, best)
+    return TokenIdLogprob(token, float(vector[token]) - lse, best)
 
 
 def _scratch(n: int) -> np.ndarray:
@@ -199,10 +199,10 @@ def prompt_pass(model: Any, prompt: list[int]) -> None:
         mx.eval(model(mx.array([inputs[start : start + _PROMPT_CHUNK]]), cache=cache))
 
 
-def prompt_logprobs(model: Any, prompt: list[int], k: int) -> tuple[TokenLogprob, ...]:
+def prompt_logprobs(model: Any, prompt: list[int], k: int) -> tuple[TokenIdLogprob, ...]:
     """Each prompt token's log-probability given the tokens before it (the first: None),
     with the ``k`` most likely tokens at its position."""
-    out = [TokenLogprob(prompt[0], None, ())] if prompt else []
+    out = [TokenIdLogprob(prompt[0], None, ())] if prompt else []
     cache = make_prompt_cache(model)
     inputs = prompt[:-1]
     for start in range(0, len(inputs), _PROMPT_CHUNK):

@@ -2,10 +2,15 @@
 
 A request for a model that is not loaded starts its load and waits for it within its
 deadline (then 503 ``busy``: it is still loading). The registry is the one face the rest of
-afmd sees; behind it, names and kinds are :mod:`afmd.engine.catalog`'s, loads and their
-outcomes :mod:`afmd.engine.loads`'s, which models stay loaded within the memory budget
-:mod:`afmd.engine.residency`'s. The handle itself is :mod:`afmd.engine.loaded`'s, the load
-:mod:`afmd.engine.loading`'s.
+afmd sees, and owns which configured model a request names and which kind of model it is;
+loads and their outcomes are :mod:`afmd.engine.loads`'s, which models stay loaded within
+the memory budget :mod:`afmd.engine.residency`'s. The handle itself is
+:mod:`afmd.engine.loaded`'s, the load :mod:`afmd.engine.loading`'s.
+
+A request for a model of the wrong kind is refused before a load that may take minutes, so
+a model not loaded yet has its kind read from its folder (once: reading it costs disk
+I/O); once loaded the model's own word wins, since a download may tell more than the folder
+did, and after an unload the folder is read again.
 """
 
 from __future__ import annotations
@@ -14,16 +19,16 @@ import asyncio
 import logging
 import time
 
-from afmd.config import BUILTIN_DEMO_PATH, Config, ModelEntry
-from afmd.engine import budget
+from afmd import hubcache
+from afmd.config import Config, ModelEntry
+from afmd.engine import kinds
 from afmd.engine.apple import framework
-from afmd.engine.catalog import ModelCatalog
-from afmd.engine.kinds import CHAT
+from afmd.engine.kinds import CHAT, EMBEDDING
 from afmd.engine.loaded import LoadedModel
 from afmd.engine.loading import load_sync
 from afmd.engine.loads import LoadCounts, Loads
-from afmd.engine.residency import Lease, Residency, Usage
-from afmd.errors import ServiceUnavailableError
+from afmd.engine.residency import Lease, Residency, effective_budget, format_bytes
+from afmd.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 
 log = logging.getLogger("afmd.engine")
 
@@ -41,36 +46,92 @@ class ModelRegistry:
         self._config = config
         self.counts = LoadCounts()
         self.residency = Residency(
-            budget.effective_budget(config.models.memory_budget_bytes),
+            effective_budget(config.models.memory_budget_bytes),
             config.models.max_loaded,
             on_unload=self.counts.unloaded,
         )
         self._loaded = self.residency.loaded  # one dict: the residency adds and removes
-        self._catalog = ModelCatalog(config, self._loaded)
-        self._loads = Loads(config, self.residency, self.counts, load=_load_sync,
-                            on_loaded=self._catalog.forget_kind)
+        self._kinds: dict[str, str] = {}  # read from disk once per model until it loads
+        self._repos: dict[str, ModelEntry] = {}  # downloaded models named by repo id
+        #: The loads under way and how each model's last one ended (``is_loading``,
+        #: ``was_loaded``, ``withdraw``); which models stay loaded is :attr:`residency`'s.
+        self.loads = Loads(config, self.residency, self.counts, load=_load_sync,
+                           on_loaded=self.forget_kind)
 
     @property
     def config(self) -> Config:
         return self._config
 
+    # -- which configured model a request names, and its kind --
     def resolve(self, name: str | None) -> ModelEntry:
-        return self._catalog.resolve(name)
+        entry = self._config.resolve_model(name)
+        if entry is None and name is not None:
+            # Ollama's clients name a model's default tag (``demo:latest``); a model pulled
+            # into the Hugging Face cache serves under its repo id without configuring it.
+            base = name.removesuffix(":latest")
+            entry = self._config.resolve_model(base) if base != name else None
+            entry = entry or self._downloaded(base)
+        if entry is None:
+            raise NotFoundError(
+                f"The model '{name}' does not exist. Available models: "
+                + ", ".join(self.listed_ids())
+                + ".",
+                code="model_not_found",
+                param="model",
+            )
+        return entry
 
-    def kind_of(self, entry: ModelEntry) -> str:
-        return self._catalog.kind_of(entry)
-
-    def default_for(self, kind: str) -> ModelEntry | None:
-        return self._catalog.default_for(kind)
-
-    def check_kind(self, entry: ModelEntry, kind: str, actual: str | None = None) -> None:
-        self._catalog.check_kind(entry, kind, actual)
+    def _downloaded(self, repo: str) -> ModelEntry | None:
+        """The entry a complete download of ``repo`` serves under (one per repo, so that
+        its loads and leases are one model's)."""
+        entry = self._repos.get(repo)
+        if entry is None and hubcache.REPO_ID.match(repo) and hubcache.complete_snapshot(repo):
+            entry = self._repos[repo] = ModelEntry(id=repo, path=repo)
+        return entry
 
     def listed_ids(self) -> list[str]:
-        return self._catalog.listed_ids()
+        return [*self._config.model_ids(), *self._config.models.aliases]
+
+    def kind_of(self, entry: ModelEntry) -> str:
+        """``chat`` or ``embedding``: the loaded model's, else what its folder says."""
+        loaded = self._loaded.get(entry.id)
+        if loaded is not None:
+            return loaded.kind
+        kind = self._kinds.get(entry.id)
+        if kind is None:
+            kind = self._kinds[entry.id] = kinds.declared_kind(entry)
+        return kind
+
+    def forget_kind(self, model_id: str) -> None:
+        """A load has told the model's kind; after an unload its folder is read again."""
+        self._kinds.pop(model_id, None)
+
+    def default_for(self, kind: str) -> ModelEntry | None:
+        """The model a request of ``kind`` that names none gets: the default model when it
+        is of that kind, else the first configured one that is."""
+        default = self._config.resolve_model(None)
+        if default is not None and self.kind_of(default) == kind:
+            return default
+        return next((e for e in self._config.models.model if self.kind_of(e) == kind), None)
+
+    def check_kind(self, entry: ModelEntry, kind: str, actual: str | None = None) -> None:
+        """400 ``invalid_model_kind`` unless ``entry`` serves ``kind``."""
+        actual = actual or self.kind_of(entry)
+        if actual == kind:
+            return
+        serves = "/v1/embeddings" if actual == EMBEDDING else "chat and completions"
+        wanted = "embeddings" if kind == EMBEDDING else "chat or completions"
+        raise InvalidRequestError(
+            f"The model '{entry.id}' is {_article(actual)} {actual} model: it serves "
+            f"{serves}, not {wanted}. Use {_article(kind)} {kind} model.",
+            code="invalid_model_kind",
+            param="model",
+        )
+
+    # -- loads and residency --
 
     def status(self) -> dict[str, str]:
-        status = self._loads.status()
+        status = self.loads.status()
         for entry in self._config.models.model:
             found = self.availability(entry)
             if found is not None:
@@ -95,33 +156,12 @@ class ModelRegistry:
     def is_ready(self, model_id: str) -> bool:
         return model_id in self._loaded
 
-    def is_loading(self, model_id: str) -> bool:
-        return self._loads.is_loading(model_id)
-
     def failure(self, model_id: str) -> str | None:
         entry = self._config.resolve_model(model_id)
         if entry is not None and framework.is_system(entry):
             # The framework's answer now, not how an earlier load ended: it may be ready now.
             return self.unavailable_reason(model_id)
-        return self._loads.failure(model_id)
-
-    def was_loaded(self, model_id: str) -> bool:
-        """Whether the model has been loaded since the server started (maybe unloaded
-        since: it loads again on demand)."""
-        return self._loads.was_loaded(model_id)
-
-    def usage(self, model_id: str) -> Usage | None:
-        """A loaded model's memory, requests and idle time (None: not loaded)."""
-        return self.residency.usage(model_id)
-
-    def queued(self, model_id: str) -> int:
-        """Requests waiting for the model to load."""
-        return self.residency.waiting[model_id]
-
-    def withdraw(self, model_id: str, reason: str) -> None:
-        """From now on, requests for ``model_id`` are 503 ``model_unavailable`` (its
-        load no longer retried): the process is about to exit for a restart."""
-        self._loads.withdraw(model_id, reason)
+        return self.loads.failure(model_id)
 
     def begin_load(
         self, entry: ModelEntry, deadline: float | None = None, *, evict: bool = True
@@ -133,7 +173,7 @@ class ModelRegistry:
         found = self.availability(entry)
         if found is not None and found.reason is not None:
             raise framework.unavailable_error(entry.id, found)
-        return self._loads.begin(entry, deadline, evict=evict)
+        return self.loads.begin(entry, deadline, evict=evict)
 
     async def unload(self, model_id: str, reason: str = "unloaded on request") -> bool:
         """Unload an idle model now (the dashboard's unload); False: it was not loaded.
@@ -166,7 +206,7 @@ class ModelRegistry:
         if keep_alive is None:
             keep_alive = self._config.models.keep_alive_of(entry)
         residency = self.residency
-        self._loads.refuse_withdrawn(entry)
+        self.loads.refuse_withdrawn(entry)
         found = self.availability(entry)
         if found is not None and found.reason is not None:
             raise framework.unavailable_error(entry.id, found)
@@ -176,10 +216,10 @@ class ModelRegistry:
                 loaded = self._loaded.get(entry.id)
                 if loaded is not None:
                     # (again: a download may have told more than the folder did)
-                    self._catalog.check_kind(entry, kind, loaded.kind)
+                    self.check_kind(entry, kind, loaded.kind)
                     return residency.hold(loaded, keep_alive)
-                self._catalog.check_kind(entry, kind)
-                await self._loads.wait(entry, deadline)
+                self.check_kind(entry, kind)
+                await self.loads.wait(entry, deadline)
         finally:
             residency.waiting[entry.id] -= 1
             if not residency.waiting[entry.id]:
@@ -201,7 +241,7 @@ class ModelRegistry:
         demand."""
         models = self._config.models
         log.info("model memory budget: %s, at most %d models loaded",
-                 budget.format_bytes(self.residency.budget), models.max_loaded)
+                 format_bytes(self.residency.budget), models.max_loaded)
         default = self._config.resolve_model(None)
         wanted = [e for e in models.model if models.preloads(e)]
         wanted.sort(key=lambda e: e is not default)
@@ -223,7 +263,12 @@ class ModelRegistry:
                 loaded.worker.stop()
             if loaded.embedder is not None:
                 loaded.embedder.stop()
-        self._loads.close()
+        self.loads.close()
 
 
-__all__ = ["BUILTIN_DEMO_PATH", "LoadCounts", "LoadedModel", "ModelRegistry"]
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
+
+
+
+__all__ = ["ModelRegistry"]

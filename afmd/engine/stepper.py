@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from afmd.engine.decode import DecodeBatch
 from afmd.engine.lockstep import Lockstep, ShardedDecodeBatch
+from afmd.engine.mlx_compat import stop_sequences
 
 
 class Stepper:
@@ -145,7 +146,7 @@ class Stepper:
             all_tokens=[prompt[: len(prompt) - len(rest)]],
             samplers=[sampler],
             logits_processors=[processors],
-            stop_sequences=[StopSequences([[t] for t in stops])] if stops else None,
+            stop_sequences=[stop_sequences([t] for t in stops)] if stops else None,
         )
         return int(uid)
 

@@ -29,7 +29,7 @@ class TokenTable:
         self._tokenizer = tokenizer
         # mlx-lm picks the detokenizer by the tokenizer's decoder; its class says how a
         # token's piece maps to bytes (named, so this module needs no mlx-lm import).
-        kind = type(getattr(tokenizer, "_detokenizer", None)).__name__
+        kind = type(getattr(tokenizer, "detokenizer", None)).__name__
         self._kind = {"BPEStreamingDetokenizer": "bpe", "SPMStreamingDetokenizer": "spm"}.get(
             kind, "decode")
         self._bytes: dict[int, bytes] = {}
@@ -46,7 +46,7 @@ class TokenTable:
     def text_of(self, token: int) -> str:
         return self._show(token)[0]
 
-    def describe(self, entry: base.TokenLogprob, offset: int = 0) -> TokenLogprob:
+    def describe(self, entry: base.TokenIdLogprob, offset: int = 0) -> TokenLogprob:
         """The engine's ids and numbers as the client sees them."""
         show = self._show
         text, raw = show(entry.token)
@@ -97,7 +97,7 @@ class LogprobQueue:
         self._held: deque[tuple[int, TokenLogprob]] = deque()  # (end, token)
         self._read = 0  # characters of generated text seen
 
-    def add(self, text: str, entries: Sequence[base.TokenLogprob], base_offset: int = 0) -> None:
+    def add(self, text: str, entries: Sequence[base.TokenIdLogprob], base_offset: int = 0) -> None:
         """The tokens of one engine event and the text it carried; their ``offset`` is
         where that text starts (plus ``base_offset``)."""
         start = self._read

@@ -2,9 +2,9 @@
 
 mlx-lm serves text only; a vision model's images go through its own processor (resizing,
 patching) and vision tower, whose features replace the image placeholder tokens of the
-prompt. This module and its generation thread (:mod:`afmd.engine.vision_worker`) are
-the only ones that import mlx-vlm, and only when such a model loads, so text-only
-servers never pay for it.
+prompt. This module, its generation thread (:mod:`afmd.engine.vision_worker`) and the
+vision branch of loading (:mod:`afmd.engine.loading`) are the only ones that import
+mlx-vlm, and only when such a model loads, so text-only servers never pay for it.
 
 What stays the same as for a text model: the tokenizer is loaded by mlx-lm (so the tool
 call format, thinking markers and streaming detokenizer are detected exactly as for a
@@ -22,19 +22,12 @@ machine's compute.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import mlx.core as mx
 import numpy as np
 
 from afmd import images as image_decoding
 from afmd.core.request import ImageInput
-from afmd.engine.vision_worker import VisionWorker
-
-if TYPE_CHECKING:
-    from afmd.config import Config, ModelEntry
-    from afmd.engine.loaded import LoadedModel
 
 #: Processor outputs that are the prompt itself rather than inputs of the vision side.
 _TEXT_KEYS = ("input_ids", "attention_mask")
@@ -107,54 +100,3 @@ class VisionSupport:
         if decoded is not None:
             decoded[id(image)] = picture
         return picture
-
-
-def load(entry: ModelEntry, config: Config, source: str, is_demo: bool) -> LoadedModel:
-    """Load a vision model with mlx-vlm and start its generation thread."""
-    try:
-        from mlx_vlm.utils import get_model_path
-        from mlx_vlm.utils import load as vlm_load
-    except ImportError:
-        raise RuntimeError(
-            "this is a vision model, and vision support is not installed: "
-            "pip install 'afmd[vision]'"
-        ) from None
-    from mlx.utils import tree_flatten
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    from afmd.engine.loaded import DEFAULT_CONTEXT_LENGTH, LoadedModel, context_length_from
-
-    folder = Path(get_model_path(source))
-    model, processor = vlm_load(str(folder))
-    model_config = model.config
-    eos = getattr(model_config, "eos_token_id", None)
-    tokenizer = load_tokenizer(folder, eos_token_ids=[eos] if isinstance(eos, int) else eos)
-    mx.clear_cache()
-    raw = _config_json(folder)
-    context_length = (
-        entry.context_length or context_length_from(raw) or DEFAULT_CONTEXT_LENGTH
-    )
-    worker = VisionWorker(model, tokenizer, name=entry.id)
-    worker.start()
-    return LoadedModel(
-        entry=entry,
-        folder=folder,
-        model=model,
-        tokenizer=tokenizer,
-        context_length=context_length,
-        worker=worker,  # type: ignore[arg-type]  # the same interface as BatchWorker's
-        is_demo=is_demo,
-        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
-        vision=VisionSupport(model, processor, tokenizer, config.models.max_image_pixels),
-    )
-
-
-def _config_json(folder: Path) -> dict[str, Any]:
-    """The folder's config.json (its text side may sit under ``text_config``)."""
-    import json
-
-    try:
-        data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

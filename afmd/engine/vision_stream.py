@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from afmd.engine.base import Event, Finished, Generation, GenerationRequest, Text, TokenLogprob
+from afmd.engine.base import Event, Finished, Generation, GenerationRequest, Text, TokenIdLogprob
 from afmd.engine.detokenize import ExactDetokenizer
 from afmd.errors import InvalidRequestError, ServerError
 
@@ -86,19 +86,19 @@ class VisionStream:
 def sampling(request: GenerationRequest) -> tuple[Any, list[Any]]:
     """The request's sampler and logits processors, as mlx-vlm's ``generate_step`` takes
     them."""
+    from afmd.engine.admission import make_sampler
     from afmd.engine.penalties import sampling_processors
-    from afmd.engine.worker import make_sampler
 
     processors = [*request.logits_processors,
                   *sampling_processors(request.sampling, request.max_tokens)]
     return make_sampler(request.sampling) or _argmax, processors
 
 
-def prompt_logprobs(model: Any, prompt: list[int], top: int) -> tuple[TokenLogprob, ...]:
+def prompt_logprobs(model: Any, prompt: list[int], top: int) -> tuple[TokenIdLogprob, ...]:
     """The prompt's own tokens' log-probabilities (echo), text prompts only."""
     logits = model.language_model(mx.array([prompt])).logits[0].astype(mx.float32)
     rows = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-    out = [TokenLogprob(prompt[0], None)]
+    out = [TokenIdLogprob(prompt[0], None)]
     for i in range(1, len(prompt)):
         out.append(_entry(rows[i - 1], prompt[i], top))
     return tuple(out)
@@ -146,16 +146,16 @@ def _append_text(pending: list[Event], segment: str) -> None:
         pending.append(Text("", 1))
 
 
-def _entry(row: np.ndarray, token: int, top: int) -> TokenLogprob:
+def _entry(row: np.ndarray, token: int, top: int) -> TokenIdLogprob:
     best: tuple[tuple[int, float], ...] = ()
     if top > 0:
         index = np.argpartition(-row, top)[:top]
         index = index[np.argsort(-row[index], kind="stable")]
         best = tuple((int(i), float(row[i])) for i in index)
-    return TokenLogprob(token, float(row[token]), best)
+    return TokenIdLogprob(token, float(row[token]), best)
 
 
-def _logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
+def _logprob(logprobs: mx.array, token: int, top: int) -> TokenIdLogprob:
     return _entry(np.array(logprobs.astype(mx.float32)).reshape(-1), token, top)
 
 

@@ -124,8 +124,10 @@ class VisionWorker:
                                       0.0)])
 
     def _generate(self, generation: Generation) -> None:
-        from mlx_vlm.generate.ar import generate_step
+        from mlx_vlm.generate import generate_step
         from mlx_vlm.models.cache import make_prompt_cache
+
+        from afmd.engine.mlx_compat import reset_rope_state
 
         request = generation.request
         started = time.perf_counter()
@@ -140,9 +142,7 @@ class VisionWorker:
         vision = dict(request.vision or {})
         pixel_values = vision.pop("pixel_values", None)
         language = self._model.language_model
-        for attr in ("_position_ids", "_rope_deltas"):  # multimodal rotary state
-            if hasattr(language, attr):
-                setattr(language, attr, None)
+        reset_rope_state(language)
         self._cache = make_prompt_cache(language)
         sampler, processors = sampling(request)
         stream = VisionStream(generation, self._tokenizer, self._eos, started, pending)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from afmd.engine import backend
-from afmd.engine.admission import Admissions, make_sampler
+from afmd.engine.admission import Admissions
 from afmd.engine.base import Generation
 from afmd.engine.handoff import Handoff, fail, flush
 from afmd.engine.inbox import Inbox
@@ -31,7 +31,7 @@ from afmd.engine.steptrace import StepTrace
 from afmd.engine.warmup import compile_template, warm_up
 from afmd.errors import ServerError
 
-__all__ = ["BatchWorker", "make_sampler"]
+__all__ = ["BatchWorker"]
 
 log = logging.getLogger("afmd.engine")
 

@@ -69,13 +69,14 @@ def llg_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> LL
     # so a server without one stays small.
     import llguidance.hf
 
+    from afmd.engine.mlx_compat import hf_tokenizer
+
     key = id(tokenizer)
     with _tokenizers_lock:
         cached = _tokenizers.get(key)
         if cached is None:
-            hf = getattr(tokenizer, "_tokenizer", tokenizer)
             cached = llguidance.hf.from_tokenizer(
-                hf, n_vocab=vocab_size, eos_token=sorted(eos_ids)
+                hf_tokenizer(tokenizer), n_vocab=vocab_size, eos_token=sorted(eos_ids)
             )
             _tokenizers[key] = cached
             _sources[id(cached)] = _source(hf, vocab_size, eos_ids)

@@ -26,11 +26,11 @@ def model_details(state: Any) -> dict[str, dict[str, Any]]:
     registry = state.registry
     details: dict[str, dict[str, Any]] = {}
     for entry in state.config.models.model:
-        usage = registry.usage(entry.id)
+        usage = registry.residency.usage(entry.id)
         failure = registry.failure(entry.id)
         if usage is not None:
             model_state = "loaded"
-        elif registry.is_loading(entry.id):
+        elif registry.loads.is_loading(entry.id):
             model_state = "loading"
         elif failure is not None:
             model_state = f"unavailable: {failure}"
@@ -41,7 +41,7 @@ def model_details(state: Any) -> dict[str, dict[str, Any]]:
             "path": entry.path,
             "memory_bytes": usage.memory_bytes if usage else None,
             "active": usage.active if usage else 0,
-            "queued": usage.queued if usage else registry.queued(entry.id),
+            "queued": usage.queued if usage else registry.residency.waiting[entry.id],
             "idle_since": usage.idle_since if usage else None,
             "expires_at": usage.expires_at if usage else None,
         }

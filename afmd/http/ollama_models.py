@@ -257,7 +257,7 @@ def loaded_models(state: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     residency = state.registry.residency
     for model_id, model in list(residency.loaded.items()):
-        usage = state.registry.usage(model_id)
+        usage = residency.usage(model_id)
         entry = model.entry
         folder = Path(model.folder) if model.folder is not None else None
         config = _config(folder) if folder is not None else {}

@@ -128,11 +128,11 @@ def _health(state: Any) -> tuple[int, dict[str, Any]]:
     # loaded it may be unloaded when idle, and then loads again on demand.
     elif default is not None and not registry.is_ready(default.id) and (
         registry.failure(default.id) is not None
-        or (state.config.models.preloads(default) and not registry.was_loaded(default.id))
+        or (state.config.models.preloads(default) and not registry.loads.was_loaded(default.id))
     ):
         failure = registry.failure(default.id)
         body["status"] = "unavailable"
-        body["reason"] = "model_load_failed" if failure and not registry.is_loading(
+        body["reason"] = "model_load_failed" if failure and not registry.loads.is_loading(
             default.id) else "model_not_ready"
         status = 503
     group = state.group

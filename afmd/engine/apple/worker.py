@@ -35,13 +35,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from afmd.config import Config, ModelEntry
 from afmd.engine.apple import compat, failures, framework, schemas
 from afmd.engine.apple.conversation import SystemTurn, ToolDef
 from afmd.engine.apple.tools import Capture, CapturedCall, framework_tools
 from afmd.engine.base import Finished, Generation, Refused, Text, ToolCalled
-from afmd.engine.kinds import CHAT
-from afmd.engine.loaded import LoadedModel
 from afmd.errors import APIError, InvalidRequestError, ServerError
 from afmd.logs import get_logger
 
@@ -53,19 +50,6 @@ CHARS_PER_TOKEN = 4
 
 def estimate(text: str) -> int:
     return math.ceil(len(text) / CHARS_PER_TOKEN) if text else 0
-
-
-def load_system(entry: ModelEntry, config: Config) -> LoadedModel:
-    """Apple's model as a loaded model: nothing is loaded, its generations get threads."""
-    found = framework.availability()
-    if found.reason is not None:
-        raise RuntimeError(f"{found.reason}: {found.detail}")
-    return LoadedModel(
-        entry=entry, folder=None, model=None, tokenizer=None,
-        context_length=entry.context_length or framework.CONTEXT_LENGTH,
-        worker=SystemWorker(entry.id, debounce=config.system.tool_call_debounce),
-        kind=CHAT, reads_conversation=True,
-    )
 
 
 class SystemWorker:
@@ -553,5 +537,4 @@ def _json_object(text: str) -> str:
     return candidate
 
 
-__all__ = ["CHARS_PER_TOKEN", "SystemWorker", "count_completion", "count_prompt", "estimate",
-           "load_system"]
+__all__ = ["CHARS_PER_TOKEN", "SystemWorker", "count_completion", "count_prompt", "estimate"]

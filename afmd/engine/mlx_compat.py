@@ -1,0 +1,224 @@
+"""Every mlx-lm and mlx-vlm private afmd's engine depends on, and nothing else.
+
+Written against **mlx-lm 0.32.2** (``mlx_lm/generate.py``, ``mlx_lm/tokenizer_utils.py``)
+and **mlx-vlm 0.7.10** (``mlx_vlm/models/qwen2_vl/language.py``). No other afmd module
+reaches into either (``tests/test_mlx_compat.py`` checks that too), and
+:func:`upstream_problems` names whatever an upgrade moved or rewrote of what is used here;
+``tests/test_mlx_compat.py`` fails loudly with its list. MLX's own launcher, the one MLX
+private (``mlx._distributed_utils``), is reached by :mod:`afmd.engine.launcher` alone and
+checked by the same test: importing this module imports mlx-lm (and transformers), which
+the launcher's relay process, alive as long as the group, has no use for.
+
+What afmd needs from them, and how:
+
+* **The running batch** (:class:`GenerationRows`). ``BatchGenerator`` has no way to take
+  another decode step, so afmd's (:class:`~afmd.engine.decode.DecodeBatch`) is a subclass
+  of its ``GenerationBatch`` put in place of the generator's own empty one
+  (``_generation_batch``). mlx-lm calls the step ``_step`` and keeps each row's state in
+  private lists: the tokens each row has handed out (``_num_tokens``), its stop-sequence
+  matcher (``_matchers``), the next tokens and what they were sampled with
+  (``_next_tokens``, ``_next_logprobs``, made ``_current_*`` when they are fed), and the
+  repetition context of the rows with processors (``_token_context``). Its ``extend``,
+  ``filter`` and ``next`` read and resize all of them, which is why they stay mlx-lm's
+  lists, read and written here under names of afmd's own.
+* **Stop sequences** (:func:`stop_sequences`): ``BatchGenerator.insert`` takes a row's own
+  stops only as ``StopSequences`` objects, a class mlx-lm does not export.
+* **The Hugging Face tokenizer** (:func:`hf_tokenizer`) inside mlx-lm's
+  ``TokenizerWrapper`` (``_tokenizer``): the wrapper forwards attributes to it but not
+  calls, and batch tokenization and llguidance need the tokenizer itself.
+* **mlx-vlm's rotary state** (:func:`reset_rope_state`): Qwen2-VL-style language models
+  keep the multimodal position ids and their offset (``_position_ids``, ``_rope_deltas``)
+  from one generation to the next; a request without images would decode at the previous
+  request's positions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, StopSequences
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+MLX_LM_VERSION = "0.32.2"
+MLX_VLM_VERSION = "0.7.10"
+
+
+class GenerationRows(GenerationBatch):
+    """mlx-lm's running batch, reduced to what afmd's decode step uses.
+
+    The subclass supplies :meth:`afmd_step`, which mlx-lm calls as its ``_step``; it and
+    the subclass's own code read and write mlx-lm's per-row state through the names
+    below, never through mlx-lm's.
+    """
+
+    @classmethod
+    def attach(cls, generator: BatchGenerator) -> GenerationRows:
+        """A new empty batch of ``cls``, put in place of a fresh ``generator``'s (empty)
+        running batch: rows the generator moves to decoding join it from now on."""
+        batch = cls.empty(generator.model, generator.sampler)
+        generator._generation_batch = batch
+        return batch
+
+    # -- the hook for the subclass --
+    def _step(self) -> tuple[list[int], list[Any]]:
+        return self.afmd_step()
+
+    def afmd_step(self) -> tuple[list[int], list[Any]]:
+        """One decode step of every row: its tokens (on the host) and what resolves
+        each one's log-probabilities."""
+        raise NotImplementedError
+
+    # -- mlx-lm's per-row state, under afmd's names --
+    @property
+    def generated(self) -> list[int]:
+        """Tokens each row has handed out so far (0: its first is still to go out); the
+        list itself, so a row's count is updated in place."""
+        return self._num_tokens
+
+    @property
+    def stop_matchers(self) -> list[Any]:
+        """Each row's position in its stop sequences (``.advance(token) -> bool``)."""
+        return self._matchers
+
+    @property
+    def next_tokens(self) -> mx.array:
+        """The tokens sampled for each row's next step, not yet fed to the model."""
+        return self._next_tokens
+
+    @next_tokens.setter
+    def next_tokens(self, tokens: mx.array) -> None:
+        self._next_tokens = tokens
+
+    @property
+    def next_logprobs(self) -> list[Any]:
+        """What resolves the log-probabilities of :attr:`next_tokens`, row by row."""
+        return self._next_logprobs
+
+    @next_logprobs.setter
+    def next_logprobs(self, logprobs: list[Any]) -> None:
+        self._next_logprobs = logprobs
+
+    def take_next(self) -> tuple[mx.array, list[Any]]:
+        """The next tokens (and their log-probabilities) become this step's inputs, as
+        mlx-lm's own step makes them: ``extend`` reads them there."""
+        self._current_tokens = self._next_tokens
+        self._current_logprobs = self._next_logprobs
+        return self._current_tokens, self._current_logprobs
+
+    def token_context(self, row: int) -> Any:
+        """Row ``row``'s recent tokens, as its (non-grammar) logits processors see them:
+        ``update_and_fetch(inputs)`` adds this step's token and returns the context."""
+        return self._token_context[row]
+
+
+def stop_sequences(sequences: Iterable[Sequence[int]]) -> StopSequences:
+    """One row's stops as ``BatchGenerator.insert`` takes them (``stop_sequences=``)."""
+    return StopSequences([list(s) for s in sequences])
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer of mlx-lm's ``TokenizerWrapper`` (``tokenizer`` itself
+    when it wraps none)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+#: mlx-vlm language models' multimodal rotary state, kept across generations.
+ROPE_STATE = ("_position_ids", "_rope_deltas")
+
+
+def reset_rope_state(language_model: Any) -> None:
+    """Forget the previous generation's multimodal positions, as mlx-vlm itself does
+    only when the next prompt comes with images."""
+    for attribute in ROPE_STATE:
+        if hasattr(language_model, attribute):
+            setattr(language_model, attribute, None)
+
+
+# ------------------------------------------------------------------------------ upgrades
+
+
+def _fingerprint(obj: Callable[..., Any] | type) -> str:
+    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+
+
+def _qwen2_vl_language() -> Callable[..., Any]:
+    from mlx_vlm.models.qwen2_vl.language import LanguageModel
+
+    return LanguageModel.__call__
+
+
+#: mlx-lm's and mlx-vlm's code this module relies on in detail, with a fingerprint of its
+#: source in the versions named above: an upgrade that rewrites any of it must be re-read
+#: against this module (and afmd.engine.decode) before its fingerprint is updated here.
+#: mlx-vlm is optional at run time, so its entries are looked up when checked.
+UPSTREAM_CODE: dict[str, tuple[Callable[[], Callable[..., Any] | type], str]] = {
+    # creates every private list GenerationRows names, and steps a non-empty batch
+    "GenerationBatch.__init__": (lambda: GenerationBatch.__init__, "dc828c7f63bfb07f"),
+    # the step afmd's replaces: what it reads and leaves for extend/filter/next
+    "GenerationBatch._step": (lambda: GenerationBatch._step, "d7513c5031029194"),
+    # merge the joining rows' lists (the _current_* ones included)
+    "GenerationBatch.extend": (lambda: GenerationBatch.extend, "4019e7eaf5d6782f"),
+    "GenerationBatch.filter": (lambda: GenerationBatch.filter, "27a2165cf672969f"),
+    # counts tokens and advances matchers the way DecodeBatch.account does
+    "GenerationBatch.next": (lambda: GenerationBatch.next, "5d2a3d229fba02a9"),
+    "GenerationBatch.empty": (lambda: GenerationBatch.empty, "f78c92330652d99b"),
+    # builds a plain GenerationBatch for joining rows: their first token is mlx-lm's
+    "PromptProcessingBatch.generate": (lambda: PromptProcessingBatch.generate, "1af9ca01578812d3"),
+    # creates _generation_batch, which GenerationRows.attach replaces
+    "BatchGenerator.__init__": (lambda: BatchGenerator.__init__, "80fdd7d3fc89c375"),
+    # steps, extends and filters _generation_batch
+    "BatchGenerator._next": (lambda: BatchGenerator._next, "eb3a4e361dc2c19e"),
+    "BatchGenerator.remove": (lambda: BatchGenerator.remove, "705e7de06f06d7de"),
+    "StopSequences": (lambda: StopSequences, "afd3428ec0111ba8"),
+    # keeps the Hugging Face tokenizer as _tokenizer
+    "TokenizerWrapper.__init__": (lambda: TokenizerWrapper.__init__, "79f9e5564e8331bb"),
+    # mlx-vlm: resets _position_ids/_rope_deltas only for a prompt with images
+    "mlx-vlm qwen2_vl LanguageModel.__call__": (_qwen2_vl_language, "b6ee49f7d912faa8"),
+}
+
+#: What GenerationRows reads of a running batch's instance state.
+_BATCH_STATE = ("_num_tokens", "_matchers", "_next_tokens", "_next_logprobs",
+                "_current_tokens", "_current_logprobs", "_token_context")
+
+
+def _installed() -> str:
+    try:
+        import mlx_vlm
+
+        vlm = mlx_vlm.__version__
+    except ImportError:
+        vlm = "none"
+    return f"mlx-lm {mlx_lm.__version__}, mlx-vlm {vlm}"
+
+
+def upstream_problems() -> list[str]:
+    """What an upgrade of mlx-lm or mlx-vlm changed of what this module relies on; empty
+    when nothing did. Each entry names what to re-read."""
+    problems = []
+    for name, (lookup, fingerprint) in UPSTREAM_CODE.items():
+        try:
+            seen = _fingerprint(lookup())
+        except (ImportError, OSError, TypeError, AttributeError) as exc:
+            problems.append(f"{name}: its source cannot be read ({exc})")
+            continue
+        if seen != fingerprint:
+            problems.append(f"{name} is not the one of mlx-lm {MLX_LM_VERSION} and "
+                            f"mlx-vlm {MLX_VLM_VERSION} ({_installed()} installed; "
+                            f"fingerprint {seen})")
+    batch = GenerationBatch.empty(None, None)  # type: ignore[arg-type]
+    for attribute in _BATCH_STATE:
+        if not hasattr(batch, attribute):
+            problems.append(f"mlx-lm GenerationBatch has no {attribute}")
+    for attribute in ("generated", "stop_matchers", "next_tokens", "next_logprobs",
+                      "take_next", "token_context", "attach", "afmd_step"):
+        if hasattr(GenerationBatch, attribute):
+            problems.append(f"mlx-lm GenerationBatch now has a {attribute} of its own")
+    generator_state = inspect.getsource(BatchGenerator.__init__)
+    if "self._generation_batch = GenerationBatch.empty" not in generator_state:
+        problems.append("mlx-lm BatchGenerator keeps no _generation_batch")
+    return problems
