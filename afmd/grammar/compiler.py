@@ -75,8 +75,9 @@ def llg_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> LL
     with _tokenizers_lock:
         cached = _tokenizers.get(key)
         if cached is None:
+            hf = hf_tokenizer(tokenizer)
             cached = llguidance.hf.from_tokenizer(
-                hf_tokenizer(tokenizer), n_vocab=vocab_size, eos_token=sorted(eos_ids)
+                hf, n_vocab=vocab_size, eos_token=sorted(eos_ids)
             )
             _tokenizers[key] = cached
             _sources[id(cached)] = _source(hf, vocab_size, eos_ids)
