@@ -44,6 +44,17 @@ def _ms(values: list[float]) -> dict[str, float]:
             "p90_ms": round(ordered[int(len(ordered) * 0.9) - 1] * 1000, 2)}
 
 
+def _rss_mib(pid: int | None) -> float | None:
+    """The worker's VmRSS (Linux /proc; None elsewhere)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schemas", type=int, default=200)
@@ -79,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                     worker.validate(grammar, key, source)
                 target.append(time.perf_counter() - t)
 
+    worker_rss_mib = _rss_mib(worker.pid)
     crash = LLMatcher.grammar_from_json_schema({"enum": [-(2**63)]})  # unscreened
     recoveries: list[float] = []
     for _ in range(3):
@@ -97,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "overhead_median_ms": round(
             (statistics.median(sandboxed) - statistics.median(inproc)) * 1000, 2),
         "worker_start_s": round(start_s, 2),
+        "worker_rss_mib": worker_rss_mib,
         "crash_to_next_compile_s": [round(r, 2) for r in recoveries],
     }))
     return 0

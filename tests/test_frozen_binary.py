@@ -147,6 +147,26 @@ def test_light_commands(frozen: FrozenBuild, tmp_path: Path) -> None:
 @pytest.mark.slow
 @needs_build
 @pytest.mark.timeout(BUILD_TIMEOUT_S + 180)
+def _grammar_checks(url: str) -> None:
+    """A grammar through the compile worker, which the frozen binary runs as itself (it
+    has no ``-c``): a schema answered, and the schema llguidance dies on refused with the
+    server alive."""
+    hi = [{"role": "user", "content": "hi"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    shaped = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "messages": hi, "max_tokens": 20, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert shaped.status_code == 200, shaped.text
+    assert set(json.loads(shaped.json()["choices"][0]["message"]["content"])) == {"a"}
+    refused = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "messages": hi, "max_tokens": 8, "response_format": {"type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"enum": [-(2**63)]}}}})
+    assert refused.status_code == 400, refused.text
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+
+
 def test_frozen_server_end_to_end(frozen: FrozenBuild, tmp_path: Path) -> None:
     """Cold start on a fresh cache, the shared smoke checks, doctor, SIGTERM → exit 0,
     and nothing written to the working directory."""
@@ -167,6 +187,7 @@ def test_frozen_server_end_to_end(frozen: FrozenBuild, tmp_path: Path) -> None:
         idle_rss = {pid: vm_rss_kib(pid) for pid in pids}
 
         run_smoke_checks(server.url)
+        _grammar_checks(server.url)
 
         report, _ = _run(frozen, "doctor", "--json", cwd=cwd,
                          env=_env(AFMD_SERVER_PORT=str(server.port), AFMD_CACHE_DIR=str(cache)))
