@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from afmd import profiling
@@ -181,10 +181,10 @@ class CompletionRun:
     def generation(self) -> Generations | None:
         return Generations(self.generations) if self.generations else None
 
-    def __aiter__(self) -> AsyncIterator[list[Event]]:
+    def __aiter__(self) -> AsyncGenerator[list[Event], None]:
         return self._events
 
-    async def _run(self) -> AsyncIterator[list[Event]]:
+    async def _run(self) -> AsyncGenerator[list[Event], None]:
         if not self.generations:  # cancelled while queued
             yield self._end([], cancelled_in_queue=True)
             return

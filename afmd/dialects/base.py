@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from afmd.core.events import Event
-from afmd.core.request import ChatRequest
+from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.errors import APIError
 
 
@@ -45,15 +45,19 @@ class Dialect(Protocol):
 
     def parse(
         self, raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
-    ) -> ChatRequest:
+    ) -> ChatRequest | CompletionRequest:
         """The body checked field by field into the internal request (400s name the field).
 
         An unknown top-level field is ignored and listed in the request's
         ``ignored_fields``; ``strict`` (``[api] strict``) refuses it instead."""
         ...
 
-    def reply(self, request: ChatRequest, *, model: str, fingerprint: str) -> Reply:
-        """A response to ``request``; ``model`` is the name the client asked for."""
+    def reply(
+        self, request: ChatRequest | CompletionRequest, *, model: str, fingerprint: str
+    ) -> Reply:
+        """A response to ``request`` (what this dialect's ``parse`` gave: a chat turn, or
+        raw prompts for Completions and Ollama's generate); ``model`` is the name the
+        client asked for."""
         ...
 
     def error_envelope(self, error: APIError) -> dict[str, Any]:

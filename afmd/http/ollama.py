@@ -12,6 +12,7 @@ error, the gate's refusals included, is ``{"error": "..."}``.
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 from typing import Any
 
@@ -305,15 +306,10 @@ async def pull(request: Request) -> HTTPResponse | None:
     return None
 
 
-class _Discard:
-    """Where ``afmd pull``'s text goes when its progress is reported as objects."""
+class _Discard(io.StringIO):
+    """Where ``afmd pull``'s text goes when its progress is reported as objects (a text
+    stream, as the progress bars expect, that keeps nothing; not a terminal)."""
 
     def write(self, text: str) -> int:
         return len(text)
-
-    def flush(self) -> None:
-        return None
-
-    def isatty(self) -> bool:
-        return False
 
