@@ -130,8 +130,8 @@ def coerce(value: object, kind: str, key: str) -> object:
         return value
     if kind == "int" and is_int:
         return value
-    if kind == "float" and (is_int or isinstance(value, float)):
-        return float(value)  # type: ignore[arg-type]  # int or float, checked above
+    if kind == "float" and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
     if kind == "str" and isinstance(value, str):
         return value
     if kind == "optint" and (value is None or is_int):

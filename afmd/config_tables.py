@@ -117,8 +117,8 @@ def parse_entries(value: object) -> list[ModelEntry]:
         ctx = coerce(item.get("context_length"), "optint", f"{base}.context_length")
         if isinstance(ctx, int) and ctx < 1:
             raise ConfigError(f"{base}.context_length", f"must be >= 1, got {ctx}")
-        model_id: str = item["id"]
-        path: str = item["path"]
+        model_id = str(item["id"])  # both strings: coerced above
+        path = str(item["path"])
         if model_id in first_index:
             raise ConfigError(
                 f"{base}.id",
@@ -137,10 +137,11 @@ def parse_entries(value: object) -> list[ModelEntry]:
                     f"{suggest(kind, MODEL_KINDS)}",
                 )
         fim = _parse_fim(item["fim"], f"{base}.fim") if "fim" in item else None
-        keep_alive = None
+        keep_alive: float | None = None
         if "keep_alive" in item:
-            keep_alive = coerce(item["keep_alive"], "float", f"{base}.keep_alive")
-            assert isinstance(keep_alive, float)
+            seconds = coerce(item["keep_alive"], "float", f"{base}.keep_alive")
+            assert isinstance(seconds, float)
+            keep_alive = seconds
             if not keep_alive >= -1:  # NaN too
                 raise ConfigError(f"{base}.keep_alive",
                                   f"must be >= -1 (-1 keeps the model loaded), got {keep_alive!r}")
