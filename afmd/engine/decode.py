@@ -38,7 +38,8 @@ A sequence's first token is still sampled by mlx-lm's own step when it joins the
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, greedy_sampler
@@ -106,7 +107,7 @@ class DecodeBatch(GenerationBatch):
 
     def _step(self) -> tuple[list[int], list[Any]]:
         self._launch_deferred()
-        self._current_tokens = inputs = self._next_tokens
+        self._current_tokens = inputs = self._next_tokens  # type: ignore[assignment]  # mlx-lm's GenerationBatch starts it as a bare None
         # What was kept for these tokens when they were sampled (see ``_launch``).
         self._current_logprobs = self._next_logprobs
         if 0 in self._num_tokens:
@@ -196,7 +197,7 @@ class DecodeBatch(GenerationBatch):
     def _read(self, tokens: mx.array) -> list[int]:
         """``tokens`` on the host: where the thread waits for the device."""
         started = time.perf_counter()
-        out: list[int] = tokens.tolist()
+        out = cast("list[int]", tokens.tolist())
         self.waited += time.perf_counter() - started
         return out
 
@@ -211,7 +212,9 @@ class DecodeBatch(GenerationBatch):
         return sample_rows(self.samplers, logits, n)
 
 
-def sample_rows(samplers: list[Any] | None, logits: mx.array, n: int) -> mx.array:
+def sample_rows(
+    samplers: Sequence[Callable[[mx.array], mx.array] | None] | None, logits: mx.array, n: int
+) -> mx.array:
     """Every row's next token: one argmax for a batch of greedy rows, one call for a
     batch sharing a sampler, else row by row."""
     picks = [
@@ -222,7 +225,7 @@ def sample_rows(samplers: list[Any] | None, logits: mx.array, n: int) -> mx.arra
         return mx.argmax(logits, axis=-1)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     first = picks[0]
-    if all(s is first for s in picks):
+    if first is not None and all(s is first for s in picks):
         return first(logprobs)
     return mx.concatenate(
         [

@@ -52,7 +52,7 @@ def _leaving(self: DecodeBatch, i: int) -> tuple[list[Any], list[int]]:
     if self._verify is not None:  # only a batch of one verifies: this row's pass
         verify, self._verify = self._verify, None
         trim_prompt_cache(self.prompt_cache, verify.k)
-        self.tokens[i].append(int(verify.first.item()))
+        self.tokens[i].append(int(verify.first))
     uid = self.uids[i]
     tokens = self.tokens[i]
     keep = self._prompt_len.pop(uid, 0) + self._num_tokens[i]

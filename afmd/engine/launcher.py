@@ -23,7 +23,7 @@ def _outputs_only(rlist: Any, wlist: Any, xlist: Any, timeout: float | None = No
 def mlx_launch(argv: Sequence[str]) -> int:
     from mlx._distributed_utils import launch
 
-    launch.select = _outputs_only  # type: ignore[attr-defined]
+    launch.select = _outputs_only
     sys.argv = ["mlx.launch", *argv]
     launch.main()
     return 0

@@ -8,7 +8,7 @@ they replace when a batch of one row may speculate (see the batch's module docst
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
@@ -52,7 +52,7 @@ def speculate(self: DecodeBatch) -> list[Any] | None:
     self._launch_deferred()
     if spec.constrained:
         # The proposal must go through the grammar first: wait for the token.
-        pending = int(self._next_tokens.item())
+        pending = int(self._next_tokens)
         responses = handout.account(self, [[pending]], [self._next_logprobs[:1]])
         if self.uids:
             launch_after(self, spec, pending)
@@ -70,7 +70,7 @@ def speculate(self: DecodeBatch) -> list[Any] | None:
                           _wanted(self))
     verify.launch(self.model, self.prompt_cache, None)
     self._verify = verify
-    return handout.account(self, [[int(first.item())]], [self._next_logprobs[:1]])
+    return handout.account(self, [[int(first)]], [self._next_logprobs[:1]])
 
 def launch_after(self: DecodeBatch, spec: RowSpec, pending: int) -> None:
     """Feed ``pending`` (handed out, not yet in the cache) with a proposal, or alone."""
@@ -108,7 +108,7 @@ def resolve(self: DecodeBatch) -> tuple[list[int], int, list[Any]]:
     if rejected:
         trim_prompt_cache(self.prompt_cache, rejected)
     consume(verify.spec.processors, proposal[:n])
-    self.tokens[0] += [int(verify.first.item()), *proposal[:n]]
+    self.tokens[0] += [int(verify.first), *proposal[:n]]
     verify.state.record(verify.k, n, len(verify.spec.history))
     return proposal[:n], targets[n], verify.entries(n + 1)
 
@@ -123,4 +123,4 @@ def _as_array(tokens: list[int] | mx.array) -> mx.array:
 
 
 def _as_list(tokens: list[int] | mx.array) -> list[int]:
-    return tokens.tolist() if isinstance(tokens, mx.array) else list(tokens)
+    return cast("list[int]", tokens.tolist()) if isinstance(tokens, mx.array) else list(tokens)
