@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
-from typing import Any
 
 from afmd.completion_run import Generations
 from afmd.core.events import Choice, Event, Profile, Timings, Usage
@@ -126,7 +125,7 @@ class ChoicesRun:
         return out
 
 
-async def _close(stream: Any) -> None:
+async def _close(stream: AsyncGenerator[list[Event], None]) -> None:
     close = getattr(stream, "aclose", None)
     if close is not None:
         try:

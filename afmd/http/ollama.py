@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import io
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from sanic import Request, Sanic
@@ -46,6 +46,9 @@ from afmd.http.ignored import ignored_headers
 from afmd.protocol.body import parse_json_body
 from afmd.protocol.fields import Scalar, read_scalars
 from afmd.protocol.keep_alive import keep_alive_of
+
+if TYPE_CHECKING:  # imported where a pull runs: the hub client is heavy
+    from afmd.hub import RemoteFile
 
 __all__ = ["ROOT_TEXT", "VERSION", "add_routes"]
 
@@ -226,7 +229,7 @@ async def delete(request: Request) -> HTTPResponse:
 # ---------------------------------------------------------------------------- pull
 
 
-def _digest(remote: Any) -> str:
+def _digest(remote: RemoteFile) -> str:
     return f"sha256:{remote.sha256}" if remote.sha256 else f"sha1:{remote.blob_id}"
 
 
@@ -256,7 +259,7 @@ async def pull(request: Request) -> HTTPResponse | None:
 
     last_sent: dict[str, float] = {}
 
-    def report(remote: Any, done: int, total: int | None) -> None:
+    def report(remote: RemoteFile, done: int, total: int | None) -> None:
         digest = _digest(remote)
         now = time.monotonic()
         total = total or remote.size
