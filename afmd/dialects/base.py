@@ -9,7 +9,7 @@ head went out and ``stream_error`` after it.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from afmd.core.events import Event
 from afmd.core.request import ChatRequest, CompletionRequest
@@ -40,24 +40,25 @@ class Reply(Protocol):
         ...
 
 
-class Dialect(Protocol):
+#: The kind of request a dialect reads: a chat turn, raw prompts (Completions), or either
+#: (Ollama's generate).
+RequestT = TypeVar("RequestT", bound="ChatRequest | CompletionRequest")
+
+
+class Dialect(Protocol[RequestT]):
     name: str
 
     def parse(
         self, raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
-    ) -> ChatRequest | CompletionRequest:
+    ) -> RequestT:
         """The body checked field by field into the internal request (400s name the field).
 
         An unknown top-level field is ignored and listed in the request's
         ``ignored_fields``; ``strict`` (``[api] strict``) refuses it instead."""
         ...
 
-    def reply(
-        self, request: ChatRequest | CompletionRequest, *, model: str, fingerprint: str
-    ) -> Reply:
-        """A response to ``request`` (what this dialect's ``parse`` gave: a chat turn, or
-        raw prompts for Completions and Ollama's generate); ``model`` is the name the
-        client asked for."""
+    def reply(self, request: RequestT, *, model: str, fingerprint: str) -> Reply:
+        """A response to ``request``; ``model`` is the name the client asked for."""
         ...
 
     def error_envelope(self, error: APIError) -> dict[str, Any]:

@@ -30,6 +30,7 @@ What afmd needs from them, and how:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import inspect
@@ -117,6 +118,7 @@ class SanicConnection(HttpProtocol):
 
     HTTP_CLASS = ExactHttp
     __slots__ = ()
+    _callback_check_timeouts: asyncio.TimerHandle | None  # type: ignore[assignment]  # Sanic's, inferred from its None in __init__
 
     # -- hooks for the subclass --
     def afmd_sanic_idle(self) -> None:

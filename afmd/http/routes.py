@@ -71,8 +71,9 @@ def request_id_of(request: Request) -> str:
     return rid
 
 
-def dialect_of(request: Request | None) -> Dialect | None:
-    """The dialect of the route ``request`` matched (None: not a turn's route)."""
+def dialect_of(request: Request | None) -> Dialect[Any] | None:
+    """The dialect of the route ``request`` matched (None: not a turn's route), whichever
+    kind of request it reads."""
     route = getattr(request, "route", None) if request is not None else None
     return getattr(route.ctx, "dialect", None) if route is not None else None
 
