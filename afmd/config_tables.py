@@ -202,6 +202,7 @@ def parse_server_tools(value: object) -> list[ServerTool]:
             raise ConfigError(f"{base}.name", f"duplicate server tool name {name!r}")
         names.add(name)
         command = coerce(item.get("command", []), "strlist", f"{base}.command")
+        assert isinstance(command, tuple)  # of strings, as coerce checked
         python = coerce(item.get("python", ""), "str", f"{base}.python")
         if bool(command) == bool(python):
             raise ConfigError(base, "set exactly one of 'command' (an argv array) or 'python'")
@@ -227,7 +228,7 @@ def parse_server_tools(value: object) -> list[ServerTool]:
                 description=str(coerce(item.get("description", ""), "str",
                                        f"{base}.description")),
                 parameters=dict(parameters),
-                command=tuple(command),  # type: ignore[arg-type]
+                command=tuple(command),
                 python=str(python),
                 timeout=timeout,
                 cwd=str(coerce(item.get("cwd", ""), "str", f"{base}.cwd")),
