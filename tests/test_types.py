@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+#: The checkout: where pyproject.toml (and so [tool.mypy]) is, wherever this file sits.
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 
 pytestmark = pytest.mark.slow
 
