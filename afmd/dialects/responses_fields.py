@@ -42,7 +42,7 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 MAX_METADATA = 16
 
 
-def _unsupported_tool(param: str, kind: Any) -> InvalidRequestError:
+def _unsupported_tool(param: str, kind: object) -> InvalidRequestError:
     return InvalidRequestError(
         f"The tool type {quoted(kind)} is one of OpenAI's hosted tools, which afmd does not "
         "have; only 'function' tools are supported.", code="unsupported_tool", param=param)

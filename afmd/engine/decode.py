@@ -39,7 +39,8 @@ A sequence's first token is still sampled by mlx-lm's own step when it joins the
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
@@ -206,7 +207,7 @@ class DecodeBatch(GenerationRows):
     def _read(self, tokens: mx.array) -> list[int]:
         """``tokens`` on the host: where the thread waits for the device."""
         started = time.perf_counter()
-        out: list[int] = tokens.tolist()
+        out = cast("list[int]", tokens.tolist())
         self.waited += time.perf_counter() - started
         return out
 
@@ -366,7 +367,9 @@ class DecodeBatch(GenerationRows):
         return rows.get(self.uids[0]) if rows else None
 
 
-def sample_rows(samplers: list[Any] | None, logits: mx.array, n: int) -> mx.array:
+def sample_rows(
+    samplers: Sequence[Callable[[mx.array], mx.array] | None] | None, logits: mx.array, n: int
+) -> mx.array:
     """Every row's next token: one argmax for a batch of greedy rows, one call for a
     batch sharing a sampler, else row by row."""
     picks = [
@@ -377,7 +380,7 @@ def sample_rows(samplers: list[Any] | None, logits: mx.array, n: int) -> mx.arra
         return mx.argmax(logits, axis=-1)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     first = picks[0]
-    if all(s is first for s in picks):
+    if first is not None and all(s is first for s in picks):
         return first(logprobs)
     return mx.concatenate(
         [
