@@ -259,7 +259,7 @@ class DecodeBatch(GenerationRows):
         if self._verify is not None:  # only a batch of one verifies: this row's pass
             verify, self._verify = self._verify, None
             trim_prompt_cache(self.prompt_cache, verify.k)
-            self.tokens[i].append(int(verify.first.item()))
+            self.tokens[i].append(int(verify.first))
         uid = self.uids[i]
         tokens = self.tokens[i]
         keep = self._prompt_len.pop(uid, 0) + self.generated[i]
@@ -302,7 +302,7 @@ class DecodeBatch(GenerationRows):
         self._launch_deferred()
         if spec.constrained:
             # The proposal must go through the grammar first: wait for the token.
-            pending = int(self.next_tokens.item())
+            pending = int(self.next_tokens)
             responses = self._account([[pending]], [self.next_logprobs[:1]])
             if self.uids:
                 self._launch_after(spec, pending)
@@ -319,7 +319,7 @@ class DecodeBatch(GenerationRows):
         verify = Verification(spec, state, first, _as_array(rest), len(rest), self._wanted())
         verify.launch(self.model, self.prompt_cache, None)
         self._verify = verify
-        return self._account([[int(first.item())]], [self.next_logprobs[:1]])
+        return self._account([[int(first)]], [self.next_logprobs[:1]])
 
     def _launch_after(self, spec: RowSpec, pending: int) -> None:
         """Feed ``pending`` (handed out, not yet in the cache) with a proposal, or alone."""
@@ -357,7 +357,7 @@ class DecodeBatch(GenerationRows):
         if rejected:
             trim_prompt_cache(self.prompt_cache, rejected)
         consume(verify.spec.processors, proposal[:n])
-        self.tokens[0] += [int(verify.first.item()), *proposal[:n]]
+        self.tokens[0] += [int(verify.first), *proposal[:n]]
         verify.state.record(verify.k, n, len(verify.spec.history))
         return proposal[:n], targets[n], verify.entries(n + 1)
 
@@ -415,4 +415,4 @@ def _as_array(tokens: list[int] | mx.array) -> mx.array:
 
 
 def _as_list(tokens: list[int] | mx.array) -> list[int]:
-    return tokens.tolist() if isinstance(tokens, mx.array) else list(tokens)
+    return cast("list[int]", tokens.tolist()) if isinstance(tokens, mx.array) else list(tokens)

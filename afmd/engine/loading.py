@@ -168,9 +168,9 @@ def _load_vision(entry: ModelEntry, config: Config, source: str, is_demo: bool) 
         model=model,
         tokenizer=tokenizer,
         context_length=context_length,
-        worker=worker,  # type: ignore[arg-type]  # the same interface as BatchWorker's
+        worker=worker,
         is_demo=is_demo,
-        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),  # type: ignore[str-unpack, union-attr]  # mlx types tree_flatten list-or-dict alike
         vision=VisionSupport(model, processor, tokenizer, config.models.max_image_pixels),
     )
 
