@@ -15,8 +15,7 @@ completion tokens of every choice.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
 
 from afmd.completion_run import Generations
 from afmd.core.events import Choice, Event, Profile, Timings, Usage
@@ -58,7 +57,7 @@ class ChoicesRun:
         generations = self.generations
         return Generations(generations) if generations else None
 
-    def __aiter__(self) -> AsyncIterator[list[Event]]:
+    def __aiter__(self) -> AsyncGenerator[list[Event], None]:
         return self._events
 
     def start_generation(self) -> None:
@@ -73,7 +72,7 @@ class ChoicesRun:
         for run in self.runs:
             run.cancel()
 
-    async def _run(self) -> AsyncIterator[list[Event]]:
+    async def _run(self) -> AsyncGenerator[list[Event], None]:
         streams = [aiter(run) for run in self.runs]
         ends: dict[int, list[Event]] = {}  # a finished choice's usage and profile
         pending: dict[int, asyncio.Future[list[Event]]] = {}
@@ -126,7 +125,7 @@ class ChoicesRun:
         return out
 
 
-async def _close(stream: Any) -> None:
+async def _close(stream: AsyncGenerator[list[Event], None]) -> None:
     close = getattr(stream, "aclose", None)
     if close is not None:
         try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from afmd import profiling
@@ -32,6 +32,7 @@ from afmd.core.events import (
     TokenLogprob,
     Usage,
 )
+from afmd.engine.base import Event as EngineEvent
 from afmd.engine.base import (
     Finished,
     Generation,
@@ -78,7 +79,7 @@ class ChoiceReader:
         self.finished: Finished | None = None
         self.reason: str | None = None
 
-    def read(self, events: Sequence[Any], *, cancelled: bool) -> list[Event]:
+    def read(self, events: Sequence[EngineEvent], *, cancelled: bool) -> list[Event]:
         out: list[Event] = []
         if self._echo is not None:
             out.append(Content(self._echo))
@@ -181,15 +182,15 @@ class CompletionRun:
     def generation(self) -> Generations | None:
         return Generations(self.generations) if self.generations else None
 
-    def __aiter__(self) -> AsyncIterator[list[Event]]:
+    def __aiter__(self) -> AsyncGenerator[list[Event], None]:
         return self._events
 
-    async def _run(self) -> AsyncIterator[list[Event]]:
+    async def _run(self) -> AsyncGenerator[list[Event], None]:
         if not self.generations:  # cancelled while queued
             yield self._end([], cancelled_in_queue=True)
             return
         readers = self._readers()
-        pending: dict[int, asyncio.Future[list[Any]]] = {}
+        pending: dict[int, asyncio.Future[list[EngineEvent]]] = {}
         try:
             while True:
                 try:
@@ -215,8 +216,8 @@ class CompletionRun:
                 future.cancel()
 
     async def _next(
-        self, readers: list[ChoiceReader], pending: dict[int, asyncio.Future[list[Any]]]
-    ) -> list[tuple[int, list[Any]]]:
+        self, readers: list[ChoiceReader], pending: dict[int, asyncio.Future[list[EngineEvent]]]
+    ) -> list[tuple[int, list[EngineEvent]]]:
         """The events of every generation that has some, waiting for at least one."""
         self._control.check()
         active = [i for i, r in enumerate(readers) if r.finished is None]
@@ -242,7 +243,9 @@ class CompletionRun:
 
         return stop
 
-    async def _retry(self, exc: APIError, pending: dict[int, asyncio.Future[Any]]) -> bool:
+    async def _retry(
+        self, exc: APIError, pending: dict[int, asyncio.Future[list[EngineEvent]]]
+    ) -> bool:
         """Start over after a transient model failure if nothing reached the client."""
         if not self._control.may_retry(exc):
             return False
@@ -303,8 +306,8 @@ class CompletionRun:
 
 async def _any_events(
     generations: list[Generation], active: list[int],
-    pending: dict[int, asyncio.Future[list[Any]]],
-) -> list[tuple[int, list[Any]]]:
+    pending: dict[int, asyncio.Future[list[EngineEvent]]],
+) -> list[tuple[int, list[EngineEvent]]]:
     """The events of each active generation that has some, waiting for at least one: a lone
     generation is awaited as it is; several each get a future, kept in ``pending`` across
     calls until its events are taken."""

@@ -17,7 +17,10 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "ConfigError",
@@ -130,8 +133,8 @@ def coerce(value: object, kind: str, key: str) -> object:
         return value
     if kind == "int" and is_int:
         return value
-    if kind == "float" and (is_int or isinstance(value, float)):
-        return float(value)  # type: ignore[arg-type]  # int or float, checked above
+    if kind == "float" and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
     if kind == "str" and isinstance(value, str):
         return value
     if kind == "optint" and (value is None or is_int):
@@ -168,7 +171,7 @@ def parse_text(text: str, kind: str, key: str) -> object:
 
 # --------------------------------------------------------------------------- the walker
 
-T = TypeVar("T")
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def _check_bounds(key: str, value: float, meta: Mapping[str, Any], origin: str) -> None:
@@ -203,7 +206,7 @@ def check_fields(obj: T, prefix: str, origin: Callable[[str], str] = lambda key:
     value came from (`` (from AFMD_SERVER_PORT)``), empty for the file.
     """
     normalized: dict[str, str] = {}
-    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+    for f in dataclasses.fields(obj):
         meta = f.metadata
         if not meta:
             continue
@@ -215,4 +218,4 @@ def check_fields(obj: T, prefix: str, origin: Callable[[str], str] = lambda key:
                 normalized[f.name] = choice
         elif "minimum" in meta and value is not None:
             _check_bounds(key, value, meta, origin(key))
-    return dataclasses.replace(obj, **normalized) if normalized else obj  # type: ignore[type-var]
+    return dataclasses.replace(obj, **normalized) if normalized else obj

@@ -117,8 +117,8 @@ def parse_entries(value: object) -> list[ModelEntry]:
         ctx = coerce(item.get("context_length"), "optint", f"{base}.context_length")
         if isinstance(ctx, int) and ctx < 1:
             raise ConfigError(f"{base}.context_length", f"must be >= 1, got {ctx}")
-        model_id: str = item["id"]
-        path: str = item["path"]
+        model_id = str(item["id"])  # both strings: coerced above
+        path = str(item["path"])
         if model_id in first_index:
             raise ConfigError(
                 f"{base}.id",
@@ -137,10 +137,11 @@ def parse_entries(value: object) -> list[ModelEntry]:
                     f"{suggest(kind, MODEL_KINDS)}",
                 )
         fim = _parse_fim(item["fim"], f"{base}.fim") if "fim" in item else None
-        keep_alive = None
+        keep_alive: float | None = None
         if "keep_alive" in item:
-            keep_alive = coerce(item["keep_alive"], "float", f"{base}.keep_alive")
-            assert isinstance(keep_alive, float)
+            seconds = coerce(item["keep_alive"], "float", f"{base}.keep_alive")
+            assert isinstance(seconds, float)
+            keep_alive = seconds
             if not keep_alive >= -1:  # NaN too
                 raise ConfigError(f"{base}.keep_alive",
                                   f"must be >= -1 (-1 keeps the model loaded), got {keep_alive!r}")
@@ -201,6 +202,7 @@ def parse_server_tools(value: object) -> list[ServerTool]:
             raise ConfigError(f"{base}.name", f"duplicate server tool name {name!r}")
         names.add(name)
         command = coerce(item.get("command", []), "strlist", f"{base}.command")
+        assert isinstance(command, tuple)  # of strings, as coerce checked
         python = coerce(item.get("python", ""), "str", f"{base}.python")
         if bool(command) == bool(python):
             raise ConfigError(base, "set exactly one of 'command' (an argv array) or 'python'")
@@ -226,7 +228,7 @@ def parse_server_tools(value: object) -> list[ServerTool]:
                 description=str(coerce(item.get("description", ""), "str",
                                        f"{base}.description")),
                 parameters=dict(parameters),
-                command=tuple(command),  # type: ignore[arg-type]
+                command=tuple(command),
                 python=str(python),
                 timeout=timeout,
                 cwd=str(coerce(item.get("cwd", ""), "str", f"{base}.cwd")),

@@ -33,7 +33,7 @@ def _screen(stream: TextIO | None) -> tuple[int, int]:
             size.lines if size and size.lines else 24)
 
 
-class _TerminalBar(tqdm):  # type: ignore[misc]  # tqdm ships no type hints
+class _TerminalBar(tqdm):  # tqdm ships no type hints
     label = ""
     stream: TextIO | None = None
 
@@ -47,9 +47,10 @@ class _TerminalBar(tqdm):  # type: ignore[misc]  # tqdm ships no type hints
         super().__init__(*args, **kwargs)
 
 
-class _LineBar(tqdm):  # type: ignore[misc]
+class _LineBar(tqdm):
     label = ""
     stream: TextIO | None = None
+    disable: bool  # tqdm's, set by its __init__
     interval = LINE_INTERVAL_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -33,10 +33,11 @@ class Round:
     max_tokens: int
     plan: TurnPlan
     trimmed: int = 0  # messages dropped to fit the context window
-    vision: Any = None  # a vision model's image inputs for this prompt (None: no image)
+    # A vision model's image inputs for this prompt (None: no image).
+    vision: dict[str, Any] | None = None
     #: What a model that reads the conversation itself is given instead of ``prompt``
-    #: (Apple's on-device model: afmd.engine.apple.conversation.SystemTurn).
-    conversation: Any = None
+    #: (Apple's on-device model).
+    conversation: SystemTurn | None = None
 
 
 class RoundBuilder:
@@ -119,7 +120,7 @@ class RoundBuilder:
         max_tokens = request.max_tokens if request.max_tokens is not None else limit
         return Round(request, [], max_tokens, plan, conversation=turn)
 
-    def _render(self, request: ChatRequest) -> tuple[list[int], Any]:
+    def _render(self, request: ChatRequest) -> tuple[list[int], dict[str, Any] | None]:
         """The prompt's token ids and, for a vision model, its image inputs."""
         vision = self.model.vision
         messages = template_messages(request.messages, instructions=self._instructions,

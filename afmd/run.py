@@ -12,7 +12,7 @@ token); the last batch ends with :class:`~afmd.core.events.Finish` and
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,10 +122,10 @@ class ChatRun:
         """Retries made."""
         return self._control.attempt
 
-    def __aiter__(self) -> AsyncIterator[list[Event]]:
+    def __aiter__(self) -> AsyncGenerator[list[Event], None]:
         return self._events
 
-    async def _run(self) -> AsyncIterator[list[Event]]:
+    async def _run(self) -> AsyncGenerator[list[Event], None]:
         if self.generation is None:  # cancelled while queued
             yield self._end("cancelled", None)
             return
@@ -243,7 +243,7 @@ class ChatRun:
 
 
 def _generation(prepared: PreparedChat, rnd: Round, choice: int,
-                run_tool: Callable[[str, str], Awaitable[str]]) -> GenerationRequest:
+                run_tool: Callable[[str, str], Coroutine[Any, Any, str]]) -> GenerationRequest:
     r = rnd.request
     return GenerationRequest(
         request_id=prepared.request_id,

@@ -10,10 +10,10 @@ answer's text kept for a ``json_schema`` check at the end.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from afmd.core.events import Content, Event, Refusal, ToolCallEnd, ToolCallStart
 from afmd.core.request import ToolCall
+from afmd.engine.base import Event as EngineEvent
 from afmd.engine.base import Finished, Refused, Text, ToolCalled
 from afmd.engine.tokens import LogprobQueue, TokenTable
 from afmd.toolloop import ClientView
@@ -40,7 +40,7 @@ class RoundReader:
         self._view = view
         self._stop = stop
 
-    def read(self, events: list[Any]) -> tuple[list[Event], Finished | None]:
+    def read(self, events: list[EngineEvent]) -> tuple[list[Event], Finished | None]:
         """The events for the client, and the engine's end when the round ended."""
         out: list[Event] = []
         output = self.output

@@ -12,9 +12,8 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -36,6 +35,9 @@ from afmd.grammar.limits import schema_limit_param
 from afmd.grammar.processor import BanTokens, GrammarProcessor
 from afmd.output.formats import detect
 from afmd.output.processor import OutputProcessor, ToolFormat
+
+if TYPE_CHECKING:
+    from afmd.engine.penalties import LogitsProcessor
 
 # Tokens a forced call may spend thinking first (the loop must reach the call).
 _MAX_FORCED_THINKING = 512
@@ -114,19 +116,19 @@ class TurnPlan:
     max_calls: int | None = None
     schema: dict[str, Any] | None = None  # response_format schema to check the answer against
     json_answer: bool = False
-    _prepared: list[Callable[..., Any]] | None = None
+    _prepared: list[LogitsProcessor] | None = None
 
     def prepare_processors(self) -> None:
         """Build the first set of processors now (in a worker thread, not on the loop)."""
         self._prepared = self._build_processors()
 
-    def logits_processors(self) -> list[Callable[..., Any]]:
+    def logits_processors(self) -> list[LogitsProcessor]:
         """Fresh per-request processors (grammar matchers hold per-sequence state)."""
         prepared, self._prepared = self._prepared, None
         return prepared if prepared is not None else self._build_processors()
 
-    def _build_processors(self) -> list[Callable[..., Any]]:
-        out: list[Callable[..., Any]] = []
+    def _build_processors(self) -> list[LogitsProcessor]:
+        out: list[LogitsProcessor] = []
         if self.grammar is not None:
             out.append(GrammarProcessor(self.grammar.matcher(), self.grammar.tokenizer.vocab_size))
         if self.ban:

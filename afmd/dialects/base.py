@@ -9,10 +9,10 @@ head went out and ``stream_error`` after it.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from afmd.core.events import Event
-from afmd.core.request import ChatRequest
+from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.errors import APIError
 
 
@@ -40,19 +40,24 @@ class Reply(Protocol):
         ...
 
 
-class Dialect(Protocol):
+#: The kind of request a dialect reads: a chat turn, raw prompts (Completions), or either
+#: (Ollama's generate).
+RequestT = TypeVar("RequestT", bound="ChatRequest | CompletionRequest")
+
+
+class Dialect(Protocol[RequestT]):
     name: str
 
     def parse(
         self, raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
-    ) -> ChatRequest:
+    ) -> RequestT:
         """The body checked field by field into the internal request (400s name the field).
 
         An unknown top-level field is ignored and listed in the request's
         ``ignored_fields``; ``strict`` (``[api] strict``) refuses it instead."""
         ...
 
-    def reply(self, request: ChatRequest, *, model: str, fingerprint: str) -> Reply:
+    def reply(self, request: RequestT, *, model: str, fingerprint: str) -> Reply:
         """A response to ``request``; ``model`` is the name the client asked for."""
         ...
 

@@ -244,7 +244,7 @@ def _message(value: Any, param: str, ids: itertools.count[int]) -> Message:
     content = optional(value, "content", f"{param}.content", str, "a string") or ""
     images = _images(value.get("images"), f"{param}.images")
     if role == "assistant":
-        calls = ()
+        calls: tuple[ToolCall, ...] = ()
         if value.get("tool_calls") is not None:
             calls = _tool_calls(value["tool_calls"], f"{param}.tool_calls", ids)
         thinking = optional(value, "thinking", f"{param}.thinking", str, "a string")

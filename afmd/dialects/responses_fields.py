@@ -52,7 +52,7 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 MAX_METADATA = 16
 
 
-def _unsupported_tool(param: str, kind: Any) -> InvalidRequestError:
+def _unsupported_tool(param: str, kind: object) -> InvalidRequestError:
     return InvalidRequestError(
         f"The tool type {quoted(kind)} is a hosted tool, which afmd cannot run; 'function', "
         "'namespace' and 'custom' tools are supported (without [api] strict, other tools "

@@ -16,7 +16,7 @@ import base64
 import binascii
 import re
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,8 +132,9 @@ def _text_of(parts: Sequence[Item]) -> str:
     return "".join(part.get("text") or part.get("refusal") or "" for part in parts)
 
 
-def _images(parts: Any, param: Callable[[str], str]) -> tuple[ImageInput, ...]:
-    """The (checked) image parts' bytes, each placed in the parts' joined text."""
+def _images(parts: Any, params: ItemParams, index: int, field: str) -> tuple[ImageInput, ...]:
+    """The (checked) image parts' bytes, each placed in the parts' joined text (``field``:
+    where the parts sit in item ``index``, for the image's param)."""
     if not isinstance(parts, list):
         return ()
     images: list[ImageInput] = []
@@ -141,7 +142,7 @@ def _images(parts: Any, param: Callable[[str], str]) -> tuple[ImageInput, ...]:
     for j, part in enumerate(parts):
         if part.get("type") == "input_image":
             data = base64.b64decode(part["image_url"].partition(",")[2])
-            images.append(ImageInput(data, param(f"[{j}].image_url"), length))
+            images.append(ImageInput(data, params(index, f"{field}[{j}].image_url"), length))
         else:
             length += len(part.get("text") or part.get("refusal") or "")
     return tuple(images)
@@ -377,14 +378,14 @@ def to_messages(items: Sequence[Item], params: ItemParams) -> tuple[Message, ...
             output = item["output"]
             text = output if isinstance(output, str) else _text_of(output)
             where = open_calls[call_id][0]
-            images = _images(output, lambda rest, i=index: params(i, ".output" + rest))
+            images = _images(output, params, index, ".output")
             pending[where][call_id] = Message(role="tool", content=text,
                                               tool_call_id=call_id,
                                               has_images=bool(images), images=images)
             answered[call_id] = index
         else:  # a user, system or developer message
             flush()
-            images = _images(item["content"], lambda rest, i=index: params(i, ".content" + rest))
+            images = _images(item["content"], params, index, ".content")
             messages.append(Message(role=item["role"], content=_text_of(item["content"]),
                                     has_images=bool(images), images=images))
     flush()

@@ -171,8 +171,8 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stopped.wait(0.1):
-            lost = self._control.lost(heartbeat_timeout=self._heartbeat_timeout,
-                                      startup_deadline=self._startup_deadline)
+            lost: tuple[int | None, str] | None = self._control.lost(
+                heartbeat_timeout=self._heartbeat_timeout, startup_deadline=self._startup_deadline)
             if lost is None:
                 since = self._busy_since()
                 if since and time.monotonic() - since > self._step_timeout:

@@ -9,11 +9,8 @@ then runs the model work and inserts the row.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import mlx.core as mx
 
 from afmd.engine import backend
 from afmd.engine.base import Generation, PromptLogprobs, SamplingParams
@@ -28,7 +25,7 @@ from afmd.engine.speculative import RowSpec, Standing
 from afmd.engine.stepper import Stepper
 
 
-def make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array] | None:
+def make_sampler(params: SamplingParams) -> RowSampler | None:
     """A per-request sampler with its own PRNG key (:class:`RowSampler`); ``None``
     means greedy: the batch then samples all greedy rows with one shared argmax."""
     return RowSampler.of(params)

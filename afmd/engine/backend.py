@@ -123,7 +123,7 @@ def compute_dtype(model: Any) -> str | None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    for _, value in tree_flatten(model.parameters()):
+    for _, value in tree_flatten(model.parameters()):  # type: ignore[str-unpack]  # mlx types tree_flatten list-or-dict alike
         if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
             return str(value.dtype).removeprefix("mlx.core.")
     return None

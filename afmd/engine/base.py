@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +87,7 @@ class GenerationRequest:
     conversation: Any = None
     # Runs one of the operator's server tools (name, JSON arguments) and returns what the
     # model reads as its output: for a model that calls tools itself mid-generation.
-    run_tool: Callable[[str, str], Awaitable[str]] | None = None
+    run_tool: Callable[[str, str], Coroutine[Any, Any, str]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,8 @@ A sequence's first token is still sampled by mlx-lm's own step when it joins the
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
@@ -206,7 +207,7 @@ class DecodeBatch(GenerationRows):
     def _read(self, tokens: mx.array) -> list[int]:
         """``tokens`` on the host: where the thread waits for the device."""
         started = time.perf_counter()
-        out: list[int] = tokens.tolist()
+        out = cast("list[int]", tokens.tolist())
         self.waited += time.perf_counter() - started
         return out
 
@@ -258,7 +259,7 @@ class DecodeBatch(GenerationRows):
         if self._verify is not None:  # only a batch of one verifies: this row's pass
             verify, self._verify = self._verify, None
             trim_prompt_cache(self.prompt_cache, verify.k)
-            self.tokens[i].append(int(verify.first.item()))
+            self.tokens[i].append(int(verify.first))
         uid = self.uids[i]
         tokens = self.tokens[i]
         keep = self._prompt_len.pop(uid, 0) + self.generated[i]
@@ -301,7 +302,7 @@ class DecodeBatch(GenerationRows):
         self._launch_deferred()
         if spec.constrained:
             # The proposal must go through the grammar first: wait for the token.
-            pending = int(self.next_tokens.item())
+            pending = int(self.next_tokens)
             responses = self._account([[pending]], [self.next_logprobs[:1]])
             if self.uids:
                 self._launch_after(spec, pending)
@@ -318,7 +319,7 @@ class DecodeBatch(GenerationRows):
         verify = Verification(spec, state, first, _as_array(rest), len(rest), self._wanted())
         verify.launch(self.model, self.prompt_cache, None)
         self._verify = verify
-        return self._account([[int(first.item())]], [self.next_logprobs[:1]])
+        return self._account([[int(first)]], [self.next_logprobs[:1]])
 
     def _launch_after(self, spec: RowSpec, pending: int) -> None:
         """Feed ``pending`` (handed out, not yet in the cache) with a proposal, or alone."""
@@ -356,7 +357,7 @@ class DecodeBatch(GenerationRows):
         if rejected:
             trim_prompt_cache(self.prompt_cache, rejected)
         consume(verify.spec.processors, proposal[:n])
-        self.tokens[0] += [int(verify.first.item()), *proposal[:n]]
+        self.tokens[0] += [int(verify.first), *proposal[:n]]
         verify.state.record(verify.k, n, len(verify.spec.history))
         return proposal[:n], targets[n], verify.entries(n + 1)
 
@@ -366,7 +367,9 @@ class DecodeBatch(GenerationRows):
         return rows.get(self.uids[0]) if rows else None
 
 
-def sample_rows(samplers: list[Any] | None, logits: mx.array, n: int) -> mx.array:
+def sample_rows(
+    samplers: Sequence[Callable[[mx.array], mx.array] | None] | None, logits: mx.array, n: int
+) -> mx.array:
     """Every row's next token: one argmax for a batch of greedy rows, one call for a
     batch sharing a sampler, else row by row."""
     picks = [
@@ -377,7 +380,7 @@ def sample_rows(samplers: list[Any] | None, logits: mx.array, n: int) -> mx.arra
         return mx.argmax(logits, axis=-1)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     first = picks[0]
-    if all(s is first for s in picks):
+    if first is not None and all(s is first for s in picks):
         return first(logprobs)
     return mx.concatenate(
         [
@@ -412,4 +415,4 @@ def _as_array(tokens: list[int] | mx.array) -> mx.array:
 
 
 def _as_list(tokens: list[int] | mx.array) -> list[int]:
-    return tokens.tolist() if isinstance(tokens, mx.array) else list(tokens)
+    return cast("list[int]", tokens.tolist()) if isinstance(tokens, mx.array) else list(tokens)

@@ -180,7 +180,7 @@ def _weight_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], f
     model_config.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
     model = qwen2_vl.Model(model_config)
     shapes: list[tuple[str, tuple[int, ...], float]] = []
-    for name, value in sorted(tree_flatten(model.parameters())):
+    for name, value in sorted(tree_flatten(model.parameters())):  # type: ignore[misc]  # mlx types tree_flatten list-or-dict alike
         shape = tuple(value.shape)
         if name.endswith("embed_tokens.weight"):
             std = demo_weights.EMBED_STD

@@ -36,7 +36,7 @@ def load_draft(entry: ModelEntry, config: Config, tokenizer: Any) -> Any:
     else:
         local = Path(draft.path).expanduser()
         source = str(local) if local.exists() else draft.path
-    model, draft_tokenizer = mlx_load(source)
+    model, draft_tokenizer = mlx_load(source)  # type: ignore[misc]  # mlx-lm types load() 2- or 3-tuple whatever return_config says
     problem = tokenizer_difference(tokenizer, draft_tokenizer)
     if problem is not None:
         raise DraftMismatch(

@@ -74,7 +74,7 @@ def upstream_problems() -> list[str]:
             continue
         if seen[:16] != fingerprint:
             problems.append(f"mlx._distributed_utils.launch.{name} is not the one of mlx "
-                            f"{MLX_VERSION} (mlx {mx.__version__} installed; fingerprint "
+                            f"{MLX_VERSION} (mlx {mx.__version__} installed; fingerprint "  # type: ignore[attr-defined]  # not in mlx.core's stub
                             f"{seen[:16]})")
     if getattr(launch, "select", None) is not select.select and (
             getattr(launch, "select", None) is not _outputs_only):

@@ -70,7 +70,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         )
     else:
         group = None
-        model, tokenizer, model_config = mlx_load(source, return_config=True)
+        model, tokenizer, model_config = mlx_load(source, return_config=True)  # type: ignore[misc]  # mlx-lm types load() 2- or 3-tuple whatever return_config says
     # A repo's files are on disk now: its folder can say what kind of model it is.
     kind, spec = kinds.resolve(entry, folder or kinds.model_folder(entry.path), model_config)
     if shard is not None and kind != CHAT:
@@ -110,7 +110,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         context_length=context_length,
         worker=worker,
         is_demo=is_demo,
-        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),  # type: ignore[str-unpack, union-attr]  # mlx types tree_flatten list-or-dict alike
         kind=kind,
         embedder=embedder,
         shard=shard,
@@ -168,9 +168,9 @@ def _load_vision(entry: ModelEntry, config: Config, source: str, is_demo: bool) 
         model=model,
         tokenizer=tokenizer,
         context_length=context_length,
-        worker=worker,  # type: ignore[arg-type]  # the same interface as BatchWorker's
+        worker=worker,
         is_demo=is_demo,
-        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),  # type: ignore[str-unpack, union-attr]  # mlx types tree_flatten list-or-dict alike
         vision=VisionSupport(model, processor, tokenizer, config.models.max_image_pixels),
     )
 

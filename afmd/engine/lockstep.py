@@ -56,9 +56,9 @@ class Lockstep:
             inline = payload[: _HEADER_BYTES - _LENGTH_BYTES]
             header[:_LENGTH_BYTES] = len(payload).to_bytes(_LENGTH_BYTES, "little")
             header[_LENGTH_BYTES : _LENGTH_BYTES + len(inline)] = inline
-        got = self._all_sum(mx.array(memoryview(header), dtype=mx.uint8))
+        got = self._all_sum(mx.array(memoryview(header), dtype=mx.uint8))  # type: ignore[arg-type]  # MLX's stub omits the buffer protocol
         mx.eval(got)
-        data = bytes(memoryview(got))
+        data = bytes(memoryview(got))  # type: ignore[arg-type]  # MLX's stub omits the buffer protocol
         length = int.from_bytes(data[:_LENGTH_BYTES], "little")
         body = data[_LENGTH_BYTES : _LENGTH_BYTES + length]
         missing = length - len(body)
@@ -67,9 +67,9 @@ class Lockstep:
             if self.leads:
                 assert payload is not None
                 tail[:] = payload[len(body) :]
-            more = self._all_sum(mx.array(memoryview(tail), dtype=mx.uint8))
+            more = self._all_sum(mx.array(memoryview(tail), dtype=mx.uint8))  # type: ignore[arg-type]  # MLX's stub omits the buffer protocol
             mx.eval(more)
-            body += bytes(memoryview(more))
+            body += bytes(memoryview(more))  # type: ignore[arg-type]  # MLX's stub omits the buffer protocol
         return body
 
     def share_plan(self, plan: StepPlan | None = None) -> StepPlan:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -60,7 +60,7 @@ class StepLogprobs:
             logits, tokens = logits[index], tokens[index]
         logits = logits.astype(mx.float32)
         self._on_host = _on_host()
-        self._lists: tuple[list[Any], list[Any], list[Any]] | None = None
+        self._lists: tuple[list[float], list[list[int]], list[list[float]]] | None = None
         self._logits: np.ndarray | mx.array = logits
         if self._on_host:
             self.arrays = [logits]
@@ -91,8 +91,9 @@ class StepLogprobs:
             return _from_logits(self._logits[index], token, k, normalised=False)
         if self._lists is None:
             chosen, *top = self.arrays
-            self._lists = (chosen.tolist(), top[0].tolist() if top else [],
-                           top[1].tolist() if top else [])
+            self._lists = (cast("list[float]", chosen.tolist()),
+                           cast("list[list[int]]", top[0].tolist()) if top else [],
+                           cast("list[list[float]]", top[1].tolist()) if top else [])
         chosen_l, ids, values = self._lists
         pairs = list(zip(ids[index][:k], values[index][:k], strict=True)) if ids else []
         return TokenIdLogprob(token, float(chosen_l[index]), _ordered(pairs))

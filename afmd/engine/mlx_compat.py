@@ -106,9 +106,9 @@ class GenerationRows(GenerationBatch):
     def take_next(self) -> tuple[mx.array, list[Any]]:
         """The next tokens (and their log-probabilities) become this step's inputs, as
         mlx-lm's own step makes them: ``extend`` reads them there."""
-        self._current_tokens = self._next_tokens
+        self._current_tokens = tokens = self._next_tokens  # type: ignore[assignment]  # mlx-lm's GenerationBatch starts it as a bare None
         self._current_logprobs = self._next_logprobs
-        return self._current_tokens, self._current_logprobs
+        return tokens, self._current_logprobs
 
     def token_context(self, row: int) -> Any:
         """Row ``row``'s recent tokens, as its (non-grammar) logits processors see them:

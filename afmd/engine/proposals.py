@@ -10,7 +10,7 @@ then text the prompt (or the output itself) already holds, then a small draft mo
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -162,9 +162,9 @@ class LookupSource:
         for n in _LOOKUP_NGRAMS:
             if len(history) < n:
                 continue
-            end = self._index.get(tuple(history[-n:]))
-            if end is not None and end < len(history):
-                return list(history[end : end + k])
+            found = self._index.get(tuple(history[-n:]))
+            if found is not None and found < len(history):
+                return list(history[found : found + k])
         return []
 
 
@@ -215,5 +215,5 @@ class DraftSource:
 
     def _settle(self) -> None:
         if self._unsettled is not None:
-            self._fed += self._unsettled.tolist()
+            self._fed += cast("list[int]", self._unsettled.tolist())
             self._unsettled = None

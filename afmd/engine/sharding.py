@@ -75,7 +75,7 @@ def load_shard(folder: Path, lockstep: Lockstep, wanted: str) -> tuple[Any, Any,
         first, last = model.model.start_idx, model.model.end_idx
     tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
     mx.eval(model.parameters())
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # type: ignore[str-unpack, union-attr]  # mlx types tree_flatten list-or-dict alike
     lockstep.share(b"" if lockstep.leads else None)  # everyone has loaded
     shard = Shard(strategy, lockstep.rank, lockstep.size, (first, last), weights)
     return model, tokenizer, config, shard

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -278,9 +278,9 @@ class Verification:
         assert self._head is not None
         targets = self._head.targets()
         if self.spec.sampler is not None:
-            accepted = accepted_count(self.proposal.tolist(), targets)
+            accepted = accepted_count(cast("list[int]", self.proposal.tolist()), targets)
             self.spec.sampler.commit(self._keys, accepted + 1)
-        return self.proposal.tolist(), targets
+        return cast("list[int]", self.proposal.tolist()), targets
 
     def entries(self, n: int) -> list[RowLogprobs | None]:
         """What :func:`afmd.engine.logprobs.resolve` reads for the tokens of the pass's

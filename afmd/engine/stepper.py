@@ -144,7 +144,7 @@ class Stepper:
             max_tokens=[max_tokens],
             caches=[cache],
             all_tokens=[prompt[: len(prompt) - len(rest)]],
-            samplers=[sampler],
+            samplers=[sampler],  # type: ignore[list-item]  # mlx-lm takes None (its own sampler) though List[Sampler] says not
             logits_processors=[processors],
             stop_sequences=[stop_sequences([t] for t in stops)] if stops else None,
         )

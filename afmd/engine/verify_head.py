@@ -24,7 +24,7 @@ import ctypes
 import glob
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -101,7 +101,7 @@ class DeviceHead(VerifyHead):
 
     def targets(self) -> list[int]:
         assert self._picks is not None
-        return self._picks.tolist()
+        return cast("list[int]", self._picks.tolist())
 
     def logprobs(self) -> StepLogprobs:
         assert self._logprobs is not None, "a pass started with logprobs"
@@ -181,7 +181,7 @@ class HostHead(VerifyHead):
         if self._mask is not None:
             logits = mx.where(mx.array(self._mask[i : i + 1]), logits, _NEG_INF)
         noise = self._noise[i : i + 1] if self._noise is not None else None
-        return int(_pick(logits, self._sampler, noise).item())
+        return int(_pick(logits, self._sampler, noise))
 
 
 def _head_is_last(model: Any, head: TransposedLinear) -> bool:

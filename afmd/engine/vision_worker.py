@@ -153,7 +153,7 @@ class VisionWorker:
         )
         try:
             for token, logprobs in steps:
-                if not stream.step(token, logprobs):
+                if not stream.step(token, logprobs):  # type: ignore[arg-type]  # mlx-vlm yields y.item(), an int, typed as an array
                     break
                 self._drain(block=False)
                 self._reap_waiting()

@@ -46,7 +46,7 @@ class GrammarProcessor:
             self.error = self.matcher.get_error()
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        self.advance(int(tokens[-1].item()) if self._started else -1)
+        self.advance(int(tokens[-1]) if self._started else -1)
         bitmask = np.empty((1, _words(self.vocab_size)), dtype=np.int32)
         self.matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
         allowed = _unpack(bitmask, logits.shape[-1], (0,))

@@ -7,6 +7,7 @@ from typing import Any
 
 from sanic import Request
 
+from afmd.core.events import Usage
 from afmd.http.metrics import first_token_seconds
 from afmd.logs import get_logger
 
@@ -50,7 +51,7 @@ def log_request(
     started: float | None = None,
     request_id: str | None = None,
     model: str | None = None,
-    usage: Any = None,
+    usage: Usage | None = None,
     finish_reason: str | None = None,
     stream_error: str | None = None,
     error_code: str | None = None,

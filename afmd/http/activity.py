@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from afmd.core.events import Usage
 from afmd.http.metrics import generations_of
 from afmd.logs import get_logger
 
@@ -97,7 +98,7 @@ class Activity:
         duration_ms: float | None,
         request_id: str | None,
         model: str | None,
-        usage: Any,
+        usage: Usage | None,
         ttft_ms: float | None,
         finish_reason: str | None,
         error_code: str | None,

@@ -30,6 +30,7 @@ What afmd needs from them, and how:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import inspect
@@ -87,6 +88,7 @@ class ExactHttp(Http):
     # The gate already bounds the head (max_header_bytes, answered with 431); Sanic's own
     # ceiling (16 KiB, answered with 413) must never cut a head the gate accepted.
     HEADER_MAX_SIZE = 1 << 62
+    protocol: SanicConnection  # Sanic's Http only knows the HttpProtocol it subclasses
 
     def init_for_request(self) -> None:
         super().init_for_request()
@@ -116,6 +118,7 @@ class SanicConnection(HttpProtocol):
 
     HTTP_CLASS = ExactHttp
     __slots__ = ()
+    _callback_check_timeouts: asyncio.TimerHandle | None  # type: ignore[assignment]  # Sanic's, inferred from its None in __init__
 
     # -- hooks for the subclass --
     def afmd_sanic_idle(self) -> None:
@@ -219,7 +222,7 @@ def accept_failure(context: dict[str, Any]) -> object | None:
     callback = getattr(handle, "_callback", None)
     if not isinstance(exc, OSError) or getattr(callback, "__name__", "") != _ACCEPT:
         return None
-    args = getattr(handle, "_args", None) or ()
+    args: tuple[object, ...] = getattr(handle, "_args", None) or ()
     return args[1] if len(args) > 1 else None  # (protocol_factory, sock, ...)
 
 

@@ -30,6 +30,7 @@ from typing import Any
 from sanic import Request, Sanic
 from sanic.response import HTTPResponse
 
+from afmd.dialects.base import ErrorStyle
 from afmd.http.supervisor import RUNNING, ListenerState
 
 __all__ = ["CONTENT_TYPE", "DECODE_BUCKETS", "TTFT_BUCKETS", "Metrics", "first_token_seconds",
@@ -129,7 +130,7 @@ class Metrics:
         """A state route (``/health``, ``/v1/models``) the connection answered itself."""
         self.requests[path, NONE, status] += 1
 
-    def refused(self, app: Sanic, target: tuple[str, str] | None, style: Any,
+    def refused(self, app: Sanic, target: tuple[str, str] | None, style: ErrorStyle | None,
                 status: int) -> None:
         """A request the gate refused (``target``: its method and path, None when it was
         refused before its head was read); ``style`` is the envelope it went out in."""

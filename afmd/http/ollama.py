@@ -12,8 +12,9 @@ error, the gate's refusals included, is ``{"error": "..."}``.
 from __future__ import annotations
 
 import asyncio
+import io
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from sanic import Request, Sanic
@@ -45,6 +46,9 @@ from afmd.http.ignored import ignored_headers
 from afmd.protocol.body import parse_json_body
 from afmd.protocol.fields import Scalar, read_scalars
 from afmd.protocol.keep_alive import keep_alive_of
+
+if TYPE_CHECKING:  # imported where a pull runs: the hub client is heavy
+    from afmd.hub import RemoteFile
 
 __all__ = ["ROOT_TEXT", "VERSION", "add_routes"]
 
@@ -225,7 +229,7 @@ async def delete(request: Request) -> HTTPResponse:
 # ---------------------------------------------------------------------------- pull
 
 
-def _digest(remote: Any) -> str:
+def _digest(remote: RemoteFile) -> str:
     return f"sha256:{remote.sha256}" if remote.sha256 else f"sha1:{remote.blob_id}"
 
 
@@ -255,7 +259,7 @@ async def pull(request: Request) -> HTTPResponse | None:
 
     last_sent: dict[str, float] = {}
 
-    def report(remote: Any, done: int, total: int | None) -> None:
+    def report(remote: RemoteFile, done: int, total: int | None) -> None:
         digest = _digest(remote)
         now = time.monotonic()
         total = total or remote.size
@@ -305,15 +309,10 @@ async def pull(request: Request) -> HTTPResponse | None:
     return None
 
 
-class _Discard:
-    """Where ``afmd pull``'s text goes when its progress is reported as objects."""
+class _Discard(io.StringIO):
+    """Where ``afmd pull``'s text goes when its progress is reported as objects (a text
+    stream, as the progress bars expect, that keeps nothing; not a terminal)."""
 
     def write(self, text: str) -> int:
         return len(text)
-
-    def flush(self) -> None:
-        return None
-
-    def isatty(self) -> bool:
-        return False
 

@@ -205,7 +205,8 @@ def show(state: Any, name: str, entry: ModelEntry) -> dict[str, Any]:
     context = loaded.context_length if loaded is not None else int(info["context_length"])
     details = _details(config, info)
     arch = details["family"]
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text_config = config.get("text_config")
+    text: dict[str, Any] = text_config if isinstance(text_config, dict) else config
     model_info: dict[str, Any] = {
         "general.architecture": arch,
         "general.basename": name.removesuffix(TAG),

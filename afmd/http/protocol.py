@@ -287,12 +287,11 @@ class AfmdProtocol(_Lifecycle):
         pending = self._afmd_pending
         while pending and self._afmd_state == _OPEN:
             item = pending[0]
-            kind = type(item)
-            if kind is Forward:
+            if isinstance(item, Forward):
                 pending.popleft()
                 self._afmd_sanic_held += self.afmd_to_sanic(item)
                 continue
-            if kind is Direct:
+            if isinstance(item, Direct):
                 pending.popleft()
                 # Answered here only when it is next in line (Sanic idle) and the client
                 # reads (a paused transport would otherwise buffer without bound); else
@@ -350,10 +349,9 @@ class AfmdProtocol(_Lifecycle):
     def _account(self) -> None:
         held = self._afmd_gate.buffered + self._afmd_sanic_held
         for item in self._afmd_pending:
-            kind = type(item)
-            if kind is Forward:
+            if isinstance(item, Forward):
                 held += item.size
-            elif kind is Direct:
+            elif isinstance(item, Direct):
                 held += item.forward.size
         if held != self._afmd_held:
             self.context.buffered += held - self._afmd_held

@@ -17,6 +17,9 @@ import orjson
 from sanic import Request
 from sanic.response import HTTPResponse
 
+from afmd.choices import ChoicesRun
+from afmd.completion_run import CompletionRun
+from afmd.completions import PreparedCompletion
 from afmd.core.events import Event
 from afmd.core.ids import new_request_id
 from afmd.core.request import ChatRequest, CompletionRequest
@@ -68,13 +71,16 @@ def request_id_of(request: Request) -> str:
     return rid
 
 
-def dialect_of(request: Request | None) -> Dialect | None:
-    """The dialect of the route ``request`` matched (None: not a turn's route)."""
+def dialect_of(request: Request | None) -> Dialect[Any] | None:
+    """The dialect of the route ``request`` matched (None: not a turn's route), whichever
+    kind of request it reads."""
     route = getattr(request, "route", None) if request is not None else None
     return getattr(route.ctx, "dialect", None) if route is not None else None
 
 
-def _response_headers(prepared: PreparedChat, extra: dict[str, str]) -> dict[str, str]:
+def _response_headers(
+    prepared: PreparedChat | PreparedCompletion, extra: dict[str, str]
+) -> dict[str, str]:
     headers = {"X-Request-ID": prepared.request_id, "OpenAI-Request-ID": prepared.request_id,
                **extra}
     if prepared.plan.downgraded:
@@ -115,7 +121,7 @@ def interrupt_requests(state: Any, error: APIError) -> None:
 
 
 async def _next_batch(
-    state: Any, run: ChatRun, batches: AsyncIterator[list[Event]]
+    state: Any, run: ChatRun | ChoicesRun | CompletionRun, batches: AsyncIterator[list[Event]]
 ) -> list[Event]:
     """The run's next batch of events; a run the shutdown cancelled fails with its error."""
     batch = await anext(batches)
@@ -125,7 +131,7 @@ async def _next_batch(
     return batch
 
 
-def _note_end(request: Request, run: ChatRun) -> None:
+def _note_end(request: Request, run: ChatRun | ChoicesRun | CompletionRun) -> None:
     request.ctx.usage = run.usage
     request.ctx.run = run  # its model and engine timings, for /metrics
     request.ctx.finish_reason = run.finish_reason
@@ -175,8 +181,8 @@ async def turn(request: Request, parsed: ChatRequest | CompletionRequest | None 
 
 
 async def _complete(
-    request: Request, run: ChatRun, batches: AsyncIterator[list[Event]], reply: Reply,
-    extra: dict[str, str],
+    request: Request, run: ChatRun | ChoicesRun | CompletionRun,
+    batches: AsyncIterator[list[Event]], reply: Reply, extra: dict[str, str],
 ) -> HTTPResponse:
     state = request.app.ctx.state
     events: list[Event] = []
@@ -188,7 +194,8 @@ async def _complete(
 
 
 async def _stream(
-    request: Request, prepared: PreparedChat, reply: Reply, extra: dict[str, str]
+    request: Request, prepared: PreparedChat | PreparedCompletion, reply: Reply,
+    extra: dict[str, str],
 ) -> None:
     state = request.app.ctx.state
     pipeline: ChatPipeline = state.pipeline

@@ -27,6 +27,7 @@ from afmd.protocol.fields import (
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _ROLE_SET = frozenset(ROLES)
+_NO_IMAGES: tuple[ImageInput, ...] = ()
 
 _DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,([A-Za-z0-9+/]*={0,2})", re.ASCII)
 
@@ -173,7 +174,7 @@ def message(value: Any, param: str) -> Message:
                 f"{param}.function_call",
                 "'function_call' is deprecated and not supported; use 'tool_calls'.",
             )
-        content, images = value.get("content"), ()
+        content, images = value.get("content"), _NO_IMAGES
         if type(content) is not str:
             content, images = text_content(content, f"{param}.content", allow_null=True)
         if content is None and not calls:
@@ -182,7 +183,7 @@ def message(value: Any, param: str) -> Message:
                        has_images=bool(images), images=images)
     if "content" not in value:
         raise missing(f"{param}.content")
-    content, images = value["content"], ()
+    content, images = value["content"], _NO_IMAGES
     if type(content) is not str:
         content, images = text_content(content, f"{param}.content")
     if role == "tool":

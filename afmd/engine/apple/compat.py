@@ -36,7 +36,7 @@ def options_class(fm: ModuleType) -> type:
     if found is not None:
         return found
 
-    class Options(fm.GenerationOptions):  # type: ignore[misc, name-defined]
+    class Options(fm.GenerationOptions):  # type: ignore[name-defined]  # a module known at run time
         def to_dict(self) -> dict[str, Any]:
             out: dict[str, Any] = super().to_dict()
             sampling = self.sampling

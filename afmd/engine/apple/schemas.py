@@ -495,7 +495,7 @@ def _branch_for(value: Any, branches: list[Any], root: Any) -> Any:
         node = _resolved(branch, root)
         if not isinstance(node, Mapping) or _is_null(node, root):
             continue
-        kinds = _types(node) or ([_implied_type(node)] if _implied_type(node) else [])
+        kinds = _types(node) or ([implied] if (implied := _implied_type(node)) else [])
         if wanted in kinds or (wanted == "integer" and "number" in kinds):
             return branch
         if wanted == "string" and as_text(node, root):

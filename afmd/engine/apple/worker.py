@@ -29,6 +29,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import aclosing
 from pathlib import Path
@@ -151,7 +152,8 @@ class _Session:
     """
 
     def __init__(self, fm: ModuleType, turn: SystemTurn, report: Any, capture: Capture,
-                 run_server: Any, max_tokens: int | None) -> None:
+                 run_server: Callable[[str, str], Future[str]] | None,
+                 max_tokens: int | None) -> None:
         self.fm = fm
         self.turn = turn
         self.max_tokens = max_tokens
@@ -384,7 +386,7 @@ class _Job:
             f"resulted in {tokens} tokens. Please reduce the length of the messages.",
             code="context_length_exceeded", param="messages")
 
-    def _server_runner(self) -> Any:
+    def _server_runner(self) -> Callable[[str, str], Future[str]] | None:
         run_tool = self.generation.request.run_tool
         if run_tool is None:
             return None
@@ -418,7 +420,8 @@ class _Job:
             by_name = {t.name: t for t in forced.tools}
             events: list[Any] = []
             for call in calls:
-                tool = by_name.get(call.get("name")) if isinstance(call, dict) else None
+                name = call.get("name") if isinstance(call, dict) else None
+                tool = by_name.get(name) if isinstance(name, str) else None
                 if tool is None:
                     continue
                 events.append(ToolCalled(tool.name, _arguments(tool, call.get("arguments"))))
