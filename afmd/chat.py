@@ -11,6 +11,7 @@ the shape for a template that refuses a system turn there.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -112,7 +113,9 @@ def template_messages(
     return out
 
 
-def folded_system_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+def folded_system_turns(
+    messages: Sequence[Mapping[str, Any]],
+) -> list[dict[str, Any]] | None:
     """``messages`` with every system turn after the first message folded into the nearest
     user turn (the next one, else the one before), for templates that accept a system
     message only first, as Anthropic folds them for models without mid-conversation

@@ -195,7 +195,7 @@ class LoadedModel:
                 list(messages), add_generation_prompt=True, tokenize=False, **kwargs
             )
         except Exception:
-            folded = folded_system_turns(list(messages))
+            folded = folded_system_turns(messages)
             if folded is None:
                 raise
             text = self.tokenizer.apply_chat_template(
