@@ -10,7 +10,10 @@ below costs a legitimate schema nothing: every number in the schema (wherever it
 since ``const`` and ``enum`` values nest) must be finite and, compared as a double,
 above -2^63; an integer must fit int64, a float stay below 2^63. An enum and an
 object's properties are bounded as well, so one schema cannot make the compile that
-follows arbitrarily long.
+follows arbitrarily long, and so is an integral ``multipleOf``: llguidance builds an
+automaton with about as many states as its value (a power of ten excepted), which for a
+value in the millions takes seconds and hundreds of megabytes when the matcher is built.
+``multipleOf`` must be greater than 0, as JSON Schema says.
 
 What gets past this screen is still compiled in a separate process
 (:mod:`afmd.grammar.sandbox`), so an input this screen does not know about costs a
@@ -37,6 +40,8 @@ MAX_ENUM = 10_000
 #: Properties one object schema may list: the compile grows faster than their number
 #: (optional ones above all), and the compile worker's time bound is the backstop.
 MAX_PROPERTIES = 1_000
+#: Largest integral ``multipleOf`` other than a power of ten.
+MAX_MULTIPLE_OF = 10_000
 
 
 def schema_limit_problem(schema: Any) -> tuple[str, list[Segment]] | None:
@@ -50,6 +55,11 @@ def schema_limit_problem(schema: Any) -> tuple[str, list[Segment]] | None:
             if type(enum) is list and len(enum) > MAX_ENUM:
                 return (f"an enum lists {len(enum)} values; at most {MAX_ENUM} are "
                         "supported", [*path, "enum"])
+            multiple = value.get("multipleOf")
+            if type(multiple) is int or type(multiple) is float:
+                problem = _multiple_problem(multiple)
+                if problem is not None:
+                    return problem, [*path, "multipleOf"]
             properties = value.get("properties")
             if type(properties) is dict and len(properties) > MAX_PROPERTIES:
                 return (f"an object lists {len(properties)} properties; at most "
@@ -64,6 +74,17 @@ def schema_limit_problem(schema: Any) -> tuple[str, list[Segment]] | None:
             if problem is not None:
                 return problem, path
     return None
+
+
+def _multiple_problem(value: int | float) -> str | None:
+    if not value > 0:  # NaN too
+        return f"multipleOf must be greater than 0, not {value!r}"
+    if value <= MAX_MULTIPLE_OF or not float(value).is_integer():
+        return None
+    if math.isfinite(value) and str(int(value)).rstrip("0") == "1":  # 10^k: cheap
+        return None
+    return (f"a multipleOf of {value!r} is more than grammars support (at most "
+            f"{MAX_MULTIPLE_OF}, or a power of ten)")
 
 
 def _number_problem(value: int | float) -> str | None:
@@ -95,5 +116,5 @@ def schema_limit_param(schema: Any, param: str) -> tuple[str, str] | None:
     return where + problem, param + ("" if below.startswith("[") else ".") + below
 
 
-__all__ = ["MAX_ENUM", "MAX_PROPERTIES", "NUMBER_LIMIT", "schema_limit_param",
+__all__ = ["MAX_ENUM", "MAX_MULTIPLE_OF", "MAX_PROPERTIES", "NUMBER_LIMIT", "schema_limit_param",
            "schema_limit_problem"]

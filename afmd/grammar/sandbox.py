@@ -14,7 +14,8 @@ again without fault.
 
 The worker receives a tokenizer's serialized form once per model (llguidance rebuilds
 it: the worker imports neither transformers nor MLX), and answers ``(is_error,
-messages)`` exactly as ``LLMatcher.validate_grammar_with_warnings`` does. One compile at a
+messages)`` as ``LLMatcher.validate_grammar_with_warnings`` does, having also built the
+matcher (where the lexer's automata are made: the costly part). One compile at a
 time: compiles take milliseconds and results are cached by text
 (:mod:`afmd.grammar.compiler`).
 """
@@ -42,6 +43,9 @@ WORKER_ENV = "AFMD_GRAMMAR_WORKER_FD"
 
 #: Longest a single compile may run in the worker before the request is refused.
 COMPILE_TIMEOUT_S = 10.0
+#: Address space the worker may use: room for a large vocabulary's tokenizer and any
+#: sane grammar, far below what would starve the server.
+WORKER_MEMORY = 4 * 1024**3
 #: Longest the worker may take to build a model's tokenizer (a 151k vocabulary's is the
 #: slow case) or to start.
 SETUP_TIMEOUT_S = 120.0
@@ -83,6 +87,12 @@ def _serve(conn: Connection) -> None:
     """The worker's loop: tokenizers by key, then grammars to validate."""
     from llguidance import LLMatcher, LLTokenizer
 
+    # A compile that grows without bound ends here (an allocation failure aborts the
+    # worker) rather than taking the machine's memory from the server.
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY, WORKER_MEMORY))
     tokenizers: dict[int, Any] = {}
     while True:
         try:
@@ -106,6 +116,13 @@ def _serve(conn: Connection) -> None:
             try:
                 is_error, messages = LLMatcher.validate_grammar_with_warnings(
                     grammar, tokenizer)
+                if not is_error and tokenizer is not None:
+                    # Validating does not build the lexer's automata; building the
+                    # matcher does, and that is where a schema can cost seconds and
+                    # gigabytes: it happens here first, under the time bound.
+                    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+                    if matcher.is_error():
+                        is_error, messages = True, [matcher.get_error()]
             except Exception as exc:  # the grammar's error: a verdict
                 is_error, messages = True, [str(exc) or type(exc).__name__]
             conn.send((bool(is_error), list(messages)))
