@@ -150,7 +150,8 @@ def _answered(run: Run, endpoint: str, at_least: int) -> None:
     assert not failed, failed
     posts = [e for e in run.requests if e["method"] == "POST" and e["path"] == endpoint]
     assert len(posts) >= at_least, [(e["method"], e["path"]) for e in run.requests]
-    assert all(e.get("completion_tokens", 0) > 0 for e in posts)
+    # Each was a generation (the model may end its turn at once: 0 tokens is an answer).
+    assert all(isinstance(e.get("completion_tokens"), int) for e in posts), posts
 
 
 def _clean(output: subprocess.CompletedProcess[str]) -> None:
