@@ -108,13 +108,14 @@ def _run(name: str, folder: Path, server: ServerProcess, tmp: Path) -> Run:
     env = _base_env(home, work)
     commands = AGENTS[name](folder, server.url, work, env)
     run = Run()
+    before = len(server.events)  # the harness's own readiness polls are not the agent's
     started = time.monotonic()
     for command in commands:  # in order: the second reuses the first's prefix cache
         run.outputs.append(subprocess.run(
             command, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
             text=True, timeout=TIMEOUT, check=False))
     run.seconds = time.monotonic() - started
-    run.requests = [e for e in list(server.events) if e.get("event") == "request"]
+    run.requests = [e for e in list(server.events)[before:] if e.get("event") == "request"]
     return run
 
 
@@ -125,7 +126,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
         pytest.skip(reason)
     folder = agents.installed()
     model = agents.quick_model(tmp_path_factory.mktemp("model"))
-    config = f'[[models.model]]\nid = "{MODEL}"\npath = "{model}"\n'
+    # A first prompt of ~13k tokens may take minutes to prefill on a busy CPU.
+    config = (f'[server]\nrequest_timeout = {TIMEOUT}\n'
+              f'[[models.model]]\nid = "{MODEL}"\npath = "{model}"\n')
     servers = {name: start_server(tmp_path_factory.mktemp(f"server-{name}"), config=config)
                for name in AGENTS}
     try:
@@ -147,7 +150,8 @@ def _answered(run: Run, endpoint: str, at_least: int) -> None:
     assert not failed, failed
     posts = [e for e in run.requests if e["method"] == "POST" and e["path"] == endpoint]
     assert len(posts) >= at_least, [(e["method"], e["path"]) for e in run.requests]
-    assert all(e.get("completion_tokens", 0) > 0 for e in posts)
+    # Each was a generation (the model may end its turn at once: 0 tokens is an answer).
+    assert all(isinstance(e.get("completion_tokens"), int) for e in posts), posts
 
 
 def _clean(output: subprocess.CompletedProcess[str]) -> None:
