@@ -7,7 +7,7 @@ a JSON string, and llguidance can constrain a JSON string only by a regex (a sch
 rules never reach themselves again describes a regular language, so inlining every rule
 and terminal yields a regex for exactly the strings the grammar derives; the input is then
 enforced as a ``regex`` format is. A grammar that recurses, or uses what a regex cannot
-say (llguidance's ``%json``, ``&``, special tokens, ``%ignore``, …), has no such regex:
+say (llguidance's ``%json``, ``&``, special tokens, …), has no such regex:
 :class:`NotRegular` says why, and the caller generates best-effort (downgraded).
 
 The language is the grammar's as a context-free grammar over its terminals. llguidance's
@@ -75,7 +75,7 @@ _TOKEN = re.compile(r"""
   | (?P<regex>/(?:\\.|[^/\\\n])+/[imslux]*)
   | (?P<name>[!?]?_?[A-Za-z][A-Za-z0-9_\-]*)
   | (?P<number>[0-9]+)
-  | (?P<punct>[:|()\[\]~+*?.])
+  | (?P<punct>[:|()\[\]~+*?.,])
   | (?P<other>.)
 """, re.VERBOSE)
 
@@ -135,6 +135,7 @@ class _Parser:
         self.toks = _tokens(definition)
         self.i = 0
         self.defs: dict[str, _Node] = {}
+        self.ignore: list[_Node] = []
 
     def peek(self) -> _Tok | None:
         return self.toks[self.i] if self.i < len(self.toks) else None
@@ -158,6 +159,9 @@ class _Parser:
 
     def directive(self) -> None:
         word = self.take().text
+        if word == "%ignore":
+            self.ignore.append(self.alternatives())
+            return
         if word != "%import":
             raise NotRegular(f"{word} has no regex form")
         path = self.take().text
@@ -284,34 +288,74 @@ def _escape(text: str) -> str:
 # ------------------------------------------------------------------ inlining
 
 
-def lark_regex(definition: str) -> str:
-    """The regex (Rust/llguidance syntax, unanchored) for the strings ``start`` derives.
+def _terminal(name: str) -> bool:
+    return name.lstrip("_")[:1].isupper()
 
-    Raises :class:`NotRegular` when there is none (or it would be too large).
-    """
-    defs = _Parser(definition).statements()
-    if "start" not in defs:
-        raise NotRegular("there is no start rule")
-    done: dict[str, str] = {}
 
-    def regex(node: _Node, stack: tuple[str, ...]) -> str:
+class _Inliner:
+    """Each rule's regex, built once per way it is used.
+
+    ``%ignore`` text may stand between any two tokens of a rule (not inside a terminal,
+    and, as llguidance reads it, not before the first token nor after the last), so a rule
+    is built in one of three modes: ``term`` (inside a terminal: nothing between),
+    ``rest`` (every token may be preceded by ignored text) and ``first`` (as ``rest``,
+    except its first token). (llguidance also takes ignored text after the last token
+    where another token could still follow; the regex never generates it.)"""
+
+    def __init__(self, defs: dict[str, _Node], ignore: list[_Node]) -> None:
+        self.defs = defs
+        self.done: dict[tuple[str, str], str] = {}
+        self.skip = ""
+        if ignore:
+            self.skip = "(?:" + "|".join(self.regex(n, (), "term") for n in ignore) + ")*"
+
+    def nullable(self, node: _Node, stack: tuple[str, ...] = ()) -> bool:
         if isinstance(node, _Regex):
-            return node.text
+            return False
         if isinstance(node, _Ref):
+            if node.name in stack or node.name not in self.defs:
+                return False  # reported by regex()
+            return self.nullable(self.defs[node.name], (*stack, node.name))
+        if isinstance(node, _Seq):
+            return all(self.nullable(item, stack) for item in node.items)
+        if isinstance(node, _Alt):
+            return any(self.nullable(option, stack) for option in node.options)
+        return node.low == 0 or self.nullable(node.item, stack)
+
+    def token(self, text: str, mode: str) -> str:
+        return f"{self.skip}(?:{text})" if mode == "rest" and self.skip else text
+
+    def regex(self, node: _Node, stack: tuple[str, ...], mode: str) -> str:
+        if isinstance(node, _Regex):
+            return self.token(node.text, mode)
+        if isinstance(node, _Ref):
+            if mode != "term" and _terminal(node.name):
+                return self.token(self.regex(node, stack, "term"), mode)
+            key = (node.name, mode)
             if node.name in stack:
                 raise NotRegular(f"{node.name} is recursive")
-            if node.name not in done:
-                if node.name not in defs:
+            if key not in self.done:
+                if node.name not in self.defs:
                     raise NotRegular(f"{node.name} is not defined")
-                done[node.name] = regex(defs[node.name], (*stack, node.name))
-                if len(done[node.name]) > MAX_REGEX:
+                self.done[key] = self.regex(self.defs[node.name], (*stack, node.name), mode)
+                if len(self.done[key]) > MAX_REGEX:
                     raise NotRegular("its regex is too large")
-            return f"(?:{done[node.name]})"
+            return f"(?:{self.done[key]})"
         if isinstance(node, _Seq):
-            return "".join(regex(item, stack) for item in node.items)
+            return self.sequence(node.items, stack, mode)
         if isinstance(node, _Alt):
-            return "(?:" + "|".join(regex(o, stack) for o in node.options) + ")"
-        inner = regex(node.item, stack)
+            return "(?:" + "|".join(self.regex(o, stack, mode) for o in node.options) + ")"
+        if mode == "first" and self.skip and node.high != 1:
+            # The first repetition leads; the others follow a token of this one.
+            head = self.regex(node.item, stack, "first")
+            tail = self.regex(node.item, stack, "rest")
+            more = "*" if node.high is None else f"{{0,{node.high - 1}}}"
+            if node.low > 1:
+                more = f"{{{node.low - 1},}}" if node.high is None \
+                    else f"{{{node.low - 1},{node.high - 1}}}"
+            both = f"(?:{head}(?:{tail}){more})"
+            return both if node.low > 0 else f"(?:{both})?"
+        inner = self.regex(node.item, stack, mode)
         if (node.low, node.high) == (0, 1):
             op = "?"
         elif node.high is None:
@@ -320,7 +364,26 @@ def lark_regex(definition: str) -> str:
             op = f"{{{node.low},{node.high}}}"
         return f"(?:{inner}){op}"
 
-    text = regex(_Ref("start"), ())
+    def sequence(self, items: tuple[_Node, ...], stack: tuple[str, ...], mode: str) -> str:
+        if mode != "first" or not self.skip or not items:
+            return "".join(self.regex(item, stack, mode) for item in items)
+        head, tail = items[0], items[1:]
+        text = self.regex(head, stack, "first") + self.sequence(tail, stack, "rest")
+        if tail and self.nullable(head, stack):  # the head left out: the next one leads
+            text = f"(?:{text}|{self.sequence(tail, stack, 'first')})"
+        return text
+
+
+def lark_regex(definition: str) -> str:
+    """The regex (Rust/llguidance syntax, unanchored) for the strings ``start`` derives.
+
+    Raises :class:`NotRegular` when there is none (or it would be too large).
+    """
+    parser = _Parser(definition)
+    defs = parser.statements()
+    if "start" not in defs:
+        raise NotRegular("there is no start rule")
+    text = _Inliner(defs, parser.ignore).regex(_Ref("start"), (), "first")
     if len(text) > MAX_REGEX:
         raise NotRegular("its regex is too large")
     return text
