@@ -15,6 +15,7 @@ from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from afmd.dialects.responses_fields import custom_parameters
 from afmd.grammar.lark_regex import NotRegular, lark_regex
+from afmd.grammar.params import string_terminal
 
 APPLY_PATCH = (Path(__file__).parent / "data" / "apply_patch.lark").read_text()
 GREETING = 'start: greeting " " NAME "!"\ngreeting: "hi"i | "hello"\nNAME: /[A-Z][a-z]{1,6}/\n'
@@ -102,6 +103,18 @@ def test_the_regex_of_a_lark_grammar_has_its_language(definition: str) -> None:
         assert accepted == verdict or (not accepted and text != text.rstrip()), text
     with pytest.raises(NotRegular, match="recursive"):
         lark_regex(NESTED)
+
+
+def test_families_that_write_strings_raw_enforce_the_same_language() -> None:
+    """Qwen3-Coder, GLM, MiniMax, … write a string parameter raw, as a lark terminal."""
+    parameters = custom_parameters({"type": "grammar", "syntax": "lark",
+                                    "definition": APPLY_PATCH})
+    raw = LLMatcher.grammar_from_lark(
+        "start: " + string_terminal(parameters["properties"]["input"], parameters, False))
+    for text in PATCHES:
+        matcher = LLMatcher(_BYTES, raw, log_level=0)
+        accepted = bool(matcher.consume_tokens(list(text.encode()))) and matcher.is_accepting()
+        assert accepted == in_lark(APPLY_PATCH, text), text
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -20,6 +20,7 @@ before this module reads it.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from dataclasses import dataclass
 
@@ -51,8 +52,10 @@ class NotRegular(Exception):
     """The grammar has no regex: it recurses, or uses what a regex cannot express."""
 
 
+@functools.lru_cache(maxsize=64)
 def check_lark(definition: str) -> str | None:
-    """llguidance's complaint about a lark grammar, or None when it compiles."""
+    """llguidance's complaint about a lark grammar, or None when it compiles (cached:
+    Codex resends its ``apply_patch`` grammar with every request)."""
     try:
         grammar = LLMatcher.grammar_from_lark(definition)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
@@ -379,11 +382,22 @@ def lark_regex(definition: str) -> str:
 
     Raises :class:`NotRegular` when there is none (or it would be too large).
     """
-    parser = _Parser(definition)
-    defs = parser.statements()
-    if "start" not in defs:
-        raise NotRegular("there is no start rule")
-    text = _Inliner(defs, parser.ignore).regex(_Ref("start"), (), "first")
-    if len(text) > MAX_REGEX:
-        raise NotRegular("its regex is too large")
-    return text
+    regex, reason = _regex_or_reason(definition)
+    if regex is None:
+        raise NotRegular(reason)
+    return regex
+
+
+@functools.lru_cache(maxsize=64)
+def _regex_or_reason(definition: str) -> tuple[str | None, str]:
+    try:
+        parser = _Parser(definition)
+        defs = parser.statements()
+        if "start" not in defs:
+            raise NotRegular("there is no start rule")
+        text = _Inliner(defs, parser.ignore).regex(_Ref("start"), (), "first")
+        if len(text) > MAX_REGEX:
+            raise NotRegular("its regex is too large")
+    except NotRegular as exc:
+        return None, str(exc)
+    return text, ""
