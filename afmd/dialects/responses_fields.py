@@ -18,6 +18,7 @@ from typing import Any
 
 from afmd.core.request import ResponseFormat, ToolChoice, ToolSpec
 from afmd.errors import InvalidRequestError
+from afmd.grammar.lark_regex import NotRegular, check_lark, lark_regex
 from afmd.protocol.fields import (
     invalid,
     missing,
@@ -40,6 +41,9 @@ HOSTED_TOOLS = frozenset({
 })
 TOOL_TYPES = ("function", "namespace", "custom")
 GRAMMAR_SYNTAXES = ("lark", "regex")
+#: The string format that marks a custom tool's input as unenforced (a recursive lark
+#: grammar): unknown to every grammar builder, so the turn is built lenient (downgraded).
+LARK_FORMAT = "x-afmd-lark"
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 SUMMARIES = ("auto", "concise", "detailed")
 INCLUDABLE = (
@@ -75,11 +79,21 @@ class Tools:
 
 def custom_parameters(format_: dict[str, Any] | None) -> dict[str, Any]:
     """A custom tool as the function the model is offered: one string, its free-form
-    input. A ``regex`` grammar is that string's pattern, enforced as any schema is."""
+    input. A ``regex`` grammar is that string's pattern, enforced as any schema is; so is a
+    ``lark`` grammar, as the regex of its language (:mod:`afmd.grammar.lark_regex`). A
+    lark grammar that is not regular (it recurses) has no regex: the string is marked
+    with a ``format`` no grammar enforces, so the turn says ``X-Grammar-Constraints:
+    downgraded`` as for any schema feature generated best-effort."""
     text: dict[str, Any] = {"type": "string"}
     if format_ is not None and format_.get("syntax") == "regex":
         # A JSON schema pattern searches; a custom tool's regex is the whole input.
         text["pattern"] = f"^(?:{format_['definition']})$"
+    elif format_ is not None and format_.get("syntax") == "lark":
+        text["description"] = "Text in this lark grammar:\n" + format_["definition"]
+        try:
+            text["pattern"] = f"^(?:{lark_regex(format_['definition'])})$"
+        except NotRegular:
+            text["format"] = LARK_FORMAT
     return {"type": "object", "properties": {"input": text}, "required": ["input"],
             "additionalProperties": False}
 
@@ -103,6 +117,8 @@ def _custom_format(value: Any, p: str) -> dict[str, Any] | None:
             re.compile(definition)
         except re.error as exc:
             raise invalid(f"{p}.definition", f"The regex does not compile: {exc}.") from None
+    elif (complaint := check_lark(definition)) is not None:
+        raise invalid(f"{p}.definition", f"The lark grammar does not compile: {complaint}")
     return {"type": "grammar", "syntax": syntax, "definition": definition}
 
 
