@@ -18,6 +18,9 @@ from afmd.paths import cache_dir
 SUFFIX = ".kvb"
 TEMP_PREFIX = ".tmp-"
 NAMES = "models.json"
+#: Where a running server takes ``afmd cache clear`` (:mod:`afmd.http.cache_routes`);
+#: here because the CLI must know it without importing the HTTP edge (Sanic).
+CLEAR_PATH = "/afmd/cache/clear"
 
 
 def default_disk_dir() -> Path:
