@@ -1,13 +1,22 @@
 """The prefix index: a prompt's longest cached run of blocks, from RAM or disk, and a
 finished row's state cut into blocks for the next prompt that shares its prefix.
 
-Only whole blocks are kept; the tokens after the last whole block of a prompt (fewer than
-one block) are computed again on a hit. A hit always leaves at least one prompt token to
-compute, because the next token's logits come from running it.
+Whole blocks go to both tiers. What a finished row holds after its last whole block (its
+*tail*: fewer tokens than a block, the end of the prompt and the answer) is kept too, in
+RAM only. Besides the keys, the RAM tier's blocks and tails are indexed by the block
+before them, with their tokens: a prompt that ends inside a block (the same prompt sent
+again, the next turn of a conversation: the prompt, the answer, a new message) resumes
+from every token it shares with what follows its last whole block, not from that block's
+boundary. The index lives in memory only, so after a restart a prompt resumes from its
+last whole block on disk and at most one block's worth of tokens is computed again. A hit
+always leaves at least one prompt token to compute: the next token's logits come from
+running it.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +40,21 @@ class Resume:
 
 
 NOTHING = Resume(None, 0)
+#: What follows one block, kept per block (the latest first): a conversation's branches.
+_FOLLOWERS = 8
+
+
+def _shared(tokens: array[int], rest: list[int]) -> int:
+    n = 0
+    for x, y in zip(tokens, rest, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _slice(layers: list[compat.Layer], start: int, end: int) -> list[compat.Layer]:
+    return [(k[..., start:end, :], v[..., start:end, :]) for k, v in layers]
 
 
 class BlockCache:
@@ -44,59 +68,110 @@ class BlockCache:
         self.ram = ram
         self.disk = disk
         self._root = chain_root(identity, block_tokens)
+        # Key of a block (or the root) -> [(tokens, key in the RAM tier)] of the blocks and
+        # tails held after it.
+        self._after: dict[bytes, list[tuple[array[int], bytes]]] = {}
 
     def keys(self, tokens: list[int], limit: int | None = None) -> list[bytes]:
         return block_keys(self._root, tokens, self.block_tokens, limit)
 
     def lookup(self, prompt: list[int]) -> Resume:
-        """The longest run of leading blocks of ``prompt`` held in either tier (a block
-        read from disk is held in RAM from then on)."""
-        limit = (len(prompt) - 1) // self.block_tokens
-        blocks: list[Block] = []
+        """The longest cached prefix of ``prompt``: its run of whole blocks held in either
+        tier (a block read from disk is held in RAM from then on), then as much as it
+        shares with a block or tail held after the last of them."""
+        size = self.block_tokens
+        usable = len(prompt) - 1
+        parts: list[list[compat.Layer]] = []
         ram = disk = 0
-        for key in self.keys(prompt, limit):
+        last = self._root
+        for i, key in enumerate(self.keys(prompt, usable // size)):
             block = self.ram.get(key)
             if block is not None:
-                ram += 1
+                ram += size
             elif self.disk is not None and (block := self.disk.get(key)) is not None:
-                disk += 1
+                disk += size
                 self.ram.put(key, block)
+                self._follows(last, prompt[i * size:(i + 1) * size], key)
             else:
                 break
-            blocks.append(block)
-        if not blocks:
+            parts.append(block.layers)
+            last = key
+        start = len(parts) * size
+        follower, shared = self._follower(last, prompt[start:usable])
+        if follower is not None:
+            parts.append(_slice(follower.layers, 0, shared))
+            ram += shared
+        if not parts:
             return NOTHING
         layers = [
-            (mx.concatenate([b.layers[i][0] for b in blocks], axis=2),
-             mx.concatenate([b.layers[i][1] for b in blocks], axis=2))
-            for i in range(len(blocks[0].layers))
+            (mx.concatenate([p[i][0] for p in parts], axis=2),
+             mx.concatenate([p[i][1] for p in parts], axis=2))
+            for i in range(len(parts[0]))
         ]
-        size = self.block_tokens
-        return Resume(compat.build(layers), len(blocks) * size, ram * size, disk * size)
+        return Resume(compat.build(layers), start + shared, ram, disk)
+
+    def _follower(self, before: bytes, rest: list[int]) -> tuple[Block | None, int]:
+        """The block or tail held after ``before`` sharing the most leading tokens with
+        ``rest``, and how many it shares."""
+        best: tuple[Block | None, int] = (None, 0)
+        if not rest:
+            return best
+        for tokens, key in self._after.get(before, ()):
+            shared = _shared(tokens, rest)
+            if shared > best[1] and (block := self.ram.peek(key)) is not None:
+                best = (block, shared)
+        return best
+
+    def _follows(self, before: bytes, tokens: list[int], key: bytes) -> None:
+        """Index ``key`` (held in RAM) as following ``before``."""
+        known = self._after.get(before, [])
+        if any(k == key for _, k in known):
+            return
+        if len(self._after) > 2 * len(self.ram) + 64:  # forget what the tier let go
+            self._after = {b: live for b, entries in self._after.items()
+                           if (live := [e for e in entries if e[1] in self.ram])}
+            known = self._after.get(before, [])
+        live = [e for e in known if e[1] in self.ram][: _FOLLOWERS - 1]
+        self._after[before] = [(array("q", tokens), key), *live]
 
     def store(self, tokens: list[int], cache: Any) -> None:
-        """Keep the whole blocks of a finished row's state (``tokens``: its prompt and
-        output); blocks already held are only marked used, never copied again."""
+        """Keep a finished row's state (``tokens``: its prompt and output) as whole blocks
+        and a tail; blocks already held are only marked used, never copied again."""
         found = compat.layers_of(cache)
         if found is None:
             return
         layers, offset = found
         size = self.block_tokens
-        for i, key in enumerate(self.keys(tokens, min(offset, len(tokens)) // size)):
+        held = min(offset, len(tokens))
+        keys = self.keys(tokens, held // size)
+        before = self._root
+        for i, key in enumerate(keys):
             block = self.ram.peek(key)
             if block is None:
-                block = Block.of([
-                    (mx.contiguous(k[..., i * size:(i + 1) * size, :]),
-                     mx.contiguous(v[..., i * size:(i + 1) * size, :]))
-                    for k, v in layers
-                ])
-                mx.eval([a for pair in block.layers for a in pair])
+                block = self._copy(_slice(layers, i * size, (i + 1) * size))
                 self.ram.put(key, block)
-            if self.disk is not None and block is not None:
+            self._follows(before, tokens[i * size:(i + 1) * size], key)
+            if self.disk is not None:
                 self.disk.put(key, block)  # queued; skipped when already on disk
+            before = key
+        start = len(keys) * size
+        if held > start:
+            tail = tokens[start:held]
+            key = hashlib.sha256(b"tail" + before + array("q", tail).tobytes()).digest()
+            if self.ram.peek(key) is None:
+                self.ram.put(key, self._copy(_slice(layers, start, held)))
+            self._follows(before, tail, key)
+
+    @staticmethod
+    def _copy(layers: list[compat.Layer]) -> Block:
+        """A block of its own buffers (a view would keep the row's whole state alive)."""
+        block = Block.of([(mx.contiguous(k), mx.contiguous(v)) for k, v in layers])
+        mx.eval([a for pair in block.layers for a in pair])
+        return block
 
     def clear(self) -> tuple[int, int]:
         """Empty both tiers: (RAM bytes, disk bytes) freed."""
+        self._after = {}
         return self.ram.clear(), self.disk.clear() if self.disk is not None else 0
 
     def stats(self) -> dict[str, dict[str, int]]:

@@ -143,6 +143,7 @@ class DiskStore:
         self.max_bytes = max_bytes
         self.closed = False
         self.failed: str | None = None  # why writing stopped (logged once)
+        self._read_warned = False
         self._lock = threading.Lock()
         self._files: OrderedDict[Path, int] = OrderedDict()  # least recently used first
         self.nbytes = 0
@@ -208,11 +209,14 @@ class DiskStore:
         not is deleted."""
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             self._forget(path)
             return None
-        except OSError as exc:
-            log.warning("KV cache block %s unreadable: %s", path.name, exc)
+        except OSError as exc:  # unreadable, not wrong: logged once, computed instead
+            if not self._read_warned:
+                self._read_warned = True
+                log.warning("KV cache block %s unreadable (computed instead): %s",
+                            path.name, exc)
             return None
         try:
             block = decode(data, key, identity)
