@@ -320,7 +320,7 @@ def _ps(args: argparse.Namespace) -> int:
         kv = r.get("kv_cache")
         return human_bytes(kv[name]) if kv else "-"
 
-    print(_table(("ID", "STATE", "MEMORY", "KV RAM", "KV DISK", "ACTIVE", "QUEUED", "IDLE",
+    print(_table(("ID", "STATE", "MEMORY", "KV-RAM", "KV-DISK", "ACTIVE", "QUEUED", "IDLE",
                   "EXPIRES"), [
         (r["id"], r["state"], human_bytes(r["memory_bytes"]) if r["memory_bytes"] else "-",
          tier(r, "ram_bytes"), tier(r, "disk_bytes"),
