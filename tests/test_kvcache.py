@@ -327,9 +327,11 @@ CONVERSATION = [
 ]
 
 
-def _turn(url: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+def _turn(url: str, messages: list[dict[str, str]] | None = None
+          ) -> tuple[str, dict[str, Any], dict[str, Any]]:
     r = httpx.post(url + CHAT, timeout=120, headers={"X-AFM-Profile": "true"}, json={
-        "model": "demo", "messages": CONVERSATION, "max_tokens": 16, "temperature": 0,
+        "model": "demo", "messages": messages or CONVERSATION, "max_tokens": 16,
+        "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}})
     assert r.status_code == 200, r.text
     events = parse_sse(r.text)
@@ -413,6 +415,35 @@ def test_a_restarted_server_resumes_from_disk_with_the_cold_runs_output(
         assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     finally:
         second.stop()
+
+
+def test_the_next_turn_after_a_restart_resumes_from_all_of_the_previous_turn(
+        tmp_path: Path) -> None:
+    """An agent's next turn starts with the whole previous turn and its answer: after a
+    restart its whole blocks and the previous turn's tail come from disk, and the answer
+    is the cold run's."""
+    config = _config(tmp_path / "kv")
+    first = start_server(tmp_path, config=config)
+    try:
+        answer, usage, _ = _turn(first.url)
+        previous = usage["prompt_tokens"] + usage["completion_tokens"]
+    finally:
+        assert first.stop() == 0
+    following = [*CONVERSATION, {"role": "assistant", "content": answer},
+                 {"role": "user", "content": "Thanks. Now run the tests."}]
+    second = start_server(tmp_path, config=config)
+    try:
+        text, usage, profile = _turn(second.url, following)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == previous
+        assert profile["cached_disk_tokens"] == previous
+    finally:
+        second.stop()
+    cold = start_server(tmp_path, config="[cache]\nprompt_cache_bytes = 0\n")
+    try:
+        expected, usage, _ = _turn(cold.url, following)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0 and text == expected
+    finally:
+        cold.stop()
 
 
 def test_cache_clear_without_a_server_empties_the_folder(tmp_path: Path) -> None:

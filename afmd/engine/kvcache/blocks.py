@@ -1,15 +1,16 @@
 """The prefix index: a prompt's longest cached run of blocks, from RAM or disk, and a
 finished row's state cut into blocks for the next prompt that shares its prefix.
 
-Whole blocks go to both tiers. What a finished row holds after its last whole block (its
-*tail*: fewer tokens than a block, the end of the prompt and the answer) is kept too, in
-RAM only. Besides the keys, the RAM tier's blocks and tails are indexed by the block
-before them, with their tokens: a prompt that ends inside a block (the same prompt sent
-again, the next turn of a conversation: the prompt, the answer, a new message) resumes
-from every token it shares with what follows its last whole block, not from that block's
-boundary. The index lives in memory only, so after a restart a prompt resumes from its
-last whole block on disk and at most one block's worth of tokens is computed again. A hit
-always leaves at least one prompt token to compute: the next token's logits come from
+Whole blocks go to both tiers, and so does what a finished row holds after its last
+whole block (its *tail*: fewer tokens than a block, the end of the prompt and the answer),
+keyed by the block before it and its own tokens. In RAM, blocks and tails are also indexed
+by the block before them, with their tokens: a prompt that ends inside a block (the same
+prompt sent again, the next turn of a conversation: the prompt, the answer, a new message)
+resumes from every token it shares with what follows its last whole block, not from that
+block's boundary. On disk a tail's file name says which block it follows and its length,
+so after a restart the next turn of a conversation (which starts with the whole previous
+turn and its answer) finds the previous turn's tail by its key without reading others. A
+hit always leaves at least one prompt token to compute: the next token's logits come from
 running it.
 """
 
@@ -51,6 +52,11 @@ def _shared(tokens: array[int], rest: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def tail_key(before: bytes, tokens: list[int] | array[int]) -> bytes:
+    """A tail's key: the block it follows and its own tokens (chained as blocks are)."""
+    return hashlib.sha256(b"tail" + before + array("q", tokens).tobytes()).digest()
 
 
 def _slice(layers: list[compat.Layer], start: int, end: int) -> list[compat.Layer]:
@@ -97,10 +103,15 @@ class BlockCache:
             parts.append(block.layers)
             last = key
         start = len(parts) * size
-        follower, shared = self._follower(last, prompt[start:usable])
+        rest = prompt[start:usable]
+        follower, shared = self._follower(last, rest)
         if follower is not None:
             parts.append(_slice(follower.layers, 0, shared))
             ram += shared
+        elif (found := self._disk_tail(last, rest)) is not None:
+            tail, shared = found
+            parts.append(tail.layers)
+            disk += shared
         if not parts:
             return NOTHING
         layers = [
@@ -121,6 +132,21 @@ class BlockCache:
             if shared > best[1] and (block := self.ram.peek(key)) is not None:
                 best = (block, shared)
         return best
+
+    def _disk_tail(self, before: bytes, rest: list[int]) -> tuple[Block, int] | None:
+        """The longest tail on disk after ``before`` that ``rest`` starts with (read, held
+        in RAM and indexed from then on), and its length."""
+        if self.disk is None or not rest:
+            return None
+        for length, key in sorted(self.disk.tails(before), reverse=True):
+            if length > len(rest) or tail_key(before, rest[:length]) != key:
+                continue
+            block = self.disk.get_tail(before, length, key)
+            if block is not None:
+                self.ram.put(key, block)
+                self._follows(before, rest[:length], key)
+                return block, length
+        return None
 
     def _follows(self, before: bytes, tokens: list[int], key: bytes) -> None:
         """Index ``key`` (held in RAM) as following ``before``."""
@@ -157,10 +183,14 @@ class BlockCache:
         start = len(keys) * size
         if held > start:
             tail = tokens[start:held]
-            key = hashlib.sha256(b"tail" + before + array("q", tail).tobytes()).digest()
-            if self.ram.peek(key) is None:
-                self.ram.put(key, self._copy(_slice(layers, start, held)))
+            key = tail_key(before, tail)
+            block = self.ram.peek(key)
+            if block is None:
+                block = self._copy(_slice(layers, start, held))
+                self.ram.put(key, block)
             self._follows(before, tail, key)
+            if self.disk is not None:
+                self.disk.put_tail(before, len(tail), key, block)
 
     @staticmethod
     def _copy(layers: list[compat.Layer]) -> Block:

@@ -152,6 +152,8 @@ class DiskStore:
         self.dropped = 0
         self._queue: queue.Queue[_Write | None] = queue.Queue(_QUEUE)
         self._pending: set[Path] = set()
+        # (model folder, block before) -> {tail path: (length, key)}: the tails on disk.
+        self._tails: dict[tuple[Path, bytes], dict[Path, tuple[int, bytes]]] = {}
         try:
             root.mkdir(parents=True, exist_ok=True)
             self._scan()
@@ -179,6 +181,27 @@ class DiskStore:
         for _, path, size in sorted(found):
             self._files[path] = size
             self.nbytes += size
+            self._index_tail(path, True)
+
+    def _index_tail(self, path: Path, present: bool) -> None:
+        """Keep the tail index in step with a file that appeared or went (under the lock,
+        or before the writer runs)."""
+        tail = layout.parse_tail(path.name)
+        if tail is None:
+            return
+        before, length, key = tail
+        group = self._tails.setdefault((path.parent, before), {})
+        if present:
+            group[path] = (length, key)
+        else:
+            group.pop(path, None)
+            if not group:
+                self._tails.pop((path.parent, before), None)
+
+    def tails(self, folder: Path, before: bytes) -> list[tuple[int, bytes]]:
+        """``(length, key)`` of the tails on disk after block ``before``."""
+        with self._lock:
+            return list(self._tails.get((folder, before), {}).values())
 
     def _fail(self, why: str) -> None:
         if self.failed is None:
@@ -229,6 +252,7 @@ class DiskStore:
         with self._lock:
             if path not in self._files:
                 self.nbytes += len(data)
+                self._index_tail(path, True)
             self._files[path] = len(data)
             self._files.move_to_end(path)
         with contextlib.suppress(OSError):
@@ -240,6 +264,7 @@ class DiskStore:
             size = self._files.pop(path, None)
             if size is not None:
                 self.nbytes -= size
+            self._index_tail(path, False)
 
     # -- the writer thread --
     def _write_loop(self) -> None:
@@ -279,10 +304,12 @@ class DiskStore:
         with self._lock:
             self._files[item.path] = size
             self.nbytes += size
+            self._index_tail(item.path, True)
             victims = []
             while self.nbytes > self.max_bytes and self._files:
                 path, gone = self._files.popitem(last=False)
                 self.nbytes -= gone
+                self._index_tail(path, False)
                 victims.append(path)
         for path in victims:
             with contextlib.suppress(OSError):
@@ -310,6 +337,7 @@ class DiskStore:
             gone = [p for p in self._files if folder is None or p.parent == folder]
             for path in gone:
                 self.nbytes -= self._files.pop(path)
+                self._index_tail(path, False)
         freed = 0
         for target in ([folder] if folder is not None else layout.model_folders(self.root)):
             with contextlib.suppress(OSError):
@@ -359,6 +387,22 @@ class DiskTier:
 
     def put(self, key: bytes, block: Block) -> None:
         self.store.queue(layout.block_path(self.folder, key), key, self.identity, block)
+
+    def put_tail(self, before: bytes, length: int, key: bytes, block: Block) -> None:
+        self.store.queue(layout.tail_path(self.folder, before, length, key), key,
+                         self.identity, block)
+
+    def tails(self, before: bytes) -> list[tuple[int, bytes]]:
+        return self.store.tails(self.folder, before)
+
+    def get_tail(self, before: bytes, length: int, key: bytes) -> Block | None:
+        block = self.store.read(layout.tail_path(self.folder, before, length, key), key,
+                                self.identity)
+        if block is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return block
 
     def clear(self) -> int:
         return self.store.clear(self.folder)

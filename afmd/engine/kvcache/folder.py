@@ -1,6 +1,9 @@
 """The disk tier's layout, readable without MLX (the CLI clears it with no model loaded).
 
-``<disk_dir>/<model identity>/<block key>.kvb``, one folder per model identity, with a
+``<disk_dir>/<model identity>/<block key>.kvb``, one folder per model identity (a tail,
+fewer tokens than a block after the block ``before``, is
+``<before>_<tokens>_<tail key>.kvb``: its name says which block it follows and how long it
+is, so that it is found without reading it), with a
 ``models.json`` naming the model ids that wrote there (so ``afmd cache clear --model ID``
 finds a model's folder without loading it). Files being written are ``.tmp-*`` names in
 the same folder, renamed into place only when complete.
@@ -38,6 +41,21 @@ def model_folder(root: Path, identity: bytes) -> Path:
 
 def block_path(folder: Path, key: bytes) -> Path:
     return folder / (key.hex() + SUFFIX)
+
+
+def tail_path(folder: Path, before: bytes, length: int, key: bytes) -> Path:
+    return folder / f"{before.hex()}_{length}_{key.hex()}{SUFFIX}"
+
+
+def parse_tail(name: str) -> tuple[bytes, int, bytes] | None:
+    """``(before, length, key)`` of a tail file's name; ``None`` for any other name."""
+    parts = name[: -len(SUFFIX)].split("_") if name.endswith(SUFFIX) else []
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    try:
+        return bytes.fromhex(parts[0]), int(parts[1]), bytes.fromhex(parts[2])
+    except ValueError:
+        return None
 
 
 def names(folder: Path) -> list[str]:

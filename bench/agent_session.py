@@ -1,0 +1,266 @@
+"""The agent-session workload: a long, growing conversation resent turn after turn, a
+compaction, a sub-agent, and a restart; what the block KV cache (docs/kv-cache.md) does
+for its time to first token.
+
+One afmd process serves demo-32k (``--model big``: the compute-bound bench model, a random
+hidden-512 × 8-layer Qwen2 with demo-32k's tokenizer, ``bench/raw_engine.py``'s), with
+``[cache] disk_dir`` in the run's folder. The session, every request greedy, streamed,
+with ``X-AFM-Profile``:
+
+1. **growth**: a long system prompt and a task, then turn after turn the model's own
+   answer and a tool output are appended (a conversation of about ``--tokens`` tokens);
+2. **compaction**: an old tool output is replaced by a short summary (the conversation
+   changes in its middle: everything before the change is reused);
+3. **sub-agent**: a new conversation with the same system prompt;
+4. **restart**: the server stops (SIGTERM) and starts again on the same folders, as
+   ``brew services`` does after an upgrade; the next turn is the **restart turn**;
+5. **hot**: the restart turn's request again (everything in RAM now);
+6. **cold**: the same request on a server with no cache at all (``prompt_cache_bytes =
+   0``), the cost without any cache.
+
+Reported: each turn's TTFT and where its cached tokens came from; the restart turn
+against the hot and the cold turn (targets: within 1.5x the hot turn, under 0.35x the
+cold one); the RAM tier's bytes after the session and the sub-agent (one shared system
+prompt held once) against what the two conversations would hold as whole copies; decode
+tok/s of a long stream while another request's blocks are written to disk, with the disk
+tier on and off, in turns (the ratio's median).
+
+    .venv/bin/python bench/agent_session.py [--quick] [--json] [--tokens N] [--rounds N]
+
+The peers (vllm-mlx with its persisted prefix cache, mlx_lm.server) are not run yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script
+    sys.path.insert(0, str(ROOT))
+
+from bench import client, servers  # noqa: E402
+from bench.raw_engine import build_big  # noqa: E402
+
+_PROSE = ("the function returns a value when its argument is valid and raises an error "
+          "otherwise so callers check the result before they use it in the next step of "
+          "parsing files reading lines counting tokens writing tests fixing bugs renaming "
+          "variables moving modules")
+WORDS = tuple(_PROSE.split(" "))
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def _config(port: int, model: Path, kv: Path, *, cache: bool = True,
+            disk: bool = True) -> str:
+    return f"""\
+[server]
+host = "{servers.HOST}"
+port = {port}
+request_timeout = 900.0
+
+[models]
+default = "big"
+
+[[models.model]]
+id = "big"
+path = "{model}"
+context_length = 32768
+
+[cache]
+prompt_cache_bytes = {1 << 30 if cache else 0}
+disk_dir = "{kv}"
+disk_bytes = {10 << 30 if disk else 0}
+
+[log]
+access_log = false
+"""
+
+
+async def _start(work: Path, name: str, config: str, cache_root: Path) -> servers.Server:
+    return await asyncio.to_thread(servers.afmd_process, work / name, name, config,
+                                   env={"AFMD_CACHE_DIR": str(cache_root)}, timeout=300)
+
+
+async def _turn(srv: servers.Server, messages: list[dict[str, str]],
+                max_tokens: int) -> client.StreamResult:
+    res = await client.stream_chat(servers.HOST, srv.port, {
+        "model": "big", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True},
+    }, headers={"X-AFM-Profile": "true"})
+    if not res.ok:
+        raise RuntimeError(f"{srv.name}: {res.status} {res.error}")
+    return res
+
+
+def _row(label: str, res: client.StreamResult) -> dict[str, Any]:
+    profile = res.profile or {}
+    return {"turn": label, "prompt_tokens": res.prompt_tokens, "ttft_s": round(res.ttft, 4),
+            "cached_tokens": res.cached_tokens,
+            "cached_ram_tokens": profile.get("cached_ram_tokens"),
+            "cached_disk_tokens": profile.get("cached_disk_tokens")}
+
+
+async def _kv_bytes(srv: servers.Server) -> dict[str, int]:
+    _, body = await client.request(servers.HOST, srv.port, "GET", "/health", timeout=10)
+    return body["model_details"]["big"]["kv_cache"]
+
+
+async def session(work: Path, model: Path, cache_root: Path, *, tokens: int,
+                  answer_tokens: int) -> dict[str, Any]:
+    rng = random.Random(7)
+    kv = work / "kv"
+    system = {"role": "system", "content": "You are a coding agent. " + _text(rng, tokens // 4)}
+    messages = [system, {"role": "user", "content": "Fix the failing test in parser.py."}]
+    growth = max(1, (tokens - tokens // 4) // 600)
+    turns: list[dict[str, Any]] = []
+    srv = await _start(work, "afmd-session", _config(servers.free_port(), model, kv), cache_root)
+    try:
+        for i in range(growth + 1):
+            res = await _turn(srv, messages, answer_tokens)
+            turns.append(_row(f"growth {i + 1}", res))
+            messages += [{"role": "assistant", "content": res.text or "ok"},
+                         {"role": "user", "content": f"Tool output {i}: " + _text(rng, 450)}]
+        # Compaction: the first tool output becomes a summary.
+        messages[3] = {"role": "user", "content": "Tool output 0 (summarised): parser ok."}
+        res = await _turn(srv, messages, answer_tokens)
+        turns.append(_row("compaction", res))
+        messages += [{"role": "assistant", "content": res.text or "ok"},
+                     {"role": "user", "content": "Now run the tests."}]
+        sub = [system, {"role": "user", "content": "Sub-agent: list the files under src/."}]
+        res = await _turn(srv, sub, answer_tokens)
+        turns.append(_row("sub-agent", res))
+        sub_tokens = res.prompt_tokens or 0
+        main_tokens = turns[-2]["prompt_tokens"] or 0
+        shared_kv = await _kv_bytes(srv)
+    finally:
+        srv.stop()
+    srv = await _start(work, "afmd-restarted", _config(servers.free_port(), model, kv), cache_root)
+    try:
+        restart = await _turn(srv, messages, answer_tokens)
+        turns.append(_row("restart", restart))
+        hot = await _turn(srv, messages, answer_tokens)
+        turns.append(_row("hot (same request)", hot))
+    finally:
+        srv.stop()
+    srv = await _start(work, "afmd-cold", _config(servers.free_port(), model, work / "kv-off",
+                                            cache=False), cache_root)
+    try:
+        cold = await _turn(srv, messages, answer_tokens)
+        turns.append(_row("cold (no cache)", cold))
+    finally:
+        srv.stop()
+    per_token = shared_kv["ram_bytes"] / max(1, main_tokens)  # an upper estimate
+    return {
+        "turns": turns,
+        "session_ttft_s": round(sum(t["ttft_s"] for t in turns[:-2]), 3),
+        "restart_vs_hot": round(restart.ttft / hot.ttft, 2),
+        "restart_vs_cold": round(restart.ttft / cold.ttft, 3),
+        "ram": {"kv_ram_bytes": shared_kv["ram_bytes"], "kv_disk_bytes": shared_kv["disk_bytes"],
+                "main_tokens": main_tokens, "sub_agent_tokens": sub_tokens,
+                "whole_copies_estimate_bytes": round(per_token * (main_tokens + sub_tokens))},
+    }
+
+
+async def decode_with_writes(work: Path, model: Path, cache_root: Path, *, rounds: int,
+                             prompt_words: int, max_tokens: int) -> dict[str, Any]:
+    """A long stream decodes while a short one, started with it, finishes and has its
+    blocks written: the long stream's decode rate, disk tier on against off, in turns."""
+    on = await _start(work, "afmd-disk-on", _config(servers.free_port(), model, work / "kv-on"),
+                cache_root)
+    off = await _start(work, "afmd-disk-off", _config(servers.free_port(), model, work / "kv-no",
+                                                disk=False), cache_root)
+    rng = random.Random(11)
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    try:
+        for r in range(rounds):
+            order = [("on", on), ("off", off)] if r % 2 == 0 else [("off", off), ("on", on)]
+            for label, srv in order:
+                tag = f"{label}-{r}-{rng.random()}"
+                long_msgs = [{"role": "user", "content": tag + " " + _text(rng, 40)}]
+                short_msgs = [{"role": "user", "content": tag + " short " +
+                               _text(rng, prompt_words)}]
+                long_res, _ = await asyncio.gather(_turn(srv, long_msgs, max_tokens),
+                                                   _turn(srv, short_msgs, 4))
+                if long_res.decode_tps:
+                    rates[label].append(long_res.decode_tps)
+        ratios = [a / b for a, b in zip(rates["on"], rates["off"], strict=False)]
+        written = await _kv_bytes(on)
+    finally:
+        on.stop()
+        off.stop()
+    return {"decode_tps_disk_on": [round(x, 1) for x in rates["on"]],
+            "decode_tps_disk_off": [round(x, 1) for x in rates["off"]],
+            "on_over_off_median": round(statistics.median(ratios), 3) if ratios else None,
+            "disk_bytes_written": written["disk_bytes"]}
+
+
+def _table(result: dict[str, Any]) -> str:
+    lines = ["| turn | prompt tokens | TTFT (s) | cached | from RAM | from disk |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for t in result["session"]["turns"]:
+        lines.append(f"| {t['turn']} | {t['prompt_tokens']} | {t['ttft_s']:.3f} | "
+                     f"{t['cached_tokens']} | {t['cached_ram_tokens']} | "
+                     f"{t['cached_disk_tokens']} |")
+    s = result["session"]
+    lines += ["", f"restart turn / hot turn: {s['restart_vs_hot']} (target <= 1.5); "
+              f"restart turn / cold turn: {s['restart_vs_cold']} (target < 0.35)",
+              f"session TTFT sum (growth, compaction, sub-agent, restart): "
+              f"{s['session_ttft_s']} s",
+              f"RAM tier after the session and the sub-agent: {s['ram']['kv_ram_bytes']} bytes "
+              f"(whole copies of both conversations: about "
+              f"{s['ram']['whole_copies_estimate_bytes']} bytes)"]
+    d = result.get("decode")
+    if d:
+        lines.append(f"decode tok/s while blocks are written, disk tier on / off (median of "
+                     f"rounds): {d['on_over_off_median']} (on {d['decode_tps_disk_on']}, "
+                     f"off {d['decode_tps_disk_off']})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/agent_session.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a shorter session, one round")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("--tokens", type=int, default=10000, help="the conversation's length")
+    ap.add_argument("--rounds", type=int, default=4, help="decode rounds (disk on/off)")
+    ap.add_argument("--cache-dir", metavar="DIR", help="where models are built (reused)")
+    ap.add_argument("--model", choices=("demo-32k", "big"), default="demo-32k",
+                    help="demo-32k (default), or the compute-bound bench model (slow on a "
+                         "shared CPU: minutes per cold 10k-token turn)")
+    args = ap.parse_args(argv)
+    tokens = 3000 if args.quick else args.tokens
+    rounds = 1 if args.quick else args.rounds
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="afmd-agent-") as tmp:
+        work = Path(tmp)
+        cache_root = Path(args.cache_dir) if args.cache_dir else work / "cache"
+        from afmd.engine.demo import materialize
+
+        model = materialize("demo-32k", cache_root)
+        if args.model == "big":
+            model = build_big(model, cache_root)
+        result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"),
+                                  "tokens": tokens}
+        result["session"] = asyncio.run(session(work, model, cache_root, tokens=tokens,
+                                                answer_tokens=16))
+        result["decode"] = asyncio.run(decode_with_writes(
+            work, model, cache_root, rounds=rounds, prompt_words=1200, max_tokens=96))
+        result["seconds"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(result, indent=2) if args.json else _table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
