@@ -12,9 +12,12 @@ with ``X-AFM-Profile``:
 2. **compaction**: an old tool output is replaced by a short summary (the conversation
    changes in its middle: everything before the change is reused);
 3. **sub-agent**: a new conversation with the same system prompt;
-4. **restart**: the server stops (SIGTERM) and starts again on the same folders, as
-   ``brew services`` does after an upgrade; the next turn is the **restart turn**;
-5. **hot**: the restart turn's request again (everything in RAM now);
+4. **hot**: the next turn of the main conversation (its answer and a new message
+   appended), on the running server: what the turn costs with everything in RAM;
+5. **restart**: the server stops (SIGTERM) and starts again on the same folders, as
+   ``brew services`` does after an upgrade, and the same next turn is sent: the **restart
+   turn**. The disk folder is first put back as it was before the hot turn (a copy taken
+   once the writes settled), so the restart turn finds only what the session wrote;
 6. **cold**: the same request on a server with no cache at all (``prompt_cache_bytes =
    0``), the cost without any cache.
 
@@ -36,6 +39,7 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -116,6 +120,17 @@ async def _kv_bytes(srv: servers.Server) -> dict[str, int]:
     return body["model_details"]["big"]["kv_cache"]
 
 
+async def _settled(srv: servers.Server) -> dict[str, int]:
+    """The tiers' bytes once the disk tier's writes stopped growing."""
+    last = await _kv_bytes(srv)
+    while True:
+        await asyncio.sleep(0.5)
+        now = await _kv_bytes(srv)
+        if now == last:
+            return now
+        last = now
+
+
 async def session(work: Path, model: Path, cache_root: Path, *, tokens: int,
                   answer_tokens: int) -> dict[str, Any]:
     rng = random.Random(7)
@@ -142,15 +157,19 @@ async def session(work: Path, model: Path, cache_root: Path, *, tokens: int,
         turns.append(_row("sub-agent", res))
         sub_tokens = res.prompt_tokens or 0
         main_tokens = turns[-2]["prompt_tokens"] or 0
-        shared_kv = await _kv_bytes(srv)
+        shared_kv = await _settled(srv)
+        shutil.copytree(kv, work / "kv-before-hot")
+        hot = await _turn(srv, messages, answer_tokens)
+        turns.append(_row("hot (next turn, no restart)", hot))
     finally:
         srv.stop()
-    srv = await _start(work, "afmd-restarted", _config(servers.free_port(), model, kv), cache_root)
+    shutil.rmtree(kv)
+    (work / "kv-before-hot").rename(kv)
+    srv = await _start(work, "afmd-restarted", _config(servers.free_port(), model, kv),
+                       cache_root)
     try:
         restart = await _turn(srv, messages, answer_tokens)
-        turns.append(_row("restart", restart))
-        hot = await _turn(srv, messages, answer_tokens)
-        turns.append(_row("hot (same request)", hot))
+        turns.append(_row("restart (same next turn)", restart))
     finally:
         srv.stop()
     srv = await _start(work, "afmd-cold", _config(servers.free_port(), model, work / "kv-off",
@@ -163,7 +182,8 @@ async def session(work: Path, model: Path, cache_root: Path, *, tokens: int,
     per_token = shared_kv["ram_bytes"] / max(1, main_tokens)  # an upper estimate
     return {
         "turns": turns,
-        "session_ttft_s": round(sum(t["ttft_s"] for t in turns[:-2]), 3),
+        "session_ttft_s": round(sum(t["ttft_s"] for t in turns if not
+                                    t["turn"].startswith(("hot", "cold"))), 3),
         "restart_vs_hot": round(restart.ttft / hot.ttft, 2),
         "restart_vs_cold": round(restart.ttft / cold.ttft, 3),
         "ram": {"kv_ram_bytes": shared_kv["ram_bytes"], "kv_disk_bytes": shared_kv["disk_bytes"],
