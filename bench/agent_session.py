@@ -28,9 +28,12 @@ prompt held once) against what the two conversations would hold as whole copies;
 tok/s of a long stream while another request's blocks are written to disk, with the disk
 tier on and off, in turns (the ratio's median).
 
-    .venv/bin/python bench/agent_session.py [--quick] [--json] [--tokens N] [--rounds N]
+    .venv/bin/python bench/agent_session.py [--quick] [--json] [--peer] [--tokens N]
+        [--rounds N] [--model demo-32k|big]
 
-The peers (vllm-mlx with its persisted prefix cache, mlx_lm.server) are not run yet.
+``--peer`` runs the same session on mlx_lm.server (this environment's mlx-lm; its prefix
+cache lives in its process, so its restart turn is a fresh process's). vllm-mlx, with its
+persisted prefix cache, is not run yet.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ async def _start(work: Path, name: str, config: str, cache_root: Path) -> server
 async def _turn(srv: servers.Server, messages: list[dict[str, str]],
                 max_tokens: int) -> client.StreamResult:
     res = await client.stream_chat(servers.HOST, srv.port, {
-        "model": "big", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "messages": messages, "max_tokens": max_tokens, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True},
     }, headers={"X-AFM-Profile": "true"})
     if not res.ok:
@@ -117,7 +120,8 @@ def _row(label: str, res: client.StreamResult) -> dict[str, Any]:
 
 async def _kv_bytes(srv: servers.Server) -> dict[str, int]:
     _, body = await client.request(servers.HOST, srv.port, "GET", "/health", timeout=10)
-    return body["model_details"]["big"]["kv_cache"]
+    details = body["model_details"]
+    return next(iter(details.values()))["kv_cache"]
 
 
 async def _settled(srv: servers.Server) -> dict[str, int]:
@@ -131,15 +135,37 @@ async def _settled(srv: servers.Server) -> dict[str, int]:
         last = now
 
 
+async def _mlx_lm(work: Path, name: str, model: Path) -> servers.Server:
+    srv = servers.mlx_server(work, name, model).start()
+    try:
+        await srv.ready(300)
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
 async def session(work: Path, model: Path, cache_root: Path, *, tokens: int,
-                  answer_tokens: int) -> dict[str, Any]:
+                  answer_tokens: int, peer: bool = False) -> dict[str, Any]:
+    """The session on afmd, or (``peer``) on mlx_lm.server, whose prefix cache lives in its
+    process only: its restart turn and its cold turn are both a fresh process's."""
     rng = random.Random(7)
     kv = work / "kv"
     system = {"role": "system", "content": "You are a coding agent. " + _text(rng, tokens // 4)}
     messages = [system, {"role": "user", "content": "Fix the failing test in parser.py."}]
     growth = max(1, (tokens - tokens // 4) // 600)
     turns: list[dict[str, Any]] = []
-    srv = await _start(work, "afmd-session", _config(servers.free_port(), model, kv), cache_root)
+
+    async def start(name: str, cache: bool = True) -> servers.Server:
+        if peer:
+            return await _mlx_lm(work, f"mlx-lm-{name}", model)
+        folder = kv if cache else work / "kv-off"
+        return await _start(work, f"afmd-{name}",
+                            _config(servers.free_port(), model, folder, cache=cache),
+                            cache_root)
+
+    srv = await start("session")
+    shared_kv = {"ram_bytes": 0, "disk_bytes": 0}
     try:
         for i in range(growth + 1):
             res = await _turn(srv, messages, answer_tokens)
@@ -157,23 +183,23 @@ async def session(work: Path, model: Path, cache_root: Path, *, tokens: int,
         turns.append(_row("sub-agent", res))
         sub_tokens = res.prompt_tokens or 0
         main_tokens = turns[-2]["prompt_tokens"] or 0
-        shared_kv = await _settled(srv)
-        shutil.copytree(kv, work / "kv-before-hot")
+        if not peer:
+            shared_kv = await _settled(srv)
+            shutil.copytree(kv, work / "kv-before-hot")
         hot = await _turn(srv, messages, answer_tokens)
         turns.append(_row("hot (next turn, no restart)", hot))
     finally:
         srv.stop()
-    shutil.rmtree(kv)
-    (work / "kv-before-hot").rename(kv)
-    srv = await _start(work, "afmd-restarted", _config(servers.free_port(), model, kv),
-                       cache_root)
+    if not peer:
+        shutil.rmtree(kv)
+        (work / "kv-before-hot").rename(kv)
+    srv = await start("restarted")
     try:
         restart = await _turn(srv, messages, answer_tokens)
         turns.append(_row("restart (same next turn)", restart))
     finally:
         srv.stop()
-    srv = await _start(work, "afmd-cold", _config(servers.free_port(), model, work / "kv-off",
-                                            cache=False), cache_root)
+    srv = await start("cold", cache=False)
     try:
         cold = await _turn(srv, messages, answer_tokens)
         turns.append(_row("cold (no cache)", cold))
@@ -240,6 +266,13 @@ def _table(result: dict[str, Any]) -> str:
               f"RAM tier after the session and the sub-agent: {s['ram']['kv_ram_bytes']} bytes "
               f"(whole copies of both conversations: about "
               f"{s['ram']['whole_copies_estimate_bytes']} bytes)"]
+    peer = result.get("mlx_lm_server")
+    if peer:
+        lines += ["", "| turn | afmd TTFT (s) | mlx_lm.server TTFT (s) |", "|---|---:|---:|"]
+        for mine, theirs in zip(s["turns"], peer["turns"], strict=True):
+            lines.append(f"| {mine['turn']} | {mine['ttft_s']:.3f} | {theirs['ttft_s']:.3f} |")
+        lines.append(f"session TTFT sum: afmd {s['session_ttft_s']} s, mlx_lm.server "
+                     f"{peer['session_ttft_s']} s")
     d = result.get("decode")
     if d:
         lines.append(f"decode tok/s while blocks are written, disk tier on / off (median of "
@@ -255,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument("--tokens", type=int, default=10000, help="the conversation's length")
     ap.add_argument("--rounds", type=int, default=4, help="decode rounds (disk on/off)")
+    ap.add_argument("--peer", action="store_true",
+                    help="also run the session on mlx_lm.server (this environment's mlx-lm)")
     ap.add_argument("--cache-dir", metavar="DIR", help="where models are built (reused)")
     ap.add_argument("--model", choices=("demo-32k", "big"), default="demo-32k",
                     help="demo-32k (default), or the compute-bound bench model (slow on a "
@@ -275,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "tokens": tokens}
         result["session"] = asyncio.run(session(work, model, cache_root, tokens=tokens,
                                                 answer_tokens=16))
+        if args.peer:
+            result["mlx_lm_server"] = asyncio.run(session(
+                work, model, cache_root, tokens=tokens, answer_tokens=16, peer=True))
         result["decode"] = asyncio.run(decode_with_writes(
             work, model, cache_root, rounds=rounds, prompt_words=1200, max_tokens=96))
         result["seconds"] = round(time.perf_counter() - started, 1)

@@ -106,6 +106,10 @@ def test_ram_tier_evicts_least_recently_used_by_bytes() -> None:
     assert ram.evictions == 1 and ram.nbytes == 2 * blocks[0].nbytes
     assert ram.get(b"b") is None and ram.misses == 1 and ram.hits == 1
     assert ram.clear() == 2 * blocks[0].nbytes and len(ram) == 0 and ram.nbytes == 0
+    counted = RamTier(max_bytes=1 << 30, max_blocks=2)  # prompt_cache_entries
+    for i, block in enumerate(blocks):
+        counted.put(bytes([i]), block)
+    assert len(counted) == 2 and bytes([0]) not in counted and counted.evictions == 1
 
 
 def test_shared_prefix_blocks_are_held_once_and_a_change_reuses_what_precedes_it() -> None:

@@ -158,7 +158,7 @@ class DiskStore:
             root.mkdir(parents=True, exist_ok=True)
             self._scan()
         except OSError as exc:
-            self._fail(f"cannot use {root}: {exc}")
+            self.fail(f"cannot use {root}: {exc}")
         self._thread = threading.Thread(target=self._write_loop, name="afmd-kv-disk",
                                         daemon=True)
         self._thread.start()
@@ -203,7 +203,8 @@ class DiskStore:
         with self._lock:
             return list(self._tails.get((folder, before), {}).values())
 
-    def _fail(self, why: str) -> None:
+    def fail(self, why: str) -> None:
+        """Stop writing, saying why once (a folder that cannot be used, a full disk)."""
         if self.failed is None:
             self.failed = why
             log.warning("KV cache disk tier stops writing (serving on from RAM): %s", why)
@@ -297,7 +298,7 @@ class DiskStore:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 temp.unlink()
-            self._fail(("the disk is full: " if exc.errno == errno.ENOSPC else "")
+            self.fail(("the disk is full: " if exc.errno == errno.ENOSPC else "")
                        + f"{type(exc).__name__}: {exc}")
             return
         self.writes += 1
@@ -368,7 +369,7 @@ class DiskTier:
                 self.folder.mkdir(parents=True, exist_ok=True)
                 layout.add_name(self.folder, name)
             except OSError as exc:
-                store._fail(f"cannot use {self.folder}: {exc}")
+                store.fail(f"cannot use {self.folder}: {exc}")
 
     @property
     def nbytes(self) -> int:
