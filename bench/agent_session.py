@@ -32,8 +32,10 @@ tier on and off, in turns (the ratio's median).
         [--rounds N] [--model demo-32k|big]
 
 ``--peer`` runs the same session on mlx_lm.server (this environment's mlx-lm; its prefix
-cache lives in its process, so its restart turn is a fresh process's). vllm-mlx, with its
-persisted prefix cache, is not run yet.
+cache lives in its process, so its restart turn is a fresh process's); ``--vllm-mlx VENV``
+on vllm-mlx installed in a venv of its own (``pip install vllm-mlx==0.6.0 "mlx[cpu]"
+"torch==2.13.*" "torchvision==0.28.*"`` with PyTorch's CPU index), which persists its
+prefix cache at shutdown under its home folder and loads it at start.
 """
 
 from __future__ import annotations
@@ -145,10 +147,34 @@ async def _mlx_lm(work: Path, name: str, model: Path) -> servers.Server:
     return srv
 
 
+async def _vllm_mlx(work: Path, name: str, model: Path, venv: Path,
+                    home: Path) -> servers.Server:
+    """vllm-mlx from its own venv, its persisted prefix cache under ``home`` (it saves the
+    cache at shutdown and loads it at start: the same ``home`` after a restart)."""
+    port = servers.free_port()
+    home.mkdir(parents=True, exist_ok=True)
+    srv = servers.Server(
+        name=name,
+        cmd=[str(venv / "bin" / "vllm-mlx"), "serve", str(model), "--host", servers.HOST,
+             "--port", str(port), "--continuous-batching"],
+        port=port, log_path=work / f"{name}.log",
+        env={"HOME": str(home), "HF_HUB_OFFLINE": "1"},
+    ).start()
+    try:
+        await srv.ready(600)
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
 async def session(work: Path, model: Path, cache_root: Path, *, tokens: int,
-                  answer_tokens: int, peer: bool = False) -> dict[str, Any]:
-    """The session on afmd, or (``peer``) on mlx_lm.server, whose prefix cache lives in its
-    process only: its restart turn and its cold turn are both a fresh process's."""
+                  answer_tokens: int, peer: str | None = None,
+                  vllm_venv: Path | None = None) -> dict[str, Any]:
+    """The session on afmd, or on a peer: ``mlx_lm`` (mlx_lm.server, whose prefix cache
+    lives in its process only: its restart turn and its cold turn are both a fresh
+    process's) or ``vllm-mlx`` (its prefix cache persisted at shutdown; cold: a fresh
+    home folder)."""
     rng = random.Random(7)
     kv = work / "kv"
     system = {"role": "system", "content": "You are a coding agent. " + _text(rng, tokens // 4)}
@@ -157,8 +183,12 @@ async def session(work: Path, model: Path, cache_root: Path, *, tokens: int,
     turns: list[dict[str, Any]] = []
 
     async def start(name: str, cache: bool = True) -> servers.Server:
-        if peer:
+        if peer == "mlx_lm":
             return await _mlx_lm(work, f"mlx-lm-{name}", model)
+        if peer == "vllm-mlx":
+            assert vllm_venv is not None
+            home = work / ("vllm-home" if cache else "vllm-home-cold")
+            return await _vllm_mlx(work, f"vllm-mlx-{name}", model, vllm_venv, home)
         folder = kv if cache else work / "kv-off"
         return await _start(work, f"afmd-{name}",
                             _config(servers.free_port(), model, folder, cache=cache),
@@ -266,13 +296,18 @@ def _table(result: dict[str, Any]) -> str:
               f"RAM tier after the session and the sub-agent: {s['ram']['kv_ram_bytes']} bytes "
               f"(whole copies of both conversations: about "
               f"{s['ram']['whole_copies_estimate_bytes']} bytes)"]
-    peer = result.get("mlx_lm_server")
-    if peer:
-        lines += ["", "| turn | afmd TTFT (s) | mlx_lm.server TTFT (s) |", "|---|---:|---:|"]
-        for mine, theirs in zip(s["turns"], peer["turns"], strict=True):
-            lines.append(f"| {mine['turn']} | {mine['ttft_s']:.3f} | {theirs['ttft_s']:.3f} |")
-        lines.append(f"session TTFT sum: afmd {s['session_ttft_s']} s, mlx_lm.server "
-                     f"{peer['session_ttft_s']} s")
+    peers = [(label, result[key]) for key, label in (("mlx_lm_server", "mlx_lm.server"),
+                                                      ("vllm_mlx", "vllm-mlx"))
+             if result.get(key)]
+    if peers:
+        lines += ["", "| turn | afmd TTFT (s) | " + " | ".join(
+            f"{label} TTFT (s)" for label, _ in peers) + " |",
+            "|---|---:|" + "---:|" * len(peers)]
+        for i, mine in enumerate(s["turns"]):
+            lines.append(f"| {mine['turn']} | {mine['ttft_s']:.3f} | " + " | ".join(
+                f"{p['turns'][i]['ttft_s']:.3f}" for _, p in peers) + " |")
+        lines.append("session TTFT sum: afmd " + f"{s['session_ttft_s']} s, " + ", ".join(
+            f"{label} {p['session_ttft_s']} s" for label, p in peers))
     d = result.get("decode")
     if d:
         lines.append(f"decode tok/s while blocks are written, disk tier on / off (median of "
@@ -290,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4, help="decode rounds (disk on/off)")
     ap.add_argument("--peer", action="store_true",
                     help="also run the session on mlx_lm.server (this environment's mlx-lm)")
+    ap.add_argument("--vllm-mlx", metavar="VENV",
+                    help="also run it on vllm-mlx installed in VENV (its own venv)")
     ap.add_argument("--cache-dir", metavar="DIR", help="where models are built (reused)")
     ap.add_argument("--model", choices=("demo-32k", "big"), default="demo-32k",
                     help="demo-32k (default), or the compute-bound bench model (slow on a "
@@ -312,7 +349,11 @@ def main(argv: list[str] | None = None) -> int:
                                                 answer_tokens=16))
         if args.peer:
             result["mlx_lm_server"] = asyncio.run(session(
-                work, model, cache_root, tokens=tokens, answer_tokens=16, peer=True))
+                work, model, cache_root, tokens=tokens, answer_tokens=16, peer="mlx_lm"))
+        if args.vllm_mlx:
+            result["vllm_mlx"] = asyncio.run(session(
+                work, model, cache_root, tokens=tokens, answer_tokens=16, peer="vllm-mlx",
+                vllm_venv=Path(args.vllm_mlx)))
         result["decode"] = asyncio.run(decode_with_writes(
             work, model, cache_root, rounds=rounds, prompt_words=1200, max_tokens=96))
         result["seconds"] = round(time.perf_counter() - started, 1)
