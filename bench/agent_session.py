@@ -103,10 +103,14 @@ async def _start(work: Path, name: str, config: str, cache_root: Path) -> server
 
 async def _turn(srv: servers.Server, messages: list[dict[str, str]],
                 max_tokens: int) -> client.StreamResult:
-    res = await client.stream_chat(servers.HOST, srv.port, {
+    body: dict[str, Any] = {
         "messages": messages, "max_tokens": max_tokens, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True},
-    }, headers={"X-AFM-Profile": "true"})
+    }
+    if srv.name.startswith("vllm-mlx"):  # it requires a model name (mlx_lm.server loads one)
+        body["model"] = "big"
+    res = await client.stream_chat(servers.HOST, srv.port, body,
+                                   headers={"X-AFM-Profile": "true"})
     if not res.ok:
         raise RuntimeError(f"{srv.name}: {res.status} {res.error}")
     return res
@@ -156,7 +160,7 @@ async def _vllm_mlx(work: Path, name: str, model: Path, venv: Path,
     srv = servers.Server(
         name=name,
         cmd=[str(venv / "bin" / "vllm-mlx"), "serve", str(model), "--host", servers.HOST,
-             "--port", str(port), "--continuous-batching"],
+             "--port", str(port), "--continuous-batching", "--served-model-name", "big"],
         port=port, log_path=work / f"{name}.log",
         env={"HOME": str(home), "HF_HUB_OFFLINE": "1"},
     ).start()
