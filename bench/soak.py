@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:  # run as a script
 from bench.servers import HOST, Server, afmd_process  # noqa: E402
 
 CHAT = "/v1/chat/completions"
-MODEL = "demo"  # the README's Memory section was measured on it
+MODEL = "demo"  # docs/benchmarks.md's Memory numbers were measured on it
 KINDS = ("plain", "stream", "cancel", "drop", "error", "tools", "json_schema", "second_turn")
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
          "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",

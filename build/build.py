@@ -16,7 +16,7 @@ a summary (paths, sizes, digest, build seconds) as the last line of output, for 
 
 onedir is the default because a onefile binary unpacks its whole payload (about 200 MB)
 into a temporary folder on every start: ``afmd version`` took 4.1–5.6 s onefile against
-0.3 s onedir here (numbers and commands in the README's "Distribution" section).
+0.3 s onedir here (numbers and commands in docs/distribution.md).
 """
 
 from __future__ import annotations

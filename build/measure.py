@@ -1,4 +1,4 @@
-"""Measure a frozen afmd the way the README reports it (Linux: memory is read from /proc).
+"""Measure a frozen afmd the way docs/distribution.md reports it (Linux: memory is read from /proc).
 
     .venv/bin/python build/measure.py build/dist/afmd-0.1.0-linux-x86_64/afmd
     .venv/bin/python build/measure.py build/dist/afmd-0.1.0-linux-x86_64 --runs 5

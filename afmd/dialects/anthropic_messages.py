@@ -8,7 +8,7 @@ block's ``content_block_start`` / ``_delta`` / ``_stop``, then ``message_delta``
 reason and usage) and ``message_stop``; ``ping`` keeps a quiet stream alive (queued, a long
 prefill), and a failure after the stream began is an ``error`` event.
 
-Choices where afmd and Anthropic differ (the README's Anthropic section says the same):
+Choices where afmd and Anthropic differ (docs/anthropic.md says the same):
 
 * ``usage.input_tokens`` is the prompt's tokens the prefix cache did not hold,
   ``cache_read_input_tokens`` those it did, ``cache_creation_input_tokens`` is 0 (afmd

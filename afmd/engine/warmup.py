@@ -3,11 +3,11 @@
 A GPU backend compiles kernels the first time it meets them: Metal's and CUDA's JIT
 kernels (gathers, fused element-wise code, sampling), CUDA's cuBLAS heuristics and cuDNN
 handles, and the graphs MLX's CUDA backend captures. Without this a fresh server's first
-request paid for all of it, in its time to first token and its decode rate (the README's
-"The GPU path" has the numbers). Here that cost is paid while the model loads, on the
-generation thread itself (MLX's generation stream is per thread, and so are cuDNN's
-attention plans), through the same decode step requests take: two rows decoded together
-(one greedy reporting log-probabilities, one sampled), then one alone.
+request paid for all of it, in its time to first token and its decode rate
+(bench/results/history.md, "The GPU path", has the numbers). Here that cost is paid while
+the model loads, on the generation thread itself (MLX's generation stream is per thread,
+and so are cuDNN's attention plans), through the same decode step requests take: two rows
+decoded together (one greedy reporting log-probabilities, one sampled), then one alone.
 
 On every path, the model's chat template is compiled here too (Jinja's compile of a
 template is a first request's largest host-side cost; transformers keeps it per template).

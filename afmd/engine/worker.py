@@ -40,7 +40,7 @@ log = logging.getLogger("afmd.engine")
 
 class _InjectedFailures:
     """Fault injection for tests of the retry path: the first N decode steps fail as a
-    transient MLX error would (``AFMD_INJECT_FAILURES=N``, documented in the README)."""
+    transient MLX error would (``AFMD_INJECT_FAILURES=N``, documented in docs/tools.md)."""
 
     def __init__(self) -> None:
         self.left = int(os.environ.get("AFMD_INJECT_FAILURES", "0") or 0)
