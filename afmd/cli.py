@@ -221,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from afmd.doctor import run as doctor
 
         return doctor(args.config, as_json=args.json, timeout=args.timeout)
-    if args.command in ("pull", "list", "ps", "rm", "show"):
+    if args.command in ("pull", "list", "ps", "rm", "show", "cache"):
         from afmd import cli_models
 
         return cli_models.run(args)

@@ -1,4 +1,4 @@
-"""The model commands: ``afmd pull``, ``list``, ``ps``, ``rm`` and ``show``.
+"""The model commands: ``afmd pull``, ``list``, ``ps``, ``rm``, ``show`` and ``cache clear``.
 
 Models on disk live in the Hugging Face hub cache (:mod:`afmd.hubcache`), pulled by
 :mod:`afmd.hub`; what a running server has loaded comes from its ``/health`` (found as
@@ -99,9 +99,23 @@ def add_parsers(commands: Any) -> None:
     show.add_argument("model", metavar="MODEL")
     common(show, server=False)
 
+    cache = commands.add_parser(
+        "cache", help="the prefix KV cache: clear it",
+        description="The prefix KV cache's blocks, in the running server's memory and in "
+                    "[cache] disk_dir (docs/kv-cache.md).")
+    verbs = cache.add_subparsers(dest="cache_command", metavar="VERB", required=True)
+    clear = verbs.add_parser(
+        "clear", help="empty the KV cache's tiers (RAM and disk)",
+        description="Empty the prefix KV cache: the running server's blocks in RAM and on "
+                    "disk (asked of the server when one answers), else the block files in "
+                    "[cache] disk_dir. --model: only that model's (an id or alias).")
+    clear.add_argument("--model", metavar="ID", help="only this model's blocks")
+    common(clear, server=True)
+
 
 def run(args: argparse.Namespace) -> int:
-    command = {"pull": _pull, "list": _list, "ps": _ps, "rm": _rm, "show": _show}[args.command]
+    command = {"pull": _pull, "list": _list, "ps": _ps, "rm": _rm, "show": _show,
+               "cache": _cache}[args.command]
     try:
         return command(args)
     except CommandError as exc:
@@ -281,7 +295,8 @@ def ps_row(model_id: str, detail: dict[str, Any], now: float) -> dict[str, Any]:
             "memory_bytes": detail.get("memory_bytes"), "active": detail.get("active", 0),
             "queued": detail.get("queued", 0), "idle_s": idle,
             "expires_in_s": (round(max(0.0, expires_at - now), 1) if expires_at is not None
-                             else None)}
+                             else None),
+            "kv_cache": detail.get("kv_cache")}
 
 
 def _ps(args: argparse.Namespace) -> int:
@@ -302,8 +317,14 @@ def _ps(args: argparse.Namespace) -> int:
     def seconds(value: float | None, none: str) -> str:
         return none if value is None else f"{value:.0f}s"
 
-    print(_table(("ID", "STATE", "MEMORY", "ACTIVE", "QUEUED", "IDLE", "EXPIRES"), [
+    def tier(r: dict[str, Any], name: str) -> str:
+        kv = r.get("kv_cache")
+        return human_bytes(kv[name]) if kv else "-"
+
+    print(_table(("ID", "STATE", "MEMORY", "KV-RAM", "KV-DISK", "ACTIVE", "QUEUED", "IDLE",
+                  "EXPIRES"), [
         (r["id"], r["state"], human_bytes(r["memory_bytes"]) if r["memory_bytes"] else "-",
+         tier(r, "ram_bytes"), tier(r, "disk_bytes"),
          str(r["active"]), str(r["queued"]), seconds(r["idle_s"], "-"),
          seconds(r["expires_in_s"], "never")) for r in rows]))
     return EXIT_OK
@@ -398,3 +419,67 @@ def _print_info(info: dict[str, Any], as_json: bool) -> int:
         shown = "-" if value is None else labels.get(key, str)(value)
         print(f"{key.replace('_', ' '):<18}{shown}")
     return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- cache
+
+
+def _post_clear(target: endpoint.Endpoint, model: str | None, timeout: float) -> dict[str, Any]:
+    """Ask the running server to clear (``ServerUnreachable`` when none answers)."""
+    import http.client
+
+    from afmd.engine.kvcache.folder import CLEAR_PATH
+
+    body = json.dumps({"model": model} if model else {})
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    if target.api_key:
+        headers["Authorization"] = f"Bearer {target.api_key}"
+    conn = target.connect(timeout)
+    try:
+        conn.request("POST", CLEAR_PATH, body=body, headers=headers)
+        response = conn.getresponse()
+        raw = response.read(1 << 20)
+    except (OSError, http.client.HTTPException) as exc:
+        raise endpoint.ServerUnreachable(f"no afmd server answers at {target.label}: "
+                                         f"{exc}") from None
+    finally:
+        conn.close()
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        answer = None
+    if response.status != 200 or not isinstance(answer, dict):
+        message = (answer or {}).get("error", {}).get("message") if isinstance(
+            answer, dict) else None
+        raise CommandError(f"the server at {target.label} refused: HTTP {response.status}"
+                           + (f": {message}" if message else ""))
+    return answer
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from afmd.engine.kvcache import folder as kv_folder
+
+    config = _config(args.config)
+    model = args.model
+    if model is not None:
+        entry = config.resolve_model(model)
+        if entry is None:
+            raise CommandError(f"'{model}' is not a configured model or alias", EXIT_USAGE)
+        model = entry.id
+    try:
+        target = _endpoint(args, config)
+        if target is None:
+            raise endpoint.ServerUnreachable("no endpoint")
+        answer = _post_clear(target, model, args.timeout)
+        ram = sum(c.get("ram_bytes", 0) for c in answer.get("cleared", []))
+        disk, where = answer.get("disk_bytes", 0), f"the server at {target.label}"
+    except endpoint.ServerUnreachable:
+        root = kv_folder.resolve(config.cache.disk_dir)
+        ram, (_, disk), where = 0, kv_folder.clear(root, model), str(root)
+    if args.json:
+        _print_json({"model": model, "ram_bytes": ram, "disk_bytes": disk, "where": where})
+    else:
+        print(f"cleared {human_bytes(ram)} in RAM and {human_bytes(disk)} on disk "
+              f"({'model ' + model if model else 'every model'}; {where})")
+    return EXIT_OK
+

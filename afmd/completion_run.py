@@ -372,6 +372,8 @@ def _profile(
     return profiling.payload(prepared.profile, profiling.ProfileInput(
         prompt_tokens=usage.prompt_tokens,
         cached_tokens=usage.cached_tokens,
+        cached_disk_tokens=min(usage.cached_tokens,
+                               max((e.cached_disk_tokens for e in ends), default=0)),
         completion_tokens=usage.completion_tokens,
         received_at=prepared.received_at,
         started_at=min(t["started_at"] for t in timings),

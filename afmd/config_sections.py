@@ -116,7 +116,13 @@ class CacheConfig:
     count, is what runs out first)."""
 
     prompt_cache_bytes: int = field(default=1073741824, metadata=at_least(0))  # 0: no cache
-    prompt_cache_entries: int = field(default=16, metadata=at_least(0))
+    # The most blocks the RAM tier holds (a whole-sequence model's cache: entries); 0: no cache.
+    prompt_cache_entries: int = field(default=65536, metadata=at_least(0))
+    # Tokens per block of the block KV cache (docs/kv-cache.md says why 256).
+    block_tokens: int = field(default=256, metadata=at_least(1))
+    # The disk tier's folder ("": <afmd cache>/kv) and bound (0 turns the disk tier off).
+    disk_dir: str = ""
+    disk_bytes: int = field(default=10737418240, metadata=at_least(0))
     # MLX's pool of freed buffers kept for reuse (mx.set_cache_limit); 0 keeps none.
     mlx_buffer_cache_bytes: int = field(default=268435456, metadata=at_least(0))
 

@@ -19,6 +19,8 @@ from typing import Any
 PROFILE_KEYS = (
     "prompt_tokens",
     "cached_tokens",
+    "cached_ram_tokens",
+    "cached_disk_tokens",
     "completion_tokens",
     "queue_ms",
     "ttft_ms",
@@ -93,6 +95,7 @@ class ProfileInput:
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
     speculation: dict[str, dict[str, int]] = field(default_factory=dict)
+    cached_disk_tokens: int = 0  # of cached_tokens, those read from the disk tier
 
 
 def add_speculation(total: dict[str, dict[str, int]], *counts: dict[str, dict[str, int]]
@@ -116,6 +119,8 @@ def summary(p: ProfileInput) -> dict[str, Any]:
     return {
         "prompt_tokens": p.prompt_tokens,
         "cached_tokens": p.cached_tokens,
+        "cached_ram_tokens": p.cached_tokens - p.cached_disk_tokens,
+        "cached_disk_tokens": p.cached_disk_tokens,
         "completion_tokens": p.completion_tokens,
         "queue_ms": round(max(p.started_at - p.received_at, 0.0) * 1000, 3),
         "ttft_ms": round(max(p.first_token_at - p.received_at, 0.0) * 1000, 3),

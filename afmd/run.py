@@ -73,6 +73,7 @@ class _Totals:
     prompt: int = 0
     completion: int = 0
     cached: int = 0
+    cached_disk: int = 0
     reasoning: int = 0
     accepted: int = 0  # prediction tokens (the first round's: the only one with it)
     rejected: int = 0
@@ -87,6 +88,7 @@ class _Totals:
         self.prompt += event.prompt_tokens
         self.completion += event.completion_tokens
         self.cached += event.cached_tokens
+        self.cached_disk += event.cached_disk_tokens
         self.reasoning += event.reasoning_tokens
         self.accepted += event.accepted_prediction_tokens
         self.rejected += event.rejected_prediction_tokens
@@ -271,6 +273,7 @@ def _profile(prepared: PreparedChat, totals: _Totals, finished: Finished) -> dic
     return profiling.payload(prepared.profile, profiling.ProfileInput(
         prompt_tokens=totals.prompt,
         cached_tokens=totals.cached,
+        cached_disk_tokens=totals.cached_disk,
         completion_tokens=totals.completion,
         received_at=prepared.received_at,
         started_at=t["started_at"],

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow  # the hub stand-in, CLI subprocesses and a server
 
 REPO = "test-org/demo"
 EMBED = "test-org/embed"
-PS_KEYS = {"id", "state", "memory_bytes", "active", "queued", "idle_s", "expires_in_s"}
+PS_KEYS = {"id", "state", "memory_bytes", "active", "queued", "idle_s", "expires_in_s",
+           "kv_cache"}
 LIST_KEYS = {"id", "repo", "path", "size_bytes", "configured", "loaded"}
 
 
@@ -131,7 +132,7 @@ def test_health_keeps_its_shape_and_adds_model_details(served: tuple[ServerProce
     assert time.time() - 600 < detail["idle_since"] <= time.time()
     assert body["model_details"]["demo-32k"] == {
         "state": "available", "path": "afmd:demo-32k", "memory_bytes": None, "active": 0,
-        "queued": 0, "idle_since": None, "expires_at": None}
+        "queued": 0, "idle_since": None, "expires_at": None, "kv_cache": None}
     # Instants, not durations: asked again with nothing in between, the same answer.
     assert httpx.get(server.url + "/health", timeout=10).json() == body
 
@@ -146,6 +147,7 @@ def test_ps_shows_memory_requests_and_idle_time(served: tuple[ServerProcess, str
     assert row["state"] == "loaded" and row["memory_bytes"] > 1_000_000
     assert (row["active"], row["queued"], row["expires_in_s"]) == (0, 0, None)
     assert row["idle_s"] >= 0
+    assert row["kv_cache"].keys() == {"ram_bytes", "disk_bytes"}  # the KV cache's tiers
     assert all(m["state"] in ("loaded", "loading") for m in first["models"])
 
     # One slot: a long stream runs, a second request waits; ps sees both, then neither.
@@ -180,7 +182,7 @@ def test_ps_shows_memory_requests_and_idle_time(served: tuple[ServerProcess, str
     assert (busy["active"], busy["queued"], busy["idle_s"]) == (1, 1, 0)
     table = afmd(env, "ps", "--url", server.url)
     assert table.returncode == 0 and table.stdout.splitlines()[0].split() == [
-        "ID", "STATE", "MEMORY", "ACTIVE", "QUEUED", "IDLE", "EXPIRES"]
+        "ID", "STATE", "MEMORY", "KV-RAM", "KV-DISK", "ACTIVE", "QUEUED", "IDLE", "EXPIRES"]
     assert any(line.split()[:2] == [REPO, "loaded"] and line.split()[-1] == "never"
                for line in table.stdout.splitlines()), table.stdout
     cancelled_at = time.time()
@@ -335,9 +337,11 @@ def test_ps_turns_instants_into_durations() -> None:
 
     now = 1_000_000.0
     idle = ps_row("m", {"state": "loaded", "memory_bytes": 5, "active": 0, "queued": 0,
-                        "idle_since": now - 12.34, "expires_at": now + 287.66}, now)
+                        "idle_since": now - 12.34, "expires_at": now + 287.66,
+                        "kv_cache": {"ram_bytes": 3, "disk_bytes": 4}}, now)
     assert idle == {"id": "m", "state": "loaded", "memory_bytes": 5, "active": 0,
-                    "queued": 0, "idle_s": 12.3, "expires_in_s": 287.7}
+                    "queued": 0, "idle_s": 12.3, "expires_in_s": 287.7,
+                    "kv_cache": {"ram_bytes": 3, "disk_bytes": 4}}
     busy = ps_row("m", {"state": "loaded", "memory_bytes": 5, "active": 1, "queued": 2,
                         "idle_since": None, "expires_at": None}, now)
     assert (busy["idle_s"], busy["expires_in_s"]) == (0.0, None)

@@ -41,7 +41,8 @@ PROFILE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "required": [
-        "prompt_tokens", "cached_tokens", "completion_tokens", "queue_ms", "ttft_ms",
+        "prompt_tokens", "cached_tokens", "cached_ram_tokens", "cached_disk_tokens",
+        "completion_tokens", "queue_ms", "ttft_ms",
         "total_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes",
         "chip", "gpu_power_w", "bandwidth_gb_s", "accepted_prediction_tokens",
         "rejected_prediction_tokens", "speculation",
@@ -49,6 +50,8 @@ PROFILE_SCHEMA: dict[str, Any] = {
     "properties": {
         "prompt_tokens": _COUNT,
         "cached_tokens": _COUNT,
+        "cached_ram_tokens": _COUNT,
+        "cached_disk_tokens": _COUNT,
         "completion_tokens": _COUNT,
         "queue_ms": _MS,
         "ttft_ms": _MS,

@@ -31,6 +31,7 @@ def _leader_lost() -> None:
 def follow(config: Config, group: Any) -> int:
     """Run this rank until rank 0 says stop; the exit code."""
     from afmd.engine.follower import Follower
+    from afmd.engine.kvcache.identity import model_identity
     from afmd.engine.sharding import drop_output_projection, folder_of, load_shard, memory
     from afmd.engine.stepper import Stepper
 
@@ -67,6 +68,8 @@ def follow(config: Config, group: Any) -> int:
             max_batch=config.queue.max_concurrent_requests,
             prompt_cache_bytes=config.cache.prompt_cache_bytes,
             prompt_cache_entries=config.cache.prompt_cache_entries,
+            identity=model_identity(folder_of(entry), entry.id),
+            block_tokens=config.cache.block_tokens,
             lockstep=group,
         )
         Follower(stepper, group, after_plan=refresh).run()

@@ -87,7 +87,9 @@ class Admissions:
             return None
         cache, rest = (None, request.prompt)
         if request.max_tokens > 0:
-            cache, rest = self._stepper.cached_prefix(request.prompt)
+            resume = self._stepper.resume(request.prompt)
+            cache, rest = resume.cache, request.prompt[resume.tokens:]
+            row.cached_disk_tokens = resume.disk_tokens
         row.cached_tokens = len(request.prompt) - len(rest)
         plan = Admission(
             prompt=list(request.prompt),

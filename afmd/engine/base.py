@@ -129,6 +129,9 @@ class Finished:
     cached_tokens: int = 0
     reasoning_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    #: Of ``cached_tokens``, those the block cache read from its disk tier (the rest were
+    #: in RAM), for X-AFM-Profile.
+    cached_disk_tokens: int = 0
     peak_memory_bytes: int | None = None
     # (seconds since start, tokens so far, active memory bytes) when sampling was asked.
     samples: tuple[tuple[float, int, int], ...] = ()

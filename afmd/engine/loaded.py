@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     # The worker imports mlx-lm and with it transformers (~45 MB resident): only a model
     # load may pay for that, not a server that has none (or has not loaded one yet).
     from afmd.engine.embedding import Embedder
+    from afmd.engine.kvcache.blocks import BlockCache
     from afmd.engine.sharding import Shard
     from afmd.engine.vision import VisionSupport
     from afmd.engine.vision_worker import VisionWorker
@@ -92,6 +93,20 @@ class LoadedModel:
         if worker is None:
             return self.weights_bytes
         return self.weights_bytes + worker.cache_bytes + worker.live_cache_bytes
+
+    @property
+    def kv_cache(self) -> BlockCache | None:
+        """The block KV cache of a chat model that has one (a vision model's, Apple's, or
+        one whose cache does not cut into blocks, has none)."""
+        return getattr(self.worker, "blocks", None)
+
+    def kv_cache_bytes(self) -> dict[str, int] | None:
+        """The block KV cache's bytes per tier (``None``: no block cache)."""
+        cache = self.kv_cache
+        if cache is None:
+            return None
+        return {"ram": cache.ram.nbytes,
+                "disk": cache.disk.nbytes if cache.disk is not None else 0}
 
     @property
     def embedding(self) -> EmbeddingSpec:

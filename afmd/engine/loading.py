@@ -38,6 +38,8 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     from afmd.engine import backend, demo, lockstep
     from afmd.engine.draft import load_draft
     from afmd.engine.embedding import Embedder
+    from afmd.engine.kvcache import folder as kv_folder
+    from afmd.engine.kvcache.identity import model_identity
     from afmd.engine.layout import relayout_for_cpu
     from afmd.engine.memory import apply_memory_bounds
     from afmd.engine.sharding import load_shard
@@ -95,6 +97,12 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
             max_batch=config.queue.max_concurrent_requests,
             prompt_cache_bytes=config.cache.prompt_cache_bytes,
             prompt_cache_entries=config.cache.prompt_cache_entries,
+            identity=model_identity(folder or kinds.model_folder(entry.path), entry.id),
+            block_tokens=config.cache.block_tokens,
+            # A sharded model's ranks keep RAM tiers in step; a disk tier each would not
+            # stay so (what one rank's writer dropped, another's wrote): off for them.
+            disk_dir=None if shard else kv_folder.resolve(config.cache.disk_dir),
+            disk_bytes=config.cache.disk_bytes,
             prompt_lookup=config.engine.prompt_lookup,
             draft_model=None if shard else load_draft(entry, config, tokenizer),
             lockstep=group,

@@ -27,6 +27,7 @@ class Row:
     detokenizer: Any
     prompt_tokens: int
     cached_tokens: int = 0
+    cached_disk_tokens: int = 0  # of cached_tokens, read from the disk tier
     completion_tokens: int = 0
     started_at: float = 0.0
     first_token_at: float = 0.0
@@ -103,6 +104,7 @@ class Row:
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=self.completion_tokens,
                 cached_tokens=self.cached_tokens,
+                cached_disk_tokens=self.cached_disk_tokens,
                 reasoning_tokens=self.reasoning_tokens,
                 timings={
                     "queued_at": self.generation.created_at,

@@ -11,6 +11,7 @@ both owners take the same path by construction.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -18,12 +19,19 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from afmd.engine.decode import DecodeBatch
+from afmd.engine.kvcache import compat as kv_compat
+from afmd.engine.kvcache.blocks import NOTHING, BlockCache, Resume
+from afmd.engine.kvcache.disk import DiskStore, DiskTier
+from afmd.engine.kvcache.identity import model_identity
+from afmd.engine.kvcache.ram import RamTier
 from afmd.engine.lockstep import Lockstep, ShardedDecodeBatch
 from afmd.engine.mlx_compat import stop_sequences
 
 
 class Stepper:
-    """Owns a model's ``BatchGenerator`` (rebuilt after a failure) and its prefix cache.
+    """Owns a model's ``BatchGenerator`` (rebuilt after a failure) and its prefix cache:
+    the block cache (:mod:`afmd.engine.kvcache`) where the model's cache cuts into blocks,
+    else mlx-lm's whole-sequence ``LRUPromptCache``.
 
     Used from one thread only: the generation thread of the worker or the follower.
     """
@@ -39,6 +47,10 @@ class Stepper:
         prompt_cache_bytes: int = 1 << 30,
         prompt_cache_entries: int = 16,
         lockstep: Lockstep | None = None,
+        identity: bytes | None = None,
+        block_tokens: int = 256,
+        disk_dir: Path | None = None,
+        disk_bytes: int = 0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -50,15 +62,29 @@ class Stepper:
         self.batch: DecodeBatch | None = None  # the generator's running batch
         # KV states of finished requests, reused for shared prefixes.
         self.prompt_cache: LRUPromptCache | None = None
+        self.blocks: BlockCache | None = None
         if prompt_cache_bytes > 0 and prompt_cache_entries > 0:
-            self.prompt_cache = LRUPromptCache(
-                max_size=prompt_cache_entries, max_bytes=prompt_cache_bytes
-            )
+            if kv_compat.cuts_into_blocks(model):
+                identity = identity or model_identity(None, name)
+                disk = None
+                if disk_dir is not None and disk_bytes > 0:
+                    disk = DiskTier(DiskStore.at(disk_dir, disk_bytes), identity, name)
+                self.blocks = BlockCache(
+                    identity, block_tokens, RamTier(prompt_cache_bytes, prompt_cache_entries),
+                    disk,
+                )
+            else:
+                self.prompt_cache = LRUPromptCache(
+                    max_size=prompt_cache_entries, max_bytes=prompt_cache_bytes
+                )
         self._cache_key = name
 
     # -- read from the event loop (plain counters or a list read once) --
     @property
     def cache_bytes(self) -> int:
+        """The prefix cache's bytes in memory (its disk tier's are on disk)."""
+        if self.blocks is not None:
+            return self.blocks.ram.nbytes
         return self.prompt_cache.nbytes if self.prompt_cache is not None else 0
 
     @property
@@ -97,21 +123,31 @@ class Stepper:
 
     def cached_prefix(self, prompt: list[int]) -> tuple[Any, list[int]]:
         """The longest cached KV state for a prefix of ``prompt``, and the tokens left."""
+        resume = self.resume(prompt)
+        return resume.cache, prompt[resume.tokens:]
+
+    def resume(self, prompt: list[int]) -> Resume:
+        """Where ``prompt`` resumes from: the longest cached prefix, and its tiers."""
+        if self.blocks is not None:
+            return self.blocks.lookup(prompt)
         if self.prompt_cache is None:
-            return None, prompt
+            return NOTHING
         cache, rest = self.prompt_cache.fetch_nearest_cache(self._cache_key, prompt)
         if cache is None:
-            return None, prompt
+            return NOTHING
         if not rest:
             # An exact hit still needs one token to compute the next logits from.
             if not can_trim_prompt_cache(cache):
-                return None, prompt
+                return NOTHING
             trim_prompt_cache(cache, 1)
             rest = prompt[-1:]
-        return cache, list(rest)
+        cached = len(prompt) - len(rest)
+        return Resume(cache, cached, ram_tokens=cached)
 
     def remember(self, tokens: list[int] | None, cache: Any) -> None:
-        if self.prompt_cache is not None and tokens and cache is not None:
+        if self.blocks is not None and tokens and cache is not None:
+            self.blocks.store(list(tokens), cache)
+        elif self.prompt_cache is not None and tokens and cache is not None:
             # mlx-lm hands a finished row's KV state out as a lazy slice of the whole
             # batch's buffers: unevaluated, each entry kept every row's keys and values
             # alive while the cache counted only its own bytes, so prompt_cache_bytes

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from afmd.engine import backend
@@ -24,6 +25,7 @@ from afmd.engine.admission import Admissions
 from afmd.engine.base import Generation
 from afmd.engine.handoff import Handoff, fail, flush
 from afmd.engine.inbox import Inbox
+from afmd.engine.kvcache.blocks import BlockCache
 from afmd.engine.lockstep import Lockstep, StepPlan
 from afmd.engine.sequence import Row
 from afmd.engine.stepper import Stepper
@@ -104,11 +106,16 @@ class BatchWorker:
         prompt_lookup: bool = True,
         draft_model: Any = None,
         lockstep: Lockstep | None = None,
+        identity: bytes | None = None,
+        block_tokens: int = 256,
+        disk_dir: Path | None = None,
+        disk_bytes: int = 0,
     ) -> None:
         self._stepper = Stepper(
             model, tokenizer, name=name, max_batch=max_batch,
             prefill_step_size=prefill_step_size, prompt_cache_bytes=prompt_cache_bytes,
-            prompt_cache_entries=prompt_cache_entries, lockstep=lockstep,
+            prompt_cache_entries=prompt_cache_entries, lockstep=lockstep, identity=identity,
+            block_tokens=block_tokens, disk_dir=disk_dir, disk_bytes=disk_bytes,
         )
         self._lockstep = lockstep
         # A sharded model never speculates (see ShardedDecodeBatch).
@@ -153,6 +160,12 @@ class BatchWorker:
         """Bytes of KV state the prefix cache holds (a plain counter: safe to read from
         the event loop while the thread updates it)."""
         return self._stepper.cache_bytes
+
+    @property
+    def blocks(self) -> BlockCache | None:
+        """The block KV cache (``None``: the model keeps mlx-lm's whole-sequence cache or
+        none): its counters are read, and it is cleared, from the event loop."""
+        return self._stepper.blocks
 
     @property
     def live_cache_bytes(self) -> int:

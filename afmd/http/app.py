@@ -37,7 +37,15 @@ from afmd.errors import (
     PayloadTooLargeError,
     ServerError,
 )
-from afmd.http import dashboard, embeddings, messages, ollama, responses, routes
+from afmd.http import (
+    cache_routes,
+    dashboard,
+    embeddings,
+    messages,
+    ollama,
+    responses,
+    routes,
+)
 from afmd.http.access import CLIENT_CLOSED, log_access
 from afmd.http.activity import Activity
 from afmd.http.metrics import Metrics, metrics
@@ -194,6 +202,7 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
     app.add_route(routes.get_model, "/v1/models/<model_id:path>", methods=["GET"],
                   name="model")
     app.add_route(metrics, "/metrics", methods=["GET"], name="metrics")
+    cache_routes.add_routes(app)
     app.add_route(_root, "/", methods=["GET", "HEAD"], name="root")
     dashboard.add_routes(app, state)
 

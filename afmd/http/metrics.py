@@ -310,6 +310,38 @@ def _model_families(state: Any, models: list[str]) -> Iterator[Any]:
         for model in _union(models, series):
             family.add_metric((model,), series.get(model, 0))
         yield family
+    yield from _kv_cache_families(registry, models)
+
+
+def _kv_cache_families(registry: Any, models: list[str]) -> Iterator[Any]:
+    """Per loaded model and tier (``ram``, ``disk``): the block KV cache's block hits,
+    misses and evictions, and the bytes it holds."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    labels = ("model", "tier")
+    hits = CounterMetricFamily("afmd_kv_cache_hits", "Blocks of a prompt found in the "
+                               "tier (KV state reused, not computed).", labels=labels)
+    misses = CounterMetricFamily("afmd_kv_cache_misses", "Blocks of a prompt looked for in "
+                                 "the tier and not found there.", labels=labels)
+    evictions = CounterMetricFamily("afmd_kv_cache_evictions", "Blocks the tier dropped "
+                                    "to stay within its bytes (least recently used first; "
+                                    "the disk tier's count is its folder's).", labels=labels)
+    held = GaugeMetricFamily("afmd_kv_cache_bytes", "Bytes of KV blocks the tier holds.",
+                             labels=labels)
+    for model in models:
+        handle = registry.loaded(model)
+        cache = handle.kv_cache if handle is not None else None
+        if cache is None:
+            continue
+        for tier, numbers in cache.stats().items():
+            hits.add_metric((model, tier), numbers["hits"])
+            misses.add_metric((model, tier), numbers["misses"])
+            evictions.add_metric((model, tier), numbers["evictions"])
+            held.add_metric((model, tier), numbers["bytes"])
+    yield hits
+    yield misses
+    yield evictions
+    yield held
 
 
 def _union(models: list[str], counts: Any) -> list[str]:

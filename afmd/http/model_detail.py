@@ -11,7 +11,8 @@ work or is not loaded) and ``expires_at`` (Unix time its keep-alive unloads it; 
 it has work, when it is kept for good, or not loaded). Times are instants, not durations,
 so that two answers with nothing changed in between are the same bytes (the connection's
 direct answer and Sanic's must agree); ``afmd ps`` turns them into ``idle_s`` and
-``expires_in_s``.
+``expires_in_s``. ``kv_cache``: the bytes of the prefix KV cache's tiers,
+``{"ram_bytes", "disk_bytes"}`` (null when not loaded or the model has no block cache).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def model_details(state: Any) -> dict[str, dict[str, Any]]:
     for entry in state.config.models.model:
         usage = registry.residency.usage(entry.id)
         failure = registry.failure(entry.id)
+        loaded = registry.loaded(entry.id) if usage is not None else None
+        tiers = loaded.kv_cache_bytes() if loaded is not None else None
         if usage is not None:
             model_state = "loaded"
         elif registry.loads.is_loading(entry.id):
@@ -44,5 +47,7 @@ def model_details(state: Any) -> dict[str, dict[str, Any]]:
             "queued": usage.queued if usage else registry.residency.waiting[entry.id],
             "idle_since": usage.idle_since if usage else None,
             "expires_at": usage.expires_at if usage else None,
+            "kv_cache": ({"ram_bytes": tiers["ram"], "disk_bytes": tiers["disk"]}
+                         if tiers is not None else None),
         }
     return details

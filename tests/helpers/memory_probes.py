@@ -86,7 +86,8 @@ def bounds() -> dict[str, Any]:
     from afmd.engine.loading import load_sync
 
     config = Config(cache=CacheConfig(prompt_cache_bytes=CACHE_BYTES,
-                                      prompt_cache_entries=ENTRIES,
+                                      prompt_cache_entries=ENTRIES, block_tokens=16,
+                                      disk_bytes=0,
                                       mlx_buffer_cache_bytes=POOL))
     model = load_sync(ModelEntry(id="demo", path=BUILTIN_DEMO_PATH), config)
 
@@ -119,11 +120,11 @@ def bounds() -> dict[str, Any]:
                 "peak_over_weights": mx.get_peak_memory() - weights,
                 "cache_memory": mx.get_cache_memory()}
         burst(12, "prefix")
-        cache = model.worker._stepper.prompt_cache
+        cache = model.worker.blocks
         assert cache is not None
-        entries, counted = len(cache), cache.nbytes
+        entries, counted = len(cache.ram), cache.ram.nbytes
         held = mx.get_active_memory()
-        cache.trim_to(n_sequences=0)  # the worker is idle: nothing else touches the cache
+        cache.ram.clear()  # the worker is idle: nothing else touches the cache
         prefix = {"entries": entries, "counted": counted,
                   "freed": held - mx.get_active_memory()}
         return {"pool": pool, "prefix": prefix}

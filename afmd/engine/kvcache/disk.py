@@ -1,0 +1,409 @@
+"""The disk tier: blocks written behind the decode path, read back on a hit (also after a
+restart), least recently used deleted first, by bytes.
+
+Never wrong: each file carries its layout version, the model identity, its key and a
+sha256 of the rest; a file that does not match on every count (torn, corrupt, another
+model's, another layout's) is deleted on read and its block recomputed. Files are written
+under a temporary name and renamed into place (``os.replace``), so a killed process never
+leaves a file that is later read. A step never waits on the disk: the generation thread
+only queues a block (dropped when the queue is full); one writer thread per folder
+writes. A folder that cannot be created or written, or a full disk, is logged once and
+the tier stops writing; RAM serves on.
+
+One :class:`DiskStore` per folder per process, shared by the models it serves, so that
+``disk_bytes`` bounds the whole folder. Several processes may share a folder (each reads
+what the others wrote: a read looks at the file, not only at this process's index).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from afmd.engine.kvcache import folder as layout
+from afmd.engine.kvcache.ram import Block
+
+log = logging.getLogger("afmd.kvcache")
+
+MAGIC = b"AFMDKVB\x00"
+#: The file layout; a file of another layout is another afmd's and is deleted, not read.
+LAYOUT = 1
+_QUEUE = 64
+#: A temporary file older than this belongs to a writer that died.
+_STALE_TEMP_S = 600.0
+
+
+def _dtype(name: str) -> mx.Dtype:
+    dtype = getattr(mx, name.rsplit(".", 1)[-1], None)
+    if not isinstance(dtype, mx.Dtype):
+        raise ValueError(f"unknown dtype {name}")
+    return dtype
+
+
+def raw_views(block: Block) -> list[mx.array]:
+    """A block's arrays as bytes, evaluated: made on the generation thread, so that the
+    writer thread only reads finished buffers and never runs MLX work of its own."""
+    raws = [a.view(mx.uint8) for pair in block.layers for a in pair]
+    mx.eval(raws)
+    return raws
+
+
+def encode(key: bytes, identity: bytes, block: Block,
+           raw: list[mx.array]) -> list[bytes | memoryview]:
+    """A block's file contents, as parts (header, checksum, raw arrays)."""
+    arrays = [a for pair in block.layers for a in pair]
+    header = json.dumps({
+        "layout": LAYOUT, "key": key.hex(), "identity": identity.hex(),
+        "arrays": [[list(a.shape), str(a.dtype)] for a in arrays],
+    }).encode()
+    raws = [memoryview(r).cast("B") for r in raw]
+    digest = hashlib.sha256(header)
+    for raw in raws:
+        digest.update(raw)
+    return [MAGIC, LAYOUT.to_bytes(4, "little"), len(header).to_bytes(4, "little"), header,
+            digest.digest(), *raws]
+
+
+def decode(data: bytes, key: bytes, identity: bytes) -> Block:
+    """The block a file holds; ``ValueError`` naming why it is not the one asked for."""
+    if data[:8] != MAGIC:
+        raise ValueError("not a block file")
+    if int.from_bytes(data[8:12], "little") != LAYOUT:
+        raise ValueError("another layout version")
+    size = int.from_bytes(data[12:16], "little")
+    header_raw = data[16:16 + size]
+    digest = data[16 + size:48 + size]
+    body = memoryview(data)[48 + size:]
+    check = hashlib.sha256(header_raw)
+    check.update(body)
+    if check.digest() != digest:
+        raise ValueError("checksum mismatch (torn or corrupt)")
+    header = json.loads(header_raw)
+    if header.get("layout") != LAYOUT:
+        raise ValueError("another layout version")
+    if header.get("identity") != identity.hex():
+        raise ValueError("another model's block")
+    if header.get("key") != key.hex():
+        raise ValueError("another block's key")
+    arrays = []
+    at = 0
+    for shape, dtype_name in header["arrays"]:
+        dtype = _dtype(dtype_name)
+        n = int(np.prod(shape)) * dtype.size
+        raw = np.frombuffer(body[at:at + n], dtype=np.uint8)
+        at += n
+        flat = mx.array(raw)
+        arrays.append(flat.view(dtype).reshape(shape))
+    if at != len(body) or len(arrays) % 2:
+        raise ValueError("size mismatch")
+    mx.eval(arrays)
+    return Block.of([(arrays[i], arrays[i + 1]) for i in range(0, len(arrays), 2)])
+
+
+@dataclass(slots=True)
+class _Write:
+    path: Path
+    key: bytes
+    identity: bytes
+    block: Block
+    raw: list[mx.array]
+
+
+_STORES: dict[Path, DiskStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+class DiskStore:
+    """One folder's files, their LRU order and byte total, and its writer thread."""
+
+    @classmethod
+    def at(cls, root: Path, max_bytes: int) -> DiskStore:
+        with _STORES_LOCK:
+            store = _STORES.get(root)
+            if store is None or store.closed:
+                store = _STORES[root] = cls(root, max_bytes)
+            store.max_bytes = max_bytes
+            return store
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self.closed = False
+        self.failed: str | None = None  # why writing stopped (logged once)
+        self._read_warned = False
+        self._lock = threading.Lock()
+        self._files: OrderedDict[Path, int] = OrderedDict()  # least recently used first
+        self.nbytes = 0
+        self.evictions = 0
+        self.writes = 0
+        self.dropped = 0
+        self._queue: queue.Queue[_Write | None] = queue.Queue(_QUEUE)
+        self._pending: set[Path] = set()
+        # (model folder, block before) -> {tail path: (length, key)}: the tails on disk.
+        self._tails: dict[tuple[Path, bytes], dict[Path, tuple[int, bytes]]] = {}
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            self._scan()
+        except OSError as exc:
+            self.fail(f"cannot use {root}: {exc}")
+        self._thread = threading.Thread(target=self._write_loop, name="afmd-kv-disk",
+                                        daemon=True)
+        self._thread.start()
+
+    def _scan(self) -> None:
+        found: list[tuple[float, Path, int]] = []
+        now = time.time()
+        for folder in layout.model_folders(self.root):
+            for path in folder.iterdir():
+                try:
+                    st = path.stat()
+                except OSError:
+                    continue
+                if path.name.startswith(layout.TEMP_PREFIX):
+                    if now - st.st_mtime > _STALE_TEMP_S:
+                        with contextlib.suppress(OSError):
+                            path.unlink()
+                elif path.name.endswith(layout.SUFFIX):
+                    found.append((st.st_mtime, path, st.st_size))
+        for _, path, size in sorted(found):
+            self._files[path] = size
+            self.nbytes += size
+            self._index_tail(path, True)
+
+    def _index_tail(self, path: Path, present: bool) -> None:
+        """Keep the tail index in step with a file that appeared or went (under the lock,
+        or before the writer runs)."""
+        tail = layout.parse_tail(path.name)
+        if tail is None:
+            return
+        before, length, key = tail
+        group = self._tails.setdefault((path.parent, before), {})
+        if present:
+            group[path] = (length, key)
+        else:
+            group.pop(path, None)
+            if not group:
+                self._tails.pop((path.parent, before), None)
+
+    def tails(self, folder: Path, before: bytes) -> list[tuple[int, bytes]]:
+        """``(length, key)`` of the tails on disk after block ``before``."""
+        with self._lock:
+            return list(self._tails.get((folder, before), {}).values())
+
+    def fail(self, why: str) -> None:
+        """Stop writing, saying why once (a folder that cannot be used, a full disk)."""
+        if self.failed is None:
+            self.failed = why
+            log.warning("KV cache disk tier stops writing (serving on from RAM): %s", why)
+
+    # -- the generation thread --
+    def queue(self, path: Path, key: bytes, identity: bytes, block: Block) -> bool:
+        """Queue a block to write; ``False`` when it is not (already there, writing off,
+        or the queue full: a step never waits)."""
+        if self.failed is not None or self.closed:
+            return False
+        with self._lock:
+            if path in self._files or path in self._pending:
+                return False
+            self._pending.add(path)
+        try:
+            self._queue.put_nowait(_Write(path, key, identity, block, raw_views(block)))
+        except queue.Full:
+            with self._lock:
+                self._pending.discard(path)
+            self.dropped += 1
+            return False
+        return True
+
+    def read(self, path: Path, key: bytes, identity: bytes) -> Block | None:
+        """The block at ``path`` if it is there and is the one asked for; a file that is
+        not is deleted."""
+        try:
+            data = path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            self._forget(path)
+            return None
+        except OSError as exc:  # unreadable, not wrong: logged once, computed instead
+            if not self._read_warned:
+                self._read_warned = True
+                log.warning("KV cache block %s unreadable (computed instead): %s",
+                            path.name, exc)
+            return None
+        try:
+            block = decode(data, key, identity)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("KV cache block %s deleted: %s", path.name, exc)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self._forget(path)
+            return None
+        with self._lock:
+            if path not in self._files:
+                self.nbytes += len(data)
+                self._index_tail(path, True)
+            self._files[path] = len(data)
+            self._files.move_to_end(path)
+        with contextlib.suppress(OSError):
+            os.utime(path)  # the LRU order survives a restart
+        return block
+
+    def _forget(self, path: Path) -> None:
+        with self._lock:
+            size = self._files.pop(path, None)
+            if size is not None:
+                self.nbytes -= size
+            self._index_tail(path, False)
+
+    # -- the writer thread --
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                if self.failed is None:
+                    self._write(item)
+            except Exception:  # never let one block stop the writer
+                log.exception("KV cache disk write failed")
+            finally:
+                with self._lock:
+                    self._pending.discard(item.path)
+
+    def _write(self, item: _Write) -> None:
+        folder = item.path.parent
+        temp = folder / f"{layout.TEMP_PREFIX}{os.getpid()}-{item.path.name}"
+        try:
+            parts = encode(item.key, item.identity, item.block, item.raw)
+            size = sum(len(p) for p in parts)
+            if size > self.max_bytes:
+                return
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(temp, "wb") as f:
+                for part in parts:
+                    f.write(part)
+            os.replace(temp, item.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            self.fail(("the disk is full: " if exc.errno == errno.ENOSPC else "")
+                       + f"{type(exc).__name__}: {exc}")
+            return
+        self.writes += 1
+        with self._lock:
+            self._files[item.path] = size
+            self.nbytes += size
+            self._index_tail(item.path, True)
+            victims = []
+            while self.nbytes > self.max_bytes and self._files:
+                path, gone = self._files.popitem(last=False)
+                self.nbytes -= gone
+                self._index_tail(path, False)
+                victims.append(path)
+        for path in victims:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self.evictions += 1
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued block is written (tests, shutdown); whether it was."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def bytes_of(self, folder: Path) -> int:
+        with self._lock:
+            return sum(size for path, size in self._files.items() if path.parent == folder)
+
+    def clear(self, folder: Path | None = None) -> int:
+        """Delete the block files (of one model's ``folder``, if given); the bytes freed.
+        Files other processes wrote are deleted too."""
+        with self._lock:
+            gone = [p for p in self._files if folder is None or p.parent == folder]
+            for path in gone:
+                self.nbytes -= self._files.pop(path)
+                self._index_tail(path, False)
+        freed = 0
+        for target in ([folder] if folder is not None else layout.model_folders(self.root)):
+            with contextlib.suppress(OSError):
+                for path in target.iterdir():
+                    if path.name.endswith(layout.SUFFIX):
+                        with contextlib.suppress(OSError):
+                            freed += path.stat().st_size
+                            path.unlink()
+        return freed
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._queue.put(None)
+
+
+class DiskTier:
+    """One model's view of a :class:`DiskStore`: its folder, identity and counters."""
+
+    def __init__(self, store: DiskStore, identity: bytes, name: str) -> None:
+        self.store = store
+        self.identity = identity
+        self.folder = layout.model_folder(store.root, identity)
+        self.hits = 0
+        self.misses = 0
+        if store.failed is None:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                layout.add_name(self.folder, name)
+            except OSError as exc:
+                store.fail(f"cannot use {self.folder}: {exc}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.bytes_of(self.folder)
+
+    def get(self, key: bytes) -> Block | None:
+        block = self.store.read(layout.block_path(self.folder, key), key, self.identity)
+        if block is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return block
+
+    def has(self, key: bytes) -> bool:
+        return layout.block_path(self.folder, key).exists()
+
+    def put(self, key: bytes, block: Block) -> None:
+        self.store.queue(layout.block_path(self.folder, key), key, self.identity, block)
+
+    def put_tail(self, before: bytes, length: int, key: bytes, block: Block) -> None:
+        self.store.queue(layout.tail_path(self.folder, before, length, key), key,
+                         self.identity, block)
+
+    def tails(self, before: bytes) -> list[tuple[int, bytes]]:
+        return self.store.tails(self.folder, before)
+
+    def get_tail(self, before: bytes, length: int, key: bytes) -> Block | None:
+        block = self.store.read(layout.tail_path(self.folder, before, length, key), key,
+                                self.identity)
+        if block is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return block
+
+    def clear(self) -> int:
+        return self.store.clear(self.folder)

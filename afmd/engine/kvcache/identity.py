@@ -1,0 +1,53 @@
+"""A model's identity for the block cache: its weights and its tokenizer.
+
+Two models must never share blocks (their KV state differs for the same tokens), and a
+model replaced in place (a new revision downloaded into the same folder, a re-quantized
+copy) must not find the old one's blocks on disk. Hashing every weight byte at each load
+would cost seconds for a large model, so the weights are fingerprinted by each file's
+name, size and sampled contents (its head, which holds the safetensors header, its tail,
+and evenly spaced chunks between): a different checkpoint differs there. Tokenizer and
+configuration files are small and hashed whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+_WHOLE = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+          "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+_WEIGHTS = ("*.safetensors", "*.npz", "*.gguf")
+_SAMPLE = 1 << 16
+_SAMPLES = 16
+
+
+def _sampled(path: Path, digest: hashlib._Hash) -> None:
+    size = path.stat().st_size
+    digest.update(f"{path.name}:{size}\n".encode())
+    with path.open("rb") as f:
+        if size <= _SAMPLE * (_SAMPLES + 2):
+            digest.update(f.read())
+            return
+        offsets = [0, *((size - _SAMPLE) * i // (_SAMPLES + 1) for i in range(1, _SAMPLES + 1)),
+                   size - _SAMPLE]
+        for offset in offsets:
+            f.seek(offset)
+            digest.update(f.read(_SAMPLE))
+
+
+def model_identity(folder: Path | None, name: str) -> bytes:
+    """The identity of the model in ``folder`` (a model with no folder, such as a stand-in
+    built in memory, is known by its ``name`` only and gets no disk tier)."""
+    digest = hashlib.sha256(b"afmd-model-identity-1\n")
+    if folder is None:
+        digest.update(b"name:" + name.encode())
+        return digest.digest()
+    for file in _WHOLE:
+        path = folder / file
+        if path.is_file():
+            digest.update(f"{file}\n".encode())
+            digest.update(path.read_bytes())
+    for pattern in _WEIGHTS:
+        for path in sorted(folder.glob(pattern)):
+            _sampled(path, digest)
+    return digest.digest()
