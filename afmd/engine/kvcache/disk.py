@@ -69,10 +69,11 @@ def encode(key: bytes, identity: bytes, block: Block,
         "layout": LAYOUT, "key": key.hex(), "identity": identity.hex(),
         "arrays": [[list(a.shape), str(a.dtype)] for a in arrays],
     }).encode()
-    raws = [memoryview(r).cast("B") for r in raw]
+    # MLX's stub omits the buffer protocol its arrays have.
+    raws = [memoryview(r).cast("B") for r in raw]  # type: ignore[arg-type]
     digest = hashlib.sha256(header)
-    for raw in raws:
-        digest.update(raw)
+    for part in raws:
+        digest.update(part)
     return [MAGIC, LAYOUT.to_bytes(4, "little"), len(header).to_bytes(4, "little"), header,
             digest.digest(), *raws]
 
