@@ -71,7 +71,8 @@ def test_models_load_on_demand_and_the_least_recently_used_idle_one_makes_room(
         assert first["status"] == "ok" and first["models"]["demo-32k"] == "available"
         assert details(server)["demo-32k"] == {
             "state": "available", "path": "afmd:demo-32k", "memory_bytes": None,
-            "active": 0, "queued": 0, "idle_since": None, "expires_at": None}
+            "active": 0, "queued": 0, "idle_since": None, "expires_at": None,
+            "kv_cache": None}
 
         assert chat(server, "demo-32k").status_code == 200  # loaded on demand
         assert loaded_models(server) == ["demo", "demo-32k"]

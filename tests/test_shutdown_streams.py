@@ -30,9 +30,14 @@ LONG = 8000  # tokens: far longer than the test runs
 SLOTS = 4
 
 
+#: The demo tokenizer's end-of-text, end-of-turn, tool-call and think tokens: never chosen,
+#: so a stream (whose prompt carries a random tag) cannot end before the shutdown cuts it.
+NEVER = {str(token): -100 for token in (2041, 2043, 2044, 2046)}
+
+
 def _body(text: str, *, stream: bool) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": text}], "max_tokens": LONG,
-            "temperature": 0, "stream": stream}
+            "temperature": 0, "stream": stream, "logit_bias": NEVER}
 
 
 @dataclass

@@ -32,6 +32,9 @@ from afmd.errors import InvalidRequestError, NotFoundError, ServiceUnavailableEr
 
 log = logging.getLogger("afmd.engine")
 
+#: Longest shutdown waits for the KV cache's queued disk writes.
+SHUTDOWN_FLUSH_S = 10.0
+
 
 def _load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     # Looked up in this module at each load, so that tests can stand in for the real one.
@@ -264,6 +267,13 @@ class ModelRegistry:
             if loaded.embedder is not None:
                 loaded.embedder.stop()
         self.loads.close()
+        # The generation threads have stopped: what they queued for the disk tier is
+        # written before the process exits, bounded like the threads' own stop. (Imported
+        # here: the KV cache brings mlx-lm, which a server without a model never loads.)
+        from afmd.engine.kvcache.disk import flush_every_store
+
+        if not flush_every_store(SHUTDOWN_FLUSH_S):
+            log.warning("KV cache: not every block reached the disk before shutdown")
 
 
 def _article(word: str) -> str:

@@ -127,6 +127,19 @@ _STORES: dict[Path, DiskStore] = {}
 _STORES_LOCK = threading.Lock()
 
 
+def flush_every_store(timeout: float) -> bool:
+    """Finish the writes queued to every folder, within ``timeout`` in all: at shutdown,
+    so that the turn a client just got (its tail above all) is on disk for the next
+    turn after a restart. Whether everything was written."""
+    deadline = time.monotonic() + timeout
+    with _STORES_LOCK:
+        stores = [store for store in _STORES.values() if not store.closed]
+    done = True
+    for store in stores:
+        done = store.flush(max(0.0, deadline - time.monotonic())) and done
+    return done
+
+
 class DiskStore:
     """One folder's files, their LRU order and byte total, and its writer thread."""
 
