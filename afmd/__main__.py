@@ -1,5 +1,5 @@
 import sys
 
-from afmd.cli import main
+from afmd.cli.main import main
 
 sys.exit(main())

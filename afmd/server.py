@@ -1,7 +1,7 @@
 """Running afmd: Sanic inside our own event loop, on sockets we bind, with a clean shutdown.
 
 Sanic's runner would fork workers, install its own signal handlers and bind Unix sockets
-world-writable; afmd instead binds each listener itself (:mod:`afmd.http.listeners`),
+world-writable; afmd instead binds each listener itself (:mod:`afmd.http.transport.listeners`),
 hands the socket to ``create_server`` and keeps the lifecycle: start, serve, drain on
 SIGTERM within a grace period, remove the socket file, exit 0.
 """
@@ -17,21 +17,21 @@ from typing import Any
 
 from sanic import Sanic
 
-from afmd.config import BUILTIN_SYSTEM_PATH, Config
+from afmd.config.load import BUILTIN_SYSTEM_PATH, Config
 from afmd.distributed.lead import GroupLead
 from afmd.distributed.loss import GroupLoss
-from afmd.engine.models import ModelRegistry
+from afmd.engine.models.model_registry import ModelRegistry
 from afmd.http.app import AppState, create_app
-from afmd.http.binding import bind_listeners
-from afmd.http.connections import GateContext
-from afmd.http.embeddings import interrupt_embeddings
-from afmd.http.listeners import Listener, Listeners, StartupError
-from afmd.http.protocol import direct_routes, route_checker
-from afmd.http.routes import interrupt_requests, server_stopping_error
-from afmd.http.supervisor import ListenerState, ListenerSupervisor
+from afmd.http.routes.embedding_routes import interrupt_embeddings
+from afmd.http.routes.handlers import interrupt_requests, server_stopping_error
+from afmd.http.transport.binding import bind_listeners
+from afmd.http.transport.connection import direct_routes, route_checker
+from afmd.http.transport.connection_limits import GateContext
+from afmd.http.transport.listeners import Listener, Listeners, StartupError
+from afmd.http.transport.supervisor import ListenerState, ListenerSupervisor
 from afmd.logs import get_logger
-from afmd.pipeline import ChatPipeline
-from afmd.scheduler import Scheduler
+from afmd.service.pipeline import ChatPipeline
+from afmd.service.scheduler import Scheduler
 
 __all__ = ["FINAL_WRITE_SECONDS", "Server", "StartupError", "run"]
 

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="afmd-agent-") as tmp:
         work = Path(tmp)
         cache_root = Path(args.cache_dir) if args.cache_dir else work / "cache"
-        from afmd.engine.demo import materialize
+        from afmd.engine.demo.builtin import materialize
 
         model = materialize("demo-32k", cache_root)
         if args.model == "big":

@@ -24,7 +24,7 @@ from typing import Any
 
 from llguidance import LLMatcher
 
-from afmd.engine import demo
+from afmd.engine.demo import builtin as demo
 from afmd.grammar.compiler import _sources, llg_tokenizer
 from afmd.grammar.sandbox import CompileFailed, CompileWorker
 

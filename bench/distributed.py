@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
     if not strategies or set(strategies) - set(STRATEGIES):
         ap.error(f"--strategies: choose from {','.join(STRATEGIES)}")
-    from afmd.engine import demo
+    from afmd.engine.demo import builtin as demo
     from bench import raw_engine, rows
     from bench.results import Measurements
 

@@ -128,7 +128,7 @@ def in_process_round(engine: InProcess, batches: list[list[str]]) -> tuple[float
 
 
 async def run(args: argparse.Namespace) -> Result:
-    from afmd.engine import demo
+    from afmd.engine.demo import builtin as demo
 
     result = Result(args.requests, args.inputs, args.max_concurrent, args.rounds)
     batches = make_texts(args.requests, args.inputs)

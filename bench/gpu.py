@@ -27,7 +27,7 @@ neither inherits kernels the other compiled. In order:
 5. **Speculative decoding's edit workload** (afmd systems): the request's own greedy
    output with a few characters replaced as ``prediction``, against the same request
    without, in turns; decode-rate ratio, same text, the proposals accepted.
-6. **afmd's step trace** (``AFMD_STEP_TRACE``, afmd/engine/steptrace.py) per phase: how
+6. **afmd's step trace** (``AFMD_STEP_TRACE``, afmd/engine/batch/steptrace.py) per phase: how
    long an iteration of its generation thread took, how much of it waited for the device.
 
 Writes ``gpu-bench.json`` (every run) and ``gpu-bench.md`` (the table) under ``--out``,

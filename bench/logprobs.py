@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
-    from afmd.engine import demo
+    from afmd.engine.demo import builtin as demo
     from bench.plan import Plan
     from bench.run import _parser
 

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold", type=int, default=3, help="cold loads, a fresh server each")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
-    from afmd.engine import demo
+    from afmd.engine.demo import builtin as demo
     from bench.plan import Plan
     from bench.run import _parser
 

@@ -93,7 +93,7 @@ def build_big(base: Path, cache_root: Path) -> Path:
 
 
 def materialize(cache_root: Path, big: bool) -> dict[str, str | None]:
-    from afmd.engine import demo
+    from afmd.engine.demo import builtin as demo
 
     out: dict[str, str | None] = {}
     for variant in ("demo", "demo-32k"):

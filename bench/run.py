@@ -4,7 +4,7 @@
     python bench/run.py --quick     # under 2 minutes; what CI runs
     python bench/run.py --help
 
-Builds the tiny random models itself (``afmd.engine.demo.materialize``), starts afmd and
+Builds the tiny random models itself (``afmd.engine.demo.builtin.materialize``), starts afmd and
 ``mlx_lm.server`` on the same model, one at a time, each on a free port, drives both with
 the same asyncio client, measures raw in-process mlx-lm as the ceiling, and writes
 ``<out>/<date>-<host>.json``, ``.md`` and ``.png``. See bench/README.md.

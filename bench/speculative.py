@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     big_wanted = not (args.quick or args.no_big) and (
         args.only is None or "draft_model" in args.only)
 
-    from afmd.engine import demo
+    from afmd.engine.demo import builtin as demo
     from bench.raw_engine import build_big
 
     work = Path(tempfile.mkdtemp(prefix="afmd-bench-spec-"))

@@ -2,7 +2,7 @@
 
 import sys
 
-from afmd.cli import main
+from afmd.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

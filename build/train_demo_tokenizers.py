@@ -1,6 +1,6 @@
 """Train the byte-level BPE tokenizers of afmd's built-in "demo" models (one-off).
 
-The demo models (``afmd/engine/demo.py``) are materialised at runtime without any
+The demo models (``afmd/engine/demo/builtin.py``) are materialised at runtime without any
 download, but a frozen afmd binary carries no Python stdlib sources to train on, and
 training takes seconds to a minute. So the tokenizers are trained once, here, and the
 resulting ``tokenizer.json`` files are committed as package data:

@@ -2,7 +2,7 @@
 #
 # url, version and sha256 are written by homebrew/update_formula.py, which the release
 # workflow (.github/workflows/release.yml) runs on the tarball it has just built and signed.
-# Checked in CI by tests/test_homebrew.py (ruby -c and homebrew/test/formula_harness.rb).
+# Checked in CI by tests/meta/test_homebrew.py (ruby -c and homebrew/test/formula_harness.rb).
 class Afmd < Formula
   desc "Local AI daemon for Apple Silicon: MLX models behind the OpenAI API"
   homepage "https://github.com/afmd-project/afmd"

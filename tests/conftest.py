@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))  # helpers, from any depth
 
 # Re-exported: test files import these from here (``from conftest import start_server``).
 from helpers.frozen import FIXTURE as FROZEN_FIXTURE  # noqa: E402

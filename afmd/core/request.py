@@ -1,6 +1,6 @@
 """The turn afmd serves, whatever dialect its body came in: frozen, validated values.
 
-A dialect's parser builds these (OpenAI Chat Completions' in :mod:`afmd.protocol.request`)
+A dialect's parser builds these (OpenAI Chat Completions' in :mod:`afmd.dialects.openai.chat_body`)
 after checking every field, so nothing past the edge sees an unchecked value; the pipeline
 plans, renders and generates from them alone.
 """

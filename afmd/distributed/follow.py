@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from afmd.config import Config
+from afmd.config.load import Config
 from afmd.distributed.control import BEAT_INTERVAL_S, LOADING, Heartbeat
 from afmd.distributed.env import leader_host
 from afmd.logs import get_logger
@@ -30,10 +30,10 @@ def _leader_lost() -> None:
 
 def follow(config: Config, group: Any) -> int:
     """Run this rank until rank 0 says stop; the exit code."""
-    from afmd.engine.follower import Follower
+    from afmd.engine.batch.stepper import Stepper
     from afmd.engine.kvcache.identity import model_identity
-    from afmd.engine.sharding import drop_output_projection, folder_of, load_shard, memory
-    from afmd.engine.stepper import Stepper
+    from afmd.engine.sharded.follower import Follower
+    from afmd.engine.sharded.sharding import drop_output_projection, folder_of, load_shard, memory
 
     port = int.from_bytes(group.share(), "little")
     report: dict[str, Any] = {"shard": LOADING, "memory": {}}

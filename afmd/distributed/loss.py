@@ -7,9 +7,9 @@ from typing import Any
 
 from afmd.distributed.env import supervisor_gone, write_outcome
 from afmd.distributed.lead import LOST_HOLD_S
-from afmd.engine.residency import RETRY_AFTER_S
+from afmd.engine.models.residency import RETRY_AFTER_S
 from afmd.errors import ServiceUnavailableError
-from afmd.http.routes import interrupt_requests
+from afmd.http.routes.handlers import interrupt_requests
 from afmd.logs import get_logger
 
 log = get_logger("afmd.distributed")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import faulthandler
 import signal
 
-from afmd.config import Config
+from afmd.config.load import Config
 from afmd.distributed.env import backend, write_outcome, write_pid
 
 
 def serve_rank(config: Config) -> int:
     """Join the group, then serve (rank 0) or follow (the others); the exit code."""
-    from afmd.engine.lockstep import join
+    from afmd.engine.sharded.lockstep import join
     from afmd.server import run
 
     # `kill -USR2 <pid>` prints every thread's stack: how to see where a group hangs.

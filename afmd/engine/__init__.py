@@ -1,0 +1,1 @@
+"""The engine: models in memory, and the threads that generate with them."""

@@ -2,17 +2,18 @@
 
 Written against **mlx-lm 0.32.2** (``mlx_lm/generate.py``, ``mlx_lm/tokenizer_utils.py``)
 and **mlx-vlm 0.7.10** (``mlx_vlm/models/qwen2_vl/language.py``). No other afmd module
-reaches into either (``tests/test_mlx_compat.py`` checks that too), and
+reaches into either (``tests/meta/test_mlx_compat.py`` checks that too), and
 :func:`upstream_problems` names whatever an upgrade moved or rewrote of what is used here;
-``tests/test_mlx_compat.py`` fails loudly with its list. MLX's own launcher, the one MLX
-private (``mlx._distributed_utils``), is reached by :mod:`afmd.engine.launcher` alone and
+``tests/meta/test_mlx_compat.py`` fails loudly with its list. MLX's own launcher, the one MLX
+private (``mlx._distributed_utils``), is reached by :mod:`afmd.engine.sharded.mlx_launcher` alone
+and
 checked by the same test: importing this module imports mlx-lm (and transformers), which
 the launcher's relay process, alive as long as the group, has no use for.
 
 What afmd needs from them, and how:
 
 * **The running batch** (:class:`GenerationRows`). ``BatchGenerator`` has no way to take
-  another decode step, so afmd's (:class:`~afmd.engine.decode.DecodeBatch`) is a subclass
+  another decode step, so afmd's (:class:`~afmd.engine.batch.decode.DecodeBatch`) is a subclass
   of its ``GenerationBatch`` put in place of the generator's own empty one
   (``_generation_batch``). mlx-lm calls the step ``_step`` and keeps each row's state in
   private lists: the tokens each row has handed out (``_num_tokens``), its stop-sequence
@@ -154,7 +155,7 @@ def _qwen2_vl_language() -> Callable[..., Any]:
 
 #: mlx-lm's and mlx-vlm's code this module relies on in detail, with a fingerprint of its
 #: source in the versions named above: an upgrade that rewrites any of it must be re-read
-#: against this module (and afmd.engine.decode) before its fingerprint is updated here.
+#: against this module (and afmd.engine.batch.decode) before its fingerprint is updated here.
 #: mlx-vlm is optional at run time, so its entries are looked up when checked.
 UPSTREAM_CODE: dict[str, tuple[Callable[[], Callable[..., Any] | type], str]] = {
     # creates every private list GenerationRows names, and steps a non-empty batch

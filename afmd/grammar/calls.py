@@ -18,16 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from afmd.grammar.frames import Build, Frame, HarmonyFrame, Tool
-from afmd.grammar.params import (
-    ANY_KEY,
-    Inexact,
-    Param,
-    plan,
-    raw_value,
-    sequence,
-    string_terminal,
-)
-from afmd.grammar.schemas import reroot
+from afmd.grammar.params import ANY_KEY, Inexact, Param, plan, raw_value, sequence, string_terminal
+from afmd.grammar.schema_copy import reroot
 
 # --------------------------------------------------------------------------- families
 

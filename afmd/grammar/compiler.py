@@ -9,7 +9,7 @@ downgraded``). A schema llguidance rejects even leniently is the client's error
 (:mod:`afmd.grammar.sandbox`) before this process builds a matcher from it, so a text that
 crashes or stalls llguidance costs a request, not the server. The per-model tokenizer
 setup is cached. A grammar
-is built from its own copy of a client's schema (``afmd.grammar.schemas``: re-rooted where
+is built from its own copy of a client's schema (``afmd.grammar.schema_copy``: re-rooted where
 it is embedded, objects closed where that is safe); checks use the schema as given.
 """
 
@@ -31,7 +31,7 @@ from afmd.grammar.calls import CallGrammar, JsonObjectCalls
 from afmd.grammar.frames import Build, Frame, Thinking, Tool
 from afmd.grammar.params import Inexact, with_options
 from afmd.grammar.sandbox import CompileFailed, TokenizerSource, compile_worker
-from afmd.grammar.schemas import closed, reroot
+from afmd.grammar.schema_copy import closed, reroot
 
 
 @dataclass(frozen=True, slots=True)

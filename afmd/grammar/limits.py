@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from afmd.protocol.nesting import Segment, param_of
+from afmd.dialects.fields.nesting import Segment, param_of
 
 #: Magnitude (as a double) a schema's number must stay below: int64's range, open at
 #: both ends, where llguidance's integer-range code has its fault.

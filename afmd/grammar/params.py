@@ -21,7 +21,7 @@ from typing import Any
 
 from llguidance import regex_to_lark
 
-from afmd.grammar.schemas import reroot
+from afmd.grammar.schema_copy import reroot
 from afmd.output.formats.values import is_string_schema, resolve
 
 _ROOT_DEF = "__afmd_parameters"

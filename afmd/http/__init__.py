@@ -1,0 +1,1 @@
+"""The HTTP edge: the strict gate, sockets and connections, Sanic's routes."""

@@ -8,7 +8,7 @@ from typing import Any
 from sanic import Request
 
 from afmd.core.events import Usage
-from afmd.http.metrics import first_token_seconds
+from afmd.http.routes.metrics import first_token_seconds
 from afmd.logs import get_logger
 
 _log = get_logger("afmd.access")

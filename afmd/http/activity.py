@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from afmd.core.events import Usage
-from afmd.http.metrics import generations_of
+from afmd.http.routes.metrics import generations_of
 from afmd.logs import get_logger
 
 _log = get_logger("afmd.http")

@@ -25,33 +25,25 @@ from sanic.exceptions import (
 from sanic.handlers import ErrorHandler
 from sanic.response import HTTPResponse
 
-from afmd.config import Config
-from afmd.dialects.base import error_response
-from afmd.dialects.openai_chat import OPENAI_CHAT
-from afmd.dialects.openai_completions import OPENAI_COMPLETIONS
-from afmd.dialects.openai_embeddings import OPENAI_EMBEDDINGS
-from afmd.engine.models import ModelRegistry
-from afmd.errors import (
-    APIError,
-    InvalidRequestError,
-    PayloadTooLargeError,
-    ServerError,
-)
-from afmd.http import (
-    cache_routes,
-    dashboard,
-    embeddings,
-    messages,
-    ollama,
-    responses,
-    routes,
-)
+from afmd.config.load import Config
+from afmd.dialects.dialect import error_response
+from afmd.dialects.openai.chat import OPENAI_CHAT
+from afmd.dialects.openai.completions import OPENAI_COMPLETIONS
+from afmd.dialects.openai.embeddings import OPENAI_EMBEDDINGS
+from afmd.engine.models.model_registry import ModelRegistry
+from afmd.errors import APIError, InvalidRequestError, PayloadTooLargeError, ServerError
 from afmd.http.access import CLIENT_CLOSED, log_access
 from afmd.http.activity import Activity
-from afmd.http.metrics import Metrics, metrics
-from afmd.http.screen import Cors, method_not_allowed, unknown_url
+from afmd.http.routes import anthropic_routes as messages
+from afmd.http.routes import cache_routes, dashboard
+from afmd.http.routes import embedding_routes as embeddings
+from afmd.http.routes import handlers as routes
+from afmd.http.routes import ollama_routes as ollama
+from afmd.http.routes import responses_routes as responses
+from afmd.http.routes.metrics import Metrics, metrics
+from afmd.http.sansio.screen import Cors, method_not_allowed, unknown_url
 from afmd.logs import get_logger
-from afmd.pipeline import ChatPipeline
+from afmd.service.pipeline import ChatPipeline
 
 _app_counter = itertools.count()
 
@@ -72,7 +64,7 @@ class AppState:
     group: Any = None
     #: The last requests and the per-second series the dashboard shows.
     activity: Activity = field(default_factory=Activity)
-    #: The dashboard's own state (afmd.http.dashboard.Dashboard): None while it is off.
+    #: The dashboard's own state (afmd.http.routes.dashboard.Dashboard): None while it is off.
     dashboard: Any = None
 
 

@@ -3,15 +3,15 @@
 Written against **sanic 25.12.1** (``sanic/http/http1.py``,
 ``sanic/server/protocols/{base,http}_protocol.py``, ``sanic/headers.py``) and **Python
 3.11's asyncio** (the selector event loop, ``asyncio/selector_events.py``). No other afmd
-module reaches into either (``tests/test_compat.py`` checks that too), and
+module reaches into either (``tests/meta/test_compat.py`` checks that too), and
 :func:`upstream_problems` names whatever an upgrade moved or rewrote of what is used here;
-``tests/test_compat.py`` fails loudly with its list.
+``tests/meta/test_compat.py`` fails loudly with its list.
 
 What afmd needs from them, and how:
 
 * **The seam between the gate and Sanic.** Sanic has no public way to take a parsed
-  request, so a :class:`~afmd.http.gate.Forward` is handed over as bytes: its canonical
-  rendering (:meth:`~afmd.http.gate.Forward.render`, Content-Length framed, values
+  request, so a :class:`~afmd.http.sansio.gate.Forward` is handed over as bytes: its canonical
+  rendering (:meth:`~afmd.http.sansio.gate.Forward.render`, Content-Length framed, values
   trimmed) fed to Sanic's own ``HttpProtocol.data_received``, which Sanic's
   ``Http.http1_request_header`` re-reads; that parse cannot disagree with the gate's, and
   :class:`ExactHttp` restores the header values exactly as the gate kept them. Building
@@ -52,7 +52,7 @@ from afmd.logs import get_logger
 if TYPE_CHECKING:
     import asyncio
 
-    from afmd.http.gate import Forward
+    from afmd.http.sansio.gate import Forward
 
 log = get_logger("afmd.http")
 

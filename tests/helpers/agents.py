@@ -1,4 +1,4 @@
-"""The coding agents of tests/test_agents.py: installed from npm at the versions
+"""The coding agents of tests/server/test_agents.py: installed from npm at the versions
 tests/agents/package.json pins, into a cache folder keyed by that file's hash, and the
 model they talk to.
 
@@ -90,7 +90,7 @@ def quick_model(dest: Path) -> Path:
     writes is (as the demo's) nonsense."""
     import mlx.core as mx
 
-    from afmd.engine import demo
+    from afmd.engine.demo import builtin as demo
 
     demo.build("demo-32k", dest)
     path = dest / "model.safetensors"

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 from tokenizers import Tokenizer
 
-from afmd.engine import demo_weights
+from afmd.engine.demo import weights as demo_weights
 
 from helpers.formats import SPECS, Spec
 

@@ -8,7 +8,7 @@ test model built with it is read as the real model would be. Everything is outpu
 
 from __future__ import annotations
 
-from afmd.engine.demo_template import CHAT_TEMPLATE as HERMES
+from afmd.engine.demo.template import CHAT_TEMPLATE as HERMES
 
 _CALL = ("{%- set tc = tool_call.function if tool_call.function is defined "
          "else tool_call %}")

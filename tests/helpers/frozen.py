@@ -1,4 +1,4 @@
-"""The frozen build (build/build.py) for tests/test_frozen_binary.py, started in the
+"""The frozen build (build/build.py) for tests/server/test_frozen_binary.py, started in the
 background as soon as a session knows a selected test needs it, once per run.
 
 The build is minutes of PyInstaller, mostly on one core, while the rest of the suite spends

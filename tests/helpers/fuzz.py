@@ -1,13 +1,13 @@
 """A gate policy over a small fixed route table, with no server behind it: the property
-tests over request heads (tests/test_fuzz_heads.py) and the header tests
-(tests/test_gate_headers.py) feed it bytes directly."""
+tests over request heads (tests/server/test_fuzz_heads.py) and the header tests
+(tests/server/test_gate_headers.py) feed it bytes directly."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 
-from afmd.http.screen import GatePolicy
+from afmd.http.sansio.screen import GatePolicy
 
 ROUTES = {
     "/v1/chat/completions": ("POST",),

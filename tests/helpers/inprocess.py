@@ -12,9 +12,9 @@ import threading
 import time
 from typing import Any
 
-import afmd.http.listeners as listeners_module
-from afmd.config import load_config
-from afmd.http.supervisor import ListenerState
+import afmd.http.transport.listeners as listeners_module
+from afmd.config.load import load_config
+from afmd.http.transport.supervisor import ListenerState
 from afmd.server import Server
 
 

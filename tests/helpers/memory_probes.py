@@ -45,8 +45,8 @@ def unload() -> dict[str, Any]:
     one-off allocations are not counted as the model's."""
     import mlx.core as mx
 
-    from afmd.config import load_config
-    from afmd.engine.models import ModelRegistry
+    from afmd.config.load import load_config
+    from afmd.engine.models.model_registry import ModelRegistry
 
     registry = ModelRegistry(load_config(None, env={}))
     entry = registry.resolve("demo-32k")
@@ -81,9 +81,9 @@ def bounds() -> dict[str, Any]:
     MLX's buffer pool around a burst of prompts, then the prefix cache after more."""
     import mlx.core as mx
 
-    from afmd.config import BUILTIN_DEMO_PATH, CacheConfig, Config, ModelEntry
-    from afmd.engine.base import GenerationRequest, SamplingParams
-    from afmd.engine.loading import load_sync
+    from afmd.config.load import BUILTIN_DEMO_PATH, CacheConfig, Config, ModelEntry
+    from afmd.engine.generation import GenerationRequest, SamplingParams
+    from afmd.engine.models.loading import load_sync
 
     config = Config(cache=CacheConfig(prompt_cache_bytes=CACHE_BYTES,
                                       prompt_cache_entries=ENTRIES, block_tokens=16,

@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from afmd.engine import backend
+from afmd.engine.batch import backend
 
 #: The device MLX computes on here: "cpu", "metal", "cuda" (or "gpu").
 DEVICE = backend.device_kind()

@@ -1,5 +1,5 @@
-"""The screening and framing cases shared by the socket tests (tests/test_transport.py)
-and the in-process gate tests (tests/test_gate_tables.py): one table, so both see the same
+"""The screening and framing cases shared by the socket tests (tests/server/test_transport.py)
+and the in-process gate tests (tests/unit/http/test_gate_tables.py): one table, so both see the same
 requests and expect the same status and code.
 
 Screening cases send a head announcing a body they never send; the answer must come

@@ -1,5 +1,5 @@
 """The end-to-end smoke checks, written once and run against any afmd: the source tree's
-server (tests/test_smoke.py) and the frozen binary (tests/test_frozen_binary.py).
+server (tests/server/test_smoke.py) and the frozen binary (tests/server/test_frozen_binary.py).
 
 ``run_smoke_checks(base_url)`` is what a release must pass: /health ok, a non-streamed and a
 streamed chat completion through the official ``openai`` client, both schema-valid, an

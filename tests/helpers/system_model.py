@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from afmd.config import load_config
+from afmd.config.load import load_config
 from afmd.engine.apple import framework
 from afmd.server import Server
 

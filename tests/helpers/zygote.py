@@ -1,4 +1,4 @@
-"""``afmd serve`` forked from a warm interpreter: the same ``afmd.cli.main`` in a process of
+"""``afmd serve`` forked from a warm interpreter: the same ``afmd.cli.main.main`` in a process of
 its own, without a fresh interpreter's start and imports each time.
 
 Most of a test server's start is importing: Python, Sanic, afmd, then mlx-lm and
@@ -6,7 +6,7 @@ transformers when the model loads. The suite starts a hundred-odd servers on two
 that import work was a large share of its whole CPU time. A zygote (one per test process,
 started on first use) imports what ``afmd serve`` imports, then forks a child per server.
 The child takes the stdio descriptors it is sent, the command line, the environment and the
-working folder, and runs ``afmd.cli.main`` as ``python -m afmd`` would. Its signals, exit
+working folder, and runs ``afmd.cli.main.main`` as ``python -m afmd`` would. Its signals, exit
 code, log and sockets are its own: what the tests assert of a server process still holds.
 
 What a fork does not give is what a fresh interpreter reads from the environment at import
@@ -40,12 +40,14 @@ RUNTIME_ENV_PREFIXES = ("AFMD_",)
 #: Sanic reads ``SANIC_LOG_EXTRA`` at import, but sets it (and what it read) again when it
 #: starts serving; a test process that ran a server in process has it set. MLX reads its
 #: CUDA cache sizes when it first computes, and afmd sets them as a model loads
-#: (afmd/engine/backend.py), in process too.
+#: (afmd/engine/batch/backend.py), in process too.
 RUNTIME_ENV = frozenset({"PYTHONFAULTHANDLER", "PYTEST_CURRENT_TEST", "SANIC_LOG_EXTRA",
                          "MLX_CUDA_GRAPH_CACHE_SIZE", "MLX_CUDA_SDPA_CACHE_SIZE"})
 #: What ``afmd serve`` imports by the time its model answers (``-X importtime`` of a start).
-PRELOAD = ("afmd.cli", "afmd.cli_models", "afmd.server", "afmd.logs", "afmd.engine.models",
-           "afmd.engine.demo", "afmd.engine.worker", "mlx_lm", "mlx_lm.utils",
+PRELOAD = ("afmd.cli.main", "afmd.cli.model_commands", "afmd.server", "afmd.logs",
+           "afmd.engine.models.model_registry",
+           "afmd.engine.demo.builtin", "afmd.engine.batch.generation_thread", "mlx_lm",
+           "mlx_lm.utils",
            "mlx_lm.tokenizer_utils", "transformers.models.auto.tokenization_auto",
            "transformers.tokenization_utils_fast")
 OFF_ENV = "AFMD_TEST_NO_ZYGOTE"
@@ -88,7 +90,7 @@ def _run_child(spec: dict[str, Any], fds: list[int], inherited: list[socket.sock
         mx.random.seed(int.from_bytes(os.urandom(4), "little"))
         sys.argv = ["afmd", *spec["argv"]]
         sys.path[0] = spec["cwd"]  # as `python -m` puts the working folder first
-        from afmd.cli import main
+        from afmd.cli.main import main
 
         code = main(spec["argv"])
     except SystemExit as exc:
@@ -208,7 +210,7 @@ class ForkedServer:
 
 def _as_serve_sets(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` with what `afmd serve` sets before it imports mlx-lm."""
-    from afmd.cli import QUIET_LIBRARIES
+    from afmd.cli.main import QUIET_LIBRARIES
 
     return {**QUIET_LIBRARIES, **env}
 

@@ -4,7 +4,7 @@ macOS 26 and later run the model at the core of Apple Intelligence themselves; A
 ``apple-fm-sdk`` (an optional dependency, macOS only, imported lazily) reaches it from
 Python. The model is not loaded, tokenized or sampled by afmd: it is handed a conversation
 (instructions, a transcript, a prompt, tools, options) and answers it. So it sits behind
-the engine boundary (:mod:`afmd.engine.base`) as a model kind of its own, and every dialect
+the engine boundary (:mod:`afmd.engine.generation`) as a model kind of its own, and every dialect
 reaches it through the same pipeline as an MLX model:
 
 - :mod:`~afmd.engine.apple.framework`: the SDK, imported lazily, and whether the model is

@@ -16,7 +16,7 @@ apple-fm-sdk error                              status  code                    
 =============================================  ======  ===========================  =========
 
 ``RefusalError`` is no error: the model declined, and the client gets a 200 whose
-``refusal`` says so (:class:`afmd.engine.base.Refused`).
+``refusal`` says so (:class:`afmd.engine.generation.Refused`).
 """
 
 from __future__ import annotations

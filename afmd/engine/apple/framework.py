@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from afmd.config import BUILTIN_SYSTEM_PATH, ModelEntry
+from afmd.config.load import BUILTIN_SYSTEM_PATH, ModelEntry
 from afmd.errors import ServiceUnavailableError
 
 #: The framework's reasons, as ``SystemLanguageModelUnavailableReason`` names them.

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Optional
 
-from afmd.engine.apple import compat, schemas
+from afmd.engine.apple import fm_compat as compat
+from afmd.engine.apple import schemas
 from afmd.engine.apple.conversation import ToolDef
 
 #: The arrays the framework has a property type of its own for.

@@ -5,11 +5,11 @@ waits on a thread queue between snapshots, blocking whatever loop runs it, and a
 arrives on a framework thread with a loop of its own. So every generation's framework work
 runs in a thread of its own with its own loop (:class:`_Session`), and a controller on the
 server's loop (:class:`_Job`) reads what it reports: text snapshots (the full text so far)
-become :class:`~afmd.engine.base.Text` deltas, structured answers (``json_schema``, forced
-calls) one text or :class:`~afmd.engine.base.ToolCalled` events, the client's tool calls
+become :class:`~afmd.engine.generation.Text` deltas, structured answers (``json_schema``, forced
+calls) one text or :class:`~afmd.engine.generation.ToolCalled` events, the client's tool calls
 are collected for ``tool_call_debounce`` after the latest one (or at once when
 ``parallel_tool_calls`` is false) and then end the turn, a refusal is a
-:class:`~afmd.engine.base.Refused`, and the framework's errors are afmd's
+:class:`~afmd.engine.generation.Refused`, and the framework's errors are afmd's
 (:mod:`afmd.engine.apple.failures`). A cancel (the client's, a stop sequence, the deadline,
 a shutdown) ends the generation at once; the framework is stopped behind it.
 
@@ -36,10 +36,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from afmd.engine.apple import compat, failures, framework, schemas
+from afmd.engine.apple import failures, framework, schemas
+from afmd.engine.apple import fm_compat as compat
 from afmd.engine.apple.conversation import SystemTurn, ToolDef
 from afmd.engine.apple.tools import Capture, CapturedCall, framework_tools
-from afmd.engine.base import Finished, Generation, Refused, Text, ToolCalled
+from afmd.engine.generation import Finished, Generation, Refused, Text, ToolCalled
 from afmd.errors import APIError, InvalidRequestError, ServerError
 from afmd.logs import get_logger
 

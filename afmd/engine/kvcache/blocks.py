@@ -23,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from afmd.engine.kvcache import compat
+from afmd.engine.kvcache import kv_compat as compat
 from afmd.engine.kvcache.chain import block_keys, chain_root
 from afmd.engine.kvcache.disk import DiskTier
 from afmd.engine.kvcache.ram import Block, RamTier

@@ -21,7 +21,7 @@ from afmd.paths import cache_dir
 SUFFIX = ".kvb"
 TEMP_PREFIX = ".tmp-"
 NAMES = "models.json"
-#: Where a running server takes ``afmd cache clear`` (:mod:`afmd.http.cache_routes`);
+#: Where a running server takes ``afmd cache clear`` (:mod:`afmd.http.routes.cache_routes`);
 #: here because the CLI must know it without importing the HTTP edge (Sanic).
 CLEAR_PATH = "/afmd/cache/clear"
 

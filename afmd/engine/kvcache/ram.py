@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from afmd.engine.kvcache.compat import Layer
+from afmd.engine.kvcache.kv_compat import Layer
 
 
 @dataclass(slots=True)

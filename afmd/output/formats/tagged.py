@@ -20,12 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from afmd.output.formats.base import CallContext, MarkupReader, is_name
-from afmd.output.formats.values import (
-    ArgumentsObject,
-    Trim,
-    ValueStream,
-    parameter_is_string,
-)
+from afmd.output.formats.values import ArgumentsObject, Trim, ValueStream, parameter_is_string
 from afmd.output.markers import earliest, partial_suffix
 
 _ATTR = re.compile(r'(\w+)\s*=\s*"([^"]*)"')

@@ -1,0 +1,1 @@
+"""The ``afmd`` command and its verbs."""

@@ -1,0 +1,157 @@
+"""Finding a running afmd and asking it things, for the commands that talk to one.
+
+``afmd doctor``, ``ps``, ``list`` and ``rm`` must find the server a plugin would: the TCP
+endpoint the config names (a wildcard address dialled as loopback), else its Unix socket,
+or a ``--url`` given outright (``http://HOST:PORT`` or ``unix:/path/to.sock``). Plain
+http.client over the standard library: no proxy settings apply (exactly like a local
+plugin dialling 127.0.0.1), and nothing heavy is imported. When the config sets an API
+key, it is sent, since ``/health`` is screened by it on non-loopback listeners.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from afmd.config.load import Config
+
+
+class ServerUnreachable(Exception):
+    """No afmd answered; the message says where it was looked for."""
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def connect_host(host: str) -> str:
+    """The address to dial for a listen address (wildcards mean "this machine")."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "::1"
+    return host
+
+
+def url_of(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where a server is dialled: ``label`` for messages, ``connect(timeout)`` for a request."""
+
+    label: str
+    connect: Callable[[float], http.client.HTTPConnection]
+    api_key: str = ""
+
+    def health_label(self) -> str:
+        return f"{self.label} /health" if self.label.startswith("unix:") else (
+            self.label + "/health")
+
+
+def tcp(host: str, port: int, api_key: str = "") -> Endpoint:
+    dial = connect_host(host)
+    return Endpoint(url_of(dial, port),
+                    lambda timeout: http.client.HTTPConnection(dial, port, timeout=timeout),
+                    api_key)
+
+
+def unix(path: str, api_key: str = "") -> Endpoint:
+    return Endpoint(f"unix:{path}", lambda timeout: _UnixHTTPConnection(path, timeout), api_key)
+
+
+def from_config(config: Config) -> Endpoint | None:
+    """The config's endpoint: TCP first, the Unix socket when there is no TCP listener
+    (None: port 0, the OS picks one at start, so nothing can be dialled)."""
+    server = config.server
+    if server.host and server.port:
+        return tcp(server.host, server.port, server.api_key)
+    if server.unix_socket:
+        return unix(server.unix_socket, server.api_key)
+    return None
+
+
+def from_url(url: str, api_key: str = "") -> Endpoint:
+    """``--url``: ``http://HOST:PORT`` (a trailing ``/v1`` is fine) or ``unix:/path``."""
+    if url.startswith("unix:"):
+        return unix(url[len("unix:"):], api_key)
+    parts = urlsplit(url if "://" in url else "http://" + url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"--url must be http://HOST:PORT or unix:/path/to.sock, not {url!r}")
+    return tcp(parts.hostname, parts.port or 80, api_key)
+
+
+def probe_health(conn: http.client.HTTPConnection, api_key: str = "") -> dict[str, Any]:
+    """GET /health on a connection; never raises."""
+    headers = {"Accept": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    try:
+        conn.request("GET", "/health", headers=headers)
+        response = conn.getresponse()
+        raw = response.read(1 << 20)
+    except (OSError, http.client.HTTPException) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return {"answering": False, "error": reason or type(exc).__name__}
+    finally:
+        conn.close()
+    result: dict[str, Any] = {"answering": True, "http_status": response.status}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and "status" in body and "models" in body:
+        result["afmd"] = True
+        result["health"] = body
+    elif isinstance(body, dict) and "status" in body and body.keys() <= {"status", "reason"}:
+        # afmd's answer to a request without the key on a keyed, non-loopback listener:
+        # the status alone (the key this command sent, if any, was not the server's).
+        result["afmd"] = True
+        result["limited"] = True
+        result["health"] = body
+    else:
+        result["afmd"] = False
+        result["server_header"] = response.getheader("Server")
+    return result
+
+
+def health(endpoint: Endpoint | None, timeout: float = 2.0) -> dict[str, Any]:
+    """The running server's /health body (any status); raises ServerUnreachable."""
+    if endpoint is None:
+        raise ServerUnreachable("no server to ask: the config listens on port 0 (the OS "
+                                "picks one at start) and has no unix_socket; pass --url")
+    probe = probe_health(endpoint.connect(timeout), endpoint.api_key)
+    if not probe["answering"]:
+        raise ServerUnreachable(f"no afmd server is running at {endpoint.label} "
+                                f"({probe['error']}); start one with `afmd serve`, or pass "
+                                "--url")
+    if probe["http_status"] == 401:
+        raise ServerUnreachable(f"the server at {endpoint.label} wants an API key: put it in "
+                                "[server] api_key of the config this command reads")
+    if not probe["afmd"]:
+        raise ServerUnreachable(f"something that is not afmd answers at {endpoint.label} "
+                                f"(HTTP {probe['http_status']})")
+    if probe.get("limited"):
+        raise ServerUnreachable(f"the server at {endpoint.label} shows its details only with "
+                                "its API key: put it in [server] api_key of the config this "
+                                "command reads")
+    body: dict[str, Any] = probe["health"]
+    return body

@@ -1,0 +1,486 @@
+"""The model commands: ``afmd pull``, ``list``, ``ps``, ``rm``, ``show`` and ``cache clear``.
+
+Models on disk live in the Hugging Face hub cache (:mod:`afmd.hub.cache`), pulled by
+:mod:`afmd.hub.download`; what a running server has loaded comes from its ``/health`` (found as
+``afmd doctor`` finds it, :mod:`afmd.cli.endpoint`). Output is a table on a terminal and, with
+``--json``, objects with fixed keys for tools. Failures are one sentence on stderr and exit
+code 1 (2: bad configuration or usage), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from afmd.cli import endpoint
+from afmd.config.load import (
+    BUILTIN_SYSTEM_PATH,
+    Config,
+    ConfigError,
+    ModelEntry,
+    default_config_path,
+    load_config,
+)
+from afmd.engine.models.kinds import BUILTIN_PREFIX
+from afmd.hub import cache as hubcache
+from afmd.hub.cache import human_bytes
+from afmd.paths import huggingface_hub_cache, models_cache_dir
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+SERVING = ("loaded", "loading")
+
+
+class CommandError(Exception):
+    """A failure to report in one sentence; ``code`` is the exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def add_parsers(commands: Any) -> None:
+    """The model commands' subparsers, on ``afmd``'s own."""
+    def common(p: argparse.ArgumentParser, *, server: bool, as_json: bool = True) -> None:
+        p.add_argument("--config", metavar="FILE",
+                       help="config file (default: as `afmd serve` finds it)")
+        if server:
+            p.add_argument("--url", metavar="URL",
+                           help="the running server (http://HOST:PORT or unix:/path); "
+                                "default: the config's endpoint, as `afmd doctor` finds it")
+            p.add_argument("--timeout", metavar="S", type=float, default=2.0,
+                           help="seconds to wait for the server (default 2)")
+        if as_json:
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    pull = commands.add_parser(
+        "pull", help="download an MLX model from the Hugging Face hub",
+        description="Download REPO (at REVISION: a branch, tag or commit; default main) into "
+                    "the Hugging Face cache that mlx-lm and LM Studio use, one progress bar "
+                    "per file, each file checked against the hub's sha256. Run it again to "
+                    "resume an interrupted pull. Exit code 1: the pull failed.")
+    pull.add_argument("ref", metavar="REPO[@REVISION]")
+
+    listing = commands.add_parser(
+        "list", help="models on disk and configured",
+        description="Models in the Hugging Face cache and in the config: size, quantization, "
+                    "context length, whether configured, whether the running server has "
+                    "them loaded.")
+    common(listing, server=True)
+
+    ps = commands.add_parser(
+        "ps", help="the running server's loaded models",
+        description="The running server's loaded models: memory, active and queued "
+                    "requests, idle time, expiry. Exit code 1: no server answers.")
+    common(ps, server=True)
+
+    rm = commands.add_parser(
+        "rm", help="delete a downloaded model",
+        description="Delete REPO (every revision) from the Hugging Face cache, after "
+                    "confirmation. Refused while the running server has it loaded.")
+    rm.add_argument("repo", metavar="REPO")
+    rm.add_argument("-y", "--yes", action="store_true", help="do not ask")
+    common(rm, server=True, as_json=False)
+
+    show = commands.add_parser(
+        "show", help="what a model is: architecture, formats, FIM, kind",
+        description="Architecture, parameters, quantization, context length, chat template "
+                    "family, tool-call and reasoning formats, FIM support and kind of MODEL "
+                    "(a configured id or alias, a downloaded repo or a model folder), read "
+                    "from its files without loading the weights.")
+    show.add_argument("model", metavar="MODEL")
+    common(show, server=False)
+
+    cache = commands.add_parser(
+        "cache", help="the prefix KV cache: clear it",
+        description="The prefix KV cache's blocks, in the running server's memory and in "
+                    "[cache] disk_dir (docs/kv-cache.md).")
+    verbs = cache.add_subparsers(dest="cache_command", metavar="VERB", required=True)
+    clear = verbs.add_parser(
+        "clear", help="empty the KV cache's tiers (RAM and disk)",
+        description="Empty the prefix KV cache: the running server's blocks in RAM and on "
+                    "disk (asked of the server when one answers), else the block files in "
+                    "[cache] disk_dir. --model: only that model's (an id or alias).")
+    clear.add_argument("--model", metavar="ID", help="only this model's blocks")
+    common(clear, server=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    command = {"pull": _pull, "list": _list, "ps": _ps, "rm": _rm, "show": _show,
+               "cache": _cache}[args.command]
+    try:
+        return command(args)
+    except CommandError as exc:
+        print(f"afmd {args.command}: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        print(f"\nafmd {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `afmd list | head`
+        return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- shared
+
+
+def _config(path: str | None) -> Config:
+    if path is None:
+        found = default_config_path()
+        path = str(found) if found is not None else None
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise CommandError(f"configuration error: {exc}", EXIT_USAGE) from None
+
+
+def _endpoint(args: argparse.Namespace, config: Config) -> endpoint.Endpoint | None:
+    if args.url:
+        try:
+            return endpoint.from_url(args.url, config.server.api_key)
+        except ValueError as exc:
+            raise CommandError(str(exc), EXIT_USAGE) from None
+    return endpoint.from_config(config)
+
+
+def _details(args: argparse.Namespace, config: Config) -> dict[str, dict[str, Any]]:
+    """The running server's per-model detail; raises ServerUnreachable."""
+    body = endpoint.health(_endpoint(args, config), args.timeout)
+    details = body.get("model_details")
+    if not isinstance(details, dict):
+        raise endpoint.ServerUnreachable("the running server reports no per-model detail "
+                                         "(an older afmd?)")
+    return details
+
+
+def built_demo(variant: str) -> Path | None:
+    """The materialised folder of a built-in model, if the server has built it."""
+    pattern = re.compile(rf"^{re.escape(variant)}-[0-9a-f]{{12}}$")
+    root = models_cache_dir()
+    try:
+        found = sorted(e for e in root.iterdir() if pattern.match(e.name)
+                       and (e / "config.json").is_file())
+    except OSError:
+        return None
+    return found[-1] if found else None
+
+
+def folder_of(entry: ModelEntry) -> Path | None:
+    """Where a model's files are on disk now (a complete snapshot for a repo)."""
+    if entry.path.startswith(BUILTIN_PREFIX):
+        return built_demo(entry.path[len(BUILTIN_PREFIX):])
+    local = Path(entry.path).expanduser()
+    if local.is_dir():
+        return local
+    if hubcache.REPO_ID.match(entry.path):
+        return hubcache.complete_snapshot(entry.path)
+    return None
+
+
+def _print_json(payload: Any) -> None:
+    print(json.dumps(payload, indent=2))
+
+
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in (header, *rows))
+
+
+# ---------------------------------------------------------------------------- pull
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from afmd.hub.download import PullError, pull
+
+    try:
+        pull(args.ref)
+    except PullError as exc:
+        raise CommandError(str(exc)) from None
+    return EXIT_OK
+
+
+def pull_before_serving(config: Config) -> int | None:
+    """``afmd serve``: pull the default model first when it is a repo not on disk yet
+    (with the progress ``afmd pull`` shows). None: go on serving; else the exit code."""
+    entry = config.resolve_model(None)
+    if entry is None or not hubcache.REPO_ID.match(entry.path) or Path(entry.path).exists():
+        return None
+    if hubcache.complete_snapshot(entry.path) is not None:
+        return None
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return None  # offline on purpose: the server reports the model unavailable itself
+    from afmd.hub.download import PullError, pull
+
+    try:
+        pull(entry.path)
+    except PullError as exc:
+        print(f"afmd serve: cannot pull the model {entry.path}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    return None
+
+
+# ---------------------------------------------------------------------------- list
+
+
+def _list(args: argparse.Namespace) -> int:
+    from afmd.engine.models.describe import summary
+
+    config = _config(args.config)
+    try:
+        details: dict[str, dict[str, Any]] | None = _details(args, config)
+        server_note = ""
+    except endpoint.ServerUnreachable as exc:
+        details, server_note = None, str(exc)
+    loaded_paths = {d.get("path") for d in (details or {}).values() if d["state"] in SERVING}
+    loaded_ids = {i for i, d in (details or {}).items() if d["state"] in SERVING}
+
+    rows: list[dict[str, Any]] = []
+    extra: list[tuple[str, str]] = []  # (quantization, context) per row, for the table
+    entries = [(e, True) for e in config.models.model]
+    entries += [(ModelEntry(id=c.repo, path=c.repo), False)
+                for c in hubcache.cached_repos() if c.complete
+                and c.repo not in {e.path for e in config.models.model}]
+    for entry, configured in entries:
+        folder = folder_of(entry)
+        rows.append({
+            "id": entry.id,
+            "repo": entry.path if hubcache.REPO_ID.match(entry.path) else None,
+            "path": str(folder) if folder is not None else None,
+            "size_bytes": hubcache.snapshot_size(folder) if folder is not None else 0,
+            "configured": configured,
+            "loaded": entry.id in loaded_ids or entry.path in loaded_paths,
+        })
+        info = summary(folder, entry) if folder is not None else {}
+        if entry.path == BUILTIN_SYSTEM_PATH:  # Apple's model: the system's, on the device
+            from afmd.engine.apple.framework import CONTEXT_LENGTH
+
+            info = {"context_length": entry.context_length or CONTEXT_LENGTH}
+        extra.append((str(info.get("quantization", "-")), str(info.get("context_length", "-"))))
+    partial = [c for c in hubcache.cached_repos() if not c.complete]
+
+    if args.json:
+        _print_json({"models": rows})
+        return EXIT_OK
+    table = [(r["id"], human_bytes(r["size_bytes"]) if r["path"] else
+              "on-device" if e.path == BUILTIN_SYSTEM_PATH else "not on disk", q, c,
+              "yes" if r["configured"] else "-", "yes" if r["loaded"] else "-")
+             for r, (q, c), (e, _) in zip(rows, extra, entries, strict=True)]
+    print(_table(("ID", "SIZE", "QUANTIZATION", "CONTEXT", "CONFIGURED", "LOADED"), table))
+    for c in partial:
+        print(f"partial download: {c.repo} (missing {', '.join(c.missing)}): "
+              f"`afmd pull {c.repo}` resumes it")
+    print(f"cache: {huggingface_hub_cache()}")
+    if server_note:
+        print(f"loaded state unknown: {server_note}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- ps
+
+
+def ps_row(model_id: str, detail: dict[str, Any], now: float) -> dict[str, Any]:
+    """One ``afmd ps --json`` row from /health's detail (instants become durations)."""
+    idle_since, expires_at = detail.get("idle_since"), detail.get("expires_at")
+    idle = (round(max(0.0, now - idle_since), 1) if idle_since is not None
+            else 0.0 if detail.get("state") == "loaded" else None)
+    return {"id": model_id, "state": detail.get("state"),
+            "memory_bytes": detail.get("memory_bytes"), "active": detail.get("active", 0),
+            "queued": detail.get("queued", 0), "idle_s": idle,
+            "expires_in_s": (round(max(0.0, expires_at - now), 1) if expires_at is not None
+                             else None),
+            "kv_cache": detail.get("kv_cache")}
+
+
+def _ps(args: argparse.Namespace) -> int:
+    config = _config(args.config)
+    try:
+        details = _details(args, config)
+    except endpoint.ServerUnreachable as exc:
+        raise CommandError(str(exc)) from None
+    rows = [ps_row(model_id, d, time.time()) for model_id, d in details.items()
+            if d.get("state") in SERVING]
+    if args.json:
+        _print_json({"models": rows})
+        return EXIT_OK
+    if not rows:
+        print("no model is loaded")
+        return EXIT_OK
+
+    def seconds(value: float | None, none: str) -> str:
+        return none if value is None else f"{value:.0f}s"
+
+    def tier(r: dict[str, Any], name: str) -> str:
+        kv = r.get("kv_cache")
+        return human_bytes(kv[name]) if kv else "-"
+
+    print(_table(("ID", "STATE", "MEMORY", "KV-RAM", "KV-DISK", "ACTIVE", "QUEUED", "IDLE",
+                  "EXPIRES"), [
+        (r["id"], r["state"], human_bytes(r["memory_bytes"]) if r["memory_bytes"] else "-",
+         tier(r, "ram_bytes"), tier(r, "disk_bytes"),
+         str(r["active"]), str(r["queued"]), seconds(r["idle_s"], "-"),
+         seconds(r["expires_in_s"], "never")) for r in rows]))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- rm
+
+
+def _rm(args: argparse.Namespace) -> int:
+    repo = args.repo
+    if not hubcache.REPO_ID.match(repo):
+        raise CommandError(f"'{repo}' is not a Hugging Face repo id (OWNER/NAME)", EXIT_USAGE)
+    cached = hubcache.inspect(repo)
+    if cached is None:
+        raise CommandError(f"{repo} is not in the Hugging Face cache ({huggingface_hub_cache()})")
+    config = _config(args.config)
+    try:
+        details = _details(args, config)
+    except endpoint.ServerUnreachable:
+        details = {}  # no server: nothing can have it loaded
+    serving = [i for i, d in details.items()
+               if d.get("state") in SERVING and repo in (i, d.get("path"))]
+    if serving:
+        raise CommandError(f"{repo} is loaded by the running server (as model "
+                           f"'{serving[0]}'); stop the server or serve another model first")
+    size = human_bytes(hubcache.snapshot_size(cached.snapshot)) if cached.snapshot else "?"
+    if not args.yes:
+        try:
+            answer = input(f"Delete {repo} ({size}) from {cached.folder}? [y/N] ")
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing deleted")
+            return EXIT_FAILURE
+    freed = hubcache.remove(repo)
+    print(f"deleted {repo} ({human_bytes(freed)} freed)")
+    still = [e.id for e in config.models.model if e.path == repo]
+    if still:
+        print(f"note: the config still lists it as model '{still[0]}': a server would "
+              "download it again on first use")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- show
+
+
+def _show_entry(name: str, config: Config) -> ModelEntry:
+    entry = config.resolve_model(name)
+    if entry is not None:
+        return entry
+    local = Path(name).expanduser()
+    if local.is_dir():
+        return ModelEntry(id=local.resolve().name, path=str(local))
+    if hubcache.REPO_ID.match(name):
+        return ModelEntry(id=name, path=name)
+    raise CommandError(f"'{name}' is neither a configured model, a model folder nor a "
+                       "Hugging Face repo id")
+
+
+def _show(args: argparse.Namespace) -> int:
+    config = _config(args.config)
+    entry = _show_entry(args.model, config)
+    if entry.path == BUILTIN_SYSTEM_PATH:  # Apple's model: no folder, the framework says
+        from afmd.engine.apple import framework
+
+        return _print_info(framework.describe(entry), args.json)
+    folder = folder_of(entry)
+    if folder is None:
+        if entry.path.startswith(BUILTIN_PREFIX):
+            raise CommandError(f"the built-in model '{entry.id}' is not built yet: `afmd "
+                               "serve` builds it at its first start")
+        raise CommandError(f"{entry.path} is not downloaded: `afmd pull {entry.path}`")
+    if not (folder / "config.json").is_file():
+        raise CommandError(f"{folder} has no config.json: not an MLX model folder")
+    from afmd.engine.models.describe import describe
+
+    info: dict[str, Any] = {
+        "id": entry.id, "path": str(folder),
+        "repo": entry.path if hubcache.REPO_ID.match(entry.path) else None,
+        **describe(folder, entry),
+        "size_bytes": hubcache.snapshot_size(folder),
+    }
+    return _print_info(info, args.json)
+
+
+def _print_info(info: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        _print_json(info)
+        return EXIT_OK
+    labels = {"parameters": lambda v: f"{v:,}", "size_bytes": human_bytes}
+    for key, value in info.items():
+        shown = "-" if value is None else labels.get(key, str)(value)
+        print(f"{key.replace('_', ' '):<18}{shown}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- cache
+
+
+def _post_clear(target: endpoint.Endpoint, model: str | None, timeout: float) -> dict[str, Any]:
+    """Ask the running server to clear (``ServerUnreachable`` when none answers)."""
+    import http.client
+
+    from afmd.engine.kvcache.folder import CLEAR_PATH
+
+    body = json.dumps({"model": model} if model else {})
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    if target.api_key:
+        headers["Authorization"] = f"Bearer {target.api_key}"
+    conn = target.connect(timeout)
+    try:
+        conn.request("POST", CLEAR_PATH, body=body, headers=headers)
+        response = conn.getresponse()
+        raw = response.read(1 << 20)
+    except (OSError, http.client.HTTPException) as exc:
+        raise endpoint.ServerUnreachable(f"no afmd server answers at {target.label}: "
+                                         f"{exc}") from None
+    finally:
+        conn.close()
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        answer = None
+    if response.status != 200 or not isinstance(answer, dict):
+        message = (answer or {}).get("error", {}).get("message") if isinstance(
+            answer, dict) else None
+        raise CommandError(f"the server at {target.label} refused: HTTP {response.status}"
+                           + (f": {message}" if message else ""))
+    return answer
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from afmd.engine.kvcache import folder as kv_folder
+
+    config = _config(args.config)
+    model = args.model
+    if model is not None:
+        entry = config.resolve_model(model)
+        if entry is None:
+            raise CommandError(f"'{model}' is not a configured model or alias", EXIT_USAGE)
+        model = entry.id
+    try:
+        target = _endpoint(args, config)
+        if target is None:
+            raise endpoint.ServerUnreachable("no endpoint")
+        answer = _post_clear(target, model, args.timeout)
+        ram = sum(c.get("ram_bytes", 0) for c in answer.get("cleared", []))
+        disk, where = answer.get("disk_bytes", 0), f"the server at {target.label}"
+    except endpoint.ServerUnreachable:
+        root = kv_folder.resolve(config.cache.disk_dir)
+        ram, (_, disk), where = 0, kv_folder.clear(root, model), str(root)
+    if args.json:
+        _print_json({"model": model, "ram_bytes": ram, "disk_bytes": disk, "where": where})
+    else:
+        print(f"cleared {human_bytes(ram)} in RAM and {human_bytes(disk)} on disk "
+              f"({'model ' + model if model else 'every model'}; {where})")
+    return EXIT_OK
+

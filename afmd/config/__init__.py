@@ -1,0 +1,1 @@
+"""afmd's configuration: its shape, its layers (file, env, flags) and its rules."""

@@ -1,0 +1,1 @@
+"""Anthropic's Messages API on the wire."""

@@ -1,0 +1,308 @@
+"""An Anthropic Messages body's ``system`` and ``messages`` as afmd's messages.
+
+Anthropic's conversation is blocks inside two roles: a user turn carries text, images and
+the results of the previous turn's tool calls; an assistant turn carries thinking, text
+and ``tool_use`` blocks. Inside afmd a tool result is its own ``tool`` message right after
+the call it answers, so each user turn becomes its tool messages (in the order of the
+calls) followed by its text; consecutive turns of one role are one turn, as Anthropic
+merges them. Every problem is a 400 naming its param (``messages[2].content[0].source``).
+
+A ``role: "system"`` message inside ``messages`` (Claude Code sends them, with the
+``mid-conversation-system`` beta) is a string or text blocks, and stays where it stands: a
+system turn there when the model's chat template has one, otherwise folded into the
+nearest turn it accepts (:meth:`afmd.engine.models.loaded.LoadedModel.render_prompt`).
+
+``thinking`` blocks sent back become that assistant turn's reasoning (templates that know
+``reasoning_content`` render it, others drop it); their signatures are opaque to afmd, and
+``redacted_thinking`` has no text.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from afmd.core.request import ImageInput, Message, ToolCall
+from afmd.dialects.fields.checks import (
+    invalid,
+    missing,
+    not_one_of,
+    optional,
+    quoted,
+    required,
+    wrong_type,
+)
+from afmd.errors import InvalidRequestError
+
+__all__ = ["parse_messages", "parse_system"]
+
+_IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}", re.ASCII)
+
+
+@dataclass(slots=True)
+class _Turn:
+    """Consecutive messages of one role: one turn, its blocks with their params."""
+
+    role: str
+    index: int  # the first message's index, for errors about the turn as a whole
+    blocks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+
+def parse_system(value: Any) -> tuple[Message, ...]:
+    """The system prompt: a string or text blocks (joined by blank lines)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (Message("system", value),) if value else ()
+    if not isinstance(value, list):
+        raise wrong_type("system", "a string or an array of text blocks", value)
+    texts = []
+    for i, block in enumerate(value):
+        p = f"system[{i}]"
+        if not isinstance(block, dict):
+            raise wrong_type(p, "an object", block)
+        kind = required(block, "type", f"{p}.type", str, "a string")
+        if kind != "text":
+            raise invalid(f"{p}.type", f"Invalid system block type {quoted(kind)}; "
+                          "the system prompt is text blocks.")
+        texts.append(required(block, "text", f"{p}.text", str, "a string"))
+    text = "\n\n".join(t for t in texts if t)
+    return (Message("system", text),) if text else ()
+
+
+def _turns(value: Any) -> list[_Turn]:
+    if value is None:
+        raise missing("messages")
+    if not isinstance(value, list):
+        raise wrong_type("messages", "an array", value)
+    if not value:
+        raise invalid("messages", "'messages' must contain at least one message.")
+    turns: list[_Turn] = []
+    for i, message in enumerate(value):
+        p = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise wrong_type(p, "an object", message)
+        role = required(message, "role", f"{p}.role", str, "a string")
+        if role not in ("user", "assistant", "system"):
+            raise not_one_of(f"{p}.role", role, ("user", "assistant", "system"))
+        content = message.get("content")
+        if content is None:
+            raise missing(f"{p}.content")
+        if isinstance(content, str):
+            blocks = [(f"{p}.content", {"type": "text", "text": content})]
+        elif isinstance(content, list):
+            if not content:
+                raise invalid(f"{p}.content", f"'{p}.content' must not be empty.")
+            blocks = [(f"{p}.content[{k}]", b) for k, b in enumerate(content)]
+        else:
+            raise wrong_type(f"{p}.content", "a string or an array of content blocks", content)
+        if turns and turns[-1].role == role and role != "system":
+            turns[-1].blocks.extend(blocks)
+        else:
+            turns.append(_Turn(role, i, blocks))
+    return turns
+
+
+def parse_messages(value: Any) -> tuple[tuple[Message, ...], bool]:
+    """The conversation as afmd's messages, and whether it holds images."""
+    out: list[Message] = []
+    images = False
+    calls: tuple[ToolCall, ...] = ()  # the previous assistant turn's, to be answered now
+    calls_at = 0
+    held: list[Message] = []  # system messages sent between calls and their results
+    turns = _turns(value)
+    for turn in turns:
+        if turn.role == "system":
+            text = _system_text(turn)
+            if text:  # between a call and its results it waits for them (templates
+                # want a call's results right after it)
+                (held if calls else out).append(Message("system", text, in_place=True))
+            continue
+        if turn.role == "assistant":
+            message = _assistant(turn)
+            out.append(message)
+            calls, calls_at = message.tool_calls, turn.index
+            continue
+        texts: list[str] = []
+        results: dict[str, Message] = {}
+        pictures: list[ImageInput] = []  # this turn's images, placed in its text
+        for p, block in turn.blocks:
+            kind = _block_type(block, p)
+            if kind == "text":
+                texts.append(required(block, "text", f"{p}.text", str, "a string"))
+            elif kind == "image":
+                pictures.append(ImageInput(_image(block, p), f"{p}.source",
+                                           len("\n\n".join(texts))))
+                images = True
+            elif kind == "tool_result":
+                call_id, message, has_image = _tool_result(block, p)
+                if not any(c.id == call_id for c in calls):
+                    raise InvalidRequestError(
+                        f"{p} answers tool_use {quoted(call_id)}, which the assistant turn "
+                        "right before it did not make.",
+                        code="unknown_tool_call_id", param=f"{p}.tool_use_id")
+                if call_id in results:
+                    raise InvalidRequestError(
+                        f"tool_use {quoted(call_id)} has more than one tool_result.",
+                        code="duplicate_tool_output", param=f"{p}.tool_use_id")
+                results[call_id] = message
+                images = images or has_image
+            else:
+                raise _unsupported_block(kind, p, "user")
+        for call in calls:
+            if call.id not in results:
+                raise InvalidRequestError(
+                    f"tool_use ids were found without tool_result blocks immediately after: "
+                    f"{quoted(call.id)}. Each tool_use block must have a corresponding "
+                    "tool_result block in the next message.",
+                    code="missing_tool_output", param=f"messages[{calls_at}].content")
+            out.append(results[call.id])
+        out.extend(held)
+        held.clear()
+        if texts or not results:
+            out.append(Message("user", "\n\n".join(texts), has_images=bool(pictures),
+                               images=tuple(pictures)))
+        calls = ()
+    spoken = [turn for turn in turns if turn.role != "system"]
+    if not spoken:
+        raise InvalidRequestError(
+            "The conversation has no user message.", code="missing_user_message",
+            param="messages")
+    last = spoken[-1]
+    if last.role == "assistant":
+        if calls:
+            raise InvalidRequestError(
+                f"tool_use {quoted(calls[0].id)} of the last message has no tool_result; "
+                "add a user message with its result.",
+                code="missing_tool_output", param=f"messages[{last.index}].content")
+        raise InvalidRequestError(
+            "The last message is from the assistant: afmd does not continue a prefilled "
+            "assistant turn; end the conversation with a user message.",
+            code="invalid_last_message", param=f"messages[{last.index}].role")
+    if not any(m.role == "user" for m in out):
+        raise InvalidRequestError(
+            "The conversation has no user message.", code="missing_user_message",
+            param="messages")
+    return tuple(out), images
+
+
+def _system_text(turn: _Turn) -> str:
+    """A system message's text: its text blocks joined as the top-level ``system``'s are."""
+    texts = []
+    for p, block in turn.blocks:
+        kind = _block_type(block, p)
+        if kind != "text":
+            raise invalid(f"{p}.type", f"Content block type {quoted(kind)} is not supported "
+                          "in a system message; supported: 'text'.")
+        texts.append(required(block, "text", f"{p}.text", str, "a string"))
+    return "\n\n".join(t for t in texts if t)
+
+
+def _block_type(block: Any, p: str) -> str:
+    if not isinstance(block, dict):
+        raise wrong_type(p, "an object", block)
+    kind = block.get("type")
+    if type(kind) is not str:
+        kind = required(block, "type", f"{p}.type", str, "a string")
+    return kind
+
+
+def _unsupported_block(kind: str, p: str, role: str) -> InvalidRequestError:
+    supported = ("'text', 'image' and 'tool_result'" if role == "user"
+                 else "'text', 'thinking', 'redacted_thinking' and 'tool_use'")
+    return invalid(f"{p}.type", f"Content block type {quoted(kind)} is not supported in a "
+                   f"{role} message; supported: {supported}.")
+
+
+def _assistant(turn: _Turn) -> Message:
+    texts: list[str] = []
+    thoughts: list[str] = []
+    calls: list[ToolCall] = []
+    for p, block in turn.blocks:
+        kind = _block_type(block, p)
+        if kind == "text":
+            texts.append(required(block, "text", f"{p}.text", str, "a string"))
+        elif kind == "thinking":
+            thoughts.append(required(block, "thinking", f"{p}.thinking", str, "a string"))
+        elif kind == "tool_use":
+            call_id = required(block, "id", f"{p}.id", str, "a string")
+            if not call_id:
+                raise invalid(f"{p}.id", "A tool_use id must not be empty.")
+            if any(c.id == call_id for c in calls):
+                raise InvalidRequestError(f"The tool_use id {quoted(call_id)} is used more "
+                                          "than once.", code="duplicate_tool_call_id",
+                                          param=f"{p}.id")
+            name = required(block, "name", f"{p}.name", str, "a string")
+            arguments = required(block, "input", f"{p}.input", dict, "an object")
+            calls.append(ToolCall(call_id, name, orjson.dumps(arguments).decode()))
+        elif kind == "redacted_thinking":
+            continue  # see the module docstring
+        else:
+            raise _unsupported_block(kind, p, "assistant")
+    text = "\n\n".join(t for t in texts if t)
+    return Message("assistant", text or (None if calls else ""), tool_calls=tuple(calls),
+                   reasoning="\n\n".join(t for t in thoughts if t) or None)
+
+
+def _image(block: dict[str, Any], p: str) -> bytes:
+    """The image's bytes; only inline base64 images: afmd never fetches a URL on a
+    client's behalf."""
+    source = required(block, "source", f"{p}.source", dict, "an object")
+    kind = required(source, "type", f"{p}.source.type", str, "a string")
+    if kind != "base64":
+        raise InvalidRequestError(
+            f"Image source type {quoted(kind)} is not supported: afmd accepts base64 images "
+            "only and does not fetch URLs or files.",
+            code="unsupported_image_url", param=f"{p}.source.type")
+    media = required(source, "media_type", f"{p}.source.media_type", str, "a string")
+    if media not in _IMAGE_TYPES:
+        raise not_one_of(f"{p}.source.media_type", media, _IMAGE_TYPES)
+    data = required(source, "data", f"{p}.source.data", str, "a string")
+    try:
+        if not _BASE64.fullmatch(data) or len(data) % 4:
+            raise binascii.Error
+        return base64.b64decode(data, validate=True)
+    except binascii.Error:
+        raise InvalidRequestError("The image data is not valid base64.",
+                                  code="invalid_image_url", param=f"{p}.source.data") from None
+
+
+def _tool_result(block: dict[str, Any], p: str) -> tuple[str, Message, bool]:
+    """A result as afmd's tool message (text only; an error says so first)."""
+    call_id = required(block, "tool_use_id", f"{p}.tool_use_id", str, "a string")
+    is_error = optional(block, "is_error", f"{p}.is_error", bool, "a boolean")
+    content = block.get("content")
+    images: list[ImageInput] = []
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            q = f"{p}.content[{k}]"
+            kind = _block_type(part, q)
+            if kind == "text":
+                texts.append(required(part, "text", f"{q}.text", str, "a string"))
+            elif kind == "image":
+                images.append(ImageInput(_image(part, q), f"{q}.source",
+                                         len("\n\n".join(texts))))
+            else:
+                raise invalid(f"{q}.type", f"Content block type {quoted(kind)} is not "
+                              "supported in a tool_result; supported: 'text' and 'image'.")
+        text = "\n\n".join(texts)
+    else:
+        raise wrong_type(f"{p}.content", "a string or an array of content blocks", content)
+    if is_error:
+        prefix = "Error: " if text else "Error"
+        text = prefix + text
+        images = [ImageInput(i.data, i.param, i.offset + len(prefix)) for i in images]
+    message = Message("tool", text, tool_call_id=call_id, has_images=bool(images),
+                      images=tuple(images))
+    return call_id, message, bool(images)

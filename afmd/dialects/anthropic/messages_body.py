@@ -1,0 +1,201 @@
+"""An Anthropic Messages body checked into afmd's :class:`~afmd.core.request.ChatRequest`.
+
+This module reads the top-level fields (sampling, stop sequences, ``thinking``,
+``output_config``) and assembles the request; the conversation is
+:mod:`afmd.dialects.anthropic.history`'s, the tools
+:mod:`afmd.dialects.anthropic.tools_body`'. Every problem is a 400 naming its param.
+
+Fields of Anthropic's API that mean nothing locally are accepted, ignored and listed in the
+request's ``ignored_fields`` (``X-AFM-Ignored-Fields``). Unknown ones are ignored and listed
+too (Anthropic adds fields
+often, and clients send them before afmd knows them); with ``strict`` (``[api] strict``)
+they are refused as Anthropic refuses them, ``<field>: Extra inputs are not permitted``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from afmd.core.request import ChatRequest, ResponseFormat
+from afmd.dialects.anthropic.history import parse_messages, parse_system
+from afmd.dialects.anthropic.tools_body import parse_tool_choice, parse_tools
+from afmd.dialects.fields.body import parse_json_body
+from afmd.dialects.fields.checks import (
+    Scalar,
+    invalid,
+    not_one_of,
+    optional,
+    read_scalars,
+    required,
+    string_list,
+    unknown_keys,
+    wrong_type,
+)
+from afmd.dialects.fields.keep_alive import keep_alive_of
+from afmd.errors import InvalidRequestError
+
+__all__ = ["parse_count_request", "parse_messages_request"]
+
+MAX_STOP_SEQUENCES = 16
+#: ``output_config.effort`` onto afmd's ``reasoning_effort`` (``max`` is afmd's highest).
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
+THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
+
+_MODEL = Scalar("model", "string", required=True)
+_CREATE = (
+    _MODEL,
+    Scalar("max_tokens", "integer", minimum=1, required=True),
+    Scalar("stream", "boolean", default=False),
+    # Anthropic's ranges (temperature up to 1). The current client passes these three in
+    # extra_body; they are plain fields on the wire.
+    Scalar("temperature", "number", default=1.0, minimum=0.0, maximum=1.0),
+    Scalar("top_p", "number", default=1.0, minimum=0.0, maximum=1.0),
+    Scalar("top_k", "integer", default=0, minimum=0),
+    Scalar("seed", "integer"),  # afmd's own, as on chat: reproducible sampling
+)
+
+#: The fields of a count_tokens body, Anthropic's (the SDK's, its betas included) and
+#: afmd's ``keep_alive``; those afmd does not act on are accepted all the same.
+COUNT_FIELDS = frozenset({
+    "model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
+    "output_format", "cache_control", "context_management", "mcp_servers", "speed",
+    "compaction", "billing_policy", "user_profile_id", "workspace_id", "keep_alive",
+})
+#: Fields Anthropic's API acts on and a local model has nothing to do with (caching
+#: breakpoints, context editing, billing, routing, metadata): accepted, even under
+#: ``[api] strict``, and named in ``X-AFM-Ignored-Fields`` so a client can tell.
+UNUSED_FIELDS = frozenset({
+    "cache_control", "context_management", "mcp_servers", "speed", "compaction",
+    "billing_policy", "user_profile_id", "workspace_id", "metadata", "service_tier",
+    "container", "diagnostics", "inference_geo", "fallbacks", "fallback_credit_token",
+    "thread",
+})
+#: A create body's: the above, generation's own fields, and afmd's ``seed``.
+CREATE_FIELDS = COUNT_FIELDS | {
+    "max_tokens", "stream", "temperature", "top_p", "top_k", "stop_sequences", "metadata",
+    "service_tier", "container", "diagnostics", "inference_geo", "fallbacks",
+    "fallback_credit_token", "thread", "seed",
+}
+
+
+def parse_messages_request(
+    raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
+) -> ChatRequest:
+    """A ``POST /v1/messages`` body; the first problem is a 400 naming its param."""
+    return _parse(parse_json_body(raw), _CREATE, CREATE_FIELDS, server_tools, strict)
+
+
+def parse_count_request(
+    raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
+) -> ChatRequest:
+    """A ``POST /v1/messages/count_tokens`` body: a create body without ``max_tokens``."""
+    return _parse(parse_json_body(raw), (_MODEL,), COUNT_FIELDS, server_tools, strict)
+
+
+def _parse(
+    body: dict[str, Any],
+    scalars: tuple[Scalar, ...],
+    known: frozenset[str],
+    server_tools: Collection[str],
+    strict: bool,
+) -> ChatRequest:
+    ignored = unknown_keys(body, known, strict=False)
+    if strict and ignored:
+        # Anthropic's own words for it (the envelope puts the field first).
+        raise InvalidRequestError("Extra inputs are not permitted", code="unknown_parameter",
+                                  param=ignored[0])
+    if ignored:  # a field ignored is not checked either (count_tokens reads create's parts)
+        body = {key: value for key, value in body.items() if key not in ignored}
+    ignored = (*ignored, *(key for key in body if key in UNUSED_FIELDS))
+    values = read_scalars(body, scalars)
+    max_tokens: int | None = values.get("max_tokens")
+    system = parse_system(body.get("system"))
+    messages, images = parse_messages(body.get("messages"))
+    tools = parse_tools(body.get("tools"))
+    choice, parallel = parse_tool_choice(body.get("tool_choice"), tools, server_tools)
+    stop = body.get("stop_sequences")
+    if stop is not None and not isinstance(stop, list):
+        raise wrong_type("stop_sequences", "an array of strings", stop)
+    kind, budget = _thinking(body.get("thinking"), max_tokens)
+    effort, response_format = _output_config(body.get("output_config"))
+    if response_format is None:  # the structured-outputs beta's spelling
+        response_format = _format(body.get("output_format"), "output_format")
+    reasoning_effort = effort
+    if kind == "disabled":
+        reasoning_effort = "none"
+    elif kind == "enabled":
+        reasoning_effort = effort or "medium"
+    return ChatRequest(
+        messages=(*system, *messages),
+        model=values["model"],
+        stream=values.get("stream", False),
+        max_tokens=max_tokens,
+        temperature=values.get("temperature", 1.0),
+        top_p=values.get("top_p", 1.0),
+        top_k=values.get("top_k", 0),
+        seed=values.get("seed"),
+        stop=string_list(stop, "stop_sequences", MAX_STOP_SEQUENCES),
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        response_format=response_format,
+        reasoning_effort=reasoning_effort,
+        thinking_budget=budget if kind == "enabled" else None,
+        max_tokens_shrinks=True,  # a cap, as Anthropic's: the context window may lower it
+        has_images=images,
+        keep_alive=keep_alive_of(body),
+        ignored_fields=ignored,
+    )
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def _thinking(value: Any, max_tokens: int | None) -> tuple[str | None, int | None]:
+    """``thinking``'s type and, when enabled, its budget."""
+    if value is None:
+        return None, None
+    if not isinstance(value, dict):
+        raise wrong_type("thinking", "an object", value)
+    kind = required(value, "type", "thinking.type", str, "a string")
+    if kind not in THINKING_TYPES:
+        raise not_one_of("thinking.type", kind, THINKING_TYPES)
+    # How a client shows thinking ("summarized", "omitted", Claude Code's "updates", more
+    # to come): afmd returns its thinking as it was written whatever this says.
+    optional(value, "display", "thinking.display", str, "a string")
+    if kind != "enabled":
+        return kind, None
+    (budget,) = read_scalars(value, (Scalar("budget_tokens", "integer", minimum=1,
+                                            required=True),), "thinking.").values()
+    if max_tokens is not None and budget >= max_tokens:
+        raise invalid("thinking.budget_tokens", f"'thinking.budget_tokens' ({budget}) must be "
+                      f"less than 'max_tokens' ({max_tokens}): thinking counts toward it.")
+    return kind, budget
+
+
+def _output_config(value: Any) -> tuple[str | None, ResponseFormat | None]:
+    """``output_config``: the effort as afmd's ``reasoning_effort``, and the format."""
+    if value is None:
+        return None, None
+    if not isinstance(value, dict):
+        raise wrong_type("output_config", "an object", value)
+    effort = optional(value, "effort", "output_config.effort", str, "a string")
+    if effort is not None and effort not in EFFORTS:
+        raise not_one_of("output_config.effort", effort, tuple(EFFORTS))
+    return (EFFORTS[effort] if effort else None,
+            _format(value.get("format"), "output_config.format"))
+
+
+def _format(value: Any, param: str) -> ResponseFormat | None:
+    """A JSON schema the answer must match: the grammar enforces it, as chat's
+    ``response_format``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise wrong_type(param, "an object", value)
+    kind = required(value, "type", f"{param}.type", str, "a string")
+    if kind != "json_schema":
+        raise not_one_of(f"{param}.type", kind, ("json_schema",))
+    schema = required(value, "schema", f"{param}.schema", dict, "an object")
+    return ResponseFormat("json_schema", schema, "output", strict=True)

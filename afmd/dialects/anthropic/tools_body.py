@@ -1,0 +1,86 @@
+"""An Anthropic Messages body's ``tools`` and ``tool_choice`` as afmd's.
+
+Only custom tools (a name, a description, an ``input_schema``) exist locally: the tools
+Anthropic runs or defines itself are refused by name, so a client learns to declare them
+as its own rather than getting a model that never calls them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from typing import Any
+
+from afmd.core.request import ToolChoice, ToolSpec
+from afmd.dialects.fields.checks import invalid, not_one_of, optional, quoted, required, wrong_type
+from afmd.errors import InvalidRequestError
+
+__all__ = ["TOOL_CHOICES", "parse_tool_choice", "parse_tools"]
+
+#: Anthropic's rule for a tool name.
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}", re.ASCII)
+TOOL_CHOICES = ("auto", "any", "tool", "none")
+
+
+def parse_tools(value: Any) -> tuple[ToolSpec, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise wrong_type("tools", "an array", value)
+    tools: list[ToolSpec] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(value):
+        p = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise wrong_type(p, "an object", tool)
+        kind = optional(tool, "type", f"{p}.type", str, "a string")
+        if kind not in (None, "custom"):
+            raise InvalidRequestError(
+                f"The tool type {quoted(kind)} is one Anthropic runs or defines itself; afmd "
+                "has no such tool. Declare it as a custom tool (name, description, "
+                "input_schema) and run it in your client.",
+                code="unsupported_tool", param=f"{p}.type")
+        name = required(tool, "name", f"{p}.name", str, "a string")
+        if _TOOL_NAME.fullmatch(name) is None:
+            raise invalid(f"{p}.name", f"Invalid tool name {quoted(name)}: use 1-128 "
+                          "characters among a-z, A-Z, 0-9, _ and -.")
+        if name in seen:
+            raise invalid(f"{p}.name", f"Duplicate tool name '{name}'.")
+        seen.add(name)
+        description = optional(tool, "description", f"{p}.description", str, "a string")
+        schema = required(tool, "input_schema", f"{p}.input_schema", dict, "an object")
+        strict = optional(tool, "strict", f"{p}.strict", bool, "a boolean")
+        tools.append(ToolSpec(name, description, schema, bool(strict)))
+    return tuple(tools)
+
+
+def parse_tool_choice(
+    value: Any, tools: tuple[ToolSpec, ...], server_tools: Collection[str]
+) -> tuple[ToolChoice, bool]:
+    """``tool_choice`` as afmd's choice, and whether parallel calls are allowed."""
+    names = {t.name for t in tools} | set(server_tools)
+    if value is None:
+        return ToolChoice("auto" if names else "none"), True
+    if not isinstance(value, dict):
+        raise wrong_type("tool_choice", "an object", value)
+    kind = required(value, "type", "tool_choice.type", str, "a string")
+    if kind not in TOOL_CHOICES:
+        raise not_one_of("tool_choice.type", kind, TOOL_CHOICES)
+    single = optional(value, "disable_parallel_tool_use",
+                      "tool_choice.disable_parallel_tool_use", bool, "a boolean")
+    parallel = not single
+    if kind == "none" or (kind == "auto" and not names):
+        return ToolChoice("none"), parallel
+    if kind == "auto":
+        return ToolChoice("auto"), parallel
+    if not names:
+        raise invalid("tool_choice.type", f"'tool_choice' is {quoted(kind)} but no 'tools' "
+                      "are given.")
+    if kind == "any":
+        return ToolChoice("required"), parallel
+    name = required(value, "name", "tool_choice.name", str, "a string")
+    if name not in names:
+        raise InvalidRequestError(f"'tool_choice.name' names the tool {quoted(name)}, which "
+                                  "is not in 'tools'.", code="unknown_tool",
+                                  param="tool_choice.name")
+    return ToolChoice("required", (name,), named=True), parallel

@@ -1,0 +1,112 @@
+"""What a dialect adapter is: the seam every wire format plugs into.
+
+The HTTP layer drives any :class:`Dialect` the same way: ``parse`` the body, prepare and
+run the turn, then either ``body`` (all events at once) or ``stream_start``, ``stream``
+per batch of events and ``stream_end``; an error is ``error_envelope`` before a stream's
+head went out and ``stream_error`` after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from afmd.core.events import Event
+from afmd.core.request import ChatRequest, CompletionRequest
+from afmd.errors import APIError
+
+
+class ReplyEncoder(Protocol):
+    """One response, encoded from one run's events."""
+
+    def body(self, events: Sequence[Event]) -> bytes:
+        """The whole (non-streamed) response body from every event of the run."""
+        ...
+
+    def stream_start(self) -> bytes:
+        """What a stream sends before its first event (may be empty)."""
+        ...
+
+    def stream(self, events: Sequence[Event]) -> bytes:
+        """One batch of events as the dialect's SSE; b"" when none of them shows."""
+        ...
+
+    def stream_end(self) -> bytes:
+        """What follows the run's last event."""
+        ...
+
+    def stream_error(self, error: APIError) -> bytes:
+        """An error that ends a stream already under way, and the stream's end."""
+        ...
+
+
+#: The kind of request a dialect reads: a chat turn, raw prompts (Completions), or either
+#: (Ollama's generate).
+RequestT = TypeVar("RequestT", bound="ChatRequest | CompletionRequest")
+
+
+class Dialect(Protocol[RequestT]):
+    name: str
+
+    def parse(
+        self, raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
+    ) -> RequestT:
+        """The body checked field by field into the internal request (400s name the field).
+
+        An unknown top-level field is ignored and listed in the request's
+        ``ignored_fields``; ``strict`` (``[api] strict``) refuses it instead."""
+        ...
+
+    def reply(self, request: RequestT, *, model: str, fingerprint: str) -> ReplyEncoder:
+        """A response to ``request``; ``model`` is the name the client asked for."""
+        ...
+
+    def error_envelope(self, error: APIError) -> dict[str, Any]:
+        """The JSON body of an error response in this dialect."""
+        ...
+
+
+class ErrorStyle(Protocol):
+    """How one route's errors look: the part of a :class:`Dialect` the HTTP gate needs to
+    answer a refusal (401, 404, 413, …) in the envelope of the route it was meant for."""
+
+    def error_envelope(self, error: APIError) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class OwnStatuses(Protocol):
+    """A dialect whose errors go out with statuses and headers of its own (Anthropic's
+    529 ``overloaded_error`` for afmd's 503s); others keep the error's."""
+
+    def error_status(self, error: APIError) -> tuple[int, Mapping[str, str]]: ...
+
+
+@runtime_checkable
+class KeepsAlive(Protocol):
+    """A reply whose stream shows it is alive while nothing else is sent (Anthropic's
+    ``ping``): the handler opens the stream and sends :meth:`keepalive` whenever
+    ``keepalive_interval`` seconds pass without a write (queued, a long prefill)."""
+
+    keepalive_interval: float
+
+    def keepalive(self) -> bytes: ...
+
+
+@runtime_checkable
+class OwnMediaType(Protocol):
+    """A reply whose stream is not server-sent events (Ollama's NDJSON): its
+    ``Content-Type``."""
+
+    media_type: str
+
+
+def error_response(
+    style: ErrorStyle | None, error: APIError
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """The status, JSON body and headers of ``error`` in ``style`` (OpenAI's when None)."""
+    if style is None:
+        return error.status, error.envelope(), dict(error.headers)
+    if isinstance(style, OwnStatuses):
+        status, headers = style.error_status(error)
+        return status, style.error_envelope(error), dict(headers)
+    return error.status, style.error_envelope(error), dict(error.headers)

@@ -1,0 +1,1 @@
+"""The field checks every dialect's body parser is built from."""

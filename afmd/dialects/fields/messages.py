@@ -1,0 +1,289 @@
+"""A conversation's messages, their content parts and their tool-call history, checked.
+
+OpenAI-shaped messages (Chat Completions, and the message items other dialects map onto
+them) are parsed here into :class:`afmd.core.request.Message`, every problem named by its
+exact param (``messages[2].content[0].image_url.url``). The tool history is checked as a
+whole afterwards: a call without its answer, or an answer without its call, would render a
+prompt the model was never trained on.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from typing import Any
+
+from afmd.core.request import ImageInput, Message, ToolCall
+from afmd.dialects.fields.checks import invalid, missing, not_one_of, quoted, required, wrong_type
+from afmd.errors import InvalidRequestError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_ROLE_SET = frozenset(ROLES)
+_NO_IMAGES: tuple[ImageInput, ...] = ()
+
+_DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,([A-Za-z0-9+/]*={0,2})", re.ASCII)
+
+
+def _check_image_part(part: dict[str, Any], p: str) -> bytes:
+    """The image's bytes; only inline ``data:`` images: afmd never fetches a URL on a
+    client's behalf."""
+    image = required(part, "image_url", f"{p}.image_url", dict, "an object")
+    url = required(image, "url", f"{p}.image_url.url", str, "a string")
+    if not url.startswith("data:"):
+        raise InvalidRequestError(
+            "Only base64 'data:' image URLs are accepted; afmd does not fetch remote URLs.",
+            code="unsupported_image_url",
+            param=f"{p}.image_url.url",
+        )
+    match = _DATA_URL.fullmatch(url)
+    if match is None or len(match.group(1)) % 4 != 0:
+        raise InvalidRequestError(
+            "Malformed image data URL: expected 'data:image/<type>;base64,<data>'.",
+            code="invalid_image_url",
+            param=f"{p}.image_url.url",
+        )
+    try:
+        return base64.b64decode(match.group(1), validate=True)
+    except binascii.Error:
+        raise InvalidRequestError(
+            "Malformed image data URL: the base64 payload does not decode.",
+            code="invalid_image_url",
+            param=f"{p}.image_url.url",
+        ) from None
+
+
+def text_content(
+    value: Any, param: str, *, allow_null: bool = False
+) -> tuple[str | None, tuple[ImageInput, ...]]:
+    """The text of a message's content, and its image parts.
+
+    Content is a string or a list of text and image parts; text parts are joined without
+    separators, and each image keeps its place in that text.
+    """
+    if value is None:
+        if allow_null:
+            return None, ()
+        raise missing(param)
+    if isinstance(value, str):
+        return value, ()
+    if not isinstance(value, list):
+        raise wrong_type(param, "a string or an array of content parts", value)
+    texts: list[str] = []
+    images: list[ImageInput] = []
+    length = 0
+    for i, part in enumerate(value):
+        p = f"{param}[{i}]"
+        if not isinstance(part, dict):
+            raise wrong_type(p, "an object", part)
+        kind = part.get("type")
+        if kind is None:
+            raise missing(f"{p}.type")
+        if kind == "text":
+            texts.append(required(part, "text", f"{p}.text", str, "a string"))
+            length += len(texts[-1])
+        elif kind == "image_url":
+            images.append(ImageInput(_check_image_part(part, p), f"{p}.image_url", length))
+        elif kind in ("input_audio", "file"):
+            raise invalid(
+                f"{p}.type",
+                f"Content part type {quoted(kind)} is not supported: afmd accepts text and "
+                "images.",
+            )
+        else:
+            raise invalid(
+                f"{p}.type",
+                f"Invalid content part type {quoted(kind)}; supported: 'text' and 'image_url'.",
+            )
+    return "".join(texts), tuple(images)
+
+
+# The hot paths below accept a well-formed value inline and hand anything else to the
+# primitive that names the problem: parsing runs on the event loop for every request.
+
+
+def function_object(container: dict[str, Any], p: str) -> tuple[dict[str, Any], str]:
+    """``container["function"]`` and its ``name``, both checked."""
+    function = container.get("function")
+    if type(function) is not dict:
+        function = required(container, "function", f"{p}.function", dict, "an object")
+    name = function.get("name")
+    if type(name) is not str:
+        name = required(function, "name", f"{p}.function.name", str, "a string")
+    return function, name
+
+
+def _nonempty_id(obj: dict[str, Any], key: str, param: str, what: str) -> str:
+    value = obj.get(key)
+    if type(value) is str and value:
+        return value
+    value = required(obj, key, param, str, "a string")
+    if not value:
+        raise invalid(param, f"{what} must not be empty.")
+    return value
+
+
+def tool_calls(value: Any, param: str) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls``."""
+    if not isinstance(value, list):
+        raise wrong_type(param, "an array", value)
+    calls: list[ToolCall] = []
+    for i, call in enumerate(value):
+        p = f"{param}[{i}]"
+        if not isinstance(call, dict):
+            raise wrong_type(p, "an object", call)
+        call_id = _nonempty_id(call, "id", f"{p}.id", "A tool call id")
+        kind = call.get("type", "function")
+        if kind != "function":
+            raise invalid(
+                f"{p}.type", f"Invalid tool call type {quoted(kind)}; expected 'function'."
+            )
+        function, name = function_object(call, p)
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise wrong_type(f"{p}.function.arguments", "a string", arguments)
+        calls.append(ToolCall(id=call_id, name=name, arguments=arguments))
+    return tuple(calls)
+
+
+def message(value: Any, param: str) -> Message:
+    """One message; ``param`` is its path (``messages[3]``)."""
+    if not isinstance(value, dict):
+        raise wrong_type(param, "an object", value)
+    role = value.get("role")
+    if type(role) is not str or role not in _ROLE_SET:
+        role = required(value, "role", f"{param}.role", str, "a string")
+        if role not in ROLES:
+            raise not_one_of(f"{param}.role", role, ROLES)
+    name = value.get("name")
+    if name is not None and not isinstance(name, str):
+        raise wrong_type(f"{param}.name", "a string", name)
+    if role == "assistant":
+        calls: tuple[ToolCall, ...] = ()
+        if value.get("tool_calls") is not None:
+            calls = tool_calls(value["tool_calls"], f"{param}.tool_calls")
+        if value.get("function_call") is not None:
+            raise invalid(
+                f"{param}.function_call",
+                "'function_call' is deprecated and not supported; use 'tool_calls'.",
+            )
+        content, images = value.get("content"), _NO_IMAGES
+        if type(content) is not str:
+            content, images = text_content(content, f"{param}.content", allow_null=True)
+        if content is None and not calls:
+            raise missing(f"{param}.content")
+        return Message(role=role, content=content, name=name, tool_calls=calls,
+                       has_images=bool(images), images=images)
+    if "content" not in value:
+        raise missing(f"{param}.content")
+    content, images = value["content"], _NO_IMAGES
+    if type(content) is not str:
+        content, images = text_content(content, f"{param}.content")
+    if role == "tool":
+        call_id = _nonempty_id(value, "tool_call_id", f"{param}.tool_call_id", "A tool_call_id")
+        return Message(role=role, content=content, name=name, tool_call_id=call_id,
+                       has_images=bool(images), images=images)
+    return Message(role=role, content=content, name=name, has_images=bool(images),
+                   images=images)
+
+
+def parse_messages(value: Any, param: str = "messages") -> tuple[Message, ...]:
+    """The conversation, which must have something for the model to answer.
+
+    Each message is checked on its own; :func:`check_tool_history` then checks the calls
+    and their answers across messages.
+    """
+    if value is None:
+        raise missing(param)
+    if not isinstance(value, list):
+        raise wrong_type(param, "an array", value)
+    if not value:
+        raise invalid(param, f"'{param}' must contain at least one message.")
+    messages = tuple(message(m, f"{param}[{i}]") for i, m in enumerate(value))
+    if not any(m.role == "user" for m in messages):
+        raise InvalidRequestError(
+            "The conversation has no user message; add at least one message with role 'user'.",
+            code="missing_user_message",
+            param=param,
+        )
+    last = messages[-1]
+    if last.role == "assistant" and last.tool_calls:
+        raise InvalidRequestError(
+            f"Tool call {quoted(last.tool_calls[0].id)} of the last message has no tool "
+            "message answering it; add a 'tool' message with its output.",
+            code="missing_tool_output",
+            param=f"{param}[{len(messages) - 1}].tool_calls[0]",
+        )
+    if last.role == "assistant":
+        raise InvalidRequestError(
+            "The last message is from the assistant; end the conversation with a user or "
+            "tool message so there is something to answer.",
+            code="invalid_last_message",
+            param=f"{param}[{len(messages) - 1}].role",
+        )
+    return messages
+
+
+def check_tool_history(
+    messages: tuple[Message, ...], param: str = "messages"
+) -> tuple[Message, ...]:
+    """Every call answered exactly once, right after its assistant message; tool outputs in
+    the order of the calls (whatever order the client sent them in)."""
+    seen_ids: set[str] = set()
+    out: list[Message] = []
+    i = 0
+    while i < len(messages):
+        current = messages[i]
+        if current.role == "tool":
+            raise InvalidRequestError(
+                f"{param}[{i}] answers tool call {quoted(current.tool_call_id)}, which no "
+                "preceding assistant message made (tool messages must directly follow the "
+                "assistant message whose calls they answer).",
+                code="unknown_tool_call_id",
+                param=f"{param}[{i}].tool_call_id",
+            )
+        out.append(current)
+        i += 1
+        if current.role != "assistant" or not current.tool_calls:
+            continue
+        a = i - 1
+        order: dict[str, int] = {}
+        for k, call in enumerate(current.tool_calls):
+            if call.id in seen_ids or call.id in order:
+                raise InvalidRequestError(
+                    f"The tool call id {quoted(call.id)} is used more than once.",
+                    code="duplicate_tool_call_id",
+                    param=f"{param}[{a}].tool_calls[{k}].id",
+                )
+            order[call.id] = k
+        outputs: dict[str, Message] = {}
+        while i < len(messages) and messages[i].role == "tool":
+            tool = messages[i]
+            call_id = tool.tool_call_id or ""
+            if call_id not in order:
+                raise InvalidRequestError(
+                    f"{param}[{i}] answers tool call {quoted(call_id)}, which {param}[{a}] did "
+                    "not make.",
+                    code="unknown_tool_call_id",
+                    param=f"{param}[{i}].tool_call_id",
+                )
+            if call_id in outputs:
+                raise InvalidRequestError(
+                    f"Tool call {quoted(call_id)} is answered more than once.",
+                    code="duplicate_tool_output",
+                    param=f"{param}[{i}].tool_call_id",
+                )
+            outputs[call_id] = tool
+            i += 1
+        for k, call in enumerate(current.tool_calls):
+            if call.id not in outputs:
+                raise InvalidRequestError(
+                    f"Tool call {quoted(call.id)} of {param}[{a}] has no tool message "
+                    "answering it; each call needs exactly one 'tool' message right after the "
+                    "assistant message.",
+                    code="missing_tool_output",
+                    param=f"{param}[{a}].tool_calls[{k}]",
+                )
+            seen_ids.add(call.id)
+            out.append(outputs[call.id])
+    return tuple(out)

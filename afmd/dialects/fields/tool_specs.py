@@ -1,0 +1,176 @@
+"""The tools a request offers, which of them the model may or must call, and the shape
+its answer must take.
+
+These become grammars: a tool name or schema that slipped through unchecked would fail
+later, deep in grammar compilation, with an error naming nothing the client sent. Each
+problem is named here by its exact param instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from typing import Any
+
+from afmd.core.request import ResponseFormat, ToolChoice, ToolSpec
+from afmd.dialects.fields.checks import invalid, missing, optional, quoted, required, wrong_type
+from afmd.dialects.fields.messages import function_object
+from afmd.errors import InvalidRequestError
+
+#: OpenAI's rule for a function name: 1-64 of a-z, A-Z, 0-9, _ and -.
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
+
+
+def parse_tools(value: Any, param: str = "tools") -> tuple[ToolSpec, ...]:
+    """The client's function tools, each named once."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise wrong_type(param, "an array", value)
+    tools: list[ToolSpec] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(value):
+        p = f"{param}[{i}]"
+        if not isinstance(tool, dict):
+            raise wrong_type(p, "an object", tool)
+        kind = tool.get("type")
+        if kind is None:
+            raise missing(f"{p}.type")
+        if kind != "function":
+            raise invalid(
+                f"{p}.type", f"Invalid tool type {quoted(kind)}; supported: 'function'."
+            )
+        function, name = function_object(tool, p)
+        if _TOOL_NAME.fullmatch(name) is None:
+            raise invalid(
+                f"{p}.function.name",
+                f"Invalid tool name {quoted(name)}: use 1-64 characters among a-z, A-Z, "
+                "0-9, _ and -.",
+            )
+        if name in seen:
+            raise invalid(f"{p}.function.name", f"Duplicate tool name '{name}'.")
+        seen.add(name)
+        description = optional(
+            function, "description", f"{p}.function.description", str, "a string"
+        )
+        parameters = optional(
+            function, "parameters", f"{p}.function.parameters", dict, "an object"
+        )
+        strict = optional(function, "strict", f"{p}.function.strict", bool, "a boolean")
+        tools.append(ToolSpec(name, description, parameters, bool(strict)))
+    return tuple(tools)
+
+
+def _function_name(value: Any, param: str) -> str:
+    if not isinstance(value, dict):
+        raise wrong_type(param, "an object", value)
+    if value.get("type", "function") != "function":
+        raise invalid(f"{param}.type", "Only tools of type 'function' are supported.")
+    if value.get("function") is None:
+        # The Responses-style flat shape {"type": "function", "name": ...} is accepted too.
+        if value.get("name") is None:
+            raise missing(f"{param}.function")
+        return required(value, "name", f"{param}.name", str, "a string")
+    return function_object(value, param)[1]
+
+
+def _unknown_tool(name: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"'{param}' names the tool {quoted(name)}, which is not in 'tools'.",
+        code="unknown_tool",
+        param=param,
+    )
+
+
+def parse_tool_choice(
+    value: Any, tools: tuple[ToolSpec, ...], server_tools: Collection[str] = ()
+) -> ToolChoice:
+    """``tool_choice`` against the tools on offer: the client's and the server's own
+    (which a choice may name although ``tools`` does not list them)."""
+    names = {t.name for t in tools} | set(server_tools)
+    has_tools = bool(names)
+    if value is None:
+        return ToolChoice("auto" if has_tools else "none")
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise invalid(
+                "tool_choice",
+                f"Invalid value for 'tool_choice': {quoted(value)}. Supported values are: "
+                "'none', 'auto', 'required', or an object naming a function.",
+            )
+        if value == "required" and not has_tools:
+            raise invalid("tool_choice", "'tool_choice' is 'required' but no 'tools' are given.")
+        return ToolChoice(value if has_tools else "none")
+    if not isinstance(value, dict):
+        raise wrong_type("tool_choice", "a string or an object", value)
+    kind = value.get("type")
+    if kind is None:
+        raise missing("tool_choice.type")
+    if kind == "function":
+        name = _function_name(value, "tool_choice")
+        param = "tool_choice.function.name" if "function" in value else "tool_choice.name"
+        if name not in names:
+            raise _unknown_tool(name, param)
+        return ToolChoice("required", (name,), named=True)
+    if kind == "allowed_tools":
+        return _allowed_tools(value, names)
+    raise invalid(
+        "tool_choice.type",
+        f"Invalid value for 'tool_choice.type': {quoted(kind)}. Supported values are 'function' "
+        "and 'allowed_tools'.",
+    )
+
+
+def _allowed_tools(value: dict[str, Any], names: set[str]) -> ToolChoice:
+    spec = required(
+        value, "allowed_tools", "tool_choice.allowed_tools", dict, "an object"
+    )
+    mode = spec.get("mode", "auto")
+    if mode not in ("auto", "required"):
+        raise invalid(
+            "tool_choice.allowed_tools.mode",
+            f"Invalid value {quoted(mode)}; supported values are 'auto' and 'required'.",
+        )
+    listed = spec.get("tools")
+    if listed is None:
+        raise missing("tool_choice.allowed_tools.tools")
+    if not isinstance(listed, list) or not listed:
+        raise invalid("tool_choice.allowed_tools.tools", "'tools' must be a non-empty array.")
+    allowed: list[str] = []
+    for i, item in enumerate(listed):
+        p = f"tool_choice.allowed_tools.tools[{i}]"
+        name = _function_name(item, p)
+        if name not in names:
+            raise _unknown_tool(name, p + (".function.name" if "function" in item else ".name"))
+        allowed.append(name)
+    return ToolChoice(mode, tuple(dict.fromkeys(allowed)))
+
+
+def parse_response_format(value: Any) -> ResponseFormat | None:
+    """``response_format``; None for plain text."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise wrong_type("response_format", "an object", value)
+    kind = value.get("type")
+    if kind is None:
+        raise missing("response_format.type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if kind != "json_schema":
+        raise invalid(
+            "response_format.type",
+            f"Invalid value for 'response_format.type': {quoted(kind)}. Supported values are: "
+            "'text', 'json_object' and 'json_schema'.",
+        )
+    spec = required(value, "json_schema", "response_format.json_schema", dict, "an object")
+    name = required(spec, "name", "response_format.json_schema.name", str, "a string")
+    schema = spec.get("schema")
+    if schema is None:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise wrong_type("response_format.json_schema.schema", "an object", schema)
+    strict = optional(spec, "strict", "response_format.json_schema.strict", bool, "a boolean")
+    return ResponseFormat("json_schema", schema, name, bool(strict))

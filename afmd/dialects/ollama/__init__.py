@@ -1,0 +1,1 @@
+"""Ollama's native API on the wire: chat, generate and embed bodies."""

@@ -1,0 +1,96 @@
+"""Ollama's embedding bodies: ``/api/embed`` (``input``: a text or texts, ``truncate``,
+``dimensions``) and the legacy ``/api/embeddings`` (``prompt``: one text), checked into
+afmd's :class:`~afmd.core.embedding_request.EmbeddingRequest`, and their answers.
+
+``/api/embed`` answers ``{"model", "embeddings", "total_duration", "load_duration",
+"prompt_eval_count"}``; ``/api/embeddings`` answers ``{"embedding"}``. The vectors are
+those ``/v1/embeddings`` gives for the same texts. ``truncate`` (on by default, as in
+Ollama) cuts an input longer than the model's context instead of refusing it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from afmd.core.embedding_request import EmbeddingRequest, Embeddings
+from afmd.dialects.fields.checks import (
+    Scalar,
+    invalid,
+    missing,
+    read_scalars,
+    unknown_keys,
+    wrong_type,
+)
+from afmd.dialects.fields.keep_alive import keep_alive_of
+
+__all__ = ["embed_body", "embed_request", "embeddings_body", "embeddings_request"]
+
+EMBED_FIELDS = frozenset({"model", "input", "truncate", "options", "keep_alive",
+                          "dimensions"})
+EMBEDDINGS_FIELDS = frozenset({"model", "prompt", "options", "keep_alive"})
+_EMBED = (
+    Scalar("model", "string", required=True),
+    Scalar("truncate", "boolean", default=True),
+    Scalar("dimensions", "integer", minimum=1),
+)
+_EMBEDDINGS = (
+    Scalar("model", "string", required=True),
+    Scalar("prompt", "string", default=""),
+)
+
+
+def _inputs(value: Any) -> tuple[str, ...]:
+    if value is None:
+        raise missing("input")
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list):
+        raise wrong_type("input", "a string or an array of strings", value)
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise wrong_type(f"input[{i}]", "a string", item)
+    return tuple(value)
+
+
+def embed_request(body: dict[str, Any], *, strict: bool = False) -> EmbeddingRequest:
+    """An ``/api/embed`` body (its ``inputs`` may be empty: the answer then is too)."""
+    ignored = unknown_keys(body, EMBED_FIELDS, strict=strict)
+    values = read_scalars(body, _EMBED)
+    inputs = _inputs(body.get("input"))
+    for i, text in enumerate(inputs):
+        if not text:
+            raise invalid(f"input[{i}]" if isinstance(body["input"], list) else "input",
+                          "An input to embed must not be empty.")
+    params = (("input",) if isinstance(body["input"], str)
+              else tuple(f"input[{i}]" for i in range(len(inputs))))
+    return EmbeddingRequest(inputs=inputs, params=params, model=values["model"],
+                            dimensions=values["dimensions"], keep_alive=keep_alive_of(body),
+                            truncate=values["truncate"], ignored_fields=ignored)
+
+
+def embeddings_request(body: dict[str, Any], *, strict: bool = False) -> EmbeddingRequest:
+    """A legacy ``/api/embeddings`` body (an empty ``prompt`` has an empty embedding)."""
+    ignored = unknown_keys(body, EMBEDDINGS_FIELDS, strict=strict)
+    values = read_scalars(body, _EMBEDDINGS)
+    prompt = values["prompt"]
+    return EmbeddingRequest(inputs=(prompt,) if prompt else (), params=("prompt",),
+                            model=values["model"], keep_alive=keep_alive_of(body),
+                            ignored_fields=ignored)
+
+
+def embed_body(result: Embeddings | None, model: str, *, total: float, load: float) -> bytes:
+    vectors = result.vectors if result is not None else []
+    return orjson.dumps({
+        "model": model,
+        "embeddings": vectors,
+        "total_duration": max(0, round(total * 1e9)),
+        "load_duration": max(0, round(load * 1e9)),
+        "prompt_eval_count": result.prompt_tokens if result is not None else 0,
+    }, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def embeddings_body(result: Embeddings | None) -> bytes:
+    vector = result.vectors[0] if result is not None else []
+    return orjson.dumps({"embedding": vector}, option=orjson.OPT_SERIALIZE_NUMPY)

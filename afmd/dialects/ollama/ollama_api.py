@@ -1,0 +1,273 @@
+"""Ollama's native API on the wire: its chat and generate objects, streamed as NDJSON.
+
+A stream (on by default, as in Ollama) is ``application/x-ndjson``: one JSON object per
+line, each batch of the run's events one line (``message.content`` / ``thinking`` for
+chat, ``response`` / ``thinking`` for generate), and a last line with ``done: true``,
+``done_reason`` and Ollama's counts and durations (nanoseconds): ``total_duration``,
+``load_duration``, ``prompt_eval_count``, ``prompt_eval_duration``, ``eval_count``,
+``eval_duration``. A tool call goes out whole once complete, its ``arguments`` an object.
+Without streaming, the same fields make one object. An error is ``{"error": "..."}``, as
+a plain response with its status before the stream began and as a last line after.
+
+Choices where afmd and Ollama differ (docs/ollama.md says the same):
+
+* ``done_reason`` is ``stop``, ``length`` (``num_predict`` or the context window), or
+  afmd's ``cancelled`` for a run cancelled by its ``X-Request-ID``; a turn that ends in
+  tool calls is ``stop``, as Ollama says.
+* ``prompt_eval_count`` is the whole prompt, the part the prefix cache held included.
+* A generate answer has no ``context`` (Ollama's deprecated token list).
+* ``X-AFM-Profile`` adds an ``afm_profile`` key to the last object.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from afmd.core.events import (
+    Choice,
+    Content,
+    Event,
+    Finish,
+    Logprobs,
+    Profile,
+    Reasoning,
+    Timings,
+    TokenLogprob,
+    ToolCallEnd,
+    Usage,
+)
+from afmd.core.request import ChatRequest, CompletionRequest
+from afmd.dialects.ollama.ollama_body import parse_chat, parse_generate
+from afmd.errors import APIError
+
+__all__ = ["MEDIA_TYPE", "OLLAMA", "OLLAMA_CHAT", "OLLAMA_GENERATE", "OllamaReply",
+           "created_at", "error_body", "load_answer", "ndjson"]
+
+MEDIA_TYPE = "application/x-ndjson"
+_NOT_FOUND = re.compile(r"The model '(.*)' does not exist\.")
+_REASONS = {"tool_calls": "stop"}
+
+
+def created_at() -> str:
+    """Now, as Ollama writes ``created_at`` (RFC 3339, UTC)."""
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def ndjson(payload: Mapping[str, Any]) -> bytes:
+    return orjson.dumps(payload) + b"\n"
+
+
+def nanoseconds(seconds: float) -> int:
+    return max(0, round(seconds * 1e9))
+
+
+def error_body(error: APIError) -> dict[str, Any]:
+    """``{"error": "..."}``; an unknown model in Ollama's own words, which clients match."""
+    found = _NOT_FOUND.match(error.message) if error.code == "model_not_found" else None
+    if found is not None:
+        return {"error": f"model '{found.group(1)}' not found"}
+    return {"error": error.message}
+
+
+def _logprobs(tokens: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    return [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
+             "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": list(a.bytes)}
+                              for a in t.top]}
+            for t in tokens]
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return {}  # cut short by num_predict: not an object yet
+    return value if isinstance(value, dict) else {}
+
+
+class _Parts:
+    """What some of a run's events add up to (one line's worth, or the whole answer)."""
+
+    __slots__ = ("calls", "content", "finish", "profile", "thinking", "timings", "tokens",
+                 "usage")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.thinking: list[str] = []
+        self.calls: list[dict[str, Any]] = []
+        self.tokens: list[TokenLogprob] = []
+        self.finish: Finish | None = None
+        self.usage: Usage | None = None
+        self.timings: Timings | None = None
+        self.profile: dict[str, Any] | None = None
+
+    def add(self, events: Sequence[Event]) -> None:
+        for event in events:
+            if isinstance(event, Choice):  # a generate's completion: its only choice
+                self.add(event.events)
+            elif isinstance(event, Content):
+                self.content.append(event.text)
+            elif isinstance(event, Reasoning):
+                self.thinking.append(event.text)
+            elif isinstance(event, ToolCallEnd):
+                call = event.call
+                self.calls.append({"id": call.id, "function": {
+                    "index": event.index, "name": call.name,
+                    "arguments": _arguments(call.arguments)}})
+            elif isinstance(event, Logprobs):
+                self.tokens.extend(event.tokens)
+            elif isinstance(event, Finish):
+                self.finish = event
+            elif isinstance(event, Usage):
+                self.usage = event
+            elif isinstance(event, Timings):
+                self.timings = event
+            elif isinstance(event, Profile):
+                self.profile = event.payload
+
+    @property
+    def shows(self) -> bool:
+        return bool(self.content or self.thinking or self.calls or self.tokens)
+
+    def end(self) -> dict[str, Any]:
+        """The last object's own fields: why it ended, Ollama's counts and durations."""
+        finish = self.finish or Finish("stop")
+        usage = self.usage or Usage(0, 0)
+        timings = self.timings or Timings(0.0, 0.0, 0.0, 0.0)
+        out: dict[str, Any] = {
+            "done": True,
+            "done_reason": _REASONS.get(finish.reason, finish.reason),
+            "total_duration": nanoseconds(timings.total),
+            "load_duration": nanoseconds(timings.load),
+            "prompt_eval_count": usage.prompt_tokens,
+            "prompt_eval_duration": nanoseconds(timings.prompt),
+            "eval_count": usage.completion_tokens,
+            "eval_duration": nanoseconds(timings.generation),
+        }
+        if self.profile is not None:
+            out.update(self.profile)
+        return out
+
+
+class OllamaReply:
+    """One ``/api/chat`` or ``/api/generate`` answer, or its NDJSON stream."""
+
+    media_type = MEDIA_TYPE
+
+    __slots__ = ("chat", "logprobs", "model")
+
+    def __init__(self, *, model: str, chat: bool, logprobs: bool) -> None:
+        self.model = model
+        self.chat = chat  # /api/chat's ``message`` (else /api/generate's ``response``)
+        self.logprobs = logprobs
+
+    def _object(self, parts: _Parts, *, done: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model, "created_at": created_at()}
+        content, thinking = "".join(parts.content), "".join(parts.thinking)
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if thinking:
+                message["thinking"] = thinking
+            if parts.calls:
+                message["tool_calls"] = parts.calls
+            out["message"] = message
+        else:
+            out["response"] = content
+            if thinking:
+                out["thinking"] = thinking
+            if parts.calls:
+                out["tool_calls"] = parts.calls
+        if self.logprobs and parts.tokens:
+            out["logprobs"] = _logprobs(parts.tokens)
+        if done:
+            out.update(parts.end())
+        else:
+            out["done"] = False
+        return out
+
+    def body(self, events: Sequence[Event]) -> bytes:
+        parts = _Parts()
+        parts.add(events)
+        return orjson.dumps(self._object(parts, done=True))
+
+    def stream_start(self) -> bytes:
+        return b""
+
+    def stream(self, events: Sequence[Event]) -> bytes:
+        parts = _Parts()
+        parts.add(events)
+        if parts.usage is None:  # not the last batch
+            return ndjson(self._object(parts, done=False)) if parts.shows else b""
+        out = b""
+        if parts.shows:  # the last text, then the end on a line of its own (as Ollama)
+            last = _Parts()
+            last.content, last.thinking, last.calls, last.tokens = (
+                parts.content, parts.thinking, parts.calls, parts.tokens)
+            out = ndjson(self._object(last, done=False))
+            parts.content, parts.thinking, parts.calls, parts.tokens = [], [], [], []
+        return out + ndjson(self._object(parts, done=True))
+
+    def stream_end(self) -> bytes:
+        return b""
+
+    def stream_error(self, error: APIError) -> bytes:
+        return ndjson(error_body(error))
+
+
+class OllamaErrors:
+    """Ollama's error envelope, for every ``/api/...`` route (and the gate's refusals of
+    them): ``{"error": "..."}`` with afmd's status."""
+
+    name = "ollama"
+
+    def error_envelope(self, error: APIError) -> dict[str, Any]:
+        return error_body(error)
+
+
+class OllamaChat(OllamaErrors):
+    """The ``/api/chat`` adapter."""
+
+    name = "ollama_chat"
+
+    def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
+              strict: bool = False) -> ChatRequest:
+        return parse_chat(raw, server_tools=server_tools, strict=strict)
+
+    def reply(self, request: ChatRequest, *, model: str, fingerprint: str) -> OllamaReply:
+        return OllamaReply(model=model, chat=True, logprobs=request.logprobs is not None)
+
+
+class OllamaGenerate(OllamaErrors):
+    """The ``/api/generate`` adapter: a chat turn through the template, or a completion
+    (``raw``, or fill-in-the-middle with ``suffix``)."""
+
+    name = "ollama_generate"
+
+    def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
+              strict: bool = False) -> ChatRequest | CompletionRequest:
+        return parse_generate(raw, strict=strict)
+
+    def reply(self, request: ChatRequest | CompletionRequest, *, model: str,
+              fingerprint: str) -> OllamaReply:
+        return OllamaReply(model=model, chat=False, logprobs=request.logprobs is not None)
+
+
+OLLAMA = OllamaErrors()
+OLLAMA_CHAT = OllamaChat()
+OLLAMA_GENERATE = OllamaGenerate()
+
+
+def load_answer(model: str, *, chat: bool, reason: str) -> bytes:
+    """What a request that only loads or unloads its model is answered."""
+    out: dict[str, Any] = {"model": model, "created_at": created_at()}
+    if chat:
+        out["message"] = {"role": "assistant", "content": ""}
+    else:
+        out["response"] = ""
+    out.update({"done": True, "done_reason": reason})
+    return orjson.dumps(out)
+

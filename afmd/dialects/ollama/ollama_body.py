@@ -1,0 +1,396 @@
+"""Ollama's ``/api/chat`` and ``/api/generate`` bodies checked into afmd's requests.
+
+A chat body becomes a :class:`~afmd.core.request.ChatRequest`; so does a generate body
+(its ``prompt`` the user's message, ``system`` the system's, through the model's chat
+template) unless it is ``raw`` or has a ``suffix``: those are a
+:class:`~afmd.core.request.CompletionRequest` (the prompt as given, or fill-in-the-middle).
+What Ollama spells differently:
+
+- ``options`` carry the sampling settings (:data:`OPTIONS`); those that change nothing
+  here (``num_gpu``, ``num_thread``, ``mirostat``, …) are accepted, and unknown ones are
+  named in ``X-AFM-Ignored-Fields`` as ``options.<name>``. Ollama's defaults for sampling
+  are its models' Modelfiles'; afmd's are the model's own (as on every endpoint), so a
+  greedy ``/api/chat`` writes what ``/v1/chat/completions`` writes.
+- ``num_predict`` is a cap (negative: none), as Anthropic's ``max_tokens``: the context
+  window lowers it; ``num_ctx`` shrinks the window (never widens it); ``truncate`` (on by
+  default, as Ollama) drops the oldest turns of a conversation too long for it.
+- messages carry ``images`` (base64), ``thinking``, and tool calls whose ``arguments``
+  are objects; a ``tool`` message names its tool (``tool_name``) instead of a call id, and
+  is matched to the call it answers.
+- ``format`` is ``"json"`` or a JSON schema, ``think`` a boolean or a level.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import itertools
+from collections.abc import Collection
+from typing import Any
+
+import orjson
+
+from afmd.core.request import (
+    ChatRequest,
+    CompletionRequest,
+    ImageInput,
+    Message,
+    ResponseFormat,
+    ToolCall,
+)
+from afmd.dialects.fields.body import parse_json_body
+from afmd.dialects.fields.checks import (
+    Scalar,
+    invalid,
+    missing,
+    names,
+    optional,
+    read_scalars,
+    required,
+    string_list,
+    unknown_keys,
+    wrong_type,
+)
+from afmd.dialects.fields.keep_alive import keep_alive_of
+from afmd.dialects.fields.messages import check_tool_history
+from afmd.dialects.fields.tool_specs import parse_tool_choice, parse_tools
+
+__all__ = ["OPTIONS", "is_load_request", "parse_chat", "parse_generate"]
+
+#: Stop sequences ``options.stop`` may hold.
+MAX_STOP_SEQUENCES = 16
+#: Tokens "no cap" stands for: the context window lowers it to what is left.
+UNCAPPED = 1 << 30
+THINK_LEVELS = {"low": "low", "medium": "medium", "high": "high", "max": "xhigh"}
+ROLES = ("system", "user", "assistant", "tool")
+
+#: The options afmd acts on, with afmd's bounds.
+OPTIONS = (
+    Scalar("temperature", "number", minimum=0.0, maximum=2.0),
+    Scalar("top_k", "integer", minimum=0),
+    Scalar("top_p", "number", minimum=0.0, maximum=1.0),
+    Scalar("min_p", "number", minimum=0.0, maximum=1.0),
+    Scalar("num_predict", "integer"),
+    Scalar("seed", "integer"),
+    Scalar("repeat_penalty", "number", minimum=0.0, maximum=10.0),
+    Scalar("repeat_last_n", "integer", minimum=-1),
+    Scalar("presence_penalty", "number", minimum=-2.0, maximum=2.0),
+    Scalar("frequency_penalty", "number", minimum=-2.0, maximum=2.0),
+    Scalar("num_ctx", "integer", minimum=1),
+)
+#: Options that change nothing here (loading, threads, other samplers): accepted.
+NO_OP_OPTIONS = frozenset({
+    "numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
+    "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep",
+    "tfs_z", "typical_p", "mirostat", "mirostat_tau", "mirostat_eta", "penalize_newline",
+    "draft_num_predict",
+})
+_KNOWN_OPTIONS = names(OPTIONS) | {"stop"} | NO_OP_OPTIONS
+
+_COMMON = frozenset({"model", "stream", "format", "options", "keep_alive", "think",
+                     "truncate", "shift", "logprobs", "top_logprobs"})
+CHAT_FIELDS = _COMMON | {"messages", "tools"}
+GENERATE_FIELDS = _COMMON | {"prompt", "suffix", "system", "raw", "images"}
+
+_TOP = (
+    Scalar("model", "string", required=True),
+    Scalar("stream", "boolean", default=True),
+    Scalar("truncate", "boolean", default=True),
+    Scalar("logprobs", "boolean", default=False),
+    Scalar("top_logprobs", "integer", minimum=0, maximum=20),
+)
+_GENERATE = (
+    Scalar("prompt", "string", default=""),
+    Scalar("suffix", "string"),
+    Scalar("system", "string"),
+    Scalar("raw", "boolean", default=False),
+)
+
+
+def is_load_request(body: dict[str, Any], *, chat: bool) -> bool:
+    """Whether a body only loads (or, with ``keep_alive`` 0, unloads) its model: Ollama's
+    clients preload a model with an empty prompt or no messages."""
+    if chat:
+        return not body.get("messages")
+    return not body.get("prompt") and not body.get("suffix")
+
+
+def _options(body: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``options``: afmd's values, and the unknown names as ``options.<name>``."""
+    value = body.get("options")
+    if value is None:
+        return {name: None for name in names(OPTIONS)} | {"stop": ()}, ()
+    if not isinstance(value, dict):
+        raise wrong_type("options", "an object", value)
+    unknown = tuple(f"options.{key}" for key in value if key not in _KNOWN_OPTIONS)
+    values = read_scalars(value, OPTIONS, "options.")
+    values["stop"] = string_list(value.get("stop"), "options.stop", MAX_STOP_SEQUENCES)
+    return values, unknown
+
+
+def _sampling(options: dict[str, Any]) -> dict[str, Any]:
+    """The request fields ``options`` set (only those given: the rest keep afmd's)."""
+    fields: dict[str, Any] = {}
+    for option, field in (("temperature", "temperature"), ("top_k", "top_k"),
+                          ("top_p", "top_p"), ("min_p", "min_p"), ("seed", "seed"),
+                          ("presence_penalty", "presence_penalty"),
+                          ("frequency_penalty", "frequency_penalty"),
+                          ("num_ctx", "context_window")):
+        if options[option] is not None:
+            fields[field] = options[option]
+    penalty, window = options["repeat_penalty"], options["repeat_last_n"]
+    if penalty is not None and window != 0:  # a window of 0 turns the penalty off
+        fields["repetition_penalty"] = penalty
+        if window is not None:
+            fields["repetition_context"] = UNCAPPED if window < 0 else window
+    if options["stop"]:
+        fields["stop"] = options["stop"]
+    return fields
+
+
+def _num_predict(options: dict[str, Any]) -> int | None:
+    """The cap on generated tokens (None: none; Ollama's -1 and -2 mean none)."""
+    value = options["num_predict"]
+    return value if value is not None and value > 0 else None
+
+
+def _format(value: Any) -> ResponseFormat | None:
+    if value is None or value == "":
+        return None
+    if value == "json":
+        return ResponseFormat("json_object")
+    if isinstance(value, dict):
+        return ResponseFormat("json_schema", value, "format", strict=True)
+    if isinstance(value, str):
+        raise invalid("format", f"Invalid 'format': '{value[:40]}'. Use \"json\" or a JSON "
+                                "schema object.")
+    raise wrong_type("format", "\"json\" or a JSON schema object", value)
+
+
+def _think(value: Any) -> str | None:
+    """``think`` as afmd's ``reasoning_effort`` (None: the model's default)."""
+    if value is None:
+        return None
+    if value is True:
+        return "medium"
+    if value is False:
+        return "none"
+    if isinstance(value, str) and value in THINK_LEVELS:
+        return THINK_LEVELS[value]
+    if isinstance(value, str):
+        raise invalid("think", f"Invalid 'think': '{value[:40]}'. Use true, false, or one of "
+                               + ", ".join(f"'{k}'" for k in THINK_LEVELS) + ".")
+    raise wrong_type("think", "a boolean or a thinking level", value)
+
+
+def _images(value: Any, param: str) -> tuple[ImageInput, ...]:
+    """Base64 images (as Ollama takes them; a ``data:`` URL's payload is read too), placed
+    before the message's text, as Ollama's templates place them."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise wrong_type(param, "an array of base64 strings", value)
+    out: list[ImageInput] = []
+    for i, item in enumerate(value):
+        p = f"{param}[{i}]"
+        if not isinstance(item, str):
+            raise wrong_type(p, "a base64 string", item)
+        payload = item.partition(";base64,")[2] if item.startswith("data:") else item
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise invalid(p, f"'{p}' is not base64-encoded image data.") from None
+        if not data:
+            raise invalid(p, f"'{p}' is empty.")
+        out.append(ImageInput(data, p, 0))
+    return tuple(out)
+
+
+def _arguments(function: dict[str, Any], param: str) -> str:
+    """A call's ``arguments`` (an object in Ollama's shape; a JSON string is read too) as
+    the JSON text afmd keeps."""
+    value = function.get("arguments")
+    if value is None:
+        return "{}"
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, dict):
+        raise wrong_type(param, "an object", value)
+    return orjson.dumps(value).decode()
+
+
+def _tool_calls(value: Any, param: str, ids: itertools.count[int]) -> tuple[ToolCall, ...]:
+    if not isinstance(value, list):
+        raise wrong_type(param, "an array", value)
+    calls: list[ToolCall] = []
+    for i, call in enumerate(value):
+        p = f"{param}[{i}]"
+        if not isinstance(call, dict):
+            raise wrong_type(p, "an object", call)
+        function = required(call, "function", f"{p}.function", dict, "an object")
+        name = required(function, "name", f"{p}.function.name", str, "a string")
+        call_id = optional(call, "id", f"{p}.id", str, "a string") or f"call_{next(ids)}"
+        calls.append(ToolCall(call_id, name, _arguments(function, f"{p}.function.arguments")))
+    return tuple(calls)
+
+
+def _message(value: Any, param: str, ids: itertools.count[int]) -> Message:
+    if not isinstance(value, dict):
+        raise wrong_type(param, "an object", value)
+    role = required(value, "role", f"{param}.role", str, "a string")
+    if role not in ROLES:
+        raise invalid(f"{param}.role", f"Invalid role '{role[:40]}'; use one of "
+                                       + ", ".join(f"'{r}'" for r in ROLES) + ".")
+    content = optional(value, "content", f"{param}.content", str, "a string") or ""
+    images = _images(value.get("images"), f"{param}.images")
+    if role == "assistant":
+        calls: tuple[ToolCall, ...] = ()
+        if value.get("tool_calls") is not None:
+            calls = _tool_calls(value["tool_calls"], f"{param}.tool_calls", ids)
+        thinking = optional(value, "thinking", f"{param}.thinking", str, "a string")
+        return Message(role, content, tool_calls=calls, reasoning=thinking or None,
+                       has_images=bool(images), images=images)
+    if role == "tool":
+        name = optional(value, "tool_name", f"{param}.tool_name", str, "a string")
+        call_id = optional(value, "tool_call_id", f"{param}.tool_call_id", str, "a string")
+        return Message(role, content, name=name, tool_call_id=call_id or None,
+                       has_images=bool(images), images=images)
+    return Message(role, content, has_images=bool(images), images=images)
+
+
+def _answered(messages: list[Message]) -> tuple[Message, ...]:
+    """Each ``tool`` message given the id of the call it answers: its own
+    ``tool_call_id``, else the first unanswered call of the assistant message before it
+    with its ``tool_name``, else that message's first unanswered call."""
+    out: list[Message] = []
+    open_calls: list[ToolCall] = []
+    for m in messages:
+        if m.role == "assistant":
+            open_calls = list(m.tool_calls)
+        elif m.role == "tool":
+            call = next((c for c in open_calls if c.id == m.tool_call_id), None)
+            if call is None and m.tool_call_id is None:
+                call = next((c for c in open_calls if c.name == m.name), None)
+                if call is None and open_calls and m.name is None:
+                    call = open_calls[0]
+            if call is not None:
+                open_calls.remove(call)
+                m = Message(m.role, m.content, name=m.name, tool_call_id=call.id,
+                            has_images=m.has_images, images=m.images)
+            elif m.tool_call_id is None:
+                m = Message(m.role, m.content, name=m.name, tool_call_id=m.name or "?",
+                            has_images=m.has_images, images=m.images)
+        else:
+            open_calls = []
+        out.append(m)
+    return tuple(out)
+
+
+def _messages(value: Any) -> tuple[Message, ...]:
+    if value is None:
+        raise missing("messages")
+    if not isinstance(value, list):
+        raise wrong_type("messages", "an array", value)
+    ids = itertools.count()
+    messages = [_message(m, f"messages[{i}]", ids) for i, m in enumerate(value)]
+    last = messages[-1]
+    if last.role == "assistant":
+        raise invalid(f"messages[{len(messages) - 1}].role",
+                      "The last message is from the assistant; end the conversation with a "
+                      "user or tool message so there is something to answer.")
+    return check_tool_history(_answered(messages))
+
+
+def _common(body: dict[str, Any], known: frozenset[str], strict: bool
+            ) -> tuple[dict[str, Any], dict[str, Any], tuple[str, ...]]:
+    ignored = unknown_keys(body, known, strict=strict)
+    top = read_scalars(body, _TOP)
+    options, unknown_options = _options(body)
+    if top["top_logprobs"] is not None and not top["logprobs"]:
+        top["logprobs"] = True  # Ollama reads top_logprobs alone as asking for them
+    return top, options, (*ignored, *unknown_options)
+
+
+def parse_chat(raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
+               ) -> ChatRequest:
+    """A ``POST /api/chat`` body (with messages: one without only loads the model)."""
+    return chat_request(parse_json_body(raw), server_tools=server_tools, strict=strict)
+
+
+def chat_request(body: dict[str, Any], *, server_tools: Collection[str] = (),
+                 strict: bool = False) -> ChatRequest:
+    top, options, ignored = _common(body, CHAT_FIELDS, strict)
+    messages = _messages(body.get("messages"))
+    tools = parse_tools(body.get("tools"))
+    return ChatRequest(
+        messages=messages,
+        model=top["model"],
+        stream=top["stream"],
+        max_tokens=_num_predict(options),
+        max_tokens_shrinks=True,
+        trim_context=top["truncate"],
+        tools=tools,
+        tool_choice=parse_tool_choice(None, tools, server_tools),
+        response_format=_format(body.get("format")),
+        reasoning_effort=_think(body.get("think")),
+        has_images=any(m.has_images for m in messages),
+        logprobs=(top["top_logprobs"] or 0) if top["logprobs"] else None,
+        keep_alive=keep_alive_of(body),
+        ignored_fields=ignored,
+        **_sampling(options),
+    )
+
+
+def generate_request(body: dict[str, Any], *, strict: bool = False
+                     ) -> ChatRequest | CompletionRequest:
+    """A ``POST /api/generate`` body (with a prompt: one without only loads the model)."""
+    top, options, ignored = _common(body, GENERATE_FIELDS, strict)
+    values = read_scalars(body, _GENERATE)
+    prompt, suffix, system, raw = (values["prompt"], values["suffix"], values["system"],
+                                   values["raw"])
+    images = _images(body.get("images"), "images")
+    response_format = _format(body.get("format"))
+    sampling = _sampling(options)
+    limit = _num_predict(options)
+    if raw or suffix:
+        # The prompt as given (or the model's fill-in-the-middle prompt): no template.
+        for name, given in (("system", system is not None), ("images", bool(images)),
+                            ("format", response_format is not None)):
+            if given:
+                why = "raw mode" if raw else "a 'suffix' (fill in the middle)"
+                raise invalid(name, f"'{name}' cannot be combined with {why}: the prompt "
+                                    "is not rendered through the model's template.")
+        return CompletionRequest(
+            prompts=(prompt,),
+            model=top["model"],
+            suffix=suffix or None,
+            stream=top["stream"],
+            max_tokens=limit if limit is not None else UNCAPPED,
+            max_tokens_shrinks=True,
+            logprobs=(top["top_logprobs"] or 0) if top["logprobs"] else None,
+            keep_alive=keep_alive_of(body),
+            ignored_fields=ignored,
+            **sampling,
+        )
+    messages = [Message("user", prompt, has_images=bool(images), images=images)]
+    if system:
+        messages.insert(0, Message("system", system))
+    return ChatRequest(
+        messages=tuple(messages),
+        model=top["model"],
+        stream=top["stream"],
+        max_tokens=limit,
+        max_tokens_shrinks=True,
+        trim_context=top["truncate"],
+        response_format=response_format,
+        reasoning_effort=_think(body.get("think")),
+        has_images=bool(images),
+        logprobs=(top["top_logprobs"] or 0) if top["logprobs"] else None,
+        keep_alive=keep_alive_of(body),
+        ignored_fields=ignored,
+        **sampling,
+    )
+
+
+def parse_generate(raw: bytes, *, strict: bool = False) -> ChatRequest | CompletionRequest:
+    return generate_request(parse_json_body(raw), strict=strict)

@@ -1,0 +1,1 @@
+"""OpenAI's Chat Completions, Completions and Embeddings on the wire."""

@@ -1,0 +1,202 @@
+"""An OpenAI Chat Completions body checked into a :class:`ChatRequest`.
+
+Its scalar fields are a table (:data:`CHAT_SCALARS`: type, bounds, default) read by the
+walker of :mod:`afmd.dialects.fields.checks`; messages and their tool history come from
+:mod:`afmd.dialects.fields.messages`, tools, ``tool_choice`` and ``response_format`` from
+:mod:`afmd.dialects.fields.tool_specs`. Every problem is a 400 naming the exact param, and nothing
+past
+this module ever sees an unchecked field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from afmd.core.request import ChatRequest, Message, ResponseFormat, ToolCall, ToolChoice, ToolSpec
+from afmd.dialects.fields.body import parse_json_body
+from afmd.dialects.fields.checks import (
+    Scalar,
+    invalid,
+    names,
+    optional,
+    read_scalar,
+    read_scalars,
+    reject_unknown,
+    string_list,
+    unknown_keys,
+    wrong_type,
+)
+from afmd.dialects.fields.extensions import (
+    CHAT_TEMPLATE_KWARGS,
+    REPEAT_PENALTY,
+    REPETITION_PENALTY,
+    chat_template_kwargs_of,
+    repetition_penalty_of,
+)
+from afmd.dialects.fields.keep_alive import keep_alive_of
+from afmd.dialects.fields.messages import check_tool_history, parse_messages
+from afmd.dialects.fields.prediction import parse_prediction
+from afmd.dialects.fields.sampling import (
+    FREQUENCY_PENALTY,
+    PRESENCE_PENALTY,
+    choices_scalar,
+    logit_bias_of,
+)
+from afmd.dialects.fields.tool_specs import parse_response_format, parse_tool_choice, parse_tools
+
+__all__ = [
+    "CHAT_SCALARS",
+    "IGNORED_FIELDS",
+    "KNOWN_FIELDS",
+    "ChatRequest",
+    "Message",
+    "ResponseFormat",
+    "ToolCall",
+    "ToolChoice",
+    "ToolSpec",
+    "parse_chat_request",
+    "parse_json_body",
+    "parse_stream_options",
+]
+
+# Fields OpenAI defines that afmd accepts without acting on them: they change nothing a
+# local model could honour, and rejecting them would break stock clients.
+IGNORED_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "modalities",
+        "safety_identifier",
+        "prompt_cache_key",
+        "verbosity",
+        "web_search_options",
+    }
+)
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+MAX_STOP_SEQUENCES = 4
+
+
+# The scalar fields in groups, each read where it stands in the order the body is checked
+# (the first problem in that order is the one reported).
+_MODEL = Scalar("model", "string")
+_STREAM = Scalar("stream", "boolean", default=False)
+_SAMPLING = (
+    Scalar("max_tokens", "integer", minimum=1),
+    Scalar("max_completion_tokens", "integer", minimum=1),
+    Scalar("temperature", "number", default=1.0, minimum=0.0, maximum=2.0),
+    Scalar("top_p", "number", default=1.0, minimum=0.0, maximum=1.0),
+    # Common extensions of local servers (mlx_lm.server, llama.cpp, vLLM); the repetition
+    # penalty (and its alias) is read by afmd.dialects.fields.extensions.
+    Scalar("top_k", "integer", default=0, minimum=0),
+    Scalar("min_p", "number", default=0.0, minimum=0.0, maximum=1.0),
+    PRESENCE_PENALTY,
+    FREQUENCY_PENALTY,
+    Scalar("seed", "integer"),
+    choices_scalar("choices"),
+    Scalar("logprobs", "boolean", default=False),
+    Scalar("top_logprobs", "integer", minimum=0, maximum=20),
+)
+_TOOL_USE = (
+    Scalar("parallel_tool_calls", "boolean", default=True),
+    Scalar("reasoning_effort", "string", choices=REASONING_EFFORTS),
+)
+
+#: Every scalar field of a chat body.
+CHAT_SCALARS = (_MODEL, _STREAM, *_SAMPLING, REPETITION_PENALTY, REPEAT_PENALTY, *_TOOL_USE)
+
+KNOWN_FIELDS = (
+    IGNORED_FIELDS
+    | names(CHAT_SCALARS)
+    | {"prediction", "logit_bias"}
+    | {"messages", "stream_options", "stop", "tools", "tool_choice", "response_format",
+       "keep_alive", CHAT_TEMPLATE_KWARGS}
+)
+
+_DEPRECATED = {
+    key: f"'{key}' is deprecated and not supported; use 'tools' and 'tool_choice'."
+    for key in ("functions", "function_call")
+}
+_STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+
+
+def parse_stream_options(value: Any, stream: bool) -> bool:
+    """``stream_options``, which only a streamed request may send; whether the stream
+    ends with a usage chunk."""
+    if value is None:
+        return False
+    if not isinstance(value, dict):
+        raise wrong_type("stream_options", "an object", value)
+    if not stream:
+        raise invalid(
+            "stream_options",
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+        )
+    reject_unknown(
+        value, _STREAM_OPTIONS, what="Unrecognized stream option", prefix="stream_options."
+    )
+    usage = optional(
+        value, "include_usage", "stream_options.include_usage", bool, "a boolean"
+    )
+    return bool(usage)
+
+
+def parse_chat_request(
+    body: dict[str, Any], *, server_tools: Collection[str] = (), strict: bool = False
+) -> ChatRequest:
+    """Check every field of a Chat Completions body; raise on the first problem.
+
+    ``server_tools`` are the names of tools the server itself provides: a ``tool_choice``
+    may name them although the client's ``tools`` do not list them. An unknown top-level
+    field is ignored (listed in the request's ``ignored_fields``), or with ``strict`` a
+    400 ``unknown_parameter`` as OpenAI answers.
+    """
+    ignored = unknown_keys(body, KNOWN_FIELDS, strict=strict, deprecated=_DEPRECATED)
+    model = read_scalar(body, _MODEL)
+    messages = parse_messages(body.get("messages"))
+    stream = read_scalar(body, _STREAM)
+    include_usage = parse_stream_options(body.get("stream_options"), stream)
+    sampling = read_scalars(body, _SAMPLING)
+    repetition_penalty = repetition_penalty_of(body)
+    tools = parse_tools(body.get("tools"))
+    tool_choice = parse_tool_choice(body.get("tool_choice"), tools, server_tools)
+    tool_use = read_scalars(body, _TOOL_USE)
+
+    if sampling["top_logprobs"] is not None and not sampling["logprobs"]:
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs' set to true.")
+    # Both limits may be sent (old and new clients alike); the stricter one holds.
+    max_tokens, limit = sampling["max_tokens"], sampling["max_completion_tokens"]
+    if limit is not None and (max_tokens is None or limit < max_tokens):
+        max_tokens = limit
+    return ChatRequest(
+        messages=check_tool_history(messages),
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        temperature=sampling["temperature"],
+        top_p=sampling["top_p"],
+        top_k=sampling["top_k"],
+        min_p=sampling["min_p"],
+        repetition_penalty=repetition_penalty,
+        presence_penalty=sampling["presence_penalty"],
+        frequency_penalty=sampling["frequency_penalty"],
+        logit_bias=logit_bias_of(body),
+        seed=sampling["seed"],
+        n=sampling["n"],
+        stop=string_list(body.get("stop"), "stop", MAX_STOP_SEQUENCES),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=tool_use["parallel_tool_calls"],
+        response_format=parse_response_format(body.get("response_format")),
+        reasoning_effort=tool_use["reasoning_effort"],
+        has_images=any(m.has_images for m in messages),
+        logprobs=(sampling["top_logprobs"] or 0) if sampling["logprobs"] else None,
+        prediction=parse_prediction(body.get("prediction")),
+        keep_alive=keep_alive_of(body),
+        chat_template_kwargs=chat_template_kwargs_of(body),
+        ignored_fields=ignored,
+    )

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API on the wire, and its stored responses."""

@@ -1,0 +1,411 @@
+"""The Responses API's conversation items: checked into one canonical form, then messages.
+
+A Responses ``input`` is a list of typed items (messages with content parts, function
+calls, their outputs, reasoning) rather than Chat Completions' messages. Each item is
+checked here, every problem named by its exact param (``input[3].content[0].image_url``),
+and rewritten in the form the API itself returns items in (ids, statuses, content parts),
+which is what afmd stores, lists under ``input_items`` and reads back for
+``previous_response_id``. :func:`to_messages` then groups the items into the internal
+:class:`~afmd.core.request.Message` turns a chat template renders: reasoning, text and calls
+of one assistant turn become one message, each output a tool message after it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from afmd.core.request import ImageInput, Message, ToolCall
+from afmd.dialects.fields.checks import (
+    invalid,
+    missing,
+    not_one_of,
+    optional,
+    quoted,
+    required,
+    wrong_type,
+)
+from afmd.errors import InvalidRequestError, NotFoundError
+
+Item = dict[str, Any]
+
+ROLES = ("user", "assistant", "system", "developer")
+#: Item types of the API that only OpenAI's hosted tools produce or consume.
+HOSTED_ITEMS = frozenset({
+    "file_search_call", "computer_call", "computer_call_output", "web_search_call",
+    "image_generation_call", "code_interpreter_call", "local_shell_call",
+    "local_shell_call_output", "shell_call", "shell_call_output", "apply_patch_call",
+    "apply_patch_call_output", "mcp_list_tools", "mcp_approval_request",
+    "mcp_approval_response", "mcp_call",
+    "tool_search_call", "tool_search_output", "additional_tools", "compaction",
+    "compaction_trigger", "program", "program_output",
+})
+ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_call",
+              "custom_tool_call_output", "reasoning", "item_reference")
+#: The calls and their outputs, custom tools' beside functions'.
+CALLS = ("function_call", "custom_tool_call")
+OUTPUTS = ("function_call_output", "custom_tool_call_output")
+
+
+def item_id(prefix: str) -> str:
+    """An item id in OpenAI's shape: a type prefix and 48 hex digits."""
+    return f"{prefix}_{secrets.token_hex(24)}"
+
+
+def _unsupported(param: str, what: str) -> InvalidRequestError:
+    return InvalidRequestError(what, code="unsupported_value", param=param)
+
+
+_DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,([A-Za-z0-9+/]*={0,2})", re.ASCII)
+
+
+def _check_image_url(url: str, param: str) -> None:
+    """Only inline ``data:`` images, as in chat: afmd never fetches a URL for a client."""
+    if not url.startswith("data:"):
+        raise InvalidRequestError(
+            "Only base64 'data:' image URLs are accepted; afmd does not fetch remote URLs.",
+            code="unsupported_image_url", param=param)
+    match = _DATA_URL.fullmatch(url)
+    try:
+        if match is None or len(match.group(1)) % 4 != 0:
+            raise binascii.Error
+        base64.b64decode(match.group(1), validate=True)
+    except binascii.Error:
+        raise InvalidRequestError(
+            "Malformed image data URL: expected 'data:image/<type>;base64,<data>'.",
+            code="invalid_image_url", param=param) from None
+
+
+# ---------------------------------------------------------------------------- content
+
+
+def _input_part(part: Any, p: str, role: str) -> Item:
+    if not isinstance(part, dict):
+        raise wrong_type(p, "an object", part)
+    kind = part.get("type")
+    if kind is None:
+        raise missing(f"{p}.type")
+    if kind in ("input_text", "output_text", "text"):
+        text = required(part, "text", f"{p}.text", str, "a string")
+        if role == "assistant":
+            return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return {"type": "input_text", "text": text}
+    if kind == "refusal":
+        refusal = required(part, "refusal", f"{p}.refusal", str, "a string")
+        return {"type": "refusal", "refusal": refusal}
+    if kind == "input_image":
+        if part.get("file_id") is not None:
+            raise _unsupported(f"{p}.file_id", "afmd has no Files API: send the image inline "
+                               "as a base64 'data:' URL in 'image_url'.")
+        url = required(part, "image_url", f"{p}.image_url", str, "a string")
+        _check_image_url(url, f"{p}.image_url")
+        detail = part.get("detail", "auto")
+        if detail not in ("auto", "low", "high", "original"):
+            raise not_one_of(f"{p}.detail", detail, ("auto", "low", "high", "original"))
+        return {"type": "input_image", "image_url": url, "detail": detail}
+    if kind == "input_file":
+        raise _unsupported(f"{p}.type", "File inputs are not supported: afmd accepts text "
+                           "and images.")
+    raise not_one_of(f"{p}.type", kind, ("input_text", "input_image", "output_text", "refusal"))
+
+
+def _content(value: Any, p: str, role: str) -> list[Item]:
+    if isinstance(value, str):
+        if role == "assistant":
+            return [{"type": "output_text", "text": value, "annotations": [], "logprobs": []}]
+        return [{"type": "input_text", "text": value}]
+    if value is None:
+        raise missing(p)
+    if not isinstance(value, list):
+        raise wrong_type(p, "a string or an array of content parts", value)
+    return [_input_part(part, f"{p}[{i}]", role) for i, part in enumerate(value)]
+
+
+def _text_of(parts: Sequence[Item]) -> str:
+    return "".join(part.get("text") or part.get("refusal") or "" for part in parts)
+
+
+def _images(parts: Any, params: ItemParams, index: int, field: str) -> tuple[ImageInput, ...]:
+    """The (checked) image parts' bytes, each placed in the parts' joined text (``field``:
+    where the parts sit in item ``index``, for the image's param)."""
+    if not isinstance(parts, list):
+        return ()
+    images: list[ImageInput] = []
+    length = 0
+    for j, part in enumerate(parts):
+        if part.get("type") == "input_image":
+            data = base64.b64decode(part["image_url"].partition(",")[2])
+            images.append(ImageInput(data, params(index, f"{field}[{j}].image_url"), length))
+        else:
+            length += len(part.get("text") or part.get("refusal") or "")
+    return tuple(images)
+
+
+# ---------------------------------------------------------------------------- items
+
+
+def _message(item: Item, p: str) -> Item:
+    role = required(item, "role", f"{p}.role", str, "a string")
+    if role not in ROLES:
+        raise not_one_of(f"{p}.role", role, ROLES)
+    parts = _content(item.get("content"), f"{p}.content", role)
+    return {"id": _given_id(item, p, "msg"), "type": "message", "role": role,
+            "content": parts, "status": "completed"}
+
+
+def _given_id(item: Item, p: str, prefix: str) -> str:
+    value = item.get("id")
+    if value is None:
+        return item_id(prefix)
+    if not isinstance(value, str) or not value:
+        raise wrong_type(f"{p}.id", "a non-empty string", value)
+    return value
+
+
+def _call_id(item: Item, p: str) -> str:
+    call_id = required(item, "call_id", f"{p}.call_id", str, "a string")
+    if not call_id:
+        raise invalid(f"{p}.call_id", "A call_id must not be empty.")
+    return call_id
+
+
+def _call(item: Item, p: str, kind: str) -> Item:
+    """A function call (``arguments``, JSON text) or a custom tool's (``input``, free
+    text), its ``namespace`` kept when a namespace tool's function made it."""
+    call_id = _call_id(item, p)
+    name = required(item, "name", f"{p}.name", str, "a string")
+    if kind == "custom_tool_call":
+        text = required(item, "input", f"{p}.input", str, "a string")
+        out = {"id": _given_id(item, p, "ctc"), "type": kind, "call_id": call_id,
+               "name": name, "input": text, "status": "completed"}
+    else:
+        arguments = item.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise wrong_type(f"{p}.arguments", "a string", arguments)
+        out = {"id": _given_id(item, p, "fc"), "type": kind, "call_id": call_id,
+               "name": name, "arguments": arguments, "status": "completed"}
+    namespace = optional(item, "namespace", f"{p}.namespace", str, "a string")
+    if namespace is not None:
+        out["namespace"] = namespace
+    return out
+
+
+def _call_output(item: Item, p: str, kind: str) -> Item:
+    call_id = _call_id(item, p)
+    output = item.get("output")
+    if output is None:
+        raise missing(f"{p}.output")
+    if not isinstance(output, str):
+        output = _content(output, f"{p}.output", "tool")
+    prefix = "fco" if kind == "function_call_output" else "ctco"
+    return {"id": _given_id(item, p, prefix), "type": kind,
+            "call_id": call_id, "output": output, "status": "completed"}
+
+
+def call_arguments(item: Item) -> str:
+    """A call item as the model wrote it: a custom tool's text is the one string of the
+    function it is offered as (:func:`afmd.dialects.responses.options.custom_parameters`)."""
+    if item["type"] == "custom_tool_call":
+        return orjson.dumps({"input": item["input"]}).decode()
+    return str(item["arguments"])
+
+
+def _text_parts(value: Any, p: str, kind: str) -> list[Item]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise wrong_type(p, "an array", value)
+    parts: list[Item] = []
+    for i, part in enumerate(value):
+        if not isinstance(part, dict):
+            raise wrong_type(f"{p}[{i}]", "an object", part)
+        text = required(part, "text", f"{p}[{i}].text", str, "a string")
+        parts.append({"type": kind, "text": text})
+    return parts
+
+
+def _reasoning(item: Item, p: str) -> Item:
+    # encrypted_content (OpenAI's own, which afmd cannot read) is dropped.
+    return {"id": _given_id(item, p, "rs"), "type": "reasoning",
+            "summary": _text_parts(item.get("summary"), f"{p}.summary", "summary_text"),
+            "content": _text_parts(item.get("content"), f"{p}.content", "reasoning_text")}
+
+
+def canonical_items(value: Any, param: str = "input", *,
+                    find_item: Callable[[str], Item | None] = lambda _: None) -> list[Item]:
+    """``input`` (a string or a list of items) checked into canonical items; an
+    ``item_reference`` is the stored item it names (``find_item``), unknown: a 404."""
+    if isinstance(value, str):
+        return [{"id": item_id("msg"), "type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": value}], "status": "completed"}]
+    if value is None:
+        raise missing(param)
+    if not isinstance(value, list):
+        raise wrong_type(param, "a string or an array of input items", value)
+    items: list[Item] = []
+    for i, item in enumerate(value):
+        p = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise wrong_type(p, "an object", item)
+        kind = item.get("type", "message")  # EasyInputMessage: the type may be left out
+        if not isinstance(kind, str):  # an object or array: unhashable below
+            raise wrong_type(f"{p}.type", "a string", kind)
+        if kind == "message":
+            items.append(_message(item, p))
+        elif kind in CALLS:
+            items.append(_call(item, p, kind))
+        elif kind in OUTPUTS:
+            items.append(_call_output(item, p, kind))
+        elif kind == "reasoning":
+            items.append(_reasoning(item, p))
+        elif kind == "item_reference":
+            ref = required(item, "id", f"{p}.id", str, "a string")
+            found = find_item(ref)
+            if found is None:
+                raise NotFoundError(
+                    f"Item with id {quoted(ref)} not found (no stored response has it: it "
+                    "was never stored, was deleted, or expired).", code="item_not_found",
+                    param=f"{p}.id")
+            items.append(dict(found))
+        elif kind in HOSTED_ITEMS:
+            raise _unsupported(f"{p}.type", f"Items of type {quoted(kind)} belong to "
+                               "OpenAI's hosted tools, which afmd does not have.")
+        else:
+            raise not_one_of(f"{p}.type", kind, ITEM_TYPES)
+    return items
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+@dataclass(slots=True)
+class _Turn:
+    """An assistant turn being gathered: its thinking, text and calls."""
+
+    index: int  # its first item, for errors
+    reasoning: list[str]
+    content: list[str]
+    calls: list[tuple[ToolCall, int]]  # each with its item's index
+
+    def message(self) -> Message:
+        return Message(role="assistant", content="".join(self.content) or None,
+                       tool_calls=tuple(c for c, _ in self.calls),
+                       reasoning="".join(self.reasoning) or None)
+
+
+def _reasoning_text(item: Item) -> str:
+    """What the model thought: its reasoning text, else the summary of it."""
+    return _text_of(item.get("content") or []) or "\n\n".join(
+        part["text"] for part in item.get("summary") or [])
+
+
+class ItemParams:
+    """Names the param of an item by its index in the whole conversation: the stored
+    items of ``previous_response_id`` first, then this request's ``input``."""
+
+    def __init__(self, stored: int) -> None:
+        self.stored = stored
+
+    def __call__(self, index: int, rest: str = "") -> str:
+        if index < self.stored:
+            return "previous_response_id"
+        return f"input[{index - self.stored}]{rest}"
+
+
+def to_messages(items: Sequence[Item], params: ItemParams) -> tuple[Message, ...]:
+    """The conversation as chat messages, its tool history checked (every call answered
+    by exactly one output, outputs only for calls made before them)."""
+    messages: list[Message] = []
+    turn: _Turn | None = None
+    answered: dict[str, int] = {}  # call id -> the output's index
+    open_calls: dict[str, tuple[int, int]] = {}  # call id -> (message index, item index)
+    pending: dict[int, dict[str, Message]] = {}  # message index -> outputs by call id
+
+    def flush() -> None:
+        nonlocal turn
+        if turn is not None:
+            if turn.content or turn.calls:
+                messages.append(turn.message())
+                if turn.calls:
+                    pending[len(messages) - 1] = {}
+                    for call, index in turn.calls:
+                        open_calls[call.id] = (len(messages) - 1, index)
+            turn = None
+
+    def assistant(index: int) -> _Turn:
+        nonlocal turn
+        if turn is None:
+            turn = _Turn(index, [], [], [])
+        return turn
+
+    for index, item in enumerate(items):
+        kind = item["type"]
+        if kind == "reasoning":
+            if turn is not None and (turn.content or turn.calls):
+                flush()
+            assistant(index).reasoning.append(_reasoning_text(item))
+        elif kind == "message" and item["role"] == "assistant":
+            if turn is not None and (turn.content or turn.calls):
+                flush()
+            assistant(index).content.append(_text_of(item["content"]))
+        elif kind in CALLS:
+            call_id = item["call_id"]
+            if call_id in open_calls or call_id in answered or any(
+                    c.id == call_id for c, _ in (turn.calls if turn else [])):
+                raise InvalidRequestError(
+                    f"The call_id {quoted(call_id)} is used by more than one function_call.",
+                    code="duplicate_tool_call_id", param=params(index, ".call_id"))
+            assistant(index).calls.append(
+                (ToolCall(call_id, item["name"], call_arguments(item)), index))
+        elif kind in OUTPUTS:
+            flush()
+            call_id = item["call_id"]
+            if call_id in answered:
+                raise InvalidRequestError(
+                    f"The function call {quoted(call_id)} is answered more than once.",
+                    code="duplicate_tool_output", param=params(index, ".call_id"))
+            if call_id not in open_calls:
+                raise InvalidRequestError(
+                    f"No function_call before this output has the call_id {quoted(call_id)}.",
+                    code="unknown_tool_call_id", param=params(index, ".call_id"))
+            output = item["output"]
+            text = output if isinstance(output, str) else _text_of(output)
+            where = open_calls[call_id][0]
+            images = _images(output, params, index, ".output")
+            pending[where][call_id] = Message(role="tool", content=text,
+                                              tool_call_id=call_id,
+                                              has_images=bool(images), images=images)
+            answered[call_id] = index
+        else:  # a user, system or developer message
+            flush()
+            images = _images(item["content"], params, index, ".content")
+            messages.append(Message(role=item["role"], content=_text_of(item["content"]),
+                                    has_images=bool(images), images=images))
+    flush()
+    for call_id, (_, index) in open_calls.items():
+        if call_id not in answered:
+            raise InvalidRequestError(
+                f"The function call {quoted(call_id)} has no function_call_output answering "
+                "it; add one to 'input'.", code="missing_tool_output", param=params(index))
+    return _with_outputs(messages, pending)
+
+
+def _with_outputs(
+    messages: list[Message], pending: dict[int, dict[str, Message]]
+) -> tuple[Message, ...]:
+    """Each assistant message with calls followed by their outputs, in the calls' order
+    (a chat template renders a call's answer right after it)."""
+    out: list[Message] = []
+    for i, message in enumerate(messages):
+        out.append(message)
+        if i in pending:
+            outputs = pending[i]
+            out.extend(outputs[call.id] for call in message.tool_calls)
+    return tuple(out)

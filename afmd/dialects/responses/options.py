@@ -1,0 +1,347 @@
+"""The fields of a Responses body that shape the turn beyond its input: tools and
+``tool_choice``, ``text.format``, ``reasoning``, ``include`` and ``metadata``, each checked
+and also returned in the form the response object echoes.
+
+Tools as OpenAI defines them: ``function`` tools (flat), ``namespace`` tools (a group of
+function and custom tools, offered to the model as their functions; a call names its
+namespace), ``custom`` tools (free-form text input, e.g. Codex's ``apply_patch``: offered
+as a function of one string, its call returned as the text). Hosted tools afmd cannot run
+are left out of the prompt and named (``tools[i]``), refused only under ``[api] strict``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from afmd.core.request import ResponseFormat, ToolChoice, ToolSpec
+from afmd.dialects.fields.checks import (
+    invalid,
+    missing,
+    not_one_of,
+    optional,
+    quoted,
+    reject_unknown,
+    required,
+    wrong_type,
+)
+from afmd.errors import InvalidRequestError
+from afmd.grammar.lark_regex import NotRegular, check_lark, lark_regex
+
+#: OpenAI's hosted tools (and any other type that is not a function, a namespace of
+#: functions, or a custom tool): afmd cannot run them, so they are left out of the prompt
+#: and named in ``X-AFM-Ignored-Fields`` as ``tools[i]`` (``[api] strict``: a 400).
+HOSTED_TOOLS = frozenset({
+    "file_search", "computer", "computer_use_preview", "web_search", "web_search_2025_08_26",
+    "web_search_preview", "web_search_preview_2025_03_11", "mcp", "code_interpreter",
+    "programmatic_tool_calling", "image_generation", "local_shell", "shell",
+    "tool_search", "apply_patch",
+})
+TOOL_TYPES = ("function", "namespace", "custom")
+GRAMMAR_SYNTAXES = ("lark", "regex")
+#: The string format that marks a custom tool's input as unenforced (a recursive lark
+#: grammar): unknown to every grammar builder, so the turn is built lenient (downgraded).
+LARK_FORMAT = "x-afmd-lark"
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+SUMMARIES = ("auto", "concise", "detailed")
+INCLUDABLE = (
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs", "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+)
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
+MAX_METADATA = 16
+
+
+def _unsupported_tool(param: str, kind: object) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"The tool type {quoted(kind)} is a hosted tool, which afmd cannot run; 'function', "
+        "'namespace' and 'custom' tools are supported (without [api] strict, other tools "
+        "are left out and named in X-AFM-Ignored-Fields).", code="unsupported_tool",
+        param=param)
+
+
+@dataclass(frozen=True, slots=True)
+class Tools:
+    """A body's ``tools``: what the model is offered (each namespace's and custom tool as a
+    function), the echo, the hosted tools left out, and how each offered name is called
+    back (a custom tool's call is its text, a namespaced function's names its namespace)."""
+
+    specs: tuple[ToolSpec, ...] = ()
+    echo: tuple[dict[str, Any], ...] = ()
+    ignored: tuple[str, ...] = ()
+    custom: frozenset[str] = frozenset()
+    namespaces: dict[str, str] = field(default_factory=dict)
+
+
+def custom_parameters(format_: dict[str, Any] | None) -> dict[str, Any]:
+    """A custom tool as the function the model is offered: one string, its free-form
+    input. A ``regex`` grammar is that string's pattern, enforced as any schema is; so is a
+    ``lark`` grammar, as the regex of its language (:mod:`afmd.grammar.lark_regex`). A
+    lark grammar that is not regular (it recurses) has no regex: the string is marked
+    with a ``format`` no grammar enforces, so the turn says ``X-Grammar-Constraints:
+    downgraded`` as for any schema feature generated best-effort."""
+    text: dict[str, Any] = {"type": "string"}
+    if format_ is not None and format_.get("syntax") == "regex":
+        # A JSON schema pattern searches; a custom tool's regex is the whole input.
+        text["pattern"] = f"^(?:{format_['definition']})$"
+    elif format_ is not None and format_.get("syntax") == "lark":
+        text["description"] = "Text in this lark grammar:\n" + format_["definition"]
+        try:
+            text["pattern"] = f"^(?:{lark_regex(format_['definition'])})$"
+        except NotRegular:
+            text["format"] = LARK_FORMAT
+    return {"type": "object", "properties": {"input": text}, "required": ["input"],
+            "additionalProperties": False}
+
+
+def _custom_format(value: Any, p: str) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise wrong_type(p, "an object", value)
+    kind = required(value, "type", f"{p}.type", str, "a string")
+    if kind == "text":
+        return None
+    if kind != "grammar":
+        raise not_one_of(f"{p}.type", kind, ("text", "grammar"))
+    syntax = required(value, "syntax", f"{p}.syntax", str, "a string")
+    if syntax not in GRAMMAR_SYNTAXES:
+        raise not_one_of(f"{p}.syntax", syntax, GRAMMAR_SYNTAXES)
+    definition = required(value, "definition", f"{p}.definition", str, "a string")
+    if syntax == "regex":
+        try:
+            re.compile(definition)
+        except re.error as exc:
+            raise invalid(f"{p}.definition", f"The regex does not compile: {exc}.") from None
+    elif (complaint := check_lark(definition)) is not None:
+        raise invalid(f"{p}.definition", f"The lark grammar does not compile: {complaint}")
+    return {"type": "grammar", "syntax": syntax, "definition": definition}
+
+
+def _function_or_custom(tool: dict[str, Any], p: str, kind: str,
+                        specs: list[ToolSpec]) -> tuple[ToolSpec, dict[str, Any]]:
+    name = required(tool, "name", f"{p}.name", str, "a string")
+    if _NAME.fullmatch(name) is None:
+        raise invalid(f"{p}.name", f"Invalid tool name {quoted(name)}: use 1-64 "
+                      "characters among a-z, A-Z, 0-9, _ and -.")
+    if any(s.name == name for s in specs):
+        raise invalid(f"{p}.name", f"Duplicate tool name '{name}'.")
+    description = optional(tool, "description", f"{p}.description", str, "a string")
+    if kind == "custom":
+        format_ = _custom_format(tool.get("format"), f"{p}.format")
+        echo: dict[str, Any] = {"type": "custom", "name": name, "description": description,
+                                "format": format_ or {"type": "text"}}
+        return ToolSpec(name, description, custom_parameters(format_), True), echo
+    parameters = optional(tool, "parameters", f"{p}.parameters", dict, "an object")
+    strict = optional(tool, "strict", f"{p}.strict", bool, "a boolean")
+    strict = True if strict is None else strict  # the Responses API's default
+    return ToolSpec(name, description, parameters, strict), {
+        "type": "function", "name": name, "description": description,
+        "parameters": parameters, "strict": strict}
+
+
+def parse_tools(value: Any, *, strict: bool = False) -> Tools:
+    """Function tools (flat, as Responses defines them), namespaces of them, custom tools;
+    hosted tools left out (``strict``: refused)."""
+    if value is None:
+        return Tools()
+    if not isinstance(value, list):
+        raise wrong_type("tools", "an array", value)
+    specs: list[ToolSpec] = []
+    echo: list[dict[str, Any]] = []
+    ignored: list[str] = []
+    custom: set[str] = set()
+    namespaces: dict[str, str] = {}
+    for i, tool in enumerate(value):
+        p = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise wrong_type(p, "an object", tool)
+        kind = tool.get("type")
+        if kind is None:
+            raise missing(f"{p}.type")
+        if not isinstance(kind, str):
+            raise wrong_type(f"{p}.type", "a string", kind)
+        if kind not in TOOL_TYPES:
+            if strict:
+                raise _unsupported_tool(p, kind)
+            ignored.append(p)
+            continue
+        if kind != "namespace":
+            spec, shown = _function_or_custom(tool, p, kind, specs)
+            specs.append(spec)
+            echo.append(shown)
+            if kind == "custom":
+                custom.add(spec.name)
+            continue
+        namespace = required(tool, "name", f"{p}.name", str, "a string")
+        if _NAME.fullmatch(namespace) is None:
+            raise invalid(f"{p}.name", f"Invalid namespace name {quoted(namespace)}: use "
+                          "1-64 characters among a-z, A-Z, 0-9, _ and -.")
+        inner = required(tool, "tools", f"{p}.tools", list, "an array")
+        members = []
+        for k, member in enumerate(inner):
+            q = f"{p}.tools[{k}]"
+            if not isinstance(member, dict):
+                raise wrong_type(q, "an object", member)
+            member_kind = required(member, "type", f"{q}.type", str, "a string")
+            if member_kind not in ("function", "custom"):
+                raise not_one_of(f"{q}.type", member_kind, ("function", "custom"))
+            spec, shown = _function_or_custom(member, q, member_kind, specs)
+            specs.append(spec)
+            members.append(shown)
+            namespaces[spec.name] = namespace
+            if member_kind == "custom":
+                custom.add(spec.name)
+        echo.append({"type": "namespace", "name": namespace,
+                     "description": optional(tool, "description", f"{p}.description", str,
+                                             "a string") or "",
+                     "tools": members})
+    return Tools(tuple(specs), tuple(echo), tuple(ignored), frozenset(custom), namespaces)
+
+
+def _choice_name(value: Any, param: str, names_: set[str]) -> str:
+    if not isinstance(value, dict):
+        raise wrong_type(param, "an object", value)
+    # A string before any lookup: an object or array here is unhashable.
+    kind = required(value, "type", f"{param}.type", str, "a string")
+    if kind not in ("function", "custom"):
+        if kind in HOSTED_TOOLS:
+            raise _unsupported_tool(f"{param}.type", kind)
+        raise not_one_of(f"{param}.type", kind, ("function", "custom"))
+    name = required(value, "name", f"{param}.name", str, "a string")
+    if name not in names_:
+        raise InvalidRequestError(
+            f"'{param}' names the tool {quoted(name)}, which is not in 'tools'.",
+            code="unknown_tool", param=f"{param}.name")
+    return name
+
+
+def parse_tool_choice(
+    value: Any, tools: tuple[ToolSpec, ...], server_tools: Collection[str]
+) -> tuple[ToolChoice, str | dict[str, Any]]:
+    """``tool_choice`` against the tools on offer, and its echo."""
+    names_ = {t.name for t in tools} | set(server_tools)
+    if value is None:
+        return ToolChoice("auto" if names_ else "none"), "auto"
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise not_one_of("tool_choice", value, ("none", "auto", "required"))
+        if value == "required" and not names_:
+            raise invalid("tool_choice", "'tool_choice' is 'required' but no 'tools' are given.")
+        return ToolChoice(value if names_ else "none"), value
+    if not isinstance(value, dict):
+        raise wrong_type("tool_choice", "a string or an object", value)
+    kind = required(value, "type", "tool_choice.type", str, "a string")
+    if kind == "allowed_tools":
+        mode = required(value, "mode", "tool_choice.mode", str, "a string")
+        if mode not in ("auto", "required"):
+            raise not_one_of("tool_choice.mode", mode, ("auto", "required"))
+        listed = value.get("tools")
+        if listed is None:
+            raise missing("tool_choice.tools")
+        if not isinstance(listed, list) or not listed:
+            raise invalid("tool_choice.tools", "'tool_choice.tools' must be a non-empty array.")
+        allowed = [_choice_name(t, f"tool_choice.tools[{i}]", names_)
+                   for i, t in enumerate(listed)]
+        return ToolChoice(mode, tuple(dict.fromkeys(allowed))), {
+            "type": "allowed_tools", "mode": mode,
+            "tools": [{"type": "function", "name": n} for n in allowed]}
+    name = _choice_name(value, "tool_choice", names_)
+    return ToolChoice("required", (name,), named=True), {"type": value["type"], "name": name}
+
+
+def parse_text(value: Any) -> tuple[ResponseFormat | None, dict[str, Any]]:
+    """``text`` (its ``format`` enforced by the grammar, as chat's ``response_format``)."""
+    if value is None:
+        return None, {"format": {"type": "text"}, "verbosity": "medium"}
+    if not isinstance(value, dict):
+        raise wrong_type("text", "an object", value)
+    reject_unknown(value, frozenset({"format", "verbosity"}), prefix="text.")
+    verbosity = value.get("verbosity") or "medium"
+    if verbosity not in ("low", "medium", "high"):
+        raise not_one_of("text.verbosity", verbosity, ("low", "medium", "high"))
+    spec = value.get("format")
+    if spec is None:
+        return None, {"format": {"type": "text"}, "verbosity": verbosity}
+    if not isinstance(spec, dict):
+        raise wrong_type("text.format", "an object", spec)
+    kind = spec.get("type")
+    if kind is None:
+        raise missing("text.format.type")
+    if kind == "text":
+        return None, {"format": {"type": "text"}, "verbosity": verbosity}
+    if kind == "json_object":
+        return ResponseFormat("json_object"), {"format": {"type": "json_object"},
+                                               "verbosity": verbosity}
+    if kind != "json_schema":
+        raise not_one_of("text.format.type", kind, ("text", "json_object", "json_schema"))
+    name = required(spec, "name", "text.format.name", str, "a string")
+    if _NAME.fullmatch(name) is None:
+        raise invalid("text.format.name", f"Invalid name {quoted(name)}: use 1-64 characters "
+                      "among a-z, A-Z, 0-9, _ and -.")
+    schema = required(spec, "schema", "text.format.schema", dict, "an object")
+    strict = optional(spec, "strict", "text.format.strict", bool, "a boolean")
+    description = optional(spec, "description", "text.format.description", str, "a string")
+    echo: dict[str, Any] = {"type": "json_schema", "name": name, "schema": schema,
+                            "strict": bool(strict)}
+    if description is not None:
+        echo["description"] = description
+    return (ResponseFormat("json_schema", schema, name, bool(strict)),
+            {"format": echo, "verbosity": verbosity})
+
+
+def parse_reasoning(value: Any) -> dict[str, Any]:
+    """``reasoning``: ``effort`` maps like chat's ``reasoning_effort``; the rest is echoed."""
+    if value is None:
+        return {"effort": None, "summary": None}
+    if not isinstance(value, dict):
+        raise wrong_type("reasoning", "an object", value)
+    reject_unknown(value, frozenset({"effort", "summary", "generate_summary", "context",
+                                     "mode"}), prefix="reasoning.")
+    effort = value.get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise not_one_of("reasoning.effort", effort, REASONING_EFFORTS)
+    summary = value.get("summary")
+    for key in ("summary", "generate_summary"):
+        given = value.get(key)
+        if given is not None and given not in SUMMARIES:
+            raise not_one_of(f"reasoning.{key}", given, SUMMARIES)
+    for key in ("context", "mode"):
+        optional(value, key, f"reasoning.{key}", str, "a string")
+    return {"effort": effort, "summary": summary or value.get("generate_summary")}
+
+
+def parse_include(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise wrong_type("include", "an array", value)
+    for i, entry in enumerate(value):
+        if entry not in INCLUDABLE:
+            if not isinstance(entry, str):
+                raise wrong_type(f"include[{i}]", "a string", entry)
+            raise not_one_of(f"include[{i}]", entry, INCLUDABLE)
+    return tuple(value)
+
+
+def parse_metadata(value: Any) -> dict[str, str]:
+    """Up to 16 string pairs, keys of at most 64 characters and values of at most 512."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise wrong_type("metadata", "an object", value)
+    if len(value) > MAX_METADATA:
+        raise invalid("metadata", f"'metadata' holds at most {MAX_METADATA} pairs, "
+                      f"got {len(value)}.")
+    for key, text in value.items():
+        if len(key) > 64:
+            raise invalid(f"metadata.{key[:64]}", "A metadata key is at most 64 characters.")
+        if not isinstance(text, str):
+            raise wrong_type(f"metadata.{key}", "a string", text)
+        if len(text) > 512:
+            raise invalid(f"metadata.{key}", "A metadata value is at most 512 characters.")
+    return dict(value)

@@ -1,0 +1,370 @@
+"""A run's events as a Responses API response: its output items and its semantic events.
+
+The events of a turn (:mod:`afmd.core.events`) become output items in the order the model
+wrote them: thinking as a ``reasoning`` item (its text as ``reasoning_text`` content; the
+API's ``summary`` is for summaries, which afmd does not write, so it stays empty), text as
+an assistant ``message`` with one ``output_text`` part, each call as a ``function_call``
+(with its ``namespace`` when a namespace tool's function made it) or, for a custom tool, a
+``custom_tool_call`` whose ``input`` is the text the model wrote (streamed once, whole).
+Streamed, each item opens (``output_item.added``, ``content_part.added``), grows by deltas
+and closes (``….done``, ``content_part.done``, ``output_item.done``), every event numbered
+by ``sequence_number``; the non-streamed body is the same items, built from the same
+events. Deltas are the per-token path: their JSON is spliced into a pre-encoded head.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from afmd.core.events import (
+    Content,
+    Event,
+    Finish,
+    Profile,
+    Reasoning,
+    Refusal,
+    ToolCallArguments,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from afmd.dialects.responses.items import Item, item_id
+from afmd.dialects.responses.responses_body import Echo
+from afmd.errors import APIError
+
+#: How a run that ended by itself or was cut short reads in a response's ``status``.
+STATUS = {"stop": "completed", "tool_calls": "completed", "length": "incomplete",
+          "cancelled": "cancelled"}
+#: The event that ends a stream, by status (a cancelled run is incomplete too).
+TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete",
+            "cancelled": "response.incomplete", "failed": "response.failed"}
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        # afmd's prefix cache keeps prompts as a side effect; it reports no writes.
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"event: " + payload["type"].encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def response_object(echo: Echo, *, id: str, created_at: int, model: str, status: str,
+                    output: list[Item], usage: Usage | None,
+                    error: APIError | None = None) -> dict[str, Any]:
+    """The response as every event that carries it and the non-streamed body show it: the
+    request's settings echoed back, the output and usage only once the run is under way."""
+    body: dict[str, Any] = {
+        "id": id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "background": False,
+        "completed_at": int(time.time()) if status == "completed" else None,
+        "error": None if error is None else {
+            "code": "rate_limit_exceeded" if error.status == 429 else "server_error",
+            "message": error.message},
+        "incomplete_details": {"reason": "max_output_tokens"}
+        if status == "incomplete" else None,
+        "instructions": echo.instructions,
+        "max_output_tokens": echo.max_output_tokens,
+        "max_tool_calls": None,
+        "model": model,
+        "output": list(output) if status != "in_progress" else [],
+        "parallel_tool_calls": echo.parallel_tool_calls,
+        "previous_response_id": echo.previous_response_id,
+        "reasoning": echo.reasoning,
+        "service_tier": "default",
+        "store": echo.store,
+        "temperature": echo.temperature,
+        "text": echo.text,
+        "tool_choice": echo.tool_choice,
+        "tools": list(echo.tools),
+        "top_logprobs": 0,
+        "top_p": echo.top_p,
+        "truncation": echo.truncation,
+        "metadata": echo.metadata,
+    }
+    if echo.user is not None:
+        body["user"] = echo.user
+    if usage is not None and status != "in_progress":
+        body["usage"] = usage_object(usage)
+    return body
+
+
+@dataclass(slots=True)
+class _Open:
+    """The output item being written."""
+
+    kind: str  # "message" | "refusal" (a message whose part is one) | "reasoning" | …
+    index: int  # output_index
+    id: str
+    parts: list[str] = field(default_factory=list)
+    call_id: str = ""
+    name: str = ""
+    namespace: str | None = None  # a namespace tool's function
+    delta_head: bytes = b""  # the pre-encoded start of this item's delta events
+
+
+def _reasoning_item(rid: str, content: list[Item], status: str, encrypted: bool) -> Item:
+    item: Item = {"id": rid, "type": "reasoning", "summary": [], "content": content,
+                  "status": status}
+    if encrypted:
+        item["encrypted_content"] = None  # afmd's reasoning is plain text, above
+    return item
+
+
+def _call_item(item: _Open, arguments: str, status: str) -> Item:
+    """A function call, or a custom tool's: the text of the one string the model wrote
+    for it (what a call cut short wrote of it, when its JSON did not close)."""
+    if item.kind == "custom_tool_call":
+        out: Item = {"id": item.id, "type": "custom_tool_call", "status": status,
+                     "call_id": item.call_id, "name": item.name,
+                     "input": custom_input(arguments)}
+    else:
+        out = {"id": item.id, "type": "function_call", "status": status,
+               "call_id": item.call_id, "name": item.name, "arguments": arguments}
+    if item.namespace is not None:
+        out["namespace"] = item.namespace
+    return out
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool's input from the arguments of the function it was offered as."""
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return ""
+    text = value.get("input") if isinstance(value, dict) else None
+    return text if isinstance(text, str) else ""
+
+
+def _done_item(item: _Open, text: str, status: str, encrypted: bool) -> Item:
+    """The item as it ends, whether closed in turn or cut short by a failure; a text item's
+    one content part is the part its ``content_part.done`` event carries."""
+    if item.kind in ("function_call", "custom_tool_call"):
+        return _call_item(item, text, status)
+    if item.kind in ("message", "refusal"):
+        part = _output_text(text) if item.kind == "message" else \
+            {"type": "refusal", "refusal": text}
+        return {"id": item.id, "type": "message", "status": status, "role": "assistant",
+                "content": [part]}
+    return _reasoning_item(item.id, [{"type": "reasoning_text", "text": text}], status,
+                           encrypted)
+
+
+def _delta_head(event: str, item: _Open, fields: str) -> bytes:
+    """The bytes every delta of the item starts with: only the delta's text and its number
+    are encoded per token."""
+    return (f'event: {event}\ndata: {{"type":"{event}","item_id":"{item.id}",'
+            f'"output_index":{item.index}{fields},"delta":').encode()
+
+
+class _EventLog:
+    """The stream's events, numbered as they are written; a response that is not streamed
+    writes none (its body is built from the items alone)."""
+
+    __slots__ = ("out", "sequence", "stream")
+
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
+        self.sequence = 2  # after ResponseBuilder.start()'s two events
+        self.out: list[bytes] = []
+
+    def emit(self, payload: dict[str, Any]) -> None:
+        if self.stream:
+            payload["sequence_number"] = self.sequence
+            self.sequence += 1
+            self.out.append(sse_event(payload))
+
+    def delta(self, item: _Open, text: str) -> None:
+        if self.stream:
+            self.out.append(item.delta_head + orjson.dumps(text) + b',"sequence_number":'
+                            + str(self.sequence).encode() + b"}\n\n")
+            self.sequence += 1
+
+    def take(self) -> bytes:
+        out, self.out = b"".join(self.out), []
+        return out
+
+
+class ResponseBuilder:
+    """One response: its output items, and (when ``stream``) the events that build them."""
+
+    def __init__(self, echo: Echo, *, model: str, stream: bool) -> None:
+        self.echo = echo
+        self.model = model
+        self.stream = stream
+        self.id = item_id("resp")
+        self.created_at = int(time.time())
+        self.output: list[Item] = []
+        self.usage: Usage | None = None
+        self.reason: str | None = None
+        self._open: _Open | None = None
+        self._log = _EventLog(stream)
+        self._encrypted = "reasoning.encrypted_content" in echo.include
+
+    def response(self, status: str, error: APIError | None = None) -> dict[str, Any]:
+        return response_object(self.echo, id=self.id, created_at=self.created_at,
+                               model=self.model, status=status, output=self.output,
+                               usage=self.usage, error=error)
+
+    def status(self) -> str:
+        return STATUS.get(self.reason or "stop", "completed")
+
+    def start(self) -> bytes:
+        """``response.created`` and ``response.in_progress``, numbered 0 and 1 however
+        late the stream's head is written (it may go out after the first events were
+        encoded: those are numbered from 2 on)."""
+        response = self.response("in_progress")
+        return b"".join(
+            sse_event({"type": kind, "response": response, "sequence_number": number})
+            for number, kind in enumerate(("response.created", "response.in_progress")))
+
+    def take(self) -> bytes:
+        return self._log.take()
+
+    def feed(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, Content | Reasoning | Refusal):
+                kind = "message" if isinstance(event, Content) else \
+                    "refusal" if isinstance(event, Refusal) else "reasoning"
+                item = self._open
+                if item is None or item.kind != kind:
+                    item = self._open_text(kind)
+                item.parts.append(event.text)
+                self._log.delta(item, event.text)
+            elif isinstance(event, ToolCallStart):
+                self._open_call(event)
+            elif isinstance(event, ToolCallArguments):
+                call = self._open_item()
+                call.parts.append(event.fragment)
+                if call.kind == "function_call":
+                    self._log.delta(call, event.fragment)
+            elif isinstance(event, ToolCallEnd):
+                self._close(arguments=event.call.arguments)
+            elif isinstance(event, Finish):
+                self.reason = event.reason
+                self._close(status="completed" if self.status() == "completed" else "incomplete")
+            elif isinstance(event, Usage):
+                self.usage = event
+            elif isinstance(event, Profile):
+                key = next(iter(event.payload))
+                self._log.emit({"type": key, **event.payload})
+
+    def _open_item(self) -> _Open:
+        assert self._open is not None
+        return self._open
+
+    def _open_text(self, kind: str) -> _Open:
+        self._close()
+        prefix, part = {"message": ("msg", "output_text"), "refusal": ("msg", "refusal")}.get(
+            kind, ("rs", "reasoning_text"))
+        item = _Open(kind, len(self.output), item_id(prefix))
+        self._open = item
+        if kind in ("message", "refusal"):
+            added: Item = {"id": item.id, "type": "message", "status": "in_progress",
+                           "role": "assistant", "content": []}
+            empty = _output_text("") if kind == "message" else {"type": "refusal",
+                                                                 "refusal": ""}
+        else:
+            added = _reasoning_item(item.id, [], "in_progress", self._encrypted)
+            empty = {"type": "reasoning_text", "text": ""}
+        self._log.emit({"type": "response.output_item.added", "output_index": item.index,
+                        "item": added})
+        self._log.emit({"type": "response.content_part.added", "item_id": item.id,
+                        "output_index": item.index, "content_index": 0, "part": empty})
+        extra = ',"logprobs":[]' if kind == "message" else ""
+        item.delta_head = _delta_head(f"response.{part}.delta", item,
+                                      f',"content_index":0{extra}')
+        return item
+
+    def _open_call(self, event: ToolCallStart) -> None:
+        self._close()
+        custom = event.name in self.echo.custom_tools
+        item = _Open("custom_tool_call" if custom else "function_call", len(self.output),
+                     item_id("ctc" if custom else "fc"), call_id=event.id, name=event.name,
+                     namespace=self.echo.namespaces.get(event.name))
+        self._open = item
+        self._log.emit({"type": "response.output_item.added", "output_index": item.index,
+                        "item": _call_item(item, "", "in_progress")})
+        # A custom tool's input streams once whole: its deltas are the text, not JSON.
+        item.delta_head = b"" if custom else \
+            _delta_head("response.function_call_arguments.delta", item, "")
+        if event.arguments:
+            item.parts.append(event.arguments)
+            if not custom:
+                self._log.delta(item, event.arguments)
+
+    def _close(self, *, status: str = "completed", arguments: str | None = None) -> None:
+        """The open item's ``….done`` events, and the item into ``output``."""
+        item, self._open = self._open, None
+        if item is None:
+            return
+        text = "".join(item.parts)
+        base = {"item_id": item.id, "output_index": item.index}
+        calls = ("function_call", "custom_tool_call")
+        if item.kind in calls:
+            text = text if arguments is None else arguments
+            if arguments is None and status == "completed":
+                status = "incomplete"  # never ended: cut short
+        if item.kind == "function_call":
+            self._log.emit({"type": "response.function_call_arguments.done", **base,
+                            "name": item.name, "arguments": text})
+        elif item.kind == "custom_tool_call":
+            written = custom_input(text)
+            self._log.emit({"type": "response.custom_tool_call_input.delta", **base,
+                            "delta": written})
+            self._log.emit({"type": "response.custom_tool_call_input.done", **base,
+                            "input": written})
+        done = _done_item(item, text, status, self._encrypted)
+        if item.kind not in calls:
+            part: Item = done["content"][0]
+            if item.kind == "message":
+                self._log.emit({"type": "response.output_text.done", **base,
+                                "content_index": 0, "text": text, "logprobs": []})
+            elif item.kind == "refusal":
+                self._log.emit({"type": "response.refusal.done", **base,
+                                "content_index": 0, "refusal": text})
+            else:
+                self._log.emit({"type": "response.reasoning_text.done", **base,
+                                "content_index": 0, "text": text})
+            self._log.emit({"type": "response.content_part.done", **base, "content_index": 0,
+                            "part": part})
+        self.output.append(done)
+        self._log.emit({"type": "response.output_item.done", "output_index": item.index,
+                        "item": done})
+
+    def finish(self) -> dict[str, Any]:
+        """The final response object, and its terminal event when streamed."""
+        self._close(status="incomplete")
+        status = self.status()
+        response = self.response(status)
+        self._log.emit({"type": TERMINAL[status], "response": response})
+        return response
+
+    def fail(self, error: APIError, param: str | None) -> dict[str, Any]:
+        """A failure after the stream began: an ``error`` event, then ``response.failed``."""
+        if self._open is not None:
+            item, self._open = self._open, None
+            self.output.append(_done_item(item, "".join(item.parts), "incomplete",
+                                          self._encrypted))
+        self._log.emit({"type": "error", "code": error.code, "message": error.message,
+                        "param": param})
+        response = self.response("failed", error)
+        self._log.emit({"type": "response.failed", "response": response})
+        return response

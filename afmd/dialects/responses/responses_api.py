@@ -1,0 +1,129 @@
+"""OpenAI's Responses API on the wire (``POST /v1/responses``): the adapter.
+
+The body is checked into the internal request (:mod:`afmd.dialects.responses.responses_body`;
+items in :mod:`afmd.dialects.responses.items`, tools, ``text`` and the rest in
+:mod:`afmd.dialects.responses.options`), the run's events become a response object
+or its stream of semantic events (:mod:`afmd.dialects.responses.output_items`), and a response
+with ``store`` (the API's default) is kept in the bounded store
+(:mod:`afmd.dialects.responses.store`) that ``previous_response_id`` and the
+``/v1/responses/{id}`` routes read. Errors are OpenAI's envelope, their ``param`` named as
+this API names it (the pipeline names chat's: ``messages``, ``response_format``, …).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import orjson
+
+from afmd.core.events import Event
+from afmd.core.request import ChatRequest
+from afmd.dialects.fields.body import parse_json_body
+from afmd.dialects.responses.output_items import ResponseBuilder
+from afmd.dialects.responses.responses_body import ResponsesRequest, parse_responses_request
+from afmd.dialects.responses.store import ResponseStore, Stored
+from afmd.errors import APIError
+
+_CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function\.(.+)")
+
+
+def rename_param(param: str | None) -> str | None:
+    """A param as chat names it (the pipeline's errors), as the Responses API names it."""
+    if param is None:
+        return None
+    if param.startswith("messages"):
+        return "input"  # the message's index is not the item's: name the input as a whole
+    if param.startswith("response_format.json_schema.schema"):
+        return "text.format.schema" + param.removeprefix("response_format.json_schema.schema")
+    if param.startswith("response_format"):
+        return "text.format"
+    if param == "max_tokens":
+        return "max_output_tokens"
+    match = _CHAT_TOOL.fullmatch(param)
+    if match is not None:
+        return f"tools[{match.group(1)}].{match.group(2)}"
+    return param
+
+
+def param_of(error: APIError) -> str | None:
+    """The error's param as this API names it; a field the client sent that this API does
+    not know keeps its own name."""
+    return error.param if error.code == "unknown_parameter" else rename_param(error.param)
+
+
+class ResponsesReply:
+    """One response, whole or streamed; stored at its end when the request says so."""
+
+    __slots__ = ("_builder", "_request", "_store")
+
+    def __init__(self, request: ResponsesRequest, *, model: str, store: ResponseStore) -> None:
+        self._request = request
+        self._store = store
+        self._builder = ResponseBuilder(request.echo, model=model, stream=request.stream)
+
+    @property
+    def id(self) -> str:
+        return self._builder.id
+
+    def body(self, events: Sequence[Event]) -> bytes:
+        self._builder.feed(list(events))
+        return orjson.dumps(self._save(self._builder.finish()))
+
+    def stream_start(self) -> bytes:
+        return self._builder.start()
+
+    def stream(self, events: Sequence[Event]) -> bytes:
+        self._builder.feed(list(events))
+        return self._builder.take()
+
+    def stream_end(self) -> bytes:
+        self._save(self._builder.finish())
+        return self._builder.take()
+
+    def stream_error(self, error: APIError) -> bytes:
+        self._save(self._builder.fail(error, param_of(error)))
+        return self._builder.take()
+
+    def _save(self, response: dict[str, Any]) -> dict[str, Any]:
+        echo = self._request.echo
+        if echo.store:
+            conversation = (*echo.history, *echo.input_items, *self._builder.output)
+            self._store.put(response["id"], Stored(response, echo.input_items, conversation,
+                                                   time.time()))
+        return response
+
+
+class OpenAIResponses:
+    """The ``/v1/responses`` adapter, over one server's store of responses."""
+
+    name = "openai_responses"
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
+              strict: bool = False) -> ResponsesRequest:
+        return parse_responses_request(parse_json_body(raw), lookup=self.store.conversation,
+                                       find_item=self.store.item, server_tools=server_tools,
+                                       strict=strict)
+
+    def parse_count(
+        self, raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
+    ) -> ResponsesRequest:
+        """An ``input_tokens`` body (the fields that shape the prompt, nothing else)."""
+        return parse_responses_request(parse_json_body(raw), lookup=self.store.conversation,
+                                       find_item=self.store.item, server_tools=server_tools,
+                                       counting=True,
+                                       strict=strict)
+
+    def reply(self, request: ChatRequest, *, model: str, fingerprint: str) -> ResponsesReply:
+        assert isinstance(request, ResponsesRequest), "parse() made it"
+        return ResponsesReply(request, model=model, store=self.store)
+
+    def error_envelope(self, error: APIError) -> dict[str, Any]:
+        envelope = error.envelope()
+        envelope["error"]["param"] = param_of(error)
+        return envelope

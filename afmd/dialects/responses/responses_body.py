@@ -1,0 +1,244 @@
+"""A Responses API body (``POST /v1/responses``) checked into the internal request.
+
+The turn itself becomes the same :class:`~afmd.core.request.ChatRequest` chat builds, so
+tools, ``tool_choice``, grammars, reasoning, queueing and cancelling behave alike; what the
+response object repeats of its request (instructions, tools as sent, ``text``, metadata,
+the canonical input items) rides along in :class:`Echo`. Every problem is a 400 naming the
+exact param, as in chat; hosted tools are left out and named (``unsupported_tool`` under
+``[api] strict``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from afmd.core.request import ChatRequest, Message
+from afmd.dialects.fields.checks import (
+    Scalar,
+    invalid,
+    names,
+    read_scalars,
+    reject_unknown,
+    unknown_keys,
+    wrong_type,
+)
+from afmd.dialects.fields.extensions import (
+    CHAT_TEMPLATE_KWARGS,
+    REPEAT_PENALTY,
+    REPETITION_PENALTY,
+    chat_template_kwargs_of,
+    repetition_penalty_of,
+)
+from afmd.dialects.fields.keep_alive import keep_alive_of
+from afmd.dialects.fields.prediction import parse_prediction
+from afmd.dialects.responses.items import Item, ItemParams, canonical_items, to_messages
+from afmd.dialects.responses.options import (
+    parse_include,
+    parse_metadata,
+    parse_reasoning,
+    parse_text,
+    parse_tool_choice,
+    parse_tools,
+)
+from afmd.errors import InvalidRequestError, NotFoundError
+
+# Fields of the API that change nothing a local model could honour: accepted, unused.
+IGNORED_FIELDS = frozenset({
+    "service_tier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
+    "safety_identifier", "max_tool_calls", "top_logprobs", "client_metadata",
+    "context_management", "moderation",
+})
+
+_SCALARS = (
+    Scalar("model", "string"),
+    Scalar("instructions", "string"),
+    Scalar("previous_response_id", "string"),
+    Scalar("stream", "boolean", default=False),
+    Scalar("max_output_tokens", "integer", minimum=16),  # as OpenAI
+    Scalar("temperature", "number", default=1.0, minimum=0.0, maximum=2.0),
+    Scalar("top_p", "number", default=1.0, minimum=0.0, maximum=1.0),
+    # The local-server extensions chat accepts too.
+    Scalar("top_k", "integer", default=0, minimum=0),
+    Scalar("min_p", "number", default=0.0, minimum=0.0, maximum=1.0),
+    REPETITION_PENALTY,
+    REPEAT_PENALTY,
+    Scalar("seed", "integer"),
+    Scalar("parallel_tool_calls", "boolean", default=True),
+    Scalar("store", "boolean", default=True),
+    Scalar("truncation", "string", default="disabled", choices=("auto", "disabled")),
+    Scalar("user", "string"),
+    Scalar("background", "boolean", default=False),
+)
+_STRUCTURED = frozenset({"input", "tools", "tool_choice", "text", "reasoning", "include",
+                         "metadata", "stream_options", "conversation", "prompt", "prediction",
+                         "keep_alive", CHAT_TEMPLATE_KWARGS})
+KNOWN_FIELDS = IGNORED_FIELDS | names(_SCALARS) | _STRUCTURED
+
+#: ``POST /v1/responses/input_tokens`` takes a subset (TokenCountsBody), and the template's
+#: variables, which change the count.
+COUNT_FIELDS = frozenset({"conversation", "input", "instructions", "model",
+                          "parallel_tool_calls", "personality", "previous_response_id",
+                          "reasoning", "text", "tool_choice", "tools", "truncation",
+                          CHAT_TEMPLATE_KWARGS})
+
+#: ``previous_response_id`` -> the stored conversation's items, or None if unknown.
+Lookup = Callable[[str], Sequence[Item] | None]
+#: An ``item_reference``'s id -> the stored item (any stored response's input or output).
+ItemLookup = Callable[[str], Item | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """What the response object repeats of its request, in the API's own shapes."""
+
+    instructions: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    #: The offered names whose calls are custom_tool_call items (their text as ``input``).
+    custom_tools: frozenset[str] = frozenset()
+    #: Offered function names that belong to a namespace tool, and its name.
+    namespaces: dict[str, str] = field(default_factory=dict)
+    tool_choice: str | dict[str, Any] = "auto"
+    text: dict[str, Any] = field(default_factory=lambda: {"format": {"type": "text"}})
+    reasoning: dict[str, Any] = field(
+        default_factory=lambda: {"effort": None, "summary": None})
+    max_output_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    parallel_tool_calls: bool = True
+    metadata: dict[str, str] = field(default_factory=dict)
+    previous_response_id: str | None = None
+    store: bool = True
+    truncation: str = "disabled"
+    user: str | None = None
+    include: tuple[str, ...] = ()
+    #: This request's input items, canonical (what ``input_items`` lists).
+    input_items: tuple[Item, ...] = ()
+    #: The conversation before them (``previous_response_id``'s items).
+    history: tuple[Item, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesRequest(ChatRequest):
+    """The turn, plus what its response object echoes."""
+
+    echo: Echo = field(default_factory=Echo)
+
+
+def _refuse(body: dict[str, Any]) -> None:
+    """What afmd cannot do: background runs, stored prompts, the Conversations API."""
+    if body.get("background"):
+        raise invalid("background", "Background responses are not supported: afmd answers "
+                      "while the client waits (stream it, or cancel by X-Request-ID).")
+    for key, what in (("conversation", "afmd has no Conversations API; continue a "
+                       "conversation with 'previous_response_id' or send the whole input."),
+                      ("prompt", "afmd has no stored prompts; send 'instructions' and "
+                       "'input' instead.")):
+        if body.get(key) is not None:
+            raise InvalidRequestError(what, code="unsupported_value", param=key)
+
+
+def _check_turn(messages: tuple[Message, ...], params: ItemParams, count: int) -> None:
+    if not any(m.role == "user" for m in messages):
+        raise InvalidRequestError(
+            "The conversation has no user message; add an input item with role 'user'.",
+            code="missing_user_message", param="input")
+    if messages[-1].role == "assistant":
+        raise InvalidRequestError(
+            "The input ends with an assistant message; end it with a user message or a "
+            "function_call_output so there is something to answer.",
+            code="invalid_last_message", param=params(count - 1))
+
+
+def parse_responses_request(
+    body: dict[str, Any],
+    *,
+    lookup: Lookup,
+    find_item: ItemLookup = lambda _: None,
+    server_tools: Collection[str] = (),
+    counting: bool = False,
+    strict: bool = False,
+) -> ResponsesRequest:
+    """Check every field of a Responses body (``counting``: an ``input_tokens`` body). An
+    unknown top-level field is ignored and listed (``strict``: a 400, as OpenAI's)."""
+    ignored = unknown_keys(body, COUNT_FIELDS if counting else KNOWN_FIELDS, strict=strict)
+    if ignored:  # a field ignored is not checked either (a count reads create's scalars)
+        body = {key: value for key, value in body.items() if key not in ignored}
+    scalars = read_scalars(body, _SCALARS)
+    _refuse(body)
+    previous = scalars["previous_response_id"]
+    history: tuple[Item, ...] = ()
+    if previous is not None:
+        found = lookup(previous)
+        if found is None:
+            raise NotFoundError(
+                f"Previous response with id '{previous}' not found (it was never stored, "
+                "was deleted, or expired).", code="response_not_found",
+                param="previous_response_id")
+        history = tuple(found)
+    items = canonical_items(body.get("input"), find_item=find_item)
+    params = ItemParams(len(history))
+    conversation = to_messages((*history, *items), params)
+    instructions = scalars["instructions"]
+    messages = conversation
+    if instructions:
+        messages = (Message(role="system", content=instructions), *conversation)
+    _check_turn(conversation, params, len(history) + len(items))
+    if not counting and body.get("stream_options") is not None:
+        options = body["stream_options"]
+        if not isinstance(options, dict):
+            raise wrong_type("stream_options", "an object", options)
+        if not scalars["stream"]:
+            raise invalid("stream_options", "The 'stream_options' parameter is only allowed "
+                          "when 'stream' is enabled.")
+        reject_unknown(options, frozenset({"include_obfuscation"}), prefix="stream_options.")
+    tools = parse_tools(body.get("tools"), strict=strict)
+    choice, choice_echo = parse_tool_choice(body.get("tool_choice"), tools.specs,
+                                            server_tools)
+    response_format, text_echo = parse_text(body.get("text"))
+    reasoning = parse_reasoning(body.get("reasoning"))
+    echo = Echo(
+        instructions=instructions,
+        tools=tools.echo,
+        custom_tools=tools.custom,
+        namespaces=tools.namespaces,
+        tool_choice=choice_echo,
+        text=text_echo,
+        reasoning=reasoning,
+        max_output_tokens=scalars["max_output_tokens"],
+        temperature=scalars["temperature"],
+        top_p=scalars["top_p"],
+        parallel_tool_calls=scalars["parallel_tool_calls"],
+        metadata=parse_metadata(body.get("metadata")),
+        previous_response_id=previous,
+        store=scalars["store"],
+        truncation=scalars["truncation"],
+        user=scalars["user"],
+        include=parse_include(body.get("include")),
+        input_items=tuple(items),
+        history=history,
+    )
+    return ResponsesRequest(
+        messages=messages,
+        model=scalars["model"],
+        stream=scalars["stream"],
+        max_tokens=scalars["max_output_tokens"],
+        temperature=scalars["temperature"],
+        top_p=scalars["top_p"],
+        top_k=scalars["top_k"],
+        min_p=scalars["min_p"],
+        repetition_penalty=repetition_penalty_of(body),
+        seed=scalars["seed"],
+        tools=tools.specs,
+        tool_choice=choice,
+        parallel_tool_calls=scalars["parallel_tool_calls"],
+        response_format=response_format,
+        reasoning_effort=reasoning["effort"],
+        has_images=any(m.has_images for m in messages),
+        prediction=None if counting else parse_prediction(body.get("prediction")),
+        keep_alive=None if counting else keep_alive_of(body),
+        chat_template_kwargs=chat_template_kwargs_of(body),
+        ignored_fields=(*ignored, *tools.ignored),
+        echo=echo,
+    )

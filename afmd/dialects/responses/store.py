@@ -1,0 +1,201 @@
+"""Stored responses: what ``GET /v1/responses/{id}`` and ``previous_response_id`` read.
+
+Bounded three ways (``[responses] max_stored`` entries and ``max_stored_bytes`` bytes, the
+oldest leaving first, and ``ttl`` seconds after creation), kept in memory, and with
+``persist`` also written under the cache folder, one JSON file per response, so that a
+restart keeps them. Each entry holds its whole conversation (the items before it, its
+input, its output) so that continuing it never depends on an older entry still being
+there; in memory the items are shared between the entries of one conversation, on disk
+each file repeats them.
+
+An entry's bytes are its stored JSON: everything it keeps, the request fields its response
+echoes (a client's ``user`` or ``metadata`` as sent) included. Since the entries of one
+conversation share their items in memory, the sum bounds what the store holds from above,
+and it is exactly what the persisted folder holds.
+
+Ids come only from afmd (``resp_`` and hex digits), and a client's id is only ever looked
+up in memory, never used as a path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from afmd.dialects.responses.items import Item
+from afmd.logs import get_logger
+
+log = get_logger("afmd.responses")
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    response: dict[str, Any]
+    input_items: tuple[Item, ...]
+    conversation: tuple[Item, ...]  # the items before, the input, the output
+    created: float  # time.time()
+
+    def to_json(self) -> bytes:
+        return orjson.dumps({"response": self.response, "input_items": self.input_items,
+                             "conversation": self.conversation, "created": self.created})
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Stored:
+        raw = orjson.loads(data)
+        return cls(raw["response"], tuple(raw["input_items"]), tuple(raw["conversation"]),
+                   float(raw["created"]))
+
+
+class ResponseStore:
+    """The bounded store; ``folder`` None keeps it in memory only."""
+
+    def __init__(self, max_stored: int, ttl: float, folder: Path | None = None, *,
+                 max_bytes: int = 0) -> None:
+        self.max_stored = max_stored
+        self.max_bytes = max_bytes  # 0: no bound in bytes
+        self.ttl = ttl
+        self.folder = folder
+        self._entries: OrderedDict[str, Stored] = OrderedDict()  # oldest first
+        self._sizes: dict[str, int] = {}  # each entry's stored JSON, in bytes
+        self.bytes = 0  # their sum
+        # Every stored item by its id, for item_reference (the AI SDK refers to the items
+        # of earlier steps by id), with how many entries hold it: a continued
+        # conversation's entries share their items.
+        self._items: dict[str, Item] = {}
+        self._holders: Counter[str] = Counter()
+        # One writer thread: file writes leave the event loop, in the order they were made.
+        self._writer = ThreadPoolExecutor(1, "afmd-responses") if folder else None
+        if folder is not None:
+            self._load(folder)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, response_id: str) -> Stored | None:
+        self._expire()
+        return self._entries.get(response_id)
+
+    def item(self, item_id: str) -> Item | None:
+        """The stored item with this id (any stored response's input or output item)."""
+        self._expire()
+        return self._items.get(item_id)
+
+    def _index(self, stored: Stored, change: int) -> None:
+        for item in stored.conversation:
+            key = item.get("id")
+            if not isinstance(key, str):
+                continue
+            self._holders[key] += change
+            if self._holders[key] > 0:
+                self._items[key] = item
+            else:
+                del self._holders[key]
+                self._items.pop(key, None)
+
+    def conversation(self, response_id: str) -> Sequence[Item] | None:
+        stored = self.get(response_id)
+        return None if stored is None else stored.conversation
+
+    def put(self, response_id: str, stored: Stored) -> None:
+        if self.max_stored <= 0:
+            return
+        data = stored.to_json()
+        if self.max_bytes and len(data) > self.max_bytes:
+            log.warning("response not stored: larger than max_stored_bytes", id=response_id,
+                        bytes=len(data), max_stored_bytes=self.max_bytes)
+            return
+        if response_id in self._entries:
+            self._remove(response_id)
+        self._add(response_id, stored, len(data))
+        self._write(response_id, data)
+        self._expire()
+        self._bound()
+
+    def delete(self, response_id: str) -> bool:
+        if self.get(response_id) is None:
+            return False
+        self._remove(response_id)
+        return True
+
+    def close(self) -> None:
+        """Finish the pending writes (at shutdown)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+
+    def _expire(self) -> None:
+        if self.ttl <= 0:
+            return
+        horizon = time.time() - self.ttl
+        while self._entries:
+            oldest, stored = next(iter(self._entries.items()))
+            if stored.created >= horizon:
+                break
+            self._remove(oldest)
+
+    def _add(self, response_id: str, stored: Stored, size: int) -> None:
+        self._entries[response_id] = stored
+        self._index(stored, +1)
+        self._sizes[response_id] = size
+        self.bytes += size
+
+    def _bound(self) -> None:
+        """The oldest out until both the count and the bytes are within bounds."""
+        while self._entries and (
+            len(self._entries) > max(self.max_stored, 0)
+            or (self.max_bytes and self.bytes > self.max_bytes)
+        ):
+            self._remove(next(iter(self._entries)))
+
+    def _remove(self, response_id: str) -> None:
+        self._index(self._entries.pop(response_id), -1)
+        self.bytes -= self._sizes.pop(response_id)
+        if self._writer is not None:
+            self._writer.submit(self._unlink, response_id)
+
+    # -- the folder --
+
+    def _path(self, response_id: str) -> Path:
+        assert self.folder is not None
+        return self.folder / f"{response_id}.json"
+
+    def _write(self, response_id: str, data: bytes) -> None:
+        if self._writer is not None:
+            self._writer.submit(self._write_file, response_id, data)
+
+    def _write_file(self, response_id: str, data: bytes) -> None:
+        path = self._path(response_id)
+        tmp = path.with_suffix(".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("response not persisted", id=response_id, error=str(exc))
+
+    def _unlink(self, response_id: str) -> None:
+        with contextlib.suppress(OSError):
+            self._path(response_id).unlink()
+
+    def _load(self, folder: Path) -> None:
+        """The responses a previous run persisted, oldest first, bounds applied."""
+        found: list[tuple[str, Stored, int]] = []
+        for path in folder.glob("resp_*.json") if folder.is_dir() else ():
+            try:
+                data = path.read_bytes()
+                found.append((path.stem, Stored.from_json(data), len(data)))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("stored response unreadable", path=str(path), error=str(exc))
+        found.sort(key=lambda entry: entry[1].created)
+        for response_id, stored, size in found:
+            self._add(response_id, stored, size)
+        self._expire()
+        self._bound()

@@ -1,0 +1,1 @@
+"""The batch engine: one generation thread per model, its rows decoded together."""

@@ -1,0 +1,135 @@
+"""A request joining the running batch: its row, the prefix it resumes from, its sampler.
+
+In two phases, because a sharded model's rank 0 must say what joins before it does
+(:class:`~afmd.engine.sharded.lockstep.StepPlan`): :meth:`Admissions.prepare` builds the row and
+fetches the cached prefix (what the plan tells the other ranks), :meth:`Admissions.admit`
+then runs the model work and inserts the row.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from afmd.engine.batch import backend
+from afmd.engine.batch.detokenize import ExactDetokenizer
+from afmd.engine.batch.handoff import flush
+from afmd.engine.batch.logprobs import prompt_logprobs
+from afmd.engine.batch.penalties import sampling_processors
+from afmd.engine.batch.sampler import RowSampler
+from afmd.engine.batch.sequence import Row
+from afmd.engine.batch.stepper import Stepper
+from afmd.engine.generation import Generation, PromptLogprobs, SamplingParams
+from afmd.engine.sharded.lockstep import Admission
+from afmd.engine.speculative.verification import RowSpec, Standing
+
+
+def make_sampler(params: SamplingParams) -> RowSampler | None:
+    """A per-request sampler with its own PRNG key (:class:`RowSampler`); ``None``
+    means greedy: the batch then samples all greedy rows with one shared argmax."""
+    return RowSampler.of(params)
+
+
+@dataclass(slots=True)
+class Joining:
+    """A request about to join: its row, what the plan says of it, and the cached prefix
+    it resumes from (fetched when the plan was made, so the plan can say so)."""
+
+    row: Row
+    plan: Admission
+    cache: Any
+    rest: list[int]
+
+
+class Admissions:
+    """Builds and inserts the rows of the requests that arrive (thread-owned)."""
+
+    def __init__(
+        self,
+        stepper: Stepper,
+        *,
+        prompt_lookup: bool,
+        draft_model: Any,
+        speculates: bool,
+    ) -> None:
+        self._stepper = stepper
+        self._tokenizer = stepper.tokenizer
+        self._eos = frozenset(stepper.eos)
+        # Where a verification pass costs a new attention plan, a proposal guessed from
+        # the prompt rarely holds long enough to pay for it (a prediction or draft, asked
+        # for, still speculates).
+        self._prompt_lookup = prompt_lookup and not backend.verify_builds_plans(stepper.model)
+        self._draft_model = draft_model
+        self._speculates = speculates
+        # How each kind of proposal source fared lately.
+        self._standing: dict[str, Standing] = {}
+
+    def prepare(self, generation: Generation) -> Joining | None:
+        """A request's row and the model work it needs (``None``: none, it ended)."""
+        request = generation.request
+        row = Row(
+            generation=generation,
+            uid=-1,
+            detokenizer=(
+                ExactDetokenizer(self._tokenizer) if request.verbatim
+                else self._tokenizer.detokenizer
+            ),
+            prompt_tokens=len(request.prompt),
+            started_at=time.perf_counter(),
+            in_reasoning=request.starts_in_reasoning,
+            logprobs=request.logprobs,
+            stop_ids=self._eos.union(request.stop_ids),
+        )
+        if generation.cancel_requested:
+            row.finish("cancelled")
+            flush([row])
+            return None
+        cache, rest = (None, request.prompt)
+        if request.max_tokens > 0:
+            resume = self._stepper.resume(request.prompt)
+            cache, rest = resume.cache, request.prompt[resume.tokens:]
+            row.cached_disk_tokens = resume.disk_tokens
+        row.cached_tokens = len(request.prompt) - len(rest)
+        plan = Admission(
+            prompt=list(request.prompt),
+            cached=row.cached_tokens,
+            max_tokens=request.max_tokens,
+            stop_ids=sorted(request.stop_ids),
+            prompt_logprobs=request.prompt_logprobs,
+        )
+        return Joining(row, plan, cache, rest)
+
+    def admit(self, joining: Joining) -> Row | None:
+        """Run the request's model work; its row, now in the batch (``None``: it asked for
+        the prompt's numbers only, and has ended)."""
+        row, plan = joining.row, joining.plan
+        request = row.generation.request
+        if plan.prompt_logprobs is not None:
+            row.pending.append(PromptLogprobs(
+                prompt_logprobs(self._stepper.model, plan.prompt, plan.prompt_logprobs)
+            ))
+        if plan.max_tokens <= 0:
+            row.first_token_at = time.perf_counter()
+            row.finish("length")
+            flush([row])
+            return None
+        processors = [*request.logits_processors,
+                      *sampling_processors(request.sampling, plan.max_tokens)]
+        sampler = make_sampler(request.sampling)
+        if self._speculates:
+            row.spec = RowSpec.for_request(
+                request, processors, sampler, row.stop_ids, tokenizer=self._tokenizer,
+                prompt_lookup=self._prompt_lookup, draft=self._draft_model,
+                standing=self._standing,
+            )
+        row.uid = self._stepper.insert(
+            plan.prompt, joining.rest, joining.cache, max_tokens=plan.max_tokens,
+            sampler=sampler, processors=processors, stop_ids=plan.stop_ids,
+        )
+        batch = self._stepper.batch
+        if row.logprobs is not None and batch is not None:
+            batch.logprob_rows[row.uid] = row.logprobs
+        if row.spec is not None and batch is not None:
+            batch.spec_rows[row.uid] = row.spec
+        return row

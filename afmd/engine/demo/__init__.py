@@ -1,0 +1,1 @@
+"""The built-in demo models: tiny random weights that need no download."""

@@ -1,0 +1,1 @@
+"""Which models exist, which are loaded, and which stay within the budget."""

@@ -1,0 +1,558 @@
+"""Which models stay in memory: the budget, leases and keep-alive, and unloading the least
+recently used model when loading another would exceed the memory budget or the model count.
+
+**The budget** (``[models] memory_budget_bytes``) defaults to a fraction of the machine's
+memory, because what else runs on it differs by platform:
+
+- **macOS** (Apple silicon): the GPU computes from the same physical memory, and Metal
+  lets one process wire only about two thirds to three quarters of it; 60 % keeps the
+  models inside that and leaves the system, the client (an editor, a browser) and the
+  page cache room to live.
+- **Linux** (MLX's CPU backend): the weights live in afmd's own heap while the page cache
+  may still hold the files they were read from, and a long prefill allocates large
+  temporary buffers; 50 % leaves that room. A container's memory limit (cgroup v2
+  ``memory.max``) counts as the machine's memory when it is lower. On a discrete GPU (MLX's
+  CUDA backend) the limit is the GPU's memory, which this cannot see: set the budget.
+
+A model's size before loading is the size of its safetensors files on disk: MLX loads
+them as they are stored, so that is what its weights will take (measured again once
+loaded).
+
+**Leases and keep-alive.** A request holds a :class:`Lease` on its model from the moment it
+gets it until its response is over (rendering its prompt, queued for a slot, generating): a
+model with a lease, or with requests waiting for its load, is busy and is never unloaded.
+When its last lease ends its keep-alive starts (the last request's ``keep_alive``, else the
+model's, else ``[models] keep_alive``): after that many idle seconds it is unloaded; ``-1``
+never, ``0`` at once.
+
+**Making room.** Loading a model that would take the loaded set past
+``memory_budget_bytes`` or ``max_loaded`` first unloads idle models, least recently used
+first, and only as many as needed; when the idle ones would not make enough room the load
+waits for a busy one to become idle, up to the request's deadline, then the request gets
+503 ``model_unavailable``. Memory is what the models measure (weights plus KV caches), what
+loads in progress will take (their weight files) and what unloads in progress still hold.
+
+**Unloading** takes the model out of the loaded set at once (no request can get it any
+more), then stops its thread and frees its arrays off the event loop: freeing blocks, so it
+runs in a thread, and until it is done the model's memory still counts against the budget,
+or a load making room would take more than there is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from afmd.config.load import BUILTIN_SYSTEM_PATH, ModelEntry
+from afmd.engine.models import kinds
+from afmd.errors import ConflictError, ServiceUnavailableError
+
+if TYPE_CHECKING:
+    from afmd.engine.models.loaded import LoadedModel
+    from afmd.service.scheduler import Ticket
+
+log = logging.getLogger("afmd.engine")
+
+# ------------------------------------------------------------------------------ the budget
+
+#: The share of physical memory the default budget allows, per platform (module doc).
+DEFAULT_FRACTION = 0.6 if sys.platform == "darwin" else 0.5
+
+_CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")
+
+
+def physical_memory_bytes() -> int:
+    """The machine's memory, or its container's limit when that is lower."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        total = 0
+    try:
+        limit = _CGROUP_LIMIT.read_text().strip()
+    except OSError:
+        limit = "max"
+    if limit.isdigit() and (total <= 0 or 0 < int(limit) < total):
+        total = int(limit)
+    return total
+
+
+def effective_budget(configured: int) -> int:
+    """``configured`` bytes, or (0) the platform's share of physical memory."""
+    if configured > 0:
+        return configured
+    return int(physical_memory_bytes() * DEFAULT_FRACTION)
+
+
+def weights_on_disk(folder: Path) -> int:
+    """Bytes of the model's weight files (a hub snapshot's links followed to the blobs)."""
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        try:
+            total += path.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def size_before_loading(entry: ModelEntry) -> int | None:
+    """What ``entry``'s weights will take, read from disk; None while unknown (a Hugging
+    Face repo not downloaded yet: its load downloads it, and it is measured then).
+
+    A built-in demo is built here if it was not yet (a moment's work its load would do
+    anyway), so it is sized like any other folder.
+    """
+    if entry.path == BUILTIN_SYSTEM_PATH:
+        return None  # Apple's model: its weights are the system's, not in afmd's memory
+    if entry.path.startswith(kinds.BUILTIN_PREFIX):
+        from afmd.engine.demo import builtin as demo
+
+        folder: Path | None = demo.materialize(entry.path[len(kinds.BUILTIN_PREFIX):])
+    else:
+        folder = kinds.model_folder(entry.path)
+    if folder is None:
+        return None
+    size = weights_on_disk(folder)
+    return size or None
+
+
+def format_bytes(count: int) -> str:
+    """``1.5 GiB``: sizes in messages people read."""
+    value = float(count)
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{count} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"  # unreachable; keeps type checkers content
+
+
+# ------------------------------------------------------------------ leases and keep-alive
+
+
+@dataclass(eq=False, slots=True)
+class Lease:
+    """One request's hold on a loaded model; :meth:`release` once its response is over."""
+
+    model: LoadedModel
+    #: Seconds the model stays loaded once idle, if this is the last request to release it.
+    keep_alive: float
+    _owner: Residency | None  # None: a model no registry manages (tests, tools)
+    #: The request's scheduler ticket once it has one: holding a slot is being active.
+    ticket: Ticket | None = None
+    released: bool = False
+
+    @classmethod
+    def detached(cls, model: LoadedModel) -> Lease:
+        """A lease on a model loaded outside any registry: releasing it does nothing."""
+        return cls(model, -1.0, None)
+
+    @property
+    def active(self) -> bool:
+        return self.ticket is not None and self.ticket.holds_slot
+
+    def release(self) -> None:
+        """Idempotent: a request's end may be reached by more than one path."""
+        if self._owner is not None:
+            self._owner.release(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelUsage:
+    """A loaded model's numbers for ``/health`` and ``afmd ps``. Times are instants (Unix
+    time), so that two answers with nothing changed in between are the same bytes."""
+
+    memory_bytes: int
+    active: int  # requests generating (holding a scheduler slot)
+    queued: int  # requests waiting: for its load, for a slot, or being prepared
+    idle_since: float | None  # when its last request released it; None while busy
+    expires_at: float | None  # when its keep-alive unloads it; None: busy or kept for good
+
+
+@dataclass(slots=True)
+class Resident:
+    """A loaded model's leases and keep-alive clock."""
+
+    model: LoadedModel
+    keep_alive: float
+    leases: set[Lease] = field(default_factory=set)
+    since: float = field(default_factory=time.monotonic)  # last got or released
+    expires_at: float | None = None  # idle with a finite keep-alive: when it unloads
+    expires_wall: float | None = None  # the same in Unix time, for /health
+    timer: asyncio.TimerHandle | None = None
+    clock: bool = False  # the keep-alive is running (idle since ``since``)
+
+    def expire_in(self, keep: float, expire: Callable[[Resident], None]) -> None:
+        self.expires_at = self.since + keep
+        self.expires_wall = round(time.time() + keep, 3)
+        self.timer = asyncio.get_running_loop().call_later(keep, expire, self)
+
+    def stop_clock(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = None
+        self.expires_at = self.expires_wall = None
+        self.clock = False
+
+
+# ------------------------------------------------------------------------------ unloading
+
+
+def free_model(model: LoadedModel) -> None:
+    """Stop the model's thread and drop its arrays, so that MLX frees them now (blocking).
+
+    The handle itself may outlive this (a finished request's objects, a log line): its
+    references to the weights, the batch and the prefix cache are cut so they cannot pin
+    them.
+    """
+    import mlx.core as mx
+
+    if model.worker is not None:
+        model.worker.stop()
+    if model.embedder is not None:
+        model.embedder.stop()
+    model.worker = None
+    model.embedder = None
+    model.vision = None  # a vision model's image side
+    model.model = None
+    gc.collect()  # the model's modules hold cycles (parents and children)
+    mx.clear_cache()  # and MLX's pool of freed buffers gives them back
+
+
+class Unloads:
+    """The models being freed, and the bytes they still hold."""
+
+    def __init__(
+        self,
+        free: Callable[[LoadedModel], None],
+        on_unload: Callable[[str], None],
+        freed: Callable[[], None],
+    ) -> None:
+        self.free = free  # blocking: run off the event loop
+        self._on_unload = on_unload
+        self._freed = freed  # loads waiting for room look again
+        self._held: dict[int, int] = {}  # per model object: bytes still held
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def count(self) -> int:
+        return len(self._held)
+
+    def held_bytes(self) -> int:
+        return sum(self._held.values())
+
+    def start(self, model: LoadedModel, reason: str) -> asyncio.Task[None]:
+        held = model.memory_bytes
+        self._held[id(model)] = held
+        task = asyncio.get_running_loop().create_task(self._free_later(model, held, reason))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _free_later(self, model: LoadedModel, held: int, reason: str) -> None:
+        try:
+            # Callbacks already scheduled (a finished request's last events) may still hold
+            # the model: let them run before its arrays are dropped.
+            await asyncio.sleep(0)
+            await asyncio.to_thread(self.free, model)
+        except Exception:
+            log.exception("unloading %s failed", model.id)
+        finally:
+            self._held.pop(id(model), None)
+            self._on_unload(model.id)
+            log.info("model unloaded: %s (%s; %s freed)", model.id, reason,
+                     format_bytes(held))
+            self._freed()
+
+    async def drain(self) -> None:
+        """Wait for the unloads under way (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+# ------------------------------------------------------------------------------ residency
+
+
+#: What a 503 ``model_unavailable`` tells a client to wait before retrying (seconds).
+RETRY_AFTER_S = 2
+
+
+class Changes:
+    """Wakes the loads waiting for room: a model became idle, a load ended or an unload
+    freed memory, and there may be room now."""
+
+    def __init__(self) -> None:
+        self._changed: asyncio.Event | None = None
+
+    def pulse(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def wait(self, timeout: float) -> None:
+        """Until the next :meth:`pulse` (or timeout)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        changed = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), timeout)
+
+
+class Residency:
+    """The loaded models and the rules that unload them (module doc)."""
+
+    def __init__(
+        self,
+        budget: int,
+        max_loaded: int,
+        *,
+        free: Callable[[LoadedModel], None] | None = None,
+        on_unload: Callable[[str], None] = lambda model_id: None,
+    ) -> None:
+        self.budget = budget
+        self.max_loaded = max_loaded
+        self.loaded: dict[str, LoadedModel] = {}
+        self._changes = Changes()
+        #: The loaded models' leases and keep-alive clocks.
+        self.residents: dict[str, Resident] = {}
+        #: Requests waiting for a model's load, per model id: they make it busy.
+        self.waiting: Counter[str] = Counter()
+        #: Closed (the server stops): no clock unloads anything any more.
+        self.closed = False
+        self._unloads = Unloads(free or free_model, on_unload, self._changes.pulse)
+        self._reserved: dict[str, int] = {}  # loads under way: bytes their weights will take
+        self._wanted: dict[str, int] = {}  # loads waiting for room: their sizes
+
+    @property
+    def free(self) -> Callable[[LoadedModel], None]:
+        """Blocking: run off the event loop."""
+        return self._unloads.free
+
+    # -- leases and keep-alive --
+    def hold(self, model: LoadedModel, keep_alive: float) -> Lease:
+        resident = self.residents[model.id]
+        resident.stop_clock()
+        resident.since = time.monotonic()
+        model.touch()
+        lease = Lease(model, keep_alive, self)
+        resident.leases.add(lease)
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        resident = self.residents.get(lease.model.id)
+        if resident is None or lease not in resident.leases:
+            return  # unloaded meanwhile (the server is stopping)
+        resident.leases.discard(lease)
+        resident.keep_alive = lease.keep_alive
+        resident.since = time.monotonic()
+        lease.model.touch()
+        self.settle(lease.model.id)
+
+    def busy(self, model_id: str) -> bool:
+        resident = self.residents.get(model_id)
+        return bool(self.waiting[model_id] or (resident is not None and resident.leases))
+
+    def settle(self, model_id: str) -> None:
+        """Start an idle model's keep-alive (once nothing holds it or waits for it)."""
+        resident = self.residents.get(model_id)
+        if resident is None or resident.clock or self.busy(model_id) or self.closed:
+            return
+        resident.clock = True
+        # A shard of a launched group stays: its other ranks cannot load it again alone.
+        keep = -1.0 if getattr(resident.model, "shard", None) else resident.keep_alive
+        if keep == 0:
+            self._unload(resident, "keep_alive 0")
+        elif keep > 0:
+            resident.expire_in(keep, self._expire)
+        self._changes.pulse()
+
+    def _expire(self, resident: Resident) -> None:
+        if self.closed:
+            return
+        if self.residents.get(resident.model.id) is resident and resident.clock:
+            self._unload(resident, f"idle for keep_alive {resident.keep_alive:g}s")
+
+    def _idle(self, keep: str | None = None) -> list[Resident]:
+        """The models that may be unloaded, least recently used first (a launched group's
+        shard never: its other ranks cannot load it again alone)."""
+        return sorted(
+            (r for r in self.residents.values()
+             if r.model.id != keep and not self.busy(r.model.id)
+             and getattr(r.model, "shard", None) is None),
+            key=lambda r: r.since,
+        )
+
+    def usage(self, model_id: str) -> ModelUsage | None:
+        resident = self.residents.get(model_id)
+        if resident is None:
+            return None
+        active = sum(1 for lease in resident.leases if lease.active)
+        queued = len(resident.leases) - active + self.waiting[model_id]
+        busy = self.busy(model_id)
+        return ModelUsage(
+            memory_bytes=resident.model.memory_bytes,
+            active=active,
+            queued=queued,
+            idle_since=None if busy else round(resident.model.last_used, 3),
+            expires_at=None if busy else resident.expires_wall,
+        )
+
+    # -- loading and unloading --
+    def admit(self, model: LoadedModel, keep_alive: float) -> None:
+        """A load finished: ``model`` is loaded, idle until a request holds it."""
+        self._reserved.pop(model.id, None)
+        self.loaded[model.id] = model
+        self.residents[model.id] = Resident(model, keep_alive)
+        self.settle(model.id)
+        self._trim(keep=model.id)
+
+    def unreserve(self, model_id: str) -> None:
+        """A load failed or gave up: what it had reserved is free again."""
+        if self._reserved.pop(model_id, None) is not None:
+            self._changes.pulse()
+
+    def used_bytes(self) -> int:
+        return (sum(m.memory_bytes for m in self.loaded.values())
+                + sum(self._reserved.values()) + self._unloads.held_bytes())
+
+    def _count(self) -> int:
+        """Models counted against ``max_loaded``: Apple's model holds nothing of afmd's."""
+        held = sum(1 for m in self.loaded.values() if not m.reads_conversation)
+        return held + len(self._reserved) + self._unloads.count()
+
+    def _victims(self, size: int, keep: str | None = None) -> list[Resident] | None:
+        """The idle models to unload, least recently used first, so that ``size`` more
+        bytes and one more model fit (none needed: ``[]``; not enough idle: None)."""
+        extra = 0 if keep is not None else 1
+        over_count = self._count() + extra - self.max_loaded
+        over_bytes = self.used_bytes() + size - self.budget
+        victims: list[Resident] = []
+        for resident in self._idle(keep):
+            if over_count <= 0 and over_bytes <= 0:
+                break
+            if resident.model.reads_conversation:
+                continue  # unloading it frees nothing
+            victims.append(resident)
+            over_count -= 1
+            over_bytes -= resident.model.memory_bytes
+        return victims if over_count <= 0 and over_bytes <= 0 else None
+
+    async def make_room(
+        self, model_id: str, size: int, deadline: float, *, evict: bool = True
+    ) -> None:
+        """Reserve room for loading ``model_id`` (``size`` bytes of weights), unloading
+        idle models as needed (unless not ``evict``); wait for busy ones until
+        ``deadline`` (then 503)."""
+        self._wanted[model_id] = size
+        try:
+            while True:
+                victims = self._victims(size)
+                if victims == []:
+                    self._reserved[model_id] = size
+                    return
+                if victims and evict:
+                    tasks = [self._unload(r, f"making room for {model_id}") for r in victims]
+                    await asyncio.gather(*tasks)
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._unavailable(model_id, size)
+                await self._changes.wait(remaining)
+        finally:
+            del self._wanted[model_id]
+
+    def room_error(self, model_id: str) -> ServiceUnavailableError | None:
+        """The 503 for a request that gave up on ``model_id`` while its load was still
+        waiting for room (None: the load itself is under way)."""
+        size = self._wanted.get(model_id)
+        return None if size is None else self._unavailable(model_id, size)
+
+    def _trim(self, keep: str) -> None:
+        """After a load whose size was not known beforehand: unload idle models until the
+        loaded set fits the budget again (``keep`` stays)."""
+        victims = self._victims(0, keep=keep)
+        for resident in victims or ():
+            self._unload(resident, f"making room for {keep}")
+
+    def unload(self, model_id: str, reason: str) -> asyncio.Task[None] | None:
+        """Unload ``model_id`` now, as its keep-alive would (None: it is not loaded).
+        Refused with 409 while requests hold it or wait for it, and for a launched
+        group's shard, which its other ranks cannot load again alone."""
+        resident = self.residents.get(model_id)
+        if resident is None:
+            return None
+        if getattr(resident.model, "shard", None) is not None:
+            raise ConflictError(
+                f"The model '{model_id}' is sharded over a launched group and stays loaded "
+                "while the group runs.", code="model_busy", param="model")
+        if self.busy(model_id):
+            usage = self.usage(model_id)
+            held = f"{usage.active} running, {usage.queued} queued" if usage else "waiting"
+            raise ConflictError(
+                f"The model '{model_id}' is serving requests ({held}); unload it when it "
+                "is idle.", code="model_busy", param="model")
+        return self._unload(resident, reason)
+
+    def _unload(self, resident: Resident, reason: str) -> asyncio.Task[None]:
+        model = resident.model
+        resident.stop_clock()
+        del self.residents[model.id]
+        del self.loaded[model.id]
+        return self._unloads.start(model, reason)
+
+    def _unavailable(self, model_id: str, size: int) -> ServiceUnavailableError:
+        busy = ", ".join(sorted(m for m in self.loaded if self.busy(m))) or "none"
+        if self._count() + 1 > self.max_loaded:
+            limit = f"max_loaded ({self.max_loaded} models)"
+        else:
+            limit = (f"the memory budget ({format_bytes(self.budget)}; "
+                     f"{format_bytes(self.used_bytes())} in use, {format_bytes(size)} needed)")
+        return _unavailable(model_id, limit, busy)
+
+    async def drain(self) -> None:
+        """Wait for the unloads under way (tests, shutdown)."""
+        await self._unloads.drain()
+
+    def close(self) -> list[LoadedModel]:
+        """Stop every timer (safe from any thread: a timer that fires finds nothing); the
+        models still loaded, for the caller to stop."""
+        self.closed = True
+        for resident in self.residents.values():
+            resident.clock = False
+        return list(self.loaded.values())
+
+
+def _unavailable(model_id: str, limit: str, busy: str) -> ServiceUnavailableError:
+    return ServiceUnavailableError(
+        f"The model '{model_id}' cannot be loaded now: it would exceed {limit}, and "
+        f"the models it would replace are serving requests (busy: {busy}). Retry "
+        "shortly.",
+        code="model_unavailable",
+        param="model",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+__all__ = [
+    "DEFAULT_FRACTION",
+    "RETRY_AFTER_S",
+    "Lease",
+    "ModelUsage",
+    "Residency",
+    "effective_budget",
+    "format_bytes",
+    "free_model",
+    "physical_memory_bytes",
+    "size_before_loading",
+    "weights_on_disk",
+]

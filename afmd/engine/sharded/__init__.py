@@ -1,0 +1,1 @@
+"""A model sharded over ranks: each rank's share, steps in lockstep."""

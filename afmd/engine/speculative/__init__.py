@@ -1,0 +1,1 @@
+"""Speculative decoding: proposals and their verification in one pass."""

@@ -1,0 +1,1 @@
+"""Vision models through mlx-vlm, on a thread of their own."""

@@ -1,0 +1,102 @@
+"""Vision models: loaded through mlx-vlm, prompted with images, generated one at a time.
+
+mlx-lm serves text only; a vision model's images go through its own processor (resizing,
+patching) and vision tower, whose features replace the image placeholder tokens of the
+prompt. This module, its generation thread (:mod:`afmd.engine.vision.vision_thread`) and the
+vision branch of loading (:mod:`afmd.engine.models.loading`) are the only ones that import
+mlx-vlm, and only when such a model loads, so text-only servers never pay for it.
+
+What stays the same as for a text model: the tokenizer is loaded by mlx-lm (so the tool
+call format, thinking markers and streaming detokenizer are detected exactly as for a
+text model), the chat template renders the prompt, and the engine emits the same
+:class:`~afmd.engine.generation.Text` / :class:`~afmd.engine.generation.Finished` events through the
+same :class:`~afmd.engine.generation.Generation` handle, so output parsing, grammars, cancel,
+deadlines and profiles work unchanged.
+
+What differs: a vision model decodes one sequence at a time on its own thread, in
+arrival order, instead of joining mlx-lm's continuous batch. Text models keep their own
+threads and batches, so a vision request never blocks them; they share only the
+machine's compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from afmd.core.request import ImageInput
+from afmd.service import images as image_decoding
+
+#: Processor outputs that are the prompt itself rather than inputs of the vision side.
+_TEXT_KEYS = ("input_ids", "attention_mask")
+
+
+class VisionSupport:
+    """A loaded vision model's prompt side: chat template, images, processor."""
+
+    def __init__(self, model: Any, processor: Any, tokenizer: Any, max_pixels: int) -> None:
+        self.model = model
+        self.processor = processor
+        self.tokenizer = tokenizer  # mlx-lm's wrapper around the same tokenizer
+        self.max_pixels = max_pixels
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        decoded: dict[int, Any] | None = None,
+    ) -> tuple[list[int], dict[str, Any] | None]:
+        """Prompt ids (image placeholders expanded to the image's tokens) and the vision
+        inputs to generate with (None: no image in the prompt).
+
+        ``messages`` are chat-template messages whose content may be a list of parts;
+        an image part carries its :class:`ImageInput` under ``image``. ``decoded``
+        keeps decoded pictures across the renders of one request (trimming renders
+        several times).
+        """
+        from mlx_vlm.utils import prepare_inputs
+
+        pictures: list[Any] = []
+        plain: list[dict[str, Any]] = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") == "image":
+                        pictures.append(self._picture(part["image"], decoded))
+                        parts.append({"type": "image"})
+                    else:
+                        parts.append(part)
+                message = {**message, "content": parts}
+            plain.append(dict(message))
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            kwargs["tools"] = list(tools)
+        text = self.tokenizer.apply_chat_template(
+            plain, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+        if not pictures:
+            return list(self.tokenizer.encode(text, add_special_tokens=False)), None
+        inputs = prepare_inputs(
+            self.processor,
+            images=pictures,
+            prompts=[text],
+            image_token_index=getattr(self.model.config, "image_token_index", None),
+            add_special_tokens=False,
+        )
+        ids = [int(t) for t in np.array(inputs["input_ids"]).reshape(-1)]
+        vision = {k: v for k, v in inputs.items() if k not in _TEXT_KEYS and v is not None}
+        return ids, vision
+
+    def _picture(self, image: ImageInput, decoded: dict[int, Any] | None) -> Any:
+        if decoded is not None and id(image) in decoded:
+            return decoded[id(image)]
+        picture = image_decoding.decode(image, self.max_pixels)
+        if decoded is not None:
+            decoded[id(image)] = picture
+        return picture

@@ -1,0 +1,1 @@
+"""The handlers: HTTP framing around the service and the dialects."""

@@ -1,0 +1,88 @@
+"""A turn's server-sent events on the wire: when the 200 goes out, and what keeps a quiet
+stream alive.
+
+A handler encodes each batch of a run's events and writes it here; whether a failure is
+still a plain error or already an error event depends on whether the stream was opened,
+which is this object's to say (:attr:`EventStream.opened`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from sanic import Request
+
+from afmd.dialects.dialect import KeepsAlive, OwnMediaType, ReplyEncoder
+
+
+class EventStream:
+    """A turn's SSE response. Its status line waits for the first batch of events (until
+    then any failure is a plain error), unless the dialect keeps quiet streams alive
+    (:class:`~afmd.dialects.dialect.KeepsAlive`): then a wait past its interval (queued, a
+    long prefill) opens the stream and sends its keep-alive, again after every quiet
+    interval, and a later failure is an error event like any after the stream began."""
+
+    __slots__ = ("_closed", "_first", "_headers", "_last", "_lock", "_media_type", "_pinger",
+                 "_request", "_response", "sent")
+
+    def __init__(self, request: Request, reply: ReplyEncoder, headers: dict[str, str]) -> None:
+        self._request = request
+        self._first = reply.stream_start()  # before any batch is encoded, as replies expect
+        self._headers = headers
+        self._media_type = (reply.media_type if isinstance(reply, OwnMediaType)
+                            else "text/event-stream")
+        self._response: Any = None
+        self._lock = asyncio.Lock()  # one write at a time: a batch, or a keep-alive
+        self._last = time.monotonic()
+        self._closed = False
+        self._pinger: asyncio.Task[None] | None = None
+        self.sent = 0
+        if isinstance(reply, KeepsAlive):
+            self._pinger = asyncio.create_task(
+                self._keep_alive(reply.keepalive_interval, reply.keepalive()))
+
+    @property
+    def opened(self) -> bool:
+        return self._response is not None
+
+    async def write(self, data: bytes, *, last: bool = False) -> None:
+        """Send ``data``; ``last``: nothing but this follows (no keep-alive after it)."""
+        if last:
+            self.stop()
+        async with self._lock:
+            await self._send(data)
+
+    async def _send(self, data: bytes) -> None:
+        if self._response is None:
+            self._request.ctx.streamed = True
+            self._response = await self._request.respond(
+                status=200, headers=self._headers, content_type=self._media_type)
+            data = self._first + data
+        self._last = time.monotonic()
+        self.sent += len(data)
+        await self._response.send(data)
+
+    async def _keep_alive(self, interval: float, ping: bytes) -> None:
+        """Send ``ping`` whenever ``interval`` seconds pass without a write."""
+        try:
+            while True:
+                await asyncio.sleep(max(0.0, self._last + interval - time.monotonic()))
+                async with self._lock:
+                    if self._closed:
+                        return
+                    if time.monotonic() - self._last >= interval:
+                        await self._send(ping)
+        except Exception:  # the connection went away: the handler learns it itself
+            return
+
+    def stop(self) -> None:
+        """No more keep-alives. A keep-alive being written is left to finish (cut short,
+        the stream would be left mid-event); a waiting one ends at once."""
+        self._closed = True
+        if self._pinger is not None and not self._lock.locked():
+            self._pinger.cancel()
+
+    async def eof(self) -> None:
+        await self._response.eof()

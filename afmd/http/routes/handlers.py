@@ -1,0 +1,257 @@
+"""The API's handlers: HTTP framing around the pipeline, and nothing else.
+
+A turn's route names its dialect (``ctx_dialect``, :mod:`afmd.dialects`): the handler
+parses the body with it, prepares and runs the turn, and has it encode the run's events,
+so one handler serves every dialect and the wire formats live in their adapters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import orjson
+from sanic import Request
+from sanic.response import HTTPResponse
+
+from afmd.core.events import Event
+from afmd.core.ids import new_request_id
+from afmd.core.request import ChatRequest, CompletionRequest
+from afmd.dialects.dialect import Dialect, ReplyEncoder
+from afmd.errors import APIError, InvalidRequestError, NotFoundError, ServiceUnavailableError
+from afmd.http.access import log_access
+from afmd.http.routes.event_stream import EventStream
+from afmd.http.routes.ignored import ignored_headers
+from afmd.http.routes.state_routes import STATE_ROUTES, StateRoute, get_model
+from afmd.service.choices import ChoicesRun
+from afmd.service.completion_prompts import PreparedCompletion
+from afmd.service.completion_run import CompletionRun
+from afmd.service.pipeline import ChatPipeline, ChatRun, PreparedChat
+from afmd.service.profiling import parse_profile_header
+
+# The state routes live in afmd.http.routes.state_routes; app.py, the connection protocol and the
+# tests find them here too.
+__all__ = ["SSE_HEADERS", "STATE_ROUTES", "StateRoute", "cancel", "dialect_of",
+           "get_model", "interrupt_requests", "json_response", "request_id_of",
+           "server_stopping_error", "turn"]
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+SSE_HEADERS = {
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+def json_response(
+    payload: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> HTTPResponse:
+    return HTTPResponse(
+        orjson.dumps(payload), status=status, headers=headers, content_type="application/json"
+    )
+
+
+def request_id_of(request: Request) -> str:
+    """The client's X-Request-ID when it is a sane token; otherwise a fresh one."""
+    rid = getattr(request.ctx, "request_id", None)
+    if rid:
+        return rid
+    sent = request.headers.get("x-request-id") or None  # empty means absent
+    if sent is not None and not _REQUEST_ID.fullmatch(sent):
+        raise InvalidRequestError(
+            "X-Request-ID must be 1-128 characters among A-Z, a-z, 0-9, '.', '_', ':' and '-'.",
+            code="invalid_value",
+            param="X-Request-ID",
+        )
+    rid = sent or new_request_id()
+    request.ctx.request_id = rid
+    return rid
+
+
+def dialect_of(request: Request | None) -> Dialect[Any] | None:
+    """The dialect of the route ``request`` matched (None: not a turn's route), whichever
+    kind of request it reads."""
+    route = getattr(request, "route", None) if request is not None else None
+    return getattr(route.ctx, "dialect", None) if route is not None else None
+
+
+def _response_headers(
+    prepared: PreparedChat | PreparedCompletion, extra: dict[str, str]
+) -> dict[str, str]:
+    headers = {"X-Request-ID": prepared.request_id, "OpenAI-Request-ID": prepared.request_id,
+               **extra}
+    if prepared.plan.downgraded:
+        headers["X-Grammar-Constraints"] = "downgraded"
+    if prepared.trimmed:
+        headers["X-AFM-Trimmed-Messages"] = str(prepared.trimmed)
+    return headers
+
+
+def server_stopping_error() -> ServiceUnavailableError:
+    """What a request still running when the shutdown grace period ends is told."""
+    return ServiceUnavailableError(
+        "The server is stopping; the request was ended before it completed. Retry it "
+        "when the server is back.",
+        code="server_shutting_down",
+    )
+
+
+def interrupt_requests(state: Any, error: APIError) -> None:
+    """End every chat request still running with ``error`` (the server is stopping).
+
+    Queued runs leave the queue and generations are cancelled; each handler then answers
+    ``error`` as it answers any failure (a plain error before the 200, an error event and
+    the stream's end after it) and its connection goes idle. Safe to call repeatedly: a
+    run that started a new round meanwhile (server tools) is caught by the next call.
+    """
+    state.stop_error = error
+    for request_id in list(state.running):
+        run = state.pipeline.find(request_id)
+        if run is None or run.finished:
+            continue
+        generation = run.generation
+        if generation is None:
+            run.ticket.cancel()  # still queued: start() returns it without a generation
+        elif not generation.done:
+            run.prepared.model.cancel(generation)
+            generation.fail(error)  # wakes its consumer now, even mid-prefill
+
+
+async def _next_batch(
+    state: Any, run: ChatRun | ChoicesRun | CompletionRun, batches: AsyncIterator[list[Event]]
+) -> list[Event]:
+    """The run's next batch of events; a run the shutdown cancelled fails with its error."""
+    batch = await anext(batches)
+    stop = state.stop_error
+    if stop is not None and run.finished and run.finish_reason == "cancelled":
+        raise stop
+    return batch
+
+
+def _note_end(request: Request, run: ChatRun | ChoicesRun | CompletionRun) -> None:
+    request.ctx.usage = run.usage
+    request.ctx.run = run  # its model and engine timings, for /metrics
+    request.ctx.finish_reason = run.finish_reason
+
+
+async def turn(request: Request, parsed: ChatRequest | CompletionRequest | None = None
+               ) -> HTTPResponse | None:
+    """One turn in the dialect of the route: parse, prepare, run, encode (``parsed``: the
+    body as the dialect already read it, for a route that looked at it first)."""
+    dialect = dialect_of(request)
+    assert dialect is not None, "a turn's route names its dialect (ctx_dialect)"
+    state = request.app.ctx.state
+    pipeline: ChatPipeline = state.pipeline
+    request_id = request_id_of(request)
+    chat = parsed if parsed is not None else dialect.parse(
+        request.body, server_tools=pipeline.server_tools.names, strict=state.config.api.strict)
+    request.ctx.model = chat.model
+    extra = ignored_headers(chat.ignored_fields, request_id)
+    prepared = await pipeline.prepare(
+        chat,
+        request_id,
+        received_at=getattr(request.ctx, "started", None),
+        profile=parse_profile_header(request.headers.get("x-afm-profile")),
+    )
+    request.ctx.model = prepared.model_name
+    reply = dialect.reply(chat, model=prepared.model_name, fingerprint=prepared.fingerprint)
+    if state.stop_error is not None:
+        pipeline.discard(prepared)
+        raise state.stop_error
+    # From here until it is released, interrupt_requests() finds the run by this id
+    # (start() registers it before it can wait in the queue).
+    state.running[request_id] += 1
+    try:
+        if chat.stream:
+            await _stream(request, prepared, reply, extra)
+            return None
+        run = await pipeline.start(prepared)
+        try:
+            async with aclosing(aiter(run)) as batches:
+                return await _complete(request, run, batches, reply, extra)
+        finally:
+            pipeline.release(run)
+    finally:
+        state.running[request_id] -= 1
+        if not state.running[request_id]:
+            del state.running[request_id]
+
+
+async def _complete(
+    request: Request, run: ChatRun | ChoicesRun | CompletionRun,
+    batches: AsyncIterator[list[Event]], reply: ReplyEncoder, extra: dict[str, str],
+) -> HTTPResponse:
+    state = request.app.ctx.state
+    events: list[Event] = []
+    while not run.finished:
+        events += await _next_batch(state, run, batches)
+    _note_end(request, run)
+    return HTTPResponse(reply.body(events), headers=_response_headers(run.prepared, extra),
+                        content_type="application/json")
+
+
+async def _stream(
+    request: Request, prepared: PreparedChat | PreparedCompletion, reply: ReplyEncoder,
+    extra: dict[str, str],
+) -> None:
+    state = request.app.ctx.state
+    pipeline: ChatPipeline = state.pipeline
+    out = EventStream(request, reply, {**SSE_HEADERS, **_response_headers(prepared, extra)})
+    try:
+        try:
+            run = await pipeline.start(prepared)
+            try:
+                async with aclosing(aiter(run)) as batches:
+                    while True:
+                        batch = await _next_batch(state, run, batches)
+                        data = reply.stream(batch)
+                        if run.finished:
+                            _note_end(request, run)
+                            data += reply.stream_end()
+                        await out.write(data, last=run.finished)
+                        if run.finished:
+                            break
+            finally:
+                pipeline.release(run)
+        finally:
+            out.stop()
+    except APIError as exc:
+        if not out.opened:
+            raise  # nothing was sent: a plain error
+        request.ctx.stream_error = exc.code
+        request.ctx.error = exc
+        await out.write(reply.stream_error(exc))
+    except asyncio.CancelledError:
+        # The connection went away under the stream: the 200 stays, the line says why.
+        if out.opened:
+            if state.stop_error is not None:  # closed by the shutdown, past its last chance
+                request.ctx.stream_error = state.stop_error.code
+            else:
+                request.ctx.disconnected = True
+        raise
+    finally:
+        if out.opened:
+            log_access(request, 200, out.sent)
+    await out.eof()
+
+
+async def cancel(request: Request, request_id: str) -> HTTPResponse:
+    state = request.app.ctx.state
+    run = state.pipeline.find(request_id)
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.cancellation",
+    }
+    if run is None or run.finished:
+        err = NotFoundError(
+            f"No running request has the id '{request_id}'.", code="not_found", param=None
+        )
+        body["cancelled"] = False
+        body.update(err.envelope())
+        return json_response(body, status=404)
+    run.cancel()
+    body["cancelled"] = True
+    return json_response(body)

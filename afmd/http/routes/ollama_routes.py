@@ -1,0 +1,319 @@
+"""Ollama's native routes on afmd's endpoint (and on ``[ollama] port``'s listener).
+
+``/api/chat`` and ``/api/generate`` are turns like chat's (:func:`afmd.http.routes.handlers.turn`,
+in :mod:`afmd.dialects.ollama.ollama_api`), after one look at the body: one without messages (or
+without a prompt) only loads its model, or with ``keep_alive: 0`` unloads it, as Ollama's
+clients use it. Embeddings go through the same service as ``/v1/embeddings``; the model
+routes read :mod:`afmd.http.routes.ollama_models`; ``/api/pull`` downloads through ``afmd pull``'s
+own code, its progress as Ollama's objects. Every route names an Ollama dialect, so each
+error, the gate's refusals included, is ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from sanic import Request, Sanic
+from sanic.response import HTTPResponse
+
+from afmd.core.events import Usage
+from afmd.dialects.fields.body import parse_json_body
+from afmd.dialects.fields.checks import Scalar, read_scalars
+from afmd.dialects.fields.keep_alive import keep_alive_of
+from afmd.dialects.ollama.embed_body import (
+    embed_body,
+    embed_request,
+    embeddings_body,
+    embeddings_request,
+)
+from afmd.dialects.ollama.ollama_api import (
+    MEDIA_TYPE,
+    OLLAMA,
+    OLLAMA_CHAT,
+    OLLAMA_GENERATE,
+    load_answer,
+    ndjson,
+)
+from afmd.dialects.ollama.ollama_body import chat_request, generate_request, is_load_request
+from afmd.engine.models.kinds import EMBEDDING
+from afmd.errors import ConflictError, InvalidRequestError, NotFoundError
+from afmd.http.access import log_access
+from afmd.http.routes import handlers as routes
+from afmd.http.routes import ollama_models
+from afmd.http.routes.embedding_routes import service_of
+from afmd.http.routes.ignored import ignored_headers
+from afmd.hub import cache as hubcache
+
+if TYPE_CHECKING:  # imported where a pull runs: the hub client is heavy
+    from afmd.hub.download import RemoteFile
+
+__all__ = ["ROOT_TEXT", "VERSION", "add_routes"]
+
+#: What ``/api/version`` reports: the Ollama API afmd speaks (clients gate features on it,
+#: GitHub Copilot's Ollama provider on 0.6.4 or later).
+VERSION = "0.12.0"
+#: ``GET /``'s answer, which Ollama's clients probe for.
+#: ``GET /``'s answer to a client that is not a browser: Ollama's clients probe for it.
+ROOT_TEXT = "Ollama is running"
+
+_MODEL = (Scalar("model", "string", required=True),)
+_PULL = (Scalar("model", "string", required=True), Scalar("stream", "boolean", default=True))
+
+
+def add_routes(app: Sanic) -> None:
+    app.add_route(chat, "/api/chat", methods=["POST"], name="ollama_chat",
+                  ctx_dialect=OLLAMA_CHAT)
+    app.add_route(generate, "/api/generate", methods=["POST"], name="ollama_generate",
+                  ctx_dialect=OLLAMA_GENERATE)
+    for handler, path, method in (
+        (embed, "/api/embed", "POST"), (embeddings, "/api/embeddings", "POST"),
+        (tags, "/api/tags", "GET"), (show, "/api/show", "POST"), (ps, "/api/ps", "GET"),
+        (pull, "/api/pull", "POST"), (delete, "/api/delete", "DELETE"),
+        (version, "/api/version", "GET"),
+    ):
+        methods = [method, "HEAD"] if method == "GET" else [method]
+        app.add_route(handler, path, methods=methods,
+                      name="ollama_" + path.rsplit("/", 1)[1], ctx_dialect=OLLAMA)
+
+
+def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None
+          ) -> HTTPResponse:
+    return HTTPResponse(orjson.dumps(payload), status=status, headers=headers,
+                        content_type="application/json")
+
+
+# ---------------------------------------------------------------------------- turns
+
+
+async def chat(request: Request) -> HTTPResponse | None:
+    state = request.app.ctx.state
+    body = parse_json_body(request.body)
+    if is_load_request(body, chat=True):
+        return await _load(request, body, chat=True)
+    parsed = chat_request(body, server_tools=state.pipeline.server_tools.names,
+                          strict=state.config.api.strict)
+    return await routes.turn(request, parsed)
+
+
+async def generate(request: Request) -> HTTPResponse | None:
+    state = request.app.ctx.state
+    body = parse_json_body(request.body)
+    if is_load_request(body, chat=False):
+        return await _load(request, body, chat=False)
+    return await routes.turn(request, generate_request(body, strict=state.config.api.strict))
+
+
+async def _load(request: Request, body: dict[str, Any], *, chat: bool) -> HTTPResponse:
+    """Load the model (its keep-alive from the request), or with ``keep_alive`` 0 unload
+    it once idle: nothing is generated."""
+    registry = request.app.ctx.state.registry
+    name = read_scalars(body, _MODEL)["model"]
+    keep_alive = keep_alive_of(body)
+    request.ctx.model = name
+    entry = registry.resolve(name)
+    reason = "load"
+    if keep_alive == 0:
+        reason = "unload"
+        if registry.loaded(entry.id) is None:
+            return HTTPResponse(load_answer(name, chat=chat, reason=reason),
+                                content_type="application/json")
+    lease = await registry.lease(entry, registry.kind_of(entry), keep_alive=keep_alive)
+    lease.release()
+    return HTTPResponse(load_answer(name, chat=chat, reason=reason),
+                        content_type="application/json")
+
+
+# ---------------------------------------------------------------------------- embeddings
+
+
+async def embed(request: Request) -> HTTPResponse:
+    return await _embed(request, legacy=False)
+
+
+async def embeddings(request: Request) -> HTTPResponse:
+    return await _embed(request, legacy=True)
+
+
+async def _embed(request: Request, *, legacy: bool) -> HTTPResponse:
+    state = request.app.ctx.state
+    started = time.perf_counter()
+    request_id = routes.request_id_of(request)
+    body = parse_json_body(request.body)
+    strict = state.config.api.strict
+    parsed = embeddings_request(body, strict=strict) if legacy else embed_request(
+        body, strict=strict)
+    request.ctx.model = parsed.model
+    extra = ignored_headers(parsed.ignored_fields, request_id)
+    if state.stop_error is not None:
+        raise state.stop_error
+    # The model first, timed: Ollama reports its load apart.
+    entry = service_of(request.app).entry_for(parsed.model)
+    await state.registry.get(entry, EMBEDDING)
+    loaded_at = time.perf_counter()
+    result = (await service_of(request.app).embed(parsed, request_id)
+              if parsed.inputs else None)
+    request.ctx.usage = Usage(result.prompt_tokens if result else 0, 0)
+    headers = {"X-Request-ID": request_id, **extra}
+    if legacy:
+        return HTTPResponse(embeddings_body(result), headers=headers,
+                            content_type="application/json")
+    total = time.perf_counter() - started
+    return HTTPResponse(embed_body(result, parsed.model or entry.id, total=total,
+                                   load=loaded_at - started),
+                        headers=headers, content_type="application/json")
+
+
+# ---------------------------------------------------------------------------- models
+
+
+async def tags(request: Request) -> HTTPResponse:
+    state = request.app.ctx.state
+    listed = ollama_models.listed(state)
+
+    def build() -> list[dict[str, Any]]:
+        return [ollama_models.tag_object(state, name, entry) for name, entry in listed]
+
+    return _json({"models": await asyncio.to_thread(build)})
+
+
+async def show(request: Request) -> HTTPResponse:
+    state = request.app.ctx.state
+    body = parse_json_body(request.body)
+    if "model" not in body and isinstance(body.get("name"), str):
+        body["model"] = body["name"]  # Ollama's older spelling
+    name = read_scalars(body, _MODEL)["model"]
+    request.ctx.model = name
+    entry = state.registry.resolve(name)
+    return _json(await asyncio.to_thread(ollama_models.show, state, name, entry))
+
+
+async def ps(request: Request) -> HTTPResponse:
+    return _json({"models": ollama_models.loaded_models(request.app.ctx.state)})
+
+
+async def version(request: Request) -> HTTPResponse:
+    return _json({"version": VERSION})
+
+
+async def delete(request: Request) -> HTTPResponse:
+    """Delete a downloaded model from the Hugging Face cache (not one the server has
+    loaded, and never a configured folder: only what ``afmd rm`` deletes)."""
+    state = request.app.ctx.state
+    body = parse_json_body(request.body)
+    if "model" not in body and isinstance(body.get("name"), str):
+        body["model"] = body["name"]
+    name = read_scalars(body, _MODEL)["model"]
+    request.ctx.model = name
+    entry = state.registry.resolve(name)
+    repo = entry.path
+    if not hubcache.REPO_ID.match(repo):
+        raise InvalidRequestError(f"model '{name}' is not a download ({repo}): only models in "
+                                  "the Hugging Face cache can be deleted; take a configured "
+                                  "one out of the configuration instead", param="model")
+    cached = hubcache.inspect(repo)
+    if cached is None:
+        raise NotFoundError(f"model '{name}' not found: only models downloaded into the "
+                            "Hugging Face cache can be deleted", code="model_not_found",
+                            param="model")
+    if state.registry.loaded(entry.id) is not None:
+        raise ConflictError(f"model '{name}' is loaded; unload it first (a request with "
+                            "keep_alive 0) or wait for its keep-alive to end",
+                            code="model_in_use", param="model")
+    await asyncio.to_thread(hubcache.remove, repo)
+    return HTTPResponse(status=200)
+
+
+# ---------------------------------------------------------------------------- pull
+
+
+def _digest(remote: RemoteFile) -> str:
+    return f"sha256:{remote.sha256}" if remote.sha256 else f"sha1:{remote.blob_id}"
+
+
+async def pull(request: Request) -> HTTPResponse | None:
+    """Download a model (a Hugging Face repo id, ``:latest`` allowed) with ``afmd pull``'s
+    checks, reporting Ollama's progress objects: ``pulling manifest``, per file ``pulling
+    <digest>`` with ``total`` and ``completed`` bytes, ``verifying sha256 digest``,
+    ``writing manifest``, ``success``."""
+    from afmd.hub.download import PullError, parse_ref
+    from afmd.hub.download import pull as pull_model
+
+    body = parse_json_body(request.body)
+    if "model" not in body and isinstance(body.get("name"), str):
+        body["model"] = body["name"]
+    values = read_scalars(body, _PULL)
+    name = values["model"]
+    request.ctx.model = name
+    try:
+        parse_ref(name.removesuffix(ollama_models.TAG))
+    except PullError as exc:
+        raise InvalidRequestError(str(exc), param="model") from None
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    def put(item: dict[str, Any] | None) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    last_sent: dict[str, float] = {}
+
+    def report(remote: RemoteFile, done: int, total: int | None) -> None:
+        digest = _digest(remote)
+        now = time.monotonic()
+        total = total or remote.size
+        if now - last_sent.get(digest, -1.0) >= 0.2 or done >= total:  # a few a second
+            last_sent[digest] = now
+            put({"status": f"pulling {digest.split(':', 1)[1][:12]}", "digest": digest,
+                 "total": total, "completed": done})
+
+    def work() -> None:
+        try:
+            pull_model(name.removesuffix(ollama_models.TAG), out=_Discard(), terminal=False,
+                       report=report)
+        except PullError as exc:
+            put({"error": str(exc)})
+        except Exception as exc:  # the hub client's own failure, named as it is
+            put({"error": f"{type(exc).__name__}: {exc}"})
+        else:
+            for status in ("verifying sha256 digest", "writing manifest", "success"):
+                put({"status": status})
+        finally:
+            put(None)
+
+    put({"status": "pulling manifest"})
+    task = asyncio.create_task(asyncio.to_thread(work))
+    if not values["stream"]:
+        last: dict[str, Any] = {}
+        while (item := await queue.get()) is not None:
+            last = item
+        await task
+        if "error" in last:
+            raise InvalidRequestError(last["error"], code="pull_failed", param="model")
+        return _json({"status": "success"})
+    request.ctx.streamed = True
+    response = await request.respond(status=200, content_type=MEDIA_TYPE)
+    sent = 0
+    try:
+        while (item := await queue.get()) is not None:
+            if "error" in item:
+                request.ctx.stream_error = "pull_failed"
+            line = ndjson(item)
+            sent += len(line)
+            await response.send(line)
+        await response.eof()
+    finally:
+        log_access(request, 200, sent)
+    await task
+    return None
+
+
+class _Discard(io.StringIO):
+    """Where ``afmd pull``'s text goes when its progress is reported as objects (a text
+    stream, as the progress bars expect, that keeps nothing; not a terminal)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+

@@ -1,0 +1,156 @@
+"""The Responses API's routes: the turn itself, and the stored responses around it.
+
+``POST /v1/responses`` is a turn like any other (:func:`afmd.http.routes.handlers.turn` with the
+Responses adapter). The others read the adapter's store: retrieve, delete, list a
+response's input items; count an input's tokens; cancel a running response by the
+``X-Request-ID`` it was sent with (afmd has no background responses, so a stored response
+is always finished and a ``resp_`` id names nothing to cancel). Every route is registered
+on the app, so the gate screens them as all others (Host, Origin, key, media type, size),
+and every error is in the adapter's envelope, OpenAI's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sanic import Request, Sanic
+from sanic.response import HTTPResponse
+
+from afmd.config.load import Config
+from afmd.dialects.responses.responses_api import OpenAIResponses
+from afmd.dialects.responses.store import ResponseStore
+from afmd.errors import InvalidRequestError, NotFoundError
+from afmd.http.routes import handlers as routes
+from afmd.http.routes.handlers import json_response, request_id_of
+from afmd.http.routes.ignored import ignored_headers
+from afmd.paths import cache_dir
+
+#: Where ``[responses] persist`` keeps them.
+STORE_FOLDER = "responses"
+
+
+def _dialect(request: Request) -> OpenAIResponses:
+    dialect = routes.dialect_of(request)
+    assert isinstance(dialect, OpenAIResponses), "registered with ctx_dialect"
+    return dialect
+
+
+def _not_found(response_id: str) -> NotFoundError:
+    return NotFoundError(
+        f"No stored response has the id '{response_id}' (it was never stored, was deleted, "
+        "or expired).", code="response_not_found", param="response_id")
+
+
+async def stored_response(request: Request, response_id: str) -> HTTPResponse:
+    """``GET`` or ``DELETE`` one stored response (one route for both methods, so that a
+    405 lists both in ``Allow``)."""
+    if request.method == "DELETE":
+        return await delete(request, response_id)
+    return await retrieve(request, response_id)
+
+
+async def retrieve(request: Request, response_id: str) -> HTTPResponse:
+    stored = _dialect(request).store.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    if request.args.get("stream") in ("true", "1"):
+        raise InvalidRequestError("Streaming a stored response again is not supported: afmd "
+                                  "keeps the response, not its events.", param="stream")
+    return json_response(stored.response)
+
+
+async def delete(request: Request, response_id: str) -> HTTPResponse:
+    if not _dialect(request).store.delete(response_id):
+        raise _not_found(response_id)
+    return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+def _limit(request: Request) -> int:
+    raw = request.args.get("limit")
+    if raw is None:
+        return 20
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        raise InvalidRequestError(
+            f"Invalid 'limit': '{raw[:20]}'; expected an integer from 1 to 100.", param="limit")
+    return int(raw)
+
+
+async def input_items(request: Request, response_id: str) -> HTTPResponse:
+    """The response's input items (``ResponseItemList``), paged as OpenAI pages lists."""
+    stored = _dialect(request).store.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    limit = _limit(request)
+    order = request.args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequestError(
+            f"Invalid 'order': '{order[:20]}'; supported values are 'asc' and 'desc'.",
+            param="order")
+    items = list(stored.input_items if order == "asc" else reversed(stored.input_items))
+    after = request.args.get("after")
+    if after is not None:
+        index = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if index is None:
+            raise InvalidRequestError(
+                f"Invalid 'after': no input item of '{response_id}' has the id "
+                f"'{after[:100]}'.", param="after")
+        items = items[index + 1:]
+    page = items[:limit]
+    return json_response({
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    })
+
+
+async def input_tokens(request: Request) -> HTTPResponse:
+    """How many tokens the input would take (``TokenCountsResource``)."""
+    request_id = request_id_of(request)  # a bad X-Request-ID is refused here as everywhere
+    state = request.app.ctx.state
+    pipeline = state.pipeline
+    parsed = _dialect(request).parse_count(request.body,
+                                           server_tools=pipeline.server_tools.names,
+                                           strict=state.config.api.strict)
+    request.ctx.model = parsed.model
+    count = await pipeline.count(parsed)
+    return json_response({"object": "response.input_tokens", "input_tokens": count},
+                         headers=ignored_headers(parsed.ignored_fields, request_id))
+
+
+async def cancel(request: Request, request_id: str) -> HTTPResponse:
+    """Cancel a running response by its ``X-Request-ID``: it ends with status
+    ``cancelled``, streamed or not."""
+    run = request.app.ctx.state.pipeline.find(request_id)
+    body: dict[str, Any] = {"id": request_id, "object": "response.cancellation"}
+    if run is None or run.finished:
+        error = NotFoundError(
+            f"No running request has the id '{request_id}' (cancel by the X-Request-ID the "
+            "response was sent with; a stored response is already finished).",
+            code="not_found", param=None)
+        body["cancelled"] = False
+        body.update(error.envelope())
+        return json_response(body, status=404)
+    run.cancel()
+    body["cancelled"] = True
+    return json_response(body)
+
+
+def add_routes(app: Sanic, config: Config) -> OpenAIResponses:
+    """Register the routes on ``app``, over a store made from ``config``."""
+    settings = config.responses
+    folder = cache_dir() / STORE_FOLDER if settings.persist else None
+    dialect = OpenAIResponses(ResponseStore(settings.max_stored, settings.ttl, folder,
+                                               max_bytes=settings.max_stored_bytes))
+    for path, name in (("/v1/responses", "responses"), ("/responses", "responses_root")):
+        app.add_route(routes.turn, path, methods=["POST"], name=name, ctx_dialect=dialect)
+    app.add_route(input_tokens, "/v1/responses/input_tokens", methods=["POST"],
+                  name="responses_input_tokens", ctx_dialect=dialect)
+    app.add_route(stored_response, "/v1/responses/<response_id:str>",
+                  methods=["GET", "DELETE"], name="responses_stored", ctx_dialect=dialect)
+    app.add_route(input_items, "/v1/responses/<response_id:str>/input_items",
+                  methods=["GET"], name="responses_input_items", ctx_dialect=dialect)
+    app.add_route(cancel, "/v1/responses/<request_id:str>/cancel", methods=["POST"],
+                  name="responses_cancel", ctx_dialect=dialect)
+    return dialect

@@ -1,0 +1,1 @@
+"""The HTTP edge without I/O: bytes in, decisions out (no Sanic, no asyncio)."""

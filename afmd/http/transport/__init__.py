@@ -1,0 +1,1 @@
+"""Sockets and connections: listeners, the connection gate's caps, healing."""

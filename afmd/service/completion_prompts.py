@@ -1,0 +1,179 @@
+"""A Completions request made ready to run: its prompts as token ids, no chat template.
+
+Each prompt is tokenized as given, after the model's BOS where its tokenizer adds one
+(token-id prompts are used as they are); with a ``suffix`` it becomes the model family's
+fill-in-the-middle prompt (:mod:`afmd.service.fim`), and the family's end markers end it unseen.
+Every prompt must fit the context with ``max_tokens`` and every token id must exist,
+checked before anything is queued, each refusal naming its prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from afmd.config.load import ModelEntry
+from afmd.core.request import CompletionRequest
+from afmd.engine.batch.penalties import check_logit_bias
+from afmd.engine.models.loaded import LoadedModel
+from afmd.errors import InvalidRequestError
+from afmd.service import fim
+from afmd.service.turn import TurnPlan
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionPrompt:
+    """One choice's prompt: the ids the model sees and what ``echo`` shows of them."""
+
+    ids: list[int]
+    echo: str | None  # the prompt's text when echoed (None: not echoed)
+    lead: int = 0  # ids afmd put before the client's text (the BOS): echoed as nothing
+    max_tokens: int = 16  # the request's, or what the context leaves when that is a cap
+    choice: int = 0  # which of the prompt's ``n`` completions (its seed's offset)
+
+
+@dataclass(slots=True)
+class PreparedCompletion:
+    """A Completions request ready to queue: one slot, one generation per prompt."""
+
+    request_id: str
+    request: CompletionRequest
+    model: LoadedModel
+    prompts: list[CompletionPrompt]
+    stop_ids: tuple[int, ...]  # fill-in-the-middle end tokens
+    stops: tuple[str, ...]  # the client's stop sequences (and multi-token FIM ends)
+    model_name: str
+    fingerprint: str
+    deadline: float  # time.monotonic()
+    received_at: float  # time.perf_counter()
+    profile: str | None = None
+    load_seconds: float = 0.0  # as PreparedChat's
+    # What the response headers read of a chat turn's plan: nothing is ever downgraded.
+    plan: TurnPlan = field(default_factory=TurnPlan)
+    trimmed: int = 0
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.prompts[0].ids
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Each prompt once, however many completions it has (as OpenAI counts ``n``)."""
+        return sum(len(p.ids) for p in self.prompts if p.choice == 0)
+
+
+async def prepare_completion(
+    model: LoadedModel,
+    entry: ModelEntry,
+    request: CompletionRequest,
+    request_id: str,
+    *,
+    fingerprint: str,
+    deadline: float,
+    received_at: float | None,
+    profile: str | None,
+) -> PreparedCompletion:
+    check_logit_bias(request.logit_bias, model.vocab_size, entry.id)
+    stop_ids: tuple[int, ...] = ()
+    stops = request.stop
+    plan = None
+    if request.suffix is not None:
+        plan = fim.plan_for(model.tokenizer, entry.fim)
+        if plan is None:
+            raise InvalidRequestError(
+                f"The model '{entry.id}' has no fill-in-the-middle format: its tokenizer "
+                "has no FIM marker tokens and its configuration names none (the model's "
+                "'fim' setting). Send the prompt without 'suffix', or use a code model.",
+                code="fim_not_supported",
+                param="suffix",
+            )
+        stop_ids = plan.end_ids
+        stops = tuple(dict.fromkeys((*request.stop, *plan.end_texts)))
+    prompts = await asyncio.to_thread(_prompts, model, request, plan)
+    return PreparedCompletion(
+        request_id=request_id,
+        request=request,
+        model=model,
+        prompts=prompts,
+        stop_ids=stop_ids,
+        stops=stops,
+        model_name=request.model or entry.id,
+        fingerprint=fingerprint,
+        deadline=deadline,
+        received_at=received_at if received_at is not None else time.perf_counter(),
+        profile=profile,
+    )
+
+
+def _prompts(
+    model: LoadedModel, request: CompletionRequest, plan: fim.FimPlan | None
+) -> list[CompletionPrompt]:
+    """Every prompt tokenized and checked (CPU work: run off the event loop)."""
+    tokenizer = model.tokenizer
+    several = len(request.prompts) > 1
+    out: list[CompletionPrompt] = []
+    for i, prompt in enumerate(request.prompts):
+        param = f"prompt[{i}]" if several else "prompt"
+        if not isinstance(prompt, str):
+            _check_ids(model, prompt, param)
+        lead = 0
+        if plan is not None:
+            prefix = prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))
+            ids = fim.build_prompt(tokenizer, plan, prefix, request.suffix or "")
+        elif isinstance(prompt, str):
+            ids = fim.encode_text(tokenizer, prompt)
+            lead = len(ids) - len(tokenizer.encode(prompt, add_special_tokens=False))
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError(
+                f"'{param}' is empty: the model needs at least one token to continue from.",
+                code="invalid_value",
+                param=param,
+            )
+        max_tokens = _fitted(model, request, len(ids), param)
+        echo = None
+        if request.echo:
+            echo = prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))
+        out.extend(CompletionPrompt(ids, echo, max(lead, 0), max_tokens, choice)
+                   for choice in range(request.n))
+    return out
+
+
+def _check_ids(model: LoadedModel, ids: tuple[int, ...], param: str) -> None:
+    vocab = model.vocab_size
+    for j, token in enumerate(ids):
+        if token >= vocab:
+            raise InvalidRequestError(
+                f"Invalid token id {token} in '{param}': the model's vocabulary has ids "
+                f"0-{vocab - 1}.",
+                code="invalid_value",
+                param=f"{param}[{j}]",
+            )
+
+
+def _fitted(model: LoadedModel, request: CompletionRequest, prompt: int, param: str) -> int:
+    """The completion's token budget: the request's, which must fit the context window
+    with the prompt, or when it is only a cap, what the window leaves (at least one)."""
+    limit = model.context_length
+    if request.context_window is not None:
+        limit = min(limit, request.context_window)
+    if request.max_tokens_shrinks:
+        left = limit - prompt
+        if left < 1:
+            _check_fits(limit, prompt, 1, param)
+        return min(request.max_tokens, left)
+    _check_fits(limit, prompt, request.max_tokens, param)
+    return request.max_tokens
+
+
+def _check_fits(limit: int, prompt: int, completion: int, param: str) -> None:
+    if prompt + completion > limit:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens, however you requested "
+            f"{prompt + completion} tokens ({prompt} in your prompt; {completion} for the "
+            "completion). Please reduce your prompt; or completion length.",
+            code="context_length_exceeded",
+            param=param,
+        )

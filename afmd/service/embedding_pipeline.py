@@ -1,0 +1,213 @@
+"""From a validated embeddings request to its vectors, independent of HTTP and wire formats.
+
+The service resolves the model (an embedding model: a chat model is a 400
+``invalid_model_kind``), tokenizes off the event loop, refuses an input longer than the
+model's context before any work (naming it: ``input[3]``), then takes a slot from the
+same scheduler chat requests use, so embeddings share the queue, its 429 and its 504, and
+hands the sequences to the model's embedding thread, which batches them with whatever
+other requests are waiting (:mod:`afmd.engine.embedding_thread`). A request is findable by its
+``X-Request-ID`` while it waits or runs, so it can be cancelled like a chat request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from afmd.config.load import ModelEntry
+from afmd.core.embedding_request import EmbeddingRequest, Embeddings
+from afmd.engine.generation import EmbeddingJob
+from afmd.engine.models.kinds import EMBEDDING
+from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.model_registry import ModelRegistry
+from afmd.engine.models.residency import Lease
+from afmd.errors import (
+    APIError,
+    ConflictError,
+    GatewayTimeoutError,
+    InvalidRequestError,
+    NotFoundError,
+)
+from afmd.service.scheduler import Cancelled, Scheduler, Ticket
+
+
+def cancelled_error(request_id: str) -> ConflictError:
+    return ConflictError(
+        f"The request '{request_id}' was cancelled before its embeddings were computed.",
+        code="request_cancelled",
+    )
+
+
+@dataclass(slots=True)
+class EmbeddingRun:
+    """One request from queue to vectors: what the cancel endpoint acts on."""
+
+    request_id: str
+    ticket: Ticket = field(default_factory=Ticket)
+    job: EmbeddingJob | None = None
+    cancelled: bool = False
+    #: What the request is answered once cancelled (the shutdown's error, or 409).
+    error: APIError | None = None
+
+    def cancel(self, error: APIError | None = None) -> None:
+        """Stop the request; the first reason wins (a shutdown after a client's cancel
+        still answers the cancel)."""
+        if self.cancelled:
+            return
+        self.cancelled = True
+        self.error = error or cancelled_error(self.request_id)
+        self.ticket.cancel()  # still queued: it leaves the queue at once
+        job = self.job
+        if job is not None:
+            job.cancel()  # not encoded yet: skipped; encoding: its result is dropped
+            if not job.future.done():
+                job.future.set_exception(self.error)
+
+
+@dataclass
+class EmbeddingService:
+    registry: ModelRegistry
+    scheduler: Scheduler
+    request_timeout: float
+    #: Whether another kind of request (a chat) is running under this X-Request-ID.
+    taken: Callable[[str], bool] = lambda request_id: False
+    _runs: dict[str, EmbeddingRun] = field(default_factory=dict)
+
+    def find(self, request_id: str) -> EmbeddingRun | None:
+        return self._runs.get(request_id)
+
+    def interrupt(self, error: APIError) -> None:
+        """End every request waiting for a slot or being embedded with ``error``: the
+        server is stopping, and what still runs when its grace period ends is answered,
+        not cut with its connection."""
+        for run in list(self._runs.values()):
+            run.cancel(error)
+
+    async def embed(self, request: EmbeddingRequest, request_id: str) -> Embeddings:
+        deadline = time.monotonic() + self.request_timeout
+        # Held until the vectors are out: a model in use is never unloaded.
+        lease = await self.registry.lease(self.entry_for(request.model), EMBEDDING,
+                                          deadline=deadline, keep_alive=request.keep_alive)
+        try:
+            return await self._embed(lease, request, request_id, deadline)
+        finally:
+            lease.release()
+
+    async def _embed(
+        self, lease: Lease, request: EmbeddingRequest, request_id: str, deadline: float
+    ) -> Embeddings:
+        model = lease.model
+        self._check_dimensions(model, request.dimensions)
+        sequences = await self._sequences(model, request)
+        run = self._register(request_id)
+        lease.ticket = run.ticket  # queued until it holds a slot: /health's counts
+        try:
+            try:
+                await self.scheduler.acquire(run.ticket, deadline - time.monotonic())
+            except Cancelled:
+                raise run.error or cancelled_error(request_id) from None
+            if run.error is not None:
+                raise run.error
+            assert model.embedder is not None
+            future = asyncio.get_running_loop().create_future()
+            run.job = EmbeddingJob(sequences, future, request.dimensions)
+            model.embedder.submit(run.job)
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                    vectors = await future
+            except TimeoutError:
+                raise GatewayTimeoutError(
+                    "The embeddings were not computed within the server's request_timeout.",
+                    code="timeout",
+                ) from None
+        finally:
+            if run.job is not None:
+                run.job.cancel()
+            self.scheduler.release(run.ticket)
+            if self._runs.get(request_id) is run:
+                del self._runs[request_id]
+        return Embeddings(
+            vectors=vectors,
+            prompt_tokens=sum(len(s) for s in sequences),
+            model=request.model or model.id,
+        )
+
+    def entry_for(self, name: str | None) -> ModelEntry:
+        """The configured embedding model ``name`` names; with none named, the default."""
+        if name is None:
+            entry = self.registry.default_for(EMBEDDING)
+            if entry is None:
+                raise NotFoundError(
+                    "No embedding model is configured; add one with kind = \"embedding\".",
+                    code="model_not_found",
+                    param="model",
+                )
+        else:
+            entry = self.registry.resolve(name)
+        return entry
+
+    @staticmethod
+    def _check_dimensions(model: LoadedModel, dimensions: int | None) -> None:
+        if dimensions is None:
+            return
+        full = model.hidden_size
+        if dimensions > full:
+            raise InvalidRequestError(
+                f"'dimensions' is {dimensions}, but the model '{model.id}' makes vectors of "
+                f"{full} dimensions; ask for {full} or fewer.",
+                code="invalid_value",
+                param="dimensions",
+            )
+        if dimensions < full and not model.embedding.matryoshka:
+            raise InvalidRequestError(
+                f"The model '{model.id}' does not support 'dimensions': its vectors are not "
+                "trained to be shortened (Matryoshka). Omit 'dimensions'.",
+                code="invalid_value",
+                param="dimensions",
+            )
+
+    async def _sequences(
+        self, model: LoadedModel, request: EmbeddingRequest
+    ) -> list[list[int]]:
+        """Token ids per input, each checked against the model's vocabulary and context."""
+        texts = [text for text in request.inputs if isinstance(text, str)]
+        encoded = iter(await asyncio.to_thread(model.tokenize, texts) if texts else [])
+        vocab = model.vocab_size
+        sequences: list[list[int]] = []
+        for item, param in zip(request.inputs, request.params, strict=True):
+            if isinstance(item, str):
+                ids = next(encoded)
+            else:
+                ids = list(item)
+                for j, token in enumerate(ids):
+                    if token >= vocab:
+                        raise InvalidRequestError(
+                            f"'{param}[{j}]' is {token}, not a token id of the model "
+                            f"'{model.id}' (its vocabulary has {vocab} tokens).",
+                            code="invalid_value",
+                            param=f"{param}[{j}]",
+                        )
+            if len(ids) > model.context_length and request.truncate:
+                ids = ids[: model.context_length]
+            elif len(ids) > model.context_length:
+                raise InvalidRequestError(
+                    f"'{param}' is {len(ids)} tokens long; the model '{model.id}' embeds at "
+                    f"most {model.context_length} tokens per input. Shorten or split it.",
+                    code="context_length_exceeded",
+                    param=param,
+                )
+            sequences.append(ids)
+        return sequences
+
+    def _register(self, request_id: str) -> EmbeddingRun:
+        if request_id in self._runs or self.taken(request_id):
+            raise ConflictError(
+                f"A request with X-Request-ID '{request_id}' is already running; "
+                "use a unique id per request.",
+                code="duplicate_request_id",
+                param="X-Request-ID",
+            )
+        run = self._runs[request_id] = EmbeddingRun(request_id)
+        return run

@@ -1,0 +1,249 @@
+"""From a validated request to a running turn, independent of HTTP and of wire formats.
+
+The pipeline owns everything between "the body is valid" and "events come out": resolving
+the model, adding the operator's server tools, building the first round (rendered, fitted
+into the context window, planned; :mod:`afmd.service.rounds`), waiting for a slot, and starting
+the run (:mod:`afmd.service.run`), which yields the turn's events until it finishes. A dialect
+adapter at the edge turns those events into its wire format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+from afmd import __version__
+from afmd.config.load import Config, ModelEntry
+from afmd.core.request import ChatRequest, CompletionRequest
+from afmd.engine.batch.penalties import check_logit_bias
+from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.model_registry import ModelRegistry
+from afmd.engine.models.residency import Lease
+from afmd.errors import ConflictError, InvalidRequestError
+from afmd.service.choices import ChoicesRun
+from afmd.service.completion_prompts import PreparedCompletion, prepare_completion
+from afmd.service.completion_run import CompletionRun
+from afmd.service.rounds import RoundBuilder
+from afmd.service.run import ChatRun, PreparedChat
+from afmd.service.run_control import RunPolicy
+from afmd.service.scheduler import Cancelled, Scheduler
+from afmd.service.servertools import ServerTools
+
+
+def _fingerprint(model: LoadedModel) -> str:
+    digest = hashlib.sha256(f"{__version__}:{model.id}:{model.entry.path}".encode()).hexdigest()
+    return "fp_" + digest[:10]
+
+
+def _check_images(request: ChatRequest, model: LoadedModel, entry: ModelEntry) -> None:
+    """Images for a model that cannot see them are the client's mistake, named at the first
+    message that carries one (rather than dropped, which would answer another question)."""
+    if request.has_images and not model.supports_vision:
+        index = next(i for i, m in enumerate(request.messages) if m.has_images)
+        raise InvalidRequestError(
+            f"The model '{entry.id}' does not accept image input; send text only or "
+            "use a vision model.",
+            code="image_input_not_supported",
+            param=f"messages[{index}].content",
+        )
+
+
+def _with_server_tools(request: ChatRequest, tools: ServerTools) -> ChatRequest:
+    """The request with the operator's server tools beside its own, which may not take
+    their names (a call could not tell whose tool it is)."""
+    if not tools:
+        return request
+    for i, tool in enumerate(request.tools):
+        if tool.name in tools:
+            raise InvalidRequestError(
+                f"The tool name '{tool.name}' is taken by a server tool of this afmd; "
+                "rename your tool.",
+                code="invalid_value",
+                param=f"tools[{i}].function.name",
+            )
+    return dataclasses.replace(request, tools=(*request.tools, *tools.specs()))
+
+
+def _duplicate_id(rid: str) -> ConflictError:
+    """Two running requests under one id: cancel by id could not tell them apart."""
+    return ConflictError(
+        f"A request with X-Request-ID '{rid}' is already running; "
+        "use a unique id per request.",
+        code="duplicate_request_id",
+        param="X-Request-ID",
+    )
+
+
+@dataclass
+class ChatPipeline:
+    registry: ModelRegistry
+    scheduler: Scheduler
+    request_timeout: float
+    tools: ServerTools | None = None  # default: the config's [[tools.server]]
+    policy: RunPolicy = field(init=False)
+    _runs: dict[str, ChatRun | ChoicesRun | CompletionRun] = field(default_factory=dict)
+    #: Each prepared request's hold on its model, by the prepared object's identity.
+    _leases: dict[int, Lease] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tools is None:
+            self.tools = ServerTools(self.registry.config.tools.server)
+        self.policy = RunPolicy.of(self.registry.config, self.request_timeout)
+
+    @property
+    def server_tools(self) -> ServerTools:
+        assert self.tools is not None
+        return self.tools
+
+    @property
+    def config(self) -> Config:
+        return self.registry.config
+
+    async def prepare(
+        self,
+        request: ChatRequest | CompletionRequest,
+        request_id: str,
+        *,
+        received_at: float | None = None,
+        profile: str | None = None,
+    ) -> PreparedChat | PreparedCompletion:
+        started = time.monotonic()
+        entry = self.registry.resolve(request.model)
+        # Held until the response is over (release): a model in use is never unloaded.
+        lease = await self.registry.lease(entry, deadline=started + self.policy.request_timeout,
+                                          keep_alive=request.keep_alive)
+        waited = time.monotonic() - started  # the model's load, when it was not loaded
+        try:
+            prepared = await self._prepare(lease.model, entry, request, request_id, started,
+                                           received_at, profile)
+        except BaseException:
+            lease.release()
+            raise
+        prepared.load_seconds = waited
+        self._leases[id(prepared)] = lease
+        return prepared
+
+    async def _prepare(
+        self,
+        model: LoadedModel,
+        entry: ModelEntry,
+        request: ChatRequest | CompletionRequest,
+        request_id: str,
+        started: float,
+        received_at: float | None,
+        profile: str | None,
+    ) -> PreparedChat | PreparedCompletion:
+        if isinstance(request, CompletionRequest) and model.reads_conversation:
+            raise InvalidRequestError(
+                f"The model '{entry.id}' answers conversations, not raw prompts: use "
+                "/v1/chat/completions (or Responses, or Messages) with it.",
+                code="invalid_model_kind", param="model")
+        if isinstance(request, CompletionRequest):  # raw prompts: no template, no tools
+            return await prepare_completion(
+                model, entry, request, request_id, fingerprint=_fingerprint(model),
+                deadline=started + self.policy.request_timeout, received_at=received_at,
+                profile=profile,
+            )
+        _check_images(request, model, entry)
+        if not model.reads_conversation:  # Apple's model has no token ids to bias
+            check_logit_bias(request.logit_bias, model.vocab_size, entry.id)
+        request = _with_server_tools(request, self.server_tools)
+        trim = request.trim_context
+        if trim is None:
+            trim = self.config.context.policy == "trim"
+        rounds = RoundBuilder(model, request, instructions=self.config.server.instructions,
+                              trim=trim, server_tools=self.server_tools.names)
+        return PreparedChat(
+            request_id=request_id,
+            rounds=rounds,
+            round=await rounds.first(request),
+            max_tokens=request.max_tokens,
+            model_name=request.model or entry.id,
+            fingerprint=_fingerprint(model),
+            deadline=started + self.policy.request_timeout,
+            received_at=received_at if received_at is not None else time.perf_counter(),
+            profile=profile,
+        )
+
+    async def count(self, request: ChatRequest, *, must_fit: bool = False) -> int:
+        """The prompt tokens ``request`` would be given (its model's template with the
+        server's instructions and tools), without a slot or a generation: what the
+        token-counting endpoints answer; ``must_fit`` refuses a prompt the context
+        window cannot hold, as a turn would."""
+        lease = await self.registry.lease(self.registry.resolve(request.model),
+                                          keep_alive=request.keep_alive)
+        try:
+            request = _with_server_tools(request, self.server_tools)
+            rounds = RoundBuilder(lease.model, request,
+                                  instructions=self.config.server.instructions, trim=False,
+                                  server_tools=self.server_tools.names)
+            return await asyncio.to_thread(rounds.prompt_tokens, request, must_fit=must_fit)
+        finally:
+            lease.release()
+
+    async def start(
+        self, prepared: PreparedChat | PreparedCompletion
+    ) -> ChatRun | ChoicesRun | CompletionRun:
+        """Register the run under its request id, wait for a slot, start generating.
+
+        The run is findable by id (for the cancel endpoint) while it waits in the queue; a
+        run cancelled there comes back without a generation and finishes as "cancelled".
+        """
+        rid = prepared.request_id
+        if rid in self._runs:
+            self._release_model(prepared)
+            raise _duplicate_id(rid)
+        run: ChatRun | ChoicesRun | CompletionRun
+        if isinstance(prepared, PreparedCompletion):
+            run = CompletionRun(prepared, self.policy)
+        elif prepared.round.request.n > 1:
+            run = ChoicesRun(prepared, self.policy, self.server_tools, prepared.round.request.n)
+        else:
+            run = ChatRun(prepared, self.policy, self.server_tools)
+        self._runs[rid] = run
+        lease = self._leases.get(id(prepared))
+        if lease is not None:
+            lease.ticket = run.ticket  # queued until it holds a slot: /health's counts
+        try:
+            await self.scheduler.acquire(run.ticket, prepared.deadline - time.monotonic())
+        except Cancelled:
+            return run
+        except BaseException:
+            self._forget(run)
+            self._release_model(prepared)
+            raise
+        if run.ticket.cancelled:
+            return run  # cancelled just as the slot was handed over
+        run.start_generation()
+        return run
+
+    def release(self, run: ChatRun | ChoicesRun | CompletionRun) -> None:
+        """The response is over: stop the generation if it still runs, free its slot."""
+        run.cancel()
+        self.scheduler.release(run.ticket)
+        run.prepared.model.touch()  # idle from now: /health's idle_since
+        self._release_model(run.prepared)
+        self._forget(run)
+
+    def discard(self, prepared: PreparedChat | PreparedCompletion) -> None:
+        """A prepared request that will not start: its model is free again."""
+        self._release_model(prepared)
+
+    def _release_model(self, prepared: PreparedChat | PreparedCompletion) -> None:
+        lease = self._leases.pop(id(prepared), None)
+        if lease is not None:
+            lease.release()
+
+    def _forget(self, run: ChatRun | ChoicesRun | CompletionRun) -> None:
+        if self._runs.get(run.prepared.request_id) is run:
+            del self._runs[run.prepared.request_id]
+
+    def find(self, request_id: str) -> ChatRun | ChoicesRun | CompletionRun | None:
+        return self._runs.get(request_id)
+
+
+__all__ = ["ChatPipeline", "ChatRun", "ChoicesRun", "CompletionRun", "PreparedChat",
+           "PreparedCompletion"]

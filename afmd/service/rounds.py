@@ -1,0 +1,208 @@
+"""A round: one generation's prompt, its token budget and its plan.
+
+Every round of a request is made the same way: the conversation rendered through the
+model's own chat template (with the operator's instructions and the request's tools),
+fitted into the context window before any prefill (trimming the oldest turns when the
+context policy allows it, for the request's first round only), and planned (grammar,
+output parsing). All of it is CPU work that must not stall the event loop, so a round is
+built in one worker-thread hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from afmd.core.request import ChatRequest
+from afmd.engine.apple.conversation import SystemTurn, system_turn
+from afmd.engine.models.loaded import LoadedModel
+from afmd.errors import ContextLengthError, InvalidRequestError
+from afmd.service.chat_template import template_messages, template_tools
+from afmd.service.context_trim import droppable_units, without_units
+from afmd.service.turn import TurnPlan, check_schemas, plan_turn, template_kwargs
+
+
+@dataclass(slots=True)
+class Round:
+    """One generation: the conversation as the model sees it, and how it is generated."""
+
+    request: ChatRequest
+    prompt: list[int]
+    max_tokens: int
+    plan: TurnPlan
+    trimmed: int = 0  # messages dropped to fit the context window
+    # A vision model's image inputs for this prompt (None: no image).
+    vision: dict[str, Any] | None = None
+    #: What a model that reads the conversation itself is given instead of ``prompt``
+    #: (Apple's on-device model).
+    conversation: SystemTurn | None = None
+
+
+class RoundBuilder:
+    """How one request's rounds are made; its tools are the same in every round."""
+
+    __slots__ = ("_instructions", "_pictures", "_server_tools", "_tools", "_trim", "model")
+
+    def __init__(
+        self, model: LoadedModel, request: ChatRequest, *, instructions: str, trim: bool,
+        server_tools: frozenset[str] = frozenset(),
+    ) -> None:
+        self.model = model
+        self._instructions = instructions
+        self._trim = trim
+        self._server_tools = server_tools  # their calls run inside a model that calls tools
+        # Converted once per request, not per render (trimming renders several times).
+        self._tools = template_tools(request.tools)
+        self._pictures: dict[int, Any] = {}  # a vision model's decoded images, likewise
+
+    async def first(self, request: ChatRequest) -> Round:
+        """The request's first round: trimmed if the policy allows, ``tool_choice`` binds."""
+        return await asyncio.to_thread(self._build, request, self._trim, True)
+
+    async def next(self, request: ChatRequest) -> Round:
+        """A round afmd adds after server tools ran: never trimmed, free of ``tool_choice``
+        (which binds the request's first step only)."""
+        return await asyncio.to_thread(self._build, request, False, False)
+
+    def render(self, request: ChatRequest) -> list[int]:
+        """The prompt's token ids (a template error is the conversation's fault: a 400)."""
+        return self._render(request)[0]
+
+    def prompt_tokens(self, request: ChatRequest, *, must_fit: bool = False) -> int:
+        """What the conversation takes of the context window (blocking). ``must_fit``:
+        a prompt that leaves no room for one token of answer is the context error a turn
+        would get (Anthropic's count_tokens refuses what its create would)."""
+        if self.model.reads_conversation:
+            worker: Any = self.model.worker
+            return int(worker.prompt_tokens(self._conversation(request, True)))
+        tokens = len(self.render(request))
+        limit = self.model.context_length
+        if request.context_window is not None:
+            limit = min(limit, request.context_window)
+        if must_fit and tokens >= limit:
+            raise _context_error(limit, tokens, None)
+        return tokens
+
+    def _conversation(self, request: ChatRequest, first_step: bool) -> SystemTurn:
+        check_schemas(request)
+        return system_turn(request, instructions=self._instructions, first_step=first_step,
+                           server_tools=self._server_tools)
+
+    def _conversation_round(self, request: ChatRequest, first_step: bool) -> Round:
+        """A round of a model that reads the conversation itself (Apple's): no template,
+        no token ids and no grammar (the framework shapes its own output); the plan only
+        reads the answer back: stop sequences, calls, the JSON answer's check."""
+        if request.logprobs is not None:
+            raise InvalidRequestError(
+                f"The model '{self.model.id}' does not report log-probabilities.",
+                code="invalid_value", param="logprobs")
+        for name, given in (("logit_bias", bool(request.logit_bias)),
+                            ("presence_penalty", request.presence_penalty != 0.0),
+                            ("frequency_penalty", request.frequency_penalty != 0.0)):
+            if given:  # the framework samples by itself: nothing to apply them to
+                raise InvalidRequestError(
+                    f"The model '{self.model.id}' does not take '{name}'.",
+                    code="invalid_value", param=name)
+        turn = self._conversation(request, first_step)
+        response_format = request.response_format
+        answers_json = response_format is not None and turn.forced is None
+        plan = TurnPlan(
+            downgraded=turn.downgraded,
+            stops=request.stop,
+            tools=self._tools,
+            max_calls=None if request.parallel_tool_calls else 1,
+            schema=response_format.schema if answers_json and response_format else None,
+            json_answer=answers_json,
+        )
+        limit = self.model.context_length
+        max_tokens = request.max_tokens if request.max_tokens is not None else limit
+        return Round(request, [], max_tokens, plan, conversation=turn)
+
+    def _render(self, request: ChatRequest) -> tuple[list[int], dict[str, Any] | None]:
+        """The prompt's token ids and, for a vision model, its image inputs."""
+        vision = self.model.vision
+        messages = template_messages(request.messages, instructions=self._instructions,
+                                     images=vision is not None)
+        tools = self._tools if request.tools and request.tool_choice.mode != "none" else None
+        # The client's chat_template_kwargs win over what afmd derives (reasoning_effort).
+        kwargs = {**template_kwargs(request, self.model), **request.chat_template_kwargs}
+        try:
+            if vision is not None:
+                return vision.render(messages, tools=tools, template_kwargs=kwargs,
+                                     decoded=self._pictures)
+            return self.model.render_prompt(messages, tools=tools, template_kwargs=kwargs), None
+        except InvalidRequestError:  # an image's own (undecodable, too large)
+            raise
+        except Exception as exc:  # template errors are about the conversation's shape
+            raise InvalidRequestError(
+                f"The model's chat template could not render these messages: {exc}",
+                code="invalid_value",
+                param="messages",
+            ) from None
+
+    def _build(self, request: ChatRequest, trim: bool, first_step: bool) -> Round:
+        if self.model.reads_conversation:
+            return self._conversation_round(request, first_step)
+        limit = self.model.context_length
+        if request.context_window is not None:
+            limit = min(limit, request.context_window)
+        budget = request.max_tokens
+        # The room the prompt must leave: all of max_tokens, unless it is only a cap.
+        need = budget if budget is not None and not request.max_tokens_shrinks else 1
+        prompt, vision = self._render(request)
+        trimmed = 0
+        if len(prompt) + need > limit and trim:
+            request, prompt, trimmed = self._fit(request, limit, need)
+            vision = self._render(request)[1] if vision is not None else None
+        if budget is not None and not request.max_tokens_shrinks:
+            if len(prompt) + budget > limit:
+                raise _context_error(limit, len(prompt), budget)
+            max_tokens = budget
+        else:
+            max_tokens = limit - len(prompt)
+            if max_tokens < 1:
+                raise _context_error(limit, len(prompt), None)
+            if budget is not None:
+                max_tokens = min(budget, max_tokens)
+        plan = plan_turn(request, self.model, prompt, max_tokens, first_step=first_step,
+                         template_tools=self._tools)
+        plan.prepare_processors()  # the grammar matcher is built here, off the event loop
+        return Round(request, prompt, max_tokens, plan, trimmed, vision)
+
+    def _fit(
+        self, request: ChatRequest, limit: int, budget: int
+    ) -> tuple[ChatRequest, list[int], int]:
+        """Drop the fewest oldest units that make the prompt fit (binary search)."""
+        units = droppable_units(request.messages)
+        best: tuple[ChatRequest, list[int], int] | None = None
+        lo, hi = 1, len(units)
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            messages, dropped = without_units(request.messages, units, mid)
+            candidate = dataclasses.replace(request, messages=messages)
+            prompt = self.render(candidate)
+            if len(prompt) + budget <= limit:
+                best = (candidate, prompt, dropped)
+                hi = mid - 1
+            else:
+                lo = mid + 1
+        if best is None:  # even the protected messages do not fit: report as usual
+            messages, dropped = without_units(request.messages, units, len(units))
+            candidate = dataclasses.replace(request, messages=messages)
+            return candidate, self.render(candidate), dropped
+        return best
+
+
+def _context_error(limit: int, prompt: int, completion: int | None) -> ContextLengthError:
+    if completion is not None:
+        return ContextLengthError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the "
+            "completion). Please reduce the length of the messages or completion.",
+            prompt_tokens=prompt, limit=limit)
+    return ContextLengthError(
+        f"This model's maximum context length is {limit} tokens. However, your messages "
+        f"resulted in {prompt} tokens. Please reduce the length of the messages.",
+        prompt_tokens=prompt, limit=limit)

@@ -1,0 +1,113 @@
+"""One round's engine output read back into the client's events.
+
+The engine yields text and an end; the turn's output processor turns text into content,
+reasoning and calls; the reader adds what the client sees besides: each call's end as soon
+as the next starts (or the round ends), log-probabilities once the stop check released
+their text, the server tools' calls hidden (:class:`~afmd.service.toolloop.ClientView`), and the
+answer's text kept for a ``json_schema`` check at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from afmd.core.events import Content, Event, Refusal, ToolCallEnd, ToolCallStart
+from afmd.core.request import ToolCall
+from afmd.engine.batch.tokens import LogprobQueue, TokenTable
+from afmd.engine.generation import Event as EngineEvent
+from afmd.engine.generation import Finished, Refused, Text, ToolCalled
+from afmd.service.toolloop import ClientView
+from afmd.service.turn import TurnPlan
+
+
+class RoundReader:
+    """One round's engine output read back into the client's events."""
+
+    __slots__ = ("_calls", "_ended", "_logprobs", "_stop", "_view", "answer", "ended_by_us",
+                 "output")
+
+    def __init__(
+        self, plan: TurnPlan, view: ClientView | None, stop: Callable[[], None],
+        table: TokenTable | None = None,
+    ) -> None:
+        self.output = plan.output_processor()
+        # With log-probabilities asked: each token's, once the stop check released its text.
+        self._logprobs = LogprobQueue(table) if table is not None else None
+        self._calls = self.output.tool_calls  # the parser's own list: it only grows
+        self.answer: list[str] | None = [] if plan.json_answer else None
+        self.ended_by_us = False  # we stopped generation (stop sequence, call budget)
+        self._ended = 0  # calls whose end went out
+        self._view = view
+        self._stop = stop
+
+    def read(self, events: list[EngineEvent]) -> tuple[list[Event], Finished | None]:
+        """The events for the client, and the engine's end when the round ended."""
+        out: list[Event] = []
+        output = self.output
+        for event in events:
+            if isinstance(event, Text):
+                if self.ended_by_us:
+                    continue
+                if self._logprobs is not None:
+                    self._logprobs.add(event.text, event.logprobs)
+                if not event.text:
+                    continue
+                out += output.feed(event.text)
+                if output.should_stop:
+                    self.ended_by_us = True
+                    self._stop()
+            elif isinstance(event, ToolCalled):
+                if self.ended_by_us:
+                    continue
+                out += output.call(event.name, event.arguments)
+                if output.should_stop:
+                    self.ended_by_us = True
+                    self._stop()
+            elif isinstance(event, Refused):
+                out.append(Refusal(event.text))
+            elif isinstance(event, Finished):
+                out += output.finish()
+                self._add_logprobs(out)
+                if self._logprobs is not None:
+                    self._logprobs.drop()
+                return self._deliver(out), event
+        self._add_logprobs(out)
+        return self._deliver(out), None
+
+    def _add_logprobs(self, out: list[Event]) -> None:
+        if self._logprobs is not None:
+            ready = self._logprobs.release(self.output.released)
+            if ready is not None:
+                out.append(ready)
+
+    def _deliver(self, out: list[Event]) -> list[Event]:
+        if len(self._calls) > self._ended:
+            out = self._with_ends(out, self._calls)
+        if self._view is not None:
+            out = self._view(out)
+        if self.answer is not None:
+            self.answer.extend(e.text for e in out if isinstance(e, Content))
+        return out
+
+    def _with_ends(self, events: list[Event], calls: list[ToolCall]) -> list[Event]:
+        """Each newly complete call's end, before the next call starts."""
+        out: list[Event] = []
+        for event in events:
+            if isinstance(event, ToolCallStart):
+                while self._ended < min(event.index, len(calls)):
+                    out.append(ToolCallEnd(self._ended, calls[self._ended]))
+                    self._ended += 1
+            out.append(event)
+        while self._ended < len(calls):
+            out.append(ToolCallEnd(self._ended, calls[self._ended]))
+            self._ended += 1
+        return out
+
+    def reason(self, finished: Finished, *, cancelled: bool) -> str:
+        if self.ended_by_us and not cancelled and (
+            finished.finish_reason == "cancelled" or self.output.stopped_by_sequence
+        ):
+            # Our own early end (stop sequence, call budget), not a cancel; a stop sequence
+            # wins even when its last token was also the last one max_tokens allowed.
+            return "stop"
+        return finished.finish_reason

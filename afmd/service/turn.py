@@ -1,0 +1,377 @@
+"""How one assistant turn is generated and read back: the per-request output plan.
+
+From the request (tools, ``tool_choice``, ``response_format``, ``parallel_tool_calls``,
+``reasoning_effort``) and what the model can do (its thinking markers and tool-call
+format, as mlx-lm detects them), decide once per request: which grammar constrains
+decoding, which tokens are banned, how output text is split into reasoning, content and
+tool calls, and how the final output is checked. The pipeline then just runs the plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from afmd.core.ids import new_tool_call_id
+from afmd.core.request import ChatRequest
+from afmd.engine.models.loaded import LoadedModel
+from afmd.errors import InvalidRequestError, ServerError
+from afmd.grammar.batch_masks import BanTokens, GrammarProcessor
+from afmd.grammar.calls import CallGrammar, for_family
+from afmd.grammar.compiler import (
+    Grammar,
+    Thinking,
+    ToolSchema,
+    json_schema_grammar,
+    llg_tokenizer,
+    text_grammar,
+    tool_grammar,
+)
+from afmd.grammar.limits import schema_limit_param
+from afmd.output.formats import detect
+from afmd.output.processor import OutputProcessor, ToolFormat
+
+if TYPE_CHECKING:
+    from afmd.engine.batch.penalties import LogitsProcessor
+
+# Tokens a forced call may spend thinking first (the loop must reach the call).
+_MAX_FORCED_THINKING = 512
+# gpt-oss's reasoning levels, for OpenAI's reasoning_effort values.
+_HARMONY_EFFORT = {"none": "low", "minimal": "low", "low": "low", "medium": "medium",
+                   "high": "high"}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFormats:
+    """How a model writes calls and reasoning, and afmd's grammar for its calls."""
+
+    tool_format: ToolFormat | None
+    thinking: tuple[str, str] | None  # markers (None for channels: harmony reads its own)
+    syntax: CallGrammar | None  # None: its calls cannot be forced
+
+    @property
+    def channels(self) -> bool:
+        return self.tool_format is not None and self.tool_format.channels
+
+
+_formats: dict[int, tuple[Any, ModelFormats]] = {}
+_formats_lock = threading.Lock()
+
+
+def model_formats(model: LoadedModel) -> ModelFormats:
+    """Detected once per tokenizer: reading a large vocabulary costs milliseconds."""
+    tokenizer = model.tokenizer
+    with _formats_lock:
+        hit = _formats.get(id(tokenizer))
+        if hit is not None and hit[0] is tokenizer:
+            return hit[1]
+    vocab = tokenizer.get_vocab()
+    tool_format = detect.call_format(model.tool_format, vocab)
+    thinking = detect.thinking_markers(model.thinking, vocab)
+    name = tool_format.family if tool_format is not None else None
+    found = ModelFormats(
+        tool_format,
+        None if tool_format is not None and tool_format.channels else thinking,
+        for_family(name, array_calls=detect.array_calls(vocab)),
+    )
+    with _formats_lock:
+        _formats[id(tokenizer)] = (tokenizer, found)
+    return found
+
+
+def template_kwargs(request: ChatRequest, model: LoadedModel) -> dict[str, Any]:
+    """``reasoning_effort`` mapped onto the template's thinking switch, where it has one
+    (gpt-oss: its reasoning level)."""
+    if request.reasoning_effort is None:
+        return {}
+    if model_formats(model).channels:
+        return {"reasoning_effort": _HARMONY_EFFORT.get(request.reasoning_effort, "medium")}
+    if model.thinking is None:
+        return {}
+    return {"enable_thinking": request.reasoning_effort not in ("none", "minimal")}
+
+
+@dataclass(slots=True)
+class TurnPlan:
+    """What one round decided: its grammar and bans, how its output is read and checked."""
+
+    grammar: Grammar | None = None
+    downgraded: bool = False
+    ban: tuple[int, ...] = ()
+    starts_in_reasoning: bool = False
+    # How the output is read back: stop sequences, the model's thinking markers, its call
+    # format (None: calls are not parsed) and the tools as its call parsers take them.
+    stops: tuple[str, ...] = ()
+    thinking: tuple[str, str] | None = None
+    tool_format: ToolFormat | None = None
+    calls_on: bool = True  # False: the format is only read for its channels
+    enforced: bool = False  # the grammar makes every call well formed
+    call_offset: int = 0  # calls earlier in the conversation (ids that count them)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    max_calls: int | None = None
+    schema: dict[str, Any] | None = None  # response_format schema to check the answer against
+    json_answer: bool = False
+    _prepared: list[LogitsProcessor] | None = None
+
+    def prepare_processors(self) -> None:
+        """Build the first set of processors now (in a worker thread, not on the loop)."""
+        self._prepared = self._build_processors()
+
+    def logits_processors(self) -> list[LogitsProcessor]:
+        """Fresh per-request processors (grammar matchers hold per-sequence state)."""
+        prepared, self._prepared = self._prepared, None
+        return prepared if prepared is not None else self._build_processors()
+
+    def _build_processors(self) -> list[LogitsProcessor]:
+        out: list[LogitsProcessor] = []
+        if self.grammar is not None:
+            out.append(GrammarProcessor(self.grammar.matcher(), self.grammar.tokenizer.vocab_size))
+        if self.ban:
+            out.append(BanTokens(self.ban))
+        return out
+
+    def output_processor(self) -> OutputProcessor:
+        return OutputProcessor(
+            stops=self.stops,
+            thinking=self.thinking,
+            starts_in_reasoning=self.starts_in_reasoning,
+            tool_format=self.tool_format,
+            tools=self.tools,
+            max_calls=self.max_calls,
+            new_id=new_tool_call_id,
+            enforced=self.enforced,
+            calls_on=self.calls_on,
+            call_offset=self.call_offset,
+        )
+
+    def check_answer(self, content: str | None) -> None:
+        """A structured answer that still fails its schema is an error, never silence."""
+        if not self.json_answer:
+            return
+        try:
+            value = _loads(content or "")
+        except ValueError:
+            raise ServerError(
+                "The model's output is not valid JSON although a JSON response_format "
+                "was requested.",
+                code="invalid_json_output",
+            ) from None
+        if self.schema is not None:
+            if self.downgraded:
+                # Best effort (X-Grammar-Constraints: downgraded): the grammar could not
+                # enforce every keyword, so the answer is not held to them.
+                return
+            error = _schema_error(self.schema, value)
+            if error is not None:
+                raise ServerError(
+                    f"The model's output does not match the requested JSON schema: {error}",
+                    code="invalid_json_output",
+                )
+        elif not isinstance(value, dict):
+            raise ServerError(
+                "The model's output is not a JSON object.", code="invalid_json_output"
+            )
+
+
+def _loads(text: str) -> Any:
+    """JSON as the grammar allows it: orjson refuses numbers beyond a double's range
+    (``6e99999``), which JSON permits and a JSON grammar emits; the stdlib reads them.
+    Output nested deeper than orjson reads recurses past the stdlib's limit too: that is
+    the same unreadable answer as any other invalid JSON, never a crash."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None
+
+
+def _schema_error(schema: dict[str, Any], value: Any) -> str | None:
+    import jsonschema
+
+    validator_cls = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
+    try:  # a recursive schema lets the answer nest deeper than the validator recurses
+        error = jsonschema.exceptions.best_match(validator_cls(schema).iter_errors(value))
+    except RecursionError:
+        return "it nests too deeply to be checked"
+    return None if error is None else error.message
+
+
+def _check_schema(schema: dict[str, Any], param: str) -> None:
+    # First what the grammar compiler cannot take (named down to the value), then the
+    # metaschema: a number the compiler would die on is a valid JSON Schema.
+    limit = schema_limit_param(schema, param)
+    if limit is not None:
+        raise InvalidRequestError(
+            f"Unsupported JSON schema: {limit[0]}", code="invalid_schema", param=limit[1]
+        )
+    problem = _schema_problem(schema)
+    if problem is not None:
+        raise InvalidRequestError(
+            f"Invalid JSON schema: {problem}", code="invalid_schema", param=param
+        )
+
+
+def _schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why a JSON schema is invalid, or None."""
+    try:  # json, not orjson: NaN stays NaN and big integers stay exact in the key
+        text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError):  # not plain JSON data: checked every time
+        return _metaschema_problem(schema)
+    return _schema_text_problem(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_text_problem(text: str) -> str | None:
+    """Verdicts cached by canonical schema text: checking against the metaschema is
+    ~2.4 ms of pure Python (holding the GIL), and agents send the same tool schemas with
+    every request."""
+    return _metaschema_problem(json.loads(text))
+
+
+def _metaschema_problem(schema: Any) -> str | None:
+    import jsonschema
+
+    validator_cls = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
+    try:
+        validator_cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        return str(exc.message)
+    return None
+
+
+def check_schemas(request: ChatRequest) -> None:
+    """400 ``invalid_schema`` for a tool's parameters or a ``json_schema`` that is not a
+    JSON Schema, whichever model serves the request."""
+    for i, tool in enumerate(request.tools):
+        if tool.parameters is not None:
+            _check_schema(tool.parameters, f"tools[{i}].function.parameters")
+    response_format = request.response_format
+    if response_format is not None and response_format.schema is not None:
+        _check_schema(response_format.schema, "response_format.json_schema.schema")
+
+
+def _answer_schema(response_format: Any) -> dict[str, Any] | None:
+    if response_format is None:
+        return None
+    return response_format.schema if response_format.schema is not None else {"type": "object"}
+
+
+def plan_turn(
+    request: ChatRequest,
+    model: LoadedModel,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    first_step: bool = True,
+    template_tools: list[dict[str, Any]] | None = None,
+) -> TurnPlan:
+    """The plan of one generation step.
+
+    ``first_step``: the request's first generation, which obeys ``required`` and a named
+    ``tool_choice`` whatever the history holds (a request whose history ends in tool
+    results starts with a first step too, as OpenAI enforces ``tool_choice`` on every
+    request). Only the rounds afmd adds itself after running server tools are free.
+    ``template_tools``: the request's tools as the model's call parser takes them.
+    """
+    formats = model_formats(model)
+    plan = TurnPlan(stops=request.stop, thinking=formats.thinking,
+                    tools=template_tools if template_tools is not None else [])
+    plan.starts_in_reasoning = model.prompt_opens_thinking(prompt)
+    choice = request.tool_choice
+    tool_format = formats.tool_format
+    syntax = formats.syntax
+    tools_on = bool(request.tools) and choice.mode != "none"
+    mode = choice.mode if first_step else "auto"
+    # After the first step a named choice no longer narrows the tools; allowed_tools do.
+    allowed_names = choice.allowed if (first_step or not choice.named) else None
+    thinking_off = request.reasoning_effort in ("none", "minimal")
+
+    check_schemas(request)
+    response_format = request.response_format
+
+    thinking = None
+    can_think = formats.thinking is not None or formats.channels
+    if can_think and not (thinking_off and not plan.starts_in_reasoning):
+        budget = request.thinking_budget
+        if mode == "required" or response_format is not None:
+            forced = max(16, min(_MAX_FORCED_THINKING, max_tokens // 4))
+            budget = forced if budget is None else min(budget, forced)
+        start, end = formats.thinking or ("", "")
+        # gpt-oss reasons on its analysis channel before every answer: expected, bounded.
+        thinking = Thinking(start, end, plan.starts_in_reasoning, budget,
+                            required=formats.channels)
+
+    if not tools_on:
+        if tool_format is not None and request.tools and tool_format.start:
+            banned = model.single_token(tool_format.start)
+            plan.ban = (banned,) if banned is not None else ()
+        if formats.channels:
+            plan.tool_format, plan.calls_on = tool_format, False
+    else:
+        plan.tool_format = tool_format
+        plan.max_calls = None if request.parallel_tool_calls else 1
+        plan.call_offset = sum(len(m.tool_calls) for m in request.messages)
+
+    tokenizer = None
+
+    def llg() -> Any:
+        nonlocal tokenizer
+        if tokenizer is None:
+            tokenizer = llg_tokenizer(model.tokenizer, model.vocab_size, model.eos_ids)
+        return tokenizer
+
+    if tools_on and syntax is not None:
+        allowed = set(allowed_names) if allowed_names is not None else None
+        schemas = [
+            ToolSchema(t.name, t.parameters or {"type": "object"},
+                       f"tools[{i}].function.parameters")
+            for i, t in enumerate(request.tools)
+            if allowed is None or t.name in allowed
+        ]
+        assert tool_format is not None
+        plan.grammar = tool_grammar(
+            llg(),
+            schemas,
+            start=tool_format.start,
+            end=tool_format.end,
+            required=mode == "required",
+            parallel=request.parallel_tool_calls,
+            thinking=thinking,
+            answer_schema=_answer_schema(response_format) if mode != "required" else None,
+            syntax=syntax,
+        )
+        plan.enforced = True
+        if response_format is not None and mode != "required":
+            plan.json_answer = True
+            plan.schema = response_format.schema
+    elif tools_on and mode == "required":
+        # This model family's call format has no grammar here: best effort only.
+        plan.downgraded = True
+    elif response_format is not None:
+        param = (
+            "response_format.json_schema.schema"
+            if response_format.kind == "json_schema"
+            else "response_format"
+        )
+        plan.grammar = json_schema_grammar(
+            llg(), response_format.schema, thinking=thinking, param=param, syntax=syntax
+        )
+        plan.json_answer = True
+        plan.schema = response_format.schema
+    elif thinking is not None and thinking.budget is not None and not (
+        tools_on and tool_format is not None
+    ):
+        # Only a grammar can close the thinking block at the budget. (Where the model's
+        # call format has no grammar here, the budget is not enforced.)
+        plan.grammar = text_grammar(llg(), thinking, syntax)
+    if plan.grammar is not None and plan.grammar.downgraded:
+        plan.downgraded = True
+    return plan

@@ -1,0 +1,132 @@
+"""The requests the coding agents send, replayed through the real server in seconds: their
+shapes as tests/server/test_agents.py's run captured them (tests/data/agents/*.json, prose
+replaced by short strings, the model named MODEL), so a change that breaks an agent fails
+here without npm. Only the output budget is lowered (a random model writes until it is
+cut), and ids the agent took from earlier answers are this replay's own."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+from urllib.parse import unquote
+
+import httpx
+import pytest
+
+from conftest import parse_sse
+from helpers.anthropic_cases import parse_events
+from helpers.paths import TESTS_DIR
+
+DATA = TESTS_DIR / "data" / "agents"
+
+
+def requests_of(agent: str) -> list[dict[str, Any]]:
+    data = json.loads((DATA / f"{agent}.json").read_text())
+    out = []
+    for request in data["requests"]:
+        body = json.loads(json.dumps(request["body"]).replace('"MODEL"', '"demo"'))
+        out.append({**request, "body": body})
+    return out
+
+
+def ignored(response: httpx.Response) -> list[str]:
+    value = response.headers.get("X-AFM-Ignored-Fields", "")
+    return [unquote(name) for name in value.split(", ") if name]
+
+
+def test_head_and_get_root_answer_200(http: httpx.Client) -> None:
+    """Claude Code's preconnect is ``HEAD /``; Ollama's clients probe ``GET /``."""
+    for method in ("HEAD", "GET"):
+        response = http.request(method, "/")
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/plain")
+    assert http.get("/").text == "Ollama is running"
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["json", "stream-json", "continued"])
+def test_claude_code(http: httpx.Client, index: int) -> None:
+    request = requests_of("claude_code")[index]
+    body = {**request["body"], "max_tokens": 8}
+    assert request["body"]["max_tokens"] == 32000 and body["thinking"]["type"] == "adaptive"
+    assert [m["role"] for m in body["messages"]][:2] == ["user", "system"]
+    response = http.post(request["path"], json=body, headers=request["headers"])
+    assert response.status_code == 200, response.text
+    assert {"metadata", "context_management"} <= set(ignored(response))
+    events = parse_events(response.text)
+    assert events[0][0] == "message_start" and events[-1][0] == "message_stop"
+    delta = next(data for name, data in events if name == "message_delta")
+    assert delta["delta"]["stop_reason"] in ("max_tokens", "end_turn")
+    # count_tokens counts the system message inside messages.
+    count = {k: body[k] for k in ("model", "messages", "system", "tools")}
+    counted = http.post("/v1/messages/count_tokens?beta=true", json=count,
+                        headers=request["headers"])
+    assert counted.status_code == 200, counted.text
+    without = {**count, "messages": [m for m in body["messages"] if m["role"] != "system"]}
+    fewer = http.post("/v1/messages/count_tokens", json=without).json()["input_tokens"]
+    assert counted.json()["input_tokens"] > fewer
+
+
+def test_codex(http: httpx.Client) -> None:
+    (request,) = requests_of("codex")
+    body = request["body"]
+    kinds = [tool["type"] for tool in body["tools"]]
+    assert "namespace" in kinds and "web_search" in kinds and body["store"] is False
+    assert "max_output_tokens" not in body  # Codex never sends it: the window is the cap
+    body = {**body, "max_output_tokens": 16}
+    response = http.post(request["path"], json=body, headers=request["headers"])
+    assert response.status_code == 200, response.text
+    assert ignored(response) == [f"tools[{kinds.index('web_search')}]"]
+    events = [json.loads(line[len("data: "):]) for line in response.text.splitlines()
+              if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.incomplete"
+    echoed = events[-1]["response"]["tools"]
+    assert [t["type"] for t in echoed] == [k for k in kinds if k != "web_search"]
+    # A call of a namespace's function names the namespace; it goes back in input.
+    namespace = next(tool for tool in body["tools"] if tool["type"] == "namespace")
+    forced = {**body, "stream": False, "parallel_tool_calls": False, "max_output_tokens": 200,
+              "reasoning": {"effort": "none"}, "temperature": 0,
+              "tool_choice": {"type": "function", "name": "wait_agent"}}
+    answer = http.post(request["path"], json=forced)
+    assert answer.status_code == 200, answer.text
+    (call,) = [item for item in answer.json()["output"] if item["type"] == "function_call"]
+    assert (call["namespace"], call["name"]) == (namespace["name"], "wait_agent")
+    again = {**body, "input": [*body["input"], call, {
+        "type": "function_call_output", "call_id": call["call_id"], "output": "done"}]}
+    assert http.post(request["path"], json=again).status_code == 200
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["title", "turn"])
+def test_opencode(http: httpx.Client, index: int) -> None:
+    request = requests_of("opencode")[index]
+    assert request["body"]["max_tokens"] == 32000  # fits the 131,072-token window
+    body = {**request["body"]}
+    if index == 1:
+        assert body["tools"] and body["tool_choice"] == "auto"
+    response = http.post(request["path"], json={**body, "max_tokens": 32000, "stop": ["e"]})
+    assert response.status_code == 200, response.text
+    chunks = parse_sse(response.text)
+    assert chunks[-1] == "[DONE]" and chunks[-2]["usage"]["completion_tokens"] >= 0
+
+
+def test_ai_sdk_two_steps(http: httpx.Client) -> None:
+    first, second = requests_of("ai_sdk")
+    assert first["body"]["tool_choice"] == "required" and "store" not in first["body"]
+    step = http.post(first["path"], json={**first["body"], "temperature": 0})
+    assert step.status_code == 200, step.text
+    output = step.json()["output"]
+    call = next(item for item in output if item["type"] == "function_call")
+    # The second step as the SDK builds it: earlier items by reference, the call, its output.
+    sent = second["body"]["input"]
+    assert [item.get("type", "message") for item in sent] == [
+        "message", "item_reference", "function_call", "function_call_output"]
+    references = [{"type": "item_reference", "id": item["id"]} for item in output
+                  if item["type"] != "function_call"]
+    replay = {**second["body"], "input": [
+        sent[0], *references,
+        {**sent[2], "call_id": call["call_id"], "name": call["name"],
+         "arguments": call["arguments"]},
+        {**sent[3], "call_id": call["call_id"]}]}
+    answer = http.post(second["path"], json=replay)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["status"] in ("completed", "incomplete")
+    assert all(item["type"] != "function_call" for item in answer.json()["output"])

@@ -1,0 +1,204 @@
+"""The coding agents people point at a local server, run unchanged against afmd: Claude
+Code (``claude -p``, json and stream-json, its default tools), Codex CLI (``codex exec``,
+a custom provider on the Responses API, its default features), OpenCode (``opencode
+run``, an openai-compatible provider) and the AI SDK's default OpenAI provider (a two-step
+tool loop, stored responses). Each runs against its own afmd (so the access log says which
+requests were its), all at once; every request it made must be answered 2xx and it must
+print no API error. The model's text is nonsense; the protocol exchange is what is tested.
+
+The agents are installed by npm at the versions tests/agents/package.json pins
+(helpers/agents.py). The request shapes they send are kept in tests/data/agents/ for the
+fast replay test, tests/server/test_agent_requests.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import agents
+from helpers.servers import ServerProcess, start_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "demo-agent"
+PROMPT = "say hi"
+TIMEOUT = 420  # seconds per agent run: a first prompt of ~13k tokens prefilled on a CPU
+
+
+@dataclass
+class Run:
+    """One agent's runs against its own server."""
+
+    outputs: list[subprocess.CompletedProcess[str]] = field(default_factory=list)
+    requests: list[dict[str, Any]] = field(default_factory=list)  # the access log
+    seconds: float = 0.0
+
+
+def _base_env(home: Path, work: Path) -> dict[str, str]:
+    # PWD too: OpenCode takes its project folder from it, not from the working directory.
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
+            "PWD": str(work), "LANG": "C.UTF-8", "NO_COLOR": "1"}
+
+
+def _claude(folder: Path, url: str, work: Path, env: dict[str, str]) -> list[list[str]]:
+    env.update({
+        "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "dummy",
+        "ANTHROPIC_MODEL": MODEL, "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
+        "CLAUDE_CONFIG_DIR": str(Path(env["HOME"]) / ".claude"),
+        "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    })
+    claude = str(folder / "node_modules" / ".bin" / "claude")
+    return [[claude, "-p", PROMPT, "--output-format", "json"],
+            [claude, "-p", PROMPT, "--output-format", "stream-json", "--verbose"]]
+
+
+def _codex(folder: Path, url: str, work: Path, env: dict[str, str]) -> list[list[str]]:
+    home = Path(env["HOME"]) / "codex"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'model = "{MODEL}"\nmodel_provider = "afmd"\n\n[model_providers.afmd]\n'
+        f'name = "afmd"\nbase_url = "{url}/v1"\nwire_api = "responses"\n'
+        'env_key = "AFMD_API_KEY"\n')
+    env.update({"CODEX_HOME": str(home), "AFMD_API_KEY": "dummy"})
+    return [[str(folder / "node_modules" / ".bin" / "codex"), "exec",
+             "--skip-git-repo-check", PROMPT]]
+
+
+def _opencode(folder: Path, url: str, work: Path, env: dict[str, str]) -> list[list[str]]:
+    (work / "opencode.json").write_text(json.dumps({
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {"afmd": {
+            "npm": "@ai-sdk/openai-compatible", "name": "afmd",
+            "options": {"baseURL": url + "/v1", "apiKey": "dummy"},
+            "models": {MODEL: {"name": MODEL}}}},
+        "model": f"afmd/{MODEL}", "autoupdate": False, "share": "disabled"}))
+    home = Path(env["HOME"])
+    env.update({"XDG_CONFIG_HOME": str(home / ".config"),
+                "XDG_DATA_HOME": str(home / ".local" / "share"),
+                "XDG_CACHE_HOME": str(home / ".cache"),
+                "XDG_STATE_HOME": str(home / ".local" / "state"),
+                "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1"})
+    return [[str(folder / "node_modules" / ".bin" / "opencode"), "run", PROMPT,
+             "-m", f"afmd/{MODEL}"]]
+
+
+def _ai_sdk(folder: Path, url: str, work: Path, env: dict[str, str]) -> list[list[str]]:
+    return [["node", str(folder / "ai_sdk_loop.mjs"), url + "/v1", MODEL]]
+
+
+AGENTS: dict[str, Callable[[Path, str, Path, dict[str, str]], list[list[str]]]] = {
+    "claude": _claude, "codex": _codex, "opencode": _opencode, "ai_sdk": _ai_sdk}
+
+
+def _run(name: str, folder: Path, server: ServerProcess, tmp: Path) -> Run:
+    home, work = tmp / "home", tmp / "work"
+    home.mkdir()
+    work.mkdir()
+    env = _base_env(home, work)
+    commands = AGENTS[name](folder, server.url, work, env)
+    run = Run()
+    before = len(server.events)  # the harness's own readiness polls are not the agent's
+    started = time.monotonic()
+    for command in commands:  # in order: the second reuses the first's prefix cache
+        run.outputs.append(subprocess.run(
+            command, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+            text=True, timeout=TIMEOUT, check=False))
+    run.seconds = time.monotonic() - started
+    run.requests = [e for e in list(server.events)[before:] if e.get("event") == "request"]
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
+    reason = agents.missing_tools()
+    if reason is not None:
+        pytest.skip(reason)
+    folder = agents.installed()
+    model = agents.quick_model(tmp_path_factory.mktemp("model"))
+    # A first prompt of ~13k tokens may take minutes to prefill on a busy CPU.
+    config = (f'[server]\nrequest_timeout = {TIMEOUT}\n'
+              f'[[models.model]]\nid = "{MODEL}"\npath = "{model}"\n')
+    servers = {name: start_server(tmp_path_factory.mktemp(f"server-{name}"), config=config)
+               for name in AGENTS}
+    try:
+        with ThreadPoolExecutor(len(AGENTS)) as pool:
+            futures = {name: pool.submit(_run, name, folder, servers[name],
+                                         tmp_path_factory.mktemp(name))
+                       for name in AGENTS}
+            yield {name: future.result() for name, future in futures.items()}
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def _answered(run: Run, endpoint: str, at_least: int) -> None:
+    """Every request 2xx, and the agent's own requests reached ``endpoint``."""
+    assert run.requests, "the agent made no request"
+    failed = [(e["method"], e["path"], e["status"]) for e in run.requests
+              if not 200 <= e["status"] < 300]
+    assert not failed, failed
+    posts = [e for e in run.requests if e["method"] == "POST" and e["path"] == endpoint]
+    assert len(posts) >= at_least, [(e["method"], e["path"]) for e in run.requests]
+    # Each was a generation (the model may end its turn at once: 0 tokens is an answer).
+    assert all(isinstance(e.get("completion_tokens"), int) for e in posts), posts
+
+
+def _clean(output: subprocess.CompletedProcess[str]) -> None:
+    assert output.returncode == 0, output.stdout[-2000:] + output.stderr[-2000:]
+
+
+def test_claude_code(runs: dict[str, Run]) -> None:
+    run = runs["claude"]
+    _answered(run, "/v1/messages", at_least=2)
+    plain, streamed = run.outputs
+    for output in (plain, streamed):
+        _clean(output)
+    result = json.loads(plain.stdout)
+    assert result["is_error"] is False and result.get("api_error_status") is None, result
+    assert result["stop_reason"] == "end_turn" and "API Error" not in result["result"]
+    lines = [json.loads(line) for line in streamed.stdout.splitlines() if line.strip()]
+    final = lines[-1]
+    assert final["type"] == "result" and final["is_error"] is False, final
+    assert "API Error" not in final["result"]
+
+
+def test_codex(runs: dict[str, Run]) -> None:
+    run = runs["codex"]
+    _answered(run, "/v1/responses", at_least=1)
+    (output,) = run.outputs
+    _clean(output)
+    errors = [line for line in output.stderr.splitlines()
+              if line.startswith("ERROR") or "unexpected status" in line]
+    assert not errors, errors
+    assert "tokens used" in output.stderr
+
+
+def test_opencode(runs: dict[str, Run]) -> None:
+    run = runs["opencode"]
+    _answered(run, "/v1/chat/completions", at_least=1)
+    (output,) = run.outputs
+    _clean(output)
+    assert "Error" not in output.stderr, output.stderr[-2000:]
+    assert output.stdout.strip()
+
+
+def test_ai_sdk_tool_loop(runs: dict[str, Run]) -> None:
+    run = runs["ai_sdk"]
+    _answered(run, "/v1/responses", at_least=2)
+    (output,) = run.outputs
+    _clean(output)
+    result = json.loads(output.stdout.strip().splitlines()[-1])
+    assert result["steps"][0] == "tool-calls" and len(result["steps"]) == 2, result
+    (call,) = result["calls"]
+    assert all(0 <= n <= 9 for n in call)

@@ -1,0 +1,696 @@
+"""Anthropic's Messages API on the wire: the SSE events in order, the error envelope and
+statuses (the gate's refusals included), x-api-key, CORS, queue, ping, cancel, profile,
+shutdown; and the pieces under them (the error mapping, the gate's per-route envelope,
+the stop sequence the output chain reports, the thinking budget's grammar)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from afmd.config.load import load_config
+from afmd.core.request import ChatRequest, Message
+from afmd.dialects.anthropic.messages_api import ANTHROPIC_MESSAGES
+from afmd.dialects.dialect import error_response
+from afmd.engine.demo.template import CHAT_TEMPLATE
+from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.model_registry import ModelRegistry
+from afmd.errors import (
+    APIError,
+    AuthenticationError,
+    GatewayTimeoutError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    RateLimitError,
+    ServerError,
+    ServiceUnavailableError,
+    UnsupportedMediaTypeError,
+)
+from afmd.grammar.compiler import llg_tokenizer
+from afmd.http.sansio.gate import Gate, Reply
+from afmd.http.sansio.screen import GatePolicy, RouteVerdict
+from afmd.output.processor import OutputProcessor
+from afmd.service.chat_template import folded_system_turns, template_messages
+from afmd.service.turn import plan_turn
+
+from conftest import ServerProcess, start_server
+from helpers.anthropic_cases import (
+    MESSAGES,
+    SCHEMAS,
+    STORY,
+    STORY_CHAT,
+    THINKS,
+    TOOLS,
+    error_of,
+    parse_events,
+    validate_message,
+)
+
+PATH = "/v1/messages"
+KEY = "sk-anthropic-test"
+ORIGIN = "http://good.example"
+BODY_LIMIT = 4096
+LONG = 8000  # tokens: far longer than any test waits
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    return {"model": "demo", "max_tokens": 8, "messages": MESSAGES, **fields}
+
+
+def story(**fields: Any) -> dict[str, Any]:
+    """A stream that lasts far longer than any test waits."""
+    return body(**{**STORY, "max_tokens": LONG, "stream": True, **fields})
+
+
+def blocks_of(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The content blocks a stream built, checked event by event: each block starts,
+    takes deltas of its own kind and stops before the next starts, indexes 0, 1, …"""
+    kinds = {"text": "text_delta", "thinking": "thinking_delta",
+             "tool_use": "input_json_delta"}
+    built: list[dict[str, Any]] = []
+    open_block: dict[str, Any] | None = None
+    for name, data in events:
+        if name == "content_block_start":
+            assert open_block is None and data["index"] == len(built)
+            open_block = dict(data["content_block"], _json="")
+        elif name == "content_block_delta":
+            assert open_block is not None and data["index"] == len(built)
+            delta = data["delta"]
+            assert delta["type"] == kinds[open_block["type"]]
+            key = {"text_delta": "text", "thinking_delta": "thinking"}.get(delta["type"])
+            if key:
+                open_block[key] += delta[key]
+            else:
+                open_block["_json"] += delta["partial_json"]
+        elif name == "content_block_stop":
+            assert open_block is not None and data["index"] == len(built)
+            built.append(open_block)
+            open_block = None
+    assert open_block is None
+    return built
+
+
+# --------------------------------------------------------------------------- the stream
+
+
+@pytest.mark.parametrize("seed", THINKS[:1])
+def test_stream_event_order_with_thinking_and_tool_use(http: httpx.Client, seed: int) -> None:
+    response = http.post(PATH, json=body(max_tokens=300, tools=TOOLS, stream=True, seed=seed,
+                                         tool_choice={"type": "any"}))
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in parse_events(response.text) if e[0] != "ping"]
+    names = [name for name, _ in events]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    assert set(names[1:-2]) == {"content_block_start", "content_block_delta",
+                                "content_block_stop"}
+    start = events[0][1]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None
+    assert start["id"].startswith("msg_") and start["model"] == "demo"
+    built = blocks_of(events)
+    assert built[0]["type"] == "thinking" and built[0]["thinking"]
+    assert built[0]["signature"] == ""
+    calls = built[1:]
+    assert calls and all(b["type"] == "tool_use" for b in calls)
+    for block in calls:
+        assert block["id"].startswith("toolu_") and block["input"] == {}
+        jsonschema.validate(json.loads(block["_json"]), SCHEMAS[block["name"]])
+    fragments = [d for n, d in events if n == "content_block_delta"
+                 and d["delta"]["type"] == "input_json_delta"]
+    assert len(fragments) > len(calls)
+    delta = events[-2][1]
+    assert delta["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    usage = delta["usage"]
+    assert usage["output_tokens"] > 0 and usage["input_tokens"] > 0
+    assert usage["output_tokens_details"]["thinking_tokens"] > 0
+    assert usage["cache_creation_input_tokens"] == 0
+
+
+def test_stream_of_text_ends_with_max_tokens(http: httpx.Client) -> None:
+    response = http.post(PATH, json=body(max_tokens=6, stream=True, temperature=0))
+    events = [e for e in parse_events(response.text) if e[0] != "ping"]
+    built = blocks_of(events)
+    assert [b["type"] for b in built] == ["text"]
+    whole = http.post(PATH, json=body(max_tokens=6, temperature=0)).json()
+    validate_message(whole)
+    assert whole["content"] == [{"type": "text", "text": built[0]["text"]}]
+    assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
+    assert events[-2][1]["usage"]["output_tokens"] == 6
+    assert whole["usage"]["output_tokens"] == 6
+
+
+def test_profile_event_before_message_stop(server: ServerProcess, http: httpx.Client) -> None:
+    # Greedy: a sampled token could be the end of the text before max_tokens.
+    response = http.post(PATH, json=body(stream=True, temperature=0),
+                         headers={"X-AFM-Profile": "true"})
+    names = [name for name, _ in parse_events(response.text)]
+    assert names[-3:] == ["message_delta", "afm_profile", "message_stop"]
+    profile = parse_events(response.text)[-2][1]["afm_profile"]
+    assert profile["completion_tokens"] == 8
+    # The official client steps over the event.
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    with claude.messages.stream(model="demo", max_tokens=8, messages=MESSAGES,
+                                extra_body={"temperature": 0},
+                                extra_headers={"X-AFM-Profile": "true"}) as stream:
+        message = stream.get_final_message()
+    assert message.usage.output_tokens == 8
+
+
+def test_cancel_by_request_id(server: ServerProcess, http: httpx.Client) -> None:
+    rid = f"anthropic-{uuid.uuid4().hex[:8]}"
+    text: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("POST", server.url + PATH, json=story(),
+                          headers={"X-Request-ID": rid}, timeout=60) as response:
+            for chunk in response.iter_text():
+                text.append(chunk)
+                if "content_block_delta" in chunk:
+                    started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert started.wait(30)
+    cancelled = http.post(f"{PATH}/{rid}/cancel")
+    assert cancelled.status_code == 200
+    assert cancelled.json() == {"id": rid, "type": "message_cancellation", "cancelled": True}
+    reader.join(30)
+    events = parse_events("".join(text))
+    assert events[-2][1]["delta"]["stop_reason"] == "cancelled"
+    assert events[-1][0] == "message_stop"
+    missing = http.post(f"{PATH}/{rid}/cancel")
+    assert missing.status_code == 404
+    assert error_of(missing)[0] == "not_found_error"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_request_errors_are_anthropic_errors(http: httpx.Client) -> None:
+    cases = [
+        ({"model": "demo", "messages": MESSAGES}, "max_tokens: "),
+        (body(max_tokens=0), "max_tokens: "),
+        (body(messages=[]), "messages: "),
+        (body(messages=[{"role": "system", "content": "x"}]), "messages: "),
+        (body(messages=[*MESSAGES, {"role": "assistant", "content": "Sure"}]),
+         "messages[1].role: "),
+        (body(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
+         "tools[0].type: "),
+        (body(tools=[{"name": "f"}]), "tools[0].input_schema: "),
+        (body(tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}), "tool_choice.name: "),
+        (body(tool_choice={"type": "any"}), "tool_choice.type: "),
+        (body(tools=[{"name": "f", "input_schema": {"type": "object", "properties": 3}}]),
+         "tools[0].input_schema: "),
+        (body(stop_sequences="x"), "stop_sequences: "),
+        (body(thinking={"type": "sometimes"}), "thinking.type: "),
+        (body(output_config={"effort": "extreme"}), "output_config.effort: "),
+        (body(stream="yes"), "stream: "),
+    ]
+    for payload, prefix in cases:
+        response = http.post(PATH, json=payload)
+        assert response.status_code == 400, (payload, response.text)
+        kind, message = error_of(response)
+        assert kind == "invalid_request_error"
+        assert message.startswith(prefix), (prefix, message)
+    broken = http.post(PATH, content=b"{", headers={"Content-Type": "application/json"})
+    assert broken.status_code == 400 and error_of(broken)[0] == "invalid_request_error"
+
+
+def test_the_gates_refusals_use_the_routes_envelope(http: httpx.Client) -> None:
+    unknown = http.post(f"{PATH}/nope", json={})
+    assert unknown.status_code == 404 and error_of(unknown)[0] == "not_found_error"
+    method = http.get(PATH)
+    assert method.status_code == 405 and error_of(method)[0] == "invalid_request_error"
+    assert method.headers["allow"] == "POST"
+    media = http.post(PATH, content=b"{}", headers={"Content-Type": "text/plain"})
+    assert media.status_code == 415 and error_of(media)[0] == "invalid_request_error"
+    count = http.post(f"{PATH}/count_tokens", json={"messages": MESSAGES})
+    assert count.status_code == 400
+    assert error_of(count) == ("invalid_request_error",
+                               "model: Missing required parameter: 'model'.")
+    # Other routes keep OpenAI's envelope.
+    chat = http.post("/v1/nope", json={})
+    assert chat.status_code == 404 and chat.json()["error"]["code"] == "unknown_url"
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = start_server(tmp_path_factory.mktemp("guarded"), config=f"""
+[server]
+api_key = "{KEY}"
+allowed_origins = ["{ORIGIN}"]
+max_request_body_bytes = {BODY_LIMIT}
+""")
+    yield proc
+    proc.stop()
+
+
+def test_api_key_in_x_api_key_or_bearer(guarded: ServerProcess) -> None:
+    url = guarded.url + PATH
+    for headers in ({"x-api-key": KEY}, {"Authorization": f"Bearer {KEY}"},
+                    {"x-api-key": KEY, "anthropic-version": "2023-06-01",
+                     "anthropic-beta": "prompt-caching-2024-07-31"}):
+        assert httpx.post(url, json=body(max_tokens=1), headers=headers).status_code == 200
+    for headers in ({}, {"x-api-key": "sk-wrong"}, {"x-api-key": ""},
+                    {"x-api-key": "sk-wrong", "Authorization": f"Bearer {KEY}"}):
+        refused = httpx.post(url, json=body(max_tokens=1), headers=headers)
+        assert refused.status_code == 401, headers
+        assert error_of(refused)[0] == "authentication_error"
+    # Any route takes the key either way; other routes answer in OpenAI's envelope.
+    chat = guarded.url + "/v1/chat/completions"
+    payload = {"messages": MESSAGES, "max_tokens": 1}
+    assert httpx.post(chat, json=payload, headers={"x-api-key": KEY}).status_code == 200
+    assert httpx.post(chat, json=payload).json()["error"]["code"] == "invalid_api_key"
+    # The official client sends x-api-key.
+    claude = anthropic.Anthropic(base_url=guarded.url, api_key=KEY, max_retries=0)
+    assert claude.messages.create(**body(max_tokens=1)).usage.output_tokens == 1
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=guarded.url, api_key="sk-wrong",
+                            max_retries=0).messages.create(**body(max_tokens=1))
+
+
+def test_guarded_refusals(guarded: ServerProcess) -> None:
+    url = guarded.url + PATH
+    large = httpx.post(url, json=body(system="x" * BODY_LIMIT), headers={"x-api-key": KEY})
+    assert large.status_code == 413 and error_of(large)[0] == "request_too_large"
+    foreign = httpx.post(url, json=body(), headers={"x-api-key": KEY,
+                                                    "Origin": "http://evil.example"})
+    assert foreign.status_code == 403 and error_of(foreign)[0] == "permission_error"
+    preflight = httpx.options(url, headers={"Origin": ORIGIN,
+                                            "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 204
+    allowed = {h.strip().lower()
+               for h in preflight.headers["access-control-allow-headers"].split(",")}
+    assert {"x-api-key", "anthropic-version", "anthropic-beta", "content-type"} <= allowed
+    allowed_origin = httpx.post(url, json=body(max_tokens=1),
+                                headers={"x-api-key": KEY, "Origin": ORIGIN})
+    assert allowed_origin.headers["access-control-allow-origin"] == ORIGIN
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One slot, one place in the queue, and a short request_timeout."""
+    proc = start_server(tmp_path_factory.mktemp("tight"), config="""
+[queue]
+max_concurrent_requests = 1
+max_queued_requests = 1
+[server]
+request_timeout = 9
+[[models.model]]
+id = "tiny-ctx"
+path = "afmd:demo"
+context_length = 64
+""")
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.slow
+def test_queued_stream_pings_then_fails_with_an_error_event(tight: ServerProcess) -> None:
+    """A stream waiting in the queue opens and pings; its request_timeout passing later
+    (queued or generating) is an error event; a third request is refused with 429."""
+    url = tight.url
+    hog_started = threading.Event()
+
+    def hog() -> None:
+        payload = {**STORY_CHAT, "max_tokens": LONG, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=payload,
+                          timeout=60) as response:
+            for _ in response.iter_bytes():
+                hog_started.set()
+
+    threading.Thread(target=hog, daemon=True).start()
+    assert hog_started.wait(30)
+    waited: list[tuple[float, str]] = []
+    sent = time.monotonic()
+    queued_open = threading.Event()
+
+    def queued() -> None:
+        with httpx.stream("POST", url + PATH, json=story(), timeout=60) as response:
+            assert response.status_code == 200
+            queued_open.set()
+            for line in response.iter_lines():
+                waited.append((time.monotonic() - sent, line))
+
+    reader = threading.Thread(target=queued, daemon=True)
+    reader.start()
+    assert queued_open.wait(15), "the queued stream did not open"
+    refused = httpx.post(url + PATH, json=body())
+    assert refused.status_code == 429
+    assert int(refused.headers["retry-after"]) >= 1
+    assert error_of(refused)[0] == "rate_limit_error"
+    reader.join(60)
+    events = parse_events("".join(line + "\n" for _, line in waited))
+    names = [name for name, _ in events]
+    assert names[:2] == ["message_start", "ping"]
+    ping_at = next(t for t, line in waited if line == "event: ping")
+    assert 4.0 < ping_at < 8.0, ping_at
+    assert names[-1] == "error" and "message_stop" not in names
+    assert events[-1][1]["error"]["type"] == "timeout_error"
+
+
+def test_max_tokens_is_a_cap_the_context_window_lowers(tight: ServerProcess) -> None:
+    """Claude Code asks for max_tokens far beyond a small local context: the answer runs
+    until the window is full and says so (chat still refuses it, as OpenAI does)."""
+    response = httpx.post(tight.url + PATH, json=body(model="tiny-ctx", max_tokens=32000,
+                                                      **STORY), timeout=60)
+    assert response.status_code == 200, response.text
+    message = response.json()
+    validate_message(message)
+    assert message["stop_reason"] == "model_context_window_exceeded"
+    usage = message["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage[
+        "output_tokens"] == 64
+    capped = httpx.post(tight.url + PATH, json=body(model="tiny-ctx", max_tokens=3, **STORY),
+                        timeout=60).json()
+    assert capped["stop_reason"] == "max_tokens" and capped["usage"]["output_tokens"] == 3
+    chat = httpx.post(tight.url + "/v1/chat/completions", timeout=60, json={
+        **STORY_CHAT, "model": "tiny-ctx", "max_tokens": 32000})
+    assert chat.status_code == 400
+    assert chat.json()["error"]["code"] == "context_length_exceeded"
+    too_long = httpx.post(tight.url + PATH, timeout=60, json=body(
+        model="tiny-ctx", messages=[{"role": "user", "content": "word " * 200}]))
+    assert too_long.status_code == 400
+    kind, message = error_of(too_long)
+    match = re.fullmatch(r"prompt is too long: (\d+) tokens > 64 maximum", message)
+    assert kind == "invalid_request_error" and match and int(match[1]) >= 64, message
+
+
+@pytest.mark.slow
+def test_shutdown_is_overloaded_with_retry_after(tmp_path: Path) -> None:
+    proc = start_server(tmp_path, config="[server]\nshutdown_grace = 1\n")
+    results: dict[str, Any] = {}
+    generating = threading.Event()
+
+    def plain() -> None:
+        results["plain"] = httpx.post(proc.url + PATH, json=story(stream=False), timeout=60)
+
+    def streamed() -> None:
+        with httpx.stream("POST", proc.url + PATH, json=story(), timeout=60) as response:
+            text = ""
+            for chunk in response.iter_text():
+                text += chunk
+                if "content_block_delta" in text:
+                    generating.set()
+            results["stream"] = text
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (plain, streamed)]
+    for thread in threads:
+        thread.start()
+    try:
+        assert generating.wait(30)
+        time.sleep(0.3)
+        proc.proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(30)
+    finally:
+        assert proc.stop() == 0
+    plain_response = results["plain"]
+    assert plain_response.status_code == 529
+    assert plain_response.headers["retry-after"] == "1"
+    assert error_of(plain_response)[0] == "overloaded_error"
+    last = parse_events(results["stream"])[-1]
+    assert last[0] == "error" and last[1]["error"]["type"] == "overloaded_error"
+
+
+# --------------------------------------------------------------------------- the pieces
+
+
+@pytest.mark.parametrize(("error", "status", "kind"), [
+    (InvalidRequestError("x"), 400, "invalid_request_error"),
+    (AuthenticationError("x"), 401, "authentication_error"),
+    (PermissionDeniedError("x"), 403, "permission_error"),
+    (NotFoundError("x"), 404, "not_found_error"),
+    (PayloadTooLargeError("x"), 413, "request_too_large"),
+    (UnsupportedMediaTypeError("x"), 415, "invalid_request_error"),
+    (RateLimitError("x", headers={"Retry-After": "3"}), 429, "rate_limit_error"),
+    (ServerError("x"), 500, "api_error"),
+    (ServiceUnavailableError("x", code="busy"), 529, "overloaded_error"),
+    (GatewayTimeoutError("x"), 504, "timeout_error"),
+])
+def test_error_mapping(error: APIError, status: int, kind: str) -> None:
+    got_status, envelope, headers = error_response(ANTHROPIC_MESSAGES, error)
+    assert got_status == status
+    assert envelope == {"type": "error", "error": {"type": kind, "message": "x"}}
+    if status in (429, 529):
+        assert headers["Retry-After"] == ("3" if status == 429 else "1")
+    # Without a style, the error is OpenAI's, as before.
+    assert error_response(None, error) == (error.status, error.envelope(),
+                                           dict(error.headers))
+
+
+def test_params_are_named_in_anthropics_terms() -> None:
+    def message(error: APIError) -> str:
+        return ANTHROPIC_MESSAGES.error_envelope(error)["error"]["message"]
+
+    assert message(InvalidRequestError("bad", param="tools[2].function.parameters")) == (
+        "tools[2].input_schema: bad")
+    assert message(InvalidRequestError("bad", param="response_format.json_schema.schema")) == (
+        "output_config.format.schema: bad")
+    assert message(InvalidRequestError("bad", param="messages[3].content",
+                                       code="image_input_not_supported")) == "messages: bad"
+    assert message(InvalidRequestError("bad", param="max_tokens")) == "max_tokens: bad"
+
+
+def test_the_gate_answers_in_the_style_its_route_names() -> None:
+    def route(method: str, path: str) -> RouteVerdict | tuple[int, tuple[str, ...]]:
+        if path == PATH:
+            return RouteVerdict(200 if method == "POST" else 405, ("POST",),
+                                ANTHROPIC_MESSAGES)
+        return 404, ()  # a check written before styles: OpenAI's envelope
+
+    policy = GatePolicy(route=route, api_key=KEY.encode())
+    for path, status, kind in ((PATH, 401, "authentication_error"), ("/v1/x", 404, None)):
+        out = Gate(policy).feed(f"POST {path} HTTP/1.1\r\nHost: localhost\r\n"
+                                "Content-Length: 0\r\n\r\n".encode())
+        assert isinstance(out[0], Reply) and out[0].rejection is not None
+        assert out[0].rejection.status == status
+        payload = json.loads(out[0].data.split(b"\r\n\r\n", 1)[1])
+        if kind is None:
+            assert payload["error"]["code"] == "unknown_url"
+        else:
+            assert payload["error"]["type"] == kind
+    accepted = Gate(policy).feed(f"POST {PATH} HTTP/1.1\r\nHost: localhost\r\nx-api-key: "
+                                 f"{KEY}\r\nContent-Length: 0\r\n\r\n".encode())
+    assert not isinstance(accepted[0], Reply)
+
+
+def test_a_conversation_in_afmds_terms() -> None:
+    """Blocks become afmd's messages: system blocks joined, a user turn's results as tool
+    messages in the order of the calls then its text, thinking as the turn's reasoning,
+    consecutive turns of one role as one, the choice and sampling fields mapped."""
+    raw = json.dumps({
+        "model": "claude-x", "max_tokens": 50, "stop_sequences": ["END"],
+        "system": [{"type": "text", "text": "Be brief."},
+                   {"type": "text", "text": "Be right.", "cache_control": {"type": "x"}}],
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "user", "content": [{"type": "text", "text": "And a sum."}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Two calls.", "signature": "sig"},
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "text", "text": "Calling."},
+                {"type": "tool_use", "id": "toolu_a", "name": "get_weather",
+                 "input": {"city": "Paris", "unit": "celsius"}},
+                {"type": "tool_use", "id": "toolu_b", "name": "add", "input": {"a": 2, "b": 3}},
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_b", "content": "5"},
+                {"type": "tool_result", "tool_use_id": "toolu_a", "is_error": True,
+                 "content": [{"type": "text", "text": "down"}]},
+                {"type": "text", "text": "Go on."},
+            ]},
+        ],
+        "tools": TOOLS, "tool_choice": {"type": "tool", "name": "add",
+                                        "disable_parallel_tool_use": True},
+        "thinking": {"type": "enabled", "budget_tokens": 20},
+        "output_config": {"effort": "max"}, "top_k": 5, "unknown_field": [1],
+    }).encode()
+    chat = ANTHROPIC_MESSAGES.parse(raw)
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "Be brief.\n\nBe right."), ("user", "Weather?\n\nAnd a sum."),
+        ("assistant", "Calling."), ("tool", "Error: down"), ("tool", "5"), ("user", "Go on.")]
+    assistant = chat.messages[2]
+    assert assistant.reasoning == "Two calls."
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in assistant.tool_calls] == [
+        ("toolu_a", "get_weather", {"city": "Paris", "unit": "celsius"}),
+        ("toolu_b", "add", {"a": 2, "b": 3})]
+    assert [m.tool_call_id for m in chat.messages[3:5]] == ["toolu_a", "toolu_b"]
+    assert chat.tool_choice.mode == "required" and chat.tool_choice.allowed == ("add",)
+    assert not chat.parallel_tool_calls
+    assert (chat.model, chat.max_tokens, chat.stop, chat.top_k) == ("claude-x", 50, ("END",), 5)
+    assert (chat.reasoning_effort, chat.thinking_budget) == ("xhigh", 20)
+    assert [t.parameters for t in chat.tools] == [t["input_schema"] for t in TOOLS]
+    assert chat.ignored_fields == ("unknown_field",)  # named in X-AFM-Ignored-Fields
+
+
+def test_system_messages_stay_where_they_stand() -> None:
+    """Claude Code's ``role: "system"`` messages inside ``messages`` (a string or text
+    blocks) stay in place: one before the first turn joins the system prompt, one between
+    a call and its results follows the results; the fields it sends that mean nothing
+    locally are accepted, even under strict, and named."""
+    raw = json.dumps({
+        "model": "demo", "max_tokens": 32000, "system": "Top.",
+        "messages": [
+            {"role": "system", "content": "Early."},
+            {"role": "user", "content": "Hi."},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "toolu_a", "name": "add", "input": {"a": 1}}]},
+            {"role": "system", "content": [{"type": "text", "text": "Mid."},
+                                           {"type": "text", "text": "Still mid."}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_a", "content": "2"},
+                {"type": "text", "text": "Go on."}]},
+            {"role": "system", "content": "Late."},
+        ],
+        "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015"}]},
+        "metadata": {"user_id": "u"},
+    }).encode()
+    for strict in (False, True):
+        chat = ANTHROPIC_MESSAGES.parse(raw, strict=strict)
+        assert [(m.role, m.content, m.in_place) for m in chat.messages] == [
+            ("system", "Top.", False), ("system", "Early.", True), ("user", "Hi.", False),
+            ("assistant", None, False), ("tool", "2", False),
+            ("system", "Mid.\n\nStill mid.", True), ("user", "Go on.", False),
+            ("system", "Late.", True)]
+        assert chat.ignored_fields == ("context_management", "metadata")
+        assert chat.reasoning_effort == "high" and chat.max_tokens_shrinks
+    assert [(m["role"], m["content"]) for m in template_messages(chat.messages)] == [
+        ("system", "Top.\n\nEarly."), ("user", "Hi."), ("assistant", ""), ("tool", "2"),
+        ("system", "Mid.\n\nStill mid."), ("user", "Go on."), ("system", "Late.")]
+    for bad, param in (({"role": "system", "content": [{"type": "image"}]},
+                        "messages[0].content[0].type"),
+                       ({"role": "tool", "content": "x"}, "messages[0].role")):
+        with pytest.raises(InvalidRequestError) as info:
+            ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[bad, *MESSAGES])).encode())
+        assert info.value.param == param
+    with pytest.raises(InvalidRequestError) as info:  # a system message is no user turn
+        ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[
+            {"role": "system", "content": "Only this."}])).encode())
+    assert info.value.code == "missing_user_message"
+
+
+#: The demo's template, made to refuse a system turn anywhere but first (as many do).
+_FIRST_SYSTEM_ONLY = (
+    "{%- for m in messages %}{%- if m.role == 'system' and not loop.first %}"
+    "{{- raise_exception('System message must be at the beginning.') }}"
+    "{%- endif %}{%- endfor %}" + CHAT_TEMPLATE)
+
+
+class _FirstSystemOnly:
+    """The demo's tokenizer rendering through :data:`_FIRST_SYSTEM_ONLY`."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def apply_chat_template(self, messages: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(messages, chat_template=_FIRST_SYSTEM_ONLY,
+                                                   **kwargs)
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        return list(self._tokenizer.encode(text, **kwargs))
+
+
+def test_late_system_turns_rendered_in_place_or_folded(demo_model: LoadedModel) -> None:
+    """The demo's template renders a system turn where it stands; one that refuses it
+    gets the text folded into the next user turn (the one before, at the end)."""
+    messages = [{"role": "system", "content": "Top."}, {"role": "user", "content": "Hi."},
+                {"role": "system", "content": "Mid."}, {"role": "user", "content": "Go."},
+                {"role": "system", "content": "Late."}]
+    decode = demo_model.tokenizer.decode
+    text = decode(demo_model.render_prompt(messages))
+    assert ("<|im_start|>user\nHi.<|im_end|>\n<|im_start|>system\nMid.<|im_end|>\n"
+            "<|im_start|>user\nGo.<|im_end|>\n<|im_start|>system\nLate.<|im_end|>") in text
+    strict = dataclasses.replace(demo_model, tokenizer=_FirstSystemOnly(demo_model.tokenizer))
+    folded = decode(strict.render_prompt(messages))
+    assert "<|im_start|>system" not in folded.split("<|im_end|>", 1)[1]
+    assert "<|im_start|>user\nMid.\n\nGo.\n\nLate.<|im_end|>" in folded
+    assert folded_system_turns(messages[:2]) is None
+
+
+def test_claude_codes_fields_and_overflow_on_the_wire(http: httpx.Client,
+                                                      tight: ServerProcess) -> None:
+    """A body as Claude Code sends it is answered, the unused fields named; count_tokens
+    counts a system message inside ``messages``; a prompt over the window is Anthropic's
+    ``prompt is too long`` on both routes."""
+    claude = body(max_tokens=32000, thinking={"type": "adaptive"},
+                  output_config={"effort": "medium"}, metadata={"user_id": "u"},
+                  context_management={"edits": []},
+                  messages=[{"role": "system", "content": "Be terse."}, *MESSAGES,
+                            {"role": "system", "content": [{"type": "text", "text": "Now."}]}])
+    beta = {"anthropic-beta": "claude-code-20250219,mid-conversation-system-2026-04-07"}
+    response = http.post(PATH + "?beta=true", json={**claude, "max_tokens": 4}, headers=beta)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-afm-ignored-fields"] == "metadata, context_management"
+    validate_message(response.json())
+    count = PATH + "/count_tokens?beta=true"
+    plain = {k: claude[k] for k in ("model", "messages")}
+    with_system = http.post(count, json=plain, headers=beta).json()["input_tokens"]
+    without = http.post(count, json={**plain, "messages": MESSAGES}).json()["input_tokens"]
+    assert with_system > without + 4
+    long = [{"role": "user", "content": "word " * 200}]
+    for path, extra in ((PATH, {"max_tokens": 32000}), (PATH + "/count_tokens", {})):
+        refused = httpx.post(tight.url + path, timeout=60,
+                             json={"model": "tiny-ctx", "messages": long, **extra})
+        assert refused.status_code == 400, refused.text
+        kind, message = error_of(refused)
+        match = re.fullmatch(r"prompt is too long: (\d+) tokens > 64 maximum", message)
+        assert kind == "invalid_request_error" and match and int(match[1]) > 200, message
+
+
+def test_output_chain_names_the_stop_that_matched() -> None:
+    output = OutputProcessor(stops=("END", "</answer>"))
+    assert output.stop_sequence is None
+    pieces = output.feed("some text </ans") + output.feed("wer> more")
+    assert output.stopped_by_sequence and output.stop_sequence == "</answer>"
+    assert "".join(p.text for p in pieces) == "some text"
+
+
+@pytest.fixture(scope="module")
+def demo_model() -> Iterator[LoadedModel]:
+    registry = ModelRegistry(load_config(None, env={}))
+
+    async def load() -> LoadedModel:
+        return await registry.begin_load(registry.resolve("demo"))
+
+    yield asyncio.run(load())
+    registry.close()
+
+
+def test_thinking_budget_closes_the_block_in_free_text(demo_model: LoadedModel) -> None:
+    """With no tools and no format the budget still binds: a grammar ends the thinking
+    block at the budget (and a request without a budget keeps the grammar-free path)."""
+    request = ChatRequest(messages=(Message("user", "Hi"),), thinking_budget=3)
+    prompt = demo_model.render_prompt([{"role": "user", "content": "Hi"}])
+    assert plan_turn(ChatRequest(messages=request.messages), demo_model, prompt,
+                     64).grammar is None
+    grammar = plan_turn(request, demo_model, prompt, 64).grammar
+    assert grammar is not None
+    tokenizer = llg_tokenizer(demo_model.tokenizer, demo_model.vocab_size, demo_model.eos_ids)
+    start, end = (tokenizer.tokenize_str(m) for m in ("<think>", "</think>"))
+    words = tokenizer.tokenize_str(" one two three four")
+    assert len(words) >= 4
+    matcher = grammar.matcher()
+    assert matcher.consume_tokens(start + words[:3])
+    assert matcher.validate_tokens(words[3:4]) == 0, "a fourth thinking token"
+    assert matcher.validate_tokens(end) == len(end)
+    free = grammar.matcher()
+    assert free.consume_tokens(words), "an answer without thinking is free text"

@@ -1,0 +1,465 @@
+"""The block KV cache (afmd.engine.kvcache): keys, tiers, files that must never be wrong,
+and the real server resuming a conversation from RAM and, after a restart, from disk.
+
+Unit tests drive the tiers with real MLX arrays; the engine tests load the demo model as
+a server does (``load_sync``); the end-to-end tests run ``afmd serve`` twice over one
+disk folder and compare greedy output with the cold run's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from afmd.config.load import BUILTIN_DEMO_PATH, CacheConfig, Config, ModelEntry
+from afmd.engine.generation import GenerationRequest, SamplingParams
+from afmd.engine.kvcache import folder as layout
+from afmd.engine.kvcache import kv_compat as compat
+from afmd.engine.kvcache.blocks import BlockCache
+from afmd.engine.kvcache.chain import block_keys, chain_root
+from afmd.engine.kvcache.disk import LAYOUT, DiskStore, DiskTier
+from afmd.engine.kvcache.identity import model_identity
+from afmd.engine.kvcache.ram import Block, RamTier
+
+from conftest import parse_sse
+from helpers.servers import ServerProcess, start_server
+
+CHAT = "/v1/chat/completions"
+BLOCK = 16
+
+
+def _block(seed: int, tokens: int = BLOCK, layers: int = 2) -> Block:
+    mx.random.seed(seed)
+    arrays = [(mx.random.normal((1, 2, tokens, 8)).astype(mx.float16),
+               mx.random.normal((1, 2, tokens, 8)).astype(mx.float16)) for _ in range(layers)]
+    mx.eval(arrays)
+    return Block.of(arrays)
+
+
+def _same(a: Block, b: Block) -> bool:
+    return all(mx.array_equal(x, y).item() for (k1, v1), (k2, v2) in zip(
+        a.layers, b.layers, strict=True) for x, y in ((k1, k2), (v1, v2)))
+
+
+# -- what mlx-lm is, and what a key is ---------------------------------------------------
+
+
+def test_upstream_is_what_compat_was_written_against() -> None:
+    problems = compat.upstream_problems()
+    assert not problems, (
+        "mlx-lm changed under afmd/engine/kvcache/kv_compat.py: re-read each of these, adapt "
+        "compat, then update its fingerprint:\n  " + "\n  ".join(problems))
+
+
+def test_two_models_never_share_keys_and_a_change_keeps_the_keys_before_it() -> None:
+    tokens = list(range(100, 100 + 8 * BLOCK))
+    a = block_keys(chain_root(b"model-a", BLOCK), tokens, BLOCK)
+    b = block_keys(chain_root(b"model-b", BLOCK), tokens, BLOCK)
+    assert len(a) == 8 and not set(a) & set(b)  # same tokens, other model: nothing shared
+    changed = list(tokens)
+    changed[5 * BLOCK + 3] += 1  # an old tool output rewritten by a compaction
+    c = block_keys(chain_root(b"model-a", BLOCK), changed, BLOCK)
+    assert c[:5] == a[:5] and not set(c[5:]) & set(a)
+    # Same block tokens after a different history: a different key.
+    shifted = [7] * BLOCK + tokens[BLOCK:]
+    assert block_keys(chain_root(b"model-a", BLOCK), shifted, BLOCK)[1] != a[1]
+
+
+def test_model_identity_follows_weights_and_tokenizer(tmp_path: Path) -> None:
+    from afmd.engine.demo.builtin import materialize
+
+    source = materialize("demo")
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    assert model_identity(copy, "x") == model_identity(source, "y")  # same files
+    weights = next(copy.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF  # a different checkpoint of the same shapes
+    weights.write_bytes(bytes(data))
+    assert model_identity(copy, "x") != model_identity(source, "x")
+    assert model_identity(materialize("demo-32k"), "x") != model_identity(source, "x")
+
+
+# -- the RAM tier ----------------------------------------------------------------------
+
+
+def test_ram_tier_evicts_least_recently_used_by_bytes() -> None:
+    blocks = [_block(i) for i in range(3)]
+    ram = RamTier(max_bytes=2 * blocks[0].nbytes, max_blocks=100)
+    ram.put(b"a", blocks[0])
+    ram.put(b"b", blocks[1])
+    assert ram.get(b"a") is blocks[0]  # a is now the most recently used
+    ram.put(b"c", blocks[2])
+    assert b"b" not in ram and b"a" in ram and b"c" in ram
+    assert ram.evictions == 1 and ram.nbytes == 2 * blocks[0].nbytes
+    assert ram.get(b"b") is None and ram.misses == 1 and ram.hits == 1
+    assert ram.clear() == 2 * blocks[0].nbytes and len(ram) == 0 and ram.nbytes == 0
+    counted = RamTier(max_bytes=1 << 30, max_blocks=2)  # prompt_cache_entries
+    for i, block in enumerate(blocks):
+        counted.put(bytes([i]), block)
+    assert len(counted) == 2 and bytes([0]) not in counted and counted.evictions == 1
+
+
+def test_shared_prefix_blocks_are_held_once_and_a_change_reuses_what_precedes_it() -> None:
+    """Two conversations with one system prompt hold its blocks once; a conversation
+    changed in its middle resumes from every block before the change."""
+    ram = RamTier(1 << 30, 1 << 20)
+    cache = BlockCache(b"m", BLOCK, ram)
+    system = list(range(1, 1 + 4 * BLOCK))
+    one = system + list(range(500, 500 + 2 * BLOCK))
+    two = system + list(range(700, 700 + 2 * BLOCK))
+
+    def state(tokens: list[int]) -> list[Any]:
+        layers = [(mx.random.normal((1, 2, len(tokens), 8)),
+                   mx.random.normal((1, 2, len(tokens), 8))) for _ in range(2)]
+        return compat.build(layers)
+
+    cache.store(one, state(one))
+    cache.store(two, state(two))
+    assert len(ram) == 4 + 2 + 2  # the system prompt's four blocks once
+    resume = cache.lookup([*two, 1, 2, 3])
+    assert resume.tokens == 6 * BLOCK and resume.ram_tokens == 6 * BLOCK
+    assert [c.offset for c in resume.cache] == [6 * BLOCK] * 2
+    edited = list(one)
+    edited[5 * BLOCK + 1] = 9
+    assert cache.lookup([*edited, 1]).tokens == 5 * BLOCK + 1  # every token before it
+    # A whole prompt of blocks still leaves its last token to compute.
+    assert cache.lookup(one).tokens == 6 * BLOCK - 1
+
+
+def test_a_tail_shorter_than_a_block_is_reused_for_what_it_shares() -> None:
+    """The next turn resends the prompt, the answer and a new message: it resumes from
+    the previous turn's end, not from its last block boundary."""
+    ram = RamTier(1 << 30, 1 << 20)
+    cache = BlockCache(b"m", BLOCK, ram)
+    turn = list(range(1, 1 + 3 * BLOCK + 5))  # three blocks and a five-token tail
+    layers = [(mx.random.normal((1, 2, len(turn), 8)), mx.random.normal((1, 2, len(turn), 8)))]
+    cache.store(turn, compat.build(layers))
+    assert len(ram) == 4  # three blocks, one tail
+    resume = cache.lookup([*turn, 40, 41])
+    assert resume.tokens == 3 * BLOCK + 5 and resume.ram_tokens == resume.tokens
+    keys = resume.cache[0].keys
+    assert mx.array_equal(keys, layers[0][0][..., : 3 * BLOCK + 5, :]).item()
+    assert cache.lookup([*turn[:-2], 99, 98]).tokens == 3 * BLOCK + 3  # what it shares
+    assert cache.lookup(turn).tokens == 3 * BLOCK + 4  # the same prompt: all but one
+
+
+# -- the disk tier ----------------------------------------------------------------------
+
+
+@pytest.fixture()
+def disk(tmp_path: Path) -> Iterator[DiskTier]:
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    yield DiskTier(store, b"identity-a" * 3, "a")
+    store.close()
+
+
+def _written(tier: DiskTier, key: bytes, block: Block) -> Path:
+    tier.put(key, block)
+    assert tier.store.flush()
+    path = layout.block_path(tier.folder, key)
+    assert path.is_file()
+    return path
+
+
+def test_a_block_written_to_disk_reads_back_the_same(disk: DiskTier) -> None:
+    block = _block(1)
+    _written(disk, b"k" * 32, block)
+    got = disk.get(b"k" * 32)
+    assert got is not None and _same(got, block) and disk.hits == 1
+    assert disk.nbytes > block.nbytes  # a header and a checksum besides
+    assert not [p for p in disk.folder.iterdir() if p.name.startswith(layout.TEMP_PREFIX)]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "layout", "key"])
+def test_a_file_that_does_not_match_is_deleted_not_used(disk: DiskTier, damage: str,
+                                                        caplog: pytest.LogCaptureFixture
+                                                        ) -> None:
+    key = b"k" * 32
+    path = _written(disk, key, _block(2))
+    data = bytearray(path.read_bytes())
+    if damage == "corrupt":
+        data[-7] ^= 0x40
+        path.write_bytes(bytes(data))
+    elif damage == "truncated":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    elif damage == "layout":
+        data[8:12] = (LAYOUT + 1).to_bytes(4, "little")
+        path.write_bytes(bytes(data))
+    elif damage == "key":  # a file renamed over another block's name
+        os.replace(path, layout.block_path(disk.folder, b"j" * 32))
+        key = b"j" * 32
+        path = layout.block_path(disk.folder, key)
+    else:  # another model's file in this model's folder, under the same key
+        other = DiskTier(disk.store, b"identity-b" * 3, "b")
+        foreign = _written(other, key, _block(3))
+        shutil.copyfile(foreign, path)
+    with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
+        assert disk.get(key) is None
+    assert not path.exists()  # deleted: recomputed next time, never read again
+    assert disk.misses == 1 and any("deleted" in r.getMessage() for r in caplog.records)
+
+
+def test_disk_tier_evicts_least_recently_used_by_bytes(tmp_path: Path) -> None:
+    probe = DiskStore(tmp_path / "probe", 1 << 30)
+    size = _written(DiskTier(probe, b"p", "p"), b"x" * 32, _block(0)).stat().st_size
+    probe.close()
+    store = DiskStore(tmp_path / "kv", int(2.5 * size))
+    tier = DiskTier(store, b"i", "m")
+    for i in range(2):
+        _written(tier, bytes([i]) * 32, _block(i))
+        time.sleep(0.01)
+    assert tier.get(bytes([0]) * 32) is not None  # block 0 used last: block 1 goes
+    _written(tier, bytes([2]) * 32, _block(2))
+    assert store.evictions == 1 and store.nbytes == 2 * size
+    assert not layout.block_path(tier.folder, bytes([1]) * 32).exists()
+    assert layout.block_path(tier.folder, bytes([0]) * 32).exists()
+    store.close()
+    # After a restart the order and the bytes are read back from the folder.
+    again = DiskStore(tmp_path / "kv", int(2.5 * size))
+    assert again.nbytes == 2 * size
+    again.close()
+
+
+def test_a_torn_temporary_file_is_never_read(disk: DiskTier) -> None:
+    key = b"t" * 32
+    temp = disk.folder / f"{layout.TEMP_PREFIX}999-{key.hex()}{layout.SUFFIX}"
+    temp.write_bytes(b"AFMDKVB\x00 half a file")  # what a killed writer leaves
+    assert disk.get(key) is None and temp.exists()
+
+
+# -- the engine: a model loaded as a server loads it --------------------------------------
+
+
+def _generate(model: Any, prompt: list[int], max_tokens: int = 12) -> tuple[list[int], Any]:
+    async def main() -> tuple[list[int], Any]:
+        generation = model.start(GenerationRequest(
+            f"r{time.monotonic_ns()}", prompt, max_tokens,
+            sampling=SamplingParams(temperature=0.0)))
+        events: list[Any] = []
+        while not generation.done:
+            events.extend(await generation.next_events())
+        return [getattr(e, "text", "") for e in events], events[-1]
+
+    return asyncio.run(main())
+
+
+def _load(cache: CacheConfig, path: str = BUILTIN_DEMO_PATH, model_id: str = "demo") -> Any:
+    from afmd.engine.models.loading import load_sync
+
+    return load_sync(ModelEntry(id=model_id, path=path), Config(cache=cache))
+
+
+def test_unwritable_folder_logs_once_and_serves_from_ram(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
+        model = _load(CacheConfig(block_tokens=BLOCK, disk_dir=str(blocker / "kv")))
+        try:
+            prompt = model.render_prompt([{"role": "user", "content": "tides " * 40}])
+            cold, _ = _generate(model, prompt)
+            for _ in range(2):
+                warm, end = _generate(model, prompt)
+                assert warm == cold and end.cached_tokens >= len(prompt) - BLOCK
+                assert end.cached_disk_tokens == 0
+        finally:
+            model.worker.stop()
+    warnings = [r for r in caplog.records if r.name == "afmd.kvcache"]
+    assert len(warnings) == 1 and "serving on from RAM" in warnings[0].getMessage()
+
+
+def test_a_write_that_fails_later_logs_once(tmp_path: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A folder that goes away under the server (a full or unmounted disk fails the same
+    way: the write raises): logged once, RAM serves on."""
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    tier = DiskTier(store, b"i", "m")
+    shutil.rmtree(tier.folder)
+    tier.folder.write_text("in the way")
+    with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
+        for i in range(3):
+            tier.put(bytes([i]) * 32, _block(i))
+            assert store.flush()
+    assert store.failed is not None
+    assert len([r for r in caplog.records if r.name == "afmd.kvcache"]) == 1
+    store.close()
+
+
+def test_two_models_on_one_folder_never_share_blocks(tmp_path: Path) -> None:
+    cache = CacheConfig(block_tokens=BLOCK, disk_dir=str(tmp_path / "kv"))
+    tokens = [(i * 7) % 900 + 20 for i in range(6 * BLOCK)]  # ids both vocabularies have
+    first = _load(cache)
+    try:
+        _generate(first, tokens)
+        assert first.kv_cache.disk.store.flush()
+    finally:
+        first.worker.stop()
+    second = _load(cache, "afmd:demo-32k", "demo-32k")
+    try:
+        _, end = _generate(second, tokens)
+        assert end.cached_tokens == 0
+        assert second.kv_cache.disk.folder != first.kv_cache.disk.folder
+    finally:
+        second.worker.stop()
+
+
+# -- the real server, restarted ----------------------------------------------------------
+
+
+def _config(kv: Path) -> str:
+    return f'[cache]\nblock_tokens = {BLOCK}\ndisk_dir = "{kv}"\n'
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a careful coding agent. " * 12},
+    {"role": "user", "content": "Read the file and summarise it."},
+    {"role": "assistant", "content": "The file defines three functions and a test. " * 3},
+    {"role": "user", "content": "Now rename the second function everywhere."},
+]
+
+
+def _turn(url: str, messages: list[dict[str, str]] | None = None
+          ) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    r = httpx.post(url + CHAT, timeout=120, headers={"X-AFM-Profile": "true"}, json={
+        "model": "demo", "messages": messages or CONVERSATION, "max_tokens": 16,
+        "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200, r.text
+    events = parse_sse(r.text)
+    text = "".join(c["choices"][0]["delta"].get("content") or ""
+                   for c in events if isinstance(c, dict) and c.get("choices"))
+    usage = next(c["usage"] for c in events if isinstance(c, dict) and c.get("usage"))
+    profile = next(c["afm_profile"] for c in events if isinstance(c, dict)
+                   and "afm_profile" in c)
+    return text, usage, profile
+
+
+def _kv_detail(url: str) -> dict[str, int]:
+    detail = httpx.get(url + "/health", timeout=10).json()["model_details"]["demo"]
+    return detail["kv_cache"]
+
+
+def _wait(predicate: Any, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def _metric(url: str, name: str, tier: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f'{name}{{model="demo",tier="{tier}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} for tier {tier} missing")
+
+
+def test_a_restarted_server_resumes_from_disk_with_the_cold_runs_output(
+        tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    config = _config(kv)
+    first: ServerProcess = start_server(tmp_path, config=config)
+    try:
+        cold, usage, profile = _turn(first.url)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        prompt_tokens = usage["prompt_tokens"]
+        hot, usage, profile = _turn(first.url)
+        assert hot == cold  # greedy, from RAM
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert cached == prompt_tokens - 1  # all of it but the token that gives logits
+        assert profile["cached_ram_tokens"] == cached and profile["cached_disk_tokens"] == 0
+        assert _metric(first.url, "afmd_kv_cache_hits_total", "ram") >= cached // BLOCK
+        assert _metric(first.url, "afmd_kv_cache_misses_total", "ram") > 0
+        tiers = _wait(lambda: (d := _kv_detail(first.url))["disk_bytes"] > 0 and d)
+        assert tiers and tiers["ram_bytes"] > 0
+        assert _metric(first.url, "afmd_kv_cache_bytes", "disk") == tiers["disk_bytes"]
+    finally:
+        assert first.stop() == 0
+    second = start_server(tmp_path, config=config)
+    try:
+        restarted, usage, profile = _turn(second.url)
+        assert restarted == cold  # greedy, from disk after a restart
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        # The whole blocks from disk; what follows the last of them, from RAM after that.
+        assert prompt_tokens - BLOCK <= cached < prompt_tokens
+        assert profile["cached_disk_tokens"] == cached and profile["cached_ram_tokens"] == 0
+        assert _metric(second.url, "afmd_kv_cache_hits_total", "disk") == cached // BLOCK
+        again, usage, profile = _turn(second.url)
+        assert again == cold and profile["cached_ram_tokens"] == prompt_tokens - 1
+        # Anthropic's and the Responses API's counts come from the same cache.
+        body = {"model": "demo", "max_tokens": 8, "temperature": 0,
+                "system": CONVERSATION[0]["content"], "messages": CONVERSATION[1:]}
+        for _ in range(2):
+            r = httpx.post(second.url + "/v1/messages", json=body, timeout=60)
+        assert r.json()["usage"]["cache_read_input_tokens"] >= BLOCK
+        # afmd cache clear, through the running server.
+        done = subprocess.run(
+            [sys.executable, "-m", "afmd", "cache", "clear", "--model", "demo", "--url",
+             second.url, "--json"], capture_output=True, text=True, timeout=60,
+            env={**os.environ, "AFMD_CONFIG": ""}, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert '"disk_bytes"' in done.stdout
+        assert _kv_detail(second.url) == {"ram_bytes": 0, "disk_bytes": 0}
+        assert not list(kv.rglob(f"*{layout.SUFFIX}"))
+        _, usage, _ = _turn(second.url)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        second.stop()
+
+
+def test_the_next_turn_after_a_restart_resumes_from_all_of_the_previous_turn(
+        tmp_path: Path) -> None:
+    """An agent's next turn starts with the whole previous turn and its answer: after a
+    restart its whole blocks and the previous turn's tail come from disk, and the answer
+    is the cold run's."""
+    config = _config(tmp_path / "kv")
+    first = start_server(tmp_path, config=config)
+    try:
+        answer, usage, _ = _turn(first.url)
+        previous = usage["prompt_tokens"] + usage["completion_tokens"]
+    finally:
+        assert first.stop() == 0
+    following = [*CONVERSATION, {"role": "assistant", "content": answer},
+                 {"role": "user", "content": "Thanks. Now run the tests."}]
+    second = start_server(tmp_path, config=config)
+    try:
+        text, usage, profile = _turn(second.url, following)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == previous
+        assert profile["cached_disk_tokens"] == previous
+    finally:
+        second.stop()
+    cold = start_server(tmp_path, config="[cache]\nprompt_cache_bytes = 0\n")
+    try:
+        expected, usage, _ = _turn(cold.url, following)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0 and text == expected
+    finally:
+        cold.stop()
+
+
+def test_cache_clear_without_a_server_empties_the_folder(tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    folder = kv / "abc"
+    folder.mkdir(parents=True)
+    (folder / f"{'00' * 32}{layout.SUFFIX}").write_bytes(b"x" * 100)
+    config = tmp_path / "afmd.toml"
+    config.write_text(_config(kv))
+    done = subprocess.run(
+        [sys.executable, "-m", "afmd", "cache", "clear", "--config", str(config), "--url",
+         "http://127.0.0.1:9", "--json"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert '"disk_bytes": 100' in done.stdout
+    assert not list(kv.rglob(f"*{layout.SUFFIX}"))

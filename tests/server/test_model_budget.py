@@ -1,0 +1,252 @@
+"""Several models within a memory budget, on a real server: loaded on demand, the least
+recently used idle one unloaded for another, a busy one never, 503 ``model_unavailable``
+when nothing can make room in time, a model larger than the budget refused before loading,
+``keep_alive`` (server, model, request), ``preload``, and ``/health``'s per-model detail."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import ServerProcess, start_server
+from helpers.openai_schemas import validate_error
+
+CHAT = "/v1/chat/completions"
+#: Greedy, this chat runs to max_tokens on the demo model (as in tests/server/test_engine.py).
+LONG_STORY = {"max_tokens": 8000, "stream": True, "temperature": 0,
+              "messages": [{"role": "system", "content": "You are terse."},
+                           {"role": "user", "content": "Tell me a long story."}]}
+
+
+def health(server: ServerProcess) -> dict[str, Any]:
+    return httpx.get(server.url + "/health", timeout=10).json()
+
+
+def details(server: ServerProcess) -> dict[str, dict[str, Any]]:
+    return health(server)["model_details"]
+
+
+def states(server: ServerProcess) -> dict[str, str]:
+    return {model: d["state"] for model, d in details(server).items()}
+
+
+def wait_for(server: ServerProcess, predicate: Callable[[dict[str, Any]], bool],
+             timeout: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = health(server)
+        if predicate(body):
+            return body
+        assert time.monotonic() < deadline, body
+        time.sleep(0.02)
+
+
+def chat(server: ServerProcess, model: str, **extra: Any) -> httpx.Response:
+    body = {"model": model, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}], **extra}
+    return httpx.post(server.url + CHAT, json=body, timeout=60)
+
+
+def loaded_models(server: ServerProcess) -> list[str]:
+    return sorted(m for m, state in states(server).items() if state == "loaded")
+
+
+def test_models_load_on_demand_and_the_least_recently_used_idle_one_makes_room(
+    tmp_path: Path,
+) -> None:
+    config = ('[models]\nmax_loaded = 2\n'
+              '[[models.model]]\nid = "twin"\npath = "afmd:demo"\n')
+    server = start_server(tmp_path, config=config)
+    try:
+        assert loaded_models(server) == ["demo"]  # the default model, preloaded
+        first = health(server)
+        # /health keeps its shape: the models map still says available / unavailable.
+        assert first["status"] == "ok" and first["models"]["demo-32k"] == "available"
+        assert details(server)["demo-32k"] == {
+            "state": "available", "path": "afmd:demo-32k", "memory_bytes": None,
+            "active": 0, "queued": 0, "idle_since": None, "expires_at": None,
+            "kv_cache": None}
+
+        assert chat(server, "demo-32k").status_code == 200  # loaded on demand
+        assert loaded_models(server) == ["demo", "demo-32k"]
+        assert chat(server, "demo").status_code == 200  # demo-32k is now the older
+        assert chat(server, "twin").status_code == 200  # a third: one must go
+        assert loaded_models(server) == ["demo", "twin"]
+        assert chat(server, "demo-32k").status_code == 200  # and again: demo goes
+        assert loaded_models(server) == ["demo-32k", "twin"]
+        body = health(server)
+        # The default model was unloaded when idle: the server is healthy all the same.
+        assert body["status"] == "ok" and body["models"]["demo"] == "available"
+        detail = body["model_details"]["demo-32k"]
+        # Measured: the weights (16.7 MB of safetensors) and the KV caches.
+        assert detail["memory_bytes"] > 16_000_000
+        assert detail["idle_since"] <= time.time() and detail["expires_at"] > time.time()
+        log = server.log_text()
+        assert "model unloaded: demo-32k (making room for twin" in log
+        assert "model unloaded: demo (making room for demo-32k" in log
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_busy_model_is_never_unloaded_a_request_waits_for_it_to_become_idle(
+    tmp_path: Path,
+) -> None:
+    server = start_server(tmp_path, config="[models]\nmax_loaded = 1\n")
+    hog_id = "hog-" + uuid.uuid4().hex
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            hog: Future[httpx.Response] = pool.submit(
+                httpx.post, server.url + CHAT, json={"model": "demo", **LONG_STORY},
+                headers={"X-Request-ID": hog_id}, timeout=120)
+            wait_for(server, lambda h: h["model_details"]["demo"]["active"] == 1)
+            waiting = pool.submit(chat, server, "demo-32k")
+            body = wait_for(server, lambda h: h["model_details"]["demo-32k"]["queued"] == 1)
+            assert body["model_details"]["demo-32k"]["state"] == "loading"
+            time.sleep(0.5)
+            assert not waiting.done()  # demo is busy: nothing can make room
+            assert loaded_models(server) == ["demo"]
+            assert health(server)["model_details"]["demo"]["idle_since"] is None
+            cancelled_at = time.monotonic()
+            httpx.post(server.url + f"{CHAT}/{hog_id}/cancel", timeout=30)
+            answer = waiting.result(60)
+            assert answer.status_code == 200, answer.text
+            assert time.monotonic() >= cancelled_at
+            assert hog.result(60).status_code == 200
+        assert loaded_models(server) == ["demo-32k"]
+    finally:
+        assert server.stop() == 0
+
+
+def test_503_model_unavailable_when_every_model_stays_busy_past_the_deadline(
+    tmp_path: Path,
+) -> None:
+    """Two overlapping streams keep demo busy through the whole request_timeout of a
+    request for another model (each stream itself ends at its own request_timeout)."""
+    config = "[server]\nrequest_timeout = 4\n[models]\nmax_loaded = 1\n"
+    server = start_server(tmp_path, config=config)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            streams = [pool.submit(httpx.post, server.url + CHAT,
+                                   json={"model": "demo", **LONG_STORY}, timeout=60)]
+            wait_for(server, lambda h: h["model_details"]["demo"]["active"] == 1)
+            started = time.monotonic()
+            refused = pool.submit(chat, server, "demo-32k")
+            time.sleep(0.8)
+            streams.append(pool.submit(httpx.post, server.url + CHAT,
+                                       json={"model": "demo", **LONG_STORY}, timeout=60))
+            answer = refused.result(60)
+            elapsed = time.monotonic() - started
+            for stream in streams:
+                stream.result(60)
+        assert answer.status_code == 503, answer.text
+        assert 3.5 <= elapsed < 10
+        assert int(answer.headers["Retry-After"]) >= 1
+        error = answer.json()["error"]
+        validate_error(answer.json())
+        assert (error["code"], error["param"]) == ("model_unavailable", "model")
+        assert "'demo-32k'" in error["message"] and "max_loaded (1 models)" in error["message"]
+        assert loaded_models(server) == ["demo"]  # never unloaded while busy
+        # The streams' answers are over; their leases go once the engine has dropped their
+        # rows, which on a loaded machine can be a while after the last byte. Idle now, demo
+        # makes room for demo-32k: the switch goes on past a request's short deadline (which
+        # it can outlast on a loaded machine), and then demo-32k answers.
+        wait_for(server, lambda h: h["model_details"]["demo"]["active"] == 0)
+        chat(server, "demo-32k")
+        wait_for(server, lambda h: [m for m, d in h["model_details"].items()
+                                    if d["state"] == "loaded"] == ["demo-32k"])
+        again = chat(server, "demo-32k")
+        assert again.status_code == 200, again.text
+    finally:
+        assert server.stop() == 0
+
+
+def test_budget_too_large_model_keep_alive_and_preload(tmp_path: Path) -> None:
+    """A 10 MB budget: demo-32k (16.7 MB of weights) is refused before loading, naming both
+    sizes; the small models come and go by their keep-alive: the server's (1 s), a
+    model's (-1: never) or a request's (0: right after it, or a duration)."""
+    config = ('[models]\nmemory_budget_bytes = 10000000\nkeep_alive = 1\n'
+              '[[models.model]]\nid = "demo"\npath = "afmd:demo"\npreload = false\n'
+              '[[models.model]]\nid = "kept"\npath = "afmd:demo"\nkeep_alive = -1\n'
+              '[[models.model]]\nid = "early"\npath = "afmd:demo-embedding"\n'
+              'preload = true\nkeep_alive = -1\n')
+    server = start_server(tmp_path, config=config)
+    try:
+        # preload: "early" was loaded at start, the default (preload = false) was not,
+        # and the server is ready all the same.
+        body = wait_for(server, lambda h: h["model_details"]["early"]["state"] == "loaded")
+        assert body["status"] == "ok"
+        assert states(server)["demo"] == "available"
+
+        too_large = chat(server, "demo-32k")
+        assert too_large.status_code == 400, too_large.text
+        validate_error(too_large.json())
+        error = too_large.json()["error"]
+        assert (error["code"], error["param"]) == ("model_too_large", "model")
+        assert "15.9 MiB" in error["message"] and "10000000 bytes" in error["message"]
+        assert states(server)["demo-32k"].startswith("unavailable: larger than the memory")
+        assert "model loaded: demo-32k" not in server.log_text()
+
+        # The server's keep_alive: 1 s after its request, demo is unloaded.
+        assert chat(server, "demo").status_code == 200
+        detail = details(server)["demo"]
+        assert detail["expires_at"] - detail["idle_since"] == pytest.approx(1, abs=0.2)
+        wait_for(server, lambda h: h["model_details"]["demo"]["state"] == "available", 10)
+
+        # The model's keep_alive = -1: still loaded well past 1 s, no expiry.
+        assert chat(server, "kept").status_code == 200
+        time.sleep(1.5)
+        assert details(server)["kept"]["state"] == "loaded"
+        assert details(server)["kept"]["expires_at"] is None
+        # A request's keep_alive overrides it: "1s", then unloaded.
+        assert chat(server, "kept", keep_alive="1s").status_code == 200
+        assert details(server)["kept"]["expires_at"] is not None
+        wait_for(server, lambda h: h["model_details"]["kept"]["state"] == "available", 10)
+
+        # keep_alive 0: unloaded right after the request (embeddings too).
+        embedded = httpx.post(server.url + "/v1/embeddings",
+                              json={"model": "early", "input": "x", "keep_alive": 0},
+                              timeout=60)
+        assert embedded.status_code == 200, embedded.text
+        wait_for(server, lambda h: h["model_details"]["early"]["state"] == "available", 5)
+    finally:
+        assert server.stop() == 0
+
+
+def test_keep_alive_in_every_dialect_and_its_errors(tmp_path: Path) -> None:
+    server = start_server(tmp_path, config="[models]\nkeep_alive = -1\n")
+    url = server.url
+    message = [{"role": "user", "content": "hi"}]
+    try:
+        bodies = {
+            CHAT: {"model": "demo", "messages": message, "max_tokens": 2},
+            "/v1/completions": {"model": "demo", "prompt": "hi", "max_tokens": 2},
+            "/v1/responses": {"model": "demo", "input": "hi", "max_output_tokens": 16,
+                              "store": False},
+            "/v1/messages": {"model": "demo", "messages": message, "max_tokens": 2},
+            "/v1/embeddings": {"model": "demo-embedding", "input": "hi"},
+        }
+        for path, body in bodies.items():
+            for keep_alive in ("5m", 300, -1, "1h30m", None):
+                answer = httpx.post(url + path, json={**body, "keep_alive": keep_alive},
+                                    timeout=60)
+                assert answer.status_code == 200, (path, keep_alive, answer.text)
+            for bad, code in ((True, "invalid_type"), ([], "invalid_type"),
+                              ("soon", "invalid_value"), ("5 minutes", "invalid_value")):
+                answer = httpx.post(url + path, json={**body, "keep_alive": bad}, timeout=60)
+                assert answer.status_code == 400, (path, bad, answer.text)
+                if path != "/v1/messages":  # Anthropic's envelope has no param or code
+                    error = answer.json()["error"]
+                    assert (error["param"], error["code"]) == ("keep_alive", code), error
+                assert "keep_alive" in answer.text
+        # A request's keep_alive of 0 unloads the model after it, whatever the server's.
+        assert chat(server, "demo-32k", keep_alive=0).status_code == 200
+        wait_for(server, lambda h: h["model_details"]["demo-32k"]["state"] == "available", 5)
+    finally:
+        assert server.stop() == 0

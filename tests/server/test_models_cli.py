@@ -1,0 +1,350 @@
+"""``afmd serve --model REPO`` pulling first, ``afmd list``, ``ps``, ``rm`` and ``show``, and the
+per-model detail ``/health`` gives them: a real server on the demo model served by the hub
+stand-in on loopback (tests/helpers/hub.py), the real CLI in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import ROOT, ServerProcess, start_server
+from helpers.hub import FakeHub, safetensors_bytes
+
+pytestmark = pytest.mark.slow  # the hub stand-in, CLI subprocesses and a server
+
+REPO = "test-org/demo"
+EMBED = "test-org/embed"
+PS_KEYS = {"id", "state", "memory_bytes", "active", "queued", "idle_s", "expires_in_s",
+           "kv_cache"}
+LIST_KEYS = {"id", "repo", "path", "size_bytes", "configured", "loaded"}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def demo_folder() -> Path:
+    from afmd.engine.demo import builtin as demo
+
+    return demo.materialize("demo")
+
+
+@pytest.fixture(scope="module")
+def hub(demo_folder: Path) -> Iterator[FakeHub]:
+    with FakeHub() as running:
+        running.add_folder(REPO, demo_folder)
+        files = {p.name: p.read_bytes() for p in demo_folder.iterdir() if p.is_file()}
+        config = json.loads(files["config.json"])
+        config["afmd_embedding"] = {"pooling": "last", "normalize": True}
+        running.add_repo(EMBED, {**files, "config.json": json.dumps(config).encode()})
+        yield running
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory, hub: FakeHub) -> dict[str, str]:
+    """The stand-in hub, a private HF cache, and a default port nothing listens on."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("AFMD_", "HF_", "HUGGINGFACE_"))}
+    return {**base, "HF_ENDPOINT": hub.url,
+            "HF_HOME": str(tmp_path_factory.mktemp("hf")),
+            "HF_HUB_DISABLE_TELEMETRY": "1", "AFMD_CACHE_DIR": os.environ["AFMD_CACHE_DIR"],
+            "AFMD_SERVER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str],
+           hub: FakeHub) -> Iterator[tuple[ServerProcess, str]]:
+    """``afmd serve --model REPO`` with an empty cache: it pulls first, then serves (one
+    generation slot, so a second request queues). Also listens on a Unix socket."""
+    tmp = tmp_path_factory.mktemp("served")
+    sock = str(tmp / "afmd.sock")
+    assert not (Path(env["HF_HOME"]) / "hub" / "models--test-org--demo").exists()
+    server_env = {**env}
+    server_env.pop("AFMD_SERVER_PORT")
+    proc = start_server(
+        tmp, config="[server]\nrequest_timeout = 30\n[queue]\nmax_concurrent_requests = 1\n"
+                    "[models]\nkeep_alive = -1\n",  # loaded for good: no expiry
+        args=["--model", REPO, "--unix-socket", sock], env=server_env)
+    yield proc, sock
+    proc.stop()
+
+
+def afmd(env: dict[str, str], *args: str, stdin: str | None = None
+         ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "afmd", *args], env=env, input=stdin,
+                          capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+
+
+def as_json(result: subprocess.CompletedProcess[str]) -> Any:
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------- serve, ps
+
+
+def test_serve_pulls_a_missing_model_first_then_serves(served: tuple[ServerProcess, str]
+                                                       ) -> None:
+    server, _ = served
+    log = server.log_text()
+    assert f"pulling {REPO}@main" in log
+    assert "  model.safetensors: " in log and "(100%)" in log  # progress lines (not a tty)
+    assert "verified 4 files" in log
+    assert log.index("verified 4 files") < log.index('"listening"')
+    reply = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": REPO, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert reply.status_code == 200, reply.text
+
+
+def test_health_keeps_its_shape_and_adds_model_details(served: tuple[ServerProcess, str]
+                                                       ) -> None:
+    server, _ = served
+    body = httpx.get(server.url + "/health", timeout=10).json()
+    assert body["status"] == "ok"
+    assert body["models"][REPO] == "available" and body["models"]["demo"] == "available"
+    assert isinstance(body["active_requests"], int) and isinstance(body["queued_requests"], int)
+    detail = body["model_details"][REPO]
+    assert detail["state"] == "loaded" and detail["path"] == REPO
+    assert detail["memory_bytes"] > 1_000_000  # the demo's float32 weights alone
+    assert detail["expires_at"] is None  # keep_alive -1: loaded until the server stops
+    assert time.time() - 600 < detail["idle_since"] <= time.time()
+    assert body["model_details"]["demo-32k"] == {
+        "state": "available", "path": "afmd:demo-32k", "memory_bytes": None, "active": 0,
+        "queued": 0, "idle_since": None, "expires_at": None, "kv_cache": None}
+    # Instants, not durations: asked again with nothing in between, the same answer.
+    assert httpx.get(server.url + "/health", timeout=10).json() == body
+
+
+def test_ps_shows_memory_requests_and_idle_time(served: tuple[ServerProcess, str],
+                                               env: dict[str, str]) -> None:
+    server, _ = served
+    first = as_json(afmd(env, "ps", "--json", "--url", server.url))
+    assert first.keys() == {"models"}
+    row = next(m for m in first["models"] if m["id"] == REPO)
+    assert row.keys() == PS_KEYS
+    assert row["state"] == "loaded" and row["memory_bytes"] > 1_000_000
+    assert (row["active"], row["queued"], row["expires_in_s"]) == (0, 0, None)
+    assert row["idle_s"] >= 0
+    assert row["kv_cache"].keys() == {"ram_bytes", "disk_bytes"}  # the KV cache's tiers
+    assert all(m["state"] in ("loaded", "loading") for m in first["models"])
+
+    # One slot: a long stream runs, a second request waits; ps sees both, then neither.
+    # The schema keeps the random-weight demo from ending early: no end token is allowed
+    # before a string longer than max_tokens can write.
+    long = {"type": "json_schema", "json_schema": {"name": "long", "schema": {
+        "type": "object", "properties": {"text": {"type": "string", "minLength": 20000}},
+        "required": ["text"]}}}
+
+    def stream(request_id: str) -> None:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+                          headers={"X-Request-ID": request_id},
+                          json={"model": REPO, "stream": True, "max_tokens": 4000,
+                                "response_format": long,
+                                "messages": [{"role": "user", "content": "go on"}]}) as r:
+            for _ in r.iter_bytes():
+                pass
+
+    threads = [threading.Thread(target=stream, args=(f"ps-{i}",), daemon=True)
+               for i in range(2)]
+    threads[0].start()
+
+    def detail() -> dict[str, Any]:
+        body: dict[str, Any] = httpx.get(server.url + "/health", timeout=10).json()
+        return body["model_details"][REPO]
+
+    wait_for(lambda: detail()["active"] == 1)
+    threads[1].start()
+    wait_for(lambda: detail()["queued"] == 1)
+    busy = next(m for m in as_json(afmd(env, "ps", "--json", "--url", server.url))["models"]
+                if m["id"] == REPO)
+    assert (busy["active"], busy["queued"], busy["idle_s"]) == (1, 1, 0)
+    table = afmd(env, "ps", "--url", server.url)
+    assert table.returncode == 0 and table.stdout.splitlines()[0].split() == [
+        "ID", "STATE", "MEMORY", "KV-RAM", "KV-DISK", "ACTIVE", "QUEUED", "IDLE", "EXPIRES"]
+    assert any(line.split()[:2] == [REPO, "loaded"] and line.split()[-1] == "never"
+               for line in table.stdout.splitlines()), table.stdout
+    cancelled_at = time.time()
+    for i in (1, 0):
+        httpx.post(f"{server.url}/v1/chat/completions/ps-{i}/cancel", timeout=10)
+    for thread in threads:
+        thread.join(30)
+    wait_for(lambda: (detail()["active"], detail()["queued"]) == (0, 0))
+    released = detail()["idle_since"]
+    assert released >= cancelled_at - 0.001  # the release of the last request, not its start
+    time.sleep(1.1)
+    idle = next(m for m in as_json(afmd(env, "ps", "--json", "--url", server.url))["models"]
+                if m["id"] == REPO)
+    assert idle["idle_s"] >= 1.0
+
+
+def test_ps_finds_the_server_as_doctor_does(served: tuple[ServerProcess, str],
+                                            env: dict[str, str], tmp_path: Path) -> None:
+    server, sock = served
+    config = tmp_path / "socket.toml"
+    config.write_text(f'[server]\nhost = ""\nunix_socket = "{sock}"\n')
+    by_config = as_json(afmd(env, "ps", "--json", "--config", str(config)))
+    assert REPO in {m["id"] for m in by_config["models"]}
+    by_port = as_json(afmd({**env, "AFMD_SERVER_PORT": str(server.port)}, "ps", "--json"))
+    assert by_port == by_config or REPO in {m["id"] for m in by_port["models"]}
+    by_url = as_json(afmd(env, "ps", "--json", "--url", f"unix:{sock}"))
+    assert REPO in {m["id"] for m in by_url["models"]}
+
+
+def test_no_server_is_a_clear_message(env: dict[str, str]) -> None:
+    port = env["AFMD_SERVER_PORT"]
+    for args, where in ((("ps",), f"http://127.0.0.1:{port}"),
+                        (("ps", "--url", "unix:/nonexistent/afmd.sock"), "unix:/nonexistent")):
+        result = afmd(env, *args)
+        assert result.returncode == 1, result
+        assert f"no afmd server is running at {where}" in result.stderr
+        assert "Traceback" not in result.stderr
+    bad = afmd(env, "ps", "--url", "ftp://x")
+    assert bad.returncode == 2 and "--url must be" in bad.stderr
+
+
+# ---------------------------------------------------------------------------- list, rm
+
+
+def test_list_shows_disk_config_and_loaded_state(served: tuple[ServerProcess, str],
+                                                 env: dict[str, str], tmp_path: Path) -> None:
+    server, _ = served
+    listed = as_json(afmd(env, "list", "--json", "--url", server.url))
+    assert listed.keys() == {"models"}
+    assert all(m.keys() == LIST_KEYS for m in listed["models"])
+    rows = {m["id"]: m for m in listed["models"]}
+    demo = rows[REPO]
+    assert demo["repo"] == REPO and demo["configured"] is False and demo["loaded"] is True
+    assert Path(demo["path"]).parent.parent.name == "models--test-org--demo"
+    assert demo["size_bytes"] == sum(p.stat().st_size for p in Path(demo["path"]).iterdir())
+    assert rows["demo-32k"]["configured"] is True and rows["demo-32k"]["loaded"] is False
+
+    config = tmp_path / "configured.toml"
+    config.write_text(f'[[models.model]]\nid = "mine"\npath = "{REPO}"\n'
+                      '[[models.model]]\nid = "later"\npath = "test-org/not-pulled"\n')
+    configured = {m["id"]: m for m in as_json(afmd(
+        env, "list", "--json", "--config", str(config), "--url", server.url))["models"]}
+    assert REPO not in configured  # listed once, under its configured id
+    assert configured["mine"]["configured"] and configured["mine"]["loaded"]
+    assert configured["later"] == {"id": "later", "repo": "test-org/not-pulled", "path": None,
+                                   "size_bytes": 0, "configured": True, "loaded": False}
+
+    table = afmd(env, "list", "--url", server.url)
+    assert table.stdout.splitlines()[0].split() == ["ID", "SIZE", "QUANTIZATION", "CONTEXT",
+                                                     "CONFIGURED", "LOADED"]
+    line = next(x for x in table.stdout.splitlines() if x.startswith(REPO))
+    assert line.split()[-4:] == ["fp32", "131072", "-", "yes"]
+    without = afmd(env, "list")  # no server: listed anyway, the loaded state said unknown
+    assert without.returncode == 0 and "loaded state unknown: no afmd server" in without.stdout
+
+
+def test_rm_asks_refuses_a_loaded_model_and_deletes(served: tuple[ServerProcess, str],
+                                                     env: dict[str, str]) -> None:
+    server, _ = served
+    refused = afmd(env, "rm", REPO, "--yes", "--url", server.url)
+    assert refused.returncode == 1
+    assert f"{REPO} is loaded by the running server (as model '{REPO}')" in refused.stderr
+    assert REPO in {m["id"] for m in as_json(afmd(env, "list", "--json"))["models"]}
+
+    assert afmd(env, "pull", EMBED).returncode == 0
+    folder = Path(env["HF_HOME"]) / "hub" / "models--test-org--embed"
+    kept = afmd(env, "rm", EMBED, "--url", server.url, stdin="n\n")
+    assert kept.returncode == 1 and "nothing deleted" in kept.stdout
+    assert f"Delete {EMBED} (1.3 MB) from {folder}? [y/N]" in kept.stdout
+    assert folder.is_dir()
+    gone = afmd(env, "rm", EMBED, "--url", server.url, stdin="y\n")
+    assert gone.returncode == 0 and f"deleted {EMBED} (1.3 MB freed)" in gone.stdout
+    assert not folder.exists()
+    assert not (folder.parent / ".locks" / folder.name).exists()
+    assert EMBED not in {m["id"] for m in as_json(afmd(env, "list", "--json"))["models"]}
+
+    missing = afmd(env, "rm", EMBED, "--yes")
+    assert missing.returncode == 1 and f"{EMBED} is not in the Hugging Face cache" in \
+        missing.stderr
+    assert afmd(env, "rm", "not-a-repo", "--yes").returncode == 2
+
+
+# ---------------------------------------------------------------------------- show
+
+
+def test_show_describes_a_model_without_loading_it(served: tuple[ServerProcess, str],
+                                                   env: dict[str, str]) -> None:
+    info = as_json(afmd(env, "show", REPO, "--json"))
+    assert {"architecture", "context_length", "tool_format", "reasoning_format", "fim",
+            "kind"} <= info.keys()
+    assert info["architecture"] == "Qwen2ForCausalLM"
+    assert info["context_length"] == 131072
+    assert info["tool_format"] == "json_tools"  # mlx-lm's own detection
+    assert info["reasoning_format"] == "<think>…</think>"
+    assert info["fim"] == "qwen"  # afmd.service.fim's detection: Qwen's four FIM tokens
+    assert info["kind"] == "chat"
+    assert info["chat_template"] == "chatml"
+    assert info["quantization"] == "fp32"
+    assert info["parameters"] > 0 and info["repo"] == REPO
+
+    assert afmd(env, "pull", EMBED).returncode == 0
+    assert as_json(afmd(env, "show", EMBED, "--json"))["kind"] == "embedding"
+    by_id = as_json(afmd(env, "show", "demo", "--json"))  # a configured id: the built-in
+    assert by_id["id"] == "demo" and by_id["parameters"] == info["parameters"]
+
+    table = afmd(env, "show", REPO)
+    assert "tool format       json_tools" in table.stdout
+    absent = afmd(env, "show", "test-org/not-pulled")
+    assert absent.returncode == 1
+    assert "test-org/not-pulled is not downloaded: `afmd pull test-org/not-pulled`" in \
+        absent.stderr
+
+
+def test_parameters_and_quantization_from_weight_headers(tmp_path: Path) -> None:
+    from afmd.engine.models.describe import count_parameters, quantization_of, safetensors_headers
+
+    # A 4-bit matrix of 256 x 512 packs 8 values per uint32 (256 x 64), with one scale and
+    # one bias per group of 64; the norm is an ordinary vector.
+    (tmp_path / "model.safetensors").write_bytes(safetensors_bytes({
+        "layer.weight": ("U32", [256, 64]), "layer.scales": ("F16", [256, 8]),
+        "layer.biases": ("F16", [256, 8]), "norm.weight": ("F16", [512])}))
+    tensors = safetensors_headers(tmp_path)
+    config = {"quantization": {"group_size": 64, "bits": 4}}
+    assert count_parameters(tensors, config["quantization"]) == 256 * 512 + 512
+    assert quantization_of(config, tensors) == "4-bit (group 64)"
+    eight = {"group_size": 64, "bits": 4, "layer": {"bits": 8, "group_size": 64}}
+    assert count_parameters(tensors, eight) == 256 * 256 + 512  # a per-layer override
+
+
+def test_ps_turns_instants_into_durations() -> None:
+    from afmd.cli.model_commands import ps_row
+
+    now = 1_000_000.0
+    idle = ps_row("m", {"state": "loaded", "memory_bytes": 5, "active": 0, "queued": 0,
+                        "idle_since": now - 12.34, "expires_at": now + 287.66,
+                        "kv_cache": {"ram_bytes": 3, "disk_bytes": 4}}, now)
+    assert idle == {"id": "m", "state": "loaded", "memory_bytes": 5, "active": 0,
+                    "queued": 0, "idle_s": 12.3, "expires_in_s": 287.7,
+                    "kv_cache": {"ram_bytes": 3, "disk_bytes": 4}}
+    busy = ps_row("m", {"state": "loaded", "memory_bytes": 5, "active": 1, "queued": 2,
+                        "idle_since": None, "expires_at": None}, now)
+    assert (busy["idle_s"], busy["expires_in_s"]) == (0.0, None)
+    loading = ps_row("m", {"state": "loading", "memory_bytes": None, "active": 0,
+                           "queued": 1, "idle_since": None, "expires_at": None}, now)
+    assert (loading["idle_s"], loading["queued"]) == (None, 1)

@@ -1,0 +1,549 @@
+"""Ollama's native API through the official ``ollama`` Python client, on the real server and
+the demo models: chat and generate (streamed and not) write what ``/v1/chat/completions``
+and ``/v1/completions`` write for the same request, embeddings are ``/v1/embeddings``'
+vectors, the model routes describe the real folders, ``options`` reach the sampler, and
+errors, screening, cancel and ``[ollama] port`` hold as on every route.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import numpy as np
+import ollama
+import pytest
+from PIL import Image
+
+from afmd.core.events import Content, Finish, Reasoning, Timings, ToolCallEnd, Usage
+from afmd.core.request import ToolCall
+from afmd.dialects.ollama.ollama_api import OLLAMA_CHAT
+from afmd.engine.demo import builtin as demo
+
+from conftest import ServerProcess, start_server
+from helpers.hub import FakeHub
+
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name three colours."}]
+GREEDY = {"temperature": 0, "num_predict": 12}
+
+
+@pytest.fixture()
+def client(server: ServerProcess) -> ollama.Client:
+    return ollama.Client(host=server.url, timeout=120)
+
+
+def openai_chat(http: httpx.Client, **body: Any) -> dict[str, Any]:
+    response = http.post("/v1/chat/completions", json={"model": "demo", **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+# -- the root, the version, the models ------------------------------------------------
+
+
+def test_root_says_ollama_is_running(http: httpx.Client) -> None:
+    got = http.get("/")
+    assert got.status_code == 200
+    assert got.headers["content-type"].startswith("text/plain")
+    assert "Ollama is running" in got.text
+    head = http.head("/")
+    assert head.status_code == 200 and head.content == b""
+
+
+def test_version_passes_clients_gates(http: httpx.Client) -> None:
+    version = http.get("/api/version").json()["version"]
+    assert tuple(int(p) for p in version.split(".")) >= (0, 6, 4)  # Copilot's minimum
+
+
+def test_tags_list_every_model_with_details(client: ollama.Client) -> None:
+    models = {m.model: m for m in client.list().models}
+    for name in ("demo:latest", "demo-32k:latest", "demo-embedding:latest",
+                 "demo-vision:latest", "gpt-4o-mini:latest"):
+        assert name in models, sorted(models)
+    demo_model = models["demo:latest"]
+    folder = demo.materialize("demo")
+    config = json.loads((folder / "config.json").read_text())
+    assert demo_model.details.family == config["model_type"] == "qwen2"
+    assert demo_model.details.format == "safetensors"
+    assert demo_model.details.quantization_level == "F32"
+    assert demo_model.details.parameter_size.endswith("K")
+    assert demo_model.size == sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    assert len(demo_model.digest or "") == 64
+    raw = httpx.get(str(client._client.base_url) + "/api/tags").json()["models"]
+    assert all(m["name"] == m["model"] for m in raw)
+    # Apple's on-device model has no folder: it is listed from what the framework says.
+    assert models["system:latest"].details.family == "apple-foundation"
+    shown = client.show("system")
+    assert shown.capabilities == ["completion", "tools"]
+    assert (shown.modelinfo or {})["apple-foundation.context_length"] == 8192
+
+
+def test_show_describes_the_model(client: ollama.Client, http: httpx.Client) -> None:
+    shown = client.show("demo")
+    config = json.loads((demo.materialize("demo") / "config.json").read_text())
+    info = shown.modelinfo or {}
+    assert info["general.architecture"] == "qwen2"
+    assert info["general.basename"] == "demo"
+    assert info["qwen2.context_length"] == 131072
+    assert info["qwen2.embedding_length"] == config["hidden_size"]
+    assert info["qwen2.block_count"] == config["num_hidden_layers"]
+    # The demo's tokenizer has tool-call and thinking markers and Qwen's FIM tokens.
+    assert shown.capabilities == ["completion", "tools", "thinking", "insert"]
+    assert "<|im_start|>" in (shown.template or "")
+    assert client.show("demo-embedding:latest").capabilities == ["embedding"]
+    assert "vision" in (client.show("demo-vision").capabilities or [])
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.show("no-such-model")
+    assert caught.value.status_code == 404
+    assert caught.value.error == "model 'no-such-model' not found"
+
+
+# -- chat --------------------------------------------------------------------------------
+
+
+def test_greedy_chat_equals_chat_completions(client: ollama.Client, http: httpx.Client
+                                            ) -> None:
+    want = openai_chat(http, messages=MESSAGES, max_tokens=12, temperature=0)
+    answer = client.chat(model="demo", messages=MESSAGES, options=GREEDY)
+    assert answer.message.content == want["choices"][0]["message"]["content"]
+    assert answer.model == "demo" and answer.done and answer.done_reason == "length"
+    assert answer.prompt_eval_count == want["usage"]["prompt_tokens"]
+    assert answer.eval_count == want["usage"]["completion_tokens"] == 12
+    for field in ("total_duration", "prompt_eval_duration", "eval_duration"):
+        assert isinstance(getattr(answer, field), int) and getattr(answer, field) > 0, field
+    assert answer.total_duration >= answer.eval_duration + answer.prompt_eval_duration
+    assert answer.load_duration is not None and answer.load_duration >= 0
+
+    parts = list(client.chat(model="demo:latest", messages=MESSAGES, options=GREEDY,
+                             stream=True))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done
+    assert "".join(p.message.content or "" for p in parts) == answer.message.content
+    assert parts[-1].model == "demo:latest" and parts[-1].eval_count == 12
+
+
+def test_stream_is_ndjson_by_default(http: httpx.Client) -> None:
+    response = http.post("/api/chat", json={"model": "demo", "messages": MESSAGES,
+                                            "options": GREEDY})
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/x-ndjson"
+    lines = [json.loads(line) for line in response.text.splitlines()]
+    assert len(lines) >= 2 and lines[-1]["done"] is True
+    assert all(line["done"] is False for line in lines[:-1])
+    assert lines[-1]["created_at"].endswith("Z")
+    profiled = http.post("/api/chat", json={"model": "demo", "messages": MESSAGES,
+                                            "options": GREEDY},
+                         headers={"X-AFM-Profile": "true"})
+    last = json.loads(profiled.text.splitlines()[-1])
+    assert last["done"] is True and last["afm_profile"]["completion_tokens"] == 12
+    whole = http.post("/api/chat", json={"model": "demo", "messages": MESSAGES,
+                                         "options": GREEDY, "stream": False})
+    assert whole.headers["content-type"] == "application/json"
+    assert whole.json()["message"]["content"] == "".join(
+        line["message"]["content"] for line in lines)
+
+
+def test_thinking_is_returned_apart(client: ollama.Client, http: httpx.Client) -> None:
+    want = openai_chat(http, messages=MESSAGES, max_tokens=40, temperature=0,
+                       reasoning_effort="medium")["choices"][0]["message"]
+    answer = client.chat(model="demo", messages=MESSAGES, think=True,
+                         options={"temperature": 0, "num_predict": 40})
+    assert answer.message.content == want["content"]
+    assert (answer.message.thinking or None) == want.get("reasoning_content")
+    off = client.chat(model="demo", messages=MESSAGES, think=False, options=GREEDY)
+    assert off.message.thinking is None
+
+
+def test_format_schema_is_enforced(client: ollama.Client) -> None:
+    schema = {"type": "object", "properties": {
+        "colour": {"type": "string", "enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["colour", "count"], "additionalProperties": False}
+    for seed in (1, 2, 3):
+        answer = client.chat(model="demo", messages=MESSAGES, format=schema,
+                             options={"seed": seed, "num_predict": 60})
+        jsonschema.validate(json.loads(answer.message.content or ""), schema)
+
+
+def test_tool_history_in_ollamas_shape(client: ollama.Client) -> None:
+    """A call whose arguments are an object, answered by a ``tool`` message naming it."""
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}}]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "11 degrees", "tool_name": "get_weather"},
+    ]
+    answer = client.chat(model="demo", messages=messages, tools=tools, options=GREEDY)
+    assert answer.done and answer.prompt_eval_count and answer.prompt_eval_count > 30
+
+
+def test_tool_calls_go_out_with_object_arguments() -> None:
+    """The encoder: a finished call is one object, its arguments an object (Ollama's)."""
+    request = OLLAMA_CHAT.parse(json.dumps({"model": "demo", "messages": MESSAGES}).encode())
+    reply = OLLAMA_CHAT.reply(request, model="demo", fingerprint="fp")
+    call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+    events = [Content("Let me look."), ToolCallEnd(0, call), Timings(0.5, 0.0, 0.1, 0.3),
+              Finish("tool_calls"), Usage(20, 9)]
+    body = json.loads(reply.body(events))
+    assert body["message"]["tool_calls"] == [
+        {"id": "call_1", "function": {"index": 0, "name": "get_weather",
+                                      "arguments": {"city": "Paris"}}}]
+    assert body["done_reason"] == "stop"
+    assert (body["total_duration"], body["eval_duration"]) == (500_000_000, 300_000_000)
+    lines = reply.stream([Reasoning("hm")]) + reply.stream(events)
+    objects = [json.loads(line) for line in lines.splitlines()]
+    assert objects[0]["message"] == {"role": "assistant", "content": "", "thinking": "hm"}
+    assert objects[1]["message"]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert objects[-1]["done"] is True and objects[-1]["eval_count"] == 9
+
+
+def test_images_reach_a_vision_model(client: ollama.Client, http: httpx.Client) -> None:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(buf, "PNG")
+    data = base64.b64encode(buf.getvalue()).decode()
+    want = openai_chat(http, model="demo-vision", max_tokens=10, temperature=0, messages=[
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+            {"type": "text", "text": "What is it?"}]}])
+    answer = client.chat(model="demo-vision", options={"temperature": 0, "num_predict": 10},
+                         messages=[{"role": "user", "content": "What is it?",
+                                    "images": [data]}])
+    assert answer.message.content == want["choices"][0]["message"]["content"]
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.chat(model="demo", messages=[{"role": "user", "content": "x", "images": [data]}])
+    assert caught.value.status_code == 400
+
+
+# -- generate ------------------------------------------------------------------------------
+
+
+def test_generate_is_a_chat_turn_with_its_system(client: ollama.Client,
+                                                 http: httpx.Client) -> None:
+    want = openai_chat(http, messages=MESSAGES, max_tokens=12, temperature=0)
+    answer = client.generate(model="demo", system=MESSAGES[0]["content"],
+                             prompt=MESSAGES[1]["content"], options=GREEDY)
+    assert answer.response == want["choices"][0]["message"]["content"]
+    assert answer.done_reason == "length" and answer.eval_count == 12
+
+
+def test_raw_and_fill_in_the_middle_are_completions(client: ollama.Client,
+                                                    http: httpx.Client) -> None:
+    prompt, suffix = "def area(r):\n    return", "\n\nprint(area(2))\n"
+    for extra, ollama_extra in (({}, {"raw": True}), ({"suffix": suffix}, {"suffix": suffix})):
+        want = http.post("/v1/completions", json={
+            "model": "demo", "prompt": prompt, "max_tokens": 10, "temperature": 0,
+            **extra}).json()["choices"][0]["text"]
+        answer = client.generate(model="demo", prompt=prompt, options={
+            "temperature": 0, "num_predict": 10}, **ollama_extra)
+        assert answer.response == want
+        streamed = "".join(p.response or "" for p in client.generate(
+            model="demo", prompt=prompt, stream=True,
+            options={"temperature": 0, "num_predict": 10}, **ollama_extra))
+        assert streamed == want
+
+
+def test_without_num_predict_the_context_bounds_the_answer(http: httpx.Client) -> None:
+    body = {"model": "demo", "prompt": "Hello", "stream": False,
+            "options": {"temperature": 0, "num_ctx": 40}}
+    answer = http.post("/api/generate", json=body).json()
+    assert answer["done_reason"] in ("length", "stop")
+    assert answer["prompt_eval_count"] + answer["eval_count"] <= 40
+    if answer["done_reason"] == "length":
+        assert answer["prompt_eval_count"] + answer["eval_count"] == 40
+    # A window larger than the model's is the model's.
+    big = http.post("/api/generate", json={**body, "options": {
+        "temperature": 0, "num_ctx": 10**7, "num_predict": 3}}).json()
+    assert big["eval_count"] == 3
+
+
+# -- options -------------------------------------------------------------------------------
+
+
+def test_options_reach_the_sampler(client: ollama.Client, http: httpx.Client) -> None:
+    options = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 11, "num_predict": 10,
+               "presence_penalty": 0.5, "frequency_penalty": 0.3, "repeat_penalty": 1.2,
+               "min_p": 0.01}
+    want = openai_chat(http, messages=MESSAGES, max_tokens=10, temperature=0.9, top_p=0.95,
+                       top_k=50, seed=11, presence_penalty=0.5, frequency_penalty=0.3,
+                       repetition_penalty=1.2, min_p=0.01)
+    answer = client.chat(model="demo", messages=MESSAGES, options=options)
+    assert answer.message.content == want["choices"][0]["message"]["content"]
+    assert client.chat(model="demo", messages=MESSAGES,
+                       options=options).message.content == answer.message.content
+    other = client.chat(model="demo", messages=MESSAGES, options={**options, "seed": 12})
+    assert other.message.content != answer.message.content
+
+
+def test_stop_and_no_op_options(http: httpx.Client) -> None:
+    plain = http.post("/api/chat", json={"model": "demo", "messages": MESSAGES,
+                                         "stream": False, "options": GREEDY}).json()
+    text = plain["message"]["content"]
+    cut = text[3:6]
+    assert cut and text.index(cut) == 3
+    stopped = http.post("/api/chat", json={
+        "model": "demo", "messages": MESSAGES, "stream": False,
+        "options": {**GREEDY, "stop": [cut], "num_gpu": 99, "num_thread": 8,
+                    "mirostat": 2, "numa": False, "use_mmap": True, "typical_p": 0.7}})
+    assert stopped.status_code == 200, stopped.text
+    assert stopped.json()["message"]["content"] == text[:3]
+    assert stopped.json()["done_reason"] == "stop"
+    assert "X-AFM-Ignored-Fields" not in stopped.headers  # Ollama's own options: accepted
+    odd = http.post("/api/chat", json={"model": "demo", "messages": MESSAGES, "stream": False,
+                                       "options": {**GREEDY, "warp_speed": 9}})
+    assert odd.headers["X-AFM-Ignored-Fields"] == "options.warp_speed"
+
+
+# -- embeddings ----------------------------------------------------------------------------
+
+
+def test_embeddings_equal_v1_embeddings(client: ollama.Client, http: httpx.Client) -> None:
+    texts = ["Why is the sky blue?", "Why is the grass green?"]
+    want = http.post("/v1/embeddings", json={"model": "demo-embedding", "input": texts}).json()
+    got = client.embed(model="demo-embedding", input=texts)
+    assert got.model == "demo-embedding"
+    for row, item in zip(got.embeddings, want["data"], strict=True):
+        np.testing.assert_allclose(row, item["embedding"], rtol=0, atol=1e-6)
+    assert got.prompt_eval_count == want["usage"]["prompt_tokens"]
+    legacy = client.embeddings(model="demo-embedding:latest", prompt=texts[0])
+    np.testing.assert_allclose(legacy.embedding, want["data"][0]["embedding"], atol=1e-6)
+    long_text = "sky " * 2000  # past the model's context: cut, as Ollama's truncate says
+    assert len(client.embed(model="demo-embedding", input=long_text).embeddings) == 1
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.embed(model="demo-embedding", input=long_text, truncate=False)
+    assert caught.value.status_code == 400
+
+
+# -- loading, unloading, ps ----------------------------------------------------------------
+
+
+def test_empty_prompts_load_and_unload(client: ollama.Client) -> None:
+    loaded = client.generate(model="demo-32k", keep_alive="10m")
+    assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
+    running = {m.model: m for m in client.ps().models}
+    assert "demo-32k:latest" in running
+    entry = running["demo-32k:latest"]
+    assert entry.context_length == 131072 and (entry.size or 0) > 0
+    assert entry.expires_at is not None
+    unloaded = client.chat(model="demo-32k", messages=[], keep_alive=0)
+    assert unloaded.done_reason == "unload" and unloaded.message.content == ""
+    deadline = time.monotonic() + 20
+    while "demo-32k:latest" in {m.model for m in client.ps().models}:
+        assert time.monotonic() < deadline, "demo-32k was never unloaded"
+        time.sleep(0.1)
+    again = client.chat(model="demo-32k", messages=[], keep_alive=0)  # not loaded: nothing
+    assert again.done_reason == "unload"
+    # A turn's own keep_alive 0: the model goes once the answer is over.
+    answer = client.chat(model="demo-32k", messages=MESSAGES, options=GREEDY, keep_alive=0)
+    assert answer.eval_count == 12
+    deadline = time.monotonic() + 20
+    while "demo-32k:latest" in {m.model for m in client.ps().models}:
+        assert time.monotonic() < deadline, "demo-32k stayed loaded after keep_alive 0"
+        time.sleep(0.1)
+
+
+# -- errors, screening, cancel -------------------------------------------------------------
+
+
+def test_errors_are_ollamas(client: ollama.Client, http: httpx.Client) -> None:
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.chat(model="nope", messages=MESSAGES)
+    assert (caught.value.status_code, caught.value.error) == (404, "model 'nope' not found")
+    bad = http.post("/api/chat", json={"model": "demo", "messages": "hi"})
+    assert bad.status_code == 400 and set(bad.json()) == {"error"}
+    assert "messages" in bad.json()["error"]
+    options = http.post("/api/generate", json={"model": "demo", "prompt": "x",
+                                               "options": {"temperature": "hot"}})
+    assert options.status_code == 400 and "options.temperature" in options.json()["error"]
+    builtin = http.request("DELETE", "/api/delete", json={"model": "demo"})
+    assert builtin.status_code == 400 and "not a download" in builtin.json()["error"]
+    refused = http.post("/api/chat", json={"model": "demo", "messages": MESSAGES},
+                        headers={"Host": "evil.example"})
+    assert refused.status_code == 421 and set(refused.json()) == {"error"}
+
+
+def test_cancel_by_request_id_ends_the_stream(server: ServerProcess) -> None:
+    rid = "ollama-" + uuid.uuid4().hex
+    lines: list[dict[str, Any]] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", server.url + "/api/chat", timeout=60,
+                          headers={"X-Request-ID": rid},
+                          json={"model": "demo", "messages": MESSAGES,
+                                "options": {"num_predict": 4000}}) as response:
+            lines.extend(json.loads(line) for line in response.iter_lines() if line)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while True:
+        cancelled = httpx.post(f"{server.url}/v1/chat/completions/{rid}/cancel")
+        if cancelled.status_code == 200:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    thread.join(30)
+    assert lines[-1]["done"] is True and lines[-1]["done_reason"] == "cancelled"
+    assert lines[-1]["eval_count"] < 4000
+
+
+# -- pull and delete, against a stand-in hub ------------------------------------------------
+
+
+REPO = "tiny-org/tiny-chat"
+
+
+@pytest.fixture(scope="module")
+def hub_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess,
+                                                                           FakeHub]]:
+    tmp = tmp_path_factory.mktemp("ollama-hub")
+    with FakeHub() as hub:
+        hub.add_folder(REPO, demo.materialize("demo"))
+        server = start_server(tmp, env={"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp / "hf"),
+                                        "HF_HUB_DISABLE_TELEMETRY": "1"})
+        yield server, hub
+        server.stop()
+
+
+def test_pull_reports_progress_then_the_model_serves(
+        hub_server: tuple[ServerProcess, FakeHub]) -> None:
+    server, _ = hub_server
+    client = ollama.Client(host=server.url, timeout=120)
+    progress = list(client.pull(REPO + ":latest", stream=True))
+    statuses = [p.status for p in progress]
+    assert statuses[0] == "pulling manifest"
+    assert statuses[-3:] == ["verifying sha256 digest", "writing manifest", "success"]
+    files = [p for p in progress if (p.status or "").startswith("pulling ") and p.digest]
+    assert files and all(p.total and p.completed is not None for p in files)
+    weights = [p for p in files if p.digest.startswith("sha256:")]
+    assert weights and weights[-1].completed == weights[-1].total
+    names = {m.model for m in client.list().models}
+    assert REPO + ":latest" in names
+    answer = client.chat(model=REPO, messages=MESSAGES, options=GREEDY)
+    assert answer.eval_count == 12
+    reference = client.chat(model="demo", messages=MESSAGES, options=GREEDY)
+    assert answer.message.content == reference.message.content  # the same weights
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.delete(REPO)  # still loaded
+    assert caught.value.status_code == 409
+    client.generate(model=REPO, keep_alive=0)
+    deadline = time.monotonic() + 20
+    while REPO + ":latest" in {m.model for m in client.ps().models}:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert client.delete(REPO + ":latest").status == "success"
+    assert REPO + ":latest" not in {m.model for m in client.list().models}
+    with pytest.raises(ollama.ResponseError) as gone:
+        client.delete(REPO)
+    assert gone.value.status_code == 404
+
+
+def test_a_failed_pull_says_why(hub_server: tuple[ServerProcess, FakeHub]) -> None:
+    server, _ = hub_server
+    client = ollama.Client(host=server.url, timeout=60)
+    with pytest.raises(ollama.ResponseError) as caught:
+        list(client.pull("tiny-org/missing", stream=True))
+    assert "not found" in caught.value.error
+    with pytest.raises(ollama.ResponseError) as whole:
+        client.pull("tiny-org/missing")
+    assert whole.value.status_code == 400
+
+
+# -- [ollama] port --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_ollama_port_serves_and_a_taken_one_is_refused(tmp_path: Path) -> None:
+    port = _free_port()
+    first = start_server(tmp_path, config=f"[ollama]\nport = {port}\n")
+    try:
+        client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=60)
+        assert client.chat(model="demo", messages=MESSAGES,
+                           options=GREEDY).eval_count == 12
+        assert httpx.get(f"http://localhost:{port}/v1/models").status_code == 200
+        refused = httpx.get(f"http://127.0.0.1:{port}/api/tags",
+                            headers={"Host": "evil.example"})
+        assert refused.status_code == 421
+        config = tmp_path / "taken.toml"
+        config.write_text(f"[server]\nport = 0\n[ollama]\nport = {port}\n")
+        result = subprocess.run([sys.executable, "-m", "afmd", "serve", "--config",
+                                 str(config)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 1, result.stderr
+        assert f"127.0.0.1:{port}" in result.stderr and "[ollama] port" in result.stderr
+        assert f"pid {first.proc.pid}" in result.stderr  # who holds it, as doctor says
+    finally:
+        first.stop()
+
+
+def test_the_queue_refuses_in_ollamas_envelope(tmp_path: Path) -> None:
+    """A full queue is a 429 with ``Retry-After`` here too, its body ``{"error": ...}``."""
+    server = start_server(tmp_path, config="[queue]\nmax_concurrent_requests = 1\n"
+                                           "max_queued_requests = 0\n")
+    rid = "busy-" + uuid.uuid4().hex
+    first: list[dict[str, Any]] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", server.url + "/api/chat", timeout=60,
+                          headers={"X-Request-ID": rid},
+                          json={"model": "demo", "messages": MESSAGES,
+                                "options": {"num_predict": 4000}}) as response:
+            for line in response.iter_lines():
+                if line:
+                    first.append(json.loads(line))
+                    started.set()
+
+    thread = threading.Thread(target=stream)
+    try:
+        thread.start()
+        assert started.wait(30)
+        refused = httpx.post(server.url + "/api/generate", timeout=30,
+                             json={"model": "demo", "prompt": "hi", "stream": False})
+        assert refused.status_code == 429, refused.text
+        assert set(refused.json()) == {"error"} and refused.headers["Retry-After"]
+        assert httpx.post(f"{server.url}/v1/chat/completions/{rid}/cancel").status_code == 200
+        thread.join(30)
+        assert first[-1]["done_reason"] == "cancelled"
+    finally:
+        server.stop()
+        thread.join(5)
+
+
+def test_truncate_drops_the_oldest_turns_to_fit_num_ctx(http: httpx.Client) -> None:
+    turns: list[dict[str, str]] = []
+    for i in range(12):
+        turns += [{"role": "user", "content": f"Question number {i} about colours?"},
+                  {"role": "assistant", "content": f"Answer number {i}: blue and red."}]
+    messages = [{"role": "system", "content": "Be brief."}, *turns,
+                {"role": "user", "content": "And the last one?"}]
+    body = {"model": "demo", "messages": messages, "stream": False,
+            "options": {"temperature": 0, "num_ctx": 120, "num_predict": 8}}
+    full = openai_chat(http, messages=messages, max_tokens=1)["usage"]["prompt_tokens"]
+    assert full > 120
+    trimmed = http.post("/api/chat", json=body)
+    assert trimmed.status_code == 200, trimmed.text
+    assert int(trimmed.headers["X-AFM-Trimmed-Messages"]) > 0
+    answer = trimmed.json()
+    assert answer["prompt_eval_count"] + answer["eval_count"] <= 120
+    refused = http.post("/api/chat", json={**body, "truncate": False})
+    assert refused.status_code == 400 and "context length" in refused.json()["error"]

@@ -1,0 +1,272 @@
+"""``afmd pull`` against a hub stand-in on loopback (tests/helpers/hub.py): downloads into
+the standard Hugging Face cache with progress, resumes a cut connection, checks every file
+against the hub's hashes, refuses what is not an MLX model, and fails clearly offline.
+Nothing here touches the network: ``HF_ENDPOINT`` points the real ``huggingface_hub``
+client at the stand-in, ``HF_HOME`` at a temporary folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pty
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import ROOT
+from helpers.hub import FakeHub, safetensors_bytes
+
+pytestmark = pytest.mark.slow  # the hub stand-in and pulls through huggingface_hub
+
+REPO = "test-org/tiny-mlx"
+CHUNK = 10 * 1024 * 1024  # huggingface_hub writes what it received in chunks of this size
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tiny_model(weight_bytes: int = 4096) -> dict[str, bytes]:
+    """An MLX-style repo: config, weights, tokenizer files and files a load never reads."""
+    rows = max(1, weight_bytes // (4 * 64))
+    return {
+        "config.json": json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                                   "max_position_embeddings": 512}).encode(),
+        "model.safetensors": safetensors_bytes({"model.embed_tokens.weight": ("F32", [rows, 64])}),
+        "tokenizer_config.json": b'{"model_max_length": 512}',
+        "README.md": b"# tiny\n",
+        ".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n",
+        "original/consolidated.pth": b"\0" * 64,
+    }
+
+
+@pytest.fixture()
+def hub() -> Iterator[FakeHub]:
+    with FakeHub() as running:
+        yield running
+
+
+@pytest.fixture()
+def env(tmp_path: Path, hub: FakeHub) -> dict[str, str]:
+    """The CLI's environment: the stand-in hub, a private cache, no server to find."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("AFMD_", "HF_", "HUGGINGFACE_"))}
+    return {**base, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"),
+            "HF_HUB_DISABLE_TELEMETRY": "1", "AFMD_CACHE_DIR": str(tmp_path / "afmd"),
+            "AFMD_SERVER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+
+
+def afmd(env: dict[str, str], *args: str, stdin: str | None = None,
+         timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "afmd", *args], env=env, input=stdin,
+                          capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+
+
+def cache_of(env: dict[str, str]) -> Path:
+    return Path(env["HF_HOME"]) / "hub"
+
+
+def listed(env: dict[str, str]) -> dict[str, dict[str, Any]]:
+    result = afmd(env, "list", "--json")
+    assert result.returncode == 0, result.stderr
+    return {m["id"]: m for m in json.loads(result.stdout)["models"]}
+
+
+def assert_clean_failure(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------------------- pulling
+
+
+def test_pull_downloads_verified_files_into_the_hub_cache(hub: FakeHub,
+                                                          env: dict[str, str]) -> None:
+    files = tiny_model()
+    commit = hub.add_repo(REPO, files)
+    result = afmd(env, "pull", REPO)
+    assert result.returncode == 0, result.stderr
+    err = result.stderr
+    assert f"pulling {REPO}@main (commit {commit[:12]})" in err
+    # One progress line per file (not a terminal: plain lines), a file's end with its rate.
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+        assert any(line.strip().startswith(f"{name}: ") and "(100%)" in line and "/s" in line
+                   for line in err.splitlines()), err
+    assert "\r" not in err
+    assert "verified 3 files" in err
+
+    snapshot = cache_of(env) / "models--test-org--tiny-mlx" / "snapshots" / commit
+    assert (cache_of(env) / "models--test-org--tiny-mlx" / "refs" / "main").read_text() == commit
+    on_disk = {str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if p.is_file()}
+    # exactly what an mlx-lm load fetches (README, .gitattributes, original/ are not)
+    assert on_disk == {"config.json", "model.safetensors", "tokenizer_config.json"}
+    for name in on_disk:
+        assert (snapshot / name).read_bytes() == files[name]
+    # config.json came last: until it is there, no reader mistakes the folder for a model
+    downloads = [r.path.rsplit("/", 1)[-1] for r in hub.log if r.method == "GET"
+                 and "/resolve/" in r.path]
+    assert downloads[-1] == "config.json"
+    assert all(f"/resolve/{commit}/" in r.path for r in hub.log if "/resolve/" in r.path)
+
+    # The hub client itself (what mlx-lm calls) finds the complete snapshot offline.
+    from huggingface_hub import snapshot_download
+
+    from afmd.hub.download import ALLOW_PATTERNS
+
+    found = snapshot_download(REPO, cache_dir=str(cache_of(env)), local_files_only=True,
+                              allow_patterns=list(ALLOW_PATTERNS))
+    assert Path(found) == snapshot
+
+    # Pulling again downloads nothing and says so.
+    fetched = [r for r in hub.log if r.method == "GET" and "/resolve/" in r.path]
+    again = afmd(env, "pull", REPO)
+    assert again.returncode == 0, again.stderr
+    assert "config.json: already downloaded" in again.stderr
+    assert [r for r in hub.log if r.method == "GET" and "/resolve/" in r.path] == fetched
+
+
+def test_pull_at_a_revision(hub: FakeHub, env: dict[str, str]) -> None:
+    commit = hub.add_repo(REPO, tiny_model(), tags=("v1.0",))
+    result = afmd(env, "pull", f"{REPO}@v1.0")
+    assert result.returncode == 0, result.stderr
+    refs = cache_of(env) / "models--test-org--tiny-mlx" / "refs"
+    assert (refs / "v1.0").read_text() == commit
+    assert not (refs / "main").exists()
+    assert any(r.path == f"/api/models/{REPO}/revision/v1.0" for r in hub.log)
+
+    missing = afmd(env, "pull", f"{REPO}@v2.0")
+    assert_clean_failure(missing, f"{REPO} has no revision 'v2.0'")
+
+
+def test_a_cut_connection_resumes_with_range(hub: FakeHub, env: dict[str, str]) -> None:
+    files = tiny_model(weight_bytes=CHUNK + CHUNK // 4)
+    commit = hub.add_repo(REPO, files)
+    hub.cut(REPO, "model.safetensors", after=CHUNK + 4096)
+    result = afmd(env, "pull", REPO)
+    assert result.returncode == 0, result.stderr
+    gets = hub.gets("model.safetensors")
+    assert len(gets) == 2, gets
+    assert gets[0].range is None
+    assert gets[1].range == f"bytes={CHUNK}-", gets  # the bytes it had kept were not refetched
+    weights = cache_of(env) / "models--test-org--tiny-mlx" / "snapshots" / commit / \
+        "model.safetensors"
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == \
+        hashlib.sha256(files["model.safetensors"]).hexdigest()
+    assert "verified 3 files" in result.stderr
+
+
+def test_an_interrupted_pull_is_not_present_and_a_second_pull_finishes_it(
+        hub: FakeHub, env: dict[str, str]) -> None:
+    hub.add_repo(REPO, tiny_model())
+    hub.fail(REPO, "model.safetensors", 500)
+    failed = afmd(env, "pull", REPO)
+    assert_clean_failure(failed, "downloading model.safetensors", "HTTP 500",
+                         "run the pull again to resume")
+    # Nothing half-downloaded is reported as present.
+    assert REPO not in listed(env)
+    shown = afmd(env, "show", REPO)
+    assert_clean_failure(shown, f"{REPO} is not downloaded: `afmd pull {REPO}`")
+    table = afmd(env, "list")
+    assert f"partial download: {REPO}" in table.stdout
+
+    hub.failures.clear()
+    done = afmd(env, "pull", REPO)
+    assert done.returncode == 0, done.stderr
+    assert "tokenizer_config.json: already downloaded" in done.stderr
+    assert len(hub.gets("tokenizer_config.json")) == 1  # kept from the first pull
+    assert listed(env)[REPO]["size_bytes"] > 0
+
+
+@pytest.mark.parametrize(("name", "check"), [("model.safetensors", "sha256"),
+                                             ("tokenizer_config.json", "git blob id")])
+def test_a_corrupted_file_is_rejected_and_deleted(hub: FakeHub, env: dict[str, str],
+                                                  name: str, check: str) -> None:
+    commit = hub.add_repo(REPO, tiny_model())
+    hub.corrupt(REPO, name)
+    result = afmd(env, "pull", REPO)
+    assert_clean_failure(result, f"{name} failed verification ({check} ",
+                         "the file was deleted, run the pull again")
+    snapshot = cache_of(env) / "models--test-org--tiny-mlx" / "snapshots" / commit
+    assert not (snapshot / name).exists()
+    blobs = cache_of(env) / "models--test-org--tiny-mlx" / "blobs"
+    bad = hashlib.sha256(bytes([tiny_model()[name][0] ^ 0xFF]) + tiny_model()[name][1:])
+    assert all(hashlib.sha256(b.read_bytes()).digest() != bad.digest() for b in blobs.iterdir())
+    assert REPO not in listed(env)
+
+    hub.corrupted.clear()
+    assert afmd(env, "pull", REPO).returncode == 0
+    assert (snapshot / name).read_bytes() == tiny_model()[name]
+
+
+def test_a_repo_that_is_not_an_mlx_model_is_refused(hub: FakeHub, env: dict[str, str]) -> None:
+    hub.add_repo("test-org/pytorch-only", {"config.json": b"{}",
+                                           "pytorch_model.bin": b"\0" * 128})
+    hub.add_repo("test-org/no-config", {"model.safetensors": safetensors_bytes({}),
+                                        "README.md": b"x"})
+    for repo, lacks in (("test-org/pytorch-only", "no model*.safetensors weights"),
+                        ("test-org/no-config", "no config.json")):
+        result = afmd(env, "pull", repo)
+        assert_clean_failure(result, f"{repo} is not an MLX model: it has {lacks}",
+                             "mlx-community")
+    assert not [r for r in hub.log if "/resolve/" in r.path]  # refused before downloading
+    assert not (cache_of(env) / "models--test-org--pytorch-only").exists()
+
+
+def test_offline_and_unknown_repos_fail_clearly(hub: FakeHub, env: dict[str, str]) -> None:
+    offline = afmd({**env, "HF_HUB_OFFLINE": "1"}, "pull", REPO)
+    assert_clean_failure(offline, "offline mode is on (HF_HUB_OFFLINE is set)")
+
+    port = free_port()  # nothing listens there: the hub is unreachable
+    unreachable = afmd({**env, "HF_ENDPOINT": f"http://127.0.0.1:{port}"}, "pull", REPO)
+    assert_clean_failure(unreachable, f"cannot reach the Hugging Face hub at "
+                                      f"http://127.0.0.1:{port}", "check the network")
+
+    unknown = afmd(env, "pull", "test-org/no-such-model")
+    assert_clean_failure(unknown, "test-org/no-such-model was not found on")
+
+    bad = afmd(env, "pull", "not a repo")
+    assert_clean_failure(bad, "'not a repo' is not a Hugging Face repo id")
+    assert listed(env).keys() == {"demo", "demo-32k", "demo-embedding", "demo-vision", "system"}
+
+
+def test_progress_on_a_terminal_is_a_bar_per_file(hub: FakeHub, env: dict[str, str]) -> None:
+    hub.add_repo(REPO, tiny_model(weight_bytes=256 * 1024))
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "afmd", "pull", REPO], env=env,
+                            stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal,
+                            cwd=str(ROOT))
+    os.close(terminal)
+    out = b""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([controller], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(controller)
+    assert proc.wait(30) == 0, out
+    text = out.decode(errors="replace")
+    assert "\r" in text  # redrawn in place
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+        assert f"{name}: 100%|" in text, text  # tqdm's bar: percentage, bar, bytes, rate
+    assert "| 256k/256k [" in text, text  # bytes done / total, then time, ETA and rate
+    assert "B/s]" in text, text

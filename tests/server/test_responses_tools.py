@@ -1,0 +1,127 @@
+"""/v1/responses tools as OpenAI defines them, on the shared demo server: namespace tools
+(offered as their functions, calls naming the namespace), custom tools (free text, a regex
+grammar enforced), hosted tools left out and named, and ``item_reference`` items resolved
+from the store, as Codex and the AI SDK send them."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+from urllib.parse import unquote
+
+import httpx
+import pytest
+
+from afmd.dialects.responses.responses_body import parse_responses_request
+from afmd.errors import InvalidRequestError
+
+from helpers.responses_schemas import validate_event
+
+ADD = {"type": "function", "name": "add", "description": "Add two integers.", "strict": True,
+       "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                      "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 999}}}}
+NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Agents.",
+             "tools": [{**ADD, "name": "spawn_agent"}, {"type": "custom", "name": "note"}]}
+PICK = {"type": "custom", "name": "pick", "description": "Say yes or no.",
+        "format": {"type": "grammar", "syntax": "regex", "definition": "(yes|no)"}}
+HOSTED = [{"type": "web_search", "external_web_access": False},
+          {"type": "image_generation"}, {"type": "tool_search"}, {"type": "mcp"},
+          {"type": "local_shell"}]
+
+
+def sse_events(text: str) -> list[dict[str, Any]]:
+    """A stream's events, each checked against OpenAI's schema."""
+    events = [json.loads(block.partition("data: ")[2])
+              for block in text.split("\n\n") if block.strip()]
+    for event in events:
+        validate_event(event)
+    return events
+
+
+def post(http: httpx.Client, **body: Any) -> dict[str, Any]:
+    # One call at most, and a bound: a random model never stops calling by itself.
+    response = http.post("/v1/responses", json={
+        "model": "demo", "temperature": 0, "parallel_tool_calls": False,
+        "max_output_tokens": 120, "reasoning": {"effort": "none"}, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_hosted_tools_are_left_out_and_named(http: httpx.Client) -> None:
+    body = {"model": "demo", "input": "Hi.", "max_output_tokens": 16,
+            "tools": [HOSTED[0], ADD, *HOSTED[1:]]}
+    response = http.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    # The header percent-encodes what is not a token character (tests/test_tolerant_requests).
+    assert unquote(response.headers["X-AFM-Ignored-Fields"]) == ", ".join(
+        f"tools[{i}]" for i in (0, 2, 3, 4, 5))
+    assert [t["name"] for t in response.json()["tools"]] == ["add"]
+    with pytest.raises(InvalidRequestError) as info:  # [api] strict refuses them
+        parse_responses_request(body, lookup=lambda _: None, strict=True)
+    assert (info.value.code, info.value.param) == ("unsupported_tool", "tools[0]")
+
+
+def test_a_namespace_tools_call_names_its_namespace(http: httpx.Client) -> None:
+    first = post(http, input="Spawn one.", tools=[NAMESPACE],
+                 tool_choice={"type": "function", "name": "spawn_agent"})
+    (call,) = [item for item in first["output"] if item["type"] == "function_call"]
+    assert (call["namespace"], call["name"]) == ("multi_agent_v1", "spawn_agent")
+    assert set(re.findall(r'"(\w+)"', call["arguments"])) <= {"a", "b"}
+    echoed = first["tools"][0]
+    assert echoed["type"] == "namespace" and [t["name"] for t in echoed["tools"]] == [
+        "spawn_agent", "note"]
+    # Sent back (as Codex does, store false), with its output.
+    again = post(http, store=False, tools=[NAMESPACE], max_output_tokens=16, input=[
+        {"role": "user", "content": "Spawn one."}, call,
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}])
+    assert again["status"] == "incomplete"  # ran to max_output_tokens
+
+
+def test_a_custom_tools_call_is_its_text_in_its_grammar(http: httpx.Client) -> None:
+    body = {"model": "demo", "input": "Yes or no?", "tools": [PICK, ADD],
+            "tool_choice": {"type": "custom", "name": "pick"}, "stream": True,
+            "parallel_tool_calls": False, "max_output_tokens": 120,
+            "reasoning": {"effort": "none"}}
+    events = sse_events(http.post("/v1/responses", json=body).text)
+    done = [e for e in events if e["type"] == "response.custom_tool_call_input.done"]
+    assert len(done) == 1 and done[0]["input"] in ("yes", "no")
+    final = events[-1]["response"]
+    (call,) = [item for item in final["output"] if item["type"] == "custom_tool_call"]
+    assert call["input"] == done[0]["input"] and call["id"].startswith("ctc_")
+    assert final["tool_choice"] == {"type": "custom", "name": "pick"}
+    # The call and its output go back in input; plain text input (no grammar) too.
+    again = post(http, tools=[PICK, {"type": "custom", "name": "free"}],
+                 max_output_tokens=16, input=[
+                     {"role": "user", "content": "Yes or no?"}, call,
+                     {"type": "custom_tool_call_output", "call_id": call["call_id"],
+                      "output": "noted"}])
+    assert again["output"] and again["status"] == "incomplete"
+    validate_event({"type": "response.custom_tool_call_input.done", "item_id": "ctc_1",
+                    "output_index": 0, "input": "yes", "sequence_number": 1})
+
+
+def test_item_references_resolve_to_stored_items(http: httpx.Client) -> None:
+    """The AI SDK's second step: earlier items by id, the call's output beside them."""
+    first = post(http, input="Add 2 and 3.", tools=[ADD],
+                 tool_choice={"type": "function", "name": "add"})
+    (call,) = [item for item in first["output"] if item["type"] == "function_call"]
+    listed = http.get(f"/v1/responses/{first['id']}/input_items").json()["data"]
+    references = [{"type": "item_reference", "id": listed[0]["id"]},
+                  *({"type": "item_reference", "id": item["id"]} for item in first["output"])]
+    step = {"input": [*references, {"type": "function_call_output",
+                                    "call_id": call["call_id"], "output": "5"}],
+            "tools": [ADD], "max_output_tokens": 16}
+    second = post(http, **step)
+    assert second["status"] == "incomplete"
+    items = http.get(f"/v1/responses/{second['id']}/input_items?order=asc").json()["data"]
+    assert [item["type"] for item in items][:2] == ["message", "function_call"]
+    counted = http.post("/v1/responses/input_tokens", json={"model": "demo", **step})
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 10
+    missing = http.post("/v1/responses", json={"model": "demo", "input": [
+        {"type": "item_reference", "id": "rs_nowhere"}]})
+    assert missing.status_code == 404, missing.text
+    error = missing.json()["error"]
+    assert "rs_nowhere" in error["message"]
+    assert (error["code"], error["param"]) == ("item_not_found", "input[0].id")

@@ -1,0 +1,324 @@
+"""Structured output end to end: response_format json_schema / json_object on the demo model.
+
+Under the grammar even random weights write valid JSON matching the schema. Strings carry
+``maxLength`` and integers bounds so that answers stay short (random weights otherwise
+write until ``max_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+from conftest import parse_sse
+
+MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                 "maxItems": 3},
+        "note": {"type": ["string", "null"], "maxLength": 8},
+        "choice": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9},
+                             {"type": "boolean"}]},
+        "owner": {"$ref": "#/$defs/owner"},
+        "flags": {"type": "object",
+                  "properties": {"active": {"type": "boolean"},
+                                 "level": {"enum": [1, 2, 3]}},
+                  "required": ["active", "level"], "additionalProperties": False},
+    },
+    "required": ["id", "kind", "tags", "note", "choice", "owner", "flags"],
+    "additionalProperties": False,
+    "$defs": {
+        "owner": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 10},
+                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+            "required": ["name", "age"],
+            "additionalProperties": False,
+        }
+    },
+}
+
+
+def json_schema_format(schema: dict[str, Any], name: str = "thing") -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": name, "strict": True,
+                                                   "schema": schema}}
+
+
+def post(http: Any, **body: Any) -> Any:
+    return http.post("/v1/chat/completions",
+                     json={"messages": MESSAGES, "max_tokens": 300, **body})
+
+
+def resolve(schema: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in schema:
+        ref = schema["$ref"]
+        assert ref.startswith("#/")
+        node: Any = root
+        for part in ref[2:].split("/"):
+            node = node[part]
+        schema = node
+    return schema
+
+
+def check_key_order(pairs: Any, schema: dict[str, Any], root: dict[str, Any]) -> None:
+    """Every object's keys come in the order of its schema's ``properties``."""
+    schema = resolve(schema, root)
+    if isinstance(pairs, list) and pairs and all(isinstance(p, tuple) for p in pairs):
+        keys = [k for k, _ in pairs]
+        order = list(schema.get("properties", {}))
+        assert keys == [k for k in order if k in keys], f"{keys} not in schema order {order}"
+        for key, value in pairs:
+            check_key_order(value, schema["properties"][key], root)
+    elif isinstance(pairs, list):
+        items = schema.get("items", {})
+        for value in pairs:
+            check_key_order(value, items, root)
+
+
+def pairs_of(text: str) -> Any:
+    """The JSON text with each object as its list of (key, value) pairs, in text order."""
+    return json.loads(text, object_pairs_hook=list)
+
+
+def check_json_answer(content: str | None, schema: dict[str, Any]) -> Any:
+    assert content is not None
+    assert "```" not in content
+    assert content == content.strip()
+    value = json.loads(content)
+    jsonschema.validate(value, schema)
+    check_key_order(pairs_of(content), schema, schema)
+    return value
+
+
+def test_json_schema_rich_schema_is_followed(http) -> None:
+    def run(seed: int) -> Any:
+        return post(http, response_format=json_schema_format(SCHEMA), seed=seed)
+
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(run, range(5)))
+    values = []
+    for response in responses:
+        assert response.status_code == 200, response.text
+        assert "x-grammar-constraints" not in response.headers
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        values.append(check_json_answer(choice["message"]["content"], SCHEMA))
+    # Different seeds, different (valid) answers: the grammar constrains, not a template.
+    assert len({json.dumps(v) for v in values}) > 1
+
+
+def test_streamed_json_schema_reassembles_to_the_same_json(http) -> None:
+    body = {"response_format": json_schema_format(SCHEMA), "seed": 3}
+    whole = post(http, **body)
+    assert whole.status_code == 200
+    content = whole.json()["choices"][0]["message"]["content"]
+    check_json_answer(content, SCHEMA)
+    streamed = post(http, stream=True, **body)
+    assert streamed.status_code == 200
+    events = parse_sse(streamed.text)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    deltas = [c["choices"][0]["delta"].get("content") for c in chunks]
+    text = "".join(d for d in deltas if d)
+    assert text == content
+    assert sum(1 for d in deltas if d) > 3, "the answer streams as it is written"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0][
+        "finish_reason"]] == ["stop"]
+
+
+class Address(BaseModel):
+    street: str = Field(max_length=10)
+    number: int = Field(ge=1, le=999)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=12)
+    mood: Literal["happy", "sad", "calm"]
+    age: int = Field(ge=0, le=120)
+    address: Address
+
+
+def test_parse_with_a_pydantic_model(client) -> None:
+    for seed in range(3):
+        completion = client.chat.completions.parse(
+            model="demo", messages=MESSAGES, response_format=Person, max_tokens=300,
+            seed=seed,
+        )
+        message = completion.choices[0].message
+        assert completion.choices[0].finish_reason == "stop"
+        person = message.parsed
+        assert isinstance(person, Person)
+        assert isinstance(person.address, Address)
+        assert person.mood in ("happy", "sad", "calm")
+        assert 0 <= person.age <= 120 and len(person.name) <= 12
+        assert [k for k, _ in pairs_of(message.content)] == list(Person.model_fields)
+        assert "```" not in message.content
+
+
+def test_json_object_is_a_json_object(http) -> None:
+    finished = 0
+    for seed in range(4):
+        response = post(http, response_format={"type": "json_object"}, seed=seed)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        content = choice["message"]["content"]
+        assert content.startswith("{") and "```" not in content
+        if choice["finish_reason"] == "stop":
+            finished += 1
+            assert isinstance(json.loads(content), dict)
+    assert finished >= 2
+
+
+UNIQUE = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+          "uniqueItems": True, "minItems": 2, "maxItems": 4}
+
+
+def test_unsupported_keyword_is_best_effort_and_says_so(http) -> None:
+    # Seeds 0 and 1 repeat an item on the demo model: best effort still answers (200).
+    for seed in range(4):
+        response = post(http, response_format=json_schema_format(UNIQUE), seed=seed,
+                        max_tokens=60)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-grammar-constraints"] == "downgraded"
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        value = json.loads(choice["message"]["content"])
+        # What the grammar could enforce, it did.
+        jsonschema.validate(value, {**UNIQUE, "uniqueItems": False})
+    streamed = post(http, response_format=json_schema_format(UNIQUE), seed=0, stream=True,
+                    max_tokens=60)
+    assert streamed.status_code == 200
+    assert streamed.headers["x-grammar-constraints"] == "downgraded"
+    assert "error" not in streamed.text
+
+
+def test_supported_schema_is_not_downgraded(http) -> None:
+    response = post(http, response_format=json_schema_format(
+        {"type": "object", "properties": {"ok": {"type": "boolean"}},
+         "required": ["ok"], "additionalProperties": False}), max_tokens=150)
+    assert response.status_code == 200
+    assert "x-grammar-constraints" not in response.headers
+    assert json.loads(response.json()["choices"][0]["message"]["content"]) in (
+        {"ok": True}, {"ok": False})
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "foo"},
+        {"type": 5},
+        {"type": "object", "properties": {"a": {"type": "nope"}}},
+        {"type": "object", "required": "a"},
+        {"type": "array", "maxItems": -1},
+    ],
+    ids=["unknown-type", "numeric-type", "nested-unknown-type", "required-not-array",
+         "negative-maxItems"],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_schema_that_is_not_a_schema_is_rejected(http, schema: Any, stream: bool) -> None:
+    response = post(http, response_format=json_schema_format(schema), stream=stream)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_schema"
+    assert error["param"] == "response_format.json_schema.schema"
+    assert error["type"] == "invalid_request_error"
+
+
+def test_tool_parameters_that_are_not_a_schema_are_rejected(http) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]
+    response = post(http, tools=tools)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_schema",
+                                               "tools[0].function.parameters")
+
+
+def test_schema_that_is_not_an_object_is_a_type_error(http) -> None:
+    response = post(http, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": ["not", "an", "object"]}})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_type",
+                                               "response_format.json_schema.schema")
+
+
+def _plan(response_format: dict[str, Any], *, downgraded: bool = False) -> Any:
+    from afmd.dialects.openai.chat_body import parse_chat_request
+    from afmd.service.turn import TurnPlan
+
+    request = parse_chat_request({"messages": MESSAGES, "response_format": response_format})
+    schema = request.response_format.schema if request.response_format else None
+    return TurnPlan(json_answer=True, schema=schema, downgraded=downgraded)
+
+
+def test_final_check_accepts_every_number_json_allows() -> None:
+    """A JSON grammar may write 6e99999 or a 40-digit integer: valid JSON, not an error."""
+    from afmd.errors import ServerError
+
+    plan = _plan({"type": "json_object"})
+    plan.check_answer('{"a": 6e99999, "b": 1234567890123456789012345678901234567890}')
+    for bad in ('{"a": ', "[1, 2]", "```json\n{}\n```"):
+        with pytest.raises(ServerError) as info:
+            plan.check_answer(bad)
+        assert info.value.code == "invalid_json_output"
+
+
+def test_final_check_of_output_nested_too_deep_to_read_is_invalid_json() -> None:
+    """Nesting deeper than either parser reads is the invalid-JSON error, not a crash."""
+    from afmd.errors import ServerError
+
+    deep = "[" * 100_000 + "]" * 100_000
+    for plan in (_plan({"type": "json_object"}), _plan(json_schema_format(UNIQUE))):
+        with pytest.raises(ServerError) as info:
+            plan.check_answer(deep)
+        assert info.value.code == "invalid_json_output"
+
+
+def test_final_check_of_output_too_deep_for_the_schema_check_is_invalid_json() -> None:
+    """A recursive schema lets output nest as deep as the tokens allow; readable JSON
+    that the schema check cannot descend through is an answer left unchecked: an error."""
+    from afmd.errors import ServerError
+
+    nested = {"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
+              "$ref": "#/$defs/n"}
+    plan = _plan(json_schema_format(nested))
+    plan.check_answer("[[[]]]")
+    with pytest.raises(ServerError) as info:
+        plan.check_answer("[" * 1000 + "]" * 1000)
+    assert info.value.code == "invalid_json_output"
+
+
+def test_final_check_of_a_downgraded_schema_is_best_effort() -> None:
+    from afmd.errors import ServerError
+
+    plan = _plan(json_schema_format(UNIQUE))
+    with pytest.raises(ServerError):
+        plan.check_answer("[1, 1]")
+    _plan(json_schema_format(UNIQUE), downgraded=True).check_answer("[1, 1]")
+    with pytest.raises(ServerError):
+        _plan(json_schema_format(UNIQUE), downgraded=True).check_answer("[1, 1")
+
+
+def test_one_schema_verdict_serves_each_place_it_is_used(http) -> None:
+    """Schema checks are cached by schema; the error still names where this one was."""
+    bad = {"type": "object", "properties": {"x": {"type": 7}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": bad}}]
+    for _ in range(2):
+        error = post(http, tools=tools).json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_schema",
+                                                   "tools[0].function.parameters")
+        error = post(http, response_format=json_schema_format(bad)).json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_schema",
+                                                   "response_format.json_schema.schema")
+    good = {**bad, "properties": {"x": {"type": "integer"}}}
+    assert post(http, response_format=json_schema_format(good)).status_code == 200

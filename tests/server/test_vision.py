@@ -1,0 +1,390 @@
+"""Images on a vision model: the built-in demo-vision (a tiny random Qwen2-VL that mlx-vlm
+serves) through the real server, the official openai client and the other dialects.
+
+The model's output is gibberish, but greedy output is a function of the pixels: two
+different pictures give different text for the same question, the same picture the same
+text, whatever wire format or file format carried it. Decoding failures and limits are
+the client's 400s naming the image part; a text-only model still refuses images.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from afmd.core.request import ImageInput
+from afmd.errors import InvalidRequestError
+
+from conftest import ServerProcess, parse_sse, start_server
+
+MODEL = "demo-vision"
+QUESTION = "What is in the picture?"
+MAX_PIXELS = 112 * 112  # the server's [models] max_image_pixels below
+CHAT = "/v1/chat/completions"
+
+
+# -- pictures ----------------------------------------------------------------------------
+
+
+def noise(seed: int, size: tuple[int, int] = (64, 64)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def solid(color: tuple[int, int, int], size: tuple[int, int] = (64, 64)) -> Image.Image:
+    return Image.new("RGB", size, color)
+
+
+def encoded(picture: Image.Image, fmt: str = "PNG", **options: Any) -> bytes:
+    buf = io.BytesIO()
+    picture.save(buf, fmt, **options)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+def png_url(picture: Image.Image) -> str:
+    return data_url(encoded(picture))
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims a size and whose pixel data is a few bytes."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+            + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b""))
+
+
+# -- the server --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vision_folder() -> Path:
+    from afmd.engine.demo import builtin as demo
+
+    return demo.materialize("demo-vision")  # the server (same AFMD_CACHE_DIR) reuses it
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory, vision_folder: Path
+        ) -> Iterator[ServerProcess]:
+    config = (
+        f'[models]\ndefault = "{MODEL}"\nmax_image_pixels = {MAX_PIXELS}\n'
+        # The same folder with no kind: detected as a vision model from its config.json.
+        f'[[models.model]]\nid = "vision-auto"\npath = "{vision_folder}"\n'
+    )
+    proc = start_server(tmp_path_factory.mktemp("vision"), config=config)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture()
+def client(srv: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+def parts(url: str, text: str = QUESTION) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]
+
+
+def ask(client: openai.OpenAI, url: str, *, model: str = MODEL, text: str = QUESTION,
+        max_tokens: int = 12) -> Any:
+    return client.chat.completions.create(
+        model=model, temperature=0, max_tokens=max_tokens,
+        messages=[{"role": "user", "content": parts(url, text)}],  # type: ignore[misc]
+    )
+
+
+def answer(client: openai.OpenAI, url: str, **kwargs: Any) -> str:
+    content = ask(client, url, **kwargs).choices[0].message.content
+    assert content
+    return content
+
+
+def post(srv: ServerProcess, body: dict[str, Any], path: str = CHAT,
+         **headers: str) -> httpx.Response:
+    return httpx.post(srv.url + path, json=body, headers=headers, timeout=120)
+
+
+def assert_error(r: httpx.Response, code: str, param: str | None) -> dict[str, Any]:
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == (code, param), error
+    assert error["type"] == "invalid_request_error"
+    return error
+
+
+# -- the picture decides the output ------------------------------------------------------
+
+
+def test_different_images_give_different_outputs(client: openai.OpenAI) -> None:
+    first, second = png_url(noise(1)), png_url(noise(2))
+    a, b = answer(client, first), answer(client, second)
+    assert a != b
+    assert answer(client, first) == a  # greedy: the same picture, the same text
+    assert answer(client, png_url(solid((255, 0, 0)))) != answer(
+        client, png_url(solid((0, 0, 255))))
+
+
+def test_formats_decode_to_the_same_pixels(client: openai.OpenAI) -> None:
+    picture = noise(3)
+    reference = answer(client, png_url(picture))
+    lossless_webp = data_url(encoded(picture, "WEBP", lossless=True), "image/webp")
+    assert answer(client, lossless_webp) == reference
+    # An animated GIF is its first frame; flat colours survive its palette exactly.
+    red, blue = solid((255, 0, 0)), solid((0, 0, 255))
+    gif = data_url(encoded(red, "GIF", save_all=True, append_images=[blue], duration=100,
+                           loop=0), "image/gif")
+    assert Image.open(io.BytesIO(base64.b64decode(gif.split(",")[1]))).n_frames == 2
+    assert answer(client, gif) == answer(client, png_url(red))
+    # Transparency is flattened onto white.
+    clear = Image.new("RGBA", (64, 64), (10, 200, 30, 0))
+    assert answer(client, png_url(clear)) == answer(client, png_url(solid((255, 255, 255))))
+    # JPEG is lossy: the same size of picture, so the same prompt.
+    jpeg = ask(client, data_url(encoded(picture, "JPEG", quality=90), "image/jpeg"))
+    assert jpeg.usage.prompt_tokens == ask(client, png_url(picture)).usage.prompt_tokens
+
+
+def test_usage_counts_the_image_tokens(client: openai.OpenAI) -> None:
+    text_only = client.chat.completions.create(
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": QUESTION}])
+    base = text_only.usage.prompt_tokens
+    # Qwen2-VL: a 28x28 cell is one token; the picture sits between two markers.
+    small = ask(client, png_url(noise(4, (56, 56))), max_tokens=1).usage.prompt_tokens
+    large = ask(client, png_url(noise(4, (112, 112))), max_tokens=1).usage.prompt_tokens
+    assert small == base + 2 * 2 + 2
+    assert large == base + 4 * 4 + 2
+    two = client.chat.completions.create(
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": [
+            *parts(png_url(noise(4, (56, 56)))),
+            {"type": "image_url", "image_url": {"url": png_url(noise(5, (112, 112)))}},
+        ]}])  # type: ignore[misc]
+    assert two.usage.prompt_tokens == base + (4 + 2) + (16 + 2)
+
+
+def test_configured_folder_is_detected_as_vision(client: openai.OpenAI) -> None:
+    url = png_url(noise(6))
+    assert answer(client, url, model="vision-auto") == answer(client, url)
+
+
+# -- the same picture in every dialect ---------------------------------------------------
+
+
+def test_anthropic_and_responses_images_match_chat(client: openai.OpenAI,
+                                                   srv: ServerProcess) -> None:
+    data = encoded(noise(7))
+    expected = answer(client, data_url(data), max_tokens=16)  # Responses' least
+    b64 = base64.b64encode(data).decode()
+    messages = post(srv, {"model": MODEL, "max_tokens": 16, "temperature": 0, "messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": QUESTION},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": b64}},
+        ]}]}, "/v1/messages")
+    assert messages.status_code == 200, messages.text
+    assert messages.json()["content"][0]["text"] == expected
+    responses = post(srv, {"model": MODEL, "max_output_tokens": 16, "temperature": 0,
+                           "input": [{"role": "user", "content": [
+                               {"type": "input_text", "text": QUESTION},
+                               {"type": "input_image", "image_url": data_url(data)},
+                           ]}]}, "/v1/responses")
+    assert responses.status_code == 200, responses.text
+    output = [i for i in responses.json()["output"] if i["type"] == "message"]
+    assert output[0]["content"][0]["text"] == expected
+    # The image's tokens are counted the same way by Anthropic's token counter.
+    counted = post(srv, {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": QUESTION},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": b64}},
+    ]}]}, "/v1/messages/count_tokens")
+    assert counted.json()["input_tokens"] == messages.json()["usage"]["input_tokens"]
+
+
+def test_bad_images_name_their_part_in_every_dialect(srv: ServerProcess) -> None:
+    corrupt = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40).decode()
+    r = post(srv, {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": QUESTION},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": corrupt}}]}]}, "/v1/messages")
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert "messages[0].content[1].source" in r.json()["error"]["message"]
+    r = post(srv, {"model": MODEL, "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": QUESTION},
+        {"type": "input_image", "image_url": f"data:image/png;base64,{corrupt}"}]}]},
+        "/v1/responses")
+    assert_error(r, "invalid_image", "input[0].content[1].image_url")
+
+
+# -- what is refused ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("data", [
+    b"\x89PNG\r\n\x1a\n" + b"\x00" * 64,  # a PNG signature and garbage
+    encoded(noise(8))[:200],  # a real PNG cut short
+    b"GIF89a" + b"\xff" * 10,
+    b"not an image at all",
+], ids=["garbage", "truncated", "bad-gif", "text"])
+def test_undecodable_image_is_invalid_image(srv: ServerProcess, data: bytes) -> None:
+    r = post(srv, {"model": MODEL, "max_tokens": 4,
+                   "messages": [{"role": "user", "content": parts(data_url(data))}]})
+    assert_error(r, "invalid_image", "messages[0].content[1].image_url")
+
+
+def test_corrupt_png_through_the_openai_client(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(client, data_url(b"\x89PNG\r\n\x1a\n" + b"\x00" * 64))
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert (error["code"], error["param"]) == ("invalid_image",
+                                               "messages[0].content[1].image_url")
+
+
+def test_remote_url_is_refused_without_fetching(srv: ServerProcess) -> None:
+    r = post(srv, {"model": MODEL, "messages": [
+        {"role": "user", "content": parts("http://127.0.0.1:9/never-fetched.png")}]})
+    assert_error(r, "unsupported_image_url", "messages[0].content[1].image_url.url")
+
+
+def test_image_over_max_image_pixels(srv: ServerProcess) -> None:
+    r = post(srv, {"model": MODEL, "messages": [
+        {"role": "user", "content": parts(png_url(noise(9, (113, 112))))}]})
+    error = assert_error(r, "image_too_large", "messages[0].content[1].image_url")
+    assert "max_image_pixels" in error["message"] and str(MAX_PIXELS) in error["message"]
+    ok = post(srv, {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": parts(png_url(noise(9, (112, 112))))}]})
+    assert ok.status_code == 200, ok.text
+
+
+def test_size_is_checked_before_decoding() -> None:
+    from afmd.service import images
+
+    huge = ImageInput(png_header_only(100_000, 100_000), "messages[0].content[0].image_url", 0)
+    with pytest.raises(InvalidRequestError) as caught:
+        images.decode(huge, 33554432)
+    assert caught.value.code == "image_too_large"  # not a 30 GB allocation, not a bomb
+    small = ImageInput(png_header_only(8, 8), "p", 0)
+    with pytest.raises(InvalidRequestError) as caught:
+        images.decode(small, 33554432)
+    assert (caught.value.code, caught.value.param) == ("invalid_image", "p")
+
+
+def test_text_only_model_refuses_images(srv: ServerProcess) -> None:
+    r = post(srv, {"model": "demo", "messages": [
+        {"role": "user", "content": parts(png_url(noise(1)))}]})
+    assert_error(r, "image_input_not_supported", "messages[0].content")
+
+
+# -- queue and cancel --------------------------------------------------------------------
+
+
+class Streamed:
+    """One streamed chat request on its own thread; its chunks land in ``events``."""
+
+    def __init__(self, srv: ServerProcess, rid: str, url: str, max_tokens: int) -> None:
+        self.events: list[Any] = []
+        self.first = threading.Event()
+        # Greedy: the pictures used here run thousands of tokens without an end token.
+        self.body = {"model": MODEL, "stream": True, "max_tokens": max_tokens,
+                     "temperature": 0, "messages": [{"role": "user", "content": parts(url)}]}
+        self._thread = threading.Thread(target=self._run, args=(srv.url, rid), daemon=True)
+        self._thread.start()
+
+    def _run(self, base: str, rid: str) -> None:
+        with httpx.stream("POST", base + CHAT, json=self.body, timeout=120,
+                          headers={"X-Request-ID": rid}) as r:
+            buf = ""
+            for text in r.iter_text():
+                buf += text
+                while "\n\n" in buf:
+                    block, buf = buf.split("\n\n", 1)
+                    self.events.extend(parse_sse(block + "\n\n"))
+                    if self.events:
+                        self.first.set()
+        self.first.set()
+
+    def join(self, timeout: float = 60) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive()
+
+    @property
+    def finish(self) -> str | None:
+        reasons = [c["finish_reason"] for e in self.events if isinstance(e, dict)
+                   for c in e.get("choices", []) if c.get("finish_reason")]
+        return reasons[-1] if reasons else None
+
+
+def test_queued_and_running_vision_requests_cancel(srv: ServerProcess) -> None:
+    stamp = time.monotonic_ns()
+    running = Streamed(srv, f"vis-run-{stamp}", png_url(noise(10)), 6000)
+    assert running.first.wait(60)
+    # One sequence at a time: the second waits behind the first, and its cancel ends it
+    # there while the first goes on.
+    queued = Streamed(srv, f"vis-queued-{stamp}", png_url(noise(11)), 6000)
+    time.sleep(0.3)
+    r = httpx.post(f"{srv.url}{CHAT}/vis-queued-{stamp}/cancel", timeout=10)
+    assert r.status_code == 200 and r.json()["cancelled"] is True
+    queued.join(30)
+    assert queued.finish == "cancelled"
+    assert running.finish is None  # still generating
+    r = httpx.post(f"{srv.url}{CHAT}/vis-run-{stamp}/cancel", timeout=10)
+    assert r.status_code == 200
+    running.join(30)
+    assert running.finish == "cancelled"
+    assert running.events[-1] == "[DONE]"
+    # The model serves the next request normally.
+    after = post(srv, {"model": MODEL, "max_tokens": 2,
+                       "messages": [{"role": "user", "content": parts(png_url(noise(12)))}]})
+    assert after.status_code == 200, after.text
+
+
+def test_streamed_image_answer_equals_the_whole_one(srv: ServerProcess,
+                                                    client: openai.OpenAI) -> None:
+    url = png_url(noise(13))
+    whole = answer(client, url)
+    r = post(srv, {"model": MODEL, "temperature": 0, "max_tokens": 12, "stream": True,
+                   "messages": [{"role": "user", "content": parts(url)}]})
+    chunks = [e for e in parse_sse(r.text) if e != "[DONE]"]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                   if c["choices"])
+    assert text == whole
+    assert json.dumps(chunks)  # plain JSON all the way
+
+
+def test_grammar_and_logprobs_on_a_vision_model(client: openai.OpenAI) -> None:
+    url = png_url(noise(14))
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 8}},
+              "required": ["colour"], "additionalProperties": False}
+    shaped = client.chat.completions.create(
+        model=MODEL, max_tokens=60, messages=[{"role": "user", "content": parts(url)}],
+        response_format={"type": "json_schema",  # type: ignore[misc,typeddict-item]
+                         "json_schema": {"name": "c", "schema": schema, "strict": True}})
+    assert set(json.loads(shaped.choices[0].message.content or "")) == {"colour"}
+    scored = client.chat.completions.create(
+        model=MODEL, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+        messages=[{"role": "user", "content": parts(url)}])  # type: ignore[misc]
+    entries = scored.choices[0].logprobs.content
+    assert len(entries) == scored.usage.completion_tokens
+    for entry in entries:  # greedy: the chosen token is the most likely one
+        assert len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)

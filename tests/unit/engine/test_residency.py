@@ -1,0 +1,277 @@
+"""Which models stay loaded: the residency rules on stand-in models (fast, exact timing),
+then the real registry on the demo models (memory measured and freed for real)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from afmd.config.load import load_config
+from afmd.engine.models import model_registry as models_module
+from afmd.engine.models.model_registry import ModelRegistry
+from afmd.engine.models.residency import Lease, Residency
+from afmd.errors import InvalidRequestError, ServiceUnavailableError
+
+from helpers import memory_probes
+
+
+@dataclass(eq=False)
+class Fake:
+    """What the residency reads of a loaded model."""
+
+    id: str
+    memory_bytes: int = 10
+    last_used: float = field(default_factory=time.time)
+    reads_conversation: bool = False  # Apple's model: none of afmd's memory
+
+    def touch(self) -> None:
+        self.last_used = time.time()
+
+
+@dataclass
+class Ticket:
+    holds_slot: bool = False
+
+
+def residency(budget: int = 100, max_loaded: int = 3) -> tuple[Residency, list[str]]:
+    freed: list[str] = []
+    return Residency(budget, max_loaded, free=lambda m: freed.append(m.id)), freed
+
+
+def run(main: Callable[[], Awaitable[Any]]) -> Any:
+    return asyncio.run(main())
+
+
+def admit(res: Residency, *models: Fake, keep_alive: float = 300.0) -> None:
+    for model in models:
+        res.admit(model, keep_alive)  # type: ignore[arg-type]
+
+
+def use(res: Residency, model: Fake, keep_alive: float = 300.0) -> None:
+    """One request that got the model and is over."""
+    res.hold(model, keep_alive).release()  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+def test_least_recently_used_idle_model_makes_room() -> None:
+    async def main() -> list[str]:
+        res, freed = residency(max_loaded=2)
+        a, b = Fake("a"), Fake("b")
+        admit(res, a, b)
+        use(res, b)
+        await asyncio.sleep(0.01)
+        use(res, a)  # b is now the least recently used
+        await res.make_room("c", 10, time.monotonic() + 1)
+        await res.drain()
+        assert sorted(res.loaded) == ["a"]
+        return freed
+
+    assert run(main) == ["b"]
+
+
+def test_apples_model_neither_counts_nor_is_unloaded_for_room() -> None:
+    """It holds nothing of afmd's: loading another model beside it unloads nothing, and
+    making room never picks it (unloading it would free nothing)."""
+    async def main() -> list[str]:
+        res, freed = residency(max_loaded=2)
+        system, a = Fake("system", 0, reads_conversation=True), Fake("a")
+        admit(res, system, a)
+        use(res, system)
+        await asyncio.sleep(0.01)
+        use(res, a)  # system is the least recently used
+        await res.make_room("b", 10, time.monotonic() + 1)  # a and b: max_loaded
+        await res.drain()
+        assert sorted(res.loaded) == ["a", "system"]
+        await res.make_room("c", 10, time.monotonic() + 1)
+        await res.drain()
+        assert sorted(res.loaded) == ["system"]
+        return freed
+
+    assert run(main) == ["a"]
+
+
+def test_memory_budget_unloads_only_as_many_as_needed() -> None:
+    async def main() -> None:
+        res, freed = residency(budget=35)
+        a, b, c = Fake("a", 10), Fake("b", 10), Fake("c", 10)
+        admit(res, a, b, c)
+        for model in (a, b, c):
+            use(res, model)
+            await asyncio.sleep(0.01)
+        await res.make_room("d", 15, time.monotonic() + 1)  # 30 + 15 > 35: one must go
+        await res.drain()
+        assert freed == ["a"]
+        assert res.used_bytes() == 35  # b, c and d's reservation
+
+    run(main)
+
+
+def test_busy_models_are_never_unloaded_and_the_load_gives_up_at_its_deadline() -> None:
+    async def main() -> None:
+        res, freed = residency(max_loaded=1)
+        a = Fake("a")
+        admit(res, a)
+        lease = res.hold(a, 300.0)  # type: ignore[arg-type]
+        started = time.monotonic()
+        with pytest.raises(ServiceUnavailableError) as info:
+            await res.make_room("b", 10, started + 0.2)
+        assert time.monotonic() - started >= 0.2
+        error = info.value
+        assert (error.status, error.code, error.param) == (503, "model_unavailable", "model")
+        assert int(error.headers["Retry-After"]) >= 1
+        assert "'b'" in error.message and "max_loaded (1 models)" in error.message
+        assert "busy: a" in error.message
+        assert freed == [] and list(res.loaded) == ["a"]
+        lease.release()
+
+    run(main)
+
+
+def test_requests_waiting_for_a_load_make_a_model_busy() -> None:
+    async def main() -> None:
+        res, freed = residency(max_loaded=1)
+        a = Fake("a")
+        admit(res, a)
+        res.waiting["a"] += 1
+        with pytest.raises(ServiceUnavailableError):
+            await res.make_room("b", 10, time.monotonic() + 0.05)
+        assert freed == []
+
+    run(main)
+
+
+def test_a_load_waits_for_a_busy_model_to_become_idle() -> None:
+    async def main() -> float:
+        res, freed = residency(max_loaded=1)
+        a = Fake("a")
+        admit(res, a)
+        lease = res.hold(a, 300.0)  # type: ignore[arg-type]
+        asyncio.get_running_loop().call_later(0.2, lease.release)
+        started = time.monotonic()
+        await res.make_room("b", 10, started + 5)
+        await res.drain()
+        assert freed == ["a"]
+        return time.monotonic() - started
+
+    waited = run(main)
+    assert 0.2 <= waited < 2
+
+
+def test_keep_alive_zero_forever_and_seconds() -> None:
+    async def main() -> None:
+        res, freed = residency()
+        now, forever, soon = Fake("now"), Fake("forever"), Fake("soon")
+        admit(res, now, forever, soon)
+        use(res, now, keep_alive=0.0)
+        use(res, forever, keep_alive=-1.0)
+        use(res, soon, keep_alive=0.3)
+        await asyncio.sleep(0.05)
+        assert freed == ["now"]
+        usage = res.usage("soon")
+        assert usage is not None and usage.expires_at is not None and usage.idle_since
+        assert usage.expires_at == pytest.approx(usage.idle_since + 0.3, abs=0.1)
+        kept = res.usage("forever")
+        assert kept is not None and kept.expires_at is None and kept.idle_since is not None
+        await asyncio.sleep(0.4)
+        await res.drain()
+        assert freed == ["now", "soon"]
+        assert sorted(res.loaded) == ["forever"]
+
+    run(main)
+
+
+def test_a_request_stops_the_keep_alive_and_the_last_one_sets_it() -> None:
+    async def main() -> None:
+        res, freed = residency()
+        a = Fake("a")
+        admit(res, a, keep_alive=0.2)
+        lease = res.hold(a, -1.0)  # type: ignore[arg-type]
+        await asyncio.sleep(0.3)  # held: the 0.2 s it was loaded with never ran out
+        assert freed == []
+        other = res.hold(a, 0.1)  # type: ignore[arg-type]
+        lease.release()  # -1, but another request still holds it
+        other.release()  # the last one out: 0.1 s
+        await asyncio.sleep(0.25)
+        await res.drain()
+        assert freed == ["a"]
+
+    run(main)
+
+
+def test_usage_counts_active_queued_and_waiting_requests() -> None:
+    async def main() -> None:
+        res, _ = residency()
+        a = Fake("a", memory_bytes=123)
+        admit(res, a)
+        running, queued = res.hold(a, 300.0), res.hold(a, 300.0)  # type: ignore[arg-type]
+        running.ticket, queued.ticket = Ticket(holds_slot=True), Ticket()
+        res.waiting["a"] += 1
+        usage = res.usage("a")
+        assert usage is not None
+        assert (usage.memory_bytes, usage.active, usage.queued) == (123, 1, 2)
+        assert usage.idle_since is None and usage.expires_at is None  # busy
+        res.waiting["a"] -= 1
+        running.release()
+        queued.release()
+        queued.release()  # twice: nothing more happens
+        idle = res.usage("a")
+        assert idle is not None and (idle.active, idle.queued) == (0, 0)
+        assert idle.idle_since == pytest.approx(time.time(), abs=1)
+        assert Lease.detached(a).release() is None  # type: ignore[arg-type]
+
+    run(main)
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+def config_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "afmd.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads RSS from /proc")
+def test_unloading_frees_the_memory_for_real() -> None:
+    """MLX's active memory drops by the weights' size, and RSS by most of it: measured in
+    a process of its own (tests/helpers/memory_probes.py), where nothing else allocates
+    or frees meanwhile."""
+    got = memory_probes.run("unload")
+    weights, grew_mx, freed_mx = got["weights"], got["grew_mx"], got["freed_mx"]
+    assert weights > 15_000_000
+    assert got["accounted"]  # memory_bytes: the weights plus the (idle) cache, measured
+    assert grew_mx >= weights * 0.95
+    assert not got["ready_after"] and got["unloads"] == 1
+    assert freed_mx == pytest.approx(grew_mx, rel=0.05)
+    assert freed_mx >= weights * 0.95
+    assert got["freed_rss"] >= weights * 0.5, got
+
+
+def test_a_model_larger_than_the_budget_is_refused_before_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loads: list[str] = []
+    monkeypatch.setattr(models_module, "load_sync", lambda entry, config: loads.append(entry.id))
+    path = config_file(tmp_path, "[models]\nmemory_budget_bytes = 10000000\n")
+    registry = ModelRegistry(load_config(path, env={}))
+
+    async def main() -> InvalidRequestError:
+        with pytest.raises(InvalidRequestError) as info:
+            await registry.lease(registry.resolve("demo-32k"))
+        return info.value
+
+    error = run(main)
+    assert loads == []  # refused from the files' size, before any load
+    assert (error.status, error.code, error.param) == (400, "model_too_large", "model")
+    assert "'demo-32k'" in error.message
+    assert "10000000 bytes" in error.message and "9.5 MiB" in error.message
+    assert "15.9 MiB" in error.message  # its safetensors file
+    assert registry.status()["demo-32k"].startswith("unavailable: larger than the memory")
