@@ -5,8 +5,8 @@ connection's buffer, :func:`parse_head` turns its bytes into a frozen :class:`Re
 (or refuses them), and one reader per body framing (:class:`ContentLengthBody`,
 :class:`ChunkedBody`) takes the body's bytes from the buffer until it is complete. Every
 verdict is the same however the bytes were split into packets. Everything refuses by
-raising :class:`~afmd.http.sansio.wire.Refused`; nothing here knows policy (Host, Origin, routes,
-keys), which is :mod:`afmd.http.sansio.screen`'s.
+raising :class:`~afmd.http.sansio.wire.GateRefusal`; nothing here knows policy (Host,
+Origin, routes, keys), which is :mod:`afmd.http.sansio.screen`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from afmd.errors import (
     PayloadTooLargeError,
 )
 from afmd.http.sansio import wire
-from afmd.http.sansio.wire import Refused, bad, show
+from afmd.http.sansio.wire import GateRefusal, bad, show
 
 __all__ = ["ChunkedBody", "ContentLengthBody", "HeadScanner", "RequestHead", "parse_head"]
 
@@ -64,8 +64,8 @@ class RequestHead(NamedTuple):
         return self.chunked or self.length > 0
 
 
-def _head_too_large(limit: int) -> Refused:
-    return Refused(HeaderFieldsTooLargeError(
+def _head_too_large(limit: int) -> GateRefusal:
+    return GateRefusal(HeaderFieldsTooLargeError(
         f"The request head is larger than max_header_bytes ({limit} bytes)."))
 
 
@@ -98,7 +98,7 @@ class HeadScanner:
         end = buf.find(b"\r\n\r\n", self._scan)
         stop = limit if end < 0 else min(end + 4, limit)
         if wire.BARE_LF.search(buf, self._scan, stop):
-            raise Refused(bad("Lines must end with CRLF, not a bare LF."))
+            raise GateRefusal(bad("Lines must end with CRLF, not a bare LF."))
         if end < 0:
             if len(buf) > limit:
                 raise _head_too_large(limit)
@@ -119,20 +119,20 @@ def parse_head(head: bytes) -> RequestHead:
     parts = request_line.split(b" ")
     if len(parts) != 3:
         if wire.CONTROL.search(request_line):
-            raise Refused(bad("The request line contains a control character."))
-        raise Refused(bad(
+            raise GateRefusal(bad("The request line contains a control character."))
+        raise GateRefusal(bad(
             "The request line must be 'METHOD target HTTP/1.1', single spaces apart."))
     method, target, version = parts
     if not wire.TOKEN.fullmatch(method):
-        raise Refused(bad("The request method is not a valid token."))
+        raise GateRefusal(bad("The request method is not a valid token."))
     if not wire.VERSION.fullmatch(version):
-        raise Refused(bad(
+        raise GateRefusal(bad(
             "The HTTP version must be 'HTTP/' followed by ASCII digits, like HTTP/1.1."))
     if version != b"HTTP/1.1" and version != b"HTTP/1.0":
-        raise Refused(HTTPVersionNotSupportedError(
+        raise GateRefusal(HTTPVersionNotSupportedError(
             f"HTTP version {show(version)} is not supported; use HTTP/1.1."))
     if len(target) > wire.MAX_TARGET:
-        raise Refused(InvalidRequestError(
+        raise GateRefusal(InvalidRequestError(
             "The request URL is too long.", code="malformed_request", status=414))
     authority: bytes | None = None
     if not wire.TARGET.fullmatch(target):
@@ -143,8 +143,8 @@ def parse_head(head: bytes) -> RequestHead:
     if fields and not wire.FIELDS.fullmatch(head, len(lines[0]) + 2):
         for line in fields:  # find the culprit, for a precise message
             if not wire.FIELD.fullmatch(line):
-                raise Refused(bad(wire.field_problem(line)))
-        raise Refused(bad("The header section is malformed."))
+                raise GateRefusal(bad(wire.field_problem(line)))
+        raise GateRefusal(bad("The header section is malformed."))
     kept: list[bytes] = []
     host: bytes | None = None
     host_line = -1
@@ -175,9 +175,9 @@ def parse_head(head: bytes) -> RequestHead:
         elif name == b"content-length":
             lengths += 1
             if lengths > 1:
-                raise Refused(bad("Content-Length must appear exactly once."))
+                raise GateRefusal(bad("Content-Length must appear exactly once."))
             if not wire.DIGITS.fullmatch(value):
-                raise Refused(bad(
+                raise GateRefusal(bad(
                     "Content-Length must be a plain decimal number of ASCII digits."))
             digits = value.lstrip(b"0")
             # Anything longer than 18 digits is over any limit and not worth an int.
@@ -206,9 +206,9 @@ def parse_head(head: bytes) -> RequestHead:
 
     is_11 = version == b"HTTP/1.1"
     if hosts > 1 or (is_11 and hosts == 0):
-        raise Refused(bad("An HTTP/1.1 request needs exactly one Host header."))
+        raise GateRefusal(bad("An HTTP/1.1 request needs exactly one Host header."))
     if host is not None and (problem := wire.host_problem(host)):
-        raise Refused(bad(f"The Host header {problem}."))
+        raise GateRefusal(bad(f"The Host header {problem}."))
     if authority is not None:
         # RFC 9112 3.2.2: the target's authority is the host; the Host header (present
         # and valid, as checked above) is ignored, and replaced for what reads it later.
@@ -219,19 +219,19 @@ def parse_head(head: bytes) -> RequestHead:
     if te_seen:
         codings = [c for c in codings if c]
         if lengths:
-            raise Refused(bad(
+            raise GateRefusal(bad(
                 "A request must not have both Content-Length and Transfer-Encoding."))
         if not codings:
-            raise Refused(bad("Transfer-Encoding must name a coding."))
+            raise GateRefusal(bad("Transfer-Encoding must name a coding."))
         if not is_11:
-            raise Refused(bad("Transfer-Encoding is not allowed in an HTTP/1.0 request."))
+            raise GateRefusal(bad("Transfer-Encoding is not allowed in an HTTP/1.0 request."))
         if codings != [b"chunked"]:
-            raise Refused(NotImplementedHTTPError(
+            raise GateRefusal(NotImplementedHTTPError(
                 "Only the chunked transfer coding is supported, not "
                 f"'{show(b', '.join(codings))}'."))
         chunked = True
     if expect is not None and expect != b"100-continue":
-        raise Refused(ExpectationFailedError(
+        raise GateRefusal(ExpectationFailedError(
             f"Unsupported expectation '{show(expect)}'; only 100-continue is supported."))
     close = b"close" in connection or (not is_11 and b"keep-alive" not in connection)
     return RequestHead(  # positionally: this runs for every request
@@ -254,8 +254,8 @@ def parse_head(head: bytes) -> RequestHead:
     )
 
 
-def _repeated(raw_name: bytes) -> Refused:
-    return Refused(bad(f"The {raw_name.decode()} header must not be repeated."))
+def _repeated(raw_name: bytes) -> GateRefusal:
+    return GateRefusal(bad(f"The {raw_name.decode()} header must not be repeated."))
 
 
 class ContentLengthBody:
@@ -324,7 +324,7 @@ class ChunkedBody:
                     return None
             elif state == _DATA_END:
                 if buf[0] != 0x0D or (len(buf) > 1 and buf[1] != 0x0A):
-                    raise Refused(bad("Chunk data must be followed by CRLF."))
+                    raise GateRefusal(bad("Chunk data must be followed by CRLF."))
                 if len(buf) < 2:
                     return None
                 del buf[:2]
@@ -343,13 +343,13 @@ class ChunkedBody:
         end = buf.find(b"\r\n")
         if end < 0:
             if len(buf) > wire.MAX_CHUNK_LINE or b"\n" in buf:
-                raise Refused(bad("Malformed chunk size line."), cors=True)
+                raise GateRefusal(bad("Malformed chunk size line."), cors=True)
             return False
         line = bytes(buf[:end])
         del buf[: end + 2]
         m = wire.CHUNK_SIZE.fullmatch(line)
         if m is None or end > wire.MAX_CHUNK_LINE:
-            raise Refused(bad(
+            raise GateRefusal(bad(
                 "A chunk size must be hexadecimal ASCII digits, optionally followed by a "
                 "';' extension."), cors=True)
         digits = m.group(1).lstrip(b"0")
@@ -360,7 +360,7 @@ class ChunkedBody:
             self._trailer_bytes = 0
             return True
         if len(self._body) + size > self.max_body:
-            raise Refused(PayloadTooLargeError(
+            raise GateRefusal(PayloadTooLargeError(
                 f"The request body is larger than max_request_body_bytes "
                 f"({self.max_body} bytes)."), cors=True)
         self._need = size
@@ -379,9 +379,9 @@ class ChunkedBody:
             return True
         # As for the head: a bare LF within the allowed size first, then the size.
         if wire.BARE_LF.search(buf, scan, room if end < 0 else min(end, room)):
-            raise Refused(bad("Lines must end with CRLF, not a bare LF."), cors=True)
+            raise GateRefusal(bad("Lines must end with CRLF, not a bare LF."), cors=True)
         if (len(buf) if end < 0 else end + 2) > room:
-            raise Refused(HeaderFieldsTooLargeError(
+            raise GateRefusal(HeaderFieldsTooLargeError(
                 "The chunked trailer is larger than max_header_bytes."), cors=True)
         if end < 0:
             self._scan = max(0, len(buf) - 1)
@@ -389,7 +389,7 @@ class ChunkedBody:
         self._scan = 0
         line = bytes(buf[:end])
         if wire.FIELD.fullmatch(line) is None:
-            raise Refused(bad(wire.field_problem(line)), cors=True)
+            raise GateRefusal(bad(wire.field_problem(line)), cors=True)
         self._trailer_bytes += end + 2
         del buf[: end + 2]
         return False

@@ -38,7 +38,7 @@ from afmd.http.sansio.framing import (
     parse_head,
 )
 from afmd.http.sansio.screen import GatePolicy, screen
-from afmd.http.sansio.wire import CONTINUE, Refused, Rejection
+from afmd.http.sansio.wire import CONTINUE, GateRefusal, Rejection
 
 __all__ = ["CONTINUE_REPLY", "Direct", "Forward", "Gate", "Output", "Reply"]
 
@@ -177,7 +177,7 @@ class Gate:
                     if body is None:
                         break
                     self._complete(body, out)
-        except Refused as refused:
+        except GateRefusal as refused:
             head = self._head
             extra = self.policy.cors.headers(head.origin) if refused.cors and head else ()
             # Once a head is parsed, its refusal reads like its route's own errors.

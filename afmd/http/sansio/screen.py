@@ -31,7 +31,7 @@ from afmd.errors import (
 )
 from afmd.http.sansio import wire
 from afmd.http.sansio.framing import RequestHead
-from afmd.http.sansio.wire import Refused, bad, show
+from afmd.http.sansio.wire import GateRefusal, bad, show
 
 __all__ = [
     "CORS_ALLOW_HEADERS",
@@ -225,39 +225,39 @@ class GatePolicy:
 
 
 def screen(policy: GatePolicy, head: RequestHead) -> bytes | None:
-    """Refuse ``head`` (raise :class:`~afmd.http.sansio.wire.Refused`), or pass it: None, or the
+    """Refuse ``head`` (raise :class:`~afmd.http.sansio.wire.GateRefusal`), or pass it: None, or the
     answer to a CORS preflight, which afmd gives itself."""
     # No Host at all is only possible in HTTP/1.0, which no browser speaks: it cannot be
     # a DNS-rebinding attempt, so only a Host that is present is checked.
     if policy.check_host and head.host is not None and not policy.host_allowed(head.host):
-        raise Refused(MisdirectedRequestError(
+        raise GateRefusal(MisdirectedRequestError(
             f"The Host '{show(head.host)}' is not served here; use localhost or add it to "
             "server.allowed_hosts."))
     origin = head.origin
     if origin is not None and not policy.cors.allows(origin) and not same_origin(policy, head):
-        raise Refused(PermissionDeniedError(
+        raise GateRefusal(PermissionDeniedError(
             f"Requests from the origin '{show(origin.encode('latin-1'))}' are not allowed; "
             "add it to server.allowed_origins."))
     if head.method == "OPTIONS" and origin is not None and head.preflight_method:
         status, allowed, _ = policy.verdict("OPTIONS", head.path)
         if status == 404:
-            raise Refused(unknown_url(head.method, head.path), cors=True)
+            raise GateRefusal(unknown_url(head.method, head.path), cors=True)
         return policy.cors.preflight(origin, allowed, close=head.close)
     status, allowed, _ = policy.verdict(head.method, head.path)
     if status == 404:
-        raise Refused(unknown_url(head.method, head.path), cors=True)
+        raise GateRefusal(unknown_url(head.method, head.path), cors=True)
     if status == 405:
-        raise Refused(method_not_allowed(head.method, head.path, allowed), cors=True)
+        raise GateRefusal(method_not_allowed(head.method, head.path, allowed), cors=True)
     if policy.api_key and _needs_key(policy, head.path):
         _authenticate(head, policy.api_key)
     if head.method == "POST" and head.has_body:
         media = (head.content_type or b"").split(b";", 1)[0].strip(b" \t").lower()
         if media != b"application/json":
-            raise Refused(UnsupportedMediaTypeError(
+            raise GateRefusal(UnsupportedMediaTypeError(
                 "The request body must be JSON, sent with 'Content-Type: "
                 "application/json'."), cors=True)
     if head.length > policy.max_body_bytes:
-        raise Refused(PayloadTooLargeError(
+        raise GateRefusal(PayloadTooLargeError(
             f"The request body is larger than max_request_body_bytes "
             f"({policy.max_body_bytes} bytes)."), cors=True)
     return None
@@ -326,7 +326,7 @@ def _api_key_header(head: RequestHead) -> bytes | None:
     for line in head.lines:  # kept lines read "Name: value"
         if line[:10].lower() == b"x-api-key:":
             if found is not None:
-                raise Refused(bad("The x-api-key header must not be repeated."), cors=True)
+                raise GateRefusal(bad("The x-api-key header must not be repeated."), cors=True)
             found = line[10:].strip(b" \t")
     return found
 
@@ -338,11 +338,11 @@ def _authenticate(head: RequestHead, api_key: bytes) -> None:
     if token is None:
         token = _bearer(head.authorization)
     if not token:
-        raise Refused(AuthenticationError(
+        raise GateRefusal(AuthenticationError(
             "You didn't provide an API key. Send it in an Authorization header using "
             "Bearer auth (Authorization: Bearer YOUR_KEY) or in an x-api-key header.",
             headers={"WWW-Authenticate": "Bearer"}), cors=True)
     if not hmac.compare_digest(token, api_key):
-        raise Refused(AuthenticationError(
+        raise GateRefusal(AuthenticationError(
             "Incorrect API key provided.", headers={"WWW-Authenticate": "Bearer"}),
             cors=True)

@@ -5,7 +5,7 @@ RFC 9110/9112's grammar (each anchored with ``fullmatch`` by its user), the diag
 that turn a failed match into a precise message, status lines, and the rendering of a
 JSON response, which every answer written without Sanic goes through: a refusal
 (:class:`Rejection`) or a direct answer. :mod:`afmd.http.sansio.framing` and
-:mod:`afmd.http.sansio.screen` raise :class:`Refused`; the gate turns it into a
+:mod:`afmd.http.sansio.screen` raise :class:`GateRefusal`; the gate turns it into a
 :class:`Rejection`.
 """
 
@@ -23,7 +23,7 @@ from afmd.errors import APIError, InvalidRequestError
 
 __all__ = [
     "CONTINUE",
-    "Refused",
+    "GateRefusal",
     "Rejection",
     "bad",
     "field_problem",
@@ -105,7 +105,7 @@ def field_problem(line: bytes) -> str:
     return "A header name is not a valid token."
 
 
-class Refused(Exception):
+class GateRefusal(Exception):
     """A request the gate must refuse (control flow inside the gate: never escapes it).
 
     ``cors``: the refusal concerns a request whose head was screened, so an allowed
@@ -124,17 +124,17 @@ def split_absolute(target: bytes) -> tuple[bytes, bytes]:
     if m is None:
         scheme = SCHEME.match(target)
         if scheme and scheme.group().lower() != b"http:":
-            raise Refused(bad(
+            raise GateRefusal(bad(
                 f"The request target's scheme '{show(scheme.group()[:-1], 20)}' is not "
                 "served here; send a path starting with '/' (or an http:// URL)."))
-        raise Refused(bad(
+        raise GateRefusal(bad(
             "The request target must be a path starting with '/' (or an absolute "
             "http:// URL), in visible ASCII, without a fragment."))
     authority = m.group(1)
     if b"@" in authority:
-        raise Refused(bad("The request target's URL must not contain userinfo."))
+        raise GateRefusal(bad("The request target's URL must not contain userinfo."))
     if (problem := host_problem(authority)) or not authority.partition(b":")[0]:
-        raise Refused(bad(f"The request target's authority {problem or 'has no host'}."))
+        raise GateRefusal(bad(f"The request target's authority {problem or 'has no host'}."))
     rest = m.group(2) or b""
     return authority, rest if rest.startswith(b"/") else b"/" + rest
 

@@ -20,14 +20,14 @@ from afmd.output.markers import partial_suffix
 
 
 @dataclass(frozen=True, slots=True)
-class Syntax:
+class GemmaSyntax:
     start: str
     end: str
     quote: str
 
 
-GEMMA4 = Syntax("<|tool_call>", "<tool_call|>", '<|"|>')
-FUNCTION_GEMMA = Syntax("<start_function_call>", "<end_function_call>", "<escape>")
+GEMMA4 = GemmaSyntax("<|tool_call>", "<tool_call|>", '<|"|>')
+FUNCTION_GEMMA = GemmaSyntax("<start_function_call>", "<end_function_call>", "<escape>")
 
 _OUT, _PREFIX, _NAME, _ARGS, _KEY, _VALUE, _STRING, _AFTER, _JUNK = range(9)
 _KEY_IN_OBJECT = re.compile(r"(?<=[{,])\s*(\w+)\s*:")
@@ -81,7 +81,7 @@ class _HeldValue:
 
 
 class GemmaReader(MarkupReader):
-    def __init__(self, ctx: CallContext, syntax: Syntax) -> None:
+    def __init__(self, ctx: CallContext, syntax: GemmaSyntax) -> None:
         super().__init__(ctx)
         self.s = syntax
         self.state = _OUT
@@ -254,5 +254,5 @@ def _convert(text: str, quote: str) -> object:
         return parse_value(text)
 
 
-def reader(syntax: Syntax) -> Callable[[CallContext], GemmaReader]:
+def reader(syntax: GemmaSyntax) -> Callable[[CallContext], GemmaReader]:
     return lambda ctx: GemmaReader(ctx, syntax)

@@ -30,7 +30,7 @@ class Family:
     call_id: Callable[[str, int], str] | None = None  # ids the family's template expects
 
 
-def _tagged(name: str, syntax: tagged.Syntax) -> Family:
+def _tagged(name: str, syntax: tagged.TagSyntax) -> Family:
     return Family(name, syntax.section[0], syntax.section[1], tagged.reader(syntax))
 
 

@@ -3,7 +3,7 @@ MiniMax M2, Muse Spark, MiniCPM5 and Kimi K3.
 
 They differ in their tags, not in their shape: a section opens, each call has a header
 naming the function, then parameters each with a key header and a raw value, then the
-call and the section close. One state machine reads them all from a :class:`Syntax`; the
+call and the section close. One state machine reads them all from a :class:`TagSyntax`; the
 call's ``arguments`` are built as JSON while the model writes the parameters (the key as
 soon as it is complete, a string value character by character), so the fragments
 concatenate to the final ``arguments``. The reader follows the sections and the calls'
@@ -52,7 +52,7 @@ def _attributes(name: str) -> Callable[[str], tuple[str, str | None]]:
 
 
 @dataclass(frozen=True, slots=True)
-class Syntax:
+class TagSyntax:
     """One family's tags (see the module docstring)."""
 
     section: tuple[str, str]
@@ -70,41 +70,41 @@ class Syntax:
     drop: tuple[str, ...] = ()  # structural markup outside calls that is not content
 
 
-QWEN3_CODER = Syntax(
+QWEN3_CODER = TagSyntax(
     section=("<tool_call>", "</tool_call>"), call_open="<function=", head_ends=(">",),
     head_kept=(), call_close="</function>", key=("<parameter=", ">"),
     value=("", "</parameter>"), trim=Trim.NEWLINE,
 )
-GLM47 = Syntax(
+GLM47 = TagSyntax(
     section=("<tool_call>", "</tool_call>"), call_open=None,
     head_ends=("\n", "<arg_key>", "</tool_call>"), head_kept=("<arg_key>", "</tool_call>"),
     call_close=None, key=("<arg_key>", "</arg_key>"), value=("<arg_value>", "</arg_value>"),
     trim=Trim.SPACE,
 )
-LONGCAT = Syntax(
+LONGCAT = TagSyntax(
     section=("<longcat_tool_call>", "</longcat_tool_call>"), call_open=None,
     head_ends=("\n", "<longcat_arg_key>", "</longcat_tool_call>"),
     head_kept=("<longcat_arg_key>", "</longcat_tool_call>"), call_close=None,
     key=("<longcat_arg_key>", "</longcat_arg_key>"),
     value=("<longcat_arg_value>", "</longcat_arg_value>"), trim=Trim.SPACE,
 )
-MINIMAX_M2 = Syntax(
+MINIMAX_M2 = TagSyntax(
     section=("<minimax:tool_call>", "</minimax:tool_call>"), call_open="<invoke name=",
     head_ends=(">",), head_kept=(), call_close="</invoke>", key=("<parameter name=", ">"),
     value=("", "</parameter>"), trim=Trim.SPACE, name=_quoted, key_name=_quoted,
 )
-MUSE_SPARK = Syntax(
+MUSE_SPARK = TagSyntax(
     section=("<atem:function_calls>", "</atem:function_calls>"), call_open="<atem:invoke",
     head_ends=(">",), head_kept=(), call_close="</atem:invoke>",
     key=("<atem:parameter", ">"), value=("", "</atem:parameter>"), trim=Trim.SPACE,
     name=_quoted, key_name=_quoted,
 )
-MINICPM5 = Syntax(
+MINICPM5 = TagSyntax(
     section=("<function name=", "</function>"), call_open=None, head_ends=(">",),
     head_kept=(), call_close=None, key=("<param name=", ">"), value=("", "</param>"),
     trim=Trim.CDATA, name=_quoted, key_name=_quoted,
 )
-KIMI_K3 = Syntax(
+KIMI_K3 = TagSyntax(
     section=("<|open|>tools<|sep|>", "<|close|>tools<|sep|>"), call_open="<|open|>call",
     head_ends=("<|sep|>",), head_kept=(), call_close="<|close|>call<|sep|>",
     key=("<|open|>argument", "<|sep|>"), value=("", "<|close|>argument<|sep|>"),
@@ -119,7 +119,7 @@ _OUT, _SECTION, _HEAD, _PARAMS, _KEY, _VALUE_OPEN, _VALUE, _BLOCK_HEAD, _BLOCK, 
 
 
 class TaggedReader(MarkupReader):
-    def __init__(self, ctx: CallContext, syntax: Syntax) -> None:
+    def __init__(self, ctx: CallContext, syntax: TagSyntax) -> None:
         super().__init__(ctx)
         self.s = syntax
         self.state = _OUT
@@ -349,5 +349,5 @@ class _Parameters:
         self.r.write(self.args.close())
 
 
-def reader(syntax: Syntax) -> Callable[[CallContext], TaggedReader]:
+def reader(syntax: TagSyntax) -> Callable[[CallContext], TaggedReader]:
     return lambda ctx: TaggedReader(ctx, syntax)
