@@ -8,7 +8,7 @@ their call): a call and its results are dropped together as one unit.
 
 from __future__ import annotations
 
-from afmd.dialects.openai.chat_body import Message
+from afmd.core.request import Message
 
 
 def droppable_units(messages: tuple[Message, ...]) -> list[list[int]]:
