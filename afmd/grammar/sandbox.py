@@ -43,9 +43,6 @@ WORKER_ENV = "AFMD_GRAMMAR_WORKER_FD"
 
 #: Longest a single compile may run in the worker before the request is refused.
 COMPILE_TIMEOUT_S = 10.0
-#: Address space the worker may use: room for a large vocabulary's tokenizer and any
-#: sane grammar, far below what would starve the server.
-WORKER_MEMORY = 4 * 1024**3
 #: Longest the worker may take to build a model's tokenizer (a 151k vocabulary's is the
 #: slow case) or to start.
 SETUP_TIMEOUT_S = 120.0
@@ -87,12 +84,6 @@ def _serve(conn: Connection) -> None:
     """The worker's loop: tokenizers by key, then grammars to validate."""
     from llguidance import LLMatcher, LLTokenizer
 
-    # A compile that grows without bound ends here (an allocation failure aborts the
-    # worker) rather than taking the machine's memory from the server.
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY, WORKER_MEMORY))
     tokenizers: dict[int, Any] = {}
     while True:
         try:

@@ -144,9 +144,6 @@ def test_light_commands(frozen: FrozenBuild, tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- serving
 
 
-@pytest.mark.slow
-@needs_build
-@pytest.mark.timeout(BUILD_TIMEOUT_S + 180)
 def _grammar_checks(url: str) -> None:
     """A grammar through the compile worker, which the frozen binary runs as itself (it
     has no ``-c``): a schema answered, and the schema llguidance dies on refused with the
@@ -156,7 +153,7 @@ def _grammar_checks(url: str) -> None:
                                                      "maximum": 9}},
               "required": ["a"], "additionalProperties": False}
     shaped = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-        "messages": hi, "max_tokens": 20, "response_format": {
+        "messages": hi, "max_tokens": 20, "temperature": 0, "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
     assert shaped.status_code == 200, shaped.text
     assert set(json.loads(shaped.json()["choices"][0]["message"]["content"])) == {"a"}
@@ -167,6 +164,9 @@ def _grammar_checks(url: str) -> None:
     assert httpx.get(url + "/health", timeout=30).status_code == 200
 
 
+@pytest.mark.slow
+@needs_build
+@pytest.mark.timeout(BUILD_TIMEOUT_S + 180)
 def test_frozen_server_end_to_end(frozen: FrozenBuild, tmp_path: Path) -> None:
     """Cold start on a fresh cache, the shared smoke checks, doctor, SIGTERM → exit 0,
     and nothing written to the working directory."""
