@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from afmd.engine.demo.tokenizer import shipped
+
 from conftest import ServerProcess, parse_sse, start_server
 
 pytestmark = pytest.mark.slow  # servers stopped mid-stream
@@ -32,7 +34,9 @@ SLOTS = 4
 
 #: The demo tokenizer's end-of-text, end-of-turn, tool-call and think tokens: never chosen,
 #: so a stream (whose prompt carries a random tag) cannot end before the shutdown cuts it.
-NEVER = {str(token): -100 for token in (2041, 2043, 2044, 2046)}
+NEVER = {str(t["id"]): -100
+         for t in json.loads(shipped("demo_tokenizer.json"))["added_tokens"]
+         if t["content"] in ("<|endoftext|>", "<|im_end|>", "<tool_call>", "<think>")}
 
 
 def _body(text: str, *, stream: bool) -> dict[str, Any]:
