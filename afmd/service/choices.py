@@ -1,8 +1,8 @@
 """A chat turn asked for several choices (``n``): one run per choice, in one slot, read
 together.
 
-Each choice is a :class:`~afmd.service.run.ChatRun` of its own (its rounds, its output reading, its
-tool loop, its retries) sampling with the request's seed plus its index, so a seeded
+Each choice is a :class:`~afmd.service.chat_run.ChatRun` of its own (its rounds, its output
+reading, its tool loop, its retries) sampling with the request's seed plus its index, so a seeded
 request gives the same choices every time and choice ``i`` is what a single request with
 ``seed + i`` gives. All of them start in the same event-loop turn, so the engine admits
 them into one batch, and the request holds one queue slot however many choices it has, as
@@ -19,8 +19,8 @@ from collections.abc import AsyncGenerator
 
 from afmd.core.events import Choice, Event, Profile, Timings, Usage
 from afmd.engine.generation import Generation
+from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.completion_run import Generations
-from afmd.service.run import ChatRun, PreparedChat
 from afmd.service.run_control import RunPolicy
 from afmd.service.scheduler import Ticket
 from afmd.service.servertools import ServerTools

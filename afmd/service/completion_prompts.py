@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from afmd.config.load import ModelEntry
 from afmd.core.request import CompletionRequest
 from afmd.engine.batch.penalties import check_logit_bias
-from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.loaded_model import LoadedModel
 from afmd.errors import InvalidRequestError
 from afmd.service import fim
-from afmd.service.turn import TurnPlan
+from afmd.service.output_plan import OutputPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +50,7 @@ class PreparedCompletion:
     profile: str | None = None
     load_seconds: float = 0.0  # as PreparedChat's
     # What the response headers read of a chat turn's plan: nothing is ever downgraded.
-    plan: TurnPlan = field(default_factory=TurnPlan)
+    plan: OutputPlan = field(default_factory=OutputPlan)
     trimmed: int = 0
 
     @property

@@ -20,7 +20,7 @@ from afmd.config.load import ModelEntry
 from afmd.core.embedding_request import EmbeddingRequest, Embeddings
 from afmd.engine.generation import EmbeddingJob
 from afmd.engine.models.kinds import EMBEDDING
-from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease
 from afmd.errors import (

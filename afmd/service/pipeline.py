@@ -2,9 +2,9 @@
 
 The pipeline owns everything between "the body is valid" and "events come out": resolving
 the model, adding the operator's server tools, building the first round (rendered, fitted
-into the context window, planned; :mod:`afmd.service.rounds`), waiting for a slot, and starting
-the run (:mod:`afmd.service.run`), which yields the turn's events until it finishes. A dialect
-adapter at the edge turns those events into its wire format.
+into the context window, planned; :mod:`afmd.service.round_builder`), waiting for a slot, and
+starting the run (:mod:`afmd.service.chat_run`), which yields the turn's events until it
+finishes. A dialect adapter at the edge turns those events into its wire format.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from afmd import __version__
 from afmd.config.load import Config, ModelEntry
 from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.engine.batch.penalties import check_logit_bias
-from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease
 from afmd.errors import ConflictError, InvalidRequestError
+from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.choices import ChoicesRun
 from afmd.service.completion_prompts import PreparedCompletion, prepare_completion
 from afmd.service.completion_run import CompletionRun
-from afmd.service.rounds import RoundBuilder
-from afmd.service.run import ChatRun, PreparedChat
+from afmd.service.round_builder import RoundBuilder
 from afmd.service.run_control import RunPolicy
 from afmd.service.scheduler import Cancelled, Scheduler
 from afmd.service.servertools import ServerTools

@@ -13,10 +13,10 @@ Layers, lowest first; a module may import its own layer and lower ones, never hi
          afmd.dialects.openai.completions_body, afmd.hub.*, afmd.output.*,
          afmd.service.images, afmd.service.profiling
     3    afmd.engine.*, afmd.grammar.*, afmd.service.*
-    3.5  afmd.service.toolloop, afmd.service.turn
-    3.6  afmd.service.completion_prompts, afmd.service.rounds
-    3.7  afmd.service.choices, afmd.service.completion_run, afmd.service.run,
-         afmd.service.run_control, afmd.service.run_reader
+    3.5  afmd.service.output_plan, afmd.service.toolloop
+    3.6  afmd.service.completion_prompts, afmd.service.round_builder
+    3.7  afmd.service.chat_run, afmd.service.choices, afmd.service.completion_run,
+         afmd.service.round_reader, afmd.service.run_control
     4    afmd.hub.server_pulls, afmd.service.embedding_pipeline, afmd.service.pipeline
     4.5  afmd.dialects.*
     4.91 afmd.http.sansio.*
@@ -24,17 +24,17 @@ Layers, lowest first; a module may import its own layer and lower ones, never hi
     4.93 afmd.http.sansio.screen
     4.94 afmd.http.sansio.gate
     5    afmd.http.*
-    5.5  afmd.distributed.follow, afmd.distributed.lead, afmd.distributed.loss
+    5.5  afmd.distributed.lead, afmd.distributed.loss
     6    afmd.server
     6.5  afmd.distributed.rank
     7    afmd.__main__, afmd.cli.*, afmd.distributed.launch
 
 Besides: Sanic only in afmd.http.* and afmd.server; MLX / mlx-lm only in afmd.engine.* and
 afmd.grammar.*, Apple's apple_fm_sdk only in afmd.engine.apple.*, at module level or inside
-functions alike. A module missing from
-the table fails the test, so a new module has to be given its place. The modules between
-the edges (turn, tool loop, rounds, run, pipeline) import no wire format: not
-afmd.dialects.fields.*, afmd.dialects.* or afmd.http.*.
+functions alike. A module missing from the table fails the test, so a new module has to be
+given its place. The modules between the edges (output plan, tool loop, round builder and
+reader, chat run, pipeline) import no wire format: not afmd.dialects.fields.*,
+afmd.dialects.* or afmd.http.*.
 """
 
 from __future__ import annotations
@@ -71,11 +71,10 @@ LAYERS: tuple[tuple[str, float], ...] = (
     # an OpenAI (legacy) Completions body checked into a :class:`CompletionRequest`
     ("afmd.dialects.openai.completions_body", 2),
     ("afmd.dialects.*", 4.5),  # adapters at the edge: above the pipeline, below HTTP
-    ("afmd.distributed.follow", 5.5),  # a rank other than 0, as a process
     ("afmd.distributed.launch", 7),  # `afmd launch`: the ranks' process contract
     ("afmd.distributed.lead", 5.5),  # rank 0's side of the group
     ("afmd.distributed.loss", 5.5),  # what rank 0 does when a rank is lost
-    ("afmd.distributed.rank", 6.5),  # `afmd serve` as one rank: lead or follow
+    ("afmd.distributed.rank", 6.5),  # `afmd serve` as one rank: lead, or follow as a process
     ("afmd.distributed.*", 1),  # a launched group of ranks (package docstring only)
     ("afmd.engine.*", 3),  # the engine: models in memory, and the threads that generate with them
     ("afmd.errors", 0),  # one exception hierarchy for everything a client can be told
@@ -97,6 +96,7 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.paths", 0),  # where afmd keeps files on disk
     # running afmd: Sanic inside our own event loop, on sockets we bind, with a clean shutdown
     ("afmd.server", 6),
+    ("afmd.service.chat_run", 3.7),  # a chat turn's round loop: engine events in, output events out
     ("afmd.service.choices", 3.7),  # a chat turn's n choices, one run each, in one slot
     # a Completions request's prompts as token ids (and FIM)
     ("afmd.service.completion_prompts", 3.6),
@@ -104,18 +104,17 @@ LAYERS: tuple[tuple[str, float], ...] = (
     # the embeddings service: model, queue slot, batched encoding
     ("afmd.service.embedding_pipeline", 4),
     ("afmd.service.images", 2),  # a request's image parts decoded (Pillow), for vision models
+    # a round's output plan (grammar, bans, how output is read): above engine/grammar
+    ("afmd.service.output_plan", 3.5),
     # from a validated request to a running turn, independent of HTTP and of wire formats
     ("afmd.service.pipeline", 4),
     ("afmd.service.profiling", 2),  # pure measurement helpers (stdlib only)
-    ("afmd.service.rounds", 3.6),  # a round's prompt, budget and plan
-    ("afmd.service.run", 3.7),  # one request's round loop: engine events in, output events out
+    ("afmd.service.round_builder", 3.6),  # a round's prompt, budget and plan
+    # one round's engine output read back into the client's events
+    ("afmd.service.round_reader", 3.7),
     # a run's cancel, deadline and retries (chat and completions)
     ("afmd.service.run_control", 3.7),
-    # one round's engine output read back into the client's events
-    ("afmd.service.run_reader", 3.7),
     ("afmd.service.toolloop", 3.5),  # server tools within one request: hidden, budgeted
-    ("afmd.service.turn", 3.5),  # the per-request output plan: above engine/grammar, below pipeline
-    # the request path between the HTTP edge and the engine: no wire format here
     ("afmd.service.*", 3),
 )
 
@@ -271,8 +270,8 @@ def test_import_direction() -> None:
 
 
 #: The modules between the edges, and the wire formats they must not know.
-WIRE_FREE = ("afmd.service.turn", "afmd.service.toolloop", "afmd.service.rounds",
-             "afmd.service.run", "afmd.service.run_reader",
+WIRE_FREE = ("afmd.service.output_plan", "afmd.service.toolloop",
+             "afmd.service.round_builder", "afmd.service.chat_run", "afmd.service.round_reader",
              "afmd.service.run_control", "afmd.service.pipeline",
              "afmd.service.embedding_pipeline", "afmd.service.completion_prompts",
              "afmd.service.completion_run")

@@ -27,7 +27,7 @@ from afmd.core.request import ChatRequest, Message
 from afmd.dialects.anthropic.messages_api import ANTHROPIC_MESSAGES
 from afmd.dialects.dialect import error_response
 from afmd.engine.demo.template import CHAT_TEMPLATE
-from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.errors import (
     APIError,
@@ -47,7 +47,7 @@ from afmd.http.sansio.gate import Gate, Reply
 from afmd.http.sansio.screen import GatePolicy, RouteVerdict
 from afmd.output.processor import OutputProcessor
 from afmd.service.chat_template import folded_system_turns, template_messages
-from afmd.service.turn import plan_turn
+from afmd.service.output_plan import plan_output
 
 from conftest import ServerProcess, start_server
 from helpers.anthropic_cases import (
@@ -680,9 +680,9 @@ def test_thinking_budget_closes_the_block_in_free_text(demo_model: LoadedModel) 
     block at the budget (and a request without a budget keeps the grammar-free path)."""
     request = ChatRequest(messages=(Message("user", "Hi"),), thinking_budget=3)
     prompt = demo_model.render_prompt([{"role": "user", "content": "Hi"}])
-    assert plan_turn(ChatRequest(messages=request.messages), demo_model, prompt,
+    assert plan_output(ChatRequest(messages=request.messages), demo_model, prompt,
                      64).grammar is None
-    grammar = plan_turn(request, demo_model, prompt, 64).grammar
+    grammar = plan_output(request, demo_model, prompt, 64).grammar
     assert grammar is not None
     tokenizer = llg_tokenizer(demo_model.tokenizer, demo_model.vocab_size, demo_model.eos_ids)
     start, end = (tokenizer.tokenize_str(m) for m in ("<think>", "</think>"))

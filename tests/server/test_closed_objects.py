@@ -23,7 +23,7 @@ import jsonschema
 import pytest
 
 from afmd.config.load import load_config
-from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.grammar.compiler import ToolSchema, json_schema_grammar, llg_tokenizer, tool_grammar
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from afmd.config.load import load_config
 from afmd.dialects.openai.chat_body import ChatRequest, Message, ToolCall, parse_chat_request
-from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease
 from afmd.errors import InvalidRequestError

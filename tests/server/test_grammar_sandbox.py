@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from llguidance import LLMatcher
 
 from afmd.config.load import load_config
-from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.errors import InvalidRequestError
 from afmd.grammar.compiler import Grammar, json_schema_grammar, llg_tokenizer

@@ -24,7 +24,7 @@ from afmd.config.load import ModelEntry, ServerTool, load_config
 from afmd.core.events import Finish
 from afmd.dialects.openai.chat_body import parse_chat_request
 from afmd.engine.models import model_registry as models_module
-from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease
 from afmd.errors import APIError, ServiceUnavailableError

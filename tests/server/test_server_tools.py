@@ -27,11 +27,10 @@ from afmd.config.load import ModelEntry, ServerTool, load_config
 from afmd.core.events import Content, Finish, ToolCallArguments, ToolCallEnd, ToolCallStart
 from afmd.core.request import ChatRequest, ToolCall
 from afmd.dialects.openai.chat_body import Message, parse_chat_request
-from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease
-from afmd.service import rounds as rounds_module
-from afmd.service import toolloop
+from afmd.service import round_builder, toolloop
 from afmd.service.chat_template import template_messages
 from afmd.service.pipeline import ChatPipeline, ChatRun
 from afmd.service.scheduler import Scheduler
@@ -560,9 +559,9 @@ def test_budgets_stop_a_model_that_always_calls(
 ) -> None:
     # Make tool_choice bind every round, not only the request's first: the model then
     # calls the tool in every round, and only the budget can end the loop.
-    plan_turn = rounds_module.plan_turn
-    monkeypatch.setattr(rounds_module, "plan_turn",
-                        lambda *a, **k: plan_turn(*a, **{**k, "first_step": True}))
+    plan_output = round_builder.plan_output
+    monkeypatch.setattr(round_builder, "plan_output",
+                        lambda *a, **k: plan_output(*a, **{**k, "first_step": True}))
     mark = tmp_path / "probe.jsonl"
     pipeline = in_process(demo_model, tmp_path, f"[tools]\n{budget}\n\n" + command_tool(
         PROBE, "echo_tool.py", env={"MARK_FILE": str(mark), "TOOL_NONCE": NONCE}))

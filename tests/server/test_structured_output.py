@@ -254,11 +254,11 @@ def test_schema_that_is_not_an_object_is_a_type_error(http) -> None:
 
 def _plan(response_format: dict[str, Any], *, downgraded: bool = False) -> Any:
     from afmd.dialects.openai.chat_body import parse_chat_request
-    from afmd.service.turn import TurnPlan
+    from afmd.service.output_plan import OutputPlan
 
     request = parse_chat_request({"messages": MESSAGES, "response_format": response_format})
     schema = request.response_format.schema if request.response_format else None
-    return TurnPlan(json_answer=True, schema=schema, downgraded=downgraded)
+    return OutputPlan(json_answer=True, schema=schema, downgraded=downgraded)
 
 
 def test_final_check_accepts_every_number_json_allows() -> None:

@@ -38,9 +38,9 @@ from afmd.core.request import Message, ToolCall
 from afmd.dialects.openai.chat import OPENAI_CHAT
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.service.chat_template import template_messages
+from afmd.service.output_plan import model_formats
 from afmd.service.pipeline import ChatPipeline
 from afmd.service.scheduler import Scheduler
-from afmd.service.turn import model_formats
 
 from helpers.format_models import FormatModels
 from helpers.formats import SPECS, Spec
@@ -296,7 +296,7 @@ def test_raw_strings_obey_their_schema(models: Models, spec: Spec) -> None:
 def test_what_a_format_cannot_express_is_downgraded(models: Models, spec: Spec) -> None:
     """A top-level anyOf is enforced inside a JSON object, not by a sequence of tagged
     parameters: those families generate it best-effort and say so."""
-    from afmd.service.turn import plan_turn
+    from afmd.service.output_plan import plan_output
 
     either = {"type": "object", "properties": {"a": {"type": "integer"},
                                                "b": {"type": "integer"}},
@@ -304,6 +304,6 @@ def test_what_a_format_cannot_express_is_downgraded(models: Models, spec: Spec) 
     request = OPENAI_CHAT.parse(orjson.dumps({
         "messages": [USER], "tool_choice": "required",
         "tools": [{"type": "function", "function": {"name": "f", "parameters": either}}]}))
-    plan = plan_turn(request, models.model(spec), [], 100)
+    plan = plan_output(request, models.model(spec), [], 100)
     assert plan.grammar is not None
     assert plan.downgraded == (spec in PER_PARAMETER or spec.id == "pythonic")

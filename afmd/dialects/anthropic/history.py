@@ -10,7 +10,7 @@ merges them. Every problem is a 400 naming its param (``messages[2].content[0].s
 A ``role: "system"`` message inside ``messages`` (Claude Code sends them, with the
 ``mid-conversation-system`` beta) is a string or text blocks, and stays where it stands: a
 system turn there when the model's chat template has one, otherwise folded into the
-nearest turn it accepts (:meth:`afmd.engine.models.loaded.LoadedModel.render_prompt`).
+nearest turn it accepts (:meth:`afmd.engine.models.loaded_model.LoadedModel.render_prompt`).
 
 ``thinking`` blocks sent back become that assistant turn's reasoning (templates that know
 ``reasoning_content`` render it, others drop it); their signatures are opaque to afmd, and

@@ -19,7 +19,7 @@ from typing import Any
 
 from afmd.config.load import ModelEntry
 from afmd.engine.models import kinds
-from afmd.engine.models.loaded import DEFAULT_CONTEXT_LENGTH, context_length_from
+from afmd.engine.models.loaded_model import DEFAULT_CONTEXT_LENGTH, context_length_from
 from afmd.service import fim
 
 #: Chat template families, by a marker only that family's template writes (first match).

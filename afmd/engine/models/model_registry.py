@@ -3,9 +3,9 @@
 A request for a model that is not loaded starts its load and waits for it within its
 deadline (then 503 ``busy``: it is still loading). The registry is the one face the rest of
 afmd sees, and owns which configured model a request names and which kind of model it is;
-loads and their outcomes are :mod:`afmd.engine.models.loads`'s, which models stay loaded within
-the memory budget :mod:`afmd.engine.models.residency`'s. The handle itself is
-:mod:`afmd.engine.models.loaded`'s, the load :mod:`afmd.engine.models.loading`'s.
+loads and their outcomes are :mod:`afmd.engine.models.loading`'s, which models stay loaded
+within the memory budget :mod:`afmd.engine.models.residency`'s, and the handle itself
+:mod:`afmd.engine.models.loaded_model`'s.
 
 A request for a model of the wrong kind is refused before a load that may take minutes, so
 a model not loaded yet has its kind read from its folder (once: reading it costs disk
@@ -23,9 +23,8 @@ from afmd.config.load import Config, ModelEntry
 from afmd.engine.apple import framework
 from afmd.engine.models import kinds
 from afmd.engine.models.kinds import CHAT, EMBEDDING
-from afmd.engine.models.loaded import LoadedModel
-from afmd.engine.models.loading import load_sync
-from afmd.engine.models.loads import LoadCounts, Loads
+from afmd.engine.models.loaded_model import LoadedModel
+from afmd.engine.models.loading import LoadCounts, Loads, load_sync
 from afmd.engine.models.residency import Lease, Residency, effective_budget, format_bytes
 from afmd.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 from afmd.hub import cache as hubcache

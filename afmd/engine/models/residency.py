@@ -58,7 +58,7 @@ from afmd.engine.models import kinds
 from afmd.errors import ConflictError, ServiceUnavailableError
 
 if TYPE_CHECKING:
-    from afmd.engine.models.loaded import LoadedModel
+    from afmd.engine.models.loaded_model import LoadedModel
     from afmd.service.scheduler import Ticket
 
 log = logging.getLogger("afmd.engine")

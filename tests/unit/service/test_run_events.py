@@ -31,16 +31,16 @@ from afmd.core.events import (
 )
 from afmd.dialects.openai.chat import OPENAI_CHAT
 from afmd.engine.generation import Finished, Text
-from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease
 from afmd.output.processor import ToolFormat
+from afmd.service.output_plan import OutputPlan
 from afmd.service.pipeline import ChatPipeline
-from afmd.service.run import RoundReader
+from afmd.service.round_reader import RoundReader
 from afmd.service.scheduler import Scheduler
 from afmd.service.servertools import ServerTools
 from afmd.service.toolloop import ClientView
-from afmd.service.turn import TurnPlan
 
 from helpers.openai_schemas import validate_response
 
@@ -79,8 +79,8 @@ def check_calls(events: list[Event]) -> list[ToolCallEnd]:
 # --------------------------------------------------------------------------- a round's reader
 
 
-def plan() -> TurnPlan:
-    return TurnPlan(tool_format=HERMES, thinking=("<think>", "</think>"),
+def plan() -> OutputPlan:
+    return OutputPlan(tool_format=HERMES, thinking=("<think>", "</think>"),
                     tools=[dict(t) for t in TOOLS])
 
 

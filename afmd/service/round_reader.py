@@ -16,8 +16,8 @@ from afmd.core.request import ToolCall
 from afmd.engine.batch.tokens import LogprobQueue, TokenTable
 from afmd.engine.generation import Event as EngineEvent
 from afmd.engine.generation import Finished, Refused, Text, ToolCalled
+from afmd.service.output_plan import OutputPlan
 from afmd.service.toolloop import ClientView
-from afmd.service.turn import TurnPlan
 
 
 class RoundReader:
@@ -27,7 +27,7 @@ class RoundReader:
                  "output")
 
     def __init__(
-        self, plan: TurnPlan, view: ClientView | None, stop: Callable[[], None],
+        self, plan: OutputPlan, view: ClientView | None, stop: Callable[[], None],
         table: TokenTable | None = None,
     ) -> None:
         self.output = plan.output_processor()

@@ -1,8 +1,9 @@
-"""How one assistant turn is generated and read back: the per-request output plan.
+"""A round's output plan: which grammar constrains decoding, which tokens are banned, and
+how the output is read and checked.
 
 From the request (tools, ``tool_choice``, ``response_format``, ``parallel_tool_calls``,
 ``reasoning_effort``) and what the model can do (its thinking markers and tool-call
-format, as mlx-lm detects them), decide once per request: which grammar constrains
+format, as mlx-lm detects them), decide for each round: which grammar constrains
 decoding, which tokens are banned, how output text is split into reasoning, content and
 tool calls, and how the final output is checked. The pipeline then just runs the plan.
 """
@@ -19,7 +20,7 @@ import orjson
 
 from afmd.core.ids import new_tool_call_id
 from afmd.core.request import ChatRequest
-from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.loaded_model import LoadedModel
 from afmd.errors import InvalidRequestError, ServerError
 from afmd.grammar.batch_masks import BanTokens, GrammarProcessor
 from afmd.grammar.calls import CallGrammar, for_family
@@ -97,7 +98,7 @@ def template_kwargs(request: ChatRequest, model: LoadedModel) -> dict[str, Any]:
 
 
 @dataclass(slots=True)
-class TurnPlan:
+class OutputPlan:
     """What one round decided: its grammar and bans, how its output is read and checked."""
 
     grammar: Grammar | None = None
@@ -264,7 +265,7 @@ def _answer_schema(response_format: Any) -> dict[str, Any] | None:
     return response_format.schema if response_format.schema is not None else {"type": "object"}
 
 
-def plan_turn(
+def plan_output(
     request: ChatRequest,
     model: LoadedModel,
     prompt: list[int],
@@ -272,7 +273,7 @@ def plan_turn(
     *,
     first_step: bool = True,
     template_tools: list[dict[str, Any]] | None = None,
-) -> TurnPlan:
+) -> OutputPlan:
     """The plan of one generation step.
 
     ``first_step``: the request's first generation, which obeys ``required`` and a named
@@ -282,7 +283,7 @@ def plan_turn(
     ``template_tools``: the request's tools as the model's call parser takes them.
     """
     formats = model_formats(model)
-    plan = TurnPlan(stops=request.stop, thinking=formats.thinking,
+    plan = OutputPlan(stops=request.stop, thinking=formats.thinking,
                     tools=template_tools if template_tools is not None else [])
     plan.starts_in_reasoning = model.prompt_opens_thinking(prompt)
     choice = request.tool_choice

@@ -17,11 +17,11 @@ from typing import Any
 
 from afmd.core.request import ChatRequest
 from afmd.engine.apple.conversation import SystemTurn, system_turn
-from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.loaded_model import LoadedModel
 from afmd.errors import ContextLengthError, InvalidRequestError
 from afmd.service.chat_template import template_messages, template_tools
 from afmd.service.context_trim import droppable_units, without_units
-from afmd.service.turn import TurnPlan, check_schemas, plan_turn, template_kwargs
+from afmd.service.output_plan import OutputPlan, check_schemas, plan_output, template_kwargs
 
 
 @dataclass(slots=True)
@@ -31,7 +31,7 @@ class Round:
     request: ChatRequest
     prompt: list[int]
     max_tokens: int
-    plan: TurnPlan
+    plan: OutputPlan
     trimmed: int = 0  # messages dropped to fit the context window
     # A vision model's image inputs for this prompt (None: no image).
     vision: dict[str, Any] | None = None
@@ -108,7 +108,7 @@ class RoundBuilder:
         turn = self._conversation(request, first_step)
         response_format = request.response_format
         answers_json = response_format is not None and turn.forced is None
-        plan = TurnPlan(
+        plan = OutputPlan(
             downgraded=turn.downgraded,
             stops=request.stop,
             tools=self._tools,
@@ -166,7 +166,7 @@ class RoundBuilder:
                 raise _context_error(limit, len(prompt), None)
             if budget is not None:
                 max_tokens = min(budget, max_tokens)
-        plan = plan_turn(request, self.model, prompt, max_tokens, first_step=first_step,
+        plan = plan_output(request, self.model, prompt, max_tokens, first_step=first_step,
                          template_tools=self._tools)
         plan.prepare_processors()  # the grammar matcher is built here, off the event loop
         return Round(request, prompt, max_tokens, plan, trimmed, vision)

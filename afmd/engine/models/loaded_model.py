@@ -2,8 +2,7 @@
 
 Kept apart from loading (:mod:`afmd.engine.models.loading`) and the registry
 (:mod:`afmd.engine.models.model_registry`) so the modules above the engine can name the handle
-without
-pulling in either; the workers it drives stay type-only imports, since importing them
+without pulling in either; the workers it drives stay type-only imports, since importing them
 imports mlx-lm.
 """
 

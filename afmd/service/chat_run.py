@@ -20,16 +20,16 @@ from afmd.core.events import Event, Finish, Profile, Timings, Usage
 from afmd.core.request import ToolCall
 from afmd.engine.batch.tokens import token_table
 from afmd.engine.generation import Finished, Generation, GenerationRequest, SamplingParams
-from afmd.engine.models.loaded import LoadedModel
+from afmd.engine.models.loaded_model import LoadedModel
 from afmd.errors import APIError
 from afmd.service import profiling
-from afmd.service.rounds import Round, RoundBuilder
+from afmd.service.output_plan import OutputPlan
+from afmd.service.round_builder import Round, RoundBuilder
+from afmd.service.round_reader import RoundReader
 from afmd.service.run_control import RunControl, RunPolicy, timeout_error
-from afmd.service.run_reader import RoundReader
 from afmd.service.scheduler import Ticket
 from afmd.service.servertools import ServerTools
 from afmd.service.toolloop import ToolLoop
-from afmd.service.turn import TurnPlan
 
 __all__ = ["ChatRun", "PreparedChat", "RoundReader", "RunPolicy"]
 
@@ -54,7 +54,7 @@ class PreparedChat:
         return self.rounds.model
 
     @property
-    def plan(self) -> TurnPlan:
+    def plan(self) -> OutputPlan:
         return self.round.plan
 
     @property
