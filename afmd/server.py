@@ -21,7 +21,8 @@ from afmd.config.load import BUILTIN_SYSTEM_PATH, Config
 from afmd.distributed.lead import GroupLead
 from afmd.distributed.loss import GroupLoss
 from afmd.engine.models.model_registry import ModelRegistry
-from afmd.http.app import AppState, create_app
+from afmd.http.app import create_app
+from afmd.http.app_state import AppState
 from afmd.http.routes.embedding_routes import interrupt_embeddings
 from afmd.http.routes.handlers import interrupt_requests, server_stopping_error
 from afmd.http.transport.binding import bind_listeners

@@ -8,6 +8,7 @@ from typing import Any
 from sanic import Request
 
 from afmd.core.events import Usage
+from afmd.http.app_state import AppState
 from afmd.http.routes.metrics import first_token_seconds
 from afmd.logs import get_logger
 
@@ -42,7 +43,7 @@ def log_access(request: Request, status: int, nbytes: int) -> None:
 
 
 def log_request(
-    state: Any,
+    state: AppState,
     method: str,
     path: str,
     status: int,
@@ -68,7 +69,7 @@ def log_request(
     ``disconnected`` marks a client that went away before its answer was complete;
     ``ttft_ms`` is a generating request's time to its first token.
 
-    The dashboard's ring of recent requests (:mod:`afmd.http.activity`) gets every line,
+    The dashboard's ring of recent requests (:mod:`afmd.http.dashboard_state`) gets every line,
     whether or not the log is on.
     """
     duration_ms = round((time.perf_counter() - started) * 1000, 2) if started else None

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any
 
 from sanic import Request, Sanic
 from sanic.exceptions import (
@@ -25,47 +22,24 @@ from sanic.exceptions import (
 from sanic.handlers import ErrorHandler
 from sanic.response import HTTPResponse
 
-from afmd.config.load import Config
 from afmd.dialects.dialect import error_response
 from afmd.dialects.openai.chat import OPENAI_CHAT
 from afmd.dialects.openai.completions import OPENAI_COMPLETIONS
 from afmd.dialects.openai.embeddings import OPENAI_EMBEDDINGS
-from afmd.engine.models.model_registry import ModelRegistry
 from afmd.errors import APIError, InvalidRequestError, PayloadTooLargeError, ServerError
 from afmd.http.access import CLIENT_CLOSED, log_access
-from afmd.http.activity import Activity
+from afmd.http.app_state import AppState
 from afmd.http.routes import anthropic_routes as messages
 from afmd.http.routes import cache_routes, dashboard
 from afmd.http.routes import embedding_routes as embeddings
 from afmd.http.routes import handlers as routes
 from afmd.http.routes import ollama_routes as ollama
 from afmd.http.routes import responses_routes as responses
-from afmd.http.routes.metrics import Metrics, metrics
+from afmd.http.routes.metrics import metrics
 from afmd.http.sansio.screen import Cors, method_not_allowed, unknown_url
 from afmd.logs import get_logger
-from afmd.service.pipeline import ChatPipeline
 
 _app_counter = itertools.count()
-
-
-@dataclass
-class AppState:
-    config: Config
-    registry: ModelRegistry
-    pipeline: ChatPipeline
-    started_at: int = field(default_factory=lambda: int(time.time()))
-    #: Request ids of the chat requests being handled (a count: ids may be sent twice).
-    running: Counter[str] = field(default_factory=Counter)
-    #: Set once the shutdown ends the requests still running: what they are told.
-    stop_error: APIError | None = None
-    #: What ``GET /metrics`` reports: this server's own, never a process-wide registry.
-    metrics: Metrics = field(default_factory=Metrics)
-    #: Rank 0's side of a launched group (afmd.distributed.lead.GroupLead), else None.
-    group: Any = None
-    #: The last requests and the per-second series the dashboard shows.
-    activity: Activity = field(default_factory=Activity)
-    #: The dashboard's own state (afmd.http.routes.dashboard.Dashboard): None while it is off.
-    dashboard: Any = None
 
 
 class _EnvelopeErrorHandler(ErrorHandler):

@@ -21,7 +21,7 @@ import pytest
 
 from afmd import __version__
 from afmd.core.events import Usage
-from afmd.http.activity import Activity
+from afmd.http.dashboard_state import Activity
 from afmd.http.routes.dashboard import prefers_html
 
 from conftest import ROOT, ServerProcess, start_server
@@ -429,18 +429,18 @@ def test_the_series_counts_tokens_live_and_the_rest_at_the_end() -> None:
                             pipeline=SimpleNamespace(find=runs.get, scheduler=_Scheduler()))
     activity = Activity()
     run.generation.tokens = 5
-    first = activity.sample(state, now=100.0)
+    first = activity.sample(state.pipeline, state.running, now=100.0)
     assert (first.tokens_per_s, first.active, first.queued) == (5, 1, 2)
     run.generation.tokens = 12
-    assert activity.sample(state, now=101.0).tokens_per_s == 7
+    assert activity.sample(state.pipeline, state.running, now=101.0).tokens_per_s == 7
     run.generation = _Generation(3)  # a second round (server tools)
-    assert activity.sample(state, now=102.0).tokens_per_s == 3
+    assert activity.sample(state.pipeline, state.running, now=102.0).tokens_per_s == 3
     # It ends with 20 tokens in all: the 5 not seen yet go into the next second.
     state.running.clear()
     activity.record("POST", "/v1/chat/completions", 200, duration_ms=3000.0,
                     request_id="r1", model="demo", usage=Usage(4, 20), ttft_ms=50.0,
                     finish_reason="stop", error_code=None)
-    last = activity.sample(state, now=103.0)
+    last = activity.sample(state.pipeline, state.running, now=103.0)
     assert (last.tokens_per_s, last.ttft_ms) == (5, 50.0)
     assert sum(p.tokens_per_s for p in activity.series) == 20
     # A request never seen running (shorter than a second) counts whole.
@@ -450,7 +450,7 @@ def test_the_series_counts_tokens_live_and_the_rest_at_the_end() -> None:
     activity.record("GET", "/ui/api/models", 200, duration_ms=1.0, request_id=None,
                     model=None, usage=None, ttft_ms=None, finish_reason=None,
                     error_code=None)
-    assert activity.sample(state, now=104.0).tokens_per_s == 7
+    assert activity.sample(state.pipeline, state.running, now=104.0).tokens_per_s == 7
     snapshot = activity.snapshot()
     assert [e["path"] for e in snapshot["requests"]] == ["/v1/chat/completions",
                                                          "/v1/completions"]

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from afmd.config.load import ModelEntry
 from afmd.engine.generation import Generation, GenerationRequest
@@ -35,6 +35,13 @@ if TYPE_CHECKING:
     from afmd.engine.vision.vision_thread import VisionWorker
 
 DEFAULT_CONTEXT_LENGTH = 4096
+
+
+class Cancellable(Protocol):
+    """A generation, or a Completions run's generations as one: what a model's worker can
+    be told to drop."""
+
+    def cancel(self) -> None: ...
 
 
 def _rfind(haystack: list[int], needle: list[int]) -> int:
@@ -224,7 +231,8 @@ class LoadedModel:
         self.worker.submit(generation)
         return generation
 
-    def cancel(self, generation: Generation) -> None:
+    def cancel(self, generation: Cancellable) -> None:
+        """Stop ``generation`` (or a run's several, as one) and wake the worker to drop it."""
         generation.cancel()
         if self.worker is not None:
             self.worker.wake()

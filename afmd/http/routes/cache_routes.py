@@ -22,6 +22,7 @@ from afmd.dialects.fields.body import parse_json_body
 from afmd.dialects.fields.checks import reject_unknown
 from afmd.engine.kvcache import folder as kv_folder
 from afmd.errors import InvalidRequestError
+from afmd.http.app_state import AppState
 
 PATH = kv_folder.CLEAR_PATH
 _FIELDS = frozenset({"model"})
@@ -45,7 +46,7 @@ def _model_field(request: Request) -> str | None:
     return model
 
 
-def clear_sync(state: Any, model: str | None) -> dict[str, Any]:
+def clear_sync(state: AppState, model: str | None) -> dict[str, Any]:
     """Clear the tiers (blocking file deletes: run off the event loop)."""
     registry = state.registry
     root = kv_folder.resolve(state.config.cache.disk_dir)

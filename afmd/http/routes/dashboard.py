@@ -13,7 +13,7 @@ uses the API itself (a streamed chat completion, the cancel endpoint for its req
   memory and requests, the memory budget, and the pulls;
 * ``GET /ui/api/activity?since=SEQ&after=T``: running and queued requests, per model
   too, the access log's last lines after ``SEQ`` and the per-second series after Unix
-  second ``T`` (:mod:`afmd.http.activity`);
+  second ``T`` (:mod:`afmd.http.dashboard_state`);
 * ``POST /ui/api/load``, ``/ui/api/unload`` and ``/ui/api/pull`` with ``{"model": ...}``:
   the actions. They change what the server holds, so beyond the gate's screening they are
   refused from any other origin, even one ``server.allowed_origins`` lets read the API.
@@ -28,8 +28,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any
 
 import orjson
@@ -40,19 +38,13 @@ from afmd import __version__
 from afmd.dialects.fields.body import parse_json_body
 from afmd.dialects.fields.checks import reject_unknown, required
 from afmd.errors import ConflictError, InvalidRequestError, PermissionDeniedError
+from afmd.http.app_state import AppState
+from afmd.http.dashboard_state import ASSET_TYPES, Dashboard
 from afmd.http.routes.model_detail import model_details
 from afmd.http.sansio.screen import normalize_origin, unknown_url
-from afmd.hub import cache as hubcache
-from afmd.hub.server_pulls import DONE, Pulls
+from afmd.hub.server_pulls import Pulls
 
 PAGE_PATH = "/ui/"
-#: The page's files, in ``afmd/data/ui/``, with their media types.
-ASSET_TYPES = {
-    ".html": "text/html; charset=utf-8",
-    ".js": "text/javascript; charset=utf-8",
-    ".css": "text/css; charset=utf-8",
-    ".svg": "image/svg+xml",
-}
 #: The browser enforces what the page may load and call: its own origin, nothing else
 #: (no CDN, no third party; no frame may hold it, so its buttons cannot be clickjacked).
 PAGE_HEADERS = {
@@ -64,43 +56,12 @@ PAGE_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",
 }
-#: Seconds the list of downloaded models (a walk of the hub cache) is reused.
-DOWNLOADS_TTL_S = 5.0
 BUILT_IN, CONFIGURED, DOWNLOADED = "built-in", "configured", "downloaded"
 _HTML_TYPES = ("text/html", "application/xhtml+xml")
 _ACTION_FIELDS = frozenset({"model"})
 
 
-def _read_assets() -> dict[str, bytes]:
-    """The page's files by name; importlib.resources finds them inside a frozen app too."""
-    folder = resources.files("afmd").joinpath("data", "ui")
-    return {item.name: item.read_bytes() for item in folder.iterdir()
-            if os.path.splitext(item.name)[1] in ASSET_TYPES}
-
-
-@dataclass
-class Dashboard:
-    """What the dashboard keeps for one server: its files, its pulls, the downloads seen."""
-
-    assets: dict[str, bytes] = field(default_factory=_read_assets)
-    pulls: Pulls = field(default_factory=Pulls)
-    _downloads: list[hubcache.CachedRepo] = field(default_factory=list)
-    _downloads_at: float = -DOWNLOADS_TTL_S
-    _pulls_done: int = 0
-
-    async def downloads(self) -> list[hubcache.CachedRepo]:
-        """The complete repos in the hub cache, walked at most every few seconds (and at
-        once when a pull has ended since)."""
-        done = sum(1 for p in self.pulls.describe() if p["state"] == DONE)
-        now = time.monotonic()
-        if now - self._downloads_at >= DOWNLOADS_TTL_S or done != self._pulls_done:
-            found = await asyncio.to_thread(
-                lambda: [c for c in hubcache.cached_repos() if c.complete])
-            self._downloads, self._downloads_at, self._pulls_done = found, now, done
-        return self._downloads
-
-
-def add_routes(app: Sanic, state: Any) -> None:
+def add_routes(app: Sanic, state: AppState) -> None:
     """Register the page and ``/ui/api/``, unless ``[ui] enabled`` is false."""
     if not state.config.ui.enabled:
         return
@@ -117,7 +78,7 @@ def add_routes(app: Sanic, state: Any) -> None:
     app.add_route(_pull, "/ui/api/pull", methods=["POST"], name="ui_pull")
 
     async def start_sampling(app: Sanic) -> None:
-        state.activity.start(state)
+        state.activity.start(state.pipeline, state.running)
 
     async def stop_sampling(app: Sanic) -> None:
         state.activity.stop()
@@ -358,5 +319,5 @@ async def _pull(request: Request) -> HTTPResponse:
     return _json(pull.describe(), status=202)
 
 
-__all__ = ["PAGE_HEADERS", "PAGE_PATH", "Dashboard", "add_routes", "browser_redirect",
+__all__ = ["PAGE_HEADERS", "PAGE_PATH", "add_routes", "browser_redirect",
            "prefers_html"]

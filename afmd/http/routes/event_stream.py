@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from sanic import Request
+from sanic.response import HTTPResponse
 
 from afmd.dialects.dialect import KeepsAlive, OwnMediaType, ReplyEncoder
 
@@ -33,7 +33,7 @@ class EventStream:
         self._headers = headers
         self._media_type = (reply.media_type if isinstance(reply, OwnMediaType)
                             else "text/event-stream")
-        self._response: Any = None
+        self._response: HTTPResponse | None = None
         self._lock = asyncio.Lock()  # one write at a time: a batch, or a keep-alive
         self._last = time.monotonic()
         self._closed = False
@@ -85,4 +85,5 @@ class EventStream:
             self._pinger.cancel()
 
     async def eof(self) -> None:
+        assert self._response is not None, "eof before the stream started"
         await self._response.eof()

@@ -23,6 +23,7 @@ from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.dialects.dialect import Dialect, ReplyEncoder
 from afmd.errors import APIError, InvalidRequestError, NotFoundError, ServiceUnavailableError
 from afmd.http.access import log_access
+from afmd.http.app_state import AppState
 from afmd.http.routes.event_stream import EventStream
 from afmd.http.routes.ignored import ignored_headers
 from afmd.http.routes.state_routes import STATE_ROUTES, StateRoute, get_model
@@ -99,7 +100,7 @@ def server_stopping_error() -> ServiceUnavailableError:
     )
 
 
-def interrupt_requests(state: Any, error: APIError) -> None:
+def interrupt_requests(state: AppState, error: APIError) -> None:
     """End every chat request still running with ``error`` (the server is stopping).
 
     Queued runs leave the queue and generations are cancelled; each handler then answers
@@ -121,7 +122,7 @@ def interrupt_requests(state: Any, error: APIError) -> None:
 
 
 async def _next_batch(
-    state: Any, run: ChatRun | ChoicesRun | CompletionRun, batches: AsyncIterator[list[Event]]
+    state: AppState, run: ChatRun | ChoicesRun | CompletionRun, batches: AsyncIterator[list[Event]]
 ) -> list[Event]:
     """The run's next batch of events; a run the shutdown cancelled fails with its error."""
     batch = await anext(batches)

@@ -24,14 +24,25 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from sanic import Request, Sanic
 from sanic.response import HTTPResponse
 
+from afmd.config.load import Config
+from afmd.core.events import Usage
 from afmd.dialects.dialect import ErrorStyle
+from afmd.engine.generation import Finished, Generation
+from afmd.engine.models.model_registry import ModelRegistry
 from afmd.http.transport.supervisor import RUNNING, ListenerState
+from afmd.service.chat_run import ChatRun
+from afmd.service.choices import ChoicesRun
+from afmd.service.completion_run import CompletionRun
+from afmd.service.scheduler import Scheduler
+
+#: A request's run, whichever endpoint started it.
+AnyRun = ChatRun | ChoicesRun | CompletionRun
 
 __all__ = ["CONTENT_TYPE", "DECODE_BUCKETS", "TTFT_BUCKETS", "Metrics", "first_token_seconds",
            "generations_of", "metrics"]
@@ -158,7 +169,7 @@ class Metrics:
             label = self._endpoints[uri] = _PARAM.sub(r"{\1}", uri)
         return label
 
-    def _timings(self, model: str, run: Any, usage: Any) -> None:
+    def _timings(self, model: str, run: AnyRun, usage: Usage) -> None:
         """Time to first token and each generation's decode speed, from the engine's own
         timings."""
         self.cache_lookups[model] += 1
@@ -177,18 +188,19 @@ class Metrics:
                 decode.observe(DECODE_BUCKETS, (end.completion_tokens - 1) / seconds)
 
     # -- the scrape --
-    def render(self, state: Any) -> bytes:
+    def render(self, config: Config, registry: ModelRegistry, scheduler: Scheduler) -> bytes:
+        """The scrape's text: the event counts, and the server's models and slots now."""
         if self._registry is None:
             from prometheus_client import CollectorRegistry
 
             self._registry = CollectorRegistry(auto_describe=False)
-            self._registry.register(_Collector(self, state))
+            self._registry.register(_Collector(self, config, registry, scheduler))
         from prometheus_client.exposition import generate_latest
 
         return bytes(generate_latest(self._registry))
 
 
-def generations_of(run: Any) -> list[Any]:
+def generations_of(run: AnyRun) -> list[Generation]:
     """A run's engine generations: a Completions run has one per prompt, a chat run its
     current round's."""
     generations = getattr(run, "generations", None)
@@ -198,11 +210,11 @@ def generations_of(run: Any) -> list[Any]:
     return list(generations)
 
 
-def _ends(run: Any) -> list[Any]:
+def _ends(run: AnyRun) -> list[Finished]:
     return [g.finish for g in generations_of(run) if g.finish is not None]
 
 
-def first_token_seconds(run: Any) -> float | None:
+def first_token_seconds(run: AnyRun) -> float | None:
     """From the request's arrival to its first generated token (as ``X-AFM-Profile`` has
     it: queue and prefill included); None when it generated nothing."""
     first = [e.timings["first_token_at"] for e in _ends(run) if e.completion_tokens > 0]
@@ -212,9 +224,13 @@ def first_token_seconds(run: Any) -> float | None:
 class _Collector:
     """What a scrape reads: the event counts, and the server's state as it is now."""
 
-    def __init__(self, metrics: Metrics, state: Any) -> None:
+    def __init__(
+        self, metrics: Metrics, config: Config, registry: ModelRegistry, scheduler: Scheduler
+    ) -> None:
         self._metrics = metrics
-        self._state = state
+        self._config = config
+        self._registry = registry
+        self._scheduler = scheduler
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
@@ -224,7 +240,6 @@ class _Collector:
         )
 
         m = self._metrics
-        state = self._state
         requests = CounterMetricFamily(
             "afmd_http_requests", "HTTP requests answered, by route, wire format and status.",
             labels=("endpoint", "dialect", "status"))
@@ -232,7 +247,7 @@ class _Collector:
             requests.add_metric((endpoint, dialect, str(status)), count)
         yield requests
 
-        models = [entry.id for entry in state.config.models.model]
+        models = [entry.id for entry in self._config.models.model]
         for name, doc, counts in (
             ("afmd_prompt_tokens", "Prompt tokens of answered requests (tokens in).",
              m.prompt_tokens),
@@ -262,12 +277,12 @@ class _Collector:
                 histogram.add_metric((model,), buckets.cumulative(bounds), buckets.total)
             yield histogram
 
-        scheduler = state.pipeline.scheduler
+        scheduler = self._scheduler
         yield GaugeMetricFamily("afmd_queue_depth", "Requests waiting for a generation slot.",
                                 value=scheduler.queued)
         yield GaugeMetricFamily("afmd_active_generations",
                                 "Requests holding a generation slot.", value=scheduler.active)
-        yield from _model_families(state, models)
+        yield from _model_families(self._registry, models)
 
         restarts = CounterMetricFamily("afmd_listener_restarts",
                                        "Listening sockets recreated after they broke.",
@@ -281,11 +296,10 @@ class _Collector:
         yield up
 
 
-def _model_families(state: Any, models: list[str]) -> Iterator[Any]:
+def _model_families(registry: ModelRegistry, models: list[str]) -> Iterator[Any]:
     """Per configured model: whether it is loaded, its memory, its loads and unloads."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    registry = state.registry
     counts = registry.counts
     loaded = GaugeMetricFamily("afmd_model_loaded", "1 while the model is in memory.",
                                labels=("model",))
@@ -313,7 +327,7 @@ def _model_families(state: Any, models: list[str]) -> Iterator[Any]:
     yield from _kv_cache_families(registry, models)
 
 
-def _kv_cache_families(registry: Any, models: list[str]) -> Iterator[Any]:
+def _kv_cache_families(registry: ModelRegistry, models: list[str]) -> Iterator[Any]:
     """Per loaded model and tier (``ram``, ``disk``): the block KV cache's block hits,
     misses and evictions, and the bytes it holds."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -344,11 +358,14 @@ def _kv_cache_families(registry: Any, models: list[str]) -> Iterator[Any]:
     yield held
 
 
-def _union(models: list[str], counts: Any) -> list[str]:
+def _union(models: list[str], counts: Iterable[str]) -> list[str]:
     """Every configured model (a counter starts at 0), then any other the counts name."""
     return [*models, *sorted(k for k in counts if k not in models)]
 
 
 async def metrics(request: Request) -> HTTPResponse:
     state = request.app.ctx.state
-    return HTTPResponse(state.metrics.render(state), content_type=CONTENT_TYPE)
+    return HTTPResponse(
+        state.metrics.render(state.config, state.registry, state.pipeline.scheduler),
+        content_type=CONTENT_TYPE,
+    )

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from afmd.http.app_state import AppState
 
-def model_details(state: Any) -> dict[str, dict[str, Any]]:
+
+def model_details(state: AppState) -> dict[str, dict[str, Any]]:
     """Per configured model, from the registry, which counts every request that holds or
     waits for a model (chat, completions, responses, messages, embeddings) and runs each
     model's keep-alive."""

@@ -24,6 +24,7 @@ from typing import Any
 from afmd.config.load import BUILTIN_SYSTEM_PATH, ModelEntry
 from afmd.engine.models import kinds
 from afmd.engine.models.describe import describe, summary
+from afmd.http.app_state import AppState
 from afmd.hub import cache as hubcache
 from afmd.service import fim
 
@@ -47,7 +48,7 @@ def _timestamp(seconds: float) -> str:
         "+00:00", "Z")
 
 
-def folder_of(state: Any, entry: ModelEntry) -> Path | None:
+def folder_of(state: AppState, entry: ModelEntry) -> Path | None:
     """Where ``entry``'s files are (a built-in demo is built if it is not yet)."""
     loaded = state.registry.loaded(entry.id)
     if loaded is not None and loaded.folder is not None:
@@ -61,7 +62,7 @@ def folder_of(state: Any, entry: ModelEntry) -> Path | None:
     return kinds.model_folder(entry.path)
 
 
-def listed(state: Any) -> list[tuple[str, ModelEntry]]:
+def listed(state: AppState) -> list[tuple[str, ModelEntry]]:
     """(name, entry) of every model a client may name: configured, aliases, downloaded."""
     config = state.config
     out = [(e.id, e) for e in config.models.model]
@@ -99,7 +100,9 @@ def _config(folder: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _facts(state: Any, entry: ModelEntry) -> tuple[Path | None, dict[str, Any], dict[str, Any]]:
+def _facts(
+    state: AppState, entry: ModelEntry
+) -> tuple[Path | None, dict[str, Any], dict[str, Any]]:
     """(folder, config.json, summary) of a model, what is known without its tokenizer."""
     folder = folder_of(state, entry)
     if folder is None:
@@ -135,7 +138,7 @@ def _modified(folder: Path | None) -> str:
         return _timestamp(0)
 
 
-def tag_object(state: Any, name: str, entry: ModelEntry) -> dict[str, Any]:
+def tag_object(state: AppState, name: str, entry: ModelEntry) -> dict[str, Any]:
     """One ``/api/tags`` entry (blocking: reads the folder)."""
     folder, config, info = _facts(state, entry)
     details = (_system_show(name)["details"] if entry.path == BUILTIN_SYSTEM_PATH
@@ -165,7 +168,7 @@ def _template(folder: Path) -> str:
     return template if isinstance(template, str) else ""
 
 
-def _capabilities(state: Any, entry: ModelEntry, folder: Path) -> list[str]:
+def _capabilities(state: AppState, entry: ModelEntry, folder: Path) -> list[str]:
     """Ollama's capability words, from the loaded model, else from the folder's tokenizer."""
     kind = state.registry.kind_of(entry)
     if kind == kinds.EMBEDDING:
@@ -194,7 +197,7 @@ def _capabilities(state: Any, entry: ModelEntry, folder: Path) -> list[str]:
     return words
 
 
-def show(state: Any, name: str, entry: ModelEntry) -> dict[str, Any]:
+def show(state: AppState, name: str, entry: ModelEntry) -> dict[str, Any]:
     """The ``/api/show`` object (blocking: reads the folder and maybe the tokenizer)."""
     folder, config, info = _facts(state, entry)
     if entry.path == BUILTIN_SYSTEM_PATH:
@@ -254,7 +257,7 @@ def _system_show(name: str) -> dict[str, Any]:
     }
 
 
-def loaded_models(state: Any) -> list[dict[str, Any]]:
+def loaded_models(state: AppState) -> list[dict[str, Any]]:
     """The ``/api/ps`` entries: every loaded model, its memory, when its keep-alive ends."""
     out: list[dict[str, Any]] = []
     residency = state.registry.residency

@@ -17,6 +17,7 @@ from sanic import Request
 from sanic.response import HTTPResponse
 
 from afmd.errors import NotFoundError
+from afmd.http.app_state import AppState
 from afmd.http.routes.model_detail import model_details
 from afmd.http.sansio.screen import local_connection, reveals_machine
 
@@ -35,19 +36,19 @@ class StateRoute:
     path: str
     name: str
     #: ``build(state)`` -> ``(status, JSON payload)``.
-    build: Callable[[Any], tuple[int, Any]]
+    build: Callable[[AppState], tuple[int, Any]]
     #: The route is open (no key needed): its answer to a stranger says less (see
     #: :func:`afmd.http.sansio.screen.reveals_machine`); ``limit(status, payload)`` -> payload.
     limit: Callable[[int, Any], Any] | None = None
 
-    def answer(self, state: Any, *, full: bool = True) -> tuple[int, bytes]:
+    def answer(self, state: AppState, *, full: bool = True) -> tuple[int, bytes]:
         """The status and the JSON body, as bytes; ``full``: with the machine's details."""
         status, payload = self.build(state)
         if not full and self.limit is not None:
             payload = self.limit(status, payload)
         return status, orjson.dumps(payload)
 
-    def full_for(self, state: Any, sockname: object, key: bytes | None) -> bool:
+    def full_for(self, state: AppState, sockname: object, key: bytes | None) -> bool:
         """Whether this request may see the machine's details in the answer."""
         if self.limit is None:
             return True
@@ -71,7 +72,7 @@ def _key_of(request: Request) -> bytes | None:
     return rest.strip().encode("latin-1", "replace") if scheme.lower() == "bearer" else None
 
 
-def _models(state: Any) -> tuple[int, dict[str, Any]]:
+def _models(state: AppState) -> tuple[int, dict[str, Any]]:
     return 200, {"object": "list", "data": _model_objects(state)}
 
 
@@ -85,7 +86,7 @@ async def get_model(request: Request, model_id: str) -> HTTPResponse:
     )
 
 
-def _model_objects(state: Any) -> list[dict[str, Any]]:
+def _model_objects(state: AppState) -> list[dict[str, Any]]:
     config = state.config
     created = state.started_at
     objects: list[dict[str, Any]] = []
@@ -107,7 +108,7 @@ def _health_limited(status: int, body: dict[str, Any]) -> dict[str, Any]:
     return {key: body[key] for key in ("status", "reason") if key in body}
 
 
-def _health(state: Any) -> tuple[int, dict[str, Any]]:
+def _health(state: AppState) -> tuple[int, dict[str, Any]]:
     registry = state.registry
     default = state.config.resolve_model(None)
     body: dict[str, Any] = {

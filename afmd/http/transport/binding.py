@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+import socket
 
 from afmd.cli.port_owners import port_in_use, port_owners
 from afmd.config.load import ServerConfig
-from afmd.http.transport.connection import make_protocol
+from afmd.http.transport.connection import AfmdProtocol, make_protocol
 from afmd.http.transport.connection_limits import GateContext
 from afmd.http.transport.listeners import Listeners, StartupError, bind_tcp, bind_unix, is_loopback
 
@@ -14,7 +14,9 @@ from afmd.http.transport.listeners import Listeners, StartupError, bind_tcp, bin
 OLLAMA_HOST = "127.0.0.1"
 
 
-def protocol_for(server: ServerConfig, gate: GateContext, kind: str, host: str = "") -> Any:
+def protocol_for(
+    server: ServerConfig, gate: GateContext, kind: str, host: str = ""
+) -> type[AfmdProtocol]:
     """One protocol class per listener: whether it checks Host depends on where it is.
 
     The Unix socket and loopback TCP are what a DNS-rebinding page would reach, so they
@@ -29,7 +31,7 @@ def protocol_for(server: ServerConfig, gate: GateContext, kind: str, host: str =
     return make_protocol(gate, policy, kind)
 
 
-def bind_ollama(port: int) -> Any:
+def bind_ollama(port: int) -> socket.socket:
     """``[ollama] port``'s socket on loopback; a port already taken stops the start with a
     sentence naming what holds it (as ``afmd doctor`` finds it)."""
     if port_in_use(OLLAMA_HOST, port):

@@ -31,6 +31,7 @@ instead: Sanic answers it in order, waits for the client, or answers the failure
 
 from __future__ import annotations
 
+import asyncio
 import types
 from collections import deque
 from time import monotonic, perf_counter
@@ -123,11 +124,11 @@ class _Lifecycle(SanicConnection):
     context: ClassVar[GateContext]
     policy: ClassVar[GatePolicy]
 
-    def connection_made(self, transport: Any) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._afmd_pending: deque[Output] = deque()
         self._afmd_held = 0
         self._afmd_sanic_held = 0
-        self._afmd_linger: Any = None
+        self._afmd_linger: asyncio.TimerHandle | None = None
         self._afmd_slot = ConnectionSlot(self.context, self)
         self._afmd_state = _OPEN
         self.context.connections.add(self)

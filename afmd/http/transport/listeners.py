@@ -24,7 +24,11 @@ from typing import Any
 from sanic import Sanic
 
 from afmd.http.compat import accept_failure, forget_accept_reader
+from afmd.http.transport.connection import AfmdProtocol
 from afmd.http.transport.supervisor import ListenerState, ListenerSupervisor, Supervised
+
+#: What ``loop.set_exception_handler`` takes (and ``get_exception_handler`` gives back).
+_ExceptionHandler = Callable[[asyncio.AbstractEventLoop, dict[str, Any]], object]
 
 
 class StartupError(Exception):
@@ -39,8 +43,10 @@ class Listener:
     kind: str  # "tcp" | "unix"
     address: Any  # (host, port) as bound (the real port, also when port 0 was asked) or path
     sock: socket.socket
-    protocol: Any = None  # the AfmdProtocol subclass for this listener
-    server: Any = None  # sanic AsyncioServer
+    protocol: type[AfmdProtocol] | None = None  # this listener's own protocol class
+    # Sanic's AsyncioServer; Any, because Sanic declares its ``server`` attribute (the
+    # asyncio server, closed to stop accepting) as always None.
+    server: Any = None
     fd: int = -1
     ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket
     path_ident: tuple[int, int] | None = None  # of the Unix socket's file
@@ -189,12 +195,16 @@ class Listeners:
         self.supervisor = ListenerSupervisor(
             teardown=self._teardown, rebind=self._rebind, on_exhausted=on_gave_up)
         #: The first listener's Sanic server: it runs the app's start and stop events.
+        #: (A Sanic AsyncioServer: Any, as sanic.server is not among the Sanic modules afmd
+        #: imports, tests/meta/test_compat.py.)
         self.lifecycle: Any = None
         self.stopping = False
-        self._previous_handler: Any = None
+        self._previous_handler: _ExceptionHandler | None = None
         self._handler_installed = False
 
-    def add(self, kind: str, address: Any, sock: socket.socket, protocol: Any) -> None:
+    def add(
+        self, kind: str, address: Any, sock: socket.socket, protocol: type[AfmdProtocol]
+    ) -> None:
         self.items.append(Listener(kind, address, sock, protocol))
 
     async def start(self, bind: Callable[[], None]) -> None:
@@ -215,17 +225,19 @@ class Listeners:
         self.supervisor.start()
 
     async def _serve(self, listener: Listener) -> None:
-        listener.server = await self.app.create_server(
+        server = await self.app.create_server(
             sock=listener.sock,
             protocol=listener.protocol,
             return_asyncio_server=True,
             asyncio_server_kwargs={"start_serving": False},
         )
+        assert server is not None  # None only without return_asyncio_server
+        listener.server = server
         if self.lifecycle is None:
-            await listener.server.startup()
-            await listener.server.before_start()
-            self.lifecycle = listener.server
-        await listener.server.start_serving()
+            await server.startup()
+            await server.before_start()
+            self.lifecycle = server
+        await server.start_serving()
 
     async def stop_accepting(self) -> None:
         """No more connections (existing ones live on), and no more rebuilding."""

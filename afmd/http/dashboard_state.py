@@ -1,4 +1,5 @@
-"""The server's recent past, for the dashboard: the last requests and a per-second series.
+"""What the dashboard keeps for one server: the server's recent past (the last requests
+and a per-second series), and the page's own files, pulls and downloads seen.
 
 The last requests are the access log's lines kept in memory (a ring of
 :data:`RING_SIZE`), whether or not the log itself is on, so that the page shows what a
@@ -18,14 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
-from collections import deque
-from dataclasses import asdict, dataclass
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+from importlib import resources
 from typing import Any
 
 from afmd.core.events import Usage
+from afmd.engine.generation import Generation
 from afmd.http.routes.metrics import generations_of
+from afmd.hub import cache as hubcache
+from afmd.hub.server_pulls import DONE, Pulls
 from afmd.logs import get_logger
+from afmd.service.pipeline import ChatPipeline
 
 _log = get_logger("afmd.http")
 
@@ -71,7 +78,7 @@ class _Live:
     __slots__ = ("counted", "seen")
 
     def __init__(self) -> None:
-        self.seen: dict[Any, int] = {}  # generation -> its tokens at the last sample
+        self.seen: dict[Generation, int] = {}  # its tokens at the last sample
         self.counted = 0
 
 
@@ -86,7 +93,7 @@ class Activity:
         self._tokens = 0  # generated since the last sample
         self._ttfts: list[float] = []  # of requests ended since the last sample
         self._timer: asyncio.TimerHandle | None = None
-        self._state: Any = None
+        self._sampled: tuple[ChatPipeline, Counter[str]] | None = None
 
     # -- what happened (on the event loop) --
     def record(
@@ -120,9 +127,10 @@ class Activity:
             error_code))
 
     # -- the series --
-    def start(self, state: Any) -> None:
-        """Sample ``state`` every second from now on (in its event loop)."""
-        self._state = state
+    def start(self, pipeline: ChatPipeline, running: Counter[str]) -> None:
+        """Sample the pipeline's runs every second from now on (in its event loop);
+        ``running``: the request ids being handled (the server's state keeps them)."""
+        self._sampled = (pipeline, running)
         if self._timer is None:
             self._schedule()
 
@@ -139,16 +147,18 @@ class Activity:
     def _tick(self) -> None:
         self._timer = None
         try:
-            self.sample(self._state)
+            assert self._sampled is not None, "sampling before start()"
+            self.sample(*self._sampled)
         except Exception:  # a sample never breaks the server; the next one is taken anyway
             _log.error("the dashboard's per-second sample failed", exc_info=True)
         with contextlib.suppress(RuntimeError):  # the loop is closing
             self._schedule()
 
-    def sample(self, state: Any, now: float | None = None) -> Point:
+    def sample(
+        self, pipeline: ChatPipeline, running: Counter[str], now: float | None = None
+    ) -> Point:
         """Close the current second: count the running requests' new tokens."""
-        pipeline = state.pipeline
-        for request_id in list(state.running):
+        for request_id in list(running):
             run = pipeline.find(request_id)
             if run is None:
                 continue
@@ -162,7 +172,7 @@ class Activity:
                 if new > 0:
                     live.counted += new
                     self._tokens += new
-        for request_id in [r for r in self._live if r not in state.running]:
+        for request_id in [r for r in self._live if r not in running]:
             del self._live[request_id]  # ended without an access-log line of its own
         scheduler = pipeline.scheduler
         ttfts = self._ttfts
@@ -190,4 +200,48 @@ class Activity:
         }
 
 
-__all__ = ["OWN_PREFIX", "RING_SIZE", "SERIES_SECONDS", "Activity", "Point", "RequestEntry"]
+# ------------------------------------------------------------------- the page's own
+
+
+#: The page's files, in ``afmd/data/ui/``, with their media types.
+ASSET_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+}
+#: Seconds the list of downloaded models (a walk of the hub cache) is reused.
+DOWNLOADS_TTL_S = 5.0
+
+
+def _read_assets() -> dict[str, bytes]:
+    """The page's files by name; importlib.resources finds them inside a frozen app too."""
+    folder = resources.files("afmd").joinpath("data", "ui")
+    return {item.name: item.read_bytes() for item in folder.iterdir()
+            if os.path.splitext(item.name)[1] in ASSET_TYPES}
+
+
+@dataclass
+class Dashboard:
+    """What the dashboard keeps for one server: its files, its pulls, the downloads seen."""
+
+    assets: dict[str, bytes] = field(default_factory=_read_assets)
+    pulls: Pulls = field(default_factory=Pulls)
+    _downloads: list[hubcache.CachedRepo] = field(default_factory=list)
+    _downloads_at: float = -DOWNLOADS_TTL_S
+    _pulls_done: int = 0
+
+    async def downloads(self) -> list[hubcache.CachedRepo]:
+        """The complete repos in the hub cache, walked at most every few seconds (and at
+        once when a pull has ended since)."""
+        done = sum(1 for p in self.pulls.describe() if p["state"] == DONE)
+        now = time.monotonic()
+        if now - self._downloads_at >= DOWNLOADS_TTL_S or done != self._pulls_done:
+            found = await asyncio.to_thread(
+                lambda: [c for c in hubcache.cached_repos() if c.complete])
+            self._downloads, self._downloads_at, self._pulls_done = found, now, done
+        return self._downloads
+
+
+__all__ = ["ASSET_TYPES", "OWN_PREFIX", "RING_SIZE", "SERIES_SECONDS", "Activity", "Dashboard",
+           "Point", "RequestEntry"]
