@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         serve_from_env()
         return 0
     if raw[:1] == ["_mlx-launch"]:  # afmd launch runs MLX's launcher through this
-        from afmd.engine.sharded.mlx_launcher import mlx_launch
+        from afmd.engine.sharded.launcher_compat import mlx_launch
 
         return mlx_launch(raw[1:])
     parser = _parser()

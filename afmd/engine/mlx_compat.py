@@ -5,10 +5,10 @@ and **mlx-vlm 0.7.10** (``mlx_vlm/models/qwen2_vl/language.py``). No other afmd 
 reaches into either (``tests/meta/test_mlx_compat.py`` checks that too), and
 :func:`upstream_problems` names whatever an upgrade moved or rewrote of what is used here;
 ``tests/meta/test_mlx_compat.py`` fails loudly with its list. MLX's own launcher, the one MLX
-private (``mlx._distributed_utils``), is reached by :mod:`afmd.engine.sharded.mlx_launcher` alone
-and
-checked by the same test: importing this module imports mlx-lm (and transformers), which
-the launcher's relay process, alive as long as the group, has no use for.
+private (``mlx._distributed_utils``), has a compat module of its own,
+:mod:`afmd.engine.sharded.launcher_compat` (with ``tests/meta/test_launcher_compat.py``):
+importing this module imports mlx-lm (and transformers), which the launcher's relay
+process, alive as long as the group, has no use for.
 
 What afmd needs from them, and how:
 

@@ -1,10 +1,11 @@
-"""afmd.engine.mlx_compat (and afmd.engine.sharded.mlx_launcher): the modules that reach into MLX's,
-mlx-lm's and mlx-vlm's privates.
+"""afmd.engine.mlx_compat: the module that reaches into mlx-lm's and mlx-vlm's privates.
 
-First the upgrade alarm: what they rely on must still read as it did in the versions they
-name (an upgrade of mlx, mlx-lm or mlx-vlm fails here, naming what to re-read, before it
-fails anywhere else). Then each private is exercised on its own, against the real
-libraries and the real demo model, and no other afmd module may reach into them.
+First the upgrade alarm: what it relies on must still read as it did in the versions it
+names (an upgrade of mlx-lm or mlx-vlm fails here, naming what to re-read, before it fails
+anywhere else). Then each private is exercised on its own, against the real libraries and
+the real demo model, and no afmd module but the compat modules (this one and MLX's
+launcher's, afmd.engine.sharded.launcher_compat, which tests/meta/test_launcher_compat.py
+checks) may reach into MLX's, mlx-lm's or mlx-vlm's privates.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from afmd.engine import mlx_compat
 from afmd.engine.demo import builtin as demo
-from afmd.engine.sharded import mlx_launcher as launcher
+from afmd.engine.sharded import launcher_compat
 
 from helpers.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
-#: The modules allowed to reach into MLX's, mlx-lm's and mlx-vlm's privates.
-COMPAT = {Path(mlx_compat.__file__).resolve(), Path(launcher.__file__).resolve()}
+#: The modules allowed to reach into MLX's, mlx-lm's and mlx-vlm's privates: the compat
+#: modules, and no other.
+COMPAT = {Path(mlx_compat.__file__).resolve(), Path(launcher_compat.__file__).resolve()}
 #: What the rest of afmd may import from MLX, mlx-lm and mlx-vlm: module -> names (None:
 #: any public name). Their documented API; anything else goes through compat.
 MLX_PUBLIC: dict[str, set[str] | None] = {
@@ -52,12 +54,12 @@ MLX_PACKAGES = ("mlx", "mlx_lm", "mlx_vlm")
 
 
 def test_upstream_is_what_compat_was_written_against() -> None:
-    problems = mlx_compat.upstream_problems() + launcher.upstream_problems()
+    problems = mlx_compat.upstream_problems()
     assert not problems, (
-        f"mlx, mlx-lm or mlx-vlm changed under afmd/engine/mlx_compat.py (written against "
-        f"mlx-lm {mlx_compat.MLX_LM_VERSION}, mlx-vlm {mlx_compat.MLX_VLM_VERSION}) or "
-        f"afmd/engine/sharded/mlx_launcher.py (mlx {launcher.MLX_VERSION}): re-read each of these "
-        "upstream, adapt compat, then update its fingerprints:\n  " + "\n  ".join(problems))
+        f"mlx-lm or mlx-vlm changed under afmd/engine/mlx_compat.py (written against "
+        f"mlx-lm {mlx_compat.MLX_LM_VERSION}, mlx-vlm {mlx_compat.MLX_VLM_VERSION}): re-read "
+        "each of these upstream, adapt compat, then update its fingerprints:\n  "
+        + "\n  ".join(problems))
 
 
 # --------------------------------------------------------------------------- each private
@@ -156,16 +158,6 @@ def test_rope_state_is_what_mlx_vlm_keeps() -> None:
     mlx_compat.reset_rope_state(object())  # a model without the state: nothing to reset
 
 
-def test_the_launcher_relays_outputs_only() -> None:
-    import select
-
-    readable, writable, errors = launcher._outputs_only([], [0], [], 0)
-    assert (readable, writable, errors) == ([], [], [])
-    from mlx._distributed_utils import launch
-
-    assert launch.select is select.select  # what mlx_launch replaces, by that name
-
-
 # --------------------------------------------------------------------------- no one else
 
 
@@ -258,14 +250,23 @@ def _subclass_problems(path: Path, internals: frozenset[str]) -> list[str]:
 _MODULES = sorted(p for p in (ROOT / "afmd").rglob("*.py") if p.resolve() not in COMPAT)
 
 
+def test_only_compat_modules_are_exempt() -> None:
+    """The exemption names compat modules alone: a module that reaches into MLX's privates
+    says so in its name (``*_compat.py``), and has a fingerprint test of its own."""
+    assert all(path.name.endswith("_compat.py") for path in COMPAT), COMPAT
+    for path in COMPAT:
+        assert (ROOT / "tests" / "meta" / f"test_{path.stem}.py").is_file(), path
+
+
 @pytest.mark.parametrize("path", _MODULES, ids=lambda p: str(p.relative_to(ROOT / "afmd")))
 def test_no_private_outside_compat(path: Path) -> None:
     internals = _mlx_internals()
     problems = _problems(path, internals)
     if "engine" in path.relative_to(ROOT).parts:
         problems += _subclass_problems(path, internals)
-    assert not problems, ("MLX's, mlx-lm's and mlx-vlm's internals belong in "
-                          "afmd/engine/mlx_compat.py:\n  " + "\n  ".join(problems))
+    assert not problems, ("MLX's, mlx-lm's and mlx-vlm's internals belong in a compat module "
+                          "(afmd/engine/mlx_compat.py, afmd/engine/sharded/launcher_compat.py):"
+                          "\n  " + "\n  ".join(problems))
 
 
 def test_the_check_sees_privates() -> None:

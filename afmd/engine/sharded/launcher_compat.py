@@ -1,5 +1,5 @@
-"""MLX's own launcher (``mlx.launch``), run from afmd itself: the one module that reaches
-into MLX's privates.
+"""MLX's own launcher (``mlx.launch``), run from afmd itself: every MLX private afmd relies
+on, and nothing else.
 
 A frozen afmd has no ``mlx.launch`` script beside it, so ``afmd launch`` runs this through
 a hidden verb of the same binary (``afmd _mlx-launch ARGS``); it is MLX's code, with one
@@ -11,9 +11,10 @@ Written against **mlx 0.32.4**, whose launcher is the private module
 ``mlx._distributed_utils.launch`` (``main``, and the ``select`` it imported by name, which
 the relay calls). It stays apart from :mod:`afmd.engine.mlx_compat`, which guards mlx-lm's
 and mlx-vlm's privates, because importing that one imports mlx-lm (and transformers) and
-the launcher's relay process, alive as long as the group, has no use for either;
-``tests/meta/test_mlx_compat.py`` checks both, and :func:`upstream_problems` names what an
-upgrade of MLX changed of what is used here.
+the launcher's relay process, alive as long as the group, has no use for either; this one
+imports MLX alone. :func:`upstream_problems` names what an upgrade of MLX changed of what is
+used here (``tests/meta/test_launcher_compat.py`` fails with its list), and
+``tests/meta/test_mlx_compat.py`` checks that no other module reaches into MLX's privates.
 """
 
 from __future__ import annotations
