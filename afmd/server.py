@@ -17,7 +17,7 @@ from typing import Any
 
 from sanic import Sanic
 
-from afmd.config.load import BUILTIN_SYSTEM_PATH, Config
+from afmd.config.sections import BUILTIN_SYSTEM_PATH, Config
 from afmd.distributed.lead import GroupLead
 from afmd.distributed.loss import GroupLoss
 from afmd.engine.models.model_registry import ModelRegistry
@@ -34,7 +34,7 @@ from afmd.logs import get_logger
 from afmd.service.pipeline import ChatPipeline
 from afmd.service.scheduler import Scheduler
 
-__all__ = ["FINAL_WRITE_SECONDS", "Server", "StartupError", "run"]
+__all__ = ["FINAL_WRITE_SECONDS", "Server", "run"]
 
 log = get_logger("afmd.server")
 

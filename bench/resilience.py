@@ -15,7 +15,7 @@ import dataclasses
 import traceback
 from typing import Any
 
-from afmd.config.load import ServerConfig
+from afmd.config.sections import ServerConfig
 from bench import slowloris, soak
 from bench.plan import Ctx
 from bench.results import Slowloris, Soak, null, stat

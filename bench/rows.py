@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from afmd.config.load import ServerConfig
+from afmd.config.sections import ServerConfig
 from bench import distributed, slowloris, soak, workload
 from bench.plan import BIG_MAX_TOKENS, LEVELS, SYSTEMS, Plan
 from bench.results import Measurements, Pick, SystemResults, Value, fmt, med, null

@@ -20,32 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from afmd.cli import endpoint
-from afmd.cli.doctor_report import EXIT_CONFIG, EXIT_OK, EXIT_PROBLEM, Report, owner_text, render
+from afmd.cli.doctor_report import Report, owner_text, render
 from afmd.cli.port_owners import port_in_use, port_owners
-from afmd.config.load import (
-    BREW_PREFIXES,
-    BUILTIN_SYSTEM_PATH,
-    Config,
-    ConfigError,
-    default_config_path,
-    load_config,
-)
+from afmd.config.bounds import ConfigError
+from afmd.config.load import BREW_PREFIXES, default_config_path, load_config
+from afmd.config.sections import BUILTIN_SYSTEM_PATH, Config
 from afmd.engine.apple import framework
 from afmd.hub import cache as hubcache
 from afmd.paths import cache_dir, huggingface_hub_cache, models_cache_dir
 
-__all__ = [
-    "EXIT_CONFIG",
-    "EXIT_OK",
-    "EXIT_PROBLEM",
-    "Report",
-    "describe_models",
-    "diagnose",
-    "port_in_use",
-    "port_owners",
-    "render",
-    "run",
-]
+__all__ = ["describe_models", "diagnose", "run"]
 
 _DEMO_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from afmd.config.load import Config
+from afmd.config.sections import Config
 
 
 class ServerUnreachable(Exception):

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from afmd import __version__
-from afmd.config.load import Config, ConfigError, default_config_path, load_config
+from afmd.config.bounds import ConfigError
+from afmd.config.load import default_config_path, load_config
+from afmd.config.sections import Config
 from afmd.distributed.launch import add_parser as launch_parser
 
 EXIT_OK = 0

@@ -20,14 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from afmd.cli import endpoint
-from afmd.config.load import (
-    BUILTIN_SYSTEM_PATH,
-    Config,
-    ConfigError,
-    ModelEntry,
-    default_config_path,
-    load_config,
-)
+from afmd.config.bounds import ConfigError
+from afmd.config.load import default_config_path, load_config
+from afmd.config.sections import BUILTIN_SYSTEM_PATH, Config
+from afmd.config.tables import ModelEntry
 from afmd.engine.models.kinds import BUILTIN_PREFIX
 from afmd.hub import cache as hubcache
 from afmd.hub.cache import human_bytes

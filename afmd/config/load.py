@@ -12,8 +12,8 @@ The tables themselves are afmd.config.sections' dataclasses; a setting's bounds 
 choices are its field's metadata (``at_least``, ``between``, ``one_of``), checked by one
 walker (afmd.config.bounds); afmd.config.layers merges the file, env and flags,
 afmd.config.tables reads the arrays of tables and afmd.config.rules checks the rules
-across settings. This module builds the result from them and re-exports the names the
-rest of afmd imports; it and those five are afmd's lowest layer and import nothing else
+across settings. This module builds the result from them (each name is imported from the
+module that defines it); it and those five are afmd's lowest layer and import nothing else
 from it.
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
-from afmd.config.bounds import ConfigError, check_fields
+from afmd.config.bounds import check_fields
 from afmd.config.layers import Merged, Schema, apply_env, apply_file, apply_overrides, read_toml
 from afmd.config.rules import (
     apply_model_flag,
@@ -33,79 +33,17 @@ from afmd.config.rules import (
     validate_server,
 )
 from afmd.config.sections import (
-    BUILTIN_DEMO_32K_PATH,
-    BUILTIN_DEMO_EMBEDDING_PATH,
-    BUILTIN_DEMO_PATH,
-    BUILTIN_DEMO_VISION_PATH,
     BUILTIN_MODELS,
-    BUILTIN_SYSTEM_PATH,
-    DEMO_32K_MODEL_ID,
-    DEMO_EMBEDDING_MODEL_ID,
-    DEMO_MODEL_ID,
-    DEMO_VISION_MODEL_ID,
     SECTIONS,
-    SYSTEM_MODEL_ID,
-    ApiConfig,
-    CacheConfig,
     Config,
-    ContextConfig,
-    DistributedConfig,
-    EngineConfig,
-    LogConfig,
-    ModelsConfig,
-    QueueConfig,
-    ResponsesConfig,
-    ServerConfig,
-    SystemConfig,
-    ToolsConfig,
-    UiConfig,
 )
 from afmd.config.tables import (
-    MODEL_KINDS,
-    FimSetting,
-    ModelEntry,
-    ServerTool,
     parse_aliases,
     parse_entries,
     parse_server_tools,
 )
 
-__all__ = [
-    "BREW_PREFIXES",
-    "BUILTIN_DEMO_32K_PATH",
-    "BUILTIN_DEMO_EMBEDDING_PATH",
-    "BUILTIN_DEMO_PATH",
-    "BUILTIN_DEMO_VISION_PATH",
-    "BUILTIN_MODELS",
-    "BUILTIN_SYSTEM_PATH",
-    "DEMO_32K_MODEL_ID",
-    "DEMO_EMBEDDING_MODEL_ID",
-    "DEMO_MODEL_ID",
-    "DEMO_VISION_MODEL_ID",
-    "MODEL_KINDS",
-    "SECTIONS",
-    "SYSTEM_MODEL_ID",
-    "ApiConfig",
-    "CacheConfig",
-    "Config",
-    "ConfigError",
-    "ContextConfig",
-    "DistributedConfig",
-    "EngineConfig",
-    "FimSetting",
-    "LogConfig",
-    "ModelEntry",
-    "ModelsConfig",
-    "QueueConfig",
-    "ResponsesConfig",
-    "ServerConfig",
-    "ServerTool",
-    "SystemConfig",
-    "ToolsConfig",
-    "UiConfig",
-    "default_config_path",
-    "load_config",
-]
+__all__ = ["BREW_PREFIXES", "default_config_path", "load_config"]
 
 #: Homebrew prefixes searched (in order, after ``$HOMEBREW_PREFIX``) for
 #: ``etc/afmd/config.toml``; module-level so tests can point it elsewhere.

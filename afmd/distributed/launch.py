@@ -32,7 +32,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from afmd.config.load import ConfigError, load_config
+from afmd.config.bounds import ConfigError
+from afmd.config.load import load_config
 from afmd.distributed.env import BACKEND_ENV, LAUNCH_DIR_ENV, OUTCOME_FILE, PID_FILE, SUPERVISOR_ENV
 
 EXIT_OK, EXIT_LOST, EXIT_CONFIG = 0, 1, 2

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from afmd.config.load import Config
+from afmd.config.sections import Config
 from afmd.distributed.control import ControlServer, Watchdog
 from afmd.distributed.env import leader_host
 

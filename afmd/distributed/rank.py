@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from afmd.config.load import Config
+from afmd.config.sections import Config
 from afmd.distributed.control import BEAT_INTERVAL_S, LOADING, Heartbeat
 from afmd.distributed.env import backend, leader_host, write_outcome, write_pid
 from afmd.logs import get_logger

@@ -321,9 +321,7 @@ def tool_grammar_probe(tokenizer: LLTokenizer, tool: ToolSchema) -> str | None:
 
 
 __all__ = [
-    "CallGrammar",
     "Grammar",
-    "Thinking",
     "ToolSchema",
     "json_schema_grammar",
     "llg_tokenizer",

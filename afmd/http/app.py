@@ -36,6 +36,7 @@ from afmd.http.routes import handlers as routes
 from afmd.http.routes import ollama_routes as ollama
 from afmd.http.routes import responses_routes as responses
 from afmd.http.routes.metrics import metrics
+from afmd.http.routes.state_routes import STATE_ROUTES, get_model
 from afmd.http.sansio.screen import Cors, method_not_allowed, unknown_url
 from afmd.logs import get_logger
 
@@ -163,9 +164,9 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
     responses.add_routes(app, state.config)
     messages.add_routes(app)
     ollama.add_routes(app)
-    for route in routes.STATE_ROUTES:
+    for route in STATE_ROUTES:
         app.add_route(route.handler, route.path, methods=["GET"], name=route.name)
-    app.add_route(routes.get_model, "/v1/models/<model_id:path>", methods=["GET"],
+    app.add_route(get_model, "/v1/models/<model_id:path>", methods=["GET"],
                   name="model")
     app.add_route(metrics, "/metrics", methods=["GET"], name="metrics")
     cache_routes.add_routes(app)

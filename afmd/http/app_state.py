@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from afmd.config.load import Config
+from afmd.config.sections import Config
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.errors import APIError
 from afmd.http.dashboard_state import Activity, Dashboard

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from afmd.core.events import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 from afmd.core.request import ToolCall
 from afmd.output.formats.base import CallContext, CallLog, CallReader, ToolIndex
 from afmd.output.formats.registry import Family, family
-from afmd.output.pieces import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 from afmd.output.reasoning import ReasoningSplitter
 from afmd.output.stops import StopScanner
 from afmd.output.toolcalls import ToolCallParser

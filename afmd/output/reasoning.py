@@ -9,8 +9,8 @@ two never mix whatever the token boundaries.
 
 from __future__ import annotations
 
+from afmd.core.events import Content, Piece, Reasoning
 from afmd.output.markers import partial_suffix
-from afmd.output.pieces import Content, Piece, Reasoning
 
 
 class ReasoningSplitter:

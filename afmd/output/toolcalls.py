@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 
+from afmd.core.events import Content, Piece
 from afmd.core.request import ToolCall
 from afmd.output.formats.base import CallContext, parse_whole
 from afmd.output.formats.jsonargs import JsonValueEnd
 from afmd.output.markers import partial_suffix
-from afmd.output.pieces import Content, Piece
 
 _OUTSIDE, _HEAD, _ARGS, _AFTER_ARGS, _WHOLE = range(5)
 _WS = " \t\r\n"

@@ -31,7 +31,7 @@ from afmd.service.scheduler import Ticket
 from afmd.service.servertools import ServerTools
 from afmd.service.toolloop import ToolLoop
 
-__all__ = ["ChatRun", "PreparedChat", "RoundReader", "RunPolicy"]
+__all__ = ["ChatRun", "PreparedChat"]
 
 
 @dataclass(slots=True)

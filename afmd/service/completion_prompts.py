@@ -13,7 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from afmd.config.load import ModelEntry
+from afmd.config.tables import ModelEntry
 from afmd.core.request import CompletionRequest
 from afmd.engine.batch.penalties import check_logit_bias
 from afmd.engine.models.loaded_model import LoadedModel

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from afmd.config.load import ModelEntry
+from afmd.config.tables import ModelEntry
 from afmd.core.embedding_request import EmbeddingRequest, Embeddings
 from afmd.engine.generation import EmbeddingJob
 from afmd.engine.models.kinds import EMBEDDING

@@ -15,7 +15,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from afmd.config.load import FimSetting
+from afmd.config.tables import FimSetting
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,13 +26,13 @@ from afmd.grammar.batch_masks import BanTokens, GrammarProcessor
 from afmd.grammar.calls import CallGrammar, for_family
 from afmd.grammar.compiler import (
     Grammar,
-    Thinking,
     ToolSchema,
     json_schema_grammar,
     llg_tokenizer,
     text_grammar,
     tool_grammar,
 )
+from afmd.grammar.frames import Thinking
 from afmd.grammar.limits import schema_limit_param
 from afmd.output.formats import detect
 from afmd.output.processor import OutputProcessor, ToolFormat

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 
 from afmd import __version__
-from afmd.config.load import Config, ModelEntry
+from afmd.config.sections import Config
+from afmd.config.tables import ModelEntry
 from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.engine.batch.penalties import check_logit_bias
 from afmd.engine.models.loaded_model import LoadedModel
@@ -245,5 +246,4 @@ class ChatPipeline:
         return self._runs.get(request_id)
 
 
-__all__ = ["ChatPipeline", "ChatRun", "ChoicesRun", "CompletionRun", "PreparedChat",
-           "PreparedCompletion"]
+__all__ = ["ChatPipeline"]

@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from afmd.config.load import Config
+from afmd.config.sections import Config
 from afmd.errors import APIError, GatewayTimeoutError
 from afmd.logs import get_logger
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from afmd.config.load import ServerTool
+from afmd.config.tables import ServerTool
 from afmd.core.request import ToolSpec
 from afmd.logs import get_logger
 

@@ -81,7 +81,8 @@ def bounds() -> dict[str, Any]:
     MLX's buffer pool around a burst of prompts, then the prefix cache after more."""
     import mlx.core as mx
 
-    from afmd.config.load import BUILTIN_DEMO_PATH, CacheConfig, Config, ModelEntry
+    from afmd.config.sections import BUILTIN_DEMO_PATH, CacheConfig, Config
+    from afmd.config.tables import ModelEntry
     from afmd.engine.generation import GenerationRequest, SamplingParams
     from afmd.engine.models.loading import load_sync
 

@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afmd.config.load import load_config
-from afmd.dialects.openai.chat_body import ChatRequest, Message, ToolCall, parse_chat_request
+from afmd.core.request import ChatRequest, Message, ToolCall
+from afmd.dialects.openai.chat_body import parse_chat_request
 from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease

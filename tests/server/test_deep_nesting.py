@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afmd.dialects.fields import nesting
+from afmd.dialects.fields.body import parse_json_body
 from afmd.dialects.fields.nesting import MAX_NESTING, nesting_path, param_of
-from afmd.dialects.openai.chat_body import parse_json_body
 from afmd.errors import InvalidRequestError
 
 pytestmark = pytest.mark.slow  # property-based fuzzing of the nesting checks

@@ -25,7 +25,7 @@ import pytest
 from sanic import Sanic
 
 from afmd.config.load import load_config
-from afmd.http.routes.handlers import StateRoute
+from afmd.http.routes.state_routes import StateRoute
 from afmd.http.sansio.gate import Direct, Forward, Gate
 from afmd.http.sansio.screen import CORS_EXPOSE_HEADERS, GatePolicy
 from afmd.http.transport.connection import direct_routes

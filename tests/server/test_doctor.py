@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from afmd.cli import doctor, port_owners
+from afmd.cli import doctor, doctor_report, port_owners
 from afmd.config.load import BREW_PREFIXES
 
 from conftest import ROOT, ServerProcess, afmd_command, start_server
@@ -145,7 +145,7 @@ def test_running_afmd_is_reported_with_its_pid(server: ServerProcess) -> None:
     assert "afmd" in owners[0]["command"] and "serve" in owners[0]["command"]
     assert report.models[0]["server_status"] == "available"
     assert report.exit_code == 0, report.problems
-    text = doctor.render(report)
+    text = doctor_report.render(report)
     assert f"is in use by pid {server.proc.pid}" in text
     assert "server     running:" in text
 
@@ -206,7 +206,7 @@ def test_unix_socket_server(tmp_path: Path) -> None:
         assert report.server["afmd"] is True and report.server["http_status"] == 200
         assert report.port == {}
         assert report.exit_code == 0, report.problems
-        assert "(no TCP listener)" in doctor.render(report)
+        assert "(no TCP listener)" in doctor_report.render(report)
     finally:
         assert proc.stop() == 0
 

@@ -23,7 +23,8 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from afmd.config.load import BUILTIN_DEMO_PATH, CacheConfig, Config, ModelEntry
+from afmd.config.sections import BUILTIN_DEMO_PATH, CacheConfig, Config
+from afmd.config.tables import ModelEntry
 from afmd.engine.generation import GenerationRequest, SamplingParams
 from afmd.engine.kvcache import folder as layout
 from afmd.engine.kvcache import kv_compat as compat

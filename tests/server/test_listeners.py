@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 import afmd.http.transport.listeners as listeners_module
+from afmd.http.transport.listeners import StartupError
 from afmd.http.transport.supervisor import ListenerState
-from afmd.server import StartupError
 
 from conftest import DIAGNOSE, ServerProcess, afmd_command, parse_sse, start_server
 from helpers.inprocess import InProcessServer

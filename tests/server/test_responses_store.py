@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from afmd.config.load import ConfigError, load_config
+from afmd.config.bounds import ConfigError
+from afmd.config.load import load_config
 from afmd.core.request import Message, ToolCall
 from afmd.dialects.responses import store as responses_store
 from afmd.dialects.responses.items import ItemParams, canonical_items, to_messages

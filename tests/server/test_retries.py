@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from afmd.config.load import ModelEntry, ServerTool, load_config
+from afmd.config.load import load_config
+from afmd.config.tables import ModelEntry, ServerTool
 from afmd.core.events import Finish
 from afmd.dialects.openai.chat_body import parse_chat_request
 from afmd.engine.models import model_registry as models_module
@@ -28,7 +29,8 @@ from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease
 from afmd.errors import APIError, ServiceUnavailableError
-from afmd.service.pipeline import ChatPipeline, ChatRun
+from afmd.service.chat_run import ChatRun
+from afmd.service.pipeline import ChatPipeline
 from afmd.service.scheduler import Scheduler
 from afmd.service.servertools import ServerTools, ToolOutcome
 

@@ -23,16 +23,18 @@ from typing import Any
 import httpx
 import pytest
 
-from afmd.config.load import ModelEntry, ServerTool, load_config
+from afmd.config.load import load_config
+from afmd.config.tables import ModelEntry, ServerTool
 from afmd.core.events import Content, Finish, ToolCallArguments, ToolCallEnd, ToolCallStart
-from afmd.core.request import ChatRequest, ToolCall
-from afmd.dialects.openai.chat_body import Message, parse_chat_request
+from afmd.core.request import ChatRequest, Message, ToolCall
+from afmd.dialects.openai.chat_body import parse_chat_request
 from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease
 from afmd.service import round_builder, toolloop
+from afmd.service.chat_run import ChatRun
 from afmd.service.chat_template import template_messages
-from afmd.service.pipeline import ChatPipeline, ChatRun
+from afmd.service.pipeline import ChatPipeline
 from afmd.service.scheduler import Scheduler
 from afmd.service.servertools import ServerTools
 

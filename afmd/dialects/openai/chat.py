@@ -30,7 +30,8 @@ from afmd.core.events import (
 )
 from afmd.core.ids import alphanumerics
 from afmd.core.request import ChatRequest
-from afmd.dialects.openai.chat_body import parse_chat_request, parse_json_body
+from afmd.dialects.fields.body import parse_json_body
+from afmd.dialects.openai.chat_body import parse_chat_request
 from afmd.errors import APIError
 
 DONE = b"data: [DONE]\n\n"

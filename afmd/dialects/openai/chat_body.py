@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from afmd.core.request import ChatRequest, Message, ResponseFormat, ToolCall, ToolChoice, ToolSpec
-from afmd.dialects.fields.body import parse_json_body
+from afmd.core.request import ChatRequest
 from afmd.dialects.fields.checks import (
     Scalar,
     invalid,
@@ -49,14 +48,7 @@ __all__ = [
     "CHAT_SCALARS",
     "IGNORED_FIELDS",
     "KNOWN_FIELDS",
-    "ChatRequest",
-    "Message",
-    "ResponseFormat",
-    "ToolCall",
-    "ToolChoice",
-    "ToolSpec",
     "parse_chat_request",
-    "parse_json_body",
     "parse_stream_options",
 ]
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from afmd.config.load import BUILTIN_SYSTEM_PATH, ModelEntry
+from afmd.config.sections import BUILTIN_SYSTEM_PATH
+from afmd.config.tables import ModelEntry
 from afmd.errors import ServiceUnavailableError
 
 #: The framework's reasons, as ``SystemLanguageModelUnavailableReason`` names them.

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from afmd.config.load import ModelEntry
+from afmd.config.tables import ModelEntry
 from afmd.engine.models import kinds
 from afmd.engine.models.loaded_model import DEFAULT_CONTEXT_LENGTH, context_length_from
 from afmd.service import fim

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from afmd.config.load import ModelEntry
+from afmd.config.tables import ModelEntry
 from afmd.paths import huggingface_hub_cache
 
 CHAT = "chat"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from afmd.config.load import ModelEntry
+from afmd.config.tables import ModelEntry
 from afmd.engine.generation import Generation, GenerationRequest
 from afmd.engine.models.kinds import CHAT, EmbeddingSpec
 from afmd.output.processor import ToolFormat

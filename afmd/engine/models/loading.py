@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from afmd.config.load import BUILTIN_SYSTEM_PATH, Config, ModelEntry
+from afmd.config.sections import BUILTIN_SYSTEM_PATH, Config
+from afmd.config.tables import ModelEntry
 from afmd.engine.apple import framework
 from afmd.engine.models import kinds
 from afmd.engine.models.kinds import BUILTIN_PREFIX, CHAT

@@ -19,7 +19,8 @@ import asyncio
 import logging
 import time
 
-from afmd.config.load import Config, ModelEntry
+from afmd.config.sections import Config
+from afmd.config.tables import ModelEntry
 from afmd.engine.apple import framework
 from afmd.engine.models import kinds
 from afmd.engine.models.kinds import CHAT, EMBEDDING

@@ -53,7 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from afmd.config.load import BUILTIN_SYSTEM_PATH, ModelEntry
+from afmd.config.sections import BUILTIN_SYSTEM_PATH
+from afmd.config.tables import ModelEntry
 from afmd.engine.models import kinds
 from afmd.errors import ConflictError, ServiceUnavailableError
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from afmd.config.load import Config, ModelEntry
+from afmd.config.sections import Config
+from afmd.config.tables import ModelEntry
 from afmd.engine.models.kinds import BUILTIN_PREFIX
 
 

@@ -26,18 +26,25 @@ from afmd.http.access import log_access
 from afmd.http.app_state import AppState
 from afmd.http.routes.event_stream import EventStream
 from afmd.http.routes.ignored import ignored_headers
-from afmd.http.routes.state_routes import STATE_ROUTES, StateRoute, get_model
+from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.choices import ChoicesRun
 from afmd.service.completion_prompts import PreparedCompletion
 from afmd.service.completion_run import CompletionRun
-from afmd.service.pipeline import ChatPipeline, ChatRun, PreparedChat
+from afmd.service.pipeline import ChatPipeline
 from afmd.service.profiling import parse_profile_header
 
 # The state routes live in afmd.http.routes.state_routes; app.py, the connection protocol and the
 # tests find them here too.
-__all__ = ["SSE_HEADERS", "STATE_ROUTES", "StateRoute", "cancel", "dialect_of",
-           "get_model", "interrupt_requests", "json_response", "request_id_of",
-           "server_stopping_error", "turn"]
+__all__ = [
+    "SSE_HEADERS",
+    "cancel",
+    "dialect_of",
+    "interrupt_requests",
+    "json_response",
+    "request_id_of",
+    "server_stopping_error",
+    "turn",
+]
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 

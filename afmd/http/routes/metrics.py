@@ -30,7 +30,7 @@ from typing import Any
 from sanic import Request, Sanic
 from sanic.response import HTTPResponse
 
-from afmd.config.load import Config
+from afmd.config.sections import Config
 from afmd.core.events import Usage
 from afmd.dialects.dialect import ErrorStyle
 from afmd.engine.generation import Finished, Generation

@@ -21,7 +21,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from afmd.config.load import BUILTIN_SYSTEM_PATH, ModelEntry
+from afmd.config.sections import BUILTIN_SYSTEM_PATH
+from afmd.config.tables import ModelEntry
 from afmd.engine.models import kinds
 from afmd.engine.models.describe import describe, summary
 from afmd.http.app_state import AppState

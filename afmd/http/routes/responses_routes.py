@@ -16,7 +16,7 @@ from typing import Any
 from sanic import Request, Sanic
 from sanic.response import HTTPResponse
 
-from afmd.config.load import Config
+from afmd.config.sections import Config
 from afmd.dialects.responses.responses_api import OpenAIResponses
 from afmd.dialects.responses.store import ResponseStore
 from afmd.errors import InvalidRequestError, NotFoundError

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from afmd.config.load import ServerConfig
+from afmd.config.sections import ServerConfig
 from afmd.dialects.dialect import ErrorStyle
 from afmd.errors import (
     AuthenticationError,

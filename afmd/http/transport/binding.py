@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from afmd.cli.port_owners import port_in_use, port_owners
-from afmd.config.load import ServerConfig
+from afmd.config.sections import ServerConfig
 from afmd.http.transport.connection import AfmdProtocol, make_protocol
 from afmd.http.transport.connection_limits import GateContext
 from afmd.http.transport.listeners import Listeners, StartupError, bind_tcp, bind_unix, is_loopback

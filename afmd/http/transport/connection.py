@@ -44,7 +44,7 @@ from afmd.dialects.dialect import ErrorStyle
 from afmd.errors import RequestTimeoutError
 from afmd.http.access import log_request
 from afmd.http.compat import SanicConnection
-from afmd.http.routes.handlers import StateRoute
+from afmd.http.routes.state_routes import StateRoute
 from afmd.http.sansio.gate import Direct, Forward, Gate, Output, Reply
 from afmd.http.sansio.screen import GatePolicy, RouteCheck, RouteVerdict, presented_key
 from afmd.http.sansio.wire import Rejection, render_json

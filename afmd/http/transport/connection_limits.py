@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterable
 from time import monotonic
 from typing import Protocol
 
-from afmd.config.load import ServerConfig
+from afmd.config.sections import ServerConfig
 from afmd.errors import ServiceUnavailableError, TooManyConnectionsError
-from afmd.http.routes.handlers import StateRoute
+from afmd.http.routes.state_routes import StateRoute
 from afmd.http.sansio.screen import GatePolicy, RouteCheck
 from afmd.http.sansio.wire import Rejection
 

@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from afmd.core.events import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 from afmd.core.request import ToolCall
 from afmd.output.markers import earliest, partial_suffix
-from afmd.output.pieces import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 
 _WS = " \t\r\n"
 # What a tool's name may look like in markup (OpenAI's names, plus dots and colons some

@@ -7,16 +7,10 @@ from pathlib import Path
 import pytest
 
 from afmd.config import load as config_mod
-from afmd.config.load import (
-    BUILTIN_DEMO_PATH,
-    DEMO_MODEL_ID,
-    Config,
-    ConfigError,
-    ModelEntry,
-    ModelsConfig,
-    default_config_path,
-    load_config,
-)
+from afmd.config.bounds import ConfigError
+from afmd.config.load import default_config_path, load_config
+from afmd.config.sections import BUILTIN_DEMO_PATH, DEMO_MODEL_ID, SECTIONS, Config, ModelsConfig
+from afmd.config.tables import ModelEntry
 
 from helpers.paths import REPO_ROOT
 
@@ -91,7 +85,7 @@ def test_example_file_model_tables_parse(tmp_path: Path) -> None:
 
 def test_example_file_covers_every_key() -> None:
     text = EXAMPLE.read_text()
-    for section, cls in config_mod.SECTIONS.items():
+    for section, cls in SECTIONS.items():
         assert f"[{section}]" in text
         for f in dataclasses.fields(cls):
             if (section, f.name) == ("models", "model"):

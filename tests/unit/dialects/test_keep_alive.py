@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from afmd.config.load import ConfigError, load_config
+from afmd.config.bounds import ConfigError
+from afmd.config.load import load_config
 from afmd.dialects.fields.keep_alive import parse_keep_alive
 from afmd.errors import InvalidRequestError
 

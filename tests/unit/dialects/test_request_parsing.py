@@ -7,14 +7,9 @@ from typing import Any
 
 import pytest
 
-from afmd.dialects.openai.chat_body import (
-    ChatRequest,
-    Message,
-    ToolCall,
-    ToolSpec,
-    parse_chat_request,
-    parse_json_body,
-)
+from afmd.core.request import ChatRequest, Message, ToolCall, ToolSpec
+from afmd.dialects.fields.body import parse_json_body
+from afmd.dialects.openai.chat_body import parse_chat_request
 from afmd.errors import InvalidRequestError
 
 USER = {"role": "user", "content": "Hello"}

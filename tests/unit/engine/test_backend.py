@@ -80,7 +80,8 @@ def test_current_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_an_unknown_choice_fails_the_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
                                           ) -> None:
-    from afmd.config.load import Config, ModelEntry
+    from afmd.config.sections import Config
+    from afmd.config.tables import ModelEntry
     from afmd.engine.models.loading import load_sync
 
     monkeypatch.setenv(backend.ENV, "tpu")

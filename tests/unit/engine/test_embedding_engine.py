@@ -12,7 +12,8 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from afmd.config.load import ModelEntry, load_config
+from afmd.config.load import load_config
+from afmd.config.tables import ModelEntry
 from afmd.engine import embedding_thread as embedding
 from afmd.engine.demo import builtin as demo
 from afmd.engine.embedding_thread import Embedder, groups, truncate

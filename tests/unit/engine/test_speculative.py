@@ -27,7 +27,9 @@ import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator
 
-from afmd.config.load import Config, ModelEntry, load_config
+from afmd.config.load import load_config
+from afmd.config.sections import Config
+from afmd.config.tables import ModelEntry
 from afmd.engine.batch import logprobs
 from afmd.engine.batch.cpu_layout import relayout_for_cpu
 from afmd.engine.batch.decode import DecodeBatch

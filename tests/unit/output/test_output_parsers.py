@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from mlx_lm.tool_parsers import json_tools, mistral, pythonic, qwen3_coder
 
-from afmd.output.pieces import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
+from afmd.core.events import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 from afmd.output.processor import OutputProcessor, ToolFormat
 
 THINK = ("<think>", "</think>")

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
+from afmd.core.events import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 from afmd.output.formats.base import parse_whole
 from afmd.output.formats.registry import FAMILIES
-from afmd.output.pieces import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 from afmd.output.processor import OutputProcessor, ToolFormat
 
 from helpers.formats import SPECS, Calls, Spec

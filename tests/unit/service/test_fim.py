@@ -15,7 +15,9 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from afmd.config.load import ConfigError, FimSetting, load_config
+from afmd.config.bounds import ConfigError
+from afmd.config.load import load_config
+from afmd.config.tables import FimSetting
 from afmd.service import fim
 
 PREFIX = "def area(r):\n    return "

@@ -19,7 +19,8 @@ import orjson
 import pytest
 from mlx_lm.tool_parsers import json_tools
 
-from afmd.config.load import ModelEntry, ServerTool, load_config
+from afmd.config.load import load_config
+from afmd.config.tables import ModelEntry, ServerTool
 from afmd.core.events import (
     Content,
     Event,
