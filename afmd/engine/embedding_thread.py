@@ -179,26 +179,12 @@ class Embedder:
     def __init__(
         self, model: Any, spec: EmbeddingSpec, *, name: str, gather_s: float = GATHER_S
     ) -> None:
+        #: The forward passes (its ``spec``, and the ``batches`` run so far).
         self.encoder = Encoder(model, spec)
         self._gather_s = gather_s
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"afmd-embed-{name}", daemon=True)
         self._started = False
-
-    @property
-    def spec(self) -> EmbeddingSpec:
-        return self.encoder.spec
-
-    @property
-    def batches(self) -> int:
-        """Forward passes run (tests and the bench read it)."""
-        return self.encoder.batches
-
-    def encode_jobs(self, jobs: Sequence[EmbeddingJob]) -> list[np.ndarray]:
-        return self.encoder.encode_jobs(jobs)
-
-    def encode(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
-        return self.encoder.encode(sequences)
 
     # -- event-loop side --
     def start(self) -> None:
@@ -224,7 +210,7 @@ class Embedder:
             if not live:
                 continue
             try:
-                results = self.encode_jobs(live)
+                results = self.encoder.encode_jobs(live)
             except Exception:  # a model failure must not kill the thread
                 log.exception("embedding batch failed")
                 error = ServerError("The model failed while embedding.", code="generation_failed")

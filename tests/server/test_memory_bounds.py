@@ -56,7 +56,8 @@ def test_freed_large_buffers_leave_the_heap_after_model_load() -> None:
     blocks of that size come from the heap, where freed holes stay resident. After a
     model load (which pins the threshold) freeing them must give the memory back."""
     script = textwrap.dedent("""
-        from afmd.config.load import BUILTIN_DEMO_PATH, Config, ModelEntry
+        from afmd.config.sections import BUILTIN_DEMO_PATH, Config
+        from afmd.config.tables import ModelEntry
         from afmd.engine.models.loading import load_sync
 
         def rss():

@@ -118,7 +118,7 @@ class LoadedModel:
     @property
     def embedding(self) -> EmbeddingSpec:
         assert self.embedder is not None, f"{self.id} is not an embedding model"
-        return self.embedder.spec
+        return self.embedder.encoder.spec
 
     @property
     def hidden_size(self) -> int:

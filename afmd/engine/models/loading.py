@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from afmd.config.sections import BUILTIN_SYSTEM_PATH, Config
 from afmd.config.tables import ModelEntry
@@ -30,6 +30,10 @@ from afmd.engine.models.kinds import BUILTIN_PREFIX, CHAT
 from afmd.engine.models.loaded_model import DEFAULT_CONTEXT_LENGTH, LoadedModel, context_length_from
 from afmd.engine.models.residency import RETRY_AFTER_S, Residency, format_bytes, size_before_loading
 from afmd.errors import InvalidRequestError, ServerError, ServiceUnavailableError
+
+if TYPE_CHECKING:
+    from afmd.engine.vision.vision_model import VisionSupport
+    from afmd.engine.vision.vision_thread import VisionWorker
 
 log = logging.getLogger("afmd.engine")
 
@@ -67,66 +71,72 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     apply_memory_bounds(config.cache.mlx_buffer_cache_bytes)
 
     is_demo = entry.path.startswith(BUILTIN_PREFIX)
+    folder: Path | None
+    worker: BatchWorker | VisionWorker | None = None
+    embedder: Embedder | None = None
+    vision: VisionSupport | None = None
+    shard = None
+    kind = CHAT
     if kinds.is_vision(entry, kinds.model_folder(entry.path)):
         variant = entry.path[len(BUILTIN_PREFIX):]
         local = demo.materialize(variant) if is_demo else Path(entry.path).expanduser()
         source = str(local) if local.exists() else entry.path
-        return _load_vision(entry, config, source, is_demo)
-    if is_demo:
-        variant = entry.path[len(BUILTIN_PREFIX):]
-        folder: Path | None = demo.materialize(variant)
-        source = str(folder)
-    else:
-        candidate = Path(entry.path).expanduser()
-        folder = candidate if candidate.exists() else None
-        source = str(candidate) if folder else entry.path
-    group = lockstep.current()
-    shard = None
-    if group is not None and entry == config.resolve_model(None):
-        # A launched group's model: this rank's share of it, in step with the others.
-        model, tokenizer, model_config, shard = load_shard(
-            folder or Path(source), group, config.distributed.strategy
+        folder, model, tokenizer, context_length, worker, vision = _load_vision(
+            entry, config, source
         )
     else:
-        group = None
-        model, tokenizer, model_config = mlx_load(source, return_config=True)  # type: ignore[misc]  # mlx-lm types load() 2- or 3-tuple whatever return_config says
-    # A repo's files are on disk now: its folder can say what kind of model it is.
-    kind, spec = kinds.resolve(entry, folder or kinds.model_folder(entry.path), model_config)
-    if shard is not None and kind != CHAT:
-        raise ValueError("only a chat model can be sharded over a launched group")
-    if kind == CHAT and shard is None:
-        relayout_for_cpu(model)  # an embedding model never runs its output projection
-    # Loading and re-laying out weights freed buffers a serving process never reuses.
-    mx.clear_cache()
-    context_length = (
-        entry.context_length or context_length_from(model_config) or DEFAULT_CONTEXT_LENGTH
-    )
-    worker: BatchWorker | None = None
-    embedder: Embedder | None = None
-    if spec is not None:
-        embedder = Embedder(model, spec, name=entry.id)
-        embedder.start()
-    else:
-        worker = BatchWorker(
-            model,
-            tokenizer,
-            name=entry.id,
-            max_batch=config.queue.max_concurrent_requests,
-            prompt_cache_bytes=config.cache.prompt_cache_bytes,
-            prompt_cache_entries=config.cache.prompt_cache_entries,
-            identity=model_identity(folder or kinds.model_folder(entry.path), entry.id),
-            block_tokens=config.cache.block_tokens,
-            # A sharded model's ranks keep RAM tiers in step; a disk tier each would not
-            # stay so (what one rank's writer dropped, another's wrote): off for them.
-            disk_dir=None if shard else kv_folder.resolve(config.cache.disk_dir),
-            disk_bytes=config.cache.disk_bytes,
-            prompt_lookup=config.engine.prompt_lookup,
-            draft_model=None if shard else load_draft(entry, config, tokenizer),
-            lockstep=group,
+        if is_demo:
+            variant = entry.path[len(BUILTIN_PREFIX):]
+            folder = demo.materialize(variant)
+            source = str(folder)
+        else:
+            candidate = Path(entry.path).expanduser()
+            folder = candidate if candidate.exists() else None
+            source = str(candidate) if folder else entry.path
+        group = lockstep.current()
+        if group is not None and entry == config.resolve_model(None):
+            # A launched group's model: this rank's share of it, in step with the others.
+            model, tokenizer, model_config, shard = load_shard(
+                folder or Path(source), group, config.distributed.strategy
+            )
+        else:
+            group = None
+            model, tokenizer, model_config = mlx_load(source, return_config=True)  # type: ignore[misc]  # mlx-lm types load() 2- or 3-tuple whatever return_config says
+        # A repo's files are on disk now: its folder can say what kind of model it is.
+        kind, spec = kinds.resolve(entry, folder or kinds.model_folder(entry.path), model_config)
+        if shard is not None and kind != CHAT:
+            raise ValueError("only a chat model can be sharded over a launched group")
+        if kind == CHAT and shard is None:
+            relayout_for_cpu(model)  # an embedding model never runs its output projection
+        # Loading and re-laying out weights freed buffers a serving process never reuses.
+        mx.clear_cache()
+        context_length = (
+            entry.context_length or context_length_from(model_config) or DEFAULT_CONTEXT_LENGTH
         )
-        worker.start()
-        worker.ready()  # the GPU path's warm-up is part of loading
-        log.info("model %s serves on the %s", entry.id, path.describe())
+        if spec is not None:
+            embedder = Embedder(model, spec, name=entry.id)
+            embedder.start()
+        else:
+            worker = BatchWorker(
+                model,
+                tokenizer,
+                name=entry.id,
+                max_batch=config.queue.max_concurrent_requests,
+                prompt_cache_bytes=config.cache.prompt_cache_bytes,
+                prompt_cache_entries=config.cache.prompt_cache_entries,
+                identity=model_identity(folder or kinds.model_folder(entry.path), entry.id),
+                block_tokens=config.cache.block_tokens,
+                # A sharded model's ranks keep RAM tiers in step; a disk tier each would not
+                # stay so (what one rank's writer dropped, another's wrote): off for them.
+                disk_dir=None if shard else kv_folder.resolve(config.cache.disk_dir),
+                disk_bytes=config.cache.disk_bytes,
+                prompt_lookup=config.engine.prompt_lookup,
+                draft_model=None if shard else load_draft(entry, config, tokenizer),
+                lockstep=group,
+            )
+            worker.start()
+            worker.ready()  # the GPU path's warm-up is part of loading
+            log.info("model %s serves on the %s", entry.id, path.describe())
     return LoadedModel(
         entry=entry,
         folder=folder,
@@ -139,6 +149,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         kind=kind,
         embedder=embedder,
         shard=shard,
+        vision=vision,
     )
 
 
@@ -157,8 +168,11 @@ def _load_system(entry: ModelEntry, config: Config) -> LoadedModel:
     )
 
 
-def _load_vision(entry: ModelEntry, config: Config, source: str, is_demo: bool) -> LoadedModel:
-    """Load a vision model with mlx-vlm and start its generation thread."""
+def _load_vision(
+    entry: ModelEntry, config: Config, source: str
+) -> tuple[Path, Any, Any, int, VisionWorker, VisionSupport]:
+    """Load a vision model with mlx-vlm and start its generation thread: its folder, model,
+    tokenizer, context length, worker and prompt side."""
     try:
         from mlx_vlm.utils import get_model_path
         from mlx_vlm.utils import load as vlm_load
@@ -168,7 +182,6 @@ def _load_vision(entry: ModelEntry, config: Config, source: str, is_demo: bool) 
             "pip install 'afmd[vision]'"
         ) from None
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from afmd.engine.vision.vision_model import VisionSupport
@@ -186,17 +199,8 @@ def _load_vision(entry: ModelEntry, config: Config, source: str, is_demo: bool) 
     )
     worker = VisionWorker(model, tokenizer, name=entry.id)
     worker.start()
-    return LoadedModel(
-        entry=entry,
-        folder=folder,
-        model=model,
-        tokenizer=tokenizer,
-        context_length=context_length,
-        worker=worker,
-        is_demo=is_demo,
-        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),  # type: ignore[str-unpack, union-attr]  # mlx types tree_flatten list-or-dict alike
-        vision=VisionSupport(model, processor, tokenizer, config.models.max_image_pixels),
-    )
+    vision = VisionSupport(model, processor, tokenizer, config.models.max_image_pixels)
+    return folder, model, tokenizer, context_length, worker, vision
 
 
 def _config_json(folder: Path) -> dict[str, Any]:

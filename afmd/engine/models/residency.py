@@ -228,56 +228,6 @@ def free_model(model: LoadedModel) -> None:
     mx.clear_cache()  # and MLX's pool of freed buffers gives them back
 
 
-class Unloads:
-    """The models being freed, and the bytes they still hold."""
-
-    def __init__(
-        self,
-        free: Callable[[LoadedModel], None],
-        on_unload: Callable[[str], None],
-        freed: Callable[[], None],
-    ) -> None:
-        self.free = free  # blocking: run off the event loop
-        self._on_unload = on_unload
-        self._freed = freed  # loads waiting for room look again
-        self._held: dict[int, int] = {}  # per model object: bytes still held
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def count(self) -> int:
-        return len(self._held)
-
-    def held_bytes(self) -> int:
-        return sum(self._held.values())
-
-    def start(self, model: LoadedModel, reason: str) -> asyncio.Task[None]:
-        held = model.memory_bytes
-        self._held[id(model)] = held
-        task = asyncio.get_running_loop().create_task(self._free_later(model, held, reason))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    async def _free_later(self, model: LoadedModel, held: int, reason: str) -> None:
-        try:
-            # Callbacks already scheduled (a finished request's last events) may still hold
-            # the model: let them run before its arrays are dropped.
-            await asyncio.sleep(0)
-            await asyncio.to_thread(self.free, model)
-        except Exception:
-            log.exception("unloading %s failed", model.id)
-        finally:
-            self._held.pop(id(model), None)
-            self._on_unload(model.id)
-            log.info("model unloaded: %s (%s; %s freed)", model.id, reason,
-                     format_bytes(held))
-            self._freed()
-
-    async def drain(self) -> None:
-        """Wait for the unloads under way (tests, shutdown)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-
-
 # ------------------------------------------------------------------------------ residency
 
 
@@ -327,14 +277,13 @@ class Residency:
         self.waiting: Counter[str] = Counter()
         #: Closed (the server stops): no clock unloads anything any more.
         self.closed = False
-        self._unloads = Unloads(free or free_model, on_unload, self._changes.pulse)
+        #: Stops a model's thread and frees its arrays; blocking, so run off the event loop.
+        self.free = free or free_model
+        self._on_unload = on_unload
+        self._unloading: dict[int, int] = {}  # per model object being freed: bytes it holds
+        self._unload_tasks: set[asyncio.Task[None]] = set()
         self._reserved: dict[str, int] = {}  # loads under way: bytes their weights will take
         self._wanted: dict[str, int] = {}  # loads waiting for room: their sizes
-
-    @property
-    def free(self) -> Callable[[LoadedModel], None]:
-        """Blocking: run off the event loop."""
-        return self._unloads.free
 
     # -- leases and keep-alive --
     def hold(self, model: LoadedModel, keep_alive: float) -> Lease:
@@ -424,12 +373,12 @@ class Residency:
 
     def used_bytes(self) -> int:
         return (sum(m.memory_bytes for m in self.loaded.values())
-                + sum(self._reserved.values()) + self._unloads.held_bytes())
+                + sum(self._reserved.values()) + sum(self._unloading.values()))
 
     def _count(self) -> int:
         """Models counted against ``max_loaded``: Apple's model holds nothing of afmd's."""
         held = sum(1 for m in self.loaded.values() if not m.reads_conversation)
-        return held + len(self._reserved) + self._unloads.count()
+        return held + len(self._reserved) + len(self._unloading)
 
     def _victims(self, size: int, keep: str | None = None) -> list[Resident] | None:
         """The idle models to unload, least recently used first, so that ``size`` more
@@ -505,11 +454,32 @@ class Residency:
         return self._unload(resident, reason)
 
     def _unload(self, resident: Resident, reason: str) -> asyncio.Task[None]:
+        """Out of the loaded set now; freed in a thread, its memory counted until then."""
         model = resident.model
         resident.stop_clock()
         del self.residents[model.id]
         del self.loaded[model.id]
-        return self._unloads.start(model, reason)
+        held = model.memory_bytes
+        self._unloading[id(model)] = held
+        task = asyncio.get_running_loop().create_task(self._free_later(model, held, reason))
+        self._unload_tasks.add(task)
+        task.add_done_callback(self._unload_tasks.discard)
+        return task
+
+    async def _free_later(self, model: LoadedModel, held: int, reason: str) -> None:
+        try:
+            # Callbacks already scheduled (a finished request's last events) may still hold
+            # the model: let them run before its arrays are dropped.
+            await asyncio.sleep(0)
+            await asyncio.to_thread(self.free, model)
+        except Exception:
+            log.exception("unloading %s failed", model.id)
+        finally:
+            self._unloading.pop(id(model), None)
+            self._on_unload(model.id)
+            log.info("model unloaded: %s (%s; %s freed)", model.id, reason,
+                     format_bytes(held))
+            self._changes.pulse()  # loads waiting for room look again
 
     def _unavailable(self, model_id: str, size: int) -> ServiceUnavailableError:
         busy = ", ".join(sorted(m for m in self.loaded if self.busy(m))) or "none"
@@ -522,7 +492,8 @@ class Residency:
 
     async def drain(self) -> None:
         """Wait for the unloads under way (tests, shutdown)."""
-        await self._unloads.drain()
+        while self._unload_tasks:
+            await asyncio.gather(*list(self._unload_tasks), return_exceptions=True)
 
     def close(self) -> list[LoadedModel]:
         """Stop every timer (safe from any thread: a timer that fires finds nothing); the

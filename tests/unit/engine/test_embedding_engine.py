@@ -151,7 +151,7 @@ def test_concurrent_jobs_share_one_forward_pass(model: Any) -> None:
         results = asyncio.run(run())
     finally:
         embedder.stop()
-    assert embedder.batches == 1
+    assert embedder.encoder.batches == 1
     for inputs, vectors in zip(jobs_inputs, results, strict=True):
         assert vectors.shape == (2, 64) and vectors.dtype == np.float32
         for ids, vector in zip(inputs, vectors, strict=True):
@@ -185,7 +185,7 @@ def test_a_cancelled_job_is_skipped(model: Any) -> None:
 def test_pooling_and_padding_match_each_sequence_alone(model: Any, pooling: str) -> None:
     embedder = Embedder(model, EmbeddingSpec(pooling, normalize=False), name="t")
     seqs = sequences([1, 4, 9, 30])
-    got = embedder.encode(seqs)  # one right-padded batch
+    got = embedder.encoder.encode(seqs)  # one right-padded batch
     for ids, vector in zip(seqs, got, strict=True):
         states = hidden(model, ids)
         expected = {"last": states[-1], "mean": states.mean(axis=0), "cls": states[0]}[pooling]
@@ -199,9 +199,9 @@ def test_long_inputs_stepped_through_a_cache_match_one_pass(
 ) -> None:
     seqs = sequences([37, 20, 3])
     embedder = Embedder(model, EmbeddingSpec(pooling), name="t")
-    whole = embedder.encode(seqs)
+    whole = embedder.encoder.encode(seqs)
     monkeypatch.setattr(embedding, "STEP_TOKENS", 8)
-    stepped = embedder.encode(seqs)
+    stepped = embedder.encoder.encode(seqs)
     np.testing.assert_allclose(stepped, whole, atol=tolerance(1e-4))
 
 
