@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sanic import Sanic
@@ -92,7 +91,7 @@ class Server:
                                 access_log=config.log.access_log,
                                 direct=direct_routes(self.app))
         self._listeners = Listeners(self.app, on_gave_up=self._listener_gave_up)
-        self.listener_state_callbacks.append(self.state.metrics.listener_state)
+        self.supervisor.callbacks.append(self.state.metrics.listener_state)
         self._stop = asyncio.Event()
         self._stopping = False
         self._preload: asyncio.Task[None] | None = None
@@ -105,16 +104,6 @@ class Server:
     @property
     def supervisor(self) -> ListenerSupervisor:
         return self._listeners.supervisor
-
-    @property
-    def listener_state_callbacks(self) -> list[Callable[[ListenerState], None]]:
-        """Called (in the server's loop) with every :class:`ListenerState`; the states so
-        far are in ``self.supervisor.history``."""
-        return self.supervisor.callbacks
-
-    def listener_states(self) -> AsyncIterator[ListenerState]:
-        """Every :class:`ListenerState` from now on (iterate in the server's loop)."""
-        return self.supervisor.subscribe()
 
     # -- lifecycle --
     def _bind_all(self) -> None:

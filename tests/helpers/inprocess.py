@@ -26,7 +26,7 @@ class InProcessServer:
         self.server = Server(config)
         self.states: list[ListenerState] = []
         self.cond = threading.Condition()
-        self.server.listener_state_callbacks.append(self._on_state)
+        self.server.supervisor.callbacks.append(self._on_state)
         self.loop = asyncio.new_event_loop()
         self.exit_code: int | None = None
         self.error: BaseException | None = None

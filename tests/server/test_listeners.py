@@ -306,7 +306,7 @@ def test_five_failed_rebinds_stop_the_server_with_exit_1(
 def test_states_as_an_async_iterator(inproc: InProcessServer) -> None:
     async def two_states() -> list[ListenerState]:
         seen: list[ListenerState] = []
-        async for state in inproc.server.listener_states():
+        async for state in inproc.server.supervisor.subscribe():
             seen.append(state)
             if len(seen) == 2:
                 return seen
