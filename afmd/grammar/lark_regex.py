@@ -25,7 +25,7 @@ import functools
 
 from llguidance import LLMatcher
 
-from afmd.grammar.lark_parse import Alt, Node, Ref, Regex, Repeat, Seq, Unsupported, parse, terminal
+from afmd.grammar.lark_parse import Alt, Node, Ref, Regex, Seq, Unsupported, parse, terminal
 
 #: Past this, a regex is more than the lexer should be asked to build per request.
 MAX_REGEX = 50_000

@@ -35,8 +35,8 @@ from afmd.core.events import (
     ToolCallStart,
 )
 from afmd.core.request import Message, ToolCall
-from afmd.dialects.responses.options import custom_parameters
 from afmd.dialects.openai.chat import OPENAI_CHAT
+from afmd.dialects.responses.options import custom_parameters
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.service.chat_template import template_messages
 from afmd.service.pipeline import ChatPipeline
