@@ -213,13 +213,19 @@ class _Parser:
             return Repeat(node, 1 if tok.text == "+" else 0, 1 if tok.text == "?" else None)
         if tok.text == "~":
             self.take()
-            low = int(self.take().text)
-            high = low
+            low = high = self.count()
             if (nxt := self.peek()) is not None and nxt.kind == "dots":
                 self.take()
-                high = int(self.take().text)
+                high = self.count()
             return Repeat(node, low, high)
         return node
+
+    def count(self) -> int:
+        """A repeat's bound; anything else after ``~`` is llguidance's negation."""
+        tok = self.take()
+        if tok.kind != "number":
+            raise Unsupported("~ negation is not supported here")
+        return int(tok.text)
 
     def atom(self) -> Node:
         tok = self.take()

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from afmd.grammar.lark_input import NotEmbeddable, json_string, lark_rules, raw_text
+from afmd.grammar.lark_regex import NotRegular, lark_regex
 
 from helpers.lark_judge import accepts, in_lark
 
@@ -107,7 +108,11 @@ def test_where_terminals_overlap_the_rules_read_the_grammar_as_a_cfg() -> None:
     'start: "(" start ")" | /x(?=y)/\n',  # a lookaround
     'start: "(" start ")" | %json {"type": "integer"}\n',
     'start: "(" start ")" | X\nX: /a/ & /[a-z]/\n',
+    'start: "(" start ")" | X\nX: /a/ ~ /b/\n',  # a negation, not a repeat
 ])
 def test_what_the_rules_cannot_carry_is_said(definition: str) -> None:
+    """Said, so the call is generated best-effort (downgraded), never a server error."""
     with pytest.raises(NotEmbeddable):
         lark_rules(definition, escaped=True)
+    with pytest.raises(NotRegular):
+        lark_regex(definition)
