@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from afmd.grammar.frames import Build, Frame, HarmonyFrame, Tool
@@ -238,7 +239,8 @@ class GemmaCalls(CallGrammar):
         return b.rules.add(f"{call}+", "calls") if parallel else call
 
     def _pair(self, b: Build, p: Param, tool: Tool) -> str:
-        if p.string and (text := _custom_input(p.raw, raw_text)) is not None:
+        quote = "" if b.starts_with_token(self.quote) else self.quote
+        if p.string and (text := _custom_input(p.raw, partial(raw_text, forbid=quote))):
             value = f"{b.m(self.quote)} {text} {b.m(self.quote)}"
         elif p.string:
             text = b.rules.terminal(raw_value(string_terminal(p.raw, tool.parameters,
@@ -309,9 +311,10 @@ class TaggedCalls(CallGrammar):
         if not p.string:
             return b.rules.add(f"{header} {b.json(p.schema)} {b.m(before + tag + after)}",
                                "param")
-        if (text := _custom_input(p.raw, raw_text)) is not None:
-            # A custom tool's recursive grammar, raw: rules cannot be intersected with
-            # "never the closing tag" nor trimmed as a terminal is (see lark_input).
+        # A custom tool's recursive grammar, raw, where the reader reads it back whole.
+        write = partial(raw_text, forbid="" if b.starts_with_token(tag) else tag,
+                        trimmed=self.trimmed and not self.cdata)  # CDATA keeps its text
+        if (text := _custom_input(p.raw, write)) is not None:
             if self.cdata:
                 text = f'"<![CDATA[" {text} "]]>" {json.dumps(tag)}'
                 return b.rules.add(f"{header} {text} {b.m(after)}", "param")

@@ -77,9 +77,19 @@ def json_string(definition: str) -> str:
     return '"\\"" %lark {\n' + lark_rules(definition, escaped=True) + '\n} "\\""'
 
 
-def raw_text(definition: str) -> str:
-    """The input written raw: the rules unescaped, nested."""
-    return "%lark {\n" + lark_rules(definition, escaped=False) + "\n}"
+def raw_text(definition: str, *, forbid: str = "", trimmed: bool = False) -> str:
+    """The input written raw: the rules unescaped, nested.
+
+    Rules cannot be intersected with "never ``forbid``" nor "no space at either end" as
+    a terminal can, so where the family's reader would cut what they allow, they are
+    not used (:class:`NotEmbeddable`): a text that may start or end with whitespace where
+    the family trims values, a character that may open ``forbid`` (the closing tag, when
+    it is text) anywhere."""
+    text = lark_rules(definition, escaped=False)
+    reason = _hazard(definition, forbid[:1], trimmed)
+    if reason:
+        raise NotEmbeddable(reason)
+    return "%lark {\n" + text + "\n}"
 
 
 # --------------------------------------------------------------------------- characters
@@ -101,6 +111,11 @@ def _escapes(specials: frozenset[int] | set[int]) -> str:
 
 def _lexeme(regex: str, fold: bool) -> str:
     return f"/(?i:{regex})/" if fold else f"/{regex}/"
+
+
+def _noted(chars: _Chars, lexeme: str) -> str:
+    chars.seen.add(lexeme)
+    return lexeme
 
 
 class _ByteTokens:
@@ -142,32 +157,33 @@ class _Chars:
 
     def __init__(self, escaped: bool) -> None:
         self.escaped = escaped
+        self.seen: set[str] = set()  # every lexeme written, for a hazard's search
 
     def char(self, code: int, fold: bool) -> str:
         if self.escaped and code in SPECIAL:
-            return _lexeme(_escapes({code}), False)
+            return _noted(self, _lexeme(_escapes({code}), False))
         ch = chr(code)
-        return _lexeme("\\" + ch if ch in _META else ch, fold)
+        return _noted(self, _lexeme("\\" + ch if ch in _META else ch, fold))
 
     def klass(self, atom: str, fold: bool) -> str:
         """A class (``[…]``, ``\\d``, ``\\p{…}``)."""
         if not self.escaped:
-            return _lexeme(atom, fold)
+            return _noted(self, _lexeme(atom, fold))
         specials, rest = _members(atom)
         body = atom if atom.startswith("[") else f"[{atom}]"
         return self.union(f"[{body}&&{_PLAIN}]" if rest else None, specials, fold)
 
     def any(self, dotall: bool) -> str:
         if not self.escaped:
-            return "/(?s:.)/" if dotall else "/./"
+            return _noted(self, "/(?s:.)/" if dotall else "/./")
         return self.union(_PLAIN, SPECIAL if dotall else SPECIAL - {0x0A}, False)
 
-    @staticmethod
-    def union(plain: str | None, specials: frozenset[int], fold: bool) -> str:
+    def union(self, plain: str | None, specials: frozenset[int], fold: bool) -> str:
         alts = [a for a in (plain, _escapes(specials)) if a]
         if not alts:
             raise NotEmbeddable("a character class that matches nothing")
-        return _lexeme(alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")", fold)
+        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return _noted(self, _lexeme(body, fold))
 
 
 # --------------------------------------------------------------------------- regexes
@@ -200,9 +216,10 @@ class _RegexRules:
     """One regex (Rust syntax, as llguidance reads it) as a lark expression of
     one-character lexemes: its structure as it is, each character or class a lexeme."""
 
-    def __init__(self, text: str, chars: _Chars) -> None:
+    def __init__(self, text: str, chars: _Chars, reverse: bool = False) -> None:
         self.text = text
         self.chars = chars
+        self.reverse = reverse  # written back to front (what the text may end with)
         self.i = 0
         self.dotall = False
         self.fold = False
@@ -238,7 +255,7 @@ class _RegexRules:
                 if atom is not None:
                     atom = f"({atom}){quant.group(1)}"
             out.append(atom)
-        return _join(out)
+        return _join(out[::-1] if self.reverse else out)
 
     def atom(self) -> str | None:
         ch = self.peek()
@@ -350,9 +367,11 @@ class _Writer:
     every token) or ``first`` (as ``rest``, except its first token); without ``%ignore``
     the three are one."""
 
-    def __init__(self, defs: dict[str, Node], ignore: list[Node], chars: _Chars) -> None:
+    def __init__(self, defs: dict[str, Node], ignore: list[Node], chars: _Chars,
+                 reverse: bool = False) -> None:
         self.defs = defs
         self.chars = chars
+        self.reverse = reverse  # every sequence back to front (no %ignore then)
         self.lines: list[str] = []
         self.names: dict[tuple[str, str], str] = {}
         self.regexes: dict[str, str | None] = {}
@@ -390,7 +409,7 @@ class _Writer:
 
     def regex(self, text: str) -> str | None:
         if text not in self.regexes:
-            self.regexes[text] = _RegexRules(text, self.chars).whole()
+            self.regexes[text] = _RegexRules(text, self.chars, self.reverse).whole()
         return self.regexes[text]
 
     def token(self, expr: str | None, mode: str) -> str | None:
@@ -448,7 +467,8 @@ class _Writer:
 
     def sequence(self, items: tuple[Node, ...], mode: str) -> str | None:
         if mode != "first" or not items:
-            return _join([self.expr(item, mode) for item in items])
+            out = [self.expr(item, mode) for item in items]
+            return _join(out[::-1] if self.reverse else out)
         head, tail = items[0], items[1:]
         text = _join([self.expr(head, "first"), self.sequence(tail, "rest")])
         if tail and self.empty(head, self.nullable):  # the head left out: the next leads
@@ -483,3 +503,42 @@ def lark_rules(definition: str, *, escaped: bool) -> str:
 def lark_string(text: str) -> str:
     """A lark string literal for ``text`` (DEL escaped: lark strings refuse it raw)."""
     return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+#: What a family that trims values strips (Python's ``str.strip``).
+_WHITESPACE = tuple(ch for ch in map(chr, range(0x3001)) if ch.isspace())
+
+
+def _takes(grammar: str, texts: tuple[str, ...]) -> str | None:
+    """The first of ``texts`` that ``grammar`` may begin with, if any. (A grammar of
+    one-character lexemes, or of single classes: nothing here that the lexer must build
+    at any size, so it is asked in this process.)"""
+    matcher = LLMatcher(_bytes_tokenizer(), LLMatcher.grammar_from_lark(grammar), log_level=0)
+    if matcher.is_error():
+        raise NotEmbeddable(matcher.get_error())
+    for text in texts:
+        data = list(text.encode())
+        if matcher.validate_tokens(data) == len(data):
+            return text
+    return None
+
+
+@functools.lru_cache(maxsize=128)
+def _hazard(definition: str, first: str, trimmed: bool) -> str:
+    """Why the raw rules would be read back cut, or ""."""
+    defs, ignore = parse(definition)
+    if first:
+        chars = _Chars(False)
+        writer = _Writer(defs, ignore, chars)
+        writer.expr(Ref("start"), "first")
+        lexemes = " | ".join(sorted(chars.seen))
+        if lexemes and _takes(f"start: {lexemes}", (first,)):
+            return f"the text may write {first!r}, which opens the closing tag"
+    if trimmed:
+        for reverse, end in ((False, "start"), (True, "end")):
+            writer = _Writer(defs, [], _Chars(False), reverse)
+            start = writer.expr(Ref("start"), "term")
+            grammar = "\n".join([f"start: {start or chr(34) * 2}", *writer.lines])
+            if (space := _takes(grammar, _WHITESPACE)) is not None:
+                return f"the text may {end} with {space!r}, which the family trims"
+    return ""

@@ -341,3 +341,25 @@ def test_a_custom_tools_recursive_grammar_is_enforced(models: Models, spec: Spec
         assert finish(events) == "tool_calls", end
         text = json.loads(end.call.arguments)["input"]
         assert in_lark(RECURSIVE, text), text
+
+
+TRIMMING = ("glm47", "longcat", "minimax_m2", "muse_spark")
+
+
+@pytest.mark.parametrize("spec", FAMILIES, ids=lambda s: s.id)
+def test_a_recursive_grammar_a_raw_reader_would_cut_is_downgraded(
+        models: Models, spec: Spec) -> None:
+    """Its text may end with a newline: where the family trims raw values, that newline
+    would be read away, so the input is generated best-effort and says so; JSON strings
+    and untrimmed raw values carry it whole."""
+    from afmd.service.turn import plan_turn
+
+    definition = 'start: "(" start ")" | /[a-c]+/ "\\n"\n'
+    parameters = custom_parameters({"type": "grammar", "syntax": "lark",
+                                    "definition": definition})
+    request = OPENAI_CHAT.parse(orjson.dumps({
+        "messages": [USER], "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]}))
+    plan = plan_turn(request, models.model(spec), [], 100)
+    assert plan.grammar is not None
+    assert plan.downgraded == (spec.id in TRIMMING)

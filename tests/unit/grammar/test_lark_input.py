@@ -5,6 +5,7 @@ own lark matcher takes under the grammar as sent, and the raw rules exactly thos
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -116,3 +117,26 @@ def test_what_the_rules_cannot_carry_is_said(definition: str) -> None:
         lark_rules(definition, escaped=True)
     with pytest.raises(NotRegular):
         lark_regex(definition)
+
+
+@pytest.mark.parametrize(("definition", "trimmed", "verdict"), [
+    ('start: "(" start ")" | /[a-c]+/\n', True, None),
+    ('start: "(" start ")" | /[a-c]+/ "\\n"\n', True, "end with '\\n'"),
+    ('start: "(" start ")" | " " /[a-c]+/\n', True, "start with ' '"),
+    ('start: "(" start ")" | /[a-c]+/ /[x\\u3000]/\n', True, "end with '\\u3000'"),
+    ('start: "(" start ")" | /[a-c]+/ /[\\t x]/ "y"\n', True, None),
+    ('start: "(" start " )" | /[a-c]+/\n%ignore " "\n', True, None),  # never at an end
+    ('start: "(" start ")" | /[a-c]+/ "\\n"\n', False, None),
+    ('start: "(" start ")" | /[a-c<]+/\n', False, "'<', which opens"),
+    ('start: "(" start ")" | /[a-c]+/\n%ignore "<"\n', False, "'<', which opens"),
+])
+def test_raw_rules_are_not_used_where_the_reader_would_cut_them(
+        definition: str, trimmed: bool, verdict: str | None) -> None:
+    """A family that trims values strips a text's edges; a closing tag that is text ends
+    the value where it is first written. Rules cannot forbid either, so where the grammar
+    may derive it, they are refused (and the input is generated best-effort)."""
+    if verdict is None:
+        assert raw_text(definition, forbid="</p>", trimmed=trimmed).startswith("%lark {")
+    else:
+        with pytest.raises(NotEmbeddable, match=re.escape(verdict)):
+            raw_text(definition, forbid="</p>", trimmed=trimmed)
