@@ -32,8 +32,11 @@ Which characters of a regex class are ones JSON escapes is asked of llguidance i
 one-class matcher over a byte tokenizer), so a class means exactly what it means to
 llguidance. What the rules cannot carry (anchors and lookarounds in a regex, the ``x``
 flag, and what :mod:`afmd.grammar.lark_parse` cannot read) raises :class:`NotEmbeddable`,
-and the caller generates that input best-effort (downgraded). The text written here is
-compiled in the compile worker like any other grammar text.
+and the caller generates that input best-effort (downgraded). So does a raw input the
+family's reader would cut (:func:`raw_text`). The text written here is compiled in the
+compile worker like any other grammar text; what is asked of llguidance in this process (a
+class's members, a raw text's edges) is a grammar of one-character lexemes, whose lexer has
+nothing to build at size.
 """
 
 from __future__ import annotations
