@@ -13,11 +13,13 @@ family's chat template renders, which is what the model was trained to write.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from afmd.grammar.frames import Build, Frame, HarmonyFrame, Tool
+from afmd.grammar.lark_input import NotEmbeddable, json_string, lark_of, lark_string, raw_text
 from afmd.grammar.params import ANY_KEY, Inexact, Param, plan, raw_value, sequence, string_terminal
 from afmd.grammar.schema_copy import reroot
 
@@ -57,10 +59,48 @@ class JsonObjectCalls(CallGrammar):
         return self.start
 
     def calls(self, b: Build, tools: Sequence[Tool], parallel: bool) -> str:
-        names = [b.rules.add(b.json(_named_object(t, self.key)), "fn") for t in tools]
+        names = [b.rules.add(_named(b, t, self.key), "fn") for t in tools]
         call = b.rules.add(f'{b.m(self.start)} "\\n" ({" | ".join(names)}) "\\n" '
                            f'{b.m(self.end)}', "call")
         return self.repeat(b, call, parallel, "\n")
+
+
+def _named(b: Build, tool: Tool, key: str) -> str:
+    """``{"name": NAME, KEY: arguments}``: one ``%json``, or for a custom tool whose lark
+    grammar recurses, its input's escaped rules inside the object's markup."""
+    text = _custom_input(tool.parameters, json_string)
+    if text is None:
+        return b.json(_named_object(tool, key))
+    head = lark_string('{"name":' + json.dumps(tool.name) + ',"' + key + '":{"input":')
+    return f'{head} {text} "}}}}"'
+
+
+def _arguments(b: Build, tool: Tool) -> str:
+    """The arguments object: its ``%json``, or a custom tool's input rules inside it."""
+    text = _custom_input(tool.parameters, json_string)
+    if text is None:
+        return b.json(tool.parameters)
+    head = lark_string('{"input":')
+    return f'{head} {text} "}}"'
+
+
+def _custom_input(schema: Any, write: Callable[[str], str]) -> str | None:
+    """A custom tool's recursive lark grammar as the rules ``write`` makes of it (None:
+    not such a tool, or a grammar the rules cannot carry: its ``%json`` is then built,
+    lenient, and the turn downgraded). ``schema`` is the parameters object or, for the
+    families that take parameters one by one, the input's own schema."""
+    if isinstance(schema, dict) and schema.get("type") == "object":
+        properties = schema.get("properties")
+        if not isinstance(properties, dict) or list(properties) != ["input"]:
+            return None
+        schema = properties["input"]
+    definition = lark_of(schema)
+    if definition is None:
+        return None
+    try:
+        return write(definition)
+    except NotEmbeddable:
+        return None
 
 
 def _named_object(tool: Tool, key: str) -> dict[str, Any]:
@@ -81,7 +121,7 @@ class LlamaCalls(CallGrammar):
     opener = "{"
 
     def calls(self, b: Build, tools: Sequence[Tool], parallel: bool) -> str:
-        names = [b.rules.add(b.json(_named_object(t, "parameters")), "fn") for t in tools]
+        names = [b.rules.add(_named(b, t, "parameters"), "fn") for t in tools]
         call = b.rules.add(" | ".join(names), "call")
         return self.repeat(b, call, parallel, "; ")
 
@@ -96,7 +136,7 @@ class KimiK2Calls(CallGrammar):
     def calls(self, b: Build, tools: Sequence[Tool], parallel: bool) -> str:
         alts = [b.rules.add(
             f'{b.m("<|tool_call_begin|>")} {json.dumps("functions." + t.name + ":")} '
-            f'/[0-9]{{1,4}}/ {b.m("<|tool_call_argument_begin|>")} {b.json(t.parameters)} '
+            f'/[0-9]{{1,4}}/ {b.m("<|tool_call_argument_begin|>")} {_arguments(b, t)} '
             f'{b.m("<|tool_call_end|>")}', "call") for t in tools]
         call = b.rules.add(" | ".join(alts), "call")
         many = b.rules.add(f"{call}+", "calls") if parallel else call
@@ -115,11 +155,11 @@ class MistralCalls(CallGrammar):
     def calls(self, b: Build, tools: Sequence[Tool], parallel: bool) -> str:
         if self.array:
             objects = b.rules.add(" | ".join(
-                b.rules.add(b.json(_named_object(t, "arguments")), "fn") for t in tools), "obj")
+                b.rules.add(_named(b, t, "arguments"), "fn") for t in tools), "obj")
             many = f'{objects} (", " {objects})*' if parallel else objects
             return b.rules.add(f'{b.m(self.opener)} " "? "[" {many} "]"', "calls")
         alts = [b.rules.add(f"{b.m(self.opener)} {json.dumps(t.name)} {b.m('[ARGS]')} "
-                            f"{b.json(t.parameters)}", "call") for t in tools]
+                            f"{_arguments(b, t)}", "call") for t in tools]
         call = b.rules.add(" | ".join(alts), "call")
         return b.rules.add(f"{call}+", "calls") if parallel else call
 
@@ -133,7 +173,7 @@ class HarmonyCalls(CallGrammar):
     def calls(self, b: Build, tools: Sequence[Tool], parallel: bool) -> str:
         alts = [b.rules.add(
             f'{b.m("<|channel|>")} {json.dumps("commentary to=functions." + t.name + " ")} '
-            f'{b.m("<|constrain|>")} "json" {b.m("<|message|>")} {b.json(t.parameters)}',
+            f'{b.m("<|constrain|>")} "json" {b.m("<|message|>")} {_arguments(b, t)}',
             "call") for t in tools]
         return b.rules.add(" | ".join(alts), "call")
 
@@ -147,7 +187,7 @@ class PythonicCalls(CallGrammar):
         alts = []
         for tool in tools:
             params = plan(tool.parameters, b.lenient)
-            items = [(b.rules.add(f"{json.dumps(p.key + '=')} {b.json(p.schema)}", "kw"),
+            items = [(b.rules.add(f"{json.dumps(p.key + '=')} {self._value(b, p)}", "kw"),
                       p.required) for p in params.params]
             if params.any_keys:
                 any_kw = b.rules.add(f'{ANY_KEY} "=" {b.json({})}', "kw")
@@ -160,6 +200,12 @@ class PythonicCalls(CallGrammar):
         many = f'{call} (", " {call})*' if parallel else call
         return b.rules.add(f'{b.m(self.opener)} "[" {many} "]" {b.m("<|tool_call_end|>")}',
                            "calls")
+
+    @staticmethod
+    def _value(b: Build, p: Param) -> str:
+        """A value as JSON: its ``%json``, or a custom tool's input as a JSON string."""
+        text = _custom_input(p.raw, json_string) if p.string else None
+        return text if text is not None else b.json(p.schema)
 
 
 @dataclass(frozen=True)
@@ -193,7 +239,10 @@ class GemmaCalls(CallGrammar):
         return b.rules.add(f"{call}+", "calls") if parallel else call
 
     def _pair(self, b: Build, p: Param, tool: Tool) -> str:
-        if p.string:
+        quote = "" if b.starts_with_token(self.quote) else self.quote
+        if p.string and (text := _custom_input(p.raw, partial(raw_text, forbid=quote))):
+            value = f"{b.m(self.quote)} {text} {b.m(self.quote)}"
+        elif p.string:
             text = b.rules.terminal(raw_value(string_terminal(p.raw, tool.parameters,
                                                               b.lenient),
                                               forbid=(self.quote,), trimmed=False))
@@ -262,6 +311,14 @@ class TaggedCalls(CallGrammar):
         if not p.string:
             return b.rules.add(f"{header} {b.json(p.schema)} {b.m(before + tag + after)}",
                                "param")
+        # A custom tool's recursive grammar, raw, where the reader reads it back whole.
+        write = partial(raw_text, forbid="" if b.starts_with_token(tag) else tag,
+                        trimmed=self.trimmed and not self.cdata)  # CDATA keeps its text
+        if (text := _custom_input(p.raw, write)) is not None:
+            if self.cdata:
+                text = f'"<![CDATA[" {text} "]]>" {json.dumps(tag)}'
+                return b.rules.add(f"{header} {text} {b.m(after)}", "param")
+            return b.rules.add(f"{header} {text} {b.m(before + tag + after)}", "param")
         expression = string_terminal(p.raw, tool.parameters, b.lenient)
         if self.cdata:
             value = b.rules.terminal(_cdata(expression, tag))

@@ -1,7 +1,8 @@
 """Custom tools whose input is a lark grammar (Codex's ``apply_patch``), on the shared
 demo server: the call's input is in the grammar, judged by llguidance's own lark matcher
-over the grammar as sent (not by afmd's regex of it); a recursive grammar is generated
-best-effort and says so; a grammar that does not compile is a 400 naming it."""
+over the grammar as sent (not by afmd's regex or rules of it), whether the grammar is
+regular or recursive; only a grammar the rules cannot carry is generated best-effort and
+says so; a grammar that does not compile is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from typing import Any
 
 import httpx
 import pytest
-from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+from llguidance import LLMatcher
 
 from afmd.dialects.responses.options import custom_parameters
 from afmd.grammar.lark_regex import NotRegular, lark_regex
 from afmd.grammar.params import string_terminal
 
+from helpers.lark_judge import BYTES, in_lark
 from helpers.paths import TESTS_DIR
 
 APPLY_PATCH = (TESTS_DIR / "data" / "apply_patch.lark").read_text()
@@ -38,28 +40,6 @@ PATCHES = [
     "*** Begin Patch\n*** Update File: c.py\nx\n*** End Patch",  # a line without its mark
     "*** Begin Patch\n*** Delete File: \n*** End Patch",  # no name
 ]
-
-
-class _Bytes:
-    """A tokenizer of one token per byte (and an end token): the matcher then judges
-    text, whatever the model's own tokenizer would have made of it."""
-
-    eos_token_id = 256
-    bos_token_id = None
-    tokens = tuple([bytes([i]) for i in range(256)] + [b"<eos>"])
-    special_token_ids = (256,)
-
-    def __call__(self, text: bytes | str) -> list[int]:
-        return list(text if isinstance(text, bytes) else text.encode())
-
-
-_BYTES = LLTokenizer(TokenizerWrapper(_Bytes()))
-
-
-def in_lark(definition: str, text: str) -> bool:
-    """Whether llguidance's lark matcher accepts ``text`` whole under ``definition``."""
-    matcher = LLMatcher(_BYTES, LLMatcher.grammar_from_lark(definition), log_level=0)
-    return bool(matcher.consume_tokens(list(text.encode()))) and matcher.is_accepting()
 
 
 def _decoded(written: str) -> str:
@@ -97,13 +77,13 @@ def test_the_regex_of_a_lark_grammar_has_its_language(definition: str) -> None:
     verdicts = [in_lark(definition, text) for text in samples]
     assert True in verdicts and False in verdicts
     for text, verdict in zip(samples, verdicts, strict=True):
-        matcher = LLMatcher(_BYTES, regex, log_level=0)
+        matcher = LLMatcher(BYTES, regex, log_level=0)
         accepted = bool(matcher.consume_tokens(list(text.encode()))) and matcher.is_accepting()
         # Ignored text after the last token: llguidance takes it where another token could
         # still follow; the regex never generates it (a subset, so still in the grammar).
         assert accepted == verdict or (not accepted and text != text.rstrip()), text
     with pytest.raises(NotRegular, match="recursive"):
-        lark_regex(NESTED)
+        lark_regex(NESTED)  # such a grammar is written as rules instead (lark_input)
 
 
 def test_families_that_write_strings_raw_enforce_the_same_language() -> None:
@@ -113,7 +93,7 @@ def test_families_that_write_strings_raw_enforce_the_same_language() -> None:
     raw = LLMatcher.grammar_from_lark(
         "start: " + string_terminal(parameters["properties"]["input"], parameters, False))
     for text in PATCHES:
-        matcher = LLMatcher(_BYTES, raw, log_level=0)
+        matcher = LLMatcher(BYTES, raw, log_level=0)
         accepted = bool(matcher.consume_tokens(list(text.encode()))) and matcher.is_accepting()
         assert accepted == in_lark(APPLY_PATCH, text), text
 
@@ -141,7 +121,7 @@ def test_an_apply_patch_call_is_a_patch_as_far_as_it_goes(http: httpx.Client, se
     assert arguments.startswith('{"input":"'), arguments
     text = _decoded(arguments[len('{"input":"'):])
     assert text.startswith("*** Begin Patch\n*** ") and len(text) > 30, text
-    matcher = LLMatcher(_BYTES, LLMatcher.grammar_from_lark(APPLY_PATCH), log_level=0)
+    matcher = LLMatcher(BYTES, LLMatcher.grammar_from_lark(APPLY_PATCH), log_level=0)
     assert matcher.consume_tokens(list(text.encode())) and not matcher.is_error(), text
 
 
@@ -159,8 +139,25 @@ def test_a_small_grammars_call_is_in_it_streamed_too(http: httpx.Client) -> None
     assert len(done) == 1 and in_lark(GREETING, done[0]["input"]), done
 
 
-def test_a_recursive_grammar_is_generated_best_effort(http: httpx.Client) -> None:
-    response, call = custom_call(http, NESTED, 7, max_output_tokens=40)
+# Recursive, with quotes, backslashes and newlines to escape in the call's JSON string.
+RECURSIVE = r'''start: item
+item: "(" item ")" | "\"" item "\\" | "[" item ("\n" item)* "]" | ATOM
+ATOM: /[a-c]{1,3}/
+'''
+
+
+@pytest.mark.parametrize("seed", [7, 8, 9])
+def test_a_recursive_grammar_is_enforced(http: httpx.Client, seed: int) -> None:
+    response, call = custom_call(http, RECURSIVE, seed, max_output_tokens=300)
+    assert "X-Grammar-Constraints" not in response.headers
+    assert in_lark(RECURSIVE, call["input"]), call["input"]
+
+
+def test_a_recursive_grammar_the_rules_cannot_carry_is_generated_best_effort(
+        http: httpx.Client) -> None:
+    """A ``%json`` inside the grammar: neither a regex nor escaped rules can hold it."""
+    definition = 'start: "(" start ")" | %json {"type": "integer"}\n'
+    response, call = custom_call(http, definition, 7, max_output_tokens=40)
     assert response.headers["X-Grammar-Constraints"] == "downgraded"
     assert isinstance(call["input"], str)
 

@@ -36,6 +36,7 @@ from afmd.core.events import (
 )
 from afmd.core.request import Message, ToolCall
 from afmd.dialects.openai.chat import OPENAI_CHAT
+from afmd.dialects.responses.options import custom_parameters
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.service.chat_template import template_messages
 from afmd.service.output_plan import model_formats
@@ -44,6 +45,7 @@ from afmd.service.scheduler import Scheduler
 
 from helpers.format_models import FormatModels
 from helpers.formats import SPECS, Spec
+from helpers.lark_judge import in_lark
 
 SEEDS = (0, 1, 2, 3)
 WEATHER = {"type": "object", "properties": {
@@ -307,3 +309,57 @@ def test_what_a_format_cannot_express_is_downgraded(models: Models, spec: Spec) 
     plan = plan_output(request, models.model(spec), [], 100)
     assert plan.grammar is not None
     assert plan.downgraded == (spec in PER_PARAMETER or spec.id == "pythonic")
+
+
+# Quotes, backslashes and newlines (escaped in JSON families), never at either end (which
+# families that trim values would cut) nor a '<' (which could spell a closing tag).
+RECURSIVE = r'''start: item
+item: "(" item ")" | "\"" item "\\" | "[" item "\n" item "]" | ATOM
+ATOM: /[a-c]{1,3}/
+'''
+
+
+@pytest.mark.parametrize("spec", FAMILIES, ids=lambda s: s.id)
+def test_a_custom_tools_recursive_grammar_is_enforced(models: Models, spec: Spec) -> None:
+    """A Responses custom tool whose lark grammar recurses (offered as a function of one
+    string): each family's call grammar writes the grammar as rules, escaped where the
+    input is a JSON string, so the turn is not downgraded and every forced call's input,
+    as the family's reader decodes it, is in the grammar as llguidance's matcher reads it."""
+    from afmd.service.turn import plan_turn
+
+    parameters = custom_parameters({"type": "grammar", "syntax": "lark",
+                                    "definition": RECURSIVE})
+    tools = [{"type": "function", "function": {"name": "shape", "parameters": parameters}}]
+    request = OPENAI_CHAT.parse(orjson.dumps({
+        "messages": [USER], "tools": tools, "tool_choice": "required"}))
+    plan = plan_turn(request, models.model(spec), [], 100)
+    assert plan.grammar is not None and not plan.downgraded
+    for events in models.run_seeds(spec, SEEDS, tools=tools, tool_choice="required",
+                                   parallel_tool_calls=False, reasoning_effort="none",
+                                   max_tokens=400):
+        (end,) = [e for e in events if isinstance(e, ToolCallEnd)]
+        assert finish(events) == "tool_calls", end
+        text = json.loads(end.call.arguments)["input"]
+        assert in_lark(RECURSIVE, text), text
+
+
+TRIMMING = ("glm47", "longcat", "minimax_m2", "muse_spark")
+
+
+@pytest.mark.parametrize("spec", FAMILIES, ids=lambda s: s.id)
+def test_a_recursive_grammar_a_raw_reader_would_cut_is_downgraded(
+        models: Models, spec: Spec) -> None:
+    """Its text may end with a newline: where the family trims raw values, that newline
+    would be read away, so the input is generated best-effort and says so; JSON strings
+    and untrimmed raw values carry it whole."""
+    from afmd.service.turn import plan_turn
+
+    definition = 'start: "(" start ")" | /[a-c]+/ "\\n"\n'
+    parameters = custom_parameters({"type": "grammar", "syntax": "lark",
+                                    "definition": definition})
+    request = OPENAI_CHAT.parse(orjson.dumps({
+        "messages": [USER], "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]}))
+    plan = plan_turn(request, models.model(spec), [], 100)
+    assert plan.grammar is not None
+    assert plan.downgraded == (spec.id in TRIMMING)

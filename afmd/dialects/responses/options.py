@@ -28,6 +28,7 @@ from afmd.dialects.fields.checks import (
     wrong_type,
 )
 from afmd.errors import InvalidRequestError
+from afmd.grammar.lark_input import LARK_KEY
 from afmd.grammar.lark_regex import NotRegular, check_lark, lark_regex
 
 #: OpenAI's hosted tools (and any other type that is not a function, a namespace of
@@ -41,8 +42,9 @@ HOSTED_TOOLS = frozenset({
 })
 TOOL_TYPES = ("function", "namespace", "custom")
 GRAMMAR_SYNTAXES = ("lark", "regex")
-#: The string format that marks a custom tool's input as unenforced (a recursive lark
-#: grammar): unknown to every grammar builder, so the turn is built lenient (downgraded).
+#: The string format that marks a custom tool's input as a recursive lark grammar (held
+#: under ``LARK_KEY``): the call grammars write it as rules; a path that does not knows no
+#: such format, so the turn is built lenient there (downgraded).
 LARK_FORMAT = "x-afmd-lark"
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 SUMMARIES = ("auto", "concise", "detailed")
@@ -81,19 +83,25 @@ def custom_parameters(format_: dict[str, Any] | None) -> dict[str, Any]:
     """A custom tool as the function the model is offered: one string, its free-form
     input. A ``regex`` grammar is that string's pattern, enforced as any schema is; so is a
     ``lark`` grammar, as the regex of its language (:mod:`afmd.grammar.lark_regex`). A
-    lark grammar that is not regular (it recurses) has no regex: the string is marked
-    with a ``format`` no grammar enforces, so the turn says ``X-Grammar-Constraints:
-    downgraded`` as for any schema feature generated best-effort."""
+    lark grammar that is not regular (it recurses) has no regex: the string carries the
+    grammar itself, which each family's call grammar writes as rules
+    (:mod:`afmd.grammar.lark_input`); what those rules cannot carry is generated
+    best-effort, and the turn says ``X-Grammar-Constraints: downgraded``."""
     text: dict[str, Any] = {"type": "string"}
     if format_ is not None and format_.get("syntax") == "regex":
         # A JSON schema pattern searches; a custom tool's regex is the whole input.
         text["pattern"] = f"^(?:{format_['definition']})$"
     elif format_ is not None and format_.get("syntax") == "lark":
-        text["description"] = "Text in this lark grammar:\n" + format_["definition"]
+        definition = format_["definition"]
         try:
-            text["pattern"] = f"^(?:{lark_regex(format_['definition'])})$"
+            pattern = lark_regex(definition)
         except NotRegular:
-            text["format"] = LARK_FORMAT
+            # The grammar once: the model reads it where the call grammar does.
+            text.update({"description": f"Text in the lark grammar {LARK_KEY}.",
+                         "format": LARK_FORMAT, LARK_KEY: definition})
+        else:
+            text.update({"description": "Text in this lark grammar:\n" + definition,
+                         "pattern": f"^(?:{pattern})$"})
     return {"type": "object", "properties": {"input": text}, "required": ["input"],
             "additionalProperties": False}
 
