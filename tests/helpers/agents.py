@@ -1,6 +1,7 @@
 """The coding agents of tests/server/test_agents.py: installed from npm at the versions
-tests/agents/package.json pins, into a cache folder keyed by that file's hash, and the
-model they talk to.
+tests/agents/package.json pins, into a cache folder keyed by that file's hash (aider from
+PyPI, at the version tests/agents/requirements-aider.txt pins, into a virtual environment
+keyed the same way), and the model they talk to.
 
 The install is shared by every run (and every pytest-xdist worker, under a file lock): it
 is a few hundred megabytes of native binaries that change only when the pins do. The
@@ -19,12 +20,14 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 PINS = ROOT / "tests" / "agents" / "package.json"
+AIDER_PINS = ROOT / "tests" / "agents" / "requirements-aider.txt"
 #: Files copied next to the installed packages (Node resolves an ES module's imports from
 #: the script's own folder, not from NODE_PATH).
 SCRIPTS = ("ai_sdk_loop.mjs",)
@@ -80,6 +83,54 @@ def installed() -> Path:
         for name in SCRIPTS:
             shutil.copyfile(PINS.parent / name, folder / name)
     return folder
+
+
+class RegistryUnreachable(Exception):
+    """pip could not reach the package index: the one reason a pinned tool may be skipped."""
+
+
+#: What pip prints when the index cannot be reached (no network, no proxy, DNS down).
+_UNREACHABLE = ("NewConnectionError", "Temporary failure in name resolution",
+                "Name or service not known", "Network is unreachable",
+                "No matching distribution found", "Could not find a version")
+
+
+def aider_installed() -> Path:
+    """The virtual environment whose bin/aider is the pinned aider, created on first use.
+
+    A venv of its own, not the test venv: aider pins its own litellm, openai and httpx,
+    which must not change what the SDK tests import. Raises RegistryUnreachable when pip
+    cannot reach the index, CalledProcessError for any other failure."""
+    pins = AIDER_PINS.read_bytes()
+    root = cache_root()
+    folder = root / f"aider-{hashlib.sha256(pins).hexdigest()[:16]}"
+    marker = folder / ".installed"
+    with _locked(root / "aider.lock"):
+        if not marker.is_file():
+            # Built in place: a venv's scripts name its interpreter by absolute path, so
+            # it cannot be staged elsewhere and moved. The marker says it is complete.
+            shutil.rmtree(folder, ignore_errors=True)
+            venv = folder / "venv"
+            try:
+                subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True,
+                               stdin=subprocess.DEVNULL, timeout=300)
+                install = subprocess.run(
+                    [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-input",
+                     "--disable-pip-version-check", "--quiet", "-r", str(AIDER_PINS)],
+                    stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900,
+                    check=False)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            if install.returncode != 0:
+                shutil.rmtree(folder, ignore_errors=True)
+                tail = install.stderr[-1500:]
+                if any(sign in tail for sign in _UNREACHABLE):
+                    raise RegistryUnreachable(tail)
+                raise subprocess.CalledProcessError(
+                    install.returncode, install.args, install.stdout, install.stderr)
+            marker.write_text(pins.decode())
+    return folder / "venv"
 
 
 def quick_model(dest: Path) -> Path:

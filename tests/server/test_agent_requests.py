@@ -2,7 +2,11 @@
 shapes as tests/server/test_agents.py's run captured them (tests/data/agents/*.json, prose
 replaced by short strings, the model named MODEL), so a change that breaks an agent fails
 here without npm. Only the output budget is lowered (a random model writes until it is
-cut), and ids the agent took from earlier answers are this replay's own."""
+cut), and ids the agent took from earlier answers are this replay's own.
+
+Zed is a GUI editor the suite cannot run: its requests (zed.json) are written from its
+source, field for field, and so is Continue's IDE autocomplete (the CLI the suite runs
+has none); each such request names the source it was read from."""
 
 from __future__ import annotations
 
@@ -130,3 +134,90 @@ def test_ai_sdk_two_steps(http: httpx.Client) -> None:
     assert answer.status_code == 200, answer.text
     assert answer.json()["status"] in ("completed", "incomplete")
     assert all(item["type"] != "function_call" for item in answer.json()["output"])
+
+
+def _budget(body: dict[str, Any], field: str, tokens: int = 16) -> dict[str, Any]:
+    """The body with its output capped: a greedy random model may never end its turn."""
+    return {**body, field: tokens}
+
+
+def _streamed_chat(response: httpx.Response) -> list[Any]:
+    assert response.status_code == 200, response.text
+    chunks = parse_sse(response.text)
+    assert chunks[-1] == "[DONE]"
+    assert any(c["choices"] and c["choices"][0]["finish_reason"] for c in chunks[:-1]), chunks
+    return chunks
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["whole", "diff"])
+def test_aider(http: httpx.Client, index: int) -> None:
+    """aider (through litellm's OpenAI client): streamed, greedy, no output cap."""
+    request = requests_of("aider")[index]
+    body = request["body"]
+    assert body["temperature"] == 0 and body["stream"] is True
+    assert "max_tokens" not in body and "stream_options" not in body and "tools" not in body
+    assert body["messages"][0]["role"] == "system"
+    _streamed_chat(http.post(request["path"], json=_budget(body, "max_tokens")))
+
+
+def test_continue_cli(http: httpx.Client) -> None:
+    """Continue's CLI: its tools (function tools only), usage asked in the stream."""
+    request = requests_of("continue")[0]
+    body = request["body"]
+    assert body["stream_options"] == {"include_usage": True} and "tool_choice" not in body
+    assert {tool["type"] for tool in body["tools"]} == {"function"}
+    chunks = _streamed_chat(http.post(request["path"], json=_budget(body, "max_tokens")))
+    assert chunks[-2]["usage"]["prompt_tokens"] > 0
+
+
+def test_continue_autocomplete(http: httpx.Client) -> None:
+    """Continue's IDE autocomplete with ``provider: openai``: the FIM prompt rendered by the
+    client, sent to the legacy completions endpoint, streamed."""
+    request = requests_of("continue")[1]
+    assert request["path"] == "/v1/completions" and "suffix" not in request["body"]
+    response = http.post(request["path"], json=request["body"])
+    assert response.status_code == 200, response.text
+    chunks = parse_sse(response.text)
+    assert chunks[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] is not None
+
+
+def _zed(kind: str) -> list[dict[str, Any]]:
+    return [r for r in requests_of("zed") if r["name"].startswith(kind)]
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["turn", "tool-result", "title"])
+def test_zed_openai_compatible(http: httpx.Client, index: int) -> None:
+    """Zed's openai_compatible provider (Chat Completions, its default): temperature 1
+    always, ``max_completion_tokens`` from the model's settings, an assistant tool call
+    with ``content: null``, a user turn of several text parts."""
+    request = _zed("openai_compatible")[index]
+    body = request["body"]
+    assert body["temperature"] == 1.0 and body["stream_options"] == {"include_usage": True}
+    assert "tool_choice" not in body and "parallel_tool_calls" not in body
+    replay = _budget(body, "max_completion_tokens")
+    chunks = _streamed_chat(http.post(request["path"], json=replay))
+    assert chunks[-2]["usage"]["completion_tokens"] <= 16
+
+
+def test_zed_ollama(http: httpx.Client) -> None:
+    """Zed's ollama provider: the model list, each model's capabilities and context (what
+    it sends as ``num_ctx``), then streamed chats with tools, ``think``, null options and
+    a tool message naming its tool."""
+    tags, show, turn, result = _zed("ollama")
+    listed = http.get(tags["path"])
+    assert listed.status_code == 200
+    assert "demo:latest" in [m["name"] for m in listed.json()["models"]]
+    shown = http.post(show["path"], json=show["body"])
+    assert shown.status_code == 200, shown.text
+    assert {"tools", "thinking"} <= set(shown.json()["capabilities"])
+    info = shown.json()["model_info"]
+    assert info[f"{info['general.architecture']}.context_length"] == 131072
+    for request in (turn, result):
+        body = request["body"]
+        assert body["options"]["num_predict"] is None and body["think"] is True
+        replay = {**body, "options": {**body["options"], "num_predict": 16}}
+        response = http.post(request["path"], json=replay)
+        assert response.status_code == 200, response.text
+        lines = [json.loads(line) for line in response.text.splitlines() if line]
+        assert lines[-1]["done"] is True and lines[-1]["eval_count"] <= 16
+        assert not ignored(response), ignored(response)

@@ -1,14 +1,18 @@
 """The coding agents people point at a local server, run unchanged against afmd: Claude
 Code (``claude -p``, json and stream-json, its default tools), Codex CLI (``codex exec``,
 a custom provider on the Responses API, its default features), OpenCode (``opencode
-run``, an openai-compatible provider) and the AI SDK's default OpenAI provider (a two-step
-tool loop, stored responses). Each runs against its own afmd (so the access log says which
-requests were its), all at once; every request it made must be answered 2xx and it must
-print no API error. The model's text is nonsense; the protocol exchange is what is tested.
+run``, an openai-compatible provider), the AI SDK's default OpenAI provider (a two-step
+tool loop, stored responses), aider (``aider --message``, an ``openai/`` model, its default
+``whole`` edit format and the ``diff`` one) and Continue's CLI (``cn -p``, a config.yaml
+model with ``provider: openai``). Each runs against its own afmd (so the access log says
+which requests were its), all at once; every request it made must be answered 2xx and it
+must print no API error. The model's text is nonsense; the protocol exchange is what is
+tested. Only the agents whose tests are selected run (``-k aider`` runs aider alone).
 
-The agents are installed by npm at the versions tests/agents/package.json pins
-(helpers/agents.py). The request shapes they send are kept in tests/data/agents/ for the
-fast replay test, tests/server/test_agent_requests.py.
+The agents are installed by npm at the versions tests/agents/package.json pins, aider by
+pip at the version tests/agents/requirements-aider.txt pins (helpers/agents.py). The
+request shapes they send are kept in tests/data/agents/ for the fast replay test,
+tests/server/test_agent_requests.py.
 """
 
 from __future__ import annotations
@@ -97,8 +101,43 @@ def _ai_sdk(folder: Path, url: str, work: Path, env: dict[str, str]) -> list[lis
     return [["node", str(folder / "ai_sdk_loop.mjs"), url + "/v1", MODEL]]
 
 
+def _aider(folder: Path, url: str, work: Path, env: dict[str, str]) -> list[list[str]]:
+    (work / "calc.py").write_text("def add(a, b):\n    return a + b\n")
+    # The model's context, told to aider; it also spares aider fetching litellm's price
+    # list from GitHub (its ModelInfoManager looks there only for models it is not told).
+    (work / ".aider.model.metadata.json").write_text(json.dumps({f"openai/{MODEL}": {
+        "max_input_tokens": 131072, "max_output_tokens": 8192,
+        "litellm_provider": "openai", "mode": "chat"}}))
+    env.update({"OPENAI_API_BASE": url + "/v1", "OPENAI_API_KEY": "dummy",
+                # litellm fetches its own copy of that list at import unless told not to.
+                "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
+    aider = [str(agents.aider_installed() / "bin" / "aider"), "--model", f"openai/{MODEL}",
+             "--message", PROMPT, "--no-git", "--yes-always", "--no-check-update",
+             "--no-show-model-warnings", "--analytics-disable", "--map-tokens", "0"]
+    # Its default for a model it does not know, then the one most local setups choose.
+    return [[*aider, "--edit-format", edit_format, "calc.py"]
+            for edit_format in ("whole", "diff")]
+
+
+def _continue(folder: Path, url: str, work: Path, env: dict[str, str]) -> list[list[str]]:
+    config = Path(env["HOME"]) / ".continue" / "config.yaml"
+    config.parent.mkdir()
+    config.write_text(
+        "name: afmd\nversion: 0.0.1\nschema: v1\nmodels:\n"
+        f"  - name: afmd\n    provider: openai\n    model: {MODEL}\n"
+        f"    apiBase: {url}/v1\n    apiKey: dummy\n    roles: [chat, edit, apply]\n")
+    env["CONTINUE_CLI_ENABLE_TELEMETRY"] = "0"
+    return [[str(folder / "node_modules" / ".bin" / "cn"), "-p", PROMPT,
+             "--config", str(config)]]
+
+
 AGENTS: dict[str, Callable[[Path, str, Path, dict[str, str]], list[list[str]]]] = {
-    "claude": _claude, "codex": _codex, "opencode": _opencode, "ai_sdk": _ai_sdk}
+    "claude": _claude, "codex": _codex, "opencode": _opencode, "ai_sdk": _ai_sdk,
+    "aider": _aider, "continue": _continue}
+#: Which agent each test needs: the fixture runs only those of the selected tests.
+NEEDS = {"test_claude_code": "claude", "test_codex": "codex", "test_opencode": "opencode",
+         "test_ai_sdk_tool_loop": "ai_sdk", "test_aider": "aider",
+         "test_continue": "continue"}
 
 
 def _run(name: str, folder: Path, server: ServerProcess, tmp: Path) -> Run:
@@ -119,23 +158,36 @@ def _run(name: str, folder: Path, server: ServerProcess, tmp: Path) -> Run:
     return run
 
 
+#: Agents that could not be installed because the registry was out of reach, and why.
+unreachable: dict[str, str] = {}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
+def runs(request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
     reason = agents.missing_tools()
     if reason is not None:
         pytest.skip(reason)
+    names = sorted({NEEDS[item.originalname] for item in request.session.items
+                    if item.module is request.module and item.originalname in NEEDS})
     folder = agents.installed()
+    if "aider" in names:
+        try:
+            agents.aider_installed()  # before the runs start: it takes minutes, once
+        except agents.RegistryUnreachable as error:
+            names.remove("aider")
+            unreachable["aider"] = f"pip could not reach the package index: {error}"
     model = agents.quick_model(tmp_path_factory.mktemp("model"))
     # A first prompt of ~13k tokens may take minutes to prefill on a busy CPU.
     config = (f'[server]\nrequest_timeout = {TIMEOUT}\n'
               f'[[models.model]]\nid = "{MODEL}"\npath = "{model}"\n')
     servers = {name: start_server(tmp_path_factory.mktemp(f"server-{name}"), config=config)
-               for name in AGENTS}
+               for name in names}
     try:
-        with ThreadPoolExecutor(len(AGENTS)) as pool:
+        with ThreadPoolExecutor(max(1, len(names))) as pool:
             futures = {name: pool.submit(_run, name, folder, servers[name],
                                          tmp_path_factory.mktemp(name))
-                       for name in AGENTS}
+                       for name in names}
             yield {name: future.result() for name, future in futures.items()}
     finally:
         for server in servers.values():
@@ -202,3 +254,32 @@ def test_ai_sdk_tool_loop(runs: dict[str, Run]) -> None:
     assert result["steps"][0] == "tool-calls" and len(result["steps"]) == 2, result
     (call,) = result["calls"]
     assert all(0 <= n <= 9 for n in call)
+
+
+def _ran(runs: dict[str, Run], name: str) -> Run:
+    if name in unreachable:
+        pytest.skip(unreachable[name])
+    return runs[name]
+
+
+def test_aider(runs: dict[str, Run]) -> None:
+    run = _ran(runs, "aider")
+    _answered(run, "/v1/chat/completions", at_least=2)
+    for output, edit_format in zip(run.outputs, ("whole", "diff"), strict=True):
+        _clean(output)
+        text = output.stdout + output.stderr
+        assert f"with {edit_format} edit format" in text, text[-2000:]
+        # What aider prints when litellm raises: the exception's class, then a retry.
+        errors = [line for line in text.splitlines()
+                  if "litellm." in line or "APIError" in line or "Retrying" in line
+                  or "BadRequest" in line or "Connection" in line]
+        assert not errors, errors
+        assert "Tokens: " in text, text[-2000:]  # the turn was answered and counted
+
+
+def test_continue(runs: dict[str, Run]) -> None:
+    run = _ran(runs, "continue")
+    _answered(run, "/v1/chat/completions", at_least=1)
+    (output,) = run.outputs
+    _clean(output)
+    assert "Error" not in output.stdout + output.stderr, output.stderr[-2000:]

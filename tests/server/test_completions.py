@@ -496,7 +496,7 @@ BAD = [
     ({"prompt": "hi", "temperature": 3}, 400, "invalid_value", "temperature"),
     ({"prompt": "hi", "top_p": -0.1}, 400, "invalid_value", "top_p"),
     ({"prompt": "hi", "seed": "7"}, 400, "invalid_type", "seed"),
-    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value", "stop"),
+    ({"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, 400, "invalid_value", "stop"),
     ({"prompt": "hi", "stop": ["a", 5]}, 400, "invalid_type", "stop[1]"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "invalid_value",
      "stream_options"),

@@ -50,6 +50,7 @@ __all__ = [
     "KNOWN_FIELDS",
     "parse_chat_request",
     "parse_stream_options",
+    "stop_limit",
 ]
 
 # Fields OpenAI defines that afmd accepts without acting on them: they change nothing a
@@ -69,7 +70,18 @@ IGNORED_FIELDS = frozenset(
 )
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+#: OpenAI's limit on stop sequences, which ``[api] strict`` keeps.
 MAX_STOP_SEQUENCES = 4
+#: The limit otherwise, as afmd's Anthropic and Ollama dialects have: editors send every
+#: stop of their fill-in-the-middle template (Continue, with ``provider: openai``, cuts the
+#: list to four only for api.openai.com and a few hosts it knows), and a stop sequence
+#: costs nothing here that would justify refusing the fifth.
+LOCAL_MAX_STOP_SEQUENCES = 16
+
+
+def stop_limit(strict: bool) -> int:
+    """How many stop sequences a Chat Completions or Completions body may hold."""
+    return MAX_STOP_SEQUENCES if strict else LOCAL_MAX_STOP_SEQUENCES
 
 
 # The scalar fields in groups, each read where it stands in the order the body is checked
@@ -179,7 +191,7 @@ def parse_chat_request(
         logit_bias=logit_bias_of(body),
         seed=sampling["seed"],
         n=sampling["n"],
-        stop=string_list(body.get("stop"), "stop", MAX_STOP_SEQUENCES),
+        stop=string_list(body.get("stop"), "stop", stop_limit(strict)),
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=tool_use["parallel_tool_calls"],

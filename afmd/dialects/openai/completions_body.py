@@ -34,7 +34,7 @@ from afmd.dialects.fields.sampling import (
     choices_scalar,
     logit_bias_of,
 )
-from afmd.dialects.openai.chat_body import MAX_STOP_SEQUENCES, parse_stream_options
+from afmd.dialects.openai.chat_body import parse_stream_options, stop_limit
 
 __all__ = ["COMPLETION_SCALARS", "MAX_PROMPTS", "parse_completion_request"]
 
@@ -112,7 +112,7 @@ def parse_completion_request(body: dict[str, Any], *, strict: bool = False) -> C
         logit_bias=logit_bias_of(body),
         seed=values["seed"],
         n=values["n"],
-        stop=string_list(body.get("stop"), "stop", MAX_STOP_SEQUENCES),
+        stop=string_list(body.get("stop"), "stop", stop_limit(strict)),
         echo=values["echo"],
         logprobs=values["logprobs"],
         prediction=parse_prediction(body.get("prediction")),

@@ -243,8 +243,8 @@ def test_stop_normalised(value: Any, expected: tuple[str, ...]) -> None:
 @pytest.mark.parametrize(
     ("value", "code", "param"),
     [
-        (["a", "b", "c", "d", "e"], "invalid_value", "stop"),
-        (["a", "a", "a", "a", "a"], "invalid_value", "stop"),
+        ([f"s{i}" for i in range(17)], "invalid_value", "stop"),
+        (["a"] * 17, "invalid_value", "stop"),
         (["a", 1], "invalid_type", "stop[1]"),
         (["a", None], "invalid_type", "stop[1]"),
         ([""], "invalid_value", "stop[0]"),
@@ -252,11 +252,20 @@ def test_stop_normalised(value: Any, expected: tuple[str, ...]) -> None:
         (5, "invalid_type", "stop"),
         ({"a": 1}, "invalid_type", "stop"),
     ],
-    ids=["five", "five-duplicates", "int-entry", "null-entry", "empty-entry",
+    ids=["seventeen", "seventeen-duplicates", "int-entry", "null-entry", "empty-entry",
          "empty-string", "number", "object"],
 )
 def test_stop_rejected(value: Any, code: str, param: str) -> None:
     assert_error({"messages": [USER], "stop": value}, code, param)
+
+
+def test_stop_limit_is_openais_only_when_strict() -> None:
+    """Continue's autocomplete sends every stop of its FIM template (five for StarCoder's)
+    to any host but OpenAI's; OpenAI itself takes four, and so does ``[api] strict``."""
+    stops = ["<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>", "<|endoftext|>"]
+    assert parse(stop=stops).stop == tuple(stops)
+    assert parse(stop=stops * 3 + ["x"]).stop == (*stops, "x")
+    assert_error({"messages": [USER], "stop": stops}, "invalid_value", "stop", strict=True)
 
 
 # --------------------------------------------------------------------------- messages
