@@ -325,14 +325,14 @@ def test_a_custom_tools_recursive_grammar_is_enforced(models: Models, spec: Spec
     string): each family's call grammar writes the grammar as rules, escaped where the
     input is a JSON string, so the turn is not downgraded and every forced call's input,
     as the family's reader decodes it, is in the grammar as llguidance's matcher reads it."""
-    from afmd.service.turn import plan_turn
+    from afmd.service.output_plan import plan_output
 
     parameters = custom_parameters({"type": "grammar", "syntax": "lark",
                                     "definition": RECURSIVE})
     tools = [{"type": "function", "function": {"name": "shape", "parameters": parameters}}]
     request = OPENAI_CHAT.parse(orjson.dumps({
         "messages": [USER], "tools": tools, "tool_choice": "required"}))
-    plan = plan_turn(request, models.model(spec), [], 100)
+    plan = plan_output(request, models.model(spec), [], 100)
     assert plan.grammar is not None and not plan.downgraded
     for events in models.run_seeds(spec, SEEDS, tools=tools, tool_choice="required",
                                    parallel_tool_calls=False, reasoning_effort="none",
@@ -352,7 +352,7 @@ def test_a_recursive_grammar_a_raw_reader_would_cut_is_downgraded(
     """Its text may end with a newline: where the family trims raw values, that newline
     would be read away, so the input is generated best-effort and says so; JSON strings
     and untrimmed raw values carry it whole."""
-    from afmd.service.turn import plan_turn
+    from afmd.service.output_plan import plan_output
 
     definition = 'start: "(" start ")" | /[a-c]+/ "\\n"\n'
     parameters = custom_parameters({"type": "grammar", "syntax": "lark",
@@ -360,6 +360,6 @@ def test_a_recursive_grammar_a_raw_reader_would_cut_is_downgraded(
     request = OPENAI_CHAT.parse(orjson.dumps({
         "messages": [USER], "tool_choice": "required",
         "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]}))
-    plan = plan_turn(request, models.model(spec), [], 100)
+    plan = plan_output(request, models.model(spec), [], 100)
     assert plan.grammar is not None
     assert plan.downgraded == (spec.id in TRIMMING)
