@@ -15,6 +15,14 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Bytecode is written for this run and the processes it starts, whatever the environment
+# says (some machines set PYTHONDONTWRITEBYTECODE): without it every worker rewrites every
+# test module's asserts again and every CLI or server process started plainly compiles
+# afmd's sources again, a large share of a suite that starts hundreds of processes. Set
+# before any test module is imported and before pytest-xdist starts its workers.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 sys.path.insert(0, str(Path(__file__).parent))  # helpers, from any depth
 
 # Re-exported: test files import these from here (``from conftest import start_server``).

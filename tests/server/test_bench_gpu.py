@@ -28,9 +28,11 @@ ROOT = REPO_ROOT
 def test_gpu_mode_runs_end_to_end(tmp_path: Path) -> None:
     model = demo.materialize("demo")
     out = tmp_path / "out"
+    # 32 tokens a stream: long enough that the three streams still overlap on a busy
+    # machine, so the step trace sees them batched (rows_mean > 1 below).
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu.py"), "--model", str(model),
-         "--out", str(out), "--streams", "1,3", "--max-tokens", "8", "--rounds", "1",
+         "--out", str(out), "--streams", "1,3", "--max-tokens", "32", "--rounds", "1",
          "--prefix-tokens", "150", "--spec-tokens", "24", "--baseline", str(ROOT),
          "--variant", "gpu-path:AFMD_BACKEND_LAYOUT=gpu", "--label", "test"],
         capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
