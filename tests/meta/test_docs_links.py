@@ -4,7 +4,9 @@ The README is the front page and the pages under ``docs/`` the manual; they link
 other and to files of the tree by relative paths, which break silently when a page or a
 heading is renamed. This reads every Markdown link and image in README.md, docs/*.md and
 bench/README.md and checks that its file exists and that its ``#anchor`` is a heading of the
-target, slugged as GitHub slugs headings. It also keeps the README short (a manual grows by
+target, slugged as GitHub slugs headings; and that every file of the tree (``afmd/...``,
+``tests/...``, ``bench/...``) or afmd name (``afmd.service.output_plan.model_formats``) a page
+names in code still exists, since a rename leaves those behind as silently. It also keeps the README short (a manual grows by
 pages, not by a longer front page), every config key in the configuration page's table, and
 every row of the layering test's table in the architecture page's.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import re
 import unicodedata
 from collections.abc import Iterator
@@ -263,3 +266,67 @@ def test_the_architecture_page_places_every_module_as_the_layering_test_does() -
         if f"`{name}`" not in rows.get(float(layer), ""):
             wrong.append(f"{pattern} (layer {layer}) is not `{name}` in the row of layer {layer}")
     assert not wrong, "\n".join(wrong)
+
+
+#: A path of the tree named in code: a tracked top folder, at a word's start (not
+#: ``etc/"afmd/config.toml"``, a path on the user's machine).
+_TREE_PATH = re.compile(r"(?<![\w./\"-])((?:afmd|tests|bench)/[\w./{},*-]*[\w/}*])")
+#: A dotted afmd name: the package, then at least a module.
+_AFMD_NAME = re.compile(r"(?<![\w./-])(afmd(?:\.[A-Za-z_]\w*)+)")
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``afmd.a.b.c`` is a module, or an attribute path under the longest module
+    prefix that imports."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:end]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[end:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def stale_code_references(page: Path, root: Path = ROOT) -> list[str]:
+    """The paths and afmd names in a page's code spans that no longer exist. A name whose
+    second part is not one of afmd's modules (``afmd.toml``, ``afmd.rb``) is a file name, not
+    a reference; a path with a wildcard or braces is a pattern."""
+    modules = {p.stem for p in (root / "afmd").iterdir() if p.suffix == ".py" or p.is_dir()}
+    stale: list[str] = []
+    for number, line in enumerate(page.read_text().splitlines(), start=1):
+        for span in re.findall(r"`([^`\n]+)`", line):
+            for path in _TREE_PATH.findall(span):
+                if not any(c in path for c in "*{}") and not (root / path).exists():
+                    stale.append(f"{number}: {path}: no such file")
+            for name in _AFMD_NAME.findall(span):
+                if name.split(".")[1] in modules and not _resolves(name):
+                    stale.append(f"{number}: {name}: no such name")
+    return stale
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_file_and_name_in_code_exists(page: Path) -> None:
+    stale = stale_code_references(page)
+    assert not stale, f"{page.relative_to(ROOT)}:\n" + "\n".join(stale)
+
+
+def test_a_stale_code_reference_is_found(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "`afmd/engine/batch/backend.py` and `afmd.service.output_plan.model_formats` stand;\n"
+        "`afmd/engine/gone.py`, `tests/smoke.py` and `afmd.service.turn.model_formats` do not,\n"
+        "nor `afmd.service.output_plan.nothing`; `afmd.toml`, `etc/\"afmd/config.toml\"`\n"
+        "and `tests/**/test_*.py` or `bench/r/{a,b}.{json,md}` are not references.\n"
+    )
+    assert stale_code_references(page) == [
+        "2: afmd/engine/gone.py: no such file",
+        "2: tests/smoke.py: no such file",
+        "2: afmd.service.turn.model_formats: no such name",
+        "3: afmd.service.output_plan.nothing: no such name",
+    ]

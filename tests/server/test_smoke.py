@@ -1,4 +1,4 @@
-"""The shared end-to-end smoke checks (tests/smoke.py) against the source tree's server.
+"""The shared end-to-end smoke checks (tests/helpers/smoke.py) against the source tree's server.
 
 tests/server/test_frozen_binary.py runs the very same checks against the frozen binary, so the
 two stay comparable: a failure only there points at the packaging, not at afmd.
