@@ -2,7 +2,7 @@
 
 Split from :class:`afmd.engine.batch.generation_thread.BatchWorker` because two owners drive it: the
 worker (one process, or rank 0 of a distributed group, which also turns tokens into
-events) and a follower rank (:mod:`afmd.distributed.rank`), which must do exactly the
+events) and a follower rank (:mod:`afmd.engine.sharded.follower`), which must do exactly the
 same model work in the same order and nothing else. Everything that runs the model or
 decides what the model runs on (which cached prefix a prompt resumes from) lives here, so
 both owners take the same path by construction.
