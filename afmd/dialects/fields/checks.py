@@ -179,6 +179,11 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _EXACT_FLOAT = float(2**53)
 
 
+def _outside_int64(param: str) -> InvalidRequestError:
+    return invalid(param, f"Invalid '{param}': the value is outside the range of a 64-bit "
+                          "integer.")
+
+
 def as_int(
     value: Any, param: str, *, minimum: float | None = None, maximum: float | None = None
 ) -> int:
@@ -187,11 +192,15 @@ def as_int(
         # far as a double holds integers exactly (1e20 is no one's integer).
         if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_FLOAT:
             value = int(value)
+        elif isinstance(value, float) and math.isfinite(value) and abs(value) >= 2.0**63:
+            # An integer literal past 64 bits reaches us as a float (the JSON parser's
+            # fallback, -2**63 - 1 rounding to -2**63): the client wrote an integer, so say
+            # what is wrong with it.
+            raise _outside_int64(param)
         else:
             raise wrong_type(param, "an integer", value)
     if not INT64_MIN <= value <= INT64_MAX:
-        raise invalid(param, f"Invalid '{param}': the value is outside the range of a 64-bit "
-                             "integer.")
+        raise _outside_int64(param)
     if minimum is not None and value < minimum:
         raise invalid(param, f"Invalid '{param}': {value} is less than the minimum of {minimum}.")
     if maximum is not None and value > maximum:

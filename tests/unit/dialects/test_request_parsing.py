@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import orjson
 import pytest
 
 from afmd.core.request import ChatRequest, Message, ToolCall, ToolSpec
@@ -171,6 +172,17 @@ def test_booleans_are_not_integers_anywhere() -> None:
         assert_error({"messages": [USER], key: True}, "invalid_type", key)
     for key in ("temperature", "top_p", "min_p", "repetition_penalty"):
         assert_error({"messages": [USER], key: True}, "invalid_type", key)
+
+
+def test_an_integer_past_64_bits_is_out_of_range_not_a_wrong_type() -> None:
+    # orjson reads 2**64 as a float and 2**63 as an int; either way the client wrote an
+    # integer, and the error must say that it is too large rather than not an integer.
+    for literal in (b"18446744073709551616", b"9223372036854775808", b"-9223372036854775809"):
+        value = orjson.loads(literal)
+        err = assert_error({"messages": [USER], "seed": value}, "invalid_value", "seed")
+        assert "outside the range of a 64-bit integer" in err.message, (literal, err.message)
+    assert_error({"messages": [USER], "seed": 1e300}, "invalid_value", "seed")
+    assert_error({"messages": [USER], "seed": 1.5e10 + 0.5}, "invalid_type", "seed")
 
 
 def test_integral_floats_accepted_as_integers() -> None:
