@@ -5,10 +5,11 @@ other and to files of the tree by relative paths, which break silently when a pa
 heading is renamed. This reads every Markdown link and image in README.md, docs/*.md and
 bench/README.md and checks that its file exists and that its ``#anchor`` is a heading of the
 target, slugged as GitHub slugs headings; and that every file of the tree (``afmd/...``,
-``tests/...``, ``bench/...``) or afmd name (``afmd.service.output_plan.model_formats``) a page
-names in code still exists, since a rename leaves those behind as silently. It also keeps the README short (a manual grows by
-pages, not by a longer front page), every config key in the configuration page's table, and
-every row of the layering test's table in the architecture page's.
+``tests/...``, ``bench/...``) or afmd name (``afmd.service.output_plan.model_formats``) a
+page names in code still exists, since a rename leaves those behind as silently. It also
+keeps the README short (a manual grows by pages, not by a longer front page), every config
+key in the configuration page's table, and every row of the layering test's table in the
+architecture page's.
 """
 
 from __future__ import annotations
