@@ -33,6 +33,10 @@ from afmd.grammar.params import Inexact, with_options
 from afmd.grammar.sandbox import CompileFailed, TokenizerSource, compile_worker
 from afmd.grammar.schema_copy import closed, reroot
 
+#: Characters of llguidance's own error an error message repeats (its verbose errors go on
+#: with the parser's state).
+_MAX_REASON = 300
+
 
 @dataclass(frozen=True, slots=True)
 class Grammar:
@@ -42,6 +46,27 @@ class Grammar:
     tokenizer: LLTokenizer
     downgraded: bool
     warnings: tuple[str, ...] = ()
+    #: The request field it came from and what it is, for an error the grammar causes
+    #: once decoding has begun (see :meth:`failure`), as for one found at compile time.
+    param: str = ""
+    what: str = "grammar"
+
+    def failure(self, detail: str) -> InvalidRequestError:
+        """The error for a matcher this grammar drove into llguidance's error state.
+
+        Compiling checks the grammar, not every state decoding can reach: a step can
+        exceed the parser's resource limits (a schema forcing a long stretch of fixed
+        output, as a large ``minItems`` of a ``const`` does), and from then on the matcher
+        allows nothing but the end of the output. The client's grammar caused it, so it
+        is the client's error, named as a compile failure would be."""
+        reason = detail.strip().splitlines()[0][:_MAX_REASON] if detail.strip() else (
+            "unknown error")
+        return InvalidRequestError(
+            f"The {self.what} cannot be used: the grammar engine stopped following it "
+            f"during generation ({reason}).",
+            code="invalid_schema",
+            param=self.param or None,
+        )
 
     def matcher(self) -> LLMatcher:
         """A fresh matcher: a copy of this grammar's prototype (microseconds, where
@@ -194,7 +219,8 @@ def _compile(
         if strict_text is not None:
             is_error, messages = _cache.validate(strict_text, tokenizer)
             if not is_error and not messages:
-                return Grammar(strict_text, tokenizer, downgraded=False)
+                return Grammar(strict_text, tokenizer, downgraded=False, param=param,
+                               what=what)
         lenient_text = LLMatcher.grammar_from_lark(build(True))
         lenient_error, lenient_messages = _cache.validate(lenient_text, tokenizer)
     except CompileFailed as exc:
@@ -209,7 +235,8 @@ def _compile(
             param=param,
         )
     return Grammar(
-        lenient_text, tokenizer, downgraded=True, warnings=tuple(lenient_messages or messages)
+        lenient_text, tokenizer, downgraded=True, warnings=tuple(lenient_messages or messages),
+        param=param, what=what,
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from afmd.core.events import Event, Finish, Profile, Timings, Usage
 from afmd.core.request import ToolCall
@@ -30,6 +30,9 @@ from afmd.service.run_control import RunControl, RunPolicy, timeout_error
 from afmd.service.scheduler import Ticket
 from afmd.service.servertools import ServerTools
 from afmd.service.toolloop import ToolLoop
+
+if TYPE_CHECKING:
+    from afmd.engine.batch.penalties import LogitsProcessor
 
 __all__ = ["ChatRun", "PreparedChat"]
 
@@ -115,6 +118,9 @@ class ChatRun:
         self._tools = ToolLoop(tools, max_rounds=policy.max_tool_rounds,
                                max_calls=policy.max_tool_calls)
         self._totals = _Totals()
+        # The current round's processors: its grammar's matcher says afterwards whether
+        # it was followed to the end.
+        self._processors: list[LogitsProcessor] = []
         self._control = RunControl(policy, prepared.request_id, prepared.deadline,
                                    stop=self._stop_generation, fail=self._fail)
         self._events = self._run()
@@ -171,6 +177,8 @@ class ChatRun:
     def _settle(self, reading: RoundReader, finished: Finished) -> tuple[str, list[ToolCall]]:
         """The round's finish reason; the server calls to run before the next (none: done)."""
         reason = reading.reason(finished, cancelled=self._control.cancelled)
+        if reason != "cancelled":
+            self.round.plan.check_grammar(self._processors)
         client, server = self._tools.split(reading.output.tool_calls)
         if server and not client and reason == "stop":
             left = self._tokens_left()
@@ -225,8 +233,10 @@ class ChatRun:
     # -- control --
     def start_generation(self) -> None:
         self._control.arm()
+        self._processors = self.round.plan.logits_processors()
         self.generation = self.prepared.model.start(
-            _generation(self.prepared, self.round, self.choice, self._tools.run_one))
+            _generation(self.prepared, self.round, self.choice, self._tools.run_one,
+                        self._processors))
 
     def cancel(self) -> None:
         """Stop for good (client cancel or disconnect; also when the response is over)."""
@@ -245,14 +255,15 @@ class ChatRun:
 
 
 def _generation(prepared: PreparedChat, rnd: Round, choice: int,
-                run_tool: Callable[[str, str], Coroutine[Any, Any, str]]) -> GenerationRequest:
+                run_tool: Callable[[str, str], Coroutine[Any, Any, str]],
+                processors: list[LogitsProcessor]) -> GenerationRequest:
     r = rnd.request
     return GenerationRequest(
         request_id=prepared.request_id,
         prompt=rnd.prompt,
         max_tokens=rnd.max_tokens,
         sampling=SamplingParams.of(r, choice),
-        logits_processors=rnd.plan.logits_processors(),
+        logits_processors=processors,
         sample_every=profiling.SAMPLE_EVERY if prepared.profile == "extended" else 0,
         think_ids=prepared.model.think_ids,
         starts_in_reasoning=rnd.plan.starts_in_reasoning,

@@ -150,6 +150,15 @@ class OutputPlan:
             call_offset=self.call_offset,
         )
 
+    def check_grammar(self, processors: list[LogitsProcessor]) -> None:
+        """A grammar decoding could not follow to the end is the client's error, never an
+        answer cut where the matcher gave up (it then allows only the end of output)."""
+        if self.grammar is None:
+            return
+        for processor in processors:
+            if isinstance(processor, GrammarProcessor) and processor.error is not None:
+                raise self.grammar.failure(processor.error)
+
     def check_answer(self, content: str | None) -> None:
         """A structured answer that still fails its schema is an error, never silence."""
         if not self.json_answer:

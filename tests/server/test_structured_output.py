@@ -322,3 +322,80 @@ def test_one_schema_verdict_serves_each_place_it_is_used(http) -> None:
                                                    "response_format.json_schema.schema")
     good = {**bad, "properties": {"x": {"type": "integer"}}}
     assert post(http, response_format=json_schema_format(good)).status_code == 200
+
+
+# ------------------------------------------------- a grammar the engine stops following
+#
+# The compiler accepts this schema, but its output is forced item after item, and
+# following that outgrows llguidance's per-step parser limit ("Too many items") once
+# decoding starts; the matcher then allows only the end of output. That is the
+# client's schema at fault, said as a compile failure is, never a cut answer (it was a
+# 500 invalid_json_output, or a tool call cut short). Thinking is off so that the answer,
+# and the failure, come first.
+FORCED = {"type": "array", "items": {"const": 16}, "minItems": 100000}
+FORCED_TOOL = {"type": "object", "properties": {"a": FORCED}, "required": ["a"]}
+HI = [{"role": "user", "content": "hi"}]
+STOPPED = "the grammar engine stopped following it during generation (parser error: Too many"
+
+# (path, body, the field the error names)
+RUNTIME_FAILURES = [
+    ("/v1/chat/completions",
+     {"messages": HI, "max_tokens": 8, "reasoning_effort": "none",
+      "response_format": json_schema_format(FORCED)},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions",
+     {"messages": HI, "max_tokens": 8, "reasoning_effort": "none", "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": FORCED_TOOL}}]},
+     "tools"),
+    ("/v1/responses",
+     {"input": "hi", "max_output_tokens": 16, "reasoning": {"effort": "none"},
+      "text": {"format": {"type": "json_schema", "name": "x", "schema": FORCED}}},
+     "text.format.schema"),
+    ("/v1/messages",
+     {"model": "demo", "messages": HI, "max_tokens": 8, "thinking": {"type": "disabled"},
+      "output_config": {"format": {"type": "json_schema", "schema": FORCED}}},
+     "output_config.format.schema"),
+    ("/api/chat",
+     {"model": "demo", "messages": HI, "stream": False, "think": False, "format": FORCED},
+     None),
+    ("/api/generate",
+     {"model": "demo", "prompt": "hi", "stream": False, "think": False, "format": FORCED},
+     None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), RUNTIME_FAILURES,
+                         ids=["chat", "chat-tool", "responses", "messages", "ollama-chat",
+                              "ollama-generate"])
+def test_a_grammar_the_engine_stops_following_is_the_clients_error(
+    http: Any, path: str, body: dict[str, Any], field: str | None
+) -> None:
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    if path.startswith("/api/"):  # Ollama's errors are one message
+        assert STOPPED in error
+    elif path == "/v1/messages":
+        assert error["type"] == "invalid_request_error"
+        assert error["message"].startswith(f"{field}: ") and STOPPED in error["message"]
+    else:
+        assert (error["code"], error["param"]) == ("invalid_schema", field)
+        assert STOPPED in error["message"]
+    alive = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
+    assert alive.status_code == 200
+
+
+def test_a_stream_whose_grammar_the_engine_stops_following_ends_with_the_error(http) -> None:
+    response = http.post("/v1/chat/completions", json={
+        **RUNTIME_FAILURES[0][1], "stream": True})
+    assert response.status_code == 200  # the stream began before the grammar gave up
+    events = parse_sse(response.text)
+    assert events[-1] == "[DONE]"
+    errors = [e["error"] for e in events[:-1] if "error" in e]
+    assert len(errors) == 1, events
+    assert (errors[0]["code"], errors[0]["param"]) == ("invalid_schema",
+                                                       "response_format.json_schema.schema")
+    assert STOPPED in errors[0]["message"]
+    finishes = [c["finish_reason"] for e in events[:-1] if "choices" in e
+                for c in e["choices"] if c.get("finish_reason")]
+    assert finishes == []  # no "stop" claims the cut answer is whole
