@@ -187,7 +187,10 @@ class ChatRun:
             return "length", []  # max_tokens bounds all rounds together
         if client and reason == "stop":
             reason = "tool_calls"
-        if reason == "stop" and reading.answer is not None:
+        # An answer a client's stop sequence cut is the text the client asked for: only
+        # one the model ended itself must be whole.
+        if (reason == "stop" and reading.answer is not None
+                and reading.output.stop_sequence is None):
             self.round.plan.check_answer("".join(reading.answer))
         return reason, []
 

@@ -399,3 +399,44 @@ def test_a_stream_whose_grammar_the_engine_stops_following_ends_with_the_error(h
     finishes = [c["finish_reason"] for e in events[:-1] if "choices" in e
                 for c in e["choices"] if c.get("finish_reason")]
     assert finishes == []  # no "stop" claims the cut answer is whole
+
+
+# ------------------------------------------------ a stop sequence inside a JSON answer
+#
+# The client's stop sequence cuts the answer where the client asked: that text, with
+# finish_reason "stop" (Anthropic: "stop_sequence"), as OpenAI answers; it was a 500
+# invalid_json_output, the server blamed for the cut the client asked for.
+SHORT = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8},
+                                          "b": {"type": "integer"}},
+         "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_stop_sequence_cuts_a_json_answer_where_the_client_asked(http, stream: bool) -> None:
+    response = http.post("/v1/chat/completions", json={
+        "messages": HI, "max_tokens": 60, "reasoning_effort": "none", "stop": [":"],
+        "stream": stream, "response_format": json_schema_format(SHORT)})
+    assert response.status_code == 200, response.text
+    if stream:
+        events = parse_sse(response.text)[:-1]
+        assert not [e for e in events if "error" in e], events
+        content = "".join(c["delta"].get("content") or "" for e in events
+                          for c in e["choices"])
+        finish = [c["finish_reason"] for e in events for c in e["choices"]
+                  if c.get("finish_reason")]
+    else:
+        choice = response.json()["choices"][0]
+        content, finish = choice["message"]["content"], [choice["finish_reason"]]
+    # The grammar writes the keys in order: '{"a"' and then the colon the stop cut at.
+    assert (content, finish) == ('{"a"', ["stop"])
+
+
+def test_a_stop_sequence_cuts_a_json_answer_in_messages(http) -> None:
+    response = http.post("/v1/messages", json={
+        "model": "demo", "messages": HI, "max_tokens": 60, "thinking": {"type": "disabled"},
+        "stop_sequences": [":"], "output_config": {"format": {"type": "json_schema",
+                                                              "schema": SHORT}}})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert (body["stop_reason"], body["stop_sequence"]) == ("stop_sequence", ":")
+    assert [b["text"] for b in body["content"] if b["type"] == "text"] == ['{"a"']
