@@ -96,6 +96,9 @@ class OutputProcessor:
         self._pending_ws = ""
         self._content_started = False
         self.released = 0  # characters of fed text the stop check has let through
+        #: The output ended inside a call (a stop sequence or the token limit cut it): the
+        #: call is in ``tool_calls`` as written, and the turn is no finished call.
+        self.cut_call = False
 
     @property
     def should_stop(self) -> bool:
@@ -152,6 +155,7 @@ class OutputProcessor:
                     out.append(piece)
         if final:
             if self._tools is not None:
+                self.cut_call = self._log.streaming
                 out.extend(self._after_tools(self._tools.flush()))
             if self._pending_ws and self._content_started and not self.tool_calls:
                 out.append(Content(self._pending_ws))

@@ -255,6 +255,26 @@ def test_streamed_calls_reassemble_into_the_non_streamed_calls(
     )
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_call_a_stop_sequence_cut_finishes_stop_not_tool_calls(client, stream: bool) -> None:
+    """The client's stop sequence inside a call's arguments ends the turn there: the call
+    is reported as written (a stream has already sent it), and the finish reason is
+    "stop", so no agent runs a call that was never finished ("tool_calls" said it was)."""
+    kwargs = {"tool_choice": "required", "tools": TOOLS[:1], "stop": ['"city"'],
+              "reasoning_effort": "none", "seed": 0}
+    if stream:
+        streamed = collect_stream(client, **kwargs)
+        calls = [(c["name"], c["arguments"]) for c in streamed["calls"]]
+        finish = streamed["finish"]
+    else:
+        choice = create(client, **kwargs).choices[0]
+        calls = [(c.function.name, c.function.arguments)
+                 for c in choice.message.tool_calls or []]
+        finish = [choice.finish_reason]
+    assert calls == [("get_weather", "{")]
+    assert finish == ["stop"]
+
+
 def test_reasoning_effort_values_are_accepted(client, http) -> None:
     plain = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1})
     assert plain.status_code == 200
