@@ -94,7 +94,10 @@ WORDS = ["function", "auto", "required", "none", "any", "tool", "json_schema", "
          "text", "message", "user", "assistant", "system", "developer", "input_text",
          "output_text", "function_call", "function_call_output", "reasoning", "allowed_tools",
          "tool_use", "tool_result", "image", "enabled", "disabled", "adaptive", "low", "high",
-         "demo", "f", "", "x" * 300]
+         "demo", "f", "", "x" * 300,
+         # JSON's own punctuation: as a stop sequence it cuts a structured answer or a
+         # call's arguments mid-value.
+         '"', ":", "{", ","]
 INT64_MIN = -(2**63)
 NUMBERS = [0, -1, 1, 2, 2.5, 1e20, -1e20, 1e300, -1e300, INT64_MIN, INT64_MIN + 1,
            INT64_MIN - 1, 2**63 - 1, 2**63, 2**64, 10**40, 1e-300, -0.0, 4.0, 16,
