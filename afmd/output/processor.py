@@ -97,7 +97,7 @@ class OutputProcessor:
         self._content_started = False
         self.released = 0  # characters of fed text the stop check has let through
         #: The output ended inside a call (a stop sequence or the token limit cut it): the
-        #: call is in ``tool_calls`` as written, and the turn is no finished call.
+        #: call is in ``tool_calls`` as written, unfinished.
         self.cut_call = False
 
     @property
