@@ -433,8 +433,9 @@ def _tiny_post(tiny: ServerProcess, body: dict[str, Any], request_id: str) -> ht
 
 
 def _prompt_tokens(tiny: ServerProcess, request_id: str) -> int:
-    """Load the tiny-context model with a request that fits, and measure the short prompt."""
-    response = _tiny_post(tiny, _body(max_tokens=2), request_id)
+    """Load the tiny-context model with a request that fits, and measure the short prompt
+    (greedy: a sampled demo model ends with its end token after one token now and then)."""
+    response = _tiny_post(tiny, _body(max_tokens=2, temperature=0), request_id)
     assert response.status_code == 200, response.text
     assert tiny.wait_event("request", timeout=10, request_id=request_id)["status"] == 200
     usage = response.json()["usage"]
