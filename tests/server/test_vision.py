@@ -388,3 +388,19 @@ def test_grammar_and_logprobs_on_a_vision_model(client: openai.OpenAI) -> None:
     for entry in entries:  # greedy: the chosen token is the most likely one
         assert len(entry.top_logprobs) == 2
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)
+
+
+@pytest.mark.parametrize("count", [1, 2], ids=["alone", "after-a-good-one"])
+def test_an_image_the_processor_will_not_take_is_named(srv: ServerProcess, count: int) -> None:
+    # Qwen2-VL's processor refuses an aspect ratio over 200: the client's image, so a 400
+    # naming that image part (it read as a chat-template failure of "messages").
+    content: list[dict[str, Any]] = [{"type": "text", "text": QUESTION}]
+    if count == 2:
+        content.append({"type": "image_url", "image_url": {"url": png_url(noise(3))}})
+    content.append({"type": "image_url", "image_url": {"url": png_url(solid((9, 9, 9),
+                                                                          (1, 300)))}})
+    r = post(srv, {"model": MODEL, "max_tokens": 4,
+                   "messages": [{"role": "user", "content": content}]})
+    error = assert_error(r, "invalid_image", f"messages[0].content[{count}].image_url")
+    assert "image processor cannot take this image" in error["message"]
+    assert "aspect ratio" in error["message"]

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from afmd.core.request import ImageInput
+from afmd.errors import InvalidRequestError
 from afmd.service import images as image_decoding
 
 #: Processor outputs that are the prompt itself rather than inputs of the vision side.
@@ -61,6 +62,7 @@ class VisionSupport:
         from mlx_vlm.utils import prepare_inputs
 
         pictures: list[Any] = []
+        sent: list[ImageInput] = []
         plain: list[dict[str, Any]] = []
         for message in messages:
             content = message.get("content")
@@ -68,6 +70,7 @@ class VisionSupport:
                 parts = []
                 for part in content:
                     if part.get("type") == "image":
+                        sent.append(part["image"])
                         pictures.append(self._picture(part["image"], decoded))
                         parts.append({"type": "image"})
                     else:
@@ -82,16 +85,41 @@ class VisionSupport:
         )
         if not pictures:
             return list(self.tokenizer.encode(text, add_special_tokens=False)), None
-        inputs = prepare_inputs(
-            self.processor,
-            images=pictures,
-            prompts=[text],
-            image_token_index=getattr(self.model.config, "image_token_index", None),
-            add_special_tokens=False,
-        )
+        try:
+            inputs = prepare_inputs(
+                self.processor,
+                images=pictures,
+                prompts=[text],
+                image_token_index=getattr(self.model.config, "image_token_index", None),
+                add_special_tokens=False,
+            )
+        except ValueError as exc:
+            raise self._refused(exc, pictures, sent) from None
         ids = [int(t) for t in np.array(inputs["input_ids"]).reshape(-1)]
         vision = {k: v for k, v in inputs.items() if k not in _TEXT_KEYS and v is not None}
         return ids, vision
+
+    def _refused(self, exc: ValueError, pictures: list[Any],
+                 sent: list[ImageInput]) -> InvalidRequestError:
+        """The client's error for a picture the model's processor will not take (a shape
+        outside what it resizes, as an aspect ratio over Qwen2-VL's 200), naming the
+        image: the one sent, or the first its image processor refuses alone."""
+        reason = str(exc).removeprefix("Failed to process inputs with error: ")
+        culprit = sent[0] if len(sent) == 1 else next(
+            (image for picture, image in zip(pictures, sent, strict=True)
+             if self._refuses(picture)), None)
+        return InvalidRequestError(
+            f"The model's image processor cannot take this image: {reason}",
+            code="invalid_image",
+            param=culprit.param if culprit is not None else "messages",
+        )
+
+    def _refuses(self, picture: Any) -> bool:
+        try:
+            self.processor.image_processor(images=[picture])
+        except Exception:  # whatever it raises, this picture is the one it will not take
+            return True
+        return False
 
     def _picture(self, image: ImageInput, decoded: dict[int, Any] | None) -> Any:
         if decoded is not None and id(image) in decoded:
