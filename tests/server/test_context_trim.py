@@ -401,3 +401,53 @@ def test_fail_policy_is_the_default(http: httpx.Client) -> None:
     assert error["error"]["code"] == "context_length_exceeded"
     assert error["error"]["param"] == "messages"
     assert "X-AFM-Trimmed-Messages" not in response.headers
+
+
+# ------------------------------------------------------ Responses' own truncation
+
+
+@pytest.fixture(scope="module")
+def fail_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = start_server(tmp_path_factory.mktemp("fail-server"), config=SMALL_MODEL)
+    yield proc
+    proc.stop()
+
+
+def long_input(turns: int = 8) -> list[dict[str, Any]]:
+    """Responses input items: old exchanges, then the last question."""
+    filler = " ".join(["lorem ipsum dolor"] * 3)
+    items: list[dict[str, Any]] = []
+    for t in range(turns):
+        items.append({"role": "user", "content": f"Question {t}: {filler}"})
+        items.append({"role": "assistant", "content": f"Answer {t}: {filler}"})
+    items.append({"role": "user", "content": "And now?"})
+    return items
+
+
+@pytest.mark.parametrize(("policy", "truncation", "trims"), [
+    ("fail", "auto", True), ("fail", "disabled", False), ("fail", None, False),
+    ("trim", "disabled", False), ("trim", None, True),
+], ids=["auto", "disabled", "absent-fail", "disabled-over-trim", "absent-trim"])
+def test_responses_truncation_decides_per_request(
+    fail_server: ServerProcess, trim_server: ServerProcess, policy: str,
+    truncation: str | None, trims: bool,
+) -> None:
+    """OpenAI's ``truncation``: "auto" drops items to fit, "disabled" fails with 400;
+    a request that sends neither follows the server's ``[context] policy``."""
+    server = trim_server if policy == "trim" else fail_server
+    request: dict[str, Any] = {"model": "small", "input": long_input(),
+                               "max_output_tokens": MAX_TOKENS, "temperature": 0,
+                               "store": False}
+    if truncation is not None:
+        request["truncation"] = truncation
+    response = httpx.post(server.url + "/v1/responses", json=request, timeout=60)
+    if trims:
+        assert response.status_code == 200, response.text
+        assert int(response.headers["X-AFM-Trimmed-Messages"]) > 0
+        answer = response.json()
+        assert answer["usage"]["input_tokens"] + MAX_TOKENS <= LIMIT
+        assert answer["truncation"] == (truncation or "disabled")
+    else:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "input")

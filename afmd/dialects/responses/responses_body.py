@@ -239,6 +239,10 @@ def parse_responses_request(
         prediction=None if counting else parse_prediction(body.get("prediction")),
         keep_alive=None if counting else keep_alive_of(body),
         chat_template_kwargs=chat_template_kwargs_of(body),
+        # "auto" drops the oldest turns to fit, "disabled" fails as OpenAI does; a
+        # request that says neither follows the server's [context] policy.
+        trim_context=None if body.get("truncation") is None else (
+            scalars["truncation"] == "auto"),
         ignored_fields=(*ignored, *tools.ignored),
         echo=echo,
     )
