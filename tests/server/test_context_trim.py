@@ -32,6 +32,7 @@ from afmd.service.scheduler import Scheduler
 
 from conftest import ServerProcess, parse_sse, start_server
 from helpers.openai_schemas import validate_error, validate_response
+from helpers.responses_schemas import validate_response as validate_responses_object
 
 CHAT = "/v1/chat/completions"
 LIMIT = 300
@@ -445,9 +446,11 @@ def test_responses_truncation_decides_per_request(
         assert response.status_code == 200, response.text
         assert int(response.headers["X-AFM-Trimmed-Messages"]) > 0
         answer = response.json()
+        validate_responses_object(answer)
         assert answer["usage"]["input_tokens"] + MAX_TOKENS <= LIMIT
         assert answer["truncation"] == (truncation or "disabled")
     else:
         assert response.status_code == 400, response.text
+        validate_error(response.json())
         error = response.json()["error"]
         assert (error["code"], error["param"]) == ("context_length_exceeded", "input")
