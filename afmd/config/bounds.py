@@ -136,15 +136,24 @@ def coerce(value: object, kind: str, key: str) -> object:
     if kind == "float" and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if kind == "str" and isinstance(value, str):
-        return value
+        return _no_nul(value, key)
     if kind == "optint" and (value is None or is_int):
         return value
     if kind == "strlist" and isinstance(value, list | tuple):
         for i, item in enumerate(value):
             if not isinstance(item, str):
                 raise ConfigError(f"{key}[{i}]", f"expected string, got {describe(item)}")
+            _no_nul(item, f"{key}[{i}]")
         return tuple(value)
     raise ConfigError(key, f"expected {KIND_NAMES[kind]}, got {describe(value)}")
+
+
+def _no_nul(text: str, key: str) -> str:
+    """TOML can spell a NUL (``"\\u0000"``); no path, host, id or argv the OS takes can hold
+    one, and the OS refuses it only when the server starts or a request uses the value."""
+    if "\0" in text:
+        raise ConfigError(key, f"must not contain a NUL character (\\u0000), got {text!r}")
+    return text
 
 
 def parse_text(text: str, kind: str, key: str) -> object:

@@ -80,6 +80,8 @@ def parse_aliases(value: object) -> dict[str, str]:
         key = f"models.aliases.{toml_key(name)}"
         if not isinstance(target, str):
             raise ConfigError(key, f"expected string (a model id), got {describe(target)}")
+        coerce(name, "str", key)
+        coerce(target, "str", key)
         if not target:
             raise ConfigError(key, "must name a model id, got an empty string")
         aliases[name] = target
@@ -216,6 +218,9 @@ def parse_server_tools(value: object) -> list[ServerTool]:
             isinstance(k, str) and isinstance(v, str) for k, v in env.items()
         ):
             raise ConfigError(f"{base}.env", "expected a table of strings")
+        for env_name, env_value in env.items():
+            coerce(env_name, "str", f"{base}.env")
+            coerce(env_value, "str", f"{base}.env.{toml_key(env_name)}")
         timeout = coerce(item.get("timeout", 5.0), "float", f"{base}.timeout")
         if not isinstance(timeout, float) or not 0 < timeout <= 3600:
             raise ConfigError(f"{base}.timeout", "must be > 0 and <= 3600 seconds")

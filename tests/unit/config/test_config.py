@@ -288,6 +288,30 @@ def test_errors_name_the_key(tmp_path: Path, text: str, key: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        # The OS refused these only later: a path with a NUL was a ValueError traceback
+        # from reading the instructions file, a socket path or a model path at start.
+        ('[server]\ninstructions_file = "/tmp/a\\u0000b"', "server.instructions_file"),
+        ('[server]\nunix_socket = "/tmp/s\\u0000"', "server.unix_socket"),
+        ('[server]\nhost = "127.0.0.1\\u0000"', "server.host"),
+        ('[cache]\ndisk_dir = "\\u0000"', "cache.disk_dir"),
+        ('[server]\nallowed_origins = ["http://a", "http://b\\u0000"]',
+         "server.allowed_origins[1]"),
+        ('[[models.model]]\nid = "a"\npath = "/m\\u0000"', "models.model[0].path"),
+        ('[models.aliases]\nfast = "demo\\u0000"', "models.aliases.fast"),
+        ('[[tools.server]]\nname = "t"\ncommand = ["echo", "\\u0000"]',
+         "tools.server[0].command[1]"),
+        ('[[tools.server]]\nname = "t"\ncommand = ["env"]\nenv = {A = "\\u0000"}',
+         "tools.server[0].env.A"),
+    ],
+)
+def test_a_nul_character_in_any_string_is_refused(tmp_path: Path, text: str, key: str) -> None:
+    error = error_for(tmp_path, text)
+    assert error.key == key and "NUL character" in error.message
+
+
+@pytest.mark.parametrize(
     ("env", "key"),
     [
         ({"AFMD_SERVER_PORT": "eighty"}, "env AFMD_SERVER_PORT"),
