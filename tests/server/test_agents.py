@@ -282,4 +282,6 @@ def test_continue(runs: dict[str, Run]) -> None:
     _answered(run, "/v1/chat/completions", at_least=1)
     (output,) = run.outputs
     _clean(output)
-    assert "Error" not in output.stdout + output.stderr, output.stderr[-2000:]
+    # cn reports a failed request on stderr ({"status":"error","message":"400 …"}, exit 1);
+    # stdout is the demo model's answer, random text that may spell "Error" itself.
+    assert "error" not in output.stderr.lower(), output.stderr[-2000:]
