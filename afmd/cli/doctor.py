@@ -84,10 +84,10 @@ def _model_state(path: str) -> tuple[str, str | None, bool]:
             return "built-in", f"built at {built[-1]}", False
         return "built-in", f"not built yet (built at first start into {root}, no download)", False
     local = Path(path).expanduser()
-    if local.is_dir():
-        ok = (local / "config.json").is_file()
+    if os.path.isdir(local):  # False where the OS refuses to look, as Path.is_dir is not
+        ok = os.path.isfile(local / "config.json")
         return "local folder", ("present" if ok else "folder has no config.json"), not ok
-    if path.startswith(("/", "~", ".")) or local.exists():
+    if path.startswith(("/", "~", ".")) or os.path.exists(local):
         return "local folder", f"missing: {local}", True
     if hubcache.REPO_ID.match(path):
         cached = hubcache.inspect(path)

@@ -174,7 +174,7 @@ def folder_of(entry: ModelEntry) -> Path | None:
     if entry.path.startswith(BUILTIN_PREFIX):
         return built_demo(entry.path[len(BUILTIN_PREFIX):])
     local = Path(entry.path).expanduser()
-    if local.is_dir():
+    if os.path.isdir(local):  # False where the OS refuses to look (a name too long)
         return local
     if hubcache.REPO_ID.match(entry.path):
         return hubcache.complete_snapshot(entry.path)
@@ -208,7 +208,7 @@ def pull_before_serving(config: Config) -> int | None:
     """``afmd serve``: pull the default model first when it is a repo not on disk yet
     (with the progress ``afmd pull`` shows). None: go on serving; else the exit code."""
     entry = config.resolve_model(None)
-    if entry is None or not hubcache.REPO_ID.match(entry.path) or Path(entry.path).exists():
+    if entry is None or not hubcache.REPO_ID.match(entry.path) or os.path.exists(entry.path):
         return None
     if hubcache.complete_snapshot(entry.path) is not None:
         return None
@@ -373,7 +373,7 @@ def _show_entry(name: str, config: Config) -> ModelEntry:
     if entry is not None:
         return entry
     local = Path(name).expanduser()
-    if local.is_dir():
+    if os.path.isdir(local):
         return ModelEntry(id=local.resolve().name, path=str(local))
     if hubcache.REPO_ID.match(name):
         return ModelEntry(id=name, path=name)

@@ -75,3 +75,36 @@ def test_missing_local_folder_is_reported(tmp_path) -> None:
         assert str(missing) in err["message"] and "does not exist" in err["message"]
     finally:
         server.stop()
+
+
+def test_a_path_the_os_refuses_to_look_at_is_named_not_a_500(tmp_path) -> None:
+    """A name longer than the OS takes (ENAMETOOLONG; a protected folder's EPERM under
+    launchd is the same case) made every listing and request a 500 `internal_error`, since
+    ``Path.is_dir`` raises for it where it says False for a missing path."""
+    unreadable = tmp_path / ("m" * 300)
+    config = f'[[models.model]]\nid = "long"\npath = "{unreadable}"\n'
+    server = start_server(tmp_path, config=config)
+    try:
+        listed = httpx.get(server.url + "/v1/models", timeout=30)
+        assert listed.status_code == 200
+        assert "long" in [m["id"] for m in listed.json()["data"]]
+        tags = httpx.get(server.url + "/api/tags", timeout=30)
+        assert tags.status_code == 200 and "long:latest" in [m["name"] for m in
+                                                             tags.json()["models"]]
+        assert httpx.post(server.url + "/api/show", json={"model": "long"},
+                          timeout=30).status_code == 200
+        chat = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": "long", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
+        assert chat.status_code == 500
+        validate_error(chat.json())
+        err = chat.json()["error"]
+        assert err["code"] == "model_load_failed" and err["param"] == "model"
+        assert err["message"].endswith("cannot be read: File name too long")
+        health = httpx.get(server.url + "/health", timeout=30).json()
+        assert health["models"]["long"].endswith("cannot be read: File name too long")
+        assert "unhandled error" not in server.log_text()
+    finally:
+        server.stop()

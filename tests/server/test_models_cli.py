@@ -314,6 +314,10 @@ def test_show_describes_a_model_without_loading_it(served: tuple[ServerProcess, 
     assert absent.returncode == 1
     assert "test-org/not-pulled is not downloaded: `afmd pull test-org/not-pulled`" in \
         absent.stderr
+    # A name longer than the OS takes was an OSError traceback (Path.is_dir raises for it).
+    too_long = afmd(env, "show", "m" * 300)
+    assert too_long.returncode == 1 and "Traceback" not in too_long.stderr
+    assert "is neither a configured model, a model folder nor" in too_long.stderr
 
 
 def test_parameters_and_quantization_from_weight_headers(tmp_path: Path) -> None:

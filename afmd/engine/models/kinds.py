@@ -31,6 +31,7 @@ standard file states it, so only the ``afmd_embedding`` object can.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,11 +132,23 @@ def looks_like_repo(path: str) -> bool:
     return path.count("/") == 1 and not path.startswith((".", "/", "~"))
 
 
-def missing_local_path(path: str) -> bool:
-    """A path that names a local folder which is not there, so no load can succeed."""
+def local_path_problem(path: str) -> str | None:
+    """Why a path that names a local folder cannot be loaded, if it cannot (built-in models
+    and Hugging Face ids are not local paths).
+
+    The OS may refuse to look as well as find nothing there: a name longer than it takes, a
+    folder the daemon may not enter (macOS's protected folders under launchd). That is the
+    model's failure to name, never an exception out of a listing or a request.
+    """
     if path.startswith(BUILTIN_PREFIX) or looks_like_repo(path):
-        return False
-    return not Path(path).expanduser().exists()
+        return None
+    try:
+        Path(path).expanduser().stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return f"'{path}' does not exist"
+    except OSError as exc:
+        return f"'{path}' cannot be read: {exc.strerror or exc}"
+    return None
 
 
 def model_folder(path: str) -> Path | None:
@@ -143,7 +156,7 @@ def model_folder(path: str) -> Path | None:
     if path.startswith(BUILTIN_PREFIX):
         return None
     local = Path(path).expanduser()
-    if local.is_dir():
+    if os.path.isdir(local):  # False where the OS refuses to look, as Path.is_dir is not
         return local
     if looks_like_repo(path):
         return hub_snapshot(path)
@@ -197,13 +210,13 @@ def is_vision(entry: ModelEntry, folder: Path | None) -> bool:
 def describe_load_failure(entry: ModelEntry, exc: BaseException) -> str:
     path = entry.path
     local = Path(path).expanduser()
-    if not path.startswith(BUILTIN_PREFIX) and not local.exists():
+    if not path.startswith(BUILTIN_PREFIX) and not os.path.exists(local):
         if looks_like_repo(path):
             return (
                 f"'{path}' is not a local folder and could not be downloaded from Hugging Face "
                 f"({type(exc).__name__}: {exc})"
             )
-        return f"'{path}' does not exist"
-    if local.is_dir() and not (local / "config.json").exists():
+        return local_path_problem(path) or f"'{path}' does not exist"
+    if os.path.isdir(local) and not os.path.exists(local / "config.json"):
         return f"'{path}' has no config.json; is it an MLX model folder?"
     return f"{type(exc).__name__}: {exc}"

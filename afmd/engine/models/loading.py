@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -45,8 +46,9 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         return _load_system(entry, config)
     # Fail before the heavy imports: mlx-lm drags in transformers (~45 MB resident, a second
     # or two), which a server whose model folder is missing would otherwise carry forever.
-    if kinds.missing_local_path(entry.path):
-        raise FileNotFoundError(f"'{entry.path}' does not exist")
+    problem = kinds.local_path_problem(entry.path)
+    if problem is not None:
+        raise OSError(problem)
 
     # Heavy imports stay here so `afmd --help`, `check-config` and a server that has not
     # loaded a model yet start fast and small; PyInstaller still sees them statically.
@@ -80,7 +82,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     if kinds.is_vision(entry, kinds.model_folder(entry.path)):
         variant = entry.path[len(BUILTIN_PREFIX):]
         local = demo.materialize(variant) if is_demo else Path(entry.path).expanduser()
-        source = str(local) if local.exists() else entry.path
+        source = str(local) if os.path.exists(local) else entry.path
         folder, model, tokenizer, context_length, worker, vision = _load_vision(
             entry, config, source
         )
@@ -91,7 +93,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
             source = str(folder)
         else:
             candidate = Path(entry.path).expanduser()
-            folder = candidate if candidate.exists() else None
+            folder = candidate if os.path.exists(candidate) else None
             source = str(candidate) if folder else entry.path
         group = lockstep.current()
         if group is not None and entry == config.resolve_model(None):

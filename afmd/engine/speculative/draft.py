@@ -8,6 +8,7 @@ operator sees it (the load fails, ``/health`` names the reason), not on a reques
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ def load_draft(entry: ModelEntry, config: Config, tokenizer: Any) -> Any:
         source = str(demo.materialize(draft.path[len(BUILTIN_PREFIX):]))
     else:
         local = Path(draft.path).expanduser()
-        source = str(local) if local.exists() else draft.path
+        source = str(local) if os.path.exists(local) else draft.path
     model, draft_tokenizer = mlx_load(source)  # type: ignore[misc]  # mlx-lm types load() 2- or 3-tuple whatever return_config says
     problem = tokenizer_difference(tokenizer, draft_tokenizer)
     if problem is not None:
