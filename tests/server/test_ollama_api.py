@@ -377,6 +377,35 @@ def test_errors_are_ollamas(client: ollama.Client, http: httpx.Client) -> None:
     assert refused.status_code == 421 and set(refused.json()) == {"error"}
 
 
+def test_endpoints_afmd_does_not_serve_say_why_in_ollamas_envelope(
+        client: ollama.Client, http: httpx.Client, tmp_path: Path) -> None:
+    """Ollama's Modelfile and registry routes were an unknown URL in OpenAI's envelope
+    ("check the URL for typos"): a client read a dict for its error string."""
+    said = {}
+    for name, call in [("create", lambda: client.create(model="mine", from_="demo")),
+                       ("copy", lambda: client.copy("demo", "demo-copy")),
+                       ("push", lambda: client.push("demo"))]:
+        with pytest.raises(ollama.ResponseError) as caught:
+            call()
+        assert caught.value.status_code == 404, name
+        said[name] = caught.value.error
+    assert said["create"].startswith("POST /api/create: afmd does not create models from "
+                                     "Modelfiles")
+    assert "[models.aliases]" in said["copy"] and "registry" in said["push"]
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(b"weights")
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.create_blob(blob)
+    assert caught.value.status_code == 404 and "keeps no Ollama blobs" in caught.value.error
+    assert "demo-copy:latest" not in [m.model for m in client.list().models]
+    # Any other path under /api is refused as its neighbours' errors read.
+    unknown = http.post("/api/nonexistent", json={})
+    assert unknown.status_code == 404 and set(unknown.json()) == {"error"}
+    assert unknown.json()["error"].startswith("Unknown request URL: POST /api/nonexistent")
+    assert http.get("/api/copy").status_code == 405
+    assert set(http.get("/api/copy").json()) == {"error"}
+
+
 def test_cancel_by_request_id_ends_the_stream(server: ServerProcess) -> None:
     rid = "ollama-" + uuid.uuid4().hex
     lines: list[dict[str, Any]] = []

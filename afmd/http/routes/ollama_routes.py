@@ -56,9 +56,23 @@ __all__ = ["ROOT_TEXT", "VERSION", "add_routes"]
 #: What ``/api/version`` reports: the Ollama API afmd speaks (clients gate features on it,
 #: GitHub Copilot's Ollama provider on 0.6.4 or later).
 VERSION = "0.12.0"
-#: ``GET /``'s answer, which Ollama's clients probe for.
 #: ``GET /``'s answer to a client that is not a browser: Ollama's clients probe for it.
 ROOT_TEXT = "Ollama is running"
+
+#: Ollama's routes for building and sharing its own model files, which afmd does not serve
+#: (its models are MLX folders and Hugging Face repos), and what a client calling one is
+#: told instead of an unknown URL's "check the URL for typos".
+NOT_SERVED: dict[str, tuple[tuple[str, ...], str]] = {
+    "/api/create": (("POST",), "afmd does not create models from Modelfiles: configure an "
+                    "MLX model folder or Hugging Face repo in [[models.model]], or pull one "
+                    "with /api/pull."),
+    "/api/copy": (("POST",), "afmd does not copy models: give a model a second name with "
+                  "[models.aliases] in its config."),
+    "/api/push": (("POST",), "afmd does not push models to a registry: its models are MLX "
+                  "folders and Hugging Face repos."),
+    "/api/blobs/<digest:str>": (("HEAD", "POST"), "afmd keeps no Ollama blobs: its models "
+                                "are MLX folders and Hugging Face repos, pulled with /api/pull."),
+}
 
 _MODEL = (Scalar("model", "string", required=True),)
 _PULL = (Scalar("model", "string", required=True), Scalar("stream", "boolean", default=True))
@@ -78,6 +92,15 @@ def add_routes(app: Sanic) -> None:
         methods = [method, "HEAD"] if method == "GET" else [method]
         app.add_route(handler, path, methods=methods,
                       name="ollama_" + path.rsplit("/", 1)[1], ctx_dialect=OLLAMA)
+    for path, (verbs, _) in NOT_SERVED.items():
+        app.add_route(not_served, path, methods=list(verbs),
+                      name="ollama_not_served_" + path.split("/")[2], ctx_dialect=OLLAMA)
+
+
+async def not_served(request: Request, **_: str) -> HTTPResponse:
+    uri = request.route.uri if request.route is not None else request.path
+    raise NotFoundError(f"{request.method} {request.path}: {NOT_SERVED[uri][1]}",
+                        code="not_served")
 
 
 def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None

@@ -41,7 +41,7 @@ from sanic import Sanic
 from sanic.exceptions import MethodNotAllowed, NotFound
 
 from afmd.dialects.dialect import ErrorStyle
-from afmd.errors import RequestTimeoutError
+from afmd.errors import NotFoundError, RequestTimeoutError
 from afmd.http.access import log_request
 from afmd.http.compat import SanicConnection
 from afmd.http.routes.state_routes import StateRoute
@@ -74,10 +74,25 @@ def route_checker(app: Sanic) -> RouteCheck:
     """
     router = app.router
     families: list[tuple[str, ErrorStyle]] = []  # (static path prefix, its routes' style)
+    # A folder's routes all in one envelope make it a family too (``/api``: Ollama's), so
+    # an endpoint afmd lacks there is refused as its neighbours' errors read; ``/v1``
+    # holds OpenAI's and Anthropic's routes, and stays OpenAI's.
+    folders: dict[str, list[ErrorStyle | None]] = {}
+    probe = NotFoundError("probe")
     for route in router.routes:
         style = getattr(route.ctx, "dialect", None)
+        prefix = "/" + route.uri.split("<", 1)[0].strip("/")
         if style is not None:
-            families.append((route.uri.split("<", 1)[0].rstrip("/"), style))
+            families.append((prefix.rstrip("/"), style))
+        parent = prefix.rsplit("/", 1)[0]
+        if parent:
+            folders.setdefault(parent, []).append(style)
+    for folder, styles in folders.items():
+        first = styles[0]
+        if first is not None and all(
+                s is not None and s.error_envelope(probe) == first.error_envelope(probe)
+                for s in styles) and all(prefix != folder for prefix, _ in families):
+            families.append((folder, first))
     families.sort(key=lambda family: -len(family[0]))
 
     def family(path: str) -> ErrorStyle | None:
