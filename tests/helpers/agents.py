@@ -25,6 +25,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from helpers.paths import USER_CACHE
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 PINS = ROOT / "tests" / "agents" / "package.json"
 AIDER_PINS = ROOT / "tests" / "agents" / "requirements-aider.txt"
@@ -45,8 +47,7 @@ def missing_tools() -> str | None:
 
 
 def cache_root() -> Path:
-    default = Path.home() / ".cache" / "afmd-tests"
-    return Path(os.environ.get(CACHE_ENV) or default)
+    return Path(os.environ.get(CACHE_ENV) or USER_CACHE)
 
 
 @contextlib.contextmanager

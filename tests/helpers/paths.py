@@ -8,3 +8,7 @@ from pathlib import Path
 TESTS_DIR = Path(__file__).resolve().parent.parent
 #: The repository's root: afmd/, bench/, docs/, pyproject.toml.
 REPO_ROOT = TESTS_DIR.parent
+#: What test runs keep for later runs, of this checkout or another (the agents' installs,
+#: mypy's cache): each entry is keyed by what it was made from, so a fresh clone reuses
+#: it instead of paying minutes of CPU again.
+USER_CACHE = Path.home() / ".cache" / "afmd-tests"
