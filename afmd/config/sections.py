@@ -86,6 +86,10 @@ class ModelsConfig:
     # Pixels (width x height) an image part may have, checked before it is decoded: a
     # decoded picture takes three bytes a pixel, however small its file.
     max_image_pixels: int = field(default=33554432, metadata=at_least(1))
+    # Pixels all the image parts of one request may have together, checked before any is
+    # decoded: a compressed file can be tiny beside its pixels, so a request's body limit
+    # alone lets one request hold more pictures than memory.
+    max_request_image_pixels: int = field(default=268435456, metadata=at_least(1))
     aliases: dict[str, str] = field(default_factory=dict)
     model: tuple[ModelEntry, ...] = BUILTIN_MODELS
 

@@ -5,7 +5,8 @@ the event loop, and each failure is the client's 400 naming the part: bytes that
 image Pillow reads in the formats the API accepts (PNG, JPEG, WebP, GIF) are
 ``invalid_image``; a picture larger than ``[models] max_image_pixels`` is
 ``image_too_large``, decided from the header before any pixel is decoded, because the
-decoded RGB array is what costs memory (three bytes a pixel, however small the file).
+decoded RGB array is what costs memory (three bytes a pixel, however small the file); so
+are a request's pictures past ``[models] max_request_image_pixels`` together.
 
 An animated GIF gives its first frame; transparency is flattened onto white, since
 vision models take RGB.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Sequence
 
 from PIL import Image, ImageFile
 
@@ -29,6 +31,29 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 Image.MAX_IMAGE_PIXELS = None
 # A truncated file is an error, not a picture with a grey bottom.
 ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+
+def check_total(images: Sequence[ImageInput], max_total: int) -> None:
+    """Refuse a request whose pictures together pass ``max_total`` pixels, from their
+    headers, before any is decoded: the pictures of one request are held at once (the
+    processor takes them together), so the per-image limit alone does not bound memory.
+    An image whose header does not read is left for :func:`decode` to name."""
+    total = 0
+    for image in images:
+        try:
+            with Image.open(io.BytesIO(image.data), formats=FORMATS) as picture:
+                width, height = picture.size
+        except Exception:
+            continue
+        total += width * height
+        if total > max_total:
+            raise InvalidRequestError(
+                f"The images of this request have {total} pixels up to and including this "
+                f"one, more than this server's limit of {max_total} for one request "
+                "([models] max_request_image_pixels); send fewer or smaller images.",
+                code="image_too_large",
+                param=image.param,
+            )
 
 
 def decode(image: ImageInput, max_pixels: int) -> Image.Image:

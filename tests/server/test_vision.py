@@ -34,6 +34,7 @@ from conftest import ServerProcess, parse_sse, start_server
 MODEL = "demo-vision"
 QUESTION = "What is in the picture?"
 MAX_PIXELS = 112 * 112  # the server's [models] max_image_pixels below
+MAX_REQUEST_PIXELS = 3 * MAX_PIXELS  # and its max_request_image_pixels
 CHAT = "/v1/chat/completions"
 
 
@@ -90,6 +91,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory, vision_folder: Path
         ) -> Iterator[ServerProcess]:
     config = (
         f'[models]\ndefault = "{MODEL}"\nmax_image_pixels = {MAX_PIXELS}\n'
+        f'max_request_image_pixels = {MAX_REQUEST_PIXELS}\n'
         # The same folder with no kind: detected as a vision model from its config.json.
         f'[[models.model]]\nid = "vision-auto"\npath = "{vision_folder}"\n'
     )
@@ -274,6 +276,53 @@ def test_image_over_max_image_pixels(srv: ServerProcess) -> None:
     ok = post(srv, {"model": MODEL, "max_tokens": 1, "messages": [
         {"role": "user", "content": parts(png_url(noise(9, (112, 112))))}]})
     assert ok.status_code == 200, ok.text
+
+
+def test_a_requests_images_together_stay_under_max_request_image_pixels(
+        srv: ServerProcess) -> None:
+    """Each image under its own limit, but a request's pictures are held together: a
+    body limit's worth of flat PNGs (a hundred kilobytes for 33 megapixels) took more
+    memory than the machine has. The image that crosses the total is named, in every
+    dialect, and an earlier turn's images count (a conversation is sent whole)."""
+    full = png_url(noise(10, (112, 112)))
+    three = [{"type": "text", "text": QUESTION}] + [
+        {"type": "image_url", "image_url": {"url": full}}] * 3
+    ok = post(srv, {"model": MODEL, "max_tokens": 1,
+                    "messages": [{"role": "user", "content": three}]})
+    assert ok.status_code == 200, ok.text
+    four = [*three, {"type": "image_url", "image_url": {"url": full}}]
+    r = post(srv, {"model": MODEL, "messages": [{"role": "user", "content": four}]})
+    error = assert_error(r, "image_too_large", "messages[0].content[4].image_url")
+    assert "max_request_image_pixels" in error["message"]
+    assert f"{4 * MAX_PIXELS} pixels" in error["message"]
+    history = post(srv, {"model": MODEL, "messages": [
+        {"role": "user", "content": three}, {"role": "assistant", "content": "a cat"},
+        {"role": "user", "content": parts(full)}]})
+    assert_error(history, "image_too_large", "messages[2].content[1].image_url")
+    b64 = full.split(",", 1)[1]
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": b64}}
+    messages = httpx.post(srv.url + "/v1/messages", timeout=60, json={
+        "model": MODEL, "max_tokens": 1,
+        "messages": [{"role": "user", "content": [block] * 4}]})
+    assert messages.status_code == 400
+    assert "max_request_image_pixels" in messages.json()["error"]["message"]
+    assert messages.json()["error"]["message"].startswith("messages[0].content[3].source")
+    ollama = httpx.post(srv.url + "/api/chat", timeout=60, json={
+        "model": MODEL, "stream": False,
+        "messages": [{"role": "user", "content": QUESTION, "images": [b64] * 4}]})
+    assert ollama.status_code == 400 and "max_request_image_pixels" in ollama.json()["error"]
+
+
+def test_the_request_total_is_read_from_headers_before_decoding() -> None:
+    from afmd.service import images
+
+    parts_ = [ImageInput(png_header_only(100_000, 100_000), f"p{i}", i) for i in range(2)]
+    with pytest.raises(InvalidRequestError) as caught:
+        images.check_total(parts_, 2 * 10**10 - 1)  # only headers: nothing to decode
+    assert (caught.value.code, caught.value.param) == ("image_too_large", "p1")
+    images.check_total(parts_, 2 * 10**10)
+    images.check_total([ImageInput(b"not an image", "bad", 0)], 1)  # decode() names it
 
 
 def test_size_is_checked_before_decoding() -> None:
