@@ -90,6 +90,9 @@ class ModelsConfig:
     # decoded: a compressed file can be tiny beside its pixels, so a request's body limit
     # alone lets one request hold more pictures than memory.
     max_request_image_pixels: int = field(default=268435456, metadata=at_least(1))
+    # Pixels the vision requests in flight may hold decoded together (each is decoded when
+    # it arrives, before it waits for a slot); one more is 429 while others hold images.
+    max_image_pixels_in_flight: int = field(default=1073741824, metadata=at_least(1))
     aliases: dict[str, str] = field(default_factory=dict)
     model: tuple[ModelEntry, ...] = BUILTIN_MODELS
 

@@ -33,6 +33,26 @@ Image.MAX_IMAGE_PIXELS = None
 ImageFile.LOAD_TRUNCATED_IMAGES = False
 
 
+def pixels_of(images: Sequence[ImageInput]) -> int:
+    """The pixels ``images`` will take decoded, from their headers (one that does not read
+    counts nothing: :func:`decode` names it)."""
+    total = 0
+    for image in images:
+        size = _size(image)
+        if size is not None:
+            total += size[0] * size[1]
+    return total
+
+
+def _size(image: ImageInput) -> tuple[int, int] | None:
+    try:
+        with Image.open(io.BytesIO(image.data), formats=FORMATS) as picture:
+            width, height = picture.size
+    except Exception:
+        return None
+    return width, height
+
+
 def check_total(images: Sequence[ImageInput], max_total: int) -> None:
     """Refuse a request whose pictures together pass ``max_total`` pixels, from their
     headers, before any is decoded: the pictures of one request are held at once (the
@@ -40,12 +60,10 @@ def check_total(images: Sequence[ImageInput], max_total: int) -> None:
     An image whose header does not read is left for :func:`decode` to name."""
     total = 0
     for image in images:
-        try:
-            with Image.open(io.BytesIO(image.data), formats=FORMATS) as picture:
-                width, height = picture.size
-        except Exception:
+        size = _size(image)
+        if size is None:
             continue
-        total += width * height
+        total += size[0] * size[1]
         if total > max_total:
             raise InvalidRequestError(
                 f"The images of this request have {total} pixels up to and including this "

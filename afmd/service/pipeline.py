@@ -23,7 +23,8 @@ from afmd.engine.batch.penalties import check_logit_bias
 from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease
-from afmd.errors import ConflictError, InvalidRequestError
+from afmd.errors import ConflictError, InvalidRequestError, RateLimitError
+from afmd.service import images as image_decoding
 from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.choices import ChoicesRun
 from afmd.service.completion_prompts import PreparedCompletion, prepare_completion
@@ -88,6 +89,9 @@ class ChatPipeline:
     _runs: dict[str, ChatRun | ChoicesRun | CompletionRun] = field(default_factory=dict)
     #: Each prepared request's hold on its model, by the prepared object's identity.
     _leases: dict[int, Lease] = field(default_factory=dict)
+    #: The image pixels each prepared vision request holds decoded, likewise, and their sum.
+    _pixels: dict[int, int] = field(default_factory=dict)
+    _pixels_held: int = 0
 
     def __post_init__(self) -> None:
         if self.tools is None:
@@ -117,15 +121,45 @@ class ChatPipeline:
         lease = await self.registry.lease(entry, deadline=started + self.policy.request_timeout,
                                           keep_alive=request.keep_alive)
         waited = time.monotonic() - started  # the model's load, when it was not loaded
+        pixels = 0
         try:
+            pixels = self._hold_pixels(request, lease.model)
             prepared = await self._prepare(lease.model, entry, request, request_id, started,
                                            received_at, profile)
         except BaseException:
+            self._pixels_held -= pixels
             lease.release()
             raise
         prepared.load_seconds = waited
         self._leases[id(prepared)] = lease
+        self._pixels[id(prepared)] = pixels
         return prepared
+
+    def _hold_pixels(self, request: ChatRequest | CompletionRequest,
+                     model: LoadedModel) -> int:
+        """Count a vision request's image pixels as held, or refuse it with a 429.
+
+        Its pictures are decoded as it is prepared, before it waits for a slot, and stay
+        decoded until it ends, so the requests in flight together, each within
+        ``max_request_image_pixels``, are held to ``max_image_pixels_in_flight``. A request
+        is always let in when nothing else holds images, so any one request can run.
+        """
+        if not isinstance(request, ChatRequest) or not request.has_images \
+                or not model.supports_vision:
+            return 0
+        pixels = image_decoding.pixels_of(
+            [image for message in request.messages for image in message.images])
+        limit = self.config.models.max_image_pixels_in_flight
+        if self._pixels_held and self._pixels_held + pixels > limit:
+            raise RateLimitError(
+                f"The server is busy with images: the vision requests in flight hold "
+                f"{self._pixels_held} image pixels, and this one's {pixels} would pass "
+                f"{limit} ([models] max_image_pixels_in_flight). Retry shortly.",
+                code="rate_limited",
+                headers={"Retry-After": str(self.scheduler.retry_after)},
+            )
+        self._pixels_held += pixels
+        return pixels
 
     async def _prepare(
         self,
@@ -176,13 +210,16 @@ class ChatPipeline:
         window cannot hold, as a turn would."""
         lease = await self.registry.lease(self.registry.resolve(request.model),
                                           keep_alive=request.keep_alive)
+        pixels = 0
         try:
+            pixels = self._hold_pixels(request, lease.model)
             request = _with_server_tools(request, self.server_tools)
             rounds = RoundBuilder(lease.model, request,
                                   instructions=self.config.server.instructions, trim=False,
                                   server_tools=self.server_tools.names)
             return await asyncio.to_thread(rounds.prompt_tokens, request, must_fit=must_fit)
         finally:
+            self._pixels_held -= pixels
             lease.release()
 
     async def start(
@@ -234,6 +271,7 @@ class ChatPipeline:
         self._release_model(prepared)
 
     def _release_model(self, prepared: PreparedChat | PreparedCompletion) -> None:
+        self._pixels_held -= self._pixels.pop(id(prepared), 0)
         lease = self._leases.pop(id(prepared), None)
         if lease is not None:
             lease.release()

@@ -30,6 +30,7 @@ from afmd.core.request import ImageInput
 from afmd.errors import InvalidRequestError
 
 from conftest import ServerProcess, parse_sse, start_server
+from helpers.openai_schemas import validate_error
 
 MODEL = "demo-vision"
 QUESTION = "What is in the picture?"
@@ -92,6 +93,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory, vision_folder: Path
     config = (
         f'[models]\ndefault = "{MODEL}"\nmax_image_pixels = {MAX_PIXELS}\n'
         f'max_request_image_pixels = {MAX_REQUEST_PIXELS}\n'
+        f'max_image_pixels_in_flight = {MAX_REQUEST_PIXELS}\n'
         # The same folder with no kind: detected as a vision model from its config.json.
         f'[[models.model]]\nid = "vision-auto"\npath = "{vision_folder}"\n'
     )
@@ -312,6 +314,40 @@ def test_a_requests_images_together_stay_under_max_request_image_pixels(
         "model": MODEL, "stream": False,
         "messages": [{"role": "user", "content": QUESTION, "images": [b64] * 4}]})
     assert ollama.status_code == 400 and "max_request_image_pixels" in ollama.json()["error"]
+
+
+def test_vision_requests_in_flight_share_max_image_pixels_in_flight(
+        srv: ServerProcess) -> None:
+    """A request's pictures are decoded when it arrives, before it queues, and held until
+    it ends: past the budget, another image request is 429 with Retry-After while a text
+    one goes on, and the budget comes back when the holder ends (here, disconnects)."""
+    full = png_url(noise(15, (112, 112)))
+    holder = {"model": MODEL, "stream": True, "max_tokens": 6000, "temperature": 0,
+              "messages": [{"role": "user", "content": [
+                  {"type": "text", "text": QUESTION},
+                  *[{"type": "image_url", "image_url": {"url": full}}] * 3]}]}
+    small = {"model": MODEL, "max_tokens": 1,
+             "messages": [{"role": "user", "content": parts(png_url(noise(16)))}]}
+    with httpx.Client(timeout=60) as http, http.stream("POST", srv.url + CHAT,
+                                                       json=holder) as stream:
+        assert stream.status_code == 200
+        next(stream.iter_text())  # generating: its pictures are held
+        busy = post(srv, small)
+        assert busy.status_code == 429, busy.text
+        validate_error(busy.json())
+        error = busy.json()["error"]
+        assert (error["code"], error["type"]) == ("rate_limited", "rate_limit_error")
+        assert busy.headers["Retry-After"].isdigit()
+        assert "max_image_pixels_in_flight" in error["message"]
+        assert f"hold {MAX_REQUEST_PIXELS} image pixels" in error["message"]
+        text = post(srv, {"model": "demo", "max_tokens": 1,
+                          "messages": [{"role": "user", "content": "hi"}]})
+        assert text.status_code == 200, text.text
+    deadline = time.monotonic() + 30
+    while (after := post(srv, small)).status_code == 429:  # the disconnect ends the holder
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert after.status_code == 200, after.text
 
 
 def test_the_request_total_is_read_from_headers_before_decoding() -> None:
