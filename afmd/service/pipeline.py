@@ -24,7 +24,6 @@ from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease
 from afmd.errors import ConflictError, InvalidRequestError, RateLimitError
-from afmd.service import images as image_decoding
 from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.choices import ChoicesRun
 from afmd.service.completion_prompts import PreparedCompletion, prepare_completion
@@ -147,6 +146,8 @@ class ChatPipeline:
         if not isinstance(request, ChatRequest) or not request.has_images \
                 or not model.supports_vision:
             return 0
+        from afmd.service import images as image_decoding  # Pillow: only with images
+
         pixels = image_decoding.pixels_of(
             [image for message in request.messages for image in message.images])
         limit = self.config.models.max_image_pixels_in_flight
