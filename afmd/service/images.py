@@ -33,17 +33,6 @@ Image.MAX_IMAGE_PIXELS = None
 ImageFile.LOAD_TRUNCATED_IMAGES = False
 
 
-def pixels_of(images: Sequence[ImageInput]) -> int:
-    """The pixels ``images`` will take decoded, from their headers (one that does not read
-    counts nothing: :func:`decode` names it)."""
-    total = 0
-    for image in images:
-        size = _size(image)
-        if size is not None:
-            total += size[0] * size[1]
-    return total
-
-
 def _size(image: ImageInput) -> tuple[int, int] | None:
     try:
         with Image.open(io.BytesIO(image.data), formats=FORMATS) as picture:
@@ -53,11 +42,12 @@ def _size(image: ImageInput) -> tuple[int, int] | None:
     return width, height
 
 
-def check_total(images: Sequence[ImageInput], max_total: int) -> None:
-    """Refuse a request whose pictures together pass ``max_total`` pixels, from their
-    headers, before any is decoded: the pictures of one request are held at once (the
-    processor takes them together), so the per-image limit alone does not bound memory.
-    An image whose header does not read is left for :func:`decode` to name."""
+def check_total(images: Sequence[ImageInput], max_total: int) -> int:
+    """The pixels ``images`` will take decoded, read from their headers before any is
+    decoded, or the 400 for a request whose pictures together pass ``max_total``: the
+    pictures of one request are held at once (the processor takes them together), so the
+    per-image limit alone does not bound memory. An image whose header does not read
+    counts nothing; :func:`decode` names it."""
     total = 0
     for image in images:
         size = _size(image)
@@ -72,6 +62,7 @@ def check_total(images: Sequence[ImageInput], max_total: int) -> None:
                 code="image_too_large",
                 param=image.param,
             )
+    return total
 
 
 def decode(image: ImageInput, max_pixels: int) -> Image.Image:

@@ -86,10 +86,9 @@ class ChatPipeline:
     tools: ServerTools | None = None  # default: the config's [[tools.server]]
     policy: RunPolicy = field(init=False)
     _runs: dict[str, ChatRun | ChoicesRun | CompletionRun] = field(default_factory=dict)
-    #: Each prepared request's hold on its model, by the prepared object's identity.
-    _leases: dict[int, Lease] = field(default_factory=dict)
-    #: The image pixels each prepared vision request holds decoded, likewise, and their sum.
-    _pixels: dict[int, int] = field(default_factory=dict)
+    #: What each prepared request holds until it ends, by the prepared object's identity:
+    #: its model, and the image pixels it keeps decoded (their sum across requests too).
+    _holds: dict[int, tuple[Lease, int]] = field(default_factory=dict)
     _pixels_held: int = 0
 
     def __post_init__(self) -> None:
@@ -130,26 +129,26 @@ class ChatPipeline:
             lease.release()
             raise
         prepared.load_seconds = waited
-        self._leases[id(prepared)] = lease
-        self._pixels[id(prepared)] = pixels
+        self._holds[id(prepared)] = (lease, pixels)
         return prepared
 
     def _hold_pixels(self, request: ChatRequest | CompletionRequest,
                      model: LoadedModel) -> int:
-        """Count a vision request's image pixels as held, or refuse it with a 429.
+        """Count a vision request's image pixels as held, or refuse it: a 400 past
+        ``max_request_image_pixels``, a 429 past ``max_image_pixels_in_flight``.
 
         Its pictures are decoded as it is prepared, before it waits for a slot, and stay
-        decoded until it ends, so the requests in flight together, each within
-        ``max_request_image_pixels``, are held to ``max_image_pixels_in_flight``. A request
-        is always let in when nothing else holds images, so any one request can run.
+        decoded until it ends, so the requests in flight are held to a budget together. A
+        request is always let in when nothing else holds images, so any one can run.
         """
         if not isinstance(request, ChatRequest) or not request.has_images \
                 or not model.supports_vision:
             return 0
         from afmd.service import images as image_decoding  # Pillow: only with images
 
-        pixels = image_decoding.pixels_of(
-            [image for message in request.messages for image in message.images])
+        pixels = image_decoding.check_total(
+            [image for message in request.messages for image in message.images],
+            self.config.models.max_request_image_pixels)
         limit = self.config.models.max_image_pixels_in_flight
         if self._pixels_held and self._pixels_held + pixels > limit:
             raise RateLimitError(
@@ -243,9 +242,9 @@ class ChatPipeline:
         else:
             run = ChatRun(prepared, self.policy, self.server_tools)
         self._runs[rid] = run
-        lease = self._leases.get(id(prepared))
-        if lease is not None:
-            lease.ticket = run.ticket  # queued until it holds a slot: /health's counts
+        held = self._holds.get(id(prepared))
+        if held is not None:
+            held[0].ticket = run.ticket  # queued until it holds a slot: /health's counts
         try:
             await self.scheduler.acquire(run.ticket, prepared.deadline - time.monotonic())
         except Cancelled:
@@ -272,9 +271,10 @@ class ChatPipeline:
         self._release_model(prepared)
 
     def _release_model(self, prepared: PreparedChat | PreparedCompletion) -> None:
-        self._pixels_held -= self._pixels.pop(id(prepared), 0)
-        lease = self._leases.pop(id(prepared), None)
-        if lease is not None:
+        held = self._holds.pop(id(prepared), None)
+        if held is not None:
+            lease, pixels = held
+            self._pixels_held -= pixels
             lease.release()
 
     def _forget(self, run: ChatRun | ChoicesRun | CompletionRun) -> None:

@@ -201,8 +201,7 @@ def _load_vision(
     )
     worker = VisionWorker(model, tokenizer, name=entry.id)
     worker.start()
-    vision = VisionSupport(model, processor, tokenizer, config.models.max_image_pixels,
-                           config.models.max_request_image_pixels)
+    vision = VisionSupport(model, processor, tokenizer, config.models.max_image_pixels)
     return folder, model, tokenizer, context_length, worker, vision
 
 

@@ -37,13 +37,11 @@ _TEXT_KEYS = ("input_ids", "attention_mask")
 class VisionSupport:
     """A loaded vision model's prompt side: chat template, images, processor."""
 
-    def __init__(self, model: Any, processor: Any, tokenizer: Any, max_pixels: int,
-                 max_request_pixels: int) -> None:
+    def __init__(self, model: Any, processor: Any, tokenizer: Any, max_pixels: int) -> None:
         self.model = model
         self.processor = processor
         self.tokenizer = tokenizer  # mlx-lm's wrapper around the same tokenizer
         self.max_pixels = max_pixels
-        self.max_request_pixels = max_request_pixels
 
     def render(
         self,
@@ -63,10 +61,6 @@ class VisionSupport:
         """
         from mlx_vlm.utils import prepare_inputs
 
-        image_decoding.check_total(
-            [part["image"] for message in messages if isinstance(message.get("content"), list)
-             for part in message["content"] if part.get("type") == "image"],
-            self.max_request_pixels)
         pictures: list[Any] = []
         sent: list[ImageInput] = []
         plain: list[dict[str, Any]] = []
