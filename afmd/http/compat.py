@@ -22,6 +22,8 @@ What afmd needs from them, and how:
   (``_time``), its connection task (``_task``) and timeout timer
   (``_callback_check_timeouts``), and ``check_timeouts``, replaced so that a request's
   deadline runs from its first byte.
+* **The current request** (:func:`forget_current_request`): Sanic's ``Request._current``
+  context variable, emptied once a head is parsed so that timers do not hold requests.
 * **Reason phrases** Sanic lacks (421, 431), patched into its status-line table.
 * **The listener's accept reader** (:func:`accept_failure`, :func:`forget_accept_reader`):
   asyncio's ``Handle._callback``/``_args``, ``BaseSelectorEventLoop._accept_connection``
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import inspect
 from collections.abc import Callable
@@ -44,6 +47,7 @@ from sanic import helpers as sanic_helpers
 from sanic.compat import Header
 from sanic.exceptions import ServiceUnavailable
 from sanic.http import Http, Stage
+from sanic.request import Request
 from sanic.server.protocols.base_protocol import SanicProtocol
 from sanic.server.protocols.http_protocol import HttpProtocol
 
@@ -106,6 +110,23 @@ class ExactHttp(Http):
         request = self.request
         if request is not None and not request.head.isascii():
             request.headers = Header(exact_fields(request.head))
+        forget_current_request()
+
+
+def forget_current_request() -> None:
+    """Take the request out of the connection task's context, where Sanic puts it for
+    ``Request.get_current()`` (which afmd never calls).
+
+    Every timer asyncio schedules copies the context it is made in (``call_at``, and
+    through it ``asyncio.timeout``, ``wait_for`` and ``sleep``), and a cancelled one stays
+    in the loop's heap, context and all, until it would have fired. A request's deadline
+    timer, cancelled as the response ends, thus held the request for the rest of
+    ``request_timeout``: its body, its run and its generations, and through them a model
+    the request had used, tokenizer and all, after that model was unloaded (a
+    ``keep_alive`` 0 client grew the server by a tokenizer a request). Without the request
+    in the context, a cancelled timer holds nothing of it.
+    """
+    Request._current.set(None)  # type: ignore[arg-type]  # Sanic types it ContextVar[Request]; get(None) is how it reads "none"
 
 
 class SanicConnection(HttpProtocol):
@@ -292,6 +313,9 @@ def upstream_problems() -> list[str]:
                       "_callback_check_timeouts", "keep_alive_timeout", "response_timeout"):
         if attribute not in slots:
             problems.append(f"sanic HttpProtocol has no {attribute}")
+    current = getattr(Request, "_current", None)
+    if not isinstance(current, contextvars.ContextVar):
+        problems.append("sanic Request._current is not a ContextVar")
     table = getattr(sanic_headers, "_HTTP1_STATUSLINES", None)
     if not isinstance(table, list) or len(table) < 1000:
         problems.append("sanic.headers._HTTP1_STATUSLINES is not a list indexed by status")
