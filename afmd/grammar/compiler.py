@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llguidance import LLMatcher, LLTokenizer
@@ -81,11 +83,32 @@ class ToolSchema:
     param: str  # where the schema came from, for error messages
 
 
-_tokenizers: dict[int, LLTokenizer] = {}
+@dataclass(slots=True)
+class _Known:
+    """What the server keeps for one llguidance tokenizer while its model's lives."""
+
+    #: Never reused in this process, where an ``id()`` is once its object is freed: the
+    #: compile worker and the verdict cache know the tokenizer by it.
+    key: int
+    #: What the compile worker needs to rebuild the tokenizer.
+    source: TokenizerSource
+    #: One unused matcher per grammar text, most recently used last, copied for each
+    #: request that needs one (:meth:`Grammar.matcher`).
+    prototypes: OrderedDict[str, LLMatcher] = field(default_factory=OrderedDict)
+
+
+#: Per model tokenizer, weakly held: each load of a model has its own tokenizer, and an
+#: unloaded model's goes with everything built from it (its llguidance tokenizer, the
+#: matchers, the worker's copy), where holding them by ``id()`` kept them for the
+#: process's life, one set a load.
+_tokenizers: weakref.WeakKeyDictionary[Any, LLTokenizer] = weakref.WeakKeyDictionary()
 _tokenizers_lock = threading.Lock()
-# What the compile worker needs to rebuild each tokenizer, by the LLTokenizer's id (both
-# tables keep their tokenizers for the process's life, so an id is never reused).
-_sources: dict[int, TokenizerSource] = {}
+#: By the llguidance tokenizer's ``id()``, while its model tokenizer lives (and so while
+#: it does: that id is not reused meanwhile).
+_known: dict[int, _Known] = {}
+_keys = itertools.count(1)
+#: Prototypes kept per tokenizer: agents resend the same few tool sets.
+_PROTOTYPES = 64
 
 
 def llg_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> LLTokenizer:
@@ -96,17 +119,28 @@ def llg_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> LL
 
     from afmd.engine.mlx_compat import hf_tokenizer
 
-    key = id(tokenizer)
     with _tokenizers_lock:
-        cached = _tokenizers.get(key)
+        cached = _tokenizers.get(tokenizer)
         if cached is None:
             hf = hf_tokenizer(tokenizer)
             cached = llguidance.hf.from_tokenizer(
                 hf, n_vocab=vocab_size, eos_token=sorted(eos_ids)
             )
-            _tokenizers[key] = cached
-            _sources[id(cached)] = _source(hf, vocab_size, eos_ids)
+            known = _Known(next(_keys), _source(hf, vocab_size, eos_ids))
+            _tokenizers[tokenizer] = cached
+            _known[id(cached)] = known
+            weakref.finalize(tokenizer, _forget, id(cached), known.key)
         return cached
+
+
+def _forget(llg_id: int, key: int) -> None:
+    """A model tokenizer was freed: drop what was built from it. Runs wherever the last
+    reference went (any thread, maybe under :data:`_tokenizers_lock`), so it takes no
+    lock: a dict's ``pop`` is atomic, and the worker is told at its next exchange."""
+    known = _known.get(llg_id)
+    if known is not None and known.key == key:  # not a newer tokenizer at that address
+        _known.pop(llg_id, None)
+    compile_worker().forget(key)
 
 
 def _source(hf: Any, vocab_size: int, eos_ids: Sequence[int]) -> TokenizerSource:
@@ -119,12 +153,10 @@ def _source(hf: Any, vocab_size: int, eos_ids: Sequence[int]) -> TokenizerSource
 
 def _validate(grammar: str, tokenizer: LLTokenizer) -> tuple[bool, tuple[str, ...]]:
     """The verdict on a grammar text, reached in the compile worker."""
-    key = id(tokenizer)
-    with _tokenizers_lock:
-        source = _sources.get(key)
-    if source is None:  # a tokenizer made elsewhere (tests): the worker compiles without it
+    known = _known.get(id(tokenizer))
+    if known is None:  # a tokenizer made elsewhere (tests): the worker compiles without it
         return compile_worker().validate(grammar, None, None)
-    return compile_worker().validate(grammar, key, source)
+    return compile_worker().validate(grammar, known.key, known.source)
 
 
 class _CompileCache:
@@ -139,7 +171,9 @@ class _CompileCache:
         self._lock = threading.Lock()
 
     def validate(self, grammar: str, tokenizer: LLTokenizer) -> tuple[bool, tuple[str, ...]]:
-        key = (id(tokenizer), grammar)
+        known = _known.get(id(tokenizer))
+        # A tokenizer made elsewhere (tests) is known by its id, negated apart from keys.
+        key = (known.key if known is not None else -id(tokenizer), grammar)
         with self._lock:
             hit = self._items.get(key)
             if hit is not None:
@@ -165,17 +199,29 @@ class _CompileCache:
 _cache = _CompileCache()
 
 
-@functools.lru_cache(maxsize=64)
 def _prototype(tokenizer: LLTokenizer, text: str) -> LLMatcher:
     """One unused matcher per grammar, copied for each request that needs one.
 
     Eight concurrent json_schema requests used to spend ~20 ms of CPU building matchers
     before the first token (the same grammar each time, as agents resend their tools).
-    A prototype is never advanced, so its copies start where a new matcher does. The
-    cache key holds the tokenizer itself, so a freed tokenizer's id is never mistaken
-    for it.
+    A prototype is never advanced, so its copies start where a new matcher does. They are
+    kept with their tokenizer's entry, which goes with its model: a matcher holds its
+    tokenizer, so a cache of its own would keep unloaded models' tokenizers.
     """
-    return LLMatcher(tokenizer, text, log_level=0)
+    known = _known.get(id(tokenizer))
+    if known is None:  # a tokenizer made elsewhere (tests): nothing to keep it with
+        return LLMatcher(tokenizer, text, log_level=0)
+    with _tokenizers_lock:
+        found = known.prototypes.get(text)
+        if found is not None:
+            known.prototypes.move_to_end(text)
+            return found
+    made = LLMatcher(tokenizer, text, log_level=0)
+    with _tokenizers_lock:
+        known.prototypes[text] = made
+        if len(known.prototypes) > _PROTOTYPES:
+            known.prototypes.popitem(last=False)
+    return made
 
 
 _ARGUMENTS = ("properties", "arguments")  # where a call's grammar holds the parameters

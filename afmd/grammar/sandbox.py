@@ -101,6 +101,8 @@ def _serve(conn: Connection) -> None:
                 conn.send(("ok",))
             except Exception as exc:  # sent back, raised there
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        elif kind == "forget":  # the server freed that tokenizer's model: no answer
+            tokenizers.pop(message[1], None)
         elif kind == "validate":
             _, key, grammar = message
             tokenizer = tokenizers.get(key) if key is not None else None
@@ -131,6 +133,8 @@ class CompileWorker:
         self._process: Any = None
         self._conn: Connection | None = None
         self._known: set[int] = set()
+        # Keys of tokenizers the server freed, for the worker to drop at the next exchange.
+        self._forgotten: list[int] = []
         self.restarts = 0  # worker deaths and overruns so far, for tests and metrics
 
     def validate(self, grammar: str, key: int | None,
@@ -139,6 +143,7 @@ class CompileWorker:
         worker dies or overruns on it."""
         with self._lock:
             conn = self._connection()
+            self._send_forgotten(conn)
             if key is not None and key not in self._known:
                 if source is None:
                     raise ValueError("a tokenizer the worker does not know needs its source")
@@ -152,6 +157,20 @@ class CompileWorker:
                                    "compiling the grammar")
             is_error, messages = reply
             return bool(is_error), tuple(messages)
+
+    def forget(self, key: int) -> None:
+        """The server freed the tokenizer known by ``key``: the worker drops its copy at the
+        next exchange. Called from a finalizer (any thread, perhaps one inside
+        :meth:`validate`), so it only notes the key: a list's ``append`` is atomic."""
+        self._forgotten.append(key)
+
+    @property
+    def tokenizers(self) -> int:
+        """How many tokenizers the worker holds (tests)."""
+        with self._lock:
+            if self._conn is not None:
+                self._send_forgotten(self._conn)
+            return len(self._known)
 
     def crash(self) -> None:
         """Make the worker die as a compiler fault would (tests and the benchmark)."""
@@ -175,6 +194,14 @@ class CompileWorker:
         return self._process.pid if self._process is not None else None
 
     # -- under the lock --
+    def _send_forgotten(self, conn: Connection) -> None:
+        while self._forgotten:
+            key = self._forgotten.pop()
+            if key in self._known:
+                self._known.discard(key)
+                with contextlib.suppress(OSError):  # a dead worker is found by the exchange
+                    conn.send(("forget", key))
+
     def _connection(self) -> Connection:
         if self._conn is None or self._process is None or self._process.poll() is not None:
             self._stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +61,9 @@ class ModelFormats:
         return self.tool_format is not None and self.tool_format.channels
 
 
-_formats: dict[int, tuple[Any, ModelFormats]] = {}
+#: By the tokenizer itself, weakly: an entry goes with its tokenizer, which an unloaded
+#: model takes with it (a model loaded again has a new one).
+_formats: weakref.WeakKeyDictionary[Any, ModelFormats] = weakref.WeakKeyDictionary()
 _formats_lock = threading.Lock()
 
 
@@ -68,9 +71,9 @@ def model_formats(model: LoadedModel) -> ModelFormats:
     """Detected once per tokenizer: reading a large vocabulary costs milliseconds."""
     tokenizer = model.tokenizer
     with _formats_lock:
-        hit = _formats.get(id(tokenizer))
-        if hit is not None and hit[0] is tokenizer:
-            return hit[1]
+        hit = _formats.get(tokenizer)
+    if hit is not None:
+        return hit
     vocab = tokenizer.get_vocab()
     tool_format = detect.call_format(model.tool_format, vocab)
     thinking = detect.thinking_markers(model.thinking, vocab)
@@ -81,7 +84,7 @@ def model_formats(model: LoadedModel) -> ModelFormats:
         for_family(name, array_calls=detect.array_calls(vocab)),
     )
     with _formats_lock:
-        _formats[id(tokenizer)] = (tokenizer, found)
+        _formats[tokenizer] = found
     return found
 
 

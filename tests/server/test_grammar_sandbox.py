@@ -9,10 +9,12 @@ process first, whose death or overrun costs the request a 400 and the worker a r
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -169,6 +171,30 @@ def demo_model() -> Iterator[LoadedModel]:
 @pytest.fixture(scope="module")
 def tokenizer(demo_model: LoadedModel) -> Any:
     return llg_tokenizer(demo_model.tokenizer, demo_model.vocab_size, demo_model.eos_ids)
+
+
+def test_what_is_built_from_a_tokenizer_goes_with_it(demo_model: LoadedModel) -> None:
+    """Each load of a model has a tokenizer of its own: once it is freed, so are its
+    llguidance tokenizer, its matchers and the worker's copy. They were kept by ``id()``
+    for the process's life, one set a load (a ``keep_alive: 0`` client with a schema grew
+    the server and the worker by megabytes a request)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    assert demo_model.folder is not None
+    fresh = load_tokenizer(demo_model.folder)
+    gone = weakref.ref(fresh)
+    worker = compile_worker()
+    before = worker.tokenizers
+    grammar = json_schema_grammar(
+        llg_tokenizer(fresh, demo_model.vocab_size, demo_model.eos_ids),
+        {"type": "object", "properties": {"forgotten": {"type": "integer"}}},
+        thinking=None, param="response_format")
+    grammar.matcher()
+    assert worker.tokenizers == before + 1  # the worker compiled with its own copy
+    del fresh, grammar
+    gc.collect()
+    assert gone() is None
+    assert worker.tokenizers == before
 
 
 @pytest.mark.parametrize("schema", CRASHING[:3], ids=["enum", "const", "const-rounds"])

@@ -1,8 +1,9 @@
-"""What a finished request held is given back, on the real server.
+"""What a finished request or an unloaded model held is given back, on the real server.
 
-The leak guarded against grew the server by the same amount with every request, with no
-error anywhere: a finished request was held until its deadline by the timers it had
-cancelled (docs/hardening.md).
+Both leaks these tests guard against grew the server by the same amount with every
+request, with no error anywhere: a finished request was held until its deadline by the
+timers it had cancelled, and each load of a model left its tokenizer, and everything a
+grammar built from it, behind for the process's life (docs/hardening.md).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from helpers.servers import start_server
-from helpers.smoke import vm_rss_kib
+from helpers.smoke import process_tree, vm_rss_kib
 
 pytestmark = pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc")
 
@@ -40,5 +41,40 @@ def test_a_finished_request_is_not_held_until_its_deadline(tmp_path: Path) -> No
             ask(i)
         grown = vm_rss_kib(server.proc.pid) - before
         assert grown < 15 * MIB, f"the server grew by {grown // MIB} MiB over ten requests"
+    finally:
+        server.stop()
+
+
+def test_an_unloaded_model_leaves_nothing_behind(tmp_path: Path) -> None:
+    """``keep_alive: 0`` with a schema: each request loads demo-32k, compiles a grammar
+    for it (in the server and in the compile worker) and unloads it. Each load's
+    tokenizer and grammars stayed, in both processes, tens of MiB a request; now the
+    server and the worker stay level."""
+    server = start_server(tmp_path)
+    try:
+        def cycle(i: int) -> None:
+            body = {"model": "demo-32k", "keep_alive": 0, "stream": False,
+                    "messages": [{"role": "user", "content": "hello there"}],
+                    "format": {"type": "object", "required": ["a"],
+                               "properties": {"a": {"type": "integer"},
+                                              f"k{i % 3}": {"type": "string"}}},
+                    "options": {"num_predict": 4}}
+            r = httpx.post(server.url + "/api/chat", json=body, timeout=60)
+            assert r.status_code == 200, r.text[:300]
+
+        def sizes() -> tuple[int, int]:
+            tree = process_tree(server.proc.pid)
+            assert len(tree) == 2, f"the server and its compile worker, not {tree}"
+            return vm_rss_kib(tree[0]), vm_rss_kib(tree[1])
+
+        cycle(0)
+        cycle(1)
+        first = sizes()
+        for i in range(6):
+            cycle(i)
+        last = sizes()
+        grown = [(b - a) // MIB for a, b in zip(first, last, strict=True)]
+        assert grown[0] < 40, f"the server grew by {grown[0]} MiB over six loads"
+        assert grown[1] < 30, f"the compile worker grew by {grown[1]} MiB over six loads"
     finally:
         server.stop()
