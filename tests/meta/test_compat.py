@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
+import contextvars
 import socket
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,22 @@ def test_only_an_accept_reader_is_forgotten() -> None:
         loop.close()
 
 
+def test_the_current_request_is_forgotten_in_this_context_only() -> None:
+    """What a timer made after the head is parsed copies holds no request."""
+    from sanic import Request
+    from sanic.exceptions import ServerError
+
+    def in_a_request() -> contextvars.Context:
+        Request._current.set(object())  # type: ignore[arg-type]  # any object will do
+        compat.forget_current_request()
+        return contextvars.copy_context()  # what call_at would keep
+
+    copied = contextvars.Context().run(in_a_request)
+    assert copied.get(Request._current) is None
+    with pytest.raises(ServerError):
+        copied.run(Request.get_current)
+
+
 # --------------------------------------------------------------------------- no one else
 
 
@@ -120,7 +137,7 @@ def _sanic_internals() -> set[str]:
     """Names of Sanic's protocol and HTTP internals: its private attributes and methods,
     and the undocumented ones compat overrides or reads."""
     names = {"recv_buffer", "check_timeouts", "http1_request_header", "init_for_request",
-             "HEADER_MAX_SIZE", "STATUS_CODES", "_HTTP1_STATUSLINES"}
+             "HEADER_MAX_SIZE", "STATUS_CODES", "_HTTP1_STATUSLINES", "_current"}
     for base in (HttpProtocol, Http):
         for cls in base.__mro__:
             if not cls.__module__.startswith("sanic"):
