@@ -189,10 +189,12 @@ def sampled(options: dict[str, Any]) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(8))
 
 
-def invoke_tool(tool: Any, arguments: dict[str, Any]) -> str:
+def invoke_tool(tool: Any, arguments: dict[str, Any],
+                entered: threading.Event | None = None) -> str:
     """A tool called from a native thread, as the SDK's C callback does it: no event loop
     runs here, so the tool's coroutine runs on a new thread with a new loop; the native
-    side waits for its output (``FMBridgedToolFinishCall``)."""
+    side waits for its output (``FMBridgedToolFinishCall``). ``entered`` is set once the
+    coroutine has run up to its first wait."""
     done = threading.Event()
     result: list[str] = []
 
@@ -200,7 +202,10 @@ def invoke_tool(tool: Any, arguments: dict[str, Any]) -> str:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         try:
-            output = loop.run_until_complete(tool.call(GeneratedContent(arguments)))
+            task = loop.create_task(tool.call(GeneratedContent(arguments)))
+            if entered is not None:
+                loop.call_soon(entered.set)  # runs after the task's first step
+            output = loop.run_until_complete(task)
             result.append(output if isinstance(output, str) else str(output))
         except Exception as exc:
             result.append(f"Tool error: {exc}")
@@ -321,13 +326,18 @@ def _call_tools(job: Job, calls: list[tuple[str, str]]) -> str:
             raise errors.make(errors.DecodingFailureError,
                               f"scripted arguments of {name}: {problem}")
 
-        def call(i: int = i, tool: Any = tool, arguments: Any = arguments) -> None:
-            outputs[i] = invoke_tool(tool, arguments)
+        entered = threading.Event()
+
+        def call(i: int = i, tool: Any = tool, arguments: Any = arguments,
+                 entered: threading.Event = entered) -> None:
+            outputs[i] = invoke_tool(tool, arguments, entered)
 
         thread = threading.Thread(target=call, daemon=True)
         thread.start()
         threads.append(thread)
-        time.sleep(0.002)  # the model writes its calls one after another
+        # The model writes its calls one after another: the next is made once this one's
+        # tool has begun (a fixed pause lost the order on a loaded machine).
+        entered.wait(5)
     for thread in threads:
         while thread.is_alive():
             thread.join(0.01)
