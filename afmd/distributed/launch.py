@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -81,12 +82,36 @@ def self_command() -> list[str]:
     return [sys.executable, "-m", "afmd"]
 
 
+#: Where the ranks' ports are looked for, below the OS's source ports (the lowest
+#: registered ports are left to the services that own them).
+_RANK_PORTS_FROM = 20000
+
+
+def _source_ports() -> tuple[int, int]:
+    """The range the OS takes connections' source ports (and ``bind(0)``'s) from."""
+    try:  # Linux
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535  # macOS's, IANA's dynamic range
+
+
 def _free_ports(n: int) -> int:
-    """The first of ``n`` consecutive ports free on loopback now."""
+    """The first of ``n`` consecutive ports free on loopback now.
+
+    MLX's ranks bind them only after they start, seconds later. A port from the OS's
+    source range can be taken meanwhile by any connection the machine opens (one test
+    run's servers open thousands), and the ring then fails with "Couldn't bind socket":
+    so the ports come from below that range, at a random place, checked free."""
+    low, _ = _source_ports()
+    rng = random.SystemRandom()
     for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
+        if low - n > _RANK_PORTS_FROM:
+            first = rng.randrange(_RANK_PORTS_FROM, low - n)
+        else:  # no room below the source ports: one the OS picks
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                first = probe.getsockname()[1]
         if first + n > 65535:
             continue
         try:

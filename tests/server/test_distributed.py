@@ -155,6 +155,22 @@ def _health(group: ServerProcess) -> dict[str, Any]:
         time.sleep(0.05)
 
 
+def test_rank_ports_are_free_and_outside_the_source_ports() -> None:
+    """The ranks bind their ports seconds after they are chosen: a port from the range the
+    OS takes connections' source ports from could be taken meanwhile (a loaded test run
+    once failed so, "[ring] Couldn't bind socket"), so they come from below it."""
+    from afmd.distributed.launch import _free_ports, _source_ports
+
+    low, _ = _source_ports()
+    firsts = {_free_ports(4) for _ in range(20)}
+    assert len(firsts) > 1  # a random place: two launches at once do not collide
+    for first in firsts:
+        assert first + 4 <= low
+        for port in range(first, first + 4):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+
+
 def test_health_reports_every_rank(group: ServerProcess) -> None:
     health = _health(group)
     assert health["status"] == "ok"
