@@ -26,7 +26,7 @@ def test_a_finished_request_is_not_held_until_its_deadline(tmp_path: Path) -> No
     """A 4 MB ``user`` field, ten times: each request's body stayed resident for
     ``request_timeout`` after its response (its deadline timer, cancelled, kept the
     request's context), about 4 MB a request; now nothing stays."""
-    server = start_server(tmp_path)
+    server = start_server(tmp_path, fork=False)
     try:
         def ask(i: int) -> None:
             body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
@@ -49,8 +49,9 @@ def test_an_unloaded_model_leaves_nothing_behind(tmp_path: Path) -> None:
     """``keep_alive: 0`` with a schema: each request loads demo-32k, compiles a grammar
     for it (in the server and in the compile worker) and unloads it. Each load's
     tokenizer and grammars stayed, in both processes, tens of MiB a request; now the
-    server and the worker stay level."""
-    server = start_server(tmp_path)
+    server and the worker stay level. Both servers here are fresh interpreters: a server
+    forked from the test's warm one grows as it touches the pages it shares with it."""
+    server = start_server(tmp_path, fork=False)
     try:
         def cycle(i: int) -> None:
             body = {"model": "demo-32k", "keep_alive": 0, "stream": False,
@@ -67,14 +68,14 @@ def test_an_unloaded_model_leaves_nothing_behind(tmp_path: Path) -> None:
             assert len(tree) == 2, f"the server and its compile worker, not {tree}"
             return vm_rss_kib(tree[0]), vm_rss_kib(tree[1])
 
-        cycle(0)
-        cycle(1)
+        for i in range(3):  # each of the three grammars once: their first compiles
+            cycle(i)
         first = sizes()
-        for i in range(6):
+        for i in range(8):
             cycle(i)
         last = sizes()
         grown = [(b - a) // MIB for a, b in zip(first, last, strict=True)]
-        assert grown[0] < 40, f"the server grew by {grown[0]} MiB over six loads"
-        assert grown[1] < 30, f"the compile worker grew by {grown[1]} MiB over six loads"
+        assert grown[0] < 60, f"the server grew by {grown[0]} MiB over eight loads"
+        assert grown[1] < 40, f"the compile worker grew by {grown[1]} MiB over eight loads"
     finally:
         server.stop()
