@@ -9,12 +9,12 @@ grammar built from it, behind for the process's life (docs/hardening.md).
 from __future__ import annotations
 
 import platform
-from pathlib import Path
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from helpers.servers import start_server
+from helpers.servers import ServerProcess, start_server
 from helpers.smoke import process_tree, vm_rss_kib
 
 pytestmark = pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc")
@@ -22,60 +22,60 @@ pytestmark = pytest.mark.skipif(platform.system() != "Linux", reason="reads /pro
 MIB = 1024
 
 
-def test_a_finished_request_is_not_held_until_its_deadline(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A fresh interpreter: a server forked from the test's warm one grows as it touches
+    the pages it shares with it."""
+    server = start_server(tmp_path_factory.mktemp("memory"), fork=False)
+    yield server
+    server.stop()
+
+
+def test_a_finished_request_is_not_held_until_its_deadline(server: ServerProcess) -> None:
     """A 4 MB ``user`` field, ten times: each request's body stayed resident for
     ``request_timeout`` after its response (its deadline timer, cancelled, kept the
     request's context), about 4 MB a request; now nothing stays."""
-    server = start_server(tmp_path, fork=False)
-    try:
-        def ask(i: int) -> None:
-            body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 4, "user": chr(ord("a") + i) * 4_000_000}
-            r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
-            assert r.status_code == 200, r.text[:300]
+    def ask(i: int) -> None:
+        body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4, "user": chr(ord("a") + i) * 4_000_000}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text[:300]
 
-        ask(0)
-        ask(1)  # the allocator's high-water marks are reached
-        before = vm_rss_kib(server.proc.pid)
-        for i in range(10):
-            ask(i)
-        grown = vm_rss_kib(server.proc.pid) - before
-        assert grown < 15 * MIB, f"the server grew by {grown // MIB} MiB over ten requests"
-    finally:
-        server.stop()
+    ask(0)
+    ask(1)  # the allocator's high-water marks are reached
+    before = vm_rss_kib(server.proc.pid)
+    for i in range(10):
+        ask(i)
+    grown = vm_rss_kib(server.proc.pid) - before
+    assert grown < 15 * MIB, f"the server grew by {grown // MIB} MiB over ten requests"
 
 
-def test_an_unloaded_model_leaves_nothing_behind(tmp_path: Path) -> None:
+def test_an_unloaded_model_leaves_nothing_behind(server: ServerProcess) -> None:
     """``keep_alive: 0`` with a schema: each request loads demo-32k, compiles a grammar
     for it (in the server and in the compile worker) and unloads it. Each load's
     tokenizer and grammars stayed, in both processes, tens of MiB a request; now the
-    server and the worker stay level. Both servers here are fresh interpreters: a server
-    forked from the test's warm one grows as it touches the pages it shares with it."""
-    server = start_server(tmp_path, fork=False)
-    try:
-        def cycle(i: int) -> None:
-            body = {"model": "demo-32k", "keep_alive": 0, "stream": False,
-                    "messages": [{"role": "user", "content": "hello there"}],
-                    "format": {"type": "object", "required": ["a"],
-                               "properties": {"a": {"type": "integer"},
-                                              f"k{i % 3}": {"type": "string"}}},
-                    "options": {"num_predict": 4}}
-            r = httpx.post(server.url + "/api/chat", json=body, timeout=60)
-            assert r.status_code == 200, r.text[:300]
+    server and the worker stay level."""
+    def cycle(i: int) -> None:
+        body = {"model": "demo-32k", "keep_alive": 0, "stream": False,
+                "messages": [{"role": "user", "content": "hello there"}],
+                "format": {"type": "object", "required": ["a"],
+                           "properties": {"a": {"type": "integer"},
+                                          f"k{i % 3}": {"type": "string"}}},
+                "options": {"num_predict": 4}}
+        r = httpx.post(server.url + "/api/chat", json=body, timeout=60)
+        assert r.status_code == 200, r.text[:300]
 
-        def sizes() -> tuple[int, int]:
-            tree = process_tree(server.proc.pid)
-            assert len(tree) == 2, f"the server and its compile worker, not {tree}"
-            return vm_rss_kib(tree[0]), vm_rss_kib(tree[1])
+    def sizes() -> tuple[int, int]:
+        tree = process_tree(server.proc.pid)
+        assert len(tree) == 2, f"the server and its compile worker, not {tree}"
+        return vm_rss_kib(tree[0]), vm_rss_kib(tree[1])
 
-        for i in range(3):  # each of the three grammars once: their first compiles
-            cycle(i)
-        first = sizes()
-        for i in range(8):
-            cycle(i)
-        last = sizes()
-        grown = [(b - a) // MIB for a, b in zip(first, last, strict=True)]
-        assert grown[0] < 60, f"the server grew by {grown[0]} MiB over eight loads"
-        assert grown[1] < 40, f"the compile worker grew by {grown[1]} MiB over eight loads"
-    finally:
-        server.stop()
+    for i in range(3):  # each of the three grammars once: their first compiles
+        cycle(i)
+    first = sizes()
+    for i in range(8):
+        cycle(i)
+    last = sizes()
+    grown = [(b - a) // MIB for a, b in zip(first, last, strict=True)]
+    assert grown[0] < 60, f"the server grew by {grown[0]} MiB over eight loads"
+    assert grown[1] < 40, f"the compile worker grew by {grown[1]} MiB over eight loads"
