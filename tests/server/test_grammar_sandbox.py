@@ -184,6 +184,7 @@ def test_what_is_built_from_a_tokenizer_goes_with_it(demo_model: LoadedModel) ->
     fresh = load_tokenizer(demo_model.folder)
     gone = weakref.ref(fresh)
     worker = compile_worker()
+    gc.collect()  # earlier tests' models, freed but not yet collected, are forgotten first
     before = worker.tokenizers
     grammar = json_schema_grammar(
         llg_tokenizer(fresh, demo_model.vocab_size, demo_model.eos_ids),
