@@ -87,13 +87,14 @@ def self_command() -> list[str]:
 _RANK_PORTS_FROM = 20000
 
 
-def _source_ports() -> tuple[int, int]:
-    """The range the OS takes connections' source ports (and ``bind(0)``'s) from."""
+def _first_source_port() -> int:
+    """Where the range the OS takes connections' source ports (and ``bind(0)``'s) from
+    begins."""
     try:  # Linux
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
+        low, _ = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low)
     except (OSError, ValueError):
-        return 49152, 65535  # macOS's, IANA's dynamic range
+        return 49152  # macOS's, IANA's dynamic range
 
 
 def _free_ports(n: int) -> int:
@@ -103,7 +104,7 @@ def _free_ports(n: int) -> int:
     source range can be taken meanwhile by any connection the machine opens (one test
     run's servers open thousands), and the ring then fails with "Couldn't bind socket":
     so the ports come from below that range, at a random place, checked free."""
-    low, _ = _source_ports()
+    low = _first_source_port()
     rng = random.SystemRandom()
     for _ in range(50):
         if low - n > _RANK_PORTS_FROM:

@@ -159,9 +159,9 @@ def test_rank_ports_are_free_and_outside_the_source_ports() -> None:
     """The ranks bind their ports seconds after they are chosen: a port from the range the
     OS takes connections' source ports from could be taken meanwhile (a loaded test run
     once failed so, "[ring] Couldn't bind socket"), so they come from below it."""
-    from afmd.distributed.launch import _free_ports, _source_ports
+    from afmd.distributed.launch import _first_source_port, _free_ports
 
-    low, _ = _source_ports()
+    low = _first_source_port()
     firsts = {_free_ports(4) for _ in range(20)}
     assert len(firsts) > 1  # a random place: two launches at once do not collide
     for first in firsts:
