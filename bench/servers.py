@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from afmd.ports import free_ports
 from bench import client
 
 HOST = "127.0.0.1"
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A port for a server that binds it seconds from now: one ``bind(0)`` gives could be
+    taken meanwhile by a connection or another server (then /health answers from someone
+    else's server, which goes away mid-run)."""
+    return free_ports(1, HOST)
 
 
 def rss_mb(pid: int) -> float | None:

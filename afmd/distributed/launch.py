@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +34,7 @@ from pathlib import Path
 from afmd.config.bounds import ConfigError
 from afmd.config.load import load_config
 from afmd.distributed.env import BACKEND_ENV, LAUNCH_DIR_ENV, OUTCOME_FILE, PID_FILE, SUPERVISOR_ENV
+from afmd.ports import free_ports
 
 EXIT_OK, EXIT_LOST, EXIT_CONFIG = 0, 1, 2
 BACKENDS = ("ring", "jaccl")
@@ -82,54 +81,6 @@ def self_command() -> list[str]:
     return [sys.executable, "-m", "afmd"]
 
 
-#: Where the ranks' ports are looked for, below the OS's source ports (the lowest
-#: registered ports are left to the services that own them).
-_RANK_PORTS_FROM = 20000
-
-
-def _first_source_port() -> int:
-    """Where the range the OS takes connections' source ports (and ``bind(0)``'s) from
-    begins."""
-    try:  # Linux
-        low, _ = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low)
-    except (OSError, ValueError):
-        return 49152  # macOS's, IANA's dynamic range
-
-
-def _free_ports(n: int) -> int:
-    """The first of ``n`` consecutive ports free on loopback now.
-
-    MLX's ranks bind them only after they start, seconds later. A port from the OS's
-    source range can be taken meanwhile by any connection the machine opens (one test
-    run's servers open thousands), and the ring then fails with "Couldn't bind socket":
-    so the ports come from below that range, at a random place, checked free."""
-    low = _first_source_port()
-    rng = random.SystemRandom()
-    for _ in range(50):
-        if low - n > _RANK_PORTS_FROM:
-            first = rng.randrange(_RANK_PORTS_FROM, low - n)
-        else:  # no room below the source ports: one the OS picks
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                first = probe.getsockname()[1]
-        if first + n > 65535:
-            continue
-        try:
-            held = []
-            for port in range(first, first + n):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    return 32323
-
-
 def _serve_config(command: list[str]) -> str | None:
     """The ``--config`` of the ranks' ``serve`` command, if any."""
     for i, arg in enumerate(command):
@@ -161,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"configuration error: {exc}")
     port = args.starting_port
     if port is None:
-        port = 32323 if args.hostfile else _free_ports(n)
+        port = 32323 if args.hostfile else free_ports(n)
     folder = Path(tempfile.mkdtemp(prefix="afmd-launch-"))
     try:
         launcher = [

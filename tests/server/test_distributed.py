@@ -25,6 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
+from afmd.ports import first_source_port, free_ports
+
 from helpers.servers import ROOT, ServerProcess, afmd_command, start_server
 
 pytestmark = pytest.mark.slow  # each group is four processes starting MLX
@@ -40,12 +42,6 @@ PROMPTS = ["hello there", "tell me a story about a cat", "1 2 3 4", "why is the 
 #: A rank lost must end the group within this many seconds (detection, the hold that
 #: lets clients read why, and the launcher's teardown).
 LOSS_BOUND_S = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def start_group(tmp_path: Path, strategy: str = "auto", port: int = 0,
@@ -132,7 +128,7 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     folder = tmp_path_factory.mktemp("group")
     for attempt in range(3):
         try:
-            group = start_group(folder, port=_free_port())
+            group = start_group(folder, port=free_ports())
             break
         except AssertionError as exc:
             if "already in use" not in str(exc) or attempt == 2:
@@ -159,10 +155,8 @@ def test_rank_ports_are_free_and_outside_the_source_ports() -> None:
     """The ranks bind their ports seconds after they are chosen: a port from the range the
     OS takes connections' source ports from could be taken meanwhile (a loaded test run
     once failed so, "[ring] Couldn't bind socket"), so they come from below it."""
-    from afmd.distributed.launch import _first_source_port, _free_ports
-
-    low = _first_source_port()
-    firsts = {_free_ports(4) for _ in range(20)}
+    low = first_source_port()
+    firsts = {free_ports(4) for _ in range(20)}
     assert len(firsts) > 1  # a random place: two launches at once do not collide
     for first in firsts:
         assert first + 4 <= low

@@ -17,6 +17,7 @@ import pytest
 
 from afmd.cli import doctor, doctor_report, port_owners
 from afmd.config.load import BREW_PREFIXES
+from afmd.ports import free_ports
 
 from conftest import ROOT, ServerProcess, afmd_command, start_server
 
@@ -31,12 +32,6 @@ def _env(**extra: str) -> dict[str, str]:
     env["HOMEBREW_PREFIX"] = "/nonexistent-afmd-test-prefix"
     env.update(extra)
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _doctor_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -66,7 +61,7 @@ def plain_http() -> Iterator[int]:
 
 @pytest.mark.skipif(not _no_brew_config(), reason="a Homebrew afmd config exists on this machine")
 def test_nothing_running_free_port() -> None:
-    port = _free_port()
+    port = free_ports()
     report = doctor.diagnose(env=_env(AFMD_SERVER_PORT=str(port)))
     assert report.config_path is None
     assert "built-in defaults" in report.config_source
@@ -81,7 +76,7 @@ def test_nothing_running_free_port() -> None:
 
 
 def test_cli_text_and_json(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_ports()
     config = tmp_path / "afmd.toml"
     config.write_text(f'[server]\nport = {port}\n[models.aliases]\n"gpt-4o-mini" = "demo"\n')
     text = _doctor_cli("--config", str(config), env=_env())
@@ -236,7 +231,7 @@ def test_model_cache_states(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     (local / "config.json").write_text("{}")
     config = tmp_path / "models.toml"
     config.write_text(
-        f'[server]\nport = {_free_port()}\n'
+        f'[server]\nport = {free_ports()}\n'
         '[[models.model]]\nid = "cached"\npath = "org/cached"\n'
         '[[models.model]]\nid = "remote"\npath = "org/not-yet"\n'
         '[[models.model]]\nid = "partial"\npath = "org/partial"\n'
@@ -264,7 +259,7 @@ def test_homebrew_config_and_log_are_found(tmp_path: Path) -> None:
     (prefix / "etc" / "afmd").mkdir(parents=True)
     (prefix / "var" / "log").mkdir(parents=True)
     config = prefix / "etc" / "afmd" / "config.toml"
-    config.write_text(f"[server]\nport = {_free_port()}\n")
+    config.write_text(f"[server]\nport = {free_ports()}\n")
     (prefix / "var" / "log" / "afmd.log").write_text("")
     report = doctor.diagnose(env=_env(HOMEBREW_PREFIX=str(prefix)))
     assert report.config_path == str(config)

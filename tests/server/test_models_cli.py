@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from afmd.ports import free_ports
+
 from conftest import ROOT, ServerProcess, start_server
 from helpers.hub import FakeHub, safetensors_bytes
 
@@ -27,14 +29,6 @@ EMBED = "test-org/embed"
 PS_KEYS = {"id", "state", "memory_bytes", "active", "queued", "idle_s", "expires_in_s",
            "kv_cache"}
 LIST_KEYS = {"id", "repo", "path", "size_bytes", "configured", "loaded"}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +57,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, hub: FakeHub) -> dict[str, str
     return {**base, "HF_ENDPOINT": hub.url,
             "HF_HOME": str(tmp_path_factory.mktemp("hf")),
             "HF_HUB_DISABLE_TELEMETRY": "1", "AFMD_CACHE_DIR": os.environ["AFMD_CACHE_DIR"],
-            "AFMD_SERVER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+            "AFMD_SERVER_PORT": str(free_ports()), "PYTHONPATH": str(ROOT)}
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from afmd.core.events import Content, Finish, Reasoning, Timings, ToolCallEnd, U
 from afmd.core.request import ToolCall
 from afmd.dialects.ollama.ollama_api import OLLAMA_CHAT
 from afmd.engine.demo import builtin as demo
+from afmd.ports import free_ports
 
 from conftest import ServerProcess, start_server
 from helpers.hub import FakeHub
@@ -496,14 +496,8 @@ def test_a_failed_pull_says_why(hub_server: tuple[ServerProcess, FakeHub]) -> No
 # -- [ollama] port --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_ollama_port_serves_and_a_taken_one_is_refused(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_ports()
     first = start_server(tmp_path, config=f"[ollama]\nport = {port}\n")
     try:
         client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=60)

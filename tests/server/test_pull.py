@@ -11,7 +11,6 @@ import json
 import os
 import pty
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from afmd.ports import free_ports
+
 from conftest import ROOT
 from helpers.hub import FakeHub, safetensors_bytes
 
@@ -28,12 +29,6 @@ pytestmark = pytest.mark.slow  # the hub stand-in and pulls through huggingface_
 
 REPO = "test-org/tiny-mlx"
 CHUNK = 10 * 1024 * 1024  # huggingface_hub writes what it received in chunks of this size
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tiny_model(weight_bytes: int = 4096) -> dict[str, bytes]:
@@ -63,7 +58,7 @@ def env(tmp_path: Path, hub: FakeHub) -> dict[str, str]:
             if not k.startswith(("AFMD_", "HF_", "HUGGINGFACE_"))}
     return {**base, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"),
             "HF_HUB_DISABLE_TELEMETRY": "1", "AFMD_CACHE_DIR": str(tmp_path / "afmd"),
-            "AFMD_SERVER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+            "AFMD_SERVER_PORT": str(free_ports()), "PYTHONPATH": str(ROOT)}
 
 
 def afmd(env: dict[str, str], *args: str, stdin: str | None = None,
@@ -228,7 +223,7 @@ def test_offline_and_unknown_repos_fail_clearly(hub: FakeHub, env: dict[str, str
     offline = afmd({**env, "HF_HUB_OFFLINE": "1"}, "pull", REPO)
     assert_clean_failure(offline, "offline mode is on (HF_HUB_OFFLINE is set)")
 
-    port = free_port()  # nothing listens there: the hub is unreachable
+    port = free_ports()  # nothing listens there: the hub is unreachable
     unreachable = afmd({**env, "HF_ENDPOINT": f"http://127.0.0.1:{port}"}, "pull", REPO)
     assert_clean_failure(unreachable, f"cannot reach the Hugging Face hub at "
                                       f"http://127.0.0.1:{port}", "check the network")
