@@ -47,6 +47,13 @@ async def bench_soak(ctx: Ctx) -> None:
                 server, rounds=p.soak_rounds, requests=p.soak_requests,
                 concurrency=p.soak_concurrency, seed=SOAK_SEED, max_seconds=p.soak_max_seconds,
                 settle_s=p.soak_settle_s, log=lambda line: ctx.log("    " + line))
+        except Exception as exc:
+            if server.alive():
+                raise
+            # A crash is what the soak is for: say so, with the server's last words.
+            raise RuntimeError(
+                f"afmd exited with {server.proc.returncode if server.proc else '?'} "
+                f"mid-soak ({type(exc).__name__}: {exc}):\n{server.log_tail(30)}") from exc
         finally:
             await asyncio.to_thread(server.stop)
     except Exception as exc:
