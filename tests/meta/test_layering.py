@@ -3,7 +3,7 @@
 Layers, lowest first; a module may import its own layer and lower ones, never higher
 (the table is LAYERS below; docs/architecture.md draws the same per folder):
 
-    0    afmd, afmd.config.*, afmd.errors, afmd.hub.cache, afmd.paths
+    0    afmd, afmd.config.*, afmd.errors, afmd.hub.cache, afmd.paths, afmd.ports
     1    afmd.cli.port_owners, afmd.distributed.*, afmd.logs
     1.5  afmd.core.*
     1.7  afmd.dialects.fields.checks, afmd.dialects.fields.nesting
@@ -94,6 +94,7 @@ LAYERS: tuple[tuple[str, float], ...] = (
     ("afmd.logs", 1),
     ("afmd.output.*", 2),  # A model's raw text read into the turn: stops, reasoning, tool calls
     ("afmd.paths", 0),  # where afmd keeps files on disk
+    ("afmd.ports", 0),  # ports chosen now for a process that binds them later
     # running afmd: Sanic inside our own event loop, on sockets we bind, with a clean shutdown
     ("afmd.server", 6),
     ("afmd.service.chat_run", 3.7),  # a chat turn's round loop: engine events in, output events out
