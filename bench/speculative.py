@@ -62,6 +62,10 @@ ROWS = (
     SpecRow("lookup_repeat", "prompt lookup, prompt holds text the model repeats",
             "report, same text", None),
     SpecRow("lookup_free", "prompt lookup on free text", "≥ 0.97× without, same text", 0.97),
+    SpecRow("lookup_json_schema", "prompt lookup under a json_schema grammar",
+            "≥ 0.97× without, same text", 0.97),
+    SpecRow("lookup_tool_required", 'prompt lookup under tool_choice "required"',
+            "≥ 0.97× without, same text", 0.97),
     SpecRow("prediction_unrelated", "prediction that never matches",
             "≥ 0.95× without, same text", 0.95, quick=True),
     SpecRow("draft_model", f"draft model: demo-32k drafting for h512×8L ({BIG_TOKENS} tokens)",
@@ -240,6 +244,16 @@ async def measure(args: argparse.Namespace, plain_port: int, lookup_port: int,
             rounds, lambda i: _stream(plain_port, _body(free[i], n)),
             lambda i: _stream(lookup_port, _body(free[i], n))))
 
+    def grammar_row(kind: str) -> Callable[[Result], Awaitable[None]]:
+        # A constrained row proposes only once its token is known (the proposal must
+        # pass the grammar): what that wait costs shows here.
+        async def row(result: Result) -> None:
+            bodies = [{**workload.grammar_bodies(workload.prompt(f"spec-{kind}", i), n)[kind],
+                       "model": "demo-32k"} for i in range(rounds)]
+            _fill(result, await _pairs(rounds, lambda i: _stream(plain_port, bodies[i]),
+                                       lambda i: _stream(lookup_port, bodies[i])))
+        return row
+
     async def draft_row(result: Result) -> None:
         ask = [workload.prompt("spec-draft", i) for i in range(rounds)]
         _fill(result, await _pairs(
@@ -267,7 +281,10 @@ async def measure(args: argparse.Namespace, plain_port: int, lookup_port: int,
             conc.extra.setdefault("spec_agg_tps", []).append(b)
 
     runs = {"edit_prediction": edit_row, "lookup_repeat": lookup_repeat_row,
-            "lookup_free": lookup_free_row, "prediction_unrelated": unrelated_row,
+            "lookup_free": lookup_free_row,
+            "lookup_json_schema": grammar_row("json_schema"),
+            "lookup_tool_required": grammar_row("tool_required"),
+            "prediction_unrelated": unrelated_row,
             "draft_model": draft_row, "edit_concurrency_8": concurrency_row}
     await _stream(plain_port, _body("warm up", 8))
     await _stream(lookup_port, _body("warm up", 8))

@@ -299,14 +299,17 @@ class DecodeBatch(GenerationRows):
             if self.uids:
                 self._launch_after(spec, pending)
             return responses
-        self._launch_deferred()
         if spec.constrained:
+            if not spec.would_propose(self.max_tokens[0] - self.generated[0] - 1):
+                return None  # the plain step, its masks built while the model computes
+            self._launch_deferred()
             # The proposal must go through the grammar first: wait for the token.
             pending = int(self.next_tokens)
             responses = self._account([[pending]], [self.next_logprobs[:1]])
             if self.uids:
                 self._launch_after(spec, pending)
             return responses
+        self._launch_deferred()
         # The token is still being computed: propose after the model's likely choice
         # (the source's guess), verified with it, so this step need not wait for it.
         budget = self.max_tokens[0] - self.generated[0] - 2

@@ -164,6 +164,26 @@ class RowSpec:
                 return state, proposal
         return None
 
+    def would_propose(self, budget: int) -> bool:
+        """Whether a constrained row should wait for its token to propose after it.
+
+        Its proposal must pass the grammar, so it is made once the token is known, and
+        that wait costs the step its overlap of the forward pass with the grammar's masks.
+        A source that guesses cheaply (the prediction, the prompt's n-grams) is asked
+        first, led by its guess of the token; a draft model, which would run twice, is
+        taken to propose."""
+        now = len(self.history)
+        for state in self.sources:
+            if now < state.resume_at:
+                continue
+            if isinstance(state.source, DraftSource):
+                return True
+            k = min(budget, state.source.k_max) + 1
+            if len(_until_stop(state.source.propose(self.history, self.start, k),
+                               self.stop_ids)) > 1:
+                return True
+        return False
+
     def usage(self) -> tuple[int, int]:
         """(accepted, rejected) prediction tokens, as OpenAI counts them: the
         prediction's tokens that appeared in the output, and the others."""

@@ -45,7 +45,7 @@ from afmd.engine.generation import (
     TokenIdLogprob,
 )
 from afmd.engine.speculative.draft import DraftMismatch, load_draft
-from afmd.engine.speculative.proposals import LookupSource, PredictionSource
+from afmd.engine.speculative.proposals import DraftSource, LookupSource, PredictionSource
 from afmd.engine.speculative.verification import RowSpec, SourceState, Standing, grammar_prefix
 from afmd.engine.speculative.verify_head import HostHead, VerifyHead
 from afmd.grammar.batch_masks import GrammarProcessor
@@ -498,11 +498,12 @@ def test_a_thinking_budget_grammar_keeps_its_state_under_speculation(
 ) -> None:
     """A thinking block bounded by a budget (a ``max_tokens`` lexeme) under a JSON answer:
     rejected proposals once left the matcher allowing end-of-sequence mid-thought (the
-    answer never came: 500 invalid_json_output on the server)."""
+    answer never came: 500 invalid_json_output on the server). The budget is long enough
+    for the lookup to propose inside the thought several times."""
     model, tokenizer = host
     llg = llg_tokenizer(tokenizer, model.args.vocab_size, sorted(tokenizer.eos_token_ids))
     grammar = json_schema_grammar(llg, SCHEMA, thinking=Thinking("<think>", "</think>",
-                                                                  False, 40),
+                                                                  False, 120),
                                   param="response_format")
     prompt = _prompt(tokenizer, "Describe a person as JSON.")  # it thinks first
     passes = 0
@@ -519,6 +520,53 @@ def test_a_thinking_budget_grammar_keeps_its_state_under_speculation(
         assert thought.startswith("<think>")
         assert set(json.loads(answer)) == {"name", "tags"}
     assert passes > 2
+
+
+def test_a_grammar_row_waits_for_its_token_only_for_a_proposal(
+    host: tuple[Any, Any], grammar: Any
+) -> None:
+    """A constrained row's proposal must pass the grammar, so it waits for each token
+    before proposing: at steps where the lookup has nothing, that wait cost the step its
+    masks built while the model computes (constrained decode alone ran slower with prompt
+    lookup on than off), so those steps are plain ones."""
+    model, tokenizer = host
+    prompt = _prompt(tokenizer, "a record please")
+
+    def constrained() -> tuple[Any, ...]:
+        return (GrammarProcessor(grammar.matcher(), model.args.vocab_size),)
+
+    want = plain(host, prompt, 120, processors=constrained())
+    run = Run(host, prompt, 120, processors=constrained(), lookup=True)
+    plain_steps = 0
+    step = run.batch.afmd_step
+
+    def counted() -> tuple[list[int], list[Any]]:
+        nonlocal plain_steps
+        plain_steps += min(run.batch.generated) > 0
+        return step()
+
+    run.batch.afmd_step = counted  # type: ignore[method-assign]
+    assert_greedy_agrees(model, prompt, run.finish(), want)
+    assert plain_steps > 0  # steps after the first token taken the plain way
+    assert run.stats()["prompt_lookup"]["verifications"] > 0  # and some speculated
+    _consistent(run, prompt)
+
+
+def test_who_would_propose_for_a_constrained_row() -> None:
+    def row(history: list[int], *sources: Any) -> RowSpec:
+        return RowSpec.of(history, sources, stop_ids=frozenset({9}), processors=(),
+                          sampler=None)
+
+    assert not row([1, 2, 3, 4], LookupSource()).would_propose(8)
+    assert row([1, 2, 3, 1, 2], LookupSource()).would_propose(8)  # guesses 3, then 1 2
+    assert not row([1, 2, 9, 1, 2], LookupSource()).would_propose(8)  # only a stop: the guess
+    assert not row([1, 2, 3, 1, 2], LookupSource()).would_propose(0)
+    paused = row([1, 2, 3, 1, 2], LookupSource())
+    paused.sources[0].resume_at = 10
+    assert not paused.would_propose(8)
+    assert row([5], PredictionSource([7, 8])).would_propose(8)
+    draft = object.__new__(DraftSource)  # never asked: a draft would run twice
+    assert row([1, 2, 3, 4], LookupSource(), draft).would_propose(8)
 
 
 def test_a_grammar_ends_a_proposal_at_the_first_token_it_refuses(
