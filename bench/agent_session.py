@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
+from afmd.ports import free_ports  # noqa: E402
 from bench import client, servers  # noqa: E402
 from bench.raw_engine import build_big  # noqa: E402
 
@@ -155,7 +156,7 @@ async def _vllm_mlx(work: Path, name: str, model: Path, venv: Path,
                     home: Path) -> servers.Server:
     """vllm-mlx from its own venv, its persisted prefix cache under ``home`` (it saves the
     cache at shutdown and loads it at start: the same ``home`` after a restart)."""
-    port = servers.free_port()
+    port = free_ports()
     home.mkdir(parents=True, exist_ok=True)
     srv = servers.Server(
         name=name,
@@ -195,7 +196,7 @@ async def session(work: Path, model: Path, cache_root: Path, *, tokens: int,
             return await _vllm_mlx(work, f"vllm-mlx-{name}", model, vllm_venv, home)
         folder = kv if cache else work / "kv-off"
         return await _start(work, f"afmd-{name}",
-                            _config(servers.free_port(), model, folder, cache=cache),
+                            _config(free_ports(), model, folder, cache=cache),
                             cache_root)
 
     srv = await start("session")
@@ -256,9 +257,9 @@ async def decode_with_writes(work: Path, model: Path, cache_root: Path, *, round
                              prompt_words: int, max_tokens: int) -> dict[str, Any]:
     """A long stream decodes while a short one, started with it, finishes and has its
     blocks written: the long stream's decode rate, disk tier on against off, in turns."""
-    on = await _start(work, "afmd-disk-on", _config(servers.free_port(), model, work / "kv-on"),
+    on = await _start(work, "afmd-disk-on", _config(free_ports(), model, work / "kv-on"),
                 cache_root)
-    off = await _start(work, "afmd-disk-off", _config(servers.free_port(), model, work / "kv-no",
+    off = await _start(work, "afmd-disk-off", _config(free_ports(), model, work / "kv-no",
                                                 disk=False), cache_root)
     rng = random.Random(11)
     rates: dict[str, list[float]] = {"on": [], "off": []}

@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
+from afmd.ports import free_ports  # noqa: E402
 from bench import client, servers, workload  # noqa: E402
 from bench.measure import concurrent  # noqa: E402
 from bench.speculative import _edit, _prediction  # noqa: E402
@@ -86,7 +87,7 @@ class System:
 
 def _afmd(work: Path, name: str, model: Path, *, streams: int, root: Path | None,
           env: dict[str, str]) -> System:
-    port = servers.free_port()
+    port = free_ports()
     entry = f'[[models.model]]\nid = "bench"\npath = "{model}"\n'
     config = work / f"{name}.toml"
     config.write_text(servers.afmd_config(port, default="bench", extra_models=entry,

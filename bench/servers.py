@@ -19,13 +19,6 @@ from bench import client
 HOST = "127.0.0.1"
 
 
-def free_port() -> int:
-    """A port for a server that binds it seconds from now: one ``bind(0)`` gives could be
-    taken meanwhile by a connection or another server (then /health answers from someone
-    else's server, which goes away mid-run)."""
-    return free_ports(1, HOST)
-
-
 def rss_mb(pid: int) -> float | None:
     """VmRSS of a process, in MiB (None when it is gone or /proc is missing)."""
     try:
@@ -154,7 +147,7 @@ class Server:
 
 def afmd_server(workdir: Path, name: str, *, cache_root: Path, binary: Path | None = None,
                 **config: Any) -> Server:
-    port = free_port()
+    port = free_ports()
     cfg = workdir / f"{name}.toml"
     cfg.parent.mkdir(parents=True, exist_ok=True)
     cfg.write_text(afmd_config(port, **config))
@@ -177,7 +170,7 @@ def afmd_process(workdir: Path, name: str, config: str, *, env: dict[str, str],
     server through another script (a probe that instruments it) instead of ``-m afmd``.
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = free_ports()
     cfg = workdir / f"{name}.toml"
     cfg.write_text(config)
     entry = [launcher] if launcher else ["-m", "afmd"]
@@ -198,7 +191,7 @@ def afmd_process(workdir: Path, name: str, config: str, *, env: dict[str, str],
 
 
 def mlx_server(workdir: Path, name: str, model_folder: Path) -> Server:
-    port = free_port()
+    port = free_ports()
     # Its /v1/models scans the Hugging Face cache and fails when there is none.
     hf_cache = workdir / "hf-cache"
     hf_cache.mkdir(parents=True, exist_ok=True)

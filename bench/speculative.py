@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
+from afmd.ports import free_ports  # noqa: E402
 from bench import client, servers, workload  # noqa: E402
 from bench.measure import HOST  # noqa: E402
 
@@ -303,7 +304,7 @@ async def measure(args: argparse.Namespace, plain_port: int, lookup_port: int,
 
 def _server(work: Path, name: str, cache: Path, *, lookup: bool, big: Path | None
             ) -> servers.Server:
-    port = servers.free_port()
+    port = free_ports()
     models = ""
     if big is not None:
         models = (f'[[models.model]]\nid = "big"\npath = "{big}"\n\n'

@@ -173,16 +173,9 @@ class RowSpec:
         first, led by its guess of the token; a draft model, which would run twice, is
         taken to propose."""
         now = len(self.history)
-        for state in self.sources:
-            if now < state.resume_at:
-                continue
-            if isinstance(state.source, DraftSource):
-                return True
-            k = min(budget, state.source.k_max) + 1
-            if len(_until_stop(state.source.propose(self.history, self.start, k),
-                               self.stop_ids)) > 1:
-                return True
-        return False
+        if any(isinstance(s.source, DraftSource) and now >= s.resume_at for s in self.sources):
+            return True
+        return self.propose(budget, guess=True) is not None
 
     def usage(self) -> tuple[int, int]:
         """(accepted, rejected) prediction tokens, as OpenAI counts them: the
