@@ -141,7 +141,8 @@ def test_fields_meaning_nothing_locally_are_ignored(claude: anthropic.Anthropic)
         claude, max_tokens=2, metadata={"user_id": "u-1"}, service_tier="auto",
         system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
         extra_body={"container": None, "inference_geo": "us", "speed": "standard",
-                    "cache_control": {"type": "ephemeral"}, "keep_alive": "5m"},
+                    "cache_control": {"type": "ephemeral"}, "keep_alive": "5m",
+                    "temperature": 0},
         extra_headers={"anthropic-beta": "interleaved-thinking-2025-05-14"},
     )
     assert message.usage.output_tokens == 2

@@ -280,7 +280,8 @@ def test_api_key_in_x_api_key_or_bearer(guarded: ServerProcess) -> None:
     assert httpx.post(chat, json=payload).json()["error"]["code"] == "invalid_api_key"
     # The official client sends x-api-key.
     claude = anthropic.Anthropic(base_url=guarded.url, api_key=KEY, max_retries=0)
-    assert claude.messages.create(**body(max_tokens=1)).usage.output_tokens == 1
+    greedy = body(max_tokens=1, extra_body={"temperature": 0})
+    assert claude.messages.create(**greedy).usage.output_tokens == 1
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=guarded.url, api_key="sk-wrong",
                             max_retries=0).messages.create(**body(max_tokens=1))

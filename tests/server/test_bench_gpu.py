@@ -42,21 +42,25 @@ def test_gpu_mode_runs_end_to_end(tmp_path: Path) -> None:
     systems = doc["systems"]
     assert list(systems) == ["afmd", "afmd-base", "afmd-gpu-path", "mlx_lm_server"]
     for name, got in systems.items():
+        # Every assertion names the system and what it measured: a failure on a busy CI
+        # machine must say which row fell short without a rerun.
         assert not got.get("errors"), (name, got.get("errors"))
-        assert got["ready_s"] > 0
+        assert got["ready_s"] > 0, (name, got["ready_s"])
         first = got["first_round"]
-        assert first["ttft_ms"] > 0 and first["tps"] > 0 and first["c8_tps"] > 0
+        assert first["ttft_ms"] > 0 and first["tps"] > 0 and first["c8_tps"] > 0, (name, first)
         medians = got["medians"]
         for key in ("c1_tps", "c1_ttft_ms", "c3_tps", "prefix_pct"):
-            assert medians[key] > 0, (name, key)
+            assert medians[key] > 0, (name, key, medians)
         if name.startswith("afmd"):
-            assert first["server_queue_ms"] is not None
+            assert first["server_queue_ms"] is not None, (name, first)
             assert medians.get("edit_ratio", 0) > 0, (name, medians)
-            assert got["edit_same_text"] == [True]
-            assert got["edit_accepted"][0] > 0
+            edits = {k: got.get(k) for k in ("edit_same_text", "edit_parted_at",
+                                             "edit_accepted", "edit_tokens")}
+            assert got["edit_same_text"] == [True], (name, edits)
+            assert got["edit_accepted"][0] > 0, (name, edits)
             steps = got["steps"]
-            assert {"first", "c1", "c3"} <= set(steps)
-            assert steps["c3"]["rows_mean"] > 1 and steps["c1"]["rows_mean"] == 1
+            assert {"first", "c1", "c3"} <= set(steps), (name, steps)
+            assert steps["c3"]["rows_mean"] > 1 and steps["c1"]["rows_mean"] == 1, (name, steps)
     ratio = doc["ratios"]["afmd/mlx_lm_server"]
     assert ratio["c1_tps"]["median"] > 0 and ratio["c3_tps"]["median"] > 0
     table = (out / "gpu-bench.md").read_text()

@@ -274,7 +274,8 @@ def test_access_log_for_streamed_chat_completion(server: ServerProcess, http: An
     response = http.post(
         "/v1/chat/completions",
         json={"model": "demo", "messages": [{"role": "user", "content": "hi"}],
-              "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
+              "max_tokens": 4, "temperature": 0, "stream": True,
+              "stream_options": {"include_usage": True}},
         headers={"X-Request-ID": rid},
     )
     assert response.status_code == 200

@@ -57,7 +57,7 @@ def test_streaming_completion_with_usage(client) -> None:
 def test_stream_wire_format(http) -> None:
     response = http.post(
         "/v1/chat/completions",
-        json={"messages": MESSAGES, "max_tokens": 4, "stream": True,
+        json={"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "stream": True,
               "stream_options": {"include_usage": True}},
         headers={"X-Request-ID": "trace-123"},
     )

@@ -125,7 +125,7 @@ def test_streamed_text_is_the_whole_text(http) -> None:
 
 
 def test_profile_event_comes_before_the_end(http, client) -> None:
-    body = {"input": "Hi.", "max_output_tokens": 16}
+    body = {"input": "Hi.", "max_output_tokens": 16, "temperature": 0}
     events = sse_events(stream(http, body, **{"X-AFM-Profile": "true"}).text)
     assert events[-2]["type"] == "afm_profile"
     profile = events[-2]["afm_profile"]

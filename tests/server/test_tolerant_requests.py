@@ -91,7 +91,8 @@ def test_the_header_is_absent_when_nothing_was_ignored(http: httpx.Client) -> No
 def test_a_stream_names_them_on_its_head(tolerant: ServerProcess,
                                          client: openai.OpenAI) -> None:
     chunks = list(client.chat.completions.create(
-        model="demo", messages=USER, max_tokens=4, stream=True, extra_body=FOREIGN))
+        model="demo", messages=USER, max_tokens=4, temperature=0, stream=True,
+        extra_body=FOREIGN))
     assert chunks and chunks[-1].choices[0].finish_reason == "length"
     with httpx.stream("POST", tolerant.url + "/v1/chat/completions", timeout=60,
                       json=_chat(stream=True, **FOREIGN)) as response:
@@ -181,7 +182,8 @@ def test_anthropic_messages(tolerant: ServerProcess) -> None:
     claude = anthropic.Anthropic(base_url=tolerant.url, api_key="unused", max_retries=0)
     raw = claude.messages.with_raw_response.create(
         model="demo", max_tokens=4, messages=USER,
-        extra_body={**FOREIGN, "metadata": {"user_id": "u"}, "container": None})
+        extra_body={**FOREIGN, "metadata": {"user_id": "u"}, "container": None,
+                    "temperature": 0})
     assert raw.http_response.status_code == 200
     assert raw.parse().usage.output_tokens == 4
     # Unknown fields are named first, then Anthropic's own that change nothing locally
