@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from afmd.engine.reasoning_count import ReasoningMarkers
 from afmd.errors import APIError
 
 if TYPE_CHECKING:
@@ -62,8 +63,8 @@ class GenerationRequest:
     logits_processors: Sequence[Callable[..., Any]] = ()
     # Record a memory/progress sample every this many tokens (0: none).
     sample_every: int = 0
-    # (start, end) token ids of the thinking block, to count reasoning tokens.
-    think_ids: tuple[int, int] | None = None
+    # The model's reasoning markers, to count reasoning tokens (None: it has none).
+    reasoning: ReasoningMarkers | None = None
     starts_in_reasoning: bool = False
     # Log-probabilities of each generated token with this many alternatives (0-20; None:
     # none, and the row keeps the decode step's fast path), and of the prompt's own tokens

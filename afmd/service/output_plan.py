@@ -22,6 +22,7 @@ import orjson
 from afmd.core.ids import new_tool_call_id
 from afmd.core.request import ChatRequest
 from afmd.engine.models.loaded_model import LoadedModel
+from afmd.engine.reasoning_count import ReasoningMarkers
 from afmd.errors import InvalidRequestError, ServerError
 from afmd.grammar.batch_masks import BanTokens, GrammarProcessor
 from afmd.grammar.calls import CallGrammar, for_family
@@ -36,6 +37,7 @@ from afmd.grammar.compiler import (
 from afmd.grammar.frames import Thinking
 from afmd.grammar.limits import schema_limit_param
 from afmd.output.formats import detect
+from afmd.output.formats.harmony import ANALYSIS as HARMONY_ANALYSIS
 from afmd.output.processor import OutputProcessor, ToolFormat
 
 if TYPE_CHECKING:
@@ -55,6 +57,8 @@ class ModelFormats:
     tool_format: ToolFormat | None
     thinking: tuple[str, str] | None  # markers (None for channels: harmony reads its own)
     syntax: CallGrammar | None  # None: its calls cannot be forced
+    #: The reasoning block's tokens, harmony's analysis channel included, for the count.
+    reasoning: ReasoningMarkers | None = None
 
     @property
     def channels(self) -> bool:
@@ -78,14 +82,20 @@ def model_formats(model: LoadedModel) -> ModelFormats:
     tool_format = detect.call_format(model.tool_format, vocab)
     thinking = detect.thinking_markers(model.thinking, vocab)
     name = tool_format.family if tool_format is not None else None
+    channels = tool_format is not None and tool_format.channels
     found = ModelFormats(
         tool_format,
-        None if tool_format is not None and tool_format.channels else thinking,
+        None if channels else thinking,
         for_family(name, array_calls=detect.array_calls(vocab)),
+        _reasoning_markers(HARMONY_ANALYSIS if channels else thinking),
     )
     with _formats_lock:
         _formats[tokenizer] = found
     return found
+
+
+def _reasoning_markers(markers: tuple[str, str] | None) -> ReasoningMarkers | None:
+    return ReasoningMarkers(*markers) if markers is not None and all(markers) else None
 
 
 def template_kwargs(request: ChatRequest, model: LoadedModel) -> dict[str, Any]:
@@ -112,6 +122,7 @@ class OutputPlan:
     # format (None: calls are not parsed) and the tools as its call parsers take them.
     stops: tuple[str, ...] = ()
     thinking: tuple[str, str] | None = None
+    reasoning: ReasoningMarkers | None = None  # what the engine counts as reasoning tokens
     tool_format: ToolFormat | None = None
     calls_on: bool = True  # False: the format is only read for its channels
     enforced: bool = False  # the grammar makes every call well formed
@@ -296,7 +307,8 @@ def plan_output(
     """
     formats = model_formats(model)
     plan = OutputPlan(stops=request.stop, thinking=formats.thinking,
-                    tools=template_tools if template_tools is not None else [])
+                      reasoning=formats.reasoning,
+                      tools=template_tools if template_tools is not None else [])
     plan.starts_in_reasoning = model.prompt_opens_thinking(prompt)
     choice = request.tool_choice
     tool_format = formats.tool_format

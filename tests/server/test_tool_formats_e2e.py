@@ -33,6 +33,7 @@ from afmd.core.events import (
     ToolCallArguments,
     ToolCallEnd,
     ToolCallStart,
+    Usage,
 )
 from afmd.core.request import Message, ToolCall
 from afmd.dialects.openai.chat import OPENAI_CHAT
@@ -240,6 +241,10 @@ def test_thinking_comes_before_the_call(models: Models, spec: Spec) -> None:
         first_call = kinds.index(ToolCallStart) if ToolCallStart in kinds else len(kinds)
         assert Reasoning not in kinds[first_call:], "reasoning after the call"
         thought += Reasoning in kinds
+        # The thought is counted in usage as reasoning, in every family's markup.
+        (usage,) = [e for e in events if isinstance(e, Usage)]
+        assert (usage.reasoning_tokens > 0) == (Reasoning in kinds), usage
+        assert usage.reasoning_tokens < usage.completion_tokens, usage
     assert thought, "no seed thought first"
     if spec.id == "harmony":  # gpt-oss always reasons first
         assert thought == len(SEEDS) + 4

@@ -21,6 +21,7 @@ from afmd.engine.batch.sampler import RowSampler
 from afmd.engine.batch.sequence import Row
 from afmd.engine.batch.stepper import Stepper
 from afmd.engine.generation import Generation, PromptLogprobs, SamplingParams
+from afmd.engine.reasoning_count import ReasoningCount
 from afmd.engine.sharded.lockstep import Admission
 from afmd.engine.speculative.verification import RowSpec, Standing
 
@@ -77,7 +78,8 @@ class Admissions:
             ),
             prompt_tokens=len(request.prompt),
             started_at=time.perf_counter(),
-            in_reasoning=request.starts_in_reasoning,
+            reasoning=(None if request.reasoning is None else
+                       ReasoningCount(request.reasoning, inside=request.starts_in_reasoning)),
             logprobs=request.logprobs,
             stop_ids=self._eos.union(request.stop_ids),
         )

@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from afmd.engine.batch.logprobs import resolve
 from afmd.engine.generation import Event, Finished, Generation, Text
+from afmd.engine.reasoning_count import ReasoningCount
 from afmd.engine.speculative.verification import RowSpec
 
 
@@ -34,8 +35,7 @@ class Row:
     first_token_at: float = 0.0
     pending: list[Event] = field(default_factory=list)
     samples: list[tuple[float, int, int]] = field(default_factory=list)
-    in_reasoning: bool = False
-    reasoning_tokens: int = 0
+    reasoning: ReasoningCount | None = None
     # Some text a client would see has been produced (see :meth:`take`).
     shown: bool = False
     # Alternatives per token when the request reports log-probabilities (else None).
@@ -59,20 +59,15 @@ class Row:
             pass
         else:
             self.completion_tokens += 1
-            think = self.generation.request.think_ids
-            if think is not None:
-                if token == think[0]:
-                    self.in_reasoning = True
-                if self.in_reasoning:
-                    self.reasoning_tokens += 1
-                if token == think[1]:
-                    self.in_reasoning = False
             self.detokenizer.add_token(token)
             segment = self.detokenizer.last_segment
+            reasoning = self.reasoning
+            if reasoning is not None:
+                reasoning.take(segment)
             if (
                 not self.shown
                 and segment.strip()
-                and (think is None or token not in think)
+                and (reasoning is None or not reasoning.markers.within(segment.strip()))
             ):
                 self.shown = True
             if self.logprobs is not None:
@@ -106,7 +101,7 @@ class Row:
                 completion_tokens=self.completion_tokens,
                 cached_tokens=self.cached_tokens,
                 cached_disk_tokens=self.cached_disk_tokens,
-                reasoning_tokens=self.reasoning_tokens,
+                reasoning_tokens=self.reasoning.tokens if self.reasoning is not None else 0,
                 timings={
                     "queued_at": self.generation.created_at,
                     "started_at": self.started_at,

@@ -171,16 +171,6 @@ class LoadedModel:
         return _rfind(tail, list(start)) > _rfind(tail, list(end))
 
     @property
-    def think_ids(self) -> tuple[int, int] | None:
-        tok = self.tokenizer
-        if self.thinking is None:
-            return None
-        start, end = tok.think_start_tokens, tok.think_end_tokens
-        if start and end and len(start) == 1 and len(end) == 1:
-            return start[0], end[0]
-        return None
-
-    @property
     def tool_format(self) -> ToolFormat | None:
         """How this model family writes tool calls (mlx-lm's detection), if it can."""
         tok = self.tokenizer

@@ -25,6 +25,7 @@ from afmd.engine.generation import (
     Text,
     TokenIdLogprob,
 )
+from afmd.engine.reasoning_count import ReasoningCount
 from afmd.errors import InvalidRequestError, ServerError
 
 FLUSH_INTERVAL_S = 0.008
@@ -44,8 +45,9 @@ class VisionStream:
         self._detokenizer = (ExactDetokenizer(tokenizer) if request.verbatim
                              else tokenizer.detokenizer)
         self._pending = pending  # what comes before the first token (prompt logprobs)
-        self._in_reasoning = request.starts_in_reasoning
-        self._completion = self._reasoning = 0
+        self._reasoning = (None if request.reasoning is None else
+                           ReasoningCount(request.reasoning, inside=request.starts_in_reasoning))
+        self._completion = 0
         self._started = started
         self._first_token_at = 0.0
         self._last_flush = started
@@ -63,13 +65,10 @@ class VisionStream:
             return False
         request = self._request
         self._completion += 1
-        think = request.think_ids
-        if think is not None:
-            self._in_reasoning = self._in_reasoning or token == think[0]
-            self._reasoning += self._in_reasoning
-            self._in_reasoning = self._in_reasoning and token != think[1]
         self._detokenizer.add_token(token)
         segment = self._detokenizer.last_segment
+        if self._reasoning is not None:
+            self._reasoning.take(segment)
         if request.logprobs is not None:
             self._pending.append(Text(segment, 1, (_logprob(logprobs, token,
                                                             request.logprobs),)))
@@ -87,7 +86,8 @@ class VisionStream:
             self._pending.append(Text(self._detokenizer.last_segment, 0))
         self._pending.append(finished(
             self._generation, self.reason, len(self._request.prompt), self._completion,
-            self._reasoning, self._started, self._first_token_at))
+            self._reasoning.tokens if self._reasoning is not None else 0, self._started,
+            self._first_token_at))
         push(self._generation, self._pending)
 
 

@@ -24,6 +24,8 @@ from afmd.output.markers import earliest, partial_suffix
 START, END, MESSAGE, CHANNEL, CONSTRAIN = (
     "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>")
 CALL, RETURN = "<|call|>", "<|return|>"
+#: An analysis message read as a reasoning block: where it opens, where it closes.
+ANALYSIS = (f"{CHANNEL}analysis{MESSAGE}", END)
 _BODY_ENDS = (END, CALL, RETURN)
 _HEADER_STARTS = (START, CHANNEL, CONSTRAIN, " to=", "to=")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")

@@ -25,6 +25,7 @@ from afmd.engine.batch.admission import make_sampler
 from afmd.engine.batch.decode import DecodeBatch
 from afmd.engine.demo import builtin as demo
 from afmd.engine.generation import Generation, GenerationRequest, SamplingParams, Text
+from afmd.engine.reasoning_count import ReasoningMarkers
 from afmd.grammar.batch_masks import BanTokens, GrammarProcessor, MaskBuilder
 from afmd.grammar.compiler import json_schema_grammar, llg_tokenizer
 
@@ -348,7 +349,8 @@ def test_first_visible_token_goes_out_at_once(
         request = GenerationRequest(
             "r", _prompts(tokenizer, 1)[0], len(forced),
             sampling=SamplingParams(temperature=0.0),
-            logits_processors=[gate], think_ids=(think[0], end[0]),
+            logits_processors=[gate],
+            reasoning=ReasoningMarkers("<think>", "</think>"),
         )
         generation = Generation(request, asyncio.get_running_loop())
         worker.start()
