@@ -130,6 +130,12 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
             "FALLBACK_ERROR_FORMAT": "json",
             "REQUEST_MAX_SIZE": server.max_request_body_bytes,
             "REQUEST_MAX_HEADER_SIZE": server.max_header_bytes,
+            # Sanic stops reading a connection once it holds this many bytes, until it
+            # asks for more; a request the gate hands over whole never makes it ask, so
+            # past 64 KiB (its default) a client's close went unseen and its generation
+            # ran on. The gate bounds what Sanic holds (max_buffered_request_bytes, all
+            # connections together), so the pause can be left to it: one past that bound.
+            "REQUEST_BUFFER_SIZE": server.max_buffered_request_bytes + 1,
             "REQUEST_TIMEOUT": server.idle_timeout,
             "KEEP_ALIVE_TIMEOUT": server.idle_timeout,
             # Our own request_timeout governs generations; Sanic's inactivity timer must

@@ -22,6 +22,9 @@ from conftest import ServerProcess, start_server
 
 CHAT = "/v1/chat/completions"
 LONG = 8000  # tokens: far longer than any test here waits
+#: Bodies each side of the 64 KiB at which Sanic stops reading a connection until it asks
+#: for more, which a handed-over request never does: a large body must not hide the close.
+SIZES = {"small": 0, "large": 100_000}
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +36,16 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc.stop()
 
 
-def _body(*, stream: bool, max_tokens: int = LONG) -> bytes:
-    return json.dumps({"messages": [{"role": "user", "content": "Tell me a long story."}],
-                       "max_tokens": max_tokens, "temperature": 0,
-                       "stream": stream}).encode()
+def _body(*, stream: bool, max_tokens: int = LONG, padding: int = 0) -> bytes:
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if padding:
+        body["user"] = "u" * padding  # an agent's long system prompt, without its prefill
+    return json.dumps(body).encode()
 
 
-def _open(server: ServerProcess, rid: str, *, stream: bool) -> socket.socket:
-    body = _body(stream=stream)
+def _open(server: ServerProcess, rid: str, *, stream: bool, padding: int = 0) -> socket.socket:
+    body = _body(stream=stream, padding=padding)
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     sock.sendall(
         f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -100,13 +105,14 @@ def occupied(single: ServerProcess) -> Iterator[socket.socket]:
     _wait(lambda: _health(single)["active_requests"] == 0)
 
 
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_client_leaving_while_queued_is_a_disconnect(single: ServerProcess,
                                                       occupied: socket.socket,
-                                                      stream: bool) -> None:
+                                                      stream: bool, size: str) -> None:
     rid = f"queued-{uuid.uuid4().hex[:8]}"
     before = len(single.raw_lines)
-    sock = _open(single, rid, stream=stream)
+    sock = _open(single, rid, stream=stream, padding=SIZES[size])
     try:
         assert _wait(lambda: _health(single)["queued_requests"] == 1)
     finally:
@@ -122,11 +128,13 @@ def test_client_leaving_while_queued_is_a_disconnect(single: ServerProcess,
     assert not any(e.get("event") == "unhandled error" for e in _new_lines(single, before))
 
 
-def test_client_leaving_during_a_plain_answer_is_a_disconnect(single: ServerProcess) -> None:
+@pytest.mark.parametrize("size", SIZES)
+def test_client_leaving_during_a_plain_answer_is_a_disconnect(single: ServerProcess,
+                                                               size: str) -> None:
     _wait(lambda: _health(single)["active_requests"] == 0)
     rid = f"plain-{uuid.uuid4().hex[:8]}"
     before = len(single.raw_lines)
-    sock = _open(single, rid, stream=False)
+    sock = _open(single, rid, stream=False, padding=SIZES[size])
     try:
         assert _wait(lambda: _health(single)["active_requests"] == 1)
     finally:
