@@ -93,6 +93,17 @@ class KeepsAlive(Protocol):
 
 
 @runtime_checkable
+class AnyBodyMediaType(Protocol):
+    """A dialect whose reference server reads every request body as JSON, whatever its
+    ``Content-Type`` says (Ollama's: its own docs' ``curl -d`` sends curl's default
+    form encoding). The gate then takes such a body from a client that is not a browser
+    (no ``Origin``); a browser's still needs JSON's type, which it cannot send across
+    origins without a CORS preflight."""
+
+    any_body_media_type: bool
+
+
+@runtime_checkable
 class OwnMediaType(Protocol):
     """A reply whose stream is not server-sent events (Ollama's NDJSON): its
     ``Content-Type``."""

@@ -52,6 +52,17 @@ class GrammarProcessor:
         allowed = _unpack(bitmask, logits.shape[-1], (0,))
         return mx.where(mx.array(allowed.view(np.bool_)), logits, _NEG_INF)
 
+    def failure(self) -> str | None:
+        """Why the matcher stopped following its grammar, if it did.
+
+        Consuming a token finds most failures; computing a mask finds the rest. A grammar
+        that admits no output at all (a schema that only refers to itself) fails at its
+        first mask, which then allows nothing but the end: the row ends at once, with no
+        token consumed."""
+        if self.error is None and self.matcher.is_error():
+            self.error = self.matcher.get_error()
+        return self.error
+
     @property
     def accepting(self) -> bool:
         return self.matcher.is_accepting()

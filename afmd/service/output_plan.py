@@ -170,8 +170,9 @@ class OutputPlan:
         if self.grammar is None:
             return
         for processor in processors:
-            if isinstance(processor, GrammarProcessor) and processor.error is not None:
-                raise self.grammar.failure(processor.error)
+            if isinstance(processor, GrammarProcessor) and (
+                    error := processor.failure()) is not None:
+                raise self.grammar.failure(error)
 
     def check_answer(self, content: str | None) -> None:
         """A structured answer that still fails its schema is an error, never silence."""

@@ -377,6 +377,37 @@ def test_errors_are_ollamas(client: ollama.Client, http: httpx.Client) -> None:
     assert refused.status_code == 421 and set(refused.json()) == {"error"}
 
 
+def test_a_body_is_json_whatever_its_type_says_as_curl_sends_it(
+        server: ServerProcess) -> None:
+    """Ollama's docs (and ours) send ``curl -d '{…}'``: form-encoded by curl's default,
+    or with no type at all from other tools. Ollama reads the body as JSON; so does afmd
+    on its routes, for a client that is not a browser."""
+    body = json.dumps({"model": "demo", "messages": MESSAGES, "stream": False,
+                       "options": GREEDY}).encode()
+    want = None
+    for kind in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {} if kind is None else {"Content-Type": kind}
+        got = httpx.post(server.url + "/api/chat", content=body, headers=headers,
+                         timeout=60)
+        assert got.status_code == 200, (kind, got.text)
+        want = want or got.json()["message"]["content"]
+        assert got.json()["message"]["content"] == want
+    embed = httpx.post(server.url + "/api/embed", timeout=60, content=json.dumps(
+        {"model": "demo-embedding", "input": "hi"}).encode(),
+        headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert embed.status_code == 200 and len(embed.json()["embeddings"]) == 1
+    # A browser's request (it names its origin, here the server's own) still needs JSON's
+    # type: one it may send across origins without a preflight is refused.
+    page = httpx.post(server.url + "/api/chat", content=body, timeout=60,
+                      headers={"Content-Type": "text/plain", "Origin": server.url})
+    assert page.status_code == 415 and set(page.json()) == {"error"}
+    # The other APIs keep OpenAI's rule.
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, content=body,
+                      headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert chat.status_code == 415
+    assert chat.json()["error"]["code"] == "unsupported_media_type"
+
+
 def test_endpoints_afmd_does_not_serve_say_why_in_ollamas_envelope(
         client: ollama.Client, http: httpx.Client, tmp_path: Path) -> None:
     """Ollama's Modelfile and registry routes were an unknown URL in OpenAI's envelope

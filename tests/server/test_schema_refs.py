@@ -231,3 +231,51 @@ def test_server_tool_with_referenced_models(
         jsonschema.validate(run["args"], LOOKUP)
     events = [e for e in proc.events if e.get("event") == "server tool"]
     assert events and all(e["ok"] is True for e in events)
+
+
+# ------------------------------------------------------------------- a schema of nothing
+
+#: Schemas that only refer to themselves: they compile, and admit no value at all.
+SELF_REFERENCING = [{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+                    {"$ref": "#"},
+                    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                     "$ref": "#/$defs/a"}]
+
+
+@pytest.mark.parametrize("schema", SELF_REFERENCING, ids=["loop", "root", "two-step"])
+def test_a_schema_admitting_nothing_is_the_clients_error_in_every_dialect(
+        http: httpx.Client, schema: dict[str, Any]) -> None:
+    """Without thinking first, the grammar's very first mask allows only the end: the row
+    ended at once with no token, and the empty answer was a 500 ``invalid_json_output``."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    for stream in (False, True):
+        got = http.post("/v1/chat/completions", json={
+            "model": "demo", "messages": MESSAGES, "max_tokens": 8, "stream": stream,
+            "reasoning_effort": "none", "response_format": fmt})
+        assert got.status_code == 400, got.text
+        error = got.json()["error"]
+        assert (error["code"], error["param"]) == (
+            "invalid_schema", "response_format.json_schema.schema"), error
+    responses = http.post("/v1/responses", json={
+        "model": "demo", "input": "x", "max_output_tokens": 16,
+        "reasoning": {"effort": "none"},
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}})
+    assert responses.status_code == 400, responses.text
+    assert responses.json()["error"]["code"] == "invalid_schema"
+    assert responses.json()["error"]["param"] == "text.format.schema"
+    messages = http.post("/v1/messages", json={
+        "model": "demo", "max_tokens": 8, "messages": MESSAGES,
+        "thinking": {"type": "disabled"},
+        "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert messages.status_code == 400, messages.text
+    assert messages.json()["error"]["type"] == "invalid_request_error"
+    assert messages.json()["error"]["message"].startswith("output_config.format.schema: ")
+    ollama = http.post("/api/chat", json={"model": "demo", "messages": MESSAGES,
+                                          "stream": False, "think": False, "format": schema})
+    assert ollama.status_code == 400, ollama.text
+    assert "JSON schema cannot be used" in ollama.json()["error"]
+    # The server is unharmed: the same request with a schema that admits a value works.
+    fine = ask(http, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                "required": ["a"], "additionalProperties": False}}})
+    json.loads(fine["choices"][0]["message"]["content"])

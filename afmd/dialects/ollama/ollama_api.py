@@ -223,6 +223,7 @@ class OllamaErrors:
     them): ``{"error": "..."}`` with afmd's status."""
 
     name = "ollama"
+    any_body_media_type = True  # see AnyBodyMediaType
 
     def error_envelope(self, error: APIError) -> dict[str, Any]:
         return error_body(error)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from afmd.config.sections import ServerConfig
-from afmd.dialects.dialect import ErrorStyle
+from afmd.dialects.dialect import AnyBodyMediaType, ErrorStyle
 from afmd.errors import (
     AuthenticationError,
     MethodNotAllowedError,
@@ -243,14 +243,15 @@ def screen(policy: GatePolicy, head: RequestHead) -> bytes | None:
         if status == 404:
             raise GateRefusal(unknown_url(head.method, head.path), cors=True)
         return policy.cors.preflight(origin, allowed, close=head.close)
-    status, allowed, _ = policy.verdict(head.method, head.path)
+    status, allowed, style = policy.verdict(head.method, head.path)
     if status == 404:
         raise GateRefusal(unknown_url(head.method, head.path), cors=True)
     if status == 405:
         raise GateRefusal(method_not_allowed(head.method, head.path, allowed), cors=True)
     if policy.api_key and _needs_key(policy, head.path):
         _authenticate(head, policy.api_key)
-    if head.method == "POST" and head.has_body:
+    any_media = origin is None and _reads_any_body(style)
+    if head.method == "POST" and head.has_body and not any_media:
         media = (head.content_type or b"").split(b";", 1)[0].strip(b" \t").lower()
         if media != b"application/json":
             raise GateRefusal(UnsupportedMediaTypeError(
@@ -261,6 +262,10 @@ def screen(policy: GatePolicy, head: RequestHead) -> bytes | None:
             f"The request body is larger than max_request_body_bytes "
             f"({policy.max_body_bytes} bytes)."), cors=True)
     return None
+
+
+def _reads_any_body(style: object) -> bool:
+    return isinstance(style, AnyBodyMediaType) and style.any_body_media_type
 
 
 def same_origin(policy: GatePolicy, head: RequestHead) -> bool:
