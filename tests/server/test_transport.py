@@ -87,6 +87,9 @@ def test_screening_before_body(screen: ServerProcess, head: str, status: int,
         assert response.headers["www-authenticate"] == "Bearer"
     if status == 421:
         assert response.reason == "Misdirected Request"
+    if "Content-Encoding" in head:
+        assert response.headers["accept-encoding"] == "identity"
+        assert "uncompressed" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("host", ["localhost", "localhost:9999", "127.0.0.1", "127.0.0.1:1",

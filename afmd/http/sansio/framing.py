@@ -30,8 +30,8 @@ __all__ = ["ChunkedBody", "ContentLengthBody", "HeadScanner", "RequestHead", "pa
 REFRAMED = frozenset({b"content-length", b"transfer-encoding", b"expect", b"connection",
                       b"upgrade", b"keep-alive"})
 # Header names the framing reads (the rest are kept untouched).
-_SPECIAL = REFRAMED | {b"host", b"content-type", b"authorization", b"origin",
-                       b"access-control-request-method"}
+_SPECIAL = REFRAMED | {b"host", b"content-type", b"content-encoding", b"authorization",
+                       b"origin", b"access-control-request-method"}
 
 
 class RequestHead(NamedTuple):
@@ -52,6 +52,8 @@ class RequestHead(NamedTuple):
     origin: str | None
     authorization: bytes | None
     content_type: bytes | None
+    #: The body's content codings (Content-Encoding), lowercased, ``identity`` left out.
+    content_codings: tuple[bytes, ...]
     preflight_method: bytes | None  # Access-Control-Request-Method
     length: int  # Content-Length (0 when chunked or absent)
     chunked: bool
@@ -156,6 +158,7 @@ def parse_head(head: bytes) -> RequestHead:
     connection: list[bytes] = []
     expect: bytes | None = None
     content_type: bytes | None = None
+    content_codings: list[bytes] = []
     authorization: bytes | None = None
     origin: bytes | None = None
     preflight: bytes | None = None
@@ -189,6 +192,10 @@ def parse_head(head: bytes) -> RequestHead:
             if content_type is not None:
                 raise _repeated(raw_name)
             content_type = value
+        elif name == b"content-encoding":
+            content_codings.extend(
+                c for c in (c.strip(b" \t").lower() for c in value.split(b","))
+                if c and c != b"identity")
         elif name == b"authorization":
             if authorization is not None:
                 raise _repeated(raw_name)
@@ -244,6 +251,7 @@ def parse_head(head: bytes) -> RequestHead:
         origin.decode("latin-1") if origin is not None else None,
         authorization,
         content_type,
+        tuple(content_codings),
         preflight,  # preflight_method
         length,
         chunked,

@@ -251,6 +251,12 @@ def screen(policy: GatePolicy, head: RequestHead) -> bytes | None:
     if policy.api_key and _needs_key(policy, head.path):
         _authenticate(head, policy.api_key)
     any_media = origin is None and _reads_any_body(style)
+    if head.content_codings and head.has_body:
+        # RFC 7694: a 415 naming the codings the server reads (none but identity).
+        raise GateRefusal(UnsupportedMediaTypeError(
+            f"The request body's Content-Encoding '{show(b', '.join(head.content_codings))}'"
+            " is not supported; send the body uncompressed.",
+            headers={"Accept-Encoding": "identity"}), cors=True)
     if head.method == "POST" and head.has_body and not any_media:
         media = (head.content_type or b"").split(b";", 1)[0].strip(b" \t").lower()
         if media != b"application/json":
