@@ -208,10 +208,11 @@ class ChatPipeline:
         server's instructions and tools), without a slot or a generation: what the
         token-counting endpoints answer; ``must_fit`` refuses a prompt the context
         window cannot hold, as a turn would."""
-        lease = await self.registry.lease(self.registry.resolve(request.model),
-                                          keep_alive=request.keep_alive)
+        entry = self.registry.resolve(request.model)
+        lease = await self.registry.lease(entry, keep_alive=request.keep_alive)
         pixels = 0
         try:
+            _check_images(request, lease.model, entry)  # the turn would refuse them
             pixels = self._hold_pixels(request, lease.model)
             request = _with_server_tools(request, self.server_tools)
             rounds = RoundBuilder(lease.model, request,

@@ -102,6 +102,16 @@ def test_count_tokens_counts_system_and_tools(claude: anthropic.Anthropic) -> No
     assert tools.input_tokens > system
     message = create(claude, max_tokens=1, tools=TOOLS, tool_choice={"type": "auto"})
     assert total_input(message.usage) == tools.input_tokens
+    # What the turn refuses, the count refuses alike (an image for a text-only model).
+    image = [{"role": "user", "content": [
+        {"type": "text", "text": "What is it?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": "iVBORw0KGgo="}}]}]
+    with pytest.raises(anthropic.BadRequestError) as turn:
+        create(claude, max_tokens=1, messages=image)
+    with pytest.raises(anthropic.BadRequestError) as counted:
+        claude.messages.count_tokens(model="demo", messages=image)
+    assert counted.value.body == turn.value.body
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])

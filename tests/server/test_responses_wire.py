@@ -236,6 +236,19 @@ def test_unknown_model_and_previous_response_are_404s(http) -> None:
     assert counted.headers["X-AFM-Ignored-Fields"] == "stream"
 
 
+def test_counting_refuses_what_the_turn_refuses(http) -> None:
+    """An image for a model that reads text only: the count is the turn's 400, not a
+    number for a prompt without it."""
+    body = {"model": "demo", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "what is it?"},
+                                     {"type": "input_image", "image_url": IMAGE}]}]}
+    turn = http.post("/v1/responses", json=body)
+    counted = http.post("/v1/responses/input_tokens", json=body)
+    assert turn.status_code == counted.status_code == 400, counted.text
+    assert counted.json()["error"] == turn.json()["error"]
+    assert counted.json()["error"]["code"] == "image_input_not_supported"
+
+
 # -- cancel ---------------------------------------------------------------------------------
 
 
