@@ -252,6 +252,17 @@ def test_schema_that_is_not_an_object_is_a_type_error(http) -> None:
                                                "response_format.json_schema.schema")
 
 
+@pytest.mark.parametrize("name", ["a b", "", "x" * 65, "r\u00e9sum\u00e9", "a.b"])
+def test_a_schema_name_follows_a_tool_names_rule(http, name: str) -> None:
+    response = post(http, response_format=json_schema_format({"type": "object"}, name))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_value",
+                                               "response_format.json_schema.name")
+    assert post(http, response_format=json_schema_format({"type": "object"}, "A-z_0-9"),
+                max_tokens=4).status_code == 200
+
+
 def _plan(response_format: dict[str, Any], *, downgraded: bool = False) -> Any:
     from afmd.dialects.openai.chat_body import parse_chat_request
     from afmd.service.output_plan import OutputPlan

@@ -167,6 +167,10 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
         )
     spec = required(value, "json_schema", "response_format.json_schema", dict, "an object")
     name = required(spec, "name", "response_format.json_schema.name", str, "a string")
+    if _TOOL_NAME.fullmatch(name) is None:  # OpenAI holds a schema's name to a tool's rule
+        raise invalid("response_format.json_schema.name",
+                      f"Invalid name {quoted(name)}: use 1-64 characters among a-z, A-Z, "
+                      "0-9, _ and -.")
     schema = spec.get("schema")
     if schema is None:
         schema = {}
