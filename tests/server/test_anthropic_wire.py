@@ -583,6 +583,11 @@ def test_system_messages_stay_where_they_stand() -> None:
         with pytest.raises(InvalidRequestError) as info:
             ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[bad, *MESSAGES])).encode())
         assert info.value.param == param
+    for role, article in (("assistant", "an"), ("user", "a")):
+        with pytest.raises(InvalidRequestError) as info:
+            ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[
+                *MESSAGES, {"role": role, "content": [{"type": "document"}]}])).encode())
+        assert f"is not supported in {article} {role} message" in info.value.message
     with pytest.raises(InvalidRequestError) as info:  # a system message is no user turn
         ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[
             {"role": "system", "content": "Only this."}])).encode())

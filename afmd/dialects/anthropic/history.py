@@ -216,8 +216,9 @@ def _block_type(block: Any, p: str) -> str:
 def _unsupported_block(kind: str, p: str, role: str) -> InvalidRequestError:
     supported = ("'text', 'image' and 'tool_result'" if role == "user"
                  else "'text', 'thinking', 'redacted_thinking' and 'tool_use'")
-    return invalid(f"{p}.type", f"Content block type {quoted(kind)} is not supported in a "
-                   f"{role} message; supported: {supported}.")
+    return invalid(f"{p}.type", f"Content block type {quoted(kind)} is not supported in "
+                   f"{'an' if role == 'assistant' else 'a'} {role} message; supported: "
+                   f"{supported}.")
 
 
 def _assistant(turn: _Turn) -> Message:
