@@ -114,6 +114,22 @@ def test_count_tokens_counts_system_and_tools(claude: anthropic.Anthropic) -> No
     assert counted.value.body == turn.value.body
 
 
+def test_a_text_document_is_part_of_the_prompt(claude: anthropic.Anthropic) -> None:
+    doc = {"type": "document", "title": "Plan", "source": {
+        "type": "text", "media_type": "text/plain", "data": "Ship the release on Friday."}}
+    with_doc = [{"role": "user", "content": [doc, {"type": "text", "text": "When?"}]}]
+    plain = [{"role": "user", "content": "When?"}]
+    counted = claude.messages.count_tokens(model="demo", messages=with_doc).input_tokens
+    assert counted > claude.messages.count_tokens(model="demo", messages=plain).input_tokens
+    message = create(claude, max_tokens=2, messages=with_doc)
+    assert total_input(message.usage) == counted
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        create(claude, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                            "data": "JVBERi0="}}]}])
+    assert "no PDF reader" in caught.value.message
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
 def test_stop_sequence_is_reported(claude: anthropic.Anthropic, stream: bool) -> None:
     kwargs: dict[str, Any] = {"max_tokens": 40, "extra_body": {"temperature": 0}}

@@ -586,12 +586,47 @@ def test_system_messages_stay_where_they_stand() -> None:
     for role, article in (("assistant", "an"), ("user", "a")):
         with pytest.raises(InvalidRequestError) as info:
             ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[
-                *MESSAGES, {"role": role, "content": [{"type": "document"}]}])).encode())
+                *MESSAGES, {"role": role, "content": [{"type": "bogus"}]}])).encode())
         assert f"is not supported in {article} {role} message" in info.value.message
     with pytest.raises(InvalidRequestError) as info:  # a system message is no user turn
         ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[
             {"role": "system", "content": "Only this."}])).encode())
     assert info.value.code == "missing_user_message"
+
+
+def test_plain_text_documents_are_read_and_others_refused_by_name() -> None:
+    """A document block (the SDK's ``DocumentBlockParam``) in a user turn or a tool result:
+    its text reaches the model, titled; a PDF or a URL is a 400 naming its source."""
+    text = {"type": "document", "title": "Notes", "context": "From the meeting.",
+            "citations": {"enabled": True},
+            "source": {"type": "text", "media_type": "text/plain", "data": "Ship on Friday."}}
+    blocks = {"type": "document", "source": {"type": "content", "content": [
+        {"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}]}}
+    chat = ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Summarise:"}, text, blocks]}])).encode())
+    assert chat.messages[-1].content == (
+        "Summarise:\n\nDocument: Notes\nFrom the meeting.\n\nShip on Friday.\n\n"
+        "Document:\n\nPart one.\n\nPart two.")
+    call = {"type": "tool_use", "id": "toolu_1", "name": "read", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [text]}
+    chat = ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[
+        {"role": "user", "content": "Read it."}, {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [result]}])).encode())
+    assert chat.messages[-1].role == "tool"
+    assert chat.messages[-1].content.endswith("Ship on Friday.")
+    pdf = {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}
+    for source, param, code in (
+            (pdf, "messages[0].content[0].source.type", "unsupported_document"),
+            ({"type": "url", "url": "https://example.com/a.pdf"},
+             "messages[0].content[0].source.type", "unsupported_document"),
+            ({"type": "text", "media_type": "text/html", "data": "<p>"},
+             "messages[0].content[0].source.media_type", "invalid_value"),
+            ({"type": "content", "content": [{"type": "image"}]},
+             "messages[0].content[0].source.content[0].type", "invalid_value")):
+        with pytest.raises(InvalidRequestError) as info:
+            ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[{"role": "user", "content": [
+                {"type": "document", "source": source}]}])).encode())
+        assert (info.value.param, info.value.code) == (param, code)
 
 
 #: The demo's template, made to refuse a system turn anywhere but first (as many do).

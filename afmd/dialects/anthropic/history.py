@@ -140,6 +140,8 @@ def parse_messages(value: Any) -> tuple[tuple[Message, ...], bool]:
                 pictures.append(ImageInput(_image(block, p), f"{p}.source",
                                            len("\n\n".join(texts))))
                 images = True
+            elif kind == "document":
+                texts.append(_document(block, p))
             elif kind == "tool_result":
                 call_id, message, has_image = _tool_result(block, p)
                 if not any(c.id == call_id for c in calls):
@@ -214,7 +216,7 @@ def _block_type(block: Any, p: str) -> str:
 
 
 def _unsupported_block(kind: str, p: str, role: str) -> InvalidRequestError:
-    supported = ("'text', 'image' and 'tool_result'" if role == "user"
+    supported = ("'text', 'image', 'document' and 'tool_result'" if role == "user"
                  else "'text', 'thinking', 'redacted_thinking' and 'tool_use'")
     return invalid(f"{p}.type", f"Content block type {quoted(kind)} is not supported in "
                    f"{'an' if role == 'assistant' else 'a'} {role} message; supported: "
@@ -274,6 +276,54 @@ def _image(block: dict[str, Any], p: str) -> bytes:
                                   code="invalid_image_url", param=f"{p}.source.data") from None
 
 
+def _document(block: dict[str, Any], p: str) -> str:
+    """A document as the text the model reads: its title and context, then its text.
+
+    Plain-text documents (a ``text`` source, or a ``content`` source of text blocks) are
+    read; a PDF (``base64``, ``url``) or an uploaded file needs a reader and a fetch afmd
+    does not do, and is refused by name rather than dropped. ``citations`` are accepted;
+    the answer carries none."""
+    source = required(block, "source", f"{p}.source", dict, "an object")
+    kind = required(source, "type", f"{p}.source.type", str, "a string")
+    if kind == "text":
+        media = optional(source, "media_type", f"{p}.source.media_type", str, "a string")
+        if media is not None and media != "text/plain":
+            raise not_one_of(f"{p}.source.media_type", media, ("text/plain",))
+        body = required(source, "data", f"{p}.source.data", str, "a string")
+    elif kind == "content":
+        content = source.get("content")
+        if isinstance(content, str):
+            body = content
+        elif isinstance(content, list):
+            parts = []
+            for k, part in enumerate(content):
+                q = f"{p}.source.content[{k}]"
+                if _block_type(part, q) != "text":
+                    raise invalid(f"{q}.type", "A document's content holds text blocks only "
+                                  "here ('text').")
+                parts.append(required(part, "text", f"{q}.text", str, "a string"))
+            body = "\n\n".join(parts)
+        elif content is None:
+            raise missing(f"{p}.source.content")
+        else:
+            raise wrong_type(f"{p}.source.content", "a string or an array of text blocks",
+                             content)
+    else:
+        raise InvalidRequestError(
+            f"Document source type {quoted(kind)} is not supported: afmd reads plain-text "
+            "documents ('text' and 'content' sources); it has no PDF reader and does not "
+            "fetch URLs or files.", code="unsupported_document", param=f"{p}.source.type")
+    citations = block.get("citations")
+    if citations is not None and not isinstance(citations, dict):
+        raise wrong_type(f"{p}.citations", "an object", citations)
+    title = optional(block, "title", f"{p}.title", str, "a string")
+    context = optional(block, "context", f"{p}.context", str, "a string")
+    head = [f"Document: {title}" if title else "Document:"]
+    if context:
+        head.append(context)
+    return "\n".join(head) + "\n\n" + body
+
+
 def _tool_result(block: dict[str, Any], p: str) -> tuple[str, Message, bool]:
     """A result as afmd's tool message (text only; an error says so first)."""
     call_id = required(block, "tool_use_id", f"{p}.tool_use_id", str, "a string")
@@ -294,9 +344,12 @@ def _tool_result(block: dict[str, Any], p: str) -> tuple[str, Message, bool]:
             elif kind == "image":
                 images.append(ImageInput(_image(part, q), f"{q}.source",
                                          len("\n\n".join(texts))))
+            elif kind == "document":
+                texts.append(_document(part, q))
             else:
                 raise invalid(f"{q}.type", f"Content block type {quoted(kind)} is not "
-                              "supported in a tool_result; supported: 'text' and 'image'.")
+                              "supported in a tool_result; supported: 'text', 'image' and "
+                              "'document'.")
         text = "\n\n".join(texts)
     else:
         raise wrong_type(f"{p}.content", "a string or an array of content blocks", content)
