@@ -213,6 +213,26 @@ def test_a_file_that_does_not_match_is_deleted_not_used(disk: DiskTier, damage: 
     assert disk.misses == 1 and any("deleted" in r.getMessage() for r in caplog.records)
 
 
+def test_files_deleted_behind_its_back_are_all_written_again(disk: DiskTier) -> None:
+    """Another process sharing the folder (its evictions), ``afmd cache clear`` or a user
+    deleted a prefix's files. The first read that misses has the writer check the
+    folder's index, so the request that recomputes the prefix writes every block of it
+    again, not only the one it read (it came back a block a request)."""
+    keys = [bytes([i]) * 32 for i in range(4)]
+    blocks = [_block(10 + i) for i in range(4)]
+    paths = [_written(disk, key, block) for key, block in zip(keys, blocks, strict=True)]
+    for path in paths:
+        path.unlink()
+    assert disk.get(keys[0]) is None  # the chain stops at its first block
+    assert disk.store.flush()
+    for key, block in zip(keys, blocks, strict=True):  # the recomputed prefix, stored
+        disk.put(key, block)
+    assert disk.store.flush()
+    assert all(path.is_file() for path in paths)
+    assert all(disk.get(key) is not None for key in keys)
+    assert disk.store.nbytes == sum(path.stat().st_size for path in paths)
+
+
 def test_disk_tier_evicts_least_recently_used_by_bytes(tmp_path: Path) -> None:
     probe = DiskStore(tmp_path / "probe", 1 << 30)
     size = _written(DiskTier(probe, b"p", "p"), b"x" * 32, _block(0)).stat().st_size

@@ -11,8 +11,10 @@ writes. A folder that cannot be created or written, or a full disk, is logged on
 the tier stops writing; RAM serves on.
 
 One :class:`DiskStore` per folder per process, shared by the models it serves, so that
-``disk_bytes`` bounds the whole folder. Several processes may share a folder (each reads
-what the others wrote: a read looks at the file, not only at this process's index).
+``disk_bytes`` bounds the whole folder as this process knows it. Several processes may
+share a folder (each reads what the others wrote: a read looks at the file, not only at
+this process's index); each keeps its own index, and bound, and checks it against the
+folder when a file it indexed turns out gone.
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ class _Write:
     raw: list[mx.array]
 
 
+#: Wakes the writer to check a folder's index against the folder (see DiskStore.read).
+_RECHECK = "recheck"
+
 _STORES: dict[Path, DiskStore] = {}
 _STORES_LOCK = threading.Lock()
 
@@ -164,8 +169,10 @@ class DiskStore:
         self.evictions = 0
         self.writes = 0
         self.dropped = 0
-        self._queue: queue.Queue[_Write | None] = queue.Queue(_QUEUE)
+        self._queue: queue.Queue[_Write | str | None] = queue.Queue(_QUEUE)
         self._pending: set[Path] = set()
+        self._recheck: set[Path] = set()  # folders whose index may name files now gone
+        self._checking = False
         # (model folder, block before) -> {tail path: (length, key)}: the tails on disk.
         self._tails: dict[tuple[Path, bytes], dict[Path, tuple[int, bytes]]] = {}
         try:
@@ -249,6 +256,7 @@ class DiskStore:
             data = path.read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             self._forget(path)
+            self._recheck_later(path.parent)
             return None
         except OSError as exc:  # unreadable, not wrong: logged once, computed instead
             if not self._read_warned:
@@ -274,6 +282,20 @@ class DiskStore:
             os.utime(path)  # the LRU order survives a restart
         return block
 
+    def _recheck_later(self, folder: Path) -> None:
+        """A file this process indexed is gone: someone else deleted it (another process
+        sharing the folder evicting, ``afmd cache clear``, a user), and likely its
+        neighbours too. :meth:`queue` skips what the index names, so without a check
+        a lost prefix came back one block a request; the writer checks the folder's
+        index against the disk instead, off the generation thread, so that the blocks
+        this request recomputes are all written again when it ends."""
+        with self._lock:
+            if folder in self._recheck:
+                return
+            self._recheck.add(folder)
+        with contextlib.suppress(queue.Full):  # a busy writer checks after its next item
+            self._queue.put_nowait(_RECHECK)
+
     def _forget(self, path: Path) -> None:
         with self._lock:
             size = self._files.pop(path, None)
@@ -288,13 +310,31 @@ class DiskStore:
             if item is None:
                 return
             try:
-                if self.failed is None:
+                self._check_folders()
+                if isinstance(item, _Write) and self.failed is None:
                     self._write(item)
             except Exception:  # never let one block stop the writer
                 log.exception("KV cache disk write failed")
             finally:
-                with self._lock:
-                    self._pending.discard(item.path)
+                if isinstance(item, _Write):
+                    with self._lock:
+                        self._pending.discard(item.path)
+
+    def _check_folders(self) -> None:
+        """Forget the indexed files of the folders marked by :meth:`_recheck_later` that
+        are no longer on disk."""
+        with self._lock:
+            folders, self._recheck = self._recheck, set()
+            if not folders:
+                return
+            self._checking = True
+            named = [path for path in self._files if path.parent in folders]
+        try:
+            for path in named:
+                if not path.exists():
+                    self._forget(path)
+        finally:
+            self._checking = False
 
     def _write(self, item: _Write) -> None:
         folder = item.path.parent
@@ -332,11 +372,12 @@ class DiskStore:
             self.evictions += 1
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued block is written (tests, shutdown); whether it was."""
+        """Wait until every queued block is written and every folder check done (tests,
+        shutdown); whether they were."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._pending:
+                if not self._pending and not self._recheck and not self._checking:
                     return True
             time.sleep(0.01)
         return False
