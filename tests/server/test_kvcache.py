@@ -30,7 +30,7 @@ from afmd.engine.kvcache import folder as layout
 from afmd.engine.kvcache import kv_compat as compat
 from afmd.engine.kvcache.blocks import BlockCache
 from afmd.engine.kvcache.chain import block_keys, chain_root
-from afmd.engine.kvcache.disk import LAYOUT, DiskStore, DiskTier
+from afmd.engine.kvcache.disk import LAYOUT, DiskStore, DiskTier, _Write, raw_views
 from afmd.engine.kvcache.identity import model_identity
 from afmd.engine.kvcache.ram import Block, RamTier
 
@@ -231,6 +231,20 @@ def test_files_deleted_behind_its_back_are_all_written_again(disk: DiskTier) -> 
     assert all(path.is_file() for path in paths)
     assert all(disk.get(key) is not None for key in keys)
     assert disk.store.nbytes == sum(path.stat().st_size for path in paths)
+
+
+def test_a_block_another_process_wrote_first_is_counted_once(tmp_path: Path) -> None:
+    """This process indexed the file another one wrote (found at its start, or read),
+    then its own queued write of the same block lands: the file is counted once."""
+    key, block = b"s" * 32, _block(20)
+    other = DiskStore(tmp_path / "kv", 1 << 30)
+    path = _written(DiskTier(other, b"shared", "m"), key, block)
+    other.close()
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    assert store.nbytes == path.stat().st_size
+    store._write(_Write(path, key, b"shared", block, raw_views(block)))
+    assert store.nbytes == path.stat().st_size
+    store.close()
 
 
 def test_disk_tier_evicts_least_recently_used_by_bytes(tmp_path: Path) -> None:

@@ -357,8 +357,9 @@ class DiskStore:
             return
         self.writes += 1
         with self._lock:
+            # A read may have indexed the path meanwhile (another process wrote it first).
+            self.nbytes += size - self._files.pop(item.path, 0)
             self._files[item.path] = size
-            self.nbytes += size
             self._index_tail(item.path, True)
             victims = []
             while self.nbytes > self.max_bytes and self._files:
