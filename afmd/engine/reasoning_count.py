@@ -33,7 +33,7 @@ class ReasoningMarkers:
 class ReasoningCount:
     """One sequence's reasoning tokens, counted as its text is generated."""
 
-    __slots__ = ("_lengths", "_text", "inside", "markers", "tokens")
+    __slots__ = ("_lengths", "_since_close", "_text", "inside", "markers", "tokens")
 
     def __init__(self, markers: ReasoningMarkers, *, inside: bool = False) -> None:
         self.markers = markers
@@ -44,6 +44,9 @@ class ReasoningCount:
         # length of each token's share of it, most recent last.
         self._text = ""
         self._lengths: list[int] = []
+        # Tokens taken since the one that closed a block, which is counted already even
+        # where the rest of its text opens the next.
+        self._since_close = 1 << 62
 
     def take(self, text: str) -> None:
         """The next generated token, by the text it added."""
@@ -54,10 +57,12 @@ class ReasoningCount:
             at = self._text.find(self.markers.end)
             if at != -1:
                 self.inside = False
+                self._since_close = 0
                 self._restart(at + len(self.markers.end))
             else:
                 self._keep(len(self.markers.end) - 1)
             return
+        self._since_close += 1
         at = self._text.find(self.markers.start)
         if at == -1:
             self._keep(len(self.markers.start) - 1)
@@ -69,7 +74,7 @@ class ReasoningCount:
             reach -= length
             if reach <= 0:
                 break
-        self.tokens += count
+        self.tokens += min(count, self._since_close)
         self.inside = True
         self._restart(at + len(self.markers.start))
         if self._text.find(self.markers.end) != -1:  # opened and closed in one token

@@ -40,6 +40,9 @@ def count(markers: ReasoningMarkers, texts: list[str], *, inside: bool = False) 
     (["<think>", "a", "b", "c"], 4),
     # two blocks
     (["<think>", "a", "</think>", "b", "<think>", "c", "</think>", "d"], 6),
+    # the token that closes one block opens the next: counted once
+    (["<think>", "a", "</think><th", "ink>", "b", "</think>", "c"], 6),
+    (["<think>", "a", "</think><think>", "b", "</think>"], 5),
 ])
 def test_think_blocks(texts: list[str], want: int) -> None:
     assert count(THINK, texts) == want
