@@ -77,9 +77,11 @@ class ReasoningCount:
         self.tokens += min(count, self._since_close)
         self.inside = True
         self._restart(at + len(self.markers.start))
-        if self._text.find(self.markers.end) != -1:  # opened and closed in one token
+        closed = self._text.find(self.markers.end)
+        if closed != -1:  # opened and closed in one token
             self.inside = False
-            self._restart(len(self._text))
+            self._since_close = 0
+            self._restart(closed + len(self.markers.end))
 
     def _restart(self, cut: int) -> None:
         """Look for the other marker in what follows ``cut`` (the current token's rest)."""

@@ -43,6 +43,7 @@ def count(markers: ReasoningMarkers, texts: list[str], *, inside: bool = False) 
     # the token that closes one block opens the next: counted once
     (["<think>", "a", "</think><th", "ink>", "b", "</think>", "c"], 6),
     (["<think>", "a", "</think><think>", "b", "</think>"], 5),
+    (["A", "<think>x</think><think>", "y", "</think>", "B"], 3),
 ])
 def test_think_blocks(texts: list[str], want: int) -> None:
     assert count(THINK, texts) == want
