@@ -210,8 +210,16 @@ def test_screening_still_applies(srv: ServerProcess) -> None:
     assert closed
     resp, closed = ask(srv.port, get("/health", "Origin: http://evil.example\r\n"))
     check_error(resp, 403, "origin_not_allowed")
-    resp, _ = ask(srv.port, f"HEAD /health HTTP/1.1\r\n{H}\r\n")
-    check_error(resp, 405, "method_not_allowed")
+    # HEAD gets GET's refusal without its content (RFC 9110): nothing follows the head.
+    get_resp, _ = ask(srv.port, f"PUT /health HTTP/1.1\r\n{H}Content-Length: 0\r\n\r\n")
+    check_error(get_resp, 405, "method_not_allowed")
+    for path in ("/health", "/metrics", "/v1/models", "/nope"):
+        with RawConn(srv.port) as conn:
+            conn.send(f"HEAD {path} HTTP/1.1\r\n{H}\r\n")
+            resp = conn.read_response("HEAD")
+            assert resp.status in (401, 404, 405), (path, resp.status)
+            assert int(resp.headers["content-length"]) > 0, resp.headers
+            assert conn.closed(timeout=2), f"HEAD {path}: content after the head: {conn.buf!r}"
 
 
 def test_keep_alive_for_many_requests(srv: ServerProcess) -> None:

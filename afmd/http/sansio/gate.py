@@ -184,7 +184,9 @@ class Gate:
             style = self.policy.style_of(head.method, head.path) if head else None
             rejection = Rejection.from_error(refused.error, extra, style)
             self.kill()
-            out.append(Reply(rejection.render(), close=True, rejection=rejection,
+            head_only = head is not None and head.method == "HEAD"
+            out.append(Reply(rejection.render(head_only=head_only), close=True,
+                             rejection=rejection,
                              target=(head.method, head.path) if head else None))
         if not self.dead and self._body is None and not self._buf:
             self.started_at = None

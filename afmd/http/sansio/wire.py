@@ -154,15 +154,16 @@ def status_line(status: int) -> bytes:
 
 
 def render_json(status: int, body: bytes, headers: Iterable[tuple[str, str]] = (), *,
-                close: bool) -> bytes:
+                close: bool, head_only: bool = False) -> bytes:
     """A complete JSON response that afmd writes itself, without Sanic: a refusal, or a
-    direct answer (so the two cannot drift apart in framing)."""
+    direct answer (so the two cannot drift apart in framing). ``head_only`` answers a HEAD
+    request: the headers GET would get, no content (RFC 9110 section 9.3.2)."""
     lines = [status_line(status),
              b"content-type: application/json",
              b"content-length: %d" % len(body),
              b"connection: close" if close else b"connection: keep-alive"]
     lines.extend(f"{k}: {v}".encode("latin-1") for k, v in headers)
-    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+    return b"\r\n".join(lines) + b"\r\n\r\n" + (b"" if head_only else body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +195,7 @@ class Rejection:
     def message(self) -> str:
         return self.error.message
 
-    def render(self) -> bytes:
+    def render(self, *, head_only: bool = False) -> bytes:
         status, body, headers = error_response(self.style, self.error)
         return render_json(status, orjson.dumps(body), {**dict(self.headers), **headers}.items(),
-                           close=True)
+                           close=True, head_only=head_only)
