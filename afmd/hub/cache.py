@@ -26,7 +26,15 @@ from pathlib import Path
 
 from afmd.paths import huggingface_hub_cache
 
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+#: The hub's own rule for ``OWNER/NAME``: ASCII letters, digits, ``_``, ``-`` and ``.``, each
+#: part ending in a letter, digit or ``_``, no ``--`` (the cache's folder separator) or
+#: ``..``, at most 96 characters a part. ``\Z``, not ``$``: ``$`` also matches before a
+#: final newline, and a name goes into file paths.
+REPO_ID = re.compile(
+    r"^(?!.*(?:--|\.\.))"
+    r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+    r"/[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?\Z"
+)
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _PREFIX = "models--"
 

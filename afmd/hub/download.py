@@ -23,6 +23,7 @@ import fnmatch
 import functools
 import hashlib
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,12 +68,22 @@ class Pulled:
     size_bytes: int
 
 
+#: A branch, tag or commit as the hub names them (``refs/pr/1`` included). It becomes a file
+#: under the cache's ``refs/``, so no part may be empty, ``.`` or ``..``, and nothing git
+#: forbids in a ref name (spaces, controls, ``~^:?*[\\``) gets through.
+_REVISION = re.compile(r"(?!.*(?:\.\.|//|/\.|@\{))[A-Za-z0-9_][A-Za-z0-9_.+=,@{}-]{0,254}"
+                       r"(?:/[A-Za-z0-9_][A-Za-z0-9_.+=,@{}-]{0,254})*(?<![./])\Z")
+
+
 def parse_ref(ref: str) -> tuple[str, str]:
     """``OWNER/NAME[@REVISION]`` -> (repo, revision); the revision defaults to ``main``."""
-    repo, _, revision = ref.partition("@")
+    repo, at, revision = ref.partition("@")
     if not REPO_ID.match(repo):
         raise PullError(f"'{repo}' is not a Hugging Face repo id (expected OWNER/NAME, e.g. "
                         "mlx-community/Qwen2.5-0.5B-Instruct-4bit)")
+    if at and not _REVISION.match(revision):
+        raise PullError(f"'{revision}' is not a revision (a branch, tag or commit, e.g. main, "
+                        "v1.0 or refs/pr/1)")
     return repo, revision or "main"
 
 

@@ -391,8 +391,9 @@ def test_pull_from_the_dashboard(tmp_path: Path) -> None:
                 assert "not configured" in row["reason"]
                 assert row["size_bytes"] == wanted
 
-                _error(http.post("/ui/api/pull", json={"model": "not a repo"}), 400,
-                       "invalid_value")
+                for bad in ("not a repo", "a/b\n", "a/..", "test-org/tiny@../../x"):
+                    _error(http.post("/ui/api/pull", json={"model": bad}), 400,
+                           "invalid_value")
                 http.post("/ui/api/pull", json={"model": "test-org/missing"})
                 failed = _until(lambda: next(
                     (p for p in http.get("/ui/api/models").json()["pulls"]

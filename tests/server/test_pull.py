@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from afmd.hub.download import PullError, parse_ref
 from afmd.ports import free_ports
 
 from conftest import ROOT
@@ -82,6 +83,28 @@ def assert_clean_failure(result: subprocess.CompletedProcess[str], *needles: str
     assert "Traceback" not in result.stderr, result.stderr
     for needle in needles:
         assert needle in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------------------- refs
+
+
+@pytest.mark.parametrize("ref", [
+    "a/b\n", "a/..", "a/b..c", "a--b/c", "\u00e4/b", "a/b.", "a/-b", "a/b/c",
+    "a/b@../../x", "a/b@refs/../x", "a/b@/etc", "a/b@x\n", "a/b@", "a/b@x/", "a/b@a b",
+])
+def test_a_malformed_ref_is_refused(ref: str) -> None:
+    """A repo id and a revision both become paths in the cache: the hub's rules, exactly."""
+    with pytest.raises(PullError, match="is not a"):
+        parse_ref(ref)
+
+
+def test_well_formed_refs() -> None:
+    assert parse_ref("mlx-community/Qwen2.5-0.5B-Instruct-4bit") == (
+        "mlx-community/Qwen2.5-0.5B-Instruct-4bit", "main")
+    assert parse_ref("Org_1/x_@refs/pr/12") == ("Org_1/x_", "refs/pr/12")
+    commit = "0123456789abcdef" * 2 + "01234567"
+    assert parse_ref(f"a/b@{commit}") == ("a/b", commit)
+    assert parse_ref("a/b@v1.0-rc.2") == ("a/b", "v1.0-rc.2")
 
 
 # ---------------------------------------------------------------------------- pulling
@@ -233,6 +256,10 @@ def test_offline_and_unknown_repos_fail_clearly(hub: FakeHub, env: dict[str, str
 
     bad = afmd(env, "pull", "not a repo")
     assert_clean_failure(bad, "'not a repo' is not a Hugging Face repo id")
+    asked = len(hub.log)
+    escape = afmd(env, "pull", f"{REPO}@../../../outside")
+    assert_clean_failure(escape, "'../../../outside' is not a revision")
+    assert len(hub.log) == asked, "a malformed revision reached the hub"
     assert listed(env).keys() == {"demo", "demo-32k", "demo-embedding", "demo-vision", "system"}
 
 
