@@ -10,8 +10,10 @@ key, it is sent, since ``/health`` is screened by it on non-loopback listeners.
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
+import math
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +21,23 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from afmd.config.sections import Config
+
+#: The longest ``--timeout`` taken: past it a deadline overflows the platform's clock.
+MAX_WAIT_S = 86_400.0
+
+
+def wait_seconds(text: str) -> float:
+    """``--timeout``'s type. Zero would put the socket in non-blocking mode, where a live
+    server's connect reports "in progress" and reads as "no server here"; negative, NaN and
+    huge values make the socket layer raise errors that are not about the server at all."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_WAIT_S):
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0 and at most {MAX_WAIT_S:g} seconds, got {text!r}")
+    return value
 
 
 class ServerUnreachable(Exception):

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from afmd import __version__
+from afmd.cli.endpoint import wait_seconds
 from afmd.config.bounds import ConfigError
 from afmd.config.load import default_config_path, load_config
 from afmd.config.sections import Config
@@ -102,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--config", metavar="FILE",
                         help="config file to check (default: as `afmd serve` finds it)")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
-    doctor.add_argument("--timeout", metavar="S", type=float, default=2.0,
+    doctor.add_argument("--timeout", metavar="S", type=wait_seconds, default=2.0,
                         help="seconds to wait for a running server's /health (default 2)")
 
     from afmd.cli import model_commands as cli_models

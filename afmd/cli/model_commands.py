@@ -53,7 +53,7 @@ def add_parsers(commands: Any) -> None:
             p.add_argument("--url", metavar="URL",
                            help="the running server (http://HOST:PORT or unix:/path); "
                                 "default: the config's endpoint, as `afmd doctor` finds it")
-            p.add_argument("--timeout", metavar="S", type=float, default=2.0,
+            p.add_argument("--timeout", metavar="S", type=endpoint.wait_seconds, default=2.0,
                            help="seconds to wait for the server (default 2)")
         if as_json:
             p.add_argument("--json", action="store_true", help="machine-readable output")

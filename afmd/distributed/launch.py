@@ -106,6 +106,11 @@ def run(args: argparse.Namespace) -> int:
     n = 2 if args.n is None else args.n
     if not args.hostfile and not 1 <= n <= 64:
         return _fail(f"-n must be between 1 and 64, not {n}")
+    # Rank i listens on P + i (the ring launcher's rule), so the last rank's port must exist.
+    last = 1 if args.hostfile else n
+    if args.starting_port is not None and not 1 <= args.starting_port <= 65536 - last:
+        return _fail(f"--starting-port must be between 1 and {65536 - last} for {last} "
+                     f"rank{'s' if last > 1 else ''}, not {args.starting_port}")
     try:
         config = load_config(_serve_config(command))
     except ConfigError as exc:

@@ -85,13 +85,23 @@ def test_no_command_is_a_usage_error() -> None:
 @pytest.mark.parametrize(
     "args",
     [("frobnicate",), ("serve", "--bogus"), ("serve", "--port", "abc"),
-     ("serve", "--log-level", "loud"), ("check-config",)],
+     ("serve", "--log-level", "loud"), ("check-config",),
+     # A wait the socket layer cannot take (and 0, which reads a live server as absent).
+     *[(verb, "--timeout", t) for verb in ("ps", "list", "doctor")
+       for t in ("-1", "0", "nan", "inf", "1e308", "soon")]],
 )
 def test_usage_errors_exit_2(args: tuple[str, ...]) -> None:
     result = afmd_run(*args)
     assert result.returncode == 2, result
     assert "usage:" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("n", "port"), [("2", "70000"), ("2", "65535"), ("1", "0")])
+def test_launch_refuses_a_ring_port_that_does_not_exist(n: str, port: str) -> None:
+    result = afmd_run("launch", "-n", n, "--starting-port", port, "--", "serve")
+    assert result.returncode == 2, result
+    assert "--starting-port must be between 1 and" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize(
