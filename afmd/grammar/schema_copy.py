@@ -130,7 +130,8 @@ def _lookup(schema: Schema, path: Pointer) -> Any:
     for segment in path:
         if isinstance(node, dict) and segment in node:
             node = node[segment]
-        elif isinstance(node, list) and segment.isdigit() and int(segment) < len(node):
+        elif (isinstance(node, list) and segment.isascii() and segment.isdigit()
+              and int(segment) < len(node)):
             node = node[int(segment)]
         else:
             return None

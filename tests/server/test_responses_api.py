@@ -213,6 +213,11 @@ def test_retrieve_list_input_items_and_delete(client, http) -> None:
     validate_item_list(one)
     assert one["data"] == [page["data"][1]] and one["has_more"] is True
 
+    for limit in ("0", "101", "-1", "1.5", "\u00b2", "\uff11"):
+        refused = http.get(f"/v1/responses/{response.id}/input_items", params={"limit": limit})
+        assert refused.status_code == 400, (limit, refused.text)
+        assert refused.json()["error"]["param"] == "limit"
+
     deleted = http.delete(f"/v1/responses/{response.id}")
     assert deleted.json() == {"id": response.id, "object": "response.deleted", "deleted": True}
     for method, path in (("GET", ""), ("DELETE", ""), ("GET", "/input_items")):

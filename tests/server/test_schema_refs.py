@@ -279,3 +279,22 @@ def test_a_schema_admitting_nothing_is_the_clients_error_in_every_dialect(
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
                                 "required": ["a"], "additionalProperties": False}}})
     json.loads(fine["choices"][0]["message"]["content"])
+
+
+@pytest.mark.parametrize("index", ["5", "\u00b2", "\u2460", "\uff11"],
+                         ids=["past-end", "superscript", "circled", "fullwidth"])
+def test_a_reference_into_a_list_needs_an_ascii_index_in_range(
+        http: httpx.Client, index: str) -> None:
+    """``str.isdigit`` holds for "²" but ``int`` refuses it: such a pointer was a 500."""
+    schema = {"type": "object", "properties": {
+        "a": {"anyOf": [{"type": "integer"}]}, "b": {"$ref": f"#/properties/a/anyOf/{index}"}}}
+    chat = http.post("/v1/chat/completions", json={
+        "model": "demo", "messages": MESSAGES, "max_tokens": 8, "reasoning_effort": "none",
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert chat.status_code == 400, chat.text
+    assert chat.json()["error"]["code"] == "invalid_schema"
+    tools = http.post("/v1/messages", json={
+        "model": "demo", "max_tokens": 8, "messages": MESSAGES,
+        "tools": [{"name": "f", "input_schema": schema}]})
+    assert tools.status_code == 400, tools.text
+    assert tools.json()["error"]["type"] == "invalid_request_error"

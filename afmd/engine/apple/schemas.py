@@ -67,7 +67,7 @@ def _pointer(root: Any, ref: str) -> Any:
         part = raw.replace("~1", "/").replace("~0", "~")
         if isinstance(node, Mapping) and part in node:
             node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         else:
             raise SchemaError(f"$ref {ref!r} points at nothing in the schema")

@@ -69,7 +69,7 @@ def _limit(request: Request) -> int:
     raw = request.args.get("limit")
     if raw is None:
         return 20
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 100:
         raise InvalidRequestError(
             f"Invalid 'limit': '{raw[:20]}'; expected an integer from 1 to 100.", param="limit")
     return int(raw)

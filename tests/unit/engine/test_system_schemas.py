@@ -118,6 +118,14 @@ def test_a_remote_ref_is_no_schema_for_the_framework() -> None:
         schemas.convert({"$ref": "https://example.com/schema.json"})
 
 
+@pytest.mark.parametrize("index", ["1", "\u00b2", "\u2460"])
+def test_a_reference_into_a_list_needs_an_ascii_index_in_range(index: str) -> None:
+    schema = {"type": "object", "properties": {
+        "a": {"anyOf": [{"type": "integer"}]}, "b": {"$ref": f"#/properties/a/anyOf/{index}"}}}
+    with pytest.raises(schemas.SchemaError, match="points at nothing"):
+        schemas.convert(schema)
+
+
 def test_forced_calls_are_a_schema_of_calls(native: ModuleType) -> None:
     params = {"$defs": {"City": {"type": "object", "properties": {"name": {"type": "string"}},
                                  "required": ["name"]}},
