@@ -357,6 +357,26 @@ def test_empty_prompts_load_and_unload(client: ollama.Client) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize("keep_alive", [-1, "-1m", "99999999999h", 1e20],
+                         ids=["minus-one", "negative-duration", "huge-duration", "huge-number"])
+def test_kept_for_good_shows_a_far_expiry(client: ollama.Client, http: httpx.Client,
+                                          keep_alive: float | str) -> None:
+    """Ollama shows a model kept loaded for good as expiring years ahead. A finite keep-alive
+    too long for a date made ``/api/ps`` a 500, and ``-1`` showed the configured five
+    minutes."""
+    loaded = client.generate(model="demo-32k", keep_alive=keep_alive)
+    assert loaded.done_reason == "load"
+    try:
+        running = {m.model: m for m in client.ps().models}
+        expires = running["demo-32k:latest"].expires_at
+        assert expires is not None
+        assert expires.timestamp() > time.time() + 9 * 365 * 86400
+        detail = http.get("/health").json()["model_details"]["demo-32k"]
+        assert detail["state"] == "loaded" and detail["expires_at"] is None
+    finally:
+        client.chat(model="demo-32k", messages=[], keep_alive=0)
+
+
 # -- errors, screening, cancel -------------------------------------------------------------
 
 

@@ -23,7 +23,9 @@ gets it until its response is over (rendering its prompt, queued for a slot, gen
 model with a lease, or with requests waiting for its load, is busy and is never unloaded.
 When its last lease ends its keep-alive starts (the last request's ``keep_alive``, else the
 model's, else ``[models] keep_alive``): after that many idle seconds it is unloaded; ``-1``
-never, ``0`` at once.
+never, ``0`` at once. A keep-alive longer than :data:`FOR_GOOD` (ten years) counts as never:
+a client may send ``"99999999999h"`` or ``1e20``, and an instant that far ahead is not one a
+clock or a date can hold.
 
 **Making room.** Loading a model that would take the loaded set past
 ``memory_budget_bytes`` or ``max_loaded`` first unloads idle models, least recently used
@@ -137,6 +139,10 @@ def format_bytes(count: int) -> str:
 
 
 # ------------------------------------------------------------------ leases and keep-alive
+
+
+#: The longest keep-alive a clock counts; anything longer keeps the model loaded for good.
+FOR_GOOD = 10 * 365 * 86400.0
 
 
 @dataclass(eq=False, slots=True)
@@ -322,7 +328,7 @@ class Residency:
         keep = -1.0 if getattr(resident.model, "shard", None) else resident.keep_alive
         if keep == 0:
             self._unload(resident, "keep_alive 0")
-        elif keep > 0:
+        elif 0 < keep <= FOR_GOOD:
             resident.expire_in(keep, self._expire)
         self._changes.pulse()
 

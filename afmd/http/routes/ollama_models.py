@@ -25,6 +25,7 @@ from afmd.config.sections import BUILTIN_SYSTEM_PATH
 from afmd.config.tables import ModelEntry
 from afmd.engine.models import kinds
 from afmd.engine.models.describe import describe, summary
+from afmd.engine.models.residency import FOR_GOOD
 from afmd.http.app_state import AppState
 from afmd.hub import cache as hubcache
 from afmd.service import fim
@@ -35,8 +36,6 @@ TAG = ":latest"
 #: What a folder's tokenizer says, per (model id, folder): reading it takes a second.
 _described: dict[tuple[str, str], dict[str, Any]] = {}
 _lock = threading.Lock()
-#: How far ahead a model kept loaded for good expires, as Ollama shows it.
-_FOR_GOOD = 10 * 365 * 86400.0
 
 
 def tagged(name: str) -> str:
@@ -269,9 +268,11 @@ def loaded_models(state: AppState) -> list[dict[str, Any]]:
         config = _config(folder) if folder is not None else {}
         info = summary(folder, entry) if folder is not None else {}
         expires = usage.expires_at if usage is not None else None
-        if expires is None:  # busy (its clock has not started), or kept for good
+        if expires is None and usage is not None and usage.idle_since is not None:
+            expires = time.time() + FOR_GOOD  # idle with no clock: kept for good
+        elif expires is None:  # busy: its clock has not started
             keep = state.config.models.keep_alive_of(entry)
-            expires = time.time() + (keep if keep >= 0 else _FOR_GOOD)
+            expires = time.time() + (keep if 0 <= keep <= FOR_GOOD else FOR_GOOD)
         size = usage.memory_bytes if usage is not None else model.weights_bytes
         out.append({
             "name": tagged(model_id),
