@@ -73,6 +73,41 @@ def test_store_persists_and_reloads(tmp_path: Path) -> None:
     assert not (tmp_path / "resp_1.json").exists()
 
 
+def test_a_stored_file_of_another_shape_is_skipped_not_fatal(tmp_path: Path) -> None:
+    good = stored(1, 1.0)
+    (tmp_path / "resp_1.json").write_bytes(good.to_json())
+    base = json.loads(good.to_json())
+    shapes = {"list": [1, 2], "string": "x", "no-response": {**base, "response": 3},
+              "items": {**base, "conversation": [1, 2]},
+              "input": {**base, "input_items": {"a": 1}},
+              "created": {**base, "created": "soon"}, "bool": {**base, "created": True},
+              "missing": {"response": {}}}
+    for name, shape in shapes.items():
+        (tmp_path / f"resp_{name}.json").write_text(json.dumps(shape))
+    store = ResponseStore(max_stored=100, ttl=0, folder=tmp_path)
+    assert len(store) == 1 and store.get("resp_1") == good
+    assert store.item("msg_1") == good.conversation[0]
+    store.close()
+
+
+def test_an_item_id_held_twice_falls_back_when_one_holder_goes() -> None:
+    """A client may send its own item id again with other content: deleting the newer
+    response shows the older one's item, and deleting both forgets the id."""
+    store = ResponseStore(max_stored=10, ttl=0)
+    first = stored(1)
+    second_item = {**first.conversation[0], "content": [{"type": "input_text", "text": "b"}]}
+    store.put("resp_1", first)
+    store.put("resp_2", Stored({"id": "resp_2"}, (second_item,), (second_item,), 0.0))
+    assert store.item("msg_1") == second_item
+    assert store.delete("resp_2")
+    assert store.item("msg_1") == first.conversation[0]
+    store.put("resp_2", Stored({"id": "resp_2"}, (second_item,), (second_item,), 0.0))
+    assert store.delete("resp_1")
+    assert store.item("msg_1") == second_item
+    assert store.delete("resp_2")
+    assert store.item("msg_1") is None
+
+
 def big(n: int, size: int, created: float = 0.0) -> Stored:
     """A stored response echoing a large ``user`` field, as a client may send one."""
     base = stored(n, created)

@@ -20,9 +20,10 @@ up in memory, never used as a path.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,9 +51,20 @@ class Stored:
 
     @classmethod
     def from_json(cls, data: bytes) -> Stored:
+        """A stored file read back; ValueError for any other shape (a file edited or written
+        by another version must not stop the server from starting)."""
         raw = orjson.loads(data)
-        return cls(raw["response"], tuple(raw["input_items"]), tuple(raw["conversation"]),
-                   float(raw["created"]))
+        if not isinstance(raw, dict) or not isinstance(raw.get("response"), dict):
+            raise ValueError("not a stored response")
+        items = raw.get("input_items"), raw.get("conversation")
+        if not all(isinstance(part, list) and all(isinstance(i, dict) for i in part)
+                   for part in items):
+            raise ValueError("its items are not a list of objects")
+        created = raw.get("created")
+        if isinstance(created, bool) or not isinstance(created, int | float) \
+                or not math.isfinite(created):
+            raise ValueError("its creation time is not a number")
+        return cls(raw["response"], tuple(items[0]), tuple(items[1]), float(created))
 
 
 class ResponseStore:
@@ -68,10 +80,10 @@ class ResponseStore:
         self._sizes: dict[str, int] = {}  # each entry's stored JSON, in bytes
         self.bytes = 0  # their sum
         # Every stored item by its id, for item_reference (the AI SDK refers to the items
-        # of earlier steps by id), with how many entries hold it: a continued
-        # conversation's entries share their items.
-        self._items: dict[str, Item] = {}
-        self._holders: Counter[str] = Counter()
+        # of earlier steps by id), with the entries that hold it, oldest first: a continued
+        # conversation's entries share their items, and a client may send its own item id
+        # again with other content, so removing one entry falls back to another's item.
+        self._items: dict[str, dict[str, Item]] = {}
         # One writer thread: file writes leave the event loop, in the order they were made.
         self._writer = ThreadPoolExecutor(1, "afmd-responses") if folder else None
         if folder is not None:
@@ -87,19 +99,25 @@ class ResponseStore:
     def item(self, item_id: str) -> Item | None:
         """The stored item with this id (any stored response's input or output item)."""
         self._expire()
-        return self._items.get(item_id)
+        holders = self._items.get(item_id)
+        return next(reversed(holders.values())) if holders else None
 
-    def _index(self, stored: Stored, change: int) -> None:
+    def _index(self, response_id: str, stored: Stored) -> None:
         for item in stored.conversation:
             key = item.get("id")
-            if not isinstance(key, str):
-                continue
-            self._holders[key] += change
-            if self._holders[key] > 0:
-                self._items[key] = item
-            else:
-                del self._holders[key]
-                self._items.pop(key, None)
+            if isinstance(key, str):
+                holders = self._items.setdefault(key, {})
+                holders.pop(response_id, None)  # the last of its items with this id
+                holders[response_id] = item
+
+    def _unindex(self, response_id: str, stored: Stored) -> None:
+        for item in stored.conversation:
+            key = item.get("id")
+            holders = self._items.get(key) if isinstance(key, str) else None
+            if holders is not None:
+                holders.pop(response_id, None)
+                if not holders:
+                    del self._items[key]
 
     def conversation(self, response_id: str) -> Sequence[Item] | None:
         stored = self.get(response_id)
@@ -143,7 +161,7 @@ class ResponseStore:
 
     def _add(self, response_id: str, stored: Stored, size: int) -> None:
         self._entries[response_id] = stored
-        self._index(stored, +1)
+        self._index(response_id, stored)
         self._sizes[response_id] = size
         self.bytes += size
 
@@ -156,7 +174,7 @@ class ResponseStore:
             self._remove(next(iter(self._entries)))
 
     def _remove(self, response_id: str) -> None:
-        self._index(self._entries.pop(response_id), -1)
+        self._unindex(response_id, self._entries.pop(response_id))
         self.bytes -= self._sizes.pop(response_id)
         if self._writer is not None:
             self._writer.submit(self._unlink, response_id)
