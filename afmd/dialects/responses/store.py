@@ -56,15 +56,15 @@ class Stored:
         raw = orjson.loads(data)
         if not isinstance(raw, dict) or not isinstance(raw.get("response"), dict):
             raise ValueError("not a stored response")
-        items = raw.get("input_items"), raw.get("conversation")
-        if not all(isinstance(part, list) and all(isinstance(i, dict) for i in part)
-                   for part in items):
+        inputs, conversation = raw.get("input_items"), raw.get("conversation")
+        if not isinstance(inputs, list) or not isinstance(conversation, list) \
+                or not all(isinstance(i, dict) for i in (*inputs, *conversation)):
             raise ValueError("its items are not a list of objects")
         created = raw.get("created")
         if isinstance(created, bool) or not isinstance(created, int | float) \
                 or not math.isfinite(created):
             raise ValueError("its creation time is not a number")
-        return cls(raw["response"], tuple(items[0]), tuple(items[1]), float(created))
+        return cls(raw["response"], tuple(inputs), tuple(conversation), float(created))
 
 
 class ResponseStore:
@@ -113,8 +113,8 @@ class ResponseStore:
     def _unindex(self, response_id: str, stored: Stored) -> None:
         for item in stored.conversation:
             key = item.get("id")
-            holders = self._items.get(key) if isinstance(key, str) else None
-            if holders is not None:
+            if isinstance(key, str) and key in self._items:
+                holders = self._items[key]
                 holders.pop(response_id, None)
                 if not holders:
                     del self._items[key]
