@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from afmd.engine.reasoning_count import ReasoningMarkers
@@ -142,6 +142,16 @@ class Finished:
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
     speculation: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def stopped_after(self, tokens: int) -> Finished:
+        """This end as the client's stop made it, ``tokens`` in: a stop sequence is found on
+        the event loop, and the engine decodes on until the stop reaches it, so the tokens
+        it counted after the one that completed the match are not the answer's (OpenAI
+        counts the answer through that token)."""
+        if tokens >= self.completion_tokens:
+            return self
+        return replace(self, completion_tokens=tokens,
+                       reasoning_tokens=min(self.reasoning_tokens, tokens))
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,8 +52,8 @@ from afmd.service.scheduler import Ticket
 class ChoiceReader:
     """One prompt's engine events read back into its choice's events."""
 
-    __slots__ = ("_base", "_echo", "_logprobs", "_prompt", "_released", "_scanner", "_stop",
-                 "_table", "_tokenizer", "ended_by_us", "finished", "reason")
+    __slots__ = ("_base", "_echo", "_logprobs", "_prompt", "_read", "_released", "_scanner",
+                 "_stop", "_table", "_tokenizer", "ended_by_us", "finished", "reason")
 
     def __init__(
         self,
@@ -74,6 +74,9 @@ class ChoiceReader:
         self._echo = prompt.echo if prompt.echo is not None and not echo_logprobs else None
         self._base = len(prompt.echo or "")  # generated text starts after the echo
         self._released = 0  # characters of generated text the stop check let through
+        # Tokens read through the one that completed a stop sequence: an event's first
+        # token released its text, any others in it released none and came after.
+        self._read = 0
         self._logprobs = LogprobQueue(table) if table is not None else None
         self.ended_by_us = False  # a stop sequence matched: we stopped the generation
         self.finished: Finished | None = None
@@ -93,14 +96,16 @@ class ChoiceReader:
                 if self._logprobs is not None:
                     self._logprobs.add(event.text, event.logprobs, self._base)
                 self._emit(self._scanner.feed(event.text) if event.text else "", out)
-                if self._scanner.stopped:
+                stopped = self._scanner.stopped
+                self._read += min(event.tokens, 1) if stopped else event.tokens
+                if stopped:
                     self.ended_by_us = True
                     self._stop()
             elif isinstance(event, Finished):
                 self._emit(self._scanner.flush(), out)
                 if self._logprobs is not None:
                     self._logprobs.drop()
-                self.finished = event
+                self.finished = event.stopped_after(self._read) if self.ended_by_us else event
                 self.reason = self._reason(event, cancelled)
                 out.append(Finish(self.reason))
         return out

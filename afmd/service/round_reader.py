@@ -23,8 +23,8 @@ from afmd.service.toolloop import ClientView
 class RoundReader:
     """One round's engine output read back into the client's events."""
 
-    __slots__ = ("_calls", "_ended", "_logprobs", "_stop", "_view", "answer", "ended_by_us",
-                 "output")
+    __slots__ = ("_calls", "_ended", "_logprobs", "_read", "_stop", "_through", "_view", "answer",
+                 "ended_by_us", "output")
 
     def __init__(
         self, plan: OutputPlan, view: ClientView | None, stop: Callable[[], None],
@@ -37,6 +37,10 @@ class RoundReader:
         self.answer: list[str] | None = [] if plan.json_answer else None
         self.ended_by_us = False  # we stopped generation (stop sequence, call budget)
         self._ended = 0  # calls whose end went out
+        self._read = 0  # tokens of the text read so far
+        # Tokens through the one whose text made us stop (an event's first token released
+        # its text; any others in it released none and came after); None: not stopped so.
+        self._through: int | None = None
         self._view = view
         self._stop = stop
 
@@ -51,11 +55,14 @@ class RoundReader:
                 if self._logprobs is not None:
                     self._logprobs.add(event.text, event.logprobs)
                 if not event.text:
+                    self._read += event.tokens
                     continue
                 out += output.feed(event.text)
                 if output.should_stop:
                     self.ended_by_us = True
+                    self._through = self._read + min(event.tokens, 1)
                     self._stop()
+                self._read += event.tokens
             elif isinstance(event, ToolCalled):
                 if self.ended_by_us:
                     continue
@@ -70,6 +77,8 @@ class RoundReader:
                 self._add_logprobs(out)
                 if self._logprobs is not None:
                     self._logprobs.drop()
+                if self._through is not None:
+                    event = event.stopped_after(self._through)
                 return self._deliver(out), event
         self._add_logprobs(out)
         return self._deliver(out), None

@@ -302,6 +302,14 @@ def test_stop_sequence_ends_the_text_and_its_tokens(http, lm) -> None:
     assert choice["finish_reason"] == "stop"
     # Tokens whose text the stop swallowed have no log-probability.
     assert choice["logprobs"]["tokens"] == pieces[:k]
+    # The answer is counted through token k + 1, which completed the stop, though the
+    # engine decodes on until the stop found on the event loop reaches it.
+    assert body["usage"]["completion_tokens"] == k + 2
+    for _ in range(3):
+        for extra in ({}, {"logprobs": 0}):
+            again = http.post(COMPLETIONS, json={
+                "prompt": prompt, "max_tokens": 400, "temperature": 0, "stop": stop, **extra})
+            assert again.json()["usage"]["completion_tokens"] == k + 2, extra
 
 
 # -- log-probabilities -----------------------------------------------------------------

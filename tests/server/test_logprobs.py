@@ -33,6 +33,7 @@ from afmd.engine.generation import (
     TokenIdLogprob,
 )
 
+from conftest import parse_sse
 from helpers.numerics import LOGIT_TOLERANCE, LOGPROB_TOLERANCE, assert_top_agrees
 from helpers.openai_schemas import validate_chunk, validate_error, validate_response
 
@@ -344,6 +345,27 @@ def test_chat_logprobs_stop_at_a_stop_sequence(http, loaded) -> None:
     validate_response(data)
     assert data["choices"][0]["finish_reason"] == "stop"
     assert [e["token"] for e in data["choices"][0]["logprobs"]["content"]] == pieces[:k]
+
+
+def test_chat_usage_counts_through_the_token_completing_the_stop(http, loaded) -> None:
+    """The stop is found on the event loop while the engine decodes on: the tokens it made
+    before the stop reached it are not the answer's, and the count is the same every
+    time, streamed or not, with log-probabilities or without."""
+    _, out, _ = chat_reference(loaded, 12)
+    table = TokenTable(loaded[1])
+    pieces = [table.text_of(t) for t in out]
+    k = next(i for i in range(2, len(pieces)) if pieces[i].strip()
+             and "".join(pieces).find(pieces[i]) == len("".join(pieces[:i])))
+    body = {"messages": MESSAGES, "max_tokens": 400, "temperature": 0, "stop": [pieces[k]]}
+    for _ in range(3):
+        for extra in ({}, {"logprobs": True}):
+            whole = http.post("/v1/chat/completions", json={**body, **extra}).json()
+            assert whole["choices"][0]["finish_reason"] == "stop"
+            assert whole["usage"]["completion_tokens"] == k + 1, extra
+            streamed = http.post("/v1/chat/completions", json={
+                **body, **extra, "stream": True, "stream_options": {"include_usage": True}})
+            usage = [e["usage"] for e in parse_sse(streamed.text)[:-1] if e.get("usage")]
+            assert usage[-1]["completion_tokens"] == k + 1, extra
 
 
 @pytest.mark.parametrize(("fields", "code", "param"), [
