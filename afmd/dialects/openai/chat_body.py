@@ -64,6 +64,10 @@ IGNORED_FIELDS = frozenset(
         "modalities",
         "safety_identifier",
         "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "moderation",
+        "audio",
         "verbosity",
         "web_search_options",
     }

@@ -36,7 +36,8 @@ from afmd.dialects.fields.sampling import (
 )
 from afmd.dialects.openai.chat_body import parse_stream_options, stop_limit
 
-__all__ = ["COMPLETION_SCALARS", "MAX_PROMPTS", "parse_completion_request"]
+__all__ = ["COMPLETION_SCALARS", "IGNORED_FIELDS", "KNOWN_FIELDS", "MAX_PROMPTS",
+           "parse_completion_request"]
 
 #: Prompts one request may carry: each is a sequence decoded in the same batch.
 MAX_PROMPTS = 64
@@ -44,7 +45,7 @@ MAX_PROMPTS = 64
 MAX_LOGPROBS = 5
 
 # Fields OpenAI defines that change nothing a local model could honour (as for chat).
-_IGNORED = frozenset({"user"})
+IGNORED_FIELDS = frozenset({"user"})
 
 
 def _best_of_one(value: int, param: str) -> None:
@@ -78,14 +79,14 @@ COMPLETION_SCALARS = (
 
 # ``chat_template_kwargs`` is not among them: a completion has no chat template, so a client
 # sending it (one extra body for every endpoint) learns from the header that it was ignored.
-_KNOWN = _IGNORED | names(COMPLETION_SCALARS) | {"prompt", "stop", "stream_options",
-                                                  "keep_alive", "prediction", "logit_bias"}
+KNOWN_FIELDS = IGNORED_FIELDS | names(COMPLETION_SCALARS) | {
+    "prompt", "stop", "stream_options", "keep_alive", "prediction", "logit_bias"}
 
 
 def parse_completion_request(body: dict[str, Any], *, strict: bool = False) -> CompletionRequest:
     """Check every field of a Completions body; raise on the first problem. An unknown
     top-level field is ignored and listed (``strict``: a 400, as in chat)."""
-    ignored = unknown_keys(body, _KNOWN, strict=strict)
+    ignored = unknown_keys(body, KNOWN_FIELDS, strict=strict)
     prompts = parse_prompt(body.get("prompt"))
     values = read_scalars(body, COMPLETION_SCALARS)
     if len(prompts) * values["n"] > MAX_PROMPTS:

@@ -48,7 +48,7 @@ from afmd.errors import InvalidRequestError, NotFoundError
 IGNORED_FIELDS = frozenset({
     "service_tier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
     "safety_identifier", "max_tool_calls", "top_logprobs", "client_metadata",
-    "context_management", "moderation",
+    "context_management", "moderation", "background_options", "access_programs", "image",
 })
 
 _SCALARS = (
