@@ -54,12 +54,13 @@ def _check_image_part(part: dict[str, Any], p: str) -> bytes:
 
 
 def text_content(
-    value: Any, param: str, *, allow_null: bool = False
+    value: Any, param: str, *, allow_null: bool = False, refusals: bool = False
 ) -> tuple[str | None, tuple[ImageInput, ...]]:
     """The text of a message's content, and its image parts.
 
     Content is a string or a list of text and image parts; text parts are joined without
-    separators, and each image keeps its place in that text.
+    separators, and each image keeps its place in that text. ``refusals`` admits an
+    assistant's ``refusal`` parts, read as its text.
     """
     if value is None:
         if allow_null:
@@ -84,6 +85,10 @@ def text_content(
             length += len(texts[-1])
         elif kind == "image_url":
             images.append(ImageInput(_check_image_part(part, p), f"{p}.image_url", length))
+        elif kind == "refusal" and refusals:
+            # An assistant's refusal (OpenAI's own answers carry them) was what it said.
+            texts.append(required(part, "refusal", f"{p}.refusal", str, "a string"))
+            length += len(texts[-1])
         elif kind in ("input_audio", "file"):
             raise invalid(
                 f"{p}.type",
@@ -93,7 +98,8 @@ def text_content(
         else:
             raise invalid(
                 f"{p}.type",
-                f"Invalid content part type {quoted(kind)}; supported: 'text' and 'image_url'.",
+                f"Invalid content part type {quoted(kind)}; supported: 'text', 'image_url'"
+                + (" and 'refusal'." if refusals else " and, in an assistant's, 'refusal'."),
             )
     return "".join(texts), tuple(images)
 
@@ -169,7 +175,13 @@ def message(value: Any, param: str) -> Message:
             )
         content, images = value.get("content"), _NO_IMAGES
         if type(content) is not str:
-            content, images = text_content(content, f"{param}.content", allow_null=True)
+            content, images = text_content(content, f"{param}.content", allow_null=True,
+                                           refusals=True)
+        refusal = value.get("refusal")
+        if refusal is not None and not isinstance(refusal, str):
+            raise wrong_type(f"{param}.refusal", "a string", refusal)
+        if content is None:
+            content = refusal  # an answer that was a refusal is sent back as one
         if content is None and not calls:
             raise missing(f"{param}.content")
         return Message(role=role, content=content, name=name, tool_calls=calls,

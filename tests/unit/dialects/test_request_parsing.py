@@ -328,6 +328,21 @@ def test_assistant_with_empty_string_content_is_accepted() -> None:
     assert req.messages[1] == Message(role="assistant", content="")
 
 
+def test_an_assistants_refusal_sent_back_is_what_it_said() -> None:
+    """OpenAI's answers carry refusals (afmd's too: ``content: null, refusal: "…"``), and
+    clients append the answer to the history as it came."""
+    said = "I can't help with that."
+    for turn in ({"content": [{"type": "refusal", "refusal": said}]},
+                 {"content": None, "refusal": said}, {"refusal": said}):
+        req = parse(messages=[USER, {"role": "assistant", **turn}, USER])
+        assert req.messages[1] == Message(role="assistant", content=said), turn
+    both = parse(messages=[USER, {"role": "assistant", "content": "no", "refusal": said}, USER])
+    assert both.messages[1].content == "no"
+    mixed = [{"type": "text", "text": "a "}, {"type": "refusal", "refusal": "b"}]
+    assert parse(messages=[USER, {"role": "assistant", "content": mixed}, USER]
+                 ).messages[1].content == "a b"
+
+
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
@@ -372,6 +387,11 @@ def _assistant(**fields: Any) -> list[dict[str, Any]]:
         ([USER, {"role": "tool", "content": "x", "tool_call_id": ""}], "invalid_value",
          "messages[1].tool_call_id"),
         (_assistant(), "missing_required_parameter", "messages[1].content"),
+        (_assistant(refusal=3), "invalid_type", "messages[1].refusal"),
+        (_assistant(content=[{"type": "refusal"}]), "missing_required_parameter",
+         "messages[1].content[0].refusal"),
+        ([{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}],
+         "invalid_value", "messages[0].content[0].type"),
         (_assistant(content=None, tool_calls=[]), "missing_required_parameter",
          "messages[1].content"),
         (_assistant(content=None, function_call={"name": "f", "arguments": "{}"}),
@@ -411,6 +431,7 @@ def _assistant(**fields: Any) -> list[dict[str, Any]]:
         "content-object", "part-not-object", "part-type-missing", "part-text-missing",
         "part-text-type", "part-unknown", "part-audio", "name-type",
         "tool-no-id", "tool-id-type", "tool-id-empty", "assistant-empty",
+        "assistant-refusal-type", "assistant-refusal-part-missing", "user-refusal-part",
         "assistant-empty-calls", "assistant-function-call", "tool-calls-object",
         "tool-call-string", "tool-call-id-missing", "tool-call-id-type",
         "tool-call-id-empty", "tool-call-type", "tool-call-function-missing",
