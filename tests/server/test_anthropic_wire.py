@@ -592,6 +592,16 @@ def test_system_messages_stay_where_they_stand() -> None:
         ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[
             {"role": "system", "content": "Only this."}])).encode())
     assert info.value.code == "missing_user_message"
+    # Nor does one between two assistant turns answer the first one's call.
+    with pytest.raises(InvalidRequestError) as info:
+        ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {}}]},
+            {"role": "system", "content": "note"},
+            {"role": "assistant", "content": "more"},
+            {"role": "user", "content": "next"}])).encode())
+    assert (info.value.code, info.value.param) == ("missing_tool_output", "messages[1].content")
 
 
 def test_plain_text_documents_are_read_and_others_refused_by_name() -> None:

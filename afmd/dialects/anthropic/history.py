@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +110,17 @@ def _turns(value: Any) -> list[_Turn]:
     return turns
 
 
+def _check_answered(calls: tuple[ToolCall, ...], results: Container[str],
+                    calls_at: int) -> None:
+    for call in calls:
+        if call.id not in results:
+            raise InvalidRequestError(
+                f"tool_use ids were found without tool_result blocks immediately after: "
+                f"{quoted(call.id)}. Each tool_use block must have a corresponding "
+                "tool_result block in the next message.",
+                code="missing_tool_output", param=f"messages[{calls_at}].content")
+
+
 def parse_messages(value: Any) -> tuple[tuple[Message, ...], bool]:
     """The conversation as afmd's messages, and whether it holds images."""
     out: list[Message] = []
@@ -125,6 +137,9 @@ def parse_messages(value: Any) -> tuple[tuple[Message, ...], bool]:
                 (held if calls else out).append(Message("system", text, in_place=True))
             continue
         if turn.role == "assistant":
+            # Two assistant turns are one unless a system message parts them: then the
+            # first one's calls went unanswered.
+            _check_answered(calls, (), calls_at)
             message = _assistant(turn)
             out.append(message)
             calls, calls_at = message.tool_calls, turn.index
@@ -157,14 +172,8 @@ def parse_messages(value: Any) -> tuple[tuple[Message, ...], bool]:
                 images = images or has_image
             else:
                 raise _unsupported_block(kind, p, "user")
-        for call in calls:
-            if call.id not in results:
-                raise InvalidRequestError(
-                    f"tool_use ids were found without tool_result blocks immediately after: "
-                    f"{quoted(call.id)}. Each tool_use block must have a corresponding "
-                    "tool_result block in the next message.",
-                    code="missing_tool_output", param=f"messages[{calls_at}].content")
-            out.append(results[call.id])
+        _check_answered(calls, results, calls_at)
+        out.extend(results[call.id] for call in calls)
         out.extend(held)
         held.clear()
         if texts or not results:
