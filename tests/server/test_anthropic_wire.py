@@ -214,6 +214,11 @@ def test_request_errors_are_anthropic_errors(http: httpx.Client) -> None:
         (body(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
          "tools[0].type: "),
         (body(tools=[{"name": "f"}]), "tools[0].input_schema: "),
+        # A call's input is an object: a schema of a string or of anything has none.
+        (body(tools=[{"name": "f", "input_schema": {"type": "string", "enum": ["abc"]}}]),
+         "tools[0].input_schema.type: Input should be 'object'"),
+        (body(tools=[{"name": "f", "input_schema": {"properties": {}}}]),
+         "tools[0].input_schema.type: "),
         (body(tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}), "tool_choice.name: "),
         (body(tool_choice={"type": "any"}), "tool_choice.type: "),
         (body(tools=[{"name": "f", "input_schema": {"type": "object", "properties": 3}}]),

@@ -12,7 +12,15 @@ from collections.abc import Collection
 from typing import Any
 
 from afmd.core.request import ToolChoice, ToolSpec
-from afmd.dialects.fields.checks import invalid, not_one_of, optional, quoted, required, wrong_type
+from afmd.dialects.fields.checks import (
+    invalid,
+    missing,
+    not_one_of,
+    optional,
+    quoted,
+    required,
+    wrong_type,
+)
 from afmd.errors import InvalidRequestError
 
 __all__ = ["TOOL_CHOICES", "parse_tool_choice", "parse_tools"]
@@ -49,6 +57,12 @@ def parse_tools(value: Any) -> tuple[ToolSpec, ...]:
         seen.add(name)
         description = optional(tool, "description", f"{p}.description", str, "a string")
         schema = required(tool, "input_schema", f"{p}.input_schema", dict, "an object")
+        if schema.get("type") != "object":
+            # A call's ``input`` is an object: a schema of anything else has no call to
+            # answer with (Anthropic requires the same).
+            if "type" not in schema:
+                raise missing(f"{p}.input_schema.type")
+            raise invalid(f"{p}.input_schema.type", "Input should be 'object'.")
         strict = optional(tool, "strict", f"{p}.strict", bool, "a boolean")
         tools.append(ToolSpec(name, description, schema, bool(strict)))
     return tuple(tools)
