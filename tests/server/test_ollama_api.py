@@ -290,6 +290,24 @@ def test_options_reach_the_sampler(client: ollama.Client, http: httpx.Client) ->
     assert other.message.content != answer.message.content
 
 
+def test_a_window_longer_than_any_sequence_is_all_of_it(client: ollama.Client) -> None:
+    """mlx slices the tokens by ``repeat_last_n``, and a slice past 32 bits failed the
+    batch's step: this request and every other one generating beside it were 500s."""
+    options = {**GREEDY, "num_predict": 12, "repeat_penalty": 1.3}
+    whole = client.chat(model="demo", messages=MESSAGES, options={**options,
+                                                                  "repeat_last_n": -1})
+    beside: list[ollama.ChatResponse] = []
+    neighbour = threading.Thread(target=lambda: beside.append(client.chat(
+        model="demo", messages=MESSAGES, options={**GREEDY, "num_predict": 200})))
+    neighbour.start()
+    for window in (2**31 + 1, 10**11, 2**63 - 1):
+        huge = client.chat(model="demo", messages=MESSAGES,
+                           options={**options, "repeat_last_n": window})
+        assert huge.message.content == whole.message.content, window
+    neighbour.join(60)
+    assert beside and beside[0].done_reason in ("stop", "length")
+
+
 def test_stop_and_no_op_options(http: httpx.Client) -> None:
     plain = http.post("/api/chat", json={"model": "demo", "messages": MESSAGES,
                                          "stream": False, "options": GREEDY}).json()

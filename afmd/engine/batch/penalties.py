@@ -40,6 +40,10 @@ class OverOutput:
         return self._inner(tokens[self._start:], logits)
 
 
+#: A repetition window longer than any sequence: the whole of it.
+_LONGEST_WINDOW = 1 << 30
+
+
 def sampling_processors(params: SamplingParams, max_tokens: int) -> list[LogitsProcessor]:
     """The processors ``params`` ask for, fresh for one sequence (they keep state)."""
     # mlx-lm imports transformers: not before a model is loaded (tests/test_import_footprint).
@@ -51,7 +55,10 @@ def sampling_processors(params: SamplingParams, max_tokens: int) -> list[LogitsP
 
     kwargs: dict[str, Any] = {}
     if params.repetition_context is not None:
-        kwargs["repetition_context_size"] = max(1, params.repetition_context)
+        # mlx slices the tokens by it, and a slice index must fit 32 bits: a larger one
+        # failed the step of every sequence in the batch, not only this one's.
+        kwargs["repetition_context_size"] = min(max(1, params.repetition_context),
+                                                _LONGEST_WINDOW)
     processors: list[LogitsProcessor] = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
         repetition_penalty=params.repetition_penalty or None,
