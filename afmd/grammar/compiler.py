@@ -28,6 +28,7 @@ from typing import Any
 
 from llguidance import LLMatcher, LLTokenizer
 
+from afmd.engine.first_import import transformers_ready
 from afmd.errors import InvalidRequestError
 from afmd.grammar.calls import CallGrammar, JsonObjectCalls
 from afmd.grammar.frames import Build, Frame, Thinking, Tool
@@ -115,6 +116,7 @@ def llg_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> LL
     """The llguidance view of a model's tokenizer, built once per tokenizer."""
     # llguidance.hf imports transformers (~45 MB resident); only a loaded model needs it,
     # so a server without one stays small.
+    transformers_ready()
     import llguidance.hf
 
     from afmd.engine.mlx_compat import hf_tokenizer

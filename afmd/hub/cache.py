@@ -86,7 +86,10 @@ def missing_files(snapshot: Path) -> tuple[str, ...]:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
             weights = sorted(set(weight_map.values()))
-        except (OSError, ValueError, AttributeError):
+            if not all(isinstance(w, str) and w for w in weights):
+                raise ValueError("a weight file that is not a name")
+        except (OSError, ValueError, AttributeError, TypeError):
+            weights = []
             missing.append("model.safetensors.index.json (unreadable)")
     if weights:
         missing += [w for w in weights if not (snapshot / w).is_file()]

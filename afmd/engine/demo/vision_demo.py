@@ -29,6 +29,7 @@ from afmd.engine.demo import tokenizer as demo_tokenizer
 from afmd.engine.demo import weights as demo_weights
 from afmd.engine.demo.demo_folder import write_json
 from afmd.engine.demo.template import CHAT_TEMPLATE as TEXT_TEMPLATE
+from afmd.engine.first_import import transformers_ready
 
 VARIANT = "demo-vision"
 
@@ -174,6 +175,8 @@ def _weight_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], f
     """(name, shape, std) of every tensor, read from mlx-vlm's own model class so the
     names and layouts are the ones its loader expects; drawn in sorted name order."""
     from mlx.utils import tree_flatten
+
+    transformers_ready()
     from mlx_vlm.models import qwen2_vl
 
     model_config = qwen2_vl.ModelConfig.from_dict(json.loads(json.dumps(config)))

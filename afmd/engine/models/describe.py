@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from afmd.config.tables import ModelEntry
+from afmd.engine.first_import import transformers_ready
 from afmd.engine.models import kinds
 from afmd.engine.models.loaded_model import DEFAULT_CONTEXT_LENGTH, context_length_from
 from afmd.service import fim
@@ -54,15 +55,25 @@ def safetensors_headers(folder: Path) -> dict[str, dict[str, Any]]:
                 header = json.loads(fh.read(length))
         except (OSError, ValueError, struct.error):
             continue
-        tensors.update({k: v for k, v in header.items() if k != "__metadata__"})
+        if isinstance(header, dict):  # a file is anyone's: only well-formed entries count
+            tensors.update({k: v for k, v in header.items()
+                            if k != "__metadata__" and _well_formed(v)})
     return tensors
+
+
+def _well_formed(info: Any) -> bool:
+    shape = info.get("shape") if isinstance(info, dict) else None
+    return isinstance(shape, list) and all(
+        type(dim) is int and dim >= 0 for dim in shape)
 
 
 def _bits_for(module: str, quantization: Mapping[str, Any]) -> int:
     own = quantization.get(module)
-    if isinstance(own, Mapping) and isinstance(own.get("bits"), int):
-        return int(own["bits"])
-    return int(quantization.get("bits", 4))
+    for bits in (own.get("bits") if isinstance(own, Mapping) else None,
+                 quantization.get("bits")):
+        if type(bits) is int and 1 <= bits <= 32:
+            return bits
+    return 4  # mlx-lm's default
 
 
 def count_parameters(tensors: Mapping[str, Mapping[str, Any]],
@@ -70,10 +81,10 @@ def count_parameters(tensors: Mapping[str, Mapping[str, Any]],
     """Parameters the weights stand for: a packed quantized matrix counts unpacked."""
     total = 0
     for name, info in tensors.items():
-        shape = info.get("shape") or []
+        shape = info["shape"]
         count = 1
         for dim in shape:
-            count *= int(dim)
+            count *= dim
         stem = name.rsplit(".", 1)[0]
         if name.endswith((".scales", ".biases")) and f"{stem}.weight" in tensors:
             continue  # quantization metadata, not parameters
@@ -137,11 +148,17 @@ def summary(folder: Path, entry: ModelEntry) -> dict[str, Any]:
 
 def describe(folder: Path, entry: ModelEntry) -> dict[str, Any]:
     """:func:`summary` plus what the tokenizer says: template, tool calls, reasoning, FIM."""
+    transformers_ready()
     from mlx_lm.utils import load_tokenizer
 
     info = summary(folder, entry)
     config = _read_json(folder / "config.json")
-    tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    try:
+        tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    except Exception:  # a folder's files are anyone's: loading it will say what is wrong
+        info.update({"chat_template": None, "tool_format": None, "reasoning_format": None,
+                     "fim": None, "vocab_size": None})
+        return info
     parser = getattr(tokenizer, "tool_parser", None)
     fmt = fim.from_setting(entry.fim) if entry.fim is not None else fim.detect(tokenizer)
     think = (f"{tokenizer.think_start}…{tokenizer.think_end}"

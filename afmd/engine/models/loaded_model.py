@@ -55,10 +55,11 @@ def _rfind(haystack: list[int], needle: list[int]) -> int:
 def context_length_from(config: Mapping[str, Any]) -> int | None:
     """The context window a model's config.json declares, under whichever of the names
     model families use for it (a multimodal model's under ``text_config``)."""
-    for source in (config, config.get("text_config") or {}):
+    text_config = config.get("text_config")
+    for source in (config, text_config if isinstance(text_config, Mapping) else {}):
         for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
             value = source.get(key)
-            if isinstance(value, int) and value > 0:
+            if type(value) is int and value > 0:
                 return value
     return None
 

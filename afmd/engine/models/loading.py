@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from afmd.config.sections import BUILTIN_SYSTEM_PATH, Config
 from afmd.config.tables import ModelEntry
 from afmd.engine.apple import framework
+from afmd.engine.first_import import transformers_ready
 from afmd.engine.models import kinds
 from afmd.engine.models.kinds import BUILTIN_PREFIX, CHAT
 from afmd.engine.models.loaded_model import DEFAULT_CONTEXT_LENGTH, LoadedModel, context_length_from
@@ -52,6 +53,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
 
     # Heavy imports stay here so `afmd --help`, `check-config` and a server that has not
     # loaded a model yet start fast and small; PyInstaller still sees them statically.
+    transformers_ready()
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm import load as mlx_load
@@ -175,6 +177,7 @@ def _load_vision(
 ) -> tuple[Path, Any, Any, int, VisionWorker, VisionSupport]:
     """Load a vision model with mlx-vlm and start its generation thread: its folder, model,
     tokenizer, context length, worker and prompt side."""
+    transformers_ready()
     try:
         from mlx_vlm.utils import get_model_path
         from mlx_vlm.utils import load as vlm_load

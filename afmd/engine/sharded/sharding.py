@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from afmd.engine.first_import import transformers_ready
 from afmd.engine.sharded.lockstep import Lockstep
 
 TENSOR = "tensor"
@@ -62,6 +63,8 @@ def load_shard(folder: Path, lockstep: Lockstep, wanted: str) -> tuple[Any, Any,
     group calls it together (it ends in a collective, so no rank starts serving early)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
+
+    transformers_ready()
     from mlx_lm.utils import load_model, load_tokenizer
 
     model, config = load_model(folder, lazy=True, strict=False)

@@ -14,6 +14,7 @@ from typing import Any
 
 from afmd.config.sections import Config
 from afmd.config.tables import ModelEntry
+from afmd.engine.first_import import transformers_ready
 from afmd.engine.models.kinds import BUILTIN_PREFIX
 
 
@@ -25,6 +26,7 @@ def load_draft(entry: ModelEntry, config: Config, tokenizer: Any) -> Any:
     """The draft model of ``entry`` (None when it has none), ready to run on this device."""
     if entry.draft is None:
         return None
+    transformers_ready()
     from mlx_lm import load as mlx_load
 
     from afmd.engine.batch.cpu_layout import relayout_for_cpu
