@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from afmd import __version__
@@ -84,6 +85,9 @@ class ChatPipeline:
     scheduler: Scheduler
     request_timeout: float
     tools: ServerTools | None = None  # default: the config's [[tools.server]]
+    #: Whether another service runs a request with this id (embeddings): an id names one
+    #: live request across every endpoint, or cancelling by it would be ambiguous.
+    taken: Callable[[str], bool] = lambda request_id: False
     policy: RunPolicy = field(init=False)
     _runs: dict[str, ChatRun | ChoicesRun | CompletionRun] = field(default_factory=dict)
     #: What each prepared request holds until it ends, by the prepared object's identity:
@@ -232,7 +236,7 @@ class ChatPipeline:
         run cancelled there comes back without a generation and finishes as "cancelled".
         """
         rid = prepared.request_id
-        if rid in self._runs:
+        if rid in self._runs or self.taken(rid):
             self._release_model(prepared)
             raise _duplicate_id(rid)
         run: ChatRun | ChoicesRun | CompletionRun

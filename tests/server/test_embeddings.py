@@ -414,6 +414,12 @@ def test_queue_429_duplicate_id_and_cancel(strict: ServerProcess) -> None:
         assert twin.status_code == 409, twin.text
         assert twin.json()["error"]["code"] == "duplicate_request_id"
         assert twin.json()["error"]["param"] == "X-Request-ID"
+        # An id names one live request across endpoints: a chat under it is refused too.
+        chat_twin = httpx.post(url + "/v1/chat/completions", timeout=30,
+                               json={**chat, "stream": False, "max_tokens": 2},
+                               headers={**AUTH, "X-Request-ID": waiting_id})
+        assert chat_twin.status_code == 409, chat_twin.text
+        assert chat_twin.json()["error"]["code"] == "duplicate_request_id"
 
         cancel = httpx.post(url + f"{EMBED}/{waiting_id}/cancel", headers=AUTH, timeout=30)
         assert cancel.status_code == 200, cancel.text

@@ -33,6 +33,8 @@ def service_of(app: Sanic) -> EmbeddingService:
             request_timeout=state.config.server.request_timeout,
             taken=lambda request_id: pipeline.find(request_id) is not None,
         )
+        embeddings = service
+        pipeline.taken = lambda request_id: embeddings.find(request_id) is not None
     return service
 
 
