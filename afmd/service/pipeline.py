@@ -190,11 +190,8 @@ class ChatPipeline:
         if not model.reads_conversation:  # Apple's model has no token ids to bias
             check_logit_bias(request.logit_bias, model.vocab_size, entry.id)
         request = _with_server_tools(request, self.server_tools)
-        trim = request.trim_context
-        if trim is None:
-            trim = self.config.context.policy == "trim"
         rounds = RoundBuilder(model, request, instructions=self.config.server.instructions,
-                              trim=trim, server_tools=self.server_tools.names)
+                              trim=self._trims(request), server_tools=self.server_tools.names)
         return PreparedChat(
             request_id=request_id,
             rounds=rounds,
@@ -206,6 +203,12 @@ class ChatPipeline:
             received_at=received_at if received_at is not None else time.perf_counter(),
             profile=profile,
         )
+
+    def _trims(self, request: ChatRequest) -> bool:
+        """Whether the request's oldest turns are dropped to fit the context window."""
+        if request.trim_context is not None:
+            return request.trim_context
+        return self.config.context.policy == "trim"
 
     async def count(self, request: ChatRequest, *, must_fit: bool = False) -> int:
         """The prompt tokens ``request`` would be given (its model's template with the
@@ -220,7 +223,8 @@ class ChatPipeline:
             pixels = self._hold_pixels(request, lease.model)
             request = _with_server_tools(request, self.server_tools)
             rounds = RoundBuilder(lease.model, request,
-                                  instructions=self.config.server.instructions, trim=False,
+                                  instructions=self.config.server.instructions,
+                                  trim=self._trims(request),
                                   server_tools=self.server_tools.names)
             return await asyncio.to_thread(rounds.prompt_tokens, request, must_fit=must_fit)
         finally:

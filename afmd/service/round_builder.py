@@ -71,9 +71,10 @@ class RoundBuilder:
         return self._render(request)[0]
 
     def prompt_tokens(self, request: ChatRequest, *, must_fit: bool = False) -> int:
-        """What the conversation takes of the context window (blocking). ``must_fit``:
-        a prompt that leaves no room for one token of answer is the context error a turn
-        would get (Anthropic's count_tokens refuses what its create would)."""
+        """What the conversation takes of the context window (blocking): trimmed as the
+        turn would trim it, when the builder trims. ``must_fit``: a prompt that leaves no
+        room for one token of answer is the context error a turn would get (Anthropic's
+        count_tokens refuses what its create would)."""
         if self.model.reads_conversation:
             worker: Any = self.model.worker
             return int(worker.prompt_tokens(self._conversation(request, True)))
@@ -81,6 +82,8 @@ class RoundBuilder:
         limit = self.model.context_length
         if request.context_window is not None:
             limit = min(limit, request.context_window)
+        if tokens >= limit and self._trim:
+            tokens = len(self._fit(request, limit, 1)[1])
         if must_fit and tokens >= limit:
             raise _context_error(limit, tokens, None)
         return tokens

@@ -367,6 +367,36 @@ def test_trim_policy_end_to_end_stream(trim_server: ServerProcess) -> None:
     assert usage["prompt_tokens"] + MAX_TOKENS <= LIMIT
 
 
+def test_counting_endpoints_count_what_the_turn_renders(trim_server: ServerProcess) -> None:
+    """Under trim, Anthropic's count_tokens refused with a context error a conversation
+    its create serves trimmed; both counting endpoints count the trimmed prompt."""
+    words = " ".join(["lorem ipsum dolor"] * 12)
+    turns: list[dict[str, Any]] = []
+    for i in range(10):
+        turns += [{"role": "user", "content": f"{i}: {words}"},
+                  {"role": "assistant", "content": f"{i}: {words}"}]
+    turns.append({"role": "user", "content": "hi"})
+    url = trim_server.url
+    counted = httpx.post(url + "/v1/messages/count_tokens",
+                         json={"model": "small", "messages": turns}, timeout=60)
+    assert counted.status_code == 200, counted.text
+    tokens = counted.json()["input_tokens"]
+    assert 0 < tokens < LIMIT
+    made = httpx.post(url + "/v1/messages", timeout=60, json={
+        "model": "small", "messages": turns, "max_tokens": 4})
+    assert made.status_code == 200, made.text
+    assert int(made.headers["X-AFM-Trimmed-Messages"]) > 0
+    usage = made.json()["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == tokens
+    items = httpx.post(url + "/v1/responses/input_tokens", timeout=60, json={
+        "model": "small", "input": turns})
+    assert items.status_code == 200, items.text
+    assert items.json()["input_tokens"] < LIMIT
+    whole = httpx.post(url + "/v1/responses/input_tokens", timeout=60, json={
+        "model": "small", "input": turns, "truncation": "disabled"})
+    assert whole.json()["input_tokens"] > LIMIT
+
+
 def test_no_header_when_nothing_was_trimmed(trim_server: ServerProcess) -> None:
     response = httpx.post(trim_server.url + CHAT,
                           json=body(long_conversation(turns=1)), timeout=60)
