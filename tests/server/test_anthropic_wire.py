@@ -271,7 +271,9 @@ def test_api_key_in_x_api_key_or_bearer(guarded: ServerProcess) -> None:
     url = guarded.url + PATH
     for headers in ({"x-api-key": KEY}, {"Authorization": f"Bearer {KEY}"},
                     {"x-api-key": KEY, "anthropic-version": "2023-06-01",
-                     "anthropic-beta": "prompt-caching-2024-07-31"}):
+                     "anthropic-beta": "prompt-caching-2024-07-31"},
+                    # An SDK given an empty key and a bearer token sends both.
+                    {"x-api-key": "", "Authorization": f"Bearer {KEY}"}):
         assert httpx.post(url, json=body(max_tokens=1), headers=headers).status_code == 200
     for headers in ({}, {"x-api-key": "sk-wrong"}, {"x-api-key": ""},
                     {"x-api-key": "sk-wrong", "Authorization": f"Bearer {KEY}"}):

@@ -344,9 +344,10 @@ def _api_key_header(head: RequestHead) -> bytes | None:
 
 def _authenticate(head: RequestHead, api_key: bytes) -> None:
     """The key from ``x-api-key`` when sent, else from ``Authorization: Bearer``; on every
-    route alike (a key is a key, whichever client's habit carried it)."""
+    route alike (a key is a key, whichever client's habit carried it). An empty
+    ``x-api-key`` is none: an SDK given an empty key and a bearer token sends both."""
     token = _api_key_header(head)
-    if token is None:
+    if not token:
         token = _bearer(head.authorization)
     if not token:
         raise GateRefusal(AuthenticationError(
