@@ -607,6 +607,19 @@ def test_messages_reach_the_system_model(server: SystemServer, native: ModuleTyp
     assert native.STATE.log[-1]["options"]["maximum_response_tokens"] < 8192
 
 
+def test_ollama_reaches_the_system_model(server: SystemServer) -> None:
+    """Ollama's message has no refusal field: the explanation is its content, streamed
+    or not (it was dropped: an empty answer)."""
+    for stream in (False, True):
+        answer = httpx.post(server.url + "/api/chat", timeout=30, json={
+            "model": "system", "stream": stream,
+            "messages": user("!raise RefusalError Not that.")})
+        assert answer.status_code == 200, answer.text
+        lines = [json.loads(line) for line in answer.text.splitlines()]
+        assert "".join(line["message"]["content"] for line in lines) == "Not that."
+        assert lines[-1]["done"] is True
+
+
 def test_the_model_becomes_available_while_afmd_runs(http: httpx.Client,
                                                     native: ModuleType) -> None:
     set_availability(native, "model_not_ready")

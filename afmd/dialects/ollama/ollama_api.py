@@ -36,6 +36,7 @@ from afmd.core.events import (
     Logprobs,
     Profile,
     Reasoning,
+    Refusal,
     Timings,
     TokenLogprob,
     ToolCallEnd,
@@ -109,7 +110,8 @@ class _Parts:
         for event in events:
             if isinstance(event, Choice):  # a generate's completion: its only choice
                 self.add(event.events)
-            elif isinstance(event, Content):
+            elif isinstance(event, Content | Refusal):
+                # Ollama's message has no refusal: the model's explanation is what it said.
                 self.content.append(event.text)
             elif isinstance(event, Reasoning):
                 self.thinking.append(event.text)
