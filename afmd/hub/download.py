@@ -25,6 +25,7 @@ import hashlib
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,11 @@ ALLOW_PATTERNS = ("*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.
 
 class PullError(Exception):
     """A pull that did not complete, with the sentence to show."""
+
+
+class PullStopped(Exception):
+    """A pull its caller stopped (its client went away): not a failure to report. The
+    files verified so far stay, so the same pull again fetches only the rest."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,15 +176,27 @@ def _discard(link: Path) -> None:
 
 
 def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
-         report: Report | None = None) -> Pulled:
+         report: Report | None = None, stop: threading.Event | None = None) -> Pulled:
     """Download and verify ``ref``; progress to ``out`` (stderr), and to ``report`` when
     given (the dashboard's pulls, Ollama's ``/api/pull``): each file with 0 bytes done
     before any download, its bytes as they come, and all its bytes once it is verified
-    (or was already there). Raises PullError."""
+    (or was already there). Raises PullError, or PullStopped once ``stop`` is set: a
+    server's pull runs in a thread nothing else can interrupt, so the flag is looked at
+    on every progress step the hub client makes and between files."""
     out = out if out is not None else sys.stderr
     terminal = out.isatty() if terminal is None else terminal
     repo, revision = parse_ref(ref)
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+    def check() -> None:
+        if stop is not None and stop.is_set():
+            raise PullStopped(f"the pull of {repo} was stopped")
+
+    def progress(remote: RemoteFile, done: int, total: int | None) -> None:
+        check()
+        if report is not None:
+            report(remote, done, total)
+
     commit, files = remote_files(repo, revision)
     total = sum(f.size for f in files)
     out.write(f"pulling {repo}@{revision} (commit {commit[:12]}): {len(files)} files, "
@@ -192,16 +210,20 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
 
     cache = huggingface_hub_cache()
     snapshot = repo_folder(repo, cache) / "snapshots" / commit
+    watched = report is not None or stop is not None
     downloaded = 0
     for remote in files:
         link = snapshot / remote.path
         cached = link.is_file()
+        check()
         try:
             local = Path(hf_hub_download(
                 repo, remote.path, revision=commit, cache_dir=str(cache),
                 tqdm_class=bar_class(
                     remote.path, out, terminal=terminal,
-                    report=functools.partial(report, remote) if report is not None else None)))
+                    report=functools.partial(progress, remote) if watched else None)))
+        except PullStopped:
+            raise
         except Exception as exc:
             raise PullError(f"downloading {remote.path}: {_explain(exc, repo, revision)}; "
                             "run the pull again to resume (finished files are kept)") from exc
@@ -229,4 +251,5 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
     return Pulled(repo, revision, commit, snapshot, len(files), downloaded, total)
 
 
-__all__ = ["ALLOW_PATTERNS", "PullError", "Pulled", "RemoteFile", "parse_ref", "pull"]
+__all__ = ["ALLOW_PATTERNS", "PullError", "PullStopped", "Pulled", "RemoteFile", "parse_ref",
+           "pull"]

@@ -13,7 +13,8 @@ It answers exactly what ``huggingface_hub`` asks when ``HF_ENDPOINT`` points at 
 
 Faults a test can ask for: cut a file's connection after some bytes (the client resumes
 with ``Range``), serve a file with one byte flipped while the tree keeps the true hash,
-or answer a file with an HTTP error. Every request is logged for assertions.
+answer a file with an HTTP error, or send a file slowly (a download a client can leave
+in the middle of). Every request is logged for assertions.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import hashlib
 import json
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -66,6 +68,8 @@ class FakeHub:
     cuts: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     corrupted: set[tuple[str, str]] = field(default_factory=set)
     failures: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: file -> bytes per second it is sent at
+    rates: dict[tuple[str, str], int] = field(default_factory=dict)
     _server: ThreadingHTTPServer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -95,6 +99,11 @@ class FakeHub:
 
     def fail(self, repo: str, path: str, status: int = 500) -> None:
         self.failures[(repo, path)] = status
+
+    def throttle(self, repo: str, path: str, bytes_per_s: int) -> None:
+        """Send a file at ``bytes_per_s``, in small writes, so that a client that leaves
+        is noticed within a write."""
+        self.rates[(repo, path)] = bytes_per_s
 
     def gets(self, path_suffix: str) -> list[Logged]:
         return [r for r in self.log if r.method == "GET" and r.path.endswith(path_suffix)]
@@ -252,7 +261,18 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
             return
-        self.wfile.write(data)
+        rate = hub.rates.get(key)
+        if rate is None:
+            self.wfile.write(data)
+            return
+        step = max(1, rate // 20)
+        try:
+            for start in range(0, len(data), step):
+                self.wfile.write(data[start:start + step])
+                self.wfile.flush()
+                time.sleep(step / rate)
+        except OSError:  # the client went away
+            self.close_connection = True
 
     # ------------------------------------------------------------------ answers
 

@@ -562,6 +562,41 @@ def test_a_failed_pull_says_why(hub_server: tuple[ServerProcess, FakeHub]) -> No
     assert whole.value.status_code == 400
 
 
+SLOW = "tiny-org/slow-chat"
+
+
+def test_a_pull_stops_when_its_client_leaves(hub_server: tuple[ServerProcess, FakeHub]
+                                             ) -> None:
+    """Ollama cancels a pull with its request. afmd's download thread went on to the last
+    file after the client had gone (nothing could stop it), and the access log showed a
+    plain 200; the files verified before it stopped are kept for the next pull."""
+    server, hub = hub_server
+    hub.add_folder(SLOW, demo.materialize("demo"))
+    hub.throttle(SLOW, "model.safetensors", 400_000)  # seconds of weights, config.json last
+    with httpx.Client(base_url=server.url, timeout=60) as http, http.stream(
+            "POST", "/api/pull", json={"model": SLOW}) as response:
+        for line in response.iter_lines():
+            item = json.loads(line)
+            if item.get("digest", "").startswith("sha1:") and item["completed"] == item["total"]:
+                break  # a tokenizer file is in: the weights are on their way
+    line = server.wait_event("request", path="/api/pull", model=SLOW)
+    assert line["status"] == 200 and line.get("disconnected") is True, line
+    server.wait_event("pull stopped", model=SLOW)
+    time.sleep(0.5)  # a pull going on would fetch config.json within moments
+
+    def fetched(name: str) -> int:
+        return sum(1 for g in hub.log if g.method == "GET"
+                   and g.path.startswith(f"/{SLOW}/resolve/") and g.path.endswith("/" + name))
+
+    assert fetched("config.json") == 0, "the pull went on after its client left"
+    hub.rates.clear()
+    client = ollama.Client(host=server.url, timeout=120)
+    assert list(client.pull(SLOW, stream=True))[-1].status == "success"
+    assert fetched("tokenizer.json") == 1  # kept from the first pull, not fetched again
+    assert SLOW + ":latest" in {m.model for m in client.list().models}
+    assert client.delete(SLOW).status == "success"
+
+
 # -- [ollama] port --------------------------------------------------------------------------
 
 

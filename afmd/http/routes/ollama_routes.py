@@ -12,7 +12,9 @@ error, the gate's refusals included, is ``{"error": "..."}``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +49,7 @@ from afmd.http.routes import ollama_models
 from afmd.http.routes.embedding_routes import service_of
 from afmd.http.routes.ignored import ignored_headers
 from afmd.hub import cache as hubcache
+from afmd.logs import get_logger
 
 if TYPE_CHECKING:  # imported where a pull runs: the hub client is heavy
     from afmd.hub.download import RemoteFile
@@ -73,6 +76,8 @@ NOT_SERVED: dict[str, tuple[tuple[str, ...], str]] = {
     "/api/blobs/<digest:str>": (("HEAD", "POST"), "afmd keeps no Ollama blobs: its models "
                                 "are MLX folders and Hugging Face repos, pulled with /api/pull."),
 }
+
+_log = get_logger("afmd.hub")
 
 _MODEL = (Scalar("model", "string", required=True),)
 _PULL = (Scalar("model", "string", required=True), Scalar("stream", "boolean", default=True))
@@ -261,8 +266,12 @@ async def pull(request: Request) -> HTTPResponse | None:
     """Download a model (a Hugging Face repo id, ``:latest`` allowed) with ``afmd pull``'s
     checks, reporting Ollama's progress objects: ``pulling manifest``, per file ``pulling
     <digest>`` with ``total`` and ``completed`` bytes, ``verifying sha256 digest``,
-    ``writing manifest``, ``success``."""
-    from afmd.hub.download import PullError, parse_ref
+    ``writing manifest``, ``success``.
+
+    The pull is the request's, as Ollama's is its request context's: a client that goes
+    away (or a server that stops) stops the download thread, which nothing else would,
+    and the next pull fetches only the files not yet verified."""
+    from afmd.hub.download import PullError, PullStopped, parse_ref
     from afmd.hub.download import pull as pull_model
 
     body = parse_json_body(request.body)
@@ -277,9 +286,11 @@ async def pull(request: Request) -> HTTPResponse | None:
         raise InvalidRequestError(str(exc), param="model") from None
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    stop = threading.Event()
 
     def put(item: dict[str, Any] | None) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the server stopped
+            loop.call_soon_threadsafe(queue.put_nowait, item)
 
     last_sent: dict[str, float] = {}
 
@@ -295,7 +306,9 @@ async def pull(request: Request) -> HTTPResponse | None:
     def work() -> None:
         try:
             pull_model(name.removesuffix(ollama_models.TAG), out=_Discard(), terminal=False,
-                       report=report)
+                       report=report, stop=stop)
+        except PullStopped:  # nobody is left to tell but the log
+            _log.info("pull stopped", model=name, reason="the request ended before the pull")
         except PullError as exc:
             put({"error": str(exc)})
         except Exception as exc:  # the hub client's own failure, named as it is
@@ -307,15 +320,25 @@ async def pull(request: Request) -> HTTPResponse | None:
             put(None)
 
     put({"status": "pulling manifest"})
-    task = asyncio.create_task(asyncio.to_thread(work))
-    if not values["stream"]:
-        last: dict[str, Any] = {}
-        while (item := await queue.get()) is not None:
-            last = item
-        await task
-        if "error" in last:
-            raise InvalidRequestError(last["error"], code="pull_failed", param="model")
-        return _json({"status": "success"})
+    # A daemon thread, not the loop's executor: a server stopping mid-file must not wait
+    # for the hub client's next progress step to notice the flag.
+    threading.Thread(target=work, name=f"afmd-ollama-pull-{name}", daemon=True).start()
+    try:
+        if not values["stream"]:
+            last: dict[str, Any] = {}
+            while (item := await queue.get()) is not None:
+                last = item
+            if "error" in last:
+                raise InvalidRequestError(last["error"], code="pull_failed", param="model")
+            return _json({"status": "success"})
+        await _stream_pull(request, queue)
+        return None
+    finally:
+        stop.set()  # cancelled (the client left, the server stops) or over: harmless then
+
+
+async def _stream_pull(request: Request,
+                       queue: asyncio.Queue[dict[str, Any] | None]) -> None:
     request.ctx.streamed = True
     response = await request.respond(status=200, content_type=MEDIA_TYPE)
     sent = 0
@@ -327,10 +350,16 @@ async def pull(request: Request) -> HTTPResponse | None:
             sent += len(line)
             await response.send(line)
         await response.eof()
+    except asyncio.CancelledError:
+        # The 200 went out: the access line says why the stream ended early.
+        stop_error = request.app.ctx.state.stop_error
+        if stop_error is not None:
+            request.ctx.stream_error = stop_error.code
+        else:
+            request.ctx.disconnected = True
+        raise
     finally:
         log_access(request, 200, sent)
-    await task
-    return None
 
 
 class _Discard(io.StringIO):
