@@ -415,6 +415,21 @@ def test_errors_are_ollamas(client: ollama.Client, http: httpx.Client) -> None:
     assert refused.status_code == 421 and set(refused.json()) == {"error"}
 
 
+@pytest.mark.parametrize(("route", "field", "value"), [
+    ("/api/chat", "messages", {}), ("/api/chat", "messages", 0),
+    ("/api/chat", "messages", ""), ("/api/chat", "messages", False),
+    ("/api/generate", "prompt", 0), ("/api/generate", "prompt", []),
+    ("/api/generate", "prompt", {}), ("/api/generate", "suffix", 0),
+])
+def test_a_wrong_type_is_no_load_request(http: httpx.Client, route: str, field: str,
+                                         value: Any) -> None:
+    """Only a missing, null or empty ``messages`` (``prompt``) loads the model; Ollama
+    refuses any other type. Anything falsy was taken for a load and answered 200."""
+    response = http.post(route, json={"model": "demo", field: value})
+    assert response.status_code == 400, response.text
+    assert set(response.json()) == {"error"} and field in response.json()["error"]
+
+
 def test_a_body_is_json_whatever_its_type_says_as_curl_sends_it(
         server: ServerProcess) -> None:
     """Ollama's docs (and ours) send ``curl -d '{…}'``: form-encoded by curl's default,

@@ -109,10 +109,12 @@ _GENERATE = (
 
 def is_load_request(body: dict[str, Any], *, chat: bool) -> bool:
     """Whether a body only loads (or, with ``keep_alive`` 0, unloads) its model: Ollama's
-    clients preload a model with an empty prompt or no messages."""
+    clients preload a model with an empty prompt or no messages. Only an absent, null or
+    empty value of the right type is that: ``{}``, ``0`` or ``""`` for ``messages`` is a
+    body to refuse, as Ollama refuses it, so it goes on to the full parse's 400."""
     if chat:
-        return not body.get("messages")
-    return not body.get("prompt") and not body.get("suffix")
+        return body.get("messages") in (None, [])
+    return all(body.get(name) in (None, "") for name in ("prompt", "suffix"))
 
 
 def _options(body: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
