@@ -375,6 +375,38 @@ def test_empty_prompts_load_and_unload(client: ollama.Client) -> None:
         time.sleep(0.1)
 
 
+def test_an_unload_during_a_stream_unloads_when_it_ends(client: ollama.Client,
+                                                       server: ServerProcess) -> None:
+    """``ollama stop`` while a model answers: Ollama unloads it once the answer is over,
+    since the latest request's keep_alive sets how long it stays. afmd said "unload" and
+    then kept it for the running stream's five minutes, that request being the last out."""
+    rid = "ollama-" + uuid.uuid4().hex
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", server.url + "/api/chat", timeout=60,
+                          headers={"X-Request-ID": rid},
+                          json={"model": "demo-32k", "messages": MESSAGES,
+                                "options": {"num_predict": 4000}}) as response:
+            for _ in response.iter_lines():
+                started.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    try:
+        assert started.wait(30)
+        unloaded = client.generate(model="demo-32k", keep_alive=0)
+        assert unloaded.done_reason == "unload"
+        assert "demo-32k:latest" in {m.model for m in client.ps().models}  # still answering
+    finally:
+        httpx.post(f"{server.url}/v1/chat/completions/{rid}/cancel")
+        thread.join(30)
+    deadline = time.monotonic() + 10
+    while "demo-32k:latest" in {m.model for m in client.ps().models}:
+        assert time.monotonic() < deadline, "demo-32k stayed loaded after its unload"
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("keep_alive", [-1, "-1m", "99999999999h", 1e20],
                          ids=["minus-one", "negative-duration", "huge-duration", "huge-number"])
 def test_kept_for_good_shows_a_far_expiry(client: ollama.Client, http: httpx.Client,

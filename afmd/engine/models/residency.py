@@ -21,11 +21,14 @@ loaded).
 **Leases and keep-alive.** A request holds a :class:`Lease` on its model from the moment it
 gets it until its response is over (rendering its prompt, queued for a slot, generating): a
 model with a lease, or with requests waiting for its load, is busy and is never unloaded.
-When its last lease ends its keep-alive starts (the last request's ``keep_alive``, else the
-model's, else ``[models] keep_alive``): after that many idle seconds it is unloaded; ``-1``
-never, ``0`` at once. A keep-alive longer than :data:`FOR_GOOD` (ten years) counts as never:
-a client may send ``"99999999999h"`` or ``1e20``, and an instant that far ahead is not one a
-clock or a date can hold.
+When its last lease ends its keep-alive starts: after that many idle seconds it is
+unloaded; ``-1`` never, ``0`` at once. The keep-alive is the one of the request that got
+the model last (its ``keep_alive``, else the model's, else ``[models] keep_alive``), not of
+the one that happens to release it last: as in Ollama, where each request sets the
+session's duration, an unload (``keep_alive`` 0) sent while a long stream runs takes
+effect when the stream ends, which ``ollama stop`` relies on. A keep-alive longer than
+:data:`FOR_GOOD` (ten years) counts as never: a client may send ``"99999999999h"`` or
+``1e20``, and an instant that far ahead is not one a clock or a date can hold.
 
 **Making room.** Loading a model that would take the loaded set past
 ``memory_budget_bytes`` or ``max_loaded`` first unloads idle models, least recently used
@@ -150,7 +153,7 @@ class Lease:
     """One request's hold on a loaded model; :meth:`release` once its response is over."""
 
     model: LoadedModel
-    #: Seconds the model stays loaded once idle, if this is the last request to release it.
+    #: Seconds the model stays loaded once idle, unless a later request gets it.
     keep_alive: float
     _owner: Residency | None  # None: a model no registry manages (tests, tools)
     #: The request's scheduler ticket once it has one: holding a slot is being active.
@@ -296,6 +299,7 @@ class Residency:
         resident = self.residents[model.id]
         resident.stop_clock()
         resident.since = time.monotonic()
+        resident.keep_alive = keep_alive
         model.touch()
         lease = Lease(model, keep_alive, self)
         resident.leases.add(lease)
@@ -309,7 +313,6 @@ class Residency:
         if resident is None or lease not in resident.leases:
             return  # unloaded meanwhile (the server is stopping)
         resident.leases.discard(lease)
-        resident.keep_alive = lease.keep_alive
         resident.since = time.monotonic()
         lease.model.touch()
         self.settle(lease.model.id)

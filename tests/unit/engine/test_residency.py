@@ -190,7 +190,7 @@ def test_keep_alive_zero_forever_and_seconds() -> None:
     run(main)
 
 
-def test_a_request_stops_the_keep_alive_and_the_last_one_sets_it() -> None:
+def test_a_request_stops_the_keep_alive_and_the_latest_one_sets_it() -> None:
     async def main() -> None:
         res, freed = residency()
         a = Fake("a")
@@ -199,9 +199,28 @@ def test_a_request_stops_the_keep_alive_and_the_last_one_sets_it() -> None:
         await asyncio.sleep(0.3)  # held: the 0.2 s it was loaded with never ran out
         assert freed == []
         other = res.hold(a, 0.1)  # type: ignore[arg-type]
-        lease.release()  # -1, but another request still holds it
-        other.release()  # the last one out: 0.1 s
+        lease.release()  # -1, but a later request got it since
+        other.release()  # the latest request's 0.1 s
         await asyncio.sleep(0.25)
+        await res.drain()
+        assert freed == ["a"]
+
+    run(main)
+
+
+def test_the_latest_request_sets_the_keep_alive_not_the_last_to_end() -> None:
+    """An unload (keep_alive 0) sent while a long request holds the model unloads it
+    when that request ends, as in Ollama; the long request's own keep-alive, released
+    last, kept it loaded."""
+    async def main() -> None:
+        res, freed = residency()
+        a = Fake("a")
+        admit(res, a)
+        stream = res.hold(a, 300.0)  # type: ignore[arg-type]
+        res.hold(a, 0.0).release()  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        assert freed == []  # still streaming
+        stream.release()
         await res.drain()
         assert freed == ["a"]
 
