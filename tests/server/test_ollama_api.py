@@ -347,6 +347,46 @@ def test_embeddings_equal_v1_embeddings(client: ollama.Client, http: httpx.Clien
     assert caught.value.status_code == 400
 
 
+def test_an_embed_without_input_loads_with_its_keep_alive(client: ollama.Client,
+                                                          http: httpx.Client) -> None:
+    """Ollama's load form for embeddings: no texts (none, ``""``, ``[]``, an empty legacy
+    prompt) loads the model with the request's keep_alive and answers no vectors;
+    ``keep_alive: 0`` unloads it. The keep_alive was ignored (the model stayed five
+    minutes), and ``input: ""`` or none was a 400."""
+    def expires_in() -> float | None:
+        running = {m.model: m for m in client.ps().models}
+        entry = running.get("demo-embedding:latest")
+        if entry is None:
+            return None
+        assert entry.expires_at is not None
+        return entry.expires_at.timestamp() - time.time()
+
+    def gone() -> None:
+        deadline = time.monotonic() + 20
+        while expires_in() is not None:
+            assert time.monotonic() < deadline, "demo-embedding stayed loaded"
+            time.sleep(0.1)
+
+    for path, body in (("/api/embed", {"input": []}), ("/api/embed", {"input": ""}),
+                       ("/api/embed", {}), ("/api/embeddings", {"prompt": ""}),
+                       ("/api/embeddings", {})):
+        loaded = http.post(path, json={"model": "demo-embedding", "keep_alive": "10s", **body})
+        assert loaded.status_code == 200, (path, body, loaded.text)
+        vectors = loaded.json()["embeddings" if path == "/api/embed" else "embedding"]
+        assert vectors == [], (path, body)
+        left = expires_in()
+        assert left is not None and 5 < left <= 10.5, (path, body, left)
+        unloaded = http.post(path, json={"model": "demo-embedding", "keep_alive": 0, **body})
+        assert unloaded.status_code == 200, (path, body, unloaded.text)
+        gone()
+        # Not loaded: keep_alive 0 loads nothing only to unload it.
+        assert http.post(path, json={"model": "demo-embedding", "keep_alive": 0,
+                                     **body}).status_code == 200
+        assert expires_in() is None
+    empty = http.post("/api/embed", json={"model": "demo-embedding", "input": ["x", ""]})
+    assert empty.status_code == 400  # one empty text among others is no load form
+
+
 # -- loading, unloading, ps ----------------------------------------------------------------
 
 

@@ -18,7 +18,6 @@ from afmd.core.embedding_request import EmbeddingRequest, Embeddings
 from afmd.dialects.fields.checks import (
     Scalar,
     invalid,
-    missing,
     read_scalars,
     unknown_keys,
     wrong_type,
@@ -42,8 +41,9 @@ _EMBEDDINGS = (
 
 
 def _inputs(value: Any) -> tuple[str, ...]:
-    if value is None:
-        raise missing("input")
+    """The texts; none (a missing, null or empty ``input``) is Ollama's load form."""
+    if value is None or value == "":
+        return ()
     if isinstance(value, str):
         return (value,)
     if not isinstance(value, list):
@@ -55,15 +55,15 @@ def _inputs(value: Any) -> tuple[str, ...]:
 
 
 def embed_request(body: dict[str, Any], *, strict: bool = False) -> EmbeddingRequest:
-    """An ``/api/embed`` body (its ``inputs`` may be empty: the answer then is too)."""
+    """An ``/api/embed`` body; without texts it only loads the model, as in Ollama, and
+    the answer has no vectors."""
     ignored = unknown_keys(body, EMBED_FIELDS, strict=strict)
     values = read_scalars(body, _EMBED)
     inputs = _inputs(body.get("input"))
     for i, text in enumerate(inputs):
         if not text:
-            raise invalid(f"input[{i}]" if isinstance(body["input"], list) else "input",
-                          "An input to embed must not be empty.")
-    params = (("input",) if isinstance(body["input"], str)
+            raise invalid(f"input[{i}]", "An input to embed must not be empty.")
+    params = (("input",) if isinstance(body.get("input"), str)
               else tuple(f"input[{i}]" for i in range(len(inputs))))
     return EmbeddingRequest(inputs=inputs, params=params, model=values["model"],
                             dimensions=values["dimensions"], keep_alive=keep_alive_of(body),
@@ -71,7 +71,8 @@ def embed_request(body: dict[str, Any], *, strict: bool = False) -> EmbeddingReq
 
 
 def embeddings_request(body: dict[str, Any], *, strict: bool = False) -> EmbeddingRequest:
-    """A legacy ``/api/embeddings`` body (an empty ``prompt`` has an empty embedding)."""
+    """A legacy ``/api/embeddings`` body (an empty ``prompt`` only loads the model, and
+    its embedding is empty)."""
     ignored = unknown_keys(body, EMBEDDINGS_FIELDS, strict=strict)
     values = read_scalars(body, _EMBEDDINGS)
     prompt = values["prompt"]

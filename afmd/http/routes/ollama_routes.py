@@ -178,12 +178,20 @@ async def _embed(request: Request, *, legacy: bool) -> HTTPResponse:
     extra = ignored_headers(parsed.ignored_fields, request_id)
     if state.stop_error is not None:
         raise state.stop_error
-    # The model first, timed: Ollama reports its load apart.
+    # The model first, timed (Ollama reports its load apart), and held with the request's
+    # keep_alive: a body without texts is how Ollama's clients load or unload the model.
+    registry = state.registry
     entry = service_of(request.app).entry_for(parsed.model)
-    await state.registry.get(entry, EMBEDDING)
+    lease = None
+    if parsed.inputs or parsed.keep_alive != 0 or registry.loaded(entry.id) is not None:
+        lease = await registry.lease(entry, EMBEDDING, keep_alive=parsed.keep_alive)
     loaded_at = time.perf_counter()
-    result = (await service_of(request.app).embed(parsed, request_id)
-              if parsed.inputs else None)
+    try:
+        result = (await service_of(request.app).embed(parsed, request_id)
+                  if parsed.inputs else None)
+    finally:
+        if lease is not None:
+            lease.release()
     request.ctx.usage = Usage(result.prompt_tokens if result else 0, 0)
     headers = {"X-Request-ID": request_id, **extra}
     if legacy:
