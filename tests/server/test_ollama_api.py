@@ -487,6 +487,28 @@ def test_errors_are_ollamas(client: ollama.Client, http: httpx.Client) -> None:
     assert refused.status_code == 421 and set(refused.json()) == {"error"}
 
 
+def test_a_tool_result_answering_no_call_says_so(http: httpx.Client) -> None:
+    """A tool message that names no call id answers no call: the 400 says which calls
+    there were. It said "answers tool call '?'", a call id afmd had made up."""
+    user = {"role": "user", "content": "Weather in Paris?"}
+    called = {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    result = {"role": "tool", "content": "18 C"}
+    for messages, says in (
+        ([user, result], "messages[1] is a tool result, but the message before it is no "
+                         "assistant message with tool_calls"),
+        ([user, called, {**result, "tool_name": "get_time"}],
+         "messages[2] is the result of the tool 'get_time', but messages[1] made no call of "
+         "it left unanswered (its calls: 'get_weather')"),
+        ([user, called, result, result],
+         "messages[3] is a tool result, but every call messages[1] made ('get_weather') is "
+         "answered already"),
+    ):
+        response = http.post("/api/chat", json={"model": "demo", "messages": messages})
+        assert response.status_code == 400, response.text
+        assert says in response.json()["error"], response.text
+
+
 @pytest.mark.parametrize(("route", "field", "value"), [
     ("/api/chat", "messages", {}), ("/api/chat", "messages", 0),
     ("/api/chat", "messages", ""), ("/api/chat", "messages", False),

@@ -45,6 +45,7 @@ from afmd.dialects.fields.checks import (
     missing,
     names,
     optional,
+    quoted,
     read_scalars,
     required,
     string_list,
@@ -54,6 +55,7 @@ from afmd.dialects.fields.checks import (
 from afmd.dialects.fields.keep_alive import keep_alive_of
 from afmd.dialects.fields.messages import check_tool_history
 from afmd.dialects.fields.tool_specs import parse_tool_choice, parse_tools
+from afmd.errors import InvalidRequestError
 
 __all__ = ["OPTIONS", "is_load_request", "parse_chat", "parse_generate"]
 
@@ -267,26 +269,45 @@ def _answered(messages: list[Message]) -> tuple[Message, ...]:
     with its ``tool_name``, else that message's first unanswered call."""
     out: list[Message] = []
     open_calls: list[ToolCall] = []
-    for m in messages:
+    caller: int | None = None  # the assistant message the tool messages answer
+    for i, m in enumerate(messages):
         if m.role == "assistant":
-            open_calls = list(m.tool_calls)
+            open_calls, caller = list(m.tool_calls), i
         elif m.role == "tool":
             call = next((c for c in open_calls if c.id == m.tool_call_id), None)
             if call is None and m.tool_call_id is None:
                 call = next((c for c in open_calls if c.name == m.name), None)
                 if call is None and open_calls and m.name is None:
                     call = open_calls[0]
+                if call is None:
+                    raise _no_call_for(messages, i, caller)
             if call is not None:
                 open_calls.remove(call)
                 m = Message(m.role, m.content, name=m.name, tool_call_id=call.id,
                             has_images=m.has_images, images=m.images)
-            elif m.tool_call_id is None:
-                m = Message(m.role, m.content, name=m.name, tool_call_id=m.name or "?",
-                            has_images=m.has_images, images=m.images)
         else:
-            open_calls = []
+            open_calls, caller = [], None
         out.append(m)
     return tuple(out)
+
+
+def _no_call_for(messages: list[Message], i: int, a: int | None) -> InvalidRequestError:
+    """Why a tool message without a call id answers no call. Ollama's tool messages name
+    a tool, not a call, so the error says which calls there were to answer (a call id
+    made up for it would name a call that never existed)."""
+    param, tool = f"messages[{i}]", messages[i]
+    calls = messages[a].tool_calls if a is not None else ()
+    if not calls:
+        return invalid(param, f"{param} is a tool result, but the message before it is no "
+                       "assistant message with tool_calls: a tool message answers a call of "
+                       "the assistant message right before it.")
+    made = ", ".join(quoted(c.name) for c in calls)
+    if tool.name is not None:
+        return invalid(f"{param}.tool_name",
+                       f"{param} is the result of the tool {quoted(tool.name)}, but "
+                       f"messages[{a}] made no call of it left unanswered (its calls: {made}).")
+    return invalid(param, f"{param} is a tool result, but every call messages[{a}] made "
+                   f"({made}) is answered already.")
 
 
 def _messages(value: Any) -> tuple[Message, ...]:
