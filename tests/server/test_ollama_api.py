@@ -345,6 +345,12 @@ def test_embeddings_equal_v1_embeddings(client: ollama.Client, http: httpx.Clien
     with pytest.raises(ollama.ResponseError) as caught:
         client.embed(model="demo-embedding", input=long_text, truncate=False)
     assert caught.value.status_code == 400
+    # Options change nothing here, but must be an object, as Ollama's decoder says.
+    assert len(client.embed(model="demo-embedding", input="x",
+                            options={"num_ctx": 64}).embeddings) == 1
+    for path, text in (("/api/embed", "input"), ("/api/embeddings", "prompt")):
+        wrong = http.post(path, json={"model": "demo-embedding", text: "x", "options": "bad"})
+        assert wrong.status_code == 400 and "options" in wrong.json()["error"], wrong.text
 
 
 def test_an_embed_without_input_loads_with_its_keep_alive(client: ollama.Client,

@@ -54,11 +54,20 @@ def _inputs(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _check_options(body: dict[str, Any]) -> None:
+    """``options`` change nothing an embedding takes, but one of the wrong type is the
+    client's mistake, as Ollama's decoder says."""
+    options = body.get("options")
+    if options is not None and not isinstance(options, dict):
+        raise wrong_type("options", "an object", options)
+
+
 def embed_request(body: dict[str, Any], *, strict: bool = False) -> EmbeddingRequest:
     """An ``/api/embed`` body; without texts it only loads the model, as in Ollama, and
     the answer has no vectors."""
     ignored = unknown_keys(body, EMBED_FIELDS, strict=strict)
     values = read_scalars(body, _EMBED)
+    _check_options(body)
     inputs = _inputs(body.get("input"))
     for i, text in enumerate(inputs):
         if not text:
@@ -75,6 +84,7 @@ def embeddings_request(body: dict[str, Any], *, strict: bool = False) -> Embeddi
     its embedding is empty)."""
     ignored = unknown_keys(body, EMBEDDINGS_FIELDS, strict=strict)
     values = read_scalars(body, _EMBEDDINGS)
+    _check_options(body)
     prompt = values["prompt"]
     return EmbeddingRequest(inputs=(prompt,) if prompt else (), params=("prompt",),
                             model=values["model"], keep_alive=keep_alive_of(body),
