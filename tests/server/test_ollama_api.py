@@ -453,6 +453,22 @@ def test_an_unload_during_a_stream_unloads_when_it_ends(client: ollama.Client,
         time.sleep(0.1)
 
 
+def test_a_load_is_for_a_chat_model_and_an_unload_for_any(http: httpx.Client) -> None:
+    """Ollama refuses to load an embedding model for generate or chat; ``ollama stop``
+    sends the unload form for every model."""
+    for path, empty in (("/api/generate", {}), ("/api/chat", {"messages": []})):
+        refused = http.post(path, json={"model": "demo-embedding", **empty})
+        assert refused.status_code == 400, refused.text
+        assert "embedding model" in refused.json()["error"]
+    http.post("/api/embed", json={"model": "demo-embedding", "input": "x"})
+    stopped = http.post("/api/generate", json={"model": "demo-embedding", "keep_alive": 0})
+    assert stopped.status_code == 200 and stopped.json()["done_reason"] == "unload"
+    deadline = time.monotonic() + 20
+    while "demo-embedding:latest" in {m["model"] for m in http.get("/api/ps").json()["models"]}:
+        assert time.monotonic() < deadline, "demo-embedding stayed loaded"
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("keep_alive", [-1, "-1m", "99999999999h", 1e20],
                          ids=["minus-one", "negative-duration", "huge-duration", "huge-number"])
 def test_kept_for_good_shows_a_far_expiry(client: ollama.Client, http: httpx.Client,

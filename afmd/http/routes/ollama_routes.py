@@ -41,7 +41,7 @@ from afmd.dialects.ollama.ollama_api import (
     ndjson,
 )
 from afmd.dialects.ollama.ollama_body import chat_request, generate_request, is_load_request
-from afmd.engine.models.kinds import EMBEDDING
+from afmd.engine.models.kinds import CHAT, EMBEDDING
 from afmd.errors import ConflictError, InvalidRequestError, NotFoundError
 from afmd.http.access import log_access
 from afmd.http.routes import handlers as routes
@@ -137,7 +137,9 @@ async def generate(request: Request) -> HTTPResponse | None:
 
 async def _load(request: Request, body: dict[str, Any], *, chat: bool) -> HTTPResponse:
     """Load the model (its keep-alive from the request), or with ``keep_alive`` 0 unload
-    it once idle: nothing is generated."""
+    it once idle: nothing is generated. A load is for a model that chats, as the request
+    would be (Ollama refuses an embedding model's); an unload is for any model, as
+    ``ollama stop`` sends it."""
     registry = request.app.ctx.state.registry
     name = read_scalars(body, _MODEL)["model"]
     keep_alive = keep_alive_of(body)
@@ -149,7 +151,8 @@ async def _load(request: Request, body: dict[str, Any], *, chat: bool) -> HTTPRe
         if registry.loaded(entry.id) is None:
             return HTTPResponse(load_answer(name, chat=chat, reason=reason),
                                 content_type="application/json")
-    lease = await registry.lease(entry, registry.kind_of(entry), keep_alive=keep_alive)
+    kind = registry.kind_of(entry) if reason == "unload" else CHAT
+    lease = await registry.lease(entry, kind, keep_alive=keep_alive)
     lease.release()
     return HTTPResponse(load_answer(name, chat=chat, reason=reason),
                         content_type="application/json")
