@@ -24,7 +24,7 @@ from afmd.dialects.dialect import Dialect, ReplyEncoder
 from afmd.errors import APIError, InvalidRequestError, NotFoundError, ServiceUnavailableError
 from afmd.http.access import log_access
 from afmd.http.app_state import AppState
-from afmd.http.routes.event_stream import EventStream
+from afmd.http.routes.event_stream import STALL_GRACE, EventStream, Stalled
 from afmd.http.routes.ignored import ignored_headers
 from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.choices import ChoicesRun
@@ -32,6 +32,7 @@ from afmd.service.completion_prompts import PreparedCompletion
 from afmd.service.completion_run import CompletionRun
 from afmd.service.pipeline import ChatPipeline
 from afmd.service.profiling import parse_profile_header
+from afmd.service.run_control import timeout_error
 
 # The state routes live in afmd.http.routes.state_routes; app.py, the connection protocol and the
 # tests find them here too.
@@ -206,32 +207,24 @@ async def _stream(
     extra: dict[str, str],
 ) -> None:
     state = request.app.ctx.state
-    pipeline: ChatPipeline = state.pipeline
     out = EventStream(request, reply, {**SSE_HEADERS, **_response_headers(prepared, extra)})
+    # A client that stops reading gets until its deadline, and then a grace for the stream's
+    # end, before its connection is cut: its writes are the only thing it can stall.
+    late = prepared.deadline + STALL_GRACE
     try:
         try:
-            run = await pipeline.start(prepared)
-            try:
-                async with aclosing(aiter(run)) as batches:
-                    while True:
-                        batch = await _next_batch(state, run, batches)
-                        data = reply.stream(batch)
-                        if run.finished:
-                            _note_end(request, run)
-                            data += reply.stream_end()
-                        await out.write(data, last=run.finished)
-                        if run.finished:
-                            break
-            finally:
-                pipeline.release(run)
-        finally:
-            out.stop()
-    except APIError as exc:
-        if not out.opened:
-            raise  # nothing was sent: a plain error
-        request.ctx.stream_error = exc.code
-        request.ctx.error = exc
-        await out.write(reply.stream_error(exc))
+            await _stream_run(request, prepared, reply, out, late)
+        except APIError as exc:
+            if not out.opened:
+                raise  # nothing was sent: a plain error
+            request.ctx.stream_error = exc.code
+            request.ctx.error = exc
+            await out.write(reply.stream_error(exc), until=late)
+    except Stalled:
+        # What is left cannot reach it: the connection goes, as one the client closed does.
+        request.ctx.stream_error = getattr(request.ctx, "stream_error", None) or "timeout"
+        out.cut()
+        raise asyncio.CancelledError from None
     except asyncio.CancelledError:
         # The connection went away under the stream: the 200 stays, the line says why.
         if out.opened:
@@ -243,7 +236,42 @@ async def _stream(
     finally:
         if out.opened:
             log_access(request, 200, out.sent)
-    await out.eof()
+    try:
+        await out.eof(until=late)
+    except Stalled:
+        out.cut()
+        raise asyncio.CancelledError from None
+
+
+async def _stream_run(
+    request: Request, prepared: PreparedChat | PreparedCompletion, reply: ReplyEncoder,
+    out: EventStream, late: float,
+) -> None:
+    """Run the turn into ``out``; a write the client holds up past the deadline is the
+    run's 504, as if the deadline had found it generating."""
+    state = request.app.ctx.state
+    pipeline: ChatPipeline = state.pipeline
+    try:
+        run = await pipeline.start(prepared)
+        try:
+            async with aclosing(aiter(run)) as batches:
+                while True:
+                    batch = await _next_batch(state, run, batches)
+                    data = reply.stream(batch)
+                    if run.finished:
+                        _note_end(request, run)
+                        data += reply.stream_end()
+                        break
+                    try:
+                        await out.write(data, until=prepared.deadline)
+                    except Stalled:
+                        raise timeout_error() from None
+        finally:
+            pipeline.release(run)
+        # Written once the slot is free: a slow reader's last bytes keep only its connection.
+        await out.write(data, last=True, until=late)
+    finally:
+        out.stop()
 
 
 async def cancel(request: Request, request_id: str) -> HTTPResponse:

@@ -1,0 +1,103 @@
+"""Clients that read their answers slowly, or not at all, over real sockets.
+
+A client that stops reading holds what it was given: its connection. It must not hold a
+generation slot past its request's deadline (queued requests would wait behind it), and a
+response still on its way to a slow reader is neither shed at ``max_connections`` nor cut
+by the keep-alive idle timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from afmd.http.routes.event_stream import STALL_GRACE
+
+from conftest import ServerProcess, start_server
+
+pytestmark = pytest.mark.slow  # servers waiting out deadlines
+
+#: Every token comes with its 20 alternatives, so a few seconds of them fill any socket
+#: buffer; a forced token keeps the model from ever ending on its own.
+BIG = {"logprobs": True, "top_logprobs": 20, "logit_bias": {"5": 100}}
+
+
+def _stalled(unix: Path, path: str, body: dict[str, object]) -> socket.socket:
+    """A request whose client never reads a byte of its answer. Over a Unix socket: its
+    buffers are fixed and small, where loopback TCP grows the server's to megabytes, so
+    the server's writes stall within a fraction of a second."""
+    data = json.dumps(body).encode()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(unix))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
+                 f"\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def _cut(sock: socket.socket, within: float) -> bool:
+    """Whether the server ends the connection within ``within`` seconds (reading it all)."""
+    sock.settimeout(0.5)
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if not sock.recv(1 << 20):
+                return True
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            continue
+    return False
+
+
+def _unix(server: ServerProcess) -> Path:
+    return next(Path(a.removeprefix("unix:")) for a in server.addresses
+                if not a.startswith("http"))
+
+
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    folder = tmp_path_factory.mktemp("one_slot")
+    proc = start_server(folder, config=f"""
+[server]
+unix_socket = "{folder / 'afmd.sock'}"
+request_timeout = 4.0
+[queue]
+max_concurrent_requests = 1
+max_queued_requests = 4
+""")
+    yield proc
+    proc.stop()
+
+
+STREAMS = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi."}],
+                              "max_tokens": 100000, "stream": True, **BIG}),
+    ("/v1/completions", {"prompt": "Hi.", "max_tokens": 100000, "stream": True, "logprobs": 5,
+                         "logit_bias": {"5": 100}}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), STREAMS, ids=[p for p, _ in STREAMS])
+def test_a_stream_nobody_reads_frees_its_slot_at_its_deadline(
+        one_slot: ServerProcess, path: str, body: dict[str, object]) -> None:
+    """The stalled stream's slot goes to the queued request when the stalled one's
+    request_timeout ends, not when Sanic's own timer gives up a minute later."""
+    sent = time.monotonic()
+    stalled = _stalled(_unix(one_slot), path, body)
+    try:
+        time.sleep(2.0)  # generating, and soon blocked writing
+        queued = httpx.post(one_slot.url + "/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 3})
+        assert queued.status_code == 200, queued.text
+        # Still not reading past the deadline and its grace: the connection is cut.
+        time.sleep(max(0.0, sent + 4.0 + STALL_GRACE + 0.5 - time.monotonic()))
+        assert _cut(stalled, 2.0), "the stalled connection was left open"
+    finally:
+        stalled.close()
