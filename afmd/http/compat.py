@@ -181,6 +181,13 @@ class SanicConnection(HttpProtocol):
         """The transport takes writes (the client reads); not paused."""
         return self._can_write.is_set()
 
+    def afmd_unsent(self) -> int:
+        """Bytes of answers the transport still holds for the client (it has not read them
+        yet); at least 1 while writing is paused."""
+        transport = self.transport
+        unsent = transport.get_write_buffer_size() if transport is not None else 0
+        return max(unsent, 0 if self._can_write.is_set() else 1)
+
     def afmd_touch(self) -> None:
         """Activity now: the keep-alive and response timers start again."""
         self._time = monotonic()

@@ -20,6 +20,7 @@ import pytest
 from afmd.http.routes.event_stream import STALL_GRACE
 
 from conftest import ServerProcess, start_server
+from helpers.raw_http import RawConn, Response, check_error
 
 pytestmark = pytest.mark.slow  # servers waiting out deadlines
 
@@ -101,3 +102,49 @@ def test_a_stream_nobody_reads_frees_its_slot_at_its_deadline(
         assert _cut(stalled, 2.0), "the stalled connection was left open"
     finally:
         stalled.close()
+
+
+# --------------------------------------------------------- an answer on its way to a reader
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    folder = tmp_path_factory.mktemp("capped")
+    proc = start_server(folder, config=f"""
+[server]
+unix_socket = "{folder / 'afmd.sock'}"
+max_connections = 1
+idle_timeout = 1.0
+""")
+    yield proc
+    proc.stop()
+
+
+def _answered(server: ServerProcess, request_id: str) -> RawConn:
+    """A finished answer larger than the socket's buffers, the rest held by the server's
+    transport for a client that has not read yet (its head is what Sanic waits for next)."""
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 300,
+                       **BIG}).encode()
+    conn = RawConn(unix=str(_unix(server)), timeout=10)
+    conn.send(f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Request-ID: "
+              f"{request_id}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+              f"\r\n\r\n".encode() + body)
+    server.wait_event("request", request_id=request_id)  # logged as its answer is written
+    time.sleep(0.2)
+    return conn
+
+
+def _whole(response: Response) -> None:
+    assert response.status == 200
+    assert len(response.body) == int(response.headers["content-length"])
+    assert len(response.json()["choices"][0]["logprobs"]["content"]) == 300
+
+
+def test_an_answer_being_delivered_is_never_shed(capped: ServerProcess) -> None:
+    """At max_connections the connection whose answer a slow client is still taking is not
+    the idle one to shed: the newcomer is refused, and the answer arrives whole."""
+    with _answered(capped, "shed-1") as slow:
+        with RawConn(capped.port) as newcomer:
+            newcomer.send(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            check_error(newcomer.read_response(), 503, "too_many_connections")
+        _whole(slow.read_response("POST"))

@@ -174,7 +174,10 @@ class _Lifecycle(SanicConnection):
         between requests, or its head incomplete); None when it must not be shed."""
         if self._afmd_state != _OPEN or self._afmd_pending:
             return None
-        sheddable = self._afmd_gate.awaiting_head and self.afmd_sanic_is_idle()
+        # An answer still on its way to a slow reader is a request in progress: shedding
+        # would drop what the transport holds of it.
+        sheddable = (self._afmd_gate.awaiting_head and self.afmd_sanic_is_idle()
+                     and not self.afmd_unsent())
         return self._afmd_slot.idle_since(now, sheddable)
 
     def afmd_shed(self) -> None:
