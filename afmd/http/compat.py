@@ -21,7 +21,8 @@ What afmd needs from them, and how:
   (``recv_buffer``), its write-pause event (``_can_write``), its activity clock
   (``_time``), its connection task (``_task``) and timeout timer
   (``_callback_check_timeouts``), and ``check_timeouts``, replaced so that a request's
-  deadline runs from its first byte.
+  deadline runs from its first byte and keep-alive idleness from the moment the client has
+  taken the last answer (the transport's write buffer, public asyncio, says when).
 * **The current request** (:func:`forget_current_request`): Sanic's ``Request._current``
   context variable, emptied once a head is parsed so that timers do not hold requests.
 * **Reason phrases** Sanic lacks (421, 431), patched into its status-line table.
@@ -138,8 +139,12 @@ class SanicConnection(HttpProtocol):
     """
 
     HTTP_CLASS = ExactHttp
-    __slots__ = ()
+    __slots__ = ("_afmd_unsent",)
     _callback_check_timeouts: asyncio.TimerHandle | None  # type: ignore[assignment]  # Sanic's, inferred from its None in __init__
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._afmd_unsent = 0  # what check_timeouts last saw waiting for the client
+        super().connection_made(transport)
 
     # -- hooks for the subclass --
     def afmd_sanic_idle(self) -> None:
@@ -217,7 +222,19 @@ class SanicConnection(HttpProtocol):
                     self.afmd_expire()
                     return
             elif idle and not self.afmd_replies_waiting():
-                left = self._time + self.keep_alive_timeout - now
+                # An answer the client is still taking is no idleness, however slowly it
+                # reads (the transport writes on only as the client frees its buffer, so
+                # there may be no sign of it for a while): it is held to the response
+                # timeout, as in the middle of an answer, from the last change in what
+                # waits for it, and keep-alive counts from when the last byte left.
+                unsent = self.afmd_unsent()
+                if unsent != self._afmd_unsent:
+                    self._afmd_unsent = unsent
+                    self._time = now
+                timeout = self.response_timeout if unsent else self.keep_alive_timeout
+                left = self._time + timeout - now
+                if left > 0 and unsent:
+                    left = min(left, 0.5)  # to see the moment the last byte leaves
                 if left <= 0:
                     self._task.cancel()
                     return

@@ -140,6 +140,12 @@ def _whole(response: Response) -> None:
     assert len(response.json()["choices"][0]["logprobs"]["content"]) == 300
 
 
+def _complete(got: bytes) -> bool:
+    head, found, body = got.partition(b"\r\n\r\n")
+    length = [line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+    return bool(found and length) and len(body) >= int(length[0].split(b":")[1])
+
+
 def test_an_answer_being_delivered_is_never_shed(capped: ServerProcess) -> None:
     """At max_connections the connection whose answer a slow client is still taking is not
     the idle one to shed: the newcomer is refused, and the answer arrives whole."""
@@ -147,4 +153,20 @@ def test_an_answer_being_delivered_is_never_shed(capped: ServerProcess) -> None:
         with RawConn(capped.port) as newcomer:
             newcomer.send(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
             check_error(newcomer.read_response(), 503, "too_many_connections")
+        _whole(slow.read_response("POST"))
+
+
+def test_the_keep_alive_clock_waits_for_a_slow_reader(capped: ServerProcess) -> None:
+    """A client reading its answer slowly, for longer than idle_timeout and Sanic's
+    graceful close after it, gets all of it: its connection is not idle while it reads."""
+    time.sleep(0.3)  # the previous test's connections are gone
+    with _answered(capped, "keep-1") as slow:
+        got = b""
+        while not _complete(got):  # about 8 s for its 400 KB: past idle_timeout and the close
+            data = slow.sock.recv(32768)
+            if not data:
+                break
+            got += data
+            time.sleep(0.6)
+        slow.buf = got
         _whole(slow.read_response("POST"))
