@@ -53,6 +53,16 @@ class ToolSpec:
     description: str | None
     parameters: dict[str, Any] | None
     strict: bool = False
+    #: Where the client's body declared what ``parameters`` came from, when the tool's
+    #: index among the offered tools does not say it (Responses' namespaces and hosted
+    #: tools shift the indexes; a custom tool's parameters are its format's definition).
+    declared_at: str | None = None
+
+    def parameters_param(self, index: int) -> str:
+        """The param naming this tool's parameters in an error, the tool offered ``index``th."""
+        if self.declared_at is not None:
+            return self.declared_at
+        return f"tools[{index}].function.parameters"
 
     def as_template_tool(self) -> dict[str, Any]:
         function: dict[str, Any] = {"name": self.name}

@@ -277,7 +277,7 @@ def check_schemas(request: ChatRequest) -> None:
     JSON Schema, whichever model serves the request."""
     for i, tool in enumerate(request.tools):
         if tool.parameters is not None:
-            _check_schema(tool.parameters, f"tools[{i}].function.parameters")
+            _check_schema(tool.parameters, tool.parameters_param(i))
     response_format = request.response_format
     if response_format is not None and response_format.schema is not None:
         _check_schema(response_format.schema, "response_format.json_schema.schema")
@@ -358,7 +358,7 @@ def plan_output(
         allowed = set(allowed_names) if allowed_names is not None else None
         schemas = [
             ToolSchema(t.name, t.parameters or {"type": "object"},
-                       f"tools[{i}].function.parameters")
+                       t.parameters_param(i))
             for i, t in enumerate(request.tools)
             if allowed is None or t.name in allowed
         ]

@@ -141,6 +141,13 @@ def test_profile_event_comes_before_the_end(http, client) -> None:
 
 IMAGE = "data:image/png;base64,iVBORw0KGgo="
 
+BAD_FUNCTION = {"type": "function", "name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer", "minimum": 5, "maximum": 1}},
+    "required": ["x"]}}
+NAMESPACE = {"type": "namespace", "name": "n", "tools": [
+    {"type": "function", "name": "a", "parameters": {"type": "object"}},
+    {"type": "function", "name": "b", "parameters": {"type": "object"}}]}
+
 BAD: list[tuple[dict[str, Any], str, str | None]] = [
     ({"input": "x", "tools": [{"type": "function"}]}, "missing_required_parameter",
      "tools[0].name"),
@@ -202,6 +209,21 @@ BAD: list[tuple[dict[str, Any], str, str | None]] = [
     ({"input": "x", "tools": [{"type": "function", "name": "f",
                                "parameters": {"type": "nope"}}]},
      "invalid_schema", "tools[0].parameters"),
+    # A hosted tool left out, or a namespace's members offered one by one, shifted the
+    # index the error named: it named the tool the body has at that index, or none.
+    ({"input": "x", "tools": [{"type": "web_search"}, BAD_FUNCTION]},
+     "invalid_schema", "tools[1].parameters"),
+    ({"input": "x", "tools": [NAMESPACE, BAD_FUNCTION]}, "invalid_schema",
+     "tools[1].parameters"),
+    ({"input": "x", "tools": [{**BAD_FUNCTION, "name": "g", "parameters": {"type": "object"}},
+                              {**NAMESPACE, "tools": [NAMESPACE["tools"][0], BAD_FUNCTION]}]},
+     "invalid_schema", "tools[1].tools[1].parameters"),
+    ({"input": "x", "tools": [NAMESPACE, {**BAD_FUNCTION, "parameters": {
+        "type": "object", "properties": {"x": {"enum": [-9223372036854775809]}}}}]},
+     "invalid_schema", "tools[1].parameters.properties.x.enum[0]"),
+    ({"input": "x", "tools": [NAMESPACE, {"type": "custom", "name": "c", "format": {
+        "type": "grammar", "syntax": "regex", "definition": "(?i)abc"}}]},
+     "invalid_schema", "tools[1].format.definition"),
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "invalid_value", "reasoning.effort"),
     ({"input": "x", "reasoning": {"budget": 3}}, "unknown_parameter", "reasoning.budget"),
     ({"input": "x", "include": ["reasoning.plaintext"]}, "invalid_value", "include[0]"),

@@ -231,7 +231,7 @@ def _tool_defs(request: ChatRequest, allowed: set[str] | None,
                                                    title=schemas.type_name(tool.name))
         except schemas.SchemaError as exc:
             raise InvalidRequestError(f"Invalid JSON schema: {exc}", code="invalid_schema",
-                                      param=f"tools[{i}].function.parameters") from None
+                                      param=tool.parameters_param(i)) from None
         downgraded = downgraded or converted.downgraded
         defs.append(ToolDef(tool.name, tool.description or "", converted.schema,
                             tool.parameters, server=tool.name in server))
