@@ -391,8 +391,17 @@ def tool_grammar_probe(tokenizer: LLTokenizer, tool: ToolSchema) -> str | None:
     except CompileFailed as exc:
         return f"{exc}."
     if is_error:
-        return (messages or ("invalid schema",))[0].strip().splitlines()[0]
+        return _one_line((messages or ("invalid schema",))[0])
     return None
+
+
+def _one_line(message: str) -> str:
+    """llguidance's message in one line: a regex error's first line only announces it
+    ("regex parse error:"), then quotes the pattern; what is wrong is on its last."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[-1].removeprefix('error: ')}"
+    return lines[0] if lines else message
 
 
 __all__ = [

@@ -246,6 +246,18 @@ def test_bad_input_is_a_400_naming_the_param(http, body: dict[str, Any], code: s
     assert (error["code"], error["param"]) == (code, param), error
 
 
+def test_a_regex_llguidance_refuses_says_why(http) -> None:
+    """llguidance's regex errors announce themselves on one line and say what is wrong on
+    the last: the message kept only "regex parse error:"."""
+    response = http.post("/v1/responses", json={"model": "demo", "input": "x", "tools": [
+        {"type": "custom", "name": "c", "format": {
+            "type": "grammar", "syntax": "regex", "definition": "(?=a)a"}}]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools[0].format.definition"
+    assert "look-around" in error["message"], error
+
+
 def test_unknown_model_and_previous_response_are_404s(http) -> None:
     model = http.post("/v1/responses", json={"model": "nope", "input": "x"})
     assert model.status_code == 404 and model.json()["error"]["param"] == "model"
