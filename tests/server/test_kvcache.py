@@ -9,13 +9,15 @@ disk folder and compare greedy output with the cold run's.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +186,25 @@ def test_a_block_written_to_disk_reads_back_the_same(disk: DiskTier) -> None:
     assert not [p for p in disk.folder.iterdir() if p.name.startswith(layout.TEMP_PREFIX)]
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "layout", "key"])
+def _rewritten(data: bytearray, change: Callable[[Any], Any]) -> bytes:
+    """The file with its header changed and its checksum made to match again: a file a
+    checksum cannot catch (another version's writer, or anyone's)."""
+    size = int.from_bytes(data[12:16], "little")
+    header = change(json.loads(bytes(data[16:16 + size])))
+    raw = json.dumps(header).encode()
+    body = bytes(data[48 + size:])
+    digest = hashlib.sha256(raw)
+    digest.update(body)
+    return bytes(data[:12]) + len(raw).to_bytes(4, "little") + raw + digest.digest() + body
+
+
+def _with_array(header: dict[str, Any], at: int, value: Any) -> dict[str, Any]:
+    header["arrays"][0][at] = value
+    return header
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "layout", "key",
+                                    "header-list", "dtype-number", "shape-text"])
 def test_a_file_that_does_not_match_is_deleted_not_used(disk: DiskTier, damage: str,
                                                         caplog: pytest.LogCaptureFixture
                                                         ) -> None:
@@ -199,6 +219,12 @@ def test_a_file_that_does_not_match_is_deleted_not_used(disk: DiskTier, damage: 
     elif damage == "layout":
         data[8:12] = (LAYOUT + 1).to_bytes(4, "little")
         path.write_bytes(bytes(data))
+    elif damage == "header-list":
+        path.write_bytes(_rewritten(data, lambda header: [1, 2]))
+    elif damage == "dtype-number":
+        path.write_bytes(_rewritten(data, lambda header: _with_array(header, 1, 5)))
+    elif damage == "shape-text":
+        path.write_bytes(_rewritten(data, lambda header: _with_array(header, 0, ["a"])))
     elif damage == "key":  # a file renamed over another block's name
         os.replace(path, layout.block_path(disk.folder, b"j" * 32))
         key = b"j" * 32

@@ -125,6 +125,9 @@ class BatchWorker:
         )
         self._inbox = Inbox()
         self._active: dict[int, Row] = {}
+        # This round's requests prepared but not yet in the batch: a failure admitting one
+        # must fail them too, or they would wait for their deadline unanswered.
+        self._joining: list[Generation] = []
         self._thread = threading.Thread(target=self._run, name=f"afmd-engine-{name}", daemon=True)
         self._started = False
         self._handoff = Handoff()
@@ -225,13 +228,28 @@ class BatchWorker:
     def _iterate(self, arrivals: list[Generation]) -> None:
         """Admit what arrived, drop what was cancelled, step the batch."""
         started = time.perf_counter()
-        admissions = [a for a in map(self._admissions.prepare, arrivals) if a is not None]
+        admissions = []
+        for generation in arrivals:
+            try:
+                admission = self._admissions.prepare(generation)
+            except Exception as exc:
+                if self._lockstep is not None:
+                    raise  # the ranks must plan alike: the group's failure, not a row's
+                # Its prefix lookup read what another process may have written: its
+                # failure is this request's, not the batch's.
+                log.exception("preparing a request failed")
+                fail(generation, _ending(exc))
+                continue
+            if admission is not None:
+                admissions.append(admission)
         cancelled = [s for s in self._active.values() if s.generation.cancel_requested]
         if self._lockstep is not None:
             self._lockstep.share_plan(StepPlan.before_step(
                 [a.plan for a in admissions], [s.uid for s in cancelled], len(self._active)))
+        self._joining = [a.row.generation for a in admissions]
         for admission in admissions:
             row = self._admissions.admit(admission)
+            self._joining.remove(admission.row.generation)
             if row is not None:
                 self._active[row.uid] = row
         self._remove(cancelled)
@@ -278,6 +296,9 @@ class BatchWorker:
         error = _ending(exc)
         for seq in seqs:
             fail(seq.generation, error)
+        for generation in self._joining:
+            fail(generation, error)
+        self._joining = []
         # Generations still in the inbox at shutdown are failed too.
         if exc is None:
             for generation in self._inbox.drain():

@@ -266,7 +266,10 @@ class DiskStore:
             return None
         try:
             block = decode(data, key, identity)
-        except (ValueError, KeyError, TypeError) as exc:
+        except Exception as exc:
+            # A file anyone may write: any misfit is one. A header of another shape (valid
+            # JSON, a valid checksum) raised what a narrower list did not name, and the
+            # file stayed to fail every later lookup.
             log.warning("KV cache block %s deleted: %s", path.name, exc)
             with contextlib.suppress(OSError):
                 path.unlink()
