@@ -159,6 +159,23 @@ def test_a_tail_shorter_than_a_block_is_reused_for_what_it_shares() -> None:
     assert cache.lookup(turn).tokens == 3 * BLOCK + 4  # the same prompt: all but one
 
 
+def test_a_conversation_longer_than_the_tier_keeps_its_head() -> None:
+    """A lookup reaches a block only through every block before it. Used head first, the
+    head was the least recently used and left first: a conversation longer than the RAM
+    tier never found a block in RAM again (cached 16, 0, 0 tokens on three turns)."""
+    turn = list(range(1, 1 + 6 * BLOCK + 5))  # six blocks and a tail
+    layers = [(mx.random.normal((1, 2, len(turn), 8)), mx.random.normal((1, 2, len(turn), 8)))]
+    block_bytes = Block.of([(k[..., :BLOCK, :], v[..., :BLOCK, :]) for k, v in layers]).nbytes
+    ram = RamTier(int(4.5 * block_bytes), 1 << 20)  # four blocks and the tail
+    cache = BlockCache(b"m", BLOCK, ram)
+    cache.store(turn, compat.build(layers))
+    for _ in range(3):  # each turn resends the conversation
+        resume = cache.lookup([*turn, 50])
+        assert resume.tokens >= 4 * BLOCK and resume.ram_tokens == resume.tokens
+        keys = resume.cache[0].keys
+        assert mx.array_equal(keys, layers[0][0][..., : resume.tokens, :]).item()
+
+
 # -- the disk tier ----------------------------------------------------------------------
 
 

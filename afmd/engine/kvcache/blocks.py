@@ -90,18 +90,21 @@ class BlockCache:
         parts: list[list[compat.Layer]] = []
         ram = disk = 0
         last = self._root
+        used: list[tuple[bytes, Block | None]] = []  # (key, the block read from disk)
         for i, key in enumerate(self.keys(prompt, usable // size)):
             block = self.ram.get(key)
             if block is not None:
                 ram += size
+                used.append((key, None))
             elif self.disk is not None and (block := self.disk.get(key)) is not None:
                 disk += size
-                self.ram.put(key, block)
+                used.append((key, block))
                 self._follows(last, prompt[i * size:(i + 1) * size], key)
             else:
                 break
             parts.append(block.layers)
             last = key
+        self._keep_head_first(used)
         start = len(parts) * size
         rest = prompt[start:usable]
         follower, shared = self._follower(last, rest)
@@ -120,6 +123,18 @@ class BlockCache:
             for i in range(len(parts[0]))
         ]
         return Resume(compat.build(layers), start + shared, ram, disk)
+
+    def _keep_head_first(self, chain: list[tuple[bytes, Block | None]]) -> None:
+        """Mark a chain's blocks used from its end to its head, holding those given (read
+        from disk) as they come: a lookup reaches a block only through every block before
+        it, so when the tier cannot hold the whole chain it must keep the head and let the
+        end go (used head first, the head went first, and a conversation longer than the
+        tier never found a block in RAM again)."""
+        for key, block in reversed(chain):
+            if block is not None:
+                self.ram.put(key, block)
+            else:
+                self.ram.touch((key,))
 
     def _follower(self, before: bytes, rest: list[int]) -> tuple[Block | None, int]:
         """The block or tail held after ``before`` sharing the most leading tokens with
@@ -170,15 +185,19 @@ class BlockCache:
         size = self.block_tokens
         held = min(offset, len(tokens))
         keys = self.keys(tokens, held // size)
-        before = self._root
-        for i, key in enumerate(keys):
+        # From the end to the head, in both tiers: the head is what every lookup needs
+        # first, so it is the most recently used (see _keep_head_first).
+        for i in reversed(range(len(keys))):
+            key = keys[i]
             block = self.ram.peek(key)
             if block is None:
                 block = self._copy(_slice(layers, i * size, (i + 1) * size))
                 self.ram.put(key, block)
-            self._follows(before, tokens[i * size:(i + 1) * size], key)
             if self.disk is not None:
                 self.disk.put(key, block)  # queued; skipped when already on disk
+        before = self._root
+        for i, key in enumerate(keys):
+            self._follows(before, tokens[i * size:(i + 1) * size], key)
             before = key
         start = len(keys) * size
         if held > start:

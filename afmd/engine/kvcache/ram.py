@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from afmd.engine.kvcache.kv_compat import Layer
@@ -73,6 +74,13 @@ class RamTier:
                 _, gone = self._blocks.popitem(last=False)
                 self.nbytes -= gone.nbytes
                 self.evictions += 1
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark the held ones of ``keys`` used, in order (the last the most recently)."""
+        with self._lock:
+            for key in keys:
+                if key in self._blocks:
+                    self._blocks.move_to_end(key)
 
     def peek(self, key: bytes) -> Block | None:
         """A held block, marked used, without counting a hit or a miss (a finished row
