@@ -256,6 +256,35 @@ def test_a_file_that_does_not_match_is_deleted_not_used(disk: DiskTier, damage: 
     assert disk.misses == 1 and any("deleted" in r.getMessage() for r in caplog.records)
 
 
+def test_a_chain_read_from_disk_leaves_its_head_the_newest(tmp_path: Path) -> None:
+    """The disk tier's order survives a restart in the files' times: a chain read back
+    (after a restart) is marked used from its end to its head there too, or the head,
+    read first, would be the first of it evicted."""
+    turn = list(range(1, 1 + 4 * BLOCK))
+    layers = [(mx.random.normal((1, 2, len(turn), 8)), mx.random.normal((1, 2, len(turn), 8)))]
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    first = DiskTier(store, b"m", "m")
+    writer = BlockCache(b"m", BLOCK, RamTier(1 << 30, 1 << 20), first)
+    writer.store(turn, compat.build(layers))
+    assert store.flush()
+    store.close()
+    folder = tmp_path / "kv"
+    keys = writer.keys(turn, 4)
+    paths = [layout.block_path(first.folder, key) for key in keys]
+    assert all(path.is_file() for path in paths)
+    for i, path in enumerate(paths):
+        os.utime(path, ns=(10**18, 10**18 + i))  # the head the oldest
+    # A restart with room for these four files alone: one more write evicts one.
+    again = DiskStore(folder, sum(path.stat().st_size for path in paths))
+    tier = DiskTier(again, b"m", "m")
+    reader = BlockCache(b"m", BLOCK, RamTier(1 << 30, 1 << 20), tier)
+    assert reader.lookup([*turn, 9]).disk_tokens == 4 * BLOCK
+    tier.put(b"z" * 32, _block(5, tokens=BLOCK, layers=1))
+    assert again.flush()
+    assert paths[0].is_file() and not paths[-1].exists()  # the chain's end went
+    again.close()
+
+
 def test_files_deleted_behind_its_back_are_all_written_again(disk: DiskTier) -> None:
     """Another process sharing the folder (its evictions), ``afmd cache clear`` or a user
     deleted a prefix's files. The first read that misses has the writer check the

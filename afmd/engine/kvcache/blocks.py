@@ -133,6 +133,8 @@ class BlockCache:
         for key, block in reversed(chain):
             if block is not None:
                 self.ram.put(key, block)
+                if self.disk is not None:  # its read marked it head first there too
+                    self.disk.touch(key)
             else:
                 self.ram.touch((key,))
 

@@ -285,6 +285,15 @@ class DiskStore:
             os.utime(path)  # the LRU order survives a restart
         return block
 
+    def touch(self, path: Path) -> None:
+        """Mark a file read before as used now (its place in the eviction order)."""
+        with self._lock:
+            if path not in self._files:
+                return
+            self._files.move_to_end(path)
+        with contextlib.suppress(OSError):
+            os.utime(path)
+
     def _recheck_later(self, folder: Path) -> None:
         """A file this process indexed is gone: someone else deleted it (another process
         sharing the folder evicting, ``afmd cache clear``, a user), and likely its
@@ -444,6 +453,9 @@ class DiskTier:
 
     def has(self, key: bytes) -> bool:
         return layout.block_path(self.folder, key).exists()
+
+    def touch(self, key: bytes) -> None:
+        self.store.touch(layout.block_path(self.folder, key))
 
     def put(self, key: bytes, block: Block) -> None:
         self.store.queue(layout.block_path(self.folder, key), key, self.identity, block)
