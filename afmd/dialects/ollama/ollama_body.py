@@ -146,8 +146,7 @@ def _sampling(options: dict[str, Any]) -> dict[str, Any]:
     if penalty is not None and window != 0:  # a window of 0 turns the penalty off
         fields["repetition_penalty"] = penalty
         if window is not None:
-            # A window past any sequence is all of it (as Ollama reads it).
-            fields["repetition_context"] = UNCAPPED if window < 0 else min(window, UNCAPPED)
+            fields["repetition_context"] = UNCAPPED if window < 0 else window
     if options["stop"]:
         fields["stop"] = options["stop"]
     return fields

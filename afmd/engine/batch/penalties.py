@@ -40,7 +40,8 @@ class OverOutput:
         return self._inner(tokens[self._start:], logits)
 
 
-#: A repetition window longer than any sequence: the whole of it.
+#: A repetition window longer than any sequence: the whole of it (as Ollama reads a huge
+#: ``repeat_last_n``).
 _LONGEST_WINDOW = 1 << 30
 
 

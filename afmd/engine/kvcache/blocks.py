@@ -136,7 +136,7 @@ class BlockCache:
                 if self.disk is not None:  # its read marked it head first there too
                     self.disk.touch(key)
             else:
-                self.ram.touch((key,))
+                self.ram.touch(key)
 
     def _follower(self, before: bytes, rest: list[int]) -> tuple[Block | None, int]:
         """The block or tail held after ``before`` sharing the most leading tokens with

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from afmd.engine.kvcache.kv_compat import Layer
@@ -75,12 +74,11 @@ class RamTier:
                 self.nbytes -= gone.nbytes
                 self.evictions += 1
 
-    def touch(self, keys: Iterable[bytes]) -> None:
-        """Mark the held ones of ``keys`` used, in order (the last the most recently)."""
+    def touch(self, key: bytes) -> None:
+        """Mark ``key``'s block, if held, the most recently used."""
         with self._lock:
-            for key in keys:
-                if key in self._blocks:
-                    self._blocks.move_to_end(key)
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
 
     def peek(self, key: bytes) -> Block | None:
         """A held block, marked used, without counting a hit or a miss (a finished row
