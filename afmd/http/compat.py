@@ -26,6 +26,9 @@ What afmd needs from them, and how:
 * **The current request** (:func:`forget_current_request`): Sanic's ``Request._current``
   context variable, emptied once a head is parsed so that timers do not hold requests.
 * **Reason phrases** Sanic lacks (421, 431), patched into its status-line table.
+* **The head of an HTTP/1.0 stream** (:meth:`ExactHttp.http1_response_header`): Sanic's
+  framing state (``response_func``, ``stage``, ``_send``), to end such a body with the
+  connection where Sanic would send chunked coding HTTP/1.0 does not have.
 * **The listener's accept reader** (:func:`accept_failure`, :func:`forget_accept_reader`):
   asyncio's ``Handle._callback``/``_args``, ``BaseSelectorEventLoop._accept_connection``
   and the loop's ``_selector``, to stop an accept() error storm on a broken listener.
@@ -112,6 +115,44 @@ class ExactHttp(Http):
         if request is not None and not request.head.isascii():
             request.headers = Header(exact_fields(request.head))
         forget_current_request()
+
+    async def http1_response_header(self, data: bytes, end_stream: bool) -> None:
+        """Sanic's, except that a body of unknown length to an HTTP/1.0 client ends with
+        the connection.
+
+        Sanic frames every such body chunked, a coding HTTP/1.0 does not have (a server
+        must not send Transfer-Encoding to it, RFC 9112 6.1): a 1.0 client would read the
+        chunk sizes as part of the event stream. Only this case is written here; every
+        other goes to Sanic's as it is.
+        """
+        res = self.response
+        request = self.request
+        if (end_stream or self.head_only or request is None or request.version != "1.0"
+                or res is None or "content-length" in res.headers
+                or not sanic_helpers.has_message_body(res.status)
+                or (not data and getattr(res, "body", None))):
+            await Http.http1_response_header(self, data, end_stream)
+            return
+        self.keep_alive = False
+        self.response_size = len(data)
+        res.headers["connection"] = "close"
+        head = sanic_headers.format_http1_response(res.status, res.processed_headers)
+        if self.expecting_continue:
+            self.expecting_continue = False  # the answer came first: no 100 Continue now
+        self.response_func = self._until_close
+        if self.protocol.access_log:
+            self.log_response()
+        await self._send(head + data)
+        self.stage = Stage.RESPONSE
+
+    async def _until_close(self, data: bytes, end_stream: bool) -> None:
+        """A part of a close-delimited body; the last leaves the connection to close (it is
+        not kept alive)."""
+        if data:
+            await self._send(data)
+        if end_stream:
+            self.response_func = None  # type: ignore[assignment]  # as Sanic's own writers end
+            self.stage = Stage.IDLE
 
 
 def forget_current_request() -> None:
@@ -300,6 +341,10 @@ def _fingerprint(obj: Callable[..., Any]) -> str:
 SANIC_CODE: dict[str, tuple[Callable[..., Any], str]] = {
     # re-reads the gate's bytes; ExactHttp wraps it
     "Http.http1_request_header": (Http.http1_request_header, "d3cd937dc1821c5e"),
+    # framing, keep-alive and 100-continue of an answer's head; ExactHttp takes over the
+    # HTTP/1.0 stream of unknown length, with the same state (response_func, stage,
+    # response_size, expecting_continue, _send, log_response)
+    "Http.http1_response_header": (Http.http1_response_header, "dff02555548d5f37"),
     # runs init_for_request at each request-loop turn, then waits on recv_buffer
     "Http.http1": (Http.http1, "919e9cb430e3bbf9"),
     "Http.init_for_request": (Http.init_for_request, "dd13f0b10a937525"),

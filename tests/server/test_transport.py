@@ -330,6 +330,33 @@ def test_http10(screen: ServerProcess) -> None:
         assert conn.closed()
 
 
+@pytest.mark.parametrize("connection", ["", "Connection: keep-alive\r\n"])
+def test_http10_stream_ends_with_the_connection(screen: ServerProcess, connection: str) -> None:
+    """HTTP/1.0 has no chunked coding (a server must not send it Transfer-Encoding, RFC
+    9112 6.1): a stream of unknown length is delimited by the close, whatever keep-alive
+    the client asked for."""
+    body = chat_body(stream=True, max_tokens=5)
+    head = POST_HEAD.replace(" HTTP/1.1", " HTTP/1.0")
+    response, closed = exchange(
+        screen.port, (head + connection + f"Content-Length: {len(body)}\r\n\r\n").encode()
+        + body, method="POST")
+    assert response.status == 200
+    assert "transfer-encoding" not in response.headers, response.headers
+    assert "content-length" not in response.headers
+    assert response.headers["connection"] == "close"
+    assert parse_sse(response.body.decode())[-1] == "[DONE]"
+    assert closed
+    # A whole answer keeps its length, and the keep-alive the client asked for.
+    plain = chat_body(max_tokens=2)
+    with RawConn(screen.port) as conn:
+        conn.send((head + connection + f"Content-Length: {len(plain)}\r\n\r\n").encode()
+                  + plain)
+        answer = conn.read_response("POST")
+        assert answer.status == 200
+        assert int(answer.headers["content-length"]) == len(answer.body)
+        assert answer.json()["object"] == "chat.completion"
+
+
 def test_http10_foreign_host_refused(screen: ServerProcess) -> None:
     response, closed = exchange(screen.port, "GET /health HTTP/1.0\r\nHost: evil.example\r\n\r\n")
     check_error(response, 421, "invalid_host")
