@@ -57,12 +57,20 @@ class ToolSpec:
     #: index among the offered tools does not say it (Responses' namespaces and hosted
     #: tools shift the indexes; a custom tool's parameters are its format's definition).
     declared_at: str | None = None
+    #: Where the client's body declared the tool's name, for the same reason.
+    named_at: str | None = None
 
     def parameters_param(self, index: int) -> str:
         """The param naming this tool's parameters in an error, the tool offered ``index``th."""
         if self.declared_at is not None:
             return self.declared_at
         return f"tools[{index}].function.parameters"
+
+    def name_param(self, index: int) -> str:
+        """The param naming this tool's name in an error, the tool offered ``index``th."""
+        if self.named_at is not None:
+            return self.named_at
+        return f"tools[{index}].function.name"
 
     def as_template_tool(self) -> dict[str, Any]:
         function: dict[str, Any] = {"name": self.name}

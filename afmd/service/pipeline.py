@@ -64,7 +64,7 @@ def _with_server_tools(request: ChatRequest, tools: ServerTools) -> ChatRequest:
                 f"The tool name '{tool.name}' is taken by a server tool of this afmd; "
                 "rename your tool.",
                 code="invalid_value",
-                param=f"tools[{i}].function.name",
+                param=tool.name_param(i),
             )
     return dataclasses.replace(request, tools=(*request.tools, *tools.specs()))
 

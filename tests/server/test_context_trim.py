@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -80,8 +81,17 @@ def check_invariants(original: tuple[Message, ...], kept: tuple[Message, ...]) -
             assert id(m) in kept_ids, "system/developer instructions dropped"
     users = [i for i, m in enumerate(original) if m.role == "user"]
     if users:
-        for m in original[users[-1]:]:
-            assert id(m) in kept_ids, "the current turn lost a message"
+        assert id(original[users[-1]]) in kept_ids, "the last user message dropped"
+        # The current turn's last round: its last assistant message and all after it.
+        answers = [i for i, m in enumerate(original) if m.role == "assistant"
+                   and i > users[-1]]
+        for m in original[answers[-1] if answers else users[-1]:]:
+            assert id(m) in kept_ids, "the current turn lost its last round"
+        # The current turn loses rounds only once every older turn is gone.
+        if any(id(m) not in kept_ids for m in original[users[-1]:]):
+            assert not any(id(m) in kept_ids for m in original[:users[-1]]
+                           if m.role not in ("system", "developer")), \
+                "a round of the current turn went before an older turn"
     # Calls and outputs together: every kept output's call is kept, and vice versa.
     calls = {c.id: m for m in original for c in m.tool_calls}
     outputs: dict[str, list[Message]] = {}
@@ -131,6 +141,19 @@ def test_without_units_keeps_the_invariants(count: int) -> None:
     # The oldest go first: what is dropped is exactly the first `count` units.
     gone = {i for u in units[:count] for i in u}
     assert kept == tuple(m for i, m in enumerate(CONVERSATION) if i not in gone)
+
+
+def test_the_current_turns_older_rounds_go_last() -> None:
+    """An agent's loop: one user message, then only calls. Its older rounds may go once
+    every older turn has, never the user message nor the latest round."""
+    loop = (sys_(), user("u1"), assistant("a1"), user("task"), call("c1"), tool("c1"),
+            Message(role="developer", content="D"), call("c2", "c3"), tool("c2"), tool("c3"),
+            assistant("so far"), call("c4"), tool("c4"))
+    assert droppable_units(loop) == [[1, 2], [4, 5], [7, 8, 9], [10]]
+    kept, dropped = without_units(loop, droppable_units(loop), 4)
+    assert dropped == 8
+    assert [m.content for m in kept] == ["rules", "task", "D", None, "out"]
+    check_invariants(loop, kept)
 
 
 def test_nothing_droppable_without_history() -> None:
@@ -484,3 +507,56 @@ def test_responses_truncation_decides_per_request(
         validate_error(response.json())
         error = response.json()["error"]
         assert (error["code"], error["param"]) == ("context_length_exceeded", "input")
+
+
+def agent_loop(rounds: int = 10) -> list[dict[str, Any]]:
+    """Responses input items as an agent sends them: one task, then only its calls (each
+    after a reasoning item) and their outputs."""
+    items: list[dict[str, Any]] = [{"role": "user", "content": "Look it all up."}]
+    for k in range(rounds):
+        items += [
+            {"type": "reasoning", "id": f"rs_{k}", "summary": [
+                {"type": "summary_text", "text": f"Step {k}."}]},
+            {"type": "function_call", "call_id": f"call_{k}", "name": "lookup",
+             "arguments": json.dumps({"q": k})},
+            {"type": "function_call_output", "call_id": f"call_{k}",
+             "output": "lorem ipsum dolor"},
+        ]
+    return items
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_truncation_auto_trims_an_agents_loop(
+    fail_server: ServerProcess, stream: bool
+) -> None:
+    """Everything after the one user message is calls: "auto" drops the oldest of them
+    (each with its output), keeps the task, the instructions and the latest call, where
+    before it refused the loop as too long whatever ``truncation`` said. (No tools: the
+    demo template's tool prompt alone would fill the small window.)"""
+    budget = 16
+    request: dict[str, Any] = {
+        "model": "small", "input": agent_loop(), "instructions": "Be brief.",
+        "truncation": "auto", "max_output_tokens": budget, "temperature": 0,
+        "store": False, "stream": stream}
+    response = httpx.post(fail_server.url + "/v1/responses", json=request, timeout=60)
+    assert response.status_code == 200, response.text
+    assert int(response.headers["X-AFM-Trimmed-Messages"]) > 0
+    if stream:
+        events = [json.loads(block.partition("data: ")[2])
+                  for block in response.text.split("\n\n") if block.strip()]
+        answer = events[-1]["response"]
+    else:
+        answer = response.json()
+        validate_responses_object(answer)
+    assert answer["usage"]["input_tokens"] + budget <= LIMIT
+    count = {key: request[key] for key in ("model", "input", "instructions", "truncation")}
+    counted = httpx.post(fail_server.url + "/v1/responses/input_tokens", json=count,
+                         timeout=60)
+    assert counted.status_code == 200, counted.text
+    # The count leaves room for one token, the turn for max_output_tokens: it may keep more.
+    assert answer["usage"]["input_tokens"] <= counted.json()["input_tokens"] < LIMIT
+    disabled = httpx.post(fail_server.url + "/v1/responses",
+                          json={**request, "truncation": "disabled"}, timeout=60)
+    assert disabled.status_code == 400, disabled.text
+    error = disabled.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "input")

@@ -296,6 +296,33 @@ def test_request_tool_named_like_a_server_tool_is_rejected(tool_server: ToolServ
     assert PROBE in error["error"]["message"]
 
 
+def _function(name: str) -> dict[str, Any]:
+    return {"type": "function", "name": name, "parameters": WORD_SCHEMA}
+
+
+@pytest.mark.parametrize(("tools", "param"), [
+    ([_function(CLIENT), _function(PROBE)], "tools[1].name"),
+    ([{"type": "web_search"}, _function(CLIENT), _function(PROBE)], "tools[2].name"),
+    ([{"type": "namespace", "name": "ns", "tools": [_function("a"), _function("b")]},
+      _function(PROBE)], "tools[1].name"),
+    ([{"type": "namespace", "name": "ns", "tools": [_function("a"), _function(PROBE)]}],
+     "tools[0].tools[1].name"),
+    ([{"type": "web_search"}, {"type": "custom", "name": PROBE}], "tools[1].name"),
+], ids=["flat", "after-hosted", "after-namespace", "in-namespace", "custom"])
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/responses/input_tokens"])
+def test_responses_tool_named_like_a_server_tool_names_it_as_sent(
+    tool_server: ToolServer, tools: list[dict[str, Any]], param: str, path: str
+) -> None:
+    """The Responses body's own path to the name: hosted tools left out and namespaces
+    offered as their functions make the offered tool's index another tool's."""
+    body = {"model": "demo", "input": "Look up a word for me.", "tools": tools}
+    response = httpx.post(tool_server.url + path, json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", param)
+    assert PROBE in error["message"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_call_returns_only_the_client_call(tool_server: ToolServer, stream: bool) -> None:
     before = len(marks(tool_server.probe_marks))

@@ -311,6 +311,28 @@ def test_strict_anthropic_answers_as_anthropic(strict: ServerProcess) -> None:
                                      extra_body={"max_tokens": 5})
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/api/chat", {"model": "demo", "messages": USER, "stream": False, "num_ctx": 1}),
+    ("/api/generate", {"model": "demo", "prompt": "x", "stream": False, "num_ctx": 1}),
+    ("/api/embed", {"model": "demo-embedding", "input": "x", "num_ctx": 1}),
+    # Bodies that only load or unload the model: "keep_alve" is the unload misspelt.
+    ("/api/chat", {"model": "demo", "keep_alve": 0}),
+    ("/api/generate", {"model": "demo", "keep_alve": 0}),
+], ids=["chat", "generate", "embed", "chat-load", "generate-load"])
+def test_strict_refuses_ollamas_unknown_fields(
+    strict: ServerProcess, tolerant: ServerProcess, path: str, body: dict[str, Any]
+) -> None:
+    """Ollama's envelope names no param: the message does. Without strict, the same body
+    is served and its field named in the header."""
+    name = next(key for key in body if key in ("num_ctx", "keep_alve"))
+    refused = httpx.post(strict.url + path, json=body, timeout=60)
+    assert refused.status_code == 400, refused.text
+    assert refused.json() == {"error": f"Unrecognized request argument supplied: {name}"}
+    served = httpx.post(tolerant.url + path, json=body, timeout=60)
+    assert served.status_code == 200, served.text
+    assert served.headers[HEADER] == name
+
+
 # ---------------------------------------------------------------------------- extensions
 
 

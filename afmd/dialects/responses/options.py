@@ -144,12 +144,12 @@ def _function_or_custom(tool: dict[str, Any], p: str, kind: str,
         echo: dict[str, Any] = {"type": "custom", "name": name, "description": description,
                                 "format": format_ or {"type": "text"}}
         return ToolSpec(name, description, custom_parameters(format_), True,
-                        declared_at=f"{p}.format.definition"), echo
+                        declared_at=f"{p}.format.definition", named_at=f"{p}.name"), echo
     parameters = optional(tool, "parameters", f"{p}.parameters", dict, "an object")
     strict = optional(tool, "strict", f"{p}.strict", bool, "a boolean")
     strict = True if strict is None else strict  # the Responses API's default
     return ToolSpec(name, description, parameters, strict,
-                    declared_at=f"{p}.parameters"), {
+                    declared_at=f"{p}.parameters", named_at=f"{p}.name"), {
         "type": "function", "name": name, "description": description,
         "parameters": parameters, "strict": strict}
 

@@ -24,7 +24,7 @@ from sanic.response import HTTPResponse
 
 from afmd.core.events import Usage
 from afmd.dialects.fields.body import parse_json_body
-from afmd.dialects.fields.checks import Scalar, read_scalars
+from afmd.dialects.fields.checks import Scalar, read_scalars, unknown_keys
 from afmd.dialects.fields.keep_alive import keep_alive_of
 from afmd.dialects.ollama.embed_body import (
     embed_body,
@@ -40,7 +40,13 @@ from afmd.dialects.ollama.ollama_api import (
     load_answer,
     ndjson,
 )
-from afmd.dialects.ollama.ollama_body import chat_request, generate_request, is_load_request
+from afmd.dialects.ollama.ollama_body import (
+    CHAT_FIELDS,
+    GENERATE_FIELDS,
+    chat_request,
+    generate_request,
+    is_load_request,
+)
 from afmd.engine.models.kinds import CHAT, EMBEDDING
 from afmd.errors import ConflictError, InvalidRequestError, NotFoundError
 from afmd.http.access import log_access
@@ -139,8 +145,13 @@ async def _load(request: Request, body: dict[str, Any], *, chat: bool) -> HTTPRe
     """Load the model (its keep-alive from the request), or with ``keep_alive`` 0 unload
     it once idle: nothing is generated. A load is for a model that chats, as the request
     would be (Ollama refuses an embedding model's); an unload is for any model, as
-    ``ollama stop`` sends it."""
-    registry = request.app.ctx.state.registry
+    ``ollama stop`` sends it. Its unknown fields are a turn's: a misspelt ``keep_alive``
+    would load where the client meant to unload, so ``[api] strict`` refuses them too."""
+    state = request.app.ctx.state
+    registry = state.registry
+    ignored = unknown_keys(body, CHAT_FIELDS if chat else GENERATE_FIELDS,
+                           strict=state.config.api.strict)
+    headers = ignored_headers(ignored, routes.request_id_of(request))
     name = read_scalars(body, _MODEL)["model"]
     keep_alive = keep_alive_of(body)
     request.ctx.model = name
@@ -149,12 +160,12 @@ async def _load(request: Request, body: dict[str, Any], *, chat: bool) -> HTTPRe
     if keep_alive == 0:
         reason = "unload"
         if registry.loaded(entry.id) is None:
-            return HTTPResponse(load_answer(name, chat=chat, reason=reason),
+            return HTTPResponse(load_answer(name, chat=chat, reason=reason), headers=headers,
                                 content_type="application/json")
     kind = registry.kind_of(entry) if reason == "unload" else CHAT
     lease = await registry.lease(entry, kind, keep_alive=keep_alive)
     lease.release()
-    return HTTPResponse(load_answer(name, chat=chat, reason=reason),
+    return HTTPResponse(load_answer(name, chat=chat, reason=reason), headers=headers,
                         content_type="application/json")
 
 
