@@ -318,19 +318,35 @@ def test_strict_anthropic_answers_as_anthropic(strict: ServerProcess) -> None:
     # Bodies that only load or unload the model: "keep_alve" is the unload misspelt.
     ("/api/chat", {"model": "demo", "keep_alve": 0}),
     ("/api/generate", {"model": "demo", "keep_alve": 0}),
-], ids=["chat", "generate", "embed", "chat-load", "generate-load"])
+    ("/api/show", {"model": "demo", "verbos": True}),
+], ids=["chat", "generate", "embed", "chat-load", "generate-load", "show"])
 def test_strict_refuses_ollamas_unknown_fields(
     strict: ServerProcess, tolerant: ServerProcess, path: str, body: dict[str, Any]
 ) -> None:
     """Ollama's envelope names no param: the message does. Without strict, the same body
     is served and its field named in the header."""
-    name = next(key for key in body if key in ("num_ctx", "keep_alve"))
+    name = next(key for key in body if key in ("num_ctx", "keep_alve", "verbos"))
     refused = httpx.post(strict.url + path, json=body, timeout=60)
     assert refused.status_code == 400, refused.text
     assert refused.json() == {"error": f"Unrecognized request argument supplied: {name}"}
     served = httpx.post(tolerant.url + path, json=body, timeout=60)
     assert served.status_code == 200, served.text
     assert served.headers[HEADER] == name
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    # A misspelt ``model`` beside ``name`` would delete or fetch the model ``name`` says.
+    ("/api/delete", {"name": "demo", "modle": "other"}),
+    ("/api/pull", {"model": "owner/repo", "stream": False, "insecure": True, "modle": "x"}),
+], ids=["delete", "pull"])
+def test_strict_refuses_unknown_fields_of_ollamas_model_requests(
+    strict: ServerProcess, path: str, body: dict[str, Any]
+) -> None:
+    """Refused before anything is looked up or fetched (Ollama's own fields pass)."""
+    refused = httpx.request("DELETE" if path == "/api/delete" else "POST", strict.url + path,
+                            json=body, timeout=60)
+    assert refused.status_code == 400, refused.text
+    assert refused.json() == {"error": "Unrecognized request argument supplied: modle"}
 
 
 # ---------------------------------------------------------------------------- extensions

@@ -87,6 +87,21 @@ _log = get_logger("afmd.hub")
 
 _MODEL = (Scalar("model", "string", required=True),)
 _PULL = (Scalar("model", "string", required=True), Scalar("stream", "boolean", default=True))
+#: The fields of Ollama's model requests (its api/types.go), ``name`` its older spelling of
+#: ``model``: the rest are refused under ``[api] strict`` and named otherwise, as a turn's.
+SHOW_FIELDS = frozenset({"model", "name", "verbose", "system", "template", "options"})
+DELETE_FIELDS = frozenset({"model", "name"})
+PULL_FIELDS = frozenset({"model", "name", "stream", "insecure", "username", "password"})
+
+
+def _model_request_headers(request: Request, body: dict[str, Any],
+                           known: frozenset[str]) -> dict[str, str]:
+    """The unknown fields of a model request, refused under ``[api] strict`` (a misspelt
+    ``model`` beside ``name`` would act on another model) and named in the header
+    otherwise."""
+    strict = request.app.ctx.state.config.api.strict
+    return ignored_headers(unknown_keys(body, known, strict=strict),
+                           routes.request_id_of(request))
 
 
 def add_routes(app: Sanic) -> None:
@@ -233,12 +248,14 @@ async def tags(request: Request) -> HTTPResponse:
 async def show(request: Request) -> HTTPResponse:
     state = request.app.ctx.state
     body = parse_json_body(request.body)
+    headers = _model_request_headers(request, body, SHOW_FIELDS)
     if "model" not in body and isinstance(body.get("name"), str):
         body["model"] = body["name"]  # Ollama's older spelling
     name = read_scalars(body, _MODEL)["model"]
     request.ctx.model = name
     entry = state.registry.resolve(name)
-    return _json(await asyncio.to_thread(ollama_models.show, state, name, entry))
+    return _json(await asyncio.to_thread(ollama_models.show, state, name, entry),
+                 headers=headers)
 
 
 async def ps(request: Request) -> HTTPResponse:
@@ -254,6 +271,7 @@ async def delete(request: Request) -> HTTPResponse:
     loaded, and never a configured folder: only what ``afmd rm`` deletes)."""
     state = request.app.ctx.state
     body = parse_json_body(request.body)
+    headers = _model_request_headers(request, body, DELETE_FIELDS)
     if "model" not in body and isinstance(body.get("name"), str):
         body["model"] = body["name"]
     name = read_scalars(body, _MODEL)["model"]
@@ -274,7 +292,7 @@ async def delete(request: Request) -> HTTPResponse:
                             "keep_alive 0) or wait for its keep-alive to end",
                             code="model_in_use", param="model")
     await asyncio.to_thread(hubcache.remove, repo)
-    return HTTPResponse(status=200)
+    return HTTPResponse(status=200, headers=headers)
 
 
 # ---------------------------------------------------------------------------- pull
@@ -297,6 +315,7 @@ async def pull(request: Request) -> HTTPResponse | None:
     from afmd.hub.download import pull as pull_model
 
     body = parse_json_body(request.body)
+    headers = _model_request_headers(request, body, PULL_FIELDS)
     if "model" not in body and isinstance(body.get("name"), str):
         body["model"] = body["name"]
     values = read_scalars(body, _PULL)
@@ -352,17 +371,17 @@ async def pull(request: Request) -> HTTPResponse | None:
                 last = item
             if "error" in last:
                 raise InvalidRequestError(last["error"], code="pull_failed", param="model")
-            return _json({"status": "success"})
-        await _stream_pull(request, queue)
+            return _json({"status": "success"}, headers=headers)
+        await _stream_pull(request, queue, headers)
         return None
     finally:
         stop.set()  # cancelled (the client left, the server stops) or over: harmless then
 
 
-async def _stream_pull(request: Request,
-                       queue: asyncio.Queue[dict[str, Any] | None]) -> None:
+async def _stream_pull(request: Request, queue: asyncio.Queue[dict[str, Any] | None],
+                       headers: dict[str, str]) -> None:
     request.ctx.streamed = True
-    response = await request.respond(status=200, content_type=MEDIA_TYPE)
+    response = await request.respond(status=200, headers=headers, content_type=MEDIA_TYPE)
     sent = 0
     try:
         while (item := await queue.get()) is not None:
