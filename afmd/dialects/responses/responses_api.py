@@ -101,14 +101,15 @@ class OpenAIResponses:
 
     name = "openai_responses"
 
-    def __init__(self, store: ResponseStore) -> None:
+    def __init__(self, store: ResponseStore, *, truncation: str = "disabled") -> None:
         self.store = store
+        self.truncation = truncation  # a body's that names none: the server's policy
 
     def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
               strict: bool = False) -> ResponsesRequest:
         return parse_responses_request(parse_json_body(raw), lookup=self.store.conversation,
                                        find_item=self.store.item, server_tools=server_tools,
-                                       strict=strict)
+                                       strict=strict, truncation=self.truncation)
 
     def parse_count(
         self, raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False

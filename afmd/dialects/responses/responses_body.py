@@ -159,9 +159,13 @@ def parse_responses_request(
     server_tools: Collection[str] = (),
     counting: bool = False,
     strict: bool = False,
+    truncation: str = "disabled",
 ) -> ResponsesRequest:
     """Check every field of a Responses body (``counting``: an ``input_tokens`` body). An
-    unknown top-level field is ignored and listed (``strict``: a 400, as OpenAI's)."""
+    unknown top-level field is ignored and listed (``strict``: a 400, as OpenAI's).
+    ``truncation`` is the strategy of a body that names none (the server's ``[context]
+    policy``), which the response reports: a client reading "disabled" there would take it
+    that nothing of its input was dropped."""
     ignored = unknown_keys(body, COUNT_FIELDS if counting else KNOWN_FIELDS, strict=strict)
     if ignored:  # a field ignored is not checked either (a count reads create's scalars)
         body = {key: value for key, value in body.items() if key not in ignored}
@@ -213,7 +217,7 @@ def parse_responses_request(
         metadata=parse_metadata(body.get("metadata")),
         previous_response_id=previous,
         store=scalars["store"],
-        truncation=scalars["truncation"],
+        truncation=truncation if body.get("truncation") is None else scalars["truncation"],
         user=scalars["user"],
         include=parse_include(body.get("include")),
         input_items=tuple(items),

@@ -142,7 +142,9 @@ def add_routes(app: Sanic, config: Config) -> OpenAIResponses:
     settings = config.responses
     folder = cache_dir() / STORE_FOLDER if settings.persist else None
     dialect = OpenAIResponses(ResponseStore(settings.max_stored, settings.ttl, folder,
-                                               max_bytes=settings.max_stored_bytes))
+                                            max_bytes=settings.max_stored_bytes),
+                              truncation="auto" if config.context.policy == "trim"
+                              else "disabled")
     for path, name in (("/v1/responses", "responses"), ("/responses", "responses_root")):
         app.add_route(routes.turn, path, methods=["POST"], name=name, ctx_dialect=dialect)
     app.add_route(input_tokens, "/v1/responses/input_tokens", methods=["POST"],
