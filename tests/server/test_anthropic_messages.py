@@ -305,14 +305,34 @@ def test_thinking_disabled_and_effort(claude: anthropic.Anthropic) -> None:
 
 @pytest.mark.parametrize("seed", THINKS)
 def test_thinking_budget_bounds_the_thinking(claude: anthropic.Anthropic, seed: int) -> None:
-    free = forced(claude, seed)
-    bounded = forced(claude, seed, thinking={"type": "enabled", "budget_tokens": 2})
+    # A format, not a forced call: thinking on refuses a tool_choice that forces one.
+    kwargs: dict[str, Any] = {"extra_body": {"seed": seed},
+                              "output_config": {"format": {"type": "json_schema",
+                                                           "schema": SCHEMAS["add"]}}}
+    free = create(claude, **kwargs)
+    bounded = create(claude, thinking={"type": "enabled", "budget_tokens": 2}, **kwargs)
     # The count includes the block's two markers.
     assert free.usage.output_tokens_details.thinking_tokens > 2 + 2
     assert 0 < bounded.usage.output_tokens_details.thinking_tokens <= 2 + 2
-    assert bounded.content[0].type == "thinking"
-    for block in bounded.content[1:]:
-        check_tool_use(block)
+    assert [b.type for b in bounded.content] == ["thinking", "text"]
+    jsonschema.validate(json.loads(bounded.content[1].text), SCHEMAS["add"])
+
+
+@pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 20},
+                                      {"type": "adaptive"}], ids=["enabled", "adaptive"])
+def test_thinking_with_a_forced_tool_choice_is_refused(
+    claude: anthropic.Anthropic, thinking: dict[str, Any]
+) -> None:
+    for choice in ({"type": "any"}, {"type": "tool", "name": "add"}):
+        with pytest.raises(anthropic.BadRequestError) as raised:
+            forced(claude, THINKS[0], tool_choice=choice, thinking=thinking)
+        assert raised.value.body["error"] == {
+            "type": "invalid_request_error",
+            "message": "tool_choice.type: Thinking may not be enabled when tool_choice "
+                       "forces tool use."}
+    answered = forced(claude, THINKS[0], tool_choice={"type": "auto"}, thinking=thinking,
+                      max_tokens=24)
+    assert answered.stop_reason in ("end_turn", "max_tokens", "tool_use")
 
 
 def test_images_need_a_vision_model(claude: anthropic.Anthropic) -> None:

@@ -25,6 +25,7 @@ import pytest
 from afmd.config.load import load_config
 from afmd.core.request import ChatRequest, Message
 from afmd.dialects.anthropic.messages_api import ANTHROPIC_MESSAGES
+from afmd.dialects.anthropic.messages_body import parse_count_request
 from afmd.dialects.dialect import error_response
 from afmd.engine.demo.template import CHAT_TEMPLATE
 from afmd.engine.models.loaded_model import LoadedModel
@@ -528,7 +529,6 @@ def test_a_conversation_in_afmds_terms() -> None:
         ],
         "tools": TOOLS, "tool_choice": {"type": "tool", "name": "add",
                                         "disable_parallel_tool_use": True},
-        "thinking": {"type": "enabled", "budget_tokens": 20},
         "output_config": {"effort": "max"}, "top_k": 5, "unknown_field": [1],
     }).encode()
     chat = ANTHROPIC_MESSAGES.parse(raw)
@@ -544,9 +544,41 @@ def test_a_conversation_in_afmds_terms() -> None:
     assert chat.tool_choice.mode == "required" and chat.tool_choice.allowed == ("add",)
     assert not chat.parallel_tool_calls
     assert (chat.model, chat.max_tokens, chat.stop, chat.top_k) == ("claude-x", 50, ("END",), 5)
-    assert (chat.reasoning_effort, chat.thinking_budget) == ("xhigh", 20)
+    assert (chat.reasoning_effort, chat.thinking_budget) == ("xhigh", None)
+    # Thinking on takes a choice that forces no call; its budget is the grammar's.
+    thinking = ANTHROPIC_MESSAGES.parse(json.dumps(body(
+        max_tokens=50, tools=TOOLS, tool_choice={"type": "auto"},
+        thinking={"type": "enabled", "budget_tokens": 20})).encode())
+    assert (thinking.reasoning_effort, thinking.thinking_budget) == ("medium", 20)
     assert [t.parameters for t in chat.tools] == [t["input_schema"] for t in TOOLS]
     assert chat.ignored_fields == ("unknown_field",)  # named in X-AFM-Ignored-Fields
+
+
+def test_thinking_refuses_a_forced_tool_choice() -> None:
+    """Thinking on (``enabled``, ``adaptive``) with a ``tool_choice`` that forces a call
+    (``any``, ``tool``) is Anthropic's 400 naming the choice, in a turn and in a count
+    alike; ``auto`` and ``none`` think freely, and a forced call without thinking (off
+    or left to the model's default) is answered."""
+    forcing = ({"type": "any"}, {"type": "tool", "name": "add"})
+    thinking_on = ({"type": "enabled", "budget_tokens": 4}, {"type": "adaptive"})
+    for choice in forcing:
+        for thinking in thinking_on:
+            fields = {"tools": TOOLS, "tool_choice": choice, "thinking": thinking}
+            for parse in (ANTHROPIC_MESSAGES.parse, parse_count_request):
+                with pytest.raises(InvalidRequestError) as info:
+                    parse(json.dumps(body(**fields)).encode())
+                assert info.value.param == "tool_choice.type"
+                assert info.value.message == ("Thinking may not be enabled when tool_choice "
+                                              "forces tool use.")
+        for thinking in ({"type": "disabled"}, None):
+            fields = {"tools": TOOLS, "tool_choice": choice, "thinking": thinking}
+            assert ANTHROPIC_MESSAGES.parse(json.dumps(body(**fields)).encode()
+                                            ).tool_choice.mode == "required"
+    for choice in ({"type": "auto"}, {"type": "none"}):
+        for thinking in thinking_on:
+            chat = ANTHROPIC_MESSAGES.parse(json.dumps(body(
+                tools=TOOLS, tool_choice=choice, thinking=thinking)).encode())
+            assert chat.tool_choice.mode == choice["type"]
 
 
 def test_system_messages_stay_where_they_stand() -> None:
