@@ -350,6 +350,28 @@ def test_images_need_a_vision_model(claude: anthropic.Anthropic) -> None:
     assert raised.value.body["error"]["message"].startswith("messages[0].content[0].source.type")
 
 
+def test_an_image_of_another_media_type_is_refused(claude: anthropic.Anthropic) -> None:
+    """PNG bytes declared as JPEG: Anthropic's 400, before any model is asked (the demo
+    is text-only: a matching image is refused for that instead)."""
+    pixel = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA"
+             "60e6kgAAAABJRU5ErkJggg==")
+    for count in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as raised:
+            messages = [{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg",
+                                             "data": pixel}}]}]
+            if count:
+                claude.messages.count_tokens(model="demo", messages=messages)
+            else:
+                create(claude, max_tokens=2, messages=messages)
+        assert raised.value.body["error"] == {
+            "type": "invalid_request_error",
+            "message": "messages[0].content[1].source.media_type: The image was specified "
+                       "using the image/jpeg media type, but the image appears to be a "
+                       "image/png image."}
+
+
 def test_thinking_blocks_sent_back_are_accepted(claude: anthropic.Anthropic) -> None:
     first = forced(claude, THINKS[0])
     assert first.content[0].type == "thinking"

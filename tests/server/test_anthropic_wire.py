@@ -6,7 +6,9 @@ the stop sequence the output chain reports, the thinking budget's grammar)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+import io
 import json
 import re
 import signal
@@ -21,6 +23,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from PIL import Image
 
 from afmd.config.load import load_config
 from afmd.core.request import ChatRequest, Message
@@ -676,6 +679,54 @@ def test_plain_text_documents_are_read_and_others_refused_by_name() -> None:
             ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[{"role": "user", "content": [
                 {"type": "document", "source": source}]}])).encode())
         assert (info.value.param, info.value.code) == (param, code)
+
+
+def _picture(fmt: str) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (2, 2), (200, 30, 30)).save(buf, fmt)
+    return buf.getvalue()
+
+
+def test_an_image_is_of_its_declared_media_type() -> None:
+    """Bytes of one of the four formats declared as another are Anthropic's 400 naming
+    the block's media type, in a user turn and in a tool result alike; bytes of none of
+    them are left for the decoder to name (a vision model's 400, a text model's refusal
+    of images)."""
+    types = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif",
+             "WEBP": "image/webp"}
+
+    def parse(data: bytes, media: str, *, in_result: bool = False) -> ChatRequest:
+        image = {"type": "image", "source": {"type": "base64", "media_type": media,
+                                             "data": base64.b64encode(data).decode()}}
+        if not in_result:
+            messages = [{"role": "user", "content": [{"type": "text", "text": "What?"},
+                                                     image]}]
+        else:
+            call = {"type": "tool_use", "id": "toolu_1", "name": "look", "input": {}}
+            messages = [{"role": "user", "content": "Look."},
+                        {"role": "assistant", "content": [call]},
+                        {"role": "user", "content": [{"type": "tool_result",
+                                                      "tool_use_id": "toolu_1",
+                                                      "content": [image]}]}]
+        return ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=messages)).encode())
+
+    for fmt, actual in types.items():
+        data = _picture(fmt)
+        assert parse(data, actual).messages[-1].images[0].data == data
+        for declared in types.values():
+            if declared == actual:
+                continue
+            with pytest.raises(InvalidRequestError) as info:
+                parse(data, declared)
+            assert info.value.param == "messages[0].content[1].source.media_type"
+            assert info.value.message == (
+                f"The image was specified using the {declared} media type, but the image "
+                f"appears to be a {actual} image.")
+    with pytest.raises(InvalidRequestError) as info:
+        parse(_picture("PNG"), "image/jpeg", in_result=True)
+    assert info.value.param == "messages[2].content[0].content[0].source.media_type"
+    for unknown in (b"BM" + bytes(60), b"\x89PNG\r\n\x1a\n" + bytes(40)):
+        assert parse(unknown, "image/jpeg").messages[-1].images[0].data == unknown
 
 
 #: The demo's template, made to refuse a system turn anywhere but first (as many do).
