@@ -147,6 +147,38 @@ def test_stop_sequence_is_reported(claude: anthropic.Anthropic, stream: bool) ->
     assert message.content[0].text == text[: text.index(stop)]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+def test_a_stop_sequence_in_the_thinking_does_not_end_the_message(
+    claude: anthropic.Anthropic, stream: bool
+) -> None:
+    """Only the visible text is matched, as Anthropic matches it: a stop sequence the
+    thinking holds leaves the message whole; one in the text after it ends it there."""
+    kwargs: dict[str, Any] = {
+        "max_tokens": 300, "thinking": {"type": "enabled", "budget_tokens": 40},
+        "extra_body": {"seed": THINKS[0]},
+        "output_config": {"format": {"type": "json_schema", "schema": SCHEMAS["add"]}}}
+    whole = create(claude, **kwargs)
+    assert [b.type for b in whole.content] == ["thinking", "text"]
+    thought, text = whole.content[0].thinking, whole.content[1].text
+    stop = next(thought[i:i + 3] for i in range(len(thought) - 2)
+                if thought[i:i + 3].strip() and thought[i:i + 3] not in text)
+
+    def run(stops: list[str]) -> Any:
+        if not stream:
+            return create(claude, stop_sequences=stops, **kwargs)
+        with claude.messages.stream(model="demo", messages=MESSAGES, stop_sequences=stops,
+                                    **kwargs) as events:
+            return events.get_final_message()
+
+    kept = run([stop])
+    assert blocks(kept) == blocks(whole), stop
+    assert (kept.stop_reason, kept.stop_sequence) == ("end_turn", None)
+    cut = run([stop, '"b"'])
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", '"b"')
+    assert blocks(cut) == [blocks(whole)[0], {**blocks(whole)[1],
+                                              "text": text[: text.index('"b"')]}]
+
+
 def test_sampling_fields_go_in_extra_body(claude: anthropic.Anthropic) -> None:
     def sample(seed: int) -> str:
         message = create(claude, max_tokens=16, extra_body={
