@@ -1,7 +1,11 @@
-"""One request's output chain: stop sequences → reasoning → tool calls → content.
+"""One request's output chain: reasoning → stop sequences → tool calls → content.
 
 Decoded text goes through the same chain whether the response is streamed or not, so a
 non-streamed response is exactly the concatenation of what a stream would have sent.
+Stop sequences are matched in the answer only, never in the thinking (as OpenAI's and
+Anthropic's APIs match them), and never across a thinking block: every dialect gets the
+same rule here. A family whose markup carries the reasoning too (harmony's channels) is
+matched over its raw text still, before its reader.
 Whitespace in the content channel is held while it could still turn out to be only the
 padding around a tool call or after a thinking block; it is released as soon as real text
 follows.
@@ -95,6 +99,9 @@ class OutputProcessor:
                                              incremental_json=incremental)
         self._pending_ws = ""
         self._content_started = False
+        self._fed = 0  # characters of text fed
+        self._answer_end = 0  # where the answer's last piece ended, in the fed text
+        self._stop_at = 0  # where the stop sequence that matched began, in the fed text
         self.released = 0  # characters of fed text the stop check has let through
         #: The output ended inside a call (a stop sequence or the token limit cut it): the
         #: call is in ``tool_calls`` as written, unfinished.
@@ -126,14 +133,19 @@ class OutputProcessor:
         return self._log.whole(name, arguments)
 
     def feed(self, text: str) -> list[Piece]:
-        safe = self._stops.feed(text)
-        self.released += len(safe)
-        return self._route(safe, final=False)
+        self._fed += len(text)
+        if self._channels:
+            safe = self._stops.feed(text)
+            self.released += len(safe)
+            return self._route(safe, final=False)
+        return self._route(text, final=False)
 
     def finish(self) -> list[Piece]:
-        rest = self._stops.flush()
-        self.released += len(rest)
-        return self._route(rest, final=True)
+        if self._channels:
+            rest = self._stops.flush()
+            self.released += len(rest)
+            return self._route(rest, final=True)
+        return self._route("", final=True)
 
     def _route(self, text: str, *, final: bool) -> list[Piece]:
         out: list[Piece] = []
@@ -143,16 +155,24 @@ class OutputProcessor:
             out = self._after_tools(self._tools.feed(text)) if text else []
         else:
             if self._reasoning is not None:
-                pieces = self._reasoning.feed(text) if text else []
+                spans = self._reasoning.feed(text) if text else []
                 if final:
-                    pieces += self._reasoning.flush()
+                    spans += self._reasoning.flush()
             else:
-                pieces = [Content(text)] if text else []
-            for piece in pieces:
+                spans = [(self._fed - len(text), Content(text))] if text else []
+            for at, piece in spans:
+                if self._stops.stopped:
+                    break  # the answer ended at the stop: nothing after it is the turn's
+                if not (isinstance(piece, Content) and at == self._answer_end):
+                    # A thinking block between: what the stop check held cannot go on.
+                    out.extend(self._content(self._stops.flush()))
                 if isinstance(piece, Content):
-                    out.extend(self._content(piece.text))
+                    out.extend(self._answer(at, piece.text))
                 else:
                     out.append(piece)
+            if final:
+                out.extend(self._content(self._stops.flush()))
+            self._release()
         if final:
             if self._tools is not None:
                 self.cut_call = self._log.streaming
@@ -162,7 +182,29 @@ class OutputProcessor:
             self._pending_ws = ""
         return _merge(out)
 
+    def _answer(self, at: int, text: str) -> list[Piece]:
+        """The answer's ``text`` (starting at ``at`` in the fed text) through the stop
+        check."""
+        held = self._stops.held
+        safe = self._stops.feed(text)
+        if self._stops.stopped:
+            self._stop_at = at - held + len(safe)
+        self._answer_end = at + len(text)
+        return self._content(safe)
+
+    def _release(self) -> None:
+        """How much of the fed text is through the stop check: all of it but what the
+        check holds or cut, and what the reasoning splitter holds (it may be answer)."""
+        if self._stops.stopped:
+            self.released = self._stop_at
+        elif self._stops.held:
+            self.released = self._answer_end - self._stops.held
+        else:
+            self.released = self._fed - (self._reasoning.held if self._reasoning else 0)
+
     def _content(self, text: str) -> list[Piece]:
+        if not text:
+            return []
         if self._tools is None:
             return self._whitespace(text)
         return self._after_tools(self._tools.feed(text))

@@ -14,36 +14,50 @@ from afmd.output.markers import partial_suffix
 
 
 class ReasoningSplitter:
-    __slots__ = ("_end", "_held", "_start", "in_reasoning")
+    __slots__ = ("_at", "_end", "_held", "_start", "in_reasoning")
 
     def __init__(self, start: str, end: str, *, in_reasoning: bool = False) -> None:
         self._start = start
         self._end = end
         self._held = ""
+        self._at = 0  # where the held text starts in the whole output
         self.in_reasoning = in_reasoning
 
-    def feed(self, text: str) -> list[Piece]:
+    @property
+    def held(self) -> int:
+        """Characters held back while they could still be a split marker."""
+        return len(self._held)
+
+    def feed(self, text: str) -> list[tuple[int, Piece]]:
+        """The pieces ``text`` completes, each with where it starts in the whole output
+        (markers counted): stop sequences are matched in the answer only, and what they
+        cut is told in the output's own characters."""
         buffer = self._held + text
-        self._held = ""
-        out: list[Piece] = []
-        while buffer:
+        out: list[tuple[int, Piece]] = []
+        pos = 0
+        while pos < len(buffer):
             marker = self._end if self.in_reasoning else self._start
-            i = buffer.find(marker)
+            i = buffer.find(marker, pos)
             if i == -1:
-                keep = partial_suffix(buffer, (marker,))
-                head, self._held = buffer[: len(buffer) - keep], buffer[len(buffer) - keep:]
-                if head:
-                    out.append(Reasoning(head) if self.in_reasoning else Content(head))
+                end = len(buffer) - partial_suffix(buffer[pos:], (marker,))
+                if end > pos:
+                    out.append((self._at + pos, self._piece(buffer[pos:end])))
+                pos = end
                 break
-            if i:
-                head = buffer[:i]
-                out.append(Reasoning(head) if self.in_reasoning else Content(head))
-            buffer = buffer[i + len(marker):]
+            if i > pos:
+                out.append((self._at + pos, self._piece(buffer[pos:i])))
+            pos = i + len(marker)
             self.in_reasoning = not self.in_reasoning
+        self._held = buffer[pos:]
+        self._at += pos
         return out
 
-    def flush(self) -> list[Piece]:
+    def flush(self) -> list[tuple[int, Piece]]:
         held, self._held = self._held, ""
         if not held:
             return []
-        return [Reasoning(held) if self.in_reasoning else Content(held)]
+        at, self._at = self._at, self._at + len(held)
+        return [(at, self._piece(held))]
+
+    def _piece(self, text: str) -> Piece:
+        return Reasoning(text) if self.in_reasoning else Content(text)

@@ -20,6 +20,11 @@ class StopScanner:
         self.stopped = False
         self.matched: str | None = None  # the stop sequence that ended the text
 
+    @property
+    def held(self) -> int:
+        """Characters held back while they could still begin a stop sequence."""
+        return len(self._held)
+
     def feed(self, text: str) -> str:
         """The part of ``text`` that is safe to emit now."""
         if self.stopped:
@@ -38,6 +43,7 @@ class StopScanner:
         return buffer[: len(buffer) - keep]
 
     def flush(self) -> str:
-        """Release held text once generation ended without completing a stop."""
+        """Release held text once nothing can complete a stop with it: generation ended,
+        or a thinking block came between it and what follows."""
         held, self._held = self._held, ""
         return "" if self.stopped else held

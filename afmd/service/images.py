@@ -25,6 +25,10 @@ from afmd.errors import InvalidRequestError
 
 #: Pillow's names of the formats the image parts may carry.
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+#: Each format's media type; Pillow names a JPEG holding several pictures (a phone
+#: camera's) MPO, and it is a JPEG all the same.
+MEDIA_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "MPO": "image/jpeg",
+               "WEBP": "image/webp", "GIF": "image/gif"}
 
 # Pillow's own bomb check would raise (past twice its limit) or warn before ours runs;
 # afmd's limit is the operator's and is checked first.
@@ -40,6 +44,17 @@ def _size(image: ImageInput) -> tuple[int, int] | None:
     except Exception:
         return None
     return width, height
+
+
+def media_type(data: bytes) -> str | None:
+    """The media type of the format the decoder reads ``data`` as, from the header alone
+    (no pixel is decoded); None for bytes it reads as none of :data:`FORMATS`, which
+    :func:`decode` names when a vision model decodes them."""
+    try:
+        with Image.open(io.BytesIO(data), formats=FORMATS) as picture:
+            return MEDIA_TYPES.get(picture.format or "")
+    except Exception:
+        return None
 
 
 def check_total(images: Sequence[ImageInput], max_total: int) -> int:

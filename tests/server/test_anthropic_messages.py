@@ -147,6 +147,38 @@ def test_stop_sequence_is_reported(claude: anthropic.Anthropic, stream: bool) ->
     assert message.content[0].text == text[: text.index(stop)]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+def test_a_stop_sequence_in_the_thinking_does_not_end_the_message(
+    claude: anthropic.Anthropic, stream: bool
+) -> None:
+    """Only the visible text is matched, as Anthropic matches it: a stop sequence the
+    thinking holds leaves the message whole; one in the text after it ends it there."""
+    kwargs: dict[str, Any] = {
+        "max_tokens": 300, "thinking": {"type": "enabled", "budget_tokens": 40},
+        "extra_body": {"seed": THINKS[0]},
+        "output_config": {"format": {"type": "json_schema", "schema": SCHEMAS["add"]}}}
+    whole = create(claude, **kwargs)
+    assert [b.type for b in whole.content] == ["thinking", "text"]
+    thought, text = whole.content[0].thinking, whole.content[1].text
+    stop = next(thought[i:i + 3] for i in range(len(thought) - 2)
+                if thought[i:i + 3].strip() and thought[i:i + 3] not in text)
+
+    def run(stops: list[str]) -> Any:
+        if not stream:
+            return create(claude, stop_sequences=stops, **kwargs)
+        with claude.messages.stream(model="demo", messages=MESSAGES, stop_sequences=stops,
+                                    **kwargs) as events:
+            return events.get_final_message()
+
+    kept = run([stop])
+    assert blocks(kept) == blocks(whole), stop
+    assert (kept.stop_reason, kept.stop_sequence) == ("end_turn", None)
+    cut = run([stop, '"b"'])
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", '"b"')
+    assert blocks(cut) == [blocks(whole)[0], {**blocks(whole)[1],
+                                              "text": text[: text.index('"b"')]}]
+
+
 def test_sampling_fields_go_in_extra_body(claude: anthropic.Anthropic) -> None:
     def sample(seed: int) -> str:
         message = create(claude, max_tokens=16, extra_body={
@@ -305,14 +337,34 @@ def test_thinking_disabled_and_effort(claude: anthropic.Anthropic) -> None:
 
 @pytest.mark.parametrize("seed", THINKS)
 def test_thinking_budget_bounds_the_thinking(claude: anthropic.Anthropic, seed: int) -> None:
-    free = forced(claude, seed)
-    bounded = forced(claude, seed, thinking={"type": "enabled", "budget_tokens": 2})
+    # A format, not a forced call: thinking on refuses a tool_choice that forces one.
+    kwargs: dict[str, Any] = {"extra_body": {"seed": seed},
+                              "output_config": {"format": {"type": "json_schema",
+                                                           "schema": SCHEMAS["add"]}}}
+    free = create(claude, **kwargs)
+    bounded = create(claude, thinking={"type": "enabled", "budget_tokens": 2}, **kwargs)
     # The count includes the block's two markers.
     assert free.usage.output_tokens_details.thinking_tokens > 2 + 2
     assert 0 < bounded.usage.output_tokens_details.thinking_tokens <= 2 + 2
-    assert bounded.content[0].type == "thinking"
-    for block in bounded.content[1:]:
-        check_tool_use(block)
+    assert [b.type for b in bounded.content] == ["thinking", "text"]
+    jsonschema.validate(json.loads(bounded.content[1].text), SCHEMAS["add"])
+
+
+@pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 20},
+                                      {"type": "adaptive"}], ids=["enabled", "adaptive"])
+def test_thinking_with_a_forced_tool_choice_is_refused(
+    claude: anthropic.Anthropic, thinking: dict[str, Any]
+) -> None:
+    for choice in ({"type": "any"}, {"type": "tool", "name": "add"}):
+        with pytest.raises(anthropic.BadRequestError) as raised:
+            forced(claude, THINKS[0], tool_choice=choice, thinking=thinking)
+        assert raised.value.body["error"] == {
+            "type": "invalid_request_error",
+            "message": "tool_choice.type: Thinking may not be enabled when tool_choice "
+                       "forces tool use."}
+    answered = forced(claude, THINKS[0], tool_choice={"type": "auto"}, thinking=thinking,
+                      max_tokens=24)
+    assert answered.stop_reason in ("end_turn", "max_tokens", "tool_use")
 
 
 def test_images_need_a_vision_model(claude: anthropic.Anthropic) -> None:
@@ -328,6 +380,28 @@ def test_images_need_a_vision_model(claude: anthropic.Anthropic) -> None:
         create(claude, max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
     assert raised.value.body["error"]["message"].startswith("messages[0].content[0].source.type")
+
+
+def test_an_image_of_another_media_type_is_refused(claude: anthropic.Anthropic) -> None:
+    """PNG bytes declared as JPEG: Anthropic's 400, before any model is asked (the demo
+    is text-only: a matching image is refused for that instead)."""
+    pixel = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA"
+             "60e6kgAAAABJRU5ErkJggg==")
+    for count in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as raised:
+            messages = [{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg",
+                                             "data": pixel}}]}]
+            if count:
+                claude.messages.count_tokens(model="demo", messages=messages)
+            else:
+                create(claude, max_tokens=2, messages=messages)
+        assert raised.value.body["error"] == {
+            "type": "invalid_request_error",
+            "message": "messages[0].content[1].source.media_type: The image was specified "
+                       "using the image/jpeg media type, but the image appears to be a "
+                       "image/png image."}
 
 
 def test_thinking_blocks_sent_back_are_accepted(claude: anthropic.Anthropic) -> None:

@@ -6,7 +6,9 @@ the stop sequence the output chain reports, the thinking budget's grammar)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+import io
 import json
 import re
 import signal
@@ -21,10 +23,12 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from PIL import Image
 
 from afmd.config.load import load_config
 from afmd.core.request import ChatRequest, Message
 from afmd.dialects.anthropic.messages_api import ANTHROPIC_MESSAGES
+from afmd.dialects.anthropic.messages_body import parse_count_request
 from afmd.dialects.dialect import error_response
 from afmd.engine.demo.template import CHAT_TEMPLATE
 from afmd.engine.models.loaded_model import LoadedModel
@@ -528,7 +532,6 @@ def test_a_conversation_in_afmds_terms() -> None:
         ],
         "tools": TOOLS, "tool_choice": {"type": "tool", "name": "add",
                                         "disable_parallel_tool_use": True},
-        "thinking": {"type": "enabled", "budget_tokens": 20},
         "output_config": {"effort": "max"}, "top_k": 5, "unknown_field": [1],
     }).encode()
     chat = ANTHROPIC_MESSAGES.parse(raw)
@@ -544,9 +547,41 @@ def test_a_conversation_in_afmds_terms() -> None:
     assert chat.tool_choice.mode == "required" and chat.tool_choice.allowed == ("add",)
     assert not chat.parallel_tool_calls
     assert (chat.model, chat.max_tokens, chat.stop, chat.top_k) == ("claude-x", 50, ("END",), 5)
-    assert (chat.reasoning_effort, chat.thinking_budget) == ("xhigh", 20)
+    assert (chat.reasoning_effort, chat.thinking_budget) == ("xhigh", None)
+    # Thinking on takes a choice that forces no call; its budget is the grammar's.
+    thinking = ANTHROPIC_MESSAGES.parse(json.dumps(body(
+        max_tokens=50, tools=TOOLS, tool_choice={"type": "auto"},
+        thinking={"type": "enabled", "budget_tokens": 20})).encode())
+    assert (thinking.reasoning_effort, thinking.thinking_budget) == ("medium", 20)
     assert [t.parameters for t in chat.tools] == [t["input_schema"] for t in TOOLS]
     assert chat.ignored_fields == ("unknown_field",)  # named in X-AFM-Ignored-Fields
+
+
+def test_thinking_refuses_a_forced_tool_choice() -> None:
+    """Thinking on (``enabled``, ``adaptive``) with a ``tool_choice`` that forces a call
+    (``any``, ``tool``) is Anthropic's 400 naming the choice, in a turn and in a count
+    alike; ``auto`` and ``none`` think freely, and a forced call without thinking (off
+    or left to the model's default) is answered."""
+    forcing = ({"type": "any"}, {"type": "tool", "name": "add"})
+    thinking_on = ({"type": "enabled", "budget_tokens": 4}, {"type": "adaptive"})
+    for choice in forcing:
+        for thinking in thinking_on:
+            fields = {"tools": TOOLS, "tool_choice": choice, "thinking": thinking}
+            for parse in (ANTHROPIC_MESSAGES.parse, parse_count_request):
+                with pytest.raises(InvalidRequestError) as info:
+                    parse(json.dumps(body(**fields)).encode())
+                assert info.value.param == "tool_choice.type"
+                assert info.value.message == ("Thinking may not be enabled when tool_choice "
+                                              "forces tool use.")
+        for thinking in ({"type": "disabled"}, None):
+            fields = {"tools": TOOLS, "tool_choice": choice, "thinking": thinking}
+            assert ANTHROPIC_MESSAGES.parse(json.dumps(body(**fields)).encode()
+                                            ).tool_choice.mode == "required"
+    for choice in ({"type": "auto"}, {"type": "none"}):
+        for thinking in thinking_on:
+            chat = ANTHROPIC_MESSAGES.parse(json.dumps(body(
+                tools=TOOLS, tool_choice=choice, thinking=thinking)).encode())
+            assert chat.tool_choice.mode == choice["type"]
 
 
 def test_system_messages_stay_where_they_stand() -> None:
@@ -644,6 +679,54 @@ def test_plain_text_documents_are_read_and_others_refused_by_name() -> None:
             ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[{"role": "user", "content": [
                 {"type": "document", "source": source}]}])).encode())
         assert (info.value.param, info.value.code) == (param, code)
+
+
+def _picture(fmt: str) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (2, 2), (200, 30, 30)).save(buf, fmt)
+    return buf.getvalue()
+
+
+def test_an_image_is_of_its_declared_media_type() -> None:
+    """Bytes of one of the four formats declared as another are Anthropic's 400 naming
+    the block's media type, in a user turn and in a tool result alike; bytes of none of
+    them are left for the decoder to name (a vision model's 400, a text model's refusal
+    of images)."""
+    types = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif",
+             "WEBP": "image/webp"}
+
+    def parse(data: bytes, media: str, *, in_result: bool = False) -> ChatRequest:
+        image = {"type": "image", "source": {"type": "base64", "media_type": media,
+                                             "data": base64.b64encode(data).decode()}}
+        if not in_result:
+            messages = [{"role": "user", "content": [{"type": "text", "text": "What?"},
+                                                     image]}]
+        else:
+            call = {"type": "tool_use", "id": "toolu_1", "name": "look", "input": {}}
+            messages = [{"role": "user", "content": "Look."},
+                        {"role": "assistant", "content": [call]},
+                        {"role": "user", "content": [{"type": "tool_result",
+                                                      "tool_use_id": "toolu_1",
+                                                      "content": [image]}]}]
+        return ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=messages)).encode())
+
+    for fmt, actual in types.items():
+        data = _picture(fmt)
+        assert parse(data, actual).messages[-1].images[0].data == data
+        for declared in types.values():
+            if declared == actual:
+                continue
+            with pytest.raises(InvalidRequestError) as info:
+                parse(data, declared)
+            assert info.value.param == "messages[0].content[1].source.media_type"
+            assert info.value.message == (
+                f"The image was specified using the {declared} media type, but the image "
+                f"appears to be a {actual} image.")
+    with pytest.raises(InvalidRequestError) as info:
+        parse(_picture("PNG"), "image/jpeg", in_result=True)
+    assert info.value.param == "messages[2].content[0].content[0].source.media_type"
+    for unknown in (b"BM" + bytes(60), b"\x89PNG\r\n\x1a\n" + bytes(40)):
+        assert parse(unknown, "image/jpeg").messages[-1].images[0].data == unknown
 
 
 #: The demo's template, made to refuse a system turn anywhere but first (as many do).

@@ -279,10 +279,19 @@ def _image(block: dict[str, Any], p: str) -> bytes:
     try:
         if not _BASE64.fullmatch(data) or len(data) % 4:
             raise binascii.Error
-        return base64.b64decode(data, validate=True)
+        image = base64.b64decode(data, validate=True)
     except binascii.Error:
         raise InvalidRequestError("The image data is not valid base64.",
                                   code="invalid_image_url", param=f"{p}.source.data") from None
+    # Anthropic refuses a picture of another type than declared, whatever the model;
+    # read from the header by the decoder a vision model uses (Pillow: only with images).
+    from afmd.service import images as image_decoding
+
+    actual = image_decoding.media_type(image)
+    if actual is not None and actual != media:
+        raise invalid(f"{p}.source.media_type", f"The image was specified using the {media} "
+                      f"media type, but the image appears to be a {actual} image.")
+    return image
 
 
 def _document(block: dict[str, Any], p: str) -> str:

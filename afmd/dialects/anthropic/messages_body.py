@@ -118,6 +118,11 @@ def _parse(
     if stop is not None and not isinstance(stop, list):
         raise wrong_type("stop_sequences", "an array of strings", stop)
     kind, budget = _thinking(body.get("thinking"), max_tokens)
+    if kind not in (None, "disabled") and choice.mode == "required":
+        # Anthropic's rule and words: a call forced before the model thinks leaves its
+        # thinking nothing to decide, so thinking on allows only ``auto`` and ``none``.
+        raise invalid("tool_choice.type", "Thinking may not be enabled when tool_choice "
+                      "forces tool use.")
     effort, response_format = _output_config(body.get("output_config"))
     if response_format is None:  # the structured-outputs beta's spelling
         response_format = _format(body.get("output_format"), "output_format")

@@ -185,8 +185,11 @@ HERMES_CASES = [
          stops=("</answer>",)),
     Case("first-of-several-stops", "line one\n\nline two STOP", content="line one",
          stops=("STOP", "\n\n"), should_stop=True),
-    Case("stop-inside-thinking", "<think>abc STOP def</think>answer", reasoning="abc ",
-         stops=("STOP",), should_stop=True),
+    # Stop sequences match the answer only, as OpenAI's and Anthropic's do.
+    Case("stop-inside-thinking", "<think>abc STOP def</think>answer",
+         reasoning="abc STOP def", content="answer", stops=("STOP",)),
+    Case("stop-inside-thinking-and-answer", "<think>abc STOP def</think>an STOP swer",
+         reasoning="abc STOP def", content="an ", stops=("STOP",), should_stop=True),
     Case("stop-before-call", "Sure END" + hermes_call("add", {"a": 1}), content="Sure ",
          stops=("END",), should_stop=True),
     Case("reasoning-opened-by-prompt", "I am thinking</think>\n\nHello",
@@ -336,8 +339,8 @@ def check_expected(result: Replay, case: Case, fmt: str) -> None:
     if not case.markup_in_content:
         for marker in (*THINK, *MARKUP[fmt]):
             assert marker not in result.content
-    for stop in case.stops:
-        assert stop not in result.content and stop not in result.reasoning
+    for stop in case.stops:  # the reasoning may hold one: only the answer is matched
+        assert stop not in result.content
 
 
 @pytest.mark.parametrize(("fmt", "case"), ALL, ids=[f"{f}:{c.id}" for f, c in ALL])
@@ -453,6 +456,30 @@ def test_stop_hold_back_never_leaks_while_streaming() -> None:
     emitted += "".join(p.text for p in processor.finish() if isinstance(p, Content))
     assert emitted == "value "
     assert processor.should_stop and processor.stopped_by_sequence
+
+
+def test_stop_sequences_match_the_answer_only_whatever_the_split() -> None:
+    """A stop sequence in the thinking is thinking (OpenAI and Anthropic match the answer
+    only); one in the answer ends it, ``released`` pointing where it began in the model's
+    text; a thinking block between two parts of the answer keeps one from spanning them."""
+    text = "<think>a END b</think>c END d"
+    spanning = "ab<think>x</think>cd"
+    for seed in range(RANDOM_SPLITS):
+        processor = OutputProcessor(stops=("END",), thinking=THINK)
+        pieces = [p for ch in random_splits(text, seed) for p in processor.feed(ch)]
+        pieces += processor.finish()
+        assert "".join(p.text for p in pieces if isinstance(p, Reasoning)) == "a END b"
+        assert "".join(p.text for p in pieces if isinstance(p, Content)) == "c "
+        assert processor.stop_sequence == "END"
+        assert processor.released == text.index("END", text.index("</think>"))
+        processor = OutputProcessor(stops=("abc",), thinking=THINK)
+        pieces = [p for ch in random_splits(spanning, seed) for p in processor.feed(ch)]
+        pieces += processor.finish()
+        runs = [(kind, "".join(p.text for p in run))
+                for kind, run in itertools.groupby(pieces, type)]
+        assert runs == [(Content, "ab"), (Reasoning, "x"), (Content, "cd")]
+        assert not processor.stopped_by_sequence
+        assert processor.released == len(spanning)
 
 
 def test_reasoning_and_content_never_mix_whatever_the_split() -> None:
