@@ -312,8 +312,10 @@ def test_strict_anthropic_answers_as_anthropic(strict: ServerProcess) -> None:
 
 
 @pytest.mark.parametrize(("path", "body"), [
-    ("/api/chat", {"model": "demo", "messages": USER, "stream": False, "num_ctx": 1}),
-    ("/api/generate", {"model": "demo", "prompt": "x", "stream": False, "num_ctx": 1}),
+    ("/api/chat", {"model": "demo", "messages": USER, "stream": False, "num_ctx": 1,
+                   "options": {"num_predict": 2}}),
+    ("/api/generate", {"model": "demo", "prompt": "x", "stream": False, "num_ctx": 1,
+                       "options": {"num_predict": 2}}),
     ("/api/embed", {"model": "demo-embedding", "input": "x", "num_ctx": 1}),
     # Bodies that only load or unload the model: "keep_alve" is the unload misspelt.
     ("/api/chat", {"model": "demo", "keep_alve": 0}),
