@@ -1,4 +1,5 @@
-"""Every request field the installed ``openai`` SDK types is one afmd knows.
+"""Every request field the installed ``openai`` SDK types is one afmd knows, at the top
+level of a body and, for ``[api] strict``, inside its objects.
 
 A field afmd does not know is listed in ``X-AFM-Ignored-Fields`` and, under ``[api] strict``,
 refused as ``unknown_parameter``, which OpenAI never answers for its own fields: a client
@@ -11,10 +12,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from openai.types import chat as chat_types
 from openai.types import completion_create_params, embedding_create_params
+from openai.types.chat import chat_completion_content_part_image_param as image_part
+from openai.types.chat import chat_completion_message_function_tool_call_param as tool_call
+from openai.types.chat import chat_completion_named_tool_choice_param as named_choice
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import input_token_count_params, response_create_params
+from openai.types.shared_params import FunctionDefinition, response_format_json_schema
 
+from afmd.dialects.fields import messages, tool_specs
 from afmd.dialects.openai import chat_body, completions_body, embeddings
 from afmd.dialects.responses import responses_body
 
@@ -36,4 +43,56 @@ def typed_fields(params: Any) -> set[str]:
 def test_every_field_the_sdk_types_is_known(params: Any, known: frozenset[str]) -> None:
     fields = typed_fields(params)
     assert "model" in fields  # the SDK's layout is the one this reads
+    assert fields - known == set()
+
+
+# ---------------------------------------------------------------------------- nested objects
+
+#: (where, the SDK's TypedDicts of that object, the keys ``[api] strict`` admits there).
+NESTED: list[tuple[str, tuple[Any, ...], frozenset[str]]] = [
+    ("chat.messages[system]", (chat_types.ChatCompletionSystemMessageParam,),
+     messages.MESSAGE_KEYS["system"]),
+    ("chat.messages[developer]", (chat_types.ChatCompletionDeveloperMessageParam,),
+     messages.MESSAGE_KEYS["developer"]),
+    ("chat.messages[user]", (chat_types.ChatCompletionUserMessageParam,),
+     messages.MESSAGE_KEYS["user"]),
+    ("chat.messages[assistant]", (chat_types.ChatCompletionAssistantMessageParam,),
+     messages.MESSAGE_KEYS["assistant"]),
+    ("chat.messages[tool]", (chat_types.ChatCompletionToolMessageParam,),
+     messages.MESSAGE_KEYS["tool"]),
+    ("chat.content[text]", (chat_types.ChatCompletionContentPartTextParam,),
+     messages.PART_KEYS["text"]),
+    ("chat.content[image_url]", (chat_types.ChatCompletionContentPartImageParam,),
+     messages.PART_KEYS["image_url"]),
+    ("chat.content[refusal]", (chat_types.ChatCompletionContentPartRefusalParam,),
+     messages.PART_KEYS["refusal"]),
+    ("chat.content[].image_url", (image_part.ImageURL,), messages.IMAGE_URL_KEYS),
+    ("chat.tool_calls[]", (chat_types.ChatCompletionMessageFunctionToolCallParam,),
+     messages.TOOL_CALL_KEYS),
+    ("chat.tool_calls[].function", (tool_call.Function,), messages.CALL_FUNCTION_KEYS),
+    ("chat.tools[]", (chat_types.ChatCompletionFunctionToolParam,), tool_specs.TOOL_KEYS),
+    ("chat.tools[].function", (FunctionDefinition,), tool_specs.FUNCTION_KEYS),
+    ("chat.tool_choice", (chat_types.ChatCompletionNamedToolChoiceParam,),
+     tool_specs.NAMED_CHOICE_KEYS),
+    ("chat.tool_choice.function", (named_choice.Function,), tool_specs.CHOICE_FUNCTION_KEYS),
+    ("chat.tool_choice[allowed_tools]", (chat_types.ChatCompletionAllowedToolChoiceParam,),
+     tool_specs.ALLOWED_CHOICE_KEYS),
+    ("chat.tool_choice.allowed_tools", (chat_types.ChatCompletionAllowedToolsParam,),
+     tool_specs.ALLOWED_TOOLS_KEYS),
+    ("chat.response_format[json_schema]", (response_format_json_schema.ResponseFormatJSONSchema,),
+     tool_specs.RESPONSE_FORMAT_KEYS["json_schema"]),
+    ("chat.response_format.json_schema", (response_format_json_schema.JSONSchema,),
+     tool_specs.JSON_SCHEMA_KEYS),
+]
+
+
+@pytest.mark.parametrize(("params", "known"), [(p, k) for _, p, k in NESTED],
+                         ids=[where for where, _, _ in NESTED])
+def test_every_nested_field_the_sdk_types_is_admitted_under_strict(
+    params: tuple[Any, ...], known: frozenset[str]
+) -> None:
+    """``[api] strict`` refuses a nested key afmd does not know: one the SDK can send
+    there would break the official client on a strict server."""
+    fields = set().union(*map(typed_fields, params))
+    assert fields
     assert fields - known == set()

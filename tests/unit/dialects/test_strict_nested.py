@@ -1,0 +1,125 @@
+"""``[api] strict`` inside the objects of a body: an unknown key is refused where it
+stands, the param its path as the client sent it; without strict it is ignored unnamed.
+
+Clients echo back fields of what they were sent (``refusal``, ``annotations``,
+``reasoning_content``), so every key the official SDKs type, and every key afmd's own
+answers carry, stays accepted under strict (tests/unit/dialects/test_sdk_fields.py holds
+the known sets to the SDKs' TypedDicts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from afmd.dialects.openai.chat_body import parse_chat_request
+from afmd.errors import InvalidRequestError
+
+IMAGE = "data:image/png;base64,iVBORw0KGgo="
+USER = {"role": "user", "content": "Hello"}
+FUNCTION = {"name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True}
+TOOL = {"type": "function", "function": FUNCTION}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+def _refused(parse: Any, body: dict[str, Any], param: str) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as info:
+        parse(body, strict=True)
+    err = info.value
+    assert (err.code, err.param, err.status) == ("unknown_parameter", param, 400), repr(err)
+    assert param in err.message
+    return err
+
+
+# ---------------------------------------------------------------------------- chat
+
+
+def _with(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [USER], **fields}
+
+
+def _history(assistant: dict[str, Any], tool: dict[str, Any] | None = None) -> list[Any]:
+    return [USER, {"role": "assistant", "content": None, "tool_calls": [CALL], **assistant},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok", **(tool or {})}, USER]
+
+
+CHAT_REFUSED = [
+    (_with(messages=[{**USER, "bogus": 1}]), "messages[0].bogus"),
+    (_with(messages=[{"role": "system", "content": "s", "bogus": 1}, USER]),
+     "messages[0].bogus"),
+    # A key of another role is no key of this one.
+    (_with(messages=[{**USER, "tool_call_id": "c1"}]), "messages[0].tool_call_id"),
+    (_with(messages=_history({"bogus": 1})), "messages[1].bogus"),
+    (_with(messages=_history({}, {"bogus": 1})), "messages[2].bogus"),
+    (_with(messages=_history({"tool_calls": [{**CALL, "bogus": 1}]})),
+     "messages[1].tool_calls[0].bogus"),
+    (_with(messages=_history({"tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": "{}", "bogus": 1}}]})),
+     "messages[1].tool_calls[0].function.bogus"),
+    (_with(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b", "bogus": 1}]}]),
+     "messages[0].content[1].bogus"),
+    (_with(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": IMAGE}, "bogus": 1}]}]),
+     "messages[0].content[0].bogus"),
+    (_with(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": IMAGE, "bogus": 1}}]}]),
+     "messages[0].content[0].image_url.bogus"),
+    (_with(messages=[USER, {"role": "assistant", "content": [
+        {"type": "refusal", "refusal": "no", "bogus": 1}]}, USER]),
+     "messages[1].content[0].bogus"),
+    (_with(tools=[TOOL, {"type": "function", "function": {"name": "g"}, "bogus": 1}]),
+     "tools[1].bogus"),
+    (_with(tools=[TOOL, {"type": "function", "function": {"name": "g", "bogus": 1}}]),
+     "tools[1].function.bogus"),
+    (_with(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"},
+                                      "bogus": 1}), "tool_choice.bogus"),
+    (_with(tools=[TOOL], tool_choice={"type": "function",
+                                      "function": {"name": "f", "bogus": 1}}),
+     "tool_choice.function.bogus"),
+    (_with(tools=[TOOL], tool_choice={"type": "allowed_tools", "bogus": 1,
+                                      "allowed_tools": {"mode": "auto", "tools": [TOOL]}}),
+     "tool_choice.bogus"),
+    (_with(tools=[TOOL], tool_choice={"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [TOOL], "bogus": 1}}), "tool_choice.allowed_tools.bogus"),
+    (_with(response_format={"type": "json_object", "bogus": 1}), "response_format.bogus"),
+    (_with(response_format={"type": "json_schema", "schema": {}, "json_schema": {
+        "name": "n", "schema": {}}}), "response_format.schema"),
+    (_with(response_format={"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {}, "bogus": 1}}), "response_format.json_schema.bogus"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), CHAT_REFUSED,
+                         ids=[param for _, param in CHAT_REFUSED])
+def test_chat_strict_refuses_unknown_nested_keys(body: dict[str, Any], param: str) -> None:
+    _refused(parse_chat_request, body, param)
+    # The default ignores them without naming them: clients echo back what they were sent.
+    assert parse_chat_request(body).ignored_fields == ()
+
+
+def test_chat_strict_accepts_every_key_the_sdk_and_afmds_answers_carry() -> None:
+    body = _with(
+        messages=[
+            {"role": "developer", "content": "d", "name": "n"},
+            {"role": "user", "name": "n", "content": [
+                {"type": "text", "text": "a", "prompt_cache_breakpoint": {"type": "x"}},
+                {"type": "image_url", "image_url": {"url": IMAGE, "detail": "low"},
+                 "prompt_cache_breakpoint": None}]},
+            # An answer of afmd's sent back as it came.
+            {"role": "assistant", "content": None, "refusal": None, "annotations": [],
+             "reasoning_content": "hm", "audio": None, "name": "a", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            USER,
+        ],
+        tools=[TOOL],
+        tool_choice={"type": "function", "function": {"name": "f"}},
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "n", "description": "d", "schema": {}, "strict": True}})
+    request = parse_chat_request(body, strict=True)
+    assert request.tools[0].name == "f"
+    # The SDK types allowed_tools' entries as any object: a whole tool stands for its name.
+    assert parse_chat_request(_with(tools=[TOOL], tool_choice={
+        "type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [TOOL]}}),
+        strict=True).tool_choice.allowed == ("f",)
