@@ -300,6 +300,12 @@ NESTED_UNKNOWN = [
                                           {"type": "function", "function": {
                                               "name": "g", "bogus": 1}}]),
      "tools[1].function.bogus"),
+    ("/v1/responses", {"model": "demo", "max_output_tokens": 16, "input": [
+        {"role": "user", "content": "Hi"},
+        {"role": "user", "content": [{"type": "input_text", "text": "x", "bogus": 1}]}]},
+     "input[1].content[0].bogus"),
+    ("/v1/responses/input_tokens", {"model": "demo", "input": [
+        {"role": "user", "content": "Hi", "bogus": 1}]}, "input[0].bogus"),
 ]
 
 

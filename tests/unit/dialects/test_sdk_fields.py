@@ -14,16 +14,23 @@ from typing import Any
 import pytest
 from openai.types import chat as chat_types
 from openai.types import completion_create_params, embedding_create_params
+from openai.types import responses as r
 from openai.types.chat import chat_completion_content_part_image_param as image_part
 from openai.types.chat import chat_completion_message_function_tool_call_param as tool_call
 from openai.types.chat import chat_completion_named_tool_choice_param as named_choice
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import input_token_count_params, response_create_params
-from openai.types.shared_params import FunctionDefinition, response_format_json_schema
+from openai.types.responses import response_input_item_param as input_item
+from openai.types.responses import response_reasoning_item_param as reasoning_item
+from openai.types.shared_params import (
+    FunctionDefinition,
+    custom_tool_input_format,
+    response_format_json_schema,
+)
 
 from afmd.dialects.fields import messages, tool_specs
 from afmd.dialects.openai import chat_body, completions_body, embeddings
-from afmd.dialects.responses import responses_body
+from afmd.dialects.responses import items, options, responses_body
 
 #: Fields afmd knows and refuses with a pointer to their replacement.
 REFUSED = {"functions", "function_call"}
@@ -83,6 +90,44 @@ NESTED: list[tuple[str, tuple[Any, ...], frozenset[str]]] = [
      tool_specs.RESPONSE_FORMAT_KEYS["json_schema"]),
     ("chat.response_format.json_schema", (response_format_json_schema.JSONSchema,),
      tool_specs.JSON_SCHEMA_KEYS),
+    ("responses.input[message]", (r.EasyInputMessageParam, input_item.Message,
+                                  r.ResponseOutputMessageParam), items.ITEM_KEYS["message"]),
+    ("responses.input[function_call]", (r.ResponseFunctionToolCallParam,),
+     items.ITEM_KEYS["function_call"]),
+    ("responses.input[custom_tool_call]", (r.ResponseCustomToolCallParam,),
+     items.ITEM_KEYS["custom_tool_call"]),
+    ("responses.input[function_call_output]", (input_item.FunctionCallOutput,),
+     items.ITEM_KEYS["function_call_output"]),
+    ("responses.input[custom_tool_call_output]", (r.ResponseCustomToolCallOutputParam,),
+     items.ITEM_KEYS["custom_tool_call_output"]),
+    ("responses.input[reasoning]", (r.ResponseReasoningItemParam,),
+     items.ITEM_KEYS["reasoning"]),
+    ("responses.input[item_reference]", (input_item.ItemReference,),
+     items.ITEM_KEYS["item_reference"]),
+    ("responses.content[input_text]", (r.ResponseInputTextParam,
+                                       r.ResponseInputTextContentParam),
+     items.PART_KEYS["input_text"]),
+    ("responses.content[output_text]", (r.ResponseOutputTextParam,),
+     items.PART_KEYS["output_text"]),
+    ("responses.content[refusal]", (r.ResponseOutputRefusalParam,), items.PART_KEYS["refusal"]),
+    ("responses.content[input_image]", (r.ResponseInputImageParam,
+                                        r.ResponseInputImageContentParam),
+     items.PART_KEYS["input_image"]),
+    ("responses.reasoning.summary[]", (reasoning_item.Summary, reasoning_item.Content),
+     items.TEXT_PART_KEYS),
+    ("responses.tools[function]", (r.FunctionToolParam,), options.TOOL_KEYS["function"]),
+    ("responses.tools[custom]", (r.CustomToolParam,), options.TOOL_KEYS["custom"]),
+    ("responses.tools[namespace]", (r.NamespaceToolParam,), options.TOOL_KEYS["namespace"]),
+    ("responses.tools[custom].format[text]", (custom_tool_input_format.Text,),
+     options.CUSTOM_FORMAT_KEYS["text"]),
+    ("responses.tools[custom].format[grammar]", (custom_tool_input_format.Grammar,),
+     options.CUSTOM_FORMAT_KEYS["grammar"]),
+    ("responses.tool_choice", (r.ToolChoiceFunctionParam, r.ToolChoiceCustomParam),
+     options.CHOICE_KEYS),
+    ("responses.tool_choice[allowed_tools]", (r.ToolChoiceAllowedParam,),
+     options.ALLOWED_CHOICE_KEYS),
+    ("responses.text.format[json_schema]", (r.ResponseFormatTextJSONSchemaConfigParam,),
+     options.TEXT_FORMAT_KEYS["json_schema"]),
 ]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from afmd.dialects.openai.chat_body import parse_chat_request
+from afmd.dialects.responses.responses_body import parse_responses_request
 from afmd.errors import InvalidRequestError
 
 IMAGE = "data:image/png;base64,iVBORw0KGgo="
@@ -123,3 +124,103 @@ def test_chat_strict_accepts_every_key_the_sdk_and_afmds_answers_carry() -> None
     assert parse_chat_request(_with(tools=[TOOL], tool_choice={
         "type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [TOOL]}}),
         strict=True).tool_choice.allowed == ("f",)
+
+
+# ---------------------------------------------------------------------------- Responses
+
+
+def _responses(body: dict[str, Any], *, strict: bool = False) -> Any:
+    return parse_responses_request(body, lookup=lambda _: None, strict=strict)
+
+
+R_CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+R_OUTPUT = {"type": "function_call_output", "call_id": "c1", "output": "ok"}
+R_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+R_CUSTOM = {"type": "custom", "name": "patch", "format": {
+    "type": "grammar", "syntax": "regex", "definition": "[a-z]+"}}
+
+
+def _input(*items: Any, **fields: Any) -> dict[str, Any]:
+    return {"model": "m", "input": [*items] or "Hi", **fields}
+
+
+HI = {"role": "user", "content": "Hi"}
+RESPONSES_REFUSED = [
+    (_input(HI, {**HI, "bogus": 1}), "input[1].bogus"),
+    (_input({"type": "message", "role": "user", "bogus": 1, "content": "Hi"}),
+     "input[0].bogus"),
+    (_input(HI, {"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                             {"type": "input_text", "text": "b",
+                                              "bogus": 1}]}),
+     "input[1].content[1].bogus"),
+    (_input(HI, {"role": "user", "content": [
+        {"type": "input_image", "image_url": IMAGE, "bogus": 1}]}),
+     "input[1].content[0].bogus"),
+    (_input(HI, {"role": "assistant", "content": [
+        {"type": "output_text", "text": "a", "bogus": 1}]}, HI),
+     "input[1].content[0].bogus"),
+    (_input(HI, {**R_CALL, "bogus": 1}, R_OUTPUT), "input[1].bogus"),
+    (_input(HI, R_CALL, {**R_OUTPUT, "bogus": 1}), "input[2].bogus"),
+    (_input(HI, R_CALL, {**R_OUTPUT, "output": [{"type": "input_text", "text": "ok",
+                                                 "bogus": 1}]}),
+     "input[2].output[0].bogus"),
+    (_input(HI, {"type": "reasoning", "summary": [], "bogus": 1}, HI), "input[1].bogus"),
+    (_input(HI, {"type": "reasoning", "summary": [
+        {"type": "summary_text", "text": "t", "bogus": 1}]}, HI),
+     "input[1].summary[0].bogus"),
+    (_input(HI, tools=[R_TOOL, {**R_TOOL, "name": "g", "bogus": 1}]), "tools[1].bogus"),
+    (_input(HI, tools=[{**R_CUSTOM, "bogus": 1}]), "tools[0].bogus"),
+    (_input(HI, tools=[{**R_CUSTOM, "format": {**R_CUSTOM["format"], "bogus": 1}}]),
+     "tools[0].format.bogus"),
+    (_input(HI, tools=[{"type": "namespace", "name": "ns", "tools": [R_TOOL],
+                        "bogus": 1}]), "tools[0].bogus"),
+    (_input(HI, tools=[{"type": "namespace", "name": "ns", "tools": [
+        {**R_TOOL, "bogus": 1}]}]), "tools[0].tools[0].bogus"),
+    (_input(HI, tools=[R_TOOL], tool_choice={"type": "function", "name": "f", "bogus": 1}),
+     "tool_choice.bogus"),
+    (_input(HI, tools=[R_TOOL], tool_choice={"type": "allowed_tools", "mode": "auto",
+                                             "tools": [R_TOOL], "bogus": 1}),
+     "tool_choice.bogus"),
+    (_input(HI, text={"format": {"type": "json_schema", "name": "n", "schema": {},
+                                 "bogus": 1}}), "text.format.bogus"),
+    (_input(HI, text={"format": {"type": "json_object", "schema": {}}}),
+     "text.format.schema"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), RESPONSES_REFUSED,
+                         ids=[param for _, param in RESPONSES_REFUSED])
+def test_responses_strict_refuses_unknown_nested_keys(body: dict[str, Any],
+                                                      param: str) -> None:
+    _refused(_responses, body, param)
+    assert _responses(body).ignored_fields == ()
+
+
+def test_responses_strict_accepts_every_key_the_sdk_and_afmds_items_carry() -> None:
+    """Items as afmd lists them (``input_items``, a response's ``output``) go back as
+    they came, and every key the SDK types passes."""
+    body = _input(
+        {"type": "message", "role": "user", "status": "completed", "id": "msg_1",
+         "content": [
+             {"type": "input_text", "text": "a", "prompt_cache_breakpoint": None},
+             {"type": "input_image", "image_url": IMAGE, "detail": "auto",
+              "prompt_cache_breakpoint": None}]},
+        {"id": "rs_1", "type": "reasoning", "status": "completed", "encrypted_content": None,
+         "summary": [{"type": "summary_text", "text": "s"}],
+         "content": [{"type": "reasoning_text", "text": "t"}]},
+        {"id": "msg_2", "type": "message", "role": "assistant", "status": "completed",
+         "phase": "commentary", "content": [
+             {"type": "output_text", "text": "x", "annotations": [], "logprobs": []}]},
+        {**R_CALL, "id": "fc_1", "status": "completed", "namespace": None},
+        {**R_OUTPUT, "id": "fco_1", "status": "completed"},
+        {"type": "custom_tool_call", "call_id": "c2", "name": "patch", "input": "ab",
+         "id": "ctc_1", "status": "completed"},
+        {"type": "custom_tool_call_output", "call_id": "c2", "output": "ok",
+         "id": "ctco_1", "status": "completed"},
+        tools=[{**R_TOOL, "description": "d", "strict": False, "defer_loading": False},
+               R_CUSTOM],
+        tool_choice={"type": "allowed_tools", "mode": "auto", "tools": [R_TOOL]},
+        text={"format": {"type": "json_schema", "name": "n", "schema": {}, "strict": True,
+                         "description": "d"}, "verbosity": "low"})
+    request = _responses(body, strict=True)
+    assert [t.name for t in request.tools] == ["f", "patch"]
