@@ -332,7 +332,7 @@ def test_strict_openai_client_sends_afmds_answer_back(strict: ServerProcess) -> 
     assert {"refusal", "annotations"} <= answer.keys()
     second = client.chat.completions.create(
         model="demo", max_tokens=2,
-        messages=[*USER, answer, {"role": "user", "content": "More."}])  # type: ignore[list-item]
+        messages=[*USER, answer, {"role": "user", "content": "More."}])
     assert second.usage is not None and second.usage.completion_tokens == 2
 
 
@@ -352,6 +352,29 @@ def test_strict_anthropic_answers_as_anthropic(strict: ServerProcess) -> None:
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.count_tokens(model="demo", messages=USER,
                                      extra_body={"max_tokens": 5})
+
+
+def test_strict_anthropic_refuses_unknown_keys_inside_objects(
+    strict: ServerProcess, tolerant: ServerProcess
+) -> None:
+    """In Anthropic's words, the param first; a reply of afmd's sent back as the client
+    got it passes, and without strict the unknown key is ignored."""
+    claude = anthropic.Anthropic(base_url=strict.url, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        claude.messages.create(model="demo", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Hi", "bogus": 1}]}])
+    assert raised.value.body["error"] == {
+        "type": "invalid_request_error",
+        "message": "messages[0].content[0].bogus: Extra inputs are not permitted"}
+    first = claude.messages.create(model="demo", max_tokens=2, messages=USER)
+    reply = {"role": "assistant",
+             "content": [block.model_dump() for block in first.content]}
+    second = claude.messages.create(model="demo", max_tokens=2, messages=[
+        *USER, reply, {"role": "user", "content": "More."}])
+    assert second.usage.output_tokens == 2
+    served = httpx.post(tolerant.url + "/v1/messages", timeout=60, json={
+        "model": "demo", "max_tokens": 2, "messages": [{**USER[0], "bogus": 1}]})
+    assert served.status_code == 200, served.text
 
 
 @pytest.mark.parametrize(("path", "body"), [

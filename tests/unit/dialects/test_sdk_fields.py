@@ -9,8 +9,11 @@ When the SDK grows a field, this fails until the field is handled or knowingly i
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
+import anthropic.types as claude
+import anthropic.types.beta as claude_beta
 import pytest
 from openai.types import chat as chat_types
 from openai.types import completion_create_params, embedding_create_params
@@ -28,6 +31,7 @@ from openai.types.shared_params import (
     response_format_json_schema,
 )
 
+from afmd.dialects.anthropic import history, messages_body, tools_body
 from afmd.dialects.fields import messages, tool_specs
 from afmd.dialects.openai import chat_body, completions_body, embeddings
 from afmd.dialects.responses import items, options, responses_body
@@ -37,6 +41,9 @@ REFUSED = {"functions", "function_call"}
 
 
 def typed_fields(params: Any) -> set[str]:
+    """The keys a TypedDict types, or any of a union of them (a message of each role)."""
+    if not hasattr(params, "__mro__"):
+        return set().union(*map(typed_fields, typing.get_args(params)))
     return {key for base in params.__mro__ for key in getattr(base, "__annotations__", {})}
 
 
@@ -128,6 +135,66 @@ NESTED: list[tuple[str, tuple[Any, ...], frozenset[str]]] = [
      options.ALLOWED_CHOICE_KEYS),
     ("responses.text.format[json_schema]", (r.ResponseFormatTextJSONSchemaConfigParam,),
      options.TEXT_FORMAT_KEYS["json_schema"]),
+    # The anthropic SDK's, its betas' beside (Claude Code sends those).
+    ("anthropic.messages[]", (claude.MessageParam, claude_beta.BetaMessageParam),
+     history.MESSAGE_KEYS),
+    ("anthropic.content[text]", (claude.TextBlockParam, claude_beta.BetaTextBlockParam),
+     history.BLOCK_KEYS["text"]),
+    ("anthropic.content[image]", (claude.ImageBlockParam, claude_beta.BetaImageBlockParam),
+     history.BLOCK_KEYS["image"]),
+    ("anthropic.content[document]", (claude.DocumentBlockParam,
+                                     claude_beta.BetaRequestDocumentBlockParam),
+     history.BLOCK_KEYS["document"]),
+    ("anthropic.content[tool_use]", (claude.ToolUseBlockParam,
+                                     claude_beta.BetaToolUseBlockParam),
+     history.BLOCK_KEYS["tool_use"]),
+    ("anthropic.content[tool_result]", (claude.ToolResultBlockParam,
+                                        claude_beta.BetaToolResultBlockParam),
+     history.BLOCK_KEYS["tool_result"]),
+    ("anthropic.content[thinking]", (claude.ThinkingBlockParam,
+                                     claude_beta.BetaThinkingBlockParam),
+     history.BLOCK_KEYS["thinking"]),
+    ("anthropic.content[redacted_thinking]", (claude.RedactedThinkingBlockParam,
+                                              claude_beta.BetaRedactedThinkingBlockParam),
+     history.BLOCK_KEYS["redacted_thinking"]),
+    ("anthropic.source[base64]", (claude.Base64ImageSourceParam,
+                                  claude_beta.BetaBase64ImageSourceParam),
+     history.SOURCE_KEYS["base64"]),
+    ("anthropic.source[text]", (claude.PlainTextSourceParam,
+                                claude_beta.BetaPlainTextSourceParam),
+     history.SOURCE_KEYS["text"]),
+    ("anthropic.source[content]", (claude.ContentBlockSourceParam,
+                                   claude_beta.BetaContentBlockSourceParam),
+     history.SOURCE_KEYS["content"]),
+    ("anthropic.tools[]", (claude.ToolParam, claude_beta.BetaToolParam), tools_body.TOOL_KEYS),
+    ("anthropic.tool_choice[auto]", (claude.ToolChoiceAutoParam,
+                                     claude_beta.BetaToolChoiceAutoParam),
+     tools_body.CHOICE_KEYS["auto"]),
+    ("anthropic.tool_choice[any]", (claude.ToolChoiceAnyParam,
+                                    claude_beta.BetaToolChoiceAnyParam),
+     tools_body.CHOICE_KEYS["any"]),
+    ("anthropic.tool_choice[tool]", (claude.ToolChoiceToolParam,
+                                     claude_beta.BetaToolChoiceToolParam),
+     tools_body.CHOICE_KEYS["tool"]),
+    ("anthropic.tool_choice[none]", (claude.ToolChoiceNoneParam,
+                                     claude_beta.BetaToolChoiceNoneParam),
+     tools_body.CHOICE_KEYS["none"]),
+    ("anthropic.thinking[enabled]", (claude.ThinkingConfigEnabledParam,
+                                     claude_beta.BetaThinkingConfigEnabledParam),
+     messages_body.THINKING_KEYS["enabled"]),
+    ("anthropic.thinking[disabled]", (claude.ThinkingConfigDisabledParam,
+                                      claude_beta.BetaThinkingConfigDisabledParam),
+     messages_body.THINKING_KEYS["disabled"]),
+    ("anthropic.thinking[adaptive]", (claude.ThinkingConfigAdaptiveParam,
+                                      claude_beta.BetaThinkingConfigAdaptiveParam),
+     messages_body.THINKING_KEYS["adaptive"]),
+    ("anthropic.thinking[between_tools]", (claude_beta.BetaThinkingConfigBetweenToolsParam,),
+     messages_body.THINKING_KEYS["between_tools"]),
+    ("anthropic.output_config", (claude.OutputConfigParam, claude_beta.BetaOutputConfigParam),
+     messages_body.OUTPUT_CONFIG_KEYS),
+    ("anthropic.output_config.format", (claude.JSONOutputFormatParam,
+                                        claude_beta.BetaJSONOutputFormatParam),
+     messages_body.FORMAT_KEYS),
 ]
 
 

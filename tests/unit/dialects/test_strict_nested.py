@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 
+from afmd.dialects.anthropic.messages_api import ANTHROPIC_MESSAGES
+from afmd.dialects.anthropic.messages_body import parse_messages_request
 from afmd.dialects.openai.chat_body import parse_chat_request
 from afmd.dialects.responses.responses_body import parse_responses_request
 from afmd.errors import InvalidRequestError
@@ -224,3 +227,107 @@ def test_responses_strict_accepts_every_key_the_sdk_and_afmds_items_carry() -> N
                          "description": "d"}, "verbosity": "low"})
     request = _responses(body, strict=True)
     assert [t.name for t in request.tools] == ["f", "patch"]
+
+
+# ---------------------------------------------------------------------------- Anthropic
+
+
+def _anthropic(body: dict[str, Any], *, strict: bool = False) -> Any:
+    return parse_messages_request(orjson.dumps(body), strict=strict)
+
+
+A_TOOL = {"name": "f", "input_schema": {"type": "object"}}
+A_USE = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+A_RESULT = {"type": "tool_result", "tool_use_id": "t1", "content": "ok"}
+A_IMAGE = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+
+
+def _claude(*messages: Any, **fields: Any) -> dict[str, Any]:
+    return {"model": "m", "max_tokens": 64, "messages": [*messages] or [HI], **fields}
+
+
+def _calls(use: dict[str, Any], result: dict[str, Any]) -> list[Any]:
+    return [HI, {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [result]}]
+
+
+ANTHROPIC_REFUSED = [
+    (_claude({**HI, "bogus": 1}), "messages[0].bogus"),
+    (_claude({"role": "user", "content": [{"type": "text", "text": "a", "bogus": 1}]}),
+     "messages[0].content[0].bogus"),
+    (_claude({"role": "user", "content": [{"type": "image", "source": A_IMAGE,
+                                           "bogus": 1}]}),
+     "messages[0].content[0].bogus"),
+    (_claude({"role": "user", "content": [{"type": "image",
+                                           "source": {**A_IMAGE, "bogus": 1}}]}),
+     "messages[0].content[0].source.bogus"),
+    (_claude({"role": "user", "content": [{"type": "document", "bogus": 1, "source": {
+        "type": "text", "media_type": "text/plain", "data": "d"}}]}),
+     "messages[0].content[0].bogus"),
+    (_claude({"role": "user", "content": [{"type": "document", "source": {
+        "type": "content", "content": [{"type": "text", "text": "d", "bogus": 1}]}}]}),
+     "messages[0].content[0].source.content[0].bogus"),
+    (_claude(*_calls({**A_USE, "bogus": 1}, A_RESULT)), "messages[1].content[0].bogus"),
+    (_claude(*_calls(A_USE, {**A_RESULT, "bogus": 1})), "messages[2].content[0].bogus"),
+    (_claude(*_calls(A_USE, {**A_RESULT, "content": [
+        {"type": "text", "text": "ok", "bogus": 1}]})),
+     "messages[2].content[0].content[0].bogus"),
+    (_claude(HI, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "t", "signature": "", "bogus": 1}]}, HI),
+     "messages[1].content[0].bogus"),
+    (_claude(system=[{"type": "text", "text": "s", "bogus": 1}]), "system[0].bogus"),
+    (_claude(tools=[A_TOOL, {**A_TOOL, "name": "g", "bogus": 1}]), "tools[1].bogus"),
+    (_claude(tools=[A_TOOL], tool_choice={"type": "tool", "name": "f", "bogus": 1}),
+     "tool_choice.bogus"),
+    (_claude(tool_choice={"type": "none", "disable_parallel_tool_use": True}),
+     "tool_choice.disable_parallel_tool_use"),
+    (_claude(thinking={"type": "enabled", "budget_tokens": 16, "bogus": 1}),
+     "thinking.bogus"),
+    (_claude(thinking={"type": "disabled", "budget_tokens": 16}), "thinking.budget_tokens"),
+    (_claude(output_config={"effort": "low", "bogus": 1}), "output_config.bogus"),
+    (_claude(output_config={"format": {"type": "json_schema", "schema": {}, "bogus": 1}}),
+     "output_config.format.bogus"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), ANTHROPIC_REFUSED,
+                         ids=[param for _, param in ANTHROPIC_REFUSED])
+def test_anthropic_strict_refuses_unknown_nested_keys(body: dict[str, Any],
+                                                      param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        _anthropic(body, strict=True)
+    err = info.value
+    assert (err.code, err.param) == ("unknown_parameter", param), repr(err)
+    # Anthropic's words; its envelope puts the param first.
+    assert ANTHROPIC_MESSAGES.error_envelope(err)["error"] == {
+        "type": "invalid_request_error",
+        "message": f"{param}: Extra inputs are not permitted"}
+    assert _anthropic(body).ignored_fields == ()
+
+
+def test_anthropic_strict_accepts_every_key_the_sdk_and_afmds_blocks_carry() -> None:
+    cache = {"type": "ephemeral"}
+    body = _claude(
+        {"role": "user", "content": [
+            {"type": "text", "text": "a", "cache_control": cache, "citations": None},
+            {"type": "image", "source": A_IMAGE, "cache_control": cache},
+            {"type": "document", "title": "t", "context": "c", "citations": {"enabled": True},
+             "cache_control": cache, "source": {"type": "text", "media_type": "text/plain",
+                                                "data": "d"}}]},
+        # A reply of afmd's sent back as it came.
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "hm", "signature": ""},
+            {"type": "redacted_thinking", "data": "x"},
+            {"type": "text", "text": "b", "citations": None},
+            {**A_USE, "cache_control": cache, "caller": None}]},
+        {"role": "user", "content": [
+            {**A_RESULT, "is_error": False, "cache_control": cache,
+             "content": [{"type": "text", "text": "ok"}]}]},
+        system=[{"type": "text", "text": "s", "cache_control": cache}],
+        tools=[{**A_TOOL, "type": "custom", "description": "d", "strict": True,
+                "cache_control": cache, "input_examples": [], "defer_loading": False}],
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+        thinking={"type": "enabled", "budget_tokens": 16, "display": "summarized"},
+        output_config={"effort": "low"})
+    request = _anthropic(body, strict=True)
+    assert request.tools[0].name == "f"
