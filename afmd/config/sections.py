@@ -192,7 +192,9 @@ class ApiConfig:
     """How request bodies are read."""
 
     # Unknown top-level fields: False ignores them (listed in X-AFM-Ignored-Fields), as
-    # IDE plugins sending other servers' fields need; True refuses them, as OpenAI does.
+    # IDE plugins sending other servers' fields need; True refuses them, as OpenAI does,
+    # and unknown keys inside the objects of chat, Responses and Anthropic bodies too
+    # (which False ignores unnamed: clients echo back fields of what they were sent).
     strict: bool = False
 
 

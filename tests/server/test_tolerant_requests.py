@@ -293,6 +293,49 @@ def test_strict_refuses_every_openai_dialect(strict: ServerProcess, path: str,
     _assert_unknown(httpx.post(strict.url + path, json=body, timeout=60), param)
 
 
+#: A key no API defines, inside an object of each dialect's body, and its param.
+NESTED_UNKNOWN = [
+    ("/v1/chat/completions", _chat(messages=[{**USER[0], "bogus": 1}]), "messages[0].bogus"),
+    ("/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}},
+                                          {"type": "function", "function": {
+                                              "name": "g", "bogus": 1}}]),
+     "tools[1].function.bogus"),
+    ("/v1/responses", {"model": "demo", "max_output_tokens": 16, "input": [
+        {"role": "user", "content": "Hi"},
+        {"role": "user", "content": [{"type": "input_text", "text": "x", "bogus": 1}]}]},
+     "input[1].content[0].bogus"),
+    ("/v1/responses/input_tokens", {"model": "demo", "input": [
+        {"role": "user", "content": "Hi", "bogus": 1}]}, "input[0].bogus"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), NESTED_UNKNOWN,
+                         ids=[param for _, _, param in NESTED_UNKNOWN])
+def test_strict_refuses_unknown_keys_inside_objects(
+    strict: ServerProcess, tolerant: ServerProcess, path: str, body: dict[str, Any],
+    param: str
+) -> None:
+    """As OpenAI does; without strict the key is ignored unnamed (clients echo back the
+    fields of what they were sent, which are no request field of theirs to name)."""
+    _assert_unknown(httpx.post(strict.url + path, json=body, timeout=60), param)
+    served = httpx.post(tolerant.url + path, json=body, timeout=60)
+    assert served.status_code == 200, served.text
+    assert HEADER not in served.headers
+
+
+def test_strict_openai_client_sends_afmds_answer_back(strict: ServerProcess) -> None:
+    """An assistant message as afmd answered it (``refusal``, ``annotations``) goes back
+    in the next request, through the official client, on a strict server."""
+    client = openai.OpenAI(base_url=strict.url + "/v1", api_key="unused", max_retries=0)
+    first = client.chat.completions.create(model="demo", messages=USER, max_tokens=2)
+    answer = first.choices[0].message.model_dump(exclude_none=False)
+    assert {"refusal", "annotations"} <= answer.keys()
+    second = client.chat.completions.create(
+        model="demo", max_tokens=2,
+        messages=[*USER, answer, {"role": "user", "content": "More."}])
+    assert second.usage is not None and second.usage.completion_tokens == 2
+
+
 def test_strict_anthropic_answers_as_anthropic(strict: ServerProcess) -> None:
     claude = anthropic.Anthropic(base_url=strict.url, api_key="unused", max_retries=0)
     with pytest.raises(anthropic.BadRequestError) as raised:
@@ -309,6 +352,29 @@ def test_strict_anthropic_answers_as_anthropic(strict: ServerProcess) -> None:
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.count_tokens(model="demo", messages=USER,
                                      extra_body={"max_tokens": 5})
+
+
+def test_strict_anthropic_refuses_unknown_keys_inside_objects(
+    strict: ServerProcess, tolerant: ServerProcess
+) -> None:
+    """In Anthropic's words, the param first; a reply of afmd's sent back as the client
+    got it passes, and without strict the unknown key is ignored."""
+    claude = anthropic.Anthropic(base_url=strict.url, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        claude.messages.create(model="demo", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Hi", "bogus": 1}]}])
+    assert raised.value.body["error"] == {
+        "type": "invalid_request_error",
+        "message": "messages[0].content[0].bogus: Extra inputs are not permitted"}
+    first = claude.messages.create(model="demo", max_tokens=2, messages=USER)
+    reply = {"role": "assistant",
+             "content": [block.model_dump() for block in first.content]}
+    second = claude.messages.create(model="demo", max_tokens=2, messages=[
+        *USER, reply, {"role": "user", "content": "More."}])
+    assert second.usage.output_tokens == 2
+    served = httpx.post(tolerant.url + "/v1/messages", timeout=60, json={
+        "model": "demo", "max_tokens": 2, "messages": [{**USER[0], "bogus": 1}]})
+    assert served.status_code == 200, served.text
 
 
 @pytest.mark.parametrize(("path", "body"), [

@@ -35,12 +35,45 @@ from afmd.dialects.fields.checks import (
     not_one_of,
     optional,
     quoted,
+    reject_unknown,
     required,
     wrong_type,
 )
 from afmd.errors import InvalidRequestError
 
-__all__ = ["parse_messages", "parse_system"]
+__all__ = ["EXTRA_INPUTS", "parse_messages", "parse_system"]
+
+#: Anthropic's words for a key it does not define (``[api] strict``); its envelope puts
+#: the param first: ``messages[0].bogus: Extra inputs are not permitted``.
+EXTRA_INPUTS = "Extra inputs are not permitted"
+
+# The keys ``[api] strict`` admits in each object, as Anthropic refuses any other: every
+# key the anthropic SDK types there, its betas' too (a strict server must not break the
+# official client; tests/unit/dialects/test_sdk_fields.py holds these to its TypedDicts).
+MESSAGE_KEYS = frozenset({"role", "content", "clear_at", "output_config"})
+_TEXT_KEYS = frozenset({"type", "text", "cache_control", "citations"})
+BLOCK_KEYS: dict[str, frozenset[str]] = {
+    "text": _TEXT_KEYS,
+    "image": frozenset({"type", "source", "cache_control", "transformations"}),
+    "document": frozenset({"type", "source", "cache_control", "citations", "context",
+                           "title"}),
+    "tool_use": frozenset({"type", "id", "name", "input", "cache_control", "caller",
+                           "toolset_name"}),
+    "tool_result": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control",
+                              "toolset_name"}),
+    "thinking": frozenset({"type", "thinking", "signature"}),
+    "redacted_thinking": frozenset({"type", "data"}),
+}
+#: An image's base64 source, a document's text and content sources.
+SOURCE_KEYS: dict[str, frozenset[str]] = {
+    "base64": frozenset({"type", "media_type", "data"}),
+    "text": frozenset({"type", "media_type", "data"}),
+    "content": frozenset({"type", "content"}),
+}
+
+
+def _refuse_extra(obj: dict[str, Any], known: frozenset[str], prefix: str) -> None:
+    reject_unknown(obj, known, prefix=prefix, message=EXTRA_INPUTS)
 
 _IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}", re.ASCII)
@@ -55,8 +88,9 @@ class _Turn:
     blocks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
-def parse_system(value: Any) -> tuple[Message, ...]:
-    """The system prompt: a string or text blocks (joined by blank lines)."""
+def parse_system(value: Any, *, strict: bool = False) -> tuple[Message, ...]:
+    """The system prompt: a string or text blocks (joined by blank lines); ``strict``
+    refuses a block's unknown key."""
     if value is None:
         return ()
     if isinstance(value, str):
@@ -72,12 +106,14 @@ def parse_system(value: Any) -> tuple[Message, ...]:
         if kind != "text":
             raise invalid(f"{p}.type", f"Invalid system block type {quoted(kind)}; "
                           "the system prompt is text blocks.")
+        if strict:
+            _refuse_extra(block, _TEXT_KEYS, f"{p}.")
         texts.append(required(block, "text", f"{p}.text", str, "a string"))
     text = "\n\n".join(t for t in texts if t)
     return (Message("system", text),) if text else ()
 
 
-def _turns(value: Any) -> list[_Turn]:
+def _turns(value: Any, strict: bool) -> list[_Turn]:
     if value is None:
         raise missing("messages")
     if not isinstance(value, list):
@@ -92,6 +128,8 @@ def _turns(value: Any) -> list[_Turn]:
         role = required(message, "role", f"{p}.role", str, "a string")
         if role not in ("user", "assistant", "system"):
             raise not_one_of(f"{p}.role", role, ("user", "assistant", "system"))
+        if strict:
+            _refuse_extra(message, MESSAGE_KEYS, f"{p}.")
         content = message.get("content")
         if content is None:
             raise missing(f"{p}.content")
@@ -121,17 +159,18 @@ def _check_answered(calls: tuple[ToolCall, ...], results: Container[str],
                 code="missing_tool_output", param=f"messages[{calls_at}].content")
 
 
-def parse_messages(value: Any) -> tuple[tuple[Message, ...], bool]:
-    """The conversation as afmd's messages, and whether it holds images."""
+def parse_messages(value: Any, *, strict: bool = False) -> tuple[tuple[Message, ...], bool]:
+    """The conversation as afmd's messages, and whether it holds images. ``strict``
+    refuses an unknown key in a message, a block or a block's source."""
     out: list[Message] = []
     images = False
     calls: tuple[ToolCall, ...] = ()  # the previous assistant turn's, to be answered now
     calls_at = 0
     held: list[Message] = []  # system messages sent between calls and their results
-    turns = _turns(value)
+    turns = _turns(value, strict)
     for turn in turns:
         if turn.role == "system":
-            text = _system_text(turn)
+            text = _system_text(turn, strict)
             if text:  # between a call and its results it waits for them (templates
                 # want a call's results right after it)
                 (held if calls else out).append(Message("system", text, in_place=True))
@@ -140,7 +179,7 @@ def parse_messages(value: Any) -> tuple[tuple[Message, ...], bool]:
             # Two assistant turns are one unless a system message parts them: then the
             # first one's calls went unanswered.
             _check_answered(calls, (), calls_at)
-            message = _assistant(turn)
+            message = _assistant(turn, strict)
             out.append(message)
             calls, calls_at = message.tool_calls, turn.index
             continue
@@ -148,17 +187,17 @@ def parse_messages(value: Any) -> tuple[tuple[Message, ...], bool]:
         results: dict[str, Message] = {}
         pictures: list[ImageInput] = []  # this turn's images, placed in its text
         for p, block in turn.blocks:
-            kind = _block_type(block, p)
+            kind = _block_type(block, p, strict)
             if kind == "text":
                 texts.append(required(block, "text", f"{p}.text", str, "a string"))
             elif kind == "image":
-                pictures.append(ImageInput(_image(block, p), f"{p}.source",
+                pictures.append(ImageInput(_image(block, p, strict), f"{p}.source",
                                            len("\n\n".join(texts))))
                 images = True
             elif kind == "document":
-                texts.append(_document(block, p))
+                texts.append(_document(block, p, strict))
             elif kind == "tool_result":
-                call_id, message, has_image = _tool_result(block, p)
+                call_id, message, has_image = _tool_result(block, p, strict)
                 if not any(c.id == call_id for c in calls):
                     raise InvalidRequestError(
                         f"{p} answers tool_use {quoted(call_id)}, which the assistant turn "
@@ -203,11 +242,11 @@ def parse_messages(value: Any) -> tuple[tuple[Message, ...], bool]:
     return tuple(out), images
 
 
-def _system_text(turn: _Turn) -> str:
+def _system_text(turn: _Turn, strict: bool) -> str:
     """A system message's text: its text blocks joined as the top-level ``system``'s are."""
     texts = []
     for p, block in turn.blocks:
-        kind = _block_type(block, p)
+        kind = _block_type(block, p, strict)
         if kind != "text":
             raise invalid(f"{p}.type", f"Content block type {quoted(kind)} is not supported "
                           "in a system message; supported: 'text'.")
@@ -215,12 +254,16 @@ def _system_text(turn: _Turn) -> str:
     return "\n\n".join(t for t in texts if t)
 
 
-def _block_type(block: Any, p: str) -> str:
+def _block_type(block: Any, p: str, strict: bool) -> str:
+    """A block's type (``strict``: its keys checked against the type's, every block of
+    every place passing here)."""
     if not isinstance(block, dict):
         raise wrong_type(p, "an object", block)
     kind = block.get("type")
     if type(kind) is not str:
         kind = required(block, "type", f"{p}.type", str, "a string")
+    if strict and kind in BLOCK_KEYS:
+        _refuse_extra(block, BLOCK_KEYS[kind], f"{p}.")
     return kind
 
 
@@ -232,12 +275,12 @@ def _unsupported_block(kind: str, p: str, role: str) -> InvalidRequestError:
                    f"{supported}.")
 
 
-def _assistant(turn: _Turn) -> Message:
+def _assistant(turn: _Turn, strict: bool) -> Message:
     texts: list[str] = []
     thoughts: list[str] = []
     calls: list[ToolCall] = []
     for p, block in turn.blocks:
-        kind = _block_type(block, p)
+        kind = _block_type(block, p, strict)
         if kind == "text":
             texts.append(required(block, "text", f"{p}.text", str, "a string"))
         elif kind == "thinking":
@@ -262,7 +305,7 @@ def _assistant(turn: _Turn) -> Message:
                    reasoning="\n\n".join(t for t in thoughts if t) or None)
 
 
-def _image(block: dict[str, Any], p: str) -> bytes:
+def _image(block: dict[str, Any], p: str, strict: bool) -> bytes:
     """The image's bytes; only inline base64 images: afmd never fetches a URL on a
     client's behalf."""
     source = required(block, "source", f"{p}.source", dict, "an object")
@@ -272,6 +315,8 @@ def _image(block: dict[str, Any], p: str) -> bytes:
             f"Image source type {quoted(kind)} is not supported: afmd accepts base64 images "
             "only and does not fetch URLs or files.",
             code="unsupported_image_url", param=f"{p}.source.type")
+    if strict:
+        _refuse_extra(source, SOURCE_KEYS[kind], f"{p}.source.")
     media = required(source, "media_type", f"{p}.source.media_type", str, "a string")
     if media not in _IMAGE_TYPES:
         raise not_one_of(f"{p}.source.media_type", media, _IMAGE_TYPES)
@@ -294,7 +339,7 @@ def _image(block: dict[str, Any], p: str) -> bytes:
     return image
 
 
-def _document(block: dict[str, Any], p: str) -> str:
+def _document(block: dict[str, Any], p: str, strict: bool) -> str:
     """A document as the text the model reads: its title and context, then its text.
 
     Plain-text documents (a ``text`` source, or a ``content`` source of text blocks) are
@@ -303,6 +348,8 @@ def _document(block: dict[str, Any], p: str) -> str:
     the answer carries none."""
     source = required(block, "source", f"{p}.source", dict, "an object")
     kind = required(source, "type", f"{p}.source.type", str, "a string")
+    if strict and kind in ("text", "content"):
+        _refuse_extra(source, SOURCE_KEYS[kind], f"{p}.source.")
     if kind == "text":
         media = optional(source, "media_type", f"{p}.source.media_type", str, "a string")
         if media is not None and media != "text/plain":
@@ -316,7 +363,7 @@ def _document(block: dict[str, Any], p: str) -> str:
             parts = []
             for k, part in enumerate(content):
                 q = f"{p}.source.content[{k}]"
-                if _block_type(part, q) != "text":
+                if _block_type(part, q, strict) != "text":
                     raise invalid(f"{q}.type", "A document's content holds text blocks only "
                                   "here ('text').")
                 parts.append(required(part, "text", f"{q}.text", str, "a string"))
@@ -342,7 +389,7 @@ def _document(block: dict[str, Any], p: str) -> str:
     return "\n".join(head) + "\n\n" + body
 
 
-def _tool_result(block: dict[str, Any], p: str) -> tuple[str, Message, bool]:
+def _tool_result(block: dict[str, Any], p: str, strict: bool) -> tuple[str, Message, bool]:
     """A result as afmd's tool message (text only; an error says so first)."""
     call_id = required(block, "tool_use_id", f"{p}.tool_use_id", str, "a string")
     is_error = optional(block, "is_error", f"{p}.is_error", bool, "a boolean")
@@ -356,14 +403,14 @@ def _tool_result(block: dict[str, Any], p: str) -> tuple[str, Message, bool]:
         texts = []
         for k, part in enumerate(content):
             q = f"{p}.content[{k}]"
-            kind = _block_type(part, q)
+            kind = _block_type(part, q, strict)
             if kind == "text":
                 texts.append(required(part, "text", f"{q}.text", str, "a string"))
             elif kind == "image":
-                images.append(ImageInput(_image(part, q), f"{q}.source",
+                images.append(ImageInput(_image(part, q, strict), f"{q}.source",
                                          len("\n\n".join(texts))))
             elif kind == "document":
-                texts.append(_document(part, q))
+                texts.append(_document(part, q, strict))
             else:
                 raise invalid(f"{q}.type", f"Content block type {quoted(kind)} is not "
                               "supported in a tool_result; supported: 'text', 'image' and "

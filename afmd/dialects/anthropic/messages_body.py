@@ -9,7 +9,9 @@ Fields of Anthropic's API that mean nothing locally are accepted, ignored and li
 request's ``ignored_fields`` (``X-AFM-Ignored-Fields``). Unknown ones are ignored and listed
 too (Anthropic adds fields
 often, and clients send them before afmd knows them); with ``strict`` (``[api] strict``)
-they are refused as Anthropic refuses them, ``<field>: Extra inputs are not permitted``.
+they are refused as Anthropic refuses them, ``<field>: Extra inputs are not permitted``,
+and so is an unknown key inside the body's objects (``messages[0].bogus: …``), which
+otherwise is ignored unnamed: clients send back the blocks they were answered with.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Collection
 from typing import Any
 
 from afmd.core.request import ChatRequest, ResponseFormat
-from afmd.dialects.anthropic.history import parse_messages, parse_system
+from afmd.dialects.anthropic.history import EXTRA_INPUTS, parse_messages, parse_system
 from afmd.dialects.anthropic.tools_body import parse_tool_choice, parse_tools
 from afmd.dialects.fields.body import parse_json_body
 from afmd.dialects.fields.checks import (
@@ -27,6 +29,7 @@ from afmd.dialects.fields.checks import (
     not_one_of,
     optional,
     read_scalars,
+    reject_unknown,
     required,
     string_list,
     unknown_keys,
@@ -41,6 +44,16 @@ MAX_STOP_SEQUENCES = 16
 #: ``output_config.effort`` onto afmd's ``reasoning_effort`` (``max`` is afmd's highest).
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
 THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
+# The keys ``[api] strict`` admits, as Anthropic refuses any other: the anthropic SDK's,
+# its betas' too (tests/unit/dialects/test_sdk_fields.py holds them to its TypedDicts).
+THINKING_KEYS: dict[str, frozenset[str]] = {
+    "enabled": frozenset({"type", "budget_tokens", "display", "block_binding"}),
+    "disabled": frozenset({"type"}),
+    "adaptive": frozenset({"type", "display", "block_binding"}),
+    "between_tools": frozenset({"type"}),
+}
+OUTPUT_CONFIG_KEYS = frozenset({"effort", "format", "task_budget"})
+FORMAT_KEYS = frozenset({"type", "schema"})
 
 _MODEL = Scalar("model", "string", required=True)
 _CREATE = (
@@ -103,29 +116,29 @@ def _parse(
     ignored = unknown_keys(body, known, strict=False)
     if strict and ignored:
         # Anthropic's own words for it (the envelope puts the field first).
-        raise InvalidRequestError("Extra inputs are not permitted", code="unknown_parameter",
-                                  param=ignored[0])
+        raise InvalidRequestError(EXTRA_INPUTS, code="unknown_parameter", param=ignored[0])
     if ignored:  # a field ignored is not checked either (count_tokens reads create's parts)
         body = {key: value for key, value in body.items() if key not in ignored}
     ignored = (*ignored, *(key for key in body if key in UNUSED_FIELDS))
     values = read_scalars(body, scalars)
     max_tokens: int | None = values.get("max_tokens")
-    system = parse_system(body.get("system"))
-    messages, images = parse_messages(body.get("messages"))
-    tools = parse_tools(body.get("tools"))
-    choice, parallel = parse_tool_choice(body.get("tool_choice"), tools, server_tools)
+    system = parse_system(body.get("system"), strict=strict)
+    messages, images = parse_messages(body.get("messages"), strict=strict)
+    tools = parse_tools(body.get("tools"), strict=strict)
+    choice, parallel = parse_tool_choice(body.get("tool_choice"), tools, server_tools,
+                                         strict=strict)
     stop = body.get("stop_sequences")
     if stop is not None and not isinstance(stop, list):
         raise wrong_type("stop_sequences", "an array of strings", stop)
-    kind, budget = _thinking(body.get("thinking"), max_tokens)
+    kind, budget = _thinking(body.get("thinking"), max_tokens, strict)
     if kind not in (None, "disabled") and choice.mode == "required":
         # Anthropic's rule and words: a call forced before the model thinks leaves its
         # thinking nothing to decide, so thinking on allows only ``auto`` and ``none``.
         raise invalid("tool_choice.type", "Thinking may not be enabled when tool_choice "
                       "forces tool use.")
-    effort, response_format = _output_config(body.get("output_config"))
+    effort, response_format = _output_config(body.get("output_config"), strict)
     if response_format is None:  # the structured-outputs beta's spelling
-        response_format = _format(body.get("output_format"), "output_format")
+        response_format = _format(body.get("output_format"), "output_format", strict)
     reasoning_effort = effort
     if kind == "disabled":
         reasoning_effort = "none"
@@ -157,8 +170,11 @@ def _parse(
 # ---------------------------------------------------------------------------- output
 
 
-def _thinking(value: Any, max_tokens: int | None) -> tuple[str | None, int | None]:
-    """``thinking``'s type and, when enabled, its budget."""
+def _thinking(
+    value: Any, max_tokens: int | None, strict: bool
+) -> tuple[str | None, int | None]:
+    """``thinking``'s type and, when enabled, its budget (``strict``: no key its type does
+    not have)."""
     if value is None:
         return None, None
     if not isinstance(value, dict):
@@ -166,6 +182,8 @@ def _thinking(value: Any, max_tokens: int | None) -> tuple[str | None, int | Non
     kind = required(value, "type", "thinking.type", str, "a string")
     if kind not in THINKING_TYPES:
         raise not_one_of("thinking.type", kind, THINKING_TYPES)
+    if strict:
+        reject_unknown(value, THINKING_KEYS[kind], prefix="thinking.", message=EXTRA_INPUTS)
     # How a client shows thinking ("summarized", "omitted", Claude Code's "updates", more
     # to come): afmd returns its thinking as it was written whatever this says.
     optional(value, "display", "thinking.display", str, "a string")
@@ -179,26 +197,31 @@ def _thinking(value: Any, max_tokens: int | None) -> tuple[str | None, int | Non
     return kind, budget
 
 
-def _output_config(value: Any) -> tuple[str | None, ResponseFormat | None]:
+def _output_config(value: Any, strict: bool) -> tuple[str | None, ResponseFormat | None]:
     """``output_config``: the effort as afmd's ``reasoning_effort``, and the format."""
     if value is None:
         return None, None
     if not isinstance(value, dict):
         raise wrong_type("output_config", "an object", value)
+    if strict:
+        reject_unknown(value, OUTPUT_CONFIG_KEYS, prefix="output_config.",
+                       message=EXTRA_INPUTS)
     effort = optional(value, "effort", "output_config.effort", str, "a string")
     if effort is not None and effort not in EFFORTS:
         raise not_one_of("output_config.effort", effort, tuple(EFFORTS))
     return (EFFORTS[effort] if effort else None,
-            _format(value.get("format"), "output_config.format"))
+            _format(value.get("format"), "output_config.format", strict))
 
 
-def _format(value: Any, param: str) -> ResponseFormat | None:
+def _format(value: Any, param: str, strict: bool) -> ResponseFormat | None:
     """A JSON schema the answer must match: the grammar enforces it, as chat's
     ``response_format``."""
     if value is None:
         return None
     if not isinstance(value, dict):
         raise wrong_type(param, "an object", value)
+    if strict:
+        reject_unknown(value, FORMAT_KEYS, prefix=f"{param}.", message=EXTRA_INPUTS)
     kind = required(value, "type", f"{param}.type", str, "a string")
     if kind != "json_schema":
         raise not_one_of(f"{param}.type", kind, ("json_schema",))

@@ -12,12 +12,14 @@ from collections.abc import Collection
 from typing import Any
 
 from afmd.core.request import ToolChoice, ToolSpec
+from afmd.dialects.anthropic.history import EXTRA_INPUTS
 from afmd.dialects.fields.checks import (
     invalid,
     missing,
     not_one_of,
     optional,
     quoted,
+    reject_unknown,
     required,
     wrong_type,
 )
@@ -29,8 +31,21 @@ __all__ = ["TOOL_CHOICES", "parse_tool_choice", "parse_tools"]
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}", re.ASCII)
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 
+# The keys ``[api] strict`` admits, as Anthropic refuses any other: the anthropic SDK's,
+# its betas' too (tests/unit/dialects/test_sdk_fields.py holds them to its TypedDicts).
+TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "strict",
+                       "cache_control", "allowed_callers", "defer_loading",
+                       "eager_input_streaming", "input_examples"})
+CHOICE_KEYS: dict[str, frozenset[str]] = {
+    "auto": frozenset({"type", "disable_parallel_tool_use"}),
+    "any": frozenset({"type", "disable_parallel_tool_use"}),
+    "tool": frozenset({"type", "name", "disable_parallel_tool_use"}),
+    "none": frozenset({"type"}),
+}
 
-def parse_tools(value: Any) -> tuple[ToolSpec, ...]:
+
+def parse_tools(value: Any, *, strict: bool = False) -> tuple[ToolSpec, ...]:
+    """The client's custom tools (``strict``: no unknown key in one)."""
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -48,6 +63,8 @@ def parse_tools(value: Any) -> tuple[ToolSpec, ...]:
                 "has no such tool. Declare it as a custom tool (name, description, "
                 "input_schema) and run it in your client.",
                 code="unsupported_tool", param=f"{p}.type")
+        if strict:
+            reject_unknown(tool, TOOL_KEYS, prefix=f"{p}.", message=EXTRA_INPUTS)
         name = required(tool, "name", f"{p}.name", str, "a string")
         if _TOOL_NAME.fullmatch(name) is None:
             raise invalid(f"{p}.name", f"Invalid tool name {quoted(name)}: use 1-128 "
@@ -63,15 +80,17 @@ def parse_tools(value: Any) -> tuple[ToolSpec, ...]:
             if "type" not in schema:
                 raise missing(f"{p}.input_schema.type")
             raise invalid(f"{p}.input_schema.type", "Input should be 'object'.")
-        strict = optional(tool, "strict", f"{p}.strict", bool, "a boolean")
-        tools.append(ToolSpec(name, description, schema, bool(strict)))
+        exact = optional(tool, "strict", f"{p}.strict", bool, "a boolean")
+        tools.append(ToolSpec(name, description, schema, bool(exact)))
     return tuple(tools)
 
 
 def parse_tool_choice(
-    value: Any, tools: tuple[ToolSpec, ...], server_tools: Collection[str]
+    value: Any, tools: tuple[ToolSpec, ...], server_tools: Collection[str], *,
+    strict: bool = False,
 ) -> tuple[ToolChoice, bool]:
-    """``tool_choice`` as afmd's choice, and whether parallel calls are allowed."""
+    """``tool_choice`` as afmd's choice, and whether parallel calls are allowed
+    (``strict``: no key its type does not have)."""
     names = {t.name for t in tools} | set(server_tools)
     if value is None:
         return ToolChoice("auto" if names else "none"), True
@@ -80,6 +99,8 @@ def parse_tool_choice(
     kind = required(value, "type", "tool_choice.type", str, "a string")
     if kind not in TOOL_CHOICES:
         raise not_one_of("tool_choice.type", kind, TOOL_CHOICES)
+    if strict:
+        reject_unknown(value, CHOICE_KEYS[kind], prefix="tool_choice.", message=EXTRA_INPUTS)
     single = optional(value, "disable_parallel_tool_use",
                       "tool_choice.disable_parallel_tool_use", bool, "a boolean")
     parallel = not single

@@ -109,10 +109,15 @@ def reject_unknown(
     what: str = "Unrecognized request argument supplied",
     prefix: str = "",
     deprecated: Mapping[str, str] | None = None,
+    message: str | None = None,
 ) -> None:
     """Refuse the first key of ``obj`` outside ``known``: a silently ignored misspelling
     would change the answer without telling the client. ``deprecated`` keys (never among
-    ``known``) get their own message, an ``invalid_value`` naming what replaced them."""
+    ``known``) get their own message, an ``invalid_value`` naming what replaced them.
+    ``prefix`` is where ``obj`` sits (``messages[0].``): the message names the whole path,
+    as the param does, since a key alone (``type``) says nothing of which object held it.
+    ``message`` replaces that message where the envelope names the param itself
+    (Anthropic's ``<param>: Extra inputs are not permitted``)."""
     if known.issuperset(obj):  # deprecated keys are never known ones
         return
     for key in obj:
@@ -120,7 +125,8 @@ def reject_unknown(
             raise invalid(prefix + key, deprecated[key])
         if key not in known:
             raise InvalidRequestError(
-                f"{what}: {clip(key)}", code="unknown_parameter", param=prefix + key
+                message or f"{what}: {clip(prefix + key)}", code="unknown_parameter",
+                param=prefix + key,
             )
 
 

@@ -15,20 +15,53 @@ import re
 from typing import Any
 
 from afmd.core.request import ImageInput, Message, ToolCall
-from afmd.dialects.fields.checks import invalid, missing, not_one_of, quoted, required, wrong_type
+from afmd.dialects.fields.checks import (
+    invalid,
+    missing,
+    not_one_of,
+    quoted,
+    reject_unknown,
+    required,
+    wrong_type,
+)
 from afmd.errors import InvalidRequestError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _ROLE_SET = frozenset(ROLES)
 _NO_IMAGES: tuple[ImageInput, ...] = ()
 
+# The keys ``[api] strict`` admits in each object, as OpenAI refuses any other: every key
+# the openai SDK types there (a strict server must not break the official client;
+# tests/unit/dialects/test_sdk_fields.py holds these to the SDK's TypedDicts), and what
+# afmd's own answers carry, which clients send back as they came (``annotations``,
+# ``reasoning_content``). ``name`` is read on every role, a tool message's too.
+_SPOKEN = frozenset({"role", "content", "name"})
+MESSAGE_KEYS: dict[str, frozenset[str]] = {
+    "system": _SPOKEN,
+    "developer": _SPOKEN,
+    "user": _SPOKEN,
+    "assistant": _SPOKEN | {"refusal", "tool_calls", "function_call", "audio", "annotations",
+                            "reasoning_content"},
+    "tool": _SPOKEN | {"tool_call_id"},
+}
+PART_KEYS: dict[str, frozenset[str]] = {
+    "text": frozenset({"type", "text", "prompt_cache_breakpoint"}),
+    "image_url": frozenset({"type", "image_url", "prompt_cache_breakpoint"}),
+    "refusal": frozenset({"type", "refusal"}),
+}
+IMAGE_URL_KEYS = frozenset({"url", "detail"})
+TOOL_CALL_KEYS = frozenset({"id", "type", "function"})
+CALL_FUNCTION_KEYS = frozenset({"name", "arguments"})
+
 _DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,([A-Za-z0-9+/]*={0,2})", re.ASCII)
 
 
-def _check_image_part(part: dict[str, Any], p: str) -> bytes:
+def _check_image_part(part: dict[str, Any], p: str, strict: bool) -> bytes:
     """The image's bytes; only inline ``data:`` images: afmd never fetches a URL on a
     client's behalf."""
     image = required(part, "image_url", f"{p}.image_url", dict, "an object")
+    if strict:
+        reject_unknown(image, IMAGE_URL_KEYS, prefix=f"{p}.image_url.")
     url = required(image, "url", f"{p}.image_url.url", str, "a string")
     if not url.startswith("data:"):
         raise InvalidRequestError(
@@ -54,13 +87,15 @@ def _check_image_part(part: dict[str, Any], p: str) -> bytes:
 
 
 def text_content(
-    value: Any, param: str, *, allow_null: bool = False, refusals: bool = False
+    value: Any, param: str, *, allow_null: bool = False, refusals: bool = False,
+    strict: bool = False,
 ) -> tuple[str | None, tuple[ImageInput, ...]]:
     """The text of a message's content, and its image parts.
 
     Content is a string or a list of text and image parts; text parts are joined without
     separators, and each image keeps its place in that text. ``refusals`` admits an
-    assistant's ``refusal`` parts, read as its text.
+    assistant's ``refusal`` parts, read as its text. ``strict`` refuses a part's unknown
+    keys (:data:`PART_KEYS`).
     """
     if value is None:
         if allow_null:
@@ -80,11 +115,14 @@ def text_content(
         kind = part.get("type")
         if kind is None:
             raise missing(f"{p}.type")
+        if strict and type(kind) is str and kind in PART_KEYS:
+            reject_unknown(part, PART_KEYS[kind], prefix=f"{p}.")
         if kind == "text":
             texts.append(required(part, "text", f"{p}.text", str, "a string"))
             length += len(texts[-1])
         elif kind == "image_url":
-            images.append(ImageInput(_check_image_part(part, p), f"{p}.image_url", length))
+            images.append(ImageInput(_check_image_part(part, p, strict), f"{p}.image_url",
+                                     length))
         elif kind == "refusal" and refusals:
             # An assistant's refusal (OpenAI's own answers carry them) was what it said.
             texts.append(required(part, "refusal", f"{p}.refusal", str, "a string"))
@@ -129,8 +167,9 @@ def _nonempty_id(obj: dict[str, Any], key: str, param: str, what: str) -> str:
     return value
 
 
-def tool_calls(value: Any, param: str) -> tuple[ToolCall, ...]:
-    """An assistant message's ``tool_calls``."""
+def tool_calls(value: Any, param: str, *, strict: bool = False) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls`` (``strict``: no unknown key in a call or its
+    function)."""
     if not isinstance(value, list):
         raise wrong_type(param, "an array", value)
     calls: list[ToolCall] = []
@@ -138,6 +177,8 @@ def tool_calls(value: Any, param: str) -> tuple[ToolCall, ...]:
         p = f"{param}[{i}]"
         if not isinstance(call, dict):
             raise wrong_type(p, "an object", call)
+        if strict:
+            reject_unknown(call, TOOL_CALL_KEYS, prefix=f"{p}.")
         call_id = _nonempty_id(call, "id", f"{p}.id", "A tool call id")
         kind = call.get("type", "function")
         if kind != "function":
@@ -145,6 +186,8 @@ def tool_calls(value: Any, param: str) -> tuple[ToolCall, ...]:
                 f"{p}.type", f"Invalid tool call type {quoted(kind)}; expected 'function'."
             )
         function, name = function_object(call, p)
+        if strict:
+            reject_unknown(function, CALL_FUNCTION_KEYS, prefix=f"{p}.function.")
         arguments = function.get("arguments", "{}")
         if not isinstance(arguments, str):
             raise wrong_type(f"{p}.function.arguments", "a string", arguments)
@@ -152,8 +195,9 @@ def tool_calls(value: Any, param: str) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def message(value: Any, param: str) -> Message:
-    """One message; ``param`` is its path (``messages[3]``)."""
+def message(value: Any, param: str, *, strict: bool = False) -> Message:
+    """One message; ``param`` is its path (``messages[3]``). ``strict`` refuses a key its
+    role does not have (:data:`MESSAGE_KEYS`), in it and in its parts and calls."""
     if not isinstance(value, dict):
         raise wrong_type(param, "an object", value)
     role = value.get("role")
@@ -161,13 +205,15 @@ def message(value: Any, param: str) -> Message:
         role = required(value, "role", f"{param}.role", str, "a string")
         if role not in ROLES:
             raise not_one_of(f"{param}.role", role, ROLES)
+    if strict:
+        reject_unknown(value, MESSAGE_KEYS[role], prefix=f"{param}.")
     name = value.get("name")
     if name is not None and not isinstance(name, str):
         raise wrong_type(f"{param}.name", "a string", name)
     if role == "assistant":
         calls: tuple[ToolCall, ...] = ()
         if value.get("tool_calls") is not None:
-            calls = tool_calls(value["tool_calls"], f"{param}.tool_calls")
+            calls = tool_calls(value["tool_calls"], f"{param}.tool_calls", strict=strict)
         if value.get("function_call") is not None:
             raise invalid(
                 f"{param}.function_call",
@@ -176,7 +222,7 @@ def message(value: Any, param: str) -> Message:
         content, images = value.get("content"), _NO_IMAGES
         if type(content) is not str:
             content, images = text_content(content, f"{param}.content", allow_null=True,
-                                           refusals=True)
+                                           refusals=True, strict=strict)
         refusal = value.get("refusal")
         if refusal is not None and not isinstance(refusal, str):
             raise wrong_type(f"{param}.refusal", "a string", refusal)
@@ -190,7 +236,7 @@ def message(value: Any, param: str) -> Message:
         raise missing(f"{param}.content")
     content, images = value["content"], _NO_IMAGES
     if type(content) is not str:
-        content, images = text_content(content, f"{param}.content")
+        content, images = text_content(content, f"{param}.content", strict=strict)
     if role == "tool":
         call_id = _nonempty_id(value, "tool_call_id", f"{param}.tool_call_id", "A tool_call_id")
         return Message(role=role, content=content, name=name, tool_call_id=call_id,
@@ -199,11 +245,13 @@ def message(value: Any, param: str) -> Message:
                    images=images)
 
 
-def parse_messages(value: Any, param: str = "messages") -> tuple[Message, ...]:
+def parse_messages(
+    value: Any, param: str = "messages", *, strict: bool = False
+) -> tuple[Message, ...]:
     """The conversation, which must have something for the model to answer.
 
-    Each message is checked on its own; :func:`check_tool_history` then checks the calls
-    and their answers across messages.
+    Each message is checked on its own (``strict``: see :func:`message`);
+    :func:`check_tool_history` then checks the calls and their answers across messages.
     """
     if value is None:
         raise missing(param)
@@ -211,7 +259,7 @@ def parse_messages(value: Any, param: str = "messages") -> tuple[Message, ...]:
         raise wrong_type(param, "an array", value)
     if not value:
         raise invalid(param, f"'{param}' must contain at least one message.")
-    messages = tuple(message(m, f"{param}[{i}]") for i, m in enumerate(value))
+    messages = tuple(message(m, f"{param}[{i}]", strict=strict) for i, m in enumerate(value))
     if not any(m.role == "user" for m in messages):
         raise InvalidRequestError(
             "The conversation has no user message; add at least one message with role 'user'.",

@@ -13,16 +13,43 @@ from collections.abc import Collection
 from typing import Any
 
 from afmd.core.request import ResponseFormat, ToolChoice, ToolSpec
-from afmd.dialects.fields.checks import invalid, missing, optional, quoted, required, wrong_type
+from afmd.dialects.fields.checks import (
+    invalid,
+    missing,
+    optional,
+    quoted,
+    reject_unknown,
+    required,
+    wrong_type,
+)
 from afmd.dialects.fields.messages import function_object
 from afmd.errors import InvalidRequestError
 
 #: OpenAI's rule for a function name: 1-64 of a-z, A-Z, 0-9, _ and -.
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 
+# The keys ``[api] strict`` admits in each object: the openai SDK's (held to its TypedDicts
+# by tests/unit/dialects/test_sdk_fields.py), as OpenAI refuses any other.
+TOOL_KEYS = frozenset({"type", "function"})
+FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+#: A named choice: chat's ``function`` object, or the flat Responses shape afmd also reads.
+NAMED_CHOICE_KEYS = frozenset({"type", "function", "name"})
+CHOICE_FUNCTION_KEYS = frozenset({"name"})
+ALLOWED_CHOICE_KEYS = frozenset({"type", "allowed_tools"})
+ALLOWED_TOOLS_KEYS = frozenset({"mode", "tools"})
+RESPONSE_FORMAT_KEYS: dict[str, frozenset[str]] = {
+    "text": frozenset({"type"}),
+    "json_object": frozenset({"type"}),
+    "json_schema": frozenset({"type", "json_schema"}),
+}
+JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
 
-def parse_tools(value: Any, param: str = "tools") -> tuple[ToolSpec, ...]:
-    """The client's function tools, each named once."""
+
+def parse_tools(
+    value: Any, param: str = "tools", *, strict: bool = False
+) -> tuple[ToolSpec, ...]:
+    """The client's function tools, each named once (``strict``: no unknown key in a tool
+    or its function)."""
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -40,7 +67,11 @@ def parse_tools(value: Any, param: str = "tools") -> tuple[ToolSpec, ...]:
             raise invalid(
                 f"{p}.type", f"Invalid tool type {quoted(kind)}; supported: 'function'."
             )
+        if strict:
+            reject_unknown(tool, TOOL_KEYS, prefix=f"{p}.")
         function, name = function_object(tool, p)
+        if strict:
+            reject_unknown(function, FUNCTION_KEYS, prefix=f"{p}.function.")
         if _TOOL_NAME.fullmatch(name) is None:
             raise invalid(
                 f"{p}.function.name",
@@ -56,22 +87,27 @@ def parse_tools(value: Any, param: str = "tools") -> tuple[ToolSpec, ...]:
         parameters = optional(
             function, "parameters", f"{p}.function.parameters", dict, "an object"
         )
-        strict = optional(function, "strict", f"{p}.function.strict", bool, "a boolean")
-        tools.append(ToolSpec(name, description, parameters, bool(strict)))
+        exact = optional(function, "strict", f"{p}.function.strict", bool, "a boolean")
+        tools.append(ToolSpec(name, description, parameters, bool(exact)))
     return tuple(tools)
 
 
-def _function_name(value: Any, param: str) -> str:
+def _function_name(value: Any, param: str, strict: bool) -> str:
     if not isinstance(value, dict):
         raise wrong_type(param, "an object", value)
     if value.get("type", "function") != "function":
         raise invalid(f"{param}.type", "Only tools of type 'function' are supported.")
+    if strict:
+        reject_unknown(value, NAMED_CHOICE_KEYS, prefix=f"{param}.")
     if value.get("function") is None:
         # The Responses-style flat shape {"type": "function", "name": ...} is accepted too.
         if value.get("name") is None:
             raise missing(f"{param}.function")
         return required(value, "name", f"{param}.name", str, "a string")
-    return function_object(value, param)[1]
+    function, name = function_object(value, param)
+    if strict:
+        reject_unknown(function, CHOICE_FUNCTION_KEYS, prefix=f"{param}.function.")
+    return name
 
 
 def _unknown_tool(name: str, param: str) -> InvalidRequestError:
@@ -83,10 +119,12 @@ def _unknown_tool(name: str, param: str) -> InvalidRequestError:
 
 
 def parse_tool_choice(
-    value: Any, tools: tuple[ToolSpec, ...], server_tools: Collection[str] = ()
+    value: Any, tools: tuple[ToolSpec, ...], server_tools: Collection[str] = (), *,
+    strict: bool = False,
 ) -> ToolChoice:
     """``tool_choice`` against the tools on offer: the client's and the server's own
-    (which a choice may name although ``tools`` does not list them)."""
+    (which a choice may name although ``tools`` does not list them). ``strict`` refuses
+    an unknown key in the choice's objects."""
     names = {t.name for t in tools} | set(server_tools)
     has_tools = bool(names)
     if value is None:
@@ -107,13 +145,13 @@ def parse_tool_choice(
     if kind is None:
         raise missing("tool_choice.type")
     if kind == "function":
-        name = _function_name(value, "tool_choice")
+        name = _function_name(value, "tool_choice", strict)
         param = "tool_choice.function.name" if "function" in value else "tool_choice.name"
         if name not in names:
             raise _unknown_tool(name, param)
         return ToolChoice("required", (name,), named=True)
     if kind == "allowed_tools":
-        return _allowed_tools(value, names)
+        return _allowed_tools(value, names, strict)
     raise invalid(
         "tool_choice.type",
         f"Invalid value for 'tool_choice.type': {quoted(kind)}. Supported values are 'function' "
@@ -121,10 +159,14 @@ def parse_tool_choice(
     )
 
 
-def _allowed_tools(value: dict[str, Any], names: set[str]) -> ToolChoice:
+def _allowed_tools(value: dict[str, Any], names: set[str], strict: bool) -> ToolChoice:
+    if strict:
+        reject_unknown(value, ALLOWED_CHOICE_KEYS, prefix="tool_choice.")
     spec = required(
         value, "allowed_tools", "tool_choice.allowed_tools", dict, "an object"
     )
+    if strict:
+        reject_unknown(spec, ALLOWED_TOOLS_KEYS, prefix="tool_choice.allowed_tools.")
     mode = spec.get("mode", "auto")
     if mode not in ("auto", "required"):
         raise invalid(
@@ -139,15 +181,18 @@ def _allowed_tools(value: dict[str, Any], names: set[str]) -> ToolChoice:
     allowed: list[str] = []
     for i, item in enumerate(listed):
         p = f"tool_choice.allowed_tools.tools[{i}]"
-        name = _function_name(item, p)
+        # Typed as any object by the SDK (a whole tool definition may stand for its name):
+        # read, not held to a key set.
+        name = _function_name(item, p, False)
         if name not in names:
             raise _unknown_tool(name, p + (".function.name" if "function" in item else ".name"))
         allowed.append(name)
     return ToolChoice(mode, tuple(dict.fromkeys(allowed)))
 
 
-def parse_response_format(value: Any) -> ResponseFormat | None:
-    """``response_format``; None for plain text."""
+def parse_response_format(value: Any, *, strict: bool = False) -> ResponseFormat | None:
+    """``response_format``; None for plain text. ``strict`` refuses an unknown key in it
+    and in its ``json_schema``."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -155,6 +200,8 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
     kind = value.get("type")
     if kind is None:
         raise missing("response_format.type")
+    if strict and type(kind) is str and kind in RESPONSE_FORMAT_KEYS:
+        reject_unknown(value, RESPONSE_FORMAT_KEYS[kind], prefix="response_format.")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -166,6 +213,8 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
             "'text', 'json_object' and 'json_schema'.",
         )
     spec = required(value, "json_schema", "response_format.json_schema", dict, "an object")
+    if strict:
+        reject_unknown(spec, JSON_SCHEMA_KEYS, prefix="response_format.json_schema.")
     name = required(spec, "name", "response_format.json_schema.name", str, "a string")
     if _TOOL_NAME.fullmatch(name) is None:  # OpenAI holds a schema's name to a tool's rule
         raise invalid("response_format.json_schema.name",
@@ -176,5 +225,5 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
         schema = {}
     if not isinstance(schema, dict):
         raise wrong_type("response_format.json_schema.schema", "an object", schema)
-    strict = optional(spec, "strict", "response_format.json_schema.strict", bool, "a boolean")
-    return ResponseFormat("json_schema", schema, name, bool(strict))
+    exact = optional(spec, "strict", "response_format.json_schema.strict", bool, "a boolean")
+    return ResponseFormat("json_schema", schema, name, bool(exact))

@@ -160,17 +160,21 @@ def parse_chat_request(
     ``server_tools`` are the names of tools the server itself provides: a ``tool_choice``
     may name them although the client's ``tools`` do not list them. An unknown top-level
     field is ignored (listed in the request's ``ignored_fields``), or with ``strict`` a
-    400 ``unknown_parameter`` as OpenAI answers.
+    400 ``unknown_parameter`` as OpenAI answers; ``strict`` also refuses an unknown key
+    inside messages, their parts and calls, tools, ``tool_choice`` and
+    ``response_format``, which otherwise are ignored unnamed (clients echo back fields
+    of what they were sent).
     """
     ignored = unknown_keys(body, KNOWN_FIELDS, strict=strict, deprecated=_DEPRECATED)
     model = read_scalar(body, _MODEL)
-    messages = parse_messages(body.get("messages"))
+    messages = parse_messages(body.get("messages"), strict=strict)
     stream = read_scalar(body, _STREAM)
     include_usage = parse_stream_options(body.get("stream_options"), stream)
     sampling = read_scalars(body, _SAMPLING)
     repetition_penalty = repetition_penalty_of(body)
-    tools = parse_tools(body.get("tools"))
-    tool_choice = parse_tool_choice(body.get("tool_choice"), tools, server_tools)
+    tools = parse_tools(body.get("tools"), strict=strict)
+    tool_choice = parse_tool_choice(body.get("tool_choice"), tools, server_tools,
+                                    strict=strict)
     tool_use = read_scalars(body, _TOOL_USE)
 
     if sampling["top_logprobs"] is not None and not sampling["logprobs"]:
@@ -199,7 +203,7 @@ def parse_chat_request(
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=tool_use["parallel_tool_calls"],
-        response_format=parse_response_format(body.get("response_format")),
+        response_format=parse_response_format(body.get("response_format"), strict=strict),
         reasoning_effort=tool_use["reasoning_effort"],
         has_images=any(m.has_images for m in messages),
         logprobs=(sampling["top_logprobs"] or 0) if sampling["logprobs"] else None,

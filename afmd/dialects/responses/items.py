@@ -29,6 +29,7 @@ from afmd.dialects.fields.checks import (
     not_one_of,
     optional,
     quoted,
+    reject_unknown,
     required,
     wrong_type,
 )
@@ -52,6 +53,35 @@ ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_c
 #: The calls and their outputs, custom tools' beside functions'.
 CALLS = ("function_call", "custom_tool_call")
 OUTPUTS = ("function_call_output", "custom_tool_call_output")
+
+# The keys ``[api] strict`` admits in each item and part, as OpenAI refuses any other: the
+# openai SDK's (every variant of the item it types; tests/unit/dialects/test_sdk_fields.py
+# holds these to its TypedDicts), and the ``status`` afmd's own items carry, which
+# clients send back as listed.
+_CALL_KEYS = frozenset({"type", "id", "call_id", "name", "namespace", "caller", "async",
+                        "status"})
+ITEM_KEYS: dict[str, frozenset[str]] = {
+    "message": frozenset({"type", "id", "role", "content", "status", "phase"}),
+    "function_call": _CALL_KEYS | {"arguments"},
+    "custom_tool_call": _CALL_KEYS | {"input"},
+    "function_call_output": _CALL_KEYS | {"output"},
+    "custom_tool_call_output": _CALL_KEYS | {"output"},
+    "reasoning": frozenset({"type", "id", "summary", "content", "encrypted_content",
+                            "status"}),
+    "item_reference": frozenset({"type", "id"}),
+}
+_INPUT_TEXT_KEYS = frozenset({"type", "text", "prompt_cache_breakpoint"})
+_OUTPUT_TEXT_KEYS = frozenset({"type", "text", "annotations", "logprobs"})
+PART_KEYS: dict[str, frozenset[str]] = {
+    "input_text": _INPUT_TEXT_KEYS,
+    "output_text": _OUTPUT_TEXT_KEYS,
+    "text": _INPUT_TEXT_KEYS | _OUTPUT_TEXT_KEYS,
+    "refusal": frozenset({"type", "refusal"}),
+    "input_image": frozenset({"type", "image_url", "file_id", "detail",
+                              "prompt_cache_breakpoint"}),
+}
+#: A reasoning item's summary and content parts.
+TEXT_PART_KEYS = frozenset({"type", "text"})
 
 
 def item_id(prefix: str) -> str:
@@ -86,12 +116,14 @@ def _check_image_url(url: str, param: str) -> None:
 # ---------------------------------------------------------------------------- content
 
 
-def _input_part(part: Any, p: str, role: str) -> Item:
+def _input_part(part: Any, p: str, role: str, strict: bool) -> Item:
     if not isinstance(part, dict):
         raise wrong_type(p, "an object", part)
     kind = part.get("type")
     if kind is None:
         raise missing(f"{p}.type")
+    if strict and type(kind) is str and kind in PART_KEYS:
+        reject_unknown(part, PART_KEYS[kind], prefix=f"{p}.")
     if kind in ("input_text", "output_text", "text"):
         text = required(part, "text", f"{p}.text", str, "a string")
         if role == "assistant":
@@ -116,7 +148,7 @@ def _input_part(part: Any, p: str, role: str) -> Item:
     raise not_one_of(f"{p}.type", kind, ("input_text", "input_image", "output_text", "refusal"))
 
 
-def _content(value: Any, p: str, role: str) -> list[Item]:
+def _content(value: Any, p: str, role: str, strict: bool) -> list[Item]:
     if isinstance(value, str):
         if role == "assistant":
             return [{"type": "output_text", "text": value, "annotations": [], "logprobs": []}]
@@ -125,7 +157,7 @@ def _content(value: Any, p: str, role: str) -> list[Item]:
         raise missing(p)
     if not isinstance(value, list):
         raise wrong_type(p, "a string or an array of content parts", value)
-    return [_input_part(part, f"{p}[{i}]", role) for i, part in enumerate(value)]
+    return [_input_part(part, f"{p}[{i}]", role, strict) for i, part in enumerate(value)]
 
 
 def _text_of(parts: Sequence[Item]) -> str:
@@ -151,11 +183,11 @@ def _images(parts: Any, params: ItemParams, index: int, field: str) -> tuple[Ima
 # ---------------------------------------------------------------------------- items
 
 
-def _message(item: Item, p: str) -> Item:
+def _message(item: Item, p: str, strict: bool) -> Item:
     role = required(item, "role", f"{p}.role", str, "a string")
     if role not in ROLES:
         raise not_one_of(f"{p}.role", role, ROLES)
-    parts = _content(item.get("content"), f"{p}.content", role)
+    parts = _content(item.get("content"), f"{p}.content", role, strict)
     return {"id": _given_id(item, p, "msg"), "type": "message", "role": role,
             "content": parts, "status": "completed"}
 
@@ -197,13 +229,13 @@ def _call(item: Item, p: str, kind: str) -> Item:
     return out
 
 
-def _call_output(item: Item, p: str, kind: str) -> Item:
+def _call_output(item: Item, p: str, kind: str, strict: bool) -> Item:
     call_id = _call_id(item, p)
     output = item.get("output")
     if output is None:
         raise missing(f"{p}.output")
     if not isinstance(output, str):
-        output = _content(output, f"{p}.output", "tool")
+        output = _content(output, f"{p}.output", "tool", strict)
     prefix = "fco" if kind == "function_call_output" else "ctco"
     return {"id": _given_id(item, p, prefix), "type": kind,
             "call_id": call_id, "output": output, "status": "completed"}
@@ -217,7 +249,7 @@ def call_arguments(item: Item) -> str:
     return str(item["arguments"])
 
 
-def _text_parts(value: Any, p: str, kind: str) -> list[Item]:
+def _text_parts(value: Any, p: str, kind: str, strict: bool) -> list[Item]:
     if value is None:
         return []
     if not isinstance(value, list):
@@ -226,22 +258,29 @@ def _text_parts(value: Any, p: str, kind: str) -> list[Item]:
     for i, part in enumerate(value):
         if not isinstance(part, dict):
             raise wrong_type(f"{p}[{i}]", "an object", part)
+        if strict:
+            reject_unknown(part, TEXT_PART_KEYS, prefix=f"{p}[{i}].")
         text = required(part, "text", f"{p}[{i}].text", str, "a string")
         parts.append({"type": kind, "text": text})
     return parts
 
 
-def _reasoning(item: Item, p: str) -> Item:
+def _reasoning(item: Item, p: str, strict: bool) -> Item:
     # encrypted_content (OpenAI's own, which afmd cannot read) is dropped.
     return {"id": _given_id(item, p, "rs"), "type": "reasoning",
-            "summary": _text_parts(item.get("summary"), f"{p}.summary", "summary_text"),
-            "content": _text_parts(item.get("content"), f"{p}.content", "reasoning_text")}
+            "summary": _text_parts(item.get("summary"), f"{p}.summary", "summary_text",
+                                   strict),
+            "content": _text_parts(item.get("content"), f"{p}.content", "reasoning_text",
+                                   strict)}
 
 
 def canonical_items(value: Any, param: str = "input", *,
-                    find_item: Callable[[str], Item | None] = lambda _: None) -> list[Item]:
+                    find_item: Callable[[str], Item | None] = lambda _: None,
+                    strict: bool = False) -> list[Item]:
     """``input`` (a string or a list of items) checked into canonical items; an
-    ``item_reference`` is the stored item it names (``find_item``), unknown: a 404."""
+    ``item_reference`` is the stored item it names (``find_item``), unknown: a 404.
+    ``strict`` refuses a key the item's type does not have (:data:`ITEM_KEYS`), and in
+    its parts."""
     if isinstance(value, str):
         return [{"id": item_id("msg"), "type": "message", "role": "user",
                  "content": [{"type": "input_text", "text": value}], "status": "completed"}]
@@ -257,14 +296,16 @@ def canonical_items(value: Any, param: str = "input", *,
         kind = item.get("type", "message")  # EasyInputMessage: the type may be left out
         if not isinstance(kind, str):  # an object or array: unhashable below
             raise wrong_type(f"{p}.type", "a string", kind)
+        if strict and kind in ITEM_KEYS:
+            reject_unknown(item, ITEM_KEYS[kind], prefix=f"{p}.")
         if kind == "message":
-            items.append(_message(item, p))
+            items.append(_message(item, p, strict))
         elif kind in CALLS:
             items.append(_call(item, p, kind))
         elif kind in OUTPUTS:
-            items.append(_call_output(item, p, kind))
+            items.append(_call_output(item, p, kind, strict))
         elif kind == "reasoning":
-            items.append(_reasoning(item, p))
+            items.append(_reasoning(item, p, strict))
         elif kind == "item_reference":
             ref = required(item, "id", f"{p}.id", str, "a string")
             found = find_item(ref)

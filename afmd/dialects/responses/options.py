@@ -57,6 +57,30 @@ INCLUDABLE = (
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 MAX_METADATA = 16
 
+# The keys ``[api] strict`` admits in each object, as OpenAI refuses any other: the openai
+# SDK's (tests/unit/dialects/test_sdk_fields.py holds them to its TypedDicts). A hosted
+# tool is never read, so never held to a set.
+_TOOL_KEYS = frozenset({"type", "name", "description", "allowed_callers", "async",
+                        "defer_loading"})
+TOOL_KEYS: dict[str, frozenset[str]] = {
+    "function": _TOOL_KEYS | {"parameters", "strict", "output_schema"},
+    "custom": _TOOL_KEYS | {"format"},
+    "namespace": frozenset({"type", "name", "description", "tools"}),
+}
+CUSTOM_FORMAT_KEYS: dict[str, frozenset[str]] = {
+    "text": frozenset({"type"}),
+    "grammar": frozenset({"type", "syntax", "definition"}),
+}
+#: A named choice (``function`` or ``custom``) and ``allowed_tools``; the latter's entries
+#: the SDK types as any object, so they are read, not held to a set.
+CHOICE_KEYS = frozenset({"type", "name"})
+ALLOWED_CHOICE_KEYS = frozenset({"type", "mode", "tools"})
+TEXT_FORMAT_KEYS: dict[str, frozenset[str]] = {
+    "text": frozenset({"type"}),
+    "json_object": frozenset({"type"}),
+    "json_schema": frozenset({"type", "name", "schema", "strict", "description"}),
+}
+
 
 def _unsupported_tool(param: str, kind: object) -> InvalidRequestError:
     return InvalidRequestError(
@@ -106,12 +130,14 @@ def custom_parameters(format_: dict[str, Any] | None) -> dict[str, Any]:
             "additionalProperties": False}
 
 
-def _custom_format(value: Any, p: str) -> dict[str, Any] | None:
+def _custom_format(value: Any, p: str, strict: bool) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
         raise wrong_type(p, "an object", value)
     kind = required(value, "type", f"{p}.type", str, "a string")
+    if strict and kind in CUSTOM_FORMAT_KEYS:
+        reject_unknown(value, CUSTOM_FORMAT_KEYS[kind], prefix=f"{p}.")
     if kind == "text":
         return None
     if kind != "grammar":
@@ -130,8 +156,10 @@ def _custom_format(value: Any, p: str) -> dict[str, Any] | None:
     return {"type": "grammar", "syntax": syntax, "definition": definition}
 
 
-def _function_or_custom(tool: dict[str, Any], p: str, kind: str,
-                        specs: list[ToolSpec]) -> tuple[ToolSpec, dict[str, Any]]:
+def _function_or_custom(tool: dict[str, Any], p: str, kind: str, specs: list[ToolSpec],
+                        strict: bool) -> tuple[ToolSpec, dict[str, Any]]:
+    if strict:
+        reject_unknown(tool, TOOL_KEYS[kind], prefix=f"{p}.")
     name = required(tool, "name", f"{p}.name", str, "a string")
     if _NAME.fullmatch(name) is None:
         raise invalid(f"{p}.name", f"Invalid tool name {quoted(name)}: use 1-64 "
@@ -140,23 +168,23 @@ def _function_or_custom(tool: dict[str, Any], p: str, kind: str,
         raise invalid(f"{p}.name", f"Duplicate tool name '{name}'.")
     description = optional(tool, "description", f"{p}.description", str, "a string")
     if kind == "custom":
-        format_ = _custom_format(tool.get("format"), f"{p}.format")
+        format_ = _custom_format(tool.get("format"), f"{p}.format", strict)
         echo: dict[str, Any] = {"type": "custom", "name": name, "description": description,
                                 "format": format_ or {"type": "text"}}
         return ToolSpec(name, description, custom_parameters(format_), True,
                         declared_at=f"{p}.format.definition", named_at=f"{p}.name"), echo
     parameters = optional(tool, "parameters", f"{p}.parameters", dict, "an object")
-    strict = optional(tool, "strict", f"{p}.strict", bool, "a boolean")
-    strict = True if strict is None else strict  # the Responses API's default
-    return ToolSpec(name, description, parameters, strict,
+    exact = optional(tool, "strict", f"{p}.strict", bool, "a boolean")
+    exact = True if exact is None else exact  # the Responses API's default
+    return ToolSpec(name, description, parameters, exact,
                     declared_at=f"{p}.parameters", named_at=f"{p}.name"), {
         "type": "function", "name": name, "description": description,
-        "parameters": parameters, "strict": strict}
+        "parameters": parameters, "strict": exact}
 
 
 def parse_tools(value: Any, *, strict: bool = False) -> Tools:
     """Function tools (flat, as Responses defines them), namespaces of them, custom tools;
-    hosted tools left out (``strict``: refused)."""
+    hosted tools left out (``strict``: refused, as is an unknown key in the others)."""
     if value is None:
         return Tools()
     if not isinstance(value, list):
@@ -181,12 +209,14 @@ def parse_tools(value: Any, *, strict: bool = False) -> Tools:
             ignored.append(p)
             continue
         if kind != "namespace":
-            spec, shown = _function_or_custom(tool, p, kind, specs)
+            spec, shown = _function_or_custom(tool, p, kind, specs, strict)
             specs.append(spec)
             echo.append(shown)
             if kind == "custom":
                 custom.add(spec.name)
             continue
+        if strict:
+            reject_unknown(tool, TOOL_KEYS["namespace"], prefix=f"{p}.")
         namespace = required(tool, "name", f"{p}.name", str, "a string")
         if _NAME.fullmatch(namespace) is None:
             raise invalid(f"{p}.name", f"Invalid namespace name {quoted(namespace)}: use "
@@ -200,7 +230,7 @@ def parse_tools(value: Any, *, strict: bool = False) -> Tools:
             member_kind = required(member, "type", f"{q}.type", str, "a string")
             if member_kind not in ("function", "custom"):
                 raise not_one_of(f"{q}.type", member_kind, ("function", "custom"))
-            spec, shown = _function_or_custom(member, q, member_kind, specs)
+            spec, shown = _function_or_custom(member, q, member_kind, specs, strict)
             specs.append(spec)
             members.append(shown)
             namespaces[spec.name] = namespace
@@ -213,7 +243,7 @@ def parse_tools(value: Any, *, strict: bool = False) -> Tools:
     return Tools(tuple(specs), tuple(echo), tuple(ignored), frozenset(custom), namespaces)
 
 
-def _choice_name(value: Any, param: str, names_: set[str]) -> str:
+def _choice_name(value: Any, param: str, names_: set[str], strict: bool) -> str:
     if not isinstance(value, dict):
         raise wrong_type(param, "an object", value)
     # A string before any lookup: an object or array here is unhashable.
@@ -222,6 +252,8 @@ def _choice_name(value: Any, param: str, names_: set[str]) -> str:
         if kind in HOSTED_TOOLS:
             raise _unsupported_tool(f"{param}.type", kind)
         raise not_one_of(f"{param}.type", kind, ("function", "custom"))
+    if strict:
+        reject_unknown(value, CHOICE_KEYS, prefix=f"{param}.")
     name = required(value, "name", f"{param}.name", str, "a string")
     if name not in names_:
         raise InvalidRequestError(
@@ -231,9 +263,11 @@ def _choice_name(value: Any, param: str, names_: set[str]) -> str:
 
 
 def parse_tool_choice(
-    value: Any, tools: tuple[ToolSpec, ...], server_tools: Collection[str]
+    value: Any, tools: tuple[ToolSpec, ...], server_tools: Collection[str], *,
+    strict: bool = False,
 ) -> tuple[ToolChoice, str | dict[str, Any]]:
-    """``tool_choice`` against the tools on offer, and its echo."""
+    """``tool_choice`` against the tools on offer, and its echo (``strict``: no unknown
+    key in it)."""
     names_ = {t.name for t in tools} | set(server_tools)
     if value is None:
         return ToolChoice("auto" if names_ else "none"), "auto"
@@ -247,6 +281,8 @@ def parse_tool_choice(
         raise wrong_type("tool_choice", "a string or an object", value)
     kind = required(value, "type", "tool_choice.type", str, "a string")
     if kind == "allowed_tools":
+        if strict:
+            reject_unknown(value, ALLOWED_CHOICE_KEYS, prefix="tool_choice.")
         mode = required(value, "mode", "tool_choice.mode", str, "a string")
         if mode not in ("auto", "required"):
             raise not_one_of("tool_choice.mode", mode, ("auto", "required"))
@@ -255,17 +291,20 @@ def parse_tool_choice(
             raise missing("tool_choice.tools")
         if not isinstance(listed, list) or not listed:
             raise invalid("tool_choice.tools", "'tool_choice.tools' must be a non-empty array.")
-        allowed = [_choice_name(t, f"tool_choice.tools[{i}]", names_)
+        allowed = [_choice_name(t, f"tool_choice.tools[{i}]", names_, False)
                    for i, t in enumerate(listed)]
         return ToolChoice(mode, tuple(dict.fromkeys(allowed))), {
             "type": "allowed_tools", "mode": mode,
             "tools": [{"type": "function", "name": n} for n in allowed]}
-    name = _choice_name(value, "tool_choice", names_)
+    name = _choice_name(value, "tool_choice", names_, strict)
     return ToolChoice("required", (name,), named=True), {"type": value["type"], "name": name}
 
 
-def parse_text(value: Any) -> tuple[ResponseFormat | None, dict[str, Any]]:
-    """``text`` (its ``format`` enforced by the grammar, as chat's ``response_format``)."""
+def parse_text(
+    value: Any, *, strict: bool = False
+) -> tuple[ResponseFormat | None, dict[str, Any]]:
+    """``text`` (its ``format`` enforced by the grammar, as chat's ``response_format``);
+    ``strict`` refuses an unknown key in ``text.format`` too."""
     if value is None:
         return None, {"format": {"type": "text"}, "verbosity": "medium"}
     if not isinstance(value, dict):
@@ -282,6 +321,8 @@ def parse_text(value: Any) -> tuple[ResponseFormat | None, dict[str, Any]]:
     kind = spec.get("type")
     if kind is None:
         raise missing("text.format.type")
+    if strict and type(kind) is str and kind in TEXT_FORMAT_KEYS:
+        reject_unknown(spec, TEXT_FORMAT_KEYS[kind], prefix="text.format.")
     if kind == "text":
         return None, {"format": {"type": "text"}, "verbosity": verbosity}
     if kind == "json_object":
@@ -294,13 +335,13 @@ def parse_text(value: Any) -> tuple[ResponseFormat | None, dict[str, Any]]:
         raise invalid("text.format.name", f"Invalid name {quoted(name)}: use 1-64 characters "
                       "among a-z, A-Z, 0-9, _ and -.")
     schema = required(spec, "schema", "text.format.schema", dict, "an object")
-    strict = optional(spec, "strict", "text.format.strict", bool, "a boolean")
+    exact = optional(spec, "strict", "text.format.strict", bool, "a boolean")
     description = optional(spec, "description", "text.format.description", str, "a string")
     echo: dict[str, Any] = {"type": "json_schema", "name": name, "schema": schema,
-                            "strict": bool(strict)}
+                            "strict": bool(exact)}
     if description is not None:
         echo["description"] = description
-    return (ResponseFormat("json_schema", schema, name, bool(strict)),
+    return (ResponseFormat("json_schema", schema, name, bool(exact)),
             {"format": echo, "verbosity": verbosity})
 
 

@@ -162,7 +162,8 @@ def parse_responses_request(
     truncation: str = "disabled",
 ) -> ResponsesRequest:
     """Check every field of a Responses body (``counting``: an ``input_tokens`` body). An
-    unknown top-level field is ignored and listed (``strict``: a 400, as OpenAI's).
+    unknown top-level field is ignored and listed (``strict``: a 400, as OpenAI's, and so
+    is an unknown key inside input items, their parts, tools and ``tool_choice``).
     ``truncation`` is the strategy of a body that names none (the server's ``[context]
     policy``), which the response reports: a client reading "disabled" there would take it
     that nothing of its input was dropped."""
@@ -181,7 +182,7 @@ def parse_responses_request(
                 "was deleted, or expired).", code="response_not_found",
                 param="previous_response_id")
         history = tuple(found)
-    items = canonical_items(body.get("input"), find_item=find_item)
+    items = canonical_items(body.get("input"), find_item=find_item, strict=strict)
     params = ItemParams(len(history))
     conversation = to_messages((*history, *items), params)
     instructions = scalars["instructions"]
@@ -199,8 +200,8 @@ def parse_responses_request(
         reject_unknown(options, frozenset({"include_obfuscation"}), prefix="stream_options.")
     tools = parse_tools(body.get("tools"), strict=strict)
     choice, choice_echo = parse_tool_choice(body.get("tool_choice"), tools.specs,
-                                            server_tools)
-    response_format, text_echo = parse_text(body.get("text"))
+                                            server_tools, strict=strict)
+    response_format, text_echo = parse_text(body.get("text"), strict=strict)
     reasoning = parse_reasoning(body.get("reasoning"))
     echo = Echo(
         instructions=instructions,
