@@ -122,6 +122,14 @@ class OutputProcessor:
         return self._stops.matched
 
     @property
+    def stop_end(self) -> int | None:
+        """Where the matched stop sequence ends in the fed text (None: none matched): the
+        chain may only know a token or more later (its tail could have opened a thinking
+        block), and the answer's tokens are those through the one that wrote this."""
+        matched = self._stops.matched
+        return None if matched is None else self.released + len(matched)
+
+    @property
     def tool_calls(self) -> list[ToolCall]:
         """The complete calls so far, in order (a cut-off one joins at ``finish``)."""
         return self._log.calls
