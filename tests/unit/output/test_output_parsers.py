@@ -482,6 +482,30 @@ def test_stop_sequences_match_the_answer_only_whatever_the_split() -> None:
         assert processor.released == len(spanning)
 
 
+def test_a_stop_never_matches_the_padding_before_the_answer_whatever_the_split() -> None:
+    """The blank lines a thinking model writes after ``</think>`` (or any whitespace before
+    the answer's first character) never reach the client, so a stop sequence such as
+    "\\n" cannot match them: it would end every such answer before it began. Once the
+    answer has begun its whitespace is visible, and matched."""
+    cases = [
+        ("<think>a\nb</think>\n\nHi\nthere", False, "Hi", "a\nb", 22),
+        ("a\nb</think>\n\nHi", True, "Hi", "a\nb", 15),  # the prompt opened the thinking
+        ("\n\nHi\nthere", False, "Hi", "", 4),
+        ("<think>a</think>\n\n", False, "", "a", 18),  # a blank answer: nothing to stop
+        ("Hi<think>a</think>\n\nthere", False, "Hi", "a", 18),  # begun: visible, matched
+    ]
+    for text, opened, content, reasoning, released in cases:
+        for seed in range(RANDOM_SPLITS):
+            processor = OutputProcessor(stops=("\n",), thinking=THINK,
+                                        starts_in_reasoning=opened)
+            pieces = [p for ch in random_splits(text, seed) for p in processor.feed(ch)]
+            pieces += processor.finish()
+            assert "".join(p.text for p in pieces if isinstance(p, Content)) == content, text
+            assert "".join(p.text for p in pieces if isinstance(p, Reasoning)) == reasoning
+            assert processor.released == released, text
+            assert processor.stopped_by_sequence == (released < len(text)), text
+
+
 def test_reasoning_and_content_never_mix_whatever_the_split() -> None:
     text = "<think>a</think>b<think>c</think>d"
     for seed in range(RANDOM_SPLITS):
