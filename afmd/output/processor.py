@@ -101,6 +101,7 @@ class OutputProcessor:
         self._content_started = False
         self._fed = 0  # characters of text fed
         self._answer_end = 0  # where the answer's last piece ended, in the fed text
+        self._answer_begun = False  # a character other than whitespace went to the stops
         self._stop_at = 0  # where the stop sequence that matched began, in the fed text
         self.released = 0  # characters of fed text the stop check has let through
         #: The output ended inside a call (a stop sequence or the token limit cut it): the
@@ -120,6 +121,14 @@ class OutputProcessor:
     def stop_sequence(self) -> str | None:
         """The stop sequence that matched (None: none did)."""
         return self._stops.matched
+
+    @property
+    def stop_end(self) -> int | None:
+        """Where the matched stop sequence ends in the fed text (None: none matched): the
+        chain may only know a token or more later (its tail could have opened a thinking
+        block), and the answer's tokens are those through the one that wrote this."""
+        matched = self._stops.matched
+        return None if matched is None else self.released + len(matched)
 
     @property
     def tool_calls(self) -> list[ToolCall]:
@@ -185,6 +194,13 @@ class OutputProcessor:
     def _answer(self, at: int, text: str) -> list[Piece]:
         """The answer's ``text`` (starting at ``at`` in the fed text) through the stop
         check."""
+        if not self._answer_begun:
+            # Whitespace before the answer's first character (the blank lines after
+            # ``</think>``) is padding the client never sees: a stop such as "\n" must
+            # not end every such answer before it begins.
+            lead = len(text) - len(text.lstrip())
+            at, text = at + lead, text[lead:]
+            self._answer_begun = bool(text)
         held = self._stops.held
         safe = self._stops.feed(text)
         if self._stops.stopped:

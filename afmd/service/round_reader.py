@@ -9,6 +9,7 @@ answer's text kept for a ``json_schema`` check at the end.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 from afmd.core.events import Content, Event, Refusal, ToolCallEnd, ToolCallStart
@@ -23,8 +24,8 @@ from afmd.service.toolloop import ClientView
 class RoundReader:
     """One round's engine output read back into the client's events."""
 
-    __slots__ = ("_calls", "_ended", "_logprobs", "_read", "_stop", "_through", "_view", "answer",
-                 "ended_by_us", "output")
+    __slots__ = ("_calls", "_ended", "_ends", "_fed", "_logprobs", "_read", "_stop", "_through",
+                 "_view", "answer", "ended_by_us", "output")
 
     def __init__(
         self, plan: OutputPlan, view: ClientView | None, stop: Callable[[], None],
@@ -41,6 +42,10 @@ class RoundReader:
         # Tokens through the one whose text made us stop (an event's first token released
         # its text; any others in it released none and came after); None: not stopped so.
         self._through: int | None = None
+        self._fed = 0  # characters of text fed to the output processor
+        # (where a text event's text ends, tokens through its first) for the text the stop
+        # check has not released yet: a stop found later ends in one of these.
+        self._ends: deque[tuple[int, int]] = deque()
         self._view = view
         self._stop = stop
 
@@ -57,11 +62,16 @@ class RoundReader:
                 if not event.text:
                     self._read += event.tokens
                     continue
+                self._fed += len(event.text)
+                self._ends.append((self._fed, self._read + min(event.tokens, 1)))
                 out += output.feed(event.text)
                 if output.should_stop:
                     self.ended_by_us = True
-                    self._through = self._read + min(event.tokens, 1)
+                    self._through = self._stopped_through(self._read + min(event.tokens, 1))
                     self._stop()
+                else:
+                    while self._ends and self._ends[0][0] <= output.released:
+                        self._ends.popleft()
                 self._read += event.tokens
             elif isinstance(event, ToolCalled):
                 if self.ended_by_us:
@@ -74,6 +84,9 @@ class RoundReader:
                 out.append(Refusal(event.text))
             elif isinstance(event, Finished):
                 out += output.finish()
+                if self._through is None and output.stopped_by_sequence:
+                    # Only the end told: what the chain held completed a stop.
+                    self._through = self._stopped_through(self._read)
                 self._add_logprobs(out)
                 if self._logprobs is not None:
                     self._logprobs.drop()
@@ -82,6 +95,16 @@ class RoundReader:
                 return self._deliver(out), event
         self._add_logprobs(out)
         return self._deliver(out), None
+
+    def _stopped_through(self, read: int) -> int:
+        """Tokens through the one whose text completed the stop sequence (``read``: the
+        call budget stopped us, or the stop's end is not in text still held)."""
+        end = self.output.stop_end
+        if end is not None:
+            for fed, through in self._ends:
+                if fed >= end:
+                    return through
+        return read
 
     def _add_logprobs(self, out: list[Event]) -> None:
         if self._logprobs is not None:
@@ -113,10 +136,11 @@ class RoundReader:
         return out
 
     def reason(self, finished: Finished, *, cancelled: bool) -> str:
-        if self.ended_by_us and not cancelled and (
-            finished.finish_reason == "cancelled" or self.output.stopped_by_sequence
-        ):
+        if not cancelled and (self.output.stopped_by_sequence or (
+            self.ended_by_us and finished.finish_reason == "cancelled"
+        )):
             # Our own early end (stop sequence, call budget), not a cancel; a stop sequence
-            # wins even when its last token was also the last one max_tokens allowed.
+            # wins even when its last token was also the last one max_tokens allowed, and
+            # even when only the end told it matched (its tail could have been markup).
             return "stop"
         return finished.finish_reason

@@ -442,34 +442,47 @@ def test_a_stop_sequence_cuts_a_json_answer_where_the_client_asked(http, stream:
     assert (content, finish) == ('{"a"', ["stop"])
 
 
+def reasoned_answer(http: Any, stream: bool, stop: list[str]) -> tuple[str, str, str]:
+    """Reasoning, content and finish reason of an answer the demo model thinks about first
+    (its reasoning holds a ':' too)."""
+    asked = [{"role": "user", "content": "What is the weather in Paris, and what is 2+3?"}]
+    response = http.post("/v1/chat/completions", json={
+        "messages": asked, "max_tokens": 300, "seed": 0, "reasoning_effort": "medium",
+        "stream": stream, "response_format": json_schema_format(SHORT), "stop": stop})
+    assert response.status_code == 200, response.text
+    if stream:
+        deltas = [c["delta"] for e in parse_sse(response.text)[:-1] for c in e["choices"]]
+        finish = [c["finish_reason"] for e in parse_sse(response.text)[:-1]
+                  for c in e["choices"] if c.get("finish_reason")]
+        return ("".join(d.get("reasoning_content") or "" for d in deltas),
+                "".join(d.get("content") or "" for d in deltas), finish[-1])
+    choice = response.json()["choices"][0]
+    return (choice["message"].get("reasoning_content") or "",
+            choice["message"]["content"], choice["finish_reason"])
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_a_stop_sequence_in_the_reasoning_does_not_end_the_answer(http, stream: bool) -> None:
     """Only the content is matched, as OpenAI matches a reasoning model's: a stop sequence
     the reasoning holds leaves the answer whole; one in the content still cuts it."""
-    # A prompt the demo model thinks about first (its reasoning holds a ':' too).
-    asked = [{"role": "user", "content": "What is the weather in Paris, and what is 2+3?"}]
-    body = {"messages": asked, "max_tokens": 300, "seed": 0, "reasoning_effort": "medium",
-            "stream": stream, "response_format": json_schema_format(SHORT)}
-
-    def answer(stop: list[str]) -> tuple[str, str, str]:
-        response = http.post("/v1/chat/completions", json={**body, "stop": stop})
-        assert response.status_code == 200, response.text
-        if stream:
-            deltas = [c["delta"] for e in parse_sse(response.text)[:-1] for c in e["choices"]]
-            finish = [c["finish_reason"] for e in parse_sse(response.text)[:-1]
-                      for c in e["choices"] if c.get("finish_reason")]
-            return ("".join(d.get("reasoning_content") or "" for d in deltas),
-                    "".join(d.get("content") or "" for d in deltas), finish[-1])
-        choice = response.json()["choices"][0]
-        return (choice["message"].get("reasoning_content") or "",
-                choice["message"]["content"], choice["finish_reason"])
-
-    reasoning, content, finish = answer([])
+    reasoning, content, finish = reasoned_answer(http, stream, [])
     assert reasoning and content and finish == "stop"
     stop = next(reasoning[i:i + 3] for i in range(len(reasoning) - 2)
                 if reasoning[i:i + 3].strip() and reasoning[i:i + 3] not in content)
-    assert answer([stop]) == (reasoning, content, "stop"), stop
-    assert answer([stop, ":"]) == (reasoning, content[: content.index(":")], "stop")
+    assert reasoned_answer(http, stream, [stop]) == (reasoning, content, "stop"), stop
+    assert reasoned_answer(http, stream, [stop, ":"]) == (
+        reasoning, content[: content.index(":")], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_newline_stop_leaves_the_answer_after_the_thinking(http, stream: bool) -> None:
+    """The blank lines the model writes after ``</think>`` are not the answer (the client
+    never sees them): a "\n" stop cuts the answer at its own first line break, not before
+    its first character."""
+    reasoning, content, _ = reasoned_answer(http, stream, [])
+    assert content and "\n" not in content[:1]
+    assert reasoned_answer(http, stream, ["\n"]) == (
+        reasoning, content.split("\n")[0], "stop")
 
 
 def test_a_stop_sequence_cuts_a_json_answer_in_messages(http) -> None:

@@ -20,9 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm.tool_parsers import json_tools, mistral, pythonic, qwen3_coder
 
 from afmd.core.events import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
+from afmd.output.markers import earliest
 from afmd.output.processor import OutputProcessor, ToolFormat
 
 THINK = ("<think>", "</think>")
@@ -482,6 +485,30 @@ def test_stop_sequences_match_the_answer_only_whatever_the_split() -> None:
         assert processor.released == len(spanning)
 
 
+def test_a_stop_never_matches_the_padding_before_the_answer_whatever_the_split() -> None:
+    """The blank lines a thinking model writes after ``</think>`` (or any whitespace before
+    the answer's first character) never reach the client, so a stop sequence such as
+    "\\n" cannot match them: it would end every such answer before it began. Once the
+    answer has begun its whitespace is visible, and matched."""
+    cases = [
+        ("<think>a\nb</think>\n\nHi\nthere", False, "Hi", "a\nb", 22),
+        ("a\nb</think>\n\nHi", True, "Hi", "a\nb", 15),  # the prompt opened the thinking
+        ("\n\nHi\nthere", False, "Hi", "", 4),
+        ("<think>a</think>\n\n", False, "", "a", 18),  # a blank answer: nothing to stop
+        ("Hi<think>a</think>\n\nthere", False, "Hi", "a", 18),  # begun: visible, matched
+    ]
+    for text, opened, content, reasoning, released in cases:
+        for seed in range(RANDOM_SPLITS):
+            processor = OutputProcessor(stops=("\n",), thinking=THINK,
+                                        starts_in_reasoning=opened)
+            pieces = [p for ch in random_splits(text, seed) for p in processor.feed(ch)]
+            pieces += processor.finish()
+            assert "".join(p.text for p in pieces if isinstance(p, Content)) == content, text
+            assert "".join(p.text for p in pieces if isinstance(p, Reasoning)) == reasoning
+            assert processor.released == released, text
+            assert processor.stopped_by_sequence == (released < len(text)), text
+
+
 def test_reasoning_and_content_never_mix_whatever_the_split() -> None:
     text = "<think>a</think>b<think>c</think>d"
     for seed in range(RANDOM_SPLITS):
@@ -490,3 +517,91 @@ def test_reasoning_and_content_never_mix_whatever_the_split() -> None:
         pieces += processor.finish()
         assert "".join(p.text for p in pieces if isinstance(p, Reasoning)) == "ac"
         assert "".join(p.text for p in pieces if isinstance(p, Content)) == "bd"
+
+
+# ------------------------------------------------- the chain, thinking and stops, by property
+
+_ATOMS = st.sampled_from(["<think>", "</think>", "<", "</", "<th", "a", "b", " ", "\n", "\n\n",
+                          "END", "<tool_call>", "</tool_call>",
+                          '{"name": "add", "arguments": {"a": 1}}'])
+_STOPS = st.sampled_from(["END", "<", "<t", "b<", "a", "</", "ink>", " a", "\n", "\na", "k>a",
+                          "<tool", "1}"])
+
+
+def _runs(pieces: list[Piece]) -> list[tuple[str, Any]]:
+    """The pieces as a client reassembles them: a channel's neighbouring texts joined, a
+    call's fragments joined to its header."""
+    out: list[tuple[str, Any]] = []
+    for piece in pieces:
+        if isinstance(piece, ToolCallArguments):
+            kind, (index, name, arguments) = out[-1]
+            assert kind == "call" and index == piece.index
+            out[-1] = ("call", (index, name, arguments + piece.fragment))
+        elif isinstance(piece, ToolCallStart):
+            out.append(("call", (piece.index, piece.name, piece.arguments)))
+        elif out and out[-1][0] == type(piece).__name__:
+            out[-1] = (out[-1][0], out[-1][1] + piece.text)
+        else:
+            out.append((type(piece).__name__, piece.text))
+    return out
+
+
+def _answer_stop(text: str, stops: tuple[str, ...], opened: bool) -> tuple[int, str] | None:
+    """Where the stop that ends the answer begins, read as the chain must: in the answer's
+    own runs (thinking blocks split them), after the whitespace before its first
+    character."""
+    runs: list[tuple[int, str]] = []
+    pos, thinking = 0, opened
+    while pos < len(text):
+        marker = THINK[1] if thinking else THINK[0]
+        i = text.find(marker, pos)
+        if not thinking:
+            runs.append((pos, text[pos:] if i == -1 else text[pos:i]))
+        if i == -1:
+            break
+        pos, thinking = i + len(marker), not thinking
+    begun = False
+    for at, run in runs:
+        if not begun:
+            lead = len(run) - len(run.lstrip())
+            at, run, begun = at + lead, run[lead:], bool(run.strip())
+        cut, which = earliest(run, stops)
+        if cut != -1:
+            return at + cut, which
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_ATOMS, min_size=1, max_size=8), st.lists(_STOPS, max_size=2), st.booleans(),
+       st.sampled_from([None, True, False]), st.data())
+def test_property_the_chain_is_the_same_whatever_the_split(
+    atoms: list[str], stops: list[str], opened: bool, calls: bool | None, data: st.DataObject,
+) -> None:
+    """Streamed or whole, the same pieces; ``released`` never goes back nor past what was
+    fed, and ends where the answer's stop began (call markup is answer text to the stops)
+    or at the end."""
+    text = "".join(atoms)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)))
+    chunks = [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])]
+
+    def run(parts: list[str]) -> tuple[list[tuple[str, Any]], OutputProcessor]:
+        processor = OutputProcessor(stops=tuple(stops), thinking=THINK, starts_in_reasoning=opened,
+                                    tool_format=None if calls is None else hermes(calls))
+        pieces: list[Piece] = []
+        fed = released = 0
+        for part in parts:
+            pieces += processor.feed(part)
+            fed += len(part)
+            assert released <= processor.released <= fed
+            released = processor.released
+        pieces += processor.finish()
+        assert released <= processor.released <= fed
+        return _runs(pieces), processor
+
+    whole, one = run([text])
+    split, other = run(chunks)
+    assert split == whole
+    assert (other.released, other.stop_sequence, other.tool_calls, other.cut_call) == (
+        one.released, one.stop_sequence, one.tool_calls, one.cut_call)
+    stop = _answer_stop(text, tuple(stops), opened)
+    assert (one.released, one.stop_sequence) == (stop or (len(text), None))

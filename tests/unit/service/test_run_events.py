@@ -120,6 +120,50 @@ def test_server_calls_vanish_and_client_calls_are_renumbered() -> None:
     assert not any(isinstance(e, ToolCallStart) and e.name == "first" for e in events)
 
 
+def read_tokens(plan: OutputPlan, tokens: list[str],
+                end: Finished) -> tuple[RoundReader, str, Finished, bool]:
+    """The reader, the answer, the round's end and whether generation was stopped, one
+    token per event."""
+    stopped: list[bool] = []
+    reader = RoundReader(plan, None, stop=lambda: stopped.append(True))
+    events: list[Event] = []
+    for token in tokens:
+        out, finished = reader.read([Text(token, 1)])
+        events += out
+    out, finished = reader.read([end])
+    assert finished is not None
+    events += out
+    answer = "".join(e.text for e in events if isinstance(e, Content))
+    return reader, answer, finished, bool(stopped)
+
+
+@pytest.mark.parametrize("thinking", [None, ("<think>", "</think>")], ids=["plain", "thinking"])
+def test_usage_counts_through_the_token_that_completed_the_stop(
+    thinking: tuple[str, str] | None,
+) -> None:
+    """A stop ending in what could open a thinking block ("<") is only known to be one a
+    token later; the answer's tokens are still those through the one that completed it."""
+    reader, answer, finished, stopped = read_tokens(
+        OutputPlan(stops=("<",), thinking=thinking), ["a", "<", "b", "c"], Finished("stop", 3, 4))
+    assert (answer, stopped, finished.completion_tokens) == ("a", True, 2)
+    assert reader.reason(finished, cancelled=False) == "stop"
+    assert reader.output.stop_sequence == "<"
+
+
+@pytest.mark.parametrize("thinking", [None, ("<think>", "</think>")], ids=["plain", "thinking"])
+def test_a_stop_completed_by_the_last_token_allowed_ends_with_stop(
+    thinking: tuple[str, str] | None,
+) -> None:
+    """A stop sequence wins over the token limit when its last token was the limit's, even
+    when the chain could only tell at the end (the stop's tail could open a thinking
+    block)."""
+    reader, answer, finished, _ = read_tokens(
+        OutputPlan(stops=("<",), thinking=thinking), ["a", "<"], Finished("length", 3, 2))
+    assert (answer, finished.completion_tokens) == ("a", 2)
+    assert reader.reason(finished, cancelled=False) == "stop"
+    assert reader.output.stop_sequence == "<"
+
+
 # --------------------------------------------------------------------------- a whole run
 
 
