@@ -213,6 +213,24 @@ def test_tool_calls_go_out_with_object_arguments() -> None:
     assert objects[-1]["done"] is True and objects[-1]["eval_count"] == 9
 
 
+def test_a_call_the_token_limit_cut_is_not_sent_as_a_call() -> None:
+    """Ollama's arguments are an object and its parser returns whole calls only: a call
+    cut by ``num_predict`` was sent with ``{}``, which a client would run with no
+    arguments. ``done_reason: "length"`` says the turn was cut."""
+    request = OLLAMA_CHAT.parse(json.dumps({"model": "demo", "messages": MESSAGES}).encode())
+    reply = OLLAMA_CHAT.reply(request, model="demo", fingerprint="fp")
+    whole = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+    cut = ToolCall("call_2", "add", '{"a": 2, "b')
+    events = [ToolCallEnd(0, whole), ToolCallEnd(1, cut), Timings(0.5, 0.0, 0.1, 0.3),
+              Finish("length"), Usage(20, 9)]
+    body = json.loads(reply.body(events))
+    assert [c["function"]["name"] for c in body["message"]["tool_calls"]] == ["get_weather"]
+    assert body["done_reason"] == "length"
+    objects = [json.loads(line) for line in reply.stream(events).splitlines()]
+    sent = [c for o in objects for c in o["message"].get("tool_calls", [])]
+    assert [c["function"]["arguments"] for c in sent] == [{"city": "Paris"}]
+
+
 def test_images_reach_a_vision_model(client: ollama.Client, http: httpx.Client) -> None:
     buf = io.BytesIO()
     Image.new("RGB", (64, 64), (200, 30, 30)).save(buf, "PNG")

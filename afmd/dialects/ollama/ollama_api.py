@@ -82,12 +82,18 @@ def _logprobs(tokens: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
             for t in tokens]
 
 
-def _arguments(text: str) -> Any:
+def _arguments(text: str) -> dict[str, Any] | None:
+    """A call's arguments as Ollama's object; None for a call the token limit cut short.
+
+    Ollama has no way to say a call is unfinished (its arguments are an object, not text
+    as OpenAI's), and its own parser only ever returns whole calls: a cut call sent as
+    ``{}`` would have the client run the tool with no arguments. ``done_reason: "length"``
+    says the turn was cut."""
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError:
-        return {}  # cut short by num_predict: not an object yet
-    return value if isinstance(value, dict) else {}
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class _Parts:
@@ -117,9 +123,10 @@ class _Parts:
                 self.thinking.append(event.text)
             elif isinstance(event, ToolCallEnd):
                 call = event.call
-                self.calls.append({"id": call.id, "function": {
-                    "index": event.index, "name": call.name,
-                    "arguments": _arguments(call.arguments)}})
+                arguments = _arguments(call.arguments)
+                if arguments is not None:
+                    self.calls.append({"id": call.id, "function": {
+                        "index": event.index, "name": call.name, "arguments": arguments}})
             elif isinstance(event, Logprobs):
                 self.tokens.extend(event.tokens)
             elif isinstance(event, Finish):
