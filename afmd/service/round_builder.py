@@ -62,9 +62,11 @@ class RoundBuilder:
         return await asyncio.to_thread(self._build, request, self._trim, True)
 
     async def next(self, request: ChatRequest) -> Round:
-        """A round afmd adds after server tools ran: never trimmed, free of ``tool_choice``
-        (which binds the request's first step only)."""
-        return await asyncio.to_thread(self._build, request, False, False)
+        """A round afmd adds after server tools ran, free of ``tool_choice`` (which binds
+        the request's first step only), and trimmed as the first was when the policy
+        allows: a tool's output may be what pushes the conversation past the window, and
+        the request asked for old turns to go rather than fail."""
+        return await asyncio.to_thread(self._build, request, self._trim, False)
 
     def render(self, request: ChatRequest) -> list[int]:
         """The prompt's token ids (a template error is the conversation's fault: a 400)."""

@@ -639,6 +639,46 @@ def test_the_round_after_a_server_tool_ran_is_free(
     assert not any(isinstance(o, ToolCallEnd) for o in outputs)
 
 
+def test_the_round_after_a_server_tool_is_trimmed_as_the_first(
+    demo_model: LoadedModel, tmp_path: Path
+) -> None:
+    """Under ``[context] policy = "trim"`` a tool's output that pushes the conversation
+    past the window drops the oldest turns, as the request's first round would: the
+    round after it failed with context_length_exceeded mid-turn."""
+    pipeline = in_process(demo_model, tmp_path, '[context]\npolicy = "trim"\n\n'
+                          + python_tool(PYTOOL, "long_answer"))
+    filler = " ".join(f"Old fact number {i}." for i in range(60))
+    body = forced(PYTOOL, max_tokens=40)
+    older = [{"role": "user", "content": f"Remember: {filler}"},
+             {"role": "assistant", "content": "Noted."}] * 3
+    body["messages"] = [body["messages"][0], *older, *body["messages"][1:]]
+
+    async def run_it() -> tuple[ChatRun, list[Any], int]:
+        request = parse_chat_request(body, server_tools=pipeline.server_tools.names)
+        first = await pipeline.count(request)
+        # Room for the first round and its call, not for the tool's long answer too.
+        request = dataclasses.replace(request, context_window=first + 40 + 60)
+        prepared = await pipeline.prepare(request, "req-trim-" + uuid.uuid4().hex[:6])
+        assert prepared.trimmed == 0  # the first round fits whole
+        run = await pipeline.start(prepared)
+        outputs: list[Any] = []
+        try:
+            async for batch in run:
+                outputs += batch
+        finally:
+            pipeline.release(run)
+        return run, outputs, first
+
+    run, outputs, first = asyncio.run(run_it())
+    last = run.round
+    assert last.trimmed > 0
+    assert [m.role for m in last.request.messages][-2:] == ["assistant", "tool"]
+    assert "means 39." in (last.request.messages[-1].content or "")  # the output stays
+    assert last.request.messages[0].role == "system"  # the instructions stay
+    assert len(last.prompt) + last.max_tokens <= first + 100
+    assert isinstance(outputs[-2], Finish) and run.finish_reason in ("stop", "length")
+
+
 def test_calls_beyond_max_calls_in_one_round_get_a_budget_error(
     demo_model: LoadedModel, tmp_path: Path
 ) -> None:

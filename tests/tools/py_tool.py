@@ -22,3 +22,8 @@ def explode(word: str) -> None:
 
 def not_json(word: str) -> object:
     return {word}  # a set: not JSON-serialisable
+
+
+def long_answer(word: str) -> dict[str, str]:
+    """An answer long enough to push a small context window over (the trim tests)."""
+    return {"entry": " ".join(f"{word} means {i}." for i in range(40))}
