@@ -4,8 +4,11 @@ Decoded text goes through the same chain whether the response is streamed or not
 non-streamed response is exactly the concatenation of what a stream would have sent.
 Stop sequences are matched in the answer only, never in the thinking (as OpenAI's and
 Anthropic's APIs match them), and never across a thinking block: every dialect gets the
-same rule here. A family whose markup carries the reasoning too (harmony's channels) is
-matched over its raw text still, before its reader.
+same rule here. A family whose markup carries the reasoning too (harmony's channels) has
+its reader split the text first, each piece placed in the model's text as the reasoning
+splitter places its own, and the stops see its answer only: never the analysis, the
+channel markup nor a call's message, which is addressed to a tool and never the answer's
+text (other families' call markup is, since it is written in the answer itself).
 Whitespace in the content channel is held while it could still turn out to be only the
 padding around a tool call or after a thinking block; it is released as soon as real text
 follows.
@@ -13,13 +16,13 @@ follows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from afmd.core.events import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 from afmd.core.request import ToolCall
-from afmd.output.formats.base import CallContext, CallLog, CallReader, ToolIndex
+from afmd.output.formats.base import CallContext, CallLog, CallReader, MarkupReader, ToolIndex
 from afmd.output.formats.registry import Family, family
 from afmd.output.reasoning import ReasoningSplitter
 from afmd.output.stops import StopScanner
@@ -88,11 +91,15 @@ class OutputProcessor:
                 return make_id()
         self._log = CallLog(ids, max_calls)
         self._tools: CallReader | None = None
+        self._markup: MarkupReader | None = None  # a channel family's reader: it splits first
         if tool_format is not None:
             ctx = CallContext(self._log, ToolIndex(tools), enforced, tool_format.parse,
                               calls_on)
             if found is not None and found.reader is not None:
                 self._tools = found.reader(ctx)
+                if self._channels:
+                    assert isinstance(self._tools, MarkupReader)
+                    self._markup = self._tools
             else:
                 incremental = found.incremental_json if found else tool_format.incremental_json
                 self._tools = ToolCallParser(tool_format.start, tool_format.end, ctx,
@@ -143,25 +150,21 @@ class OutputProcessor:
 
     def feed(self, text: str) -> list[Piece]:
         self._fed += len(text)
-        if self._channels:
-            safe = self._stops.feed(text)
-            self.released += len(safe)
-            return self._route(safe, final=False)
         return self._route(text, final=False)
 
     def finish(self) -> list[Piece]:
-        if self._channels:
-            rest = self._stops.flush()
-            self.released += len(rest)
-            return self._route(rest, final=True)
         return self._route("", final=True)
 
     def _route(self, text: str, *, final: bool) -> list[Piece]:
         out: list[Piece] = []
-        if self._channels:
-            # The family's reader splits reasoning, content and calls itself.
-            assert self._tools is not None
-            out = self._after_tools(self._tools.feed(text)) if text else []
+        if self._markup is not None:
+            # The family's reader splits reasoning, content and calls itself; it reads no
+            # further than the stop (its pieces come lazily), so no call after it opens.
+            if not self._stops.stopped:
+                self._place(self._markup.read(text), out)
+            if final and not self._stops.stopped:
+                self.cut_call = self._log.streaming
+                self._place(self._markup.read("", final=True), out)
         else:
             if self._reasoning is not None:
                 spans = self._reasoning.feed(text) if text else []
@@ -169,27 +172,34 @@ class OutputProcessor:
                     spans += self._reasoning.flush()
             else:
                 spans = [(self._fed - len(text), Content(text))] if text else []
-            for at, piece in spans:
-                if self._stops.stopped:
-                    break  # the answer ended at the stop: nothing after it is the turn's
-                if not (isinstance(piece, Content) and at == self._answer_end):
-                    # A thinking block between: what the stop check held cannot go on.
-                    out.extend(self._content(self._stops.flush()))
-                if isinstance(piece, Content):
-                    out.extend(self._answer(at, piece.text))
-                else:
-                    out.append(piece)
-            if final:
-                out.extend(self._content(self._stops.flush()))
-            self._release()
+            if not self._stops.stopped:
+                self._place(spans, out)
         if final:
-            if self._tools is not None:
+            out.extend(self._content(self._stops.flush()))
+        self._release()
+        if final:
+            if self._tools is not None and self._markup is None:
                 self.cut_call = self._log.streaming
                 out.extend(self._after_tools(self._tools.flush()))
             if self._pending_ws and self._content_started and not self.tool_calls:
                 out.append(Content(self._pending_ws))
             self._pending_ws = ""
         return _merge(out)
+
+    def _place(self, spans: Iterable[tuple[int, Piece]], out: list[Piece]) -> None:
+        """The pieces, each placed in the fed text, into ``out``: the answer's through the
+        stop check, which the others (thinking, a channel's markup or call) interrupt.
+        Called only while no stop matched: nothing after one is the turn's."""
+        for at, piece in spans:
+            if not (isinstance(piece, Content) and at == self._answer_end):
+                # A thinking block between: what the stop check held cannot go on.
+                out.extend(self._content(self._stops.flush()))
+            if isinstance(piece, Content):
+                out.extend(self._answer(at, piece.text))
+            else:
+                out.extend(self._after_tools([piece]))
+            if self._stops.stopped:
+                break  # taking no more pieces: the reader reads no further
 
     def _answer(self, at: int, text: str) -> list[Piece]:
         """The answer's ``text`` (starting at ``at`` in the fed text) through the stop
@@ -215,13 +225,15 @@ class OutputProcessor:
             self.released = self._stop_at
         elif self._stops.held:
             self.released = self._answer_end - self._stops.held
+        elif self._markup is not None:
+            self.released = self._markup.at  # what its reader holds may be answer
         else:
             self.released = self._fed - (self._reasoning.held if self._reasoning else 0)
 
     def _content(self, text: str) -> list[Piece]:
         if not text:
             return []
-        if self._tools is None:
+        if self._tools is None or self._markup is not None:
             return self._whitespace(text)
         return self._after_tools(self._tools.feed(text))
 

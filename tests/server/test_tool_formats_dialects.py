@@ -8,6 +8,7 @@ markup in any text. Bodies and events are validated against each API's schemas.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,3 +157,51 @@ def test_config_paths_are_the_built_models(tmp_path: Path) -> None:
     """The families' folders are what the server loads (sanity of the fixture)."""
     models = FormatModels(tmp_path)
     assert (models.folder("harmony") / "tokenizer.json").exists()
+
+
+def test_harmony_stops_match_its_final_channel_only(http: httpx.Client) -> None:
+    """A stop sequence ends gpt-oss's answer only where the final channel's text has it:
+    not in the analysis, not in the channel markup; usage counts the tokens through the
+    one that completed it, and log-probabilities cover those whose text came before it."""
+    schema = {"type": "object", "properties": {"t": {"type": "string", "minLength": 6,
+                                                     "maxLength": 8}},
+              "required": ["t"], "additionalProperties": False}
+    body = {"model": "harmony", "messages": [{"role": "user", "content": "Hi."}],
+            "max_tokens": 80, "seed": 3, "reasoning_effort": "low", "logprobs": True,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "t", "schema": schema}}}
+
+    def ask(stop: list[str] | None) -> dict[str, Any]:
+        response = http.post("/v1/chat/completions", json={**body, "stop": stop})
+        assert response.status_code == 200, response.text
+        validate_response(response.json())
+        return response.json()
+
+    free = ask(None)
+    message = free["choices"][0]["message"]
+    reasoning, content = message["reasoning_content"], message["content"]
+    assert reasoning and json.loads(content)["t"]
+    # Where each token's text ends in the model's text (a token holding part of a
+    # character makes none until the character is whole).
+    entries = free["choices"][0]["logprobs"]["content"]
+    written = list(itertools.accumulate(bytes(e["bytes"]) for e in entries))
+    ends = [len(b.decode("utf-8", "ignore")) for b in written]
+    raw = written[-1].decode()
+    assert raw.count("<|channel|>final<|message|>") == 1, raw
+
+    markup = ask(["<|channel|>", "<|message|>", "analysis", "final", reasoning[:3]])
+    assert markup["choices"][0]["message"] == message
+    assert markup["choices"][0]["finish_reason"] == free["choices"][0]["finish_reason"]
+    assert markup["usage"]["completion_tokens"] == free["usage"]["completion_tokens"]
+
+    # Inside the answer (the analysis may have it too): the answer ends there.
+    stop = '"t"'
+    cut = ask([stop])
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["message"]["content"] == content[:content.index(stop)]
+    assert cut["choices"][0]["message"]["reasoning_content"] == reasoning
+    start = raw.index(content, raw.index("<|channel|>final<|message|>")) + content.index(stop)
+    assert cut["usage"]["completion_tokens"] == next(
+        i for i, end in enumerate(ends) if end >= start + len(stop)) + 1
+    assert cut["choices"][0]["logprobs"]["content"] == [
+        e for e, end in zip(entries, ends, strict=True) if end <= start]

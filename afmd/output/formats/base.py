@@ -12,7 +12,7 @@ any number of chunks is recognised the same as a whole one.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -141,26 +141,38 @@ class MarkupReader:
         self.ctx = ctx
         self.log = ctx.log
         self.buf = ""
-        self.out: list[Piece] = []
+        self.fed = 0  # characters fed
+        self.out: list[tuple[int, Piece]] = []
+
+    @property
+    def at(self) -> int:
+        """Where ``buf`` begins in the fed text: scanning only ever consumes its head."""
+        return self.fed - len(self.buf)
 
     # -- the reader protocol
 
     def feed(self, text: str) -> list[Piece]:
-        if self.log.saturated:
-            return []
-        self.buf += text
-        while not self.log.saturated and self.step(final=False):
-            pass
-        return self._take()
+        return [piece for _, piece in self.read(text)]
 
     def flush(self) -> list[Piece]:
+        return [piece for _, piece in self.read("", final=True)]
+
+    def read(self, text: str, *, final: bool = False) -> Iterator[tuple[int, Piece]]:
+        """``feed`` (``flush`` with ``final``) one step at a time, each piece with where it
+        begins in the fed text (exact for the texts of a family whose reader splits the
+        answer from the rest, harmony's: the stop sequences are matched there). Lazy: a
+        consumer that stops taking pieces (a stop sequence ended the answer) leaves the
+        text after them unread, so no call after the stop is opened."""
+        self.fed += len(text)
         if not self.log.saturated:
-            while not self.log.saturated and self.step(final=True):
-                pass
-            if not self.log.saturated:
+            self.buf += text
+            while not self.log.saturated and self.step(final):
+                yield from self._take()
+            if final and not self.log.saturated:
                 self.end()
-        self.buf = ""
-        return self._take()
+        if final:
+            self.buf = ""
+        yield from self._take()
 
     def step(self, final: bool) -> bool:
         raise NotImplementedError
@@ -170,25 +182,30 @@ class MarkupReader:
         if self.log.streaming:
             self.log.close()
 
-    def _take(self) -> list[Piece]:
+    def _take(self) -> list[tuple[int, Piece]]:
         out, self.out = self.out, []
         return out
 
-    # -- emitting
+    # -- emitting (``at``: where the text begins in the fed text; by default where the
+    # unread text does, which is where markup-built pieces are placed)
 
-    def content(self, text: str) -> None:
-        if text:
-            self.out.append(Content(text))
+    def _emit(self, pieces: list[Piece]) -> None:
+        at = self.at
+        self.out.extend((at, piece) for piece in pieces)
 
-    def reasoning(self, text: str) -> None:
+    def content(self, text: str, at: int | None = None) -> None:
         if text:
-            self.out.append(Reasoning(text))
+            self.out.append((self.at if at is None else at, Content(text)))
+
+    def reasoning(self, text: str, at: int | None = None) -> None:
+        if text:
+            self.out.append((self.at if at is None else at, Reasoning(text)))
 
     def open_call(self, name: str) -> None:
-        self.out.extend(self.log.open(name))
+        self._emit(self.log.open(name))
 
     def write(self, fragment: str) -> None:
-        self.out.extend(self.log.write(fragment))
+        self._emit(self.log.write(fragment))
 
     def close_call(self) -> None:
         self.log.close()
@@ -203,7 +220,7 @@ class MarkupReader:
         for name, arguments in calls:
             if self.log.saturated:
                 break
-            self.out.extend(self.log.whole(name, arguments))
+            self._emit(self.log.whole(name, arguments))
 
     # -- scanning
 

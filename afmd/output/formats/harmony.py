@@ -112,14 +112,15 @@ class HarmonyReader(MarkupReader):
     def _text(self, final: bool) -> bool:
         ends = () if self._plain else _BODY_ENDS
         i, marker = earliest(self.buf, ends) if ends else (-1, "")
+        at = self.at  # a stop sequence is matched in the answer's text where it lies
         if i == -1:
             keep = 0 if final or not ends else partial_suffix(self.buf, ends)
             text = self.cut(len(self.buf) - keep)
-            (self.reasoning if self._reasoning else self.content)(text)
+            (self.reasoning if self._reasoning else self.content)(text, at)
             return False
         text = self.cut(i)
         self.cut(len(marker))
-        (self.reasoning if self._reasoning else self.content)(text)
+        (self.reasoning if self._reasoning else self.content)(text, at)
         self.state = _HEADER
         return True
 

@@ -605,3 +605,155 @@ def test_property_the_chain_is_the_same_whatever_the_split(
         one.released, one.stop_sequence, one.tool_calls, one.cut_call)
     stop = _answer_stop(text, tuple(stops), opened)
     assert (one.released, one.stop_sequence) == (stop or (len(text), None))
+
+
+# ------------------------------------------------------ harmony's channels and stop sequences
+
+HARMONY = ToolFormat("", "", family="harmony")
+ANALYSIS, FINAL = "<|channel|>analysis<|message|>", "<|channel|>final<|message|>"
+PREAMBLE, NEXT = "<|channel|>commentary<|message|>", "<|end|><|start|>assistant"
+ADD_CALL = '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 1, "b": 2}'
+
+
+@dataclass(frozen=True)
+class ChannelCase:
+    id: str
+    text: str
+    stops: tuple[str, ...]
+    content: str
+    reasoning: str = ""
+    calls: tuple[tuple[str, str], ...] = ()
+    stop: str | None = None  # the stop that matched, at the last occurrence in ``text``
+
+
+CHANNEL_CASES = [
+    ChannelCase("in-the-analysis", f"{ANALYSIS}think END here{NEXT}{FINAL}Hi END there",
+                ("END",), "Hi ", "think END here", stop="END"),
+    ChannelCase("only-in-the-analysis", f"{ANALYSIS}END{NEXT}{FINAL}fine", ("END",), "fine",
+                "END"),
+    ChannelCase("in-the-markup", f"{ANALYSIS}x{NEXT}{FINAL}Hi",
+                ("<|channel|>", "final", "<|message|>", "assistant", "<|end|>", "analysis"),
+                "Hi", "x"),
+    ChannelCase("padding-before-the-answer", f"{ANALYSIS}a\nb{NEXT}{FINAL}\n\nHi\nthere",
+                ("\n",), "Hi", "a\nb", stop="\n"),
+    ChannelCase("in-a-call", f"{ANALYSIS}add 1{NEXT}{ADD_CALL}",
+                ("1", '"b"', "functions", "add", "json", "}"), "", "add 1",
+                (("add", '{"a": 1, "b": 2}'),)),
+    ChannelCase("in-a-preamble", f"{PREAMBLE}Let me END check{NEXT}{ADD_CALL}", ("END",),
+                "Let me ", stop="END"),
+    ChannelCase("across-a-channel-switch", f"{PREAMBLE}ab{NEXT}{FINAL}cd", ("bc",), "abcd"),
+    ChannelCase("no-header", "Hello END world", ("END",), "Hello ", stop="END"),
+    ChannelCase("like-the-end-marker", f"{ANALYSIS}<|y{NEXT}{FINAL}x<|y z", ("<|y",), "x",
+                "<|y", stop="<|y"),
+]
+
+
+@pytest.mark.parametrize("case", CHANNEL_CASES, ids=lambda c: c.id)
+def test_harmony_stops_match_the_answer_only_whatever_the_split(case: ChannelCase) -> None:
+    """gpt-oss's channels as every other family's thinking: a stop sequence matches the
+    answer's text only (the ``final`` channel, a ``commentary`` preamble), never the
+    analysis, the channel markup, a call's message, the whitespace before the answer's
+    first character nor two messages' texts together; ``released`` and ``stop_end`` say
+    where it lies in the model's text."""
+    for name, chunks in [("whole", [case.text]), ("chars", list(case.text))] + [
+            (f"random-{seed}", random_splits(case.text, seed)) for seed in range(RANDOM_SPLITS)]:
+        processor = OutputProcessor(stops=case.stops, tool_format=HARMONY, tools=TOOLS)
+        pieces: list[Piece] = []
+        released = 0
+        for chunk in chunks:
+            pieces += processor.feed(chunk)
+            assert released <= processor.released
+            released = processor.released
+        pieces += processor.finish()
+        assert "".join(p.text for p in pieces if isinstance(p, Content)) == case.content, name
+        assert "".join(p.text for p in pieces if isinstance(p, Reasoning)) == case.reasoning
+        assert tuple((c.name, c.arguments) for c in processor.tool_calls) == case.calls, name
+        assert processor.stop_sequence == case.stop, name
+        at = case.text.rindex(case.stop) if case.stop else len(case.text)
+        assert processor.released == at, name
+        if case.stop:
+            assert processor.stop_end == at + len(case.stop)
+
+
+# Bodies that can never spell a harmony marker, whatever their order.
+_BODY = st.lists(st.sampled_from(["<|", "<", "|", "|>", "a", "b", "ab", " ", "\n", "\n\n",
+                                  "END"]), max_size=5).map("".join)
+_MESSAGES = st.lists(st.tuples(st.sampled_from(["analysis", "final", "commentary"]), _BODY),
+                     max_size=4)
+_CHANNEL_STOPS = st.sampled_from(["END", "<", "<|", "a", "b ", "\n", "ab", "|", "b<|", "final",
+                                  "<|channel|>", "analysis", "<|end|>", "1", '"b"', "}",
+                                  "assistant", "<|e"])
+
+
+def _harmony_turn(messages: list[tuple[str, str]], call: bool, plain: str | None,
+                  closed: bool) -> tuple[str, list[tuple[int, str]]]:
+    """A turn as gpt-oss writes it, and where each text the client reads as the answer
+    begins in it (the final channel and commentary preambles)."""
+    if plain is not None:
+        plain = "x" + plain  # not a header's beginning (a cut-off header shows nothing)
+        return plain, [(0, plain)]
+    text, runs = "", []
+    for i, (channel, body) in enumerate(messages):
+        text += ("<|start|>assistant" if i else "") + f"<|channel|>{channel}<|message|>"
+        if channel != "analysis":
+            runs.append((len(text), body))
+        text += body + ("<|end|>" if closed or i < len(messages) - 1 or call else "")
+    if call:
+        text += ("<|start|>assistant" if messages else "") + ADD_CALL
+    return text, runs
+
+
+def _first_stop(runs: list[tuple[int, str]], stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """Where the stop that ends the answer begins: in one of its runs, after the whitespace
+    before its first character."""
+    begun = False
+    for at, run in runs:
+        if not begun:
+            lead = len(run) - len(run.lstrip())
+            at, run, begun = at + lead, run[lead:], bool(run.strip())
+        cut, which = earliest(run, stops)
+        if cut != -1:
+            return at + cut, which
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(_MESSAGES, st.booleans(), st.one_of(st.none(), _BODY), st.booleans(),
+       st.lists(_CHANNEL_STOPS, max_size=2), st.data())
+def test_property_harmony_stops_are_the_same_whatever_the_split(
+    messages: list[tuple[str, str]], call: bool, plain: str | None, closed: bool,
+    stops: list[str], data: st.DataObject,
+) -> None:
+    """Streamed or whole, the same pieces; ``released`` never goes back nor past what was
+    fed, and ends where the answer's stop began (never one in the analysis, the markup or
+    the call) or at the end; the answer is the final and preamble texts up to it."""
+    text, runs = _harmony_turn(messages, call, plain, closed)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)))
+    chunks = [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])]
+
+    def run(parts: list[str]) -> tuple[list[tuple[str, Any]], OutputProcessor]:
+        processor = OutputProcessor(stops=tuple(stops), tool_format=HARMONY, tools=TOOLS)
+        pieces: list[Piece] = []
+        fed = released = 0
+        for part in parts:
+            pieces += processor.feed(part)
+            fed += len(part)
+            assert released <= processor.released <= fed
+            released = processor.released
+        pieces += processor.finish()
+        assert released <= processor.released <= fed
+        return _runs(pieces), processor
+
+    whole, one = run([text])
+    split, other = run(chunks)
+    assert split == whole
+    assert (other.released, other.stop_sequence, other.tool_calls, other.cut_call) == (
+        one.released, one.stop_sequence, one.tool_calls, one.cut_call)
+    stop = _first_stop(runs, tuple(stops))
+    assert (one.released, one.stop_sequence) == (stop or (len(text), None))
+    end = len(text) if stop is None else stop[0]
+    answer = "".join(run[:end - at] for at, run in runs if at <= end)
+    content = "".join(t for kind, t in whole if kind == "Content")
+    assert content.strip() == answer.strip()
+    assert [t for kind, t in whole if kind == "call"] == (
+        [(0, "add", '{"a": 1, "b": 2}')] if call and stop is None and plain is None else [])
