@@ -236,8 +236,17 @@ def _list(args: argparse.Namespace) -> int:
         server_note = ""
     except endpoint.ServerUnreachable as exc:
         details, server_note = None, str(exc)
-    loaded_paths = {d.get("path") for d in (details or {}).values() if d["state"] in SERVING}
-    loaded_ids = {i for i, d in (details or {}).items() if d["state"] in SERVING}
+    known = details or {}
+    loaded_paths = {d.get("path") for d in known.values() if d.get("state") in SERVING}
+
+    def loaded(entry: ModelEntry) -> bool:
+        # An id the server knows is its own answer: two ids may share a path (one repo with
+        # two context lengths), and the other one's load says nothing of this one. Only an
+        # id the server does not know (a config other than the server's, a cached repo it
+        # serves under another id) is matched by its path.
+        if entry.id in known:
+            return known[entry.id].get("state") in SERVING
+        return entry.path in loaded_paths
 
     rows: list[dict[str, Any]] = []
     extra: list[tuple[str, str]] = []  # (quantization, context) per row, for the table
@@ -253,7 +262,7 @@ def _list(args: argparse.Namespace) -> int:
             "path": str(folder) if folder is not None else None,
             "size_bytes": hubcache.snapshot_size(folder) if folder is not None else 0,
             "configured": configured,
-            "loaded": entry.id in loaded_ids or entry.path in loaded_paths,
+            "loaded": loaded(entry),
         })
         info = summary(folder, entry) if folder is not None else {}
         if entry.path == BUILTIN_SYSTEM_PATH:  # Apple's model: the system's, on the device

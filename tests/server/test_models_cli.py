@@ -268,6 +268,24 @@ def test_list_shows_disk_config_and_loaded_state(served: tuple[ServerProcess, st
     assert without.returncode == 0 and "loaded state unknown: no afmd server" in without.stdout
 
 
+def test_list_says_loaded_by_id_when_two_models_share_a_path(env: dict[str, str],
+                                                              tmp_path: Path) -> None:
+    """Two ids on one path (a repo served with two context lengths) are two models: only the
+    one loaded is listed loaded. By path, the other was listed loaded too."""
+    config = ('[models]\ndefault = "one"\n'
+              '[[models.model]]\nid = "one"\npath = "afmd:demo"\n'
+              '[[models.model]]\nid = "two"\npath = "afmd:demo"\ncontext_length = 512\n')
+    server = start_server(tmp_path, config=config)
+    try:
+        (tmp_path / "same.toml").write_text(config)
+        listed = {m["id"]: m["loaded"] for m in as_json(afmd(
+            env, "list", "--json", "--config", str(tmp_path / "same.toml"),
+            "--url", server.url))["models"]}
+        assert (listed["one"], listed["two"], listed["demo"]) == (True, False, False)
+    finally:
+        assert server.stop() == 0
+
+
 def test_rm_asks_refuses_a_loaded_model_and_deletes(served: tuple[ServerProcess, str],
                                                      env: dict[str, str]) -> None:
     server, _ = served
