@@ -29,6 +29,11 @@ def validate_server(merged: Merged, server: ServerConfig) -> ServerConfig:
     file, the buffer floor); each field's own bounds are its metadata's."""
     if server.host == "" and server.unix_socket == "":
         raise ConfigError("server.host", "no listener: set host or unix_socket")
+    if server.unix_socket.startswith("~"):
+        # "~" is the home folder here as in every other path the config names; bound as
+        # is, it was a folder named "~" in whatever the working directory was.
+        server = dataclasses.replace(server,
+                                     unix_socket=os.path.expanduser(server.unix_socket))
     if len(os.fsencode(server.unix_socket)) > _UNIX_PATH_MAX:
         raise ConfigError(
             "server.unix_socket",

@@ -545,3 +545,26 @@ def test_default_config_path_homebrew_prefix(
     monkeypatch.setenv("HOMEBREW_PREFIX", str(first))
     assert default_config_path() == first / "etc" / "afmd" / "config.toml"
     assert default_config_path(env={}) == second / "etc" / "afmd" / "config.toml"
+
+
+def test_tilde_is_the_home_folder_in_every_path(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A path the config names means the same with "~" as the shell's, as the instructions
+    file, the cache folder and a model's path already did. A Unix socket at "~/afmd.sock"
+    was bound under a folder named "~" in the working directory (a start that failed with
+    "No such file or directory" under launchd); a server tool's file and folder were looked
+    for the same way, and failed at the model's first call; ``--config ~/x.toml`` written
+    where no shell expands it (a launchd plist, ``--config=~/...``) was not found."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "tools.py").write_text("def add(a, b):\n    return a + b\n")
+    text = ('[server]\nunix_socket = "~/afmd.sock"\n'
+            '[[tools.server]]\nname = "add"\npython = "~/tools.py:add"\n'
+            '[[tools.server]]\nname = "ls"\ncommand = ["ls"]\ncwd = "~"\n')
+    write(tmp_path, text)
+    cfg = load_config("~/config.toml", env={})
+    assert cfg.server.unix_socket == f"{tmp_path}/afmd.sock"
+    assert [(t.python, t.cwd) for t in cfg.tools.server] == [
+        (f"{tmp_path}/tools.py:add", ""), ("", str(tmp_path))]
+    assert cfg.source == f"{tmp_path}/config.toml"
+    overridden = load_config(env={"AFMD_SERVER_UNIX_SOCKET": "~/env.sock"})
+    assert overridden.server.unix_socket == f"{tmp_path}/env.sock"
