@@ -195,8 +195,12 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from afmd.hub.download import PullError, pull
+    from afmd.hub.download import PullError, parse_ref, pull
 
+    try:
+        parse_ref(args.ref)
+    except PullError as exc:  # typed wrong: usage, as `afmd rm` has it
+        raise CommandError(str(exc), EXIT_USAGE) from None
     try:
         pull(args.ref)
     except PullError as exc:
