@@ -386,7 +386,7 @@ def _show_entry(name: str, config: Config) -> ModelEntry:
     if entry is not None:
         return entry
     local = Path(name).expanduser()
-    if os.path.isdir(local):
+    if name and os.path.isdir(local):  # "" is Path("."): whatever folder the shell is in
         return ModelEntry(id=local.resolve().name, path=str(local))
     if hubcache.REPO_ID.match(name):
         return ModelEntry(id=name, path=name)
@@ -406,6 +406,8 @@ def _show(args: argparse.Namespace) -> int:
         if entry.path.startswith(BUILTIN_PREFIX):
             raise CommandError(f"the built-in model '{entry.id}' is not built yet: `afmd "
                                "serve` builds it at its first start")
+        if not hubcache.REPO_ID.match(entry.path):  # a folder: nothing to pull
+            raise CommandError(f"model '{entry.id}': its folder {entry.path} does not exist")
         raise CommandError(f"{entry.path} is not downloaded: `afmd pull {entry.path}`")
     if not (folder / "config.json").is_file():
         raise CommandError(f"{folder} has no config.json: not an MLX model folder")

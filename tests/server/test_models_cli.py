@@ -347,6 +347,20 @@ def test_show_describes_a_model_without_loading_it(served: tuple[ServerProcess, 
     assert "is neither a configured model, a model folder nor" in too_long.stderr
 
 
+def test_show_of_a_missing_folder_or_no_name(env: dict[str, str], tmp_path: Path) -> None:
+    """A configured folder that is not there was told to `afmd pull` its path, which is no
+    repo; an empty name was read as the working directory ("." has no config.json)."""
+    config = tmp_path / "folder.toml"
+    config.write_text('[[models.model]]\nid = "gone"\npath = "/nonexistent/model"\n')
+    gone = afmd(env, "show", "gone", "--config", str(config))
+    assert gone.returncode == 1, gone.stderr
+    assert "model 'gone': its folder /nonexistent/model does not exist" in gone.stderr
+    assert "afmd pull" not in gone.stderr
+    empty = afmd(env, "show", "")
+    assert empty.returncode == 1 and "Traceback" not in empty.stderr
+    assert "'' is neither a configured model, a model folder nor" in empty.stderr
+
+
 def test_parameters_and_quantization_from_weight_headers(tmp_path: Path) -> None:
     from afmd.engine.models.describe import count_parameters, quantization_of, safetensors_headers
 
