@@ -568,3 +568,20 @@ def test_tilde_is_the_home_folder_in_every_path(tmp_path: Path,
     assert cfg.source == f"{tmp_path}/config.toml"
     overridden = load_config(env={"AFMD_SERVER_UNIX_SOCKET": "~/env.sock"})
     assert overridden.server.unix_socket == f"{tmp_path}/env.sock"
+
+
+@pytest.mark.parametrize("host", ["http://127.0.0.1", "127.0.0.1:8080", " 127.0.0.1",
+                                  "localhost/", "[::1]", "0.0.0.0 "])
+def test_a_host_that_cannot_be_one_names_the_key(host: str) -> None:
+    """A URL, a port or a space in the host passed the config and failed the bind at start
+    (exit 1, "Name or service not known", the key unnamed)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"AFMD_SERVER_HOST": host})
+    assert info.value.key == "server.host"
+    assert "(from AFMD_SERVER_HOST)" in info.value.message
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::", "::1", "fe80::1%lo",
+                                  "localhost", "my-mac.local"])
+def test_addresses_and_names_are_hosts(host: str) -> None:
+    assert load_config(env={"AFMD_SERVER_HOST": host}).server.host == host
