@@ -83,6 +83,10 @@ def parse_aliases(value: object) -> dict[str, str]:
             raise ConfigError(key, f"expected string (a model id), got {describe(target)}")
         coerce(name, "str", key)
         coerce(target, "str", key)
+        if not name.strip():
+            # A model id may not be empty; an alias that is listed a nameless model in
+            # /v1/models and answered requests whose model is "".
+            raise ConfigError(key, "an alias needs a name, got an empty one")
         if not target:
             raise ConfigError(key, "must name a model id, got an empty string")
         aliases[name] = target

@@ -585,3 +585,12 @@ def test_a_host_that_cannot_be_one_names_the_key(host: str) -> None:
                                   "localhost", "my-mac.local"])
 def test_addresses_and_names_are_hosts(host: str) -> None:
     assert load_config(env={"AFMD_SERVER_HOST": host}).server.host == host
+
+
+@pytest.mark.parametrize("name", ["", " "])
+def test_an_alias_needs_a_name(tmp_path: Path, name: str) -> None:
+    """Served, a nameless alias was listed in /v1/models with id "" and answered requests
+    whose model is "", as no model id may be."""
+    error = error_for(tmp_path, f'[models.aliases]\n"{name}" = "demo"\n')
+    assert error.key == f'models.aliases."{name}"'
+    assert "alias needs a name" in error.message
