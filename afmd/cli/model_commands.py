@@ -195,8 +195,12 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from afmd.hub.download import PullError, pull
+    from afmd.hub.download import PullError, parse_ref, pull
 
+    try:
+        parse_ref(args.ref)
+    except PullError as exc:  # typed wrong: usage, as `afmd rm` has it
+        raise CommandError(str(exc), EXIT_USAGE) from None
     try:
         pull(args.ref)
     except PullError as exc:
@@ -236,8 +240,17 @@ def _list(args: argparse.Namespace) -> int:
         server_note = ""
     except endpoint.ServerUnreachable as exc:
         details, server_note = None, str(exc)
-    loaded_paths = {d.get("path") for d in (details or {}).values() if d["state"] in SERVING}
-    loaded_ids = {i for i, d in (details or {}).items() if d["state"] in SERVING}
+    known = details or {}
+    loaded_paths = {d.get("path") for d in known.values() if d.get("state") in SERVING}
+
+    def loaded(entry: ModelEntry) -> bool:
+        # An id the server knows is its own answer: two ids may share a path (one repo with
+        # two context lengths), and the other one's load says nothing of this one. Only an
+        # id the server does not know (a config other than the server's, a cached repo it
+        # serves under another id) is matched by its path.
+        if entry.id in known:
+            return known[entry.id].get("state") in SERVING
+        return entry.path in loaded_paths
 
     rows: list[dict[str, Any]] = []
     extra: list[tuple[str, str]] = []  # (quantization, context) per row, for the table
@@ -253,7 +266,7 @@ def _list(args: argparse.Namespace) -> int:
             "path": str(folder) if folder is not None else None,
             "size_bytes": hubcache.snapshot_size(folder) if folder is not None else 0,
             "configured": configured,
-            "loaded": entry.id in loaded_ids or entry.path in loaded_paths,
+            "loaded": loaded(entry),
         })
         info = summary(folder, entry) if folder is not None else {}
         if entry.path == BUILTIN_SYSTEM_PATH:  # Apple's model: the system's, on the device
@@ -373,7 +386,7 @@ def _show_entry(name: str, config: Config) -> ModelEntry:
     if entry is not None:
         return entry
     local = Path(name).expanduser()
-    if os.path.isdir(local):
+    if name and os.path.isdir(local):  # "" is Path("."): whatever folder the shell is in
         return ModelEntry(id=local.resolve().name, path=str(local))
     if hubcache.REPO_ID.match(name):
         return ModelEntry(id=name, path=name)
@@ -393,6 +406,8 @@ def _show(args: argparse.Namespace) -> int:
         if entry.path.startswith(BUILTIN_PREFIX):
             raise CommandError(f"the built-in model '{entry.id}' is not built yet: `afmd "
                                "serve` builds it at its first start")
+        if not hubcache.REPO_ID.match(entry.path):  # a folder: nothing to pull
+            raise CommandError(f"model '{entry.id}': its folder {entry.path} does not exist")
         raise CommandError(f"{entry.path} is not downloaded: `afmd pull {entry.path}`")
     if not (folder / "config.json").is_file():
         raise CommandError(f"{folder} has no config.json: not an MLX model folder")

@@ -77,6 +77,8 @@ def load_config(
     """
     merged = Merged(_SCHEMA)
     if path is not None:
+        # As the shell would: a launchd plist or ``--config=~/...`` hands "~" over as is.
+        path = os.path.expanduser(os.fspath(path))
         apply_file(read_toml(path), merged)
     apply_env(os.environ if env is None else env, merged)
     if overrides:

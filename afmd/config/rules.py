@@ -6,6 +6,7 @@ replaces is not an error; each raises :class:`ConfigError` with the key to fix a
 """
 
 import dataclasses
+import ipaddress
 import os
 import sys
 from pathlib import Path
@@ -29,6 +30,15 @@ def validate_server(merged: Merged, server: ServerConfig) -> ServerConfig:
     file, the buffer floor); each field's own bounds are its metadata's."""
     if server.host == "" and server.unix_socket == "":
         raise ConfigError("server.host", "no listener: set host or unix_socket")
+    problem = _host_problem(server.host)
+    if problem is not None:
+        raise ConfigError("server.host", f"{problem}, got {server.host!r}"
+                                         f"{merged.where('server.host')}")
+    if server.unix_socket.startswith("~"):
+        # "~" is the home folder here as in every other path the config names; bound as
+        # is, it was a folder named "~" in whatever the working directory was.
+        server = dataclasses.replace(server,
+                                     unix_socket=os.path.expanduser(server.unix_socket))
     if len(os.fsencode(server.unix_socket)) > _UNIX_PATH_MAX:
         raise ConfigError(
             "server.unix_socket",
@@ -52,6 +62,28 @@ def validate_server(merged: Merged, server: ServerConfig) -> ServerConfig:
         # never what was meant, and the other two limits state the intent precisely.
         server = dataclasses.replace(server, max_buffered_request_bytes=floor)
     return server
+
+
+def _host_problem(host: str) -> str | None:
+    """What makes ``host`` no address to listen on, whatever the network says: caught
+    here, a URL or a port written into it is exit 2 naming the key, not a bind that
+    fails at start (a ":" makes the socket IPv6, so "127.0.0.1:8080" cannot bind)."""
+    if not host:
+        return None
+    if any(c.isspace() for c in host):
+        return "an address or host name has no spaces"
+    if "/" in host or (":" in host and not _is_ipv6(host)):
+        return ("expected an address or host name such as 127.0.0.1, 0.0.0.0 or ::1, "
+                "not a URL or an address with a port (the port is server.port)")
+    return None
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def validate_aliases(models: ModelsConfig) -> None:

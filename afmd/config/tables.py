@@ -7,6 +7,7 @@ value at fault (``models.model[1].path``). Part of afmd's lowest layer, under af
 """
 
 import dataclasses
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -82,6 +83,10 @@ def parse_aliases(value: object) -> dict[str, str]:
             raise ConfigError(key, f"expected string (a model id), got {describe(target)}")
         coerce(name, "str", key)
         coerce(target, "str", key)
+        if not name.strip():
+            # A model id may not be empty; an alias that is listed a nameless model in
+            # /v1/models and answered requests whose model is "".
+            raise ConfigError(key, "an alias needs a name, got an empty one")
         if not target:
             raise ConfigError(key, "must name a model id, got an empty string")
         aliases[name] = target
@@ -210,6 +215,9 @@ def parse_server_tools(value: object) -> list[ServerTool]:
             raise ConfigError(base, "set exactly one of 'command' (an argv array) or 'python'")
         if python and ":" not in str(python):
             raise ConfigError(f"{base}.python", "expected 'path/to/file.py:function'")
+        if python:  # "~" as in every path the config names (the OS takes it literally)
+            file, _, function = str(python).rpartition(":")
+            python = f"{os.path.expanduser(file)}:{function}"
         parameters = item.get("parameters", {"type": "object"})
         if not isinstance(parameters, dict):
             raise ConfigError(f"{base}.parameters", "expected a table (a JSON Schema)")
@@ -236,7 +244,7 @@ def parse_server_tools(value: object) -> list[ServerTool]:
                 command=tuple(command),
                 python=str(python),
                 timeout=timeout,
-                cwd=str(coerce(item.get("cwd", ""), "str", f"{base}.cwd")),
+                cwd=os.path.expanduser(str(coerce(item.get("cwd", ""), "str", f"{base}.cwd"))),
                 env=dict(env),
                 max_output_bytes=max_out,
             )

@@ -170,6 +170,8 @@ BAD_CONFIGS = [
     pytest.param('[log]\nlevel = "loud"\n', ("log.level",), id="bad-choice"),
     pytest.param('[models]\ndefault = "nope"\n', ("models.default", "nope"), id="bad-default"),
     pytest.param("[log]\naccess_log = 1\n", ("log.access_log", "boolean"), id="int-not-bool"),
+    pytest.param('[server]\nhost = "http://127.0.0.1"\n', ("server.host", "not a URL"),
+                 id="host-is-a-url"),
 ]
 
 

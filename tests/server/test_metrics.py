@@ -226,6 +226,41 @@ def test_unloads_and_reloads_are_counted(tmp_path: Path) -> None:
         proc.stop()
 
 
+def test_kv_cache_counters_never_go_back_across_an_unload(tmp_path: Path) -> None:
+    """The block KV cache's counters live in the loaded model; unloaded, its series went
+    away and came back at 0 with the next load, a reset no counter may have. They are
+    counted from the server's start, as the load counts are."""
+    proc = start_server(tmp_path)
+    series = (("model", "demo"), ("tier", "ram"))
+    names = ("afmd_kv_cache_hits_total", "afmd_kv_cache_misses_total")
+    prompt = [{"role": "user", "content": "A prompt long enough to fill a block. " * 60}]
+    try:
+        for keep_alive in (-1, 0):  # the same prompt twice: a hit; then unloaded
+            reply = httpx.post(proc.url + CHAT, timeout=60, json={
+                "model": "demo", "messages": prompt, "max_tokens": 2,
+                "keep_alive": keep_alive})
+            assert reply.status_code == 200, reply.text
+        deadline = time.monotonic() + 30
+        while (unloaded := scrape(proc.url)).get("afmd_model_unloads_total",
+                                                 model="demo") != 1:
+            assert time.monotonic() < deadline, unloaded.text
+            time.sleep(0.05)
+        before = {name: unloaded.samples[name][series] for name in names}
+        assert before["afmd_kv_cache_hits_total"] > 0, unloaded.text
+
+        reply = httpx.post(proc.url + CHAT, timeout=60, json={
+            "model": "demo", "messages": prompt, "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+        reloaded = scrape(proc.url)
+        assert reloaded.value("afmd_model_loads_total", model="demo") == 2
+        for name in names:
+            assert reloaded.samples[name][series] >= before[name], name
+        assert reloaded.samples["afmd_kv_cache_misses_total"][series] > before[
+            "afmd_kv_cache_misses_total"]  # the new load's RAM tier is empty: a miss
+    finally:
+        proc.stop()
+
+
 def test_gauges_count_running_and_queued_requests(tmp_path: Path) -> None:
     """One slot: a long stream holds it, a second request waits in the queue."""
     proc = start_server(tmp_path, config="[queue]\nmax_concurrent_requests = 1\n")

@@ -268,6 +268,24 @@ def test_list_shows_disk_config_and_loaded_state(served: tuple[ServerProcess, st
     assert without.returncode == 0 and "loaded state unknown: no afmd server" in without.stdout
 
 
+def test_list_says_loaded_by_id_when_two_models_share_a_path(env: dict[str, str],
+                                                              tmp_path: Path) -> None:
+    """Two ids on one path (a repo served with two context lengths) are two models: only the
+    one loaded is listed loaded. By path, the other was listed loaded too."""
+    config = ('[models]\ndefault = "one"\n'
+              '[[models.model]]\nid = "one"\npath = "afmd:demo"\n'
+              '[[models.model]]\nid = "two"\npath = "afmd:demo"\ncontext_length = 512\n')
+    server = start_server(tmp_path, config=config)
+    try:
+        (tmp_path / "same.toml").write_text(config)
+        listed = {m["id"]: m["loaded"] for m in as_json(afmd(
+            env, "list", "--json", "--config", str(tmp_path / "same.toml"),
+            "--url", server.url))["models"]}
+        assert (listed["one"], listed["two"], listed["demo"]) == (True, False, False)
+    finally:
+        assert server.stop() == 0
+
+
 def test_rm_asks_refuses_a_loaded_model_and_deletes(served: tuple[ServerProcess, str],
                                                      env: dict[str, str]) -> None:
     server, _ = served
@@ -327,6 +345,20 @@ def test_show_describes_a_model_without_loading_it(served: tuple[ServerProcess, 
     too_long = afmd(env, "show", "m" * 300)
     assert too_long.returncode == 1 and "Traceback" not in too_long.stderr
     assert "is neither a configured model, a model folder nor" in too_long.stderr
+
+
+def test_show_of_a_missing_folder_or_no_name(env: dict[str, str], tmp_path: Path) -> None:
+    """A configured folder that is not there was told to `afmd pull` its path, which is no
+    repo; an empty name was read as the working directory ("." has no config.json)."""
+    config = tmp_path / "folder.toml"
+    config.write_text('[[models.model]]\nid = "gone"\npath = "/nonexistent/model"\n')
+    gone = afmd(env, "show", "gone", "--config", str(config))
+    assert gone.returncode == 1, gone.stderr
+    assert "model 'gone': its folder /nonexistent/model does not exist" in gone.stderr
+    assert "afmd pull" not in gone.stderr
+    empty = afmd(env, "show", "")
+    assert empty.returncode == 1 and "Traceback" not in empty.stderr
+    assert "'' is neither a configured model, a model folder nor" in empty.stderr
 
 
 def test_parameters_and_quantization_from_weight_headers(tmp_path: Path) -> None:

@@ -98,6 +98,16 @@ def test_a_malformed_ref_is_refused(ref: str) -> None:
         parse_ref(ref)
 
 
+def test_a_malformed_ref_is_a_usage_error(hub: FakeHub, env: dict[str, str]) -> None:
+    """What was typed wrong is exit 2, as ``afmd rm`` has it for the same repo id and the
+    CLI's contract for usage; exit 1 is a pull that failed (hub, network, files)."""
+    for ref in ("a/b/c", "", "a/b@../x"):
+        result = afmd(env, "pull", ref)
+        assert result.returncode == 2, (ref, result.stderr)
+        assert "is not a" in result.stderr and "Traceback" not in result.stderr
+    assert not hub.log  # refused before asking anything
+
+
 def test_well_formed_refs() -> None:
     assert parse_ref("mlx-community/Qwen2.5-0.5B-Instruct-4bit") == (
         "mlx-community/Qwen2.5-0.5B-Instruct-4bit", "main")
@@ -254,11 +264,11 @@ def test_offline_and_unknown_repos_fail_clearly(hub: FakeHub, env: dict[str, str
     unknown = afmd(env, "pull", "test-org/no-such-model")
     assert_clean_failure(unknown, "test-org/no-such-model was not found on")
 
-    bad = afmd(env, "pull", "not a repo")
-    assert_clean_failure(bad, "'not a repo' is not a Hugging Face repo id")
+    bad = afmd(env, "pull", "not a repo")  # exit 2: test_a_malformed_ref_is_a_usage_error
+    assert bad.returncode == 2 and "'not a repo' is not a Hugging Face repo id" in bad.stderr
     asked = len(hub.log)
     escape = afmd(env, "pull", f"{REPO}@../../../outside")
-    assert_clean_failure(escape, "'../../../outside' is not a revision")
+    assert escape.returncode == 2 and "'../../../outside' is not a revision" in escape.stderr
     assert len(hub.log) == asked, "a malformed revision reached the hub"
     assert listed(env).keys() == {"demo", "demo-32k", "demo-embedding", "demo-vision", "system"}
 

@@ -229,6 +229,10 @@ class LoadCounts:
     failures: Counter[str] = field(default_factory=Counter)
     unloads: Counter[str] = field(default_factory=Counter)
     seconds: dict[str, float] = field(default_factory=dict)
+    #: Per (model id, tier): the block KV cache's counters (``hits``, ``misses``,
+    #: ``evictions``) of the model's earlier loads. Each load's cache counts from 0, and a
+    #: counter that went back to 0 with a reload would read as a reset.
+    kv: dict[tuple[str, str], Counter[str]] = field(default_factory=dict)
 
     def loaded(self, model_id: str, seconds: float) -> None:
         self.loads[model_id] += 1
@@ -236,6 +240,35 @@ class LoadCounts:
 
     def unloaded(self, model_id: str) -> None:
         self.unloads[model_id] += 1
+
+    def retire(self, model: LoadedModel) -> None:
+        """Keep what an unloading model's KV cache counted, before its cache goes."""
+        cache = model.kv_cache
+        if cache is None:
+            return
+        for tier, numbers in cache.stats().items():
+            kept = self.kv.setdefault((model.id, tier), Counter())
+            kept["hits"] += numbers["hits"]
+            kept["misses"] += numbers["misses"]
+            if tier == "disk":  # the folder's own count, which outlives the model: its last
+                kept["evictions"] = max(kept["evictions"], numbers["evictions"])
+            else:
+                kept["evictions"] += numbers["evictions"]
+
+    def kv_counts(self, model_id: str, live: dict[str, dict[str, int]] | None
+                  ) -> dict[str, dict[str, int]]:
+        """Per tier, the KV cache's counters since the server started: the earlier loads'
+        and (``live``) the loaded model's own."""
+        tiers = {tier: dict(kept) for (model, tier), kept in self.kv.items()
+                 if model == model_id}
+        for tier, numbers in (live or {}).items():
+            kept = tiers.setdefault(tier, {})
+            for name in ("hits", "misses", "evictions"):
+                if tier == "disk" and name == "evictions":
+                    kept[name] = max(kept.get(name, 0), numbers[name])
+                else:
+                    kept[name] = kept.get(name, 0) + numbers[name]
+        return tiers
 
 
 class Loads:

@@ -52,6 +52,7 @@ class ModelRegistry:
             effective_budget(config.models.memory_budget_bytes),
             config.models.max_loaded,
             on_unload=self.counts.unloaded,
+            on_retire=self.counts.retire,
         )
         self._loaded = self.residency.loaded  # one dict: the residency adds and removes
         self._kinds: dict[str, str] = {}  # read from disk once per model until it loads

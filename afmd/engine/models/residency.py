@@ -275,6 +275,7 @@ class Residency:
         *,
         free: Callable[[LoadedModel], None] | None = None,
         on_unload: Callable[[str], None] = lambda model_id: None,
+        on_retire: Callable[[LoadedModel], None] = lambda model: None,
     ) -> None:
         self.budget = budget
         self.max_loaded = max_loaded
@@ -289,6 +290,8 @@ class Residency:
         #: Stops a model's thread and frees its arrays; blocking, so run off the event loop.
         self.free = free or free_model
         self._on_unload = on_unload
+        #: Told of a model leaving the loaded set while its caches can still be read.
+        self._on_retire = on_retire
         self._unloading: dict[int, int] = {}  # per model object being freed: bytes it holds
         self._unload_tasks: set[asyncio.Task[None]] = set()
         self._reserved: dict[str, int] = {}  # loads under way: bytes their weights will take
@@ -470,6 +473,7 @@ class Residency:
         del self.loaded[model.id]
         held = model.memory_bytes
         self._unloading[id(model)] = held
+        self._on_retire(model)
         task = asyncio.get_running_loop().create_task(self._free_later(model, held, reason))
         self._unload_tasks.add(task)
         task.add_done_callback(self._unload_tasks.discard)

@@ -342,15 +342,18 @@ def _kv_cache_families(registry: ModelRegistry, models: list[str]) -> Iterator[A
                                     "the disk tier's count is its folder's).", labels=labels)
     held = GaugeMetricFamily("afmd_kv_cache_bytes", "Bytes of KV blocks the tier holds.",
                              labels=labels)
-    for model in models:
+    counted = {model for model, _ in registry.counts.kv}
+    for model in _union(models, counted):
         handle = registry.loaded(model)
         cache = handle.kv_cache if handle is not None else None
-        if cache is None:
-            continue
-        for tier, numbers in cache.stats().items():
+        live = cache.stats() if cache is not None else None
+        # The counters run from the server's start, across the model's loads; the bytes
+        # are the loaded model's.
+        for tier, numbers in registry.counts.kv_counts(model, live).items():
             hits.add_metric((model, tier), numbers["hits"])
             misses.add_metric((model, tier), numbers["misses"])
             evictions.add_metric((model, tier), numbers["evictions"])
+        for tier, numbers in (live or {}).items():
             held.add_metric((model, tier), numbers["bytes"])
     yield hits
     yield misses

@@ -545,3 +545,52 @@ def test_default_config_path_homebrew_prefix(
     monkeypatch.setenv("HOMEBREW_PREFIX", str(first))
     assert default_config_path() == first / "etc" / "afmd" / "config.toml"
     assert default_config_path(env={}) == second / "etc" / "afmd" / "config.toml"
+
+
+def test_tilde_is_the_home_folder_in_every_path(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A path the config names means the same with "~" as the shell's, as the instructions
+    file, the cache folder and a model's path already did. A Unix socket at "~/afmd.sock"
+    was bound under a folder named "~" in the working directory (a start that failed with
+    "No such file or directory" under launchd); a server tool's file and folder were looked
+    for the same way, and failed at the model's first call; ``--config ~/x.toml`` written
+    where no shell expands it (a launchd plist, ``--config=~/...``) was not found."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "tools.py").write_text("def add(a, b):\n    return a + b\n")
+    text = ('[server]\nunix_socket = "~/afmd.sock"\n'
+            '[[tools.server]]\nname = "add"\npython = "~/tools.py:add"\n'
+            '[[tools.server]]\nname = "ls"\ncommand = ["ls"]\ncwd = "~"\n')
+    write(tmp_path, text)
+    cfg = load_config("~/config.toml", env={})
+    assert cfg.server.unix_socket == f"{tmp_path}/afmd.sock"
+    assert [(t.python, t.cwd) for t in cfg.tools.server] == [
+        (f"{tmp_path}/tools.py:add", ""), ("", str(tmp_path))]
+    assert cfg.source == f"{tmp_path}/config.toml"
+    overridden = load_config(env={"AFMD_SERVER_UNIX_SOCKET": "~/env.sock"})
+    assert overridden.server.unix_socket == f"{tmp_path}/env.sock"
+
+
+@pytest.mark.parametrize("host", ["http://127.0.0.1", "127.0.0.1:8080", " 127.0.0.1",
+                                  "localhost/", "[::1]", "0.0.0.0 "])
+def test_a_host_that_cannot_be_one_names_the_key(host: str) -> None:
+    """A URL, a port or a space in the host passed the config and failed the bind at start
+    (exit 1, "Name or service not known", the key unnamed)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"AFMD_SERVER_HOST": host})
+    assert info.value.key == "server.host"
+    assert "(from AFMD_SERVER_HOST)" in info.value.message
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::", "::1", "fe80::1%lo",
+                                  "localhost", "my-mac.local"])
+def test_addresses_and_names_are_hosts(host: str) -> None:
+    assert load_config(env={"AFMD_SERVER_HOST": host}).server.host == host
+
+
+@pytest.mark.parametrize("name", ["", " "])
+def test_an_alias_needs_a_name(tmp_path: Path, name: str) -> None:
+    """Served, a nameless alias was listed in /v1/models with id "" and answered requests
+    whose model is "", as no model id may be."""
+    error = error_for(tmp_path, f'[models.aliases]\n"{name}" = "demo"\n')
+    assert error.key == f'models.aliases."{name}"'
+    assert "alias needs a name" in error.message
