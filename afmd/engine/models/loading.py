@@ -303,10 +303,11 @@ class Loads:
                 result[entry.id] = f"unavailable: {self._withdrawn[entry.id]}"
             elif entry.id in self._residency.loaded:
                 result[entry.id] = "available"
+            elif entry.id in self._loading:
+                # A load started again after a failure is what is going on now.
+                result[entry.id] = "unavailable: loading"
             elif entry.id in self._failed:
                 result[entry.id] = f"unavailable: {self._failed[entry.id]}"
-            elif entry.id in self._loading:
-                result[entry.id] = "unavailable: loading"
             else:
                 result[entry.id] = "available"  # loads on first use
         return result

@@ -296,3 +296,43 @@ def test_a_model_larger_than_the_budget_is_refused_before_loading(
     assert "10000000 bytes" in error.message and "9.5 MiB" in error.message
     assert "15.9 MiB" in error.message  # its safetensors file
     assert registry.status()["demo-32k"].startswith("unavailable: larger than the memory")
+
+
+def test_a_load_after_a_failure_says_loading_while_it_runs() -> None:
+    """A load started again after a failure (the dashboard's, a preload's) is what
+    ``/health`` reports, not the failure before it."""
+    from afmd.engine.models.loading import LoadCounts, Loads
+
+    config = load_config(None, env={})
+    entry = config.models.model[0]
+    started, release = asyncio.Event(), asyncio.Event()
+    loop_of: list[asyncio.AbstractEventLoop] = []
+    calls = 0
+
+    def load(entry: Any, config: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the second load waits until the test has looked
+            loop_of[0].call_soon_threadsafe(started.set)
+            asyncio.run_coroutine_threadsafe(release.wait(), loop_of[0]).result(10)
+        raise RuntimeError("no weights here")
+
+    async def scenario() -> tuple[str, str, str]:
+        loop_of.append(asyncio.get_running_loop())
+        loads = Loads(config, Residency(1 << 40, 4), LoadCounts(), load=load,
+                      on_loaded=lambda model_id: None)
+        with pytest.raises(Exception, match="could not be loaded"):
+            await loads.begin(entry)
+        failed = loads.status()[entry.id]
+        task = loads.begin(entry)  # as the dashboard starts one: the failure stays on record
+        await started.wait()
+        during = loads.status()[entry.id]
+        release.set()
+        with pytest.raises(Exception, match="could not be loaded"):
+            await task
+        return failed, during, loads.status()[entry.id]
+
+    failed, during, after = asyncio.run(scenario())
+    assert failed.startswith("unavailable: ") and "no weights here" in failed
+    assert during == "unavailable: loading"
+    assert after == failed
