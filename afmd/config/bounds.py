@@ -172,6 +172,10 @@ def parse_text(text: str, kind: str, key: str) -> object:
         return tuple(part.strip() for part in text.split(",") if part.strip())
     if kind == "optint" and stripped == "":
         return None
+    if not stripped.isascii():
+        # int() and float() read any script's digits ("\u0661\u0662\u0663" is 123): a
+        # value an operator cannot read back is no number of theirs.
+        raise ConfigError(key, f"expected {KIND_NAMES[kind]} in ASCII digits, got {text!r}")
     try:
         return float(stripped) if kind == "float" else int(stripped)
     except ValueError:

@@ -173,6 +173,16 @@ def test_env_bools(text: str, expected: bool) -> None:
     assert cfg.log.access_log is expected
 
 
+@pytest.mark.parametrize(("name", "text"), [
+    ("AFMD_SERVER_PORT", "\u0661\u0662\u0663"),  # Arabic-Indic 123: int() reads it
+    ("AFMD_SERVER_REQUEST_TIMEOUT", "\uff13\uff10"),  # fullwidth 30: float() too
+])
+def test_env_numbers_are_ascii_digits(name: str, text: str) -> None:
+    """An operator reading the value back sees no port 123 in it."""
+    with pytest.raises(ConfigError, match=f"{name}: .* in ASCII digits"):
+        load_config(env={name: text})
+
+
 def test_overrides_beat_env_and_file(tmp_path: Path) -> None:
     cfg = load_text(
         tmp_path,
