@@ -217,7 +217,12 @@ def parse_server_tools(value: object) -> list[ServerTool]:
             raise ConfigError(f"{base}.python", "expected 'path/to/file.py:function'")
         if python:  # "~" as in every path the config names (the OS takes it literally)
             file, _, function = str(python).rpartition(":")
-            python = f"{os.path.expanduser(file)}:{function}"
+            file = os.path.expanduser(file)
+            if not os.path.isfile(file):
+                # Found at start, not at the model's first call of it (where it could only
+                # be told to the model, as the tool's error output).
+                raise ConfigError(f"{base}.python", f"no such file: {file!r}")
+            python = f"{file}:{function}"
         parameters = item.get("parameters", {"type": "object"})
         if not isinstance(parameters, dict):
             raise ConfigError(f"{base}.parameters", "expected a table (a JSON Schema)")

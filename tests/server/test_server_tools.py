@@ -392,6 +392,19 @@ def test_missing_instructions_file_fails_check_config(tmp_path: Path) -> None:
     assert "nope.txt" in result.stderr
 
 
+def test_missing_python_tool_file_fails_check_config(tmp_path: Path) -> None:
+    """Found when the config loads, not at the model's first call of the tool."""
+    config = tmp_path / "c.toml"
+    config.write_text("[[tools.server]]\nname = \"zz_gone\"\n"
+                      f"python = {q(str(tmp_path / 'gone.py') + ':f')}\n")
+    result = subprocess.run(
+        [PY, "-m", "afmd", "check-config", str(config)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "tools.server[0].python" in result.stderr and "gone.py" in result.stderr
+
+
 # --------------------------------------------------------------------------- ServerTools units
 
 
