@@ -117,8 +117,9 @@ class OutputProcessor:
         self._answer_begun = False  # a character other than whitespace went to the stops
         self._stop_at = 0  # where the stop sequence that matched began, in the fed text
         self.released = 0  # characters of fed text the stop check has let through
-        #: The output ended inside a call (a stop sequence or the token limit cut it): the
-        #: call is in ``tool_calls`` as written, unfinished.
+        #: The output ended inside a call (the token limit or the model's end cut it; a stop
+        #: sequence never matches in one): the call is in ``tool_calls`` as written,
+        #: unfinished.
         self.cut_call = False
 
     @property

@@ -1,4 +1,4 @@
-"""The output chain (stops → reasoning → tool calls → content) as a shared parser suite.
+"""The output chain (reasoning → tool calls → stops → content) as a shared parser suite.
 
 In the spirit of vLLM's shared tool/reasoning parser tests: each case is a model's raw
 output text with the reasoning, content and tool calls a client must receive. Every case
