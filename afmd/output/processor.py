@@ -1,28 +1,31 @@
-"""One request's output chain: reasoning → stop sequences → tool calls → content.
+"""One request's output chain: reasoning → tool calls → stop sequences → content.
 
 Decoded text goes through the same chain whether the response is streamed or not, so a
 non-streamed response is exactly the concatenation of what a stream would have sent.
-Stop sequences are matched in the answer only, never in the thinking (as OpenAI's and
-Anthropic's APIs match them), and never across a thinking block: every dialect gets the
-same rule here. A family whose markup carries the reasoning too (harmony's channels) has
-its reader split the text first, each piece placed in the model's text as the reasoning
-splitter places its own, and the stops see its answer only: never the analysis, the
-channel markup nor a call's message, which is addressed to a tool and never the answer's
-text (other families' call markup is, since it is written in the answer itself).
-Whitespace in the content channel is held while it could still turn out to be only the
-padding around a tool call or after a thinking block; it is released as soon as real text
-follows.
+Stop sequences are matched in the answer only, as OpenAI's and Anthropic's APIs match
+them: never in the thinking, and never in a tool call, whose markup and arguments are
+addressed to a tool and are not the answer's text (a "\n" or "}" stop would otherwise cut
+every call, and a grammar-forced call must stay whole). So the reasoning is split first
+and the family's call reader reads what is left (harmony's reader splits both at once);
+each piece is placed in the model's text, so that ``released`` and ``stop_end`` still say
+where a stop lies there. The stops see the text before, between and after the calls, and
+never across a thinking block or a call: text held by the stop check is released when
+one begins. The reader's pieces come lazily, so nothing after a stop is read: no call
+after it opens. Whitespace in the content channel is held while it could still turn out
+to be only the padding around a tool call or after a thinking block; it is released as
+soon as real text follows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from afmd.core.events import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 from afmd.core.request import ToolCall
-from afmd.output.formats.base import CallContext, CallLog, CallReader, MarkupReader, ToolIndex
+from afmd.output.formats.base import CallContext, CallLog, MarkupReader, ToolIndex
 from afmd.output.formats.registry import Family, family
 from afmd.output.reasoning import ReasoningSplitter
 from afmd.output.stops import StopScanner
@@ -90,20 +93,23 @@ class OutputProcessor:
             def ids(name: str, index: int) -> str:
                 return make_id()
         self._log = CallLog(ids, max_calls)
-        self._tools: CallReader | None = None
-        self._markup: MarkupReader | None = None  # a channel family's reader: it splits first
+        # The family's reader: it splits the calls (and, for a channel family, the
+        # reasoning) from the answer before the stop check sees it.
+        self._reader: MarkupReader | None = None
         if tool_format is not None:
             ctx = CallContext(self._log, ToolIndex(tools), enforced, tool_format.parse,
                               calls_on)
             if found is not None and found.reader is not None:
-                self._tools = found.reader(ctx)
-                if self._channels:
-                    assert isinstance(self._tools, MarkupReader)
-                    self._markup = self._tools
+                reader = found.reader(ctx)
+                assert isinstance(reader, MarkupReader)
+                self._reader = reader
             else:
                 incremental = found.incremental_json if found else tool_format.incremental_json
-                self._tools = ToolCallParser(tool_format.start, tool_format.end, ctx,
-                                             incremental_json=incremental)
+                self._reader = ToolCallParser(tool_format.start, tool_format.end, ctx,
+                                              incremental_json=incremental)
+        # Where each text the reader was fed begins, in its own text and in the fed text
+        # (the reasoning splitter takes the thinking out between them).
+        self._places: list[tuple[int, int]] = []
         self._pending_ws = ""
         self._content_started = False
         self._fed = 0  # characters of text fed
@@ -111,8 +117,9 @@ class OutputProcessor:
         self._answer_begun = False  # a character other than whitespace went to the stops
         self._stop_at = 0  # where the stop sequence that matched began, in the fed text
         self.released = 0  # characters of fed text the stop check has let through
-        #: The output ended inside a call (a stop sequence or the token limit cut it): the
-        #: call is in ``tool_calls`` as written, unfinished.
+        #: The output ended inside a call (the token limit or the model's end cut it; a stop
+        #: sequence never matches in one): the call is in ``tool_calls`` as written,
+        #: unfinished.
         self.cut_call = False
 
     @property
@@ -157,47 +164,81 @@ class OutputProcessor:
 
     def _route(self, text: str, *, final: bool) -> list[Piece]:
         out: list[Piece] = []
-        if self._markup is not None:
-            # The family's reader splits reasoning, content and calls itself; it reads no
-            # further than the stop (its pieces come lazily), so no call after it opens.
-            if not self._stops.stopped:
-                self._place(self._markup.read(text), out)
-            if final and not self._stops.stopped:
-                self.cut_call = self._log.streaming
-                self._place(self._markup.read("", final=True), out)
+        if self._reasoning is not None:
+            spans = self._reasoning.feed(text) if text else []
+            if final:
+                spans += self._reasoning.flush()
         else:
-            if self._reasoning is not None:
-                spans = self._reasoning.feed(text) if text else []
-                if final:
-                    spans += self._reasoning.flush()
-            else:
-                spans = [(self._fed - len(text), Content(text))] if text else []
-            if not self._stops.stopped:
-                self._place(spans, out)
+            spans = [(self._fed - len(text), Content(text))] if text else []
+        if not self._stops.stopped:
+            # The reader reads no further than the stop (its pieces come lazily), so no
+            # call after it opens.
+            self._place(spans if self._reader is None else self._read(spans, final), out)
         if final:
             out.extend(self._content(self._stops.flush()))
         self._release()
         if final:
-            if self._tools is not None and self._markup is None:
-                self.cut_call = self._log.streaming
-                out.extend(self._after_tools(self._tools.flush()))
             if self._pending_ws and self._content_started and not self.tool_calls:
                 out.append(Content(self._pending_ws))
             self._pending_ws = ""
         return _merge(out)
 
+    def _read(self, spans: list[tuple[int, Piece]], final: bool
+              ) -> Iterator[tuple[int, Piece]]:
+        """The spans with the answer's text read by the family's reader: its calls apart,
+        every piece placed in the fed text."""
+        reader = self._reader
+        assert reader is not None
+        for at, piece in spans:
+            if not isinstance(piece, Content):
+                # A thinking block: a marker's beginning before it is text after all.
+                for where, read in reader.pause():
+                    yield from self._placed(where, read)
+                yield at, piece
+                continue
+            if not self._places or self._place_of(reader.fed) != at:
+                self._places.append((reader.fed, at))
+            for where, read in reader.read(piece.text):
+                yield from self._placed(where, read)
+        if final:
+            self.cut_call = self._log.streaming
+            for where, read in reader.read("", final=True):
+                yield from self._placed(where, read)
+
+    def _placed(self, where: int, piece: Piece) -> Iterator[tuple[int, Piece]]:
+        """A piece the reader placed at its character ``where``, placed in the fed text; a
+        text it joined across a thinking block (one read whole) comes in its parts, so
+        that no stop spans the block."""
+        if isinstance(piece, Content):
+            i = bisect_right(self._places, (where, self._fed))
+            text = piece.text
+            while i < len(self._places) and self._places[i][0] < where + len(text):
+                cut = self._places[i][0] - where
+                yield self._place_of(where), Content(text[:cut])
+                where, text, i = where + cut, text[cut:], i + 1
+            piece = Content(text)
+        yield self._place_of(where), piece
+
+    def _place_of(self, where: int) -> int:
+        """Where the reader's character ``where`` lies in the fed text."""
+        i = bisect_right(self._places, (where, self._fed)) - 1
+        if i < 0:
+            return where
+        mine, fed = self._places[i]
+        return fed + where - mine
+
     def _place(self, spans: Iterable[tuple[int, Piece]], out: list[Piece]) -> None:
         """The pieces, each placed in the fed text, into ``out``: the answer's through the
-        stop check, which the others (thinking, a channel's markup or call) interrupt.
-        Called only while no stop matched: nothing after one is the turn's."""
+        stop check, which the others (thinking, a call, a channel's markup) interrupt:
+        what it held is released when one begins, so no stop spans it. Called only while
+        no stop matched: nothing after one is the turn's."""
         for at, piece in spans:
             if not (isinstance(piece, Content) and at == self._answer_end):
-                # A thinking block between: what the stop check held cannot go on.
                 out.extend(self._content(self._stops.flush()))
             if isinstance(piece, Content):
                 out.extend(self._answer(at, piece.text))
             else:
-                out.extend(self._after_tools([piece]))
+                out.extend(self._other(piece))
             if self._stops.stopped:
                 break  # taking no more pieces: the reader reads no further
 
@@ -220,34 +261,25 @@ class OutputProcessor:
 
     def _release(self) -> None:
         """How much of the fed text is through the stop check: all of it but what the
-        check holds or cut, and what the reasoning splitter holds (it may be answer)."""
+        check holds or cut, and what the reasoning splitter or the reader holds (it may
+        be answer)."""
         if self._stops.stopped:
             self.released = self._stop_at
         elif self._stops.held:
             self.released = self._answer_end - self._stops.held
-        elif self._markup is not None:
-            self.released = self._markup.at  # what its reader holds may be answer
         else:
-            self.released = self._fed - (self._reasoning.held if self._reasoning else 0)
+            unsettled = self._reader.unsettled if self._reader is not None else None
+            self.released = self._fed - (self._reasoning.held if self._reasoning else 0) \
+                if unsettled is None else self._place_of(unsettled)
 
     def _content(self, text: str) -> list[Piece]:
-        if not text:
-            return []
-        if self._tools is None or self._markup is not None:
-            return self._whitespace(text)
-        return self._after_tools(self._tools.feed(text))
+        return self._whitespace(text) if text else []
 
-    def _after_tools(self, pieces: list[Piece]) -> list[Piece]:
-        out: list[Piece] = []
-        for piece in pieces:
-            if isinstance(piece, Content):
-                out.extend(self._whitespace(piece.text))
-            elif isinstance(piece, Reasoning):
-                out.append(piece)
-            else:
-                self._pending_ws = ""  # padding before a call is markup, not content
-                out.append(piece)
-        return out
+    def _other(self, piece: Piece) -> list[Piece]:
+        """A piece that is not the answer's text: thinking, or a call."""
+        if not isinstance(piece, Reasoning):
+            self._pending_ws = ""  # padding before a call is markup, not content
+        return [piece]
 
     def _whitespace(self, text: str) -> list[Piece]:
         """Hold trailing whitespace; drop leading whitespace of the answer."""

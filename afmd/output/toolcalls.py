@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import json
 
-from afmd.core.events import Content, Piece
 from afmd.core.request import ToolCall
-from afmd.output.formats.base import CallContext, parse_whole
+from afmd.output.formats.base import CallContext, MarkupReader, parse_whole
 from afmd.output.formats.jsonargs import JsonValueEnd
-from afmd.output.markers import partial_suffix
 
 _OUTSIDE, _HEAD, _ARGS, _AFTER_ARGS, _WHOLE = range(5)
 _WS = " \t\r\n"
@@ -83,7 +81,7 @@ def match_header(text: str, key: str = "arguments") -> tuple[str, int, int, int]
     return "match", i, name_end, k
 
 
-class ToolCallParser:
+class ToolCallParser(MarkupReader):
     """Splits content text into plain content and tool calls."""
 
     def __init__(
@@ -94,119 +92,94 @@ class ToolCallParser:
         *,
         incremental_json: bool = True,
     ) -> None:
+        super().__init__(ctx)
         self._start = start
         self._end = end
-        self._ctx = ctx
-        self._log = ctx.log
         self._incremental = incremental_json
-        self._buf = ""
         self._state = _OUTSIDE
         self._scan = JsonValueEnd()
 
     @property
     def calls(self) -> list[ToolCall]:
         """The complete calls, in order."""
-        return self._log.calls
+        return self.log.calls
 
     @property
     def saturated(self) -> bool:
         """The turn has as many calls as allowed; anything more would be dropped."""
-        return self._log.saturated
+        return self.log.saturated
 
-    def feed(self, text: str) -> list[Piece]:
-        if self.saturated:
-            return []
-        self._buf += text
-        out: list[Piece] = []
-        while not self.saturated:
-            state = self._state
-            if state == _OUTSIDE:
-                i = self._buf.find(self._start)
-                if i == -1:
-                    keep = partial_suffix(self._buf, (self._start,))
-                    head = self._buf[: len(self._buf) - keep]
-                    self._buf = self._buf[len(self._buf) - keep:]
-                    if head:
-                        out.append(Content(head))
-                    break
-                if i:
-                    out.append(Content(self._buf[:i]))
-                self._buf = self._buf[i + len(self._start):]
-                self._state = _HEAD if self._incremental else _WHOLE
-            elif state == _HEAD:
-                verdict, name_start, name_end, value_start = match_header(self._buf)
-                if verdict == "partial" and self._end not in self._buf:
-                    break
-                if verdict != "match" or self._buf[value_start] not in "{[":
-                    self._state = _WHOLE
-                    continue
-                try:
-                    name = json.loads(self._buf[name_start:name_end])
-                except ValueError:
-                    self._state = _WHOLE
-                    continue
-                if self._ctx.calls_on:
-                    out.extend(self._log.open(name))
-                self._buf = self._buf[value_start:]
-                self._scan = JsonValueEnd()
-                self._state = _ARGS
-            elif state == _ARGS:
-                if not self._buf:
-                    break
-                n = self._scan.feed(self._buf)
-                fragment, self._buf = self._buf[:n], self._buf[n:]
-                out.extend(self._log.write(fragment))
-                if not self._scan.done:
-                    break
-                self._state = _AFTER_ARGS
-            elif state == _AFTER_ARGS:
-                i = self._buf.find(self._end)
-                if i == -1:
-                    break
-                if self._log.streaming:
-                    self._log.close()
-                self._buf = self._buf[i + len(self._end):]
-                self._state = _OUTSIDE
-            else:  # _WHOLE
-                # A format without an end marker runs to the end of generation.
-                i = self._buf.find(self._end) if self._end else -1
-                if i == -1:
-                    break
-                raw = self._buf[:i]
-                self._buf = self._buf[i + len(self._end):]
-                self._state = _OUTSIDE
-                out.extend(self._whole_call(raw))
-        return out
+    def step(self, final: bool) -> bool:
+        state = self._state
+        if state == _OUTSIDE:
+            # Final or not: what is held may still be the start marker's beginning; the
+            # end (``end``) releases it.
+            if self.outside((self._start,), False) is None:
+                return False
+            self._state = _HEAD if self._incremental else _WHOLE
+        elif state == _HEAD:
+            verdict, name_start, name_end, value_start = match_header(self.buf)
+            if verdict == "partial" and self._end not in self.buf:
+                return False
+            if verdict != "match" or self.buf[value_start] not in "{[":
+                self._state = _WHOLE
+                return True
+            try:
+                name = json.loads(self.buf[name_start:name_end])
+            except ValueError:
+                self._state = _WHOLE
+                return True
+            if self.ctx.calls_on:
+                self.open_call(name)
+            self.cut(value_start)
+            self._scan = JsonValueEnd()
+            self._state = _ARGS
+        elif state == _ARGS:
+            if not self.buf:
+                return False
+            self.write(self.cut(self._scan.feed(self.buf)))
+            if not self._scan.done:
+                return False
+            self._state = _AFTER_ARGS
+        elif state == _AFTER_ARGS:
+            if self.until(self._end) is None:
+                return False
+            if self.log.streaming:
+                self.log.close()
+            self._state = _OUTSIDE
+        else:  # _WHOLE
+            # A format without an end marker runs to the end of generation.
+            i = self.buf.find(self._end) if self._end else -1
+            if i == -1:
+                return False
+            raw = self.cut(i)
+            self.cut(len(self._end))
+            self._state = _OUTSIDE
+            self._whole_call(raw)
+        return True
 
-    def _whole_call(self, raw: str, end: str | None = None) -> list[Piece]:
+    def _whole_call(self, raw: str, end: str | None = None) -> None:
         end = self._end if end is None else end
-        parsed = parse_whole(raw, self._ctx.parse, self._ctx.tools.raw)
+        parsed = parse_whole(raw, self.ctx.parse, self.ctx.tools.raw)
         if not parsed:
-            return [Content(self._start + raw + end)]
-        out: list[Piece] = []
-        if not self._ctx.calls_on:
-            return out
+            if end:  # cut off before its end: its markup must never reach content
+                self.content(self._start + raw + end, self.opened)
+            return
+        if not self.ctx.calls_on:
+            return
         # One block can hold several calls (pythonic ``[a(), b()]``, Mistral's list).
         for name, arguments in parsed:
-            out += self._log.whole(name, arguments)
-        return out
+            self._emit(self.log.whole(name, arguments))
 
-    def flush(self) -> list[Piece]:
+    def end(self) -> None:
         """End of generation: release held text; a streamed unfinished call stays as sent."""
-        out: list[Piece] = []
         if self._state == _OUTSIDE:
-            if self._buf and not self.saturated:
-                out.append(Content(self._buf))
-        elif self._log.streaming:
-            self._log.close()  # truncated (finish_reason tells)
-        elif not self.saturated and self._state != _AFTER_ARGS:
+            self.content(self.buf, self.at)
+        elif self.log.streaming:
+            self.log.close()  # truncated (finish_reason tells)
+        elif self._state != _AFTER_ARGS:
             # No end marker (a format without one, or generation ended just before it):
             # the call still counts when its text parses whole. A call cut off before it
-            # parses is dropped: its markup must never reach content (finish_reason
-            # "length" tells the client the turn was cut).
-            out.extend(
-                p for p in self._whole_call(self._buf, end="") if not isinstance(p, Content)
-            )
-        self._buf = ""
+            # parses is dropped (finish_reason "length" tells the client the turn was cut).
+            self._whole_call(self.buf, end="")
         self._state = _OUTSIDE
-        return out

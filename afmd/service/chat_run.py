@@ -186,8 +186,8 @@ class ChatRun:
                 return reason, server
             return "length", []  # max_tokens bounds all rounds together
         if client and reason == "stop" and not reading.output.cut_call:
-            # A call a stop sequence cut is not one to run: "stop" says the turn ended
-            # where the client asked, as "length" does for the token limit.
+            # A call the turn ended inside is not one to run: "stop" says so, as
+            # "length" does for the token limit (a stop sequence never cuts a call).
             reason = "tool_calls"
         # An answer a client's stop sequence cut is the text the client asked for: only
         # one the model ended itself must be whole.

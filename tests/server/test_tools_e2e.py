@@ -256,23 +256,46 @@ def test_streamed_calls_reassemble_into_the_non_streamed_calls(
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_a_call_a_stop_sequence_cut_finishes_stop_not_tool_calls(client, stream: bool) -> None:
-    """The client's stop sequence inside a call's arguments ends the turn there: the call
-    is reported as written (a stream has already sent it), and the finish reason is
-    "stop", so no agent runs a call that was never finished ("tool_calls" said it was)."""
-    kwargs = {"tool_choice": "required", "tools": TOOLS[:1], "stop": ['"city"'],
-              "reasoning_effort": "none", "seed": 0}
+def test_a_stop_sequence_never_matches_inside_a_call(client, stream: bool) -> None:
+    """A call's markup and arguments are not the answer's text: stop sequences that
+    appear in the forced call (the newlines around Hermes JSON, its keys, its braces)
+    leave it whole, it finishes ``tool_calls``, and usage and log-probabilities count
+    every token, as without the stops."""
+    kwargs = {"tool_choice": "required", "tools": TOOLS[:1], "reasoning_effort": "none",
+              "seed": 0, "logprobs": True}
+    stops = ["\n", '"city"', "}", "<tool_call>"]
+    plain = create(client, **kwargs)
+    expected = [(c.function.name, c.function.arguments)
+                for c in plain.choices[0].message.tool_calls]
+    assert plain.choices[0].finish_reason == "tool_calls"
+    assert '"city"' in expected[0][1]
+    tokens = plain.usage.completion_tokens
+    assert len(plain.choices[0].logprobs.content) == tokens
     if stream:
-        streamed = collect_stream(client, **kwargs)
-        calls = [(c["name"], c["arguments"]) for c in streamed["calls"]]
-        finish = streamed["finish"]
+        chunks = list(create(client, stop=stops, stream=True,
+                             stream_options={"include_usage": True}, **kwargs))
+        calls: dict[int, list[str]] = {}
+        entries, finish = [], []
+        for chunk in chunks:
+            for choice in chunk.choices:
+                for tc in choice.delta.tool_calls or []:
+                    calls.setdefault(tc.index, [tc.function.name or "", ""])[1] += \
+                        tc.function.arguments or ""
+                if choice.logprobs and choice.logprobs.content:
+                    entries += choice.logprobs.content
+                if choice.finish_reason:
+                    finish.append(choice.finish_reason)
+        got = [tuple(calls[i]) for i in sorted(calls)]
+        usage = chunks[-1].usage
     else:
-        choice = create(client, **kwargs).choices[0]
-        calls = [(c.function.name, c.function.arguments)
-                 for c in choice.message.tool_calls or []]
-        finish = [choice.finish_reason]
-    assert calls == [("get_weather", "{")]
-    assert finish == ["stop"]
+        reply = create(client, stop=stops, **kwargs)
+        choice = reply.choices[0]
+        got = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        entries, finish, usage = choice.logprobs.content, [choice.finish_reason], reply.usage
+    assert got == expected
+    assert finish == ["tool_calls"]
+    assert usage.completion_tokens == tokens
+    assert [e.token for e in entries] == [e.token for e in plain.choices[0].logprobs.content]
 
 
 def test_reasoning_effort_values_are_accepted(client, http) -> None:

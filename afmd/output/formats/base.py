@@ -143,11 +143,24 @@ class MarkupReader:
         self.buf = ""
         self.fed = 0  # characters fed
         self.out: list[tuple[int, Piece]] = []
+        # Where the block of call markup being read began (set by ``outside``): until the
+        # reader is outside again, it may yet be read whole and shown as written.
+        self.opened: int | None = None
+        self._partial = 0  # what ``outside`` last held while it may begin a marker
 
     @property
     def at(self) -> int:
         """Where ``buf`` begins in the fed text: scanning only ever consumes its head."""
         return self.fed - len(self.buf)
+
+    @property
+    def unsettled(self) -> int | None:
+        """Where the fed text that may still come out as content begins (None: none is
+        held): the stop sequences are matched in content, so nothing from here on is
+        known to be through their check yet."""
+        if self.opened is not None:
+            return min(self.opened, self.at)
+        return self.at if self.buf else None
 
     # -- the reader protocol
 
@@ -172,7 +185,17 @@ class MarkupReader:
                 self.end()
         if final:
             self.buf = ""
+            self.opened = None
         yield from self._take()
+
+    def pause(self) -> list[tuple[int, Piece]]:
+        """Text this reader is not fed comes next (a thinking block): what ``outside``
+        held only because it may begin a marker cannot now, and is content."""
+        if self.opened is None and self._partial and len(self.buf) == self._partial:
+            self.content(self.buf, self.at)
+            self.buf = ""
+        self._partial = 0
+        return self._take()
 
     def step(self, final: bool) -> bool:
         raise NotImplementedError
@@ -212,10 +235,11 @@ class MarkupReader:
 
     def whole(self, raw: str, markup: str) -> None:
         """Call text the reader could not follow: mlx-lm's parser reads it whole; if it
-        cannot either, the text is content (markup and all: it was not a call)."""
+        cannot either, the text is content (markup and all: it was not a call), placed
+        where its block began (``markup`` is that text, or less of it when rebuilt)."""
         calls = parse_whole(raw, self.ctx.parse, self.ctx.tools.raw)
         if not calls:
-            self.content(markup)
+            self.content(markup, self.opened)
             return
         for name, arguments in calls:
             if self.log.saturated:
@@ -241,11 +265,14 @@ class MarkupReader:
         """Release content up to the first of ``markers`` (consumed, and returned); hold a
         tail that may still become one. None: no marker yet."""
         i, marker = earliest(self.buf, markers)
+        at = self.at
         if i == -1:
-            keep = 0 if final else partial_suffix(self.buf, markers)
-            self.content(self.cut(len(self.buf) - keep))
+            self.opened = None
+            keep = self._partial = 0 if final else partial_suffix(self.buf, markers)
+            self.content(self.cut(len(self.buf) - keep), at)
             return None
-        self.content(self.cut(i))
+        self.content(self.cut(i), at)
+        self.opened = at + i
         self.cut(len(marker))
         return marker
 

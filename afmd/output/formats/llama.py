@@ -97,7 +97,8 @@ class LlamaReader(MarkupReader):
                 return False
             self.state = _TEXT
             return True
-        self.content(self.cut(len(self.buf)))  # _TEXT: the rest of the turn
+        self.content(self.buf, self.at)  # _TEXT: the rest of the turn
+        self.buf = ""
         return False
 
 

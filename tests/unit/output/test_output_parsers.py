@@ -1,4 +1,4 @@
-"""The output chain (stops → reasoning → tool calls → content) as a shared parser suite.
+"""The output chain (reasoning → tool calls → stops → content) as a shared parser suite.
 
 In the spirit of vLLM's shared tool/reasoning parser tests: each case is a model's raw
 output text with the reasoning, content and tool calls a client must receive. Every case
@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from mlx_lm.tool_parsers import json_tools, mistral, pythonic, qwen3_coder
 
 from afmd.core.events import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 from afmd.output.markers import earliest
 from afmd.output.processor import OutputProcessor, ToolFormat
+from afmd.output.toolcalls import match_header
 
 THINK = ("<think>", "</think>")
 RANDOM_SPLITS = 20
@@ -69,6 +70,10 @@ FORMATS: dict[str, ToolFormat] = {
     "qwen3_coder": whole_format(qwen3_coder),
     "pythonic": whole_format(pythonic),
     "mistral": whole_format(mistral),
+    # afmd's own readers of those families (registry), not mlx-lm's parser on whole blocks.
+    "qwen3_coder-reader": ToolFormat("<tool_call>", "</tool_call>", family="qwen3_coder"),
+    "pythonic-reader": ToolFormat("<|tool_call_start|>", "<|tool_call_end|>",
+                                  family="pythonic"),
 }
 
 
@@ -249,8 +254,52 @@ OTHER_CASES = [
     ("mistral", Case("mistral-plain-brackets", "a [TOOL b [x]", content="a [TOOL b [x]")),
 ]
 
+# A call is not answer text: a stop sequence never matches its markup nor its arguments
+# (the call comes through whole), only the text before, between and after calls, and
+# never across one. Each family's call, and the stops that appear in it.
+PARIS = {"city": "Paris"}
+CALL_STOPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "hermes": (hermes_call("get_weather", PARIS),
+               ("\n", "}", '"', "Paris", "<tool_call>", "</tool_call>", '"arguments"')),
+    "qwen3_coder": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                    "</parameter>\n</function>\n</tool_call>",
+                    ("\n", ">", "Paris", "<function=", "</parameter>", "</tool_call>")),
+    "pythonic": ('<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>',
+                 ("(", ")", '"', "Paris", "=", "<|tool_call_start|>", "]<|")),
+    "mistral": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+                ("[", "}", '"', "Paris", "[ARGS]", "[TOOL_CALLS]")),
+}
+FAMILY_OF = {"hermes-incremental": "hermes", "hermes-whole": "hermes",
+             **{f: f.removesuffix("-reader") for f in FORMATS if not f.startswith("hermes")}}
+
+
+def call_stop_cases(fmt: str) -> list[tuple[str, Case]]:
+    text, stops = CALL_STOPS[FAMILY_OF[fmt]]
+    weather = (call("get_weather", PARIS),)
+    cases = [
+        Case(f"{fmt}-stops-inside-the-call", "Sure. " + text, content="Sure.",
+             calls=weather, stops=stops[1:]),  # not "\n": it would cut nothing here
+        Case(f"{fmt}-newline-stop-and-a-call", text, calls=weather, stops=stops[:1]),
+        Case(f"{fmt}-stop-before-the-call", "Sure END " + text, content="Sure ",
+             stops=("END", *stops), should_stop=True),
+        Case(f"{fmt}-no-stop-across-the-call", "ab " + text, content="ab", calls=weather,
+             stops=("b P", "b [", "b <")),
+    ]
+    if FAMILY_OF[fmt] != "mistral":  # no end marker: nothing comes after its calls
+        cases += [
+            Case(f"{fmt}-stop-after-the-call", text + " Done END more", content="Done",
+                 calls=weather, stops=("END", *stops[1:]), should_stop=True),
+            Case(f"{fmt}-stop-between-calls", text + " and END " + text, content="and",
+                 calls=weather, stops=("END",), should_stop=True),
+        ]
+    return [(fmt, case) for case in cases]
+
+
+CALL_STOP_CASES = [pair for fmt in FORMATS for pair in call_stop_cases(fmt)]
+
 ALL = [(fmt, case) for fmt in ("hermes-incremental", "hermes-whole") for case in HERMES_CASES]
 ALL += OTHER_CASES
+ALL += CALL_STOP_CASES
 
 
 def replay(case: Case, fmt: str, chunks: list[str]) -> Replay:
@@ -323,6 +372,7 @@ MARKUP = {
     "pythonic": ("<|tool_call_start|>", "<|tool_call_end|>"),
     "mistral": ("[TOOL_CALLS]", "[ARGS]"),
 }
+MARKUP |= {f"{fmt}-reader": MARKUP[fmt] for fmt in ("qwen3_coder", "pythonic")}
 
 
 def check_expected(result: Replay, case: Case, fmt: str) -> None:
@@ -546,10 +596,37 @@ def _runs(pieces: list[Piece]) -> list[tuple[str, Any]]:
     return out
 
 
-def _answer_stop(text: str, stops: tuple[str, ...], opened: bool) -> tuple[int, str] | None:
+def _hermes_blocks(answer: str, incremental: bool) -> list[tuple[int, int, str]]:
+    """Each ``<tool_call>`` block of the answer's text (thinking removed): where it begins
+    and ends, and what it is: a "call", "text" (an unparseable block comes back as text,
+    markup and all) or "dropped" (cut off before it parses: its markup never shows)."""
+    start, end = json_tools.tool_call_start, json_tools.tool_call_end
+    blocks, pos = [], 0
+    while (i := answer.find(start, pos)) != -1:
+        j = answer.find(end, i + len(start))
+        inner = answer[i + len(start): len(answer) if j == -1 else j]
+        head = match_header(inner)
+        if incremental and head[0] == "match" and inner[head[3]] in "{[":
+            kind = "call"  # streamed: a call whatever follows its arguments
+        else:
+            try:
+                parsed = json.loads(inner.strip())
+                kind = "call" if isinstance(parsed, dict) and isinstance(
+                    parsed.get("name"), str) else "text"
+            except ValueError:
+                kind = "text"
+            if kind == "text" and j == -1:
+                kind = "dropped"
+        pos = len(answer) if j == -1 else j + len(end)
+        blocks.append((i, pos, kind))
+    return blocks
+
+
+def _answer_stop(text: str, stops: tuple[str, ...], opened: bool,
+                 calls: bool | None) -> tuple[tuple[int, str] | None, list[int]]:
     """Where the stop that ends the answer begins, read as the chain must: in the answer's
-    own runs (thinking blocks split them), after the whitespace before its first
-    character."""
+    own runs (thinking blocks and calls split them: a call is not answer text), after the
+    whitespace before its first character; and where each call begins."""
     runs: list[tuple[int, str]] = []
     pos, thinking = 0, opened
     while pos < len(text):
@@ -560,6 +637,27 @@ def _answer_stop(text: str, stops: tuple[str, ...], opened: bool) -> tuple[int, 
         if i == -1:
             break
         pos, thinking = i + len(marker), not thinking
+    starts: list[int] = []
+    if calls is not None:
+        # The answer's characters, each where it lies in ``text``: calls are cut out.
+        places = [at + k for at, run in runs for k in range(len(run))]
+        answer = "".join(run for _, run in runs)
+        kept, last = [], 0
+        for begin, finish, kind in _hermes_blocks(answer, calls):
+            if kind != "text":
+                kept.append((last, begin))
+                last = finish
+            if kind == "call":
+                starts.append(places[begin])
+        kept.append((last, len(answer)))
+        runs = []
+        for a, b in kept:  # split again where the text was not contiguous (thinking)
+            for k in range(a, b):
+                if runs and places[k] == runs[-1][0] + len(runs[-1][1]):
+                    runs[-1] = (runs[-1][0], runs[-1][1] + answer[k])
+                else:
+                    runs.append((places[k], answer[k]))
+            runs.append((-1, ""))  # a call between: no stop spans it
     begun = False
     for at, run in runs:
         if not begun:
@@ -567,8 +665,15 @@ def _answer_stop(text: str, stops: tuple[str, ...], opened: bool) -> tuple[int, 
             at, run, begun = at + lead, run[lead:], bool(run.strip())
         cut, which = earliest(run, stops)
         if cut != -1:
-            return at + cut, which
-    return None
+            return (at + cut, which), starts
+    return None, starts
+
+
+def _call_in_thinking_block(text: str) -> bool:
+    """A thinking block inside a call block: the block's text is not one run of the model's
+    text, so whole-parse fallbacks are shown as markup rebuilt, placed where it began."""
+    i = text.find("<tool_call>")
+    return i != -1 and any(m in text[i:] for m in THINK)
 
 
 @settings(max_examples=300, deadline=None)
@@ -578,9 +683,10 @@ def test_property_the_chain_is_the_same_whatever_the_split(
     atoms: list[str], stops: list[str], opened: bool, calls: bool | None, data: st.DataObject,
 ) -> None:
     """Streamed or whole, the same pieces; ``released`` never goes back nor past what was
-    fed, and ends where the answer's stop began (call markup is answer text to the stops)
-    or at the end."""
+    fed, and ends where the answer's stop began (never in a call: its markup and arguments
+    are not answer text) or at the end; no call after the stop is opened."""
     text = "".join(atoms)
+    assume(calls is None or not _call_in_thinking_block(text))
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)))
     chunks = [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])]
 
@@ -603,8 +709,13 @@ def test_property_the_chain_is_the_same_whatever_the_split(
     assert split == whole
     assert (other.released, other.stop_sequence, other.tool_calls, other.cut_call) == (
         one.released, one.stop_sequence, one.tool_calls, one.cut_call)
-    stop = _answer_stop(text, tuple(stops), opened)
+    stop, starts = _answer_stop(text, tuple(stops), opened, calls)
     assert (one.released, one.stop_sequence) == (stop or (len(text), None))
+    if stop is not None:
+        assert one.stop_end == stop[0] + len(stop[1])
+        assert text[stop[0]:one.stop_end] == stop[1]
+    before = [at for at in starts if stop is None or at < stop[0]]
+    assert len(one.tool_calls) == len(before)
 
 
 # ------------------------------------------------------ harmony's channels and stop sequences
