@@ -516,8 +516,11 @@ NOT_A_SCHEMA = {"type": "object", "properties": {"a": {"type": "nope"}}}
             {"role": "user", "content": "hi"}], "tools": [{"name": "f", "input_schema": {
                 "type": "object", "properties": {"a": {"type": "nope"}}}}]},
          "tools[0].input_schema"),
+        ("/api/chat", {"model": "demo", "stream": False, "messages": [
+            {"role": "user", "content": "hi"}], "format": NOT_A_SCHEMA}, "format"),
     ],
-    ids=["responses-schema", "responses-context", "messages-schema", "messages-tool"],
+    ids=["responses-schema", "responses-context", "messages-schema", "messages-tool",
+         "ollama-schema"],
 )
 def test_access_log_names_the_param_as_the_dialect_does(
     server: ServerProcess, path: str, payload: dict[str, Any], param: str
@@ -532,6 +535,8 @@ def test_access_log_names_the_param_as_the_dialect_does(
                           timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
+    if isinstance(error, str):  # Ollama's: one message
+        error = {"message": error}
     told = error.get("param") or error["message"].split(": ", 1)[0]
     assert told == param
     events = _poll(lambda: _access_events(server, request_id=rid))
