@@ -82,6 +82,15 @@ class OwnStatuses(Protocol):
 
 
 @runtime_checkable
+class NamesParams(Protocol):
+    """A dialect whose fields are not chat's: the name it gives an error's ``param`` (the
+    pipeline's errors name chat's fields), so the access log says what the client was
+    told."""
+
+    def error_param(self, error: APIError) -> str | None: ...
+
+
+@runtime_checkable
 class KeepsAlive(Protocol):
     """A reply whose stream shows it is alive while nothing else is sent (Anthropic's
     ``ping``): the handler opens the stream and sends :meth:`keepalive` whenever

@@ -8,6 +8,8 @@ from typing import Any
 from sanic import Request
 
 from afmd.core.events import Usage
+from afmd.dialects.dialect import NamesParams
+from afmd.errors import APIError
 from afmd.http.app_state import AppState
 from afmd.http.routes.metrics import first_token_seconds
 from afmd.logs import get_logger
@@ -36,10 +38,19 @@ def log_access(request: Request, status: int, nbytes: int) -> None:
         finish_reason=getattr(ctx, "finish_reason", None),
         stream_error=getattr(ctx, "stream_error", None),
         error_code=getattr(error, "code", None),
-        error_param=getattr(error, "param", None),
+        error_param=_param_told(request, error),
         disconnected=getattr(ctx, "disconnected", False),
         ttft_ms=round(ttft * 1000, 2) if ttft is not None else None,
     )
+
+
+def _param_told(request: Request, error: APIError | None) -> str | None:
+    """The error's param as the route's dialect named it to the client."""
+    if error is None:
+        return None
+    route = getattr(request, "route", None)
+    dialect = getattr(route.ctx, "dialect", None) if route is not None else None
+    return dialect.error_param(error) if isinstance(dialect, NamesParams) else error.param
 
 
 def log_request(

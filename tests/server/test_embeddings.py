@@ -439,6 +439,43 @@ def test_queue_429_duplicate_id_and_cancel(strict: ServerProcess) -> None:
     assert after.status_code == 200, after.text
 
 
+@pytest.mark.parametrize(("path", "body", "ended_error"), [
+    (EMBED, {"model": MODEL, "input": "queued"},
+     lambda body: body["error"]["code"] == "request_cancelled"),
+    ("/api/embed", {"model": MODEL, "input": ["queued"]},
+     lambda body: set(body) == {"error"} and "cancelled" in body["error"]),
+], ids=["openai", "ollama"])
+def test_the_chat_cancel_path_cancels_an_embeddings_request(
+    strict: ServerProcess, path: str, body: dict[str, Any],
+    ended_error: Callable[[dict[str, Any]], bool],
+) -> None:
+    """Every dialect's requests are cancelled by the chat path, Ollama's embed included,
+    which has no cancel route of its own: it answered 404 there and the request went on
+    waiting for its slot."""
+    url = strict.url
+    hog_id, waiting_id = "hog-" + uuid.uuid4().hex, "emb-" + uuid.uuid4().hex
+    chat = {"model": "demo", "max_tokens": 8000, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    with ThreadPoolExecutor(2) as pool:
+        hog: Future[httpx.Response] = pool.submit(
+            httpx.post, url + "/v1/chat/completions", json=chat, timeout=120,
+            headers={**AUTH, "X-Request-ID": hog_id})
+        _wait(url, lambda h: h["active_requests"] == 1)
+        waiting = pool.submit(httpx.post, url + path, json=body, timeout=60,
+                              headers={**AUTH, "X-Request-ID": waiting_id})
+        _wait(url, lambda h: h["queued_requests"] == 1)
+        cancel = httpx.post(url + f"/v1/chat/completions/{waiting_id}/cancel", headers=AUTH,
+                            timeout=30)
+        assert cancel.status_code == 200, cancel.text
+        assert cancel.json()["cancelled"] is True
+        ended = waiting.result(30)
+        assert ended.status_code == 409, ended.text
+        assert ended_error(ended.json()), ended.text
+        httpx.post(url + f"/v1/chat/completions/{hog_id}/cancel", headers=AUTH, timeout=30)
+        assert hog.result(60).status_code == 200
+    _wait(url, lambda h: h["active_requests"] == 0 and h["queued_requests"] == 0)
+
+
 def test_request_timeout_is_504(tmp_path: Path) -> None:
     """request_timeout bounds the whole request, the encoding included."""
     srv = start_server(tmp_path, config="[server]\nrequest_timeout = 0.001\n")

@@ -498,6 +498,52 @@ def test_access_log_of_pipeline_errors(server: ServerProcess, payload: dict[str,
         status, code, param)
 
 
+NOT_A_SCHEMA = {"type": "object", "properties": {"a": {"type": "nope"}}}
+
+
+@pytest.mark.parametrize(
+    ("path", "payload", "param"),
+    [
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 16, "text": {"format": {
+            "type": "json_schema", "name": "x", "schema": NOT_A_SCHEMA}}},
+         "text.format.schema"),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 10**9}, "input"),
+        ("/v1/messages", {"model": "demo", "max_tokens": 8, "messages": [
+            {"role": "user", "content": "hi"}], "output_config": {"format": {
+                "type": "json_schema", "schema": NOT_A_SCHEMA}}},
+         "output_config.format.schema"),
+        ("/v1/messages", {"model": "demo", "max_tokens": 8, "messages": [
+            {"role": "user", "content": "hi"}], "tools": [{"name": "f", "input_schema": {
+                "type": "object", "properties": {"a": {"type": "nope"}}}}]},
+         "tools[0].input_schema"),
+        ("/api/chat", {"model": "demo", "stream": False, "messages": [
+            {"role": "user", "content": "hi"}], "format": NOT_A_SCHEMA}, "format"),
+    ],
+    ids=["responses-schema", "responses-context", "messages-schema", "messages-tool",
+         "ollama-schema"],
+)
+def test_access_log_names_the_param_as_the_dialect_does(
+    server: ServerProcess, path: str, payload: dict[str, Any], param: str
+) -> None:
+    """The line's param is the one the client was told: the pipeline's errors name chat's
+    fields (``response_format.json_schema.schema``), which a Responses or Messages client
+    never sent, and the line said so where the answer named the client's own field."""
+    import httpx
+
+    rid = f"logs-{uuid.uuid4().hex[:12]}"
+    response = httpx.post(server.url + path, json=payload, headers={"X-Request-ID": rid},
+                          timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    if isinstance(error, str):  # Ollama's: one message
+        error = {"message": error}
+    told = error.get("param") or error["message"].split(": ", 1)[0]
+    assert told == param
+    events = _poll(lambda: _access_events(server, request_id=rid))
+    assert len(events) == 1, events
+    assert unquote(events[0]["error_param"]) == param
+
+
 def test_access_log_of_a_success_has_no_error_fields(server: ServerProcess) -> None:
     rid = f"logs-{uuid.uuid4().hex[:12]}"
     response = _post_chat(

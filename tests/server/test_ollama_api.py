@@ -527,6 +527,29 @@ def test_errors_are_ollamas(client: ollama.Client, http: httpx.Client) -> None:
     assert refused.status_code == 421 and set(refused.json()) == {"error"}
 
 
+NOT_A_SCHEMA = {"type": "object", "properties": {"a": {"type": "nope"}}}
+PLAIN_TOOL = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(("route", "body", "field"), [
+    ("/api/chat", {"messages": MESSAGES, "format": NOT_A_SCHEMA}, "format"),
+    ("/api/generate", {"prompt": "x", "format": {"enum": [-2**63 - 1]}}, "format.enum[0]"),
+    ("/api/chat", {"messages": MESSAGES, "tools": [PLAIN_TOOL, {
+        "type": "function", "function": {"name": "f", "parameters": NOT_A_SCHEMA}}]},
+     "tools[1].function.parameters"),
+], ids=["format", "generate-format-value", "second-tool"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_schema_error_names_its_field(http: httpx.Client, route: str, body: dict[str, Any],
+                                        field: str, stream: bool) -> None:
+    """Ollama's error is one message, so the message names the field, as Anthropic's
+    does: a schema the grammar refused said only "Invalid JSON schema", not whether it
+    was ``format`` or which of the tools."""
+    response = http.post(route, json={"model": "demo", "stream": stream, **body})
+    assert response.status_code == 400, response.text
+    assert set(response.json()) == {"error"}
+    assert response.json()["error"].startswith(f"{field}: "), response.text
+
+
 def test_a_tool_result_answering_no_call_says_so(http: httpx.Client) -> None:
     """A tool message that names no call id answers no call: the 400 says which calls
     there were. It said "answers tool call '?'", a call id afmd had made up."""

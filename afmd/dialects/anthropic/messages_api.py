@@ -305,6 +305,9 @@ class AnthropicMessages:
         message = f"{param}: {error.message}" if param else error.message
         return {"type": "error", "error": {"type": kind, "message": message}}
 
+    def error_param(self, error: APIError) -> str | None:
+        return _param(error)
+
 
 def _param(error: APIError) -> str | None:
     param = error.param

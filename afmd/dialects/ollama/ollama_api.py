@@ -67,11 +67,33 @@ def nanoseconds(seconds: float) -> int:
     return max(0, round(seconds * 1e9))
 
 
+#: The grammar's fields as the pipeline names them (chat's), as Ollama's body names them.
+_SCHEMA_FIELDS = (
+    (re.compile(r"response_format\.json_schema\.schema(.*)"), r"format\1"),
+    (re.compile(r"response_format(\..+)?"), "format"),
+    (re.compile(r"(tools\[\d+\]\.function\..+)"), r"\1"),
+)
+
+
+def schema_field(error: APIError) -> str | None:
+    """The ``format`` or tool field an error names, as Ollama's body names it (None: the
+    error names no such field)."""
+    for pattern, replacement in _SCHEMA_FIELDS:
+        if error.param is not None and pattern.fullmatch(error.param):
+            return pattern.sub(replacement, error.param)
+    return None
+
+
 def error_body(error: APIError) -> dict[str, Any]:
-    """``{"error": "..."}``; an unknown model in Ollama's own words, which clients match."""
+    """``{"error": "..."}``; an unknown model in Ollama's own words, which clients match.
+    With one message and no ``param``, a schema's error starts with its field (as
+    Anthropic's do): the grammar's messages do not say which schema they read."""
     found = _NOT_FOUND.match(error.message) if error.code == "model_not_found" else None
     if found is not None:
         return {"error": f"model '{found.group(1)}' not found"}
+    field = schema_field(error)
+    if field is not None and field not in error.message:
+        return {"error": f"{field}: {error.message}"}
     return {"error": error.message}
 
 
@@ -236,6 +258,9 @@ class OllamaErrors:
 
     def error_envelope(self, error: APIError) -> dict[str, Any]:
         return error_body(error)
+
+    def error_param(self, error: APIError) -> str | None:
+        return schema_field(error) or error.param
 
 
 class OllamaChat(OllamaErrors):

@@ -128,3 +128,6 @@ class OpenAIResponses:
         envelope = error.envelope()
         envelope["error"]["param"] = param_of(error)
         return envelope
+
+    def error_param(self, error: APIError) -> str | None:
+        return param_of(error)

@@ -30,6 +30,7 @@ from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.choices import ChoicesRun
 from afmd.service.completion_prompts import PreparedCompletion
 from afmd.service.completion_run import CompletionRun
+from afmd.service.embedding_pipeline import EmbeddingRun, EmbeddingService
 from afmd.service.pipeline import ChatPipeline
 from afmd.service.profiling import parse_profile_header
 from afmd.service.run_control import timeout_error
@@ -275,13 +276,19 @@ async def _stream_run(
 
 
 async def cancel(request: Request, request_id: str) -> HTTPResponse:
+    """Stop the turn, or the embeddings request, with this ``X-Request-ID``: an id names one
+    live request across every route, and Ollama's embed has no cancel route but this one."""
     state = request.app.ctx.state
-    run = state.pipeline.find(request_id)
+    run: ChatRun | ChoicesRun | CompletionRun | EmbeddingRun | None = state.pipeline.find(
+        request_id)
+    if run is None:
+        embeddings: EmbeddingService | None = getattr(request.app.ctx, "embeddings", None)
+        run = embeddings.find(request_id) if embeddings is not None else None
     body: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.cancellation",
     }
-    if run is None or run.finished:
+    if run is None or (run.cancelled if isinstance(run, EmbeddingRun) else run.finished):
         err = NotFoundError(
             f"No running request has the id '{request_id}'.", code="not_found", param=None
         )
