@@ -132,6 +132,7 @@ def test_sigterm_ends_cut_streams_with_an_error_event(tmp_path: Path) -> None:
                 r = httpx.post(server.url + CHAT, json=_body("queued", stream=False),
                                headers={"X-Request-ID": f"queued-{tag}"}, timeout=60)
                 queued["status"], queued["body"] = r.status_code, r.json()
+                queued["retry_after"] = r.headers.get("Retry-After")
             except BaseException as exc:
                 queued["error"] = exc
 
@@ -168,6 +169,7 @@ def test_sigterm_ends_cut_streams_with_an_error_event(tmp_path: Path) -> None:
     assert "error" not in queued, repr(queued.get("error"))
     assert queued["status"] == 503, queued
     assert queued["body"]["error"]["code"] == "server_shutting_down"
+    assert queued["retry_after"] == "1"  # as every 503 says when to come back
 
     assert code == 0, server.log_text()[-3000:]
     assert elapsed < 10, elapsed
@@ -268,6 +270,7 @@ def test_sigterm_ends_every_endpoint_in_its_wire_format(tmp_path: Path) -> None:
             r = httpx.post(server.url + "/v1/embeddings", json={"input": "queued"},
                            headers={"X-Request-ID": f"embed-{tag}"}, timeout=60)
             queued["status"], queued["body"] = r.status_code, r.json()
+            queued["retry_after"] = r.headers.get("Retry-After")
         except BaseException as exc:
             queued["error"] = exc
 
@@ -321,6 +324,7 @@ def test_sigterm_ends_every_endpoint_in_its_wire_format(tmp_path: Path) -> None:
     assert "error" not in queued, repr(queued.get("error"))
     assert queued["status"] == 503, queued
     assert queued["body"]["error"]["code"] == "server_shutting_down"
+    assert queued["retry_after"] == "1"  # as every 503 says when to come back
 
     assert code == 0, server.log_text()[-3000:]
     access = {e["request_id"]: e for e in server.events if e.get("event") == "request"}

@@ -101,11 +101,14 @@ def _response_headers(
 
 
 def server_stopping_error() -> ServiceUnavailableError:
-    """What a request still running when the shutdown grace period ends is told."""
+    """What a request still running when the shutdown grace period ends is told, with
+    the ``Retry-After`` every other 503 carries (a supervised daemon is back in moments;
+    Anthropic's 529 said it already)."""
     return ServiceUnavailableError(
         "The server is stopping; the request was ended before it completed. Retry it "
         "when the server is back.",
         code="server_shutting_down",
+        headers={"Retry-After": "1"},
     )
 
 
