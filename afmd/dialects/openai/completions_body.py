@@ -75,6 +75,9 @@ COMPLETION_SCALARS = (
     Scalar("echo", "boolean", default=False),
     Scalar("logprobs", "integer", minimum=0, maximum=MAX_LOGPROBS),
     Scalar("stream", "boolean", default=False),
+    # Ignored, but still typed: OpenAI refuses a non-string ``user``, and a client that
+    # sends one should learn of it here rather than from OpenAI later (as in embeddings).
+    Scalar("user", "string"),
 )
 
 # ``chat_template_kwargs`` is not among them: a completion has no chat template, so a client
@@ -93,6 +96,11 @@ def parse_completion_request(body: dict[str, Any], *, strict: bool = False) -> C
         raise invalid("n", f"{len(prompts)} prompts with 'n' {values['n']} make "
                            f"{len(prompts) * values['n']} completions; afmd decodes at most "
                            f"{MAX_PROMPTS} per request.")
+    if body.get("best_of") is not None and values["best_of"] < values["n"]:
+        # OpenAI's rule: best_of counts the candidates n is chosen from, so fewer
+        # candidates than answers is a contradiction, not a request for n answers.
+        raise invalid("best_of", f"Invalid 'best_of': {values['best_of']} is less than 'n' "
+                                 f"({values['n']}); 'best_of' must be at least 'n'.")
     if values["suffix"] is not None and values["echo"]:
         raise invalid("echo", "'echo' cannot be combined with 'suffix': a fill-in-the-middle "
                               "completion has no prompt of its own to echo.")
