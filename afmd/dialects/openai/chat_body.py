@@ -112,9 +112,13 @@ _TOOL_USE = (
     Scalar("parallel_tool_calls", "boolean", default=True),
     Scalar("reasoning_effort", "string", choices=REASONING_EFFORTS),
 )
+# Ignored, but held to OpenAI's type: a number there is a client's bug worth telling.
+_IGNORED_STRINGS = (Scalar("user", "string"), Scalar("safety_identifier", "string"),
+                    Scalar("prompt_cache_key", "string"))
 
 #: Every scalar field of a chat body.
-CHAT_SCALARS = (_MODEL, _STREAM, *_SAMPLING, REPETITION_PENALTY, REPEAT_PENALTY, *_TOOL_USE)
+CHAT_SCALARS = (_MODEL, _STREAM, *_SAMPLING, REPETITION_PENALTY, REPEAT_PENALTY, *_TOOL_USE,
+                *_IGNORED_STRINGS)
 
 KNOWN_FIELDS = (
     IGNORED_FIELDS
@@ -176,6 +180,7 @@ def parse_chat_request(
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools, server_tools,
                                     strict=strict)
     tool_use = read_scalars(body, _TOOL_USE)
+    read_scalars(body, _IGNORED_STRINGS)  # checked only: afmd does not act on them
 
     if sampling["top_logprobs"] is not None and not sampling["logprobs"]:
         raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs' set to true.")

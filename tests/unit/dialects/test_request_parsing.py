@@ -743,3 +743,11 @@ def test_short_values_are_quoted_whole() -> None:
     assert "'video'" in err.message
     err = error_of({"messages": [{"role": "user", "content": [{"type": [1, "a"]}]}]})
     assert """'[1,"a"]'""" in err.message
+
+
+@pytest.mark.parametrize("key", ["user", "safety_identifier", "prompt_cache_key"])
+def test_ignored_string_fields_are_still_strings(key: str) -> None:
+    """Accepted and not acted on, but of OpenAI's type: a number there is a client's bug
+    OpenAI reports, as afmd's completions and embeddings do for ``user``."""
+    assert_error({"messages": [USER], key: 5}, "invalid_type", key)
+    assert parse(**{key: "ann"}).messages == (Message(role="user", content="Hello"),)
