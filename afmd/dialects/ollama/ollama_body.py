@@ -82,8 +82,9 @@ OPTIONS = (
     Scalar("num_ctx", "integer", minimum=1),
 )
 #: Options that change nothing here (loading, threads, other samplers): accepted, but
-#: typed as Ollama's ``Options`` types them (a boolean or a number), so that a value Ollama refuses is a 400
-#: naming it here too rather than passing unseen. Number bounds are Ollama's (none).
+#: typed as Ollama's ``Options`` types them (a boolean or a number), so that a value
+#: Ollama refuses is a 400 naming it here too rather than passing unseen. Number bounds
+#: are Ollama's (none).
 NO_OP_OPTIONS = (
     *(Scalar(name, "boolean") for name in (
         "numa", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mmap", "use_mlock",
