@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import binascii
 import itertools
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -80,14 +81,20 @@ OPTIONS = (
     Scalar("frequency_penalty", "number", minimum=-2.0, maximum=2.0),
     Scalar("num_ctx", "integer", minimum=1),
 )
-#: Options that change nothing here (loading, threads, other samplers): accepted.
-NO_OP_OPTIONS = frozenset({
-    "numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
-    "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep",
-    "tfs_z", "typical_p", "mirostat", "mirostat_tau", "mirostat_eta", "penalize_newline",
-    "draft_num_predict",
-})
-_KNOWN_OPTIONS = names(OPTIONS) | {"stop"} | NO_OP_OPTIONS
+#: Options that change nothing here (loading, threads, other samplers): accepted, but
+#: typed as Ollama's ``Options`` types them (a boolean or a number), so that a value
+#: Ollama refuses is a 400 naming it here too rather than passing unseen. Number bounds
+#: are Ollama's (none).
+NO_OP_OPTIONS = (
+    *(Scalar(name, "boolean") for name in (
+        "numa", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mmap", "use_mlock",
+        "embedding_only", "penalize_newline")),
+    # Ollama reads a number into an integer option by truncating it: any number passes.
+    *(Scalar(name, "number", minimum=-math.inf, maximum=math.inf) for name in (
+        "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "mirostat",
+        "draft_num_predict", "tfs_z", "typical_p", "mirostat_tau", "mirostat_eta")),
+)
+_KNOWN_OPTIONS = names(OPTIONS) | {"stop"} | names(NO_OP_OPTIONS)
 
 _COMMON = frozenset({"model", "stream", "format", "options", "keep_alive", "think",
                      "truncate", "shift", "logprobs", "top_logprobs"})
@@ -128,6 +135,7 @@ def _options(body: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
         raise wrong_type("options", "an object", value)
     unknown = tuple(f"options.{key}" for key in value if key not in _KNOWN_OPTIONS)
     values = read_scalars(value, OPTIONS, "options.")
+    read_scalars(value, NO_OP_OPTIONS, "options.")  # checked only: they change nothing
     values["stop"] = string_list(value.get("stop"), "options.stop", MAX_STOP_SEQUENCES)
     return values, unknown
 
@@ -208,6 +216,19 @@ def _images(value: Any, param: str) -> tuple[ImageInput, ...]:
             raise invalid(p, f"'{p}' is empty.")
         out.append(ImageInput(data, p, 0))
     return tuple(out)
+
+
+def _check_context(value: Any) -> None:
+    """``context``, Ollama's deprecated token list from an earlier answer: afmd returns
+    none and ignores one sent, but a value that is no list of integers is a 400, as
+    Ollama's own decoder makes it."""
+    if value is None:
+        return
+    if not isinstance(value, list):
+        raise wrong_type("context", "an array of integers", value)
+    for i, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise wrong_type(f"context[{i}]", "an integer", token)
 
 
 def _arguments(function: dict[str, Any], param: str) -> str:
@@ -375,6 +396,14 @@ def generate_request(body: dict[str, Any], *, strict: bool = False
     response_format = _format(body.get("format"))
     sampling = _sampling(options)
     limit = _num_predict(options)
+    _check_context(body.get("context"))
+    if raw:
+        # Ollama refuses these with raw too: a client sending them expects a template or
+        # an earlier turn to shape the prompt, and raw mode would silently drop both.
+        for name in ("template", "context"):
+            if body.get(name):
+                raise invalid(name, f"'{name}' cannot be combined with raw mode: raw mode "
+                                    "does not support template, system, or context.")
     if raw or suffix:
         # The prompt as given (or the model's fill-in-the-middle prompt): no template.
         for name, given in (("system", system is not None), ("images", bool(images)),
