@@ -514,3 +514,15 @@ def test_repeat_penalty_conflict_on_completions(http: httpx.Client) -> None:
 def test_api_strict_setting() -> None:
     assert load_config(None, env={}).api.strict is False
     assert load_config(None, env={"AFMD_API_STRICT": "true"}).api.strict is True
+
+
+@pytest.mark.parametrize("field", [{"template": "{{ .Prompt }}"}, {"context": [1, 2]}])
+def test_strict_refuses_the_generate_fields_afmd_does_not_act_on(
+    strict: ServerProcess, field: dict[str, Any]
+) -> None:
+    """Ollama defines them, but afmd's answer would not honour them: strict says so."""
+    (name,) = field
+    body = {"model": "demo", "prompt": "x", "stream": False, **field}
+    refused = httpx.post(strict.url + "/api/generate", json=body, timeout=60)
+    assert refused.status_code == 400, refused.text
+    assert refused.json() == {"error": f"Unrecognized request argument supplied: {name}"}
