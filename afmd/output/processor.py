@@ -100,9 +100,7 @@ class OutputProcessor:
             ctx = CallContext(self._log, ToolIndex(tools), enforced, tool_format.parse,
                               calls_on)
             if found is not None and found.reader is not None:
-                reader = found.reader(ctx)
-                assert isinstance(reader, MarkupReader)
-                self._reader = reader
+                self._reader = found.reader(ctx)
             else:
                 incremental = found.incremental_json if found else tool_format.incremental_json
                 self._reader = ToolCallParser(tool_format.start, tool_format.end, ctx,
@@ -269,8 +267,10 @@ class OutputProcessor:
             self.released = self._answer_end - self._stops.held
         else:
             unsettled = self._reader.unsettled if self._reader is not None else None
-            self.released = self._fed - (self._reasoning.held if self._reasoning else 0) \
-                if unsettled is None else self._place_of(unsettled)
+            if unsettled is not None:
+                self.released = self._place_of(unsettled)
+            else:
+                self.released = self._fed - (self._reasoning.held if self._reasoning else 0)
 
     def _content(self, text: str) -> list[Piece]:
         return self._whitespace(text) if text else []

@@ -579,7 +579,11 @@ def in_process(demo_model: LoadedModel, tmp_path: Path, toml: str) -> ChatPipeli
 
 async def chat(pipeline: ChatPipeline, body: dict[str, Any]) -> tuple[ChatRun, list[Any]]:
     request = parse_chat_request(body, server_tools=pipeline.server_tools.names)
-    prepared = await pipeline.prepare(request, "req-" + uuid.uuid4().hex[:8])
+    return await drain(pipeline, await pipeline.prepare(request, "req-" + uuid.uuid4().hex[:8]))
+
+
+async def drain(pipeline: ChatPipeline, prepared: Any) -> tuple[ChatRun, list[Any]]:
+    """The prepared request run to its end: the run, and every output it made."""
     run = await pipeline.start(prepared)
     outputs: list[Any] = []
     try:
@@ -673,14 +677,7 @@ def test_the_round_after_a_server_tool_is_trimmed_as_the_first(
         request = dataclasses.replace(request, context_window=first + 40 + 60)
         prepared = await pipeline.prepare(request, "req-trim-" + uuid.uuid4().hex[:6])
         assert prepared.trimmed == 0  # the first round fits whole
-        run = await pipeline.start(prepared)
-        outputs: list[Any] = []
-        try:
-            async for batch in run:
-                outputs += batch
-        finally:
-            pipeline.release(run)
-        return run, outputs, first
+        return (*await drain(pipeline, prepared), first)
 
     run, outputs, first = asyncio.run(run_it())
     last = run.round

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from afmd.core.events import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
 from afmd.core.request import ToolCall
@@ -105,15 +105,6 @@ class ToolIndex:
         return self._params.get(tool, {})
 
 
-class CallReader(Protocol):
-    """A family's reader of the content channel: content, calls (and, for families whose
-    markup carries it, reasoning)."""
-
-    def feed(self, text: str) -> list[Piece]: ...
-
-    def flush(self) -> list[Piece]: ...
-
-
 @dataclass(frozen=True, slots=True)
 class CallContext:
     """What a reader is built with, once per turn."""
@@ -164,16 +155,11 @@ class MarkupReader:
 
     # -- the reader protocol
 
-    def feed(self, text: str) -> list[Piece]:
-        return [piece for _, piece in self.read(text)]
-
-    def flush(self) -> list[Piece]:
-        return [piece for _, piece in self.read("", final=True)]
-
     def read(self, text: str, *, final: bool = False) -> Iterator[tuple[int, Piece]]:
-        """``feed`` (``flush`` with ``final``) one step at a time, each piece with where it
-        begins in the fed text (exact for the texts of a family whose reader splits the
-        answer from the rest, harmony's: the stop sequences are matched there). Lazy: a
+        """The pieces ``text`` completes (with ``final``: all that is left), one step at a
+        time, each with where it begins in the fed text (exact for the texts of a family
+        whose reader splits the answer from the rest, harmony's: the stop sequences are
+        matched there). Lazy: a
         consumer that stops taking pieces (a stop sequence ended the answer) leaves the
         text after them unread, so no call after the stop is opened."""
         self.fed += len(text)

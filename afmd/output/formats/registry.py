@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from afmd.output.formats import gemma, harmony, kimi, llama, mistral, pythonic, tagged
-from afmd.output.formats.base import CallContext, CallReader
+from afmd.output.formats.base import CallContext, MarkupReader
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +24,7 @@ class Family:
     end: str
     # The family's own reader; None: the generic one (markers and mlx-lm's parser, or
     # the Hermes JSON stream with ``incremental_json``).
-    reader: Callable[[CallContext], CallReader] | None = None
+    reader: Callable[[CallContext], MarkupReader] | None = None
     incremental_json: bool = False
     channels: bool = False  # the markup carries reasoning too (no thinking markers)
     call_id: Callable[[str, int], str] | None = None  # ids the family's template expects

@@ -596,6 +596,21 @@ def _runs(pieces: list[Piece]) -> list[tuple[str, Any]]:
     return out
 
 
+def _fed(processor: OutputProcessor, parts: list[str]) -> list[Piece]:
+    """Every piece ``parts`` make, checking after each that ``released`` never goes back
+    nor past what was fed."""
+    pieces: list[Piece] = []
+    fed = released = 0
+    for part in parts:
+        pieces += processor.feed(part)
+        fed += len(part)
+        assert released <= processor.released <= fed
+        released = processor.released
+    pieces += processor.finish()
+    assert released <= processor.released <= fed
+    return pieces
+
+
 def _hermes_blocks(answer: str, incremental: bool) -> list[tuple[int, int, str]]:
     """Each ``<tool_call>`` block of the answer's text (thinking removed): where it begins
     and ends, and what it is: a "call", "text" (an unparseable block comes back as text,
@@ -693,16 +708,7 @@ def test_property_the_chain_is_the_same_whatever_the_split(
     def run(parts: list[str]) -> tuple[list[tuple[str, Any]], OutputProcessor]:
         processor = OutputProcessor(stops=tuple(stops), thinking=THINK, starts_in_reasoning=opened,
                                     tool_format=None if calls is None else hermes(calls))
-        pieces: list[Piece] = []
-        fed = released = 0
-        for part in parts:
-            pieces += processor.feed(part)
-            fed += len(part)
-            assert released <= processor.released <= fed
-            released = processor.released
-        pieces += processor.finish()
-        assert released <= processor.released <= fed
-        return _runs(pieces), processor
+        return _runs(_fed(processor, parts)), processor
 
     whole, one = run([text])
     split, other = run(chunks)
@@ -769,13 +775,7 @@ def test_harmony_stops_match_the_answer_only_whatever_the_split(case: ChannelCas
     for name, chunks in [("whole", [case.text]), ("chars", list(case.text))] + [
             (f"random-{seed}", random_splits(case.text, seed)) for seed in range(RANDOM_SPLITS)]:
         processor = OutputProcessor(stops=case.stops, tool_format=HARMONY, tools=TOOLS)
-        pieces: list[Piece] = []
-        released = 0
-        for chunk in chunks:
-            pieces += processor.feed(chunk)
-            assert released <= processor.released
-            released = processor.released
-        pieces += processor.finish()
+        pieces = _fed(processor, chunks)
         assert "".join(p.text for p in pieces if isinstance(p, Content)) == case.content, name
         assert "".join(p.text for p in pieces if isinstance(p, Reasoning)) == case.reasoning
         assert tuple((c.name, c.arguments) for c in processor.tool_calls) == case.calls, name
@@ -844,16 +844,7 @@ def test_property_harmony_stops_are_the_same_whatever_the_split(
 
     def run(parts: list[str]) -> tuple[list[tuple[str, Any]], OutputProcessor]:
         processor = OutputProcessor(stops=tuple(stops), tool_format=HARMONY, tools=TOOLS)
-        pieces: list[Piece] = []
-        fed = released = 0
-        for part in parts:
-            pieces += processor.feed(part)
-            fed += len(part)
-            assert released <= processor.released <= fed
-            released = processor.released
-        pieces += processor.finish()
-        assert released <= processor.released <= fed
-        return _runs(pieces), processor
+        return _runs(_fed(processor, parts)), processor
 
     whole, one = run([text])
     split, other = run(chunks)
