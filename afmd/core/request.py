@@ -135,6 +135,9 @@ class ChatRequest:
     #: Most tokens the model may spend thinking before it must answer (None: unbounded);
     #: enforced by the grammar, which closes the thinking block at the budget.
     thinking_budget: int | None = None
+    #: Refuse a model that cannot think rather than answer without thinking (Ollama's
+    #: ``think: true`` or a level: the client asked for reasoning it would not get).
+    require_thinking: bool = False
     #: ``max_tokens`` is a cap the context window may lower (Anthropic's), not a demand a
     #: prompt too long to leave room for it fails (OpenAI's 400).
     max_tokens_shrinks: bool = False
@@ -195,4 +198,5 @@ class CompletionRequest:
     #: a demand a prompt too long for it fails.
     max_tokens_shrinks: bool = False
     context_window: int | None = None  # as ChatRequest's
+    require_thinking: bool = False  # as ChatRequest's (the prompt is raw: nothing else)
     ignored_fields: tuple[str, ...] = ()  # as ChatRequest's

@@ -45,9 +45,10 @@ if TYPE_CHECKING:
 
 # Tokens a forced call may spend thinking first (the loop must reach the call).
 _MAX_FORCED_THINKING = 512
-# gpt-oss's reasoning levels, for OpenAI's reasoning_effort values.
+# gpt-oss's reasoning levels, for afmd's reasoning_effort values (gpt-oss has no level
+# above high: xhigh, Anthropic's and Ollama's "max", is its highest, as Ollama maps it).
 _HARMONY_EFFORT = {"none": "low", "minimal": "low", "low": "low", "medium": "medium",
-                   "high": "high"}
+                   "high": "high", "xhigh": "high"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,10 @@ class ModelFormats:
     @property
     def channels(self) -> bool:
         return self.tool_format is not None and self.tool_format.channels
+
+    @property
+    def thinks(self) -> bool:
+        return detect.thinks(self.tool_format, self.thinking)
 
 
 #: By the tokenizer itself, weakly: an entry goes with its tokenizer, which an unloaded
@@ -324,8 +329,7 @@ def plan_output(
     response_format = request.response_format
 
     thinking = None
-    can_think = formats.thinking is not None or formats.channels
-    if can_think and not (thinking_off and not plan.starts_in_reasoning):
+    if formats.thinks and not (thinking_off and not plan.starts_in_reasoning):
         budget = request.thinking_budget
         if mode == "required" or response_format is not None:
             forced = max(16, min(_MAX_FORCED_THINKING, max_tokens // 4))

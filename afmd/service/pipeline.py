@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.choices import ChoicesRun
 from afmd.service.completion_prompts import PreparedCompletion, prepare_completion
 from afmd.service.completion_run import CompletionRun
+from afmd.service.output_plan import model_formats
 from afmd.service.round_builder import RoundBuilder
 from afmd.service.run_control import RunPolicy
 from afmd.service.scheduler import Cancelled, Scheduler
@@ -51,6 +53,27 @@ def _check_images(request: ChatRequest, model: LoadedModel, entry: ModelEntry) -
             code="image_input_not_supported",
             param=f"messages[{index}].content",
         )
+
+
+def _check_thinking(request: ChatRequest | CompletionRequest, model: LoadedModel,
+                    entry: ModelEntry) -> None:
+    """A request that demands thinking from a model that cannot think is refused, as
+    Ollama refuses it, in Ollama's words (clients match them to retry without): answering
+    without the reasoning asked for would pass for a model that thought nothing.
+    Whether the model thinks is what its output is read with, and what ``/api/show``
+    lists as ``thinking``."""
+    if not request.require_thinking:
+        return
+    if model.reads_conversation or not model_formats(model).thinks:
+        raise thinking_not_supported(request.model or entry.id)
+
+
+def thinking_not_supported(name: str) -> InvalidRequestError:
+    """Ollama's refusal of ``think`` for a model that cannot think, the model named as
+    the request named it (Go's ``%q``)."""
+    return InvalidRequestError(f"{json.dumps(name, ensure_ascii=False)} does not support "
+                               "thinking", code="thinking_not_supported",
+                               param="reasoning_effort")
 
 
 def _with_server_tools(request: ChatRequest, tools: ServerTools) -> ChatRequest:
@@ -175,6 +198,7 @@ class ChatPipeline:
         received_at: float | None,
         profile: str | None,
     ) -> PreparedChat | PreparedCompletion:
+        _check_thinking(request, model, entry)
         if isinstance(request, CompletionRequest) and model.reads_conversation:
             raise InvalidRequestError(
                 f"The model '{entry.id}' answers conversations, not raw prompts: use "

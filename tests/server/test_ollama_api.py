@@ -33,6 +33,7 @@ from afmd.engine.demo import builtin as demo
 from afmd.ports import free_ports
 
 from conftest import ServerProcess, start_server
+from helpers.format_models import FormatModels
 from helpers.hub import FakeHub
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
@@ -164,6 +165,81 @@ def test_thinking_is_returned_apart(client: ollama.Client, http: httpx.Client) -
     assert (answer.message.thinking or None) == want.get("reasoning_content")
     off = client.chat(model="demo", messages=MESSAGES, think=False, options=GREEDY)
     assert off.message.thinking is None
+
+
+#: The call-format suite's models (helpers.format_models): one family whose model cannot
+#: think (Qwen3-Coder's, Llama 3's JSON calls) and those that think by markup afmd reads
+#: itself rather than mlx-lm (gpt-oss's analysis channel, Mistral's [THINK]).
+FAMILY_MODELS = ("qwen3_coder", "llama3", "harmony", "mistral")
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    root = tmp_path_factory.mktemp("ollama-families")
+    models = FormatModels(root / "models")
+    config = "".join(f'[[models.model]]\nid = "{family}"\npath = "{models.folder(family)}"\n'
+                     for family in FAMILY_MODELS)
+    server = start_server(root, config=config)
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            yield http
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("family", FAMILY_MODELS)
+def test_think_is_refused_where_show_lists_no_thinking(families: httpx.Client,
+                                                       family: str) -> None:
+    """As Ollama: ``think`` (true or a level) on a model without thinking is a 400
+    ``"<model>" does not support thinking`` (the name as the request gave it), on chat,
+    generate (raw too) and a load; ``think: false`` always passes. Whether a model thinks
+    is what ``/api/show`` says, loaded or not: it said neither ``thinking`` nor ``tools``
+    for gpt-oss, and no ``thinking`` for Mistral, whose markup afmd reads itself."""
+    before = families.post("/api/show", json={"model": family}).json()["capabilities"]
+    thinks = family in ("harmony", "mistral")
+    assert ("thinking" in before) is thinks, before
+    assert "tools" in before
+    refusal = {"error": f'"{family}:latest" does not support thinking'}
+    chat = {"model": f"{family}:latest", "messages": [{"role": "user", "content": "Hi"}],
+            "options": {"num_predict": 2, "seed": 1}}
+    for think in (True, "high", "max"):
+        for stream in (False, True):
+            got = families.post("/api/chat", json={**chat, "think": think, "stream": stream})
+            if thinks:
+                assert got.status_code == 200, got.text
+            else:
+                assert (got.status_code, got.json()) == (400, refusal), got.text
+    generate = {"model": f"{family}:latest", "prompt": "Hi", "stream": False,
+                "options": {"num_predict": 2}}
+    for extra in ({}, {"raw": True}):
+        got = families.post("/api/generate", json={**generate, **extra, "think": "low"})
+        assert got.status_code == (200 if thinks else 400), got.text
+        if not thinks:
+            assert got.json() == refusal
+    load = families.post("/api/chat", json={"model": family, "think": True})
+    if thinks:
+        assert load.json()["done_reason"] == "load"
+    else:
+        assert (load.status_code, load.json()["error"]) == (
+            400, f'"{family}" does not support thinking')
+    for body, route in ((chat, "/api/chat"), (generate, "/api/generate")):
+        off = families.post(route, json={**body, "think": False, "stream": False})
+        assert off.status_code == 200, off.text
+    after = families.post("/api/show", json={"model": family}).json()["capabilities"]
+    assert after == before  # the loaded model says what its folder said
+
+
+def test_think_max_is_gpt_oss_high_as_in_ollama(families: httpx.Client) -> None:
+    """gpt-oss's highest level is ``high``, which Ollama maps ``max`` to; afmd rendered
+    ``Reasoning: medium``. The prompt is the measure: the level is written into it."""
+    def prompt_tokens(think: Any) -> int:
+        answer = families.post("/api/chat", json={
+            "model": "harmony", "messages": [{"role": "user", "content": "Hi"}],
+            "think": think, "stream": False, "options": {"num_predict": 1}}).json()
+        return int(answer["prompt_eval_count"])
+
+    assert prompt_tokens("high") != prompt_tokens("medium")  # the measure can tell them
+    assert prompt_tokens("max") == prompt_tokens("high")
 
 
 def test_format_schema_is_enforced(client: ollama.Client) -> None:

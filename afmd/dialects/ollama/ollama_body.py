@@ -58,7 +58,7 @@ from afmd.dialects.fields.messages import check_tool_history
 from afmd.dialects.fields.tool_specs import parse_tool_choice, parse_tools
 from afmd.errors import InvalidRequestError
 
-__all__ = ["OPTIONS", "is_load_request", "parse_chat", "parse_generate"]
+__all__ = ["OPTIONS", "is_load_request", "parse_chat", "parse_generate", "wants_thinking"]
 
 #: Stop sequences ``options.stop`` may hold.
 MAX_STOP_SEQUENCES = 16
@@ -193,6 +193,13 @@ def _think(value: Any) -> str | None:
         raise invalid("think", f"Invalid 'think': '{value[:40]}'. Use true, false, or one of "
                                + ", ".join(f"'{k}'" for k in THINK_LEVELS) + ".")
     raise wrong_type("think", "a boolean or a thinking level", value)
+
+
+def wants_thinking(value: Any) -> bool:
+    """Whether ``think`` asks for reasoning (``true`` or a level, as Ollama's
+    ``ThinkValue.Bool``): then a model that cannot think is a 400, as in Ollama."""
+    _think(value)  # a value Ollama's decoder refuses is a 400 here too
+    return value is True or (isinstance(value, str) and value in THINK_LEVELS)
 
 
 def _images(value: Any, param: str) -> tuple[ImageInput, ...]:
@@ -377,6 +384,7 @@ def chat_request(body: dict[str, Any], *, server_tools: Collection[str] = (),
         tool_choice=parse_tool_choice(None, tools, server_tools),
         response_format=_format(body.get("format")),
         reasoning_effort=_think(body.get("think")),
+        require_thinking=wants_thinking(body.get("think")),
         has_images=any(m.has_images for m in messages),
         logprobs=(top["top_logprobs"] or 0) if top["logprobs"] else None,
         keep_alive=keep_alive_of(body),
@@ -419,6 +427,7 @@ def generate_request(body: dict[str, Any], *, strict: bool = False
             stream=top["stream"],
             max_tokens=limit if limit is not None else UNCAPPED,
             max_tokens_shrinks=True,
+            require_thinking=wants_thinking(body.get("think")),
             logprobs=(top["top_logprobs"] or 0) if top["logprobs"] else None,
             keep_alive=keep_alive_of(body),
             ignored_fields=ignored,
@@ -436,6 +445,7 @@ def generate_request(body: dict[str, Any], *, strict: bool = False
         trim_context=top["truncate"],
         response_format=response_format,
         reasoning_effort=_think(body.get("think")),
+        require_thinking=wants_thinking(body.get("think")),
         has_images=bool(images),
         logprobs=(top["top_logprobs"] or 0) if top["logprobs"] else None,
         keep_alive=keep_alive_of(body),

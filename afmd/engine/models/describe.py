@@ -20,7 +20,13 @@ from typing import Any
 from afmd.config.tables import ModelEntry
 from afmd.engine.first_import import transformers_ready
 from afmd.engine.models import kinds
-from afmd.engine.models.loaded_model import DEFAULT_CONTEXT_LENGTH, context_length_from
+from afmd.engine.models.loaded_model import (
+    DEFAULT_CONTEXT_LENGTH,
+    context_length_from,
+    thinking_of,
+    tool_format_of,
+)
+from afmd.output.formats import detect
 from afmd.service import fim
 
 #: Chat template families, by a marker only that family's template writes (first match).
@@ -159,16 +165,33 @@ def describe(folder: Path, entry: ModelEntry) -> dict[str, Any]:
         info.update({"chat_template": None, "tool_format": None, "reasoning_format": None,
                      "fim": None, "vocab_size": None})
         return info
-    parser = getattr(tokenizer, "tool_parser", None)
     fmt = fim.from_setting(entry.fim) if entry.fim is not None else fim.detect(tokenizer)
-    think = (f"{tokenizer.think_start}…{tokenizer.think_end}"
-             if getattr(tokenizer, "has_thinking", False) else None)
+    vocab = tokenizer.get_vocab()
     info.update({
         "chat_template": template_family(getattr(tokenizer, "chat_template", None)),
-        "tool_format": (parser.__module__.rsplit(".", 1)[-1]
-                        if getattr(tokenizer, "has_tool_calling", False) and parser else None),
-        "reasoning_format": think,
+        **conversation_formats(tokenizer, vocab),
         "fim": fmt.family if fmt is not None else None,
-        "vocab_size": len(tokenizer.get_vocab()),
+        "vocab_size": len(vocab),
     })
     return info
+
+
+def conversation_formats(tokenizer: Any, vocab: Mapping[str, int]) -> dict[str, str | None]:
+    """``tool_format`` and ``reasoning_format`` as generation detects them: mlx-lm's
+    parser and markers, and afmd's own additions (gpt-oss's harmony channels, Llama's JSON
+    calls, Mistral's ``[THINK]``), so that what a folder is said to do is what the loaded
+    model does (``/api/show``'s ``tools`` and ``thinking``). None: it does not."""
+    mlx_calls = tool_format_of(tokenizer)
+    calls = detect.call_format(mlx_calls, vocab)
+    markers = detect.thinking_markers(thinking_of(tokenizer), vocab)
+    tool_format = None
+    if mlx_calls is not None:
+        tool_format = getattr(mlx_calls.parse, "__module__", "").rsplit(".", 1)[-1] or None
+    elif calls is not None:
+        tool_format = calls.family
+    reasoning = None
+    if markers is not None:
+        reasoning = f"{markers[0]}…{markers[1]}"
+    elif calls is not None and detect.thinks(calls, None):  # harmony's analysis channel
+        reasoning = f"{calls.family} channels"
+    return {"tool_format": tool_format, "reasoning_format": reasoning}

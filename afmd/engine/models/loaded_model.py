@@ -52,6 +52,30 @@ def _rfind(haystack: list[int], needle: list[int]) -> int:
     return -1
 
 
+def thinking_of(tokenizer: Any) -> tuple[str, str] | None:
+    """The thinking markers mlx-lm found in a tokenizer (None: it found none). A function
+    of the tokenizer alone, so that a folder described without loading its weights
+    (``/api/show``) says what the loaded model will do."""
+    if not getattr(tokenizer, "has_thinking", False) or not tokenizer.think_end:
+        return None
+    return tokenizer.think_start, tokenizer.think_end
+
+
+def tool_format_of(tokenizer: Any) -> ToolFormat | None:
+    """The call format mlx-lm found in a tokenizer (None: it found none), as
+    :func:`thinking_of` for calls."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    if not getattr(tokenizer, "has_tool_calling", False) or parser is None:
+        return None
+    module = getattr(parser, "__module__", "")
+    return ToolFormat(
+        start=tokenizer.tool_call_start,
+        end=tokenizer.tool_call_end,
+        parse=parser,
+        incremental_json=module.endswith(".json_tools"),
+    )
+
+
 def context_length_from(config: Mapping[str, Any]) -> int | None:
     """The context window a model's config.json declares, under whichever of the names
     model families use for it (a multimodal model's under ``text_config``)."""
@@ -156,10 +180,7 @@ class LoadedModel:
     @property
     def thinking(self) -> tuple[str, str] | None:
         """The model's thinking markers, when its tokenizer has them."""
-        tok = self.tokenizer
-        if not getattr(tok, "has_thinking", False) or not tok.think_end:
-            return None
-        return tok.think_start, tok.think_end
+        return thinking_of(self.tokenizer)
 
     def prompt_opens_thinking(self, prompt: list[int]) -> bool:
         """Whether the chat template left a thinking block open at the end of the prompt."""
@@ -174,17 +195,7 @@ class LoadedModel:
     @property
     def tool_format(self) -> ToolFormat | None:
         """How this model family writes tool calls (mlx-lm's detection), if it can."""
-        tok = self.tokenizer
-        parser = getattr(tok, "tool_parser", None)
-        if not getattr(tok, "has_tool_calling", False) or parser is None:
-            return None
-        module = getattr(parser, "__module__", "")
-        return ToolFormat(
-            start=tok.tool_call_start,
-            end=tok.tool_call_end,
-            parse=parser,
-            incremental_json=module.endswith(".json_tools"),
-        )
+        return tool_format_of(self.tokenizer)
 
     def single_token(self, text: str) -> int | None:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -229,4 +240,5 @@ class LoadedModel:
             self.worker.wake()
 
 
-__all__ = ["DEFAULT_CONTEXT_LENGTH", "LoadedModel", "context_length_from"]
+__all__ = ["DEFAULT_CONTEXT_LENGTH", "LoadedModel", "context_length_from", "thinking_of",
+           "tool_format_of"]

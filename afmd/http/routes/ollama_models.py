@@ -29,8 +29,9 @@ from afmd.engine.models.residency import FOR_GOOD
 from afmd.http.app_state import AppState
 from afmd.hub import cache as hubcache
 from afmd.service import fim
+from afmd.service.output_plan import model_formats
 
-__all__ = ["TAG", "listed", "loaded_models", "show", "tag_object", "tagged"]
+__all__ = ["TAG", "listed", "loaded_models", "show", "tag_object", "tagged", "thinks"]
 
 TAG = ":latest"
 #: What a folder's tokenizer says, per (model id, folder): reading it takes a second.
@@ -169,15 +170,17 @@ def _template(folder: Path) -> str:
 
 
 def _capabilities(state: AppState, entry: ModelEntry, folder: Path) -> list[str]:
-    """Ollama's capability words, from the loaded model, else from the folder's tokenizer."""
+    """Ollama's capability words, from the loaded model, else from the folder's tokenizer
+    (by the same detection: ``thinking`` is what ``think: true`` is refused without)."""
     kind = state.registry.kind_of(entry)
     if kind == kinds.EMBEDDING:
         return ["embedding"]
     vision = kinds.is_vision(entry, folder)
     loaded = state.registry.loaded(entry.id)
-    if loaded is not None:
-        tools = loaded.tool_format is not None
-        thinking = loaded.thinking is not None
+    if loaded is not None:  # what generation reads the model's output with
+        formats = model_formats(loaded)
+        tools = formats.tool_format is not None
+        thinking = formats.thinks
         insert = fim.plan_for(loaded.tokenizer, entry.fim) is not None
         vision = loaded.supports_vision
     else:
@@ -195,6 +198,15 @@ def _capabilities(state: AppState, entry: ModelEntry, folder: Path) -> list[str]
     words += [w for w, has in (("tools", tools), ("thinking", thinking), ("vision", vision),
                                ("insert", insert)) if has]
     return words
+
+
+def thinks(state: AppState, entry: ModelEntry) -> bool:
+    """Whether ``/api/show`` lists ``thinking`` for the model (blocking: may read the
+    tokenizer), for a request that must be refused before its model loads."""
+    if entry.path == BUILTIN_SYSTEM_PATH:
+        return "thinking" in _system_show(entry.id)["capabilities"]
+    folder = folder_of(state, entry)
+    return folder is not None and "thinking" in _capabilities(state, entry, folder)
 
 
 def show(state: AppState, name: str, entry: ModelEntry) -> dict[str, Any]:

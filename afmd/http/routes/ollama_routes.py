@@ -46,6 +46,7 @@ from afmd.dialects.ollama.ollama_body import (
     chat_request,
     generate_request,
     is_load_request,
+    wants_thinking,
 )
 from afmd.engine.models.kinds import CHAT, EMBEDDING
 from afmd.errors import ConflictError, InvalidRequestError, NotFoundError
@@ -56,6 +57,7 @@ from afmd.http.routes.embedding_routes import service_of
 from afmd.http.routes.ignored import ignored_headers
 from afmd.hub import cache as hubcache
 from afmd.logs import get_logger
+from afmd.service.pipeline import thinking_not_supported
 
 if TYPE_CHECKING:  # imported where a pull runs: the hub client is heavy
     from afmd.hub.download import RemoteFile
@@ -169,6 +171,7 @@ async def _load(request: Request, body: dict[str, Any], *, chat: bool) -> HTTPRe
     headers = ignored_headers(ignored, routes.request_id_of(request))
     name = read_scalars(body, _MODEL)["model"]
     keep_alive = keep_alive_of(body)
+    thinking = wants_thinking(body.get("think"))
     request.ctx.model = name
     entry = registry.resolve(name)
     reason = "load"
@@ -177,6 +180,9 @@ async def _load(request: Request, body: dict[str, Any], *, chat: bool) -> HTTPRe
         if registry.loaded(entry.id) is None:
             return HTTPResponse(load_answer(name, chat=chat, reason=reason), headers=headers,
                                 content_type="application/json")
+    elif thinking and not await asyncio.to_thread(
+            ollama_models.thinks, state, entry):
+        raise thinking_not_supported(name)  # as Ollama refuses it before loading
     kind = registry.kind_of(entry) if reason == "unload" else CHAT
     lease = await registry.lease(entry, kind, keep_alive=keep_alive)
     lease.release()

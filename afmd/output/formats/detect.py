@@ -51,6 +51,13 @@ def thinking_markers(
     return None
 
 
+def thinks(call: ToolFormat | None, markers: tuple[str, str] | None) -> bool:
+    """Whether a model can set its reasoning apart: thinking markers, or harmony's
+    analysis channel. One rule for what generation does and for what ``/api/show``
+    promises, so that a model listed as ``thinking`` never refuses ``think: true``."""
+    return markers is not None or (call is not None and call.channels)
+
+
 def array_calls(vocab: Mapping[str, int]) -> bool:
     """Mistral tokenizers without ``[ARGS]`` write calls as one JSON array."""
     return "[ARGS]" not in vocab
