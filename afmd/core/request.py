@@ -200,3 +200,17 @@ class CompletionRequest:
     context_window: int | None = None  # as ChatRequest's
     require_thinking: bool = False  # as ChatRequest's (the prompt is raw: nothing else)
     ignored_fields: tuple[str, ...] = ()  # as ChatRequest's
+
+
+#: The ``param`` of a context error whose window is the request's own ``context_window``
+#: (Ollama's ``options.num_ctx``) rather than the model's: the dialect names its field,
+#: so the client learns which of its settings to change.
+CONTEXT_WINDOW_PARAM = "context_window"
+
+
+def context_limit(model_length: int, window: int | None) -> tuple[int, bool]:
+    """The context window a request must fit, and whether it is the request's own (a
+    ``context_window`` smaller than the model's; a larger one is the model's)."""
+    if window is not None and window < model_length:
+        return window, True
+    return model_length, False

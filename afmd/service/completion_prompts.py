@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 
 from afmd.config.tables import ModelEntry
-from afmd.core.request import CompletionRequest
+from afmd.core.request import CONTEXT_WINDOW_PARAM, CompletionRequest, context_limit
 from afmd.engine.batch.penalties import check_logit_bias
 from afmd.engine.models.loaded_model import LoadedModel
-from afmd.errors import InvalidRequestError
+from afmd.errors import ContextLengthError, InvalidRequestError
 from afmd.service import fim
 from afmd.service.output_plan import OutputPlan
 
@@ -156,9 +156,9 @@ def _check_ids(model: LoadedModel, ids: tuple[int, ...], param: str) -> None:
 def _fitted(model: LoadedModel, request: CompletionRequest, prompt: int, param: str) -> int:
     """The completion's token budget: the request's, which must fit the context window
     with the prompt, or when it is only a cap, what the window leaves (at least one)."""
-    limit = model.context_length
-    if request.context_window is not None:
-        limit = min(limit, request.context_window)
+    limit, own = context_limit(model.context_length, request.context_window)
+    if own:  # the request's own window is what the prompt is too long for
+        param = CONTEXT_WINDOW_PARAM
     if request.max_tokens_shrinks:
         left = limit - prompt
         if left < 1:
@@ -170,10 +170,9 @@ def _fitted(model: LoadedModel, request: CompletionRequest, prompt: int, param: 
 
 def _check_fits(limit: int, prompt: int, completion: int, param: str) -> None:
     if prompt + completion > limit:
-        raise InvalidRequestError(
+        raise ContextLengthError(
             f"This model's maximum context length is {limit} tokens, however you requested "
             f"{prompt + completion} tokens ({prompt} in your prompt; {completion} for the "
             "completion). Please reduce your prompt; or completion length.",
-            code="context_length_exceeded",
-            param=param,
+            prompt_tokens=prompt, limit=limit, param=param,
         )

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from afmd.core.request import ChatRequest
+from afmd.core.request import CONTEXT_WINDOW_PARAM, ChatRequest, context_limit
 from afmd.engine.apple.conversation import SystemTurn, system_turn
 from afmd.engine.models.loaded_model import LoadedModel
 from afmd.errors import ContextLengthError, InvalidRequestError
@@ -81,13 +81,11 @@ class RoundBuilder:
             worker: Any = self.model.worker
             return int(worker.prompt_tokens(self._conversation(request, True)))
         tokens = len(self.render(request))
-        limit = self.model.context_length
-        if request.context_window is not None:
-            limit = min(limit, request.context_window)
+        limit, own = context_limit(self.model.context_length, request.context_window)
         if tokens >= limit and self._trim:
             tokens = len(self._fit(request, limit, 1)[1])
         if must_fit and tokens >= limit:
-            raise _context_error(limit, tokens, None)
+            raise _context_error(limit, tokens, None, own)
         return tokens
 
     def _conversation(self, request: ChatRequest, first_step: bool) -> SystemTurn:
@@ -150,9 +148,7 @@ class RoundBuilder:
     def _build(self, request: ChatRequest, trim: bool, first_step: bool) -> Round:
         if self.model.reads_conversation:
             return self._conversation_round(request, first_step)
-        limit = self.model.context_length
-        if request.context_window is not None:
-            limit = min(limit, request.context_window)
+        limit, own = context_limit(self.model.context_length, request.context_window)
         budget = request.max_tokens
         # The room the prompt must leave: all of max_tokens, unless it is only a cap.
         need = budget if budget is not None and not request.max_tokens_shrinks else 1
@@ -163,12 +159,12 @@ class RoundBuilder:
             vision = self._render(request)[1] if vision is not None else None
         if budget is not None and not request.max_tokens_shrinks:
             if len(prompt) + budget > limit:
-                raise _context_error(limit, len(prompt), budget)
+                raise _context_error(limit, len(prompt), budget, own)
             max_tokens = budget
         else:
             max_tokens = limit - len(prompt)
             if max_tokens < 1:
-                raise _context_error(limit, len(prompt), None)
+                raise _context_error(limit, len(prompt), None, own)
             if budget is not None:
                 max_tokens = min(budget, max_tokens)
         plan = plan_output(request, self.model, prompt, max_tokens, first_step=first_step,
@@ -200,14 +196,17 @@ class RoundBuilder:
         return best
 
 
-def _context_error(limit: int, prompt: int, completion: int | None) -> ContextLengthError:
+def _context_error(limit: int, prompt: int, completion: int | None,
+                   own: bool) -> ContextLengthError:
+    """``own``: the window is the request's ``context_window``, which the error names."""
+    param = CONTEXT_WINDOW_PARAM if own else "messages"
     if completion is not None:
         return ContextLengthError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the "
             "completion). Please reduce the length of the messages or completion.",
-            prompt_tokens=prompt, limit=limit)
+            prompt_tokens=prompt, limit=limit, param=param)
     return ContextLengthError(
         f"This model's maximum context length is {limit} tokens. However, your messages "
         f"resulted in {prompt} tokens. Please reduce the length of the messages.",
-        prompt_tokens=prompt, limit=limit)
+        prompt_tokens=prompt, limit=limit, param=param)

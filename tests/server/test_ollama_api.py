@@ -324,6 +324,45 @@ def test_images_reach_a_vision_model(client: ollama.Client, http: httpx.Client) 
     assert caught.value.status_code == 400
 
 
+NOT_AN_IMAGE = base64.b64encode(b"hello, world").decode()
+
+
+@pytest.mark.parametrize(("route", "body", "field"), [
+    ("/api/chat", {"messages": [MESSAGES[0], {"role": "user", "content": "x",
+                                              "images": ["%"]}]}, "messages[1].images[0]"),
+    ("/api/chat", {"messages": [MESSAGES[0], {"role": "user", "content": "x",
+                                              "images": [NOT_AN_IMAGE]}]},
+     "messages[1].images[0]"),
+    ("/api/generate", {"prompt": "x", "images": ["%"]}, "images[0]"),
+    ("/api/generate", {"prompt": "x", "system": "s", "images": [NOT_AN_IMAGE]}, "images[0]"),
+], ids=["chat-not-base64", "chat-not-an-image", "generate-not-base64",
+        "generate-not-an-image"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_bad_image_is_named_by_its_field(http: httpx.Client, route: str,
+                                           body: dict[str, Any], field: str,
+                                           stream: bool) -> None:
+    """Ollama's error is one message: an image the vision model could not decode said
+    only that "the image data is not a PNG, JPEG, WebP or GIF image", not which one."""
+    got = http.post(route, json={"model": "demo-vision", "stream": stream, **body})
+    assert got.status_code == 400, got.text
+    assert set(got.json()) == {"error"}
+    message = got.json()["error"]
+    assert message.startswith(f"{field}: ") or message.startswith(f"'{field}'"), message
+
+
+def test_images_for_a_model_that_cannot_see_name_the_images(http: httpx.Client) -> None:
+    """The pipeline's message index is afmd's; the body's field is ``images``."""
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, "PNG")
+    image = base64.b64encode(buf.getvalue()).decode()
+    chat = http.post("/api/chat", json={"model": "demo", "messages": [
+        MESSAGES[0], {"role": "user", "content": "x", "images": [image]}]})
+    assert chat.status_code == 400 and chat.json()["error"].startswith("messages[1].images: ")
+    generate = http.post("/api/generate", json={"model": "demo", "prompt": "x", "system": "s",
+                                                "images": [image]})
+    assert generate.status_code == 400 and generate.json()["error"].startswith("images: ")
+
+
 # -- generate ------------------------------------------------------------------------------
 
 
@@ -364,6 +403,29 @@ def test_without_num_predict_the_context_bounds_the_answer(http: httpx.Client) -
     big = http.post("/api/generate", json={**body, "options": {
         "temperature": 0, "num_ctx": 10**7, "num_predict": 3}}).json()
     assert big["eval_count"] == 3
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("/api/chat", {"messages": [{"role": "user", "content": "word " * 300}]}),
+    ("/api/chat", {"messages": [{"role": "user", "content": "word " * 300}],
+                   "truncate": False, "stream": True}),
+    ("/api/generate", {"prompt": "word " * 300}),
+    ("/api/generate", {"prompt": "word " * 300, "raw": True}),
+], ids=["chat", "chat-untruncated", "generate", "raw"])
+def test_a_prompt_too_long_for_num_ctx_names_it(http: httpx.Client, route: str,
+                                                body: dict[str, Any]) -> None:
+    """A prompt that does not fit the window ``options.num_ctx`` sets is a 400 that says
+    so, as Ollama's MLX engine refuses it (its llama.cpp engine cuts the middle out of the
+    prompt instead): the error said "This model's maximum context length is 20 tokens",
+    blaming the model for the client's own setting."""
+    got = http.post(route, json={"model": "demo", "options": {"num_ctx": 20}, **body})
+    assert got.status_code == 400, got.text
+    message = got.json()["error"]
+    assert message.startswith("options.num_ctx: "), message
+    assert "(20 tokens)" in message
+    assert http.post(route, json={"model": "demo", "stream": False,
+                                  "options": {"num_ctx": 2000, "num_predict": 2},
+                                  **body}).status_code == 200
 
 
 # -- options -------------------------------------------------------------------------------

@@ -42,9 +42,9 @@ from afmd.core.events import (
     ToolCallEnd,
     Usage,
 )
-from afmd.core.request import ChatRequest, CompletionRequest
+from afmd.core.request import CONTEXT_WINDOW_PARAM, ChatRequest, CompletionRequest
 from afmd.dialects.ollama.ollama_body import parse_chat, parse_generate
-from afmd.errors import APIError
+from afmd.errors import APIError, ContextLengthError
 
 __all__ = ["MEDIA_TYPE", "OLLAMA", "OLLAMA_CHAT", "OLLAMA_GENERATE", "OllamaReply",
            "created_at", "error_body", "load_answer", "ndjson"]
@@ -67,34 +67,62 @@ def nanoseconds(seconds: float) -> int:
     return max(0, round(seconds * 1e9))
 
 
-#: The grammar's fields as the pipeline names them (chat's), as Ollama's body names them.
-_SCHEMA_FIELDS = (
+#: The fields the pipeline names, as Ollama's body names them: the grammar's (chat's
+#: ``response_format``), the request's own context window (``options.num_ctx``), the
+#: thinking a model lacks (``think``), and the body's own paths (kept as they are).
+_FIELDS = (
     (re.compile(r"response_format\.json_schema\.schema(.*)"), r"format\1"),
     (re.compile(r"response_format(\..+)?"), "format"),
     (re.compile(r"(tools\[\d+\]\.function\..+)"), r"\1"),
+    (re.compile(CONTEXT_WINDOW_PARAM), "options.num_ctx"),
+    (re.compile(r"reasoning_effort"), "think"),
+    (re.compile(r"((?:messages\[\d+\]\.)?images\[\d+\])"), r"\1"),
+    (re.compile(r"(input\[\d+\]|options\..+)"), r"\1"),
 )
+#: Errors whose message is Ollama's own, which clients match: never prefixed.
+_OLLAMA_WORDS = frozenset({"model_not_found", "thinking_not_supported"})
 
 
-def schema_field(error: APIError) -> str | None:
-    """The ``format`` or tool field an error names, as Ollama's body names it (None: the
-    error names no such field)."""
-    for pattern, replacement in _SCHEMA_FIELDS:
-        if error.param is not None and pattern.fullmatch(error.param):
-            return pattern.sub(replacement, error.param)
+def schema_field(error: APIError, *, generate: bool = False) -> str | None:
+    """The field an error names, as Ollama's body names it (None: no field of Ollama's
+    body, such as a setting only afmd's other APIs have). ``generate``: the body is
+    ``/api/generate``'s, whose ``prompt`` and ``images`` afmd made a message of."""
+    param = error.param
+    if param is None:
+        return None
+    if error.code == "image_input_not_supported":  # names the message that has them
+        return "images" if generate else re.sub(r"\.content$", ".images", param)
+    for pattern, replacement in _FIELDS:
+        if pattern.fullmatch(param):
+            return pattern.sub(replacement, param)
     return None
 
 
-def error_body(error: APIError) -> dict[str, Any]:
-    """``{"error": "..."}``; an unknown model in Ollama's own words, which clients match.
-    With one message and no ``param``, a schema's error starts with its field (as
-    Anthropic's do): the grammar's messages do not say which schema they read."""
+def error_body(error: APIError, *, generate: bool = False) -> dict[str, Any]:
+    """``{"error": "..."}``; an unknown model and a model that cannot think in Ollama's
+    own words, which clients match. Ollama's error is one message, so it starts with the
+    field it is about where it does not name it already (as Anthropic's do): a grammar's
+    message does not say which schema it read, an image's which image it is."""
     found = _NOT_FOUND.match(error.message) if error.code == "model_not_found" else None
     if found is not None:
         return {"error": f"model '{found.group(1)}' not found"}
-    field = schema_field(error)
-    if field is not None and field not in error.message:
+    if isinstance(error, ContextLengthError):
+        return {"error": _context_message(error)}
+    field = schema_field(error, generate=generate)
+    if field is not None and field not in error.message and error.code not in _OLLAMA_WORDS:
         return {"error": f"{field}: {error.message}"}
     return {"error": error.message}
+
+
+def _context_message(error: ContextLengthError) -> str:
+    """A prompt too long for its window, in the words of Ollama's MLX runner (which, as
+    afmd, refuses it rather than cutting it), naming ``options.num_ctx`` when that is the
+    window: the client's own setting is what to raise."""
+    said = f"the input length ({error.prompt_tokens} tokens) exceeds"
+    if error.param == CONTEXT_WINDOW_PARAM:
+        return (f"options.num_ctx: {said} the context length options.num_ctx sets "
+                f"({error.limit} tokens); shorten the input or raise options.num_ctx")
+    return f"{said} the model's maximum context length ({error.limit} tokens)"
 
 
 def _logprobs(tokens: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
@@ -246,7 +274,7 @@ class OllamaReply:
         return b""
 
     def stream_error(self, error: APIError) -> bytes:
-        return ndjson(error_body(error))
+        return ndjson(error_body(error, generate=not self.chat))
 
 
 class OllamaErrors:
@@ -255,12 +283,13 @@ class OllamaErrors:
 
     name = "ollama"
     any_body_media_type = True  # see AnyBodyMediaType
+    generate = False  # the body is /api/generate's (its prompt made a message)
 
     def error_envelope(self, error: APIError) -> dict[str, Any]:
-        return error_body(error)
+        return error_body(error, generate=self.generate)
 
     def error_param(self, error: APIError) -> str | None:
-        return schema_field(error) or error.param
+        return schema_field(error, generate=self.generate) or error.param
 
 
 class OllamaChat(OllamaErrors):
@@ -281,6 +310,7 @@ class OllamaGenerate(OllamaErrors):
     (``raw``, or fill-in-the-middle with ``suffix``)."""
 
     name = "ollama_generate"
+    generate = True
 
     def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
               strict: bool = False) -> ChatRequest | CompletionRequest:
