@@ -446,6 +446,27 @@ def test_options_reach_the_sampler(client: ollama.Client, http: httpx.Client) ->
     assert other.message.content != answer.message.content
 
 
+def test_seed_minus_one_is_a_fresh_seed(client: ollama.Client) -> None:
+    """-1 is Ollama's default seed and means "random" (llama.cpp's and Ollama's samplers
+    read it so): afmd sampled with the fixed seed -1, the same answer every time. Any
+    other seed, negative too, reproduces its answer."""
+    def answer(seed: int) -> str:
+        return client.chat(model="demo", messages=MESSAGES, think=False, options={
+            "seed": seed, "temperature": 1.0, "num_predict": 16}).message.content or ""
+
+    assert len({answer(-1) for _ in range(4)}) > 1
+    assert answer(-5) == answer(-5)
+    assert answer(7) == answer(7)
+
+
+def test_a_role_is_read_in_any_case(client: ollama.Client) -> None:
+    """Ollama lowercases a role as it reads it: afmd answered 400 "Invalid role 'User'"."""
+    upper = [{"role": "System", "content": MESSAGES[0]["content"]},
+             {"role": "USER", "content": MESSAGES[1]["content"]}]
+    want = client.chat(model="demo", messages=MESSAGES, options=GREEDY).message.content
+    assert client.chat(model="demo", messages=upper, options=GREEDY).message.content == want
+
+
 def test_a_window_longer_than_any_sequence_is_all_of_it(client: ollama.Client) -> None:
     """mlx slices the tokens by ``repeat_last_n``, and a slice past 32 bits failed the
     batch's step: this request and every other one generating beside it were 500s."""

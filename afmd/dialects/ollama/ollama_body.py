@@ -64,6 +64,9 @@ __all__ = ["OPTIONS", "is_load_request", "parse_chat", "parse_generate", "wants_
 MAX_STOP_SEQUENCES = 16
 #: Tokens "no cap" stands for: the context window lowers it to what is left.
 UNCAPPED = 1 << 30
+#: The seed Ollama (and llama.cpp) read as "none": sample from a fresh seed, as without
+#: one. Any other value, negative ones included, is a seed that reproduces its answer.
+RANDOM_SEED = -1
 THINK_LEVELS = {"low": "low", "medium": "medium", "high": "high", "max": "xhigh"}
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -150,6 +153,8 @@ def _sampling(options: dict[str, Any]) -> dict[str, Any]:
                           ("num_ctx", "context_window")):
         if options[option] is not None:
             fields[field] = options[option]
+    if options["seed"] == RANDOM_SEED:
+        del fields["seed"]  # Ollama's default: a fresh seed each time, not seed -1
     penalty, window = options["repeat_penalty"], options["repeat_last_n"]
     if penalty is not None and window != 0:  # a window of 0 turns the penalty off
         fields["repetition_penalty"] = penalty
@@ -269,7 +274,8 @@ def _tool_calls(value: Any, param: str, ids: itertools.count[int]) -> tuple[Tool
 def _message(value: Any, param: str, ids: itertools.count[int]) -> Message:
     if not isinstance(value, dict):
         raise wrong_type(param, "an object", value)
-    role = required(value, "role", f"{param}.role", str, "a string")
+    # Ollama lowercases a role as it reads it: "User" is a user's message there.
+    role = required(value, "role", f"{param}.role", str, "a string").lower()
     if role not in ROLES:
         raise invalid(f"{param}.role", f"Invalid role '{role[:40]}'; use one of "
                                        + ", ".join(f"'{r}'" for r in ROLES) + ".")
