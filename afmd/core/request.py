@@ -138,6 +138,10 @@ class ChatRequest:
     #: Refuse a model that cannot think rather than answer without thinking (Ollama's
     #: ``think: true`` or a level: the client asked for reasoning it would not get).
     require_thinking: bool = False
+    #: The last message is the start of the answer, which the model continues rather
+    #: than answering anew (Anthropic's prefill, Ollama's final assistant message,
+    #: vLLM's ``continue_final_message``); the answer holds only what follows it.
+    continue_final: bool = False
     #: ``max_tokens`` is a cap the context window may lower (Anthropic's), not a demand a
     #: prompt too long to leave room for it fails (OpenAI's 400).
     max_tokens_shrinks: bool = False

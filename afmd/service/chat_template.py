@@ -138,3 +138,12 @@ def folded_system_turns(
             out[0]["content"] = _joined(out[0]["content"], text)
     dropped = set(late)
     return [m for i, m in enumerate(out) if i not in dropped]
+
+
+def continuation_kwargs(continue_final: bool) -> dict[str, bool]:
+    """``apply_chat_template``'s arguments for a prompt that opens the answer's turn, or
+    with ``continue_final`` that ends inside the last message (transformers cuts the
+    render right after that message's text)."""
+    if continue_final:
+        return {"add_generation_prompt": False, "continue_final_message": True}
+    return {"add_generation_prompt": True}

@@ -89,6 +89,11 @@ class RoundBuilder:
         return tokens
 
     def _conversation(self, request: ChatRequest, first_step: bool) -> SystemTurn:
+        if request.continue_final:  # the framework starts every answer afresh
+            raise InvalidRequestError(
+                f"The model '{self.model.id}' does not continue a prefilled assistant "
+                "message; end the conversation with a user message.",
+                code="invalid_last_message", param="messages")
         check_schemas(request)
         return system_turn(request, instructions=self._instructions, first_step=first_step,
                            server_tools=self._server_tools)
@@ -134,8 +139,10 @@ class RoundBuilder:
         try:
             if vision is not None:
                 return vision.render(messages, tools=tools, template_kwargs=kwargs,
-                                     decoded=self._pictures)
-            return self.model.render_prompt(messages, tools=tools, template_kwargs=kwargs), None
+                                     decoded=self._pictures,
+                                     continue_final=request.continue_final)
+            return self.model.render_prompt(messages, tools=tools, template_kwargs=kwargs,
+                                            continue_final=request.continue_final), None
         except InvalidRequestError:  # an image's own (undecodable, too large)
             raise
         except Exception as exc:  # template errors are about the conversation's shape

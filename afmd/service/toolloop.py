@@ -99,8 +99,12 @@ class ToolLoop:
         ``tokens_left``: what the client's ``max_tokens`` leaves for the rounds to come.
         """
         self.rounds += 1
-        history = [*request.messages,
-                   Message(role="assistant", content=None, tool_calls=tuple(calls))]
+        said = request.messages
+        prefill = None
+        if request.continue_final:  # the calls end the prefilled message: one turn
+            said, prefill = said[:-1], said[-1].content
+        history = [*said,
+                   Message(role="assistant", content=prefill, tool_calls=tuple(calls))]
         for call in calls:
             if self.calls >= self._max_calls:
                 content = BUDGET_EXHAUSTED
@@ -108,7 +112,8 @@ class ToolLoop:
                 self.calls += 1
                 content = (await self._tools.run(call.name, call.arguments)).content
             history.append(Message(role="tool", content=content, tool_call_id=call.id))
-        request = dataclasses.replace(request, messages=tuple(history), max_tokens=tokens_left)
+        request = dataclasses.replace(request, messages=tuple(history), max_tokens=tokens_left,
+                                      continue_final=False)
         if self.rounds >= self._max_rounds or self.calls >= self._max_calls:
             request = dataclasses.replace(
                 request,

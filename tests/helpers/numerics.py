@@ -28,6 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 from afmd.engine.batch import backend
 
@@ -89,6 +90,24 @@ def next_logits(model: Any, ids: Sequence[int]) -> np.ndarray:
     """The model's float32 logits for the token after ``ids`` (one pass, mlx-lm's way)."""
     logits = model(mx.array([list(ids)]))[0, -1].astype(mx.float32)
     return np.array(logits)
+
+
+def greedy(lm: tuple[Any, Any], ids: list[int], n: int,
+           stop_ids: tuple[int, ...] = ()) -> list[int]:
+    """The model's greedy continuation of ``ids``: up to ``n`` tokens, none of its EOS or
+    ``stop_ids``."""
+    model, tokenizer = lm
+    ends = set(tokenizer.eos_token_ids) | set(stop_ids)
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([ids]), cache=cache)[0, -1]
+    out: list[int] = []
+    while len(out) < n:
+        token = int(mx.argmax(logits).item())
+        if token in ends:
+            break
+        out.append(token)
+        logits = model(mx.array([[token]]), cache=cache)[0, -1]
+    return out
 
 
 def assert_greedy_agrees(model: Any, prompt: Sequence[int], got: Sequence[int],

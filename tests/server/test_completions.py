@@ -24,7 +24,6 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from afmd.engine.batch.detokenize import ExactDetokenizer
 from afmd.engine.batch.tokens import token_table
@@ -32,7 +31,7 @@ from afmd.engine.demo import builtin as demo
 from afmd.service import fim
 
 from conftest import ServerProcess, parse_sse, start_server
-from helpers.numerics import LOGPROB_TOLERANCE
+from helpers.numerics import LOGPROB_TOLERANCE, greedy
 from helpers.openai_schemas import _allow_nullable, validate_error
 from helpers.paths import TESTS_DIR
 
@@ -81,24 +80,6 @@ def validate(obj: dict[str, Any], *, chunk: bool = False) -> None:
 def lm() -> tuple[Any, Any]:
     """The demo model the server runs (same cache folder), loaded here by mlx-lm."""
     return mlx_lm.load(str(demo.materialize("demo")))
-
-
-def greedy(lm: tuple[Any, Any], ids: list[int], n: int,
-           stop_ids: tuple[int, ...] = ()) -> list[int]:
-    """The model's greedy continuation of ``ids``: up to ``n`` tokens, none of its EOS or
-    ``stop_ids``."""
-    model, tokenizer = lm
-    ends = set(tokenizer.eos_token_ids) | set(stop_ids)
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([ids]), cache=cache)[0, -1]
-    out: list[int] = []
-    while len(out) < n:
-        token = int(mx.argmax(logits).item())
-        if token in ends:
-            break
-        out.append(token)
-        logits = model(mx.array([[token]]), cache=cache)[0, -1]
-    return out
 
 
 def log_softmax(lm: tuple[Any, Any], ids: list[int]) -> np.ndarray:

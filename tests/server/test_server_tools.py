@@ -26,7 +26,7 @@ import pytest
 from afmd.config.load import load_config
 from afmd.config.tables import ModelEntry, ServerTool
 from afmd.core.events import Content, Finish, ToolCallArguments, ToolCallEnd, ToolCallStart
-from afmd.core.request import ChatRequest, Message, ToolCall
+from afmd.core.request import ChatRequest, Message, ToolCall, ToolChoice
 from afmd.dialects.openai.chat_body import parse_chat_request
 from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
@@ -654,6 +654,40 @@ def test_the_round_after_a_server_tool_ran_is_free(
     assert grammar is not None and "TEXT" in grammar.text  # free text is allowed
     assert isinstance(outputs[-2], Finish) and run.finish_reason in ("stop", "length")
     assert not any(isinstance(o, ToolCallEnd) for o in outputs)
+
+
+def test_a_prefill_that_ends_in_a_server_call_is_one_assistant_turn(
+    demo_model: LoadedModel, tmp_path: Path
+) -> None:
+    """A prefilled answer the model ends with a call of a server tool (a model that calls
+    on its own may): the next round's conversation holds the prefill and the call as one
+    assistant message, and continues nothing (two assistant turns in a row, or a prompt
+    ending inside the tool's output, were what a naive append made)."""
+    mark = tmp_path / "probe.jsonl"
+    pipeline = in_process(demo_model, tmp_path, command_tool(
+        PROBE, "echo_tool.py", env={"MARK_FILE": str(mark), "TOOL_NONCE": NONCE}))
+    prefill = "Let me look that up"
+    body = forced(PROBE, max_tokens=200, tool_choice="auto", continue_final_message=True)
+    body["messages"].append({"role": "assistant", "content": prefill})
+
+    async def run_it() -> tuple[ChatRun, list[Any]]:
+        request = parse_chat_request(body, server_tools=pipeline.server_tools.names)
+        assert request.continue_final
+        # The demo model calls only when made to: force the first step's call, as a
+        # model that calls by itself would write it after the prefill.
+        request = dataclasses.replace(request, tool_choice=ToolChoice(
+            "required", allowed=(PROBE,), named=True))
+        prepared = await pipeline.prepare(request, "req-prefill-" + uuid.uuid4().hex[:6])
+        return await drain(pipeline, prepared)
+
+    run, outputs = asyncio.run(run_it())
+    assert len(marks(mark)) == 1
+    last = run.round.request
+    assert not last.continue_final
+    turn = [m for m in last.messages if m.role != "system"][-3:]
+    assert [m.role for m in turn] == ["user", "assistant", "tool"]
+    assert turn[1].content == prefill and [c.name for c in turn[1].tool_calls] == [PROBE]
+    assert isinstance(outputs[-2], Finish) and run.finish_reason in ("stop", "length")
 
 
 def test_the_round_after_a_server_tool_is_trimmed_as_the_first(

@@ -12,6 +12,9 @@ A ``role: "system"`` message inside ``messages`` (Claude Code sends them, with t
 system turn there when the model's chat template has one, otherwise folded into the
 nearest turn it accepts (:meth:`afmd.engine.models.loaded_model.LoadedModel.render_prompt`).
 
+A last assistant message is a prefill: the answer continues its text (an empty one is as
+none, and its text may not end in whitespace, as Anthropic requires).
+
 ``thinking`` blocks sent back become that assistant turn's reasoning (templates that know
 ``reasoning_content`` render it, others drop it); their signatures are opaque to afmd, and
 ``redacted_thinking`` has no text.
@@ -231,10 +234,15 @@ def parse_messages(value: Any, *, strict: bool = False) -> tuple[tuple[Message, 
                 f"tool_use {quoted(calls[0].id)} of the last message has no tool_result; "
                 "add a user message with its result.",
                 code="missing_tool_output", param=f"messages[{last.index}].content")
-        raise InvalidRequestError(
-            "The last message is from the assistant: afmd does not continue a prefilled "
-            "assistant turn; end the conversation with a user message.",
-            code="invalid_last_message", param=f"messages[{last.index}].role")
+        if out[-1].role != "assistant":  # a system message after it: nothing to continue
+            raise InvalidRequestError(
+                "A prefilled assistant message must be the last message; a system message "
+                "follows it.", code="invalid_last_message",
+                param=f"messages[{last.index}].role")
+        text = out[-1].content or ""
+        if text != text.rstrip():  # Anthropic's rule: the answer would start mid-space
+            raise invalid(f"messages[{last.index}].content",
+                          "final assistant content cannot end with trailing whitespace")
     if not any(m.role == "user" for m in out):
         raise InvalidRequestError(
             "The conversation has no user message.", code="missing_user_message",

@@ -36,6 +36,7 @@ from afmd.dialects.fields.checks import (
     wrong_type,
 )
 from afmd.dialects.fields.keep_alive import keep_alive_of
+from afmd.dialects.fields.messages import check_prefill, prefilled
 from afmd.errors import InvalidRequestError
 
 __all__ = ["parse_count_request", "parse_messages_request"]
@@ -137,8 +138,19 @@ def _parse(
         raise invalid("tool_choice.type", "Thinking may not be enabled when tool_choice "
                       "forces tool use.")
     effort, response_format = _output_config(body.get("output_config"), strict)
+    format_param = "output_config.format"
     if response_format is None:  # the structured-outputs beta's spelling
         response_format = _format(body.get("output_format"), "output_format", strict)
+        format_param = "output_format"
+    messages, prefill = prefilled(messages)
+    if prefill:
+        if kind in ("enabled", "adaptive"):
+            # As Anthropic: thinking comes before the answer, which a prefill has begun.
+            raise invalid("thinking", "Thinking cannot be enabled with a prefilled "
+                          "assistant message: the thinking would come after the answer "
+                          "began. Disable thinking, or end the conversation with a user "
+                          "message.")
+        check_prefill(response_format, format_param, choice, "tool_choice")
     reasoning_effort = effort
     if kind == "disabled":
         reasoning_effort = "none"
@@ -160,6 +172,7 @@ def _parse(
         response_format=response_format,
         reasoning_effort=reasoning_effort,
         thinking_budget=budget if kind == "enabled" else None,
+        continue_final=prefill,
         max_tokens_shrinks=True,  # a cap, as Anthropic's: the context window may lower it
         has_images=images,
         keep_alive=keep_alive_of(body),

@@ -11,6 +11,9 @@ IDE plugins send them to whichever server they are pointed at:
   The values are passed as sent (the template renders in a sandbox).
 - ``repetition_penalty`` and llama.cpp's spelling of it, ``repeat_penalty``: either one;
   both with different values is a 400 (which one was meant?).
+- ``continue_final_message`` (vLLM's): the last message is an assistant's text the answer
+  continues, rendered without the end of its turn; with it, ``add_generation_prompt``
+  may only be false, as vLLM requires (a new assistant turn would follow the old one).
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ from typing import Any
 from afmd.dialects.fields.checks import Scalar, invalid, read_scalar, wrong_type
 
 __all__ = [
+    "ADD_GENERATION_PROMPT",
     "CHAT_TEMPLATE_KWARGS",
+    "CONTINUE_FINAL_MESSAGE",
     "REPEAT_PENALTY",
     "RESERVED_TEMPLATE_KWARGS",
     "chat_template_kwargs_of",
+    "continue_final_message_of",
     "repetition_penalty_of",
 ]
 
@@ -59,6 +65,25 @@ def chat_template_kwargs_of(body: Mapping[str, Any]) -> dict[str, Any]:
                 "from the request's own fields.",
             )
     return dict(value)
+
+
+CONTINUE_FINAL_MESSAGE = Scalar("continue_final_message", "boolean", default=False)
+ADD_GENERATION_PROMPT = Scalar("add_generation_prompt", "boolean")
+
+
+def continue_final_message_of(body: Mapping[str, Any]) -> bool:
+    """Whether the answer continues the last message (``continue_final_message``)."""
+    cont = read_scalar(body, CONTINUE_FINAL_MESSAGE)
+    header = read_scalar(body, ADD_GENERATION_PROMPT)
+    if cont and header:
+        raise invalid(ADD_GENERATION_PROMPT.name, "'add_generation_prompt' and "
+                      "'continue_final_message' cannot both be true: the answer either "
+                      "starts a new assistant turn or continues the last message.")
+    if header is False and not cont:
+        raise invalid(ADD_GENERATION_PROMPT.name, "'add_generation_prompt' may be false only "
+                      "with 'continue_final_message': afmd answers as the assistant, in a "
+                      "new turn or continuing the last message.")
+    return bool(cont)
 
 
 def repetition_penalty_of(body: Mapping[str, Any]) -> float | None:

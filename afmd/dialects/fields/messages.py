@@ -14,7 +14,7 @@ import binascii
 import re
 from typing import Any
 
-from afmd.core.request import ImageInput, Message, ToolCall
+from afmd.core.request import ImageInput, Message, ResponseFormat, ToolCall, ToolChoice
 from afmd.dialects.fields.checks import (
     invalid,
     missing,
@@ -246,9 +246,10 @@ def message(value: Any, param: str, *, strict: bool = False) -> Message:
 
 
 def parse_messages(
-    value: Any, param: str = "messages", *, strict: bool = False
+    value: Any, param: str = "messages", *, strict: bool = False, prefill: bool = False
 ) -> tuple[Message, ...]:
-    """The conversation, which must have something for the model to answer.
+    """The conversation, which must have something for the model to answer: a user or
+    tool message last, or with ``prefill`` an assistant's text to continue.
 
     Each message is checked on its own (``strict``: see :func:`message`);
     :func:`check_tool_history` then checks the calls and their answers across messages.
@@ -274,14 +275,46 @@ def parse_messages(
             code="missing_tool_output",
             param=f"{param}[{len(messages) - 1}].tool_calls[0]",
         )
-    if last.role == "assistant":
+    if last.role == "assistant" and not prefill:
         raise InvalidRequestError(
             "The last message is from the assistant; end the conversation with a user or "
-            "tool message so there is something to answer.",
+            "tool message so there is something to answer, or set "
+            "'continue_final_message' to continue it.",
             code="invalid_last_message",
             param=f"{param}[{len(messages) - 1}].role",
         )
     return messages
+
+
+def prefilled(messages: tuple[Message, ...]) -> tuple[tuple[Message, ...], bool]:
+    """The conversation, and whether it ends in an assistant's text for the answer to
+    continue (a prefill). An empty one is dropped: there is nothing to continue, so the
+    answer starts as it would without it (Anthropic accepts the last message empty)."""
+    last = messages[-1] if messages else None
+    if last is None or last.role != "assistant" or last.tool_calls:
+        return messages, False
+    if not last.content:
+        return messages[:-1], False
+    return messages, True
+
+
+def check_prefill(
+    response_format: ResponseFormat | None, format_param: str,
+    tool_choice: ToolChoice, choice_param: str,
+) -> None:
+    """A prefill and a grammar from the answer's first token do not go together: the
+    grammar would start over where the prefill left off (a JSON object after a prefilled
+    ``{``), so the request is refused rather than answered with output that fits
+    neither."""
+    if response_format is not None:
+        raise invalid(format_param, f"'{format_param}' cannot be combined with a prefilled "
+                      "assistant message: the format applies to the whole answer, and the "
+                      "answer would continue the prefill. Put the prefill in the format, or "
+                      "send one of the two.")
+    if tool_choice.mode == "required":
+        raise invalid(choice_param, f"'{choice_param}' cannot force a tool call after a "
+                      "prefilled assistant message: the answer continues the prefill's "
+                      "text. Use 'auto', or end the conversation with a user message.")
 
 
 def check_tool_history(

@@ -38,6 +38,7 @@ from afmd.core.request import (
     Message,
     ResponseFormat,
     ToolCall,
+    ToolChoice,
 )
 from afmd.dialects.fields.body import parse_json_body
 from afmd.dialects.fields.checks import (
@@ -54,7 +55,7 @@ from afmd.dialects.fields.checks import (
     wrong_type,
 )
 from afmd.dialects.fields.keep_alive import keep_alive_of
-from afmd.dialects.fields.messages import check_tool_history
+from afmd.dialects.fields.messages import check_prefill, check_tool_history, prefilled
 from afmd.dialects.fields.tool_specs import parse_tool_choice, parse_tools
 from afmd.errors import InvalidRequestError
 
@@ -350,11 +351,8 @@ def _messages(value: Any) -> tuple[Message, ...]:
         raise wrong_type("messages", "an array", value)
     ids = itertools.count()
     messages = [_message(m, f"messages[{i}]", ids) for i, m in enumerate(value)]
-    last = messages[-1]
-    if last.role == "assistant":
-        raise invalid(f"messages[{len(messages) - 1}].role",
-                      "The last message is from the assistant; end the conversation with a "
-                      "user or tool message so there is something to answer.")
+    if not messages:
+        raise invalid("messages", "'messages' must contain at least one message.")
     return check_tool_history(_answered(messages))
 
 
@@ -377,8 +375,11 @@ def parse_chat(raw: bytes, *, server_tools: Collection[str] = (), strict: bool =
 def chat_request(body: dict[str, Any], *, server_tools: Collection[str] = (),
                  strict: bool = False) -> ChatRequest:
     top, options, ignored = _common(body, CHAT_FIELDS, strict)
-    messages = _messages(body.get("messages"))
+    messages, prefill = prefilled(_messages(body.get("messages")))
     tools = parse_tools(body.get("tools"))
+    response_format = _format(body.get("format"))
+    if prefill:  # as Ollama: the answer continues the last assistant message
+        check_prefill(response_format, "format", ToolChoice(), "tools")
     return ChatRequest(
         messages=messages,
         model=top["model"],
@@ -388,9 +389,10 @@ def chat_request(body: dict[str, Any], *, server_tools: Collection[str] = (),
         trim_context=top["truncate"],
         tools=tools,
         tool_choice=parse_tool_choice(None, tools, server_tools),
-        response_format=_format(body.get("format")),
+        response_format=response_format,
         reasoning_effort=_think(body.get("think")),
         require_thinking=wants_thinking(body.get("think")),
+        continue_final=prefill,
         has_images=any(m.has_images for m in messages),
         logprobs=(top["top_logprobs"] or 0) if top["logprobs"] else None,
         keep_alive=keep_alive_of(body),

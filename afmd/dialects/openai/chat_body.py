@@ -27,14 +27,22 @@ from afmd.dialects.fields.checks import (
     wrong_type,
 )
 from afmd.dialects.fields.extensions import (
+    ADD_GENERATION_PROMPT,
     CHAT_TEMPLATE_KWARGS,
+    CONTINUE_FINAL_MESSAGE,
     REPEAT_PENALTY,
     REPETITION_PENALTY,
     chat_template_kwargs_of,
+    continue_final_message_of,
     repetition_penalty_of,
 )
 from afmd.dialects.fields.keep_alive import keep_alive_of
-from afmd.dialects.fields.messages import check_tool_history, parse_messages
+from afmd.dialects.fields.messages import (
+    check_prefill,
+    check_tool_history,
+    parse_messages,
+    prefilled,
+)
 from afmd.dialects.fields.prediction import parse_prediction
 from afmd.dialects.fields.sampling import (
     FREQUENCY_PENALTY,
@@ -118,7 +126,7 @@ _IGNORED_STRINGS = (Scalar("user", "string"), Scalar("safety_identifier", "strin
 
 #: Every scalar field of a chat body.
 CHAT_SCALARS = (_MODEL, _STREAM, *_SAMPLING, REPETITION_PENALTY, REPEAT_PENALTY, *_TOOL_USE,
-                *_IGNORED_STRINGS)
+                *_IGNORED_STRINGS, CONTINUE_FINAL_MESSAGE, ADD_GENERATION_PROMPT)
 
 KNOWN_FIELDS = (
     IGNORED_FIELDS
@@ -171,7 +179,8 @@ def parse_chat_request(
     """
     ignored = unknown_keys(body, KNOWN_FIELDS, strict=strict, deprecated=_DEPRECATED)
     model = read_scalar(body, _MODEL)
-    messages = parse_messages(body.get("messages"), strict=strict)
+    prefill = continue_final_message_of(body)
+    messages = parse_messages(body.get("messages"), strict=strict, prefill=prefill)
     stream = read_scalar(body, _STREAM)
     include_usage = parse_stream_options(body.get("stream_options"), stream)
     sampling = read_scalars(body, _SAMPLING)
@@ -188,6 +197,14 @@ def parse_chat_request(
     max_tokens, limit = sampling["max_tokens"], sampling["max_completion_tokens"]
     if limit is not None and (max_tokens is None or limit < max_tokens):
         max_tokens = limit
+    response_format = parse_response_format(body.get("response_format"), strict=strict)
+    if prefill:
+        if messages[-1].role != "assistant":
+            raise invalid(f"messages[{len(messages) - 1}].role", "'continue_final_message' "
+                          "continues the last message, which must be the assistant's.")
+        messages, prefill = prefilled(messages)
+        if prefill:
+            check_prefill(response_format, "response_format", tool_choice, "tool_choice")
     return ChatRequest(
         messages=check_tool_history(messages),
         model=model,
@@ -208,8 +225,9 @@ def parse_chat_request(
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=tool_use["parallel_tool_calls"],
-        response_format=parse_response_format(body.get("response_format"), strict=strict),
+        response_format=response_format,
         reasoning_effort=tool_use["reasoning_effort"],
+        continue_final=prefill,
         has_images=any(m.has_images for m in messages),
         logprobs=(sampling["top_logprobs"] or 0) if sampling["logprobs"] else None,
         prediction=parse_prediction(body.get("prediction")),

@@ -19,7 +19,7 @@ from afmd.config.tables import ModelEntry
 from afmd.engine.generation import Generation, GenerationRequest
 from afmd.engine.models.kinds import CHAT, EmbeddingSpec
 from afmd.output.processor import ToolFormat
-from afmd.service.chat_template import folded_system_turns
+from afmd.service.chat_template import continuation_kwargs, folded_system_turns
 
 if TYPE_CHECKING:
     # Apple's model's worker (afmd.engine.apple): its SDK only on a generation.
@@ -207,24 +207,23 @@ class LoadedModel:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        continue_final: bool = False,
     ) -> list[int]:
         """Prompt token ids through the model's own chat template. A template that refuses
         a system turn after the first message (many raise on it) gets those folded into
-        the nearest user turn instead (:func:`afmd.service.chat_template.folded_system_turns`)."""
-        kwargs = dict(template_kwargs or {})
+        the nearest user turn instead (:func:`afmd.service.chat_template.folded_system_turns`).
+        ``continue_final``: the last message is an assistant's text the answer continues,
+        so the prompt ends inside it, without the end of its turn or a new one."""
+        kwargs = {**(template_kwargs or {}), **continuation_kwargs(continue_final)}
         if tools:
             kwargs["tools"] = list(tools)
         try:
-            text = self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=False, **kwargs
-            )
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs)
         except Exception:
             folded = folded_system_turns(messages)
             if folded is None:
                 raise
-            text = self.tokenizer.apply_chat_template(
-                folded, add_generation_prompt=True, tokenize=False, **kwargs
-            )
+            text = self.tokenizer.apply_chat_template(folded, tokenize=False, **kwargs)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def start(self, request: GenerationRequest) -> Generation:

@@ -29,6 +29,7 @@ import numpy as np
 from afmd.core.request import ImageInput
 from afmd.errors import InvalidRequestError
 from afmd.service import images as image_decoding
+from afmd.service.chat_template import continuation_kwargs
 
 #: Processor outputs that are the prompt itself rather than inputs of the vision side.
 _TEXT_KEYS = ("input_ids", "attention_mask")
@@ -50,6 +51,7 @@ class VisionSupport:
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         decoded: dict[int, Any] | None = None,
+        continue_final: bool = False,
     ) -> tuple[list[int], dict[str, Any] | None]:
         """Prompt ids (image placeholders expanded to the image's tokens) and the vision
         inputs to generate with (None: no image in the prompt).
@@ -57,7 +59,8 @@ class VisionSupport:
         ``messages`` are chat-template messages whose content may be a list of parts;
         an image part carries its :class:`ImageInput` under ``image``. ``decoded``
         keeps decoded pictures across the renders of one request (trimming renders
-        several times).
+        several times). ``continue_final``: as
+        :meth:`~afmd.engine.models.loaded_model.LoadedModel.render_prompt`'s.
         """
         from mlx_vlm.utils import prepare_inputs
 
@@ -77,12 +80,10 @@ class VisionSupport:
                         parts.append(part)
                 message = {**message, "content": parts}
             plain.append(dict(message))
-        kwargs = dict(template_kwargs or {})
+        kwargs = {**(template_kwargs or {}), **continuation_kwargs(continue_final)}
         if tools:
             kwargs["tools"] = list(tools)
-        text = self.tokenizer.apply_chat_template(
-            plain, add_generation_prompt=True, tokenize=False, **kwargs
-        )
+        text = self.tokenizer.apply_chat_template(plain, tokenize=False, **kwargs)
         if not pictures:
             return list(self.tokenizer.encode(text, add_special_tokens=False)), None
         try:
