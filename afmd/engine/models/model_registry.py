@@ -123,7 +123,7 @@ class ModelRegistry:
         actual = actual or self.kind_of(entry)
         if actual == kind:
             return
-        serves = "/v1/embeddings" if actual == EMBEDDING else "chat and completions"
+        serves = "embeddings" if actual == EMBEDDING else "chat and completions"
         wanted = "embeddings" if kind == EMBEDDING else "chat or completions"
         raise InvalidRequestError(
             f"The model '{entry.id}' is {_article(actual)} {actual} model: it serves "
