@@ -263,6 +263,10 @@ class ChatRun:
         self.generation = self.prepared.model.start(
             _generation(self.prepared, self.round, self.choice, self._tools.run_one,
                         self._processors))
+        if self._control.cancelled:
+            # Cancelled since the last generation ended (a retry's back-off, the next
+            # round's preparation): this one ends at once, and the run as "cancelled".
+            self.prepared.model.cancel(self.generation)
 
     def cancel(self) -> None:
         """Stop for good (client cancel or disconnect; also when the response is over)."""
