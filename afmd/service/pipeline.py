@@ -359,5 +359,11 @@ class ChatPipeline:
         arrival.cancel()
         return True
 
+    def cancel_arriving(self) -> None:
+        """Cancel every turn still waiting for its model (the server is stopping: nothing
+        is loaded for them any more)."""
+        for arrival in list(self._arrivals.values()):
+            arrival.cancel()
+
 
 __all__ = ["ChatPipeline", "NotStarted"]

@@ -116,12 +116,14 @@ def server_stopping_error() -> ServiceUnavailableError:
 def interrupt_requests(state: AppState, error: APIError) -> None:
     """End every chat request still running with ``error`` (the server is stopping).
 
-    Queued runs leave the queue and generations are cancelled; each handler then answers
-    ``error`` as it answers any failure (a plain error before the 200, an error event and
-    the stream's end after it) and its connection goes idle. Safe to call repeatedly: a
-    run that started a new round meanwhile (server tools) is caught by the next call.
+    Requests waiting for their model stop waiting (none is loaded for them), queued runs
+    leave the queue and generations are cancelled; each handler then answers ``error`` as
+    it answers any failure (a plain error before the 200, an error event and the stream's
+    end after it) and its connection goes idle. Safe to call repeatedly: a run that
+    started a new round meanwhile (server tools) is caught by the next call.
     """
     state.stop_error = error
+    state.pipeline.cancel_arriving()  # each answers the error, not a model loaded for it
     for request_id in list(state.running):
         run = state.pipeline.find(request_id)
         if run is None or run.finished:
@@ -172,6 +174,8 @@ async def turn(request: Request, parsed: ChatRequest | CompletionRequest | None 
             profile=parse_profile_header(request.headers.get("x-afm-profile")),
         )
     except NotStarted as ended:
+        if state.stop_error is not None:  # cancelled by the shutdown: its error
+            raise state.stop_error from None
         return await _cancelled_before_start(request, dialect, ended, request_id, extra)
     request.ctx.model = prepared.model_name
     reply = dialect.reply(chat, model=prepared.model_name, fingerprint=prepared.fingerprint)
