@@ -39,3 +39,4 @@ class Embeddings:
     vectors: Any
     prompt_tokens: int
     model: str  # what the response reports: the name the client asked for, or the default
+    load_seconds: float = 0.0  # waiting for the model (its load, when it was not loaded)

@@ -54,6 +54,9 @@ class ToolCallEnd:
 
     index: int
     call: ToolCall
+    #: The output ended inside it (the token limit, a cancel): the call is as far as
+    #: it was written, unfinished.
+    cut: bool = False
 
 
 @dataclass(frozen=True, slots=True)

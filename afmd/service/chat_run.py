@@ -11,13 +11,14 @@ token); the last batch ends with :class:`~afmd.core.events.Finish` and
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from afmd.core.events import Event, Finish, Profile, Timings, Usage
-from afmd.core.request import ToolCall
+from afmd.core.request import ChatRequest, ToolCall
 from afmd.engine.batch.tokens import token_table
 from afmd.engine.generation import Finished, Generation, GenerationRequest, SamplingParams
 from afmd.engine.models.loaded_model import LoadedModel
@@ -121,8 +122,11 @@ class ChatRun:
         # The current round's processors: its grammar's matcher says afterwards whether
         # it was followed to the end.
         self._processors: list[LogitsProcessor] = []
+        # The server tools of a round being run (None: none are): a cancel or the deadline
+        # stops them, a tool's process with them.
+        self._running_tools: asyncio.Task[ChatRequest] | None = None
         self._control = RunControl(policy, prepared.request_id, prepared.deadline,
-                                   stop=self._stop_generation, fail=self._fail)
+                                   stop=self._stop, fail=self._fail)
         self._events = self._run()
 
     @property
@@ -166,9 +170,8 @@ class ChatRun:
             if out:
                 self._control.emitted = True
                 yield out
-            request = await self._tools.run(self.round.request, server_calls,
-                                            self._tokens_left())
-            if self._control.cancelled:
+            request = await self._run_tools(server_calls)
+            if request is None or self._control.cancelled:
                 yield self._end("cancelled", finished)
                 return
             self.round = await self.prepared.rounds.next(request)
@@ -195,6 +198,24 @@ class ChatRun:
                 and reading.output.stop_sequence is None):
             self.round.plan.check_answer("".join(reading.answer))
         return reason, []
+
+    async def _run_tools(self, calls: list[ToolCall]) -> ChatRequest | None:
+        """The next round's request, the server calls' results in it; None: the run was
+        cancelled while they ran, and what still ran was stopped (a tool's process killed),
+        not waited for up to its timeout. The deadline stops them too: its 504, at once."""
+        task = asyncio.ensure_future(
+            self._tools.run(self.round.request, calls, self._tokens_left()))
+        self._running_tools = task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not task.cancelled() or (current is not None and current.cancelling()):
+                raise  # the request itself is being cancelled (its client left)
+            self._control.check()
+            return None
+        finally:
+            self._running_tools = None
 
     def _reading(self) -> RoundReader:
         table = None
@@ -242,10 +263,20 @@ class ChatRun:
         self.generation = self.prepared.model.start(
             _generation(self.prepared, self.round, self.choice, self._tools.run_one,
                         self._processors))
+        if self._control.cancelled:
+            # Cancelled since the last generation ended (a retry's back-off, the next
+            # round's preparation): this one ends at once, and the run as "cancelled".
+            self.prepared.model.cancel(self.generation)
 
     def cancel(self) -> None:
         """Stop for good (client cancel or disconnect; also when the response is over)."""
         self._control.cancel()
+
+    def _stop(self) -> None:
+        """Stop what runs: the generation, or the round's server tools."""
+        self._stop_generation()
+        if self._running_tools is not None:
+            self._running_tools.cancel()
 
     def _stop_generation(self) -> None:
         if self.generation is None:

@@ -290,6 +290,8 @@ class CompletionRun:
         model = self.prepared.model
         self.generations = [model.start(_request(self.prepared, p))
                             for p in self.prepared.prompts]
+        if self._control.cancelled:  # cancelled in a retry's back-off: they end at once
+            self._stop_generations()
 
     def cancel(self) -> None:
         """Stop for good (client cancel or disconnect; also when the response is over)."""

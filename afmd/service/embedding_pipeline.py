@@ -12,6 +12,7 @@ other requests are waiting (:mod:`afmd.engine.embedding_thread`). A request is f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from afmd.errors import (
     InvalidRequestError,
     NotFoundError,
 )
-from afmd.service.scheduler import Cancelled, Scheduler, Ticket
+from afmd.service.scheduler import Arrival, Cancelled, Scheduler, Ticket
 
 
 def cancelled_error(request_id: str) -> ConflictError:
@@ -46,6 +47,8 @@ class EmbeddingRun:
 
     request_id: str
     ticket: Ticket = field(default_factory=Ticket)
+    #: Its wait for the model, which a cancel cuts short.
+    arrival: Arrival = field(default_factory=Arrival)
     job: EmbeddingJob | None = None
     cancelled: bool = False
     #: What the request is answered once cancelled (the shutdown's error, or 409).
@@ -58,6 +61,7 @@ class EmbeddingRun:
             return
         self.cancelled = True
         self.error = error or cancelled_error(self.request_id)
+        self.arrival.cancel()  # waiting for its model: it stops waiting
         self.ticket.cancel()  # still queued: it leaves the queue at once
         job = self.job
         if job is not None:
@@ -78,6 +82,15 @@ class EmbeddingService:
     def find(self, request_id: str) -> EmbeddingRun | None:
         return self._runs.get(request_id)
 
+    def cancel(self, request_id: str) -> bool:
+        """Cancel the request with this id, waiting for its model, queued or embedding;
+        False: none is (or it was cancelled already)."""
+        run = self._runs.get(request_id)
+        if run is None or run.cancelled:
+            return False
+        run.cancel()
+        return True
+
     def interrupt(self, error: APIError) -> None:
         """End every request waiting for a slot or being embedded with ``error``: the
         server is stopping, and what still runs when its grace period ends is answered,
@@ -87,21 +100,35 @@ class EmbeddingService:
 
     async def embed(self, request: EmbeddingRequest, request_id: str) -> Embeddings:
         deadline = time.monotonic() + self.request_timeout
-        # Held until the vectors are out: a model in use is never unloaded.
-        lease = await self.registry.lease(self.entry_for(request.model), EMBEDDING,
-                                          deadline=deadline, keep_alive=request.keep_alive)
+        entry = self.entry_for(request.model)
+        # Findable by its id from now: a cancel while its model loads ends it too.
+        run = self._register(request_id)
+        started = time.monotonic()
         try:
-            return await self._embed(lease, request, request_id, deadline)
+            # Held until the vectors are out: a model in use is never unloaded.
+            try:
+                lease = await run.arrival.unless_cancelled(self.registry.lease(
+                    entry, EMBEDDING, deadline=deadline, keep_alive=request.keep_alive),
+                    Lease.release)
+            except Cancelled:
+                raise run.error or cancelled_error(request_id) from None
+            waited = time.monotonic() - started
+            try:
+                return dataclasses.replace(await self._embed(lease, run, request, deadline),
+                                           load_seconds=waited)
+            finally:
+                lease.release()
         finally:
-            lease.release()
+            if self._runs.get(request_id) is run:
+                del self._runs[request_id]
 
     async def _embed(
-        self, lease: Lease, request: EmbeddingRequest, request_id: str, deadline: float
+        self, lease: Lease, run: EmbeddingRun, request: EmbeddingRequest, deadline: float
     ) -> Embeddings:
         model = lease.model
+        request_id = run.request_id
         self._check_dimensions(model, request.dimensions)
         sequences = await self._sequences(model, request)
-        run = self._register(request_id)
         lease.ticket = run.ticket  # queued until it holds a slot: /health's counts
         try:
             try:
@@ -126,8 +153,6 @@ class EmbeddingService:
             if run.job is not None:
                 run.job.cancel()
             self.scheduler.release(run.ticket)
-            if self._runs.get(request_id) is run:
-                del self._runs[request_id]
         return Embeddings(
             vectors=vectors,
             prompt_tokens=sum(len(s) for s in sequences),

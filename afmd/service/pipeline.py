@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from afmd import __version__
 from afmd.config.sections import Config
 from afmd.config.tables import ModelEntry
+from afmd.core.events import Choice, Event, Finish, Timings, Usage
 from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.engine.batch.penalties import check_logit_bias
 from afmd.engine.models.loaded_model import LoadedModel
@@ -33,13 +34,38 @@ from afmd.service.completion_run import CompletionRun
 from afmd.service.output_plan import model_formats
 from afmd.service.round_builder import RoundBuilder
 from afmd.service.run_control import RunPolicy
-from afmd.service.scheduler import Cancelled, Scheduler
+from afmd.service.scheduler import Arrival, Cancelled, Scheduler
 from afmd.service.servertools import ServerTools
 
 
-def _fingerprint(model: LoadedModel) -> str:
-    digest = hashlib.sha256(f"{__version__}:{model.id}:{model.entry.path}".encode()).hexdigest()
+def _fingerprint(entry: ModelEntry) -> str:
+    digest = hashlib.sha256(f"{__version__}:{entry.id}:{entry.path}".encode()).hexdigest()
     return "fp_" + digest[:10]
+
+
+class NotStarted(Cancelled):
+    """The request was cancelled before it had its model and prompt: it ends as cancelled
+    with nothing counted (no prompt was read), in its dialect's own way."""
+
+    def __init__(self, request: ChatRequest | CompletionRequest, entry: ModelEntry,
+                 waited: float, received_at: float) -> None:
+        super().__init__()
+        self.request = request
+        self.model_name = request.model or entry.id
+        self.fingerprint = _fingerprint(entry)
+        self.waited = waited
+        self.received_at = received_at
+
+    def events(self) -> list[Event]:
+        """The run's events as a run cancelled in the queue ends, with no tokens."""
+        request = self.request
+        timings = Timings(time.perf_counter() - self.received_at, self.waited, 0.0, 0.0)
+        finish = Finish("cancelled")
+        if isinstance(request, ChatRequest) and request.n == 1:
+            return [timings, finish, Usage(0, 0)]
+        choices = request.n * (len(request.prompts)
+                               if isinstance(request, CompletionRequest) else 1)
+        return [*(Choice(i, (finish,)) for i in range(choices)), timings, Usage(0, 0)]
 
 
 def _check_images(request: ChatRequest, model: LoadedModel, entry: ModelEntry) -> None:
@@ -113,6 +139,8 @@ class ChatPipeline:
     taken: Callable[[str], bool] = lambda request_id: False
     policy: RunPolicy = field(init=False)
     _runs: dict[str, ChatRun | ChoicesRun | CompletionRun] = field(default_factory=dict)
+    #: The requests being prepared, and prepared but not started, by id.
+    _arrivals: dict[str, Arrival] = field(default_factory=dict)
     #: What each prepared request holds until it ends, by the prepared object's identity:
     #: its model, and the image pixels it keeps decoded (their sum across requests too).
     _holds: dict[int, tuple[Lease, int]] = field(default_factory=dict)
@@ -141,17 +169,32 @@ class ChatPipeline:
         profile: str | None = None,
     ) -> PreparedChat | PreparedCompletion:
         started = time.monotonic()
+        arrived = received_at if received_at is not None else time.perf_counter()
         entry = self.registry.resolve(request.model)
-        # Held until the response is over (release): a model in use is never unloaded.
-        lease = await self.registry.lease(entry, deadline=started + self.policy.request_timeout,
-                                          keep_alive=request.keep_alive)
+        if self.live(request_id) or self.taken(request_id):
+            raise _duplicate_id(request_id)
+        arrival = self._arrivals[request_id] = Arrival()
+        try:
+            # Held until the response is over (release): a model in use is never unloaded.
+            lease = await arrival.unless_cancelled(self.registry.lease(
+                entry, deadline=started + self.policy.request_timeout,
+                keep_alive=request.keep_alive), Lease.release)
+        except Cancelled:
+            self._arrivals.pop(request_id, None)
+            raise NotStarted(request, entry, time.monotonic() - started, arrived) from None
+        except BaseException:
+            self._arrivals.pop(request_id, None)
+            raise
         waited = time.monotonic() - started  # the model's load, when it was not loaded
         pixels = 0
         try:
             pixels = self._hold_pixels(request, lease.model)
+            # Rendering (a grammar's compile with it) is not cut short: a cancel meanwhile
+            # ends the run as soon as it starts, as one cancelled in the queue.
             prepared = await self._prepare(lease.model, entry, request, request_id, started,
                                            received_at, profile)
         except BaseException:
+            self._arrivals.pop(request_id, None)
             self._pixels_held -= pixels
             lease.release()
             raise
@@ -206,7 +249,7 @@ class ChatPipeline:
                 code="invalid_model_kind", param="model")
         if isinstance(request, CompletionRequest):  # raw prompts: no template, no tools
             return await prepare_completion(
-                model, entry, request, request_id, fingerprint=_fingerprint(model),
+                model, entry, request, request_id, fingerprint=_fingerprint(entry),
                 deadline=started + self.policy.request_timeout, received_at=received_at,
                 profile=profile,
             )
@@ -222,7 +265,7 @@ class ChatPipeline:
             round=await rounds.first(request),
             max_tokens=request.max_tokens,
             model_name=request.model or entry.id,
-            fingerprint=_fingerprint(model),
+            fingerprint=_fingerprint(entry),
             deadline=started + self.policy.request_timeout,
             received_at=received_at if received_at is not None else time.perf_counter(),
             profile=profile,
@@ -264,6 +307,7 @@ class ChatPipeline:
         run cancelled there comes back without a generation and finishes as "cancelled".
         """
         rid = prepared.request_id
+        arrival = self._arrivals.pop(rid, None)
         if rid in self._runs or self.taken(rid):
             self._release_model(prepared)
             raise _duplicate_id(rid)
@@ -278,6 +322,8 @@ class ChatPipeline:
         held = self._holds.get(id(prepared))
         if held is not None:
             held[0].ticket = run.ticket  # queued until it holds a slot: /health's counts
+        if arrival is not None and arrival.cancelled:
+            run.cancel()  # cancelled while it was prepared: it ends as if in the queue
         try:
             await self.scheduler.acquire(run.ticket, prepared.deadline - time.monotonic())
         except Cancelled:
@@ -301,6 +347,7 @@ class ChatPipeline:
 
     def discard(self, prepared: PreparedChat | PreparedCompletion) -> None:
         """A prepared request that will not start: its model is free again."""
+        self._arrivals.pop(prepared.request_id, None)
         self._release_model(prepared)
 
     def _release_model(self, prepared: PreparedChat | PreparedCompletion) -> None:
@@ -317,5 +364,30 @@ class ChatPipeline:
     def find(self, request_id: str) -> ChatRun | ChoicesRun | CompletionRun | None:
         return self._runs.get(request_id)
 
+    def live(self, request_id: str) -> bool:
+        """Whether a turn is being prepared or run under this id."""
+        return request_id in self._runs or request_id in self._arrivals
 
-__all__ = ["ChatPipeline"]
+    def cancel(self, request_id: str) -> bool:
+        """Cancel the turn running or being prepared under this id; False: none is (or
+        its run already finished)."""
+        run = self._runs.get(request_id)
+        if run is not None:
+            if run.finished:
+                return False
+            run.cancel()
+            return True
+        arrival = self._arrivals.get(request_id)
+        if arrival is None:
+            return False
+        arrival.cancel()
+        return True
+
+    def cancel_arriving(self) -> None:
+        """Cancel every turn still waiting for its model (the server is stopping: nothing
+        is loaded for them any more)."""
+        for arrival in list(self._arrivals.values()):
+            arrival.cancel()
+
+
+__all__ = ["ChatPipeline", "NotStarted"]

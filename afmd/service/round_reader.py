@@ -92,7 +92,7 @@ class RoundReader:
                     self._logprobs.drop()
                 if self._through is not None:
                     event = event.stopped_after(self._through)
-                return self._deliver(out), event
+                return self._deliver(out, cut=output.cut_call), event
         self._add_logprobs(out)
         return self._deliver(out), None
 
@@ -112,17 +112,20 @@ class RoundReader:
             if ready is not None:
                 out.append(ready)
 
-    def _deliver(self, out: list[Event]) -> list[Event]:
+    def _deliver(self, out: list[Event], *, cut: bool = False) -> list[Event]:
+        """``cut``: the round ended inside its last call."""
         if len(self._calls) > self._ended:
-            out = self._with_ends(out, self._calls)
+            out = self._with_ends(out, self._calls, cut=cut)
         if self._view is not None:
             out = self._view(out)
         if self.answer is not None:
             self.answer.extend(e.text for e in out if isinstance(e, Content))
         return out
 
-    def _with_ends(self, events: list[Event], calls: list[ToolCall]) -> list[Event]:
-        """Each newly complete call's end, before the next call starts."""
+    def _with_ends(self, events: list[Event], calls: list[ToolCall], *,
+                   cut: bool = False) -> list[Event]:
+        """Each newly complete call's end, before the next call starts (``cut``: the last
+        one ended with the round, unfinished)."""
         out: list[Event] = []
         for event in events:
             if isinstance(event, ToolCallStart):
@@ -131,7 +134,8 @@ class RoundReader:
                     self._ended += 1
             out.append(event)
         while self._ended < len(calls):
-            out.append(ToolCallEnd(self._ended, calls[self._ended]))
+            last = self._ended == len(calls) - 1
+            out.append(ToolCallEnd(self._ended, calls[self._ended], cut=cut and last))
             self._ended += 1
         return out
 

@@ -53,7 +53,7 @@ class RunControl:
     batches, and the calls into the run that stop (``stop``) and fail (``fail``, with a
     fresh 504 for each generation it wakes) what it generates."""
 
-    __slots__ = ("_deadline", "_fail", "_request_id", "_stop", "_timer", "attempt",
+    __slots__ = ("_deadline", "_fail", "_request_id", "_stop", "_timer", "_waking", "attempt",
                  "cancelled", "emitted", "policy", "timed_out")
 
     def __init__(self, policy: RunPolicy, request_id: str, deadline: float, *,
@@ -69,6 +69,8 @@ class RunControl:
         self._fail = fail
         # One timer per request for request_timeout, not one per awaited batch of tokens.
         self._timer: asyncio.TimerHandle | None = None
+        # A retry's back-off being waited (None: none is), which a cancel cuts short.
+        self._waking: asyncio.Future[None] | None = None
 
     def arm(self) -> None:
         """Start the deadline's timer (once: a later round or retry keeps it)."""
@@ -86,6 +88,8 @@ class RunControl:
         self.cancelled = True
         if self._timer is not None:
             self._timer.cancel()
+        if self._waking is not None and not self._waking.done():
+            self._waking.set_result(None)
         self._stop()
 
     def _on_deadline(self) -> None:
@@ -107,9 +111,19 @@ class RunControl:
         )
 
     async def back_off(self) -> None:
-        """Wait before the next attempt, twice as long as before the last one."""
+        """Wait before the next attempt, twice as long as before the last one, or until a
+        cancel: the attempt then starts cancelled, and the run ends as any cancelled one."""
         delay = self.policy.retry_backoff * (2 ** self.attempt)
         self.attempt += 1
         log.warning("retrying generation", request_id=self._request_id,
                     attempt=self.attempt, delay_s=delay)
-        await asyncio.sleep(delay)
+        if self.cancelled:
+            return
+        self._waking = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(delay):
+                await self._waking
+        except TimeoutError:
+            pass
+        finally:
+            self._waking = None

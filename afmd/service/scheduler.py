@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 from afmd.errors import GatewayTimeoutError, RateLimitError
 
+T = TypeVar("T")
+
 
 class Cancelled(Exception):
-    """The request was cancelled while it waited for a slot."""
+    """The request was cancelled while it waited for a slot (or, :class:`Arrival`, for its
+    model)."""
 
 
 class Ticket:
@@ -33,6 +38,57 @@ class Ticket:
         self.cancelled = True
         if self._future is not None and not self._future.done():
             self._future.set_exception(Cancelled())
+
+
+class Arrival:
+    """A request from its arrival until its run exists (its model loading or waited for,
+    its prompt rendered): findable by id, so a cancel ends it there and a second request
+    under its id is refused, before either waits for anything."""
+
+    __slots__ = ("_woken", "cancelled")
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self._woken: asyncio.Future[None] | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)
+
+    async def unless_cancelled(self, work: Coroutine[Any, Any, T],
+                               drop: Callable[[T], object]) -> T:
+        """``work``'s result, or :class:`Cancelled` once the request is cancelled. ``work``
+        is then cancelled, as a client leaving would cancel it, and a result it comes to
+        all the same (it ended as the cancel came) goes to ``drop``, as it does when the
+        request itself is cancelled meanwhile."""
+        if self.cancelled:
+            work.close()
+            raise Cancelled()
+        task = asyncio.ensure_future(work)
+        self._woken = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait((task, self._woken), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            _abandon(task, drop)
+            raise
+        finally:
+            self._woken = None
+        if not task.done():
+            _abandon(task, drop)
+            raise Cancelled()
+        return task.result()
+
+
+def _abandon(task: asyncio.Future[T], drop: Callable[[T], object]) -> None:
+    """Cancel ``task``; a result it still comes to goes to ``drop``, a failure nowhere."""
+
+    def settle(done: asyncio.Future[T]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            drop(done.result())
+
+    task.add_done_callback(settle)
+    task.cancel()
 
 
 class Scheduler:

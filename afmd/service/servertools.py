@@ -117,6 +117,12 @@ class ServerTools:
             _kill(proc)
             await proc.wait()
             return _error(f"{tool.name} wrote more than {tool.max_output_bytes} bytes")
+        except BaseException:
+            # The request ended while its tool ran (its client cancelled or left, its
+            # deadline passed, the server stops): the tool goes with it, as at its own
+            # timeout, which no longer runs to stop it.
+            _kill(proc)
+            raise
         if proc.returncode != 0:
             tail = stderr.decode(errors="replace").strip()[-300:]
             return _error(f"{tool.name} exited with status {proc.returncode}: {tail}")

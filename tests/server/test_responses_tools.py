@@ -16,7 +16,7 @@ import pytest
 from afmd.dialects.responses.responses_body import parse_responses_request
 from afmd.errors import InvalidRequestError
 
-from helpers.responses_schemas import validate_event
+from helpers.responses_schemas import validate_event, validate_response
 
 ADD = {"type": "function", "name": "add", "description": "Add two integers.", "strict": True,
        "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
@@ -125,3 +125,32 @@ def test_item_references_resolve_to_stored_items(http: httpx.Client) -> None:
     error = missing.json()["error"]
     assert "rs_nowhere" in error["message"]
     assert (error["code"], error["param"]) == ("item_not_found", "input[0].id")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_call_the_output_ended_inside_is_incomplete(http: httpx.Client, stream: bool) -> None:
+    """A function call cut short (here by max_output_tokens; a cancel cuts alike) is an
+    ``incomplete`` item, its arguments as far as they were written: it was ``completed``,
+    with arguments that are not whole JSON."""
+    long_text = {"type": "object", "required": ["text"],
+                 "properties": {"text": {"type": "string", "minLength": 2000}}}
+    response = http.post("/v1/responses", json={
+        "model": "demo", "input": "Write.", "max_output_tokens": 20, "stream": stream,
+        "reasoning": {"effort": "none"}, "parallel_tool_calls": False,
+        "tools": [{"type": "function", "name": "write", "parameters": long_text}],
+        "tool_choice": {"type": "function", "name": "write"}})
+    assert response.status_code == 200, response.text
+    if stream:
+        events = sse_events(response.text)
+        (done,) = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert done["status"] == "incomplete"
+        body = events[-1]["response"]
+    else:
+        body = response.json()
+    validate_response(body)
+    assert body["status"] == "incomplete"
+    (call,) = body["output"]
+    assert call["type"] == "function_call" and call["status"] == "incomplete"
+    assert call["arguments"].startswith('{"text":"')
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call["arguments"])

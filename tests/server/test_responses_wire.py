@@ -307,7 +307,7 @@ class Background(threading.Thread):
 
 
 def cancel(url: str, request_id: str) -> httpx.Response:
-    for _ in range(100):  # a non-streamed request is findable once it is prepared
+    for _ in range(100):  # findable once the request reached the server
         response = httpx.post(f"{url}/v1/responses/{request_id}/cancel", timeout=10)
         if response.status_code != 404:
             return response

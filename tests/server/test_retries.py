@@ -126,6 +126,47 @@ def test_persistent_failure_before_the_first_token_is_a_plain_500_for_streams(
     assert always_failing.proc.poll() is None
 
 
+@pytest.fixture(scope="module")
+def slow_retry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A retry 30 s after a failure; the first two decode steps fail (one per test)."""
+    proc = start_server(tmp_path_factory.mktemp("retry-slow"),
+                        config="[engine]\nretries = 1\nretry_backoff = 30.0\n",
+                        env={"AFMD_INJECT_FAILURES": "2"})
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+def test_a_cancel_during_the_retry_backoff_ends_the_request(
+    slow_retry: ServerProcess, path: str
+) -> None:
+    """Cancelled while it waits to retry, a request ends at once as cancelled: before, the
+    cancel found no generation to stop, and the retry then generated to its end."""
+    rid = "backoff-" + uuid.uuid4().hex[:10]
+    payload = ({"prompt": "Say something.", "max_tokens": 64, "temperature": 0}
+               if path != CHAT else body(max_tokens=64))
+    result: dict[str, Any] = {}
+
+    def send() -> None:
+        result["response"] = httpx.post(slow_retry.url + path, json=payload, timeout=90,
+                                        headers={"X-Request-ID": rid})
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    slow_retry.wait_event("retrying generation", timeout=30, request_id=rid)
+    started = time.monotonic()
+    cancelled = httpx.post(f"{slow_retry.url}{path}/{rid}/cancel", timeout=10)
+    assert cancelled.status_code == 200 and cancelled.json()["cancelled"] is True
+    thread.join(60)
+    assert not thread.is_alive()
+    assert time.monotonic() - started < 10, "the back-off was waited out"
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "cancelled"
+    assert response.json()["usage"]["completion_tokens"] == 0
+
+
 # --------------------------------------------------------------------------- in process
 
 

@@ -9,11 +9,14 @@ operator instructions).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -360,6 +363,120 @@ def test_truncated_server_call_does_not_leak(tool_server: ToolServer) -> None:
     content = response.json()["choices"][0]["message"]["content"] or ""
     assert "<tool_call>" not in content
     assert PROBE[:4] not in content
+
+
+STUCK = "zz_stuck_tool"
+
+
+@dataclasses.dataclass
+class StuckServer:
+    proc: ServerProcess
+    marks: Path  # the pid of each run of the tool, one a line
+
+    @property
+    def url(self) -> str:
+        return self.proc.url
+
+    def pids(self) -> list[int]:
+        return [int(x) for x in self.marks.read_text().split()] if self.marks.exists() else []
+
+    def next_pid(self, before: int) -> int:
+        """The pid of the tool's next run, once it started (``before``: runs so far)."""
+        deadline = time.monotonic() + 30
+        while len(self.pids()) <= before:
+            assert time.monotonic() < deadline, "the server tool never started"
+            time.sleep(0.02)
+        return self.pids()[before]
+
+
+@pytest.fixture(scope="module")
+def stuck_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StuckServer]:
+    """One server tool that runs for two minutes, within a timeout of one (its own server:
+    a model that called it unasked would hold any other test that long)."""
+    tmp = tmp_path_factory.mktemp("stuck-tool")
+    mark = tmp / "stuck.txt"
+    proc = start_server(tmp, config=command_tool(
+        STUCK, "sleep_tool.py", timeout=60.0, flags='"-S", ',
+        env={"MARK_FILE": str(mark), "SLEEP_S": "120"}))
+    yield StuckServer(proc, mark)
+    for pid in StuckServer(proc, mark).pids():  # whatever a failed test left running
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    proc.stop()
+
+
+def assert_gone(pid: int, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, f"the tool's process {pid} still runs"
+        time.sleep(0.05)
+
+
+def _forced_response(name: str, *, stream: bool) -> dict[str, Any]:
+    return {"input": "Look up a word for me.", "max_output_tokens": 48, "temperature": 0,
+            "reasoning": {"effort": "none"}, "parallel_tool_calls": False,
+            "tool_choice": {"type": "function", "name": name}, "stream": stream}
+
+
+@pytest.mark.parametrize(("path", "stream"), [(CHAT, False), (CHAT, True),
+                                              ("/v1/responses", False)],
+                         ids=["chat", "chat-stream", "responses"])
+def test_cancel_stops_a_running_server_tool(stuck_server: StuckServer, path: str,
+                                            stream: bool) -> None:
+    """A cancel while the request's server tool runs ends the request at once, as
+    cancelled, and the tool with it: before, the request waited for the tool (up to its
+    timeout, a minute here) and only then ended."""
+    rid = "stuck-" + uuid.uuid4().hex[:10]
+    body = (forced(STUCK, stream=stream) if path == CHAT
+            else _forced_response(STUCK, stream=stream))
+    before = len(stuck_server.pids())
+    result: dict[str, Any] = {}
+
+    def send() -> None:
+        result["response"] = httpx.post(stuck_server.url + path, json=body, timeout=90,
+                                        headers={"X-Request-ID": rid})
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    pid = stuck_server.next_pid(before)
+    cancelled = httpx.post(f"{stuck_server.url}{path}/{rid}/cancel", timeout=10)
+    assert cancelled.status_code == 200, cancelled.text
+    assert cancelled.json()["cancelled"] is True
+    thread.join(10)
+    assert not thread.is_alive(), "the cancelled request waited for its server tool"
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    if path == CHAT and stream:
+        chunks = [c for c in parse_sse(response.text) if c != "[DONE]"]
+        assert [c["choices"][0]["finish_reason"] for c in chunks
+                if c["choices"] and c["choices"][0]["finish_reason"]] == ["cancelled"]
+    elif path == CHAT:
+        assert response.json()["choices"][0]["finish_reason"] == "cancelled"
+    else:
+        assert response.json()["status"] == "cancelled"
+    assert_gone(pid)
+    again = post(stuck_server.url, {"messages": [{"role": "user", "content": "Hi."}],
+                                    "max_tokens": 2, "tool_choice": "none"}, timeout=30)
+    assert again.status_code == 200, again.text
+
+
+def test_a_client_leaving_stops_its_server_tool(stuck_server: StuckServer) -> None:
+    """The tool of a request whose client left is killed: before, nothing stopped it (its
+    timeout ran in the request's task, which the disconnect ended)."""
+    before = len(stuck_server.pids())
+    data = json.dumps(forced(STUCK, stream=True)).encode()
+    host, port = stuck_server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+                     .encode() + data)
+        pid = stuck_server.next_pid(before)
+    assert_gone(pid)
+    assert stuck_server.proc.proc.poll() is None
 
 
 def test_budget_of_one_round_runs_the_tool_once(tmp_path: Path) -> None:

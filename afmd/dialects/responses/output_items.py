@@ -256,7 +256,9 @@ class ResponseBuilder:
                 if call.kind == "function_call":
                     self._log.delta(call, event.fragment)
             elif isinstance(event, ToolCallEnd):
-                self._close(arguments=event.call.arguments)
+                # One the output ended inside is cut short: its arguments are not whole.
+                self._close(arguments=event.call.arguments,
+                            status="incomplete" if event.cut else "completed")
             elif isinstance(event, Finish):
                 self.reason = event.reason
                 self._close(status="completed" if self.status() == "completed" else "incomplete")

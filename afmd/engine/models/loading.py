@@ -289,6 +289,10 @@ class Loads:
         self._load_sync = load  # blocking: run off the event loop
         self._on_loaded = on_loaded
         self._loading: dict[str, asyncio.Task[LoadedModel]] = {}
+        # Loads started for requests only, not yet past finding room (its size read,
+        # waiting for a busy model to go idle): dropped when the last of them leaves.
+        self._for_requests: set[str] = set()
+        self._finding_room: set[str] = set()
         self._failed: dict[str, str] = {}
         # Models that must not serve again in this process (a launched group lost a rank).
         self._withdrawn: dict[str, str] = {}
@@ -336,16 +340,34 @@ class Loads:
 
     # -- loading --
     def begin(
-        self, entry: ModelEntry, deadline: float | None = None, *, evict: bool = True
+        self, entry: ModelEntry, deadline: float | None = None, *, evict: bool = True,
+        for_request: bool = False,
     ) -> asyncio.Task[LoadedModel]:
-        """The model's load, started unless under way (see ``ModelRegistry.begin_load``)."""
+        """The model's load, started unless under way (see ``ModelRegistry.begin_load``);
+        ``for_request``: a request waits for it (else it is wanted for itself: a preload,
+        the dashboard's load)."""
         task = self._loading.get(entry.id)
         if task is None:
             if deadline is None:
                 deadline = time.monotonic() + self._config.server.request_timeout
+            self._finding_room.add(entry.id)
+            if for_request:
+                self._for_requests.add(entry.id)
             task = asyncio.get_running_loop().create_task(self._load(entry, deadline, evict))
             self._loading[entry.id] = task
+        elif not for_request:
+            self._for_requests.discard(entry.id)
         return task
+
+    def abandon(self, model_id: str) -> None:
+        """No request waits for ``model_id`` any more (cancelled, gone): a load started
+        for them that has not found room yet is dropped, or it would unload a model in use
+        for one nobody asks for once the busy one went idle. A load under way finishes (the
+        next request for the model finds it loaded)."""
+        task = self._loading.get(model_id)
+        if task is not None and model_id in self._for_requests \
+                and model_id in self._finding_room:
+            task.cancel()
 
     async def wait(self, entry: ModelEntry, deadline: float) -> None:
         """Until the model's load ends, starting it if need be (again after a failure:
@@ -353,7 +375,7 @@ class Loads:
         ``model_unavailable`` while it waits for room."""
         if entry.id in self._failed and entry.id not in self._loading:
             log.info("retrying model load after failure: %s", self._failed.pop(entry.id))
-        task = self.begin(entry, deadline)
+        task = self.begin(entry, deadline, for_request=True)
         try:
             await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
@@ -363,25 +385,38 @@ class Loads:
             # (it was started by another request): the caller waits again.
             if time.monotonic() >= deadline:
                 raise
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not task.cancelled() or (current is not None and current.cancelling()):
+                raise
+            # That load was dropped (its last waiter left) just as this request came:
+            # the caller waits again, for a load of its own.
 
     async def _load(self, entry: ModelEntry, deadline: float, evict: bool) -> LoadedModel:
         try:
             return await self._load_within_budget(entry, deadline, evict)
         finally:
             self._loading.pop(entry.id, None)
+            self._for_requests.discard(entry.id)
+            self._finding_room.discard(entry.id)
 
     async def _load_within_budget(
         self, entry: ModelEntry, deadline: float, evict: bool
     ) -> LoadedModel:
         residency = self._residency
         try:
-            size = await asyncio.to_thread(size_before_loading, entry)
-        except Exception:  # unreadable: the load itself will say what is wrong
-            size = None
-        if size is not None and size > residency.budget:
-            raise self._too_large(entry, size, "on disk")
-        if not framework.is_system(entry):  # Apple's model takes none of afmd's memory
-            await residency.make_room(entry.id, size or 0, deadline, evict=evict)
+            try:
+                size = await asyncio.to_thread(size_before_loading, entry)
+            except Exception:  # unreadable: the load itself will say what is wrong
+                size = None
+            if size is not None and size > residency.budget:
+                raise self._too_large(entry, size, "on disk")
+            if not framework.is_system(entry):  # Apple's model takes none of afmd's memory
+                await residency.make_room(entry.id, size or 0, deadline, evict=evict)
+        finally:
+            # From here (in this step: no cancel can land between) the load is under way:
+            # a thread loads the weights, which no cancel could stop.
+            self._finding_room.discard(entry.id)
         started = time.perf_counter()
         try:
             loaded = await asyncio.to_thread(self._load_sync, entry, self._config)

@@ -228,6 +228,8 @@ class ModelRegistry:
             residency.waiting[entry.id] -= 1
             if not residency.waiting[entry.id]:
                 del residency.waiting[entry.id]
+                if entry.id not in self._loaded:
+                    self.loads.abandon(entry.id)  # the last waiter left before the load
             residency.settle(entry.id)
 
     async def get(

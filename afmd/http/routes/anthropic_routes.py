@@ -43,10 +43,8 @@ async def count_tokens(request: Request) -> HTTPResponse:
 async def cancel(request: Request, request_id: str) -> HTTPResponse:
     """Stop the run with this ``X-Request-ID``: its stream ends with ``stop_reason``
     ``cancelled`` (the same run chat's cancel route finds)."""
-    run = request.app.ctx.state.pipeline.find(request_id)
-    if run is None or run.finished:
+    if not request.app.ctx.state.pipeline.cancel(request_id):
         raise NotFoundError(f"No running request has the id '{request_id}'.",
                             code="not_found")
-    run.cancel()
     return routes.json_response({"id": request_id, "type": "message_cancellation",
                                  "cancelled": True})

@@ -31,7 +31,7 @@ def service_of(app: Sanic) -> EmbeddingService:
             registry=state.registry,
             scheduler=pipeline.scheduler,
             request_timeout=state.config.server.request_timeout,
-            taken=lambda request_id: pipeline.find(request_id) is not None,
+            taken=pipeline.live,
         )
         embeddings = service
         pipeline.taken = lambda request_id: embeddings.find(request_id) is not None
@@ -72,15 +72,13 @@ async def embeddings(request: Request) -> HTTPResponse:
 
 
 async def cancel(request: Request, request_id: str) -> HTTPResponse:
-    run = service_of(request.app).find(request_id)
     body: dict[str, Any] = {"id": request_id, "object": "embedding.cancellation"}
-    if run is None or run.cancelled:
+    if not service_of(request.app).cancel(request_id):
         error = NotFoundError(
             f"No running request has the id '{request_id}'.", code="not_found", param=None
         )
         body["cancelled"] = False
         body.update(error.envelope())
         return json_response(body, status=404)
-    run.cancel()
     body["cancelled"] = True
     return json_response(body)

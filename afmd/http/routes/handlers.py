@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -17,7 +18,7 @@ import orjson
 from sanic import Request
 from sanic.response import HTTPResponse
 
-from afmd.core.events import Event
+from afmd.core.events import Event, Usage
 from afmd.core.ids import new_request_id
 from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.dialects.dialect import Dialect, ReplyEncoder
@@ -30,8 +31,8 @@ from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.choices import ChoicesRun
 from afmd.service.completion_prompts import PreparedCompletion
 from afmd.service.completion_run import CompletionRun
-from afmd.service.embedding_pipeline import EmbeddingRun, EmbeddingService
-from afmd.service.pipeline import ChatPipeline
+from afmd.service.embedding_pipeline import EmbeddingService
+from afmd.service.pipeline import ChatPipeline, NotStarted
 from afmd.service.profiling import parse_profile_header
 from afmd.service.run_control import timeout_error
 
@@ -115,12 +116,14 @@ def server_stopping_error() -> ServiceUnavailableError:
 def interrupt_requests(state: AppState, error: APIError) -> None:
     """End every chat request still running with ``error`` (the server is stopping).
 
-    Queued runs leave the queue and generations are cancelled; each handler then answers
-    ``error`` as it answers any failure (a plain error before the 200, an error event and
-    the stream's end after it) and its connection goes idle. Safe to call repeatedly: a
-    run that started a new round meanwhile (server tools) is caught by the next call.
+    Requests waiting for their model stop waiting (none is loaded for them), queued runs
+    leave the queue and generations are cancelled; each handler then answers ``error`` as
+    it answers any failure (a plain error before the 200, an error event and the stream's
+    end after it) and its connection goes idle. Safe to call repeatedly: a run that
+    started a new round meanwhile (server tools) is caught by the next call.
     """
     state.stop_error = error
+    state.pipeline.cancel_arriving()  # each answers the error, not a model loaded for it
     for request_id in list(state.running):
         run = state.pipeline.find(request_id)
         if run is None or run.finished:
@@ -163,12 +166,17 @@ async def turn(request: Request, parsed: ChatRequest | CompletionRequest | None 
         request.body, server_tools=pipeline.server_tools.names, strict=state.config.api.strict)
     request.ctx.model = chat.model
     extra = ignored_headers(chat.ignored_fields, request_id)
-    prepared = await pipeline.prepare(
-        chat,
-        request_id,
-        received_at=getattr(request.ctx, "started", None),
-        profile=parse_profile_header(request.headers.get("x-afm-profile")),
-    )
+    try:
+        prepared = await pipeline.prepare(
+            chat,
+            request_id,
+            received_at=getattr(request.ctx, "started", None),
+            profile=parse_profile_header(request.headers.get("x-afm-profile")),
+        )
+    except NotStarted as ended:
+        if state.stop_error is not None:  # cancelled by the shutdown: its error
+            raise state.stop_error from None
+        return await _cancelled_before_start(request, dialect, ended, request_id, extra)
     request.ctx.model = prepared.model_name
     reply = dialect.reply(chat, model=prepared.model_name, fingerprint=prepared.fingerprint)
     if state.stop_error is not None:
@@ -191,6 +199,40 @@ async def turn(request: Request, parsed: ChatRequest | CompletionRequest | None 
         state.running[request_id] -= 1
         if not state.running[request_id]:
             del state.running[request_id]
+
+
+async def _cancelled_before_start(
+    request: Request, dialect: Dialect[Any], ended: NotStarted, request_id: str,
+    extra: dict[str, str],
+) -> HTTPResponse | None:
+    """A turn cancelled while its model loaded or was waited for: the answer a run
+    cancelled in the queue gets (finish reason ``cancelled``), with no tokens counted."""
+    reply = dialect.reply(ended.request, model=ended.model_name, fingerprint=ended.fingerprint)
+    events = ended.events()
+    request.ctx.model = ended.model_name
+    request.ctx.usage = next(e for e in events if isinstance(e, Usage))
+    request.ctx.finish_reason = "cancelled"
+    headers = {"X-Request-ID": request_id, "OpenAI-Request-ID": request_id, **extra}
+    if not ended.request.stream:
+        return HTTPResponse(reply.body(events), headers=headers,
+                            content_type="application/json")
+    out = EventStream(request, reply, {**SSE_HEADERS, **headers})
+    until = time.monotonic() + STALL_GRACE  # one small write, to a client just seen
+    try:
+        await out.write(reply.stream(events) + reply.stream_end(), last=True, until=until)
+        await out.eof(until=until)
+    except Stalled:
+        out.cut()
+        raise asyncio.CancelledError from None
+    except asyncio.CancelledError:
+        if out.opened:
+            request.ctx.disconnected = True
+        raise
+    finally:
+        out.stop()
+        if out.opened:
+            log_access(request, 200, out.sent)
+    return None
 
 
 async def _complete(
@@ -282,22 +324,18 @@ async def cancel(request: Request, request_id: str) -> HTTPResponse:
     """Stop the turn, or the embeddings request, with this ``X-Request-ID``: an id names one
     live request across every route, and Ollama's embed has no cancel route but this one."""
     state = request.app.ctx.state
-    run: ChatRun | ChoicesRun | CompletionRun | EmbeddingRun | None = state.pipeline.find(
-        request_id)
-    if run is None:
-        embeddings: EmbeddingService | None = getattr(request.app.ctx, "embeddings", None)
-        run = embeddings.find(request_id) if embeddings is not None else None
+    embeddings: EmbeddingService | None = getattr(request.app.ctx, "embeddings", None)
     body: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.cancellation",
     }
-    if run is None or (run.cancelled if isinstance(run, EmbeddingRun) else run.finished):
+    if not (state.pipeline.cancel(request_id)
+            or (embeddings is not None and embeddings.cancel(request_id))):
         err = NotFoundError(
             f"No running request has the id '{request_id}'.", code="not_found", param=None
         )
         body["cancelled"] = False
         body.update(err.envelope())
         return json_response(body, status=404)
-    run.cancel()
     body["cancelled"] = True
     return json_response(body)

@@ -213,28 +213,28 @@ async def _embed(request: Request, *, legacy: bool) -> HTTPResponse:
     extra = ignored_headers(parsed.ignored_fields, request_id)
     if state.stop_error is not None:
         raise state.stop_error
-    # The model first, timed (Ollama reports its load apart), and held with the request's
-    # keep_alive: a body without texts is how Ollama's clients load or unload the model.
+    # A body without texts is how Ollama's clients load or unload the model: held with
+    # its keep_alive, timed (Ollama reports the load apart). With texts the service gets
+    # the model, findable by the request's id (a cancel while it loads ends it) and timed.
     registry = state.registry
     entry = service_of(request.app).entry_for(parsed.model)
-    lease = None
-    if parsed.inputs or parsed.keep_alive != 0 or registry.loaded(entry.id) is not None:
-        lease = await registry.lease(entry, EMBEDDING, keep_alive=parsed.keep_alive)
-    loaded_at = time.perf_counter()
-    try:
-        result = (await service_of(request.app).embed(parsed, request_id)
-                  if parsed.inputs else None)
-    finally:
-        if lease is not None:
+    load = 0.0
+    if parsed.inputs:
+        result = await service_of(request.app).embed(parsed, request_id)
+        load = result.load_seconds
+    else:
+        result = None
+        if parsed.keep_alive != 0 or registry.loaded(entry.id) is not None:
+            lease = await registry.lease(entry, EMBEDDING, keep_alive=parsed.keep_alive)
             lease.release()
+            load = time.perf_counter() - started
     request.ctx.usage = Usage(result.prompt_tokens if result else 0, 0)
     headers = {"X-Request-ID": request_id, **extra}
     if legacy:
         return HTTPResponse(embeddings_body(result), headers=headers,
                             content_type="application/json")
     total = time.perf_counter() - started
-    return HTTPResponse(embed_body(result, parsed.model or entry.id, total=total,
-                                   load=loaded_at - started),
+    return HTTPResponse(embed_body(result, parsed.model or entry.id, total=total, load=load),
                         headers=headers, content_type="application/json")
 
 

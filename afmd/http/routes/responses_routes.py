@@ -122,9 +122,8 @@ async def input_tokens(request: Request) -> HTTPResponse:
 async def cancel(request: Request, request_id: str) -> HTTPResponse:
     """Cancel a running response by its ``X-Request-ID``: it ends with status
     ``cancelled``, streamed or not."""
-    run = request.app.ctx.state.pipeline.find(request_id)
     body: dict[str, Any] = {"id": request_id, "object": "response.cancellation"}
-    if run is None or run.finished:
+    if not request.app.ctx.state.pipeline.cancel(request_id):
         error = NotFoundError(
             f"No running request has the id '{request_id}' (cancel by the X-Request-ID the "
             "response was sent with; a stored response is already finished).",
@@ -132,7 +131,6 @@ async def cancel(request: Request, request_id: str) -> HTTPResponse:
         body["cancelled"] = False
         body.update(error.envelope())
         return json_response(body, status=404)
-    run.cancel()
     body["cancelled"] = True
     return json_response(body)
 

@@ -336,3 +336,70 @@ def test_a_load_after_a_failure_says_loading_while_it_runs() -> None:
     assert failed.startswith("unavailable: ") and "no weights here" in failed
     assert during == "unavailable: loading"
     assert after == failed
+
+
+@dataclass(eq=False)
+class Loaded(Fake):
+    """What the registry reads of a model its (stand-in) load made."""
+
+    kind: str = "chat"
+    weights_bytes: int = 10
+    worker: Any = None
+    embedder: Any = None
+    vision: Any = None
+    model: Any = None
+    kv_cache: Any = None
+
+
+def test_a_load_no_request_waits_for_any_more_is_dropped_before_it_finds_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that stops waiting for its model (cancelled, or its client left) while
+    the loaded one is busy takes its load with it. Before, the load waited on, and once
+    the busy model went idle unloaded it for a model nobody asked for. A request that
+    comes as the load is dropped gets a load of its own, not the dropped one's cancel."""
+    loads: list[str] = []
+
+    def load(entry: Any, config: Any) -> Loaded:
+        loads.append(entry.id)
+        return Loaded(entry.id)
+
+    monkeypatch.setattr(models_module, "load_sync", load)
+    registry = ModelRegistry(load_config(config_file(tmp_path, "[models]\nmax_loaded = 1\n"),
+                                         env={}))
+    demo, other = registry.resolve("demo"), registry.resolve("demo-32k")
+
+    async def waiting(lease: Awaitable[Lease]) -> asyncio.Future[Lease]:
+        task = asyncio.ensure_future(lease)
+        for _ in range(200):
+            if registry.status()[other.id] == "unavailable: loading":
+                return task
+            await asyncio.sleep(0.01)
+        raise AssertionError("the request never waited for its model")
+
+    async def main() -> tuple[list[str], list[str], list[str], str]:
+        busy = await registry.lease(demo)
+        waiter = await waiting(registry.lease(other))
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        await asyncio.sleep(0.01)
+        status = registry.status()[other.id]
+        busy.release()
+        await asyncio.sleep(0.2)
+        first = (list(loads), sorted(registry.residency.loaded))
+        # The last waiter leaves, and another comes in the same turn of the loop.
+        busy = await registry.lease(demo)
+        leaving = await waiting(registry.lease(other))
+        leaving.cancel()
+        coming = asyncio.ensure_future(registry.lease(other))
+        await asyncio.gather(leaving, return_exceptions=True)
+        busy.release()
+        got = await asyncio.wait_for(coming, 5)
+        got.release()
+        return *first, list(loads), status
+
+    loads_then, loaded_then, loads_after, status = run(main)
+    registry.close()
+    assert status == "available"  # not "loading": nothing loads it
+    assert loads_then == ["demo"] and loaded_then == ["demo"]  # nothing unloaded for it
+    assert loads_after == ["demo", "demo-32k"]  # the request that came got its model
