@@ -39,6 +39,12 @@ class ReplyEncoder(Protocol):
         """An error that ends a stream already under way, and the stream's end."""
         ...
 
+    def stream_abandoned(self) -> None:
+        """The client left a stream under way (or stopped reading it): nothing can be
+        sent; what the dialect keeps of the response is kept as cut short. Only a
+        dialect whose responses outlive their request (Responses' store) keeps any."""
+        ...
+
 
 #: The kind of request a dialect reads: a chat turn, raw prompts (Completions), or either
 #: (Ollama's generate).

@@ -340,3 +340,33 @@ def test_cancel_by_request_id_ends_it_cancelled(server, streamed: bool) -> None:
     assert (0 if response["output"] else -1) < response["usage"]["output_tokens"] < LONG
     gone = httpx.post(f"{server.url}/v1/responses/{rid}/cancel", timeout=10)
     assert gone.status_code == 404 and gone.json()["cancelled"] is False
+
+
+def test_a_stream_its_client_left_is_stored_cancelled(server) -> None:
+    """The id ``response.created`` gave the client finds the response after the client
+    left: ``cancelled``, with what it had written, and ``previous_response_id`` continues
+    from it. It was never stored, so the id the client held was a 404."""
+    body = {"input": "Tell me a long story.", "stream": True, "max_output_tokens": LONG,
+            "temperature": 0}
+    text = ""
+    with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/responses",
+                                                 json=body) as r:
+        for chunk in r.iter_text():
+            text += chunk
+            if "response.output_text.delta" in text:
+                break  # the client leaves mid-answer
+    rid = next(e for e in sse_events(text) if e["type"] == "response.created")["response"]["id"]
+    for _ in range(200):  # stored once the server sees the connection gone
+        got = httpx.get(f"{server.url}/v1/responses/{rid}", timeout=10)
+        if got.status_code != 404:
+            break
+        time.sleep(0.05)
+    assert got.status_code == 200, got.text
+    stored = got.json()
+    validate_response(stored)
+    assert stored["id"] == rid and stored["status"] == "cancelled"
+    assert stored["output"] and all(i["status"] == "incomplete" for i in stored["output"])
+    after = httpx.post(f"{server.url}/v1/responses", timeout=60, json={
+        "input": "Go on.", "previous_response_id": rid, "max_output_tokens": 16})
+    assert after.status_code == 200, after.text
+    assert after.json()["previous_response_id"] == rid

@@ -268,6 +268,9 @@ class MessageReply:
     def stream_error(self, error: APIError) -> bytes:
         return sse("error", ANTHROPIC_MESSAGES.error_envelope(error))
 
+    def stream_abandoned(self) -> None:
+        pass  # nothing outlives the request
+
 
 class AnthropicMessages:
     """The ``/v1/messages`` adapter (and ``/v1/messages/count_tokens``'s parser)."""

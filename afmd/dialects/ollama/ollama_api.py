@@ -276,6 +276,9 @@ class OllamaReply:
     def stream_error(self, error: APIError) -> bytes:
         return ndjson(error_body(error, generate=not self.chat))
 
+    def stream_abandoned(self) -> None:
+        pass  # nothing outlives the request
+
 
 class OllamaErrors:
     """Ollama's error envelope, for every ``/api/...`` route (and the gate's refusals of

@@ -321,6 +321,9 @@ class ChatCompletionReply:
     def stream_error(self, error: APIError) -> bytes:
         return sse(error.envelope()) + DONE
 
+    def stream_abandoned(self) -> None:
+        pass  # nothing outlives the request
+
 
 class OpenAIChat:
     """The ``/v1/chat/completions`` adapter."""

@@ -154,6 +154,9 @@ class CompletionReply:
     def stream_error(self, error: APIError) -> bytes:
         return sse(error.envelope()) + DONE
 
+    def stream_abandoned(self) -> None:
+        pass  # nothing outlives the request
+
 
 class OpenAICompletions:
     """The ``/v1/completions`` adapter."""

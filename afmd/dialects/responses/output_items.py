@@ -359,6 +359,12 @@ class ResponseBuilder:
         self._log.emit({"type": TERMINAL[status], "response": response})
         return response
 
+    def abandon(self) -> dict[str, Any]:
+        """The response as its client left it: ``cancelled``, its open item incomplete
+        (no event: nobody reads the stream any more)."""
+        self._close(status="incomplete")
+        return self.response("cancelled")
+
     def fail(self, error: APIError, param: str | None) -> dict[str, Any]:
         """A failure after the stream began: an ``error`` event, then ``response.failed``."""
         if self._open is not None:

@@ -57,12 +57,13 @@ def param_of(error: APIError) -> str | None:
 class ResponsesReply:
     """One response, whole or streamed; stored at its end when the request says so."""
 
-    __slots__ = ("_builder", "_request", "_store")
+    __slots__ = ("_builder", "_request", "_saved", "_store")
 
     def __init__(self, request: ResponsesRequest, *, model: str, store: ResponseStore) -> None:
         self._request = request
         self._store = store
         self._builder = ResponseBuilder(request.echo, model=model, stream=request.stream)
+        self._saved = False  # the response reached its end (or its failure) here
 
     @property
     def id(self) -> str:
@@ -87,7 +88,15 @@ class ResponsesReply:
         self._save(self._builder.fail(error, param_of(error)))
         return self._builder.take()
 
+    def stream_abandoned(self) -> None:
+        """Stored as ``cancelled`` with what it had written: the client was told its id in
+        ``response.created``, and fetching it, or continuing from it, must find it (its run
+        is cancelled with the connection). One that had reached its end stays as it was."""
+        if not self._saved:
+            self._save(self._builder.abandon())
+
     def _save(self, response: dict[str, Any]) -> dict[str, Any]:
+        self._saved = True
         echo = self._request.echo
         if echo.store:
             conversation = (*echo.history, *echo.input_items, *self._builder.output)

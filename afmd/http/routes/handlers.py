@@ -270,6 +270,7 @@ async def _stream(
         # What is left cannot reach it: the connection goes, as one the client closed does.
         request.ctx.stream_error = getattr(request.ctx, "stream_error", None) or "timeout"
         out.cut()
+        reply.stream_abandoned()
         raise asyncio.CancelledError from None
     except asyncio.CancelledError:
         # The connection went away under the stream: the 200 stays, the line says why.
@@ -278,6 +279,7 @@ async def _stream(
                 request.ctx.stream_error = state.stop_error.code
             else:
                 request.ctx.disconnected = True
+            reply.stream_abandoned()
         raise
     finally:
         if out.opened:
