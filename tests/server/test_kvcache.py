@@ -95,6 +95,30 @@ def test_model_identity_follows_weights_and_tokenizer(tmp_path: Path) -> None:
     assert model_identity(materialize("demo-32k"), "x") != model_identity(source, "x")
 
 
+def test_a_checkpoint_changed_where_no_sample_looks_is_another_model(tmp_path: Path) -> None:
+    """A fine-tune that changed some tensors (a fused LoRA adapter) may differ from its base
+    only between the sampled chunks; same name, same size. Its blocks were the base
+    model's: a restart over one folder answered with the other model's state."""
+    from afmd.engine.demo.builtin import materialize
+    from afmd.engine.kvcache import identity
+
+    source = materialize("demo")
+    tuned = tmp_path / "tuned"
+    shutil.copytree(source, tuned)
+    weights = next(tuned.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    size = len(data)
+    chunk, samples = identity._SAMPLE, identity._SAMPLES
+    assert size > chunk * (samples + 2)  # sampled, not hashed whole
+    start = (size - chunk) * (samples // 2) // (samples + 1) + chunk  # after one sample
+    end = (size - chunk) * (samples // 2 + 1) // (samples + 1)  # before the next
+    assert end - start > 1000
+    for i in range(start, end, 2):
+        data[i] ^= 0x5A
+    weights.write_bytes(bytes(data))
+    assert model_identity(tuned, "x") != model_identity(source, "x")
+
+
 # -- the RAM tier ----------------------------------------------------------------------
 
 
