@@ -9,6 +9,7 @@ disk folder and compare greedy output with the cold run's.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
 import logging
@@ -16,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -278,6 +280,60 @@ def test_a_file_that_does_not_match_is_deleted_not_used(disk: DiskTier, damage: 
         assert disk.get(key) is None
     assert not path.exists()  # deleted: recomputed next time, never read again
     assert disk.misses == 1 and any("deleted" in r.getMessage() for r in caplog.records)
+
+
+def test_a_fifo_under_a_block_name_does_not_hang_the_lookup(disk: DiskTier,
+                                                         caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    """Whatever is under a block's name is read only if it is a regular file: a FIFO
+    blocked the generation thread in ``open`` until something wrote to it (the server
+    hung), and a link to ``/dev/zero`` was read until memory ran out."""
+    key = b"f" * 32
+    path = layout.block_path(disk.folder, key)
+    os.mkfifo(path)
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.append(disk.get(key)), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
+        reader.start()
+        reader.join(5)
+    hung = reader.is_alive()
+    if hung:  # release it: a writer opening the FIFO ends the reader's open
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        reader.join(5)
+    assert not hung and got == [None]
+    assert not path.exists() and any("not a regular file" in r.getMessage()
+                                      for r in caplog.records)
+    (disk.folder / "elsewhere").write_bytes(b"x")
+    path.symlink_to(disk.folder / "elsewhere")  # afmd writes no links: one is not read
+    assert disk.get(key) is None and not path.exists()
+    assert (disk.folder / "elsewhere").read_bytes() == b"x"
+
+
+def test_a_misfit_that_cannot_be_deleted_is_not_read_again(
+        disk: DiskTier, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A read-only folder: the corrupt file stays. It was logged as deleted, and read,
+    found wrong and logged again at every lookup that reached it."""
+    key = b"r" * 32
+    path = _written(disk, key, _block(4))
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    original = Path.unlink
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        if self == path:
+            raise PermissionError(errno.EROFS, "Read-only file system", str(self))
+        original(self, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
+        assert disk.get(key) is None
+        assert disk.get(key) is None
+    assert path.exists() and disk.misses == 2
+    messages = [r.getMessage() for r in caplog.records if r.name == "afmd.kvcache"]
+    assert len(messages) == 1 and "not deleted" in messages[0], messages
 
 
 def test_a_chain_read_from_disk_leaves_its_head_the_newest(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -116,6 +117,32 @@ def decode(data: bytes, key: bytes, identity: bytes) -> Block:
     return Block.of([(arrays[i], arrays[i + 1]) for i in range(0, len(arrays), 2)])
 
 
+def contents(path: Path, limit: int) -> bytes:
+    """A block file's bytes; ``ValueError`` when what is under its name cannot be one. Only
+    a regular file of at most ``limit`` bytes is read: a FIFO under a block's name blocked
+    the generation thread in ``open`` forever, a link to a device (``/dev/zero``) was read
+    until memory ran out, and afmd writes no links."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError("a symbolic link, not a block file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{st.st_size} bytes, more than a block can be ({limit})")
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        return f.read(st.st_size)
+
+
 @dataclass(slots=True)
 class _Write:
     path: Path
@@ -163,6 +190,9 @@ class DiskStore:
         self.closed = False
         self.failed: str | None = None  # why writing stopped (logged once)
         self._read_warned = False
+        # Misfits that could not be deleted (a read-only folder, a directory under a block's
+        # name): not read again, nor logged again, by this process.
+        self._refused: set[Path] = set()
         self._lock = threading.Lock()
         self._files: OrderedDict[Path, int] = OrderedDict()  # least recently used first
         self.nbytes = 0
@@ -190,14 +220,14 @@ class DiskStore:
         for folder in layout.model_folders(self.root):
             for path in folder.iterdir():
                 try:
-                    st = path.stat()
+                    st = path.lstat()
                 except OSError:
                     continue
                 if path.name.startswith(layout.TEMP_PREFIX):
                     if now - st.st_mtime > _STALE_TEMP_S:
                         with contextlib.suppress(OSError):
                             path.unlink()
-                elif path.name.endswith(layout.SUFFIX):
+                elif path.name.endswith(layout.SUFFIX) and stat.S_ISREG(st.st_mode):
                     found.append((st.st_mtime, path, st.st_size))
         for _, path, size in sorted(found):
             self._files[path] = size
@@ -252,8 +282,11 @@ class DiskStore:
     def read(self, path: Path, key: bytes, identity: bytes) -> Block | None:
         """The block at ``path`` if it is there and is the one asked for; a file that is
         not is deleted."""
+        if path in self._refused:
+            return None
         try:
-            data = path.read_bytes()
+            data = contents(path, self.max_bytes)
+            block = decode(data, key, identity)
         except (FileNotFoundError, NotADirectoryError):
             self._forget(path)
             self._recheck_later(path.parent)
@@ -264,16 +297,11 @@ class DiskStore:
                 log.warning("KV cache block %s unreadable (computed instead): %s",
                             path.name, exc)
             return None
-        try:
-            block = decode(data, key, identity)
         except Exception as exc:
             # A file anyone may write: any misfit is one. A header of another shape (valid
             # JSON, a valid checksum) raised what a narrower list did not name, and the
             # file stayed to fail every later lookup.
-            log.warning("KV cache block %s deleted: %s", path.name, exc)
-            with contextlib.suppress(OSError):
-                path.unlink()
-            self._forget(path)
+            self._drop(path, exc)
             return None
         with self._lock:
             if path not in self._files:
@@ -284,6 +312,20 @@ class DiskStore:
         with contextlib.suppress(OSError):
             os.utime(path)  # the LRU order survives a restart
         return block
+
+    def _drop(self, path: Path, why: object) -> None:
+        """Delete a file that is not the block asked for, saying why; one that cannot be
+        deleted is not read again by this process."""
+        try:
+            path.unlink()
+            done = "deleted"
+        except FileNotFoundError:
+            done = "deleted"
+        except OSError as exc:
+            done = f"refused (not deleted: {exc.strerror or exc})"
+            self._refused.add(path)
+        log.warning("KV cache block %s %s: %s", path.name, done, why)
+        self._forget(path)
 
     def touch(self, path: Path) -> None:
         """Mark a file read before as used now (its place in the eviction order)."""
@@ -402,6 +444,7 @@ class DiskStore:
     def clear(self, folder: Path | None = None) -> int:
         """Delete the block files (of one model's ``folder``, if given); the bytes freed.
         Files other processes wrote are deleted too."""
+        self._refused = {p for p in self._refused if folder is not None and p.parent != folder}
         with self._lock:
             gone = [p for p in self._files if folder is None or p.parent == folder]
             for path in gone:
