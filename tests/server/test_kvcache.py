@@ -34,7 +34,15 @@ from afmd.engine.kvcache import folder as layout
 from afmd.engine.kvcache import kv_compat as compat
 from afmd.engine.kvcache.blocks import BlockCache
 from afmd.engine.kvcache.chain import block_keys, chain_root
-from afmd.engine.kvcache.disk import LAYOUT, DiskStore, DiskTier, _Write, raw_views
+from afmd.engine.kvcache.disk import (
+    LAYOUT,
+    DiskStore,
+    DiskTier,
+    _Write,
+    decode,
+    encode,
+    raw_views,
+)
 from afmd.engine.kvcache.identity import model_identity
 from afmd.engine.kvcache.ram import Block, RamTier
 
@@ -223,7 +231,7 @@ def _written(tier: DiskTier, key: bytes, block: Block) -> Path:
 def test_a_block_written_to_disk_reads_back_the_same(disk: DiskTier) -> None:
     block = _block(1)
     _written(disk, b"k" * 32, block)
-    got = disk.get(b"k" * 32)
+    got = disk.get(b"k" * 32, BLOCK)
     assert got is not None and _same(got, block) and disk.hits == 1
     assert disk.nbytes > block.nbytes  # a header and a checksum besides
     assert not [p for p in disk.folder.iterdir() if p.name.startswith(layout.TEMP_PREFIX)]
@@ -277,7 +285,7 @@ def test_a_file_that_does_not_match_is_deleted_not_used(disk: DiskTier, damage: 
         foreign = _written(other, key, _block(3))
         shutil.copyfile(foreign, path)
     with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
-        assert disk.get(key) is None
+        assert disk.get(key, BLOCK) is None
     assert not path.exists()  # deleted: recomputed next time, never read again
     assert disk.misses == 1 and any("deleted" in r.getMessage() for r in caplog.records)
 
@@ -292,7 +300,7 @@ def test_a_fifo_under_a_block_name_does_not_hang_the_lookup(disk: DiskTier,
     path = layout.block_path(disk.folder, key)
     os.mkfifo(path)
     got: list[Any] = []
-    reader = threading.Thread(target=lambda: got.append(disk.get(key)), daemon=True)
+    reader = threading.Thread(target=lambda: got.append(disk.get(key, BLOCK)), daemon=True)
     with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
         reader.start()
         reader.join(5)
@@ -306,7 +314,7 @@ def test_a_fifo_under_a_block_name_does_not_hang_the_lookup(disk: DiskTier,
                                       for r in caplog.records)
     (disk.folder / "elsewhere").write_bytes(b"x")
     path.symlink_to(disk.folder / "elsewhere")  # afmd writes no links: one is not read
-    assert disk.get(key) is None and not path.exists()
+    assert disk.get(key, BLOCK) is None and not path.exists()
     assert (disk.folder / "elsewhere").read_bytes() == b"x"
 
 
@@ -329,8 +337,8 @@ def test_a_misfit_that_cannot_be_deleted_is_not_read_again(
 
     monkeypatch.setattr(Path, "unlink", refuse)
     with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
-        assert disk.get(key) is None
-        assert disk.get(key) is None
+        assert disk.get(key, BLOCK) is None
+        assert disk.get(key, BLOCK) is None
     assert path.exists() and disk.misses == 2
     messages = [r.getMessage() for r in caplog.records if r.name == "afmd.kvcache"]
     assert len(messages) == 1 and "not deleted" in messages[0], messages
@@ -375,13 +383,13 @@ def test_files_deleted_behind_its_back_are_all_written_again(disk: DiskTier) -> 
     paths = [_written(disk, key, block) for key, block in zip(keys, blocks, strict=True)]
     for path in paths:
         path.unlink()
-    assert disk.get(keys[0]) is None  # the chain stops at its first block
+    assert disk.get(keys[0], BLOCK) is None  # the chain stops at its first block
     assert disk.store.flush()
     for key, block in zip(keys, blocks, strict=True):  # the recomputed prefix, stored
         disk.put(key, block)
     assert disk.store.flush()
     assert all(path.is_file() for path in paths)
-    assert all(disk.get(key) is not None for key in keys)
+    assert all(disk.get(key, BLOCK) is not None for key in keys)
     assert disk.store.nbytes == sum(path.stat().st_size for path in paths)
 
 
@@ -408,7 +416,7 @@ def test_disk_tier_evicts_least_recently_used_by_bytes(tmp_path: Path) -> None:
     for i in range(2):
         _written(tier, bytes([i]) * 32, _block(i))
         time.sleep(0.01)
-    assert tier.get(bytes([0]) * 32) is not None  # block 0 used last: block 1 goes
+    assert tier.get(bytes([0]) * 32, BLOCK) is not None  # block 0 used last: block 1 goes
     _written(tier, bytes([2]) * 32, _block(2))
     assert store.evictions == 1 and store.nbytes == 2 * size
     assert not layout.block_path(tier.folder, bytes([1]) * 32).exists()
@@ -424,7 +432,7 @@ def test_a_torn_temporary_file_is_never_read(disk: DiskTier) -> None:
     key = b"t" * 32
     temp = disk.folder / f"{layout.TEMP_PREFIX}999-{key.hex()}{layout.SUFFIX}"
     temp.write_bytes(b"AFMDKVB\x00 half a file")  # what a killed writer leaves
-    assert disk.get(key) is None and temp.exists()
+    assert disk.get(key, BLOCK) is None and temp.exists()
 
 
 # -- the engine: a model loaded as a server loads it --------------------------------------
@@ -483,6 +491,72 @@ def test_a_write_that_fails_later_logs_once(tmp_path: Path,
     assert store.failed is not None
     assert len([r for r in caplog.records if r.name == "afmd.kvcache"]) == 1
     store.close()
+
+
+def _forged(path: Path, change: Callable[[list[compat.Layer]], list[compat.Layer]]) -> None:
+    """Rewrite a block file with its arrays changed: whole, its checksum matching, its
+    model and key the ones asked for (what another afmd writing blocks otherwise under the
+    same layout number would leave, or anyone)."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[12:16], "little")
+    header = json.loads(data[16:16 + size])
+    key, identity = bytes.fromhex(header["key"]), bytes.fromhex(header["identity"])
+    layers = [(mx.contiguous(k), mx.contiguous(v))
+              for k, v in change(decode(data, key, identity).layers)]
+    block = Block.of(layers)
+    path.write_bytes(b"".join(bytes(part) for part in
+                              encode(key, identity, block, raw_views(block))))
+
+
+FORGERIES: dict[str, Callable[[list[compat.Layer]], list[compat.Layer]]] = {
+    "fewer tokens": lambda layers: [(k[..., :BLOCK // 2, :], v[..., :BLOCK // 2, :])
+                                    for k, v in layers],
+    "fewer layers": lambda layers: layers[:-1],
+    "more heads": lambda layers: [(mx.concatenate([k, k], axis=1),
+                                   mx.concatenate([v, v], axis=1)) for k, v in layers],
+    "another dtype": lambda layers: [(k.astype(mx.float16), v.astype(mx.float16))
+                                     for k, v in layers],
+    "another rank": lambda layers: [(k[0], v[0]) for k, v in layers],
+}
+
+
+def test_a_whole_file_that_does_not_fit_the_model_is_deleted_not_used(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A block file whose checksum, model and key are right but whose arrays are not this
+    model's state for its tokens: fewer tokens or layers resumed a row silently wrong (the
+    answer changed), other heads or another rank failed every batch the prompt joined,
+    the file staying to fail the next."""
+    kv = tmp_path / "kv"
+    cache = CacheConfig(block_tokens=BLOCK, disk_dir=str(kv))
+    model = _load(cache)
+    try:
+        prompt = model.render_prompt([{"role": "user", "content": "moons and tides " * 20}])
+        cold, _ = _generate(model, prompt)
+        assert model.kv_cache.disk.store.flush()
+    finally:
+        model.worker.stop()
+    blocks = [p for p in kv.rglob(f"*{layout.SUFFIX}") if layout.parse_tail(p.name) is None]
+    assert len(blocks) >= 4
+    for name, change in FORGERIES.items():
+        copy = tmp_path / name.replace(" ", "-")
+        shutil.copytree(kv, copy)
+        forged = [copy / p.relative_to(kv) for p in blocks]
+        for path in forged:
+            _forged(path, change)
+        was = {path: path.read_bytes() for path in forged}
+        caplog.clear()
+        model = _load(CacheConfig(block_tokens=BLOCK, disk_dir=str(copy)))
+        try:
+            with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
+                for _ in range(2):
+                    text, end = _generate(model, prompt)
+                    assert text == cold, name
+                    assert end.cached_disk_tokens == 0, name
+        finally:
+            model.worker.stop()
+        # The chain's head was read, deleted (and its recomputed block written again).
+        assert any(not path.exists() or path.read_bytes() != was[path] for path in forged)
+        assert any("not this model's state" in r.getMessage() for r in caplog.records), name
 
 
 def test_two_models_on_one_folder_never_share_blocks(tmp_path: Path) -> None:

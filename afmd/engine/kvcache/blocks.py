@@ -96,7 +96,7 @@ class BlockCache:
             if block is not None:
                 ram += size
                 used.append((key, None))
-            elif self.disk is not None and (block := self.disk.get(key)) is not None:
+            elif self.disk is not None and (block := self.disk.get(key, size)) is not None:
                 disk += size
                 used.append((key, block))
                 self._follows(last, prompt[i * size:(i + 1) * size], key)

@@ -30,6 +30,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from afmd.engine.kvcache import folder as layout
+from afmd.engine.kvcache.kv_compat import LayerShape
 from afmd.engine.kvcache.ram import Block
 
 log = logging.getLogger("afmd.kvcache")
@@ -141,6 +143,31 @@ def contents(path: Path, limit: int) -> bytes:
         raise
     with f:
         return f.read(st.st_size)
+
+
+def misfit(block: Block, tokens: int, shapes: list[LayerShape] | None) -> str | None:
+    """Why ``block`` cannot be ``tokens`` tokens of a model whose layers are ``shapes``
+    (``None``: not known, only the block's own form is checked); ``None`` when it can be.
+
+    A file's checksum says only that it is whole: one whose arrays were another length,
+    another layer count, or other heads, dims or dtype than the model's (an afmd that wrote
+    blocks otherwise under the same layout number, anyone's file) resumed a row from them,
+    and it answered wrongly or failed every batch it joined, the file staying to fail the
+    next."""
+    if not block.layers:
+        return "no layers"
+    if shapes is not None and len(block.layers) != len(shapes):
+        return f"{len(block.layers)} layers, the model has {len(shapes)}"
+    for i, pair in enumerate(block.layers):
+        for j, array in enumerate(pair):
+            form = tuple(array.shape)
+            if len(form) != 4 or form[0] != 1 or form[2] != tokens:
+                return f"layer {i}: shape {form} for {tokens} tokens"
+            if shapes is not None and (form[1], form[3], array.dtype) != shapes[i][j]:
+                heads, dim, dtype = shapes[i][j]
+                return (f"layer {i}: {form[1]} heads of {form[3]} {array.dtype}, the model's "
+                        f"are {heads} of {dim} {dtype}")
+    return None
 
 
 @dataclass(slots=True)
@@ -279,14 +306,18 @@ class DiskStore:
             return False
         return True
 
-    def read(self, path: Path, key: bytes, identity: bytes) -> Block | None:
-        """The block at ``path`` if it is there and is the one asked for; a file that is
-        not is deleted."""
+    def read(self, path: Path, key: bytes, identity: bytes,
+             fits: Callable[[Block], str | None] | None = None) -> Block | None:
+        """The block at ``path`` if it is there and is the one asked for (and ``fits``
+        finds nothing wrong with it); a file that is not is deleted."""
         if path in self._refused:
             return None
         try:
             data = contents(path, self.max_bytes)
             block = decode(data, key, identity)
+            wrong = fits(block) if fits is not None else None
+            if wrong is not None:
+                raise ValueError(f"not this model's state: {wrong}")
         except (FileNotFoundError, NotADirectoryError):
             self._forget(path)
             self._recheck_later(path.parent)
@@ -469,12 +500,18 @@ class DiskStore:
 class DiskTier:
     """One model's view of a :class:`DiskStore`: its folder, identity and counters."""
 
-    def __init__(self, store: DiskStore, identity: bytes, name: str) -> None:
+    def __init__(self, store: DiskStore, identity: bytes, name: str,
+                 shapes: Callable[[], list[LayerShape]] | None = None) -> None:
+        """``shapes``: what the model's layers are made of (:func:`kv_compat.layer_shapes`),
+        asked once, on the thread that reads, when a block is first read; a block that
+        does not fit them is deleted, not used."""
         self.store = store
         self.identity = identity
         self.folder = layout.model_folder(store.root, identity)
         self.hits = 0
         self.misses = 0
+        self._shapes = shapes
+        self._known: list[LayerShape] | None = None
         if store.failed is None:
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
@@ -486,8 +523,16 @@ class DiskTier:
     def nbytes(self) -> int:
         return self.store.bytes_of(self.folder)
 
-    def get(self, key: bytes) -> Block | None:
-        block = self.store.read(layout.block_path(self.folder, key), key, self.identity)
+    def _fits(self, tokens: int) -> Callable[[Block], str | None]:
+        if self._known is None and self._shapes is not None:
+            self._known = self._shapes()
+        known = self._known
+        return lambda block: misfit(block, tokens, known)
+
+    def get(self, key: bytes, tokens: int) -> Block | None:
+        """The block of ``tokens`` tokens under ``key``, if on disk and fit to use."""
+        block = self.store.read(layout.block_path(self.folder, key), key, self.identity,
+                                self._fits(tokens))
         if block is None:
             self.misses += 1
         else:
@@ -512,7 +557,7 @@ class DiskTier:
 
     def get_tail(self, before: bytes, length: int, key: bytes) -> Block | None:
         block = self.store.read(layout.tail_path(self.folder, before, length, key), key,
-                                self.identity)
+                                self.identity, self._fits(length))
         if block is None:
             self.misses += 1
         else:
