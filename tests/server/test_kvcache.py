@@ -318,6 +318,30 @@ def test_a_fifo_under_a_block_name_does_not_hang_the_lookup(disk: DiskTier,
     assert (disk.folder / "elsewhere").read_bytes() == b"x"
 
 
+def test_a_file_larger_than_a_block_can_be_is_not_read(tmp_path: Path) -> None:
+    """A file under a block's name larger than any block of the model (junk, anyone's) was
+    read whole into memory before its checksum failed: up to the whole tier's bound."""
+    import tracemalloc
+
+    layers = _block(6, layers=2).layers
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    tier = DiskTier(store, b"identity-c" * 3, "c", lambda: [
+        ((k.shape[1], k.shape[3], k.dtype), (v.shape[1], v.shape[3], v.dtype))
+        for k, v in layers])
+    key = b"h" * 32
+    path = layout.block_path(tier.folder, key)
+    with path.open("wb") as f:
+        f.truncate(64 << 20)  # sparse: takes no disk
+    tracemalloc.start()
+    try:
+        assert tier.get(key, BLOCK) is None
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        store.close()
+    assert peak < 8 << 20 and not path.exists()
+
+
 def test_a_misfit_that_cannot_be_deleted_is_not_read_again(
         disk: DiskTier, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:

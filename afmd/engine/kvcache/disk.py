@@ -49,6 +49,8 @@ LAYOUT = 1
 _QUEUE = 64
 #: A temporary file older than this belongs to a writer that died.
 _STALE_TEMP_S = 600.0
+#: What a block file holds besides its arrays, at most (magic, sizes, checksum, header).
+_HEADER_ROOM = 1 << 20
 
 
 def _dtype(name: str) -> mx.Dtype:
@@ -307,13 +309,15 @@ class DiskStore:
         return True
 
     def read(self, path: Path, key: bytes, identity: bytes,
-             fits: Callable[[Block], str | None] | None = None) -> Block | None:
+             fits: Callable[[Block], str | None] | None = None,
+             limit: int | None = None) -> Block | None:
         """The block at ``path`` if it is there and is the one asked for (and ``fits``
-        finds nothing wrong with it); a file that is not is deleted."""
+        finds nothing wrong with it); a file that is not is deleted. A file larger than
+        ``limit`` (the most such a block takes), or than the tier, is not even read."""
         if path in self._refused:
             return None
         try:
-            data = contents(path, self.max_bytes)
+            data = contents(path, min(self.max_bytes, limit or self.max_bytes))
             block = decode(data, key, identity)
             wrong = fits(block) if fits is not None else None
             if wrong is not None:
@@ -524,15 +528,27 @@ class DiskTier:
         return self.store.bytes_of(self.folder)
 
     def _fits(self, tokens: int) -> Callable[[Block], str | None]:
+        known = self._layers()
+        return lambda block: misfit(block, tokens, known)
+
+    def _layers(self) -> list[LayerShape] | None:
         if self._known is None and self._shapes is not None:
             self._known = self._shapes()
-        known = self._known
-        return lambda block: misfit(block, tokens, known)
+        return self._known
+
+    def _limit(self, tokens: int) -> int | None:
+        """The most bytes a file of ``tokens`` tokens of this model takes (its arrays and
+        a header with room to spare); ``None`` while the model's layers are not known."""
+        known = self._layers()
+        if known is None:
+            return None
+        per_token = sum(heads * dim * dtype.size for pair in known for heads, dim, dtype in pair)
+        return per_token * tokens + _HEADER_ROOM
 
     def get(self, key: bytes, tokens: int) -> Block | None:
         """The block of ``tokens`` tokens under ``key``, if on disk and fit to use."""
         block = self.store.read(layout.block_path(self.folder, key), key, self.identity,
-                                self._fits(tokens))
+                                self._fits(tokens), self._limit(tokens))
         if block is None:
             self.misses += 1
         else:
@@ -557,7 +573,7 @@ class DiskTier:
 
     def get_tail(self, before: bytes, length: int, key: bytes) -> Block | None:
         block = self.store.read(layout.tail_path(self.folder, before, length, key), key,
-                                self.identity, self._fits(length))
+                                self.identity, self._fits(length), self._limit(length))
         if block is None:
             self.misses += 1
         else:
