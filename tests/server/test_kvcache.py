@@ -583,6 +583,52 @@ def test_a_whole_file_that_does_not_fit_the_model_is_deleted_not_used(
         assert any("not this model's state" in r.getMessage() for r in caplog.records), name
 
 
+def test_a_directory_under_a_block_name_stops_only_that_block(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A directory where a block's file goes (made after the folder was indexed): that
+    block is not written, the next ones are. The failed rename was taken for the
+    folder's, and the tier stopped writing for good."""
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    tier = DiskTier(store, b"i", "m")
+    layout.block_path(tier.folder, b"\0" * 32).mkdir()
+    with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
+        for i in range(3):
+            tier.put(bytes([i]) * 32, _block(i))
+            assert store.flush()
+    assert store.failed is None
+    assert all(layout.block_path(tier.folder, bytes([i]) * 32).is_file() for i in (1, 2))
+    assert len([r for r in caplog.records if r.name == "afmd.kvcache"]) == 1
+    assert not [p for p in tier.folder.iterdir() if p.name.startswith(layout.TEMP_PREFIX)]
+    store.close()
+
+
+def test_a_temporary_file_deleted_under_the_writer_stops_only_that_block(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``afmd cache clear`` (it deletes every ``.kvb`` name, temporary ones too) or another
+    process sweeping the folder deleted a block's temporary file before its rename: the
+    tier stopped writing for good. Temporary names are unique across processes too (two
+    containers sharing a volume both run afmd as pid 1)."""
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    tier = DiskTier(store, b"i", "m")
+    replace = os.replace
+    swept: list[str] = []
+
+    def sweep_first(src: Any, dst: Any) -> None:
+        if not swept and Path(src).name.startswith(layout.TEMP_PREFIX):
+            swept.append(Path(src).name)
+            Path(src).unlink()  # what `afmd cache clear` does to a .tmp-*.kvb
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", sweep_first)
+    for i in range(3):
+        tier.put(bytes([i]) * 32, _block(i))
+        assert store.flush()
+    assert swept and store.failed is None
+    assert all(layout.block_path(tier.folder, bytes([i]) * 32).is_file() for i in (1, 2))
+    assert layout.temp_name("x.kvb") != layout.temp_name("x.kvb")
+    store.close()
+
+
 def test_two_models_on_one_folder_never_share_blocks(tmp_path: Path) -> None:
     cache = CacheConfig(block_tokens=BLOCK, disk_dir=str(tmp_path / "kv"))
     tokens = [(i * 7) % 900 + 20 for i in range(6 * BLOCK)]  # ids both vocabularies have

@@ -51,6 +51,8 @@ _QUEUE = 64
 _STALE_TEMP_S = 600.0
 #: What a block file holds besides its arrays, at most (magic, sizes, checksum, header).
 _HEADER_ROOM = 1 << 20
+#: Rename failures about one block's names, not the folder or the disk (DiskStore._write).
+_THIS_BLOCK_ONLY = frozenset({errno.ENOENT, errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST})
 
 
 def _dtype(name: str) -> mx.Dtype:
@@ -219,6 +221,7 @@ class DiskStore:
         self.closed = False
         self.failed: str | None = None  # why writing stopped (logged once)
         self._read_warned = False
+        self._skip_warned = False
         # Misfits that could not be deleted (a read-only folder, a directory under a block's
         # name): not read again, nor logged again, by this process.
         self._refused: set[Path] = set()
@@ -427,7 +430,8 @@ class DiskStore:
 
     def _write(self, item: _Write) -> None:
         folder = item.path.parent
-        temp = folder / f"{layout.TEMP_PREFIX}{os.getpid()}-{item.path.name}"
+        temp = folder / layout.temp_name(item.path.name)
+        renaming = False
         try:
             parts = encode(item.key, item.identity, item.block, item.raw)
             size = sum(len(p) for p in parts)
@@ -437,10 +441,20 @@ class DiskStore:
             with open(temp, "wb") as f:
                 for part in parts:
                     f.write(part)
+            renaming = True
             os.replace(temp, item.path)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 temp.unlink()
+            if renaming and exc.errno in _THIS_BLOCK_ONLY:
+                # Its temporary file deleted under it (another process's sweep, `afmd cache
+                # clear`), a directory under its name: this block is not written, the next
+                # ones are. Taken for the folder's failure, one stray entry stopped the tier.
+                if not self._skip_warned:
+                    self._skip_warned = True
+                    log.warning("KV cache block %s not written (the next ones are): %s",
+                                item.path.name, exc)
+                return
             self.fail(("the disk is full: " if exc.errno == errno.ENOSPC else "")
                        + f"{type(exc).__name__}: {exc}")
             return

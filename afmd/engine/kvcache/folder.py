@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 from pathlib import Path
 
 from afmd.paths import cache_dir
@@ -24,6 +25,13 @@ NAMES = "models.json"
 #: Where a running server takes ``afmd cache clear`` (:mod:`afmd.http.routes.cache_routes`);
 #: here because the CLI must know it without importing the HTTP edge (Sanic).
 CLEAR_PATH = "/afmd/cache/clear"
+
+
+def temp_name(name: str) -> str:
+    """A temporary name for writing ``name``: unique across the processes sharing the
+    folder. The process id alone is not: two containers sharing a volume both run afmd
+    as pid 1, and both write a shared prefix's blocks at once."""
+    return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{name}"
 
 
 def default_disk_dir() -> Path:
@@ -71,7 +79,7 @@ def add_name(folder: Path, name: str) -> None:
     known = names(folder)
     if name in known:
         return
-    temp = folder / f"{TEMP_PREFIX}{os.getpid()}-{NAMES}"
+    temp = folder / temp_name(NAMES)
     temp.write_text(json.dumps([*known, name]))
     os.replace(temp, folder / NAMES)
 
