@@ -602,6 +602,31 @@ def test_a_directory_under_a_block_name_stops_only_that_block(
     store.close()
 
 
+def test_a_model_folder_it_cannot_list_is_skipped_not_the_tier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user's model folder in a shared ``disk_dir`` (mode 700): listing it failed
+    the start-up scan, and the tier stopped writing for every model."""
+    root = tmp_path / "kv"
+    theirs = root / ("ab" * 16)
+    theirs.mkdir(parents=True)
+    listing = Path.iterdir
+
+    def refuse(self: Path) -> Iterator[Path]:
+        if self == theirs:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", refuse)
+    store = DiskStore(root, 1 << 30)
+    tier = DiskTier(store, b"i", "m")
+    assert store.failed is None
+    _written(tier, b"k" * 32, _block(1))
+    store.close()
+    held = layout.held_bytes(root)
+    assert held > 0 and layout.clear(root) == (1, held)  # `afmd cache clear`
+    assert layout.held_bytes(root) == 0
+
+
 def test_a_temporary_file_deleted_under_the_writer_stops_only_that_block(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``afmd cache clear`` (it deletes every ``.kvb`` name, temporary ones too) or another

@@ -250,7 +250,14 @@ class DiskStore:
         found: list[tuple[float, Path, int]] = []
         now = time.time()
         for folder in layout.model_folders(self.root):
-            for path in folder.iterdir():
+            try:
+                entries = list(folder.iterdir())
+            except OSError as exc:
+                # Another user's model folder, say: not this process's to count or evict.
+                # Raised out of the scan, it stopped the tier for every model.
+                log.warning("KV cache folder %s skipped: %s", folder, exc)
+                continue
+            for path in entries:
                 try:
                     st = path.lstat()
                 except OSError:

@@ -93,11 +93,21 @@ def model_folders(root: Path, model: str | None = None) -> list[Path]:
     return [p for p in folders if model is None or model in names(p)]
 
 
+def entries(folder: Path) -> list[Path]:
+    """What ``folder`` holds; nothing when it cannot be listed (another user's model
+    folder in a shared ``disk_dir``: raised, it failed ``afmd cache clear`` and the
+    server's clear with it)."""
+    try:
+        return list(folder.iterdir())
+    except OSError:
+        return []
+
+
 def clear(root: Path, model: str | None = None) -> tuple[int, int]:
     """Delete the block files under ``root`` (a model's only, if given): (files, bytes)."""
     files = size = 0
     for folder in model_folders(root, model):
-        for path in folder.iterdir():
+        for path in entries(folder):
             if path.name.endswith(SUFFIX):
                 try:
                     n = path.stat().st_size
@@ -112,7 +122,7 @@ def clear(root: Path, model: str | None = None) -> tuple[int, int]:
 def held_bytes(root: Path, model: str | None = None) -> int:
     total = 0
     for folder in model_folders(root, model):
-        for path in folder.iterdir():
+        for path in entries(folder):
             if path.name.endswith(SUFFIX):
                 with contextlib.suppress(OSError):
                     total += path.stat().st_size
