@@ -397,6 +397,67 @@ def test_a_chain_read_from_disk_leaves_its_head_the_newest(tmp_path: Path) -> No
     again.close()
 
 
+def test_a_write_cut_short_leaves_a_prefix_a_lookup_reaches(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row of more blocks than the write queue holds, the writer busy (a large model's
+    blocks are tens of MiB): what does not fit in the queue is dropped, as the rest of a
+    chain is when the process is killed mid-write or the disk fills. Queued from the end to
+    the head, the head was what went: nothing of the row was found after a restart,
+    though most of it was on disk."""
+    from afmd.engine.kvcache import disk as disk_module
+
+    monkeypatch.setattr(disk_module, "_QUEUE", 4)
+    busy = threading.Event()
+    write = DiskStore._write
+
+    def held(self: DiskStore, item: _Write) -> None:
+        busy.wait(30)
+        write(self, item)
+
+    monkeypatch.setattr(DiskStore, "_write", held)
+    turn = list(range(1, 1 + 12 * BLOCK + 5))
+    layers = [(mx.random.normal((1, 2, len(turn), 8)), mx.random.normal((1, 2, len(turn), 8)))]
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    writer = BlockCache(b"m", BLOCK, RamTier(1 << 30, 1 << 20), DiskTier(store, b"m", "m"))
+    writer.store(turn, compat.build(layers))
+    busy.set()
+    assert store.flush() and store.dropped > 0
+    store.close()
+    monkeypatch.setattr(DiskStore, "_write", write)
+    again = DiskStore(tmp_path / "kv", 1 << 30)
+    reader = BlockCache(b"m", BLOCK, RamTier(1 << 30, 1 << 20), DiskTier(again, b"m", "m"))
+    resume = reader.lookup([*turn, 9])
+    assert resume.disk_tokens >= 4 * BLOCK
+    assert mx.array_equal(resume.cache[0].keys, layers[0][0][..., :resume.tokens, :]).item()
+    again.close()
+
+
+def test_a_chain_longer_than_the_disk_tier_keeps_its_head(tmp_path: Path) -> None:
+    """The tier holds the head of a chain it cannot hold whole, within its bound, and
+    evicts a chain from its end."""
+    probe = DiskStore(tmp_path / "probe", 1 << 30)
+    size = _written(DiskTier(probe, b"p", "p"), b"x" * 32, _block(0, layers=1)).stat().st_size
+    probe.close()
+    turn = list(range(1, 1 + 10 * BLOCK))
+    layers = [(mx.random.normal((1, 2, len(turn), 8)).astype(mx.float16),
+               mx.random.normal((1, 2, len(turn), 8)).astype(mx.float16))]
+    store = DiskStore(tmp_path / "kv", int(4.5 * size))
+    tier = DiskTier(store, b"m", "m")
+    writer = BlockCache(b"m", BLOCK, RamTier(1 << 30, 1 << 20), tier)
+    writer.store(turn, compat.build(layers))
+    assert store.flush() and store.nbytes <= store.max_bytes
+    paths = [layout.block_path(tier.folder, key) for key in writer.keys(turn)]
+    assert [path.exists() for path in paths] == [True] * 4 + [False] * 6
+    tier.put(b"z" * 32, _block(5, layers=1))  # one more: the chain's end goes
+    assert store.flush()
+    assert [path.exists() for path in paths] == [True] * 3 + [False] * 7
+    store.close()
+    again = DiskStore(tmp_path / "kv", int(4.5 * size))
+    reader = BlockCache(b"m", BLOCK, RamTier(1 << 30, 1 << 20), DiskTier(again, b"m", "m"))
+    assert reader.lookup([*turn, 9]).disk_tokens == 3 * BLOCK
+    again.close()
+
+
 def test_files_deleted_behind_its_back_are_all_written_again(disk: DiskTier) -> None:
     """Another process sharing the folder (its evictions), ``afmd cache clear`` or a user
     deleted a prefix's files. The first read that misses has the writer check the

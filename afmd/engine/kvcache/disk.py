@@ -31,7 +31,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -175,12 +175,28 @@ def misfit(block: Block, tokens: int, shapes: list[LayerShape] | None) -> str | 
 
 
 @dataclass(slots=True)
+class Chain:
+    """The files one finished row stores, from its head to its end (its tail last), in the
+    order they are queued: a write cut short (a full queue, a killed process, a full disk)
+    leaves a prefix that a lookup reaches, not an end it never can. Queued from the end to
+    the head, a row of more blocks than the queue holds had its head dropped (nothing of it
+    was found after a restart though most of it was on disk), and a kill mid-write left only
+    ends. The writer keeps the head the most recently used all the same (DiskStore._write)."""
+
+    paths: list[Path]
+    stamp: int = field(default_factory=time.time_ns)  # the head's modification time
+    stopped: bool = False  # the tier is full of its blocks: the rest are not written
+
+
+@dataclass(slots=True)
 class _Write:
     path: Path
     key: bytes
     identity: bytes
     block: Block
     raw: list[mx.array]
+    chain: Chain | None = None
+    at: int = 0  # its place in the chain
 
 
 #: Wakes the writer to check a folder's index against the folder (see DiskStore.read).
@@ -300,7 +316,8 @@ class DiskStore:
             log.warning("KV cache disk tier stops writing (serving on from RAM): %s", why)
 
     # -- the generation thread --
-    def queue(self, path: Path, key: bytes, identity: bytes, block: Block) -> bool:
+    def queue(self, path: Path, key: bytes, identity: bytes, block: Block,
+              chain: Chain | None = None, at: int = 0) -> bool:
         """Queue a block to write; ``False`` when it is not (already there, writing off,
         or the queue full: a step never waits)."""
         if self.failed is not None or self.closed:
@@ -310,7 +327,8 @@ class DiskStore:
                 return False
             self._pending.add(path)
         try:
-            self._queue.put_nowait(_Write(path, key, identity, block, raw_views(block)))
+            self._queue.put_nowait(_Write(path, key, identity, block, raw_views(block),
+                                          chain, at))
         except queue.Full:
             with self._lock:
                 self._pending.discard(path)
@@ -436,6 +454,9 @@ class DiskStore:
             self._checking = False
 
     def _write(self, item: _Write) -> None:
+        chain = item.chain
+        if chain is not None and chain.stopped:
+            return
         folder = item.path.parent
         temp = folder / layout.temp_name(item.path.name)
         renaming = False
@@ -466,17 +487,38 @@ class DiskStore:
                        + f"{type(exc).__name__}: {exc}")
             return
         self.writes += 1
+        keep: set[Path] = set()
+        if chain is not None:
+            with contextlib.suppress(OSError):  # the head newest, after a restart too
+                os.utime(item.path, ns=(chain.stamp - item.at, chain.stamp - item.at))
+            keep = set(chain.paths[:item.at + 1])
         with self._lock:
             # A read may have indexed the path meanwhile (another process wrote it first).
             self.nbytes += size - self._files.pop(item.path, 0)
             self._files[item.path] = size
             self._index_tail(item.path, True)
+            if chain is not None:
+                # Written head first, used head last: the blocks before this one are the
+                # more recently used (a lookup reaches a block only through them).
+                for path in reversed(chain.paths[:item.at]):
+                    if path in self._files:
+                        self._files.move_to_end(path)
             victims = []
-            while self.nbytes > self.max_bytes and self._files:
-                path, gone = self._files.popitem(last=False)
-                self.nbytes -= gone
-                self._index_tail(path, False)
-                victims.append(path)
+            while self.nbytes > self.max_bytes:
+                # Never the blocks before this one of its own chain: evicting its head to
+                # hold its end would leave nothing a lookup reaches.
+                victim = next((p for p in self._files if p not in keep), None)
+                if victim is None:
+                    break
+                self.nbytes -= self._files.pop(victim)
+                self._index_tail(victim, False)
+                victims.append(victim)
+            if self.nbytes > self.max_bytes and chain is not None:
+                # A chain longer than the tier: it holds the head of it that fits.
+                self.nbytes -= self._files.pop(item.path)
+                self._index_tail(item.path, False)
+                victims.append(item.path)
+                chain.stopped = True
         for path in victims:
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -582,12 +624,22 @@ class DiskTier:
     def touch(self, key: bytes) -> None:
         self.store.touch(layout.block_path(self.folder, key))
 
-    def put(self, key: bytes, block: Block) -> None:
-        self.store.queue(layout.block_path(self.folder, key), key, self.identity, block)
+    def chain(self, keys: list[bytes], tail: tuple[bytes, int, bytes] | None) -> Chain:
+        """The files of a row's blocks ``keys`` and its ``tail`` (before, length, key), to
+        queue head first (:class:`Chain`)."""
+        paths = [layout.block_path(self.folder, key) for key in keys]
+        if tail is not None:
+            paths.append(layout.tail_path(self.folder, *tail))
+        return Chain(paths)
 
-    def put_tail(self, before: bytes, length: int, key: bytes, block: Block) -> None:
+    def put(self, key: bytes, block: Block, chain: Chain | None = None, at: int = 0) -> None:
+        self.store.queue(layout.block_path(self.folder, key), key, self.identity, block,
+                         chain, at)
+
+    def put_tail(self, before: bytes, length: int, key: bytes, block: Block,
+                 chain: Chain | None = None, at: int = 0) -> None:
         self.store.queue(layout.tail_path(self.folder, before, length, key), key,
-                         self.identity, block)
+                         self.identity, block, chain, at)
 
     def tails(self, before: bytes) -> list[tuple[int, bytes]]:
         return self.store.tails(self.folder, before)
