@@ -520,6 +520,26 @@ def test_a_torn_temporary_file_is_never_read(disk: DiskTier) -> None:
     assert disk.get(key, BLOCK) is None and temp.exists()
 
 
+def test_a_dead_writers_temporary_file_is_swept_while_serving(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process killed mid-write, restarted at once (launchd's KeepAlive): its temporary
+    file was too recent for the new process's start-up scan, and stayed for as long as the
+    new process ran, one more after each crash."""
+    from afmd.engine.kvcache import disk as disk_module
+
+    monkeypatch.setattr(disk_module, "_STALE_TEMP_S", 0.2)
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    tier = DiskTier(store, b"i", "m")
+    dead = tier.folder / layout.temp_name(f"{'ab' * 32}{layout.SUFFIX}")
+    dead.write_bytes(b"AFMDKVB\x00 half a block")  # the killed writer's, just now
+    fresh = tier.folder / layout.temp_name(f"{'cd' * 32}{layout.SUFFIX}")
+    time.sleep(0.3)
+    fresh.write_bytes(b"AFMDKVB\x00 a live writer's")  # another process writing now
+    _written(tier, b"k" * 32, _block(1))  # the writer sweeps before its next write
+    assert not dead.exists() and fresh.exists()
+    store.close()
+
+
 # -- the engine: a model loaded as a server loads it --------------------------------------
 
 

@@ -251,6 +251,7 @@ class DiskStore:
         self._pending: set[Path] = set()
         self._recheck: set[Path] = set()  # folders whose index may name files now gone
         self._checking = False
+        self._swept = time.monotonic()  # the scan below sweeps stale temporary files
         # (model folder, block before) -> {tail path: (length, key)}: the tails on disk.
         self._tails: dict[tuple[Path, bytes], dict[Path, tuple[int, bytes]]] = {}
         try:
@@ -428,6 +429,7 @@ class DiskStore:
                 return
             try:
                 self._check_folders()
+                self._sweep()
                 if isinstance(item, _Write) and self.failed is None:
                     self._write(item)
             except Exception:  # never let one block stop the writer
@@ -436,6 +438,23 @@ class DiskStore:
                 if isinstance(item, _Write):
                     with self._lock:
                         self._pending.discard(item.path)
+
+    def _sweep(self) -> None:
+        """Delete the temporary files that writers which died left, every
+        ``_STALE_TEMP_S``: one killed just before this process started left one too recent
+        for the scan to take, and a server restarted at once after each crash (launchd's
+        KeepAlive) never scanned again, one file of up to a block's size more each time."""
+        now = time.monotonic()
+        if now - self._swept < _STALE_TEMP_S:
+            return
+        self._swept = now
+        cutoff = time.time() - _STALE_TEMP_S
+        for folder in layout.model_folders(self.root):
+            for path in layout.entries(folder):
+                if path.name.startswith(layout.TEMP_PREFIX):
+                    with contextlib.suppress(OSError):
+                        if path.lstat().st_mtime < cutoff:
+                            path.unlink()
 
     def _check_folders(self) -> None:
         """Forget the indexed files of the folders marked by :meth:`_recheck_later` that
