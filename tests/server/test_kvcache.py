@@ -478,6 +478,24 @@ def test_files_deleted_behind_its_back_are_all_written_again(disk: DiskTier) -> 
     assert disk.store.nbytes == sum(path.stat().st_size for path in paths)
 
 
+def test_a_folder_emptied_under_a_hot_conversation_is_written_again(
+        disk: DiskTier) -> None:
+    """The folder emptied while the server runs (``rm -rf``, a cache cleaner) and the
+    conversation hot in RAM: its blocks, indexed as on disk, were only skipped at each
+    store and never read, so never written again (a restart found nothing), and the
+    bytes deleted were counted as held."""
+    keys = [bytes([i]) * 32 for i in range(3)]
+    blocks = [_block(30 + i) for i in range(3)]
+    paths = [_written(disk, key, block) for key, block in zip(keys, blocks, strict=True)]
+    shutil.rmtree(disk.store.root)
+    for _ in range(2):  # the conversation's next turns store its blocks again
+        for key, block in zip(keys, blocks, strict=True):
+            disk.put(key, block)
+        assert disk.store.flush()
+    assert all(path.is_file() for path in paths)
+    assert disk.store.nbytes == sum(path.stat().st_size for path in paths)
+
+
 def test_a_block_another_process_wrote_first_is_counted_once(tmp_path: Path) -> None:
     """This process indexed the file another one wrote (found at its start, or read),
     then its own queued write of the same block lands: the file is counted once."""
