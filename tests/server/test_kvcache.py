@@ -342,6 +342,21 @@ def test_a_file_larger_than_a_block_can_be_is_not_read(tmp_path: Path) -> None:
     assert peak < 8 << 20 and not path.exists()
 
 
+def test_a_model_whose_layers_cannot_be_read_still_reads_blocks(
+        disk: DiskTier, caplog: pytest.LogCaptureFixture) -> None:
+    """The one-token run that says what the model's layers are made of failing fails no
+    lookup: the blocks read are checked for their own form only (logged once)."""
+    block = _block(7)
+    _written(disk, b"k" * 32, block)
+    tier = DiskTier(disk.store, disk.identity, "a", lambda: 1 / 0)  # type: ignore[arg-type,return-value]
+    with caplog.at_level(logging.ERROR, logger="afmd.kvcache"):
+        got = tier.get(b"k" * 32, BLOCK)
+        assert got is not None and _same(got, block)
+        assert tier.get(b"k" * 32, BLOCK // 2) is None  # its own length still checked
+    assert len([r for r in caplog.records if r.name == "afmd.kvcache"
+                and r.levelno == logging.ERROR]) == 1
+
+
 def test_a_misfit_that_cannot_be_deleted_is_not_read_again(
         disk: DiskTier, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:

@@ -635,7 +635,12 @@ class DiskTier:
 
     def _layers(self) -> list[LayerShape] | None:
         if self._known is None and self._shapes is not None:
-            self._known = self._shapes()
+            shapes, self._shapes = self._shapes, None
+            try:
+                self._known = shapes()
+            except Exception:  # a lookup must not fail for it: the blocks' own form is checked
+                log.exception("KV cache: the model's layers could not be read; blocks read "
+                              "from disk are checked for their own form only")
         return self._known
 
     def _limit(self, tokens: int) -> int | None:
