@@ -471,6 +471,15 @@ def test_a_chain_longer_than_the_disk_tier_keeps_its_head(tmp_path: Path) -> Non
     reader = BlockCache(b"m", BLOCK, RamTier(1 << 30, 1 << 20), DiskTier(again, b"m", "m"))
     assert reader.lookup([*turn, 9]).disk_tokens == 3 * BLOCK
     again.close()
+    # disk_bytes lowered under what the chain holds there: its next store keeps the bound.
+    lowered = DiskStore(tmp_path / "kv", int(1.5 * size))
+    tier = DiskTier(lowered, b"m", "m")
+    writer = BlockCache(b"m", BLOCK, RamTier(1 << 30, 1 << 20), tier)
+    writer.store(turn, compat.build(layers))
+    assert lowered.flush() and lowered.nbytes <= lowered.max_bytes
+    assert [path.exists() for path in paths] == [True] + [False] * 9
+    assert layout.held_bytes(tmp_path / "kv") == lowered.nbytes
+    lowered.close()
 
 
 def test_files_deleted_behind_its_back_are_all_written_again(disk: DiskTier) -> None:

@@ -553,11 +553,16 @@ class DiskStore:
                 self._index_tail(victim, False)
                 victims.append(victim)
             if self.nbytes > self.max_bytes and chain is not None:
-                # A chain longer than the tier: it holds the head of it that fits.
-                self.nbytes -= self._files.pop(item.path)
-                self._index_tail(item.path, False)
-                victims.append(item.path)
+                # A chain longer than the tier: it holds the head of it that fits, this
+                # block and the rest not written, its own blocks evicted from its end.
                 chain.stopped = True
+                for path in [item.path, *reversed(chain.paths[:item.at])]:
+                    if self.nbytes <= self.max_bytes:
+                        break
+                    if (size := self._files.pop(path, None)) is not None:
+                        self.nbytes -= size
+                        self._index_tail(path, False)
+                        victims.append(path)
         for path in victims:
             with contextlib.suppress(OSError):
                 path.unlink()
