@@ -553,6 +553,12 @@ def test_disk_tier_evicts_least_recently_used_by_bytes(tmp_path: Path) -> None:
     again = DiskStore(tmp_path / "kv", int(2.5 * size))
     assert again.nbytes == 2 * size
     again.close()
+    # disk_bytes lowered since: the least recently used go at the start, not at a write.
+    lowered = DiskStore(tmp_path / "kv", int(1.5 * size))
+    assert lowered.nbytes == size and lowered.evictions == 1
+    assert layout.block_path(tier.folder, bytes([2]) * 32).exists()
+    assert not layout.block_path(tier.folder, bytes([0]) * 32).exists()
+    lowered.close()
 
 
 def test_a_torn_temporary_file_is_never_read(disk: DiskTier) -> None:

@@ -292,6 +292,16 @@ class DiskStore:
             self._files[path] = size
             self.nbytes += size
             self._index_tail(path, True)
+        # The bound holds from the start (disk_bytes lowered since the files were written):
+        # held over it, the folder stayed so until this process wrote, and forever if it
+        # only read.
+        while self.nbytes > self.max_bytes and self._files:
+            path, size = self._files.popitem(last=False)
+            self.nbytes -= size
+            self._index_tail(path, False)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self.evictions += 1
 
     def _index_tail(self, path: Path, present: bool) -> None:
         """Keep the tail index in step with a file that appeared or went (under the lock,
