@@ -569,8 +569,8 @@ class DiskStore:
                 for path in [item.path, *reversed(chain.paths[:item.at])]:
                     if self.nbytes <= self.max_bytes:
                         break
-                    if (size := self._files.pop(path, None)) is not None:
-                        self.nbytes -= size
+                    if path in self._files:
+                        self.nbytes -= self._files.pop(path)
                         self._index_tail(path, False)
                         victims.append(path)
         for path in victims:
