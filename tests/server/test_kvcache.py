@@ -9,6 +9,7 @@ disk folder and compare greedy output with the cold run's.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
 import logging
@@ -16,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,7 +34,15 @@ from afmd.engine.kvcache import folder as layout
 from afmd.engine.kvcache import kv_compat as compat
 from afmd.engine.kvcache.blocks import BlockCache
 from afmd.engine.kvcache.chain import block_keys, chain_root
-from afmd.engine.kvcache.disk import LAYOUT, DiskStore, DiskTier, _Write, raw_views
+from afmd.engine.kvcache.disk import (
+    LAYOUT,
+    DiskStore,
+    DiskTier,
+    _Write,
+    decode,
+    encode,
+    raw_views,
+)
 from afmd.engine.kvcache.identity import model_identity
 from afmd.engine.kvcache.ram import Block, RamTier
 
@@ -93,6 +103,30 @@ def test_model_identity_follows_weights_and_tokenizer(tmp_path: Path) -> None:
     weights.write_bytes(bytes(data))
     assert model_identity(copy, "x") != model_identity(source, "x")
     assert model_identity(materialize("demo-32k"), "x") != model_identity(source, "x")
+
+
+def test_a_checkpoint_changed_where_no_sample_looks_is_another_model(tmp_path: Path) -> None:
+    """A fine-tune that changed some tensors (a fused LoRA adapter) may differ from its base
+    only between the sampled chunks; same name, same size. Its blocks were the base
+    model's: a restart over one folder answered with the other model's state."""
+    from afmd.engine.demo.builtin import materialize
+    from afmd.engine.kvcache import identity
+
+    source = materialize("demo")
+    tuned = tmp_path / "tuned"
+    shutil.copytree(source, tuned)
+    weights = next(tuned.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    size = len(data)
+    chunk, samples = identity._SAMPLE, identity._SAMPLES
+    assert size > chunk * (samples + 2)  # sampled, not hashed whole
+    start = (size - chunk) * (samples // 2) // (samples + 1) + chunk  # after one sample
+    end = (size - chunk) * (samples // 2 + 1) // (samples + 1)  # before the next
+    assert end - start > 1000
+    for i in range(start, end, 2):
+        data[i] ^= 0x5A
+    weights.write_bytes(bytes(data))
+    assert model_identity(tuned, "x") != model_identity(source, "x")
 
 
 # -- the RAM tier ----------------------------------------------------------------------
@@ -197,7 +231,7 @@ def _written(tier: DiskTier, key: bytes, block: Block) -> Path:
 def test_a_block_written_to_disk_reads_back_the_same(disk: DiskTier) -> None:
     block = _block(1)
     _written(disk, b"k" * 32, block)
-    got = disk.get(b"k" * 32)
+    got = disk.get(b"k" * 32, BLOCK)
     assert got is not None and _same(got, block) and disk.hits == 1
     assert disk.nbytes > block.nbytes  # a header and a checksum besides
     assert not [p for p in disk.folder.iterdir() if p.name.startswith(layout.TEMP_PREFIX)]
@@ -251,9 +285,102 @@ def test_a_file_that_does_not_match_is_deleted_not_used(disk: DiskTier, damage: 
         foreign = _written(other, key, _block(3))
         shutil.copyfile(foreign, path)
     with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
-        assert disk.get(key) is None
+        assert disk.get(key, BLOCK) is None
     assert not path.exists()  # deleted: recomputed next time, never read again
     assert disk.misses == 1 and any("deleted" in r.getMessage() for r in caplog.records)
+
+
+def test_a_fifo_under_a_block_name_does_not_hang_the_lookup(disk: DiskTier,
+                                                         caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    """Whatever is under a block's name is read only if it is a regular file: a FIFO
+    blocked the generation thread in ``open`` until something wrote to it (the server
+    hung), and a link to ``/dev/zero`` was read until memory ran out."""
+    key = b"f" * 32
+    path = layout.block_path(disk.folder, key)
+    os.mkfifo(path)
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.append(disk.get(key, BLOCK)), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
+        reader.start()
+        reader.join(5)
+    hung = reader.is_alive()
+    if hung:  # release it: a writer opening the FIFO ends the reader's open
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        reader.join(5)
+    assert not hung and got == [None]
+    assert not path.exists() and any("not a regular file" in r.getMessage()
+                                      for r in caplog.records)
+    (disk.folder / "elsewhere").write_bytes(b"x")
+    path.symlink_to(disk.folder / "elsewhere")  # afmd writes no links: one is not read
+    assert disk.get(key, BLOCK) is None and not path.exists()
+    assert (disk.folder / "elsewhere").read_bytes() == b"x"
+
+
+def test_a_file_larger_than_a_block_can_be_is_not_read(tmp_path: Path) -> None:
+    """A file under a block's name larger than any block of the model (junk, anyone's) was
+    read whole into memory before its checksum failed: up to the whole tier's bound."""
+    import tracemalloc
+
+    layers = _block(6, layers=2).layers
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    tier = DiskTier(store, b"identity-c" * 3, "c", lambda: [
+        ((k.shape[1], k.shape[3], k.dtype), (v.shape[1], v.shape[3], v.dtype))
+        for k, v in layers])
+    key = b"h" * 32
+    path = layout.block_path(tier.folder, key)
+    with path.open("wb") as f:
+        f.truncate(64 << 20)  # sparse: takes no disk
+    tracemalloc.start()
+    try:
+        assert tier.get(key, BLOCK) is None
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        store.close()
+    assert peak < 8 << 20 and not path.exists()
+
+
+def test_a_model_whose_layers_cannot_be_read_still_reads_blocks(
+        disk: DiskTier, caplog: pytest.LogCaptureFixture) -> None:
+    """The one-token run that says what the model's layers are made of failing fails no
+    lookup: the blocks read are checked for their own form only (logged once)."""
+    block = _block(7)
+    _written(disk, b"k" * 32, block)
+    tier = DiskTier(disk.store, disk.identity, "a", lambda: 1 / 0)  # type: ignore[arg-type,return-value]
+    with caplog.at_level(logging.ERROR, logger="afmd.kvcache"):
+        got = tier.get(b"k" * 32, BLOCK)
+        assert got is not None and _same(got, block)
+        assert tier.get(b"k" * 32, BLOCK // 2) is None  # its own length still checked
+    assert len([r for r in caplog.records if r.name == "afmd.kvcache"
+                and r.levelno == logging.ERROR]) == 1
+
+
+def test_a_misfit_that_cannot_be_deleted_is_not_read_again(
+        disk: DiskTier, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A read-only folder: the corrupt file stays. It was logged as deleted, and read,
+    found wrong and logged again at every lookup that reached it."""
+    key = b"r" * 32
+    path = _written(disk, key, _block(4))
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    original = Path.unlink
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        if self == path:
+            raise PermissionError(errno.EROFS, "Read-only file system", str(self))
+        original(self, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
+        assert disk.get(key, BLOCK) is None
+        assert disk.get(key, BLOCK) is None
+    assert path.exists() and disk.misses == 2
+    messages = [r.getMessage() for r in caplog.records if r.name == "afmd.kvcache"]
+    assert len(messages) == 1 and "not deleted" in messages[0], messages
 
 
 def test_a_chain_read_from_disk_leaves_its_head_the_newest(tmp_path: Path) -> None:
@@ -285,6 +412,76 @@ def test_a_chain_read_from_disk_leaves_its_head_the_newest(tmp_path: Path) -> No
     again.close()
 
 
+def test_a_write_cut_short_leaves_a_prefix_a_lookup_reaches(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row of more blocks than the write queue holds, the writer busy (a large model's
+    blocks are tens of MiB): what does not fit in the queue is dropped, as the rest of a
+    chain is when the process is killed mid-write or the disk fills. Queued from the end to
+    the head, the head was what went: nothing of the row was found after a restart,
+    though most of it was on disk."""
+    from afmd.engine.kvcache import disk as disk_module
+
+    monkeypatch.setattr(disk_module, "_QUEUE", 4)
+    busy = threading.Event()
+    write = DiskStore._write
+
+    def held(self: DiskStore, item: _Write) -> None:
+        busy.wait(30)
+        write(self, item)
+
+    monkeypatch.setattr(DiskStore, "_write", held)
+    turn = list(range(1, 1 + 12 * BLOCK + 5))
+    layers = [(mx.random.normal((1, 2, len(turn), 8)), mx.random.normal((1, 2, len(turn), 8)))]
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    writer = BlockCache(b"m", BLOCK, RamTier(1 << 30, 1 << 20), DiskTier(store, b"m", "m"))
+    writer.store(turn, compat.build(layers))
+    busy.set()
+    assert store.flush() and store.dropped > 0
+    store.close()
+    monkeypatch.setattr(DiskStore, "_write", write)
+    again = DiskStore(tmp_path / "kv", 1 << 30)
+    reader = BlockCache(b"m", BLOCK, RamTier(1 << 30, 1 << 20), DiskTier(again, b"m", "m"))
+    resume = reader.lookup([*turn, 9])
+    assert resume.disk_tokens >= 4 * BLOCK
+    assert mx.array_equal(resume.cache[0].keys, layers[0][0][..., :resume.tokens, :]).item()
+    again.close()
+
+
+def test_a_chain_longer_than_the_disk_tier_keeps_its_head(tmp_path: Path) -> None:
+    """The tier holds the head of a chain it cannot hold whole, within its bound, and
+    evicts a chain from its end."""
+    probe = DiskStore(tmp_path / "probe", 1 << 30)
+    size = _written(DiskTier(probe, b"p", "p"), b"x" * 32, _block(0, layers=1)).stat().st_size
+    probe.close()
+    turn = list(range(1, 1 + 10 * BLOCK))
+    layers = [(mx.random.normal((1, 2, len(turn), 8)).astype(mx.float16),
+               mx.random.normal((1, 2, len(turn), 8)).astype(mx.float16))]
+    store = DiskStore(tmp_path / "kv", int(4.5 * size))
+    tier = DiskTier(store, b"m", "m")
+    writer = BlockCache(b"m", BLOCK, RamTier(1 << 30, 1 << 20), tier)
+    writer.store(turn, compat.build(layers))
+    assert store.flush() and store.nbytes <= store.max_bytes
+    paths = [layout.block_path(tier.folder, key) for key in writer.keys(turn)]
+    assert [path.exists() for path in paths] == [True] * 4 + [False] * 6
+    tier.put(b"z" * 32, _block(5, layers=1))  # one more: the chain's end goes
+    assert store.flush()
+    assert [path.exists() for path in paths] == [True] * 3 + [False] * 7
+    store.close()
+    again = DiskStore(tmp_path / "kv", int(4.5 * size))
+    reader = BlockCache(b"m", BLOCK, RamTier(1 << 30, 1 << 20), DiskTier(again, b"m", "m"))
+    assert reader.lookup([*turn, 9]).disk_tokens == 3 * BLOCK
+    again.close()
+    # disk_bytes lowered under what the chain holds there: its next store keeps the bound.
+    lowered = DiskStore(tmp_path / "kv", int(1.5 * size))
+    tier = DiskTier(lowered, b"m", "m")
+    writer = BlockCache(b"m", BLOCK, RamTier(1 << 30, 1 << 20), tier)
+    writer.store(turn, compat.build(layers))
+    assert lowered.flush() and lowered.nbytes <= lowered.max_bytes
+    assert [path.exists() for path in paths] == [True] + [False] * 9
+    assert layout.held_bytes(tmp_path / "kv") == lowered.nbytes
+    lowered.close()
+
+
 def test_files_deleted_behind_its_back_are_all_written_again(disk: DiskTier) -> None:
     """Another process sharing the folder (its evictions), ``afmd cache clear`` or a user
     deleted a prefix's files. The first read that misses has the writer check the
@@ -295,13 +492,31 @@ def test_files_deleted_behind_its_back_are_all_written_again(disk: DiskTier) -> 
     paths = [_written(disk, key, block) for key, block in zip(keys, blocks, strict=True)]
     for path in paths:
         path.unlink()
-    assert disk.get(keys[0]) is None  # the chain stops at its first block
+    assert disk.get(keys[0], BLOCK) is None  # the chain stops at its first block
     assert disk.store.flush()
     for key, block in zip(keys, blocks, strict=True):  # the recomputed prefix, stored
         disk.put(key, block)
     assert disk.store.flush()
     assert all(path.is_file() for path in paths)
-    assert all(disk.get(key) is not None for key in keys)
+    assert all(disk.get(key, BLOCK) is not None for key in keys)
+    assert disk.store.nbytes == sum(path.stat().st_size for path in paths)
+
+
+def test_a_folder_emptied_under_a_hot_conversation_is_written_again(
+        disk: DiskTier) -> None:
+    """The folder emptied while the server runs (``rm -rf``, a cache cleaner) and the
+    conversation hot in RAM: its blocks, indexed as on disk, were only skipped at each
+    store and never read, so never written again (a restart found nothing), and the
+    bytes deleted were counted as held."""
+    keys = [bytes([i]) * 32 for i in range(3)]
+    blocks = [_block(30 + i) for i in range(3)]
+    paths = [_written(disk, key, block) for key, block in zip(keys, blocks, strict=True)]
+    shutil.rmtree(disk.store.root)
+    for _ in range(2):  # the conversation's next turns store its blocks again
+        for key, block in zip(keys, blocks, strict=True):
+            disk.put(key, block)
+        assert disk.store.flush()
+    assert all(path.is_file() for path in paths)
     assert disk.store.nbytes == sum(path.stat().st_size for path in paths)
 
 
@@ -328,7 +543,7 @@ def test_disk_tier_evicts_least_recently_used_by_bytes(tmp_path: Path) -> None:
     for i in range(2):
         _written(tier, bytes([i]) * 32, _block(i))
         time.sleep(0.01)
-    assert tier.get(bytes([0]) * 32) is not None  # block 0 used last: block 1 goes
+    assert tier.get(bytes([0]) * 32, BLOCK) is not None  # block 0 used last: block 1 goes
     _written(tier, bytes([2]) * 32, _block(2))
     assert store.evictions == 1 and store.nbytes == 2 * size
     assert not layout.block_path(tier.folder, bytes([1]) * 32).exists()
@@ -338,13 +553,39 @@ def test_disk_tier_evicts_least_recently_used_by_bytes(tmp_path: Path) -> None:
     again = DiskStore(tmp_path / "kv", int(2.5 * size))
     assert again.nbytes == 2 * size
     again.close()
+    # disk_bytes lowered since: the least recently used go at the start, not at a write.
+    lowered = DiskStore(tmp_path / "kv", int(1.5 * size))
+    assert lowered.nbytes == size and lowered.evictions == 1
+    assert layout.block_path(tier.folder, bytes([2]) * 32).exists()
+    assert not layout.block_path(tier.folder, bytes([0]) * 32).exists()
+    lowered.close()
 
 
 def test_a_torn_temporary_file_is_never_read(disk: DiskTier) -> None:
     key = b"t" * 32
     temp = disk.folder / f"{layout.TEMP_PREFIX}999-{key.hex()}{layout.SUFFIX}"
     temp.write_bytes(b"AFMDKVB\x00 half a file")  # what a killed writer leaves
-    assert disk.get(key) is None and temp.exists()
+    assert disk.get(key, BLOCK) is None and temp.exists()
+
+
+def test_a_dead_writers_temporary_file_is_swept_while_serving(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process killed mid-write, restarted at once (launchd's KeepAlive): its temporary
+    file was too recent for the new process's start-up scan, and stayed for as long as the
+    new process ran, one more after each crash."""
+    from afmd.engine.kvcache import disk as disk_module
+
+    monkeypatch.setattr(disk_module, "_STALE_TEMP_S", 0.2)
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    tier = DiskTier(store, b"i", "m")
+    dead = tier.folder / layout.temp_name(f"{'ab' * 32}{layout.SUFFIX}")
+    dead.write_bytes(b"AFMDKVB\x00 half a block")  # the killed writer's, just now
+    fresh = tier.folder / layout.temp_name(f"{'cd' * 32}{layout.SUFFIX}")
+    time.sleep(0.3)
+    fresh.write_bytes(b"AFMDKVB\x00 a live writer's")  # another process writing now
+    _written(tier, b"k" * 32, _block(1))  # the writer sweeps before its next write
+    assert not dead.exists() and fresh.exists()
+    store.close()
 
 
 # -- the engine: a model loaded as a server loads it --------------------------------------
@@ -402,6 +643,143 @@ def test_a_write_that_fails_later_logs_once(tmp_path: Path,
             assert store.flush()
     assert store.failed is not None
     assert len([r for r in caplog.records if r.name == "afmd.kvcache"]) == 1
+    store.close()
+
+
+def _forged(path: Path, change: Callable[[list[compat.Layer]], list[compat.Layer]]) -> None:
+    """Rewrite a block file with its arrays changed: whole, its checksum matching, its
+    model and key the ones asked for (what another afmd writing blocks otherwise under the
+    same layout number would leave, or anyone)."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[12:16], "little")
+    header = json.loads(data[16:16 + size])
+    key, identity = bytes.fromhex(header["key"]), bytes.fromhex(header["identity"])
+    layers = [(mx.contiguous(k), mx.contiguous(v))
+              for k, v in change(decode(data, key, identity).layers)]
+    block = Block.of(layers)
+    path.write_bytes(b"".join(bytes(part) for part in
+                              encode(key, identity, block, raw_views(block))))
+
+
+FORGERIES: dict[str, Callable[[list[compat.Layer]], list[compat.Layer]]] = {
+    "fewer tokens": lambda layers: [(k[..., :BLOCK // 2, :], v[..., :BLOCK // 2, :])
+                                    for k, v in layers],
+    "fewer layers": lambda layers: layers[:-1],
+    "more heads": lambda layers: [(mx.concatenate([k, k], axis=1),
+                                   mx.concatenate([v, v], axis=1)) for k, v in layers],
+    "another dtype": lambda layers: [(k.astype(mx.float16), v.astype(mx.float16))
+                                     for k, v in layers],
+    "another rank": lambda layers: [(k[0], v[0]) for k, v in layers],
+}
+
+
+def test_a_whole_file_that_does_not_fit_the_model_is_deleted_not_used(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A block file whose checksum, model and key are right but whose arrays are not this
+    model's state for its tokens: fewer tokens or layers resumed a row silently wrong (the
+    answer changed), other heads or another rank failed every batch the prompt joined,
+    the file staying to fail the next."""
+    kv = tmp_path / "kv"
+    cache = CacheConfig(block_tokens=BLOCK, disk_dir=str(kv))
+    model = _load(cache)
+    try:
+        prompt = model.render_prompt([{"role": "user", "content": "moons and tides " * 20}])
+        cold, _ = _generate(model, prompt)
+        assert model.kv_cache.disk.store.flush()
+    finally:
+        model.worker.stop()
+    blocks = [p for p in kv.rglob(f"*{layout.SUFFIX}") if layout.parse_tail(p.name) is None]
+    assert len(blocks) >= 4
+    for name, change in FORGERIES.items():
+        copy = tmp_path / name.replace(" ", "-")
+        shutil.copytree(kv, copy)
+        forged = [copy / p.relative_to(kv) for p in blocks]
+        for path in forged:
+            _forged(path, change)
+        was = {path: path.read_bytes() for path in forged}
+        caplog.clear()
+        model = _load(CacheConfig(block_tokens=BLOCK, disk_dir=str(copy)))
+        try:
+            with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
+                for _ in range(2):
+                    text, end = _generate(model, prompt)
+                    assert text == cold, name
+                    assert end.cached_disk_tokens == 0, name
+        finally:
+            model.worker.stop()
+        # The chain's head was read, deleted (and its recomputed block written again).
+        assert any(not path.exists() or path.read_bytes() != was[path] for path in forged)
+        assert any("not this model's state" in r.getMessage() for r in caplog.records), name
+
+
+def test_a_directory_under_a_block_name_stops_only_that_block(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A directory where a block's file goes (made after the folder was indexed): that
+    block is not written, the next ones are. The failed rename was taken for the
+    folder's, and the tier stopped writing for good."""
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    tier = DiskTier(store, b"i", "m")
+    layout.block_path(tier.folder, b"\0" * 32).mkdir()
+    with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
+        for i in range(3):
+            tier.put(bytes([i]) * 32, _block(i))
+            assert store.flush()
+    assert store.failed is None
+    assert all(layout.block_path(tier.folder, bytes([i]) * 32).is_file() for i in (1, 2))
+    assert len([r for r in caplog.records if r.name == "afmd.kvcache"]) == 1
+    assert not [p for p in tier.folder.iterdir() if p.name.startswith(layout.TEMP_PREFIX)]
+    store.close()
+
+
+def test_a_model_folder_it_cannot_list_is_skipped_not_the_tier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user's model folder in a shared ``disk_dir`` (mode 700): listing it failed
+    the start-up scan, and the tier stopped writing for every model."""
+    root = tmp_path / "kv"
+    theirs = root / ("ab" * 16)
+    theirs.mkdir(parents=True)
+    listing = Path.iterdir
+
+    def refuse(self: Path) -> Iterator[Path]:
+        if self == theirs:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", refuse)
+    store = DiskStore(root, 1 << 30)
+    tier = DiskTier(store, b"i", "m")
+    assert store.failed is None
+    _written(tier, b"k" * 32, _block(1))
+    store.close()
+    held = layout.held_bytes(root)
+    assert held > 0 and layout.clear(root) == (1, held)  # `afmd cache clear`
+    assert layout.held_bytes(root) == 0
+
+
+def test_a_temporary_file_deleted_under_the_writer_stops_only_that_block(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``afmd cache clear`` (it deletes every ``.kvb`` name, temporary ones too) or another
+    process sweeping the folder deleted a block's temporary file before its rename: the
+    tier stopped writing for good. Temporary names are unique across processes too (two
+    containers sharing a volume both run afmd as pid 1)."""
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    tier = DiskTier(store, b"i", "m")
+    replace = os.replace
+    swept: list[str] = []
+
+    def sweep_first(src: Any, dst: Any) -> None:
+        if not swept and Path(src).name.startswith(layout.TEMP_PREFIX):
+            swept.append(Path(src).name)
+            Path(src).unlink()  # what `afmd cache clear` does to a .tmp-*.kvb
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", sweep_first)
+    for i in range(3):
+        tier.put(bytes([i]) * 32, _block(i))
+        assert store.flush()
+    assert swept and store.failed is None
+    assert all(layout.block_path(tier.folder, bytes([i]) * 32).is_file() for i in (1, 2))
+    assert layout.temp_name("x.kvb") != layout.temp_name("x.kvb")
     store.close()
 
 

@@ -68,7 +68,8 @@ class Stepper:
                 identity = identity or model_identity(None, name)
                 disk = None
                 if disk_dir is not None and disk_bytes > 0:
-                    disk = DiskTier(DiskStore.at(disk_dir, disk_bytes), identity, name)
+                    disk = DiskTier(DiskStore.at(disk_dir, disk_bytes), identity, name,
+                                    lambda: kv_compat.layer_shapes(model))
                 self.blocks = BlockCache(
                     identity, block_tokens, RamTier(prompt_cache_bytes, prompt_cache_entries),
                     disk,

@@ -96,7 +96,7 @@ class BlockCache:
             if block is not None:
                 ram += size
                 used.append((key, None))
-            elif self.disk is not None and (block := self.disk.get(key)) is not None:
+            elif self.disk is not None and (block := self.disk.get(key, size)) is not None:
                 disk += size
                 used.append((key, block))
                 self._follows(last, prompt[i * size:(i + 1) * size], key)
@@ -187,31 +187,39 @@ class BlockCache:
         size = self.block_tokens
         held = min(offset, len(tokens))
         keys = self.keys(tokens, held // size)
-        # From the end to the head, in both tiers: the head is what every lookup needs
-        # first, so it is the most recently used (see _keep_head_first).
+        # From the end to the head in RAM: the head is what every lookup needs first, so it
+        # is the most recently used (see _keep_head_first).
+        blocks: list[Block] = []
         for i in reversed(range(len(keys))):
             key = keys[i]
             block = self.ram.peek(key)
             if block is None:
                 block = self._copy(_slice(layers, i * size, (i + 1) * size))
                 self.ram.put(key, block)
-            if self.disk is not None:
-                self.disk.put(key, block)  # queued; skipped when already on disk
+            blocks.append(block)
+        blocks.reverse()
         before = self._root
         for i, key in enumerate(keys):
             self._follows(before, tokens[i * size:(i + 1) * size], key)
             before = key
         start = len(keys) * size
+        tail: tuple[bytes, int, bytes, Block] | None = None
         if held > start:
-            tail = tokens[start:held]
-            key = tail_key(before, tail)
+            tokens_left = tokens[start:held]
+            key = tail_key(before, tokens_left)
             block = self.ram.peek(key)
             if block is None:
                 block = self._copy(_slice(layers, start, held))
                 self.ram.put(key, block)
-            self._follows(before, tail, key)
-            if self.disk is not None:
-                self.disk.put_tail(before, len(tail), key, block)
+            self._follows(before, tokens_left, key)
+            tail = (before, len(tokens_left), key, block)
+        if self.disk is not None:
+            # On disk from the head to the end (see disk.Chain); each skipped when there.
+            chain = self.disk.chain(keys, tail[:3] if tail is not None else None)
+            for i, key in enumerate(keys):
+                self.disk.put(key, blocks[i], chain, i)
+            if tail is not None:
+                self.disk.put_tail(*tail, chain, len(keys))
 
     @staticmethod
     def _copy(layers: list[compat.Layer]) -> Block:

@@ -26,16 +26,19 @@ import json
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from afmd.engine.kvcache import folder as layout
+from afmd.engine.kvcache.kv_compat import LayerShape
 from afmd.engine.kvcache.ram import Block
 
 log = logging.getLogger("afmd.kvcache")
@@ -46,6 +49,12 @@ LAYOUT = 1
 _QUEUE = 64
 #: A temporary file older than this belongs to a writer that died.
 _STALE_TEMP_S = 600.0
+#: What a block file holds besides its arrays, at most (magic, sizes, checksum, header).
+_HEADER_ROOM = 1 << 20
+#: How often a folder whose indexed blocks are stored again is checked against the disk.
+_VERIFY_S = 60.0
+#: Rename failures about one block's names, not the folder or the disk (DiskStore._write).
+_THIS_BLOCK_ONLY = frozenset({errno.ENOENT, errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST})
 
 
 def _dtype(name: str) -> mx.Dtype:
@@ -116,6 +125,71 @@ def decode(data: bytes, key: bytes, identity: bytes) -> Block:
     return Block.of([(arrays[i], arrays[i + 1]) for i in range(0, len(arrays), 2)])
 
 
+def contents(path: Path, limit: int) -> bytes:
+    """A block file's bytes; ``ValueError`` when what is under its name cannot be one. Only
+    a regular file of at most ``limit`` bytes is read: a FIFO under a block's name blocked
+    the generation thread in ``open`` forever, a link to a device (``/dev/zero``) was read
+    until memory ran out, and afmd writes no links."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError("a symbolic link, not a block file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{st.st_size} bytes, more than a block can be ({limit})")
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        return f.read(st.st_size)
+
+
+def misfit(block: Block, tokens: int, shapes: list[LayerShape] | None) -> str | None:
+    """Why ``block`` cannot be ``tokens`` tokens of a model whose layers are ``shapes``
+    (``None``: not known, only the block's own form is checked); ``None`` when it can be.
+
+    A file's checksum says only that it is whole: one whose arrays were another length,
+    another layer count, or other heads, dims or dtype than the model's (an afmd that wrote
+    blocks otherwise under the same layout number, anyone's file) resumed a row from them,
+    and it answered wrongly or failed every batch it joined, the file staying to fail the
+    next."""
+    if not block.layers:
+        return "no layers"
+    if shapes is not None and len(block.layers) != len(shapes):
+        return f"{len(block.layers)} layers, the model has {len(shapes)}"
+    for i, pair in enumerate(block.layers):
+        for j, array in enumerate(pair):
+            form = tuple(array.shape)
+            if len(form) != 4 or form[0] != 1 or form[2] != tokens:
+                return f"layer {i}: shape {form} for {tokens} tokens"
+            if shapes is not None and (form[1], form[3], array.dtype) != shapes[i][j]:
+                heads, dim, dtype = shapes[i][j]
+                return (f"layer {i}: {form[1]} heads of {form[3]} {array.dtype}, the model's "
+                        f"are {heads} of {dim} {dtype}")
+    return None
+
+
+@dataclass(slots=True)
+class Chain:
+    """The files one finished row stores, from its head to its end (its tail last), in the
+    order they are queued: a write cut short (a full queue, a killed process, a full disk)
+    leaves a prefix that a lookup reaches, not an end it never can. Queued from the end to
+    the head, a row of more blocks than the queue holds had its head dropped (nothing of it
+    was found after a restart though most of it was on disk), and a kill mid-write left only
+    ends. The writer keeps the head the most recently used all the same (DiskStore._write)."""
+
+    paths: list[Path]
+    stamp: int = field(default_factory=time.time_ns)  # the head's modification time
+    stopped: bool = False  # the tier is full of its blocks: the rest are not written
+
+
 @dataclass(slots=True)
 class _Write:
     path: Path
@@ -123,6 +197,8 @@ class _Write:
     identity: bytes
     block: Block
     raw: list[mx.array]
+    chain: Chain | None = None
+    at: int = 0  # its place in the chain
 
 
 #: Wakes the writer to check a folder's index against the folder (see DiskStore.read).
@@ -163,6 +239,10 @@ class DiskStore:
         self.closed = False
         self.failed: str | None = None  # why writing stopped (logged once)
         self._read_warned = False
+        self._skip_warned = False
+        # Misfits that could not be deleted (a read-only folder, a directory under a block's
+        # name): not read again, nor logged again, by this process.
+        self._refused: set[Path] = set()
         self._lock = threading.Lock()
         self._files: OrderedDict[Path, int] = OrderedDict()  # least recently used first
         self.nbytes = 0
@@ -173,6 +253,8 @@ class DiskStore:
         self._pending: set[Path] = set()
         self._recheck: set[Path] = set()  # folders whose index may name files now gone
         self._checking = False
+        self._swept = time.monotonic()  # the scan below sweeps stale temporary files
+        self._verified: dict[Path, float] = {}  # folder -> when its index was last checked
         # (model folder, block before) -> {tail path: (length, key)}: the tails on disk.
         self._tails: dict[tuple[Path, bytes], dict[Path, tuple[int, bytes]]] = {}
         try:
@@ -188,21 +270,38 @@ class DiskStore:
         found: list[tuple[float, Path, int]] = []
         now = time.time()
         for folder in layout.model_folders(self.root):
-            for path in folder.iterdir():
+            try:
+                entries = list(folder.iterdir())
+            except OSError as exc:
+                # Another user's model folder, say: not this process's to count or evict.
+                # Raised out of the scan, it stopped the tier for every model.
+                log.warning("KV cache folder %s skipped: %s", folder, exc)
+                continue
+            for path in entries:
                 try:
-                    st = path.stat()
+                    st = path.lstat()
                 except OSError:
                     continue
                 if path.name.startswith(layout.TEMP_PREFIX):
                     if now - st.st_mtime > _STALE_TEMP_S:
                         with contextlib.suppress(OSError):
                             path.unlink()
-                elif path.name.endswith(layout.SUFFIX):
+                elif path.name.endswith(layout.SUFFIX) and stat.S_ISREG(st.st_mode):
                     found.append((st.st_mtime, path, st.st_size))
         for _, path, size in sorted(found):
             self._files[path] = size
             self.nbytes += size
             self._index_tail(path, True)
+        # The bound holds from the start (disk_bytes lowered since the files were written):
+        # held over it, the folder stayed so until this process wrote, and forever if it
+        # only read.
+        while self.nbytes > self.max_bytes and self._files:
+            path, size = self._files.popitem(last=False)
+            self.nbytes -= size
+            self._index_tail(path, False)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self.evictions += 1
 
     def _index_tail(self, path: Path, present: bool) -> None:
         """Keep the tail index in step with a file that appeared or went (under the lock,
@@ -231,17 +330,24 @@ class DiskStore:
             log.warning("KV cache disk tier stops writing (serving on from RAM): %s", why)
 
     # -- the generation thread --
-    def queue(self, path: Path, key: bytes, identity: bytes, block: Block) -> bool:
+    def queue(self, path: Path, key: bytes, identity: bytes, block: Block,
+              chain: Chain | None = None, at: int = 0) -> bool:
         """Queue a block to write; ``False`` when it is not (already there, writing off,
         or the queue full: a step never waits)."""
         if self.failed is not None or self.closed:
             return False
         with self._lock:
-            if path in self._files or path in self._pending:
-                return False
-            self._pending.add(path)
+            skip = path in self._files or path in self._pending
+            verify = path in self._files and self._verify_due(path.parent)
+            if not skip:
+                self._pending.add(path)
+        if verify:
+            self._recheck_later(path.parent)
+        if skip:
+            return False
         try:
-            self._queue.put_nowait(_Write(path, key, identity, block, raw_views(block)))
+            self._queue.put_nowait(_Write(path, key, identity, block, raw_views(block),
+                                          chain, at))
         except queue.Full:
             with self._lock:
                 self._pending.discard(path)
@@ -249,11 +355,20 @@ class DiskStore:
             return False
         return True
 
-    def read(self, path: Path, key: bytes, identity: bytes) -> Block | None:
-        """The block at ``path`` if it is there and is the one asked for; a file that is
-        not is deleted."""
+    def read(self, path: Path, key: bytes, identity: bytes,
+             fits: Callable[[Block], str | None] | None = None,
+             limit: int | None = None) -> Block | None:
+        """The block at ``path`` if it is there and is the one asked for (and ``fits``
+        finds nothing wrong with it); a file that is not is deleted. A file larger than
+        ``limit`` (the most such a block takes), or than the tier, is not even read."""
+        if path in self._refused:
+            return None
         try:
-            data = path.read_bytes()
+            data = contents(path, min(self.max_bytes, limit or self.max_bytes))
+            block = decode(data, key, identity)
+            wrong = fits(block) if fits is not None else None
+            if wrong is not None:
+                raise ValueError(f"not this model's state: {wrong}")
         except (FileNotFoundError, NotADirectoryError):
             self._forget(path)
             self._recheck_later(path.parent)
@@ -264,16 +379,11 @@ class DiskStore:
                 log.warning("KV cache block %s unreadable (computed instead): %s",
                             path.name, exc)
             return None
-        try:
-            block = decode(data, key, identity)
         except Exception as exc:
             # A file anyone may write: any misfit is one. A header of another shape (valid
             # JSON, a valid checksum) raised what a narrower list did not name, and the
             # file stayed to fail every later lookup.
-            log.warning("KV cache block %s deleted: %s", path.name, exc)
-            with contextlib.suppress(OSError):
-                path.unlink()
-            self._forget(path)
+            self._drop(path, exc)
             return None
         with self._lock:
             if path not in self._files:
@@ -285,6 +395,20 @@ class DiskStore:
             os.utime(path)  # the LRU order survives a restart
         return block
 
+    def _drop(self, path: Path, why: object) -> None:
+        """Delete a file that is not the block asked for, saying why; one that cannot be
+        deleted is not read again by this process."""
+        try:
+            path.unlink()
+            done = "deleted"
+        except FileNotFoundError:
+            done = "deleted"
+        except OSError as exc:
+            done = f"refused (not deleted: {exc.strerror or exc})"
+            self._refused.add(path)
+        log.warning("KV cache block %s %s: %s", path.name, done, why)
+        self._forget(path)
+
     def touch(self, path: Path) -> None:
         """Mark a file read before as used now (its place in the eviction order)."""
         with self._lock:
@@ -293,6 +417,18 @@ class DiskStore:
             self._files.move_to_end(path)
         with contextlib.suppress(OSError):
             os.utime(path)
+
+    def _verify_due(self, folder: Path) -> bool:
+        """Whether to check ``folder``'s index against the disk now (under the lock): a
+        block it names is held in RAM and only skipped, so its file is never read to find
+        it gone. The folder emptied under a running server (``rm -rf``, a cache cleaner)
+        was never written again while the conversations stayed hot: a restart found none
+        of them, and ``/metrics`` counted the bytes deleted as held."""
+        now = time.monotonic()
+        if now - self._verified.get(folder, -_VERIFY_S) < _VERIFY_S:
+            return False
+        self._verified[folder] = now
+        return True
 
     def _recheck_later(self, folder: Path) -> None:
         """A file this process indexed is gone: someone else deleted it (another process
@@ -323,6 +459,7 @@ class DiskStore:
                 return
             try:
                 self._check_folders()
+                self._sweep()
                 if isinstance(item, _Write) and self.failed is None:
                     self._write(item)
             except Exception:  # never let one block stop the writer
@@ -331,6 +468,23 @@ class DiskStore:
                 if isinstance(item, _Write):
                     with self._lock:
                         self._pending.discard(item.path)
+
+    def _sweep(self) -> None:
+        """Delete the temporary files that writers which died left, every
+        ``_STALE_TEMP_S``: one killed just before this process started left one too recent
+        for the scan to take, and a server restarted at once after each crash (launchd's
+        KeepAlive) never scanned again, one file of up to a block's size more each time."""
+        now = time.monotonic()
+        if now - self._swept < _STALE_TEMP_S:
+            return
+        self._swept = now
+        cutoff = time.time() - _STALE_TEMP_S
+        for folder in layout.model_folders(self.root):
+            for path in layout.entries(folder):
+                if path.name.startswith(layout.TEMP_PREFIX):
+                    with contextlib.suppress(OSError):
+                        if path.lstat().st_mtime < cutoff:
+                            path.unlink()
 
     def _check_folders(self) -> None:
         """Forget the indexed files of the folders marked by :meth:`_recheck_later` that
@@ -349,8 +503,12 @@ class DiskStore:
             self._checking = False
 
     def _write(self, item: _Write) -> None:
+        chain = item.chain
+        if chain is not None and chain.stopped:
+            return
         folder = item.path.parent
-        temp = folder / f"{layout.TEMP_PREFIX}{os.getpid()}-{item.path.name}"
+        temp = folder / layout.temp_name(item.path.name)
+        renaming = False
         try:
             parts = encode(item.key, item.identity, item.block, item.raw)
             size = sum(len(p) for p in parts)
@@ -360,25 +518,61 @@ class DiskStore:
             with open(temp, "wb") as f:
                 for part in parts:
                     f.write(part)
+            renaming = True
             os.replace(temp, item.path)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 temp.unlink()
+            if renaming and exc.errno in _THIS_BLOCK_ONLY:
+                # Its temporary file deleted under it (another process's sweep, `afmd cache
+                # clear`), a directory under its name: this block is not written, the next
+                # ones are. Taken for the folder's failure, one stray entry stopped the tier.
+                if not self._skip_warned:
+                    self._skip_warned = True
+                    log.warning("KV cache block %s not written (the next ones are): %s",
+                                item.path.name, exc)
+                return
             self.fail(("the disk is full: " if exc.errno == errno.ENOSPC else "")
                        + f"{type(exc).__name__}: {exc}")
             return
         self.writes += 1
+        keep: set[Path] = set()
+        if chain is not None:
+            with contextlib.suppress(OSError):  # the head newest, after a restart too
+                os.utime(item.path, ns=(chain.stamp - item.at, chain.stamp - item.at))
+            keep = set(chain.paths[:item.at + 1])
         with self._lock:
             # A read may have indexed the path meanwhile (another process wrote it first).
             self.nbytes += size - self._files.pop(item.path, 0)
             self._files[item.path] = size
             self._index_tail(item.path, True)
+            if chain is not None:
+                # Written head first, used head last: the blocks before this one are the
+                # more recently used (a lookup reaches a block only through them).
+                for path in reversed(chain.paths[:item.at]):
+                    if path in self._files:
+                        self._files.move_to_end(path)
             victims = []
-            while self.nbytes > self.max_bytes and self._files:
-                path, gone = self._files.popitem(last=False)
-                self.nbytes -= gone
-                self._index_tail(path, False)
-                victims.append(path)
+            while self.nbytes > self.max_bytes:
+                # Never the blocks before this one of its own chain: evicting its head to
+                # hold its end would leave nothing a lookup reaches.
+                victim = next((p for p in self._files if p not in keep), None)
+                if victim is None:
+                    break
+                self.nbytes -= self._files.pop(victim)
+                self._index_tail(victim, False)
+                victims.append(victim)
+            if self.nbytes > self.max_bytes and chain is not None:
+                # A chain longer than the tier: it holds the head of it that fits, this
+                # block and the rest not written, its own blocks evicted from its end.
+                chain.stopped = True
+                for path in [item.path, *reversed(chain.paths[:item.at])]:
+                    if self.nbytes <= self.max_bytes:
+                        break
+                    if path in self._files:
+                        self.nbytes -= self._files.pop(path)
+                        self._index_tail(path, False)
+                        victims.append(path)
         for path in victims:
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -402,6 +596,7 @@ class DiskStore:
     def clear(self, folder: Path | None = None) -> int:
         """Delete the block files (of one model's ``folder``, if given); the bytes freed.
         Files other processes wrote are deleted too."""
+        self._refused = {p for p in self._refused if folder is not None and p.parent != folder}
         with self._lock:
             gone = [p for p in self._files if folder is None or p.parent == folder]
             for path in gone:
@@ -426,12 +621,18 @@ class DiskStore:
 class DiskTier:
     """One model's view of a :class:`DiskStore`: its folder, identity and counters."""
 
-    def __init__(self, store: DiskStore, identity: bytes, name: str) -> None:
+    def __init__(self, store: DiskStore, identity: bytes, name: str,
+                 shapes: Callable[[], list[LayerShape]] | None = None) -> None:
+        """``shapes``: what the model's layers are made of (:func:`kv_compat.layer_shapes`),
+        asked once, on the thread that reads, when a block is first read; a block that
+        does not fit them is deleted, not used."""
         self.store = store
         self.identity = identity
         self.folder = layout.model_folder(store.root, identity)
         self.hits = 0
         self.misses = 0
+        self._shapes = shapes
+        self._known: list[LayerShape] | None = None
         if store.failed is None:
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
@@ -443,8 +644,33 @@ class DiskTier:
     def nbytes(self) -> int:
         return self.store.bytes_of(self.folder)
 
-    def get(self, key: bytes) -> Block | None:
-        block = self.store.read(layout.block_path(self.folder, key), key, self.identity)
+    def _fits(self, tokens: int) -> Callable[[Block], str | None]:
+        known = self._layers()
+        return lambda block: misfit(block, tokens, known)
+
+    def _layers(self) -> list[LayerShape] | None:
+        if self._known is None and self._shapes is not None:
+            shapes, self._shapes = self._shapes, None
+            try:
+                self._known = shapes()
+            except Exception:  # a lookup must not fail for it: the blocks' own form is checked
+                log.exception("KV cache: the model's layers could not be read; blocks read "
+                              "from disk are checked for their own form only")
+        return self._known
+
+    def _limit(self, tokens: int) -> int | None:
+        """The most bytes a file of ``tokens`` tokens of this model takes (its arrays and
+        a header with room to spare); ``None`` while the model's layers are not known."""
+        known = self._layers()
+        if known is None:
+            return None
+        per_token = sum(heads * dim * dtype.size for pair in known for heads, dim, dtype in pair)
+        return per_token * tokens + _HEADER_ROOM
+
+    def get(self, key: bytes, tokens: int) -> Block | None:
+        """The block of ``tokens`` tokens under ``key``, if on disk and fit to use."""
+        block = self.store.read(layout.block_path(self.folder, key), key, self.identity,
+                                self._fits(tokens), self._limit(tokens))
         if block is None:
             self.misses += 1
         else:
@@ -457,19 +683,29 @@ class DiskTier:
     def touch(self, key: bytes) -> None:
         self.store.touch(layout.block_path(self.folder, key))
 
-    def put(self, key: bytes, block: Block) -> None:
-        self.store.queue(layout.block_path(self.folder, key), key, self.identity, block)
+    def chain(self, keys: list[bytes], tail: tuple[bytes, int, bytes] | None) -> Chain:
+        """The files of a row's blocks ``keys`` and its ``tail`` (before, length, key), to
+        queue head first (:class:`Chain`)."""
+        paths = [layout.block_path(self.folder, key) for key in keys]
+        if tail is not None:
+            paths.append(layout.tail_path(self.folder, *tail))
+        return Chain(paths)
 
-    def put_tail(self, before: bytes, length: int, key: bytes, block: Block) -> None:
+    def put(self, key: bytes, block: Block, chain: Chain | None = None, at: int = 0) -> None:
+        self.store.queue(layout.block_path(self.folder, key), key, self.identity, block,
+                         chain, at)
+
+    def put_tail(self, before: bytes, length: int, key: bytes, block: Block,
+                 chain: Chain | None = None, at: int = 0) -> None:
         self.store.queue(layout.tail_path(self.folder, before, length, key), key,
-                         self.identity, block)
+                         self.identity, block, chain, at)
 
     def tails(self, before: bytes) -> list[tuple[int, bytes]]:
         return self.store.tails(self.folder, before)
 
     def get_tail(self, before: bytes, length: int, key: bytes) -> Block | None:
         block = self.store.read(layout.tail_path(self.folder, before, length, key), key,
-                                self.identity)
+                                self.identity, self._fits(length), self._limit(length))
         if block is None:
             self.misses += 1
         else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 from pathlib import Path
 
 from afmd.paths import cache_dir
@@ -24,6 +25,13 @@ NAMES = "models.json"
 #: Where a running server takes ``afmd cache clear`` (:mod:`afmd.http.routes.cache_routes`);
 #: here because the CLI must know it without importing the HTTP edge (Sanic).
 CLEAR_PATH = "/afmd/cache/clear"
+
+
+def temp_name(name: str) -> str:
+    """A temporary name for writing ``name``: unique across the processes sharing the
+    folder. The process id alone is not: two containers sharing a volume both run afmd
+    as pid 1, and both write a shared prefix's blocks at once."""
+    return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{name}"
 
 
 def default_disk_dir() -> Path:
@@ -71,7 +79,7 @@ def add_name(folder: Path, name: str) -> None:
     known = names(folder)
     if name in known:
         return
-    temp = folder / f"{TEMP_PREFIX}{os.getpid()}-{NAMES}"
+    temp = folder / temp_name(NAMES)
     temp.write_text(json.dumps([*known, name]))
     os.replace(temp, folder / NAMES)
 
@@ -85,11 +93,21 @@ def model_folders(root: Path, model: str | None = None) -> list[Path]:
     return [p for p in folders if model is None or model in names(p)]
 
 
+def entries(folder: Path) -> list[Path]:
+    """What ``folder`` holds; nothing when it cannot be listed (another user's model
+    folder in a shared ``disk_dir``: raised, it failed ``afmd cache clear`` and the
+    server's clear with it)."""
+    try:
+        return list(folder.iterdir())
+    except OSError:
+        return []
+
+
 def clear(root: Path, model: str | None = None) -> tuple[int, int]:
     """Delete the block files under ``root`` (a model's only, if given): (files, bytes)."""
     files = size = 0
     for folder in model_folders(root, model):
-        for path in folder.iterdir():
+        for path in entries(folder):
             if path.name.endswith(SUFFIX):
                 try:
                     n = path.stat().st_size
@@ -104,7 +122,7 @@ def clear(root: Path, model: str | None = None) -> tuple[int, int]:
 def held_bytes(root: Path, model: str | None = None) -> int:
     total = 0
     for folder in model_folders(root, model):
-        for path in folder.iterdir():
+        for path in entries(folder):
             if path.name.endswith(SUFFIX):
                 with contextlib.suppress(OSError):
                     total += path.stat().st_size

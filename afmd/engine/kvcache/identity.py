@@ -4,8 +4,13 @@ Two models must never share blocks (their KV state differs for the same tokens),
 model replaced in place (a new revision downloaded into the same folder, a re-quantized
 copy) must not find the old one's blocks on disk. Hashing every weight byte at each load
 would cost seconds for a large model, so the weights are fingerprinted by each file's
-name, size and sampled contents (its head, which holds the safetensors header, its tail,
-and evenly spaced chunks between): a different checkpoint differs there. Tokenizer and
+name, size, modification time and sampled contents (its head, which holds the safetensors
+header, its tail, and evenly spaced chunks between). The samples alone missed a checkpoint
+that differs from another only between them (a fine-tune that changed a few tensors, such
+as a fused LoRA adapter, has its base's names, sizes and most of its bytes), and its blocks
+were the other's; a file written again has another modification time, so a changed
+checkpoint is another model whatever it changed (a copy that keeps the times, ``cp -p`` or
+``rsync -a``, keeps the identity; one that does not only recomputes). Tokenizer and
 configuration files are small and hashed whole.
 """
 
@@ -22,8 +27,9 @@ _SAMPLES = 16
 
 
 def _sampled(path: Path, digest: hashlib._Hash) -> None:
-    size = path.stat().st_size
-    digest.update(f"{path.name}:{size}\n".encode())
+    st = path.stat()
+    size = st.st_size
+    digest.update(f"{path.name}:{size}:{st.st_mtime_ns}\n".encode())
     with path.open("rb") as f:
         if size <= _SAMPLE * (_SAMPLES + 2):
             digest.update(f.read())

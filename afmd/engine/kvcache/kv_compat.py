@@ -26,6 +26,9 @@ KVCACHE_FINGERPRINT = "9e33b1620e278398"
 
 #: One layer's state for a run of positions: keys and values, each (1, heads, T, dim).
 Layer = tuple[mx.array, mx.array]
+#: What one layer's keys and values are made of, whatever their length: (heads, dim, dtype)
+#: for each.
+LayerShape = tuple[tuple[int, int, mx.Dtype], tuple[int, int, mx.Dtype]]
 
 
 def _fingerprint(obj: Any) -> str:
@@ -53,6 +56,17 @@ def cuts_into_blocks(model: Any) -> bool:
     except Exception:  # a model mlx-lm cannot make a cache for: no blocks
         return False
     return bool(caches) and all(type(c) is KVCache for c in caches)
+
+
+def layer_shapes(model: Any) -> list[LayerShape]:
+    """Per layer, what ``model``'s keys and values are made of: read off the cache one token
+    of it fills (on the thread that runs the model)."""
+    caches = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=caches)
+    mx.eval([a for c in caches for a in (c.keys, c.values)])
+    return [((int(c.keys.shape[1]), int(c.keys.shape[3]), c.keys.dtype),
+             (int(c.values.shape[1]), int(c.values.shape[3]), c.values.dtype))
+            for c in caches]
 
 
 def layers_of(cache: Any) -> tuple[list[Layer], int] | None:
