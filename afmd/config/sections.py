@@ -130,6 +130,9 @@ class CacheConfig:
     # The disk tier's folder ("": <afmd cache>/kv) and bound (0 turns the disk tier off).
     disk_dir: str = ""
     disk_bytes: int = field(default=10737418240, metadata=at_least(0))
+    # Free space the disk tier leaves on its volume, in bytes (None: the larger of 2 GiB and
+    # 5 % of the volume; 0: no margin, disk_bytes alone bounds it).
+    disk_min_free: int | None = field(default=None, metadata=at_least(0))
     # MLX's pool of freed buffers kept for reuse (mx.set_cache_limit); 0 keeps none.
     mlx_buffer_cache_bytes: int = field(default=268435456, metadata=at_least(0))
 

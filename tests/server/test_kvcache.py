@@ -30,6 +30,7 @@ import pytest
 from afmd.config.sections import BUILTIN_DEMO_PATH, CacheConfig, Config
 from afmd.config.tables import ModelEntry
 from afmd.engine.generation import GenerationRequest, SamplingParams
+from afmd.engine.kvcache import disk as disk_module
 from afmd.engine.kvcache import folder as layout
 from afmd.engine.kvcache import kv_compat as compat
 from afmd.engine.kvcache.blocks import BlockCache
@@ -41,6 +42,7 @@ from afmd.engine.kvcache.disk import (
     _Write,
     decode,
     encode,
+    margin_of,
     raw_views,
 )
 from afmd.engine.kvcache.identity import model_identity
@@ -419,8 +421,6 @@ def test_a_write_cut_short_leaves_a_prefix_a_lookup_reaches(
     chain is when the process is killed mid-write or the disk fills. Queued from the end to
     the head, the head was what went: nothing of the row was found after a restart,
     though most of it was on disk."""
-    from afmd.engine.kvcache import disk as disk_module
-
     monkeypatch.setattr(disk_module, "_QUEUE", 4)
     busy = threading.Event()
     write = DiskStore._write
@@ -573,8 +573,6 @@ def test_a_dead_writers_temporary_file_is_swept_while_serving(
     """A process killed mid-write, restarted at once (launchd's KeepAlive): its temporary
     file was too recent for the new process's start-up scan, and stayed for as long as the
     new process ran, one more after each crash."""
-    from afmd.engine.kvcache import disk as disk_module
-
     monkeypatch.setattr(disk_module, "_STALE_TEMP_S", 0.2)
     store = DiskStore(tmp_path / "kv", 1 << 30)
     tier = DiskTier(store, b"i", "m")
@@ -631,8 +629,8 @@ def test_unwritable_folder_logs_once_and_serves_from_ram(
 
 def test_a_write_that_fails_later_logs_once(tmp_path: Path,
                                              caplog: pytest.LogCaptureFixture) -> None:
-    """A folder that goes away under the server (a full or unmounted disk fails the same
-    way: the write raises): logged once, RAM serves on."""
+    """A folder that goes away under the server (an unmounted disk fails the same way: the
+    write raises): logged once, RAM serves on (a full disk pauses instead: below)."""
     store = DiskStore(tmp_path / "kv", 1 << 30)
     tier = DiskTier(store, b"i", "m")
     shutil.rmtree(tier.folder)
@@ -643,7 +641,202 @@ def test_a_write_that_fails_later_logs_once(tmp_path: Path,
             assert store.flush()
     assert store.failed is not None
     assert len([r for r in caplog.records if r.name == "afmd.kvcache"]) == 1
+    assert not store.writing
     store.close()
+
+
+# -- the disk tier on a full disk ----------------------------------------------------------
+
+
+class _Volume:
+    """A volume of ``size`` bytes holding the tier's folder and ``other`` bytes of other
+    programs' files: what the tier's :func:`disk.free_space` reads instead of the disk."""
+
+    def __init__(self, root: Path, size: int, other: int) -> None:
+        self.root, self.size, self.other = root, size, other
+
+    def free(self) -> int:
+        used = sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+        return max(0, self.size - self.other - used)
+
+    def __call__(self, path: Path) -> tuple[int, int]:
+        return self.free(), self.size
+
+
+def _file_size(tmp_path: Path) -> int:
+    """The bytes of a ``_block``'s file."""
+    probe = DiskStore(tmp_path / "probe", 1 << 30)
+    size = _written(DiskTier(probe, b"i", "m"), b"x" * 32, _block(0)).stat().st_size
+    probe.close()
+    return size
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "afmd.kvcache" and r.levelno >= logging.WARNING]
+
+
+def test_the_disk_tier_leaves_the_margin_free_deleting_its_own_oldest_blocks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``disk_bytes`` (10 GiB by default) was the tier's only bound: on a nearly full disk
+    it wrote until the disk was full, and kept it so across restarts. It leaves
+    ``disk_min_free`` free now, deleting its least recently used blocks to make room for
+    new ones, at a write (the volume read once for them all), while idle (space others
+    took given back), and at its start."""
+    size = _file_size(tmp_path)
+    root = tmp_path / "kv"
+    volume = _Volume(root, size=100 * size, other=90 * size)  # 10 blocks free
+    margin = 6 * size  # room for 3 blocks (and models.json) above it
+    monkeypatch.setattr(disk_module, "free_space", volume)
+    monkeypatch.setattr(disk_module, "_IDLE_S", 0.05)
+    folder = layout.model_folder(root, b"i")
+    folder.mkdir(parents=True)
+    layout.add_name(folder, "m")  # as an earlier run left it: the volume read counts it
+    store = DiskStore(root, 1 << 30, margin)
+    tier = DiskTier(store, b"i", "m")
+    keys = [bytes([i]) * 32 for i in range(8)]
+    for i, key in enumerate(keys):
+        _written(tier, key, _block(i))  # each written: it makes room, it does not stop
+        assert volume.free() >= margin, i
+    assert [k for k in keys if layout.block_path(tier.folder, k).exists()] == keys[-3:]
+    assert store.evictions == 5 and store.writing and store.nbytes == 3 * size
+    # Another program takes two blocks' worth: the idle tier gives it back.
+    monkeypatch.setattr(disk_module, "_PROBE_S", 0.05)
+    volume.other += 2 * size
+    assert _wait(lambda: volume.free() >= margin, 5), volume.free()
+    assert store.nbytes == size and layout.block_path(tier.folder, keys[-1]).exists()
+    store.close()
+    # The disk filled further while no afmd ran: the next one gives it back at its start.
+    volume.other += size
+    again = DiskStore(root, 1 << 30, margin)
+    assert volume.free() >= margin and again.nbytes == 0
+    again.close()
+
+
+def test_a_margin_that_leaves_no_room_pauses_writing_until_space_returns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Less free than the margin, the tier holding nothing to delete: it pauses (each
+    block queued meanwhile dropped, not encoded and refused one by one), retries later
+    and later, logged once, and writes again once the space is back."""
+    size = _file_size(tmp_path)
+    root = tmp_path / "kv"
+    volume = _Volume(root, size=100 * size, other=95 * size)
+    monkeypatch.setattr(disk_module, "free_space", volume)
+    monkeypatch.setattr(disk_module, "_BACKOFF_S", 0.5)
+    monkeypatch.setattr(disk_module, "_BACKOFF_MAX_S", 1.0)
+    store = DiskStore(root, 1 << 30, 6 * size)
+    tier = DiskTier(store, b"i", "m")
+    keys = [bytes([i]) * 32 for i in range(4)]
+    with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
+        tier.put(keys[0], _block(0))
+        assert store.flush() and not store.writing
+        tier.put(keys[1], _block(1))  # paused: not even queued
+        time.sleep(0.6)
+        tier.put(keys[2], _block(2))  # tried again: still no room, the wait doubles
+        assert store.flush() and not store.writing
+        volume.other = 50 * size
+        time.sleep(1.1)
+        _written(tier, keys[3], _block(3))
+    assert store.writing
+    assert not any(layout.block_path(tier.folder, k).exists() for k in keys[:3])
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and "pauses writing" in warnings[0], warnings
+    assert "disk_min_free" in warnings[0]
+    store.close()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EFBIG])
+def test_a_full_disk_pauses_writing_and_resumes_when_space_returns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        code: int) -> None:
+    """A write that found no space (the disk, a quota, a file size limit) stopped the tier
+    for the rest of the process, its files left filling the disk. It deletes its least
+    recently used blocks now (a block's worth at least: the volume may show room that a
+    quota or its inodes do not give; none for a file size limit, which no deletion
+    mends), pauses, retries later and later (logged once), and writes again when a write
+    goes through."""
+    monkeypatch.setattr(disk_module, "_BACKOFF_S", 0.5)
+    monkeypatch.setattr(disk_module, "_BACKOFF_MAX_S", 2.0)
+    store = DiskStore(tmp_path / "kv", 1 << 30)  # no margin: the write itself fails
+    tier = DiskTier(store, b"i", "m")
+    keys = [bytes([i]) * 32 for i in range(8)]
+    for i in range(3):
+        _written(tier, keys[i], _block(i))
+    written = disk_module.write_file
+    full = True
+
+    def write(path: Path, parts: list[bytes | memoryview]) -> None:
+        if not full:
+            return written(path, parts)
+        path.write_bytes(b"AFMDKVB\x00 cut short")
+        raise OSError(code, os.strerror(code), str(path))
+
+    monkeypatch.setattr(disk_module, "write_file", write)
+    deletes = code != errno.EFBIG
+    with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
+        tier.put(keys[3], _block(3))
+        assert store.flush()
+        assert store.failed is None and not store.writing
+        assert store.evictions == deletes
+        assert layout.block_path(tier.folder, keys[0]).exists() != deletes  # the oldest
+        tier.put(keys[4], _block(4))  # paused: dropped
+        time.sleep(0.6)
+        tier.put(keys[5], _block(5))  # tried again: still full, the wait doubles
+        assert store.flush() and not store.writing
+        time.sleep(0.6)
+        tier.put(keys[7], _block(7))  # within the doubled wait: dropped
+        full = False
+        time.sleep(0.5)
+        _written(tier, keys[6], _block(6))
+    assert store.writing and store.failed is None
+    assert store.evictions == 2 * deletes
+    # Dropped, not written late: the blocks queued while paused.
+    assert not any(layout.block_path(tier.folder, k).exists() for k in (keys[4], keys[7]))
+    assert not [p for p in tier.folder.iterdir() if p.name.startswith(layout.TEMP_PREFIX)]
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and "pauses writing" in warnings[0], warnings
+    store.close()
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS])
+def test_a_folder_it_may_not_write_still_stops_the_tier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        code: int) -> None:
+    """No waiting mends a read-only or another user's folder: the tier stops, logged
+    once."""
+    monkeypatch.setattr(disk_module, "_BACKOFF_S", 0.05)
+    store = DiskStore(tmp_path / "kv", 1 << 30)
+    tier = DiskTier(store, b"i", "m")
+
+    def refuse(path: Path, parts: list[bytes | memoryview]) -> None:
+        raise OSError(code, os.strerror(code), str(path))
+
+    monkeypatch.setattr(disk_module, "write_file", refuse)
+    with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
+        for i in range(3):
+            tier.put(bytes([i]) * 32, _block(i))
+            assert store.flush()
+            time.sleep(0.1)
+    assert store.failed is not None and not store.writing
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and "stops writing" in warnings[0], warnings
+    store.close()
+
+
+def test_the_margin_by_default_is_the_larger_of_2_gib_and_5_percent_of_the_volume(
+        tmp_path: Path) -> None:
+    assert margin_of(None, 16 << 30) == 2 << 30
+    assert margin_of(None, 1 << 40) == (1 << 40) // 20
+    assert margin_of(0, 1 << 40) == 0 and margin_of(12345, 1 << 40) == 12345
+    for setting in (None, 12345):  # [cache] disk_min_free reaches the tier
+        cache = CacheConfig(block_tokens=BLOCK, disk_dir=str(tmp_path / f"kv-{setting}"),
+                            disk_min_free=setting)
+        model = _load(cache)
+        try:
+            assert model.kv_cache.disk.store.min_free == setting
+        finally:
+            model.worker.stop()
 
 
 def _forged(path: Path, change: Callable[[list[compat.Layer]], list[compat.Layer]]) -> None:
@@ -727,6 +920,7 @@ def test_a_directory_under_a_block_name_stops_only_that_block(
     assert store.failed is None
     assert all(layout.block_path(tier.folder, bytes([i]) * 32).is_file() for i in (1, 2))
     assert len([r for r in caplog.records if r.name == "afmd.kvcache"]) == 1
+    assert store.writing
     assert not [p for p in tier.folder.iterdir() if p.name.startswith(layout.TEMP_PREFIX)]
     store.close()
 
@@ -948,3 +1142,4 @@ def test_cache_clear_without_a_server_empties_the_folder(tmp_path: Path) -> None
     assert done.returncode == 0, done.stderr
     assert '"disk_bytes": 100' in done.stdout
     assert not list(kv.rglob(f"*{layout.SUFFIX}"))
+

@@ -110,12 +110,14 @@ class BatchWorker:
         block_tokens: int = 256,
         disk_dir: Path | None = None,
         disk_bytes: int = 0,
+        disk_min_free: int | None = None,
     ) -> None:
         self._stepper = Stepper(
             model, tokenizer, name=name, max_batch=max_batch,
             prefill_step_size=prefill_step_size, prompt_cache_bytes=prompt_cache_bytes,
             prompt_cache_entries=prompt_cache_entries, lockstep=lockstep, identity=identity,
             block_tokens=block_tokens, disk_dir=disk_dir, disk_bytes=disk_bytes,
+            disk_min_free=disk_min_free,
         )
         self._lockstep = lockstep
         # A sharded model never speculates (see ShardedDecodeBatch).

@@ -51,6 +51,7 @@ class Stepper:
         block_tokens: int = 256,
         disk_dir: Path | None = None,
         disk_bytes: int = 0,
+        disk_min_free: int | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -68,8 +69,8 @@ class Stepper:
                 identity = identity or model_identity(None, name)
                 disk = None
                 if disk_dir is not None and disk_bytes > 0:
-                    disk = DiskTier(DiskStore.at(disk_dir, disk_bytes), identity, name,
-                                    lambda: kv_compat.layer_shapes(model))
+                    store = DiskStore.at(disk_dir, disk_bytes, disk_min_free)
+                    disk = DiskTier(store, identity, name, lambda: kv_compat.layer_shapes(model))
                 self.blocks = BlockCache(
                     identity, block_tokens, RamTier(prompt_cache_bytes, prompt_cache_entries),
                     disk,

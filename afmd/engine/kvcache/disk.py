@@ -7,8 +7,15 @@ model's, another layout's) is deleted on read and its block recomputed. Files ar
 under a temporary name and renamed into place (``os.replace``), so a killed process never
 leaves a file that is later read. A step never waits on the disk: the generation thread
 only queues a block (dropped when the queue is full); one writer thread per folder
-writes. A folder that cannot be created or written, or a full disk, is logged once and
-the tier stops writing; RAM serves on.
+writes. A folder that cannot be created or written is logged once and the tier stops
+writing; RAM serves on.
+
+Never the disk's last bytes: besides ``disk_bytes`` the tier leaves ``disk_min_free`` free
+on its volume, deleting its own least recently used blocks to make room for new ones (and,
+while idle, to give back what others took). A full disk all the same (another process, a
+quota) pauses writing: the tier deletes its oldest blocks to get back above the margin,
+retries after a delay that doubles up to a cap, and writes again once a block fits; logged
+once an episode.
 
 One :class:`DiskStore` per folder per process, shared by the models it serves, so that
 ``disk_bytes`` bounds the whole folder as this process knows it. Several processes may
@@ -55,6 +62,45 @@ _HEADER_ROOM = 1 << 20
 _VERIFY_S = 60.0
 #: Rename failures about one block's names, not the folder or the disk (DiskStore._write).
 _THIS_BLOCK_ONLY = frozenset({errno.ENOENT, errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST})
+#: Write failures for want of space (a full disk, a quota, a file size limit): the tier
+#: pauses and retries. Taken for good, one full disk stopped it for the process's life.
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+#: The free space left on the volume when ``disk_min_free`` is not set: the larger of a floor
+#: and a share of the volume (see docs/kv-cache.md, "Free space").
+MIN_FREE_FLOOR = 2 << 30
+MIN_FREE_SHARE = 0.05
+#: The volume's free space is read at most this often while writing. Between two reads
+#: what the tier holds plus what is free stays the same whatever it writes or deletes, so
+#: only what others did since is seen late.
+_PROBE_S = 2.0
+#: An idle writer checks the margin this often: space others took is given back unasked.
+_IDLE_S = 30.0
+#: After a full disk, writing waits this long, twice as long after each failed retry, up to
+#: the cap: a disk that stays full costs one failed block a minute at most.
+_BACKOFF_S = 1.0
+_BACKOFF_MAX_S = 60.0
+
+
+def free_space(path: Path) -> tuple[int, int]:
+    """``(bytes free to this user, bytes in all)`` of the volume holding ``path``: the
+    tier's one look at the volume (tests replace it with a volume of their own)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def write_file(path: Path, parts: list[bytes | memoryview]) -> None:
+    """Write a new file: the tier's one write (tests replace it with a full disk)."""
+    with open(path, "wb") as f:
+        for part in parts:
+            f.write(part)
+
+
+def margin_of(min_free: int | None, volume: int) -> int:
+    """The free space to leave on a volume of ``volume`` bytes: ``min_free``, or when it is
+    not set the larger of 2 GiB and 5 % of the volume."""
+    if min_free is not None:
+        return min_free
+    return max(MIN_FREE_FLOOR, int(volume * MIN_FREE_SHARE))
 
 
 def _dtype(name: str) -> mx.Dtype:
@@ -203,6 +249,8 @@ class _Write:
 
 #: Wakes the writer to check a folder's index against the folder (see DiskStore.read).
 _RECHECK = "recheck"
+#: What the writer does when nothing came for ``_IDLE_S``: check the margin.
+_IDLE = "idle"
 
 _STORES: dict[Path, DiskStore] = {}
 _STORES_LOCK = threading.Lock()
@@ -225,19 +273,32 @@ class DiskStore:
     """One folder's files, their LRU order and byte total, and its writer thread."""
 
     @classmethod
-    def at(cls, root: Path, max_bytes: int) -> DiskStore:
+    def at(cls, root: Path, max_bytes: int, min_free: int | None) -> DiskStore:
         with _STORES_LOCK:
             store = _STORES.get(root)
             if store is None or store.closed:
-                store = _STORES[root] = cls(root, max_bytes)
+                store = _STORES[root] = cls(root, max_bytes, min_free)
             store.max_bytes = max_bytes
+            store.min_free = min_free
             return store
 
-    def __init__(self, root: Path, max_bytes: int) -> None:
+    def __init__(self, root: Path, max_bytes: int, min_free: int | None = 0) -> None:
+        """``min_free``: the free space to leave on the volume (``None``: the larger of 2 GiB
+        and 5 % of it, :func:`margin_of`; 0: none, ``max_bytes`` alone bounds the tier)."""
         self.root = root
         self.max_bytes = max_bytes
+        self.min_free = min_free
         self.closed = False
         self.failed: str | None = None  # why writing stopped (logged once)
+        # The volume as last read (DiskStore._bound): what the tier may hold, all told.
+        self._room: int | None = None
+        self._probed = -_PROBE_S
+        # A full disk's episode (DiskStore._pause): no block queued before this time, and
+        # the delay of the next retry (0: not paused).
+        self._paused_until = 0.0
+        self._backoff = 0.0
+        self._tries = 0
+        self._paused_at = 0.0
         self._read_warned = False
         self._skip_warned = False
         # Misfits that could not be deleted (a read-only folder, a directory under a block's
@@ -261,7 +322,7 @@ class DiskStore:
             root.mkdir(parents=True, exist_ok=True)
             self._scan()
         except OSError as exc:
-            self.fail(f"cannot use {root}: {exc}")
+            self.trouble(exc, f"cannot use {root}")
         self._thread = threading.Thread(target=self._write_loop, name="afmd-kv-disk",
                                         daemon=True)
         self._thread.start()
@@ -292,16 +353,11 @@ class DiskStore:
             self._files[path] = size
             self.nbytes += size
             self._index_tail(path, True)
-        # The bound holds from the start (disk_bytes lowered since the files were written):
-        # held over it, the folder stayed so until this process wrote, and forever if it
-        # only read.
-        while self.nbytes > self.max_bytes and self._files:
-            path, size = self._files.popitem(last=False)
-            self.nbytes -= size
-            self._index_tail(path, False)
-            with contextlib.suppress(OSError):
-                path.unlink()
-            self.evictions += 1
+        # The bounds hold from the start (disk_bytes lowered since the files were written,
+        # the disk filled up): held over them, the folder stayed so until this process
+        # wrote, and forever if it only read; a disk it had filled stayed full across
+        # restarts.
+        self._evict_to(self._bound(fresh=True))
 
     def _index_tail(self, path: Path, present: bool) -> None:
         """Keep the tail index in step with a file that appeared or went (under the lock,
@@ -324,26 +380,120 @@ class DiskStore:
             return list(self._tails.get((folder, before), {}).values())
 
     def fail(self, why: str) -> None:
-        """Stop writing, saying why once (a folder that cannot be used, a full disk)."""
+        """Stop writing, saying why once (a folder that cannot be used)."""
         if self.failed is None:
             self.failed = why
             log.warning("KV cache disk tier stops writing (serving on from RAM): %s", why)
 
+    def trouble(self, exc: OSError, what: str) -> None:
+        """A write, or making the tier's folders, failed: for want of space, pause and
+        retry (:meth:`_pause`); for anything else, stop (:meth:`fail`)."""
+        why = f"{what}: {type(exc).__name__}: {exc}"
+        if exc.errno in _FULL:
+            self._pause(why)
+        else:
+            self.fail(why)
+
+    @property
+    def writing(self) -> bool:
+        """Whether the tier writes: neither stopped nor paused after a full disk."""
+        return self.failed is None and self._backoff == 0
+
+    def _bound(self, fresh: bool = False) -> int:
+        """The most bytes the tier may hold now: ``max_bytes``, and no more than leaves
+        ``min_free`` free on its volume. The volume is read at most every ``_PROBE_S``
+        (``fresh``: now): what the tier holds plus what is free stays the same whatever it
+        writes or deletes itself, so the room found then holds until others write. A volume
+        that cannot be read bounds nothing."""
+        if self.min_free == 0:
+            return self.max_bytes
+        now = time.monotonic()
+        if fresh or now - self._probed >= _PROBE_S:
+            self._probed = now
+            try:
+                free, volume = free_space(self.root)
+            except OSError:
+                self._room = None
+            else:
+                with self._lock:
+                    self._room = self.nbytes + free - margin_of(self.min_free, volume)
+        return self.max_bytes if self._room is None else min(self.max_bytes, self._room)
+
+    def _evict_to(self, bound: int, keep: frozenset[Path] | set[Path] = frozenset(),
+                  at_least: int = 0) -> int:
+        """Delete the least recently used files but ``keep`` until the tier holds at most
+        ``bound`` bytes, and ``at_least`` bytes are freed; how many were deleted."""
+        victims = []
+        with self._lock:
+            freed = 0
+            for path in list(self._files):
+                if self.nbytes <= bound and freed >= at_least:
+                    break
+                if path in keep:
+                    continue
+                size = self._files.pop(path)
+                self.nbytes -= size
+                freed += size
+                self._index_tail(path, False)
+                victims.append(path)
+        self._delete(victims)
+        return len(victims)
+
+    def _delete(self, victims: list[Path]) -> None:
+        for path in victims:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self.evictions += 1
+
+    def _pause(self, why: str, evicted: int = 0) -> None:
+        """No room for a block (a full disk, a quota, the margin): queue nothing for a
+        while, then try again; each failed try doubles the wait, up to ``_BACKOFF_MAX_S``.
+        Logged once an episode, when it starts."""
+        first = self._backoff == 0
+        if first:
+            self._paused_at = time.monotonic()
+        self._backoff = _BACKOFF_S if first else min(2 * self._backoff, _BACKOFF_MAX_S)
+        self._paused_until = time.monotonic() + self._backoff
+        self._probed = -_PROBE_S  # the retry reads the volume afresh
+        self._tries += 1
+        if first:
+            log.warning(
+                "KV cache disk tier pauses writing (serving on; %d of its least recently used "
+                "blocks deleted, it retries in %gs, then less often, up to every %gs): %s",
+                evicted, self._backoff, _BACKOFF_MAX_S, why)
+
+    def _resume(self) -> None:
+        """A block written after a full disk: the episode is over."""
+        if self._backoff:
+            log.info("KV cache disk tier writes again (paused for %.0fs, %d tries failed)",
+                     time.monotonic() - self._paused_at, self._tries)
+            self._backoff = 0.0
+            self._tries = 0
+
+    def _hold_margin(self) -> None:
+        """Give back, while idle, the space others took below the margin."""
+        if self.failed is None and self.min_free != 0:
+            self._evict_to(self._bound())
+
     # -- the generation thread --
     def queue(self, path: Path, key: bytes, identity: bytes, block: Block,
               chain: Chain | None = None, at: int = 0) -> bool:
-        """Queue a block to write; ``False`` when it is not (already there, writing off,
-        or the queue full: a step never waits)."""
-        if self.failed is not None or self.closed:
+        """Queue a block to write; ``False`` when it is not (already there, writing
+        stopped or paused, or the queue full: a step never waits)."""
+        if self.closed:
             return False
+        stopped = self.failed is not None
+        paused = time.monotonic() < self._paused_until
         with self._lock:
             skip = path in self._files or path in self._pending
-            verify = path in self._files and self._verify_due(path.parent)
-            if not skip:
+            verify = not stopped and path in self._files and self._verify_due(path.parent)
+            if not (skip or stopped or paused):
                 self._pending.add(path)
         if verify:
             self._recheck_later(path.parent)
         if skip:
+            return False
+        if stopped or paused:
             return False
         try:
             self._queue.put_nowait(_Write(path, key, identity, block, raw_views(block),
@@ -454,14 +604,20 @@ class DiskStore:
     # -- the writer thread --
     def _write_loop(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=_IDLE_S)
+            except queue.Empty:
+                item = _IDLE
             if item is None:
                 return
             try:
                 self._check_folders()
                 self._sweep()
-                if isinstance(item, _Write) and self.failed is None:
-                    self._write(item)
+                if item == _IDLE:
+                    self._hold_margin()
+                elif (isinstance(item, _Write) and self.failed is None
+                      and time.monotonic() >= self._paused_until):
+                    self._write(item)  # not when queued before the disk filled: dropped
             except Exception:  # never let one block stop the writer
                 log.exception("KV cache disk write failed")
             finally:
@@ -506,18 +662,21 @@ class DiskStore:
         chain = item.chain
         if chain is not None and chain.stopped:
             return
+        parts = encode(item.key, item.identity, item.block, item.raw)
+        size = sum(len(p) for p in parts)
+        if size > self.max_bytes:
+            return
+        # Never the blocks before this one of its own chain: evicting its head to hold its
+        # end would leave nothing a lookup reaches.
+        keep = frozenset(chain.paths[:item.at]) if chain is not None else frozenset()
+        if not self._make_room(item, size, keep):
+            return
         folder = item.path.parent
         temp = folder / layout.temp_name(item.path.name)
         renaming = False
         try:
-            parts = encode(item.key, item.identity, item.block, item.raw)
-            size = sum(len(p) for p in parts)
-            if size > self.max_bytes:
-                return
             folder.mkdir(parents=True, exist_ok=True)
-            with open(temp, "wb") as f:
-                for part in parts:
-                    f.write(part)
+            write_file(temp, parts)
             renaming = True
             os.replace(temp, item.path)
         except OSError as exc:
@@ -532,15 +691,16 @@ class DiskStore:
                     log.warning("KV cache block %s not written (the next ones are): %s",
                                 item.path.name, exc)
                 return
-            self.fail(("the disk is full: " if exc.errno == errno.ENOSPC else "")
-                       + f"{type(exc).__name__}: {exc}")
+            if exc.errno in _FULL:
+                self._full(exc, item, size)
+            else:
+                self.trouble(exc, f"cannot write {item.path}")
             return
         self.writes += 1
-        keep: set[Path] = set()
+        self._resume()
         if chain is not None:
             with contextlib.suppress(OSError):  # the head newest, after a restart too
                 os.utime(item.path, ns=(chain.stamp - item.at, chain.stamp - item.at))
-            keep = set(chain.paths[:item.at + 1])
         with self._lock:
             # A read may have indexed the path meanwhile (another process wrote it first).
             self.nbytes += size - self._files.pop(item.path, 0)
@@ -552,31 +712,61 @@ class DiskStore:
                 for path in reversed(chain.paths[:item.at]):
                     if path in self._files:
                         self._files.move_to_end(path)
-            victims = []
-            while self.nbytes > self.max_bytes:
-                # Never the blocks before this one of its own chain: evicting its head to
-                # hold its end would leave nothing a lookup reaches.
-                victim = next((p for p in self._files if p not in keep), None)
-                if victim is None:
+        # What reads indexed meanwhile: the bounds hold after the write too.
+        self._evict_to(self._bound(), keep | {item.path})
+
+    def _make_room(self, item: _Write, size: int, keep: frozenset[Path]) -> bool:
+        """Delete the least recently used files but ``keep`` until ``item``'s block fits the
+        bounds once written, before writing it: the disk never goes below the margin, not
+        even for the time of one write. Whether it fits; when it does not, a chain longer
+        than the tier keeps the head of it that fits (its own blocks evicted from its end,
+        the rest not written), and a margin that leaves no room for one block, with every
+        block of the tier's gone, pauses writing (:meth:`_pause`)."""
+        bound = self._bound(fresh=self._backoff > 0)  # a retry reads the volume afresh
+        mine = keep | {item.path}
+        with self._lock:
+            old = self._files.get(item.path, 0)  # another process wrote it, and it was read
+            held = sum(self._files.get(path, 0) for path in mine)
+        if held - old + size <= bound:
+            self._evict_to(bound - size + old, mine)
+            return True
+        if item.chain is not None:
+            item.chain.stopped = True
+        evicted = self._evict_to(bound, keep)
+        victims = []
+        with self._lock:
+            for path in reversed(item.chain.paths[:item.at] if item.chain is not None else []):
+                if self.nbytes <= bound:
                     break
-                self.nbytes -= self._files.pop(victim)
-                self._index_tail(victim, False)
-                victims.append(victim)
-            if self.nbytes > self.max_bytes and chain is not None:
-                # A chain longer than the tier: it holds the head of it that fits, this
-                # block and the rest not written, its own blocks evicted from its end.
-                chain.stopped = True
-                for path in [item.path, *reversed(chain.paths[:item.at])]:
-                    if self.nbytes <= self.max_bytes:
-                        break
-                    if path in self._files:
-                        self.nbytes -= self._files.pop(path)
-                        self._index_tail(path, False)
-                        victims.append(path)
-        for path in victims:
-            with contextlib.suppress(OSError):
-                path.unlink()
-            self.evictions += 1
+                if path in self._files:
+                    self.nbytes -= self._files.pop(path)
+                    self._index_tail(path, False)
+                    victims.append(path)
+        self._delete(victims)
+        if size > bound:
+            self._pause(f"{self._free_text()}: no room for a block of {size} bytes",
+                        evicted + len(victims))
+        return False
+
+    def _full(self, exc: OSError, item: _Write, size: int) -> None:
+        """No space for a block (ENOSPC, EDQUOT, EFBIG): its chain stops there (what was
+        written is a prefix a lookup reaches), the tier deletes its least recently used
+        blocks to get back above the margin, and a block's worth at least (the volume
+        may show room that a quota or its inodes do not give; not for a file size limit,
+        which no deletion mends), and pauses."""
+        if item.chain is not None:
+            item.chain.stopped = True
+        evicted = self._evict_to(self._bound(fresh=True),
+                                 at_least=0 if exc.errno == errno.EFBIG else size)
+        self._pause(f"cannot write {item.path}: {type(exc).__name__}: {exc}", evicted)
+
+    def _free_text(self) -> str:
+        try:
+            free, volume = free_space(self.root)
+        except OSError:
+            return f"{self.root}'s volume cannot be read"
+        return (f"{free} bytes free on {self.root}'s volume, which [cache] disk_min_free "
+                f"keeps {margin_of(self.min_free, volume)} free")
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued block is written and every folder check done (tests,
@@ -638,7 +828,7 @@ class DiskTier:
                 self.folder.mkdir(parents=True, exist_ok=True)
                 layout.add_name(self.folder, name)
             except OSError as exc:
-                store.fail(f"cannot use {self.folder}: {exc}")
+                store.trouble(exc, f"cannot use {self.folder}")
 
     @property
     def nbytes(self) -> int:

@@ -134,6 +134,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
                 # stay so (what one rank's writer dropped, another's wrote): off for them.
                 disk_dir=None if shard else kv_folder.resolve(config.cache.disk_dir),
                 disk_bytes=config.cache.disk_bytes,
+                disk_min_free=config.cache.disk_min_free,
                 prompt_lookup=config.engine.prompt_lookup,
                 draft_model=None if shard else load_draft(entry, config, tokenizer),
                 lockstep=group,

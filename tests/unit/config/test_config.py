@@ -94,6 +94,8 @@ def test_example_file_covers_every_key() -> None:
                 assert "[models.aliases]" in text
             elif (section, f.name) == ("tools", "server"):
                 assert "[[tools.server]]" in text
+            elif f.default is None:  # no TOML value says "not set": shown commented out
+                assert f"\n# {f.name} = " in text, f"{section}.{f.name} missing"
             else:
                 assert f"\n{f.name} = " in text, f"{section}.{f.name} missing"
                 assert f"AFMD_{section.upper()}_{f.name.upper()}" in text
@@ -250,6 +252,9 @@ def test_env_none_means_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
         ("[queue]\nmax_queued_requests = -1", "queue.max_queued_requests"),
         ("[cache]\nprompt_cache_bytes = -1", "cache.prompt_cache_bytes"),
         ("[cache]\nprompt_cache_entries = -1", "cache.prompt_cache_entries"),
+        ("[cache]\ndisk_min_free = -1", "cache.disk_min_free"),
+        ("[cache]\ndisk_min_free = 1.5", "cache.disk_min_free"),
+        ("[cache]\ndisk_min_free = '2G'", "cache.disk_min_free"),
         ("[engine]\nretries = -1", "engine.retries"),
         ("[log]\nlevel = 'verbose'", "log.level"),
         ("[log]\nformat = 'xml'", "log.format"),
@@ -329,6 +334,8 @@ def test_a_nul_character_in_any_string_is_refused(tmp_path: Path, text: str, key
         ({"AFMD_SERVER_IDLE_TIMEOUT": "soon"}, "env AFMD_SERVER_IDLE_TIMEOUT"),
         ({"AFMD_LOG_ACCESS_LOG": "maybe"}, "env AFMD_LOG_ACCESS_LOG"),
         ({"AFMD_SERVER_PORT": "99999"}, "server.port"),
+        ({"AFMD_CACHE_DISK_MIN_FREE": "-1"}, "cache.disk_min_free"),
+        ({"AFMD_CACHE_DISK_MIN_FREE": "2G"}, "env AFMD_CACHE_DISK_MIN_FREE"),
         ({"AFMD_MODELS_DEFAULT": "nope"}, "models.default"),
     ],
 )
@@ -336,6 +343,18 @@ def test_env_errors(env: dict[str, str], key: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(env=env)
     assert info.value.key == key
+
+
+def test_the_disk_tiers_free_space_margin_is_bytes_automatic_unless_set(
+        tmp_path: Path) -> None:
+    """``None`` (not set, or set empty in the environment) is the automatic margin; 0 turns
+    it off."""
+    assert load_config(env={}).cache.disk_min_free is None
+    assert load_config(env={"AFMD_CACHE_DISK_MIN_FREE": ""}).cache.disk_min_free is None
+    assert load_config(env={"AFMD_CACHE_DISK_MIN_FREE": "0"}).cache.disk_min_free == 0
+    path = tmp_path / "afmd.toml"
+    path.write_text("[cache]\ndisk_min_free = 5368709120\n")
+    assert load_config(path, env={}).cache.disk_min_free == 5 << 30
 
 
 def test_range_error_mentions_env_origin() -> None:
