@@ -31,6 +31,7 @@ from afmd.config.sections import BUILTIN_DEMO_PATH, CacheConfig, Config
 from afmd.config.tables import ModelEntry
 from afmd.engine.generation import GenerationRequest, SamplingParams
 from afmd.engine.kvcache import disk as disk_module
+from afmd.engine.kvcache import disk_counts
 from afmd.engine.kvcache import folder as layout
 from afmd.engine.kvcache import kv_compat as compat
 from afmd.engine.kvcache.blocks import BlockCache
@@ -290,6 +291,9 @@ def test_a_file_that_does_not_match_is_deleted_not_used(disk: DiskTier, damage: 
         assert disk.get(key, BLOCK) is None
     assert not path.exists()  # deleted: recomputed next time, never read again
     assert disk.misses == 1 and any("deleted" in r.getMessage() for r in caplog.records)
+    # /metrics counts it, by what it was (afmd_kv_cache_disk_rejected_total).
+    reason = "foreign" if damage in ("foreign", "layout", "key") else "corrupt"
+    assert disk.store.counts.rejected == {reason: 1}
 
 
 def test_a_fifo_under_a_block_name_does_not_hang_the_lookup(disk: DiskTier,
@@ -318,6 +322,7 @@ def test_a_fifo_under_a_block_name_does_not_hang_the_lookup(disk: DiskTier,
     path.symlink_to(disk.folder / "elsewhere")  # afmd writes no links: one is not read
     assert disk.get(key, BLOCK) is None and not path.exists()
     assert (disk.folder / "elsewhere").read_bytes() == b"x"
+    assert disk.store.counts.rejected == {"not_a_file": 2}
 
 
 def test_a_file_larger_than_a_block_can_be_is_not_read(tmp_path: Path) -> None:
@@ -342,6 +347,7 @@ def test_a_file_larger_than_a_block_can_be_is_not_read(tmp_path: Path) -> None:
         tracemalloc.stop()
         store.close()
     assert peak < 8 << 20 and not path.exists()
+    assert store.counts.rejected == {"not_a_file": 1}
 
 
 def test_a_model_whose_layers_cannot_be_read_still_reads_blocks(
@@ -630,7 +636,8 @@ def test_unwritable_folder_logs_once_and_serves_from_ram(
 def test_a_write_that_fails_later_logs_once(tmp_path: Path,
                                              caplog: pytest.LogCaptureFixture) -> None:
     """A folder that goes away under the server (an unmounted disk fails the same way: the
-    write raises): logged once, RAM serves on (a full disk pauses instead: below)."""
+    write raises): logged once, RAM serves on; ``/metrics`` says so (a full disk pauses
+    instead: below)."""
     store = DiskStore(tmp_path / "kv", 1 << 30)
     tier = DiskTier(store, b"i", "m")
     shutil.rmtree(tier.folder)
@@ -641,7 +648,8 @@ def test_a_write_that_fails_later_logs_once(tmp_path: Path,
             assert store.flush()
     assert store.failed is not None
     assert len([r for r in caplog.records if r.name == "afmd.kvcache"]) == 1
-    assert not store.writing
+    assert store.counts.write_failures == {"other": 1} and not store.counts.writing
+    assert store.counts.dropped == {"stopped": 2}
     store.close()
 
 
@@ -730,7 +738,7 @@ def test_a_margin_that_leaves_no_room_pauses_writing_until_space_returns(
     keys = [bytes([i]) * 32 for i in range(4)]
     with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
         tier.put(keys[0], _block(0))
-        assert store.flush() and not store.writing
+        assert store.flush() and not store.writing and store.counts.writing is False
         tier.put(keys[1], _block(1))  # paused: not even queued
         time.sleep(0.6)
         tier.put(keys[2], _block(2))  # tried again: still no room, the wait doubles
@@ -738,8 +746,10 @@ def test_a_margin_that_leaves_no_room_pauses_writing_until_space_returns(
         volume.other = 50 * size
         time.sleep(1.1)
         _written(tier, keys[3], _block(3))
-    assert store.writing
+    assert store.writing and store.counts.writing
     assert not any(layout.block_path(tier.folder, k).exists() for k in keys[:3])
+    assert store.counts.dropped == {"no_room": 2, "paused": 1}
+    assert store.counts.write_failures == {}
     warnings = _warnings(caplog)
     assert len(warnings) == 1 and "pauses writing" in warnings[0], warnings
     assert "disk_min_free" in warnings[0]
@@ -778,21 +788,21 @@ def test_a_full_disk_pauses_writing_and_resumes_when_space_returns(
         tier.put(keys[3], _block(3))
         assert store.flush()
         assert store.failed is None and not store.writing
+        assert store.counts.write_failures == {"full": 1}
         assert store.evictions == deletes
         assert layout.block_path(tier.folder, keys[0]).exists() != deletes  # the oldest
         tier.put(keys[4], _block(4))  # paused: dropped
         time.sleep(0.6)
         tier.put(keys[5], _block(5))  # tried again: still full, the wait doubles
-        assert store.flush() and not store.writing
+        assert store.flush() and store.counts.write_failures == {"full": 2}
         time.sleep(0.6)
         tier.put(keys[7], _block(7))  # within the doubled wait: dropped
         full = False
         time.sleep(0.5)
         _written(tier, keys[6], _block(6))
-    assert store.writing and store.failed is None
+    assert store.writing and store.counts.writing and store.failed is None
     assert store.evictions == 2 * deletes
-    # Dropped, not written late: the blocks queued while paused.
-    assert not any(layout.block_path(tier.folder, k).exists() for k in (keys[4], keys[7]))
+    assert store.counts.dropped == {"paused": 2}
     assert not [p for p in tier.folder.iterdir() if p.name.startswith(layout.TEMP_PREFIX)]
     warnings = _warnings(caplog)
     assert len(warnings) == 1 and "pauses writing" in warnings[0], warnings
@@ -804,7 +814,7 @@ def test_a_folder_it_may_not_write_still_stops_the_tier(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         code: int) -> None:
     """No waiting mends a read-only or another user's folder: the tier stops, logged
-    once."""
+    once, and ``/metrics`` says why."""
     monkeypatch.setattr(disk_module, "_BACKOFF_S", 0.05)
     store = DiskStore(tmp_path / "kv", 1 << 30)
     tier = DiskTier(store, b"i", "m")
@@ -819,6 +829,8 @@ def test_a_folder_it_may_not_write_still_stops_the_tier(
             assert store.flush()
             time.sleep(0.1)
     assert store.failed is not None and not store.writing
+    assert store.counts.write_failures == {"denied": 1}
+    assert store.counts.dropped == {"stopped": 2}
     warnings = _warnings(caplog)
     assert len(warnings) == 1 and "stops writing" in warnings[0], warnings
     store.close()
@@ -903,6 +915,7 @@ def test_a_whole_file_that_does_not_fit_the_model_is_deleted_not_used(
         # The chain's head was read, deleted (and its recomputed block written again).
         assert any(not path.exists() or path.read_bytes() != was[path] for path in forged)
         assert any("not this model's state" in r.getMessage() for r in caplog.records), name
+        assert model.kv_cache.disk.store.counts.rejected["misfit"] >= 1, name
 
 
 def test_a_directory_under_a_block_name_stops_only_that_block(
@@ -920,7 +933,7 @@ def test_a_directory_under_a_block_name_stops_only_that_block(
     assert store.failed is None
     assert all(layout.block_path(tier.folder, bytes([i]) * 32).is_file() for i in (1, 2))
     assert len([r for r in caplog.records if r.name == "afmd.kvcache"]) == 1
-    assert store.writing
+    assert store.counts.write_failures == {"block": 1} and store.writing
     assert not [p for p in tier.folder.iterdir() if p.name.startswith(layout.TEMP_PREFIX)]
     store.close()
 
@@ -1142,4 +1155,69 @@ def test_cache_clear_without_a_server_empties_the_folder(tmp_path: Path) -> None
     assert done.returncode == 0, done.stderr
     assert '"disk_bytes": 100' in done.stdout
     assert not list(kv.rglob(f"*{layout.SUFFIX}"))
+
+
+def _disk_metrics(url: str) -> dict[tuple[str, str], float]:
+    """The disk tier's own series: ``(name, reason)`` (``""`` for the gauge) -> value."""
+    found = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("afmd_kv_cache_disk_"):
+            series, value = line.rsplit(" ", 1)
+            name, _, labels = series.partition("{")
+            found[name, labels.removeprefix('reason="').removesuffix('"}')] = float(value)
+    return found
+
+
+def _chat(url: str, topic: str, length: int = 12, **extra: Any) -> dict[str, Any]:
+    """A conversation of its own (no block shared with another topic's)."""
+    r = httpx.post(url + CHAT, timeout=120, headers={"X-AFM-Profile": "true"}, json={
+        "model": "demo", "max_tokens": 8, "temperature": 0, **extra,
+        "messages": [{"role": "system", "content": f"You write about {topic}. " * length},
+                     {"role": "user", "content": f"Tell me about {topic}."}]})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _settled(kv: Path) -> list[Path]:
+    """The block files once the writer has stopped adding them."""
+    seen: list[Path] = []
+
+    def same() -> bool:
+        nonlocal seen
+        now = sorted(kv.rglob(f"*{layout.SUFFIX}"))
+        steady, seen = bool(now) and now == seen, now
+        return steady
+
+    assert _wait(lambda: time.sleep(0.3) or same()), seen
+    return seen
+
+
+def test_metrics_count_the_files_the_disk_tier_refused(tmp_path: Path) -> None:
+    """Only the log said that a block file was corrupt (once): ``/metrics`` counts the
+    refusals by reason, every reason from 0, and says that the tier writes."""
+    kv = tmp_path / "kv"
+    server = start_server(tmp_path, config=_config(kv))
+    try:
+        metrics = _disk_metrics(server.url)
+        for name, reasons in (
+                ("afmd_kv_cache_disk_rejected_total", disk_counts.REJECTED),
+                ("afmd_kv_cache_disk_write_failures_total", disk_counts.WRITE_FAILURES),
+                ("afmd_kv_cache_disk_dropped_total", disk_counts.DROPPED)):
+            assert {r: metrics[name, r] for r in reasons} == dict.fromkeys(reasons, 0), name
+        assert metrics["afmd_kv_cache_disk_writing", ""] == 1
+        cold = _chat(server.url, "tides", keep_alive=0)  # unloaded after: RAM emptied
+        files = _settled(kv)
+        for path in files:
+            data = bytearray(path.read_bytes())
+            data[-5] ^= 0x20
+            path.write_bytes(bytes(data))
+        again = _chat(server.url, "tides")  # loaded again: every block read from disk
+        assert again["choices"] == cold["choices"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        metrics = _disk_metrics(server.url)
+        assert metrics["afmd_kv_cache_disk_rejected_total", "corrupt"] >= 1
+        assert metrics["afmd_kv_cache_disk_rejected_total", "misfit"] == 0
+        assert metrics["afmd_kv_cache_disk_writing", ""] == 1
+    finally:
+        server.stop()
 

@@ -194,6 +194,22 @@ def test_state_is_read_at_scrape_time(served: ServerProcess) -> None:
     assert now.samples["afmd_listener_up"] == {(("listener", served.url),): 1}
 
 
+def test_every_family_served_is_on_the_metrics_page(served: ServerProcess) -> None:
+    """docs/metrics.md's table names every family a scrape shows (a counter by its
+    ``_total`` name), with its type: a metric added without its row fails here."""
+    import re
+
+    from helpers.paths import REPO_ROOT
+
+    page = (REPO_ROOT / "docs" / "metrics.md").read_text()
+    rows = dict(re.findall(r"^\| `(afmd_\w+)` \| (\w+) \|", page, flags=re.M))
+    now = scrape(served.url)
+    assert "afmd_kv_cache_disk_writing" in now.types  # the disk tier's, with a model loaded
+    for family, kind in now.types.items():
+        name = f"{family}_total" if kind == "counter" else family
+        assert rows.get(name) == kind, f"{name} ({kind}) is not in docs/metrics.md's table"
+
+
 def test_unloads_and_reloads_are_counted(tmp_path: Path) -> None:
     """``keep_alive: 0`` unloads the model right after its request; the next one loads it
     again. The counts outlive the unload; memory is reported while it is loaded."""

@@ -15,7 +15,8 @@ on its volume, deleting its own least recently used blocks to make room for new 
 while idle, to give back what others took). A full disk all the same (another process, a
 quota) pauses writing: the tier deletes its oldest blocks to get back above the margin,
 retries after a delay that doubles up to a cap, and writes again once a block fits; logged
-once an episode.
+once an episode. ``/metrics`` counts what it refused, failed and dropped
+(:mod:`.disk_counts`).
 
 One :class:`DiskStore` per folder per process, shared by the models it serves, so that
 ``disk_bytes`` bounds the whole folder as this process knows it. Several processes may
@@ -44,6 +45,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from afmd.engine.kvcache import disk_counts
 from afmd.engine.kvcache import folder as layout
 from afmd.engine.kvcache.kv_compat import LayerShape
 from afmd.engine.kvcache.ram import Block
@@ -65,6 +67,8 @@ _THIS_BLOCK_ONLY = frozenset({errno.ENOENT, errno.EISDIR, errno.ENOTEMPTY, errno
 #: Write failures for want of space (a full disk, a quota, a file size limit): the tier
 #: pauses and retries. Taken for good, one full disk stopped it for the process's life.
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+#: Write failures that no waiting mends (a read-only or another user's folder): it stops.
+_DENIED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 #: The free space left on the volume when ``disk_min_free`` is not set: the larger of a floor
 #: and a share of the volume (see docs/kv-cache.md, "Free space").
 MIN_FREE_FLOOR = 2 << 30
@@ -103,6 +107,15 @@ def margin_of(min_free: int | None, volume: int) -> int:
     return max(MIN_FREE_FLOOR, int(volume * MIN_FREE_SHARE))
 
 
+class NotThisBlock(ValueError):
+    """A file under a block's name that is not the block asked for; ``reason`` is its
+    ``/metrics`` label (:data:`disk_counts.REJECTED`)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 def _dtype(name: str) -> mx.Dtype:
     dtype = getattr(mx, name.rsplit(".", 1)[-1], None)
     if not isinstance(dtype, mx.Dtype):
@@ -138,9 +151,9 @@ def encode(key: bytes, identity: bytes, block: Block,
 def decode(data: bytes, key: bytes, identity: bytes) -> Block:
     """The block a file holds; ``ValueError`` naming why it is not the one asked for."""
     if data[:8] != MAGIC:
-        raise ValueError("not a block file")
+        raise NotThisBlock("corrupt", "not a block file")
     if int.from_bytes(data[8:12], "little") != LAYOUT:
-        raise ValueError("another layout version")
+        raise NotThisBlock("foreign", "another layout version")
     size = int.from_bytes(data[12:16], "little")
     header_raw = data[16:16 + size]
     digest = data[16 + size:48 + size]
@@ -148,14 +161,14 @@ def decode(data: bytes, key: bytes, identity: bytes) -> Block:
     check = hashlib.sha256(header_raw)
     check.update(body)
     if check.digest() != digest:
-        raise ValueError("checksum mismatch (torn or corrupt)")
+        raise NotThisBlock("corrupt", "checksum mismatch (torn or corrupt)")
     header = json.loads(header_raw)
     if header.get("layout") != LAYOUT:
-        raise ValueError("another layout version")
+        raise NotThisBlock("foreign", "another layout version")
     if header.get("identity") != identity.hex():
-        raise ValueError("another model's block")
+        raise NotThisBlock("foreign", "another model's block")
     if header.get("key") != key.hex():
-        raise ValueError("another block's key")
+        raise NotThisBlock("foreign", "another block's key")
     arrays = []
     at = 0
     for shape, dtype_name in header["arrays"]:
@@ -166,7 +179,7 @@ def decode(data: bytes, key: bytes, identity: bytes) -> Block:
         flat = mx.array(raw)
         arrays.append(flat.view(dtype).reshape(shape))
     if at != len(body) or len(arrays) % 2:
-        raise ValueError("size mismatch")
+        raise NotThisBlock("corrupt", "size mismatch")
     mx.eval(arrays)
     return Block.of([(arrays[i], arrays[i + 1]) for i in range(0, len(arrays), 2)])
 
@@ -181,14 +194,15 @@ def contents(path: Path, limit: int) -> bytes:
                      | getattr(os, "O_NOFOLLOW", 0))
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise ValueError("a symbolic link, not a block file") from None
+            raise NotThisBlock("not_a_file", "a symbolic link, not a block file") from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
+            raise NotThisBlock("not_a_file", "not a regular file")
         if st.st_size > limit:
-            raise ValueError(f"{st.st_size} bytes, more than a block can be ({limit})")
+            raise NotThisBlock("not_a_file",
+                               f"{st.st_size} bytes, more than a block can be ({limit})")
         f = os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -290,6 +304,7 @@ class DiskStore:
         self.min_free = min_free
         self.closed = False
         self.failed: str | None = None  # why writing stopped (logged once)
+        self.counts = disk_counts.new()
         # The volume as last read (DiskStore._bound): what the tier may hold, all told.
         self._room: int | None = None
         self._probed = -_PROBE_S
@@ -381,6 +396,7 @@ class DiskStore:
 
     def fail(self, why: str) -> None:
         """Stop writing, saying why once (a folder that cannot be used)."""
+        self.counts.writing = False
         if self.failed is None:
             self.failed = why
             log.warning("KV cache disk tier stops writing (serving on from RAM): %s", why)
@@ -390,8 +406,10 @@ class DiskStore:
         retry (:meth:`_pause`); for anything else, stop (:meth:`fail`)."""
         why = f"{what}: {type(exc).__name__}: {exc}"
         if exc.errno in _FULL:
+            self.counts.failed("full")
             self._pause(why)
         else:
+            self.counts.failed("denied" if exc.errno in _DENIED else "other")
             self.fail(why)
 
     @property
@@ -456,6 +474,7 @@ class DiskStore:
         self._paused_until = time.monotonic() + self._backoff
         self._probed = -_PROBE_S  # the retry reads the volume afresh
         self._tries += 1
+        self.counts.writing = False
         if first:
             log.warning(
                 "KV cache disk tier pauses writing (serving on; %d of its least recently used "
@@ -469,6 +488,7 @@ class DiskStore:
                      time.monotonic() - self._paused_at, self._tries)
             self._backoff = 0.0
             self._tries = 0
+            self.counts.writing = self.failed is None
 
     def _hold_margin(self) -> None:
         """Give back, while idle, the space others took below the margin."""
@@ -494,6 +514,7 @@ class DiskStore:
         if skip:
             return False
         if stopped or paused:
+            self.counts.drop("stopped" if stopped else "paused")
             return False
         try:
             self._queue.put_nowait(_Write(path, key, identity, block, raw_views(block),
@@ -502,6 +523,7 @@ class DiskStore:
             with self._lock:
                 self._pending.discard(path)
             self.dropped += 1
+            self.counts.drop("queue_full")
             return False
         return True
 
@@ -518,12 +540,13 @@ class DiskStore:
             block = decode(data, key, identity)
             wrong = fits(block) if fits is not None else None
             if wrong is not None:
-                raise ValueError(f"not this model's state: {wrong}")
+                raise NotThisBlock("misfit", f"not this model's state: {wrong}")
         except (FileNotFoundError, NotADirectoryError):
             self._forget(path)
             self._recheck_later(path.parent)
             return None
         except OSError as exc:  # unreadable, not wrong: logged once, computed instead
+            self.counts.reject("unreadable")
             if not self._read_warned:
                 self._read_warned = True
                 log.warning("KV cache block %s unreadable (computed instead): %s",
@@ -533,6 +556,7 @@ class DiskStore:
             # A file anyone may write: any misfit is one. A header of another shape (valid
             # JSON, a valid checksum) raised what a narrower list did not name, and the
             # file stayed to fail every later lookup.
+            self.counts.reject(getattr(exc, "reason", "corrupt"))
             self._drop(path, exc)
             return None
         with self._lock:
@@ -615,10 +639,16 @@ class DiskStore:
                 self._sweep()
                 if item == _IDLE:
                     self._hold_margin()
-                elif (isinstance(item, _Write) and self.failed is None
-                      and time.monotonic() >= self._paused_until):
-                    self._write(item)  # not when queued before the disk filled: dropped
+                elif isinstance(item, _Write):
+                    if self.failed is not None:
+                        self.counts.drop("stopped")
+                    elif time.monotonic() < self._paused_until:
+                        self.counts.drop("paused")  # queued before the disk filled
+                    else:
+                        self._write(item)
             except Exception:  # never let one block stop the writer
+                if isinstance(item, _Write):
+                    self.counts.failed("other")
                 log.exception("KV cache disk write failed")
             finally:
                 if isinstance(item, _Write):
@@ -686,6 +716,7 @@ class DiskStore:
                 # Its temporary file deleted under it (another process's sweep, `afmd cache
                 # clear`), a directory under its name: this block is not written, the next
                 # ones are. Taken for the folder's failure, one stray entry stopped the tier.
+                self.counts.failed("block")
                 if not self._skip_warned:
                     self._skip_warned = True
                     log.warning("KV cache block %s not written (the next ones are): %s",
@@ -744,6 +775,7 @@ class DiskStore:
                     victims.append(path)
         self._delete(victims)
         if size > bound:
+            self.counts.drop("no_room")
             self._pause(f"{self._free_text()}: no room for a block of {size} bytes",
                         evicted + len(victims))
         return False
@@ -756,6 +788,7 @@ class DiskStore:
         which no deletion mends), and pauses."""
         if item.chain is not None:
             item.chain.stopped = True
+        self.counts.failed("full")
         evicted = self._evict_to(self._bound(fresh=True),
                                  at_least=0 if exc.errno == errno.EFBIG else size)
         self._pause(f"cannot write {item.path}: {type(exc).__name__}: {exc}", evicted)
@@ -805,6 +838,7 @@ class DiskStore:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self.counts.open = False
             self._queue.put(None)
 
 

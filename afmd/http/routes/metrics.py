@@ -359,6 +359,36 @@ def _kv_cache_families(registry: ModelRegistry, models: list[str]) -> Iterator[A
     yield misses
     yield evictions
     yield held
+    yield from _kv_disk_families()
+
+
+def _kv_disk_families() -> Iterator[Any]:
+    """The disk tier's folder, whichever models use it: the files it refused on read, the
+    writes that failed and the blocks it did not write, by reason (every reason from 0),
+    and whether it writes (while a disk tier is open)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from afmd.engine.kvcache import disk_counts
+
+    totals = disk_counts.totals()
+    for name, doc, counts in (
+        ("afmd_kv_cache_disk_rejected", "Block files the disk tier refused on read "
+         "(deleted, or left and not read again), by reason.", totals.rejected),
+        ("afmd_kv_cache_disk_write_failures", "Block writes to the disk tier that failed, "
+         "by reason (full: it pauses and retries; denied, other: it stops writing).",
+         totals.write_failures),
+        ("afmd_kv_cache_disk_dropped", "Blocks the disk tier did not write, by reason "
+         "(its queue full, no room above the free-space margin, writing paused or "
+         "stopped).", totals.dropped),
+    ):
+        family = CounterMetricFamily(name, doc, labels=("reason",))
+        for reason, value in counts.items():
+            family.add_metric((reason,), value)
+        yield family
+    if totals.writing is not None:
+        yield GaugeMetricFamily("afmd_kv_cache_disk_writing", "1 while the disk tier writes "
+                                "blocks; 0 while paused after a full disk, or stopped.",
+                                value=1.0 if totals.writing else 0.0)
 
 
 def _union(models: list[str], counts: Iterable[str]) -> list[str]:
