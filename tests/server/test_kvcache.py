@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import hashlib
 import json
 import logging
 import os
+import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,7 +53,7 @@ from afmd.engine.kvcache.identity import model_identity
 from afmd.engine.kvcache.ram import Block, RamTier
 
 from conftest import parse_sse
-from helpers.servers import ServerProcess, start_server
+from helpers.servers import ServerProcess, afmd_command, start_server
 
 CHAT = "/v1/chat/completions"
 BLOCK = 16
@@ -1221,3 +1224,148 @@ def test_metrics_count_the_files_the_disk_tier_refused(tmp_path: Path) -> None:
     finally:
         server.stop()
 
+
+@pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="resource.prlimit is Linux's")
+def test_a_server_whose_disk_fills_pauses_its_disk_tier_and_writes_again(
+        tmp_path: Path) -> None:
+    """A real server's writes failing for want of space (``RLIMIT_FSIZE`` set on it: each
+    block write fails with EFBIG, as a full disk fails with ENOSPC): the tier stopped
+    for the rest of the process, said so once in the log, and ``/metrics`` showed
+    nothing. It pauses now, ``/metrics`` shows the failure and that it does not write,
+    and once space is back (the limit lifted) it writes again, on its own."""
+    kv = tmp_path / "kv"
+    server = start_server(tmp_path, config=_config(kv))
+    pid = server.proc.pid
+    try:
+        _chat(server.url, "tides")
+        before = set(_settled(kv))
+        limit = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (1024, limit[1]))  # no block fits
+        try:
+            _chat(server.url, "volcanoes")
+            metrics = _wait(lambda: (m := _disk_metrics(server.url))[
+                "afmd_kv_cache_disk_write_failures_total", "full"] >= 1 and m)
+            assert metrics and metrics["afmd_kv_cache_disk_writing", ""] == 0, metrics
+            _chat(server.url, "glaciers")  # paused: dropped, not tried
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, limit)
+        assert set(kv.rglob(f"*{layout.SUFFIX}")) == before
+        time.sleep(1.2)  # the first retry comes after a second
+        _chat(server.url, "deserts")
+        assert _wait(lambda: _disk_metrics(server.url)["afmd_kv_cache_disk_writing", ""] == 1)
+        assert len(_settled(kv)) > len(before)
+        metrics = _disk_metrics(server.url)
+        assert metrics["afmd_kv_cache_disk_write_failures_total", "full"] == 1
+        assert metrics["afmd_kv_cache_disk_dropped_total", "paused"] >= 1
+        assert metrics["afmd_kv_cache_disk_write_failures_total", "other"] == 0
+        log = server.log_text()
+        assert log.count("pauses writing") == 1 and log.count("writes again") == 1, log
+        assert "stops writing" not in log
+    finally:
+        server.stop()
+
+
+@functools.cache
+def _unshare() -> str | None:
+    """``unshare``, where it gives a process a tmpfs of its own (a user and a mount
+    namespace: no root needed, and no mount anyone else sees)."""
+    tool = shutil.which("unshare")
+    if tool is None or not sys.platform.startswith("linux"):
+        return None
+    with tempfile.TemporaryDirectory() as where:
+        done = subprocess.run([tool, "-rm", "sh", "-c", 'mount -t tmpfs -o size=64k afmd "$0"',
+                               where], capture_output=True, timeout=30)
+    return tool if done.returncode == 0 else None
+
+
+def _serve_on_a_small_disk(tmp_path: Path, size: int, free: int, cache: str
+                           ) -> tuple[ServerProcess, Path]:
+    """``afmd serve`` with its ``disk_dir`` on a tmpfs of ``size`` bytes of its own, filled
+    but for ``free`` bytes by a file ``filler``: a small disk, really full, that no other
+    process sees. Also the volume as this process reaches it (through the server's
+    ``/proc/<pid>/root``)."""
+    tool = _unshare()
+    assert tool is not None
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    config = tmp_path / "afmd.toml"
+    config.write_text(f'[cache]\ndisk_dir = "{volume / "kv"}"\n{cache}')
+    script = (f'mount -t tmpfs -o size={size} afmd "$0" && '
+              f'head -c {size - free} /dev/zero > "$0/filler" && exec "$@"')
+    env = {**os.environ}
+    env.pop("AFMD_CONFIG", None)
+    proc = subprocess.Popen(
+        [tool, "-rm", "sh", "-c", script, str(volume), *afmd_command(), "serve",
+         "--log-format", "json", "--config", str(config), "--port", "0"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, env=env, cwd=str(tmp_path))
+    server = ServerProcess(proc)
+    threading.Thread(target=server._reader, daemon=True).start()
+    try:
+        server.wait_event("listening", timeout=60)
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    seen = Path(f"/proc/{proc.pid}/root") / volume.relative_to("/")
+    if not (seen / "filler").is_file():  # not this process's to look into (ptrace rules)
+        server.stop()
+        pytest.skip("the server's tmpfs cannot be read from outside it")
+    return server, seen
+
+
+def _free(volume: Path) -> int:
+    st = os.statvfs(volume)
+    return st.f_bavail * st.f_frsize
+
+
+@pytest.mark.skipif(_unshare() is None, reason="no tmpfs of its own (unshare -rm)")
+def test_a_really_full_disk_pauses_the_disk_tier_until_space_returns(tmp_path: Path) -> None:
+    """A disk with no room for one block (ENOSPC on a real file system): the tier stopped
+    for the rest of the process. It pauses now, and writes again once space is back."""
+    server, volume = _serve_on_a_small_disk(tmp_path, 1 << 20, 4096,  # models.json fits
+                                            f"block_tokens = {BLOCK}\ndisk_min_free = 0\n")
+    try:
+        _chat(server.url, "tides")
+        metrics = _wait(lambda: (m := _disk_metrics(server.url))[
+            "afmd_kv_cache_disk_write_failures_total", "full"] >= 1 and m)
+        assert metrics and metrics["afmd_kv_cache_disk_writing", ""] == 0, metrics
+        assert not list(volume.rglob(f"*{layout.SUFFIX}"))
+        (volume / "filler").unlink()  # the user makes room
+        time.sleep(1.2)  # the first retry comes after a second
+        _chat(server.url, "volcanoes")
+        assert _wait(lambda: _disk_metrics(server.url)["afmd_kv_cache_disk_writing", ""] == 1)
+        assert _settled(volume)
+        log = server.log_text()
+        assert log.count("pauses writing") == 1 and log.count("writes again") == 1, log
+        assert "No space left on device" in log and "stops writing" not in log
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(_unshare() is None, reason="no tmpfs of its own (unshare -rm)")
+def test_a_server_on_a_nearly_full_disk_keeps_the_margin_free(tmp_path: Path) -> None:
+    """The probe's case: a nearly full disk, ``disk_bytes`` far above what it has free.
+    The tier wrote until the disk was full (0 bytes left to the user) and stopped there.
+    It keeps ``disk_min_free`` free on the volume now, deleting its own least recently
+    used blocks to write new ones. Within what the file system rounds files up to, and
+    what it writes between two looks at the volume (every 2 s)."""
+    margin, size = 4 << 20, 8 << 20
+    server, volume = _serve_on_a_small_disk(
+        tmp_path, size, margin + (1 << 20), f"block_tokens = 256\ndisk_min_free = {margin}\n")
+    slack = 64 << 10
+    lowest = _free(volume)
+    try:
+        for topic in ("tides", "volcanoes", "glaciers", "deserts", "comets"):
+            _chat(server.url, topic, length=200)
+            lowest = min(lowest, _free(volume))
+            _settled(volume)
+            lowest = min(lowest, _free(volume))
+        assert lowest >= margin - slack, (lowest, margin)
+        metrics = _disk_metrics(server.url)
+        assert metrics["afmd_kv_cache_disk_writing", ""] == 1
+        assert sum(v for (name, _), v in metrics.items() if "failures" in name) == 0, metrics
+        assert _metric(server.url, "afmd_kv_cache_evictions_total", "disk") > 0
+        assert len(list(volume.rglob(f"*{layout.SUFFIX}"))) >= 2  # it writes on
+    finally:
+        server.stop()
