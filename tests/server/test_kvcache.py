@@ -622,7 +622,8 @@ def test_unwritable_folder_logs_once_and_serves_from_ram(
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
-        model = _load(CacheConfig(block_tokens=BLOCK, disk_dir=str(blocker / "kv")))
+        model = _load(CacheConfig(block_tokens=BLOCK, disk_dir=str(blocker / "kv"),
+                                  disk_min_free=0))
         try:
             prompt = model.render_prompt([{"role": "user", "content": "tides " * 40}])
             cold, _ = _generate(model, prompt)
@@ -888,7 +889,7 @@ def test_a_whole_file_that_does_not_fit_the_model_is_deleted_not_used(
     answer changed), other heads or another rank failed every batch the prompt joined,
     the file staying to fail the next."""
     kv = tmp_path / "kv"
-    cache = CacheConfig(block_tokens=BLOCK, disk_dir=str(kv))
+    cache = CacheConfig(block_tokens=BLOCK, disk_dir=str(kv), disk_min_free=0)
     model = _load(cache)
     try:
         prompt = model.render_prompt([{"role": "user", "content": "moons and tides " * 20}])
@@ -906,7 +907,7 @@ def test_a_whole_file_that_does_not_fit_the_model_is_deleted_not_used(
             _forged(path, change)
         was = {path: path.read_bytes() for path in forged}
         caplog.clear()
-        model = _load(CacheConfig(block_tokens=BLOCK, disk_dir=str(copy)))
+        model = _load(CacheConfig(block_tokens=BLOCK, disk_dir=str(copy), disk_min_free=0))
         try:
             with caplog.at_level(logging.WARNING, logger="afmd.kvcache"):
                 for _ in range(2):
@@ -994,7 +995,7 @@ def test_a_temporary_file_deleted_under_the_writer_stops_only_that_block(
 
 
 def test_two_models_on_one_folder_never_share_blocks(tmp_path: Path) -> None:
-    cache = CacheConfig(block_tokens=BLOCK, disk_dir=str(tmp_path / "kv"))
+    cache = CacheConfig(block_tokens=BLOCK, disk_dir=str(tmp_path / "kv"), disk_min_free=0)
     tokens = [(i * 7) % 900 + 20 for i in range(6 * BLOCK)]  # ids both vocabularies have
     first = _load(cache)
     try:
@@ -1015,7 +1016,9 @@ def test_two_models_on_one_folder_never_share_blocks(tmp_path: Path) -> None:
 
 
 def _config(kv: Path) -> str:
-    return f'[cache]\nblock_tokens = {BLOCK}\ndisk_dir = "{kv}"\n'
+    # No free-space margin: these tests are about what the tier keeps, on any machine's
+    # disk, however full (the margin's own tests set it).
+    return f'[cache]\nblock_tokens = {BLOCK}\ndisk_dir = "{kv}"\ndisk_min_free = 0\n'
 
 
 CONVERSATION = [
