@@ -229,6 +229,27 @@ def test_think_is_refused_where_show_lists_no_thinking(families: httpx.Client,
     assert after == before  # the loaded model says what its folder said
 
 
+def test_think_is_refused_before_the_model_loads(families: httpx.Client) -> None:
+    """As Ollama: the refusal comes without loading the model (a load is seconds, and may
+    unload another model, for an answer that is a 400 either way)."""
+    def loaded() -> list[str]:
+        return [m["name"] for m in families.get("/api/ps").json()["models"]]
+
+    families.post("/api/generate", json={"model": "llama3", "keep_alive": 0})
+    for _ in range(100):
+        if "llama3:latest" not in loaded():
+            break
+        time.sleep(0.05)
+    assert "llama3:latest" not in loaded()
+    for route, body in (("/api/chat", {"messages": [{"role": "user", "content": "Hi"}]}),
+                        ("/api/generate", {"prompt": "Hi"})):
+        got = families.post(route, json={"model": "llama3", "think": True, "stream": False,
+                                         **body})
+        assert (got.status_code, got.json()) == (
+            400, {"error": '"llama3" does not support thinking'}), got.text
+        assert "llama3:latest" not in loaded()
+
+
 def test_think_max_is_gpt_oss_high_as_in_ollama(families: httpx.Client) -> None:
     """gpt-oss's highest level is ``high``, which Ollama maps ``max`` to; afmd rendered
     ``Reasoning: medium``. The prompt is the measure: the level is written into it."""

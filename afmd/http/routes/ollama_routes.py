@@ -23,6 +23,7 @@ from sanic import Request, Sanic
 from sanic.response import HTTPResponse
 
 from afmd.core.events import Usage
+from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.dialects.fields.body import parse_json_body
 from afmd.dialects.fields.checks import Scalar, read_scalars, unknown_keys
 from afmd.dialects.fields.keep_alive import keep_alive_of
@@ -51,6 +52,7 @@ from afmd.dialects.ollama.ollama_body import (
 from afmd.engine.models.kinds import CHAT, EMBEDDING
 from afmd.errors import ConflictError, InvalidRequestError, NotFoundError
 from afmd.http.access import log_access
+from afmd.http.app_state import AppState
 from afmd.http.routes import handlers as routes
 from afmd.http.routes import ollama_models
 from afmd.http.routes.embedding_routes import service_of
@@ -147,6 +149,7 @@ async def chat(request: Request) -> HTTPResponse | None:
         return await _load(request, body, chat=True)
     parsed = chat_request(body, server_tools=state.pipeline.server_tools.names,
                           strict=state.config.api.strict)
+    await _refuse_thinking_unloaded(state, parsed)
     return await routes.turn(request, parsed)
 
 
@@ -155,7 +158,23 @@ async def generate(request: Request) -> HTTPResponse | None:
     body = parse_json_body(request.body)
     if is_load_request(body, chat=False):
         return await _load(request, body, chat=False)
-    return await routes.turn(request, generate_request(body, strict=state.config.api.strict))
+    parsed = generate_request(body, strict=state.config.api.strict)
+    await _refuse_thinking_unloaded(state, parsed)
+    return await routes.turn(request, parsed)
+
+
+async def _refuse_thinking_unloaded(state: AppState,
+                                    parsed: ChatRequest | CompletionRequest) -> None:
+    """``think`` for a model that cannot think, refused before the model loads, as Ollama
+    refuses it: the load would be seconds (and another model's unload) for a 400. A
+    loaded model is checked by the pipeline, which knows it for certain."""
+    if not parsed.require_thinking:
+        return
+    entry = state.registry.resolve(parsed.model)
+    if state.registry.loaded(entry.id) is not None:
+        return
+    if not await asyncio.to_thread(ollama_models.thinks, state, entry):
+        raise thinking_not_supported(parsed.model or entry.id)
 
 
 async def _load(request: Request, body: dict[str, Any], *, chat: bool) -> HTTPResponse:
