@@ -108,3 +108,18 @@ def test_a_path_the_os_refuses_to_look_at_is_named_not_a_500(tmp_path) -> None:
         assert "unhandled error" not in server.log_text()
     finally:
         server.stop()
+
+
+def test_sigterm_during_the_first_load_stops_cleanly(tmp_path) -> None:
+    """SIGTERM while the default model's first load is still importing mlx-lm and
+    transformers on its thread: the shutdown's KV cache flush imported them too, from
+    another thread, and transformers' half-initialised package failed that import, so the
+    server exited 1 with a traceback. Fresh interpreters (not the zygote, which has
+    imported them already), stopped at several points of that import."""
+    from helpers.servers import DIAGNOSE
+
+    for delay in (0.1, 0.3, 0.5):
+        server = start_server(tmp_path, ready=False, fork=False, env=DIAGNOSE)
+        time.sleep(delay)
+        assert server.stop() == 0, server.log_text()[-3000:]
+        assert "Traceback" not in server.log_text(), server.log_text()[-3000:]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 
 from afmd.config.sections import Config
@@ -271,11 +272,15 @@ class ModelRegistry:
                 loaded.embedder.stop()
         self.loads.close()
         # The generation threads have stopped: what they queued for the disk tier is
-        # written before the process exits, bounded like the threads' own stop. (Imported
-        # here: the KV cache brings mlx-lm, which a server without a model never loads.)
-        from afmd.engine.kvcache.disk import flush_every_store
-
-        if not flush_every_store(SHUTDOWN_FLUSH_S):
+        # written before the process exits, bounded like the threads' own stop. Only where
+        # a model brought the KV cache in: a process that never imported it has no store
+        # to flush, and importing it here (mlx-lm, and with it transformers) raced a first
+        # load still importing them on its own thread, whose half-initialised transformers
+        # failed this import and the shutdown with it (exit 1 on a SIGTERM during a load).
+        # A module still being imported has not defined the function yet: no store either.
+        disk = sys.modules.get("afmd.engine.kvcache.disk")
+        flush_every_store = getattr(disk, "flush_every_store", None)
+        if flush_every_store is not None and not flush_every_store(SHUTDOWN_FLUSH_S):
             log.warning("KV cache: not every block reached the disk before shutdown")
 
 
