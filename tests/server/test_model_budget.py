@@ -250,3 +250,51 @@ def test_keep_alive_in_every_dialect_and_its_errors(tmp_path: Path) -> None:
         wait_for(server, lambda h: h["model_details"]["demo-32k"]["state"] == "available", 5)
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.parametrize(("path", "model", "body"), [
+    ("/api/generate", "demo-32k", {}),
+    ("/api/embed", "demo-embedding", {}),
+])
+def test_an_unload_sent_while_the_model_loads_unloads_it_once_its_requests_are_done(
+    tmp_path: Path, path: str, model: str, body: dict[str, Any],
+) -> None:
+    """Ollama's unload body (``keep_alive: 0``, nothing to generate) for a model still
+    loading for another client: it is unloaded once that client is done with it, as in
+    Ollama. Before, the unload was answered ("unload") at once and the model, loaded a
+    moment later, stayed for its keep-alive. The load is held waiting for room behind a
+    busy model, so the unload surely comes while it loads."""
+    server = start_server(tmp_path, config="[models]\nmax_loaded = 1\n")
+    hog_id = "hog-" + uuid.uuid4().hex
+    waiter_body: dict[str, Any] = (
+        {"model": model, "input": "hi"} if model == "demo-embedding"
+        else {"model": model, "messages": [{"role": "user", "content": "hi"}],
+              "max_tokens": 2})
+    waiter_path = "/v1/embeddings" if model == "demo-embedding" else CHAT
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            hog: Future[httpx.Response] = pool.submit(
+                httpx.post, server.url + CHAT, json={"model": "demo", **LONG_STORY},
+                headers={"X-Request-ID": hog_id}, timeout=120)
+            wait_for(server, lambda h: h["model_details"]["demo"]["active"] == 1)
+            waiting = pool.submit(httpx.post, server.url + waiter_path, json=waiter_body,
+                                  timeout=60)
+            wait_for(server, lambda h: h["model_details"][model]["state"] == "loading")
+            unload = pool.submit(httpx.post, server.url + path,
+                                 json={"model": model, "keep_alive": 0, **body}, timeout=60)
+            time.sleep(0.3)
+            assert details(server)[model]["state"] == "loading"
+            httpx.post(server.url + f"{CHAT}/{hog_id}/cancel", timeout=30)
+            assert waiting.result(60).status_code == 200
+            answer = unload.result(60)
+            assert answer.status_code == 200, answer.text
+            if path == "/api/generate":
+                assert answer.json()["done_reason"] == "unload"
+            assert hog.result(60).status_code == 200
+        wait_for(server, lambda h: h["model_details"][model]["state"] == "available", 10)
+        deadline = time.monotonic() + 10  # logged once its memory is freed
+        while f"model unloaded: {model} (keep_alive 0" not in server.log_text():
+            assert time.monotonic() < deadline, server.log_text()[-3000:]
+            time.sleep(0.02)
+    finally:
+        assert server.stop() == 0

@@ -28,7 +28,12 @@ from afmd.engine.models.kinds import CHAT, EMBEDDING
 from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.loading import LoadCounts, Loads, load_sync
 from afmd.engine.models.residency import Lease, Residency, effective_budget, format_bytes
-from afmd.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
+from afmd.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    ServerError,
+    ServiceUnavailableError,
+)
 from afmd.hub import cache as hubcache
 
 log = logging.getLogger("afmd.engine")
@@ -188,6 +193,24 @@ class ModelRegistry:
             return False
         await task
         return True
+
+    async def unload_when_idle(self, entry: ModelEntry) -> None:
+        """What a request that only unloads does (Ollama's bodies with ``keep_alive`` 0
+        and nothing to generate, ``ollama stop``): the model unloads once idle. A model
+        still loading for other requests is waited for, as Ollama does, and unloaded once
+        they are done with it: they came first, so they get it first, and this request's
+        0 is the last word. Before, the unload was answered at once and the model, loaded
+        a moment later, stayed for its keep-alive. A load that fails leaves nothing to
+        unload: answered as done."""
+        if entry.id not in self._loaded and not self.loads.is_loading(entry.id):
+            return
+        try:
+            lease = await self.lease(entry, self.kind_of(entry), keep_alive=0.0)
+        except (ServerError, InvalidRequestError):
+            if entry.id in self._loaded:
+                raise
+            return  # its load failed (or it is too large): nothing is loaded
+        lease.release()
 
     async def lease(
         self,
