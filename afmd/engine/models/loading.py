@@ -106,6 +106,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         else:
             group = None
             model, tokenizer, model_config = mlx_load(source, return_config=True)  # type: ignore[misc]  # mlx-lm types load() 2- or 3-tuple whatever return_config says
+        _check_tokenizer(tokenizer, source)
         # A repo's files are on disk now: its folder can say what kind of model it is.
         kind, spec = kinds.resolve(entry, folder or kinds.model_folder(entry.path), model_config)
         if shard is not None and kind != CHAT:
@@ -197,6 +198,7 @@ def _load_vision(
     model_config = model.config
     eos = getattr(model_config, "eos_token_id", None)
     tokenizer = load_tokenizer(folder, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+    _check_tokenizer(tokenizer, source)
     mx.clear_cache()
     raw = _config_json(folder)
     context_length = (
@@ -206,6 +208,22 @@ def _load_vision(
     worker.start()
     vision = VisionSupport(model, processor, tokenizer, config.models.max_image_pixels)
     return folder, model, tokenizer, context_length, worker, vision
+
+
+def _check_tokenizer(tokenizer: Any, source: str) -> None:
+    """Fail the load of a model whose tokenizer turns text into no tokens. A folder with no
+    tokenizer files loads all the same (transformers builds an empty tokenizer for the
+    config's family), and then every request failed with a 400 blaming the client (its
+    messages "could not be rendered", its prompt "is empty") while ``/health`` said
+    loaded; a load failure names the folder instead, and the next request tries again."""
+    try:
+        ids = tokenizer.encode("Hello, world.", add_special_tokens=False)
+    except Exception as exc:
+        raise ValueError(f"its tokenizer cannot encode text: {exc}") from exc
+    if not len(ids):
+        raise ValueError(
+            f"its tokenizer is empty (no tokenizer files in {source}: tokenizer.json, "
+            "tokenizer.model or vocab.json and merges.txt, with tokenizer_config.json)")
 
 
 def _config_json(folder: Path) -> dict[str, Any]:
