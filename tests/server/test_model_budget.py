@@ -5,6 +5,7 @@ when nothing can make room in time, a model larger than the budget refused befor
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -124,45 +125,44 @@ def test_a_busy_model_is_never_unloaded_a_request_waits_for_it_to_become_idle(
         assert server.stop() == 0
 
 
-def test_503_model_unavailable_when_every_model_stays_busy_past_the_deadline(
+def test_a_model_in_steady_use_gives_way_to_a_request_for_another_that_came_first(
     tmp_path: Path,
 ) -> None:
-    """Two overlapping streams keep demo busy through the whole request_timeout of a
-    request for another model (each stream itself ends at its own request_timeout)."""
-    config = "[server]\nrequest_timeout = 4\n[models]\nmax_loaded = 1\n"
-    server = start_server(tmp_path, config=config)
+    """``max_loaded = 1``, demo busy with a stream, a request for demo-32k waiting for
+    room, then another request for demo. That one used to get demo at once, and so would
+    every later one: a model in steady use never went idle, and the request for the other
+    model waited out its whole request_timeout for a 503 ``model_unavailable`` while
+    requests that came after it were served. Now it waits behind the earlier request
+    (queued, not making demo busy): demo finishes its stream, is unloaded, demo-32k answers,
+    and demo is loaded again for the later request."""
+    server = start_server(tmp_path, config="[models]\nmax_loaded = 1\n")
+    hog_id = "hog-" + uuid.uuid4().hex
     try:
         with ThreadPoolExecutor(3) as pool:
-            streams = [pool.submit(httpx.post, server.url + CHAT,
-                                   json={"model": "demo", **LONG_STORY}, timeout=60)]
+            hog: Future[httpx.Response] = pool.submit(
+                httpx.post, server.url + CHAT, json={"model": "demo", **LONG_STORY},
+                headers={"X-Request-ID": hog_id}, timeout=120)
             wait_for(server, lambda h: h["model_details"]["demo"]["active"] == 1)
-            started = time.monotonic()
-            refused = pool.submit(chat, server, "demo-32k")
-            time.sleep(0.8)
-            streams.append(pool.submit(httpx.post, server.url + CHAT,
-                                       json={"model": "demo", **LONG_STORY}, timeout=60))
-            answer = refused.result(60)
-            elapsed = time.monotonic() - started
-            for stream in streams:
-                stream.result(60)
-        assert answer.status_code == 503, answer.text
-        assert 3.5 <= elapsed < 10
-        assert int(answer.headers["Retry-After"]) >= 1
-        error = answer.json()["error"]
-        validate_error(answer.json())
-        assert (error["code"], error["param"]) == ("model_unavailable", "model")
-        assert "'demo-32k'" in error["message"] and "max_loaded (1 models)" in error["message"]
-        assert loaded_models(server) == ["demo"]  # never unloaded while busy
-        # The streams' answers are over; their leases go once the engine has dropped their
-        # rows, which on a loaded machine can be a while after the last byte. Idle now, demo
-        # makes room for demo-32k: the switch goes on past a request's short deadline (which
-        # it can outlast on a loaded machine), and then demo-32k answers.
-        wait_for(server, lambda h: h["model_details"]["demo"]["active"] == 0)
-        chat(server, "demo-32k")
-        wait_for(server, lambda h: [m for m, d in h["model_details"].items()
-                                    if d["state"] == "loaded"] == ["demo-32k"])
-        again = chat(server, "demo-32k")
-        assert again.status_code == 200, again.text
+            first = pool.submit(chat, server, "demo-32k")
+            wait_for(server, lambda h: h["model_details"]["demo-32k"]["queued"] == 1)
+            later = pool.submit(chat, server, "demo")
+            body = wait_for(server, lambda h: h["model_details"]["demo"]["queued"] == 1)
+            assert body["model_details"]["demo"]["active"] == 1  # the stream, still going
+            time.sleep(0.5)
+            assert not later.done() and not first.done()
+            assert loaded_models(server) == ["demo"]  # never unloaded while busy
+            httpx.post(server.url + f"{CHAT}/{hog_id}/cancel", timeout=30)
+            answered = first.result(60)
+            assert answered.status_code == 200, answered.text
+            again = later.result(60)
+            assert again.status_code == 200, again.text
+            assert hog.result(60).status_code == 200
+        log = server.log_text()
+        switches = [line for line in log.splitlines()
+                    if "model loaded: " in line or "model unloaded: " in line]
+        assert [json.loads(line)["event"].split(" (")[0] for line in switches] == [
+            "model loaded: demo", "model unloaded: demo", "model loaded: demo-32k",
+            "model unloaded: demo-32k", "model loaded: demo"], switches
     finally:
         assert server.stop() == 0
 

@@ -13,6 +13,7 @@ can retry a failure that may have been transient. Room in the budget is
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -371,7 +372,12 @@ class Loads:
             self._finding_room.add(entry.id)
             if for_request:
                 self._for_requests.add(entry.id)
-            task = asyncio.get_running_loop().create_task(self._load(entry, deadline, evict))
+            asked = time.monotonic()
+            if evict and not framework.is_system(entry):
+                self._residency.expect(entry.id, asked)
+            task = asyncio.get_running_loop().create_task(
+                self._load(entry, deadline, evict, asked))
+            task.add_done_callback(functools.partial(self._never_ran, entry.id))
             self._loading[entry.id] = task
         elif not for_request:
             self._for_requests.discard(entry.id)
@@ -410,16 +416,30 @@ class Loads:
             # That load was dropped (its last waiter left) just as this request came:
             # the caller waits again, for a load of its own.
 
-    async def _load(self, entry: ModelEntry, deadline: float, evict: bool) -> LoadedModel:
+    async def _load(
+        self, entry: ModelEntry, deadline: float, evict: bool, asked: float
+    ) -> LoadedModel:
         try:
-            return await self._load_within_budget(entry, deadline, evict)
+            return await self._load_within_budget(entry, deadline, evict, asked)
         finally:
-            self._loading.pop(entry.id, None)
-            self._for_requests.discard(entry.id)
-            self._finding_room.discard(entry.id)
+            self._ended(entry.id)
+
+    def _ended(self, model_id: str) -> None:
+        self._residency.drop_claim(model_id)
+        self._loading.pop(model_id, None)
+        self._for_requests.discard(model_id)
+        self._finding_room.discard(model_id)
+
+    def _never_ran(self, model_id: str, task: asyncio.Task[LoadedModel]) -> None:
+        """A load dropped in the turn it began (its last waiter left at once) is
+        cancelled before its coroutine runs a line, ``finally`` included: it stayed
+        under way for good, ``/health`` said loading, and every later request for the
+        model found the dead load, went round waiting for it again, and spun."""
+        if self._loading.get(model_id) is task:
+            self._ended(model_id)
 
     async def _load_within_budget(
-        self, entry: ModelEntry, deadline: float, evict: bool
+        self, entry: ModelEntry, deadline: float, evict: bool, asked: float
     ) -> LoadedModel:
         residency = self._residency
         try:
@@ -430,7 +450,10 @@ class Loads:
             if size is not None and size > residency.budget:
                 raise self._too_large(entry, size, "on disk")
             if not framework.is_system(entry):  # Apple's model takes none of afmd's memory
-                await residency.make_room(entry.id, size or 0, deadline, evict=evict)
+                # (Requests for the busy models it waits for that come after ``asked``,
+                # when the first request for it came, wait behind it.)
+                await residency.make_room(entry.id, size or 0, deadline, evict=evict,
+                                          since=asked)
         finally:
             # From here (in this step: no cancel can land between) the load is under way:
             # a thread loads the weights, which no cancel could stop.

@@ -16,6 +16,7 @@ did, and after an unload the folder is read again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import time
@@ -200,17 +201,18 @@ class ModelRegistry:
         still loading for other requests is waited for, as Ollama does, and unloaded once
         they are done with it: they came first, so they get it first, and this request's
         0 is the last word. Before, the unload was answered at once and the model, loaded
-        a moment later, stayed for its keep-alive. A load that fails leaves nothing to
-        unload: answered as done."""
-        if entry.id not in self._loaded and not self.loads.is_loading(entry.id):
-            return
-        try:
-            lease = await self.lease(entry, self.kind_of(entry), keep_alive=0.0)
-        except (ServerError, InvalidRequestError):
-            if entry.id in self._loaded:
-                raise
-            return  # its load failed (or it is too large): nothing is loaded
-        lease.release()
+        a moment later, stayed for its keep-alive. This request is not one the load is
+        for (one nobody else waits for any more is dropped), it never loads the model
+        itself, and a load that fails leaves nothing to unload: answered as done."""
+        if entry.id not in self._loaded and self.loads.is_loading(entry.id):
+            deadline = time.monotonic() + self._config.server.request_timeout
+            # (Joins the load: starts none. One that fails, or finds the model too large,
+            # leaves nothing loaded.)
+            with contextlib.suppress(ServerError, InvalidRequestError):
+                await self.loads.wait(entry, deadline)
+        loaded = self._loaded.get(entry.id)
+        if loaded is not None:
+            self.residency.hold(loaded, 0.0).release()
 
     async def lease(
         self,
@@ -229,8 +231,9 @@ class ModelRegistry:
         A model of the wrong kind is refused before loading when its folder already says
         what it is.
         """
+        arrived = time.monotonic()
         if deadline is None:
-            deadline = time.monotonic() + self._config.server.request_timeout
+            deadline = arrived + self._config.server.request_timeout
         if keep_alive is None:
             keep_alive = self._config.models.keep_alive_of(entry)
         residency = self.residency
@@ -245,7 +248,20 @@ class ModelRegistry:
                 if loaded is not None:
                     # (again: a download may have told more than the folder did)
                     self.check_kind(entry, kind, loaded.kind)
-                    return residency.hold(loaded, keep_alive)
+                    if residency.held_for(entry.id, arrived) is None:
+                        return residency.hold(loaded, keep_alive)
+                    # A load asked for before this request waits for this model's room:
+                    # this request comes after it (once the model is unloaded for it, or
+                    # the load gave up), waiting as queued, not busy, so the model can go
+                    # idle. Taking it now kept a model in steady use loaded for good, and
+                    # the other load waiting until its requests' deadline (503).
+                    residency.waiting[entry.id] -= 1
+                    residency.settle(entry.id)
+                    try:
+                        await residency.wait_turn(entry.id, arrived, deadline)
+                    finally:
+                        residency.waiting[entry.id] += 1
+                    continue
                 self.check_kind(entry, kind)
                 await self.loads.wait(entry, deadline)
         finally:
