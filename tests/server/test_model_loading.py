@@ -182,3 +182,45 @@ def test_a_folder_without_a_tokenizer_fails_its_load_for_every_waiter_and_is_ret
             "available"
     finally:
         assert server.stop() == 0
+
+
+#: ``afmd serve`` whose loads take a long while (a large model's), as a script.
+SLOW_LOAD_SERVE = """
+import sys, time
+import afmd.engine.models.model_registry as registry
+def load_sync(entry, config):
+    print('{"event": "slow load"}', file=sys.stderr, flush=True)
+    time.sleep(20)
+    raise RuntimeError("never reached in the test")
+registry.load_sync = load_sync
+from afmd.cli.main import main
+sys.exit(main())
+"""
+
+
+def test_sigterm_during_a_long_load_stops_at_once(tmp_path) -> None:
+    """The load ran on the loop's default executor, whose threads ``asyncio.run`` waits
+    for at exit: a SIGTERM during a load waited for the whole load (a large model's
+    minute, past launchd's time to stop before it kills the service). The load cannot be
+    stopped and nothing of it needs to finish; the server now exits without it."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from helpers.servers import DIAGNOSE, ServerProcess
+
+    env = {**os.environ, **DIAGNOSE}
+    env.pop("AFMD_CONFIG", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_LOAD_SERVE, "serve", "--log-format", "json",
+         "--port", "0"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, env=env, cwd=str(tmp_path))
+    server = ServerProcess(proc)
+    threading.Thread(target=server._reader, daemon=True).start()
+    server.wait_event("slow load", timeout=60)
+    started = time.monotonic()
+    assert server.stop(timeout=15) == 0, server.log_text()[-3000:]
+    assert time.monotonic() - started < 5
+    assert "Traceback" not in server.log_text()

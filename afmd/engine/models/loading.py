@@ -13,16 +13,18 @@ can retry a failure that may have been transient. Room in the budget is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from afmd.config.sections import BUILTIN_SYSTEM_PATH, Config
 from afmd.config.tables import ModelEntry
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
     from afmd.engine.vision.vision_thread import VisionWorker
 
 log = logging.getLogger("afmd.engine")
+
+T = TypeVar("T")
 
 
 def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
@@ -237,6 +241,38 @@ def _config_json(folder: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------- the loads under way
+
+
+async def off_the_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a daemon thread of its own, awaited. Not the loop's default
+    executor: ``asyncio.run`` waits for every thread of that at exit, so a SIGTERM during
+    a load waited for the whole load to finish (a large model's minute, past the time
+    launchd gives a service to stop before it kills it). The load cannot be stopped, and
+    nothing of it needs to finish: the process exits without it. A cancelled wait leaves
+    the thread to end on its own."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return  # cancelled meanwhile
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]  # fn returned it
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # handed to the awaiting task, as to_thread does
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server stopped
+            loop.call_soon_threadsafe(settle, result, error)
+        del result, error
+
+    threading.Thread(target=run, name=f"afmd-load-{getattr(fn, '__name__', 'fn')}",
+                     daemon=True).start()
+    return await future
 
 
 @dataclass(slots=True)
@@ -444,7 +480,7 @@ class Loads:
         residency = self._residency
         try:
             try:
-                size = await asyncio.to_thread(size_before_loading, entry)
+                size = await off_the_loop(size_before_loading, entry)
             except Exception:  # unreadable: the load itself will say what is wrong
                 size = None
             if size is not None and size > residency.budget:
@@ -460,7 +496,7 @@ class Loads:
             self._finding_room.discard(entry.id)
         started = time.perf_counter()
         try:
-            loaded = await asyncio.to_thread(self._load_sync, entry, self._config)
+            loaded = await off_the_loop(self._load_sync, entry, self._config)
         except Exception as exc:
             residency.unreserve(entry.id)
             raise self._load_failed(entry, exc) from None
