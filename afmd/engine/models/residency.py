@@ -387,6 +387,9 @@ class Residency:
         self.residents[model.id] = Resident(model, keep_alive)
         self.settle(model.id)
         self._trim(keep=model.id)
+        # Loads waiting for room look again: a model they need gone is there now, and
+        # requests for it that come after them must wait behind them from now on.
+        self._changes.pulse()
 
     def unreserve(self, model_id: str) -> None:
         """A load failed or gave up: what it had reserved is free again."""

@@ -560,3 +560,43 @@ def test_a_load_dropped_in_the_turn_it_began_is_not_left_under_way(
     registry.close()
     assert (loading, status) == (False, "available")
     assert ready and loads == ["demo-32k"]
+
+
+def test_turns_go_on_after_the_switch_a_later_request_for_the_new_model_waits_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the switch the request held back loads its model again, which waits for
+    room beside the model just loaded for the other request: requests for that one that
+    come later wait behind it in turn. Its load looked at the models it needs gone only
+    when woken, and a model's load finishing woke nobody: the new model, kept in steady
+    use, held the held-back request off until its deadline."""
+    loads: list[str] = []
+    registry = one_model_registry(tmp_path, monkeypatch, loads)
+    demo, other = registry.resolve("demo"), registry.resolve("demo-32k")
+    order: list[str] = []
+
+    async def main() -> None:
+        busy = await registry.lease(demo)
+        first_other = asyncio.ensure_future(registry.lease(other))
+        await until(lambda: registry.status()[other.id] == "unavailable: loading", "waits")
+        await asyncio.sleep(0.05)
+        held = asyncio.ensure_future(registry.lease(demo))  # held back behind other
+        await asyncio.sleep(0.05)
+        busy.release()
+        got_other = await asyncio.wait_for(first_other, 5)
+        # The held back request now waits for demo's load, which waits for room.
+        await until(lambda: registry.status()[demo.id] == "unavailable: loading", "reloads")
+        await asyncio.sleep(0.05)
+        later_other = asyncio.ensure_future(registry.lease(other))
+        await asyncio.sleep(0.1)
+        assert not later_other.done(), "a later request for other went ahead of demo's"
+        later_other.add_done_callback(lambda _: order.append("later other"))
+        held.add_done_callback(lambda _: order.append("held demo"))
+        got_other.release()
+        (await asyncio.wait_for(held, 5)).release()
+        (await asyncio.wait_for(later_other, 5)).release()
+
+    run(main)
+    registry.close()
+    assert order == ["held demo", "later other"]
+    assert loads == ["demo", "demo-32k", "demo", "demo-32k"]
