@@ -18,7 +18,6 @@ import functools
 import json
 import logging
 import os
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from afmd.engine.models import kinds
 from afmd.engine.models.kinds import BUILTIN_PREFIX, CHAT
 from afmd.engine.models.loaded_model import DEFAULT_CONTEXT_LENGTH, LoadedModel, context_length_from
 from afmd.engine.models.residency import RETRY_AFTER_S, Residency, format_bytes, size_before_loading
+from afmd.engine.worker_threads import WorkerThread
 from afmd.errors import InvalidRequestError, ServerError, ServiceUnavailableError
 
 if TYPE_CHECKING:
@@ -244,12 +244,14 @@ def _config_json(folder: Path) -> dict[str, Any]:
 
 
 async def off_the_loop(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on a daemon thread of its own, awaited. Not the loop's default
-    executor: ``asyncio.run`` waits for every thread of that at exit, so a SIGTERM during
-    a load waited for the whole load to finish (a large model's minute, past the time
-    launchd gives a service to stop before it kills it). The load cannot be stopped, and
-    nothing of it needs to finish: the process exits without it. A cancelled wait leaves
-    the thread to end on its own."""
+    """``fn(*args)`` on a daemon thread, awaited. Not the loop's default executor:
+    ``asyncio.run`` waits for every thread of that at exit, so a SIGTERM during a load
+    waited for the whole load to finish (a large model's minute, past the time launchd
+    gives a service to stop before it kills it). The load cannot be stopped, and nothing
+    of it needs to finish: the process exits without it. A cancelled wait leaves the
+    thread to end on its own. The thread is one of the workers' reused ones
+    (:mod:`afmd.engine.worker_threads`): a load computes with MLX, and a new thread each
+    time would leave its MLX streams behind."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
 
@@ -270,8 +272,7 @@ async def off_the_loop(fn: Callable[..., T], *args: Any) -> T:
             loop.call_soon_threadsafe(settle, result, error)
         del result, error
 
-    threading.Thread(target=run, name=f"afmd-load-{getattr(fn, '__name__', 'fn')}",
-                     daemon=True).start()
+    WorkerThread(run, f"afmd-load-{getattr(fn, '__name__', 'fn')}").start()
     return await future
 
 
