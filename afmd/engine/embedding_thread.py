@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import queue
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from afmd.engine.generation import EmbeddingJob
 from afmd.engine.models.kinds import EmbeddingSpec
+from afmd.engine.worker_threads import WorkerThread
 from afmd.errors import APIError, ServerError
 
 log = logging.getLogger("afmd.engine")
@@ -183,7 +183,7 @@ class Embedder:
         self.encoder = Encoder(model, spec)
         self._gather_s = gather_s
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"afmd-embed-{name}", daemon=True)
+        self._thread = WorkerThread(self._run, f"afmd-embed-{name}")
         self._started = False
 
     # -- event-loop side --

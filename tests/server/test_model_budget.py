@@ -5,6 +5,7 @@ when nothing can make room in time, a model larger than the budget refused befor
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -124,45 +125,44 @@ def test_a_busy_model_is_never_unloaded_a_request_waits_for_it_to_become_idle(
         assert server.stop() == 0
 
 
-def test_503_model_unavailable_when_every_model_stays_busy_past_the_deadline(
+def test_a_model_in_steady_use_gives_way_to_a_request_for_another_that_came_first(
     tmp_path: Path,
 ) -> None:
-    """Two overlapping streams keep demo busy through the whole request_timeout of a
-    request for another model (each stream itself ends at its own request_timeout)."""
-    config = "[server]\nrequest_timeout = 4\n[models]\nmax_loaded = 1\n"
-    server = start_server(tmp_path, config=config)
+    """``max_loaded = 1``, demo busy with a stream, a request for demo-32k waiting for
+    room, then another request for demo. That one used to get demo at once, and so would
+    every later one: a model in steady use never went idle, and the request for the other
+    model waited out its whole request_timeout for a 503 ``model_unavailable`` while
+    requests that came after it were served. Now it waits behind the earlier request
+    (queued, not making demo busy): demo finishes its stream, is unloaded, demo-32k answers,
+    and demo is loaded again for the later request."""
+    server = start_server(tmp_path, config="[models]\nmax_loaded = 1\n")
+    hog_id = "hog-" + uuid.uuid4().hex
     try:
         with ThreadPoolExecutor(3) as pool:
-            streams = [pool.submit(httpx.post, server.url + CHAT,
-                                   json={"model": "demo", **LONG_STORY}, timeout=60)]
+            hog: Future[httpx.Response] = pool.submit(
+                httpx.post, server.url + CHAT, json={"model": "demo", **LONG_STORY},
+                headers={"X-Request-ID": hog_id}, timeout=120)
             wait_for(server, lambda h: h["model_details"]["demo"]["active"] == 1)
-            started = time.monotonic()
-            refused = pool.submit(chat, server, "demo-32k")
-            time.sleep(0.8)
-            streams.append(pool.submit(httpx.post, server.url + CHAT,
-                                       json={"model": "demo", **LONG_STORY}, timeout=60))
-            answer = refused.result(60)
-            elapsed = time.monotonic() - started
-            for stream in streams:
-                stream.result(60)
-        assert answer.status_code == 503, answer.text
-        assert 3.5 <= elapsed < 10
-        assert int(answer.headers["Retry-After"]) >= 1
-        error = answer.json()["error"]
-        validate_error(answer.json())
-        assert (error["code"], error["param"]) == ("model_unavailable", "model")
-        assert "'demo-32k'" in error["message"] and "max_loaded (1 models)" in error["message"]
-        assert loaded_models(server) == ["demo"]  # never unloaded while busy
-        # The streams' answers are over; their leases go once the engine has dropped their
-        # rows, which on a loaded machine can be a while after the last byte. Idle now, demo
-        # makes room for demo-32k: the switch goes on past a request's short deadline (which
-        # it can outlast on a loaded machine), and then demo-32k answers.
-        wait_for(server, lambda h: h["model_details"]["demo"]["active"] == 0)
-        chat(server, "demo-32k")
-        wait_for(server, lambda h: [m for m, d in h["model_details"].items()
-                                    if d["state"] == "loaded"] == ["demo-32k"])
-        again = chat(server, "demo-32k")
-        assert again.status_code == 200, again.text
+            first = pool.submit(chat, server, "demo-32k")
+            wait_for(server, lambda h: h["model_details"]["demo-32k"]["queued"] == 1)
+            later = pool.submit(chat, server, "demo")
+            body = wait_for(server, lambda h: h["model_details"]["demo"]["queued"] == 1)
+            assert body["model_details"]["demo"]["active"] == 1  # the stream, still going
+            time.sleep(0.5)
+            assert not later.done() and not first.done()
+            assert loaded_models(server) == ["demo"]  # never unloaded while busy
+            httpx.post(server.url + f"{CHAT}/{hog_id}/cancel", timeout=30)
+            answered = first.result(60)
+            assert answered.status_code == 200, answered.text
+            again = later.result(60)
+            assert again.status_code == 200, again.text
+            assert hog.result(60).status_code == 200
+        log = server.log_text()
+        switches = [line for line in log.splitlines()
+                    if "model loaded: " in line or "model unloaded: " in line]
+        assert [json.loads(line)["event"].split(" (")[0] for line in switches] == [
+            "model loaded: demo", "model unloaded: demo", "model loaded: demo-32k",
+            "model unloaded: demo-32k", "model loaded: demo"], switches
     finally:
         assert server.stop() == 0
 
@@ -248,5 +248,53 @@ def test_keep_alive_in_every_dialect_and_its_errors(tmp_path: Path) -> None:
         # A request's keep_alive of 0 unloads the model after it, whatever the server's.
         assert chat(server, "demo-32k", keep_alive=0).status_code == 200
         wait_for(server, lambda h: h["model_details"]["demo-32k"]["state"] == "available", 5)
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize(("path", "model", "body"), [
+    ("/api/generate", "demo-32k", {}),
+    ("/api/embed", "demo-embedding", {}),
+])
+def test_an_unload_sent_while_the_model_loads_unloads_it_once_its_requests_are_done(
+    tmp_path: Path, path: str, model: str, body: dict[str, Any],
+) -> None:
+    """Ollama's unload body (``keep_alive: 0``, nothing to generate) for a model still
+    loading for another client: it is unloaded once that client is done with it, as in
+    Ollama. Before, the unload was answered ("unload") at once and the model, loaded a
+    moment later, stayed for its keep-alive. The load is held waiting for room behind a
+    busy model, so the unload surely comes while it loads."""
+    server = start_server(tmp_path, config="[models]\nmax_loaded = 1\n")
+    hog_id = "hog-" + uuid.uuid4().hex
+    waiter_body: dict[str, Any] = (
+        {"model": model, "input": "hi"} if model == "demo-embedding"
+        else {"model": model, "messages": [{"role": "user", "content": "hi"}],
+              "max_tokens": 2})
+    waiter_path = "/v1/embeddings" if model == "demo-embedding" else CHAT
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            hog: Future[httpx.Response] = pool.submit(
+                httpx.post, server.url + CHAT, json={"model": "demo", **LONG_STORY},
+                headers={"X-Request-ID": hog_id}, timeout=120)
+            wait_for(server, lambda h: h["model_details"]["demo"]["active"] == 1)
+            waiting = pool.submit(httpx.post, server.url + waiter_path, json=waiter_body,
+                                  timeout=60)
+            wait_for(server, lambda h: h["model_details"][model]["state"] == "loading")
+            unload = pool.submit(httpx.post, server.url + path,
+                                 json={"model": model, "keep_alive": 0, **body}, timeout=60)
+            time.sleep(0.3)
+            assert details(server)[model]["state"] == "loading"
+            httpx.post(server.url + f"{CHAT}/{hog_id}/cancel", timeout=30)
+            assert waiting.result(60).status_code == 200
+            answer = unload.result(60)
+            assert answer.status_code == 200, answer.text
+            if path == "/api/generate":
+                assert answer.json()["done_reason"] == "unload"
+            assert hog.result(60).status_code == 200
+        wait_for(server, lambda h: h["model_details"][model]["state"] == "available", 10)
+        deadline = time.monotonic() + 10  # logged once its memory is freed
+        while f"model unloaded: {model} (keep_alive 0" not in server.log_text():
+            assert time.monotonic() < deadline, server.log_text()[-3000:]
+            time.sleep(0.02)
     finally:
         assert server.stop() == 0

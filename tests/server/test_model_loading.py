@@ -108,3 +108,119 @@ def test_a_path_the_os_refuses_to_look_at_is_named_not_a_500(tmp_path) -> None:
         assert "unhandled error" not in server.log_text()
     finally:
         server.stop()
+
+
+def test_sigterm_during_the_first_load_stops_cleanly(tmp_path) -> None:
+    """SIGTERM while the default model's first load is still importing mlx-lm and
+    transformers on its thread: the shutdown's KV cache flush imported them too, from
+    another thread, and transformers' half-initialised package failed that import, so the
+    server exited 1 with a traceback. Fresh interpreters (not the zygote, which has
+    imported them already), stopped at several points of that import."""
+    from helpers.servers import DIAGNOSE
+
+    for delay in (0.1, 0.3, 0.5):
+        server = start_server(tmp_path, ready=False, fork=False, env=DIAGNOSE)
+        time.sleep(delay)
+        assert server.stop() == 0, server.log_text()[-3000:]
+        assert "Traceback" not in server.log_text(), server.log_text()[-3000:]
+
+
+def test_a_folder_without_a_tokenizer_fails_its_load_for_every_waiter_and_is_retried(
+    tmp_path,
+) -> None:
+    """A model folder with its weights and config but no tokenizer files: transformers
+    builds an empty tokenizer for it, and the model "loaded"; every request then got a
+    400 blaming it (the chat template "could not render these messages", the prompt "is
+    empty") while /health said loaded. Now the load fails, every request waiting for it
+    in any dialect gets the same 500 ``model_load_failed`` naming the tokenizer, nothing
+    stays loading, and once the files are there the next request loads it."""
+    import json
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    from afmd.engine.demo import builtin
+
+    demo = builtin.materialize("demo")
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    shutil.copy(demo / "model.safetensors", folder)
+    config = json.loads((demo / "config.json").read_text())
+    config.pop("afmd_demo", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    server = start_server(tmp_path, config=(
+        f'[[models.model]]\nid = "bare"\npath = "{folder}"\n'))
+    message = [{"role": "user", "content": "hi"}]
+    requests = [
+        ("/v1/chat/completions", {"messages": message, "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": message, "max_tokens": 2, "stream": True}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 16}),
+        ("/api/chat", {"messages": message}),
+        ("/api/generate", {}),  # Ollama's load body
+    ]
+    try:
+        with ThreadPoolExecutor(len(requests)) as pool:
+            answers = list(pool.map(
+                lambda sent: httpx.post(server.url + sent[0], json={"model": "bare", **sent[1]},
+                                        timeout=60), requests))
+        for (path, _), answer in zip(requests, answers, strict=True):
+            assert answer.status_code == 500, (path, answer.text)
+            assert "tokenizer is empty" in answer.text and str(folder) in answer.text, path
+            if not path.startswith("/api/"):
+                validate_error(answer.json())
+                assert answer.json()["error"]["code"] == "model_load_failed"
+        health = httpx.get(server.url + "/health", timeout=10).json()
+        assert health["models"]["bare"].startswith("unavailable: ValueError: its tokenizer")
+        assert health["model_details"]["bare"]["state"] != "loading"
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(demo / name, folder)
+        again = httpx.post(server.url + "/v1/chat/completions",
+                           json={"model": "bare", "messages": message, "max_tokens": 2},
+                           timeout=60)
+        assert again.status_code == 200, again.text
+        assert httpx.get(server.url + "/health", timeout=10).json()["models"]["bare"] == \
+            "available"
+    finally:
+        assert server.stop() == 0
+
+
+#: ``afmd serve`` whose loads take a long while (a large model's), as a script.
+SLOW_LOAD_SERVE = """
+import sys, time
+import afmd.engine.models.model_registry as registry
+def load_sync(entry, config):
+    print('{"event": "slow load"}', file=sys.stderr, flush=True)
+    time.sleep(20)
+    raise RuntimeError("never reached in the test")
+registry.load_sync = load_sync
+from afmd.cli.main import main
+sys.exit(main())
+"""
+
+
+def test_sigterm_during_a_long_load_stops_at_once(tmp_path) -> None:
+    """The load ran on the loop's default executor, whose threads ``asyncio.run`` waits
+    for at exit: a SIGTERM during a load waited for the whole load (a large model's
+    minute, past launchd's time to stop before it kills the service). The load cannot be
+    stopped and nothing of it needs to finish; the server now exits without it."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from helpers.servers import DIAGNOSE, ServerProcess
+
+    env = {**os.environ, **DIAGNOSE}
+    env.pop("AFMD_CONFIG", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_LOAD_SERVE, "serve", "--log-format", "json",
+         "--port", "0"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, env=env, cwd=str(tmp_path))
+    server = ServerProcess(proc)
+    threading.Thread(target=server._reader, daemon=True).start()
+    server.wait_event("slow load", timeout=60)
+    started = time.monotonic()
+    assert server.stop(timeout=15) == 0, server.log_text()[-3000:]
+    assert time.monotonic() - started < 5
+    assert "Traceback" not in server.log_text()

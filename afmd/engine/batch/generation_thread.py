@@ -31,6 +31,7 @@ from afmd.engine.batch.warmup import compile_template, warm_up
 from afmd.engine.generation import Generation
 from afmd.engine.kvcache.blocks import BlockCache
 from afmd.engine.sharded.lockstep import Lockstep, StepPlan
+from afmd.engine.worker_threads import WorkerThread
 from afmd.errors import ServerError
 
 __all__ = ["BatchWorker"]
@@ -130,7 +131,7 @@ class BatchWorker:
         # This round's requests prepared but not yet in the batch: a failure admitting one
         # must fail them too, or they would wait for their deadline unanswered.
         self._joining: list[Generation] = []
-        self._thread = threading.Thread(target=self._run, name=f"afmd-engine-{name}", daemon=True)
+        self._thread = WorkerThread(self._run, f"afmd-engine-{name}")
         self._started = False
         self._handoff = Handoff()
         #: When the thread started its current iteration (0.0: idle, waiting for work):

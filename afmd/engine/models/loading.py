@@ -13,6 +13,8 @@ can retry a failure that may have been transient. Room in the budget is
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -21,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from afmd.config.sections import BUILTIN_SYSTEM_PATH, Config
 from afmd.config.tables import ModelEntry
@@ -31,6 +33,7 @@ from afmd.engine.models import kinds
 from afmd.engine.models.kinds import BUILTIN_PREFIX, CHAT
 from afmd.engine.models.loaded_model import DEFAULT_CONTEXT_LENGTH, LoadedModel, context_length_from
 from afmd.engine.models.residency import RETRY_AFTER_S, Residency, format_bytes, size_before_loading
+from afmd.engine.worker_threads import WorkerThread
 from afmd.errors import InvalidRequestError, ServerError, ServiceUnavailableError
 
 if TYPE_CHECKING:
@@ -38,6 +41,8 @@ if TYPE_CHECKING:
     from afmd.engine.vision.vision_thread import VisionWorker
 
 log = logging.getLogger("afmd.engine")
+
+T = TypeVar("T")
 
 
 def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
@@ -106,6 +111,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         else:
             group = None
             model, tokenizer, model_config = mlx_load(source, return_config=True)  # type: ignore[misc]  # mlx-lm types load() 2- or 3-tuple whatever return_config says
+        _check_tokenizer(tokenizer, source)
         # A repo's files are on disk now: its folder can say what kind of model it is.
         kind, spec = kinds.resolve(entry, folder or kinds.model_folder(entry.path), model_config)
         if shard is not None and kind != CHAT:
@@ -198,6 +204,7 @@ def _load_vision(
     model_config = model.config
     eos = getattr(model_config, "eos_token_id", None)
     tokenizer = load_tokenizer(folder, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+    _check_tokenizer(tokenizer, source)
     mx.clear_cache()
     raw = _config_json(folder)
     context_length = (
@@ -207,6 +214,22 @@ def _load_vision(
     worker.start()
     vision = VisionSupport(model, processor, tokenizer, config.models.max_image_pixels)
     return folder, model, tokenizer, context_length, worker, vision
+
+
+def _check_tokenizer(tokenizer: Any, source: str) -> None:
+    """Fail the load of a model whose tokenizer turns text into no tokens. A folder with no
+    tokenizer files loads all the same (transformers builds an empty tokenizer for the
+    config's family), and then every request failed with a 400 blaming the client (its
+    messages "could not be rendered", its prompt "is empty") while ``/health`` said
+    loaded; a load failure names the folder instead, and the next request tries again."""
+    try:
+        ids = tokenizer.encode("Hello, world.", add_special_tokens=False)
+    except Exception as exc:
+        raise ValueError(f"its tokenizer cannot encode text: {exc}") from exc
+    if not len(ids):
+        raise ValueError(
+            f"its tokenizer is empty (no tokenizer files in {source}: tokenizer.json, "
+            "tokenizer.model or vocab.json and merges.txt, with tokenizer_config.json)")
 
 
 def _config_json(folder: Path) -> dict[str, Any]:
@@ -219,6 +242,39 @@ def _config_json(folder: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------- the loads under way
+
+
+async def off_the_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a daemon thread, awaited. Not the loop's default executor:
+    ``asyncio.run`` waits for every thread of that at exit, so a SIGTERM during a load
+    waited for the whole load to finish (a large model's minute, past the time launchd
+    gives a service to stop before it kills it). The load cannot be stopped, and nothing
+    of it needs to finish: the process exits without it. A cancelled wait leaves the
+    thread to end on its own. The thread is one of the workers' reused ones
+    (:mod:`afmd.engine.worker_threads`): a load computes with MLX, and a new thread each
+    time would leave its MLX streams behind."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return  # cancelled meanwhile
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]  # fn returned it
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # handed to the awaiting task, as to_thread does
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server stopped
+            loop.call_soon_threadsafe(settle, result, error)
+        del result, error
+
+    WorkerThread(run, f"afmd-load-{getattr(fn, '__name__', 'fn')}").start()
+    return await future
 
 
 @dataclass(slots=True)
@@ -354,7 +410,12 @@ class Loads:
             self._finding_room.add(entry.id)
             if for_request:
                 self._for_requests.add(entry.id)
-            task = asyncio.get_running_loop().create_task(self._load(entry, deadline, evict))
+            asked = time.monotonic()
+            if evict and not framework.is_system(entry):
+                self._residency.expect(entry.id, asked)
+            task = asyncio.get_running_loop().create_task(
+                self._load(entry, deadline, evict, asked))
+            task.add_done_callback(functools.partial(self._never_ran, entry.id))
             self._loading[entry.id] = task
         elif not for_request:
             self._for_requests.discard(entry.id)
@@ -393,34 +454,51 @@ class Loads:
             # That load was dropped (its last waiter left) just as this request came:
             # the caller waits again, for a load of its own.
 
-    async def _load(self, entry: ModelEntry, deadline: float, evict: bool) -> LoadedModel:
+    async def _load(
+        self, entry: ModelEntry, deadline: float, evict: bool, asked: float
+    ) -> LoadedModel:
         try:
-            return await self._load_within_budget(entry, deadline, evict)
+            return await self._load_within_budget(entry, deadline, evict, asked)
         finally:
-            self._loading.pop(entry.id, None)
-            self._for_requests.discard(entry.id)
-            self._finding_room.discard(entry.id)
+            self._ended(entry.id)
+
+    def _ended(self, model_id: str) -> None:
+        self._residency.drop_claim(model_id)
+        self._loading.pop(model_id, None)
+        self._for_requests.discard(model_id)
+        self._finding_room.discard(model_id)
+
+    def _never_ran(self, model_id: str, task: asyncio.Task[LoadedModel]) -> None:
+        """A load dropped in the turn it began (its last waiter left at once) is
+        cancelled before its coroutine runs a line, ``finally`` included: it stayed
+        under way for good, ``/health`` said loading, and every later request for the
+        model found the dead load, went round waiting for it again, and spun."""
+        if self._loading.get(model_id) is task:
+            self._ended(model_id)
 
     async def _load_within_budget(
-        self, entry: ModelEntry, deadline: float, evict: bool
+        self, entry: ModelEntry, deadline: float, evict: bool, asked: float
     ) -> LoadedModel:
         residency = self._residency
         try:
             try:
-                size = await asyncio.to_thread(size_before_loading, entry)
+                size = await off_the_loop(size_before_loading, entry)
             except Exception:  # unreadable: the load itself will say what is wrong
                 size = None
             if size is not None and size > residency.budget:
                 raise self._too_large(entry, size, "on disk")
             if not framework.is_system(entry):  # Apple's model takes none of afmd's memory
-                await residency.make_room(entry.id, size or 0, deadline, evict=evict)
+                # (Requests for the busy models it waits for that come after ``asked``,
+                # when the first request for it came, wait behind it.)
+                await residency.make_room(entry.id, size or 0, deadline, evict=evict,
+                                          since=asked)
         finally:
             # From here (in this step: no cancel can land between) the load is under way:
             # a thread loads the weights, which no cancel could stop.
             self._finding_room.discard(entry.id)
         started = time.perf_counter()
         try:
-            loaded = await asyncio.to_thread(self._load_sync, entry, self._config)
+            loaded = await off_the_loop(self._load_sync, entry, self._config)
         except Exception as exc:
             residency.unreserve(entry.id)
             raise self._load_failed(entry, exc) from None

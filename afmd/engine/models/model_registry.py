@@ -16,7 +16,9 @@ did, and after an unload the folder is read again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import sys
 import time
 
 from afmd.config.sections import Config
@@ -27,7 +29,12 @@ from afmd.engine.models.kinds import CHAT, EMBEDDING
 from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.loading import LoadCounts, Loads, load_sync
 from afmd.engine.models.residency import Lease, Residency, effective_budget, format_bytes
-from afmd.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
+from afmd.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    ServerError,
+    ServiceUnavailableError,
+)
 from afmd.hub import cache as hubcache
 
 log = logging.getLogger("afmd.engine")
@@ -188,6 +195,25 @@ class ModelRegistry:
         await task
         return True
 
+    async def unload_when_idle(self, entry: ModelEntry) -> None:
+        """What a request that only unloads does (Ollama's bodies with ``keep_alive`` 0
+        and nothing to generate, ``ollama stop``): the model unloads once idle. A model
+        still loading for other requests is waited for, as Ollama does, and unloaded once
+        they are done with it: they came first, so they get it first, and this request's
+        0 is the last word. Before, the unload was answered at once and the model, loaded
+        a moment later, stayed for its keep-alive. This request is not one the load is
+        for (one nobody else waits for any more is dropped), it never loads the model
+        itself, and a load that fails leaves nothing to unload: answered as done."""
+        if entry.id not in self._loaded and self.loads.is_loading(entry.id):
+            deadline = time.monotonic() + self._config.server.request_timeout
+            # (Joins the load: starts none. One that fails, or finds the model too large,
+            # leaves nothing loaded.)
+            with contextlib.suppress(ServerError, InvalidRequestError):
+                await self.loads.wait(entry, deadline)
+        loaded = self._loaded.get(entry.id)
+        if loaded is not None:
+            self.residency.hold(loaded, 0.0).release()
+
     async def lease(
         self,
         entry: ModelEntry,
@@ -205,8 +231,9 @@ class ModelRegistry:
         A model of the wrong kind is refused before loading when its folder already says
         what it is.
         """
+        arrived = time.monotonic()
         if deadline is None:
-            deadline = time.monotonic() + self._config.server.request_timeout
+            deadline = arrived + self._config.server.request_timeout
         if keep_alive is None:
             keep_alive = self._config.models.keep_alive_of(entry)
         residency = self.residency
@@ -221,7 +248,20 @@ class ModelRegistry:
                 if loaded is not None:
                     # (again: a download may have told more than the folder did)
                     self.check_kind(entry, kind, loaded.kind)
-                    return residency.hold(loaded, keep_alive)
+                    if residency.held_for(entry.id, arrived) is None:
+                        return residency.hold(loaded, keep_alive)
+                    # A load asked for before this request waits for this model's room:
+                    # this request comes after it (once the model is unloaded for it, or
+                    # the load gave up), waiting as queued, not busy, so the model can go
+                    # idle. Taking it now kept a model in steady use loaded for good, and
+                    # the other load waiting until its requests' deadline (503).
+                    residency.waiting[entry.id] -= 1
+                    residency.settle(entry.id)
+                    try:
+                        await residency.wait_turn(entry.id, arrived, deadline)
+                    finally:
+                        residency.waiting[entry.id] += 1
+                    continue
                 self.check_kind(entry, kind)
                 await self.loads.wait(entry, deadline)
         finally:
@@ -271,11 +311,15 @@ class ModelRegistry:
                 loaded.embedder.stop()
         self.loads.close()
         # The generation threads have stopped: what they queued for the disk tier is
-        # written before the process exits, bounded like the threads' own stop. (Imported
-        # here: the KV cache brings mlx-lm, which a server without a model never loads.)
-        from afmd.engine.kvcache.disk import flush_every_store
-
-        if not flush_every_store(SHUTDOWN_FLUSH_S):
+        # written before the process exits, bounded like the threads' own stop. Only where
+        # a model brought the KV cache in: a process that never imported it has no store
+        # to flush, and importing it here (mlx-lm, and with it transformers) raced a first
+        # load still importing them on its own thread, whose half-initialised transformers
+        # failed this import and the shutdown with it (exit 1 on a SIGTERM during a load).
+        # A module still being imported has not defined the function yet: no store either.
+        disk = sys.modules.get("afmd.engine.kvcache.disk")
+        flush_every_store = getattr(disk, "flush_every_store", None)
+        if flush_every_store is not None and not flush_every_store(SHUTDOWN_FLUSH_S):
             log.warning("KV cache: not every block reached the disk before shutdown")
 
 

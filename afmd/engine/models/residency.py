@@ -34,8 +34,12 @@ effect when the stream ends, which ``ollama stop`` relies on. A keep-alive longe
 ``memory_budget_bytes`` or ``max_loaded`` first unloads idle models, least recently used
 first, and only as many as needed; when the idle ones would not make enough room the load
 waits for a busy one to become idle, up to the request's deadline, then the request gets
-503 ``model_unavailable``. Memory is what the models measure (weights plus KV caches), what
-loads in progress will take (their weight files) and what unloads in progress still hold.
+503 ``model_unavailable``. Meanwhile the busy models it waits for take no request that
+came after it (:meth:`Residency.held_for`): those wait behind it, queued but not making
+the model busy, or a model in steady use would never become idle and the load would wait
+in vain while every later request for the busy model was served. Memory is what the
+models measure (weights plus KV caches), what loads in progress will take (their weight
+files) and what unloads in progress still hold.
 
 **Unloading** takes the model out of the loaded set at once (no request can get it any
 more), then stops its thread and frees its arrays off the event loop: freeing blocks, so it
@@ -296,6 +300,11 @@ class Residency:
         self._unload_tasks: set[asyncio.Task[None]] = set()
         self._reserved: dict[str, int] = {}  # loads under way: bytes their weights will take
         self._wanted: dict[str, int] = {}  # loads waiting for room: their sizes
+        #: Per load waiting for room: since when, and the busy models it waits for. They
+        #: take no request that came after that (see :meth:`held_for`).
+        self._claims: dict[str, tuple[float, frozenset[str]]] = {}
+        #: Requests held back from a claimed model, per model id: queued, but not busy.
+        self.held_back: Counter[str] = Counter()
 
     # -- leases and keep-alive --
     def hold(self, model: LoadedModel, keep_alive: float) -> Lease:
@@ -359,7 +368,8 @@ class Residency:
         if resident is None:
             return None
         active = sum(1 for lease in resident.leases if lease.active)
-        queued = len(resident.leases) - active + self.waiting[model_id]
+        queued = (len(resident.leases) - active + self.waiting[model_id]
+                  + self.held_back[model_id])
         busy = self.busy(model_id)
         return ModelUsage(
             memory_bytes=resident.model.memory_bytes,
@@ -377,6 +387,9 @@ class Residency:
         self.residents[model.id] = Resident(model, keep_alive)
         self.settle(model.id)
         self._trim(keep=model.id)
+        # Loads waiting for room look again: a model they need gone is there now, and
+        # requests for it that come after them must wait behind them from now on.
+        self._changes.pulse()
 
     def unreserve(self, model_id: str) -> None:
         """A load failed or gave up: what it had reserved is free again."""
@@ -410,18 +423,24 @@ class Residency:
         return victims if over_count <= 0 and over_bytes <= 0 else None
 
     async def make_room(
-        self, model_id: str, size: int, deadline: float, *, evict: bool = True
+        self, model_id: str, size: int, deadline: float, *, evict: bool = True,
+        since: float | None = None,
     ) -> None:
         """Reserve room for loading ``model_id`` (``size`` bytes of weights), unloading
         idle models as needed (unless not ``evict``); wait for busy ones until
-        ``deadline`` (then 503)."""
+        ``deadline`` (then 503). ``since``: when the load was asked for (default: now);
+        requests for the busy models it waits for that come later wait behind it."""
         self._wanted[model_id] = size
+        if since is None:
+            since = time.monotonic()
         try:
             while True:
                 victims = self._victims(size)
                 if victims == []:
                     self._reserved[model_id] = size
                     return
+                if evict:
+                    self._claim(model_id, size, since)
                 if victims and evict:
                     tasks = [self._unload(r, f"making room for {model_id}") for r in victims]
                     await asyncio.gather(*tasks)
@@ -432,6 +451,76 @@ class Residency:
                 await self._changes.wait(remaining)
         finally:
             del self._wanted[model_id]
+            self.drop_claim(model_id)
+
+    def expect(self, model_id: str, since: float) -> None:
+        """A load of ``model_id`` was asked for at ``since`` and is reading its size:
+        until it knows which models it needs gone, every loaded one is held for it (see
+        :meth:`held_for`), or a request that came after it could take a model it needs in
+        that moment, for as long as that request runs."""
+        self._claims[model_id] = (since, frozenset(
+            r.model.id for r in self.residents.values()
+            if getattr(r.model, "shard", None) is None and not r.model.reads_conversation))
+
+    def drop_claim(self, model_id: str) -> None:
+        """The load of ``model_id`` found its room, gave up or ended: the requests it
+        held back go on."""
+        if self._claims.pop(model_id, None) is not None:
+            self._changes.pulse()
+
+    def _claim(self, model_id: str, size: int, since: float) -> None:
+        """Mark the busy models a load waiting for room needs gone, least recently used
+        first (after the idle ones, which go anyway): requests for them that come from now
+        on wait behind the load, or a model in steady use would keep it waiting for good."""
+        over_count = self._count() + 1 - self.max_loaded
+        over_bytes = self.used_bytes() + size - self.budget
+        needed: list[str] = []
+        for resident in sorted(
+            (r for r in self.residents.values()
+             if getattr(r.model, "shard", None) is None and not r.model.reads_conversation),
+            key=lambda r: (self.busy(r.model.id), r.since),
+        ):
+            if over_count <= 0 and over_bytes <= 0:
+                break
+            if self.busy(resident.model.id):
+                needed.append(resident.model.id)
+            over_count -= 1
+            over_bytes -= resident.model.memory_bytes
+        # Not enough even with every busy model gone (loads under way, unloads still
+        # freeing): nothing to claim yet; those end by themselves.
+        fits = over_count <= 0 and over_bytes <= 0
+        claim = (since, frozenset(needed if fits else ()))
+        if self._claims.get(model_id) != claim:
+            before = self._claims.get(model_id, (since, frozenset()))[1]
+            self._claims[model_id] = claim
+            if before - claim[1]:
+                self._changes.pulse()  # a model no longer needed takes requests again
+
+    def held_for(self, model_id: str, arrived: float) -> str | None:
+        """The model a load that came before a request arriving at ``arrived`` waits for
+        ``model_id``'s room to load (None: the request may have ``model_id``)."""
+        for claimant, (since, models) in self._claims.items():
+            if model_id in models and since < arrived:
+                return claimant
+        return None
+
+    async def wait_turn(self, model_id: str, arrived: float, deadline: float) -> None:
+        """Until no load that came before the request waits for ``model_id``'s room (it
+        was unloaded for that load, or the load gave up); past ``deadline`` 503
+        ``model_unavailable``. Counted as queued for the model, not as busy: the model
+        must be able to go idle for that load."""
+        self.held_back[model_id] += 1
+        try:
+            while (claimant := self.held_for(model_id, arrived)) is not None \
+                    and model_id in self.loaded:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise _held_back(model_id, claimant)
+                await self._changes.wait(remaining)
+        finally:
+            self.held_back[model_id] -= 1
+            if not self.held_back[model_id]:
+                del self.held_back[model_id]
 
     def room_error(self, model_id: str) -> ServiceUnavailableError | None:
         """The 503 for a request that gave up on ``model_id`` while its load was still
@@ -522,6 +611,16 @@ def _unavailable(model_id: str, limit: str, busy: str) -> ServiceUnavailableErro
         f"The model '{model_id}' cannot be loaded now: it would exceed {limit}, and "
         f"the models it would replace are serving requests (busy: {busy}). Retry "
         "shortly.",
+        code="model_unavailable",
+        param="model",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+def _held_back(model_id: str, claimant: str) -> ServiceUnavailableError:
+    return ServiceUnavailableError(
+        f"The model '{model_id}' cannot take requests now: it is finishing the ones it has, "
+        f"to make room for '{claimant}', which was asked for first. Retry shortly.",
         code="model_unavailable",
         param="model",
         headers={"Retry-After": str(RETRY_AFTER_S)},

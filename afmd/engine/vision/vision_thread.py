@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from typing import Any
 
@@ -27,6 +26,7 @@ from afmd.engine.vision.vision_stream import (
     push,
     sampling,
 )
+from afmd.engine.worker_threads import WorkerThread
 from afmd.errors import ServerError
 
 log = logging.getLogger("afmd.engine")
@@ -51,8 +51,7 @@ class VisionWorker:
         self._waiting: list[Generation] = []
         self._cache: list[Any] | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=f"afmd-vision-{name}",
-                                        daemon=True)
+        self._thread = WorkerThread(self._run, f"afmd-vision-{name}")
         self._started = False
 
     # -- event-loop side --

@@ -196,15 +196,12 @@ async def _load(request: Request, body: dict[str, Any], *, chat: bool) -> HTTPRe
     reason = "load"
     if keep_alive == 0:
         reason = "unload"
-        if registry.loaded(entry.id) is None:
-            return HTTPResponse(load_answer(name, chat=chat, reason=reason), headers=headers,
-                                content_type="application/json")
-    elif thinking and not await asyncio.to_thread(
-            ollama_models.thinks, state, entry):
-        raise thinking_not_supported(name)  # as Ollama refuses it before loading
-    kind = registry.kind_of(entry) if reason == "unload" else CHAT
-    lease = await registry.lease(entry, kind, keep_alive=keep_alive)
-    lease.release()
+        await registry.unload_when_idle(entry)  # (a model loading: once that is done)
+    else:
+        if thinking and not await asyncio.to_thread(ollama_models.thinks, state, entry):
+            raise thinking_not_supported(name)  # as Ollama refuses it before loading
+        lease = await registry.lease(entry, CHAT, keep_alive=keep_alive)
+        lease.release()
     return HTTPResponse(load_answer(name, chat=chat, reason=reason), headers=headers,
                         content_type="application/json")
 
@@ -243,7 +240,9 @@ async def _embed(request: Request, *, legacy: bool) -> HTTPResponse:
         load = result.load_seconds
     else:
         result = None
-        if parsed.keep_alive != 0 or registry.loaded(entry.id) is not None:
+        if parsed.keep_alive == 0:
+            await registry.unload_when_idle(entry)  # (a model loading: once that is done)
+        else:
             lease = await registry.lease(entry, EMBEDDING, keep_alive=parsed.keep_alive)
             lease.release()
             load = time.perf_counter() - started

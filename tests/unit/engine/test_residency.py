@@ -403,3 +403,200 @@ def test_a_load_no_request_waits_for_any_more_is_dropped_before_it_finds_room(
     assert status == "available"  # not "loading": nothing loads it
     assert loads_then == ["demo"] and loaded_then == ["demo"]  # nothing unloaded for it
     assert loads_after == ["demo", "demo-32k"]  # the request that came got its model
+
+
+def one_model_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                       loads: list[str], gate: dict[str, asyncio.Event] | None = None,
+                       ) -> ModelRegistry:
+    """A registry with ``max_loaded = 1`` whose loads are stand-ins, recorded in ``loads``;
+    a model named in ``gate`` loads once its event is set (set from the test's loop)."""
+    loop: list[asyncio.AbstractEventLoop] = []
+
+    def load(entry: Any, config: Any) -> Loaded:
+        event = (gate or {}).get(entry.id)
+        if event is not None:
+            asyncio.run_coroutine_threadsafe(event.wait(), loop[0]).result(10)
+        loads.append(entry.id)
+        return Loaded(entry.id)
+
+    monkeypatch.setattr(models_module, "load_sync", load)
+    registry = ModelRegistry(load_config(config_file(tmp_path, "[models]\nmax_loaded = 1\n"),
+                                         env={}))
+    registry.loop_of = loop  # type: ignore[attr-defined]
+    return registry
+
+
+async def until(predicate: Callable[[], bool], what: str) -> None:
+    for _ in range(500):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(what)
+
+
+def test_a_load_waiting_for_room_comes_before_later_requests_for_the_busy_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model in steady use (a new request for it before the last one ends) never went
+    idle, so a request for another model waited out its whole deadline (503) while every
+    later request for the busy one was served at once. Now a request for the busy model
+    that comes after the other load began waiting waits behind it: the busy model
+    finishes what it has, is unloaded, the other model serves its request, and the held
+    back request gets its model loaded again."""
+    loads: list[str] = []
+    registry = one_model_registry(tmp_path, monkeypatch, loads)
+    demo, other = registry.resolve("demo"), registry.resolve("demo-32k")
+    order: list[str] = []
+
+    async def request(entry: Any, tag: str) -> None:
+        lease = await registry.lease(entry)
+        order.append(tag)
+        await asyncio.sleep(0.05)
+        lease.release()
+
+    async def main() -> None:
+        busy = await registry.lease(demo)
+        waiter = asyncio.ensure_future(request(other, "other"))
+        await until(lambda: registry.status()[other.id] == "unavailable: loading", "waits")
+        await asyncio.sleep(0.05)  # waiting for room now
+        later = asyncio.ensure_future(request(demo, "later demo"))
+        await asyncio.sleep(0.2)
+        assert not later.done() and not waiter.done()  # held back: it came after
+        usage = registry.residency.usage(demo.id)
+        # /health counts it as queued, beside the busy request (holding no slot here)
+        assert usage is not None and usage.queued == 2
+        busy.release()  # demo goes idle: unloaded for the request that came first
+        await asyncio.wait_for(asyncio.gather(waiter, later), 5)
+
+    run(main)
+    registry.close()
+    assert order == ["other", "later demo"]
+    assert loads == ["demo", "demo-32k", "demo"]
+
+
+def test_a_held_back_request_gets_503_at_its_deadline_and_the_busy_one_is_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loads: list[str] = []
+    registry = one_model_registry(tmp_path, monkeypatch, loads)
+    demo, other = registry.resolve("demo"), registry.resolve("demo-32k")
+
+    async def main() -> ServiceUnavailableError:
+        busy = await registry.lease(demo)
+        waiter = asyncio.ensure_future(registry.lease(other))
+        await until(lambda: registry.status()[other.id] == "unavailable: loading", "waits")
+        await asyncio.sleep(0.05)
+        with pytest.raises(ServiceUnavailableError) as info:
+            await registry.lease(demo, deadline=time.monotonic() + 0.2)
+        usage = registry.residency.usage(demo.id)
+        assert usage is not None and usage.queued == 1 and not busy.released  # (the busy one)
+        busy.release()
+        got = await asyncio.wait_for(waiter, 5)
+        got.release()
+        return info.value
+
+    error = run(main)
+    registry.close()
+    assert (error.status, error.code, error.param) == (503, "model_unavailable", "model")
+    assert int(error.headers["Retry-After"]) >= 1
+    assert "'demo'" in error.message and "'demo-32k', which was asked for first" in \
+        error.message
+    assert loads == ["demo", "demo-32k"]
+
+
+def test_requests_that_waited_for_a_load_get_it_before_a_later_load_takes_its_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests waiting for a model's load came before a request for another model that
+    arrives meanwhile: they get the model once it loads (no load for nothing, no turns
+    taken back and forth), then the other model's load takes the room."""
+    loads: list[str] = []
+    gate = {"demo": asyncio.Event()}
+    registry = one_model_registry(tmp_path, monkeypatch, loads, gate)
+    demo, other = registry.resolve("demo"), registry.resolve("demo-32k")
+    order: list[str] = []
+
+    async def request(entry: Any, tag: str) -> None:
+        lease = await registry.lease(entry)
+        order.append(tag)
+        await asyncio.sleep(0.05)
+        lease.release()
+
+    async def main() -> None:
+        registry.loop_of.append(asyncio.get_running_loop())  # type: ignore[attr-defined]
+        first = [asyncio.ensure_future(request(demo, f"demo {i}")) for i in range(3)]
+        await until(lambda: registry.status()[demo.id] == "unavailable: loading", "loads")
+        waiter = asyncio.ensure_future(request(other, "other"))
+        await asyncio.sleep(0.1)
+        gate["demo"].set()
+        await asyncio.wait_for(asyncio.gather(*first, waiter), 5)
+
+    run(main)
+    registry.close()
+    assert order == ["demo 0", "demo 1", "demo 2", "other"]
+    assert loads == ["demo", "demo-32k"]
+
+
+def test_a_load_dropped_in_the_turn_it_began_is_not_left_under_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load cancelled before its coroutine ran a line skips its ``finally``: it stayed
+    under way for good (``/health``: loading), and a later request for the model found
+    the dead load, went round waiting for it again, and spun on the event loop."""
+    loads: list[str] = []
+    registry = one_model_registry(tmp_path, monkeypatch, loads)
+    entry = registry.resolve("demo-32k")
+
+    async def main() -> tuple[bool, str, bool]:
+        registry.loads.begin(entry, for_request=True)
+        registry.loads.abandon(entry.id)  # its last waiter left in the same turn
+        await asyncio.sleep(0.05)
+        during = registry.loads.is_loading(entry.id), registry.status()[entry.id]
+        lease = await asyncio.wait_for(registry.lease(entry), 5)
+        lease.release()
+        return *during, registry.is_ready(entry.id)
+
+    loading, status, ready = run(main)
+    registry.close()
+    assert (loading, status) == (False, "available")
+    assert ready and loads == ["demo-32k"]
+
+
+def test_turns_go_on_after_the_switch_a_later_request_for_the_new_model_waits_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the switch the request held back loads its model again, which waits for
+    room beside the model just loaded for the other request: requests for that one that
+    come later wait behind it in turn. Its load looked at the models it needs gone only
+    when woken, and a model's load finishing woke nobody: the new model, kept in steady
+    use, held the held-back request off until its deadline."""
+    loads: list[str] = []
+    registry = one_model_registry(tmp_path, monkeypatch, loads)
+    demo, other = registry.resolve("demo"), registry.resolve("demo-32k")
+    order: list[str] = []
+
+    async def main() -> None:
+        busy = await registry.lease(demo)
+        first_other = asyncio.ensure_future(registry.lease(other))
+        await until(lambda: registry.status()[other.id] == "unavailable: loading", "waits")
+        await asyncio.sleep(0.05)
+        held = asyncio.ensure_future(registry.lease(demo))  # held back behind other
+        await asyncio.sleep(0.05)
+        busy.release()
+        got_other = await asyncio.wait_for(first_other, 5)
+        # The held back request now waits for demo's load, which waits for room.
+        await until(lambda: registry.status()[demo.id] == "unavailable: loading", "reloads")
+        await asyncio.sleep(0.05)
+        later_other = asyncio.ensure_future(registry.lease(other))
+        await asyncio.sleep(0.1)
+        assert not later_other.done(), "a later request for other went ahead of demo's"
+        later_other.add_done_callback(lambda _: order.append("later other"))
+        held.add_done_callback(lambda _: order.append("held demo"))
+        got_other.release()
+        (await asyncio.wait_for(held, 5)).release()
+        (await asyncio.wait_for(later_other, 5)).release()
+
+    run(main)
+    registry.close()
+    assert order == ["held demo", "later other"]
+    assert loads == ["demo", "demo-32k", "demo", "demo-32k"]
