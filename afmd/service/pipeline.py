@@ -188,7 +188,7 @@ class ChatPipeline:
         waited = time.monotonic() - started  # the model's load, when it was not loaded
         pixels = 0
         try:
-            pixels = self._hold_pixels(request, lease.model)
+            pixels = await self._hold_pixels(request, lease.model)
             # Rendering (a grammar's compile with it) is not cut short: a cancel meanwhile
             # ends the run as soon as it starts, as one cancelled in the queue.
             prepared = await self._prepare(lease.model, entry, request, request_id, started,
@@ -202,21 +202,24 @@ class ChatPipeline:
         self._holds[id(prepared)] = (lease, pixels)
         return prepared
 
-    def _hold_pixels(self, request: ChatRequest | CompletionRequest,
-                     model: LoadedModel) -> int:
+    async def _hold_pixels(self, request: ChatRequest | CompletionRequest,
+                           model: LoadedModel) -> int:
         """Count a vision request's image pixels as held, or refuse it: a 400 past
         ``max_request_image_pixels``, a 429 past ``max_image_pixels_in_flight``.
 
         Its pictures are decoded as it is prepared, before it waits for a slot, and stay
         decoded until it ends, so the requests in flight are held to a budget together. A
-        request is always let in when nothing else holds images, so any one can run.
+        request is always let in when nothing else holds images, so any one can run. The
+        headers are read off the event loop (Pillow walks a file's metadata in Python:
+        seconds for a body's worth of it), the budget on it, with no wait in between.
         """
         if not isinstance(request, ChatRequest) or not request.has_images \
                 or not model.supports_vision:
             return 0
         from afmd.service import images as image_decoding  # Pillow: only with images
 
-        pixels = image_decoding.check_total(
+        pixels = await asyncio.to_thread(
+            image_decoding.check_total,
             [image for message in request.messages for image in message.images],
             self.config.models.max_request_image_pixels)
         limit = self.config.models.max_image_pixels_in_flight
@@ -287,7 +290,7 @@ class ChatPipeline:
         pixels = 0
         try:
             _check_images(request, lease.model, entry)  # the turn would refuse them
-            pixels = self._hold_pixels(request, lease.model)
+            pixels = await self._hold_pixels(request, lease.model)
             request = _with_server_tools(request, self.server_tools)
             rounds = RoundBuilder(lease.model, request,
                                   instructions=self.config.server.instructions,

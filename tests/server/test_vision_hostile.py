@@ -1,0 +1,126 @@
+"""Hostile images against a real server on demo-vision, at the default limits: files whose
+cost is out of proportion to their size (in time, in memory), that must neither stall the
+event loop nor outlive their request, and pictures whose meaning hides in their metadata.
+
+tests/server/test_vision.py holds the ordinary cases (formats, limits, every dialect);
+what was probed and found already right is listed in docs/hardening.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import ServerProcess, start_server
+
+MODEL = "demo-vision"
+CHAT = "/v1/chat/completions"
+
+
+def noise(seed: int, size: tuple[int, int] = (64, 64)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def encoded(picture: Image.Image, fmt: str = "PNG", **options: Any) -> bytes:
+    buf = io.BytesIO()
+    picture.save(buf, fmt, **options)
+    return buf.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def chat_body(data: bytes, media: str = "image/png", *, model: str = MODEL,
+              max_tokens: int = 2) -> dict[str, Any]:
+    return {"model": model, "max_tokens": max_tokens, "temperature": 0, "messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": "What is in the picture?"},
+            {"type": "image_url", "image_url": {"url": f"data:{media};base64,{b64(data)}"}},
+        ]}]}
+
+
+def messages_body(data: bytes, media: str = "image/png") -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in the picture?"},
+        {"type": "image", "source": {"type": "base64", "media_type": media,
+                                     "data": b64(data)}}]}]}
+
+
+def jpeg_with_empty_segments(count: int) -> bytes:
+    """A small valid JPEG with ``count`` empty APP5 segments before its frame: Pillow's
+    header reader walks them one by one in Python (about a microsecond each)."""
+    good = encoded(noise(1, (8, 8)), "JPEG")
+    return good[:2] + b"\xff\xe5\x00\x02" * count + good[2:]
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    from afmd.engine.demo import builtin as demo
+
+    demo.materialize(MODEL)  # the server (same AFMD_CACHE_DIR) reuses it
+    proc = start_server(tmp_path_factory.mktemp("hostile"),
+                        config=f'[models]\ndefault = "{MODEL}"\n')
+    yield proc
+    proc.stop()
+
+
+def post(srv: ServerProcess, body: dict[str, Any], path: str = CHAT) -> httpx.Response:
+    return httpx.post(srv.url + path, json=body, timeout=300)
+
+
+def worst_health_while(srv: ServerProcess, body: dict[str, Any], path: str
+                       ) -> tuple[httpx.Response, float]:
+    """The response to ``body``, and the slowest /health answer while it ran."""
+    answer: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: answer.append(post(srv, body, path)))
+    sender.start()
+    worst = 0.0
+    with httpx.Client(timeout=60) as http:
+        while sender.is_alive():
+            started = time.monotonic()
+            assert http.get(srv.url + "/health").status_code == 200
+            worst = max(worst, time.monotonic() - started)
+            time.sleep(0.02)
+    sender.join()
+    return answer[0], worst
+
+
+# -- the event loop ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/messages"], ids=["chat", "messages"])
+def test_a_slow_header_does_not_stall_the_event_loop(srv: ServerProcess, path: str) -> None:
+    """The pixels a request's images will take are read from their headers before any is
+    decoded, and Pillow reads a header in Python through all the metadata before the
+    frame: this JPEG's took about two seconds, on the event loop (twice for Anthropic's
+    Messages, whose media type check opened it too), and /health waited as long."""
+    data = jpeg_with_empty_segments(2_000_000)
+    body = (chat_body(data, "image/jpeg") if path == CHAT
+            else messages_body(data, "image/jpeg"))
+    response, worst = worst_health_while(srv, body, path)
+    assert response.status_code == 200, response.text
+    assert worst < 1.0, f"/health took {worst:.2f} s while the image was read"
+
+
+def test_anthropic_media_type_is_read_from_the_signature() -> None:
+    from afmd.service import images
+
+    for fmt, media in (("PNG", "image/png"), ("JPEG", "image/jpeg"), ("GIF", "image/gif"),
+                       ("WEBP", "image/webp")):
+        assert images.media_type(encoded(noise(2, (4, 4)), fmt)) == media
+    assert images.media_type(jpeg_with_empty_segments(3)) == "image/jpeg"
+    for other in ("BMP", "TIFF", "ICO"):
+        assert images.media_type(encoded(noise(2, (4, 4)), other)) is None
+    assert images.media_type(b"") is None
+    assert images.media_type(b"RIFF\x00\x00\x00\x00WAVEfmt ") is None
