@@ -6,7 +6,10 @@ image Pillow reads in the formats the API accepts (PNG, JPEG, WebP, GIF) are
 ``invalid_image``; a picture larger than ``[models] max_image_pixels`` is
 ``image_too_large``, decided from the header before any pixel is decoded, because the
 decoded RGB array is what costs memory (three bytes a pixel, however small the file); so
-are a request's pictures past ``[models] max_request_image_pixels`` together.
+are a request's pictures past ``[models] max_request_image_pixels`` together. Time is
+bounded the same way: decoding is proportional to the pixels, except a progressive JPEG's,
+which passes over them once per scan, so a JPEG of more than :data:`MAX_JPEG_SCANS` is
+``invalid_image`` too.
 
 An animated GIF gives its first frame; transparency is flattened onto white, since
 vision models take RGB.
@@ -15,6 +18,7 @@ vision models take RGB.
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from collections.abc import Sequence
 
@@ -25,6 +29,16 @@ from afmd.errors import InvalidRequestError
 
 #: Pillow's names of the formats the image parts may carry.
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+
+#: The scans a JPEG may have. Each scan of a progressive JPEG passes over every block of
+#: the picture, however few bytes it takes: a 2000x2000 JPEG whose last scan (14 bytes)
+#: was repeated 5,000 times took 10 s to decode, and a body's worth of them at the
+#: largest picture allowed would take hours. Encoders write about ten (libjpeg's
+#: progressive script); NVIDIA's nvImageCodec refuses past 256 for the same reason.
+MAX_JPEG_SCANS = 100
+# A marker: 0xFF and a code that is none of a stuffed zero, a restart marker (both inside
+# a scan's data) or another 0xFF (fill).
+_JPEG_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
 
 # Pillow's own bomb check would raise (past twice its limit) or warn before ours runs;
 # afmd's limit is the operator's and is checked first.
@@ -102,6 +116,9 @@ def decode(image: ImageInput, max_pixels: int) -> Image.Image:
             code="image_too_large",
             param=image.param,
         )
+    if picture.format in ("JPEG", "MPO") and _jpeg_scans(image.data) > MAX_JPEG_SCANS:
+        raise _invalid(image, f"is a JPEG of more than {MAX_JPEG_SCANS} scans, which this "
+                       "server does not decode (encoders write about ten)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. a PNG's oversized text chunk
@@ -110,6 +127,25 @@ def decode(image: ImageInput, max_pixels: int) -> Image.Image:
             return _rgb(picture)
     except Exception:
         raise _invalid(image, "could not be decoded (truncated or corrupt data)") from None
+
+
+def _jpeg_scans(data: bytes) -> int:
+    """The scans (SOS segments) of a JPEG's first picture, counted up to one past
+    :data:`MAX_JPEG_SCANS`: its segments walked by their lengths as libjpeg reads them,
+    and a scan's data (or junk between segments) skipped to the next marker."""
+    scans = 0
+    at = 2  # past the start of image
+    while scans <= MAX_JPEG_SCANS:
+        marker = _JPEG_MARKER.search(data, at)
+        if marker is None or marker[0][1] == 0xD9:  # the data's or the picture's end
+            break
+        at = marker.end()
+        if marker[0][1] in (0x01, 0xD8):  # markers without a length
+            continue
+        if marker[0][1] == 0xDA:
+            scans += 1
+        at += int.from_bytes(data[at:at + 2], "big")
+    return scans
 
 
 def _rgb(picture: Image.Image) -> Image.Image:

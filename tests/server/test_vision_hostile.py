@@ -124,3 +124,38 @@ def test_anthropic_media_type_is_read_from_the_signature() -> None:
         assert images.media_type(encoded(noise(2, (4, 4)), other)) is None
     assert images.media_type(b"") is None
     assert images.media_type(b"RIFF\x00\x00\x00\x00WAVEfmt ") is None
+
+
+# -- decoding time -----------------------------------------------------------------------
+
+
+def progressive_jpeg(size: tuple[int, int], extra_scans: int) -> bytes:
+    """A flat progressive JPEG whose last scan is repeated ``extra_scans`` more times:
+    libjpeg warns of the repeated refinement and decodes each one all the same, a pass
+    over every block of the picture for 14 bytes of file."""
+    data = encoded(Image.new("RGB", size, (10, 120, 200)), "JPEG", progressive=True)
+    last = data.rindex(b"\xff\xda")
+    assert data.endswith(b"\xff\xd9")
+    return data[:-2] + data[last:-2] * extra_scans + data[-2:]
+
+
+def test_a_jpeg_of_thousands_of_scans_is_refused_before_decoding(srv: ServerProcess) -> None:
+    """This JPEG (84 KB) took 10 s of a core to decode before; the largest picture
+    allowed, with a body's worth of scans, would have taken hours, on an executor
+    thread nothing can interrupt."""
+    data = progressive_jpeg((2000, 2000), 6000)
+    started = time.monotonic()
+    r = post(srv, chat_body(data, "image/jpeg"))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_image",
+                                               "messages[0].content[1].image_url")
+    assert "more than 100 scans" in error["message"]
+    assert time.monotonic() - started < 5
+    r = post(srv, messages_body(data, "image/jpeg"), "/v1/messages")
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("messages[0].content[1].source: ")
+    # What encoders write passes: libjpeg's own progressive scans, and a few more.
+    for fine in (progressive_jpeg((64, 64), 0), progressive_jpeg((64, 64), 90),
+                 encoded(noise(3).convert("CMYK"), "JPEG", progressive=True)):
+        assert post(srv, chat_body(fine, "image/jpeg")).status_code == 200
