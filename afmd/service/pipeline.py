@@ -142,7 +142,7 @@ class ChatPipeline:
     #: The requests being prepared, and prepared but not started, by id.
     _arrivals: dict[str, Arrival] = field(default_factory=dict)
     #: What each prepared request holds until it ends, by the prepared object's identity:
-    #: its model, and the image pixels it keeps decoded (their sum across requests too).
+    #: its model, and the image pixels it counts as held (their sum across requests too).
     _holds: dict[int, tuple[Lease, int]] = field(default_factory=dict)
     _pixels_held: int = 0
 
@@ -207,8 +207,9 @@ class ChatPipeline:
         """Count a vision request's image pixels as held, or refuse it: a 400 past
         ``max_request_image_pixels``, a 429 past ``max_image_pixels_in_flight``.
 
-        Its pictures are decoded as it is prepared, before it waits for a slot, and stay
-        decoded until it ends, so the requests in flight are held to a budget together. A
+        Its pictures are decoded as it is prepared, before it waits for a slot, and its
+        processed image inputs kept until it ends (the pictures themselves are let go once
+        its prompt is built), so the requests in flight are held to a budget together. A
         request is always let in when nothing else holds images, so any one can run. The
         headers are read off the event loop (Pillow walks a file's metadata in Python:
         seconds for a body's worth of it), the budget on it, with no wait in between.
@@ -358,6 +359,8 @@ class ChatPipeline:
         if held is not None:
             lease, pixels = held
             self._pixels_held -= pixels
+            if pixels and isinstance(prepared, PreparedChat):
+                prepared.rounds.release()  # its image inputs go with its pixels' count
             lease.release()
 
     def _forget(self, run: ChatRun | ChoicesRun | CompletionRun) -> None:
