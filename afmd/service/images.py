@@ -12,7 +12,8 @@ which passes over them once per scan, so a JPEG of more than :data:`MAX_JPEG_SCA
 ``invalid_image`` too.
 
 An animated GIF gives its first frame; transparency is flattened onto white, since
-vision models take RGB.
+vision models take RGB; a picture whose EXIF says it is turned (a phone's photo) is turned
+upright.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def decode(image: ImageInput, max_pixels: int) -> Image.Image:
             warnings.simplefilter("ignore")  # e.g. a PNG's oversized text chunk
             picture.seek(0)  # an animated GIF: its first frame
             picture.load()
-            return _rgb(picture)
+            return _upright(picture, _rgb(picture))
     except Exception:
         raise _invalid(image, "could not be decoded (truncated or corrupt data)") from None
 
@@ -146,6 +147,28 @@ def _jpeg_scans(data: bytes) -> int:
             scans += 1
         at += int.from_bytes(data[at:at + 2], "big")
     return scans
+
+
+#: How a picture whose EXIF orientation is the key is turned upright (ImageOps.exif_transpose's).
+_ORIENTATIONS = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def _upright(picture: Image.Image, rgb: Image.Image) -> Image.Image:
+    """``rgb`` as the picture is meant to be seen: a camera stores its pixels as the
+    sensor read them and says in EXIF how to turn them (a phone held upright: a quarter
+    turn), which browsers, transformers' and mlx-vlm's own image loaders apply. EXIF that
+    does not read leaves the picture as stored."""
+    try:
+        orientation = picture.getexif().get(0x0112)
+    except Exception:
+        return rgb
+    method = _ORIENTATIONS.get(orientation) if isinstance(orientation, int) else None
+    return rgb if method is None else rgb.transpose(method)
 
 
 def _rgb(picture: Image.Image) -> Image.Image:

@@ -204,3 +204,38 @@ def test_decoded_pictures_do_not_outlive_their_request(srv: ServerProcess) -> No
         assert r.status_code == status, r.text
         grown = rss_mib(srv) - baseline
         assert grown < 100, f"{grown:.0f} MiB still resident after a {status}"
+
+
+# -- what the metadata says --------------------------------------------------------------
+
+
+def with_orientation(picture: Image.Image, fmt: str, orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encoded(picture, fmt, exif=exif.tobytes(), **({"lossless": True}
+                                                          if fmt == "WEBP" else {}))
+
+
+def answer(srv: ServerProcess, data: bytes, media: str = "image/png") -> str:
+    r = post(srv, chat_body(data, media, max_tokens=12))
+    assert r.status_code == 200, r.text
+    content: str = r.json()["choices"][0]["message"]["content"]
+    return content
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "WEBP"])
+def test_a_picture_is_turned_as_its_exif_orientation_says(srv: ServerProcess,
+                                                          fmt: str) -> None:
+    """A phone stores a photo taken upright as the sensor read it, a quarter turn off, and
+    says so in EXIF (orientation 6): browsers, transformers' load_image and mlx-vlm's
+    turn it upright, and afmd gave the model the picture on its side. Lossless formats
+    here, so that the upright picture sent as such is the same pixels."""
+    media = "image/png" if fmt == "PNG" else "image/webp"
+    stored = noise(5, (84, 56))
+    for orientation, upright in ((6, stored.transpose(Image.Transpose.ROTATE_270)),
+                                 (3, stored.transpose(Image.Transpose.ROTATE_180)),
+                                 (2, stored.transpose(Image.Transpose.FLIP_LEFT_RIGHT))):
+        turned = answer(srv, with_orientation(stored, fmt, orientation), media)
+        assert turned == answer(srv, encoded(upright)), orientation
+        assert turned != answer(srv, encoded(stored)), orientation
+    assert answer(srv, with_orientation(stored, fmt, 1), media) == answer(srv, encoded(stored))
