@@ -70,14 +70,19 @@ class NotStarted(Cancelled):
 
 def _check_images(request: ChatRequest, model: LoadedModel, entry: ModelEntry) -> None:
     """Images for a model that cannot see them are the client's mistake, named at the first
-    message that carries one (rather than dropped, which would answer another question)."""
+    image part, as the client's dialect named it (``messages[0].content[1].image_url``,
+    ``messages[2].content[0].content[1].source``, ``input[0].content[1].image_url``,
+    ``messages[0].images[0]``), rather than dropped, which would answer another question.
+    The message's index is afmd's, not the client's where a dialect maps its turns onto
+    other messages (Anthropic's tool results, Responses' items): named only when a
+    message says it has images without their parts."""
     if request.has_images and not model.supports_vision:
-        index = next(i for i, m in enumerate(request.messages) if m.has_images)
+        index, message = next((i, m) for i, m in enumerate(request.messages) if m.has_images)
         raise InvalidRequestError(
             f"The model '{entry.id}' does not accept image input; send text only or "
             "use a vision model.",
             code="image_input_not_supported",
-            param=f"messages[{index}].content",
+            param=message.images[0].param if message.images else f"messages[{index}].content",
         )
 
 

@@ -477,8 +477,9 @@ def test_params_are_named_in_anthropics_terms() -> None:
         "tools[2].input_schema: bad")
     assert message(InvalidRequestError("bad", param="response_format.json_schema.schema")) == (
         "output_config.format.schema: bad")
-    assert message(InvalidRequestError("bad", param="messages[3].content",
-                                       code="image_input_not_supported")) == "messages: bad"
+    assert message(InvalidRequestError(  # the pipeline names the image as the body did
+        "bad", param="messages[3].content[0].content[1].source",
+        code="image_input_not_supported")) == "messages[3].content[0].content[1].source: bad"
     assert message(InvalidRequestError("bad", param="max_tokens")) == "max_tokens: bad"
 
 

@@ -380,7 +380,7 @@ def test_size_is_checked_before_decoding() -> None:
 def test_text_only_model_refuses_images(srv: ServerProcess) -> None:
     r = post(srv, {"model": "demo", "messages": [
         {"role": "user", "content": parts(png_url(noise(1)))}]})
-    assert_error(r, "image_input_not_supported", "messages[0].content")
+    assert_error(r, "image_input_not_supported", "messages[0].content[1].image_url")
 
 
 # -- queue and cancel --------------------------------------------------------------------

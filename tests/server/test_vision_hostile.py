@@ -239,3 +239,57 @@ def test_a_picture_is_turned_as_its_exif_orientation_says(srv: ServerProcess,
         assert turned == answer(srv, encoded(upright)), orientation
         assert turned != answer(srv, encoded(stored)), orientation
     assert answer(srv, with_orientation(stored, fmt, 1), media) == answer(srv, encoded(stored))
+
+
+# -- a model that cannot see -------------------------------------------------------------
+
+
+def _tool_turns(dialect: str) -> tuple[str, dict[str, Any]]:
+    """A conversation whose image is in a tool's result, in ``dialect``'s shape."""
+    png = b64(encoded(noise(6, (16, 16))))
+    if dialect == "chat":
+        return CHAT, {"model": "demo", "max_tokens": 2, "messages": [
+            {"role": "system", "content": "s"}, {"role": "user", "content": "look"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "shot",
+                                                              "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": [
+                {"type": "text", "text": "here"},
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}]}]}
+    if dialect == "messages":
+        return "/v1/messages", {"model": "demo", "max_tokens": 2, "system": "s", "messages": [
+            {"role": "user", "content": "look"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot",
+                                               "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                          "content": [{"type": "text", "text": "here"}, {
+                                              "type": "image", "source": {
+                                                  "type": "base64", "media_type": "image/png",
+                                                  "data": png}}]}]}]}
+    return "/v1/responses", {"model": "demo", "instructions": "s", "input": [
+        {"role": "user", "content": "look"},
+        {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_text", "text": "here"},
+            {"type": "input_image", "image_url": f"data:image/png;base64,{png}"}]}]}
+
+
+@pytest.mark.parametrize(("dialect", "named"), [
+    ("chat", "messages[3].content[1].image_url"),
+    ("messages", "messages[2].content[0].content[1].source"),
+    ("responses", "input[2].output[1].image_url"),
+])
+def test_a_text_model_names_the_image_it_cannot_take(srv: ServerProcess, dialect: str,
+                                                     named: str) -> None:
+    """An image in a tool's result, for the text-only demo: the refusal names that image
+    as the body did. It named afmd's message (``messages[3].content``), which Anthropic's
+    and Responses' bodies do not number the same way, so they said only ``messages`` and
+    ``input``."""
+    path, body = _tool_turns(dialect)
+    r = post(srv, body, path)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    if dialect == "messages":
+        assert error["message"].startswith(f"{named}: "), error
+    else:
+        assert (error["code"], error["param"]) == ("image_input_not_supported", named)
