@@ -9,7 +9,6 @@ finishes. A dialect adapter at the edge turns those events into its wire format.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import json
@@ -27,6 +26,7 @@ from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease
 from afmd.errors import ConflictError, InvalidRequestError, RateLimitError
+from afmd.service import image_pool
 from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.choices import ChoicesRun
 from afmd.service.completion_prompts import PreparedCompletion, prepare_completion
@@ -224,7 +224,7 @@ class ChatPipeline:
             return 0
         from afmd.service import images as image_decoding  # Pillow: only with images
 
-        pixels = await asyncio.to_thread(
+        pixels = await image_pool.run(
             image_decoding.check_total,
             [image for message in request.messages for image in message.images],
             self.config.models.max_request_image_pixels)
@@ -302,7 +302,7 @@ class ChatPipeline:
                                   instructions=self.config.server.instructions,
                                   trim=self._trims(request),
                                   server_tools=self.server_tools.names)
-            return await asyncio.to_thread(rounds.prompt_tokens, request, must_fit=must_fit)
+            return await rounds.offload(rounds.prompt_tokens, request, must_fit=must_fit)
         finally:
             self._pixels_held -= pixels
             lease.release()

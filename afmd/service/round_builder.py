@@ -5,13 +5,15 @@ model's own chat template (with the operator's instructions and the request's to
 fitted into the context window before any prefill (trimming the oldest turns when the
 context policy allows it, for the request's first round only), and planned (grammar,
 output parsing). All of it is CPU work that must not stall the event loop, so a round is
-built in one worker-thread hop.
+built in one worker-thread hop: on the image threads (:mod:`afmd.service.image_pool`)
+when a vision model decodes the request's images, else on asyncio's default executor.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ from afmd.core.request import CONTEXT_WINDOW_PARAM, ChatRequest, context_limit
 from afmd.engine.apple.conversation import SystemTurn, system_turn
 from afmd.engine.models.loaded_model import LoadedModel
 from afmd.errors import ContextLengthError, InvalidRequestError
+from afmd.service import image_pool
 from afmd.service.chat_template import template_messages, template_tools
 from afmd.service.context_trim import droppable_units, without_units
 from afmd.service.output_plan import OutputPlan, check_schemas, plan_output, template_kwargs
@@ -44,7 +47,7 @@ class RoundBuilder:
     """How one request's rounds are made; its tools are the same in every round."""
 
     __slots__ = ("_inputs", "_instructions", "_pictures", "_server_tools", "_tools", "_trim",
-                 "model")
+                 "model", "offload")
 
     def __init__(
         self, model: LoadedModel, request: ChatRequest, *, instructions: str, trim: bool,
@@ -60,17 +63,21 @@ class RoundBuilder:
         # several times), and the image inputs of the rounds built, until release().
         self._pictures: dict[int, Any] = {}
         self._inputs: list[dict[str, Any]] = []
+        #: How the builder's blocking work is run off the event loop.
+        self.offload: Callable[..., Awaitable[Any]] = (
+            image_pool.run if request.has_images and model.vision is not None
+            else asyncio.to_thread)
 
     async def first(self, request: ChatRequest) -> Round:
         """The request's first round: trimmed if the policy allows, ``tool_choice`` binds."""
-        return await asyncio.to_thread(self._build, request, self._trim, True)
+        return await self.offload(self._build, request, self._trim, True)
 
     async def next(self, request: ChatRequest) -> Round:
         """A round afmd adds after server tools ran, free of ``tool_choice`` (which binds
         the request's first step only), and trimmed as the first was when the policy
         allows: a tool's output may be what pushes the conversation past the window, and
         the request asked for old turns to go rather than fail."""
-        return await asyncio.to_thread(self._build, request, self._trim, False)
+        return await self.offload(self._build, request, self._trim, False)
 
     def release(self) -> None:
         """Let go of the image inputs of the rounds built: the request is over. A finished
