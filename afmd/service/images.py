@@ -13,7 +13,7 @@ which passes over them once per scan, so a JPEG of more than :data:`MAX_JPEG_SCA
 
 An animated GIF gives its first frame; transparency is flattened onto white, since
 vision models take RGB; a picture whose EXIF says it is turned (a phone's photo) is turned
-upright.
+upright; a 16-bit greyscale PNG is read by its high bytes.
 """
 
 from __future__ import annotations
@@ -176,12 +176,25 @@ def _rgb(picture: Image.Image) -> Image.Image:
         return picture
     if picture.mode == "P" and "transparency" in picture.info:
         picture = picture.convert("RGBA")
+    if picture.mode.startswith("I"):
+        picture = _grey_16(picture)
     if picture.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
         rgba = picture.convert("RGBA")
         background = Image.new("RGB", rgba.size, (255, 255, 255))
         background.paste(rgba, mask=rgba.getchannel("A"))
         return background
     return picture.convert("RGB")
+
+
+def _grey_16(picture: Image.Image) -> Image.Image:
+    """A 16-bit greyscale PNG (Pillow's ``I;16``, or ``I`` in older versions) as 8-bit
+    grey: its high bytes, as its 16-bit colour siblings are read. Pillow's own conversion
+    clips the values to 255 instead, so all but the darkest 1/256 of the range came out
+    white."""
+    import numpy as np
+
+    values = np.asarray(picture).astype(np.uint32, copy=False)
+    return Image.fromarray((np.clip(values, 0, 65535) >> 8).astype(np.uint8), "L")
 
 
 def _invalid(image: ImageInput, why: str) -> InvalidRequestError:

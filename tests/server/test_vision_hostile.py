@@ -353,3 +353,17 @@ def test_ollama_takes_base64_wrapped_in_lines_as_ollama_does(srv: ServerProcess)
         r = chat(bad)
         assert r.status_code == 400
         assert r.json()["error"].startswith("'messages[0].images[0]' is not base64")
+
+
+def test_a_16_bit_grey_png_is_its_picture_not_white(srv: ServerProcess) -> None:
+    """A 16-bit greyscale PNG (a scan, a depth map, a scientific plot) is read by its high
+    bytes, as a 16-bit colour PNG is: Pillow's conversion to RGB clips each value to 255,
+    so all but the darkest 1/256 of its range reached the model as white."""
+    rng = np.random.default_rng(8)
+    wide = rng.integers(0, 65536, (56, 84), dtype=np.uint16)
+    sixteen = encoded(Image.fromarray(wide))
+    assert Image.open(io.BytesIO(sixteen)).mode.startswith("I")
+    eight = encoded(Image.fromarray((wide >> 8).astype(np.uint8), "L"))
+    assert answer(srv, sixteen) == answer(srv, eight)
+    white = encoded(Image.new("L", (84, 56), 255))
+    assert answer(srv, sixteen) != answer(srv, white)
