@@ -353,6 +353,11 @@ def test_ollama_takes_base64_wrapped_in_lines_as_ollama_does(srv: ServerProcess)
         r = chat(bad)
         assert r.status_code == 400
         assert r.json()["error"].startswith("'messages[0].images[0]' is not base64")
+    # A data: URL that is not base64 is named as such (it was said to be empty).
+    r = chat("data:image/png,abcd")
+    assert r.status_code == 400
+    assert r.json()["error"].startswith(
+        "'messages[0].images[0]' is a data: URL without a base64 payload")
 
 
 def test_a_16_bit_grey_png_is_its_picture_not_white(srv: ServerProcess) -> None:

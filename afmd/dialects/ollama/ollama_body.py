@@ -221,6 +221,9 @@ def _images(value: Any, param: str) -> tuple[ImageInput, ...]:
         p = f"{param}[{i}]"
         if not isinstance(item, str):
             raise wrong_type(p, "a base64 string", item)
+        if item.startswith("data:") and ";base64," not in item:
+            raise invalid(p, f"'{p}' is a data: URL without a base64 payload; send "
+                          "'data:image/<type>;base64,<data>' or the base64 data alone.")
         payload = item.partition(";base64,")[2] if item.startswith("data:") else item
         if "\n" in payload or "\r" in payload:
             payload = payload.replace("\r", "").replace("\n", "")
