@@ -21,6 +21,18 @@ _log = get_logger("afmd.access")
 CLIENT_CLOSED = 499
 
 
+def note_error(request: Request, error: APIError) -> None:
+    """Note the request's error for its access log line (its code, and its param as the
+    route's dialect names it), letting go of its traceback and of what it was raised
+    from: the request would refer to the error and the traceback's frames to the request,
+    so all of it waited for the garbage collector, with whatever the frames held: the
+    pictures of a vision request that failed after decoding some (hundreds of megabytes
+    each, left for several requests before a collection came)."""
+    error.__traceback__ = None
+    error.__context__ = error.__cause__ = None
+    request.ctx.error = error
+
+
 def log_access(request: Request, status: int, nbytes: int) -> None:
     """Log a request Sanic handled, with what its handler noted on ``request.ctx``, and
     count it in ``/metrics`` (whether or not the access log is on)."""

@@ -27,7 +27,7 @@ from afmd.dialects.openai.chat import OPENAI_CHAT
 from afmd.dialects.openai.completions import OPENAI_COMPLETIONS
 from afmd.dialects.openai.embeddings import OPENAI_EMBEDDINGS
 from afmd.errors import APIError, InvalidRequestError, PayloadTooLargeError, ServerError
-from afmd.http.access import CLIENT_CLOSED, log_access
+from afmd.http.access import CLIENT_CLOSED, log_access, note_error
 from afmd.http.app_state import AppState
 from afmd.http.routes import anthropic_routes as messages
 from afmd.http.routes import cache_routes, dashboard
@@ -61,7 +61,7 @@ class _EnvelopeErrorHandler(ErrorHandler):
                 "unhandled error", path=request.path, exc_info=exception
             )
         if request is not None:
-            request.ctx.error = error  # the access log names its code and param
+            note_error(request, error)  # the access log names its code and param
         # In the envelope (and with the status) of the route's dialect.
         status, envelope, headers = error_response(routes.dialect_of(request), error)
         rid = getattr(request.ctx, "request_id", None) if request else None

@@ -6,15 +6,20 @@ image Pillow reads in the formats the API accepts (PNG, JPEG, WebP, GIF) are
 ``invalid_image``; a picture larger than ``[models] max_image_pixels`` is
 ``image_too_large``, decided from the header before any pixel is decoded, because the
 decoded RGB array is what costs memory (three bytes a pixel, however small the file); so
-are a request's pictures past ``[models] max_request_image_pixels`` together.
+are a request's pictures past ``[models] max_request_image_pixels`` together. Time is
+bounded the same way: decoding is proportional to the pixels, except a progressive JPEG's,
+which passes over them once per scan, so a JPEG of more than :data:`MAX_JPEG_SCANS` is
+``invalid_image`` too.
 
 An animated GIF gives its first frame; transparency is flattened onto white, since
-vision models take RGB.
+vision models take RGB; a picture whose EXIF says it is turned (a phone's photo) is turned
+upright; a 16-bit greyscale PNG is read by its high bytes.
 """
 
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from collections.abc import Sequence
 
@@ -25,10 +30,16 @@ from afmd.errors import InvalidRequestError
 
 #: Pillow's names of the formats the image parts may carry.
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
-#: Each format's media type; Pillow names a JPEG holding several pictures (a phone
-#: camera's) MPO, and it is a JPEG all the same.
-MEDIA_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "MPO": "image/jpeg",
-               "WEBP": "image/webp", "GIF": "image/gif"}
+
+#: The scans a JPEG may have. Each scan of a progressive JPEG passes over every block of
+#: the picture, however few bytes it takes: a 2000x2000 JPEG whose last scan (14 bytes)
+#: was repeated 5,000 times took 10 s to decode, and a body's worth of them at the
+#: largest picture allowed would take hours. Encoders write about ten (libjpeg's
+#: progressive script); NVIDIA's nvImageCodec refuses past 256 for the same reason.
+MAX_JPEG_SCANS = 100
+# A marker: 0xFF and a code that is none of a stuffed zero, a restart marker (both inside
+# a scan's data) or another 0xFF (fill).
+_JPEG_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
 
 # Pillow's own bomb check would raise (past twice its limit) or warn before ours runs;
 # afmd's limit is the operator's and is checked first.
@@ -47,14 +58,22 @@ def _size(image: ImageInput) -> tuple[int, int] | None:
 
 
 def media_type(data: bytes) -> str | None:
-    """The media type of the format the decoder reads ``data`` as, from the header alone
-    (no pixel is decoded); None for bytes it reads as none of :data:`FORMATS`, which
-    :func:`decode` names when a vision model decodes them."""
-    try:
-        with Image.open(io.BytesIO(data), formats=FORMATS) as picture:
-            return MEDIA_TYPES.get(picture.format or "")
-    except Exception:
-        return None
+    """The media type of the format whose signature ``data`` starts with, the way Pillow
+    picks the decoder for it; None for bytes of none of :data:`FORMATS`, which
+    :func:`decode` names when a vision model decodes them.
+
+    Only the first bytes are read: this runs while a body is parsed, on the event loop,
+    where opening the file would walk all of its metadata in Python first (a JPEG of a
+    few million empty segments took seconds)."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "image/gif"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return None
 
 
 def check_total(images: Sequence[ImageInput], max_total: int) -> int:
@@ -62,7 +81,10 @@ def check_total(images: Sequence[ImageInput], max_total: int) -> int:
     decoded, or the 400 for a request whose pictures together pass ``max_total``: the
     pictures of one request are held at once (the processor takes them together), so the
     per-image limit alone does not bound memory. An image whose header does not read
-    counts nothing; :func:`decode` names it."""
+    counts nothing; :func:`decode` names it.
+
+    Blocking: Pillow reads a header in Python, through whatever metadata comes before
+    the pixels, so a body's worth of it takes seconds; call it off the event loop."""
     total = 0
     for image in images:
         size = _size(image)
@@ -95,14 +117,58 @@ def decode(image: ImageInput, max_pixels: int) -> Image.Image:
             code="image_too_large",
             param=image.param,
         )
+    if picture.format in ("JPEG", "MPO") and _jpeg_scans(image.data) > MAX_JPEG_SCANS:
+        raise _invalid(image, f"is a JPEG of more than {MAX_JPEG_SCANS} scans, which this "
+                       "server does not decode (encoders write about ten)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. a PNG's oversized text chunk
             picture.seek(0)  # an animated GIF: its first frame
             picture.load()
-            return _rgb(picture)
+            return _upright(picture, _rgb(picture))
     except Exception:
         raise _invalid(image, "could not be decoded (truncated or corrupt data)") from None
+
+
+def _jpeg_scans(data: bytes) -> int:
+    """The scans (SOS segments) of a JPEG's first picture, counted up to one past
+    :data:`MAX_JPEG_SCANS`: its segments walked by their lengths as libjpeg reads them,
+    and a scan's data (or junk between segments) skipped to the next marker."""
+    scans = 0
+    at = 2  # past the start of image
+    while scans <= MAX_JPEG_SCANS:
+        marker = _JPEG_MARKER.search(data, at)
+        if marker is None or marker[0][1] == 0xD9:  # the data's or the picture's end
+            break
+        at = marker.end()
+        if marker[0][1] in (0x01, 0xD8):  # markers without a length
+            continue
+        if marker[0][1] == 0xDA:
+            scans += 1
+        at += int.from_bytes(data[at:at + 2], "big")
+    return scans
+
+
+#: How a picture whose EXIF orientation is the key is turned upright (ImageOps.exif_transpose's).
+_ORIENTATIONS = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def _upright(picture: Image.Image, rgb: Image.Image) -> Image.Image:
+    """``rgb`` as the picture is meant to be seen: a camera stores its pixels as the
+    sensor read them and says in EXIF how to turn them (a phone held upright: a quarter
+    turn), which browsers, transformers' and mlx-vlm's own image loaders apply. EXIF that
+    does not read leaves the picture as stored."""
+    try:
+        orientation = picture.getexif().get(0x0112)
+    except Exception:
+        return rgb
+    method = _ORIENTATIONS.get(orientation) if isinstance(orientation, int) else None
+    return rgb if method is None else rgb.transpose(method)
 
 
 def _rgb(picture: Image.Image) -> Image.Image:
@@ -110,12 +176,25 @@ def _rgb(picture: Image.Image) -> Image.Image:
         return picture
     if picture.mode == "P" and "transparency" in picture.info:
         picture = picture.convert("RGBA")
+    if picture.mode.startswith("I"):
+        picture = _grey_16(picture)
     if picture.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
         rgba = picture.convert("RGBA")
         background = Image.new("RGB", rgba.size, (255, 255, 255))
         background.paste(rgba, mask=rgba.getchannel("A"))
         return background
     return picture.convert("RGB")
+
+
+def _grey_16(picture: Image.Image) -> Image.Image:
+    """A 16-bit greyscale PNG (Pillow's ``I;16``, or ``I`` in older versions) as 8-bit
+    grey: its high bytes, as its 16-bit colour siblings are read. Pillow's own conversion
+    clips the values to 255 instead, so all but the darkest 1/256 of the range came out
+    white."""
+    import numpy as np
+
+    values = np.asarray(picture).astype(np.uint32, copy=False)
+    return Image.fromarray((np.clip(values, 0, 65535) >> 8).astype(np.uint8), "L")
 
 
 def _invalid(image: ImageInput, why: str) -> InvalidRequestError:

@@ -9,7 +9,6 @@ finishes. A dialect adapter at the edge turns those events into its wire format.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import json
@@ -27,6 +26,7 @@ from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease
 from afmd.errors import ConflictError, InvalidRequestError, RateLimitError
+from afmd.service import image_pool
 from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.choices import ChoicesRun
 from afmd.service.completion_prompts import PreparedCompletion, prepare_completion
@@ -70,14 +70,19 @@ class NotStarted(Cancelled):
 
 def _check_images(request: ChatRequest, model: LoadedModel, entry: ModelEntry) -> None:
     """Images for a model that cannot see them are the client's mistake, named at the first
-    message that carries one (rather than dropped, which would answer another question)."""
+    image part, as the client's dialect named it (``messages[0].content[1].image_url``,
+    ``messages[2].content[0].content[1].source``, ``input[0].content[1].image_url``,
+    ``messages[0].images[0]``), rather than dropped, which would answer another question.
+    The message's index is afmd's, not the client's where a dialect maps its turns onto
+    other messages (Anthropic's tool results, Responses' items): named only when a
+    message says it has images without their parts."""
     if request.has_images and not model.supports_vision:
-        index = next(i for i, m in enumerate(request.messages) if m.has_images)
+        index, message = next((i, m) for i, m in enumerate(request.messages) if m.has_images)
         raise InvalidRequestError(
             f"The model '{entry.id}' does not accept image input; send text only or "
             "use a vision model.",
             code="image_input_not_supported",
-            param=f"messages[{index}].content",
+            param=message.images[0].param if message.images else f"messages[{index}].content",
         )
 
 
@@ -142,7 +147,7 @@ class ChatPipeline:
     #: The requests being prepared, and prepared but not started, by id.
     _arrivals: dict[str, Arrival] = field(default_factory=dict)
     #: What each prepared request holds until it ends, by the prepared object's identity:
-    #: its model, and the image pixels it keeps decoded (their sum across requests too).
+    #: its model, and the image pixels it counts as held (their sum across requests too).
     _holds: dict[int, tuple[Lease, int]] = field(default_factory=dict)
     _pixels_held: int = 0
 
@@ -188,7 +193,7 @@ class ChatPipeline:
         waited = time.monotonic() - started  # the model's load, when it was not loaded
         pixels = 0
         try:
-            pixels = self._hold_pixels(request, lease.model)
+            pixels = await self._hold_pixels(request, lease.model)
             # Rendering (a grammar's compile with it) is not cut short: a cancel meanwhile
             # ends the run as soon as it starts, as one cancelled in the queue.
             prepared = await self._prepare(lease.model, entry, request, request_id, started,
@@ -202,21 +207,25 @@ class ChatPipeline:
         self._holds[id(prepared)] = (lease, pixels)
         return prepared
 
-    def _hold_pixels(self, request: ChatRequest | CompletionRequest,
-                     model: LoadedModel) -> int:
+    async def _hold_pixels(self, request: ChatRequest | CompletionRequest,
+                           model: LoadedModel) -> int:
         """Count a vision request's image pixels as held, or refuse it: a 400 past
         ``max_request_image_pixels``, a 429 past ``max_image_pixels_in_flight``.
 
-        Its pictures are decoded as it is prepared, before it waits for a slot, and stay
-        decoded until it ends, so the requests in flight are held to a budget together. A
-        request is always let in when nothing else holds images, so any one can run.
+        Its pictures are decoded as it is prepared, before it waits for a slot, and its
+        processed image inputs kept until it ends (the pictures themselves are let go once
+        its prompt is built), so the requests in flight are held to a budget together. A
+        request is always let in when nothing else holds images, so any one can run. The
+        headers are read off the event loop (Pillow walks a file's metadata in Python:
+        seconds for a body's worth of it), the budget on it, with no wait in between.
         """
         if not isinstance(request, ChatRequest) or not request.has_images \
                 or not model.supports_vision:
             return 0
         from afmd.service import images as image_decoding  # Pillow: only with images
 
-        pixels = image_decoding.check_total(
+        pixels = await image_pool.run(
+            image_decoding.check_total,
             [image for message in request.messages for image in message.images],
             self.config.models.max_request_image_pixels)
         limit = self.config.models.max_image_pixels_in_flight
@@ -287,13 +296,13 @@ class ChatPipeline:
         pixels = 0
         try:
             _check_images(request, lease.model, entry)  # the turn would refuse them
-            pixels = self._hold_pixels(request, lease.model)
+            pixels = await self._hold_pixels(request, lease.model)
             request = _with_server_tools(request, self.server_tools)
             rounds = RoundBuilder(lease.model, request,
                                   instructions=self.config.server.instructions,
                                   trim=self._trims(request),
                                   server_tools=self.server_tools.names)
-            return await asyncio.to_thread(rounds.prompt_tokens, request, must_fit=must_fit)
+            return await rounds.offload(rounds.prompt_tokens, request, must_fit=must_fit)
         finally:
             self._pixels_held -= pixels
             lease.release()
@@ -355,6 +364,8 @@ class ChatPipeline:
         if held is not None:
             lease, pixels = held
             self._pixels_held -= pixels
+            if pixels and isinstance(prepared, PreparedChat):
+                prepared.rounds.release()  # its image inputs go with its pixels' count
             lease.release()
 
     def _forget(self, run: ChatRun | ChoicesRun | CompletionRun) -> None:

@@ -5,13 +5,15 @@ model's own chat template (with the operator's instructions and the request's to
 fitted into the context window before any prefill (trimming the oldest turns when the
 context policy allows it, for the request's first round only), and planned (grammar,
 output parsing). All of it is CPU work that must not stall the event loop, so a round is
-built in one worker-thread hop.
+built in one worker-thread hop: on the image threads (:mod:`afmd.service.image_pool`)
+when a vision model decodes the request's images, else on asyncio's default executor.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ from afmd.core.request import CONTEXT_WINDOW_PARAM, ChatRequest, context_limit
 from afmd.engine.apple.conversation import SystemTurn, system_turn
 from afmd.engine.models.loaded_model import LoadedModel
 from afmd.errors import ContextLengthError, InvalidRequestError
+from afmd.service import image_pool
 from afmd.service.chat_template import template_messages, template_tools
 from afmd.service.context_trim import droppable_units, without_units
 from afmd.service.output_plan import OutputPlan, check_schemas, plan_output, template_kwargs
@@ -43,7 +46,8 @@ class Round:
 class RoundBuilder:
     """How one request's rounds are made; its tools are the same in every round."""
 
-    __slots__ = ("_instructions", "_pictures", "_server_tools", "_tools", "_trim", "model")
+    __slots__ = ("_inputs", "_instructions", "_pictures", "_server_tools", "_tools", "_trim",
+                 "model", "offload")
 
     def __init__(
         self, model: LoadedModel, request: ChatRequest, *, instructions: str, trim: bool,
@@ -55,18 +59,35 @@ class RoundBuilder:
         self._server_tools = server_tools  # their calls run inside a model that calls tools
         # Converted once per request, not per render (trimming renders several times).
         self._tools = template_tools(request.tools)
-        self._pictures: dict[int, Any] = {}  # a vision model's decoded images, likewise
+        # A vision model's decoded images, kept while one round is built (trimming renders
+        # several times), and the image inputs of the rounds built, until release().
+        self._pictures: dict[int, Any] = {}
+        self._inputs: list[dict[str, Any]] = []
+        #: How the builder's blocking work is run off the event loop.
+        self.offload: Callable[..., Awaitable[Any]] = (
+            image_pool.run if request.has_images and model.vision is not None
+            else asyncio.to_thread)
 
     async def first(self, request: ChatRequest) -> Round:
         """The request's first round: trimmed if the policy allows, ``tool_choice`` binds."""
-        return await asyncio.to_thread(self._build, request, self._trim, True)
+        return await self.offload(self._build, request, self._trim, True)
 
     async def next(self, request: ChatRequest) -> Round:
         """A round afmd adds after server tools ran, free of ``tool_choice`` (which binds
         the request's first step only), and trimmed as the first was when the policy
         allows: a tool's output may be what pushes the conversation past the window, and
         the request asked for old turns to go rather than fail."""
-        return await asyncio.to_thread(self._build, request, self._trim, False)
+        return await self.offload(self._build, request, self._trim, False)
+
+    def release(self) -> None:
+        """Let go of the image inputs of the rounds built: the request is over. A finished
+        run's objects refer to each other (the run and its generator, its control's
+        callbacks), so they wait for the garbage collector, which may not come for several
+        requests, and a vision model's processed images (hundreds of megabytes for a few
+        large pictures) would wait with them."""
+        for inputs in self._inputs:
+            inputs.clear()
+        self._inputs.clear()
 
     def render(self, request: ChatRequest) -> list[int]:
         """The prompt's token ids (a template error is the conversation's fault: a 400)."""
@@ -80,10 +101,13 @@ class RoundBuilder:
         if self.model.reads_conversation:
             worker: Any = self.model.worker
             return int(worker.prompt_tokens(self._conversation(request, True)))
-        tokens = len(self.render(request))
-        limit, own = context_limit(self.model.context_length, request.context_window)
-        if tokens >= limit and self._trim:
-            tokens = len(self._fit(request, limit, 1)[1])
+        try:
+            tokens = len(self.render(request))
+            limit, own = context_limit(self.model.context_length, request.context_window)
+            if tokens >= limit and self._trim:
+                tokens = len(self._fit(request, limit, 1)[1])
+        finally:
+            self._pictures.clear()
         if must_fit and tokens >= limit:
             raise _context_error(limit, tokens, None, own)
         return tokens
@@ -153,6 +177,18 @@ class RoundBuilder:
             ) from None
 
     def _build(self, request: ChatRequest, trim: bool, first_step: bool) -> Round:
+        try:
+            built = self._round(request, trim, first_step)
+        finally:
+            # Not kept past the build (a later round, after server tools, decodes them
+            # again): a finished run waits for the garbage collector (see release), and
+            # its pictures, three bytes a pixel, waited with it.
+            self._pictures.clear()
+        if built.vision is not None:
+            self._inputs.append(built.vision)
+        return built
+
+    def _round(self, request: ChatRequest, trim: bool, first_step: bool) -> Round:
         if self.model.reads_conversation:
             return self._conversation_round(request, first_step)
         limit, own = context_limit(self.model.context_length, request.context_window)

@@ -375,7 +375,7 @@ def test_images_need_a_vision_model(claude: anthropic.Anthropic) -> None:
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": pixel}},
             {"type": "text", "text": "What is this?"}]}])
-    assert raised.value.body["error"]["message"].startswith("messages: ")
+    assert raised.value.body["error"]["message"].startswith("messages[0].content[0].source: ")
     with pytest.raises(anthropic.BadRequestError) as raised:
         create(claude, max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])

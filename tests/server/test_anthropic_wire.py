@@ -477,8 +477,9 @@ def test_params_are_named_in_anthropics_terms() -> None:
         "tools[2].input_schema: bad")
     assert message(InvalidRequestError("bad", param="response_format.json_schema.schema")) == (
         "output_config.format.schema: bad")
-    assert message(InvalidRequestError("bad", param="messages[3].content",
-                                       code="image_input_not_supported")) == "messages: bad"
+    assert message(InvalidRequestError(  # the pipeline names the image as the body did
+        "bad", param="messages[3].content[0].content[1].source",
+        code="image_input_not_supported")) == "messages[3].content[0].content[1].source: bad"
     assert message(InvalidRequestError("bad", param="max_tokens")) == "max_tokens: bad"
 
 
@@ -692,7 +693,9 @@ def test_an_image_is_of_its_declared_media_type() -> None:
     """Bytes of one of the four formats declared as another are Anthropic's 400 naming
     the block's media type, in a user turn and in a tool result alike; bytes of none of
     them are left for the decoder to name (a vision model's 400, a text model's refusal
-    of images)."""
+    of images). The format is the one the bytes' signature names, as Pillow picks its
+    decoder: a file with a PNG's signature and nothing readable after it is a PNG
+    declared as a JPEG, not left to the decoder."""
     types = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif",
              "WEBP": "image/webp"}
 
@@ -726,8 +729,11 @@ def test_an_image_is_of_its_declared_media_type() -> None:
     with pytest.raises(InvalidRequestError) as info:
         parse(_picture("PNG"), "image/jpeg", in_result=True)
     assert info.value.param == "messages[2].content[0].content[0].source.media_type"
-    for unknown in (b"BM" + bytes(60), b"\x89PNG\r\n\x1a\n" + bytes(40)):
+    for unknown in (b"BM" + bytes(60), b"GIF90a" + bytes(40), b""):
         assert parse(unknown, "image/jpeg").messages[-1].images[0].data == unknown
+    with pytest.raises(InvalidRequestError) as info:
+        parse(b"\x89PNG\r\n\x1a\n" + bytes(40), "image/jpeg")
+    assert info.value.param == "messages[0].content[1].source.media_type"
 
 
 #: The demo's template, made to refuse a system turn anywhere but first (as many do).

@@ -372,16 +372,19 @@ def test_a_bad_image_is_named_by_its_field(http: httpx.Client, route: str,
 
 
 def test_images_for_a_model_that_cannot_see_name_the_images(http: httpx.Client) -> None:
-    """The pipeline's message index is afmd's; the body's field is ``images``."""
+    """The first image, as the body named it: a message's ``images[0]``, and a generate
+    body's own ``images[0]``."""
     buf = io.BytesIO()
     Image.new("RGB", (8, 8)).save(buf, "PNG")
     image = base64.b64encode(buf.getvalue()).decode()
     chat = http.post("/api/chat", json={"model": "demo", "messages": [
         MESSAGES[0], {"role": "user", "content": "x", "images": [image]}]})
-    assert chat.status_code == 400 and chat.json()["error"].startswith("messages[1].images: ")
+    assert chat.status_code == 400
+    assert chat.json()["error"].startswith("messages[1].images[0]: ")
     generate = http.post("/api/generate", json={"model": "demo", "prompt": "x", "system": "s",
                                                 "images": [image]})
-    assert generate.status_code == 400 and generate.json()["error"].startswith("images: ")
+    assert generate.status_code == 400
+    assert generate.json()["error"].startswith("images[0]: ")
 
 
 # -- generate ------------------------------------------------------------------------------

@@ -197,7 +197,7 @@ BAD: list[tuple[dict[str, Any], str, str | None]] = [
      "invalid_last_message", "input[1]"),
     ({"input": [{"role": "developer", "content": "x"}]}, "missing_user_message", "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": IMAGE}]}]},
-     "image_input_not_supported", "input"),  # the demo model reads text only
+     "image_input_not_supported", "input[0].content[0].image_url"),  # demo reads text only
     ({"input": "x", "max_output_tokens": 8}, "invalid_value", "max_output_tokens"),
     ({"input": "x", "temperature": 3}, "invalid_value", "temperature"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}},

@@ -542,7 +542,7 @@ ERRORS = [
     ("not-an-image-data-url", {"messages": [image_message("data:text/plain,hello")]},
      "invalid_image_url", "messages[0].content[1].image_url.url"),
     ("image-without-vision", {"messages": [image_message(PNG_URL)]},
-     "image_input_not_supported", "messages[0].content"),
+     "image_input_not_supported", "messages[0].content[1].image_url"),
 ]
 
 

@@ -318,8 +318,8 @@ def test_a_requests_images_together_stay_under_max_request_image_pixels(
 
 def test_vision_requests_in_flight_share_max_image_pixels_in_flight(
         srv: ServerProcess) -> None:
-    """A request's pictures are decoded when it arrives, before it queues, and held until
-    it ends: past the budget, another image request is 429 with Retry-After while a text
+    """A request's pictures are decoded when it arrives, before it queues, and counted
+    until it ends: past the budget, another image request is 429 with Retry-After while a text
     one goes on, and the budget comes back when the holder ends (here, disconnects)."""
     full = png_url(noise(15, (112, 112)))
     holder = {"model": MODEL, "stream": True, "max_tokens": 6000, "temperature": 0,
@@ -380,7 +380,7 @@ def test_size_is_checked_before_decoding() -> None:
 def test_text_only_model_refuses_images(srv: ServerProcess) -> None:
     r = post(srv, {"model": "demo", "messages": [
         {"role": "user", "content": parts(png_url(noise(1)))}]})
-    assert_error(r, "image_input_not_supported", "messages[0].content")
+    assert_error(r, "image_input_not_supported", "messages[0].content[1].image_url")
 
 
 # -- queue and cancel --------------------------------------------------------------------

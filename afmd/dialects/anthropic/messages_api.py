@@ -316,8 +316,6 @@ def _param(error: APIError) -> str | None:
     param = error.param
     if param is None:
         return None
-    if error.code == "image_input_not_supported":
-        return "messages"  # the pipeline counts afmd's messages, not the client's
     if error.code == "unknown_parameter":
         return param  # the client's own field, whatever it is called
     for pattern, replacement in _PARAMS:

@@ -83,22 +83,20 @@ _FIELDS = (
 _OLLAMA_WORDS = frozenset({"model_not_found", "thinking_not_supported"})
 
 
-def schema_field(error: APIError, *, generate: bool = False) -> str | None:
+def schema_field(error: APIError) -> str | None:
     """The field an error names, as Ollama's body names it (None: no field of Ollama's
-    body, such as a setting only afmd's other APIs have). ``generate``: the body is
-    ``/api/generate``'s, whose ``prompt`` and ``images`` afmd made a message of."""
+    body, such as a setting only afmd's other APIs have). An image's error names the image
+    as the body did (``messages[0].images[0]``, ``/api/generate``'s ``images[0]``)."""
     param = error.param
     if param is None:
         return None
-    if error.code == "image_input_not_supported":  # names the message that has them
-        return "images" if generate else re.sub(r"\.content$", ".images", param)
     for pattern, replacement in _FIELDS:
         if pattern.fullmatch(param):
             return pattern.sub(replacement, param)
     return None
 
 
-def error_body(error: APIError, *, generate: bool = False) -> dict[str, Any]:
+def error_body(error: APIError) -> dict[str, Any]:
     """``{"error": "..."}``; an unknown model and a model that cannot think in Ollama's
     own words, which clients match. Ollama's error is one message, so it starts with the
     field it is about where it does not name it already (as Anthropic's do): a grammar's
@@ -108,7 +106,7 @@ def error_body(error: APIError, *, generate: bool = False) -> dict[str, Any]:
         return {"error": f"model '{found.group(1)}' not found"}
     if isinstance(error, ContextLengthError):
         return {"error": _context_message(error)}
-    field = schema_field(error, generate=generate)
+    field = schema_field(error)
     if field is not None and field not in error.message and error.code not in _OLLAMA_WORDS:
         return {"error": f"{field}: {error.message}"}
     return {"error": error.message}
@@ -274,7 +272,7 @@ class OllamaReply:
         return b""
 
     def stream_error(self, error: APIError) -> bytes:
-        return ndjson(error_body(error, generate=not self.chat))
+        return ndjson(error_body(error))
 
     def stream_abandoned(self) -> None:
         pass  # nothing outlives the request
@@ -286,13 +284,12 @@ class OllamaErrors:
 
     name = "ollama"
     any_body_media_type = True  # see AnyBodyMediaType
-    generate = False  # the body is /api/generate's (its prompt made a message)
 
     def error_envelope(self, error: APIError) -> dict[str, Any]:
-        return error_body(error, generate=self.generate)
+        return error_body(error)
 
     def error_param(self, error: APIError) -> str | None:
-        return schema_field(error, generate=self.generate) or error.param
+        return schema_field(error) or error.param
 
 
 class OllamaChat(OllamaErrors):
@@ -313,7 +310,6 @@ class OllamaGenerate(OllamaErrors):
     (``raw``, or fill-in-the-middle with ``suffix``)."""
 
     name = "ollama_generate"
-    generate = True
 
     def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
               strict: bool = False) -> ChatRequest | CompletionRequest:

@@ -210,7 +210,8 @@ def wants_thinking(value: Any) -> bool:
 
 def _images(value: Any, param: str) -> tuple[ImageInput, ...]:
     """Base64 images (as Ollama takes them; a ``data:`` URL's payload is read too), placed
-    before the message's text, as Ollama's templates place them."""
+    before the message's text, as Ollama's templates place them. Line breaks are skipped,
+    as Go's base64 decoder (Ollama's) skips them: ``base64`` writes 76 columns a line."""
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -220,7 +221,12 @@ def _images(value: Any, param: str) -> tuple[ImageInput, ...]:
         p = f"{param}[{i}]"
         if not isinstance(item, str):
             raise wrong_type(p, "a base64 string", item)
+        if item.startswith("data:") and ";base64," not in item:
+            raise invalid(p, f"'{p}' is a data: URL without a base64 payload; send "
+                          "'data:image/<type>;base64,<data>' or the base64 data alone.")
         payload = item.partition(";base64,")[2] if item.startswith("data:") else item
+        if "\n" in payload or "\r" in payload:
+            payload = payload.replace("\r", "").replace("\n", "")
         try:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):

@@ -131,6 +131,9 @@ class VisionWorker:
 
         request = generation.request
         started = time.perf_counter()
+        if generation.cancel_requested:  # since it was reaped: its inputs may be let go
+            push(generation, [finished(generation, "cancelled", 0, 0, 0, started, 0.0)])
+            return
         pending: list[Event] = []
         if request.prompt_logprobs is not None:
             pending.append(PromptLogprobs(prompt_logprobs(self._model, request.prompt,

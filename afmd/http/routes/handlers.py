@@ -23,7 +23,7 @@ from afmd.core.ids import new_request_id
 from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.dialects.dialect import Dialect, ReplyEncoder
 from afmd.errors import APIError, InvalidRequestError, NotFoundError, ServiceUnavailableError
-from afmd.http.access import log_access
+from afmd.http.access import log_access, note_error
 from afmd.http.app_state import AppState
 from afmd.http.routes.event_stream import STALL_GRACE, EventStream, Stalled
 from afmd.http.routes.ignored import ignored_headers
@@ -264,7 +264,7 @@ async def _stream(
             if not out.opened:
                 raise  # nothing was sent: a plain error
             request.ctx.stream_error = exc.code
-            request.ctx.error = exc
+            note_error(request, exc)
             await out.write(reply.stream_error(exc), until=late)
     except Stalled:
         # What is left cannot reach it: the connection goes, as one the client closed does.

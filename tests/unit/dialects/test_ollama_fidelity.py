@@ -125,14 +125,15 @@ def test_an_image_error_starts_with_its_field(param: str, chat_says: str,
     assert OLLAMA_GENERATE.error_envelope(error)["error"].startswith(f"{generate_says}: ")
 
 
-def test_images_for_a_model_that_cannot_see_name_the_images() -> None:
-    """The pipeline names the message's content; Ollama's body has ``images`` there, and a
-    generate body has no messages at all."""
+@pytest.mark.parametrize("param", ["messages[1].images[0]", "images[0]"])
+def test_images_for_a_model_that_cannot_see_name_the_image(param: str) -> None:
+    """The pipeline names the first image as the body named it: a message's
+    ``images[0]``, or a generate body's own ``images[0]`` (it has no messages)."""
     error = InvalidRequestError("The model 'demo' does not accept image input.",
-                                code="image_input_not_supported", param="messages[1].content")
-    assert OLLAMA_CHAT.error_envelope(error)["error"].startswith("messages[1].images: ")
-    assert OLLAMA_GENERATE.error_envelope(error)["error"].startswith("images: ")
-    assert OLLAMA_GENERATE.error_param(error) == "images"
+                                code="image_input_not_supported", param=param)
+    for dialect in (OLLAMA_CHAT, OLLAMA_GENERATE):
+        assert dialect.error_envelope(error)["error"].startswith(f"{param}: ")
+        assert dialect.error_param(error) == param
 
 
 def test_a_field_the_message_names_or_afmds_own_is_not_prefixed() -> None:
