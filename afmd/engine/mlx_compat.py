@@ -27,6 +27,10 @@ What afmd needs from them, and how:
 * **The Hugging Face tokenizer** (:func:`hf_tokenizer`) inside mlx-lm's
   ``TokenizerWrapper`` (``_tokenizer``): the wrapper forwards attributes to it but not
   calls, and batch tokenization and llguidance need the tokenizer itself.
+* **Which architectures they have** (:func:`unsupported_model_type`): a model folder
+  whose ``model_type`` neither can build is refused before its load unloads other models;
+  mlx-lm resolves the name through ``MODEL_REMAPPING`` and ``MODEL_ARCHITECTURE_REMAPPING``
+  (``_get_classes``), mlx-vlm through ``get_model_type`` (``get_model_and_args``).
 * **mlx-vlm's rotary state** (:func:`reset_rope_state`): Qwen2-VL-style language models
   keep the multimodal position ids and their offset (``_position_ids``, ``_rope_deltas``)
   from one generation to the next; a request without images would decode at the previous
@@ -140,6 +144,54 @@ def reset_rope_state(language_model: Any) -> None:
             setattr(language_model, attribute, None)
 
 
+def unsupported_model_type(config: dict[str, Any], *, vision: bool = False) -> str | None:
+    """Why mlx-lm (``vision``: mlx-vlm) cannot build the model a ``config.json`` describes,
+    if it has no module for its ``model_type``; None when it has one. Resolved as mlx-lm's
+    ``_get_classes`` (mlx-vlm's ``get_model_and_args``) resolves it, through their
+    remapping tables, without importing the model's module."""
+    import importlib.util
+
+    if vision:
+        try:
+            from mlx_vlm.utils import get_model_type
+        except ImportError:
+            return None  # the load says vision support is not installed
+        try:
+            model_type = get_model_type(config)
+        except (AttributeError, TypeError, ValueError):
+            return "its model_type cannot be read"
+        packages: tuple[str, ...] = ("mlx_vlm.models", "mlx_vlm.speculative.drafters")
+        library = "mlx-vlm"
+    else:
+        from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
+
+        model_type = config.get("model_type")
+        if isinstance(model_type, str):
+            architectures = config.get("architectures") or ()
+            if isinstance(architectures, str):
+                architectures = (architectures,)
+            try:
+                remapped = next((MODEL_ARCHITECTURE_REMAPPING[(model_type, a)]
+                                 for a in architectures
+                                 if (model_type, a) in MODEL_ARCHITECTURE_REMAPPING), None)
+            except TypeError:  # an architecture that is not a string
+                remapped = None
+            model_type = remapped or MODEL_REMAPPING.get(model_type, model_type)
+        packages = ("mlx_lm.models",)
+        library = "mlx-lm"
+    if model_type is None:
+        return "it has no model_type"
+    if not isinstance(model_type, str) or not model_type.isidentifier():
+        return f"model_type {model_type!r} is not one {library} supports"
+    for package in packages:
+        try:
+            if importlib.util.find_spec(f"{package}.{model_type}") is not None:
+                return None
+        except (ImportError, ValueError):
+            continue
+    return f"model_type '{model_type}' is not one {library} supports (not an architecture it has)"
+
+
 # ------------------------------------------------------------------------------ upgrades
 
 
@@ -151,6 +203,24 @@ def _qwen2_vl_language() -> Callable[..., Any]:
     from mlx_vlm.models.qwen2_vl.language import LanguageModel
 
     return LanguageModel.__call__
+
+
+def _get_classes() -> Callable[..., Any]:
+    from mlx_lm.utils import _get_classes
+
+    return _get_classes
+
+
+def _vlm_get_model_and_args() -> Callable[..., Any]:
+    from mlx_vlm.utils import get_model_and_args
+
+    return get_model_and_args
+
+
+def _vlm_get_model_type() -> Callable[..., Any]:
+    from mlx_vlm.utils import get_model_type
+
+    return get_model_type
 
 
 #: mlx-lm's and mlx-vlm's code this module relies on in detail, with a fingerprint of its
@@ -180,6 +250,11 @@ UPSTREAM_CODE: dict[str, tuple[Callable[[], Callable[..., Any] | type], str]] = 
     "TokenizerWrapper.__init__": (lambda: TokenizerWrapper.__init__, "79f9e5564e8331bb"),
     # mlx-vlm: resets _position_ids/_rope_deltas only for a prompt with images
     "mlx-vlm qwen2_vl LanguageModel.__call__": (_qwen2_vl_language, "b6ee49f7d912faa8"),
+    # unsupported_model_type resolves model_type through the same tables, then the
+    # module each would import
+    "mlx_lm.utils._get_classes": (_get_classes, "c5f60582f151ad98"),
+    "mlx-vlm get_model_and_args": (_vlm_get_model_and_args, "27caa2efb3de4dd8"),
+    "mlx-vlm get_model_type": (_vlm_get_model_type, "2168da8285ad58f9"),
 }
 
 #: What GenerationRows reads of a running batch's instance state.

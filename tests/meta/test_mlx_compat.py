@@ -141,6 +141,27 @@ def test_hf_tokenizer_is_the_wrapped_one(loaded: tuple[Any, Any]) -> None:
     assert mlx_compat.hf_tokenizer(plain) is plain
 
 
+def test_unsupported_model_type_answers_as_the_loaders_would() -> None:
+    """The model types mlx-lm and mlx-vlm build, found as their loaders find them (through
+    their remapping tables), and those they have no module for named."""
+    from mlx_lm.utils import MODEL_REMAPPING, _get_classes
+
+    assert mlx_compat.unsupported_model_type({"model_type": "llama"}) is None
+    remapped = next(iter(MODEL_REMAPPING))  # a name mlx-lm knows only through the table
+    assert mlx_compat.unsupported_model_type({"model_type": remapped}) is None
+    _get_classes({"model_type": remapped})  # and the loader agrees
+    with pytest.raises(ValueError, match="not supported"):
+        _get_classes({"model_type": "no_such_arch"})
+    assert "no_such_arch" in (mlx_compat.unsupported_model_type(
+        {"model_type": "no_such_arch"}) or "")
+    assert mlx_compat.unsupported_model_type({}) == "it has no model_type"
+    for odd in ("../llama", "a.b", 5, ""):
+        assert mlx_compat.unsupported_model_type({"model_type": odd}) is not None, odd
+    assert mlx_compat.unsupported_model_type({"model_type": "qwen2_vl"}, vision=True) is None
+    assert mlx_compat.unsupported_model_type({"model_type": "no_such_arch"},
+                                             vision=True) is not None
+
+
 def test_rope_state_is_what_mlx_vlm_keeps() -> None:
     from mlx_vlm.models.qwen2_vl.language import LanguageModel
 

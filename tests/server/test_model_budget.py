@@ -298,3 +298,55 @@ def test_an_unload_sent_while_the_model_loads_unloads_it_once_its_requests_are_d
             time.sleep(0.02)
     finally:
         assert server.stop() == 0
+
+
+def test_a_folder_that_cannot_load_fails_before_it_unloads_anything(tmp_path: Path) -> None:
+    """A folder whose load cannot succeed (no config.json, one that does not parse, no
+    weights, no tokenizer, an architecture mlx-lm has none of) unloaded the idle model
+    serving beside it to make room, and only then failed: every retry cost that model a
+    reload. Its folder says so before any unload now, with the same 500
+    ``model_load_failed`` naming the folder and what is wrong."""
+    import shutil
+
+    from afmd.engine.demo import builtin
+
+    demo = builtin.materialize("demo")
+    config_text = (demo / "config.json").read_text()
+    broken: dict[str, tuple[dict[str, str | None], str]] = {
+        "no-config": ({"config.json": None}, "has no config.json"),
+        "bad-config": ({"config.json": "{not json"}, "config.json cannot be read as JSON"),
+        "no-weights": ({"model.safetensors": None}, "no weight files"),
+        "no-tokenizer": ({"tokenizer.json": None, "tokenizer_config.json": None},
+                         "its tokenizer is empty"),
+        "odd-architecture": ({"config.json": json.dumps(
+            {**json.loads(config_text), "model_type": "no_such_arch"})},
+            "model_type 'no_such_arch' is not one mlx-lm supports"),
+    }
+    entries = ""
+    for name, (changes, _) in broken.items():
+        folder = tmp_path / name
+        shutil.copytree(demo, folder)
+        for file, text in changes.items():
+            if text is None:
+                (folder / file).unlink()
+            else:
+                (folder / file).write_text(text)
+        entries += f'[[models.model]]\nid = "{name}"\npath = "{folder}"\n'
+    server = start_server(tmp_path, config="[models]\nmax_loaded = 1\n" + entries)
+    try:
+        assert loaded_models(server) == ["demo"]
+        for name, (_, problem) in broken.items():
+            for _ in range(2):  # and its retry
+                answer = chat(server, name)
+                assert answer.status_code == 500, (name, answer.text)
+                validate_error(answer.json())
+                error = answer.json()["error"]
+                assert (error["code"], error["param"]) == ("model_load_failed", "model")
+                assert str(tmp_path / name) in error["message"], (name, error)
+                assert problem in error["message"], (name, error)
+            assert states(server)[name].startswith("unavailable: "), name
+            assert loaded_models(server) == ["demo"], name
+        assert "model unloaded" not in server.log_text()
+        assert chat(server, "demo").status_code == 200
+    finally:
+        assert server.stop() == 0

@@ -29,7 +29,7 @@ from afmd.config.sections import BUILTIN_SYSTEM_PATH, Config
 from afmd.config.tables import ModelEntry
 from afmd.engine.apple import framework
 from afmd.engine.first_import import transformers_ready
-from afmd.engine.models import kinds
+from afmd.engine.models import kinds, precheck
 from afmd.engine.models.kinds import BUILTIN_PREFIX, CHAT
 from afmd.engine.models.loaded_model import DEFAULT_CONTEXT_LENGTH, LoadedModel, context_length_from
 from afmd.engine.models.residency import RETRY_AFTER_S, Residency, format_bytes, size_before_loading
@@ -227,9 +227,7 @@ def _check_tokenizer(tokenizer: Any, source: str) -> None:
     except Exception as exc:
         raise ValueError(f"its tokenizer cannot encode text: {exc}") from exc
     if not len(ids):
-        raise ValueError(
-            f"its tokenizer is empty (no tokenizer files in {source}: tokenizer.json, "
-            "tokenizer.model or vocab.json and merges.txt, with tokenizer_config.json)")
+        raise ValueError(precheck.tokenizer_missing(source))
 
 
 def _config_json(folder: Path) -> dict[str, Any]:
@@ -481,6 +479,12 @@ class Loads:
     ) -> LoadedModel:
         residency = self._residency
         try:
+            try:
+                # What the folder tells of a load that cannot succeed fails it here, before
+                # making room unloads the models that serve for one that never would.
+                await off_the_loop(precheck.check, entry)
+            except Exception as exc:
+                raise self._load_failed(entry, exc) from None
             try:
                 size = await off_the_loop(size_before_loading, entry)
             except Exception:  # unreadable: the load itself will say what is wrong
