@@ -55,6 +55,16 @@ def chat(server: ServerProcess, model: str, **extra: Any) -> httpx.Response:
     return httpx.post(server.url + CHAT, json=body, timeout=60)
 
 
+def load_failures(server: ServerProcess, model: str) -> dict[str, float]:
+    """``afmd_model_load_failures_total`` of ``model``, by reason."""
+    found: dict[str, float] = {}
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("afmd_model_load_failures_total{") and f'model="{model}"' in line:
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            found[reason] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def loaded_models(server: ServerProcess) -> list[str]:
     return sorted(m for m, state in states(server).items() if state == "loaded")
 
@@ -192,6 +202,10 @@ def test_budget_too_large_model_keep_alive_and_preload(tmp_path: Path) -> None:
         assert "15.9 MiB" in error["message"] and "10000000 bytes" in error["message"]
         assert states(server)["demo-32k"].startswith("unavailable: larger than the memory")
         assert "model loaded: demo-32k" not in server.log_text()
+        # Counted as a load that did not happen, with its reason (and each retry again).
+        assert load_failures(server, "demo-32k") == {"failed": 0, "too_large": 1}
+        assert chat(server, "demo-32k").status_code == 400
+        assert load_failures(server, "demo-32k") == {"failed": 0, "too_large": 2}
 
         # The server's keep_alive: 1 s after its request, demo is unloaded.
         assert chat(server, "demo").status_code == 200
@@ -347,6 +361,8 @@ def test_a_folder_that_cannot_load_fails_before_it_unloads_anything(tmp_path: Pa
             assert states(server)[name].startswith("unavailable: "), name
             assert loaded_models(server) == ["demo"], name
         assert "model unloaded" not in server.log_text()
+        for name in broken:  # a load that failed, each time
+            assert load_failures(server, name) == {"failed": 2, "too_large": 0}, name
         assert chat(server, "demo").status_code == 200
     finally:
         assert server.stop() == 0

@@ -277,11 +277,13 @@ async def off_the_loop(fn: Callable[..., T], *args: Any) -> T:
 
 @dataclass(slots=True)
 class LoadCounts:
-    """Per model id since the server started: completed loads, failed ones, unloads and
-    seconds spent in completed loads (``/metrics`` reads them; they outlive an unload)."""
+    """Per model id since the server started: completed loads, failed ones, refusals of a
+    model larger than the whole budget, unloads and seconds spent in completed loads
+    (``/metrics`` reads them; they outlive an unload)."""
 
     loads: Counter[str] = field(default_factory=Counter)
     failures: Counter[str] = field(default_factory=Counter)
+    too_large: Counter[str] = field(default_factory=Counter)
     unloads: Counter[str] = field(default_factory=Counter)
     seconds: dict[str, float] = field(default_factory=dict)
     #: Per (model id, tier): the block KV cache's counters (``hits``, ``misses``,
@@ -538,6 +540,7 @@ class Loads:
         reason = (f"larger than the memory budget: its weights take {need} ({size} bytes) "
                   f"{when}, the whole budget is {limit} ({whole} bytes)")
         self._failed[entry.id] = reason
+        self._counts.too_large[entry.id] += 1
         return _too_large_error(entry, reason)
 
     def close(self) -> None:
