@@ -72,3 +72,18 @@ def test_a_custom_model_file_is_left_to_the_load(folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(
         {**config, "model_type": "mine", "model_file": "mine.py"}))
     precheck.check(entry(folder))
+
+
+def test_a_vision_folder_is_asked_of_mlx_vlm(folder: Path) -> None:
+    """A folder with a ``vision_config`` loads through mlx-vlm: its architectures, and its
+    weights as mlx-vlm looks for them (any ``*.safetensors``)."""
+    pytest.importorskip("mlx_vlm")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "model.safetensors").rename(folder / "weights.safetensors")
+    (folder / "config.json").write_text(json.dumps(
+        {**config, "model_type": "qwen2_vl", "vision_config": {}}))
+    precheck.check(entry(folder))
+    (folder / "config.json").write_text(json.dumps(
+        {**config, "model_type": "no_such_arch", "vision_config": {}}))
+    with pytest.raises(ValueError, match="not one mlx-vlm supports"):
+        precheck.check(entry(folder))
