@@ -313,16 +313,16 @@ def _model_families(registry: ModelRegistry, models: list[str]) -> Iterator[Any]
             memory.add_metric((model,), handle.memory_bytes)
     yield loaded
     yield memory
-    failures = CounterMetricFamily(
-        "afmd_model_load_failures", "Model loads that failed, by reason (failed: "
-        "model_load_failed; too_large: model_too_large, larger than the whole budget).",
-        labels=("model", "reason"))
-    for model in _union(models, [*counts.failures, *counts.too_large]):
-        failures.add_metric((model, "failed"), counts.failures.get(model, 0))
-        failures.add_metric((model, "too_large"), counts.too_large.get(model, 0))
-    yield failures
+    # A refusal of a model larger than the whole budget is a load that failed too (the
+    # series keeps its labels: scrapes select it by model), and is counted on its own.
+    failed = counts.failures + counts.too_large
     for name, doc, series in (
         ("afmd_model_loads", "Completed model loads.", counts.loads),
+        ("afmd_model_load_failures", "Model loads that failed (model_load_failed), and "
+         "refusals of a model larger than the whole budget (model_too_large).", failed),
+        ("afmd_model_too_large", "Refusals of a model larger than the whole memory "
+         "budget (model_too_large), also counted in afmd_model_load_failures.",
+         counts.too_large),
         ("afmd_model_unloads", "Unloads (idle past keep_alive, or making room).",
          counts.unloads),
         ("afmd_model_load_seconds", "Time spent in completed model loads.", counts.seconds),
