@@ -1045,7 +1045,7 @@ def _turn(url: str, messages: list[dict[str, str]] | None = None
     return text, usage, profile
 
 
-def _kv_detail(url: str) -> dict[str, int]:
+def _kv_detail(url: str) -> dict[str, Any]:
     detail = httpx.get(url + "/health", timeout=10).json()["model_details"]["demo"]
     return detail["kv_cache"]
 
@@ -1111,7 +1111,8 @@ def test_a_restarted_server_resumes_from_disk_with_the_cold_runs_output(
             env={**os.environ, "AFMD_CONFIG": ""}, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         assert '"disk_bytes"' in done.stdout
-        assert _kv_detail(second.url) == {"ram_bytes": 0, "disk_bytes": 0}
+        assert _kv_detail(second.url) == {"ram_bytes": 0, "disk_bytes": 0,
+                                          "disk_writing": True}
         assert not list(kv.rglob(f"*{layout.SUFFIX}"))
         _, usage, _ = _turn(second.url)
         assert usage["prompt_tokens_details"]["cached_tokens"] == 0
@@ -1249,6 +1250,7 @@ def test_a_server_whose_disk_fills_pauses_its_disk_tier_and_writes_again(
             metrics = _wait(lambda: (m := _disk_metrics(server.url))[
                 "afmd_kv_cache_disk_write_failures_total", "full"] >= 1 and m)
             assert metrics and metrics["afmd_kv_cache_disk_writing", ""] == 0, metrics
+            assert _kv_detail(server.url)["disk_writing"] is False  # /health says so too
             _chat(server.url, "glaciers")  # paused: dropped, not tried
         finally:
             resource.prlimit(pid, resource.RLIMIT_FSIZE, limit)
@@ -1256,6 +1258,7 @@ def test_a_server_whose_disk_fills_pauses_its_disk_tier_and_writes_again(
         time.sleep(1.2)  # the first retry comes after a second
         _chat(server.url, "deserts")
         assert _wait(lambda: _disk_metrics(server.url)["afmd_kv_cache_disk_writing", ""] == 1)
+        assert _kv_detail(server.url)["disk_writing"] is True
         assert len(_settled(kv)) > len(before)
         metrics = _disk_metrics(server.url)
         assert metrics["afmd_kv_cache_disk_write_failures_total", "full"] == 1

@@ -156,7 +156,8 @@ def test_ps_shows_memory_requests_and_idle_time(served: tuple[ServerProcess, str
     assert row["state"] == "loaded" and row["memory_bytes"] > 1_000_000
     assert (row["active"], row["queued"], row["expires_in_s"]) == (0, 0, None)
     assert row["idle_s"] >= 0
-    assert row["kv_cache"].keys() == {"ram_bytes", "disk_bytes"}  # the KV cache's tiers
+    # The KV cache's tiers, and whether its disk tier writes.
+    assert row["kv_cache"].keys() == {"ram_bytes", "disk_bytes", "disk_writing"}
     assert all(m["state"] in ("loaded", "loading") for m in first["models"])
 
     # One slot: a long stream runs, a second request waits; ps sees both, then neither.

@@ -140,6 +140,14 @@ class LoadedModel:
         return {"ram": cache.ram.nbytes,
                 "disk": cache.disk.nbytes if cache.disk is not None else 0}
 
+    def kv_disk_writing(self) -> bool | None:
+        """Whether the block KV cache's disk tier writes (False: paused after a full
+        disk, or stopped; None: no disk tier)."""
+        cache = self.kv_cache
+        if cache is None or cache.disk is None:
+            return None
+        return cache.disk.store.writing
+
     @property
     def embedding(self) -> EmbeddingSpec:
         assert self.embedder is not None, f"{self.id} is not an embedding model"

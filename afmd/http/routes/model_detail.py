@@ -12,7 +12,9 @@ it has work, when it is kept for good, or not loaded). Times are instants, not d
 so that two answers with nothing changed in between are the same bytes (the connection's
 direct answer and Sanic's must agree); ``afmd ps`` turns them into ``idle_s`` and
 ``expires_in_s``. ``kv_cache``: the bytes of the prefix KV cache's tiers,
-``{"ram_bytes", "disk_bytes"}`` (null when not loaded or the model has no block cache).
+``{"ram_bytes", "disk_bytes"}`` (null when not loaded or the model has no block cache),
+and ``disk_writing``: whether its disk tier writes (false while paused by a full disk or
+stopped, which only the log said; null without a disk tier).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def model_details(state: AppState) -> dict[str, dict[str, Any]]:
             "queued": usage.queued if usage else registry.residency.waiting[entry.id],
             "idle_since": usage.idle_since if usage else None,
             "expires_at": usage.expires_at if usage else None,
-            "kv_cache": ({"ram_bytes": tiers["ram"], "disk_bytes": tiers["disk"]}
+            "kv_cache": ({"ram_bytes": tiers["ram"], "disk_bytes": tiers["disk"],
+                          "disk_writing": loaded.kv_disk_writing() if loaded else None}
                          if tiers is not None else None),
         }
     return details
