@@ -3,13 +3,12 @@
 MLX gives each thread that computes a default stream of its own, and mlx-lm's and
 mlx-vlm's ``generation_stream`` is thread-local too: a stream per thread, each with a
 native thread of MLX's behind it on the CPU backend, none of them freed when the Python
-thread ends (MLX 0.32; ``mx.clear_streams`` leaves them as well). A Python thread per
-loaded model therefore left one or two native threads and their stacks behind at every
-unload, for good: a server switching models on every request (``keep_alive: 0``, or
-``max_loaded = 1`` with clients taking turns) gained two threads and about 100 KiB of
-RSS a switch. A worker runs on a parked thread of this pool instead; when the worker's
-function returns the thread goes back to the pool, and the next model's worker computes
-on the same streams.
+thread ends (``mx.clear_streams`` leaves them as well). A Python thread per loaded model
+therefore left one or two native threads and their stacks behind at every unload, for
+good: a server switching models on every request (``keep_alive: 0``, or ``max_loaded =
+1`` with clients taking turns) grew at every switch (docs/hardening.md). A worker runs on
+a parked thread of this pool instead; when the worker's function returns the thread goes
+back to the pool, and the next model's worker computes on the same streams.
 """
 
 from __future__ import annotations

@@ -32,10 +32,10 @@ from afmd.errors import InvalidRequestError
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 
 #: The scans a JPEG may have. Each scan of a progressive JPEG passes over every block of
-#: the picture, however few bytes it takes: a 2000x2000 JPEG whose last scan (14 bytes)
-#: was repeated 5,000 times took 10 s to decode, and a body's worth of them at the
-#: largest picture allowed would take hours. Encoders write about ten (libjpeg's
-#: progressive script); NVIDIA's nvImageCodec refuses past 256 for the same reason.
+#: the picture, however few bytes it takes: a repeated last scan of a few bytes costs a
+#: whole pass each, so a body of them makes a decode of hours on a thread nothing can
+#: interrupt (docs/hardening.md). Encoders write about ten (libjpeg's progressive
+#: script); NVIDIA's nvImageCodec refuses past 256 for the same reason.
 MAX_JPEG_SCANS = 100
 # A marker: 0xFF and a code that is none of a stuffed zero, a restart marker (both inside
 # a scan's data) or another 0xFF (fill).
