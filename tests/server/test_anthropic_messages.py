@@ -412,3 +412,19 @@ def test_thinking_blocks_sent_back_are_accepted(claude: anthropic.Anthropic) -> 
         for b in first.content if b.type == "tool_use"]}]
     answer = claude.messages.create(model="demo", max_tokens=4, messages=history, tools=TOOLS)
     assert answer.usage.output_tokens > 0
+
+
+def test_models_list_and_retrieve_in_anthropic_s_shape(claude: anthropic.Anthropic) -> None:
+    """``/v1/models`` answers Anthropic's SDK too (one path for both APIs): each model's
+    ``type``, ``display_name`` and ``created_at``, and the page's ``has_more`` and ids,
+    which were all missing (None in the SDK's objects)."""
+    page = claude.models.list()
+    ids = [m.id for m in page.data]
+    assert "demo" in ids and "gpt-4o-mini" in ids
+    assert page.has_more is False
+    assert (page.first_id, page.last_id) == (ids[0], ids[-1])
+    for model in page.data:
+        assert model.type == "model" and model.display_name == model.id
+        assert model.created_at.tzinfo is not None and model.created_at.year >= 2026
+    one = claude.models.retrieve("gpt-4o-mini")
+    assert (one.id, one.type, one.display_name) == ("gpt-4o-mini", "model", "gpt-4o-mini")

@@ -1,6 +1,12 @@
 """The routes answered from the server's state alone: ``/health``, ``/v1/models`` (and one
 model's object by id).
 
+``/v1/models`` is one path for two APIs, OpenAI's and Anthropic's, whose SDKs both call it
+(``client.models.list()``): its objects carry both shapes' fields (OpenAI's ``object``,
+``created``, ``owned_by``; Anthropic's ``type``, ``display_name``, ``created_at``, and the
+list's ``has_more``, ``first_id``, ``last_id``), each SDK reading its own and passing the
+other's by. The whole list is one page.
+
 They read the registry, the scheduler's counts and, on rank 0 of a launched group, the
 group's health; no model is loaded and no slot is taken to answer them, so a client (or a
 load balancer) may poll them as often as it likes.
@@ -10,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -73,7 +80,10 @@ def _key_of(request: Request) -> bytes | None:
 
 
 def _models(state: AppState) -> tuple[int, dict[str, Any]]:
-    return 200, {"object": "list", "data": _model_objects(state)}
+    data = _model_objects(state)
+    return 200, {"object": "list", "data": data, "has_more": False,
+                 "first_id": data[0]["id"] if data else None,
+                 "last_id": data[-1]["id"] if data else None}
 
 
 async def get_model(request: Request, model_id: str) -> HTTPResponse:
@@ -89,15 +99,20 @@ async def get_model(request: Request, model_id: str) -> HTTPResponse:
 def _model_objects(state: AppState) -> list[dict[str, Any]]:
     config = state.config
     created = state.started_at
+    # Anthropic's created_at: RFC 3339, in UTC.
+    created_at = datetime.fromtimestamp(created, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def model(model_id: str) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "afmd",
+                "type": "model", "display_name": model_id, "created_at": created_at}
+
     objects: list[dict[str, Any]] = []
     kinds: dict[str, str] = {}  # "chat" or "embedding": what each model serves
     for entry in config.models.model:
         kinds[entry.id] = state.registry.kind_of(entry)
-        objects.append({"id": entry.id, "object": "model", "created": created,
-                        "owned_by": "afmd", "kind": kinds[entry.id]})
+        objects.append({**model(entry.id), "kind": kinds[entry.id]})
     for alias, target in config.models.aliases.items():
-        objects.append({"id": alias, "object": "model", "created": created,
-                        "owned_by": "afmd", "parent": target, "kind": kinds.get(target)})
+        objects.append({**model(alias), "parent": target, "kind": kinds.get(target)})
     return objects
 
 
