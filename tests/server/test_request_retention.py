@@ -8,7 +8,9 @@ refused, or its client went away mid-answer. Two cycles held it: a keep-alive st
 pinger task (Anthropic's ``ping`` events: the task kept the CancelledError that ended it,
 whose frame held the stream that held the task) and Sanic's own connection state after a
 client went away (the request, its response and the connection's writer referring to
-each other; ``ExactHttp.http1`` in ``afmd/http/compat.py`` unlinks them).
+each other; ``ExactHttp.http1`` in ``afmd/http/compat.py`` unlinks them). A third kept
+every run, with its parsed request (the conversation's text): the run, its
+``RunControl`` and the control's calls into the run (now held weakly).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from typing import Any
 
 import pytest
 import sanic.request
+
+from afmd.service.chat_run import ChatRun
+from afmd.service.completion_run import CompletionRun
 
 from helpers.inprocess import InProcessServer
 from helpers.raw_http import RawConn
@@ -129,3 +134,51 @@ def test_a_request_whose_client_went_away_is_let_go(
         conn.send(raw_request(path, body))
         assert conn.sock.recv(64).startswith(b"HTTP/1.1 200 ")  # the stream began
     assert_let_go(requests, name)
+
+
+@pytest.fixture()
+def runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[weakref.ref[Any]]]:
+    """Weak references to every chat and completion run made while the test runs, with
+    the cyclic garbage collector off."""
+    made: list[weakref.ref[Any]] = []
+    for cls in (ChatRun, CompletionRun):
+        def recording(self: Any, *args: Any, _init: Any = cls.__init__, **kwargs: Any) -> None:
+            _init(self, *args, **kwargs)
+            made.append(weakref.ref(self))
+
+        monkeypatch.setattr(cls, "__init__", recording)
+    gc.collect()
+    gc.disable()
+    try:
+        yield made
+    finally:
+        gc.enable()
+
+
+RUNS = {
+    "chat": (CHAT, {"model": "demo", "messages": HI, "max_tokens": 4}, 1),
+    "chat-stream": (CHAT, {"model": "demo", "messages": HI, "max_tokens": 4,
+                           "stream": True}, 1),
+    "chat-n2": (CHAT, {"model": "demo", "messages": HI, "max_tokens": 4, "n": 2}, 2),
+    "completions": ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 4}, 1),
+    "anthropic": ("/v1/messages", {"model": "demo", "max_tokens": 4, "messages": HI}, 1),
+    "ollama-stream": ("/api/chat", {"model": "demo", "messages": HI,
+                                    "options": {"num_predict": 4}}, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_finished_run_is_let_go(server: InProcessServer, runs: list[weakref.ref[Any]],
+                                  name: str) -> None:
+    """A run (its request, its messages: an agent's whole conversation, its rounds) dies
+    with its response: it and its control's calls into it referred to each other."""
+    path, body, count = RUNS[name]
+    with RawConn(server.port) as conn:
+        conn.send(raw_request(path, body))
+        response = conn.read_response("POST")
+        assert response.status == 200, response.body[:300]
+    assert len(runs) == count, f"{name}: {len(runs)} runs were made"
+    deadline = time.monotonic() + 10
+    while any(ref() is not None for ref in runs):
+        assert time.monotonic() < deadline, f"{name}: a run outlived its response"
+        time.sleep(0.02)
