@@ -25,6 +25,9 @@ What afmd needs from them, and how:
   taken the last answer (the transport's write buffer, public asyncio, says when).
 * **The current request** (:func:`forget_current_request`): Sanic's ``Request._current``
   context variable, emptied once a head is parsed so that timers do not hold requests.
+* **The last request of a connection** (:meth:`ExactHttp.http1`): Sanic's ``Http.request``,
+  ``response`` and ``response_func`` and their ``stream``, unlinked when a client went away
+  mid-answer, which Sanic leaves referring to each other (a cycle holding the body).
 * **Reason phrases** Sanic lacks (421, 431), patched into its status-line table.
 * **The head of an HTTP/1.0 stream** (:meth:`ExactHttp.http1_response_header`): Sanic's
   framing state (``response_func``, ``stage``, ``_send``), to end such a body with the
@@ -52,6 +55,7 @@ from sanic.compat import Header
 from sanic.exceptions import ServiceUnavailable
 from sanic.http import Http, Stage
 from sanic.request import Request
+from sanic.response import BaseHTTPResponse
 from sanic.server.protocols.base_protocol import SanicProtocol
 from sanic.server.protocols.http_protocol import HttpProtocol
 
@@ -101,6 +105,26 @@ class ExactHttp(Http):
     def init_for_request(self) -> None:
         super().init_for_request()
         self.protocol.afmd_sanic_idle()
+
+    async def http1(self) -> None:
+        """Sanic's request loop, letting go of its last request when the connection ends.
+
+        Sanic unlinks a finished request from the connection (``request.stream``) at the
+        end of a loop turn, but a client gone mid-answer ends the loop before that, with
+        the request, its response and the writer bound to this object
+        (``response_func``) still referring to each other: the request and its body
+        (megabytes, an agent's every turn) waited for a garbage collection.
+        """
+        try:
+            await Http.http1(self)
+        finally:
+            request, response = self.request, self.response
+            if request is not None:
+                request.stream = None
+            if response is not None:
+                response.stream = None
+            self.request = self.response = None  # type: ignore[assignment]  # Sanic types them never None
+            self.response_func = None  # type: ignore[assignment]  # as Sanic's own writers end
 
     async def http1_request_header(self) -> None:
         """Sanic's head parser, with the header values exactly as the gate kept them.
@@ -345,7 +369,8 @@ SANIC_CODE: dict[str, tuple[Callable[..., Any], str]] = {
     # HTTP/1.0 stream of unknown length, with the same state (response_func, stage,
     # response_size, expecting_continue, _send, log_response)
     "Http.http1_response_header": (Http.http1_response_header, "dff02555548d5f37"),
-    # runs init_for_request at each request-loop turn, then waits on recv_buffer
+    # runs init_for_request at each request-loop turn, then waits on recv_buffer; returns
+    # on a lost connection before unlinking its request (ExactHttp.http1 does it then)
     "Http.http1": (Http.http1, "919e9cb430e3bbf9"),
     "Http.init_for_request": (Http.init_for_request, "dd13f0b10a937525"),
     # the seam's entry: fills recv_buffer, sets _time, wakes the request loop
@@ -382,6 +407,12 @@ def upstream_problems() -> list[str]:
                       "_callback_check_timeouts", "keep_alive_timeout", "response_timeout"):
         if attribute not in slots:
             problems.append(f"sanic HttpProtocol has no {attribute}")
+    for cls, attributes in ((Http, ("request", "response", "response_func")),
+                            (Request, ("stream",)), (BaseHTTPResponse, ("stream",))):
+        slots = {s for c in cls.__mro__ for s in getattr(c, "__slots__", ())}
+        missing = [a for a in attributes if a not in slots]
+        if missing:  # ExactHttp.http1 unlinks them when a connection ends
+            problems.append(f"sanic {cls.__name__} has no {', '.join(missing)}")
     current = getattr(Request, "_current", None)
     if not isinstance(current, contextvars.ContextVar):
         problems.append("sanic Request._current is not a ContextVar")

@@ -11,6 +11,8 @@ owned by each run, which hands it how to stop and fail its own generations.
 from __future__ import annotations
 
 import asyncio
+import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +50,21 @@ def timeout_error() -> GatewayTimeoutError:
     )
 
 
+def _weakly(call: Callable[[], None]) -> Callable[[], None]:
+    """``call``, not keeping its object alive if it is a bound method: once the object is
+    gone there is nothing of it to stop or fail."""
+    if not isinstance(call, types.MethodType):
+        return call
+    method = weakref.WeakMethod(call)
+
+    def calling() -> None:
+        bound = method()
+        if bound is not None:
+            bound()
+
+    return calling
+
+
 class RunControl:
     """One run's cancel, deadline and retries: the flags its loop checks between engine
     batches, and the calls into the run that stop (``stop``) and fail (``fail``, with a
@@ -65,8 +82,12 @@ class RunControl:
         self.timed_out = False
         self._request_id = request_id
         self._deadline = deadline  # time.monotonic()
-        self._stop = stop
-        self._fail = fail
+        # Held weakly when they are the run's methods: the run owns this control, and a
+        # cycle (run, control, the run's bound methods) kept a finished run, its request
+        # and the request's messages (an agent's whole conversation) until a garbage
+        # collection.
+        self._stop = _weakly(stop)
+        self._fail = _weakly(fail)
         # One timer per request for request_timeout, not one per awaited batch of tokens.
         self._timer: asyncio.TimerHandle | None = None
         # A retry's back-off being waited (None: none is), which a cancel cuts short.

@@ -65,6 +65,28 @@ def test_connection_hooks_are_sanic_slots() -> None:
     assert compat.ExactHttp.HEADER_MAX_SIZE > 1 << 40
 
 
+def test_a_connection_lets_go_of_its_last_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """However Sanic's request loop ends (a client gone mid-answer returns from it before
+    it unlinks the request), the request, its response and the connection's writer no
+    longer refer to each other: that cycle held the request's body until a collection."""
+
+    class Linked:
+        stream: object = None
+
+    http = compat.ExactHttp.__new__(compat.ExactHttp)
+    request, response = Linked(), Linked()
+
+    async def gone_mid_answer(self: Http) -> None:
+        self.request, self.response = request, response  # type: ignore[assignment]
+        request.stream = response.stream = self
+        self.response_func = self.http1_response_header
+
+    monkeypatch.setattr(Http, "http1", gone_mid_answer)
+    asyncio.run(http.http1())
+    assert (http.request, http.response, http.response_func) == (None, None, None)
+    assert request.stream is None and response.stream is None
+
+
 def _listening() -> socket.socket:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -264,6 +264,26 @@ def test_corrupt_png_through_the_openai_client(client: openai.OpenAI) -> None:
                                                "messages[0].content[1].image_url")
 
 
+def test_rfc_2397_data_urls_are_the_same_picture(client: openai.OpenAI,
+                                                  srv: ServerProcess) -> None:
+    """A media type in capitals and parameters before ``;base64`` (RFC 2397) are the same
+    picture as the plain URL, in Chat and Responses; a data URL that is not base64, or not
+    an image, is still the 400 naming the part."""
+    payload = png_url(noise(21)).partition(",")[2]
+    plain = answer(client, "data:image/png;base64," + payload)
+    for prefix in ("data:IMAGE/PNG;base64,", "data:image/png;charset=utf-8;base64,",
+                   "data:image/png;name=x.png;base64,"):
+        assert answer(client, prefix + payload) == plain, prefix
+        r = post(srv, {"model": MODEL, "max_output_tokens": 16, "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": QUESTION},
+                                         {"type": "input_image", "image_url": prefix + payload}]}]},
+            "/v1/responses")
+        assert r.status_code == 200, r.text
+    for url in ("data:image/png;charset=utf-8," + payload, "data:text/plain;base64," + payload):
+        r = post(srv, {"model": MODEL, "messages": [{"role": "user", "content": parts(url)}]})
+        assert_error(r, "invalid_image_url", "messages[0].content[1].image_url.url")
+
+
 def test_remote_url_is_refused_without_fetching(srv: ServerProcess) -> None:
     r = post(srv, {"model": MODEL, "messages": [
         {"role": "user", "content": parts("http://127.0.0.1:9/never-fetched.png")}]})

@@ -53,7 +53,11 @@ IMAGE_URL_KEYS = frozenset({"url", "detail"})
 TOOL_CALL_KEYS = frozenset({"id", "type", "function"})
 CALL_FUNCTION_KEYS = frozenset({"name", "arguments"})
 
-_DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,([A-Za-z0-9+/]*={0,2})", re.ASCII)
+# RFC 2397: the scheme, media type and ``;base64`` are case-insensitive, and parameters
+# (``;charset=utf-8``, ``;name=x.png``) may come before ``;base64``; only images, and only
+# base64 payloads (the payload itself is case-sensitive, so it is matched apart).
+_DATA_URL = re.compile(r"(?i:data:image/[a-z0-9.+-]+(?:;[^;,=]+=[^;,]*)*;base64),"
+                       r"([A-Za-z0-9+/]*={0,2})", re.ASCII)
 
 
 def _check_image_part(part: dict[str, Any], p: str, strict: bool) -> bytes:
@@ -63,7 +67,7 @@ def _check_image_part(part: dict[str, Any], p: str, strict: bool) -> bytes:
     if strict:
         reject_unknown(image, IMAGE_URL_KEYS, prefix=f"{p}.image_url.")
     url = required(image, "url", f"{p}.image_url.url", str, "a string")
-    if not url.startswith("data:"):
+    if url[:5].lower() != "data:":
         raise InvalidRequestError(
             "Only base64 'data:' image URLs are accepted; afmd does not fetch remote URLs.",
             code="unsupported_image_url",

@@ -93,12 +93,16 @@ def _unsupported(param: str, what: str) -> InvalidRequestError:
     return InvalidRequestError(what, code="unsupported_value", param=param)
 
 
-_DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,([A-Za-z0-9+/]*={0,2})", re.ASCII)
+# RFC 2397: the scheme, media type and ``;base64`` are case-insensitive, and parameters
+# (``;charset=utf-8``, ``;name=x.png``) may come before ``;base64``; only images, and only
+# base64 payloads (the payload itself is case-sensitive, so it is matched apart).
+_DATA_URL = re.compile(r"(?i:data:image/[a-z0-9.+-]+(?:;[^;,=]+=[^;,]*)*;base64),"
+                       r"([A-Za-z0-9+/]*={0,2})", re.ASCII)
 
 
 def _check_image_url(url: str, param: str) -> None:
     """Only inline ``data:`` images, as in chat: afmd never fetches a URL for a client."""
-    if not url.startswith("data:"):
+    if url[:5].lower() != "data:":
         raise InvalidRequestError(
             "Only base64 'data:' image URLs are accepted; afmd does not fetch remote URLs.",
             code="unsupported_image_url", param=param)

@@ -111,7 +111,16 @@ class EventStream:
         the stream would be left mid-event); a waiting one ends at once."""
         self._closed = True
         if self._pinger is not None and not self._lock.locked():
-            self._pinger.cancel()
+            self._drop_pinger()
+
+    def _drop_pinger(self) -> None:
+        """Cancel the keep-alive task and let go of it: the task keeps the CancelledError
+        that ended it, whose traceback holds the task's frame, which holds this stream,
+        which held the task. That cycle kept the stream, its Sanic request and the
+        request's body (megabytes, an agent's every turn) until a garbage collection."""
+        pinger, self._pinger = self._pinger, None
+        if pinger is not None:
+            pinger.cancel()
 
     async def eof(self, *, until: float) -> None:
         """End the stream (bounded like :meth:`write`)."""
@@ -127,7 +136,7 @@ class EventStream:
         stalled past every bound would otherwise hold it until Sanic's own timer."""
         self._closed = True
         if self._pinger is not None:
-            self._pinger.cancel()  # its write, if waiting, has not begun (see Stalled)
+            self._drop_pinger()  # its write, if waiting, has not begun (see Stalled)
         # Sanic types it as its own narrow protocol; it is the event loop's transport.
         transport = cast("asyncio.Transport | None", self._request.transport)
         if transport is not None and not transport.is_closing():
