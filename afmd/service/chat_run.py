@@ -154,6 +154,9 @@ class ChatRun:
                 except APIError as exc:
                     if not await self._retry(exc):
                         raise
+                    if self._control.cancelled:  # in the back-off: no new attempt
+                        yield self._end("cancelled", None)
+                        return
                     reading = self._reading()
                     continue
                 out, finished = reading.read(events)
@@ -171,10 +174,13 @@ class ChatRun:
                 self._control.emitted = True
                 yield out
             request = await self._run_tools(server_calls)
-            if request is None or self._control.cancelled:
+            going_on = request is not None and not self._control.cancelled
+            if request is not None and going_on:
+                self.round = await self.prepared.rounds.next(request)
+                going_on = not self._control.cancelled  # none starts after a cancel
+            if not going_on:
                 yield self._end("cancelled", finished)
                 return
-            self.round = await self.prepared.rounds.next(request)
             self.start_generation()
 
     def _settle(self, reading: RoundReader, finished: Finished) -> tuple[str, list[ToolCall]]:
@@ -228,7 +234,11 @@ class ChatRun:
         if not self._control.may_retry(exc, tools_ran=self._tools.ran):
             return False
         await self._control.back_off()
-        self.start_generation()
+        if not self._control.cancelled:
+            # Cancelled while it waited, nothing is submitted: a generation submitted and
+            # cancelled after would be the engine's to drop, and its worker may step it
+            # once first (a transient failure again becomes the 500 a cancel must not be).
+            self.start_generation()
         return True
 
     def _tokens_left(self) -> int | None:

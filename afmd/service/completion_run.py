@@ -203,6 +203,9 @@ class CompletionRun:
                 except APIError as exc:
                     if not await self._retry(exc, pending):
                         raise
+                    if not self.generations:  # cancelled in the back-off: no new attempt
+                        yield self._end([], cancelled_in_queue=True)
+                        return
                     readers = self._readers()
                     continue
                 out: list[Event] = []
@@ -259,7 +262,13 @@ class CompletionRun:
         pending.clear()
         self._stop_generations()
         await self._control.back_off()
-        self.start_generation()
+        if self._control.cancelled:
+            # Cancelled while it waited: nothing is submitted. A generation submitted and
+            # cancelled after would be the engine's to drop, and its worker may step it
+            # once first (a transient failure again becomes the 500 a cancel must not be).
+            self.generations = []
+        else:
+            self.start_generation()
         return True
 
     def _end(self, readers: list[ChoiceReader], *, cancelled_in_queue: bool = False
@@ -290,7 +299,7 @@ class CompletionRun:
         model = self.prepared.model
         self.generations = [model.start(_request(self.prepared, p))
                             for p in self.prepared.prompts]
-        if self._control.cancelled:  # cancelled in a retry's back-off: they end at once
+        if self._control.cancelled:  # cancelled meanwhile: they end at once
             self._stop_generations()
 
     def cancel(self) -> None:
