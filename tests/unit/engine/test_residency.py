@@ -426,6 +426,14 @@ def one_model_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     return registry
 
 
+def switches(loads: list[str]) -> list[str]:
+    """The models in the order they took the room: a model loaded again right after its
+    own unload counts once. On a loaded machine a held-back request may load its model
+    once more while the other model's load waits for that model's unload to finish (a
+    wasted load, not a wrong turn: known, docs/models.md); the turns are what must hold."""
+    return [m for i, m in enumerate(loads) if i == 0 or loads[i - 1] != m]
+
+
 async def until(predicate: Callable[[], bool], what: str) -> None:
     for _ in range(500):
         if predicate():
@@ -471,12 +479,7 @@ def test_a_load_waiting_for_room_comes_before_later_requests_for_the_busy_model(
     run(main)
     registry.close()
     assert order == ["other", "later demo"]
-    # The other model loads once, between demo's first load and its last. Under a loaded
-    # machine the held-back request may load demo once more while the other's load waits
-    # for demo's unload to finish (a wasted load, not a wrong answer: known, see
-    # docs/models.md), so the loads are checked for what must hold.
-    assert loads[0] == loads[-1] == "demo" and loads.count("demo-32k") == 1, loads
-    assert loads.index("demo-32k") > 0
+    assert switches(loads) == ["demo", "demo-32k", "demo"], loads
 
 
 def test_a_held_back_request_gets_503_at_its_deadline_and_the_busy_one_is_untouched(
@@ -604,4 +607,4 @@ def test_turns_go_on_after_the_switch_a_later_request_for_the_new_model_waits_to
     run(main)
     registry.close()
     assert order == ["held demo", "later other"]
-    assert loads == ["demo", "demo-32k", "demo", "demo-32k"]
+    assert switches(loads) == ["demo", "demo-32k", "demo", "demo-32k"], loads
