@@ -42,24 +42,29 @@ def server() -> Iterator[InProcessServer]:
     inproc.stop()
 
 
-@pytest.fixture()
-def requests(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[weakref.ref[Any]]]:
-    """Weak references to every Sanic request made while the test runs, with the cyclic
-    garbage collector off (what a cycle holds then stays)."""
+def _made_while(monkeypatch: pytest.MonkeyPatch,
+                classes: tuple[type, ...]) -> Iterator[list[weakref.ref[Any]]]:
+    """Weak references to every instance of ``classes`` made while the test runs, with
+    the cyclic garbage collector off (what a cycle holds then stays)."""
     made: list[weakref.ref[Any]] = []
-    init = sanic.request.Request.__init__
+    for cls in classes:
+        def recording(self: Any, *args: Any, _init: Any = cls.__init__, **kwargs: Any) -> None:
+            _init(self, *args, **kwargs)
+            made.append(weakref.ref(self))
 
-    def recording(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        made.append(weakref.ref(self))
-
-    monkeypatch.setattr(sanic.request.Request, "__init__", recording)
+        monkeypatch.setattr(cls, "__init__", recording)
     gc.collect()
     gc.disable()
     try:
         yield made
     finally:
         gc.enable()
+
+
+@pytest.fixture()
+def requests(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[weakref.ref[Any]]]:
+    """Every Sanic request made while the test runs (see :func:`_made_while`)."""
+    yield from _made_while(monkeypatch, (sanic.request.Request,))
 
 
 def raw_request(path: str, body: dict[str, Any]) -> bytes:
@@ -138,21 +143,8 @@ def test_a_request_whose_client_went_away_is_let_go(
 
 @pytest.fixture()
 def runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[weakref.ref[Any]]]:
-    """Weak references to every chat and completion run made while the test runs, with
-    the cyclic garbage collector off."""
-    made: list[weakref.ref[Any]] = []
-    for cls in (ChatRun, CompletionRun):
-        def recording(self: Any, *args: Any, _init: Any = cls.__init__, **kwargs: Any) -> None:
-            _init(self, *args, **kwargs)
-            made.append(weakref.ref(self))
-
-        monkeypatch.setattr(cls, "__init__", recording)
-    gc.collect()
-    gc.disable()
-    try:
-        yield made
-    finally:
-        gc.enable()
+    """Every chat and completion run made while the test runs (see :func:`_made_while`)."""
+    yield from _made_while(monkeypatch, (ChatRun, CompletionRun))
 
 
 RUNS = {

@@ -434,6 +434,14 @@ def switches(loads: list[str]) -> list[str]:
     return [m for i, m in enumerate(loads) if i == 0 or loads[i - 1] != m]
 
 
+async def take_turn(registry: ModelRegistry, entry: Any, tag: str, order: list[str]) -> None:
+    """One request: lease the model, note its turn in ``order``, hold it a moment."""
+    lease = await registry.lease(entry)
+    order.append(tag)
+    await asyncio.sleep(0.05)
+    lease.release()
+
+
 async def until(predicate: Callable[[], bool], what: str) -> None:
     for _ in range(500):
         if predicate():
@@ -456,18 +464,12 @@ def test_a_load_waiting_for_room_comes_before_later_requests_for_the_busy_model(
     demo, other = registry.resolve("demo"), registry.resolve("demo-32k")
     order: list[str] = []
 
-    async def request(entry: Any, tag: str) -> None:
-        lease = await registry.lease(entry)
-        order.append(tag)
-        await asyncio.sleep(0.05)
-        lease.release()
-
     async def main() -> None:
         busy = await registry.lease(demo)
-        waiter = asyncio.ensure_future(request(other, "other"))
+        waiter = asyncio.ensure_future(take_turn(registry, other, "other", order))
         await until(lambda: registry.status()[other.id] == "unavailable: loading", "waits")
         await asyncio.sleep(0.05)  # waiting for room now
-        later = asyncio.ensure_future(request(demo, "later demo"))
+        later = asyncio.ensure_future(take_turn(registry, demo, "later demo", order))
         await asyncio.sleep(0.2)
         assert not later.done() and not waiter.done()  # held back: it came after
         usage = registry.residency.usage(demo.id)
@@ -524,17 +526,12 @@ def test_requests_that_waited_for_a_load_get_it_before_a_later_load_takes_its_ro
     demo, other = registry.resolve("demo"), registry.resolve("demo-32k")
     order: list[str] = []
 
-    async def request(entry: Any, tag: str) -> None:
-        lease = await registry.lease(entry)
-        order.append(tag)
-        await asyncio.sleep(0.05)
-        lease.release()
-
     async def main() -> None:
         registry.loop_of.append(asyncio.get_running_loop())  # type: ignore[attr-defined]
-        first = [asyncio.ensure_future(request(demo, f"demo {i}")) for i in range(3)]
+        first = [asyncio.ensure_future(take_turn(registry, demo, f"demo {i}", order))
+                 for i in range(3)]
         await until(lambda: registry.status()[demo.id] == "unavailable: loading", "loads")
-        waiter = asyncio.ensure_future(request(other, "other"))
+        waiter = asyncio.ensure_future(take_turn(registry, other, "other", order))
         await asyncio.sleep(0.1)
         gate["demo"].set()
         await asyncio.wait_for(asyncio.gather(*first, waiter), 5)
