@@ -111,6 +111,25 @@ def test_model_identity_follows_weights_and_tokenizer(tmp_path: Path) -> None:
     assert model_identity(materialize("demo-32k"), "x") != model_identity(source, "x")
 
 
+def test_the_same_files_under_another_runtime_are_another_model(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks are what the model's code computed on MLX on one device: after an upgrade of
+    mlx-lm (a fixed rotary embedding) or a move to the GPU, the old blocks were reused."""
+    from afmd.engine.demo.builtin import materialize
+    from afmd.engine.kvcache import identity
+
+    source = materialize("demo")
+    here = identity.runtime()
+    assert "mlx-lm " in here and here.endswith(("cpu", "gpu"))
+    before = model_identity(source, "x")
+    for other in (here.replace("mlx-lm ", "mlx-lm 0"), here[:-3] + "gpu"
+                  if here.endswith("cpu") else here[:-3] + "cpu"):
+        monkeypatch.setattr(identity, "runtime", lambda other=other: other)
+        assert model_identity(source, "x") != before
+    monkeypatch.setattr(identity, "runtime", lambda: here)
+    assert model_identity(source, "x") == before
+
+
 def test_a_checkpoint_changed_where_no_sample_looks_is_another_model(tmp_path: Path) -> None:
     """A fine-tune that changed some tensors (a fused LoRA adapter) may differ from its base
     only between the sampled chunks; same name, same size. Its blocks were the base

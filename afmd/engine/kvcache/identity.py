@@ -12,11 +12,19 @@ were the other's; a file written again has another modification time, so a chang
 checkpoint is another model whatever it changed (a copy that keeps the times, ``cp -p`` or
 ``rsync -a``, keeps the identity; one that does not only recomputes). Tokenizer and
 configuration files are small and hashed whole.
+
+The same files are another model under another runtime: a block is the output of the
+model's code (mlx-lm's or mlx-vlm's implementation of its architecture) run by MLX on one
+device, and an upgrade that fixes that code (a rotary embedding, a norm), or a move to
+another device, changes what the same prompt's KV state is. Blocks written before an
+upgrade were reused after it, giving answers from the old code's state; the versions and
+the device join the identity, so an upgrade starts the disk tier afresh.
 """
 
 from __future__ import annotations
 
 import hashlib
+from importlib import metadata
 from pathlib import Path
 
 _WHOLE = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -41,10 +49,28 @@ def _sampled(path: Path, digest: hashlib._Hash) -> None:
             digest.update(f.read(_SAMPLE))
 
 
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def runtime() -> str:
+    """What computes a model's KV state besides its files: MLX, the model code and the
+    device."""
+    import mlx.core as mx
+    import mlx_lm
+
+    return (f"mlx {mx.__version__}; mlx-lm {mlx_lm.__version__}; "  # type: ignore[attr-defined]  # not in mlx.core's stub
+            f"mlx-vlm {_version('mlx-vlm')}; {mx.default_device().type.name}")
+
+
 def model_identity(folder: Path | None, name: str) -> bytes:
     """The identity of the model in ``folder`` (a model with no folder, such as a stand-in
     built in memory, is known by its ``name`` only and gets no disk tier)."""
     digest = hashlib.sha256(b"afmd-model-identity-1\n")
+    digest.update(f"runtime:{runtime()}\n".encode())
     if folder is None:
         digest.update(b"name:" + name.encode())
         return digest.digest()
