@@ -90,6 +90,20 @@ class ContextLengthError(InvalidRequestError):
         self.limit = limit
 
 
+class ModelKindError(InvalidRequestError):
+    """A request for a model of another kind (an embedding model asked to chat, a chat
+    model asked for embeddings). What was asked travels with the error because Ollama's
+    clients see Ollama's words for it, which name the route (``"m" does not support
+    chat``), not the model's kind."""
+
+    default_code = "invalid_model_kind"
+
+    def __init__(self, message: str, *, model: str, wanted: str) -> None:
+        super().__init__(message, param="model")
+        self.model = model
+        self.wanted = wanted
+
+
 class AuthenticationError(APIError):
     status = 401
     error_type = "invalid_request_error"

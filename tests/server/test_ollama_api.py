@@ -657,10 +657,10 @@ def test_an_unload_during_a_stream_unloads_when_it_ends(client: ollama.Client,
 def test_a_load_is_for_a_chat_model_and_an_unload_for_any(http: httpx.Client) -> None:
     """Ollama refuses to load an embedding model for generate or chat; ``ollama stop``
     sends the unload form for every model."""
-    for path, empty in (("/api/generate", {}), ("/api/chat", {"messages": []})):
-        refused = http.post(path, json={"model": "demo-embedding", **empty})
+    for route, empty in (("generate", {}), ("chat", {"messages": []})):
+        refused = http.post(f"/api/{route}", json={"model": "demo-embedding", **empty})
         assert refused.status_code == 400, refused.text
-        assert "embedding model" in refused.json()["error"]
+        assert refused.json() == {"error": f'"demo-embedding" does not support {route}'}
     http.post("/api/embed", json={"model": "demo-embedding", "input": "x"})
     stopped = http.post("/api/generate", json={"model": "demo-embedding", "keep_alive": 0})
     assert stopped.status_code == 200 and stopped.json()["done_reason"] == "unload"
@@ -668,6 +668,27 @@ def test_a_load_is_for_a_chat_model_and_an_unload_for_any(http: httpx.Client) ->
     while "demo-embedding:latest" in {m["model"] for m in http.get("/api/ps").json()["models"]}:
         assert time.monotonic() < deadline, "demo-embedding stayed loaded"
         time.sleep(0.1)
+
+
+def test_a_model_of_another_kind_is_refused_in_ollamas_words(client: ollama.Client) -> None:
+    """Ollama names what was asked: ``"m" does not support chat`` (or ``generate``) for
+    an embedding model, and its runner's 501 ``this model does not support embeddings``
+    for a chat model, whose status clients read. afmd's own sentence (and 400) was
+    another server's."""
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.chat(model="demo-embedding", messages=MESSAGES)
+    assert (caught.value.status_code, caught.value.error) == (
+        400, '"demo-embedding" does not support chat')
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.generate(model="demo-embedding", prompt="hi", stream=True).__next__()
+    assert (caught.value.status_code, caught.value.error) == (
+        400, '"demo-embedding" does not support generate')
+    for call in (lambda: client.embed(model="demo", input="hi"),
+                 lambda: client.embeddings(model="demo", prompt="hi")):
+        with pytest.raises(ollama.ResponseError) as caught:
+            call()
+        assert (caught.value.status_code, caught.value.error) == (
+            501, "this model does not support embeddings")
 
 
 @pytest.mark.parametrize("keep_alive", [-1, "-1m", "99999999999h", 1e20],

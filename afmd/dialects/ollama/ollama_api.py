@@ -44,7 +44,7 @@ from afmd.core.events import (
 )
 from afmd.core.request import CONTEXT_WINDOW_PARAM, ChatRequest, CompletionRequest
 from afmd.dialects.ollama.ollama_body import parse_chat, parse_generate
-from afmd.errors import APIError, ContextLengthError
+from afmd.errors import APIError, ContextLengthError, ModelKindError
 
 __all__ = ["MEDIA_TYPE", "OLLAMA", "OLLAMA_CHAT", "OLLAMA_GENERATE", "OllamaReply",
            "created_at", "error_body", "load_answer", "ndjson"]
@@ -96,11 +96,16 @@ def schema_field(error: APIError) -> str | None:
     return None
 
 
-def error_body(error: APIError) -> dict[str, Any]:
-    """``{"error": "..."}``; an unknown model and a model that cannot think in Ollama's
-    own words, which clients match. Ollama's error is one message, so it starts with the
+def error_body(error: APIError, *, route: str = "generate") -> dict[str, Any]:
+    """``{"error": "..."}``; an unknown model, a model that cannot think and a model of
+    another kind in Ollama's own words, which clients match (the last naming the
+    ``route`` asked, as Ollama does). Ollama's error is one message, so it starts with the
     field it is about where it does not name it already (as Anthropic's do): a grammar's
     message does not say which schema it read, an image's which image it is."""
+    if isinstance(error, ModelKindError):
+        if error.wanted == "embedding":
+            return {"error": "this model does not support embeddings"}
+        return {"error": f"{orjson.dumps(error.model).decode()} does not support {route}"}
     found = _NOT_FOUND.match(error.message) if error.code == "model_not_found" else None
     if found is not None:
         return {"error": f"model '{found.group(1)}' not found"}
@@ -272,7 +277,7 @@ class OllamaReply:
         return b""
 
     def stream_error(self, error: APIError) -> bytes:
-        return ndjson(error_body(error))
+        return ndjson(error_body(error, route="chat" if self.chat else "generate"))
 
     def stream_abandoned(self) -> None:
         pass  # nothing outlives the request
@@ -280,13 +285,20 @@ class OllamaReply:
 
 class OllamaErrors:
     """Ollama's error envelope, for every ``/api/...`` route (and the gate's refusals of
-    them): ``{"error": "..."}`` with afmd's status."""
+    them): ``{"error": "..."}`` with afmd's status, but for a chat model asked for
+    embeddings: Ollama's runner answers that 501, and its clients read the status."""
 
     name = "ollama"
+    route = "generate"  # what Ollama's refusal of a model of another kind says was asked
     any_body_media_type = True  # see AnyBodyMediaType
 
+    def error_status(self, error: APIError) -> tuple[int, Mapping[str, str]]:
+        if isinstance(error, ModelKindError) and error.wanted == "embedding":
+            return 501, error.headers
+        return error.status, error.headers
+
     def error_envelope(self, error: APIError) -> dict[str, Any]:
-        return error_body(error)
+        return error_body(error, route=self.route)
 
     def error_param(self, error: APIError) -> str | None:
         return schema_field(error) or error.param
@@ -296,6 +308,7 @@ class OllamaChat(OllamaErrors):
     """The ``/api/chat`` adapter."""
 
     name = "ollama_chat"
+    route = "chat"
 
     def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
               strict: bool = False) -> ChatRequest:

@@ -31,6 +31,7 @@ from afmd.engine.models.loading import LoadCounts, Loads, load_sync
 from afmd.engine.models.residency import Lease, Residency, effective_budget, format_bytes
 from afmd.errors import (
     InvalidRequestError,
+    ModelKindError,
     NotFoundError,
     ServerError,
     ServiceUnavailableError,
@@ -132,11 +133,10 @@ class ModelRegistry:
             return
         serves = "embeddings" if actual == EMBEDDING else "chat and completions"
         wanted = "embeddings" if kind == EMBEDDING else "chat or completions"
-        raise InvalidRequestError(
+        raise ModelKindError(
             f"The model '{entry.id}' is {_article(actual)} {actual} model: it serves "
             f"{serves}, not {wanted}. Use {_article(kind)} {kind} model.",
-            code="invalid_model_kind",
-            param="model",
+            model=entry.id, wanted=kind,
         )
 
     # -- loads and residency --
