@@ -48,7 +48,7 @@ BASES: list[tuple[str, str, dict[str, Any]]] = [
         "messages": HI, "max_tokens": 16, "stream": True, "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}),
     ("completions", "/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 4}),
-    ("embeddings", "/v1/embeddings", {"model": "demo", "input": "hi"}),
+    ("embeddings", "/v1/embeddings", {"model": "demo-embedding", "input": "hi"}),
     ("responses", "/v1/responses", {"input": "hi", "max_output_tokens": 16}),
     ("responses", "/v1/responses", {
         "input": [{"type": "message", "role": "user", "content": "hi"}],
@@ -71,7 +71,7 @@ BASES: list[tuple[str, str, dict[str, Any]]] = [
                                   "format": SCHEMA, "options": {"num_predict": 16}}),
     ("ollama_generate", "/api/generate", {"model": "demo", "prompt": "hi", "stream": False,
                                           "options": {"num_predict": 4}}),
-    ("ollama_embed", "/api/embed", {"model": "demo", "input": "hi"}),
+    ("ollama_embed", "/api/embed", {"model": "demo-embedding", "input": "hi"}),
 ]
 
 #: Fields of every dialect: added to bodies of the others too.

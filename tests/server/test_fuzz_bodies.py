@@ -33,3 +33,6 @@ def test_fuzzed_bodies_get_no_5xx_and_the_server_lives(fuzzed: ServerProcess) ->
     assert set(counts) == {dialect for dialect, _, _ in BASES}
     assert sum(counts[d].get("400", 0) for d in counts) > 100  # the fuzz reached the checks
     assert sum(counts[d].get("200", 0) for d in counts) > 20  # and past them
+    # The embedding routes' bases name an embedding model: with a chat model's, every
+    # body there stopped at the model's kind and none reached the embedder.
+    assert counts["embeddings"].get("200", 0) and counts["ollama_embed"].get("200", 0)
