@@ -11,7 +11,7 @@ from afmd.core.events import Usage
 from afmd.dialects.dialect import NamesParams
 from afmd.errors import APIError
 from afmd.http.app_state import AppState
-from afmd.http.routes.metrics import first_token_seconds
+from afmd.http.routes.metrics import AnyRun, first_token_seconds
 from afmd.logs import get_logger
 
 _log = get_logger("afmd.access")
@@ -68,6 +68,7 @@ def log_access(request: Request, status: int, nbytes: int) -> None:
         error_param=_param_told(request, error),
         disconnected=getattr(ctx, "disconnected", False),
         ttft_ms=round(ttft * 1000, 2) if ttft is not None else None,
+        run=run,
     )
 
 
@@ -97,6 +98,7 @@ def log_request(
     error_param: str | None = None,
     disconnected: bool = False,
     ttft_ms: float | None = None,
+    run: AnyRun | None = None,
 ) -> None:
     """The ``request`` event, when ``log.access_log`` is on; ``started`` is a
     :func:`time.perf_counter` reading. Requests the protocol answers without Sanic are
@@ -114,7 +116,8 @@ def log_request(
     path, model, error_param = bounded(path) or "", bounded(model), bounded(error_param)
     state.activity.record(method, path, status, duration_ms=duration_ms,
                           request_id=request_id, model=model, usage=usage, ttft_ms=ttft_ms,
-                          finish_reason=finish_reason, error_code=error_code or stream_error)
+                          finish_reason=finish_reason, error_code=error_code or stream_error,
+                          run=run)
     if not state.config.log.access_log:
         return
     fields: dict[str, Any] = {

@@ -24,7 +24,7 @@ from afmd.core.events import Usage
 from afmd.http.dashboard_state import Activity
 from afmd.http.routes.dashboard import prefers_html
 
-from conftest import ROOT, ServerProcess, start_server
+from conftest import ROOT, ServerProcess, parse_sse, start_server
 from helpers.hub import FakeHub, safetensors_bytes
 
 BROWSER_ACCEPT = ("text/html,application/xhtml+xml,application/xml;q=0.9,image/avif,"
@@ -421,6 +421,44 @@ class _Generation:
 class _Run:
     def __init__(self) -> None:
         self.generation = _Generation()
+
+
+def test_a_duplicate_request_id_does_not_count_the_running_ones_tokens_again(
+        ui: ServerProcess) -> None:
+    """A request that reuses a running request's X-Request-ID is refused (409), and its
+    access line leaves the running one's live count alone: taking it made the next second
+    count every token of the running request again, so the tokens-per-second chart
+    showed twice what was generated."""
+    after = httpx.get(ui.url + "/ui/api/activity").json()["t"]
+    request_id = f"dup-{time.monotonic_ns()}"
+    body: dict[str, str] = {}
+
+    def run() -> None:
+        with httpx.Client(base_url=ui.url, timeout=120) as client:
+            body["text"] = client.post(
+                "/v1/chat/completions", headers={"X-Request-ID": request_id},
+                json=_chat(max_tokens=6000, stream=True,
+                           stream_options={"include_usage": True})).text
+
+    def counted() -> float:
+        series = httpx.get(ui.url + "/ui/api/activity", params={"after": after}).json()
+        return sum(p["tokens_per_s"] for p in series["series"])
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    _until(counted)  # a second has counted some of its tokens while it runs
+    duplicate = httpx.post(ui.url + "/v1/chat/completions",
+                           headers={"X-Request-ID": request_id}, json=_chat(max_tokens=2))
+    _error(duplicate, 409, "duplicate_request_id")
+    seen = counted()
+    _until(lambda: counted() > seen)  # sampled again while it runs
+    httpx.post(f"{ui.url}/v1/chat/completions/{request_id}/cancel")
+    thread.join(30)
+    usage = [c for c in parse_sse(body["text"]) if isinstance(c, dict) and c.get("usage")]
+    told = usage[-1]["usage"]["completion_tokens"]
+    _until(lambda: counted() >= told)
+    time.sleep(1.2)  # the next second too
+    assert counted() == told
 
 
 def test_the_series_counts_tokens_live_and_the_rest_at_the_end() -> None:
