@@ -324,6 +324,19 @@ def test_actions_come_from_the_page_only(ui: ServerProcess, http: httpx.Client) 
            "origin_not_allowed")
 
 
+def test_clearing_the_kv_cache_is_not_for_other_origins(http: httpx.Client) -> None:
+    """``POST /afmd/cache/clear`` deletes every client's cached prefixes, files included:
+    an origin allowed to use the API may not (it could, from any page it served), and
+    ``afmd cache clear``, which sends no Origin, still does."""
+    for headers in ({"Origin": ALLOWED_ORIGIN}, {"Sec-Fetch-Site": "cross-site"}):
+        error = _error(http.post("/afmd/cache/clear", json={}, headers=headers), 403,
+                       "origin_not_allowed")
+        assert "afmd cache clear" in error["message"]
+    cleared = http.post("/afmd/cache/clear", json={"model": "demo"})
+    assert cleared.status_code == 200, cleared.text
+    assert [c["model"] for c in cleared.json()["cleared"]] == ["demo"]
+
+
 def test_the_key_guards_what_the_page_reads_not_the_page(keyed: ServerProcess) -> None:
     with httpx.Client(base_url=keyed.url, timeout=30) as http:
         for path in ("/", "/ui/", "/ui/dashboard.js", "/ui/favicon.svg"):
