@@ -11,7 +11,7 @@ from afmd.core.events import Usage
 from afmd.dialects.dialect import NamesParams
 from afmd.errors import APIError
 from afmd.http.app_state import AppState
-from afmd.http.routes.metrics import first_token_seconds
+from afmd.http.routes.metrics import AnyRun, first_token_seconds
 from afmd.logs import get_logger
 
 _log = get_logger("afmd.access")
@@ -19,6 +19,21 @@ _log = get_logger("afmd.access")
 #: The status logged for a request whose client went away before its answer was sent
 #: (nginx's "client closed request"); it never goes on the wire.
 CLIENT_CLOSED = 499
+
+#: Characters of a client's own text (the model it named, the path it sent) that one
+#: line repeats: far more than any model id or route, while a request naming a model of
+#: megabytes still makes a line of ordinary size, in the log and in the dashboard's ring.
+MAX_ECHOED_CHARS = 512
+
+
+def bounded(text: str | None) -> str | None:
+    """``text`` cut to :data:`MAX_ECHOED_CHARS`, its full length noted. The model field is
+    the client's until it resolves (an unknown one is logged as sent), and the ring keeps
+    its last requests' lines for the life of the server: unbounded, each request could
+    leave a whole body's worth of model name there, and write as much to the log."""
+    if text is None or len(text) <= MAX_ECHOED_CHARS:
+        return text
+    return f"{text[:MAX_ECHOED_CHARS]}… ({len(text)} characters)"
 
 
 def note_error(request: Request, error: APIError) -> None:
@@ -53,6 +68,7 @@ def log_access(request: Request, status: int, nbytes: int) -> None:
         error_param=_param_told(request, error),
         disconnected=getattr(ctx, "disconnected", False),
         ttft_ms=round(ttft * 1000, 2) if ttft is not None else None,
+        run=run,
     )
 
 
@@ -82,6 +98,7 @@ def log_request(
     error_param: str | None = None,
     disconnected: bool = False,
     ttft_ms: float | None = None,
+    run: AnyRun | None = None,
 ) -> None:
     """The ``request`` event, when ``log.access_log`` is on; ``started`` is a
     :func:`time.perf_counter` reading. Requests the protocol answers without Sanic are
@@ -96,9 +113,11 @@ def log_request(
     whether or not the log is on.
     """
     duration_ms = round((time.perf_counter() - started) * 1000, 2) if started else None
+    path, model, error_param = bounded(path) or "", bounded(model), bounded(error_param)
     state.activity.record(method, path, status, duration_ms=duration_ms,
                           request_id=request_id, model=model, usage=usage, ttft_ms=ttft_ms,
-                          finish_reason=finish_reason, error_code=error_code or stream_error)
+                          finish_reason=finish_reason, error_code=error_code or stream_error,
+                          run=run)
     if not state.config.log.access_log:
         return
     fields: dict[str, Any] = {

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import os
 import time
+import weakref
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -28,7 +29,7 @@ from typing import Any
 
 from afmd.core.events import Usage
 from afmd.engine.generation import Generation
-from afmd.http.routes.metrics import generations_of
+from afmd.http.routes.metrics import AnyRun, generations_of
 from afmd.hub import cache as hubcache
 from afmd.hub.server_pulls import DONE, Pulls
 from afmd.logs import get_logger
@@ -75,11 +76,14 @@ class Point:
 class _Live:
     """What the series has counted of one running request so far."""
 
-    __slots__ = ("counted", "seen")
+    __slots__ = ("counted", "run", "seen")
 
-    def __init__(self) -> None:
+    def __init__(self, run: AnyRun) -> None:
         self.seen: dict[Generation, int] = {}  # its tokens at the last sample
         self.counted = 0
+        #: Whose counts these are: a request id is the client's, and another request may
+        #: send the same one (refused as a duplicate while this one runs).
+        self.run: weakref.ref[AnyRun] = weakref.ref(run)
 
 
 class Activity:
@@ -109,10 +113,17 @@ class Activity:
         ttft_ms: float | None,
         finish_reason: str | None,
         error_code: str | None,
+        run: AnyRun | None = None,
     ) -> None:
         """A request ended (its access-log line): into the ring, its remaining tokens
-        and its time to first token into the series."""
-        live = self._live.pop(request_id, None) if request_id else None
+        and its time to first token into the series. ``run``: the run the line is about,
+        where it generated. A line with no usage (a refusal, such as the 409 of a request
+        that reused a running one's id) or another run's leaves the running one's counts
+        alone: taking them made the next sample count all its tokens again."""
+        live = None
+        if request_id and (found := self._live.get(request_id)) is not None and (
+                usage is not None and (run is None or run is found.run())):
+            live = self._live.pop(request_id)
         if usage is not None:
             self._tokens += max(0, usage.completion_tokens - (live.counted if live else 0))
         if ttft_ms is not None:
@@ -163,8 +174,8 @@ class Activity:
             if run is None:
                 continue
             live = self._live.get(request_id)
-            if live is None:
-                live = self._live[request_id] = _Live()
+            if live is None or live.run() is not run:
+                live = self._live[request_id] = _Live(run)
             for generation in generations_of(run):
                 tokens = generation.tokens
                 new = tokens - live.seen.get(generation, 0)

@@ -24,7 +24,7 @@ from afmd.core.events import Usage
 from afmd.http.dashboard_state import Activity
 from afmd.http.routes.dashboard import prefers_html
 
-from conftest import ROOT, ServerProcess, start_server
+from conftest import ROOT, ServerProcess, parse_sse, start_server
 from helpers.hub import FakeHub, safetensors_bytes
 
 BROWSER_ACCEPT = ("text/html,application/xhtml+xml,application/xml;q=0.9,image/avif,"
@@ -324,6 +324,19 @@ def test_actions_come_from_the_page_only(ui: ServerProcess, http: httpx.Client) 
            "origin_not_allowed")
 
 
+def test_clearing_the_kv_cache_is_not_for_other_origins(http: httpx.Client) -> None:
+    """``POST /afmd/cache/clear`` deletes every client's cached prefixes, files included:
+    an origin allowed to use the API may not (it could, from any page it served), and
+    ``afmd cache clear``, which sends no Origin, still does."""
+    for headers in ({"Origin": ALLOWED_ORIGIN}, {"Sec-Fetch-Site": "cross-site"}):
+        error = _error(http.post("/afmd/cache/clear", json={}, headers=headers), 403,
+                       "origin_not_allowed")
+        assert "afmd cache clear" in error["message"]
+    cleared = http.post("/afmd/cache/clear", json={"model": "demo"})
+    assert cleared.status_code == 200, cleared.text
+    assert [c["model"] for c in cleared.json()["cleared"]] == ["demo"]
+
+
 def test_the_key_guards_what_the_page_reads_not_the_page(keyed: ServerProcess) -> None:
     with httpx.Client(base_url=keyed.url, timeout=30) as http:
         for path in ("/", "/ui/", "/ui/dashboard.js", "/ui/favicon.svg"):
@@ -421,6 +434,44 @@ class _Generation:
 class _Run:
     def __init__(self) -> None:
         self.generation = _Generation()
+
+
+def test_a_duplicate_request_id_does_not_count_the_running_ones_tokens_again(
+        ui: ServerProcess) -> None:
+    """A request that reuses a running request's X-Request-ID is refused (409), and its
+    access line leaves the running one's live count alone: taking it made the next second
+    count every token of the running request again, so the tokens-per-second chart
+    showed twice what was generated."""
+    after = httpx.get(ui.url + "/ui/api/activity").json()["t"]
+    request_id = f"dup-{time.monotonic_ns()}"
+    body: dict[str, str] = {}
+
+    def run() -> None:
+        with httpx.Client(base_url=ui.url, timeout=120) as client:
+            body["text"] = client.post(
+                "/v1/chat/completions", headers={"X-Request-ID": request_id},
+                json=_chat(max_tokens=6000, stream=True,
+                           stream_options={"include_usage": True})).text
+
+    def counted() -> float:
+        series = httpx.get(ui.url + "/ui/api/activity", params={"after": after}).json()
+        return sum(p["tokens_per_s"] for p in series["series"])
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    _until(counted)  # a second has counted some of its tokens while it runs
+    duplicate = httpx.post(ui.url + "/v1/chat/completions",
+                           headers={"X-Request-ID": request_id}, json=_chat(max_tokens=2))
+    _error(duplicate, 409, "duplicate_request_id")
+    seen = counted()
+    _until(lambda: counted() > seen)  # sampled again while it runs
+    httpx.post(f"{ui.url}/v1/chat/completions/{request_id}/cancel")
+    thread.join(30)
+    usage = [c for c in parse_sse(body["text"]) if isinstance(c, dict) and c.get("usage")]
+    told = usage[-1]["usage"]["completion_tokens"]
+    _until(lambda: counted() >= told)
+    time.sleep(1.2)  # the next second too
+    assert counted() == told
 
 
 def test_the_series_counts_tokens_live_and_the_rest_at_the_end() -> None:

@@ -498,6 +498,29 @@ def test_access_log_of_pipeline_errors(server: ServerProcess, payload: dict[str,
         status, code, param)
 
 
+def test_a_huge_model_name_makes_an_ordinary_line(server: ServerProcess) -> None:
+    """The model field is the client's until it resolves: a request naming a model of a
+    megabyte is logged, and kept in the dashboard's ring of recent requests, cut short
+    with its length noted, not whole (each such request added its megabytes to the ring,
+    for the life of the server, and to the log)."""
+    import httpx
+
+    rid = f"logs-{uuid.uuid4().hex[:12]}"
+    name = "huge-" + "m" * 1_000_000
+    response = _post_chat(server, {"model": name,
+                                   "messages": [{"role": "user", "content": "hi"}]}, rid)
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == "model_not_found"
+    events = _poll(lambda: _access_events(server, request_id=rid))
+    assert len(events) == 1, events
+    logged = events[0]["model"]
+    assert logged.startswith("huge-mmm") and logged.endswith(f"({len(name)} characters)")
+    assert len(logged) < 1000
+    ring = httpx.get(server.url + "/ui/api/activity", timeout=30).json()["requests"]
+    kept = [r for r in ring if r["request_id"] == rid]
+    assert len(kept) == 1 and kept[0]["model"] == unquote(logged)
+
+
 NOT_A_SCHEMA = {"type": "object", "properties": {"a": {"type": "nope"}}}
 
 

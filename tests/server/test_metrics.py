@@ -174,6 +174,28 @@ def test_counters_move_by_exactly_what_was_sent(served: ServerProcess) -> None:
         assert buckets[-1] == (float("inf"), after.value(name + "_count", model="demo"))
 
 
+def test_a_model_named_by_its_tag_counts_as_the_model(served: ServerProcess) -> None:
+    """Ollama's clients name ``demo-embedding:latest``; the tokens count under the
+    model's id, as docs/metrics.md says of every ``model`` label, not under a series named
+    by what the client sent."""
+    url = served.url
+    before = scrape(url)
+    told = 0
+    for path, body in (("/api/embed", {"model": "demo-embedding:latest", "input": "one"}),
+                       ("/v1/embeddings", {"model": "demo-embedding:latest", "input": "two"})):
+        response = httpx.post(url + path, json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        told += answer.get("prompt_eval_count") or answer.get("usage", {}).get(
+            "prompt_tokens", 0)
+    after = scrape(url)
+    assert told > 0
+    assert after.moved(before, "afmd_prompt_tokens_total") == {
+        (("model", "demo-embedding"),): told}
+    assert not [labels for series in after.samples.values() for labels in series
+                if any(":latest" in value for _, value in labels)]
+
+
 def test_state_is_read_at_scrape_time(served: ServerProcess) -> None:
     now = scrape(served.url)
     assert now.value("afmd_queue_depth") == 0

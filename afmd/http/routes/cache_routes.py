@@ -23,6 +23,7 @@ from afmd.dialects.fields.checks import reject_unknown
 from afmd.engine.kvcache import folder as kv_folder
 from afmd.errors import InvalidRequestError
 from afmd.http.app_state import AppState
+from afmd.http.routes.own_origin import refuse_other_origins
 
 PATH = kv_folder.CLEAR_PATH
 _FIELDS = frozenset({"model"})
@@ -70,6 +71,10 @@ def clear_sync(state: AppState, model: str | None) -> dict[str, Any]:
 
 
 async def _clear(request: Request) -> HTTPResponse:
+    # It deletes what every client's conversations had cached, files included: not for
+    # a page of another origin, even one server.allowed_origins lets use the API.
+    refuse_other_origins(request, "Clearing the KV cache is accepted only from afmd itself "
+                                  "(`afmd cache clear`), not from a web page.")
     model = _model_field(request)
     state = request.app.ctx.state
     result = await asyncio.to_thread(clear_sync, state, model)

@@ -37,11 +37,12 @@ from sanic.response import HTTPResponse
 from afmd import __version__
 from afmd.dialects.fields.body import parse_json_body
 from afmd.dialects.fields.checks import reject_unknown, required
-from afmd.errors import ConflictError, InvalidRequestError, PermissionDeniedError
+from afmd.errors import ConflictError, InvalidRequestError
 from afmd.http.app_state import AppState
 from afmd.http.dashboard_state import ASSET_TYPES, Dashboard
 from afmd.http.routes.model_detail import model_details
-from afmd.http.sansio.screen import normalize_origin, unknown_url
+from afmd.http.routes.own_origin import refuse_other_origins
+from afmd.http.sansio.screen import unknown_url
 from afmd.hub.server_pulls import Pulls
 
 PAGE_PATH = "/ui/"
@@ -259,17 +260,10 @@ async def _activity(request: Request) -> HTTPResponse:
 
 def _same_origin_only(request: Request) -> None:
     """An action changes what the server holds: a page of another origin may not, even
-    one the API answers (``server.allowed_origins``). A client that is not a browser
-    sends no Origin; a browser always sends one with a POST."""
-    origin = request.headers.get("origin")
-    host = request.headers.get("host")
-    site = (request.headers.get("sec-fetch-site") or "same-origin").lower()
-    if (origin is not None and (host is None or
-                                normalize_origin(origin) != "http://" + host.lower())) or (
-            site not in ("same-origin", "none")):
-        raise PermissionDeniedError(
-            "The dashboard's actions (load, unload, pull) are accepted only from the "
-            "dashboard's own page, not from another origin.")
+    one the API answers (``server.allowed_origins``)."""
+    refuse_other_origins(
+        request, "The dashboard's actions (load, unload, pull) are accepted only from the "
+                 "dashboard's own page, not from another origin.")
 
 
 def _model_field(request: Request) -> str:

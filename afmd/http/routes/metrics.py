@@ -35,6 +35,7 @@ from afmd.core.events import Usage
 from afmd.dialects.dialect import ErrorStyle
 from afmd.engine.generation import Finished, Generation
 from afmd.engine.models.model_registry import ModelRegistry
+from afmd.errors import APIError
 from afmd.http.transport.supervisor import RUNNING, ListenerState
 from afmd.service.chat_run import ChatRun
 from afmd.service.choices import ChoicesRun
@@ -130,8 +131,12 @@ class Metrics:
         if run is not None:
             model = run.prepared.model.id
         else:
-            entry = state.config.resolve_model(getattr(ctx, "model", None))
-            model = entry.id if entry is not None else str(getattr(ctx, "model", ""))
+            # The name as the request gave it, resolved as its model was (Ollama's
+            # ``demo:latest`` is ``demo``): a label is a model's id, never a client's text.
+            try:
+                model = state.registry.resolve(getattr(ctx, "model", None)).id
+            except APIError:
+                return
         self.prompt_tokens[model] += usage.prompt_tokens
         self.completion_tokens[model] += usage.completion_tokens
         if run is not None:
