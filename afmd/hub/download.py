@@ -45,6 +45,10 @@ class PullError(Exception):
     """A pull that did not complete, with the sentence to show."""
 
 
+class _TooLong(Exception):
+    """Raised from a progress step once a file's body passes the size the hub listed."""
+
+
 class PullStopped(Exception):
     """A pull its caller stopped (its client went away): not a failure to report. The
     files verified so far stay, so the same pull again fetches only the rest."""
@@ -116,28 +120,45 @@ def _explain(exc: BaseException, repo: str, revision: str) -> str:
         status = exc.response.status_code if exc.response is not None else "?"
         return f"the hub at {_endpoint()} answered HTTP {status} for {repo}: {exc}"
     module = type(exc).__module__
+    if module.startswith(("httpx", "httpcore")) and "Timeout" in type(exc).__name__:
+        return (f"the hub at {_endpoint()} did not answer within {_timeout():g} s "
+                f"({type(exc).__name__}); check the network connection, or allow it longer "
+                "with HF_HUB_ETAG_TIMEOUT")
     if module.startswith(("httpx", "httpcore")) or isinstance(exc, ConnectionError):
         return (f"cannot reach the Hugging Face hub at {_endpoint()} ({type(exc).__name__}: "
                 f"{exc}); check the network connection (and HF_ENDPOINT)")
     return f"{type(exc).__name__}: {exc}"
 
 
-def remote_files(repo: str, revision: str) -> tuple[str, list[RemoteFile]]:
-    """(commit, the files an MLX load needs) at ``revision``; raises PullError."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.hf_api import RepoFile
+def _timeout() -> float:
+    """Seconds the hub may take to answer a request for a repo's metadata: the hub
+    client's own setting for that (``HF_HUB_ETAG_TIMEOUT``, 10 s unless set)."""
+    from huggingface_hub import constants
 
-    api = HfApi()
+    return float(constants.HF_HUB_ETAG_TIMEOUT)
+
+
+def remote_files(repo: str, revision: str) -> tuple[str, list[RemoteFile]]:
+    """(commit, the files an MLX load needs) at ``revision``; raises PullError.
+
+    One request, with a timeout: the repo's info with every file's size and hashes
+    (``files_metadata``). The hub client's tree listing takes no timeout (its HTTP
+    client has none by default), so a hub that took the connection and never replied
+    held the pull for ever."""
+    from huggingface_hub import HfApi
+
     try:
-        commit = api.model_info(repo, revision=revision).sha
-        assert commit, "the hub names the commit a revision resolves to"
-        tree = [f for f in api.list_repo_tree(repo, recursive=True, revision=commit)
-                if isinstance(f, RepoFile)]
+        info = HfApi().model_info(repo, revision=revision, files_metadata=True,
+                                  timeout=_timeout())
     except Exception as exc:
         raise PullError(_explain(exc, repo, revision)) from exc
-    names = [f.path for f in tree]
-    wanted = [f for f in tree if any(fnmatch.fnmatch(f.path, p) for p in ALLOW_PATTERNS)]
-    weights = [f for f in wanted if f.path.endswith(".safetensors")]
+    commit = info.sha
+    if not commit:
+        raise PullError(f"the hub at {_endpoint()} did not name the commit of {repo}@{revision}")
+    tree = info.siblings or []
+    names = [f.rfilename for f in tree]
+    wanted = [f for f in tree if any(fnmatch.fnmatch(f.rfilename, p) for p in ALLOW_PATTERNS)]
+    weights = [f for f in wanted if f.rfilename.endswith(".safetensors")]
     if "config.json" not in names or not weights:
         lacks = " and ".join(what for what, there in (
             ("config.json", "config.json" in names),
@@ -146,8 +167,12 @@ def remote_files(repo: str, revision: str) -> tuple[str, list[RemoteFile]]:
             f"{repo} is not an MLX model: it has no {lacks} (files: "
             f"{', '.join(sorted(names)[:8])}{', …' if len(names) > 8 else ''}). afmd serves "
             "MLX models; look for an MLX conversion, e.g. under huggingface.co/mlx-community")
-    files = [RemoteFile(f.path, f.size, f.blob_id, f.lfs.sha256 if f.lfs else None)
-             for f in wanted]
+    unlisted = [f.rfilename for f in wanted if f.size is None or not f.blob_id]
+    if unlisted:
+        raise PullError(f"the hub at {_endpoint()} listed {unlisted[0]} of {repo} without its "
+                        "size or hash, so it cannot be verified")
+    files = [RemoteFile(f.rfilename, f.size or 0, f.blob_id or "",
+                        f.lfs.sha256 if f.lfs else None) for f in wanted]
     # config.json last: until it is there, no reader takes the snapshot for a model.
     files.sort(key=lambda f: (f.path == "config.json", f.path.endswith(".safetensors"), f.path))
     return commit, files
@@ -167,12 +192,25 @@ def file_digest(path: Path, remote: RemoteFile) -> tuple[str, str]:
     return expected, digest.hexdigest()
 
 
-def _discard(link: Path) -> None:
-    """Remove a bad file: the blob it links to and the link."""
+def _discard(link: Path, blobs: Path) -> None:
+    """Remove a bad file: the link, and the blob it links to when that is one of the
+    repo's blobs. The cache is shared, and a snapshot's file may link anywhere (weights
+    its user keeps on another disk): nothing outside the cache is deleted."""
     blob = link.resolve()
-    for path in (blob, link):
+    with contextlib.suppress(FileNotFoundError):
+        link.unlink()
+    if blob.parent == blobs.resolve():
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            blob.unlink()
+
+
+def _discard_partial(folder: Path, remote: RemoteFile) -> None:
+    """Remove what the hub client kept of a file to resume it (``blobs/<etag>.incomplete``,
+    the etag being the hash the hub listed): a resume would start past the listed size."""
+    etag = remote.sha256 or remote.blob_id
+    if re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", etag):
+        with contextlib.suppress(FileNotFoundError):
+            (folder / "blobs" / f"{etag}.incomplete").unlink()
 
 
 def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
@@ -194,6 +232,8 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
 
     def progress(remote: RemoteFile, done: int, total: int | None) -> None:
         check()
+        if done > remote.size:  # the hub client would write a body without end to disk
+            raise _TooLong
         if report is not None:
             report(remote, done, total)
 
@@ -210,7 +250,6 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
 
     cache = huggingface_hub_cache()
     snapshot = repo_folder(repo, cache) / "snapshots" / commit
-    watched = report is not None or stop is not None
     downloaded = 0
     for remote in files:
         link = snapshot / remote.path
@@ -221,9 +260,13 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
                 repo, remote.path, revision=commit, cache_dir=str(cache),
                 tqdm_class=bar_class(
                     remote.path, out, terminal=terminal,
-                    report=functools.partial(progress, remote) if watched else None)))
+                    report=functools.partial(progress, remote))))
         except PullStopped:
             raise
+        except _TooLong:
+            _discard_partial(repo_folder(repo, cache), remote)
+            raise PullError(f"{remote.path}: the hub sent more than the {remote.size} bytes it "
+                            "listed; the download was stopped and deleted") from None
         except Exception as exc:
             raise PullError(f"downloading {remote.path}: {_explain(exc, repo, revision)}; "
                             "run the pull again to resume (finished files are kept)") from exc
@@ -235,7 +278,7 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
         downloaded += not cached
         expected, actual = file_digest(local, remote)
         if expected != actual:
-            _discard(link)
+            _discard(link, repo_folder(repo, cache) / "blobs")
             kind = "sha256" if remote.sha256 else "git blob id"
             raise PullError(f"{remote.path} failed verification ({kind} {actual}, the hub "
                             f"says {expected}); the file was deleted, run the pull again")
