@@ -154,9 +154,15 @@ def complete_snapshot(repo: str, cache: Path | None = None) -> Path | None:
 
 
 def remove(repo: str, cache: Path | None = None) -> int:
-    """Delete every revision of ``repo`` (and its download locks); the bytes freed."""
+    """Delete every revision of ``repo`` (and its download locks); the bytes freed. A repo
+    folder that is a link (moved to another disk) loses the link only: nothing outside
+    the cache is deleted."""
     root = cache or huggingface_hub_cache()
     folder = repo_folder(repo, root)
+    if folder.is_symlink():
+        folder.unlink()
+        shutil.rmtree(root / ".locks" / folder.name, ignore_errors=True)
+        return 0
     freed = 0
     for dirpath, _dirs, files in os.walk(folder):
         for name in files:

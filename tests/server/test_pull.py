@@ -359,3 +359,45 @@ def test_a_file_that_fails_verification_is_deleted_only_inside_the_cache(
     assert afmd(env, "pull", REPO).returncode == 0  # the next pull fetches the hub's file
     assert (snapshot / "model.safetensors").read_bytes() == tiny_model()["model.safetensors"]
     assert theirs.read_bytes() == b"someone else's weights"
+
+
+# ---------------------------------------------------------------------------- the cache's own
+
+
+def test_a_weight_header_longer_than_its_file_lists_as_nothing(hub: FakeHub,
+                                                               env: dict[str, str]) -> None:
+    """A pulled weight file whose first eight bytes claim a header of exabytes (verified:
+    it is the hub's own file) made ``afmd list`` a MemoryError traceback, reading that
+    many bytes; and with it ``/api/tags`` for every model. Such a file describes as
+    nothing, as other odd weight files do (tests/server/test_odd_model_files.py)."""
+    files = {**tiny_model(), "model.safetensors": b"x" * 100}
+    hub.add_repo(REPO, files)
+    assert afmd(env, "pull", REPO).returncode == 0
+    result = afmd(env, "list", "--json")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert REPO in {m["id"] for m in json.loads(result.stdout)["models"]}
+    shown = afmd(env, "show", REPO, "--json")
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
+
+
+def test_rm_of_a_repo_folder_that_links_elsewhere(hub: FakeHub, env: dict[str, str],
+                                                  tmp_path: Path) -> None:
+    """A repo's folder in the cache may be a link to another disk (moved there to save
+    room). ``afmd rm`` and ``/api/delete`` failed on it with a traceback (rmtree refuses a
+    link); the link is removed and the files it points to are left, with a note: nothing
+    outside the cache is deleted."""
+    hub.add_repo(REPO, tiny_model())
+    assert afmd(env, "pull", REPO).returncode == 0
+    folder = cache_of(env) / "models--test-org--tiny-mlx"
+    moved = tmp_path / "other-disk" / folder.name
+    moved.parent.mkdir()
+    folder.rename(moved)
+    folder.symlink_to(moved, target_is_directory=True)
+    assert REPO in listed(env)
+    result = afmd(env, "rm", REPO, "--yes")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert f"deleted {REPO}" in result.stdout
+    assert f"its files in {moved} were left" in result.stdout, result.stdout
+    assert not folder.is_symlink() and not folder.exists()
+    assert (moved / "refs" / "main").is_file()
+    assert REPO not in listed(env)
