@@ -952,6 +952,64 @@ def test_a_pull_stops_when_its_client_leaves(hub_server: tuple[ServerProcess, Fa
     assert client.delete(SLOW).status == "success"
 
 
+LOADING = "tiny-org/loading-chat"
+
+
+def test_a_model_loading_is_not_deleted(tmp_path: Path) -> None:
+    """``/api/delete`` refused a loaded model but not one loading (or waiting for room to
+    load, as here: one model at a time, the other busy): its files went from under the
+    load, which failed with mlx-lm's confusing "Repo id must be in the form …" or loaded
+    a model whose files were gone. It is a 409 until the load is over."""
+    with FakeHub() as hub:
+        hub.add_folder(LOADING, demo.materialize("demo"))
+        server = start_server(tmp_path, config=(
+            "[models]\nmax_loaded = 1\n[[models.model]]\nid = \"pulled\"\n"
+            f"path = \"{LOADING}\"\n"), env={
+            "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"),
+            "HF_HUB_DISABLE_TELEMETRY": "1"})
+        try:
+            client = ollama.Client(host=server.url, timeout=120)
+            assert client.pull(LOADING).status == "success"
+            rid = "busy-" + uuid.uuid4().hex
+            busy = threading.Event()
+            answers: dict[str, httpx.Response] = {}
+
+            def hold_demo() -> None:
+                with httpx.stream("POST", server.url + "/api/chat", timeout=60,
+                                  headers={"X-Request-ID": rid},
+                                  json={"model": "demo", "messages": MESSAGES,
+                                        "options": {"num_predict": 4000}}) as response:
+                    for _ in response.iter_lines():
+                        busy.set()
+
+            def ask_pulled() -> None:
+                answers["chat"] = httpx.post(server.url + "/api/chat", timeout=60, json={
+                    "model": "pulled", "messages": MESSAGES, "stream": False,
+                    "options": GREEDY})
+
+            holder = threading.Thread(target=hold_demo)
+            holder.start()
+            assert busy.wait(30)
+            asker = threading.Thread(target=ask_pulled)
+            asker.start()
+            deadline = time.monotonic() + 30
+            while httpx.get(server.url + "/health").json()["model_details"]["pulled"][
+                    "state"] != "loading":
+                assert time.monotonic() < deadline, "the load never started"
+                time.sleep(0.05)
+            refused = httpx.request("DELETE", server.url + "/api/delete",
+                                    json={"model": "pulled"})
+            assert refused.status_code == 409, refused.text
+            assert "loading" in refused.json()["error"]
+            httpx.post(f"{server.url}/v1/chat/completions/{rid}/cancel")
+            holder.join(30)
+            asker.join(60)
+            assert answers["chat"].status_code == 200, answers["chat"].text
+            assert answers["chat"].json()["eval_count"] == 12
+        finally:
+            server.stop()
+
+
 # -- [ollama] port --------------------------------------------------------------------------
 
 

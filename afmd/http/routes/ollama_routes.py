@@ -315,6 +315,10 @@ async def delete(request: Request) -> HTTPResponse:
         raise ConflictError(f"model '{name}' is loaded; unload it first (a request with "
                             "keep_alive 0) or wait for its keep-alive to end",
                             code="model_in_use", param="model")
+    if state.registry.loads.is_loading(entry.id):  # its files would go from under the load
+        raise ConflictError(f"model '{name}' is loading for a request; delete it once that "
+                            "is answered and the model unloaded", code="model_in_use",
+                            param="model")
     await asyncio.to_thread(hubcache.remove, repo)
     return HTTPResponse(status=200, headers=headers)
 
