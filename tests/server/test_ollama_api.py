@@ -875,7 +875,7 @@ def hub_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve
 
 def test_pull_reports_progress_then_the_model_serves(
         hub_server: tuple[ServerProcess, FakeHub]) -> None:
-    server, _ = hub_server
+    server, hub = hub_server
     client = ollama.Client(host=server.url, timeout=120)
     progress = list(client.pull(REPO + ":latest", stream=True))
     statuses = [p.status for p in progress]
@@ -904,6 +904,16 @@ def test_pull_reports_progress_then_the_model_serves(
     with pytest.raises(ollama.ResponseError) as gone:
         client.delete(REPO)
     assert gone.value.status_code == 404
+    # Deleted is gone, as Ollama has it: a request naming it is a 404. The server had
+    # remembered the name, and the load fetched the repo again, unverified, behind the
+    # client's back.
+    asked = len(hub.log)
+    for call in (lambda: client.chat(model=REPO, messages=MESSAGES, options=GREEDY),
+                 lambda: client.show(REPO)):
+        with pytest.raises(ollama.ResponseError) as unknown:
+            call()
+        assert unknown.value.status_code == 404, unknown.value.error
+    assert hub.log[asked:] == []
 
 
 def test_a_failed_pull_says_why(hub_server: tuple[ServerProcess, FakeHub]) -> None:
