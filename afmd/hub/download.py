@@ -8,9 +8,10 @@ missing. What afmd adds:
 * the repo is refused before any download unless it is an MLX model (``config.json`` and
   safetensors weights);
 * one progress bar per file (:mod:`afmd.hub.progress`);
-* integrity: the hub client checks no hash, so afmd hashes every file against the hub's
-  tree (sha256 for LFS files, the git blob id for the others) and deletes a file that
-  does not match;
+* integrity: the hub client checks no hash, so afmd hashes every file against the hashes
+  the hub lists (sha256 for LFS files, the git blob id for the others) and deletes a file
+  that does not match, and stops one that runs past the size listed;
+* bounds: the listing has a timeout (the hub client's tree listing has none);
 * "present" means complete: files are fetched at the commit the revision resolved to,
   ``config.json`` last, and the ref (``refs/main``) is written only once every file was
   verified (:mod:`afmd.hub.cache` reads that state).
@@ -85,6 +86,10 @@ _REVISION = re.compile(r"(?!.*(?:\.\.|//|/\.|@\{))[A-Za-z0-9_][A-Za-z0-9_.+=,@{}
                        r"(?:/[A-Za-z0-9_][A-Za-z0-9_.+=,@{}-]{0,254})*(?<![./])\Z")
 
 
+#: A commit as the hub names one (a git object id).
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
 def parse_ref(ref: str) -> tuple[str, str]:
     """``OWNER/NAME[@REVISION]`` -> (repo, revision); the revision defaults to ``main``."""
     repo, at, revision = ref.partition("@")
@@ -153,8 +158,10 @@ def remote_files(repo: str, revision: str) -> tuple[str, list[RemoteFile]]:
     except Exception as exc:
         raise PullError(_explain(exc, repo, revision)) from exc
     commit = info.sha
-    if not commit:
-        raise PullError(f"the hub at {_endpoint()} did not name the commit of {repo}@{revision}")
+    if not commit or not _COMMIT.fullmatch(commit):
+        # The files are fetched at it, and a snapshot folder is named after it.
+        raise PullError(f"the hub at {_endpoint()} did not name the commit of {repo}@{revision} "
+                        f"(it said {commit!r:.60})")
     tree = info.siblings or []
     names = [f.rfilename for f in tree]
     wanted = [f for f in tree if any(fnmatch.fnmatch(f.rfilename, p) for p in ALLOW_PATTERNS)]
@@ -179,7 +186,7 @@ def remote_files(repo: str, revision: str) -> tuple[str, list[RemoteFile]]:
 
 
 def file_digest(path: Path, remote: RemoteFile) -> tuple[str, str]:
-    """(expected, actual) digest of a downloaded file, as the hub's tree states it."""
+    """(expected, actual) digest of a downloaded file, as the hub lists it."""
     if remote.sha256 is not None:
         digest = hashlib.sha256()
         expected = remote.sha256

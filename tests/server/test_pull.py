@@ -401,3 +401,17 @@ def test_rm_of_a_repo_folder_that_links_elsewhere(hub: FakeHub, env: dict[str, s
     assert not folder.is_symlink() and not folder.exists()
     assert (moved / "refs" / "main").is_file()
     assert REPO not in listed(env)
+
+
+@pytest.mark.parametrize("sha", ["main", "../../../outside", "", "A" * 40])
+def test_a_listing_that_names_no_commit_is_refused(hub: FakeHub, env: dict[str, str],
+                                                   sha: str) -> None:
+    """The files are fetched at the commit the hub names, and the snapshot folder is named
+    after it: a hub that named ``main`` had the files fetched at a branch that can move
+    while they come, under a snapshot called ``main``."""
+    hub.add_repo(REPO, tiny_model())
+    hub.repos[REPO].commit = sha
+    hub.repos[REPO].refs = {"main": sha}
+    result = afmd(env, "pull", REPO)
+    assert_clean_failure(result, f"did not name the commit of {REPO}@main")
+    assert not [r for r in hub.log if "/resolve/" in r.path]
