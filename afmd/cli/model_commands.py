@@ -371,6 +371,8 @@ def _rm(args: argparse.Namespace) -> int:
             return EXIT_FAILURE
     linked = cached.folder.resolve() if cached.folder.is_symlink() else None
     freed = hubcache.remove(repo)
+    if freed is None:
+        raise CommandError(f"{repo} is no longer in the Hugging Face cache (deleted meanwhile)")
     print(f"deleted {repo} ({human_bytes(freed)} freed)")
     if linked is not None:
         print(f"note: the cache only linked to it: its files in {linked} were left")

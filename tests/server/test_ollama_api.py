@@ -962,6 +962,35 @@ def test_a_pull_stops_when_its_client_leaves(hub_server: tuple[ServerProcess, Fa
     assert client.delete(SLOW).status == "success"
 
 
+TWICE = "tiny-org/deleted-twice"
+
+
+def test_deletes_at_once_delete_once(hub_server: tuple[ServerProcess, FakeHub]) -> None:
+    """Several ``/api/delete``s of one model at once (a client retrying, two clients): one
+    deletes it, the others find it gone (404). The second ``rmtree`` found the folder
+    half gone under it and the request was a 500."""
+    server, hub = hub_server
+    hub.add_folder(TWICE, demo.materialize("demo"))
+    client = ollama.Client(host=server.url, timeout=120)
+    for _ in range(3):
+        assert client.pull(TWICE).status == "success"
+        statuses: list[int] = []
+        go = threading.Barrier(8)
+
+        def delete(statuses: list[int] = statuses, go: threading.Barrier = go) -> None:
+            go.wait(30)
+            statuses.append(httpx.request("DELETE", server.url + "/api/delete", timeout=60,
+                                          json={"model": TWICE}).status_code)
+
+        threads = [threading.Thread(target=delete) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert sorted(statuses) == [200] + [404] * 7, statuses
+        assert TWICE + ":latest" not in {m.model for m in client.list().models}
+
+
 LOADING = "tiny-org/loading-chat"
 
 
