@@ -106,8 +106,10 @@ def _endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
 
-def _explain(exc: BaseException, repo: str, revision: str) -> str:
-    """The sentence for a failure of the hub client."""
+def _explain(exc: BaseException, repo: str, revision: str, *,
+             setting: str = "HF_HUB_ETAG_TIMEOUT") -> str:
+    """The sentence for a failure of the hub client; ``setting``: the variable that bounds
+    the wait that failed (the listing's, or a file's between two reads)."""
     from huggingface_hub import errors
 
     if isinstance(exc, errors.OfflineModeIsEnabled):
@@ -126,21 +128,22 @@ def _explain(exc: BaseException, repo: str, revision: str) -> str:
         return f"the hub at {_endpoint()} answered HTTP {status} for {repo}: {exc}"
     module = type(exc).__module__
     if module.startswith(("httpx", "httpcore")) and "Timeout" in type(exc).__name__:
-        return (f"the hub at {_endpoint()} did not answer within {_timeout():g} s "
+        return (f"the hub at {_endpoint()} did not answer within {_timeout(setting):g} s "
                 f"({type(exc).__name__}); check the network connection, or allow it longer "
-                "with HF_HUB_ETAG_TIMEOUT")
+                f"with {setting}")
     if module.startswith(("httpx", "httpcore")) or isinstance(exc, ConnectionError):
         return (f"cannot reach the Hugging Face hub at {_endpoint()} ({type(exc).__name__}: "
                 f"{exc}); check the network connection (and HF_ENDPOINT)")
     return f"{type(exc).__name__}: {exc}"
 
 
-def _timeout() -> float:
-    """Seconds the hub may take to answer a request for a repo's metadata: the hub
-    client's own setting for that (``HF_HUB_ETAG_TIMEOUT``, 10 s unless set)."""
+def _timeout(setting: str = "HF_HUB_ETAG_TIMEOUT") -> float:
+    """Seconds the hub may take to answer: the hub client's own settings, read where it
+    reads them (``HF_HUB_ETAG_TIMEOUT`` for a repo's metadata, ``HF_HUB_DOWNLOAD_TIMEOUT``
+    between two reads of a file; 10 s each unless set)."""
     from huggingface_hub import constants
 
-    return float(constants.HF_HUB_ETAG_TIMEOUT)
+    return float(getattr(constants, setting))
 
 
 def remote_files(repo: str, revision: str) -> tuple[str, list[RemoteFile]]:
@@ -275,7 +278,8 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
             raise PullError(f"{remote.path}: the hub sent more than the {remote.size} bytes it "
                             "listed; the download was stopped and deleted") from None
         except Exception as exc:
-            raise PullError(f"downloading {remote.path}: {_explain(exc, repo, revision)}; "
+            said = _explain(exc, repo, revision, setting="HF_HUB_DOWNLOAD_TIMEOUT")
+            raise PullError(f"downloading {remote.path}: {said}; "
                             "run the pull again to resume (finished files are kept)") from exc
         except KeyboardInterrupt:
             out.write("\n")
