@@ -369,8 +369,13 @@ def _rm(args: argparse.Namespace) -> int:
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing deleted")
             return EXIT_FAILURE
+    linked = cached.folder.resolve() if cached.folder.is_symlink() else None
     freed = hubcache.remove(repo)
+    if freed is None:
+        raise CommandError(f"{repo} is no longer in the Hugging Face cache (deleted meanwhile)")
     print(f"deleted {repo} ({human_bytes(freed)} freed)")
+    if linked is not None:
+        print(f"note: the cache only linked to it: its files in {linked} were left")
     still = [e.id for e in config.models.model if e.path == repo]
     if still:
         print(f"note: the config still lists it as model '{still[0]}': a server would "

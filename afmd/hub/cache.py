@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,19 +154,38 @@ def complete_snapshot(repo: str, cache: Path | None = None) -> Path | None:
     return found.snapshot if found is not None and found.complete else None
 
 
-def remove(repo: str, cache: Path | None = None) -> int:
-    """Delete every revision of ``repo`` (and its download locks); the bytes freed."""
+def remove(repo: str, cache: Path | None = None) -> int | None:
+    """Delete every revision of ``repo`` (and its download locks); the bytes freed, None
+    when it was not there (another removal took it first). A repo folder that is a link
+    (moved to another disk) loses the link only: nothing outside the cache is deleted.
+
+    The folder is first renamed out of the cache's view, which only one of several
+    removals at once (two requests, the server and ``afmd rm``) can do: the others find
+    nothing, where each went into the same tree and found it vanishing under it."""
     root = cache or huggingface_hub_cache()
     folder = repo_folder(repo, root)
+    locks = root / ".locks" / folder.name
+    if folder.is_symlink():
+        try:
+            folder.unlink()
+        except FileNotFoundError:
+            return None
+        shutil.rmtree(locks, ignore_errors=True)
+        return 0
+    doomed = root / f".{folder.name}.deleting-{uuid.uuid4().hex}"
+    try:
+        folder.rename(doomed)
+    except FileNotFoundError:
+        return None
     freed = 0
-    for dirpath, _dirs, files in os.walk(folder):
+    for dirpath, _dirs, files in os.walk(doomed):
         for name in files:
             path = Path(dirpath) / name
             if not path.is_symlink():
                 with contextlib.suppress(OSError):
                     freed += path.stat().st_size
-    shutil.rmtree(folder, ignore_errors=False)
-    shutil.rmtree(root / ".locks" / folder.name, ignore_errors=True)
+    shutil.rmtree(doomed, ignore_errors=False)
+    shutil.rmtree(locks, ignore_errors=True)
     return freed
 
 

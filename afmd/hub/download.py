@@ -8,9 +8,10 @@ missing. What afmd adds:
 * the repo is refused before any download unless it is an MLX model (``config.json`` and
   safetensors weights);
 * one progress bar per file (:mod:`afmd.hub.progress`);
-* integrity: the hub client checks no hash, so afmd hashes every file against the hub's
-  tree (sha256 for LFS files, the git blob id for the others) and deletes a file that
-  does not match;
+* integrity: the hub client checks no hash, so afmd hashes every file against the hashes
+  the hub lists (sha256 for LFS files, the git blob id for the others) and deletes a file
+  that does not match, and stops one that runs past the size listed;
+* bounds: the listing has a timeout (the hub client's tree listing has none);
 * "present" means complete: files are fetched at the commit the revision resolved to,
   ``config.json`` last, and the ref (``refs/main``) is written only once every file was
   verified (:mod:`afmd.hub.cache` reads that state).
@@ -43,6 +44,10 @@ ALLOW_PATTERNS = ("*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.
 
 class PullError(Exception):
     """A pull that did not complete, with the sentence to show."""
+
+
+class _TooLong(Exception):
+    """Raised from a progress step once a file's body passes the size the hub listed."""
 
 
 class PullStopped(Exception):
@@ -81,6 +86,10 @@ _REVISION = re.compile(r"(?!.*(?:\.\.|//|/\.|@\{))[A-Za-z0-9_][A-Za-z0-9_.+=,@{}
                        r"(?:/[A-Za-z0-9_][A-Za-z0-9_.+=,@{}-]{0,254})*(?<![./])\Z")
 
 
+#: A commit as the hub names one (a git object id).
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
 def parse_ref(ref: str) -> tuple[str, str]:
     """``OWNER/NAME[@REVISION]`` -> (repo, revision); the revision defaults to ``main``."""
     repo, at, revision = ref.partition("@")
@@ -97,8 +106,10 @@ def _endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
 
-def _explain(exc: BaseException, repo: str, revision: str) -> str:
-    """The sentence for a failure of the hub client."""
+def _explain(exc: BaseException, repo: str, revision: str, *,
+             setting: str = "HF_HUB_ETAG_TIMEOUT") -> str:
+    """The sentence for a failure of the hub client; ``setting``: the variable that bounds
+    the wait that failed (the listing's, or a file's between two reads)."""
     from huggingface_hub import errors
 
     if isinstance(exc, errors.OfflineModeIsEnabled):
@@ -116,28 +127,48 @@ def _explain(exc: BaseException, repo: str, revision: str) -> str:
         status = exc.response.status_code if exc.response is not None else "?"
         return f"the hub at {_endpoint()} answered HTTP {status} for {repo}: {exc}"
     module = type(exc).__module__
+    if module.startswith(("httpx", "httpcore")) and "Timeout" in type(exc).__name__:
+        return (f"the hub at {_endpoint()} did not answer within {_timeout(setting):g} s "
+                f"({type(exc).__name__}); check the network connection, or allow it longer "
+                f"with {setting}")
     if module.startswith(("httpx", "httpcore")) or isinstance(exc, ConnectionError):
         return (f"cannot reach the Hugging Face hub at {_endpoint()} ({type(exc).__name__}: "
                 f"{exc}); check the network connection (and HF_ENDPOINT)")
     return f"{type(exc).__name__}: {exc}"
 
 
-def remote_files(repo: str, revision: str) -> tuple[str, list[RemoteFile]]:
-    """(commit, the files an MLX load needs) at ``revision``; raises PullError."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.hf_api import RepoFile
+def _timeout(setting: str = "HF_HUB_ETAG_TIMEOUT") -> float:
+    """Seconds the hub may take to answer: the hub client's own settings, read where it
+    reads them (``HF_HUB_ETAG_TIMEOUT`` for a repo's metadata, ``HF_HUB_DOWNLOAD_TIMEOUT``
+    between two reads of a file; 10 s each unless set)."""
+    from huggingface_hub import constants
 
-    api = HfApi()
+    return float(getattr(constants, setting))
+
+
+def remote_files(repo: str, revision: str) -> tuple[str, list[RemoteFile]]:
+    """(commit, the files an MLX load needs) at ``revision``; raises PullError.
+
+    One request, with a timeout: the repo's info with every file's size and hashes
+    (``files_metadata``). The hub client's tree listing takes no timeout (its HTTP
+    client has none by default), so a hub that took the connection and never replied
+    held the pull for ever."""
+    from huggingface_hub import HfApi
+
     try:
-        commit = api.model_info(repo, revision=revision).sha
-        assert commit, "the hub names the commit a revision resolves to"
-        tree = [f for f in api.list_repo_tree(repo, recursive=True, revision=commit)
-                if isinstance(f, RepoFile)]
+        info = HfApi().model_info(repo, revision=revision, files_metadata=True,
+                                  timeout=_timeout())
     except Exception as exc:
         raise PullError(_explain(exc, repo, revision)) from exc
-    names = [f.path for f in tree]
-    wanted = [f for f in tree if any(fnmatch.fnmatch(f.path, p) for p in ALLOW_PATTERNS)]
-    weights = [f for f in wanted if f.path.endswith(".safetensors")]
+    commit = info.sha
+    if not commit or not _COMMIT.fullmatch(commit):
+        # The files are fetched at it, and a snapshot folder is named after it.
+        raise PullError(f"the hub at {_endpoint()} did not name the commit of {repo}@{revision} "
+                        f"(it said {commit!r:.60})")
+    tree = info.siblings or []
+    names = [f.rfilename for f in tree]
+    wanted = [f for f in tree if any(fnmatch.fnmatch(f.rfilename, p) for p in ALLOW_PATTERNS)]
+    weights = [f for f in wanted if f.rfilename.endswith(".safetensors")]
     if "config.json" not in names or not weights:
         lacks = " and ".join(what for what, there in (
             ("config.json", "config.json" in names),
@@ -146,15 +177,19 @@ def remote_files(repo: str, revision: str) -> tuple[str, list[RemoteFile]]:
             f"{repo} is not an MLX model: it has no {lacks} (files: "
             f"{', '.join(sorted(names)[:8])}{', …' if len(names) > 8 else ''}). afmd serves "
             "MLX models; look for an MLX conversion, e.g. under huggingface.co/mlx-community")
-    files = [RemoteFile(f.path, f.size, f.blob_id, f.lfs.sha256 if f.lfs else None)
-             for f in wanted]
+    unlisted = [f.rfilename for f in wanted if f.size is None or not f.blob_id]
+    if unlisted:
+        raise PullError(f"the hub at {_endpoint()} listed {unlisted[0]} of {repo} without its "
+                        "size or hash, so it cannot be verified")
+    files = [RemoteFile(f.rfilename, f.size or 0, f.blob_id or "",
+                        f.lfs.sha256 if f.lfs else None) for f in wanted]
     # config.json last: until it is there, no reader takes the snapshot for a model.
     files.sort(key=lambda f: (f.path == "config.json", f.path.endswith(".safetensors"), f.path))
     return commit, files
 
 
 def file_digest(path: Path, remote: RemoteFile) -> tuple[str, str]:
-    """(expected, actual) digest of a downloaded file, as the hub's tree states it."""
+    """(expected, actual) digest of a downloaded file, as the hub lists it."""
     if remote.sha256 is not None:
         digest = hashlib.sha256()
         expected = remote.sha256
@@ -167,12 +202,25 @@ def file_digest(path: Path, remote: RemoteFile) -> tuple[str, str]:
     return expected, digest.hexdigest()
 
 
-def _discard(link: Path) -> None:
-    """Remove a bad file: the blob it links to and the link."""
+def _discard(link: Path, blobs: Path) -> None:
+    """Remove a bad file: the link, and the blob it links to when that is one of the
+    repo's blobs. The cache is shared, and a snapshot's file may link anywhere (weights
+    its user keeps on another disk): nothing outside the cache is deleted."""
     blob = link.resolve()
-    for path in (blob, link):
+    with contextlib.suppress(FileNotFoundError):
+        link.unlink()
+    if blob.parent == blobs.resolve():
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            blob.unlink()
+
+
+def _discard_partial(folder: Path, remote: RemoteFile) -> None:
+    """Remove what the hub client kept of a file to resume it (``blobs/<etag>.incomplete``,
+    the etag being the hash the hub listed): a resume would start past the listed size."""
+    etag = remote.sha256 or remote.blob_id
+    if re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", etag):
+        with contextlib.suppress(FileNotFoundError):
+            (folder / "blobs" / f"{etag}.incomplete").unlink()
 
 
 def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
@@ -194,6 +242,8 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
 
     def progress(remote: RemoteFile, done: int, total: int | None) -> None:
         check()
+        if done > remote.size:  # the hub client would write a body without end to disk
+            raise _TooLong
         if report is not None:
             report(remote, done, total)
 
@@ -210,7 +260,6 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
 
     cache = huggingface_hub_cache()
     snapshot = repo_folder(repo, cache) / "snapshots" / commit
-    watched = report is not None or stop is not None
     downloaded = 0
     for remote in files:
         link = snapshot / remote.path
@@ -221,11 +270,16 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
                 repo, remote.path, revision=commit, cache_dir=str(cache),
                 tqdm_class=bar_class(
                     remote.path, out, terminal=terminal,
-                    report=functools.partial(progress, remote) if watched else None)))
+                    report=functools.partial(progress, remote))))
         except PullStopped:
             raise
+        except _TooLong:
+            _discard_partial(repo_folder(repo, cache), remote)
+            raise PullError(f"{remote.path}: the hub sent more than the {remote.size} bytes it "
+                            "listed; the download was stopped and deleted") from None
         except Exception as exc:
-            raise PullError(f"downloading {remote.path}: {_explain(exc, repo, revision)}; "
+            said = _explain(exc, repo, revision, setting="HF_HUB_DOWNLOAD_TIMEOUT")
+            raise PullError(f"downloading {remote.path}: {said}; "
                             "run the pull again to resume (finished files are kept)") from exc
         except KeyboardInterrupt:
             out.write("\n")
@@ -235,7 +289,7 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
         downloaded += not cached
         expected, actual = file_digest(local, remote)
         if expected != actual:
-            _discard(link)
+            _discard(link, repo_folder(repo, cache) / "blobs")
             kind = "sha256" if remote.sha256 else "git blob id"
             raise PullError(f"{remote.path} failed verification ({kind} {actual}, the hub "
                             f"says {expected}); the file was deleted, run the pull again")

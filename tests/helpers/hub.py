@@ -3,7 +3,7 @@
 It answers exactly what ``huggingface_hub`` asks when ``HF_ENDPOINT`` points at it:
 
 * ``GET /api/models/{repo}/revision/{rev}`` (and ``/api/models/{repo}``): ``id``, ``sha``,
-  ``siblings``;
+  ``siblings`` (with ``?blobs=true``, each with its ``blobId``, ``size`` and ``lfs``);
 * ``GET /api/models/{repo}/tree/{rev}[/{path}]?recursive=true``: every file with its git
   ``oid`` and ``size``, weight files (``*.safetensors``) as LFS with ``lfs.oid`` = sha256;
 * ``HEAD`` and ``GET /{repo}/resolve/{rev}/{file}``: ``ETag`` (the sha256 for LFS files, the
@@ -13,8 +13,10 @@ It answers exactly what ``huggingface_hub`` asks when ``HF_ENDPOINT`` points at 
 
 Faults a test can ask for: cut a file's connection after some bytes (the client resumes
 with ``Range``), serve a file with one byte flipped while the tree keeps the true hash,
-answer a file with an HTTP error, or send a file slowly (a download a client can leave
-in the middle of). Every request is logged for assertions.
+answer a file with an HTTP error, send a file slowly (a download a client can leave
+in the middle of), send a file's bytes and then zeros without end, or hold every API
+request unanswered (a hub that accepts connections and never replies). Every request is
+logged for assertions.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf")
+#: Where a body "without end" ends after all: far past any file the tests host.
+ENDLESS_CAP = 64 * 1024 * 1024
 
 
 def git_oid(data: bytes) -> str:
@@ -70,6 +74,11 @@ class FakeHub:
     failures: dict[tuple[str, str], int] = field(default_factory=dict)
     #: file -> bytes per second it is sent at
     rates: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: files whose GET never ends (chunked, no Content-Length; HEAD tells the true size)
+    endless: set[tuple[str, str]] = field(default_factory=set)
+    #: while set, API requests wait unanswered (released when the hub stops)
+    stalled: bool = False
+    _released: threading.Event = field(default_factory=threading.Event)
     _server: ThreadingHTTPServer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -105,6 +114,11 @@ class FakeHub:
         is noticed within a write."""
         self.rates[(repo, path)] = bytes_per_s
 
+    def without_end(self, repo: str, path: str) -> None:
+        """Answer a file's GET with its bytes, then zeros until the client leaves (or,
+        so that a client that never stops cannot fill the disk, :data:`ENDLESS_CAP`)."""
+        self.endless.add((repo, path))
+
     def gets(self, path_suffix: str) -> list[Logged]:
         return [r for r in self.log if r.method == "GET" and r.path.endswith(path_suffix)]
 
@@ -128,6 +142,7 @@ class FakeHub:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._released.set()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -155,6 +170,10 @@ class _Handler(BaseHTTPRequestHandler):
         with hub._lock:
             hub.log.append(Logged(self.command, path, self.headers.get("Range")))
         parts = [unquote(p) for p in path.strip("/").split("/")]
+        if parts[:2] == ["api", "models"] and hub.stalled:
+            hub._released.wait()
+            self.close_connection = True
+            return
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
             self._api(f"{parts[2]}/{parts[3]}", parts[4:])
         elif len(parts) >= 5 and parts[2] == "resolve":
@@ -183,15 +202,29 @@ class _Handler(BaseHTTPRequestHandler):
         if not rest or rest[0] == "revision":
             commit = self._commit(repo, "/".join(rest[1:]) or "main")
             if commit is not None:
+                blobs = "blobs=true" in urlsplit(self.path).query
                 self._json({"_id": "0" * 24, "id": repo_id, "modelId": repo_id,
                             "sha": commit, "private": False, "disabled": False, "tags": [],
-                            "siblings": [{"rfilename": p} for p in sorted(repo.files)]})
+                            "siblings": [self._sibling(repo, p, blobs)
+                                         for p in sorted(repo.files)]})
         elif rest[0] == "tree" and len(rest) >= 2:
             commit = self._commit(repo, rest[1])
             if commit is not None:
                 self._json(self._tree(repo, "/".join(rest[2:])))
         else:
             self._error(404, "EntryNotFound", "Not found")
+
+    def _sibling(self, repo: Repo, path: str, blobs: bool) -> dict[str, Any]:
+        """A ``siblings`` entry; with ``?blobs=true`` (the hub client's
+        ``files_metadata``), its git oid, size and LFS sha256 as the tree has them."""
+        if not blobs:
+            return {"rfilename": path}
+        data = repo.files[path]
+        entry: dict[str, Any] = {"rfilename": path, "blobId": git_oid(data), "size": len(data)}
+        if repo.is_lfs(path):
+            entry["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+                            "pointerSize": 134}
+        return entry
 
     def _tree(self, repo: Repo, under: str) -> list[dict[str, Any]]:
         entries: list[dict[str, Any]] = []
@@ -246,6 +279,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         for name, value in headers.items():
             self.send_header(name, value)
+        if key in hub.endless and not head:
+            self._without_end(data)
+            return
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         if head:
@@ -273,6 +309,22 @@ class _Handler(BaseHTTPRequestHandler):
                 time.sleep(step / rate)
         except OSError:  # the client went away
             self.close_connection = True
+
+    def _without_end(self, data: bytes) -> None:
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.close_connection = True
+        zeros = bytes(1 << 16)
+        try:
+            if data:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            for _ in range(ENDLESS_CAP // len(zeros)):
+                if self.owner._released.is_set():
+                    return
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(zeros), zeros))
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:  # the client went away
+            pass
 
     # ------------------------------------------------------------------ answers
 

@@ -896,7 +896,7 @@ def hub_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve
 
 def test_pull_reports_progress_then_the_model_serves(
         hub_server: tuple[ServerProcess, FakeHub]) -> None:
-    server, _ = hub_server
+    server, hub = hub_server
     client = ollama.Client(host=server.url, timeout=120)
     progress = list(client.pull(REPO + ":latest", stream=True))
     statuses = [p.status for p in progress]
@@ -925,6 +925,16 @@ def test_pull_reports_progress_then_the_model_serves(
     with pytest.raises(ollama.ResponseError) as gone:
         client.delete(REPO)
     assert gone.value.status_code == 404
+    # Deleted is gone, as Ollama has it: a request naming it is a 404. The server had
+    # remembered the name, and the load fetched the repo again, unverified, behind the
+    # client's back.
+    asked = len(hub.log)
+    for call in (lambda: client.chat(model=REPO, messages=MESSAGES, options=GREEDY),
+                 lambda: client.show(REPO)):
+        with pytest.raises(ollama.ResponseError) as unknown:
+            call()
+        assert unknown.value.status_code == 404, unknown.value.error
+    assert hub.log[asked:] == []
 
 
 def test_a_failed_pull_says_why(hub_server: tuple[ServerProcess, FakeHub]) -> None:
@@ -971,6 +981,93 @@ def test_a_pull_stops_when_its_client_leaves(hub_server: tuple[ServerProcess, Fa
     assert fetched("tokenizer.json") == 1  # kept from the first pull, not fetched again
     assert SLOW + ":latest" in {m.model for m in client.list().models}
     assert client.delete(SLOW).status == "success"
+
+
+TWICE = "tiny-org/deleted-twice"
+
+
+def test_deletes_at_once_delete_once(hub_server: tuple[ServerProcess, FakeHub]) -> None:
+    """Several ``/api/delete``s of one model at once (a client retrying, two clients): one
+    deletes it, the others find it gone (404). The second ``rmtree`` found the folder
+    half gone under it and the request was a 500."""
+    server, hub = hub_server
+    hub.add_folder(TWICE, demo.materialize("demo"))
+    client = ollama.Client(host=server.url, timeout=120)
+    for _ in range(3):
+        assert client.pull(TWICE).status == "success"
+        statuses: list[int] = []
+        go = threading.Barrier(8)
+
+        def delete(statuses: list[int] = statuses, go: threading.Barrier = go) -> None:
+            go.wait(30)
+            statuses.append(httpx.request("DELETE", server.url + "/api/delete", timeout=60,
+                                          json={"model": TWICE}).status_code)
+
+        threads = [threading.Thread(target=delete) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert sorted(statuses) == [200] + [404] * 7, statuses
+        assert TWICE + ":latest" not in {m.model for m in client.list().models}
+
+
+LOADING = "tiny-org/loading-chat"
+
+
+def test_a_model_loading_is_not_deleted(tmp_path: Path) -> None:
+    """``/api/delete`` refused a loaded model but not one loading (or waiting for room to
+    load, as here: one model at a time, the other busy): its files went from under the
+    load, which failed with mlx-lm's confusing "Repo id must be in the form …" or loaded
+    a model whose files were gone. It is a 409 until the load is over."""
+    with FakeHub() as hub:
+        hub.add_folder(LOADING, demo.materialize("demo"))
+        server = start_server(tmp_path, config=(
+            "[models]\nmax_loaded = 1\n[[models.model]]\nid = \"pulled\"\n"
+            f"path = \"{LOADING}\"\n"), env={
+            "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"),
+            "HF_HUB_DISABLE_TELEMETRY": "1"})
+        try:
+            client = ollama.Client(host=server.url, timeout=120)
+            assert client.pull(LOADING).status == "success"
+            rid = "busy-" + uuid.uuid4().hex
+            busy = threading.Event()
+            answers: dict[str, httpx.Response] = {}
+
+            def hold_demo() -> None:
+                with httpx.stream("POST", server.url + "/api/chat", timeout=60,
+                                  headers={"X-Request-ID": rid},
+                                  json={"model": "demo", "messages": MESSAGES,
+                                        "options": {"num_predict": 4000}}) as response:
+                    for _ in response.iter_lines():
+                        busy.set()
+
+            def ask_pulled() -> None:
+                answers["chat"] = httpx.post(server.url + "/api/chat", timeout=60, json={
+                    "model": "pulled", "messages": MESSAGES, "stream": False,
+                    "options": GREEDY})
+
+            holder = threading.Thread(target=hold_demo)
+            holder.start()
+            assert busy.wait(30)
+            asker = threading.Thread(target=ask_pulled)
+            asker.start()
+            deadline = time.monotonic() + 30
+            while httpx.get(server.url + "/health").json()["model_details"]["pulled"][
+                    "state"] != "loading":
+                assert time.monotonic() < deadline, "the load never started"
+                time.sleep(0.05)
+            refused = httpx.request("DELETE", server.url + "/api/delete",
+                                    json={"model": "pulled"})
+            assert refused.status_code == 409, refused.text
+            assert "loading" in refused.json()["error"]
+            httpx.post(f"{server.url}/v1/chat/completions/{rid}/cancel")
+            holder.join(30)
+            asker.join(60)
+            assert answers["chat"].status_code == 200, answers["chat"].text
+            assert answers["chat"].json()["eval_count"] == 12
+        finally:
+            server.stop()
 
 
 # -- [ollama] port --------------------------------------------------------------------------

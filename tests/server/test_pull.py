@@ -302,3 +302,116 @@ def test_progress_on_a_terminal_is_a_bar_per_file(hub: FakeHub, env: dict[str, s
         assert f"{name}: 100%|" in text, text  # tqdm's bar: percentage, bar, bytes, rate
     assert "| 256k/256k [" in text, text  # bytes done / total, then time, ETA and rate
     assert "B/s]" in text, text
+
+
+# ---------------------------------------------------------------------------- hostile hubs
+
+
+def test_a_hub_that_never_answers_fails_the_pull(hub: FakeHub, env: dict[str, str]) -> None:
+    """The hub client sets no timeout on its API calls (its HTTP client's default is
+    none), so a hub that took the connection and never replied held ``afmd pull`` (and a
+    server's pull thread) for ever. The listing is bounded by the hub client's own
+    setting for metadata requests, ``HF_HUB_ETAG_TIMEOUT``."""
+    hub.add_repo(REPO, tiny_model())
+    hub.stalled = True
+    result = afmd({**env, "HF_HUB_ETAG_TIMEOUT": "1"}, "pull", REPO, timeout=60)
+    assert_clean_failure(result, f"the hub at {hub.url} did not answer within 1 s",
+                         "HF_HUB_ETAG_TIMEOUT")
+    assert REPO not in listed(env)
+
+
+def test_a_file_longer_than_the_hub_listed_is_cut_off(hub: FakeHub,
+                                                      env: dict[str, str]) -> None:
+    """The hub client writes whatever body it is sent and compares sizes only at the end,
+    so a file sent without end filled the disk. The download stops once it passes the
+    size the hub's tree listed, and what it wrote is deleted."""
+    files = tiny_model()
+    commit = hub.add_repo(REPO, files)
+    hub.without_end(REPO, "model.safetensors")
+    result = afmd(env, "pull", REPO, timeout=60)
+    assert_clean_failure(result, "model.safetensors: the hub sent more than the "
+                         f"{len(files['model.safetensors'])} bytes it listed")
+    folder = cache_of(env) / "models--test-org--tiny-mlx"
+    assert not (folder / "snapshots" / commit / "model.safetensors").exists()
+    assert all(b.stat().st_size <= len(files["model.safetensors"])
+               for b in (folder / "blobs").iterdir())
+    hub.endless.clear()
+    assert afmd(env, "pull", REPO).returncode == 0
+    assert REPO in listed(env)
+
+
+def test_a_file_that_fails_verification_is_deleted_only_inside_the_cache(
+        hub: FakeHub, env: dict[str, str], tmp_path: Path) -> None:
+    """The cache is shared: a snapshot's file may be a link another tool or its user made
+    to a file elsewhere (weights kept on another disk). One that failed verification was
+    deleted through the link, the user's own file with it; now only the link goes."""
+    commit = hub.add_repo(REPO, tiny_model())
+    snapshot = cache_of(env) / "models--test-org--tiny-mlx" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    theirs = tmp_path / "elsewhere" / "weights.safetensors"
+    theirs.parent.mkdir()
+    theirs.write_bytes(b"someone else's weights")
+    (snapshot / "model.safetensors").symlink_to(theirs)
+    result = afmd(env, "pull", REPO)
+    assert_clean_failure(result, "model.safetensors failed verification")
+    assert theirs.read_bytes() == b"someone else's weights"
+    assert not (snapshot / "model.safetensors").is_symlink()
+    assert afmd(env, "pull", REPO).returncode == 0  # the next pull fetches the hub's file
+    assert (snapshot / "model.safetensors").read_bytes() == tiny_model()["model.safetensors"]
+    assert theirs.read_bytes() == b"someone else's weights"
+
+
+# ---------------------------------------------------------------------------- the cache's own
+
+
+def test_a_weight_header_longer_than_its_file_lists_as_nothing(hub: FakeHub,
+                                                               env: dict[str, str]) -> None:
+    """A pulled weight file whose first eight bytes claim a header of exabytes (verified:
+    it is the hub's own file) made ``afmd list`` a MemoryError traceback, reading that
+    many bytes; and with it ``/api/tags`` for every model. Such a file describes as
+    nothing, as other odd weight files do (tests/server/test_odd_model_files.py)."""
+    files = {**tiny_model(), "model.safetensors": b"x" * 100}
+    hub.add_repo(REPO, files)
+    assert afmd(env, "pull", REPO).returncode == 0
+    result = afmd(env, "list", "--json")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert REPO in {m["id"] for m in json.loads(result.stdout)["models"]}
+    shown = afmd(env, "show", REPO, "--json")
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
+
+
+def test_rm_of_a_repo_folder_that_links_elsewhere(hub: FakeHub, env: dict[str, str],
+                                                  tmp_path: Path) -> None:
+    """A repo's folder in the cache may be a link to another disk (moved there to save
+    room). ``afmd rm`` and ``/api/delete`` failed on it with a traceback (rmtree refuses a
+    link); the link is removed and the files it points to are left, with a note: nothing
+    outside the cache is deleted."""
+    hub.add_repo(REPO, tiny_model())
+    assert afmd(env, "pull", REPO).returncode == 0
+    folder = cache_of(env) / "models--test-org--tiny-mlx"
+    moved = tmp_path / "other-disk" / folder.name
+    moved.parent.mkdir()
+    folder.rename(moved)
+    folder.symlink_to(moved, target_is_directory=True)
+    assert REPO in listed(env)
+    result = afmd(env, "rm", REPO, "--yes")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert f"deleted {REPO}" in result.stdout
+    assert f"its files in {moved} were left" in result.stdout, result.stdout
+    assert not folder.is_symlink() and not folder.exists()
+    assert (moved / "refs" / "main").is_file()
+    assert REPO not in listed(env)
+
+
+@pytest.mark.parametrize("sha", ["main", "../../../outside", "", "A" * 40])
+def test_a_listing_that_names_no_commit_is_refused(hub: FakeHub, env: dict[str, str],
+                                                   sha: str) -> None:
+    """The files are fetched at the commit the hub names, and the snapshot folder is named
+    after it: a hub that named ``main`` had the files fetched at a branch that can move
+    while they come, under a snapshot called ``main``."""
+    hub.add_repo(REPO, tiny_model())
+    hub.repos[REPO].commit = sha
+    hub.repos[REPO].refs = {"main": sha}
+    result = afmd(env, "pull", REPO)
+    assert_clean_failure(result, f"did not name the commit of {REPO}@main")
+    assert not [r for r in hub.log if "/resolve/" in r.path]

@@ -12,6 +12,7 @@ or two), never the weights.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,6 +41,9 @@ TEMPLATE_FAMILIES: tuple[tuple[str, str], ...] = (
     ("<|user|>", "phi"),
 )
 
+#: The safetensors format's own bound on a header's length.
+_MAX_HEADER = 100 * 1024 * 1024
+
 _DTYPE_NAMES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F8_E4M3": "fp8"}
 
 
@@ -58,6 +62,10 @@ def safetensors_headers(folder: Path) -> dict[str, dict[str, Any]]:
         try:
             with path.open("rb") as fh:
                 (length,) = struct.unpack("<Q", fh.read(8))
+                # A length is anyone's too: one past the file (or the format's own bound)
+                # would have the read allocate it.
+                if length > min(_MAX_HEADER, os.fstat(fh.fileno()).st_size - 8):
+                    continue
                 header = json.loads(fh.read(length))
         except (OSError, ValueError, struct.error):
             continue

@@ -95,11 +95,17 @@ class ModelRegistry:
 
     def _downloaded(self, repo: str) -> ModelEntry | None:
         """The entry a complete download of ``repo`` serves under (one per repo, so that
-        its loads and leases are one model's)."""
+        its loads and leases are one model's). Looked for on disk each time unless the
+        model is loaded or loading: a download deleted since (``/api/delete``, ``afmd rm``)
+        is no model any more, where a remembered entry had its load fetch the repo again."""
+        if not hubcache.REPO_ID.match(repo):
+            return None
         entry = self._repos.get(repo)
-        if entry is None and hubcache.REPO_ID.match(repo) and hubcache.complete_snapshot(repo):
-            entry = self._repos[repo] = ModelEntry(id=repo, path=repo)
-        return entry
+        if entry is not None and (entry.id in self._loaded or self.loads.is_loading(entry.id)):
+            return entry
+        if not hubcache.complete_snapshot(repo):
+            return None
+        return self._repos.setdefault(repo, ModelEntry(id=repo, path=repo))
 
     def listed_ids(self) -> list[str]:
         return [*self._config.model_ids(), *self._config.models.aliases]

@@ -315,7 +315,13 @@ async def delete(request: Request) -> HTTPResponse:
         raise ConflictError(f"model '{name}' is loaded; unload it first (a request with "
                             "keep_alive 0) or wait for its keep-alive to end",
                             code="model_in_use", param="model")
-    await asyncio.to_thread(hubcache.remove, repo)
+    if state.registry.loads.is_loading(entry.id):  # its files would go from under the load
+        raise ConflictError(f"model '{name}' is loading for a request; delete it once that "
+                            "is answered and the model unloaded", code="model_in_use",
+                            param="model")
+    if await asyncio.to_thread(hubcache.remove, repo) is None:  # a delete beside it won
+        raise NotFoundError(f"model '{name}' not found: it was deleted meanwhile",
+                            code="model_not_found", param="model")
     return HTTPResponse(status=200, headers=headers)
 
 
