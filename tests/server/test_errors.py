@@ -113,6 +113,15 @@ CASES = [
     pytest.param(_body({"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}),
                  400, "invalid_value", "messages[0].content[0].type", id="content-part-audio"),
+    # OpenAI's schema gives these roles text parts only, and its API refuses an image in
+    # them: accepted here, a client found out only on OpenAI.
+    *(pytest.param(_body(*before, {"role": role, "content": [
+        {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {
+            "url": "data:image/png;base64,iVBORw0KGgo="}}]}, *after),
+        400, "invalid_value", f"messages[{len(before)}].content[1].image_url",
+        id=f"image-in-{role}-message")
+      for role, before, after in (("system", (), (USER,)), ("developer", (), (USER,)),
+                                  ("assistant", (USER,), (USER,)))),
     pytest.param(_body(USER, {"role": "assistant", "tool_calls": [CALL]},
                        {"role": "tool", "content": "sunny"}),
                  400, "missing_required_parameter", "messages[2].tool_call_id",

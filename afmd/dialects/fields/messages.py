@@ -199,6 +199,18 @@ def tool_calls(value: Any, param: str, *, strict: bool = False) -> tuple[ToolCal
     return tuple(calls)
 
 
+def _user_images_only(role: str, images: tuple[ImageInput, ...], param: str) -> None:
+    """OpenAI's refusal of an image in a system, developer or assistant message (its
+    schema gives those roles text parts only): a client that works here then works there.
+    A tool message's images are read, beyond OpenAI, as a vision model's agent sends a
+    screenshot back as a tool's result."""
+    if images and role != "user":
+        raise InvalidRequestError(
+            f"Invalid '{param}'. Image URLs are only allowed for messages with role 'user', "
+            f"but this message with role '{role}' contains an image URL.",
+            code="invalid_value", param=images[0].param)
+
+
 def message(value: Any, param: str, *, strict: bool = False) -> Message:
     """One message; ``param`` is its path (``messages[3]``). ``strict`` refuses a key its
     role does not have (:data:`MESSAGE_KEYS`), in it and in its parts and calls."""
@@ -227,6 +239,7 @@ def message(value: Any, param: str, *, strict: bool = False) -> Message:
         if type(content) is not str:
             content, images = text_content(content, f"{param}.content", allow_null=True,
                                            refusals=True, strict=strict)
+            _user_images_only(role, images, param)
         refusal = value.get("refusal")
         if refusal is not None and not isinstance(refusal, str):
             raise wrong_type(f"{param}.refusal", "a string", refusal)
@@ -241,6 +254,8 @@ def message(value: Any, param: str, *, strict: bool = False) -> Message:
     content, images = value["content"], _NO_IMAGES
     if type(content) is not str:
         content, images = text_content(content, f"{param}.content", strict=strict)
+        if role != "tool":
+            _user_images_only(role, images, param)
     if role == "tool":
         call_id = _nonempty_id(value, "tool_call_id", f"{param}.tool_call_id", "A tool_call_id")
         return Message(role=role, content=content, name=name, tool_call_id=call_id,
