@@ -222,3 +222,41 @@ def test_top_k_and_min_p_on_chat(http: httpx.Client) -> None:
         assert response.json()["choices"][0]["message"]["content"] == want
     sampled = http.post("/v1/chat/completions", json={**CHAT, "seed": 5}).json()
     assert sampled["choices"][0]["message"]["content"] != want
+
+
+# -- stop sequences ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 2, "stop": ["\n", "s" * 4097]}, "stop[1]"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": "s" * 4097}, "stop[0]"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                      "stop_sequences": ["s" * 4097]}, "stop_sequences[0]"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "hi"}], "stream": False,
+                   "options": {"num_predict": 2, "stop": ["s" * 4097]}}, "options.stop[0]"),
+])
+def test_a_stop_sequence_past_its_length_is_a_400_naming_it(http: httpx.Client, path: str,
+                                                            body: dict[str, Any],
+                                                            param: str) -> None:
+    """Each stop is followed over the whole output: its length is bounded like its count."""
+    response = http.post(path, json={"model": "demo", **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    # Anthropic and Ollama name the field at the start of the message.
+    message = error if isinstance(error, str) else error["message"]
+    if isinstance(error, dict) and "param" in error:
+        assert error["param"] == param, error
+    else:
+        assert message.startswith(param), message
+    assert "4096" in message, message
+    fitting = http.post(path, json={"model": "demo", **body} | _longest_stop(body))
+    assert fitting.status_code == 200, fitting.text
+
+
+def _longest_stop(body: dict[str, Any]) -> dict[str, Any]:
+    """``body``'s stops, each at the longest length allowed."""
+    if "options" in body:
+        return {"options": {**body["options"], "stop": ["s" * 4096]}}
+    key = "stop_sequences" if "stop_sequences" in body else "stop"
+    return {key: ["s" * 4096]}
