@@ -37,7 +37,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Only the likeliest token can be drawn. A nucleus of mass 0 (``top_p`` 0) is that
+        token alone, as OpenAI and llama.cpp keep at least one; mlx-lm's filter reads 0 as
+        "off", which sampled from the whole vocabulary instead."""
+        return self.temperature == 0.0 or self.top_k == 1 or self.top_p == 0.0
 
     @classmethod
     def of(cls, r: ChatRequest | CompletionRequest, choice: int = 0) -> SamplingParams:

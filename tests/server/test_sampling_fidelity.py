@@ -224,6 +224,34 @@ def test_top_k_and_min_p_on_chat(http: httpx.Client) -> None:
     assert sampled["choices"][0]["message"]["content"] != want
 
 
+def _answer(http: httpx.Client, path: str, **fields: Any) -> str:
+    """The text of a 10-token answer to "Tell me a story." in ``path``'s dialect."""
+    messages = CHAT["messages"]
+    if path == "/api/chat":
+        body = {"model": "demo", "messages": messages, "stream": False,
+                "options": {"num_predict": 10, **fields}}
+    else:
+        body = {"model": "demo", "messages": messages, "max_tokens": 10, **fields}
+    response = http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    if path == "/v1/chat/completions":
+        return str(data["choices"][0]["message"]["content"])
+    if path == "/v1/messages":
+        return "".join(block["text"] for block in data["content"])
+    return str(data["message"]["content"])
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/api/chat"])
+def test_top_p_zero_keeps_the_likeliest_token(http: httpx.Client, path: str) -> None:
+    """A nucleus of mass 0 holds the likeliest token alone (OpenAI's reading, llama.cpp's
+    for Ollama): the greedy answer whatever the seed, not a draw from every token."""
+    want = _answer(http, path, temperature=0)
+    for seed in (5, 6):
+        assert _answer(http, path, temperature=1, top_p=0, seed=seed) == want
+    assert _answer(http, path, temperature=1, seed=5) != want
+
+
 # -- stop sequences ------------------------------------------------------------------
 
 

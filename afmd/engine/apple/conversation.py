@@ -138,7 +138,8 @@ def _text(text: str) -> dict[str, Any]:
 
 
 def sampling_of(request: ChatRequest) -> Sampling:
-    return Sampling(greedy=request.temperature == 0.0 or request.top_k == 1,
+    return Sampling(greedy=(request.temperature == 0.0 or request.top_k == 1
+                            or request.top_p == 0.0),
                     temperature=request.temperature, top_p=request.top_p,
                     top_k=request.top_k, seed=request.seed)
 
