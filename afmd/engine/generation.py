@@ -22,6 +22,13 @@ if TYPE_CHECKING:
     from afmd.core.request import ChatRequest, CompletionRequest
 
 
+#: Temperatures below this sample the likeliest token: the sampler divides by the
+#: temperature in float32, and past this the quotient overflows (an infinite scale makes
+#: every score NaN or -inf, and the draw token 0 whatever the model says). The limit of
+#: sampling as the temperature goes to 0 is greedy decoding.
+GREEDY_BELOW_TEMPERATURE = 1e-30
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -40,7 +47,8 @@ class SamplingParams:
         """Only the likeliest token can be drawn. A nucleus of mass 0 (``top_p`` 0) is that
         token alone, as OpenAI and llama.cpp keep at least one; mlx-lm's filter reads 0 as
         "off", which sampled from the whole vocabulary instead."""
-        return self.temperature == 0.0 or self.top_k == 1 or self.top_p == 0.0
+        return (self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+                or self.top_p == 0.0)
 
     @classmethod
     def of(cls, r: ChatRequest | CompletionRequest, choice: int = 0) -> SamplingParams:

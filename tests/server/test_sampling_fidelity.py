@@ -252,6 +252,15 @@ def test_top_p_zero_keeps_the_likeliest_token(http: httpx.Client, path: str) -> 
     assert _answer(http, path, temperature=1, seed=5) != want
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/api/chat"])
+def test_a_vanishing_temperature_is_greedy(http: httpx.Client, path: str) -> None:
+    """Sampling tends to greedy decoding as the temperature goes to 0; a temperature whose
+    inverse overflows float32 drew token 0 at every step ("!!!!")."""
+    want = _answer(http, path, temperature=0)
+    for temperature in (1e-300, 5e-324, 1e-40):
+        assert _answer(http, path, temperature=temperature, seed=3) == want, temperature
+
+
 # -- stop sequences ------------------------------------------------------------------
 
 
