@@ -22,11 +22,12 @@ if TYPE_CHECKING:
     from afmd.core.request import ChatRequest, CompletionRequest
 
 
-#: Temperatures below this sample the likeliest token: the sampler divides by the
-#: temperature in float32, and past this the quotient overflows (an infinite scale makes
-#: every score NaN or -inf, and the draw token 0 whatever the model says). The limit of
-#: sampling as the temperature goes to 0 is greedy decoding.
-GREEDY_BELOW_TEMPERATURE = 1e-30
+#: A ``temperature`` or ``top_p`` below this samples the likeliest token. Both are read in
+#: float32: the inverse of such a temperature overflows, and such a nucleus rounds to no
+#: mass at all, which mlx-lm's filter answers with a cut past the last token; either way
+#: the draw was token 0 whatever the model said. Greedy decoding is what both tend to
+#: (no single token has a probability this small to share the nucleus with).
+VANISHING = 1e-30
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +48,7 @@ class SamplingParams:
         """Only the likeliest token can be drawn. A nucleus of mass 0 (``top_p`` 0) is that
         token alone, as OpenAI and llama.cpp keep at least one; mlx-lm's filter reads 0 as
         "off", which sampled from the whole vocabulary instead."""
-        return (self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
-                or self.top_p == 0.0)
+        return self.temperature < VANISHING or self.top_k == 1 or self.top_p < VANISHING
 
     @classmethod
     def of(cls, r: ChatRequest | CompletionRequest, choice: int = 0) -> SamplingParams:
