@@ -32,11 +32,12 @@ def _borders(stop: str) -> array[int]:
 
 
 class StopScanner:
-    __slots__ = ("_borders", "_held", "_states", "_stops", "matched", "stopped")
+    __slots__ = ("_borders", "_firsts", "_held", "_states", "_stops", "matched", "stopped")
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._stops = tuple(dict.fromkeys(s for s in stops if s))
         self._borders = tuple(_borders(s) for s in self._stops)
+        self._firsts = tuple({s[0] for s in self._stops})
         self._states = [0] * len(self._stops)  # characters of each stop the tail spells
         self._held = ""
         self.stopped = False
@@ -56,7 +57,16 @@ class StopScanner:
         buffer = self._held + text
         base = len(self._held)
         states, stops, borders = self._states, self._stops, self._borders
-        for at, char in enumerate(text):
+        at, end = 0, len(text)
+        while at < end:
+            if not any(states):
+                # No stop begun: skip to where one could begin (str.find, not a step per
+                # character).
+                at = min((i for i in (text.find(f, at) for f in self._firsts) if i != -1),
+                         default=end)
+                if at == end:
+                    break
+            char = text[at]
             ended: str | None = None
             for i, stop in enumerate(stops):
                 k = states[i]
@@ -75,6 +85,7 @@ class StopScanner:
                 self.matched = ended
                 self._held = ""
                 return buffer[: base + at + 1 - len(ended)]
+            at += 1
         keep = max(states)
         self._held = buffer[len(buffer) - keep:] if keep else ""
         return buffer[: len(buffer) - keep]
