@@ -301,3 +301,20 @@ def _longest_stop(body: dict[str, Any]) -> dict[str, Any]:
         return {"options": {**body["options"], "stop": ["s" * 4096]}}
     key = "stop_sequences" if "stop_sequences" in body else "stop"
     return {key: ["s" * 4096]}
+
+
+# -- log-probabilities ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "status"), [(21, 400), (-1, 400), ("3", 400), (20, 200),
+                                               (None, 200)])
+def test_responses_top_logprobs_is_held_to_openais_bounds(http: httpx.Client, value: Any,
+                                                          status: int) -> None:
+    """Responses' ``top_logprobs`` changes nothing here, but a value OpenAI refuses (0-20,
+    an integer) is refused as OpenAI refuses it, naming the field, not taken silently."""
+    response = http.post("/v1/responses", json={"model": "demo", "input": "hi",
+                                                "max_output_tokens": 16,
+                                                "top_logprobs": value})
+    assert response.status_code == status, response.text
+    if status == 400:
+        assert response.json()["error"]["param"] == "top_logprobs"
