@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from afmd.core.request import ChatRequest, CompletionRequest
 
 
+#: A ``temperature`` or ``top_p`` below this samples the likeliest token. Both are read in
+#: float32: the inverse of such a temperature overflows, and such a nucleus rounds to no
+#: mass at all, which mlx-lm's filter answers with a cut past the last token; either way
+#: the draw was token 0 whatever the model said. Greedy decoding is what both tend to
+#: (no single token has a probability this small to share the nucleus with).
+VANISHING = 1e-30
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -37,7 +45,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Only the likeliest token can be drawn. A nucleus of mass 0 (``top_p`` 0) is that
+        token alone, as OpenAI and llama.cpp keep at least one; mlx-lm's filter reads 0 as
+        "off", which sampled from the whole vocabulary instead."""
+        return self.temperature < VANISHING or self.top_k == 1 or self.top_p < VANISHING
 
     @classmethod
     def of(cls, r: ChatRequest | CompletionRequest, choice: int = 0) -> SamplingParams:

@@ -222,3 +222,99 @@ def test_top_k_and_min_p_on_chat(http: httpx.Client) -> None:
         assert response.json()["choices"][0]["message"]["content"] == want
     sampled = http.post("/v1/chat/completions", json={**CHAT, "seed": 5}).json()
     assert sampled["choices"][0]["message"]["content"] != want
+
+
+def _answer(http: httpx.Client, path: str, **fields: Any) -> str:
+    """The text of a 10-token answer to "Tell me a story." in ``path``'s dialect."""
+    messages = CHAT["messages"]
+    if path == "/api/chat":
+        body = {"model": "demo", "messages": messages, "stream": False,
+                "options": {"num_predict": 10, **fields}}
+    else:
+        body = {"model": "demo", "messages": messages, "max_tokens": 10, **fields}
+    response = http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    if path == "/v1/chat/completions":
+        return str(data["choices"][0]["message"]["content"])
+    if path == "/v1/messages":
+        return "".join(block["text"] for block in data["content"])
+    return str(data["message"]["content"])
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/api/chat"])
+def test_top_p_zero_keeps_the_likeliest_token(http: httpx.Client, path: str) -> None:
+    """A nucleus of mass 0 holds the likeliest token alone (OpenAI's reading, llama.cpp's
+    for Ollama): the greedy answer whatever the seed, not a draw from every token."""
+    want = _answer(http, path, temperature=0)
+    for seed in (5, 6):
+        assert _answer(http, path, temperature=1, top_p=0, seed=seed) == want
+    # float32 rounds these to no mass too: mlx-lm's filter then cut past the last token,
+    # and every step drew token 0 ("!!!!").
+    for top_p in (1e-300, 1e-50):
+        assert _answer(http, path, temperature=1, top_p=top_p, seed=5) == want, top_p
+    assert _answer(http, path, temperature=1, seed=5) != want
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/api/chat"])
+def test_a_vanishing_temperature_is_greedy(http: httpx.Client, path: str) -> None:
+    """Sampling tends to greedy decoding as the temperature goes to 0; a temperature whose
+    inverse overflows float32 drew token 0 at every step ("!!!!")."""
+    want = _answer(http, path, temperature=0)
+    for temperature in (1e-300, 5e-324, 1e-40):
+        assert _answer(http, path, temperature=temperature, seed=3) == want, temperature
+
+
+# -- stop sequences ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 2, "stop": ["\n", "s" * 4097]}, "stop[1]"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": "s" * 4097}, "stop[0]"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                      "stop_sequences": ["s" * 4097]}, "stop_sequences[0]"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "hi"}], "stream": False,
+                   "options": {"num_predict": 2, "stop": ["s" * 4097]}}, "options.stop[0]"),
+])
+def test_a_stop_sequence_past_its_length_is_a_400_naming_it(http: httpx.Client, path: str,
+                                                            body: dict[str, Any],
+                                                            param: str) -> None:
+    """Each stop is followed over the whole output: its length is bounded like its count."""
+    response = http.post(path, json={"model": "demo", **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    # Anthropic and Ollama name the field at the start of the message.
+    message = error if isinstance(error, str) else error["message"]
+    if isinstance(error, dict) and "param" in error:
+        assert error["param"] == param, error
+    else:
+        assert message.startswith(param), message
+    assert "4096" in message, message
+    fitting = http.post(path, json={"model": "demo", **body} | _longest_stop(body))
+    assert fitting.status_code == 200, fitting.text
+
+
+def _longest_stop(body: dict[str, Any]) -> dict[str, Any]:
+    """``body``'s stops, each at the longest length allowed."""
+    if "options" in body:
+        return {"options": {**body["options"], "stop": ["s" * 4096]}}
+    key = "stop_sequences" if "stop_sequences" in body else "stop"
+    return {key: ["s" * 4096]}
+
+
+# -- log-probabilities ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "status"), [(21, 400), (-1, 400), ("3", 400), (20, 200),
+                                               (None, 200)])
+def test_responses_top_logprobs_is_held_to_openais_bounds(http: httpx.Client, value: Any,
+                                                          status: int) -> None:
+    """Responses' ``top_logprobs`` changes nothing here, but a value OpenAI refuses (0-20,
+    an integer) is refused as OpenAI refuses it, naming the field, not taken silently."""
+    response = http.post("/v1/responses", json={"model": "demo", "input": "hi",
+                                                "max_output_tokens": 16,
+                                                "top_logprobs": value})
+    assert response.status_code == status, response.text
+    if status == 400:
+        assert response.json()["error"]["param"] == "top_logprobs"

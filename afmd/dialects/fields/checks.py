@@ -227,9 +227,15 @@ def as_number(value: Any, param: str, lo: float, hi: float) -> float:
     return value
 
 
+#: The longest stop sequence: ending text is what one is for, and each is followed
+#: character by character over the whole output (an automaton as long as it is, built per
+#: request).
+MAX_STOP_CHARS = 4096
+
+
 def string_list(value: Any, param: str, limit: int) -> tuple[str, ...]:
-    """A string or an array of at most ``limit`` non-empty strings (stop sequences), each
-    kept once, in order."""
+    """A string or an array of at most ``limit`` non-empty strings (stop sequences) of at
+    most :data:`MAX_STOP_CHARS` characters, each kept once, in order."""
     if value is None:
         return ()
     if isinstance(value, str):
@@ -245,6 +251,9 @@ def string_list(value: Any, param: str, limit: int) -> tuple[str, ...]:
             raise wrong_type(f"{param}[{i}]", "a string", s)
         if not s:
             raise invalid(f"{param}[{i}]", "A stop sequence must not be empty.")
+        if len(s) > MAX_STOP_CHARS:
+            raise invalid(f"{param}[{i}]", f"A stop sequence may be at most {MAX_STOP_CHARS} "
+                                           f"characters long, got {len(s)}.")
     return tuple(dict.fromkeys(values))
 
 

@@ -70,6 +70,9 @@ _SCALARS = (
     Scalar("truncation", "string", default="disabled", choices=("auto", "disabled")),
     Scalar("user", "string"),
     Scalar("background", "boolean", default=False),
+    # Ignored (afmd writes no log-probabilities here), but held to OpenAI's bounds: a
+    # value OpenAI refuses is refused here too, not taken silently.
+    Scalar("top_logprobs", "integer", minimum=0, maximum=20),
 )
 _STRUCTURED = frozenset({"input", "tools", "tool_choice", "text", "reasoning", "include",
                          "metadata", "stream_options", "conversation", "prompt", "prediction",

@@ -33,6 +33,7 @@ from typing import Any
 
 from afmd.core.request import ChatRequest, Message
 from afmd.engine.apple import schemas
+from afmd.engine.generation import VANISHING
 from afmd.errors import InvalidRequestError
 
 #: What a ``json_object`` request adds to the instructions (the framework has no such mode).
@@ -138,7 +139,8 @@ def _text(text: str) -> dict[str, Any]:
 
 
 def sampling_of(request: ChatRequest) -> Sampling:
-    return Sampling(greedy=request.temperature == 0.0 or request.top_k == 1,
+    return Sampling(greedy=(request.temperature < VANISHING or request.top_k == 1
+                            or request.top_p < VANISHING),
                     temperature=request.temperature, top_p=request.top_p,
                     top_k=request.top_k, seed=request.seed)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable, Sequence
 
 import pytest
@@ -286,3 +287,16 @@ def test_property_earliest_stop_wins(stops: list[str], text: str, data: st.DataO
     emitted, flushed, stopped = run(stops, chunks)
     assert "".join(emitted) + flushed == want
     assert stopped == bool(found)
+
+
+def test_long_stops_over_matching_output_cost_per_character() -> None:
+    """Sixteen long stops whose beginning the output keeps spelling: the held text grows
+    with the output, and searching it again on every token took minutes (every request
+    on the server waited); following each stop's state takes a moment."""
+    stops = (*(chr(0x4E00 + i) + "A" * 20_000 for i in range(15)), "A" * 20_000 + "b")
+    scanner = StopScanner(stops)
+    started = time.perf_counter()
+    emitted = "".join(scanner.feed("A") for _ in range(3_000))
+    assert time.perf_counter() - started < 2.0
+    assert emitted == "" and scanner.held == 3_000 and not scanner.stopped
+    assert scanner.feed("b") == "A" * 3_000 + "b"  # no stop can complete it any more
