@@ -251,16 +251,16 @@ class ModelRegistry:
         try:
             while True:
                 loaded = self._loaded.get(entry.id)
-                if loaded is not None:
-                    # (again: a download may have told more than the folder did)
-                    self.check_kind(entry, kind, loaded.kind)
-                    if residency.held_for(entry.id, arrived) is None:
-                        return residency.hold(loaded, keep_alive)
+                # (again once loaded: a download may have told more than the folder did)
+                self.check_kind(entry, kind, loaded.kind if loaded is not None else None)
+                if residency.held_for(entry.id, arrived) is not None:
                     # A load asked for before this request waits for this model's room:
-                    # this request comes after it (once the model is unloaded for it, or
-                    # the load gave up), waiting as queued, not busy, so the model can go
-                    # idle. Taking it now kept a model in steady use loaded for good, and
-                    # the other load waiting until its requests' deadline (503).
+                    # this request comes after it (once that load has its room, or gave
+                    # up), waiting as queued, not busy, so the model can go idle. Taking
+                    # it now kept a model in steady use loaded for good, and the other
+                    # load waiting until its requests' deadline (503); loading it again
+                    # once it was unloaded for that load took the room back before the
+                    # load could use it, a load and an unload for nothing.
                     residency.waiting[entry.id] -= 1
                     residency.settle(entry.id)
                     try:
@@ -268,7 +268,8 @@ class ModelRegistry:
                     finally:
                         residency.waiting[entry.id] += 1
                     continue
-                self.check_kind(entry, kind)
+                if loaded is not None:
+                    return residency.hold(loaded, keep_alive)
                 await self.loads.wait(entry, deadline)
         finally:
             residency.waiting[entry.id] -= 1

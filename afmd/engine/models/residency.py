@@ -469,9 +469,10 @@ class Residency:
             self._changes.pulse()
 
     def _claim(self, model_id: str, size: int, since: float) -> None:
-        """Mark the busy models a load waiting for room needs gone, least recently used
-        first (after the idle ones, which go anyway): requests for them that come from now
-        on wait behind the load, or a model in steady use would keep it waiting for good."""
+        """Mark the models a load waiting for room needs gone, the idle ones first (they
+        go now), then the busy ones least recently used first: requests for them that come
+        from now on wait behind the load, or a model in steady use would keep it waiting
+        for good, and a model being unloaded for it would be loaded again into its room."""
         over_count = self._count() + 1 - self.max_loaded
         over_bytes = self.used_bytes() + size - self.budget
         needed: list[str] = []
@@ -482,8 +483,7 @@ class Residency:
         ):
             if over_count <= 0 and over_bytes <= 0:
                 break
-            if self.busy(resident.model.id):
-                needed.append(resident.model.id)
+            needed.append(resident.model.id)
             over_count -= 1
             over_bytes -= resident.model.memory_bytes
         # Not enough even with every busy model gone (loads under way, unloads still
@@ -505,14 +505,14 @@ class Residency:
         return None
 
     async def wait_turn(self, model_id: str, arrived: float, deadline: float) -> None:
-        """Until no load that came before the request waits for ``model_id``'s room (it
-        was unloaded for that load, or the load gave up); past ``deadline`` 503
-        ``model_unavailable``. Counted as queued for the model, not as busy: the model
-        must be able to go idle for that load."""
+        """Until no load that came before the request waits for ``model_id``'s room (that
+        load has it, or gave up); past ``deadline`` 503 ``model_unavailable``. Counted as
+        queued for the model, not as busy: the model must be able to go idle for that
+        load. The model being unloaded for it is not the end of the wait: until the load
+        has reserved its room, loading the model again would take that room back."""
         self.held_back[model_id] += 1
         try:
-            while (claimant := self.held_for(model_id, arrived)) is not None \
-                    and model_id in self.loaded:
+            while (claimant := self.held_for(model_id, arrived)) is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise _held_back(model_id, claimant)
