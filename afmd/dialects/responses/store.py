@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import stat
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,7 +33,8 @@ from typing import Any
 
 import orjson
 
-from afmd.dialects.responses.items import Item
+from afmd.dialects.responses.items import Item, canonical_items
+from afmd.errors import APIError
 from afmd.logs import get_logger
 
 log = get_logger("afmd.responses")
@@ -64,7 +66,30 @@ class Stored:
         if isinstance(created, bool) or not isinstance(created, int | float) \
                 or not math.isfinite(created):
             raise ValueError("its creation time is not a number")
-        return cls(raw["response"], tuple(inputs), tuple(conversation), float(created))
+        return cls(raw["response"], _checked(inputs), _checked(conversation), float(created))
+
+
+_STATUSES = frozenset({"in_progress", "completed", "incomplete"})
+
+
+def _checked(items: list[Item]) -> tuple[Item, ...]:
+    """Items read back from a file, in the shape a request's items have: continuing a
+    conversation renders them as they are, and an item edited out of shape (a message
+    without content, a part that is not an object) would fail that render as a 500. An
+    item the Responses API would refuse as input makes the file unreadable. What the
+    check does not write (an output item's ``status``, ``encrypted_content``) is kept as
+    stored, since the render never reads it."""
+    try:
+        checked = canonical_items(items)
+    except APIError as exc:
+        raise ValueError(f"{exc.param}: {exc.message}") from None
+    kept: list[Item] = []
+    for raw, item in zip(items, checked, strict=True):
+        merged = {**raw, **item}
+        if raw.get("status") in _STATUSES:
+            merged["status"] = raw["status"]
+        kept.append(merged)
+    return tuple(kept)
 
 
 class ResponseStore:
@@ -197,19 +222,38 @@ class ResponseStore:
             tmp.write_bytes(data)
             os.replace(tmp, path)
         except OSError as exc:
+            # A full disk leaves part of a file: one per response would pile up unseen.
+            with contextlib.suppress(OSError):
+                tmp.unlink()
             log.warning("response not persisted", id=response_id, error=str(exc))
 
     def _unlink(self, response_id: str) -> None:
         with contextlib.suppress(OSError):
             self._path(response_id).unlink()
 
+    def _read(self, path: Path) -> bytes:
+        """A file's bytes, if it is a file the store could have written: reading a FIFO
+        waits for a writer forever (the server never starts), a device such as
+        ``/dev/zero`` never ends, and a file larger than the whole bound would be
+        dropped once read."""
+        with open(path, "rb", opener=_nonblocking) as file:
+            info = os.fstat(file.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError("not a regular file")
+            if self.max_bytes and info.st_size > self.max_bytes:
+                raise ValueError(f"{info.st_size} bytes, more than max_stored_bytes")
+            return file.read()
+
     def _load(self, folder: Path) -> None:
         """The responses a previous run persisted, oldest first, bounds applied."""
         found: list[tuple[str, Stored, int]] = []
         for path in folder.glob("resp_*.json") if folder.is_dir() else ():
             try:
-                data = path.read_bytes()
-                found.append((path.stem, Stored.from_json(data), len(data)))
+                data = self._read(path)
+                stored = Stored.from_json(data)
+                if stored.response.get("id") != path.stem:
+                    raise ValueError("the response in it has another id than its name")
+                found.append((path.stem, stored, len(data)))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("stored response unreadable", path=str(path), error=str(exc))
         found.sort(key=lambda entry: entry[1].created)
@@ -217,3 +261,9 @@ class ResponseStore:
             self._add(response_id, stored, size)
         self._expire()
         self._bound()
+
+
+def _nonblocking(path: str, flags: int) -> int:
+    """Opening a FIFO for reading blocks until a writer comes; non-blocking, it does not
+    (and a regular file reads the same either way)."""
+    return os.open(path, flags | os.O_NONBLOCK)
