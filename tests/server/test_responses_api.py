@@ -253,6 +253,24 @@ def test_identifiers_and_max_tool_calls_are_checked_and_echoed(client, http) -> 
         assert refused.json()["error"]["code"] == "invalid_type"
 
 
+def test_an_unknown_id_of_any_length_is_quoted_short(http) -> None:
+    """Every id afmd does not know was quoted whole in its 404: a 100,000-character
+    ``previous_response_id`` came back as a message that long, where other fields are
+    cut short."""
+    long_id = "resp_" + "a" * 100_000
+    gone = http.post("/v1/responses", json={"model": "demo", "input": "Hi",
+                                            "previous_response_id": long_id})
+    assert gone.status_code == 404
+    assert gone.json()["error"]["code"] == "response_not_found"
+    assert len(gone.json()["error"]["message"]) < 300
+    path_id = "resp_" + "b" * 3000
+    for method, path in (("GET", ""), ("DELETE", ""), ("GET", "/input_items"),
+                         ("POST", "/cancel")):
+        gone = http.request(method, f"/v1/responses/{path_id}{path}")
+        assert gone.status_code == 404, (method, path, gone.text[:200])
+        assert len(gone.json()["error"]["message"]) < 300, (method, path)
+
+
 class Address(BaseModel):
     street: str = Field(max_length=10)
     number: int = Field(ge=1, le=999)

@@ -19,6 +19,7 @@ from afmd.dialects.fields.checks import (
     Scalar,
     invalid,
     names,
+    quoted,
     read_scalars,
     reject_unknown,
     unknown_keys,
@@ -186,7 +187,7 @@ def parse_responses_request(
         found = lookup(previous)
         if found is None:
             raise NotFoundError(
-                f"Previous response with id '{previous}' not found (it was never stored, "
+                f"Previous response with id {quoted(previous)} not found (it was never stored, "
                 "was deleted, or expired).", code="response_not_found",
                 param="previous_response_id")
         history = tuple(found)
