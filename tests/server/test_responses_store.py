@@ -199,6 +199,31 @@ def test_store_bounds_the_bytes_it_holds_oldest_first() -> None:
     assert store.get("resp_huge") is None and store.get("resp_4") is not None
 
 
+def test_a_long_conversation_counts_its_items_once_and_leaves_the_others_be() -> None:
+    """Each response of a conversation holds the whole of it, the items shared in memory:
+    counted in every response, 100 turns came to 50 times the memory they held, and one
+    long conversation pushed every other response out of the store."""
+    store = ResponseStore(max_stored=1000, ttl=0, max_bytes=200_000)
+    store.put("resp_other", stored(0))
+    alone = store.bytes
+    history: tuple[dict[str, Any], ...] = ()
+    for n in range(1, 101):  # as a reply stores a continuation: the history's own items
+        item = {"id": f"msg_{n}", "type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": "x" * 500}], "status": "completed"}
+        history = (*history, item)
+        store.put(f"resp_{n}", Stored({"id": f"resp_{n}"}, (item,), history, 0.0))
+    assert len(store) == 101 and store.get("resp_other") is not None
+    items = sum(len(json.dumps(i, separators=(",", ":"))) for i in history)
+    assert store.bytes < alone + 3 * items  # each input also in its input_items
+    # Two continuations of one response share what came before; the count falls back as
+    # its holders go, to nothing once none is left.
+    store.put("resp_branch", Stored({"id": "resp_branch"}, (), history, 0.0))
+    for n in (*range(100, 0, -1), "other"):
+        assert store.delete(f"resp_{n}")
+    assert store.bytes == len(Stored({"id": "resp_branch"}, (), history, 0.0).to_json())
+    assert store.delete("resp_branch") and store.bytes == 0
+
+
 def test_a_persisted_store_honours_the_byte_bound_when_read_back(tmp_path: Path) -> None:
     store = ResponseStore(max_stored=100, ttl=0, folder=tmp_path)
     for n in range(5):

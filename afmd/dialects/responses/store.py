@@ -9,9 +9,11 @@ there; in memory the items are shared between the entries of one conversation, o
 each file repeats them.
 
 An entry's bytes are its stored JSON: everything it keeps, the request fields its response
-echoes (a client's ``user`` or ``metadata`` as sent) included. Since the entries of one
-conversation share their items in memory, the sum bounds what the store holds from above,
-and it is exactly what the persisted folder holds.
+echoes (a client's ``user`` or ``metadata`` as sent) included. On disk that is exactly what
+its file holds. In memory an item shared by the entries of one conversation is counted
+once, whichever entries hold it: counted in every entry, the bytes of a conversation
+continued N times grew as N squared where the memory grew as N, and one long conversation
+pushed every other one out of the store while it held a small part of the bound.
 
 Ids come only from afmd (``resp_`` and hex digits), and a client's id is only ever looked
 up in memory, never used as a path.
@@ -102,8 +104,11 @@ class ResponseStore:
         self.ttl = ttl
         self.folder = folder
         self._entries: OrderedDict[str, Stored] = OrderedDict()  # oldest first
-        self._sizes: dict[str, int] = {}  # each entry's stored JSON, in bytes
-        self.bytes = 0  # their sum
+        # Each entry's stored JSON in bytes; in memory, without its conversation's items,
+        # which _held counts once each (by identity: an item's size, how many entries hold it).
+        self._sizes: dict[str, int] = {}
+        self._held: dict[int, list[int]] = {}
+        self.bytes = 0  # what the entries and the items they hold come to
         # Every stored item by its id, for item_reference (the AI SDK refers to the items
         # of earlier steps by id), with the entries that hold it, oldest first: a continued
         # conversation's entries share their items, and a client may send its own item id
@@ -187,6 +192,14 @@ class ResponseStore:
     def _add(self, response_id: str, stored: Stored, size: int) -> None:
         self._entries[response_id] = stored
         self._index(response_id, stored)
+        if self.folder is None:  # on disk every file repeats its conversation
+            for item in _distinct(stored.conversation):
+                held = self._held.get(id(item))
+                if held is None:
+                    held = self._held[id(item)] = [len(orjson.dumps(item)), 0]
+                    self.bytes += held[0]
+                held[1] += 1
+                size -= held[0]
         self._sizes[response_id] = size
         self.bytes += size
 
@@ -199,8 +212,16 @@ class ResponseStore:
             self._remove(next(iter(self._entries)))
 
     def _remove(self, response_id: str) -> None:
-        self._unindex(response_id, self._entries.pop(response_id))
+        stored = self._entries.pop(response_id)
+        self._unindex(response_id, stored)
         self.bytes -= self._sizes.pop(response_id)
+        if self.folder is None:
+            for item in _distinct(stored.conversation):
+                held = self._held[id(item)]
+                held[1] -= 1
+                if not held[1]:
+                    del self._held[id(item)]
+                    self.bytes -= held[0]
         if self._writer is not None:
             self._writer.submit(self._unlink, response_id)
 
@@ -261,6 +282,11 @@ class ResponseStore:
             self._add(response_id, stored, size)
         self._expire()
         self._bound()
+
+
+def _distinct(items: Sequence[Item]) -> list[Item]:
+    """The item objects, each once."""
+    return list({id(item): item for item in items}.values())
 
 
 def _nonblocking(path: str, flags: int) -> int:
