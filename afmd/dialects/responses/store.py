@@ -84,7 +84,7 @@ def _checked(items: list[Item]) -> tuple[Item, ...]:
     try:
         checked = canonical_items(items)
     except APIError as exc:
-        raise ValueError(f"{exc.param}: {exc.message}") from None
+        raise ValueError(exc.message) from None
     kept: list[Item] = []
     for raw, item in zip(items, checked, strict=True):
         merged = {**raw, **item}
