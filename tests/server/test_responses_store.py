@@ -202,7 +202,8 @@ def test_store_bounds_the_bytes_it_holds_oldest_first() -> None:
 def test_a_long_conversation_counts_its_items_once_and_leaves_the_others_be() -> None:
     """Each response of a conversation holds the whole of it, the items shared in memory:
     counted in every response, 100 turns came to 50 times the memory they held, and one
-    long conversation pushed every other response out of the store."""
+    long conversation pushed every other response out of the store; and the index of
+    item ids held an entry per item per response."""
     store = ResponseStore(max_stored=1000, ttl=0, max_bytes=200_000)
     store.put("resp_other", stored(0))
     alone = store.bytes
@@ -215,6 +216,9 @@ def test_a_long_conversation_counts_its_items_once_and_leaves_the_others_be() ->
     assert len(store) == 101 and store.get("resp_other") is not None
     items = sum(len(json.dumps(i, separators=(",", ":"))) for i in history)
     assert store.bytes < alone + 3 * items  # each input also in its input_items
+    # The ids item_reference looks up hold each item once too, not once per response.
+    assert sum(len(objects) for objects in store._items.values()) == 101
+    assert store.item("msg_1") is history[0]
     # Two continuations of one response share what came before; the count falls back as
     # its holders go, to nothing once none is left.
     store.put("resp_branch", Stored({"id": "resp_branch"}, (), history, 0.0))

@@ -104,16 +104,19 @@ class ResponseStore:
         self.ttl = ttl
         self.folder = folder
         self._entries: OrderedDict[str, Stored] = OrderedDict()  # oldest first
-        # Each entry's stored JSON in bytes; in memory, without its conversation's items,
-        # which _held counts once each (by identity: an item's size, how many entries hold it).
+        # Each entry's stored JSON in bytes; in memory, without its conversation's items
+        # but a pointer each, as _held counts every item object once (its size less that
+        # pointer, and how many entries hold it).
         self._sizes: dict[str, int] = {}
         self._held: dict[int, list[int]] = {}
         self.bytes = 0  # what the entries and the items they hold come to
         # Every stored item by its id, for item_reference (the AI SDK refers to the items
-        # of earlier steps by id), with the entries that hold it, oldest first: a continued
-        # conversation's entries share their items, and a client may send its own item id
-        # again with other content, so removing one entry falls back to another's item.
-        self._items: dict[str, dict[str, Item]] = {}
+        # of earlier steps by id): each item object with it, the last stored last, and how
+        # many entries hold that object. A client may send its own item id again with
+        # other content, so removing one entry falls back to another object; the entries
+        # of one conversation hold the same objects, so a conversation continued N times
+        # is N objects here, where an entry each per item was N squared.
+        self._items: dict[str, dict[int, list[Any]]] = {}
         # One writer thread: file writes leave the event loop, in the order they were made.
         self._writer = ThreadPoolExecutor(1, "afmd-responses") if folder else None
         if folder is not None:
@@ -130,22 +133,29 @@ class ResponseStore:
         """The stored item with this id (any stored response's input or output item)."""
         self._expire()
         holders = self._items.get(item_id)
-        return next(reversed(holders.values())) if holders else None
+        return next(reversed(holders.values()))[0] if holders else None
 
-    def _index(self, response_id: str, stored: Stored) -> None:
-        for item in stored.conversation:
+    def _index(self, items: Sequence[Item]) -> None:
+        for item in items:
             key = item.get("id")
             if isinstance(key, str):
                 holders = self._items.setdefault(key, {})
-                holders.pop(response_id, None)  # the last of its items with this id
-                holders[response_id] = item
+                held = holders.pop(id(item), None) or [item, 0]  # now the last stored
+                held[1] += 1
+                holders[id(item)] = held
 
-    def _unindex(self, response_id: str, stored: Stored) -> None:
-        for item in stored.conversation:
+    def _unindex(self, items: Sequence[Item]) -> None:
+        for item in items:
             key = item.get("id")
-            if isinstance(key, str) and key in self._items:
-                holders = self._items[key]
-                holders.pop(response_id, None)
+            if not isinstance(key, str) or key not in self._items:
+                continue
+            holders = self._items[key]
+            held = holders.get(id(item))
+            if held is None:
+                continue
+            held[1] -= 1
+            if not held[1]:
+                del holders[id(item)]
                 if not holders:
                     del self._items[key]
 
@@ -191,12 +201,14 @@ class ResponseStore:
 
     def _add(self, response_id: str, stored: Stored, size: int) -> None:
         self._entries[response_id] = stored
-        self._index(response_id, stored)
+        items = _distinct(stored.conversation)
+        self._index(items)
         if self.folder is None:  # on disk every file repeats its conversation
-            for item in _distinct(stored.conversation):
+            for item in items:
                 held = self._held.get(id(item))
-                if held is None:
-                    held = self._held[id(item)] = [len(orjson.dumps(item)), 0]
+                if held is None:  # the item once; a pointer to it in every entry
+                    held = [max(len(orjson.dumps(item)) - _POINTER, 0), 0]
+                    self._held[id(item)] = held
                     self.bytes += held[0]
                 held[1] += 1
                 size -= held[0]
@@ -213,10 +225,11 @@ class ResponseStore:
 
     def _remove(self, response_id: str) -> None:
         stored = self._entries.pop(response_id)
-        self._unindex(response_id, stored)
+        items = _distinct(stored.conversation)
+        self._unindex(items)
         self.bytes -= self._sizes.pop(response_id)
         if self.folder is None:
-            for item in _distinct(stored.conversation):
+            for item in items:
                 held = self._held[id(item)]
                 held[1] -= 1
                 if not held[1]:
@@ -282,6 +295,10 @@ class ResponseStore:
             self._add(response_id, stored, size)
         self._expire()
         self._bound()
+
+
+#: What an entry's tuple spends on each item it holds, shared or not.
+_POINTER = 8
 
 
 def _distinct(items: Sequence[Item]) -> list[Item]:
