@@ -182,7 +182,8 @@ class ResponsesConfig:
     # Responses kept, the oldest leaving first; 0 keeps none.
     max_stored: int = field(default=1000, metadata=at_least(0))
     # Bytes the kept responses may hold together (each counted as its stored JSON: its
-    # echoed request fields, input, output and conversation), the oldest leaving first;
+    # echoed request fields, input, output and conversation; in memory, an item the
+    # responses of one conversation share counted once), the oldest leaving first;
     # 0: no limit but max_stored.
     max_stored_bytes: int = field(default=256 * 1024 * 1024, metadata=at_least(0))
     # Seconds a response is kept after it was made; 0: no limit.

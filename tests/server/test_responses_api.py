@@ -228,6 +228,49 @@ def test_retrieve_list_input_items_and_delete(client, http) -> None:
         client.responses.retrieve(response.id)
 
 
+def test_identifiers_and_max_tool_calls_are_checked_and_echoed(client, http) -> None:
+    """OpenAI's response object repeats ``safety_identifier``, ``prompt_cache_key`` and
+    ``max_tool_calls`` as sent, and refuses them of another type: afmd dropped them (the
+    stored response said ``max_tool_calls: null``) and took a number as an identifier."""
+    response, wire = create(client, input="Hi", max_output_tokens=16,
+                            safety_identifier="user-hash", prompt_cache_key="thread-7",
+                            max_tool_calls=3)
+    assert (response.safety_identifier, response.prompt_cache_key,
+            response.max_tool_calls) == ("user-hash", "thread-7", 3)
+    assert http.get(f"/v1/responses/{response.id}").json() == wire
+    with client.responses.stream(model="demo", input="Hi", max_output_tokens=16,
+                                 safety_identifier="user-hash") as stream:
+        created = next(iter(stream))
+        assert created.type == "response.created"
+        assert created.response.safety_identifier == "user-hash"
+        for _ in stream:
+            pass
+    for key, value in (("safety_identifier", 5), ("prompt_cache_key", ["a"]),
+                       ("max_tool_calls", "3"), ("max_tool_calls", 1.5)):
+        refused = http.post("/v1/responses", json={"model": "demo", "input": "Hi", key: value})
+        assert refused.status_code == 400, (key, refused.text)
+        assert refused.json()["error"]["param"] == key
+        assert refused.json()["error"]["code"] == "invalid_type"
+
+
+def test_an_unknown_id_of_any_length_is_quoted_short(http) -> None:
+    """Every id afmd does not know was quoted whole in its 404: a 100,000-character
+    ``previous_response_id`` came back as a message that long, where other fields are
+    cut short."""
+    long_id = "resp_" + "a" * 100_000
+    gone = http.post("/v1/responses", json={"model": "demo", "input": "Hi",
+                                            "previous_response_id": long_id})
+    assert gone.status_code == 404
+    assert gone.json()["error"]["code"] == "response_not_found"
+    assert len(gone.json()["error"]["message"]) < 300
+    path_id = "resp_" + "b" * 3000
+    for method, path in (("GET", ""), ("DELETE", ""), ("GET", "/input_items"),
+                         ("POST", "/cancel")):
+        gone = http.request(method, f"/v1/responses/{path_id}{path}")
+        assert gone.status_code == 404, (method, path, gone.text[:200])
+        assert len(gone.json()["error"]["message"]) < 300, (method, path)
+
+
 class Address(BaseModel):
     street: str = Field(max_length=10)
     number: int = Field(ge=1, le=999)

@@ -5,6 +5,8 @@ every route, and a failure after the stream began."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,9 @@ from afmd.config.load import load_config
 from afmd.core.request import Message, ToolCall
 from afmd.dialects.responses import store as responses_store
 from afmd.dialects.responses.items import ItemParams, canonical_items, to_messages
+from afmd.dialects.responses.responses_body import parse_responses_request
 from afmd.dialects.responses.store import ResponseStore, Stored
+from afmd.errors import NotFoundError
 from afmd.service.chat_template import template_messages
 
 from conftest import ServerProcess, start_server
@@ -90,6 +94,71 @@ def test_a_stored_file_of_another_shape_is_skipped_not_fatal(tmp_path: Path) -> 
     store.close()
 
 
+def test_a_stored_file_whose_items_are_out_of_shape_is_skipped(tmp_path: Path) -> None:
+    """Continuing a conversation renders its stored items as they are: an item edited out
+    of shape made every continuation of it a 500 (TypeError, KeyError, AttributeError)."""
+    good = stored(1, 1.0)
+    (tmp_path / "resp_1.json").write_bytes(good.to_json())
+    bad = {"content": [{"type": "message", "role": "user", "content": 5}],
+           "missing": [{"type": "message", "role": "user"}],
+           "role": [{"type": "message", "role": "wizard", "content": "x"}],
+           "summary": [{"type": "reasoning", "summary": [{"x": 1}]}],
+           "kind": [{"type": "weird"}]}
+    for name, items in bad.items():
+        shape = {"response": {"id": f"resp_{name}"}, "input_items": items,
+                 "conversation": items, "created": 1.0}
+        (tmp_path / f"resp_{name}.json").write_text(json.dumps(shape))
+    renamed = {**json.loads(good.to_json()), "response": {"id": "resp_other"}}
+    (tmp_path / "resp_renamed.json").write_text(json.dumps(renamed))
+    cut = {"id": "msg_2", "type": "message", "role": "assistant", "status": "incomplete",
+           "content": [{"type": "output_text", "text": "cut", "annotations": [], "logprobs": []}]}
+    (tmp_path / "resp_2.json").write_bytes(
+        Stored({"id": "resp_2"}, good.input_items, (*good.conversation, cut), 2.0).to_json())
+    store = ResponseStore(max_stored=100, ttl=0, folder=tmp_path)
+    assert sorted(store._entries) == ["resp_1", "resp_2"]
+    assert store.get("resp_1") == good
+    assert store.conversation("resp_2")[-1] == cut  # read back with the status it had
+    for name in (*bad, "renamed"):
+        with pytest.raises(NotFoundError):
+            parse_responses_request({"input": "hi", "previous_response_id": f"resp_{name}"},
+                                    lookup=store.conversation)
+    store.close()
+
+
+def test_a_folder_entry_that_is_no_stored_file_is_skipped_unread(tmp_path: Path) -> None:
+    """A FIFO named like a stored response kept the server from starting (reading it waits
+    for a writer), and a file larger than the whole byte bound was read whole, then pushed
+    every older response out before it left itself."""
+    good = stored(1, 1.0)
+    (tmp_path / "resp_1.json").write_bytes(good.to_json())
+    huge = big(2, 200_000, 2.0)
+    (tmp_path / "resp_2.json").write_bytes(huge.to_json())
+    os.mkfifo(tmp_path / "resp_fifo.json")
+    made: list[ResponseStore] = []
+    loading = threading.Thread(target=lambda: made.append(ResponseStore(
+        max_stored=100, ttl=0, folder=tmp_path, max_bytes=100_000)), daemon=True)
+    loading.start()
+    loading.join(timeout=60)
+    if loading.is_alive():  # let the stuck read end, so that the test can fail
+        with open(tmp_path / "resp_fifo.json", "wb"):
+            pass
+        loading.join()
+    assert made, "the store never finished reading its folder"
+    store = made[0]
+    assert store.get("resp_1") == good and store.get("resp_2") is None
+    store.close()
+
+
+def test_a_write_that_fails_leaves_no_partial_file(tmp_path: Path) -> None:
+    """A failed write (a full disk) left its temporary file behind, one per response."""
+    (tmp_path / "resp_1.json").mkdir()  # the final rename cannot replace a folder
+    (tmp_path / "resp_1.json" / "x").write_text("x")
+    store = ResponseStore(max_stored=10, ttl=0, folder=tmp_path)
+    store.put("resp_1", stored(1))
+    store.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["resp_1.json"]
+
+
 def test_an_item_id_held_twice_falls_back_when_one_holder_goes() -> None:
     """A client may send its own item id again with other content: deleting the newer
     response shows the older one's item, and deleting both forgets the id."""
@@ -128,6 +197,35 @@ def test_store_bounds_the_bytes_it_holds_oldest_first() -> None:
     # One response larger than the whole bound is not kept (and pushes nothing out).
     store.put("resp_huge", big(9, 10 * one))
     assert store.get("resp_huge") is None and store.get("resp_4") is not None
+
+
+def test_a_long_conversation_counts_its_items_once_and_leaves_the_others_be() -> None:
+    """Each response of a conversation holds the whole of it, the items shared in memory:
+    counted in every response, 100 turns came to 50 times the memory they held, and one
+    long conversation pushed every other response out of the store; and the index of
+    item ids held an entry per item per response."""
+    store = ResponseStore(max_stored=1000, ttl=0, max_bytes=200_000)
+    store.put("resp_other", stored(0))
+    alone = store.bytes
+    history: tuple[dict[str, Any], ...] = ()
+    for n in range(1, 101):  # as a reply stores a continuation: the history's own items
+        item = {"id": f"msg_{n}", "type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": "x" * 500}], "status": "completed"}
+        history = (*history, item)
+        store.put(f"resp_{n}", Stored({"id": f"resp_{n}"}, (item,), history, 0.0))
+    assert len(store) == 101 and store.get("resp_other") is not None
+    items = sum(len(json.dumps(i, separators=(",", ":"))) for i in history)
+    assert store.bytes < alone + 3 * items  # each input also in its input_items
+    # The ids item_reference looks up hold each item once too, not once per response.
+    assert sum(len(objects) for objects in store._items.values()) == 101
+    assert store.item("msg_1") is history[0]
+    # Two continuations of one response share what came before; the count falls back as
+    # its holders go, to nothing once none is left.
+    store.put("resp_branch", Stored({"id": "resp_branch"}, (), history, 0.0))
+    for n in (*range(100, 0, -1), "other"):
+        assert store.delete(f"resp_{n}")
+    assert store.bytes == len(Stored({"id": "resp_branch"}, (), history, 0.0).to_json())
+    assert store.delete("resp_branch") and store.bytes == 0
 
 
 def test_a_persisted_store_honours_the_byte_bound_when_read_back(tmp_path: Path) -> None:

@@ -82,7 +82,7 @@ def response_object(echo: Echo, *, id: str, created_at: int, model: str, status:
         if status == "incomplete" else None,
         "instructions": echo.instructions,
         "max_output_tokens": echo.max_output_tokens,
-        "max_tool_calls": None,
+        "max_tool_calls": echo.max_tool_calls,
         "model": model,
         "output": list(output) if status != "in_progress" else [],
         "parallel_tool_calls": echo.parallel_tool_calls,
@@ -99,8 +99,10 @@ def response_object(echo: Echo, *, id: str, created_at: int, model: str, status:
         "truncation": echo.truncation,
         "metadata": echo.metadata,
     }
-    if echo.user is not None:
-        body["user"] = echo.user
+    for key, value in (("user", echo.user), ("safety_identifier", echo.safety_identifier),
+                       ("prompt_cache_key", echo.prompt_cache_key)):
+        if value is not None:
+            body[key] = value
     if usage is not None and status != "in_progress":
         body["usage"] = usage_object(usage)
     return body

@@ -19,6 +19,7 @@ from afmd.dialects.fields.checks import (
     Scalar,
     invalid,
     names,
+    quoted,
     read_scalars,
     reject_unknown,
     unknown_keys,
@@ -46,9 +47,9 @@ from afmd.errors import InvalidRequestError, NotFoundError
 
 # Fields of the API that change nothing a local model could honour: accepted, unused.
 IGNORED_FIELDS = frozenset({
-    "service_tier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
-    "safety_identifier", "max_tool_calls", "top_logprobs", "client_metadata",
-    "context_management", "moderation", "background_options", "access_programs", "image",
+    "service_tier", "prompt_cache_retention", "prompt_cache_options", "top_logprobs",
+    "client_metadata", "context_management", "moderation", "background_options",
+    "access_programs", "image",
 })
 
 _SCALARS = (
@@ -73,6 +74,11 @@ _SCALARS = (
     # Ignored (afmd writes no log-probabilities here), but held to OpenAI's bounds: a
     # value OpenAI refuses is refused here too, not taken silently.
     Scalar("top_logprobs", "integer", minimum=0, maximum=20),
+    # Not acted on (afmd has no built-in tools to count, no cache keyed by them), but of
+    # OpenAI's type and echoed, as the response object repeats them.
+    Scalar("safety_identifier", "string"),
+    Scalar("prompt_cache_key", "string"),
+    Scalar("max_tool_calls", "integer"),
 )
 _STRUCTURED = frozenset({"input", "tools", "tool_choice", "text", "reasoning", "include",
                          "metadata", "stream_options", "conversation", "prompt", "prediction",
@@ -115,6 +121,9 @@ class Echo:
     store: bool = True
     truncation: str = "disabled"
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    max_tool_calls: int | None = None
     include: tuple[str, ...] = ()
     #: This request's input items, canonical (what ``input_items`` lists).
     input_items: tuple[Item, ...] = ()
@@ -181,7 +190,7 @@ def parse_responses_request(
         found = lookup(previous)
         if found is None:
             raise NotFoundError(
-                f"Previous response with id '{previous}' not found (it was never stored, "
+                f"Previous response with id {quoted(previous)} not found (it was never stored, "
                 "was deleted, or expired).", code="response_not_found",
                 param="previous_response_id")
         history = tuple(found)
@@ -223,6 +232,9 @@ def parse_responses_request(
         store=scalars["store"],
         truncation=truncation if body.get("truncation") is None else scalars["truncation"],
         user=scalars["user"],
+        safety_identifier=scalars["safety_identifier"],
+        prompt_cache_key=scalars["prompt_cache_key"],
+        max_tool_calls=scalars["max_tool_calls"],
         include=parse_include(body.get("include")),
         input_items=tuple(items),
         history=history,

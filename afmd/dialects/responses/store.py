@@ -9,9 +9,11 @@ there; in memory the items are shared between the entries of one conversation, o
 each file repeats them.
 
 An entry's bytes are its stored JSON: everything it keeps, the request fields its response
-echoes (a client's ``user`` or ``metadata`` as sent) included. Since the entries of one
-conversation share their items in memory, the sum bounds what the store holds from above,
-and it is exactly what the persisted folder holds.
+echoes (a client's ``user`` or ``metadata`` as sent) included. On disk that is exactly what
+its file holds. In memory an item shared by the entries of one conversation is counted
+once, whichever entries hold it: counted in every entry, the bytes of a conversation
+continued N times grew as N squared where the memory grew as N, and one long conversation
+pushed every other one out of the store while it held a small part of the bound.
 
 Ids come only from afmd (``resp_`` and hex digits), and a client's id is only ever looked
 up in memory, never used as a path.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import stat
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,7 +35,8 @@ from typing import Any
 
 import orjson
 
-from afmd.dialects.responses.items import Item
+from afmd.dialects.responses.items import Item, canonical_items
+from afmd.errors import APIError
 from afmd.logs import get_logger
 
 log = get_logger("afmd.responses")
@@ -64,7 +68,30 @@ class Stored:
         if isinstance(created, bool) or not isinstance(created, int | float) \
                 or not math.isfinite(created):
             raise ValueError("its creation time is not a number")
-        return cls(raw["response"], tuple(inputs), tuple(conversation), float(created))
+        return cls(raw["response"], _checked(inputs), _checked(conversation), float(created))
+
+
+_STATUSES = frozenset({"in_progress", "completed", "incomplete"})
+
+
+def _checked(items: list[Item]) -> tuple[Item, ...]:
+    """Items read back from a file, in the shape a request's items have: continuing a
+    conversation renders them as they are, and an item edited out of shape (a message
+    without content, a part that is not an object) would fail that render as a 500. An
+    item the Responses API would refuse as input makes the file unreadable. What the
+    check does not write (an output item's ``status``, ``encrypted_content``) is kept as
+    stored, since the render never reads it."""
+    try:
+        checked = canonical_items(items)
+    except APIError as exc:
+        raise ValueError(exc.message) from None
+    kept: list[Item] = []
+    for raw, item in zip(items, checked, strict=True):
+        merged = {**raw, **item}
+        if raw.get("status") in _STATUSES:
+            merged["status"] = raw["status"]
+        kept.append(merged)
+    return tuple(kept)
 
 
 class ResponseStore:
@@ -77,13 +104,19 @@ class ResponseStore:
         self.ttl = ttl
         self.folder = folder
         self._entries: OrderedDict[str, Stored] = OrderedDict()  # oldest first
-        self._sizes: dict[str, int] = {}  # each entry's stored JSON, in bytes
-        self.bytes = 0  # their sum
+        # Each entry's stored JSON in bytes; in memory, without its conversation's items
+        # but a pointer each, as _held counts every item object once (its size less that
+        # pointer, and how many entries hold it).
+        self._sizes: dict[str, int] = {}
+        self._held: dict[int, list[int]] = {}
+        self.bytes = 0  # what the entries and the items they hold come to
         # Every stored item by its id, for item_reference (the AI SDK refers to the items
-        # of earlier steps by id), with the entries that hold it, oldest first: a continued
-        # conversation's entries share their items, and a client may send its own item id
-        # again with other content, so removing one entry falls back to another's item.
-        self._items: dict[str, dict[str, Item]] = {}
+        # of earlier steps by id): each item object with it, the last stored last, and how
+        # many entries hold that object. A client may send its own item id again with
+        # other content, so removing one entry falls back to another object; the entries
+        # of one conversation hold the same objects, so a conversation continued N times
+        # is N objects here, where an entry each per item was N squared.
+        self._items: dict[str, dict[int, list[Any]]] = {}
         # One writer thread: file writes leave the event loop, in the order they were made.
         self._writer = ThreadPoolExecutor(1, "afmd-responses") if folder else None
         if folder is not None:
@@ -100,22 +133,29 @@ class ResponseStore:
         """The stored item with this id (any stored response's input or output item)."""
         self._expire()
         holders = self._items.get(item_id)
-        return next(reversed(holders.values())) if holders else None
+        return next(reversed(holders.values()))[0] if holders else None
 
-    def _index(self, response_id: str, stored: Stored) -> None:
-        for item in stored.conversation:
+    def _index(self, items: Sequence[Item]) -> None:
+        for item in items:
             key = item.get("id")
             if isinstance(key, str):
                 holders = self._items.setdefault(key, {})
-                holders.pop(response_id, None)  # the last of its items with this id
-                holders[response_id] = item
+                held = holders.pop(id(item), None) or [item, 0]  # now the last stored
+                held[1] += 1
+                holders[id(item)] = held
 
-    def _unindex(self, response_id: str, stored: Stored) -> None:
-        for item in stored.conversation:
+    def _unindex(self, items: Sequence[Item]) -> None:
+        for item in items:
             key = item.get("id")
-            if isinstance(key, str) and key in self._items:
-                holders = self._items[key]
-                holders.pop(response_id, None)
+            if not isinstance(key, str) or key not in self._items:
+                continue
+            holders = self._items[key]
+            held = holders.get(id(item))
+            if held is None:
+                continue
+            held[1] -= 1
+            if not held[1]:
+                del holders[id(item)]
                 if not holders:
                     del self._items[key]
 
@@ -161,7 +201,17 @@ class ResponseStore:
 
     def _add(self, response_id: str, stored: Stored, size: int) -> None:
         self._entries[response_id] = stored
-        self._index(response_id, stored)
+        items = _distinct(stored.conversation)
+        self._index(items)
+        if self.folder is None:  # on disk every file repeats its conversation
+            for item in items:
+                held = self._held.get(id(item))
+                if held is None:  # the item once; a pointer to it in every entry
+                    held = [max(len(orjson.dumps(item)) - _POINTER, 0), 0]
+                    self._held[id(item)] = held
+                    self.bytes += held[0]
+                held[1] += 1
+                size -= held[0]
         self._sizes[response_id] = size
         self.bytes += size
 
@@ -174,8 +224,17 @@ class ResponseStore:
             self._remove(next(iter(self._entries)))
 
     def _remove(self, response_id: str) -> None:
-        self._unindex(response_id, self._entries.pop(response_id))
+        stored = self._entries.pop(response_id)
+        items = _distinct(stored.conversation)
+        self._unindex(items)
         self.bytes -= self._sizes.pop(response_id)
+        if self.folder is None:
+            for item in items:
+                held = self._held[id(item)]
+                held[1] -= 1
+                if not held[1]:
+                    del self._held[id(item)]
+                    self.bytes -= held[0]
         if self._writer is not None:
             self._writer.submit(self._unlink, response_id)
 
@@ -197,19 +256,38 @@ class ResponseStore:
             tmp.write_bytes(data)
             os.replace(tmp, path)
         except OSError as exc:
+            # A full disk leaves part of a file: one per response would pile up unseen.
+            with contextlib.suppress(OSError):
+                tmp.unlink()
             log.warning("response not persisted", id=response_id, error=str(exc))
 
     def _unlink(self, response_id: str) -> None:
         with contextlib.suppress(OSError):
             self._path(response_id).unlink()
 
+    def _read(self, path: Path) -> bytes:
+        """A file's bytes, if it is a file the store could have written: reading a FIFO
+        waits for a writer forever (the server never starts), a device such as
+        ``/dev/zero`` never ends, and a file larger than the whole bound would be
+        dropped once read."""
+        with open(path, "rb", opener=_nonblocking) as file:
+            info = os.fstat(file.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError("not a regular file")
+            if self.max_bytes and info.st_size > self.max_bytes:
+                raise ValueError(f"{info.st_size} bytes, more than max_stored_bytes")
+            return file.read()
+
     def _load(self, folder: Path) -> None:
         """The responses a previous run persisted, oldest first, bounds applied."""
         found: list[tuple[str, Stored, int]] = []
         for path in folder.glob("resp_*.json") if folder.is_dir() else ():
             try:
-                data = path.read_bytes()
-                found.append((path.stem, Stored.from_json(data), len(data)))
+                data = self._read(path)
+                stored = Stored.from_json(data)
+                if stored.response.get("id") != path.stem:
+                    raise ValueError("the response in it has another id than its name")
+                found.append((path.stem, stored, len(data)))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("stored response unreadable", path=str(path), error=str(exc))
         found.sort(key=lambda entry: entry[1].created)
@@ -217,3 +295,18 @@ class ResponseStore:
             self._add(response_id, stored, size)
         self._expire()
         self._bound()
+
+
+#: What an entry's tuple spends on each item it holds, shared or not.
+_POINTER = 8
+
+
+def _distinct(items: Sequence[Item]) -> list[Item]:
+    """The item objects, each once."""
+    return list({id(item): item for item in items}.values())
+
+
+def _nonblocking(path: str, flags: int) -> int:
+    """Opening a FIFO for reading blocks until a writer comes; non-blocking, it does not
+    (and a regular file reads the same either way)."""
+    return os.open(path, flags | os.O_NONBLOCK)

@@ -17,6 +17,7 @@ from sanic import Request, Sanic
 from sanic.response import HTTPResponse
 
 from afmd.config.sections import Config
+from afmd.dialects.fields.checks import quoted
 from afmd.dialects.responses.responses_api import OpenAIResponses
 from afmd.dialects.responses.store import ResponseStore
 from afmd.errors import InvalidRequestError, NotFoundError
@@ -37,7 +38,7 @@ def _dialect(request: Request) -> OpenAIResponses:
 
 def _not_found(response_id: str) -> NotFoundError:
     return NotFoundError(
-        f"No stored response has the id '{response_id}' (it was never stored, was deleted, "
+        f"No stored response has the id {quoted(response_id)} (it was never stored, was deleted, "
         "or expired).", code="response_not_found", param="response_id")
 
 
@@ -92,8 +93,8 @@ async def input_items(request: Request, response_id: str) -> HTTPResponse:
         index = next((i for i, item in enumerate(items) if item["id"] == after), None)
         if index is None:
             raise InvalidRequestError(
-                f"Invalid 'after': no input item of '{response_id}' has the id "
-                f"'{after[:100]}'.", param="after")
+                f"Invalid 'after': no input item of {quoted(response_id)} has the id "
+                f"{quoted(after)}.", param="after")
         items = items[index + 1:]
     page = items[:limit]
     return json_response({
@@ -125,7 +126,7 @@ async def cancel(request: Request, request_id: str) -> HTTPResponse:
     body: dict[str, Any] = {"id": request_id, "object": "response.cancellation"}
     if not request.app.ctx.state.pipeline.cancel(request_id):
         error = NotFoundError(
-            f"No running request has the id '{request_id}' (cancel by the X-Request-ID the "
+            f"No running request has the id {quoted(request_id)} (cancel by the X-Request-ID the "
             "response was sent with; a stored response is already finished).",
             code="not_found", param=None)
         body["cancelled"] = False
