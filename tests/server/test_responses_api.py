@@ -94,6 +94,16 @@ def test_plain_text_is_the_chat_answer(client) -> None:
     assert chat.usage.prompt_tokens == response.usage.input_tokens
 
 
+def test_compact_is_a_clear_404_through_the_sdk(client) -> None:
+    """``responses.compact`` (OpenAI's server-side compaction) is not served: a 404 saying
+    so, where the path read as a stored response's id answered 405."""
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.compact(model="demo", input="Say something.")
+    error = caught.value.body
+    assert isinstance(error, dict) and error["code"] == "not_served", error
+    assert "does not compact" in error["message"]
+
+
 def test_function_call_loop_codex_style(client) -> None:
     """``store: false``, the whole history sent back each turn with the reasoning item,
     ``include: ["reasoning.encrypted_content"]``: a call, its output, then the answer."""

@@ -136,6 +136,16 @@ async def cancel(request: Request, request_id: str) -> HTTPResponse:
     return json_response(body)
 
 
+async def compact(request: Request) -> HTTPResponse:
+    """OpenAI's server-side compaction (the SDK's ``responses.compact``) returns an opaque,
+    encrypted summary item only OpenAI's models read back. Unrouted, the path was read as
+    a stored response's id, and the client was told POST is not allowed there."""
+    raise NotFoundError(
+        "POST /v1/responses/compact: afmd does not compact conversations on the server; "
+        "send the conversation (or a summary the client made) as input.",
+        code="not_served")
+
+
 def add_routes(app: Sanic, config: Config) -> OpenAIResponses:
     """Register the routes on ``app``, over a store made from ``config``."""
     settings = config.responses
@@ -148,6 +158,8 @@ def add_routes(app: Sanic, config: Config) -> OpenAIResponses:
         app.add_route(routes.turn, path, methods=["POST"], name=name, ctx_dialect=dialect)
     app.add_route(input_tokens, "/v1/responses/input_tokens", methods=["POST"],
                   name="responses_input_tokens", ctx_dialect=dialect)
+    app.add_route(compact, "/v1/responses/compact", methods=["POST"],
+                  name="responses_compact", ctx_dialect=dialect)
     app.add_route(stored_response, "/v1/responses/<response_id:str>",
                   methods=["GET", "DELETE"], name="responses_stored", ctx_dialect=dialect)
     app.add_route(input_items, "/v1/responses/<response_id:str>/input_items",
