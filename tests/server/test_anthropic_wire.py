@@ -260,6 +260,36 @@ def test_the_gates_refusals_use_the_routes_envelope(http: httpx.Client) -> None:
     assert chat.status_code == 404 and chat.json()["error"]["code"] == "unknown_url"
 
 
+def test_every_answer_names_its_request_id_where_the_sdk_reads_it(
+        server: ServerProcess, http: httpx.Client) -> None:
+    """Anthropic's SDK reads ``request-id`` (``_request_id``, ``APIStatusError.request_id``):
+    it is the request's X-Request-ID on answers, streams, count_tokens and every error,
+    and a fresh id on the gate's refusals."""
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    raw = claude.messages.with_raw_response.create(**body(max_tokens=1))
+    assert raw.request_id and raw.request_id == raw.headers["x-request-id"]
+    assert raw.parse()._request_id == raw.request_id
+    with claude.messages.stream(**body(max_tokens=1)) as stream:
+        assert stream.request_id
+        assert stream.request_id == stream.response.headers["x-request-id"]
+        stream.until_done()
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(**body(max_tokens=0))
+    assert refused.value.request_id
+    assert refused.value.request_id == refused.value.response.headers["x-request-id"]
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        claude.messages.create(**body(model="nope"))
+    assert unknown.value.request_id
+    counted = claude.messages.with_raw_response.count_tokens(model="demo", messages=MESSAGES)
+    assert counted.request_id and counted.request_id == counted.headers["x-request-id"]
+    sent = http.post(PATH, json=body(max_tokens=1), headers={"X-Request-ID": "mine-1"})
+    assert sent.headers["request-id"] == "mine-1"
+    media = http.post(PATH, content=b"{}", headers={"Content-Type": "text/plain"})
+    assert media.status_code == 415 and media.headers["request-id"].startswith("req_")
+    # OpenAI's routes keep their own headers only.
+    assert "request-id" not in http.post("/v1/chat/completions", json={}).headers
+
+
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc = start_server(tmp_path_factory.mktemp("guarded"), config=f"""

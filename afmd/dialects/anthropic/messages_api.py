@@ -276,6 +276,7 @@ class AnthropicMessages:
     """The ``/v1/messages`` adapter (and ``/v1/messages/count_tokens``'s parser)."""
 
     name = "anthropic_messages"
+    request_id_header = "request-id"
 
     def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
               strict: bool = False) -> ChatRequest:
