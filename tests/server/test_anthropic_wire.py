@@ -54,6 +54,7 @@ from afmd.service.chat_template import folded_system_turns, template_messages
 from afmd.service.output_plan import plan_output
 
 from conftest import ServerProcess, start_server
+from helpers.anthropic_cases import ADD as ADD_SCHEMA
 from helpers.anthropic_cases import (
     MESSAGES,
     SCHEMAS,
@@ -587,6 +588,105 @@ def test_a_conversation_in_afmds_terms() -> None:
     assert (thinking.reasoning_effort, thinking.thinking_budget) == ("medium", 20)
     assert [t.parameters for t in chat.tools] == [t["input_schema"] for t in TOOLS]
     assert chat.ignored_fields == ("unknown_field",)  # named in X-AFM-Ignored-Fields
+
+
+def _offered(**fields: Any) -> tuple[str, ...]:
+    return tuple(t.name for t in ANTHROPIC_MESSAGES.parse(json.dumps(body(**fields)).encode())
+                 .tools)
+
+
+def test_tools_offered_follow_deferral_references_and_changes() -> None:
+    """As Anthropic: a ``defer_loading`` tool is offered once a ``tool_reference`` in a
+    result loads it (Claude Code's ToolSearch), and system messages add tools (by name, or
+    defined by value) and withdraw them from their point on. Before, a tool_reference or a
+    tool_addition was a 400, and deferred tools were offered from the start."""
+    search = {"name": "ToolSearch", "input_schema": {"type": "object"}}
+    db = {"name": "mcp__db__query", "input_schema": ADD_SCHEMA, "defer_loading": True}
+    tools = [search, db, TOOLS[0]]
+    asked = [{"role": "user", "content": "Query the db."},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_s",
+                                                "name": "ToolSearch", "input": {}}]}]
+
+    def answered(*parts: dict[str, Any]) -> list[dict[str, Any]]:
+        return [*asked, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_s", "content": list(parts)}]}]
+
+    assert _offered(tools=tools) == ("ToolSearch", "get_weather")
+    loaded = answered({"type": "text", "text": "Found:"},
+                      {"type": "tool_reference", "tool_name": "mcp__db__query"})
+    assert _offered(tools=tools, messages=loaded) == (
+        "ToolSearch", "mcp__db__query", "get_weather")
+    chat = ANTHROPIC_MESSAGES.parse(json.dumps(body(tools=tools, messages=loaded)).encode())
+    assert chat.messages[-1].content == "Found:\n\nTool loaded: mcp__db__query"
+    # A reference to a tool the client no longer sends is the text it is.
+    gone = answered({"type": "tool_reference", "tool_name": "mcp__gone"})
+    assert _offered(tools=tools, messages=gone) == ("ToolSearch", "get_weather")
+    # Mid-conversation changes, in order: add by name, define by value, withdraw.
+    changes = [{"role": "user", "content": "Hi."}, {"role": "system", "content": [
+        {"type": "text", "text": "Tools changed."},
+        {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "mcp__db__query"}},
+        {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": TOOLS[1]}},
+        {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "get_weather"}},
+    ]}, {"role": "user", "content": "Go on."}]
+    assert _offered(tools=tools, messages=changes) == ("ToolSearch", "mcp__db__query", "add")
+    chat = ANTHROPIC_MESSAGES.parse(json.dumps(body(tools=tools, messages=changes)).encode())
+    assert ("system", "Tools changed.") in [(m.role, m.content) for m in chat.messages]
+    for change, param, message in (
+        ({"type": "tool_removal", "tool": {"type": "tool_reference", "name": "nope"}},
+         "messages[1].content[0].tool.name", "'nope' names no tool"),
+        ({"type": "tool_addition", "tool": {"type": "tool_definition", "definition": {
+            "name": "bad name", "input_schema": {"type": "object"}}}},
+         "messages[1].content[0].tool.definition.name", "Invalid tool name"),
+        ({"type": "tool_removal", "tool": {"type": "tool_definition", "definition": {}}},
+         "messages[1].content[0].tool.type", "Invalid value"),
+    ):
+        with pytest.raises(InvalidRequestError) as refused:
+            ANTHROPIC_MESSAGES.parse(json.dumps(body(tools=tools, messages=[
+                MESSAGES[0], {"role": "system", "content": [change]}])).encode())
+        assert refused.value.param == param and message in refused.value.message
+    # A search result reads as text, in a user turn and in a tool's result alike.
+    result = {"type": "search_result", "source": "https://x.example/a", "title": "A",
+              "content": [{"type": "text", "text": "alpha"}, {"type": "text", "text": "beta"}]}
+    text = "Search result: A\nSource: https://x.example/a\n\nalpha\n\nbeta"
+    chat = ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[
+        {"role": "user", "content": [result, {"type": "text", "text": "Sum up."}]}])).encode())
+    assert chat.messages[-1].content == text + "\n\nSum up."
+    chat = ANTHROPIC_MESSAGES.parse(json.dumps(body(tools=tools,
+                                                    messages=answered(result))).encode())
+    assert chat.messages[-1].content == text
+
+
+def test_claude_codes_tool_search_through_the_sdk(server: ServerProcess) -> None:
+    """The round Claude Code's ToolSearch makes, through the official client: the deferred
+    tool is not offered (nor counted) until its reference comes back in a result, and is
+    then called."""
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    search = {"name": "ToolSearch", "input_schema": {"type": "object"}}
+    db = {"name": "mcp__db__query", "description": "Run a query.", "input_schema": ADD_SCHEMA,
+          "defer_loading": True}
+    asked = [{"role": "user", "content": "Query the db."},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_s",
+                                                "name": "ToolSearch", "input": {}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_s",
+                                           "content": [{"type": "text", "text": "none"}]}]}]
+    loaded = [*asked[:2], {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_s",
+         "content": [{"type": "tool_reference", "tool_name": "mcp__db__query"}]}]}]
+    forced = {"type": "tool", "name": "mcp__db__query"}
+    with pytest.raises(anthropic.BadRequestError, match=r"tool_choice\.name"):
+        claude.beta.messages.create(model="demo", max_tokens=64, tools=[search, db],
+                                    messages=asked, tool_choice=forced)
+    reply = claude.beta.messages.create(model="demo", max_tokens=64, tools=[search, db],
+                                        messages=loaded, tool_choice=forced,
+                                        thinking={"type": "disabled"},
+                                        betas=["advanced-tool-use-2025-11-20"])
+    assert [(b.type, getattr(b, "name", None)) for b in reply.content] == [
+        ("tool_use", "mcp__db__query")]
+    assert reply.stop_reason == "tool_use"
+    counted = [claude.beta.messages.count_tokens(model="demo", tools=[search, tool],
+                                                 messages=asked).input_tokens
+               for tool in (db, {**db, "defer_loading": False})]
+    assert counted[0] < counted[1]
 
 
 def test_thinking_refuses_a_forced_tool_choice() -> None:

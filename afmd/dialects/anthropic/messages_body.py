@@ -21,7 +21,7 @@ from typing import Any
 
 from afmd.core.request import ChatRequest, ResponseFormat
 from afmd.dialects.anthropic.history import EXTRA_INPUTS, parse_messages, parse_system
-from afmd.dialects.anthropic.tools_body import parse_tool_choice, parse_tools
+from afmd.dialects.anthropic.tools_body import offered_tools, parse_tool_choice, parse_tools
 from afmd.dialects.fields.body import parse_json_body
 from afmd.dialects.fields.checks import (
     Scalar,
@@ -124,8 +124,9 @@ def _parse(
     values = read_scalars(body, scalars)
     max_tokens: int | None = values.get("max_tokens")
     system = parse_system(body.get("system"), strict=strict)
-    messages, images = parse_messages(body.get("messages"), strict=strict)
-    tools = parse_tools(body.get("tools"), strict=strict)
+    messages, images, changes = parse_messages(body.get("messages"), strict=strict)
+    tools = offered_tools(body.get("tools"), parse_tools(body.get("tools"), strict=strict),
+                          changes, strict=strict)
     choice, parallel = parse_tool_choice(body.get("tool_choice"), tools, server_tools,
                                          strict=strict)
     stop = body.get("stop_sequences")
