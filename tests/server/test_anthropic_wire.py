@@ -656,6 +656,37 @@ def test_tools_offered_follow_deferral_references_and_changes() -> None:
     assert chat.messages[-1].content == text
 
 
+def test_a_turn_scoped_system_message_is_shown_until_a_user_message_follows() -> None:
+    """``clear_at: "next_user_message"`` (Claude Code's turn-scoped reminders) shows a
+    system message's text only until a user message follows it, its tool changes
+    holding; ``never`` always; on another role it is Anthropic's 400, whose words Claude
+    Code reads. Before, the text stayed in every later prompt."""
+    def texts(*messages: dict[str, Any]) -> list[tuple[str, str | None]]:
+        chat = ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=list(messages),
+                                                        tools=TOOLS)).encode())
+        return [(m.role, m.content) for m in chat.messages]
+
+    reminder = {"role": "system", "content": "Remember.", "clear_at": "next_user_message"}
+    kept = {"role": "system", "content": "Always.", "clear_at": "never"}
+    assert texts(MESSAGES[0], reminder) == [("user", MESSAGES[0]["content"]),
+                                            ("system", "Remember.")]
+    later = texts(MESSAGES[0], reminder, kept, {"role": "assistant", "content": "Ok."},
+                  {"role": "user", "content": "Next."})
+    assert ("system", "Always.") in later and ("system", "Remember.") not in later
+    removal = {"role": "system", "clear_at": "next_user_message", "content": [
+        {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "add"}}]}
+    assert _offered(tools=TOOLS, messages=[MESSAGES[0], removal, {
+        "role": "user", "content": "Next."}]) == ("get_weather",)
+    with pytest.raises(InvalidRequestError) as refused:
+        texts({**MESSAGES[0], "clear_at": "never"})
+    assert refused.value.param == "messages[0].clear_at"
+    assert ANTHROPIC_MESSAGES.error_envelope(refused.value)["error"]["message"] == (
+        'messages[0].clear_at: clear_at is only permitted on role: "system" messages.')
+    with pytest.raises(InvalidRequestError) as refused:
+        texts(MESSAGES[0], {**reminder, "clear_at": "soon"})
+    assert refused.value.param == "messages[1].clear_at"
+
+
 def test_claude_codes_tool_search_through_the_sdk(server: ServerProcess) -> None:
     """The round Claude Code's ToolSearch makes, through the official client: the deferred
     tool is not offered (nor counted) until its reference comes back in a result, and is

@@ -15,6 +15,10 @@ nearest turn it accepts (:meth:`afmd.engine.models.loaded_model.LoadedModel.rend
 A last assistant message is a prefill: the answer continues its text (an empty one is as
 none, and its text may not end in whitespace, as Anthropic requires).
 
+A system message with ``clear_at: "next_user_message"`` is shown only until a user
+message follows it (the text of a turn-scoped reminder); ``clear_at`` on any other role
+is Anthropic's 400.
+
 A system message may also add or withdraw tools from that point on (``tool_addition``,
 ``tool_removal``: the ``mid-conversation-tool-changes`` beta Claude Code sends), and a
 tool's result may load tools by name (``tool_reference`` blocks, what Claude Code's
@@ -80,6 +84,9 @@ BLOCK_KEYS: dict[str, frozenset[str]] = {
     "tool_addition": frozenset({"type", "tool", "cache_control"}),
     "tool_removal": frozenset({"type", "tool", "cache_control"}),
 }
+#: A system message's ``clear_at``: ``never`` (the default) shows its text on every
+#: request that has it; ``next_user_message`` only until a user message follows it.
+CLEAR_AT = ("next_user_message", "never")
 #: A tool_addition's or tool_removal's ``tool``: a reference by name, or (additions) a
 #: definition by value.
 TOOL_CHANGE_KEYS: dict[str, frozenset[str]] = {
@@ -120,6 +127,8 @@ class _Turn:
     role: str
     index: int  # the first message's index, for errors about the turn as a whole
     blocks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    #: A system message's text shown only until a user message follows it.
+    until_user: bool = False
 
 
 def parse_system(value: Any, *, strict: bool = False) -> tuple[Message, ...]:
@@ -175,10 +184,18 @@ def _turns(value: Any, strict: bool) -> list[_Turn]:
             blocks = [(f"{p}.content[{k}]", b) for k, b in enumerate(content)]
         else:
             raise wrong_type(f"{p}.content", "a string or an array of content blocks", content)
+        clear_at = message.get("clear_at")
+        if clear_at is not None:
+            if role != "system":
+                # Anthropic's words, which Claude Code reads to stop sending it.
+                raise invalid(f"{p}.clear_at", "clear_at is only permitted on role: "
+                              "\"system\" messages.")
+            if clear_at not in CLEAR_AT:
+                raise not_one_of(f"{p}.clear_at", clear_at, CLEAR_AT)
         if turns and turns[-1].role == role and role != "system":
             turns[-1].blocks.extend(blocks)
         else:
-            turns.append(_Turn(role, i, blocks))
+            turns.append(_Turn(role, i, blocks, clear_at == "next_user_message"))
     return turns
 
 
@@ -206,9 +223,12 @@ def parse_messages(
     calls_at = 0
     held: list[Message] = []  # system messages sent between calls and their results
     turns = _turns(value, strict)
-    for turn in turns:
+    last_user = max((at for at, turn in enumerate(turns) if turn.role == "user"), default=-1)
+    for at, turn in enumerate(turns):
         if turn.role == "system":
             text = _system_text(turn, strict, changes)
+            if turn.until_user and at < last_user:
+                text = ""  # a user message follows: shown no more (its tool changes hold)
             if text:  # between a call and its results it waits for them (templates
                 # want a call's results right after it)
                 (held if calls else out).append(Message("system", text, in_place=True))
