@@ -703,8 +703,8 @@ def test_claude_codes_tool_search_through_the_sdk(server: ServerProcess) -> None
     loaded = [*asked[:2], {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_s",
          "content": [{"type": "tool_reference", "tool_name": "mcp__db__query"}]}]}]
-    forced = {"type": "tool", "name": "mcp__db__query"}
-    with pytest.raises(anthropic.BadRequestError, match=r"tool_choice\.name"):
+    forced = {"type": "tool", "name": "mcp__db__query", "disable_parallel_tool_use": True}
+    with pytest.raises(anthropic.BadRequestError, match=r"tool_choice\.name: .* deferred"):
         claude.beta.messages.create(model="demo", max_tokens=64, tools=[search, db],
                                     messages=asked, tool_choice=forced)
     reply = claude.beta.messages.create(model="demo", max_tokens=64, tools=[search, db],

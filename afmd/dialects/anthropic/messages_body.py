@@ -125,10 +125,11 @@ def _parse(
     max_tokens: int | None = values.get("max_tokens")
     system = parse_system(body.get("system"), strict=strict)
     messages, images, changes = parse_messages(body.get("messages"), strict=strict)
-    tools = offered_tools(body.get("tools"), parse_tools(body.get("tools"), strict=strict),
-                          changes, strict=strict)
+    tools, withheld = offered_tools(body.get("tools"),
+                                    parse_tools(body.get("tools"), strict=strict), changes,
+                                    strict=strict)
     choice, parallel = parse_tool_choice(body.get("tool_choice"), tools, server_tools,
-                                         strict=strict)
+                                         strict=strict, withheld=withheld)
     stop = body.get("stop_sequences")
     if stop is not None and not isinstance(stop, list):
         raise wrong_type("stop_sequences", "an array of strings", stop)

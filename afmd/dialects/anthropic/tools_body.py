@@ -102,9 +102,10 @@ def _tool(tool: Any, p: str, strict: bool) -> ToolSpec:
 
 def offered_tools(value: Any, tools: tuple[ToolSpec, ...],
                   changes: tuple[ToolChange, ...], *, strict: bool = False
-                  ) -> tuple[ToolSpec, ...]:
+                  ) -> tuple[tuple[ToolSpec, ...], frozenset[str]]:
     """The tools offered for the answer: ``tools`` (parsed from ``value``) less the
-    deferred ones, then the conversation's changes in order. A change naming a tool
+    deferred ones, then the conversation's changes in order; and the names of those
+    declared but not offered. A change naming a tool
     neither declared nor defined before it is a 400 naming it; a ``tool_reference`` to
     one is left as the text it is (the client's search found a tool it no longer sends)."""
     known = {tool.name: tool for tool in tools}
@@ -129,15 +130,17 @@ def offered_tools(value: Any, tools: tuple[ToolSpec, ...],
             offered.discard(name)
         else:
             offered.add(name)
-    return tuple(tool for tool in known.values() if tool.name in offered)
+    return (tuple(tool for tool in known.values() if tool.name in offered),
+            frozenset(known.keys() - offered))
 
 
 def parse_tool_choice(
     value: Any, tools: tuple[ToolSpec, ...], server_tools: Collection[str], *,
-    strict: bool = False,
+    strict: bool = False, withheld: Collection[str] = (),
 ) -> tuple[ToolChoice, bool]:
     """``tool_choice`` as afmd's choice, and whether parallel calls are allowed
-    (``strict``: no key its type does not have)."""
+    (``strict``: no key its type does not have). ``withheld``: tools declared but not
+    offered (deferred and not loaded, or withdrawn), which a choice may not name."""
     names = {t.name for t in tools} | set(server_tools)
     if value is None:
         return ToolChoice("auto" if names else "none"), True
@@ -155,12 +158,19 @@ def parse_tool_choice(
         return ToolChoice("none"), parallel
     if kind == "auto":
         return ToolChoice("auto"), parallel
-    if not names:
+    if not names and not (kind == "tool" and value.get("name") in withheld):
         raise invalid("tool_choice.type", f"'tool_choice' is {quoted(kind)} but no 'tools' "
-                      "are given.")
+                      + ("are offered at this point of the conversation." if withheld
+                         else "are given."))
     if kind == "any":
         return ToolChoice("required"), parallel
     name = required(value, "name", "tool_choice.name", str, "a string")
+    if name in withheld and name not in names:
+        raise InvalidRequestError(
+            f"'tool_choice.name' names the tool {quoted(name)}, which is not offered at "
+            "this point of the conversation: it is deferred ('defer_loading') and no "
+            "tool_reference has loaded it, or a tool_removal withdrew it.",
+            code="unknown_tool", param="tool_choice.name")
     if name not in names:
         raise InvalidRequestError(f"'tool_choice.name' names the tool {quoted(name)}, which "
                                   "is not in 'tools'.", code="unknown_tool",
