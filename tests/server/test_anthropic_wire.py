@@ -17,10 +17,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import httpx
+import httpx2
 import jsonschema
 import pytest
 from PIL import Image
@@ -718,6 +719,57 @@ def test_claude_codes_tool_search_through_the_sdk(server: ServerProcess) -> None
                                                  messages=asked).input_tokens
                for tool in (db, {**db, "defer_loading": False})]
     assert counted[0] < counted[1]
+
+
+def test_the_sdks_tool_runner_drops_threads_and_changes_tools(server: ServerProcess,
+                                                               http: httpx.Client) -> None:
+    """The official tool runner threads by default (``thread``: the server holds the
+    conversation, a ``continue`` sends only the new turn), which afmd cannot: Anthropic's
+    ``thread_unsupported_request`` refusal makes it resend the whole conversation without
+    one (before, ``thread`` was ignored and a continuation answered out of context); and
+    its ``add_tools``/``remove_tools`` arrive as system messages' tool changes, after which
+    only the added tool can be called."""
+    refused = http.post(PATH, json=body(thread={"type": "continue",
+                                                "previous_message_id": "msg_x"}))
+    assert refused.status_code == 400
+    assert refused.json()["error"]["details"] == {"error_code": "thread_unsupported_request"}
+    assert error_of(refused)[1].startswith("thread: ")
+    assert http.post(PATH, json=body(max_tokens=1, thread=None)).status_code == 200
+    sent: list[dict[str, Any]] = []
+
+    def record(request: httpx2.Request) -> None:
+        if request.url.path == PATH:
+            sent.append(json.loads(request.content))
+
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0,
+                                 http_client=httpx2.Client(event_hooks={"request": [record]}))
+
+    @anthropic.beta_tool
+    def pick(unit: Literal["c", "f"]) -> str:
+        """Pick a unit."""
+        return unit
+
+    @anthropic.beta_tool
+    def flip(side: Literal["heads", "tails"]) -> str:
+        """Flip a coin."""
+        return side
+
+    runner = claude.beta.messages.tool_runner(
+        model="demo", max_tokens=40, tools=[pick], messages=[{"role": "user", "content": "Go."}],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        thinking={"type": "disabled"}, max_iterations=2, betas=["inline-tools-2026-09-15"])
+    called = []
+    for message in runner:
+        called += [b.name for b in message.content if b.type == "tool_use"]
+        if len(called) == 1:
+            assert runner.generate_tool_call_response() is not None  # pick's, run now
+            runner.add_tools(flip)
+            runner.remove_tools("pick")
+    assert called == ["pick", "flip"]
+    assert [("thread" in b, len(b["messages"])) for b in sent] == [(True, 1), (False, 1),
+                                                                    (False, 4)]
+    assert [b["type"] for b in sent[-1]["messages"][-1]["content"]] == ["tool_addition",
+                                                                       "tool_removal"]
 
 
 def test_thinking_refuses_a_forced_tool_choice() -> None:

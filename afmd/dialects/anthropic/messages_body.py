@@ -83,7 +83,6 @@ UNUSED_FIELDS = frozenset({
     "cache_control", "context_management", "mcp_servers", "speed", "compaction",
     "billing_policy", "user_profile_id", "workspace_id", "metadata", "service_tier",
     "container", "diagnostics", "inference_geo", "fallbacks", "fallback_credit_token",
-    "thread",
 })
 #: A create body's: the above, generation's own fields, and afmd's ``seed``.
 CREATE_FIELDS = COUNT_FIELDS | {
@@ -121,6 +120,15 @@ def _parse(
     if ignored:  # a field ignored is not checked either (count_tokens reads create's parts)
         body = {key: value for key, value in body.items() if key not in ignored}
     ignored = (*ignored, *(key for key in body if key in UNUSED_FIELDS))
+    if body.get("thread") is not None:
+        # Threads hold the conversation on the server, a ``continue`` sending only its new
+        # turn: answered without that state, it would be answered out of context. This
+        # refusal is the one Anthropic's clients recover from by sending the whole
+        # conversation without ``thread`` (the SDK's tool runner, Claude Code).
+        raise InvalidRequestError(
+            "Threads (server-held conversation state) are not supported: afmd keeps no "
+            "conversation between requests. Send the whole conversation in 'messages', "
+            "without 'thread'.", code="thread_unsupported_request", param="thread")
     values = read_scalars(body, scalars)
     max_tokens: int | None = values.get("max_tokens")
     system = parse_system(body.get("system"), strict=strict)
