@@ -105,9 +105,9 @@ def offered_tools(value: Any, tools: tuple[ToolSpec, ...],
                   ) -> tuple[tuple[ToolSpec, ...], frozenset[str]]:
     """The tools offered for the answer: ``tools`` (parsed from ``value``) less the
     deferred ones, then the conversation's changes in order; and the names of those
-    declared but not offered. A change naming a tool
-    neither declared nor defined before it is a 400 naming it; a ``tool_reference`` to
-    one is left as the text it is (the client's search found a tool it no longer sends)."""
+    declared but not offered. A change naming a tool neither declared nor defined before
+    it is a 400 naming it; a ``tool_reference`` to one is left as the text it is (the
+    client's search found a tool it no longer sends)."""
     known = {tool.name: tool for tool in tools}
     deferred = {tool["name"] for tool in value or ()
                 if isinstance(tool, dict) and tool.get("defer_loading") is True}
