@@ -688,6 +688,44 @@ def test_a_turn_scoped_system_message_is_shown_until_a_user_message_follows() ->
     assert refused.value.param == "messages[1].clear_at"
 
 
+def test_a_system_message_sets_the_effort_from_there_on(server: ServerProcess) -> None:
+    """Claude Code changes effort mid-conversation with a system message of no content and
+    ``output_config.effort``, the top-level ``output_config`` (and its cached prefix) left
+    as it was: the last such message sets the answer's effort. Before, its empty content
+    was a 400 (Claude Code then retried without it)."""
+    def effort(*messages: dict[str, Any], **fields: Any) -> str | None:
+        raw = json.dumps(body(messages=list(messages), **fields)).encode()
+        return ANTHROPIC_MESSAGES.parse(raw).reasoning_effort
+
+    low = {"role": "system", "content": [], "output_config": {"effort": "low"}}
+    top = {"output_config": {"effort": "high"}}
+    for level, ours in (("low", "low"), ("medium", "medium"), ("high", "high"),
+                        ("xhigh", "xhigh"), ("max", "xhigh")):  # the SDK's levels
+        assert effort(MESSAGES[0], {**low, "output_config": {"effort": level}}) == ours
+    assert effort(MESSAGES[0], **top) == "high"
+    assert effort(MESSAGES[0], low, **top) == "low"
+    assert effort(MESSAGES[0], low, {"role": "assistant", "content": "Ok."},
+                  {"role": "user", "content": "More."},
+                  {"role": "system", "output_config": {"effort": "max"}}, **top) == "xhigh"
+    assert effort(MESSAGES[0], low, thinking={"type": "disabled"}) == "none"
+    for message, param in (
+        ({"role": "system", "content": []}, "messages[1].content"),
+        ({"role": "system", "content": [], "output_config": {"effort": "huge"}},
+         "messages[1].output_config.effort"),
+        ({"role": "system", "content": [], "output_config": {"format": {}}},
+         "messages[1].output_config.format"),
+        ({"role": "system", "output_config": "low"}, "messages[1].output_config"),
+    ):
+        with pytest.raises(InvalidRequestError) as refused:
+            effort(MESSAGES[0], message)
+        assert refused.value.param == param
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    reply = claude.beta.messages.create(model="demo", max_tokens=2, messages=[MESSAGES[0], low],
+                                        output_config={"effort": "high"},
+                                        betas=["mid-conversation-system-2026-04-07"])
+    assert reply.usage.output_tokens > 0
+
+
 def test_claude_codes_tool_search_through_the_sdk(server: ServerProcess) -> None:
     """The round Claude Code's ToolSearch makes, through the official client: the deferred
     tool is not offered (nor counted) until its reference comes back in a result, and is

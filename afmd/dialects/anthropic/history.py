@@ -15,6 +15,10 @@ nearest turn it accepts (:meth:`afmd.engine.models.loaded_model.LoadedModel.rend
 A last assistant message is a prefill: the answer continues its text (an empty one is as
 none, and its text may not end in whitespace, as Anthropic requires).
 
+A system message's ``output_config.effort`` (its content may then be empty or absent)
+sets the effort of the answers from there on, over the body's; Claude Code changes effort
+mid-conversation so, its cached prefix kept.
+
 A system message with ``clear_at: "next_user_message"`` is shown only until a user
 message follows it (the text of a turn-scoped reminder); ``clear_at`` on any other role
 is Anthropic's 400.
@@ -39,7 +43,7 @@ import binascii
 import re
 from collections.abc import Container
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -56,7 +60,8 @@ from afmd.dialects.fields.checks import (
 )
 from afmd.errors import InvalidRequestError
 
-__all__ = ["EXTRA_INPUTS", "ToolChange", "parse_messages", "parse_system"]
+__all__ = ["EFFORT_LEVELS", "EXTRA_INPUTS", "Conversation", "ToolChange", "parse_messages",
+           "parse_system"]
 
 #: Anthropic's words for a key it does not define (``[api] strict``); its envelope puts
 #: the param first: ``messages[0].bogus: Extra inputs are not permitted``.
@@ -84,6 +89,10 @@ BLOCK_KEYS: dict[str, frozenset[str]] = {
     "tool_addition": frozenset({"type", "tool", "cache_control"}),
     "tool_removal": frozenset({"type", "tool", "cache_control"}),
 }
+#: ``output_config.effort``'s values; a system message's ``output_config`` has no other
+#: key (``[api] strict``).
+EFFORT_LEVELS = ("low", "medium", "high", "xhigh", "max")
+TURN_OUTPUT_KEYS = frozenset({"effort"})
 #: A system message's ``clear_at``: ``never`` (the default) shows its text on every
 #: request that has it; ``next_user_message`` only until a user message follows it.
 CLEAR_AT = ("next_user_message", "never")
@@ -129,6 +138,8 @@ class _Turn:
     blocks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     #: A system message's text shown only until a user message follows it.
     until_user: bool = False
+    #: A system message's ``output_config.effort``: the answers' from there on.
+    effort: str | None = None
 
 
 def parse_system(value: Any, *, strict: bool = False) -> tuple[Message, ...]:
@@ -173,13 +184,17 @@ def _turns(value: Any, strict: bool) -> list[_Turn]:
             raise not_one_of(f"{p}.role", role, ("user", "assistant", "system"))
         if strict:
             _refuse_extra(message, MESSAGE_KEYS, f"{p}.")
+        config = message.get("output_config") if role == "system" else None
+        effort = _turn_effort(config, p, strict)
         content = message.get("content")
-        if content is None:
+        if content is None and config is None:
             raise missing(f"{p}.content")
-        if isinstance(content, str):
+        if content is None:  # a system message that only sets the output (Claude Code's)
+            blocks = []
+        elif isinstance(content, str):
             blocks = [(f"{p}.content", {"type": "text", "text": content})]
         elif isinstance(content, list):
-            if not content:
+            if not content and config is None:
                 raise invalid(f"{p}.content", f"'{p}.content' must not be empty.")
             blocks = [(f"{p}.content[{k}]", b) for k, b in enumerate(content)]
         else:
@@ -195,8 +210,26 @@ def _turns(value: Any, strict: bool) -> list[_Turn]:
         if turns and turns[-1].role == role and role != "system":
             turns[-1].blocks.extend(blocks)
         else:
-            turns.append(_Turn(role, i, blocks, clear_at == "next_user_message"))
+            turns.append(_Turn(role, i, blocks, clear_at == "next_user_message", effort))
     return turns
+
+
+def _turn_effort(config: Any, p: str, strict: bool) -> str | None:
+    """A system message's ``output_config``: its effort, or None (``format`` is the
+    body's alone, as Anthropic's)."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise wrong_type(f"{p}.output_config", "an object", config)
+    if "format" in config:
+        raise invalid(f"{p}.output_config.format", "'format' is set in the top-level "
+                      "'output_config' only.")
+    if strict:
+        _refuse_extra(config, TURN_OUTPUT_KEYS, f"{p}.output_config.")
+    effort = optional(config, "effort", f"{p}.output_config.effort", str, "a string")
+    if effort is not None and effort not in EFFORT_LEVELS:
+        raise not_one_of(f"{p}.output_config.effort", effort, EFFORT_LEVELS)
+    return effort
 
 
 def _check_answered(calls: tuple[ToolCall, ...], results: Container[str],
@@ -210,14 +243,25 @@ def _check_answered(calls: tuple[ToolCall, ...], results: Container[str],
                 code="missing_tool_output", param=f"messages[{calls_at}].content")
 
 
-def parse_messages(
-    value: Any, *, strict: bool = False
-) -> tuple[tuple[Message, ...], bool, tuple[ToolChange, ...]]:
-    """The conversation as afmd's messages, whether it holds images, and the changes it
-    makes to the tools offered. ``strict`` refuses an unknown key in a message, a block or
-    a block's source."""
+class Conversation(NamedTuple):
+    """``messages`` read: afmd's messages and what else the conversation says."""
+
+    messages: tuple[Message, ...]
+    images: bool
+    tool_changes: tuple[ToolChange, ...]
+    #: The effort the last system message that sets one asks for (Claude Code's per-turn
+    #: effort, which keeps the top-level ``output_config`` and its cached prefix as they
+    #: were): the answer's, over the body's.
+    effort: str | None
+
+
+def parse_messages(value: Any, *, strict: bool = False) -> Conversation:
+    """The conversation as afmd's messages, whether it holds images, the changes it makes
+    to the tools offered, and the effort it sets. ``strict`` refuses an unknown key in a
+    message, a block or a block's source."""
     out: list[Message] = []
     changes: list[ToolChange] = []
+    effort: str | None = None
     images = False
     calls: tuple[ToolCall, ...] = ()  # the previous assistant turn's, to be answered now
     calls_at = 0
@@ -226,6 +270,7 @@ def parse_messages(
     last_user = max((at for at, turn in enumerate(turns) if turn.role == "user"), default=-1)
     for at, turn in enumerate(turns):
         if turn.role == "system":
+            effort = turn.effort or effort
             text = _system_text(turn, strict, changes)
             if turn.until_user and at < last_user:
                 text = ""  # a user message follows: shown no more (its tool changes hold)
@@ -304,7 +349,7 @@ def parse_messages(
         raise InvalidRequestError(
             "The conversation has no user message.", code="missing_user_message",
             param="messages")
-    return tuple(out), images, tuple(changes)
+    return Conversation(tuple(out), images, tuple(changes), effort)
 
 
 def _system_text(turn: _Turn, strict: bool, changes: list[ToolChange]) -> str:

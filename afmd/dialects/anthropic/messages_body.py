@@ -42,7 +42,8 @@ from afmd.errors import InvalidRequestError
 __all__ = ["parse_count_request", "parse_messages_request"]
 
 MAX_STOP_SEQUENCES = 16
-#: ``output_config.effort`` onto afmd's ``reasoning_effort`` (``max`` is afmd's highest).
+#: ``output_config.effort`` onto afmd's ``reasoning_effort`` (``max`` is afmd's highest);
+#: its keys are :data:`~afmd.dialects.anthropic.history.EFFORT_LEVELS`.
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
 THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
 # The keys ``[api] strict`` admits, as Anthropic refuses any other: the anthropic SDK's,
@@ -132,7 +133,8 @@ def _parse(
     values = read_scalars(body, scalars)
     max_tokens: int | None = values.get("max_tokens")
     system = parse_system(body.get("system"), strict=strict)
-    messages, images, changes = parse_messages(body.get("messages"), strict=strict)
+    messages, images, changes, turn_effort = parse_messages(body.get("messages"),
+                                                            strict=strict)
     tools, withheld = offered_tools(body.get("tools"),
                                     parse_tools(body.get("tools"), strict=strict), changes,
                                     strict=strict)
@@ -148,6 +150,8 @@ def _parse(
         raise invalid("tool_choice.type", "Thinking may not be enabled when tool_choice "
                       "forces tool use.")
     effort, response_format = _output_config(body.get("output_config"), strict)
+    if turn_effort is not None:  # set since, by a system message
+        effort = EFFORTS[turn_effort]
     format_param = "output_config.format"
     if response_format is None:  # the structured-outputs beta's spelling
         response_format = _format(body.get("output_format"), "output_format", strict)

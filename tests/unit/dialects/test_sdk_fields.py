@@ -157,6 +157,8 @@ NESTED: list[tuple[str, tuple[Any, ...], frozenset[str]]] = [
     ("anthropic.content[redacted_thinking]", (claude.RedactedThinkingBlockParam,
                                               claude_beta.BetaRedactedThinkingBlockParam),
      history.BLOCK_KEYS["redacted_thinking"]),
+    ("anthropic.messages[system].output_config",
+     (claude_beta.BetaSystemMessageOutputConfigParam,), history.TURN_OUTPUT_KEYS),
     ("anthropic.content[search_result]", (claude.SearchResultBlockParam,
                                           claude_beta.BetaSearchResultBlockParam),
      history.BLOCK_KEYS["search_result"]),
