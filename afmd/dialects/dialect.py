@@ -12,6 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from afmd.core.events import Event
+from afmd.core.ids import new_request_id
 from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.errors import APIError
 
@@ -88,6 +89,15 @@ class OwnStatuses(Protocol):
 
 
 @runtime_checkable
+class NamesRequests(Protocol):
+    """A dialect whose SDK reads a request's id from a header of its own (Anthropic's
+    ``request-id``: ``message._request_id``, ``APIStatusError.request_id``), on every
+    answer, refusals included."""
+
+    request_id_header: str
+
+
+@runtime_checkable
 class NamesParams(Protocol):
     """A dialect whose fields are not chat's: the name it gives an error's ``param`` (the
     pipeline's errors name chat's fields), so the access log says what the client was
@@ -127,12 +137,18 @@ class OwnMediaType(Protocol):
 
 
 def error_response(
-    style: ErrorStyle | None, error: APIError
+    style: ErrorStyle | None, error: APIError, request_id: str | None = None
 ) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """The status, JSON body and headers of ``error`` in ``style`` (OpenAI's when None)."""
+    """The status, JSON body and headers of ``error`` in ``style`` (OpenAI's when None);
+    ``request_id`` is the request's, when it has one yet (a refusal before it did gets a
+    fresh one where the style names requests)."""
     if style is None:
         return error.status, error.envelope(), dict(error.headers)
     if isinstance(style, OwnStatuses):
-        status, headers = style.error_status(error)
-        return status, style.error_envelope(error), dict(headers)
-    return error.status, style.error_envelope(error), dict(error.headers)
+        status, own = style.error_status(error)
+        headers = dict(own)
+    else:
+        status, headers = error.status, dict(error.headers)
+    if isinstance(style, NamesRequests):
+        headers[style.request_id_header] = request_id or new_request_id()
+    return status, style.error_envelope(error), headers

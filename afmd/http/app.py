@@ -22,6 +22,7 @@ from sanic.exceptions import (
 from sanic.handlers import ErrorHandler
 from sanic.response import HTTPResponse
 
+from afmd.core.ids import new_request_id
 from afmd.dialects.dialect import error_response
 from afmd.dialects.openai.chat import OPENAI_CHAT
 from afmd.dialects.openai.completions import OPENAI_COMPLETIONS
@@ -63,8 +64,8 @@ class _EnvelopeErrorHandler(ErrorHandler):
         if request is not None:
             note_error(request, error)  # the access log names its code and param
         # In the envelope (and with the status) of the route's dialect.
-        status, envelope, headers = error_response(routes.dialect_of(request), error)
         rid = getattr(request.ctx, "request_id", None) if request else None
+        status, envelope, headers = error_response(routes.dialect_of(request), error, rid)
         if rid:
             headers.setdefault("X-Request-ID", rid)
             headers.setdefault("OpenAI-Request-ID", rid)
@@ -191,6 +192,16 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
             # The gate already refused disallowed origins with 403; streamed responses pass
             # here too (request.respond() runs response middleware before the head is sent).
             cors.apply(request.headers.get("origin"), response.headers)
+
+    @app.on_response
+    async def _dialect_request_id(request: Request, response: HTTPResponse) -> None:
+        # The request's id under the header the route's SDK reads it from (Anthropic's
+        # ``request-id``), beside X-Request-ID; streams pass here before their head.
+        name = getattr(routes.dialect_of(request), "request_id_header", None)
+        if name and name not in response.headers:
+            response.headers[name] = (response.headers.get("X-Request-ID")
+                                      or getattr(request.ctx, "request_id", None)
+                                      or new_request_id())
 
     @app.on_response
     async def _access_log(request: Request, response: HTTPResponse) -> None:

@@ -425,6 +425,8 @@ def test_models_list_and_retrieve_in_anthropic_s_shape(claude: anthropic.Anthrop
     assert (page.first_id, page.last_id) == (ids[0], ids[-1])
     for model in page.data:
         assert model.type == "model" and model.display_name == model.id
+        assert model.lifecycle == "active"  # required by the SDK's type (it was None)
         assert model.created_at.tzinfo is not None and model.created_at.year >= 2026
     one = claude.models.retrieve("gpt-4o-mini")
-    assert (one.id, one.type, one.display_name) == ("gpt-4o-mini", "model", "gpt-4o-mini")
+    assert (one.id, one.type, one.display_name, one.lifecycle) == (
+        "gpt-4o-mini", "model", "gpt-4o-mini", "active")

@@ -17,10 +17,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import httpx
+import httpx2
 import jsonschema
 import pytest
 from PIL import Image
@@ -54,6 +55,7 @@ from afmd.service.chat_template import folded_system_turns, template_messages
 from afmd.service.output_plan import plan_output
 
 from conftest import ServerProcess, start_server
+from helpers.anthropic_cases import ADD as ADD_SCHEMA
 from helpers.anthropic_cases import (
     MESSAGES,
     SCHEMAS,
@@ -258,6 +260,36 @@ def test_the_gates_refusals_use_the_routes_envelope(http: httpx.Client) -> None:
     # Other routes keep OpenAI's envelope.
     chat = http.post("/v1/nope", json={})
     assert chat.status_code == 404 and chat.json()["error"]["code"] == "unknown_url"
+
+
+def test_every_answer_names_its_request_id_where_the_sdk_reads_it(
+        server: ServerProcess, http: httpx.Client) -> None:
+    """Anthropic's SDK reads ``request-id`` (``_request_id``, ``APIStatusError.request_id``):
+    it is the request's X-Request-ID on answers, streams, count_tokens and every error,
+    and a fresh id on the gate's refusals."""
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    raw = claude.messages.with_raw_response.create(**body(max_tokens=1))
+    assert raw.request_id and raw.request_id == raw.headers["x-request-id"]
+    assert raw.parse()._request_id == raw.request_id
+    with claude.messages.stream(**body(max_tokens=1)) as stream:
+        assert stream.request_id
+        assert stream.request_id == stream.response.headers["x-request-id"]
+        stream.until_done()
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(**body(max_tokens=0))
+    assert refused.value.request_id
+    assert refused.value.request_id == refused.value.response.headers["x-request-id"]
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        claude.messages.create(**body(model="nope"))
+    assert unknown.value.request_id
+    counted = claude.messages.with_raw_response.count_tokens(model="demo", messages=MESSAGES)
+    assert counted.request_id and counted.request_id == counted.headers["x-request-id"]
+    sent = http.post(PATH, json=body(max_tokens=1), headers={"X-Request-ID": "mine-1"})
+    assert sent.headers["request-id"] == "mine-1"
+    media = http.post(PATH, content=b"{}", headers={"Content-Type": "text/plain"})
+    assert media.status_code == 415 and media.headers["request-id"].startswith("req_")
+    # OpenAI's routes keep their own headers only.
+    assert "request-id" not in http.post("/v1/chat/completions", json={}).headers
 
 
 @pytest.fixture(scope="module")
@@ -557,6 +589,225 @@ def test_a_conversation_in_afmds_terms() -> None:
     assert (thinking.reasoning_effort, thinking.thinking_budget) == ("medium", 20)
     assert [t.parameters for t in chat.tools] == [t["input_schema"] for t in TOOLS]
     assert chat.ignored_fields == ("unknown_field",)  # named in X-AFM-Ignored-Fields
+
+
+def _offered(**fields: Any) -> tuple[str, ...]:
+    return tuple(t.name for t in ANTHROPIC_MESSAGES.parse(json.dumps(body(**fields)).encode())
+                 .tools)
+
+
+def test_tools_offered_follow_deferral_references_and_changes() -> None:
+    """As Anthropic: a ``defer_loading`` tool is offered once a ``tool_reference`` in a
+    result loads it (Claude Code's ToolSearch), and system messages add tools (by name, or
+    defined by value) and withdraw them from their point on. Before, a tool_reference or a
+    tool_addition was a 400, and deferred tools were offered from the start."""
+    search = {"name": "ToolSearch", "input_schema": {"type": "object"}}
+    db = {"name": "mcp__db__query", "input_schema": ADD_SCHEMA, "defer_loading": True}
+    tools = [search, db, TOOLS[0]]
+    asked = [{"role": "user", "content": "Query the db."},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_s",
+                                                "name": "ToolSearch", "input": {}}]}]
+
+    def answered(*parts: dict[str, Any]) -> list[dict[str, Any]]:
+        return [*asked, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_s", "content": list(parts)}]}]
+
+    assert _offered(tools=tools) == ("ToolSearch", "get_weather")
+    loaded = answered({"type": "text", "text": "Found:"},
+                      {"type": "tool_reference", "tool_name": "mcp__db__query"})
+    assert _offered(tools=tools, messages=loaded) == (
+        "ToolSearch", "mcp__db__query", "get_weather")
+    chat = ANTHROPIC_MESSAGES.parse(json.dumps(body(tools=tools, messages=loaded)).encode())
+    assert chat.messages[-1].content == "Found:\n\nTool loaded: mcp__db__query"
+    # A reference to a tool the client no longer sends is the text it is.
+    gone = answered({"type": "tool_reference", "tool_name": "mcp__gone"})
+    assert _offered(tools=tools, messages=gone) == ("ToolSearch", "get_weather")
+    # Mid-conversation changes, in order: add by name, define by value, withdraw.
+    changes = [{"role": "user", "content": "Hi."}, {"role": "system", "content": [
+        {"type": "text", "text": "Tools changed."},
+        {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "mcp__db__query"}},
+        {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": TOOLS[1]}},
+        {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "get_weather"}},
+    ]}, {"role": "user", "content": "Go on."}]
+    assert _offered(tools=tools, messages=changes) == ("ToolSearch", "mcp__db__query", "add")
+    chat = ANTHROPIC_MESSAGES.parse(json.dumps(body(tools=tools, messages=changes)).encode())
+    assert ("system", "Tools changed.") in [(m.role, m.content) for m in chat.messages]
+    for change, param, message in (
+        ({"type": "tool_removal", "tool": {"type": "tool_reference", "name": "nope"}},
+         "messages[1].content[0].tool.name", "'nope' names no tool"),
+        ({"type": "tool_addition", "tool": {"type": "tool_definition", "definition": {
+            "name": "bad name", "input_schema": {"type": "object"}}}},
+         "messages[1].content[0].tool.definition.name", "Invalid tool name"),
+        ({"type": "tool_removal", "tool": {"type": "tool_definition", "definition": {}}},
+         "messages[1].content[0].tool.type", "Invalid value"),
+    ):
+        with pytest.raises(InvalidRequestError) as refused:
+            ANTHROPIC_MESSAGES.parse(json.dumps(body(tools=tools, messages=[
+                MESSAGES[0], {"role": "system", "content": [change]}])).encode())
+        assert refused.value.param == param and message in refused.value.message
+    # A search result reads as text, in a user turn and in a tool's result alike.
+    result = {"type": "search_result", "source": "https://x.example/a", "title": "A",
+              "content": [{"type": "text", "text": "alpha"}, {"type": "text", "text": "beta"}]}
+    text = "Search result: A\nSource: https://x.example/a\n\nalpha\n\nbeta"
+    chat = ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=[
+        {"role": "user", "content": [result, {"type": "text", "text": "Sum up."}]}])).encode())
+    assert chat.messages[-1].content == text + "\n\nSum up."
+    chat = ANTHROPIC_MESSAGES.parse(json.dumps(body(tools=tools,
+                                                    messages=answered(result))).encode())
+    assert chat.messages[-1].content == text
+
+
+def test_a_turn_scoped_system_message_is_shown_until_a_user_message_follows() -> None:
+    """``clear_at: "next_user_message"`` (Claude Code's turn-scoped reminders) shows a
+    system message's text only until a user message follows it, its tool changes
+    holding; ``never`` always; on another role it is Anthropic's 400, whose words Claude
+    Code reads. Before, the text stayed in every later prompt."""
+    def texts(*messages: dict[str, Any]) -> list[tuple[str, str | None]]:
+        chat = ANTHROPIC_MESSAGES.parse(json.dumps(body(messages=list(messages),
+                                                        tools=TOOLS)).encode())
+        return [(m.role, m.content) for m in chat.messages]
+
+    reminder = {"role": "system", "content": "Remember.", "clear_at": "next_user_message"}
+    kept = {"role": "system", "content": "Always.", "clear_at": "never"}
+    assert texts(MESSAGES[0], reminder) == [("user", MESSAGES[0]["content"]),
+                                            ("system", "Remember.")]
+    later = texts(MESSAGES[0], reminder, kept, {"role": "assistant", "content": "Ok."},
+                  {"role": "user", "content": "Next."})
+    assert ("system", "Always.") in later and ("system", "Remember.") not in later
+    removal = {"role": "system", "clear_at": "next_user_message", "content": [
+        {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "add"}}]}
+    assert _offered(tools=TOOLS, messages=[MESSAGES[0], removal, {
+        "role": "user", "content": "Next."}]) == ("get_weather",)
+    with pytest.raises(InvalidRequestError) as refused:
+        texts({**MESSAGES[0], "clear_at": "never"})
+    assert refused.value.param == "messages[0].clear_at"
+    assert ANTHROPIC_MESSAGES.error_envelope(refused.value)["error"]["message"] == (
+        'messages[0].clear_at: clear_at is only permitted on role: "system" messages.')
+    with pytest.raises(InvalidRequestError) as refused:
+        texts(MESSAGES[0], {**reminder, "clear_at": "soon"})
+    assert refused.value.param == "messages[1].clear_at"
+
+
+def test_a_system_message_sets_the_effort_from_there_on(server: ServerProcess) -> None:
+    """Claude Code changes effort mid-conversation with a system message of no content and
+    ``output_config.effort``, the top-level ``output_config`` (and its cached prefix) left
+    as it was: the last such message sets the answer's effort. Before, its empty content
+    was a 400 (Claude Code then retried without it)."""
+    def effort(*messages: dict[str, Any], **fields: Any) -> str | None:
+        raw = json.dumps(body(messages=list(messages), **fields)).encode()
+        return ANTHROPIC_MESSAGES.parse(raw).reasoning_effort
+
+    low = {"role": "system", "content": [], "output_config": {"effort": "low"}}
+    top = {"output_config": {"effort": "high"}}
+    for level, ours in (("low", "low"), ("medium", "medium"), ("high", "high"),
+                        ("xhigh", "xhigh"), ("max", "xhigh")):  # the SDK's levels
+        assert effort(MESSAGES[0], {**low, "output_config": {"effort": level}}) == ours
+    assert effort(MESSAGES[0], **top) == "high"
+    assert effort(MESSAGES[0], low, **top) == "low"
+    assert effort(MESSAGES[0], low, {"role": "assistant", "content": "Ok."},
+                  {"role": "user", "content": "More."},
+                  {"role": "system", "output_config": {"effort": "max"}}, **top) == "xhigh"
+    assert effort(MESSAGES[0], low, thinking={"type": "disabled"}) == "none"
+    for message, param in (
+        ({"role": "system", "content": []}, "messages[1].content"),
+        ({"role": "system", "content": [], "output_config": {"effort": "huge"}},
+         "messages[1].output_config.effort"),
+        ({"role": "system", "content": [], "output_config": {"format": {}}},
+         "messages[1].output_config.format"),
+        ({"role": "system", "output_config": "low"}, "messages[1].output_config"),
+    ):
+        with pytest.raises(InvalidRequestError) as refused:
+            effort(MESSAGES[0], message)
+        assert refused.value.param == param
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    reply = claude.beta.messages.create(model="demo", max_tokens=2, messages=[MESSAGES[0], low],
+                                        output_config={"effort": "high"},
+                                        betas=["mid-conversation-system-2026-04-07"])
+    assert reply.usage.output_tokens > 0
+
+
+def test_claude_codes_tool_search_through_the_sdk(server: ServerProcess) -> None:
+    """The round Claude Code's ToolSearch makes, through the official client: the deferred
+    tool is not offered (nor counted) until its reference comes back in a result, and is
+    then called."""
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    search = {"name": "ToolSearch", "input_schema": {"type": "object"}}
+    db = {"name": "mcp__db__query", "description": "Run a query.", "input_schema": ADD_SCHEMA,
+          "defer_loading": True}
+    asked = [{"role": "user", "content": "Query the db."},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_s",
+                                                "name": "ToolSearch", "input": {}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_s",
+                                           "content": [{"type": "text", "text": "none"}]}]}]
+    loaded = [*asked[:2], {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_s",
+         "content": [{"type": "tool_reference", "tool_name": "mcp__db__query"}]}]}]
+    forced = {"type": "tool", "name": "mcp__db__query", "disable_parallel_tool_use": True}
+    with pytest.raises(anthropic.BadRequestError, match=r"tool_choice\.name: .* deferred"):
+        claude.beta.messages.create(model="demo", max_tokens=64, tools=[search, db],
+                                    messages=asked, tool_choice=forced)
+    reply = claude.beta.messages.create(model="demo", max_tokens=64, tools=[search, db],
+                                        messages=loaded, tool_choice=forced,
+                                        thinking={"type": "disabled"},
+                                        betas=["advanced-tool-use-2025-11-20"])
+    assert [(b.type, getattr(b, "name", None)) for b in reply.content] == [
+        ("tool_use", "mcp__db__query")]
+    assert reply.stop_reason == "tool_use"
+    counted = [claude.beta.messages.count_tokens(model="demo", tools=[search, tool],
+                                                 messages=asked).input_tokens
+               for tool in (db, {**db, "defer_loading": False})]
+    assert counted[0] < counted[1]
+
+
+def test_the_sdks_tool_runner_drops_threads_and_changes_tools(server: ServerProcess,
+                                                               http: httpx.Client) -> None:
+    """The official tool runner threads by default (``thread``: the server holds the
+    conversation, a ``continue`` sends only the new turn), which afmd cannot: Anthropic's
+    ``thread_unsupported_request`` refusal makes it resend the whole conversation without
+    one (before, ``thread`` was ignored and a continuation answered out of context); and
+    its ``add_tools``/``remove_tools`` arrive as system messages' tool changes, after which
+    only the added tool can be called."""
+    refused = http.post(PATH, json=body(thread={"type": "continue",
+                                                "previous_message_id": "msg_x"}))
+    assert refused.status_code == 400
+    assert refused.json()["error"]["details"] == {"error_code": "thread_unsupported_request"}
+    assert error_of(refused)[1].startswith("thread: ")
+    assert http.post(PATH, json=body(max_tokens=1, thread=None)).status_code == 200
+    sent: list[dict[str, Any]] = []
+
+    def record(request: httpx2.Request) -> None:
+        if request.url.path == PATH:
+            sent.append(json.loads(request.content))
+
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0,
+                                 http_client=httpx2.Client(event_hooks={"request": [record]}))
+
+    @anthropic.beta_tool
+    def pick(unit: Literal["c", "f"]) -> str:
+        """Pick a unit."""
+        return unit
+
+    @anthropic.beta_tool
+    def flip(side: Literal["heads", "tails"]) -> str:
+        """Flip a coin."""
+        return side
+
+    runner = claude.beta.messages.tool_runner(
+        model="demo", max_tokens=40, tools=[pick], messages=[{"role": "user", "content": "Go."}],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        thinking={"type": "disabled"}, max_iterations=2, betas=["inline-tools-2026-09-15"])
+    called = []
+    for message in runner:
+        called += [b.name for b in message.content if b.type == "tool_use"]
+        if len(called) == 1:
+            assert runner.generate_tool_call_response() is not None  # pick's, run now
+            runner.add_tools(flip)
+            runner.remove_tools("pick")
+    assert called == ["pick", "flip"]
+    assert [("thread" in b, len(b["messages"])) for b in sent] == [(True, 1), (False, 1),
+                                                                    (False, 4)]
+    assert [b["type"] for b in sent[-1]["messages"][-1]["content"]] == ["tool_addition",
+                                                                       "tool_removal"]
 
 
 def test_thinking_refuses_a_forced_tool_choice() -> None:

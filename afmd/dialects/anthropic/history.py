@@ -15,6 +15,22 @@ nearest turn it accepts (:meth:`afmd.engine.models.loaded_model.LoadedModel.rend
 A last assistant message is a prefill: the answer continues its text (an empty one is as
 none, and its text may not end in whitespace, as Anthropic requires).
 
+A system message's ``output_config.effort`` (its content may then be empty or absent)
+sets the effort of the answers from there on, over the body's; Claude Code changes effort
+mid-conversation so, its cached prefix kept.
+
+A system message with ``clear_at: "next_user_message"`` is shown only until a user
+message follows it (the text of a turn-scoped reminder); ``clear_at`` on any other role
+is Anthropic's 400.
+
+A system message may also add or withdraw tools from that point on (``tool_addition``,
+``tool_removal``: the ``mid-conversation-tool-changes`` beta Claude Code sends), and a
+tool's result may load tools by name (``tool_reference`` blocks, what Claude Code's
+ToolSearch answers, loading tools declared with ``defer_loading``): these are returned
+as :class:`ToolChange` s in the conversation's order, for
+:func:`afmd.dialects.anthropic.tools_body.offered_tools` to decide which tools the model
+is offered. ``search_result`` blocks are read as text, like documents.
+
 ``thinking`` blocks sent back become that assistant turn's reasoning (templates that know
 ``reasoning_content`` render it, others drop it); their signatures are opaque to afmd, and
 ``redacted_thinking`` has no text.
@@ -27,7 +43,7 @@ import binascii
 import re
 from collections.abc import Container
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -44,7 +60,8 @@ from afmd.dialects.fields.checks import (
 )
 from afmd.errors import InvalidRequestError
 
-__all__ = ["EXTRA_INPUTS", "parse_messages", "parse_system"]
+__all__ = ["EFFORT_LEVELS", "EXTRA_INPUTS", "Conversation", "ToolChange", "parse_messages",
+           "parse_system"]
 
 #: Anthropic's words for a key it does not define (``[api] strict``); its envelope puts
 #: the param first: ``messages[0].bogus: Extra inputs are not permitted``.
@@ -66,6 +83,24 @@ BLOCK_KEYS: dict[str, frozenset[str]] = {
                               "toolset_name"}),
     "thinking": frozenset({"type", "thinking", "signature"}),
     "redacted_thinking": frozenset({"type", "data"}),
+    "search_result": frozenset({"type", "source", "title", "content", "cache_control",
+                                "citations"}),
+    "tool_reference": frozenset({"type", "tool_name", "cache_control"}),
+    "tool_addition": frozenset({"type", "tool", "cache_control"}),
+    "tool_removal": frozenset({"type", "tool", "cache_control"}),
+}
+#: ``output_config.effort``'s values; a system message's ``output_config`` has no other
+#: key (``[api] strict``).
+EFFORT_LEVELS = ("low", "medium", "high", "xhigh", "max")
+TURN_OUTPUT_KEYS = frozenset({"effort"})
+#: A system message's ``clear_at``: ``never`` (the default) shows its text on every
+#: request that has it; ``next_user_message`` only until a user message follows it.
+CLEAR_AT = ("next_user_message", "never")
+#: A tool_addition's or tool_removal's ``tool``: a reference by name, or (additions) a
+#: definition by value.
+TOOL_CHANGE_KEYS: dict[str, frozenset[str]] = {
+    "tool_reference": frozenset({"type", "name"}),
+    "tool_definition": frozenset({"type", "definition"}),
 }
 #: An image's base64 source, a document's text and content sources.
 SOURCE_KEYS: dict[str, frozenset[str]] = {
@@ -82,6 +117,18 @@ _IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}", re.ASCII)
 
 
+@dataclass(frozen=True, slots=True)
+class ToolChange:
+    """A change to the tools offered, where the conversation makes it: ``add`` (a tool
+    by ``name``, or one defined by value in ``definition``), ``remove`` or ``load`` (a
+    ``tool_reference`` in a result: a deferred tool by name)."""
+
+    kind: str  # "add", "remove" or "load"
+    name: str | None
+    param: str  # where the body says it, for errors about it
+    definition: dict[str, Any] | None = None
+
+
 @dataclass(slots=True)
 class _Turn:
     """Consecutive messages of one role: one turn, its blocks with their params."""
@@ -89,6 +136,10 @@ class _Turn:
     role: str
     index: int  # the first message's index, for errors about the turn as a whole
     blocks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    #: A system message's text shown only until a user message follows it.
+    until_user: bool = False
+    #: A system message's ``output_config.effort``: the answers' from there on.
+    effort: str | None = None
 
 
 def parse_system(value: Any, *, strict: bool = False) -> tuple[Message, ...]:
@@ -133,22 +184,52 @@ def _turns(value: Any, strict: bool) -> list[_Turn]:
             raise not_one_of(f"{p}.role", role, ("user", "assistant", "system"))
         if strict:
             _refuse_extra(message, MESSAGE_KEYS, f"{p}.")
+        config = message.get("output_config") if role == "system" else None
+        effort = _turn_effort(config, p, strict)
         content = message.get("content")
-        if content is None:
+        if content is None and config is None:
             raise missing(f"{p}.content")
-        if isinstance(content, str):
+        if content is None:  # a system message that only sets the output (Claude Code's)
+            blocks = []
+        elif isinstance(content, str):
             blocks = [(f"{p}.content", {"type": "text", "text": content})]
         elif isinstance(content, list):
-            if not content:
+            if not content and config is None:
                 raise invalid(f"{p}.content", f"'{p}.content' must not be empty.")
             blocks = [(f"{p}.content[{k}]", b) for k, b in enumerate(content)]
         else:
             raise wrong_type(f"{p}.content", "a string or an array of content blocks", content)
+        clear_at = message.get("clear_at")
+        if clear_at is not None:
+            if role != "system":
+                # Anthropic's words, which Claude Code reads to stop sending it.
+                raise invalid(f"{p}.clear_at", "clear_at is only permitted on role: "
+                              "\"system\" messages.")
+            if clear_at not in CLEAR_AT:
+                raise not_one_of(f"{p}.clear_at", clear_at, CLEAR_AT)
         if turns and turns[-1].role == role and role != "system":
             turns[-1].blocks.extend(blocks)
         else:
-            turns.append(_Turn(role, i, blocks))
+            turns.append(_Turn(role, i, blocks, clear_at == "next_user_message", effort))
     return turns
+
+
+def _turn_effort(config: Any, p: str, strict: bool) -> str | None:
+    """A system message's ``output_config``: its effort, or None (``format`` is the
+    body's alone, as Anthropic's)."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise wrong_type(f"{p}.output_config", "an object", config)
+    if "format" in config:
+        raise invalid(f"{p}.output_config.format", "'format' is set in the top-level "
+                      "'output_config' only.")
+    if strict:
+        _refuse_extra(config, TURN_OUTPUT_KEYS, f"{p}.output_config.")
+    effort = optional(config, "effort", f"{p}.output_config.effort", str, "a string")
+    if effort is not None and effort not in EFFORT_LEVELS:
+        raise not_one_of(f"{p}.output_config.effort", effort, EFFORT_LEVELS)
+    return effort
 
 
 def _check_answered(calls: tuple[ToolCall, ...], results: Container[str],
@@ -162,18 +243,37 @@ def _check_answered(calls: tuple[ToolCall, ...], results: Container[str],
                 code="missing_tool_output", param=f"messages[{calls_at}].content")
 
 
-def parse_messages(value: Any, *, strict: bool = False) -> tuple[tuple[Message, ...], bool]:
-    """The conversation as afmd's messages, and whether it holds images. ``strict``
-    refuses an unknown key in a message, a block or a block's source."""
+class Conversation(NamedTuple):
+    """``messages`` read: afmd's messages and what else the conversation says."""
+
+    messages: tuple[Message, ...]
+    images: bool
+    tool_changes: tuple[ToolChange, ...]
+    #: The effort the last system message that sets one asks for (Claude Code's per-turn
+    #: effort, which keeps the top-level ``output_config`` and its cached prefix as they
+    #: were): the answer's, over the body's.
+    effort: str | None
+
+
+def parse_messages(value: Any, *, strict: bool = False) -> Conversation:
+    """The conversation as afmd's messages, whether it holds images, the changes it makes
+    to the tools offered, and the effort it sets. ``strict`` refuses an unknown key in a
+    message, a block or a block's source."""
     out: list[Message] = []
+    changes: list[ToolChange] = []
+    effort: str | None = None
     images = False
     calls: tuple[ToolCall, ...] = ()  # the previous assistant turn's, to be answered now
     calls_at = 0
     held: list[Message] = []  # system messages sent between calls and their results
     turns = _turns(value, strict)
-    for turn in turns:
+    last_user = max((at for at, turn in enumerate(turns) if turn.role == "user"), default=-1)
+    for at, turn in enumerate(turns):
         if turn.role == "system":
-            text = _system_text(turn, strict)
+            effort = turn.effort or effort
+            text = _system_text(turn, strict, changes)
+            if turn.until_user and at < last_user:
+                text = ""  # a user message follows: shown no more (its tool changes hold)
             if text:  # between a call and its results it waits for them (templates
                 # want a call's results right after it)
                 (held if calls else out).append(Message("system", text, in_place=True))
@@ -199,8 +299,10 @@ def parse_messages(value: Any, *, strict: bool = False) -> tuple[tuple[Message, 
                 images = True
             elif kind == "document":
                 texts.append(_document(block, p, strict))
+            elif kind == "search_result":
+                texts.append(_search_result(block, p, strict))
             elif kind == "tool_result":
-                call_id, message, has_image = _tool_result(block, p, strict)
+                call_id, message, has_image = _tool_result(block, p, strict, changes)
                 if not any(c.id == call_id for c in calls):
                     raise InvalidRequestError(
                         f"{p} answers tool_use {quoted(call_id)}, which the assistant turn "
@@ -247,19 +349,43 @@ def parse_messages(value: Any, *, strict: bool = False) -> tuple[tuple[Message, 
         raise InvalidRequestError(
             "The conversation has no user message.", code="missing_user_message",
             param="messages")
-    return tuple(out), images
+    return Conversation(tuple(out), images, tuple(changes), effort)
 
 
-def _system_text(turn: _Turn, strict: bool) -> str:
-    """A system message's text: its text blocks joined as the top-level ``system``'s are."""
+def _system_text(turn: _Turn, strict: bool, changes: list[ToolChange]) -> str:
+    """A system message's text: its text blocks joined as the top-level ``system``'s are;
+    its tool changes go to ``changes``."""
     texts = []
     for p, block in turn.blocks:
         kind = _block_type(block, p, strict)
-        if kind != "text":
+        if kind == "text":
+            texts.append(required(block, "text", f"{p}.text", str, "a string"))
+        elif kind in ("tool_addition", "tool_removal"):
+            changes.append(_tool_change(block, kind, p, strict))
+        else:
             raise invalid(f"{p}.type", f"Content block type {quoted(kind)} is not supported "
-                          "in a system message; supported: 'text'.")
-        texts.append(required(block, "text", f"{p}.text", str, "a string"))
+                          "in a system message; supported: 'text', 'tool_addition' and "
+                          "'tool_removal'.")
     return "\n\n".join(t for t in texts if t)
+
+
+def _tool_change(block: dict[str, Any], kind: str, p: str, strict: bool) -> ToolChange:
+    """A ``tool_addition`` (a tool by name, or defined by value) or ``tool_removal`` (by
+    name). MCP references name tools of servers afmd does not connect to: refused."""
+    tool = required(block, "tool", f"{p}.tool", dict, "an object")
+    ref = required(tool, "type", f"{p}.tool.type", str, "a string")
+    allowed = ("tool_reference", "tool_definition") if kind == "tool_addition" \
+        else ("tool_reference",)
+    if ref not in allowed:
+        raise not_one_of(f"{p}.tool.type", ref, allowed)
+    if strict:
+        _refuse_extra(tool, TOOL_CHANGE_KEYS[ref], f"{p}.tool.")
+    if ref == "tool_definition":
+        definition = required(tool, "definition", f"{p}.tool.definition", dict, "an object")
+        return ToolChange("add", None, f"{p}.tool.definition", definition)
+    name = required(tool, "name", f"{p}.tool.name", str, "a string")
+    return ToolChange("add" if kind == "tool_addition" else "remove", name,
+                      f"{p}.tool.name")
 
 
 def _block_type(block: Any, p: str, strict: bool) -> str:
@@ -276,7 +402,8 @@ def _block_type(block: Any, p: str, strict: bool) -> str:
 
 
 def _unsupported_block(kind: str, p: str, role: str) -> InvalidRequestError:
-    supported = ("'text', 'image', 'document' and 'tool_result'" if role == "user"
+    supported = ("'text', 'image', 'document', 'search_result' and 'tool_result'"
+                 if role == "user"
                  else "'text', 'thinking', 'redacted_thinking' and 'tool_use'")
     return invalid(f"{p}.type", f"Content block type {quoted(kind)} is not supported in "
                    f"{'an' if role == 'assistant' else 'a'} {role} message; supported: "
@@ -397,8 +524,26 @@ def _document(block: dict[str, Any], p: str, strict: bool) -> str:
     return "\n".join(head) + "\n\n" + body
 
 
-def _tool_result(block: dict[str, Any], p: str, strict: bool) -> tuple[str, Message, bool]:
-    """A result as afmd's tool message (text only; an error says so first)."""
+def _search_result(block: dict[str, Any], p: str, strict: bool) -> str:
+    """A search result as the text the model reads: its title and source, then its text
+    blocks (``citations`` accepted; the answer carries none)."""
+    title = required(block, "title", f"{p}.title", str, "a string")
+    source = required(block, "source", f"{p}.source", str, "a string")
+    content = required(block, "content", f"{p}.content", list, "an array of text blocks")
+    parts = []
+    for k, part in enumerate(content):
+        q = f"{p}.content[{k}]"
+        if _block_type(part, q, strict) != "text":
+            raise invalid(f"{q}.type", "A search result's content holds text blocks only "
+                          "('text').")
+        parts.append(required(part, "text", f"{q}.text", str, "a string"))
+    return f"Search result: {title}\nSource: {source}\n\n" + "\n\n".join(parts)
+
+
+def _tool_result(block: dict[str, Any], p: str, strict: bool,
+                 changes: list[ToolChange]) -> tuple[str, Message, bool]:
+    """A result as afmd's tool message (text only; an error says so first); the tools it
+    loads by reference go to ``changes``."""
     call_id = required(block, "tool_use_id", f"{p}.tool_use_id", str, "a string")
     is_error = optional(block, "is_error", f"{p}.is_error", bool, "a boolean")
     content = block.get("content")
@@ -419,10 +564,18 @@ def _tool_result(block: dict[str, Any], p: str, strict: bool) -> tuple[str, Mess
                                          len("\n\n".join(texts))))
             elif kind == "document":
                 texts.append(_document(part, q, strict))
+            elif kind == "search_result":
+                texts.append(_search_result(part, q, strict))
+            elif kind == "tool_reference":
+                # The tool is offered from here on (tools_body.offered_tools); the model
+                # reads that it is.
+                name = required(part, "tool_name", f"{q}.tool_name", str, "a string")
+                changes.append(ToolChange("load", name, f"{q}.tool_name"))
+                texts.append(f"Tool loaded: {name}")
             else:
                 raise invalid(f"{q}.type", f"Content block type {quoted(kind)} is not "
-                              "supported in a tool_result; supported: 'text', 'image' and "
-                              "'document'.")
+                              "supported in a tool_result; supported: 'text', 'image', "
+                              "'document', 'search_result' and 'tool_reference'.")
         text = "\n\n".join(texts)
     else:
         raise wrong_type(f"{p}.content", "a string or an array of content blocks", content)

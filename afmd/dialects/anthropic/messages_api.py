@@ -76,6 +76,10 @@ _ERROR_TYPES = {
     529: "overloaded_error",
 }
 
+#: afmd's error codes that are Anthropic's machine-readable ones too, sent as the error's
+#: ``details.error_code``, which clients act on (the SDK's threads recover from these).
+_DETAILED_CODES = frozenset({"thread_unsupported_request"})
+
 #: Params afmd's shared checks name in Chat Completions' terms, in Anthropic's.
 _PARAMS = (
     (re.compile(r"tools\[(\d+)\]\.function\.parameters(.*)"), r"tools[\1].input_schema\2"),
@@ -276,6 +280,7 @@ class AnthropicMessages:
     """The ``/v1/messages`` adapter (and ``/v1/messages/count_tokens``'s parser)."""
 
     name = "anthropic_messages"
+    request_id_header = "request-id"
 
     def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
               strict: bool = False) -> ChatRequest:
@@ -306,7 +311,10 @@ class AnthropicMessages:
                 f"prompt is too long: {error.prompt_tokens} tokens > {error.limit} maximum")}}
         param = _param(error)
         message = f"{param}: {error.message}" if param else error.message
-        return {"type": "error", "error": {"type": kind, "message": message}}
+        body: dict[str, Any] = {"type": kind, "message": message}
+        if error.code in _DETAILED_CODES:
+            body["details"] = {"error_code": error.code}
+        return {"type": "error", "error": body}
 
     def error_param(self, error: APIError) -> str | None:
         return _param(error)

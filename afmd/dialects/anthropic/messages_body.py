@@ -21,7 +21,7 @@ from typing import Any
 
 from afmd.core.request import ChatRequest, ResponseFormat
 from afmd.dialects.anthropic.history import EXTRA_INPUTS, parse_messages, parse_system
-from afmd.dialects.anthropic.tools_body import parse_tool_choice, parse_tools
+from afmd.dialects.anthropic.tools_body import offered_tools, parse_tool_choice, parse_tools
 from afmd.dialects.fields.body import parse_json_body
 from afmd.dialects.fields.checks import (
     Scalar,
@@ -42,7 +42,8 @@ from afmd.errors import InvalidRequestError
 __all__ = ["parse_count_request", "parse_messages_request"]
 
 MAX_STOP_SEQUENCES = 16
-#: ``output_config.effort`` onto afmd's ``reasoning_effort`` (``max`` is afmd's highest).
+#: ``output_config.effort`` onto afmd's ``reasoning_effort`` (``max`` is afmd's highest);
+#: its keys are :data:`~afmd.dialects.anthropic.history.EFFORT_LEVELS`.
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
 THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
 # The keys ``[api] strict`` admits, as Anthropic refuses any other: the anthropic SDK's,
@@ -83,7 +84,6 @@ UNUSED_FIELDS = frozenset({
     "cache_control", "context_management", "mcp_servers", "speed", "compaction",
     "billing_policy", "user_profile_id", "workspace_id", "metadata", "service_tier",
     "container", "diagnostics", "inference_geo", "fallbacks", "fallback_credit_token",
-    "thread",
 })
 #: A create body's: the above, generation's own fields, and afmd's ``seed``.
 CREATE_FIELDS = COUNT_FIELDS | {
@@ -121,13 +121,25 @@ def _parse(
     if ignored:  # a field ignored is not checked either (count_tokens reads create's parts)
         body = {key: value for key, value in body.items() if key not in ignored}
     ignored = (*ignored, *(key for key in body if key in UNUSED_FIELDS))
+    if body.get("thread") is not None:
+        # Threads hold the conversation on the server, a ``continue`` sending only its new
+        # turn: answered without that state, it would be answered out of context. This
+        # refusal is the one Anthropic's clients recover from by sending the whole
+        # conversation without ``thread`` (the SDK's tool runner, Claude Code).
+        raise InvalidRequestError(
+            "Threads (server-held conversation state) are not supported: afmd keeps no "
+            "conversation between requests. Send the whole conversation in 'messages', "
+            "without 'thread'.", code="thread_unsupported_request", param="thread")
     values = read_scalars(body, scalars)
     max_tokens: int | None = values.get("max_tokens")
     system = parse_system(body.get("system"), strict=strict)
-    messages, images = parse_messages(body.get("messages"), strict=strict)
-    tools = parse_tools(body.get("tools"), strict=strict)
+    messages, images, changes, turn_effort = parse_messages(body.get("messages"),
+                                                            strict=strict)
+    tools, withheld = offered_tools(body.get("tools"),
+                                    parse_tools(body.get("tools"), strict=strict), changes,
+                                    strict=strict)
     choice, parallel = parse_tool_choice(body.get("tool_choice"), tools, server_tools,
-                                         strict=strict)
+                                         strict=strict, withheld=withheld)
     stop = body.get("stop_sequences")
     if stop is not None and not isinstance(stop, list):
         raise wrong_type("stop_sequences", "an array of strings", stop)
@@ -138,6 +150,8 @@ def _parse(
         raise invalid("tool_choice.type", "Thinking may not be enabled when tool_choice "
                       "forces tool use.")
     effort, response_format = _output_config(body.get("output_config"), strict)
+    if turn_effort is not None:  # set since, by a system message
+        effort = EFFORTS[turn_effort]
     format_param = "output_config.format"
     if response_format is None:  # the structured-outputs beta's spelling
         response_format = _format(body.get("output_format"), "output_format", strict)

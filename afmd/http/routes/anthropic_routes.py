@@ -30,6 +30,7 @@ async def count_tokens(request: Request) -> HTTPResponse:
     included); nothing is queued or generated."""
     state = request.app.ctx.state
     pipeline = state.pipeline
+    request_id = routes.request_id_of(request)
     chat = ANTHROPIC_MESSAGES.parse_count(request.body,
                                           server_tools=pipeline.server_tools.names,
                                           strict=state.config.api.strict)
@@ -37,7 +38,8 @@ async def count_tokens(request: Request) -> HTTPResponse:
     tokens = await pipeline.count(chat, must_fit=True)
     return routes.json_response(
         {"input_tokens": tokens},
-        headers=ignored_headers(chat.ignored_fields, getattr(request.ctx, "request_id", None)))
+        headers={"X-Request-ID": request_id, "OpenAI-Request-ID": request_id,
+                 **ignored_headers(chat.ignored_fields, request_id)})
 
 
 async def cancel(request: Request, request_id: str) -> HTTPResponse:

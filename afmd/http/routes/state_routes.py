@@ -3,7 +3,8 @@ model's object by id).
 
 ``/v1/models`` is one path for two APIs, OpenAI's and Anthropic's, whose SDKs both call it
 (``client.models.list()``): its objects carry both shapes' fields (OpenAI's ``object``,
-``created``, ``owned_by``; Anthropic's ``type``, ``display_name``, ``created_at``, and the
+``created``, ``owned_by``; Anthropic's ``type``, ``display_name``, ``created_at``,
+``lifecycle`` (``active``: the SDK's model types require it), and the
 list's ``has_more``, ``first_id``, ``last_id``), each SDK reading its own and passing the
 other's by. The whole list is one page.
 
@@ -104,7 +105,8 @@ def _model_objects(state: AppState) -> list[dict[str, Any]]:
 
     def model(model_id: str) -> dict[str, Any]:
         return {"id": model_id, "object": "model", "created": created, "owned_by": "afmd",
-                "type": "model", "display_name": model_id, "created_at": created_at}
+                "type": "model", "display_name": model_id, "created_at": created_at,
+                "lifecycle": "active"}
 
     objects: list[dict[str, Any]] = []
     kinds: dict[str, str] = {}  # "chat" or "embedding": what each model serves

@@ -64,8 +64,8 @@ RouteCheck = Callable[[str, str], RouteVerdict | tuple[int, tuple[str, ...]]]
 CORS_ALLOW_HEADERS = ("Authorization, Content-Type, X-Request-ID, X-AFM-Profile, X-API-Key, "
                       "Anthropic-Version, Anthropic-Beta")
 CORS_EXPOSE_HEADERS = (
-    "X-Request-ID, OpenAI-Request-ID, X-Grammar-Constraints, X-AFM-Trimmed-Messages, "
-    "X-AFM-Ignored-Fields"
+    "X-Request-ID, OpenAI-Request-ID, Request-Id, X-Grammar-Constraints, "
+    "X-AFM-Trimmed-Messages, X-AFM-Ignored-Fields"
 )
 CORS_MAX_AGE = "600"
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
