@@ -59,6 +59,9 @@ class ToolSpec:
     declared_at: str | None = None
     #: Where the client's body declared the tool's name, for the same reason.
     named_at: str | None = None
+    #: A free-form tool (OpenAI's ``custom``): offered as a function of one string,
+    #: ``input``, its call given back to the client as that text, not as arguments.
+    custom: bool = False
 
     def parameters_param(self, index: int) -> str:
         """The param naming this tool's parameters in an error, the tool offered ``index``th."""

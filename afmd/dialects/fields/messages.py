@@ -14,6 +14,8 @@ import binascii
 import re
 from typing import Any
 
+import orjson
+
 from afmd.core.request import ImageInput, Message, ResponseFormat, ToolCall, ToolChoice
 from afmd.dialects.fields.checks import (
     invalid,
@@ -52,6 +54,8 @@ PART_KEYS: dict[str, frozenset[str]] = {
 IMAGE_URL_KEYS = frozenset({"url", "detail"})
 TOOL_CALL_KEYS = frozenset({"id", "type", "function"})
 CALL_FUNCTION_KEYS = frozenset({"name", "arguments"})
+CUSTOM_CALL_KEYS = frozenset({"id", "type", "custom"})
+CALL_CUSTOM_KEYS = frozenset({"name", "input"})
 
 # RFC 2397: the scheme, media type and ``;base64`` are case-insensitive, and parameters
 # (``;charset=utf-8``, ``;name=x.png``) may come before ``;base64``; only images, and only
@@ -171,6 +175,20 @@ def _nonempty_id(obj: dict[str, Any], key: str, param: str, what: str) -> str:
     return value
 
 
+def _custom_call(call: dict[str, Any], p: str, strict: bool) -> ToolCall:
+    """A custom tool's call (``{"custom": {"name", "input"}}``) as the model wrote it: the
+    one string of the function the tool is offered as."""
+    if strict:
+        reject_unknown(call, CUSTOM_CALL_KEYS, prefix=f"{p}.")
+    call_id = _nonempty_id(call, "id", f"{p}.id", "A tool call id")
+    custom = required(call, "custom", f"{p}.custom", dict, "an object")
+    if strict:
+        reject_unknown(custom, CALL_CUSTOM_KEYS, prefix=f"{p}.custom.")
+    name = required(custom, "name", f"{p}.custom.name", str, "a string")
+    text = required(custom, "input", f"{p}.custom.input", str, "a string")
+    return ToolCall(id=call_id, name=name, arguments=orjson.dumps({"input": text}).decode())
+
+
 def tool_calls(value: Any, param: str, *, strict: bool = False) -> tuple[ToolCall, ...]:
     """An assistant message's ``tool_calls`` (``strict``: no unknown key in a call or its
     function)."""
@@ -181,13 +199,17 @@ def tool_calls(value: Any, param: str, *, strict: bool = False) -> tuple[ToolCal
         p = f"{param}[{i}]"
         if not isinstance(call, dict):
             raise wrong_type(p, "an object", call)
+        kind = call.get("type", "function")
+        if kind == "custom":
+            calls.append(_custom_call(call, p, strict))
+            continue
         if strict:
             reject_unknown(call, TOOL_CALL_KEYS, prefix=f"{p}.")
         call_id = _nonempty_id(call, "id", f"{p}.id", "A tool call id")
-        kind = call.get("type", "function")
         if kind != "function":
             raise invalid(
-                f"{p}.type", f"Invalid tool call type {quoted(kind)}; expected 'function'."
+                f"{p}.type",
+                f"Invalid tool call type {quoted(kind)}; expected 'function' or 'custom'.",
             )
         function, name = function_object(call, p)
         if strict:

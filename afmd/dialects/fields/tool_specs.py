@@ -9,7 +9,7 @@ problem is named here by its exact param instead.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from afmd.core.request import ResponseFormat, ToolChoice, ToolSpec
@@ -32,9 +32,17 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 # by tests/unit/dialects/test_sdk_fields.py), as OpenAI refuses any other.
 TOOL_KEYS = frozenset({"type", "function"})
 FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+CUSTOM_TOOL_KEYS = frozenset({"type", "custom"})
+CUSTOM_KEYS = frozenset({"name", "description", "format"})
 #: A named choice: chat's ``function`` object, or the flat Responses shape afmd also reads.
 NAMED_CHOICE_KEYS = frozenset({"type", "function", "name"})
 CHOICE_FUNCTION_KEYS = frozenset({"name"})
+NAMED_CUSTOM_CHOICE_KEYS = frozenset({"type", "custom"})
+
+#: A custom tool's ``format`` (its value, its param, strict) -> the parameters of the
+#: one-string function it is offered as; the dialect that serves custom tools supplies it
+#: (reading a grammar is above this layer).
+CustomFormat = Callable[[Any, str, bool], dict[str, Any]]
 ALLOWED_CHOICE_KEYS = frozenset({"type", "allowed_tools"})
 ALLOWED_TOOLS_KEYS = frozenset({"mode", "tools"})
 RESPONSE_FORMAT_KEYS: dict[str, frozenset[str]] = {
@@ -45,11 +53,41 @@ RESPONSE_FORMAT_KEYS: dict[str, frozenset[str]] = {
 JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
 
 
+def _check_name(name: str, param: str, seen: set[str]) -> None:
+    if _TOOL_NAME.fullmatch(name) is None:
+        raise invalid(
+            param,
+            f"Invalid tool name {quoted(name)}: use 1-64 characters among a-z, A-Z, "
+            "0-9, _ and -.",
+        )
+    if name in seen:
+        raise invalid(param, f"Duplicate tool name '{name}'.")
+    seen.add(name)
+
+
+def _custom_tool(tool: dict[str, Any], p: str, custom: CustomFormat, seen: set[str],
+                 strict: bool) -> ToolSpec:
+    """Chat's ``{"type": "custom", "custom": {"name", "description", "format"}}``."""
+    if strict:
+        reject_unknown(tool, CUSTOM_TOOL_KEYS, prefix=f"{p}.")
+    spec = required(tool, "custom", f"{p}.custom", dict, "an object")
+    if strict:
+        reject_unknown(spec, CUSTOM_KEYS, prefix=f"{p}.custom.")
+    name = required(spec, "name", f"{p}.custom.name", str, "a string")
+    _check_name(name, f"{p}.custom.name", seen)
+    description = optional(spec, "description", f"{p}.custom.description", str, "a string")
+    parameters = custom(spec.get("format"), f"{p}.custom.format", strict)
+    return ToolSpec(name, description, parameters, True,
+                    declared_at=f"{p}.custom.format.grammar.definition",
+                    named_at=f"{p}.custom.name", custom=True)
+
+
 def parse_tools(
-    value: Any, param: str = "tools", *, strict: bool = False
+    value: Any, param: str = "tools", *, strict: bool = False,
+    custom: CustomFormat | None = None,
 ) -> tuple[ToolSpec, ...]:
     """The client's function tools, each named once (``strict``: no unknown key in a tool
-    or its function)."""
+    or its function); with ``custom``, custom tools too."""
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -63,24 +101,20 @@ def parse_tools(
         kind = tool.get("type")
         if kind is None:
             raise missing(f"{p}.type")
+        if kind == "custom" and custom is not None:
+            tools.append(_custom_tool(tool, p, custom, seen, strict))
+            continue
         if kind != "function":
+            supported = "'function' and 'custom'" if custom is not None else "'function'"
             raise invalid(
-                f"{p}.type", f"Invalid tool type {quoted(kind)}; supported: 'function'."
+                f"{p}.type", f"Invalid tool type {quoted(kind)}; supported: {supported}."
             )
         if strict:
             reject_unknown(tool, TOOL_KEYS, prefix=f"{p}.")
         function, name = function_object(tool, p)
         if strict:
             reject_unknown(function, FUNCTION_KEYS, prefix=f"{p}.function.")
-        if _TOOL_NAME.fullmatch(name) is None:
-            raise invalid(
-                f"{p}.function.name",
-                f"Invalid tool name {quoted(name)}: use 1-64 characters among a-z, A-Z, "
-                "0-9, _ and -.",
-            )
-        if name in seen:
-            raise invalid(f"{p}.function.name", f"Duplicate tool name '{name}'.")
-        seen.add(name)
+        _check_name(name, f"{p}.function.name", seen)
         description = optional(
             function, "description", f"{p}.function.description", str, "a string"
         )
@@ -92,9 +126,21 @@ def parse_tools(
     return tuple(tools)
 
 
+def _custom_name(value: dict[str, Any], param: str, strict: bool) -> str:
+    """Chat's named custom tool: ``{"type": "custom", "custom": {"name"}}``."""
+    if strict:
+        reject_unknown(value, NAMED_CUSTOM_CHOICE_KEYS, prefix=f"{param}.")
+    spec = required(value, "custom", f"{param}.custom", dict, "an object")
+    if strict:
+        reject_unknown(spec, CHOICE_FUNCTION_KEYS, prefix=f"{param}.custom.")
+    return required(spec, "name", f"{param}.custom.name", str, "a string")
+
+
 def _function_name(value: Any, param: str, strict: bool) -> str:
     if not isinstance(value, dict):
         raise wrong_type(param, "an object", value)
+    if value.get("type") == "custom":
+        return _custom_name(value, param, strict)
     if value.get("type", "function") != "function":
         raise invalid(f"{param}.type", "Only tools of type 'function' are supported.")
     if strict:
@@ -150,11 +196,17 @@ def parse_tool_choice(
         if name not in names:
             raise _unknown_tool(name, param)
         return ToolChoice("required", (name,), named=True)
+    if kind == "custom" and any(t.custom for t in tools):
+        name = _custom_name(value, "tool_choice", strict)
+        if name not in {t.name for t in tools if t.custom}:
+            raise _unknown_tool(name, "tool_choice.custom.name")
+        return ToolChoice("required", (name,), named=True)
     if kind == "allowed_tools":
         return _allowed_tools(value, names, strict)
+    kinds = "'function', 'custom'" if any(t.custom for t in tools) else "'function'"
     raise invalid(
         "tool_choice.type",
-        f"Invalid value for 'tool_choice.type': {quoted(kind)}. Supported values are 'function' "
+        f"Invalid value for 'tool_choice.type': {quoted(kind)}. Supported values are {kinds} "
         "and 'allowed_tools'.",
     )
 
@@ -185,7 +237,8 @@ def _allowed_tools(value: dict[str, Any], names: set[str], strict: bool) -> Tool
         # read, not held to a key set.
         name = _function_name(item, p, False)
         if name not in names:
-            raise _unknown_tool(name, p + (".function.name" if "function" in item else ".name"))
+            where = next((k for k in ("function", "custom") if k in item), None)
+            raise _unknown_tool(name, f"{p}.{where}.name" if where else f"{p}.name")
         allowed.append(name)
     return ToolChoice(mode, tuple(dict.fromkeys(allowed)))
 

@@ -32,6 +32,7 @@ from afmd.core.ids import alphanumerics
 from afmd.core.request import ChatRequest
 from afmd.dialects.fields.body import parse_json_body
 from afmd.dialects.openai.chat_body import parse_chat_request
+from afmd.dialects.openai.custom_tools import custom_call, custom_tool_parameters
 from afmd.errors import APIError
 
 DONE = b"data: [DONE]\n\n"
@@ -180,8 +181,10 @@ def assistant_message(
     return message
 
 
-def _choice_object(index: int, events: Sequence[Event], *, logprobs: bool) -> dict[str, Any]:
-    """One choice of a ``chat.completion`` from its events."""
+def _choice_object(index: int, events: Sequence[Event], *, logprobs: bool,
+                   custom: frozenset[str]) -> dict[str, Any]:
+    """One choice of a ``chat.completion`` from its events (``custom``: the names of custom
+    tools, whose calls are their text)."""
     content: list[str] = []
     reasoning: list[str] = []
     refusal: list[str] = []
@@ -197,7 +200,8 @@ def _choice_object(index: int, events: Sequence[Event], *, logprobs: bool) -> di
             refusal.append(event.text)
         elif isinstance(event, ToolCallEnd):
             c = event.call
-            calls.append({"id": c.id, "type": "function",
+            calls.append(custom_call(c.id, c.name, c.arguments) if c.name in custom else
+                         {"id": c.id, "type": "function",
                           "function": {"name": c.name, "arguments": c.arguments}})
         elif isinstance(event, Finish):
             reason = event.reason
@@ -223,11 +227,12 @@ class ChatCompletionReply:
     choices, the run's events come in :class:`~afmd.core.events.Choice` envelopes and each
     choice's chunks carry its ``index``."""
 
-    __slots__ = ("_chunks", "completion_id", "created", "fingerprint", "include_usage",
-                 "logprobs", "model", "n")
+    __slots__ = ("_chunks", "_held", "completion_id", "created", "custom", "fingerprint",
+                 "include_usage", "logprobs", "model", "n")
 
     def __init__(self, *, model: str, fingerprint: str, include_usage: bool,
-                 logprobs: bool = False, n: int = 1) -> None:
+                 logprobs: bool = False, n: int = 1,
+                 custom: frozenset[str] = frozenset()) -> None:
         self.logprobs = logprobs  # the client asked for them
         self.completion_id = new_completion_id()
         self.created = int(time.time())
@@ -235,18 +240,22 @@ class ChatCompletionReply:
         self.fingerprint = fingerprint
         self.include_usage = include_usage
         self.n = n
+        #: The names of custom tools: their calls are sent as their text, whole, at the end.
+        self.custom = custom
         self._chunks: list[ChunkEncoder] = []
+        self._held: list[set[int]] = []  # per choice: the custom calls being written
 
     def body(self, events: Sequence[Event]) -> bytes:
         usage = next((e for e in events if isinstance(e, Usage)), Usage(0, 0))
         if self.n == 1:
-            choices = [_choice_object(0, events, logprobs=self.logprobs)]
+            choices = [_choice_object(0, events, logprobs=self.logprobs, custom=self.custom)]
         else:
             per: list[list[Event]] = [[] for _ in range(self.n)]
             for event in events:
                 if isinstance(event, Choice):
                     per[event.index].extend(event.events)
-            choices = [_choice_object(i, e, logprobs=self.logprobs) for i, e in enumerate(per)]
+            choices = [_choice_object(i, e, logprobs=self.logprobs, custom=self.custom)
+                       for i, e in enumerate(per)]
         return orjson.dumps({
             "id": self.completion_id,
             "object": "chat.completion",
@@ -260,6 +269,7 @@ class ChatCompletionReply:
     def stream_start(self) -> bytes:
         self._chunks = [ChunkEncoder(self.completion_id, self.created, self.model,
                                      self.fingerprint, i) for i in range(self.n)]
+        self._held = [set() for _ in range(self.n)]
         return b"".join(chunks.role() for chunks in self._chunks)
 
     def stream(self, events: Sequence[Event]) -> bytes:
@@ -271,22 +281,22 @@ class ChatCompletionReply:
                 run.append(event)
                 continue
             if run:
-                self._encode(self._chunks[0], run, out)
+                self._encode(0, run, out)
                 run = []
             if isinstance(event, Choice):
-                self._encode(self._chunks[event.index], event.events, out)
+                self._encode(event.index, event.events, out)
             elif isinstance(event, Usage):
                 if self.include_usage:
                     out.append(self._chunks[0].usage(event))
             else:
                 out.append(sse(event.payload))
         if run:
-            self._encode(self._chunks[0], run, out)
+            self._encode(0, run, out)
         return b"".join(out)
 
-    @staticmethod
-    def _encode(chunks: ChunkEncoder, events: Sequence[Event], out: list[bytes]) -> None:
+    def _encode(self, choice: int, events: Sequence[Event], out: list[bytes]) -> None:
         """One choice's events as its chunks (usage and profile are the stream's)."""
+        chunks, held = self._chunks[choice], self._held[choice]
         last: bytes | None = None  # the delta of the batch's last text chunk, if it is last
         for event in events:
             if isinstance(event, Logprobs):
@@ -307,13 +317,22 @@ class ChatCompletionReply:
             elif isinstance(event, Refusal):
                 out.append(chunks.delta({"refusal": event.text}))
             elif isinstance(event, ToolCallStart):
-                out.append(chunks.delta(_call_start(event)))
+                if event.name in self.custom:
+                    held.add(event.index)  # its text is JSON until the call ends
+                else:
+                    out.append(chunks.delta(_call_start(event)))
             elif isinstance(event, ToolCallArguments):
-                out.append(chunks.delta(_call_arguments(event)))
+                if event.index not in held:
+                    out.append(chunks.delta(_call_arguments(event)))
+            elif isinstance(event, ToolCallEnd):
+                if event.index in held:
+                    c = event.call
+                    out.append(chunks.delta({"tool_calls": [
+                        {"index": event.index, **custom_call(c.id, c.name, c.arguments)}]}))
             elif isinstance(event, Finish):
                 out.append(chunks.finish(event.reason))
-            # ToolCallEnd: a call's last delta already completed it in this dialect;
-            # usage and the profile are the stream's own (see stream()).
+            # A function call's last delta already completed it in this dialect; usage
+            # and the profile are the stream's own (see stream()).
 
     def stream_end(self) -> bytes:
         return DONE
@@ -333,14 +352,15 @@ class OpenAIChat:
     def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
               strict: bool = False) -> ChatRequest:
         return parse_chat_request(parse_json_body(raw), server_tools=server_tools,
-                                  strict=strict)
+                                  strict=strict, custom=custom_tool_parameters)
 
     def reply(
         self, request: ChatRequest, *, model: str, fingerprint: str
     ) -> ChatCompletionReply:
         return ChatCompletionReply(model=model, fingerprint=fingerprint,
                                    include_usage=request.include_usage,
-                                   logprobs=request.logprobs is not None, n=request.n)
+                                   logprobs=request.logprobs is not None, n=request.n,
+                                   custom=frozenset(t.name for t in request.tools if t.custom))
 
     def error_envelope(self, error: APIError) -> dict[str, Any]:
         return error.envelope()

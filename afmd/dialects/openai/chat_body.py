@@ -50,7 +50,12 @@ from afmd.dialects.fields.sampling import (
     choices_scalar,
     logit_bias_of,
 )
-from afmd.dialects.fields.tool_specs import parse_response_format, parse_tool_choice, parse_tools
+from afmd.dialects.fields.tool_specs import (
+    CustomFormat,
+    parse_response_format,
+    parse_tool_choice,
+    parse_tools,
+)
 
 __all__ = [
     "CHAT_SCALARS",
@@ -165,7 +170,8 @@ def parse_stream_options(value: Any, stream: bool) -> bool:
 
 
 def parse_chat_request(
-    body: dict[str, Any], *, server_tools: Collection[str] = (), strict: bool = False
+    body: dict[str, Any], *, server_tools: Collection[str] = (), strict: bool = False,
+    custom: CustomFormat | None = None,
 ) -> ChatRequest:
     """Check every field of a Chat Completions body; raise on the first problem.
 
@@ -175,7 +181,8 @@ def parse_chat_request(
     400 ``unknown_parameter`` as OpenAI answers; ``strict`` also refuses an unknown key
     inside messages, their parts and calls, tools, ``tool_choice`` and
     ``response_format``, which otherwise are ignored unnamed (clients echo back fields
-    of what they were sent).
+    of what they were sent). ``custom`` reads a ``custom`` tool's format (the adapter's:
+    grammars are above this layer); without it such a tool is refused.
     """
     ignored = unknown_keys(body, KNOWN_FIELDS, strict=strict, deprecated=_DEPRECATED)
     model = read_scalar(body, _MODEL)
@@ -185,7 +192,7 @@ def parse_chat_request(
     include_usage = parse_stream_options(body.get("stream_options"), stream)
     sampling = read_scalars(body, _SAMPLING)
     repetition_penalty = repetition_penalty_of(body)
-    tools = parse_tools(body.get("tools"), strict=strict)
+    tools = parse_tools(body.get("tools"), strict=strict, custom=custom)
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools, server_tools,
                                     strict=strict)
     tool_use = read_scalars(body, _TOOL_USE)

@@ -130,7 +130,9 @@ def custom_parameters(format_: dict[str, Any] | None) -> dict[str, Any]:
             "additionalProperties": False}
 
 
-def _custom_format(value: Any, p: str, strict: bool) -> dict[str, Any] | None:
+def custom_format(value: Any, p: str, strict: bool) -> dict[str, Any] | None:
+    """A custom tool's ``format`` checked, in the Responses API's flat shape (chat's nests
+    its grammar, :mod:`afmd.dialects.openai.custom_tools`); None for free text."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -168,11 +170,12 @@ def _function_or_custom(tool: dict[str, Any], p: str, kind: str, specs: list[Too
         raise invalid(f"{p}.name", f"Duplicate tool name '{name}'.")
     description = optional(tool, "description", f"{p}.description", str, "a string")
     if kind == "custom":
-        format_ = _custom_format(tool.get("format"), f"{p}.format", strict)
+        format_ = custom_format(tool.get("format"), f"{p}.format", strict)
         echo: dict[str, Any] = {"type": "custom", "name": name, "description": description,
                                 "format": format_ or {"type": "text"}}
         return ToolSpec(name, description, custom_parameters(format_), True,
-                        declared_at=f"{p}.format.definition", named_at=f"{p}.name"), echo
+                        declared_at=f"{p}.format.definition", named_at=f"{p}.name",
+                        custom=True), echo
     parameters = optional(tool, "parameters", f"{p}.parameters", dict, "an object")
     exact = optional(tool, "strict", f"{p}.strict", bool, "a boolean")
     exact = True if exact is None else exact  # the Responses API's default

@@ -404,7 +404,7 @@ def _assistant(**fields: Any) -> list[dict[str, Any]]:
          "messages[1].tool_calls[0].id"),
         (_assistant(tool_calls=[{**CALL, "id": ""}]), "invalid_value",
          "messages[1].tool_calls[0].id"),
-        (_assistant(tool_calls=[{**CALL, "type": "custom"}]), "invalid_value",
+        (_assistant(tool_calls=[{**CALL, "type": "bogus"}]), "invalid_value",
          "messages[1].tool_calls[0].type"),
         (_assistant(tool_calls=[{"id": "c"}]), "missing_required_parameter",
          "messages[1].tool_calls[0].function"),

@@ -19,7 +19,10 @@ from openai.types import chat as chat_types
 from openai.types import completion_create_params, embedding_create_params
 from openai.types import responses as r
 from openai.types.chat import chat_completion_content_part_image_param as image_part
+from openai.types.chat import chat_completion_custom_tool_param as custom_tool
+from openai.types.chat import chat_completion_message_custom_tool_call_param as custom_call
 from openai.types.chat import chat_completion_message_function_tool_call_param as tool_call
+from openai.types.chat import chat_completion_named_tool_choice_custom_param as named_custom
 from openai.types.chat import chat_completion_named_tool_choice_param as named_choice
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import input_token_count_params, response_create_params
@@ -33,7 +36,7 @@ from openai.types.shared_params import (
 
 from afmd.dialects.anthropic import history, messages_body, tools_body
 from afmd.dialects.fields import messages, tool_specs
-from afmd.dialects.openai import chat_body, completions_body, embeddings
+from afmd.dialects.openai import chat_body, completions_body, custom_tools, embeddings
 from afmd.dialects.responses import items, options, responses_body
 
 #: Fields afmd knows and refuses with a pointer to their replacement.
@@ -84,6 +87,22 @@ NESTED: list[tuple[str, tuple[Any, ...], frozenset[str]]] = [
     ("chat.tool_calls[]", (chat_types.ChatCompletionMessageFunctionToolCallParam,),
      messages.TOOL_CALL_KEYS),
     ("chat.tool_calls[].function", (tool_call.Function,), messages.CALL_FUNCTION_KEYS),
+    ("chat.tool_calls[custom]", (custom_call.ChatCompletionMessageCustomToolCallParam,),
+     messages.CUSTOM_CALL_KEYS),
+    ("chat.tool_calls[custom].custom", (custom_call.Custom,), messages.CALL_CUSTOM_KEYS),
+    ("chat.tools[custom]", (custom_tool.ChatCompletionCustomToolParam,),
+     tool_specs.CUSTOM_TOOL_KEYS),
+    ("chat.tools[custom].custom", (custom_tool.Custom,), tool_specs.CUSTOM_KEYS),
+    ("chat.tools[custom].format[text]", (custom_tool.CustomFormatText,),
+     custom_tools.FORMAT_KEYS["text"]),
+    ("chat.tools[custom].format[grammar]", (custom_tool.CustomFormatGrammar,),
+     custom_tools.FORMAT_KEYS["grammar"]),
+    ("chat.tools[custom].format.grammar", (custom_tool.CustomFormatGrammarGrammar,),
+     custom_tools.GRAMMAR_KEYS),
+    ("chat.tool_choice[custom]", (named_custom.ChatCompletionNamedToolChoiceCustomParam,),
+     tool_specs.NAMED_CUSTOM_CHOICE_KEYS),
+    ("chat.tool_choice[custom].custom", (named_custom.Custom,),
+     tool_specs.CHOICE_FUNCTION_KEYS),
     ("chat.tools[]", (chat_types.ChatCompletionFunctionToolParam,), tool_specs.TOOL_KEYS),
     ("chat.tools[].function", (FunctionDefinition,), tool_specs.FUNCTION_KEYS),
     ("chat.tool_choice", (chat_types.ChatCompletionNamedToolChoiceParam,),
