@@ -46,9 +46,10 @@ if TYPE_CHECKING:
 # Tokens a forced call may spend thinking first (the loop must reach the call).
 _MAX_FORCED_THINKING = 512
 # gpt-oss's reasoning levels, for afmd's reasoning_effort values (gpt-oss has no level
-# above high: xhigh, Anthropic's and Ollama's "max", is its highest, as Ollama maps it).
+# above high: xhigh and OpenAI's, Anthropic's and Ollama's "max" are its highest, as Ollama
+# maps it).
 _HARMONY_EFFORT = {"none": "low", "minimal": "low", "low": "low", "medium": "medium",
-                   "high": "high", "xhigh": "high"}
+                   "high": "high", "xhigh": "high", "max": "high"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -301,7 +301,7 @@ def test_a_stop_sequence_never_matches_inside_a_call(client, stream: bool) -> No
 def test_reasoning_effort_values_are_accepted(client, http) -> None:
     plain = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1})
     assert plain.status_code == 200
-    for effort in ("none", "minimal", "low", "medium", "high", "xhigh"):
+    for effort in ("none", "minimal", "low", "medium", "high", "xhigh", "max"):
         response = http.post("/v1/chat/completions", json={
             "messages": MESSAGES, "max_tokens": 1, "reasoning_effort": effort})
         assert response.status_code == 200, response.text

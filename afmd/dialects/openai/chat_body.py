@@ -86,7 +86,8 @@ IGNORED_FIELDS = frozenset(
     }
 )
 
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+#: OpenAI's (the openai SDK's ``ReasoningEffort``), as the Responses API takes them.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 #: OpenAI's limit on stop sequences, which ``[api] strict`` keeps.
 MAX_STOP_SEQUENCES = 4
 #: The limit otherwise, as afmd's Anthropic and Ollama dialects have: editors send every
