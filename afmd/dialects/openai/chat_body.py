@@ -56,6 +56,13 @@ from afmd.dialects.fields.tool_specs import (
     parse_tool_choice,
     parse_tools,
 )
+from afmd.dialects.fields.unused import (
+    PROMPT_CACHE_RETENTION,
+    SERVICE_TIER,
+    STORE,
+    VERBOSITY,
+    metadata_of,
+)
 
 __all__ = [
     "CHAT_SCALARS",
@@ -127,12 +134,13 @@ _TOOL_USE = (
     Scalar("reasoning_effort", "string", choices=REASONING_EFFORTS),
 )
 # Ignored, but held to OpenAI's type: a number there is a client's bug worth telling.
-_IGNORED_STRINGS = (Scalar("user", "string"), Scalar("safety_identifier", "string"),
-                    Scalar("prompt_cache_key", "string"))
+_UNUSED = (Scalar("user", "string"), Scalar("safety_identifier", "string"),
+                    Scalar("prompt_cache_key", "string"), STORE, SERVICE_TIER,
+                    PROMPT_CACHE_RETENTION, VERBOSITY)
 
 #: Every scalar field of a chat body.
 CHAT_SCALARS = (_MODEL, _STREAM, *_SAMPLING, REPETITION_PENALTY, REPEAT_PENALTY, *_TOOL_USE,
-                *_IGNORED_STRINGS, CONTINUE_FINAL_MESSAGE, ADD_GENERATION_PROMPT)
+                *_UNUSED, CONTINUE_FINAL_MESSAGE, ADD_GENERATION_PROMPT)
 
 KNOWN_FIELDS = (
     IGNORED_FIELDS
@@ -197,7 +205,8 @@ def parse_chat_request(
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools, server_tools,
                                     strict=strict)
     tool_use = read_scalars(body, _TOOL_USE)
-    read_scalars(body, _IGNORED_STRINGS)  # checked only: afmd does not act on them
+    read_scalars(body, _UNUSED)  # checked only: afmd does not act on them
+    metadata_of(body.get("metadata"))
 
     if sampling["top_logprobs"] is not None and not sampling["logprobs"]:
         raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs' set to true.")

@@ -55,7 +55,6 @@ INCLUDABLE = (
     "message.output_text.logprobs",
 )
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
-MAX_METADATA = 16
 
 # The keys ``[api] strict`` admits in each object, as OpenAI refuses any other: the openai
 # SDK's (tests/unit/dialects/test_sdk_fields.py holds them to its TypedDicts). A hosted
@@ -380,22 +379,3 @@ def parse_include(value: Any) -> tuple[str, ...]:
                 raise wrong_type(f"include[{i}]", "a string", entry)
             raise not_one_of(f"include[{i}]", entry, INCLUDABLE)
     return tuple(value)
-
-
-def parse_metadata(value: Any) -> dict[str, str]:
-    """Up to 16 string pairs, keys of at most 64 characters and values of at most 512."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise wrong_type("metadata", "an object", value)
-    if len(value) > MAX_METADATA:
-        raise invalid("metadata", f"'metadata' holds at most {MAX_METADATA} pairs, "
-                      f"got {len(value)}.")
-    for key, text in value.items():
-        if len(key) > 64:
-            raise invalid(f"metadata.{key[:64]}", "A metadata key is at most 64 characters.")
-        if not isinstance(text, str):
-            raise wrong_type(f"metadata.{key}", "a string", text)
-        if len(text) > 512:
-            raise invalid(f"metadata.{key}", "A metadata value is at most 512 characters.")
-    return dict(value)

@@ -34,10 +34,10 @@ from afmd.dialects.fields.extensions import (
 )
 from afmd.dialects.fields.keep_alive import keep_alive_of
 from afmd.dialects.fields.prediction import parse_prediction
+from afmd.dialects.fields.unused import PROMPT_CACHE_RETENTION, SERVICE_TIER, metadata_of
 from afmd.dialects.responses.items import Item, ItemParams, canonical_items, to_messages
 from afmd.dialects.responses.options import (
     parse_include,
-    parse_metadata,
     parse_reasoning,
     parse_text,
     parse_tool_choice,
@@ -78,6 +78,9 @@ _SCALARS = (
     # OpenAI's type and echoed, as the response object repeats them.
     Scalar("safety_identifier", "string"),
     Scalar("prompt_cache_key", "string"),
+    # Ignored, but of OpenAI's type.
+    SERVICE_TIER,
+    PROMPT_CACHE_RETENTION,
     Scalar("max_tool_calls", "integer"),
 )
 _STRUCTURED = frozenset({"input", "tools", "tool_choice", "text", "reasoning", "include",
@@ -227,7 +230,7 @@ def parse_responses_request(
         temperature=scalars["temperature"],
         top_p=scalars["top_p"],
         parallel_tool_calls=scalars["parallel_tool_calls"],
-        metadata=parse_metadata(body.get("metadata")),
+        metadata=metadata_of(body.get("metadata")),
         previous_response_id=previous,
         store=scalars["store"],
         truncation=truncation if body.get("truncation") is None else scalars["truncation"],

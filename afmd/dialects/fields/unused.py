@@ -1,0 +1,45 @@
+"""OpenAI's request fields that afmd accepts without acting on them, held to OpenAI's types.
+
+A billing tier, a cache's retention, stored completions, tags for OpenAI's dashboard: none
+changes what a local model could answer, so none is refused. But a value OpenAI refuses (a
+number as a metadata value, a string for ``store``, a verbosity it has no level for) is a
+400 here too, naming it: taken silently, the client's bug would surface only against OpenAI.
+Tiers and retentions are held to their type alone, since OpenAI adds values to them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from afmd.dialects.fields.checks import Scalar, invalid, wrong_type
+
+STORE = Scalar("store", "boolean")
+SERVICE_TIER = Scalar("service_tier", "string")
+PROMPT_CACHE_RETENTION = Scalar("prompt_cache_retention", "string")
+VERBOSITY = Scalar("verbosity", "string", choices=("low", "medium", "high"))
+#: OpenAI's bounds on ``metadata``: pairs, a key's and a value's characters.
+MAX_METADATA = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+
+
+def metadata_of(value: Any) -> dict[str, str]:
+    """``metadata``: up to 16 string pairs, keys of at most 64 characters and values of at
+    most 512."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise wrong_type("metadata", "an object", value)
+    if len(value) > MAX_METADATA:
+        raise invalid("metadata", f"'metadata' holds at most {MAX_METADATA} pairs, "
+                      f"got {len(value)}.")
+    for key, text in value.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise invalid(f"metadata.{key[:MAX_METADATA_KEY]}",
+                          f"A metadata key is at most {MAX_METADATA_KEY} characters.")
+        if not isinstance(text, str):
+            raise wrong_type(f"metadata.{key}", "a string", text)
+        if len(text) > MAX_METADATA_VALUE:
+            raise invalid(f"metadata.{key}",
+                          f"A metadata value is at most {MAX_METADATA_VALUE} characters.")
+    return dict(value)

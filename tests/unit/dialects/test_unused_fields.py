@@ -1,0 +1,60 @@
+"""OpenAI's fields that afmd accepts and does not act on (``store``, ``metadata``,
+``service_tier``, ``prompt_cache_retention``, chat's ``verbosity``) are still held to
+OpenAI's types: a value OpenAI refuses is a 400 naming it in chat as in Responses. Chat
+took any value of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from afmd.dialects.openai.chat_body import parse_chat_request
+from afmd.dialects.responses.responses_body import parse_responses_request
+from afmd.errors import InvalidRequestError
+
+
+def chat(**fields: Any) -> Any:
+    return parse_chat_request({"messages": [{"role": "user", "content": "a"}], **fields})
+
+
+def responses(**fields: Any) -> Any:
+    return parse_responses_request({"input": "a", **fields}, lookup=lambda _: None)
+
+
+@pytest.mark.parametrize(("fields", "code", "param"), [
+    ({"store": "yes"}, "invalid_type", "store"),
+    ({"metadata": "x"}, "invalid_type", "metadata"),
+    ({"metadata": {"k": 1}}, "invalid_type", "metadata.k"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "invalid_value", "metadata"),
+    ({"metadata": {"k": "v" * 513}}, "invalid_value", "metadata.k"),
+    ({"verbosity": "extreme"}, "invalid_value", "verbosity"),
+    ({"service_tier": 1}, "invalid_type", "service_tier"),
+    ({"prompt_cache_retention": 24}, "invalid_type", "prompt_cache_retention"),
+], ids=["store", "metadata", "metadata-value", "metadata-pairs", "metadata-long",
+        "verbosity", "service-tier", "cache-retention"])
+def test_chat_holds_them_to_openais_types(fields: dict[str, Any], code: str,
+                                          param: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        chat(**fields)
+    assert (caught.value.code, caught.value.param) == (code, param)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"service_tier": 1}, "service_tier"),
+    ({"prompt_cache_retention": ["24h"]}, "prompt_cache_retention"),
+], ids=["service-tier", "cache-retention"])
+def test_responses_holds_them_to_openais_types(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        responses(**fields)
+    assert (caught.value.code, caught.value.param) == ("invalid_type", param)
+
+
+def test_their_values_pass_new_tiers_too() -> None:
+    """OpenAI adds tiers and retentions: any string of them passes, as does null."""
+    fields = {"store": True, "metadata": {"k": "v"}, "verbosity": "low",
+              "service_tier": "ultrafast", "prompt_cache_retention": "7d"}
+    chat(**fields)
+    responses(**{k: v for k, v in fields.items() if k != "verbosity"})
+    chat(**dict.fromkeys(fields))
+    responses(**dict.fromkeys(fields))
