@@ -154,3 +154,22 @@ def test_a_call_the_output_ended_inside_is_incomplete(http: httpx.Client, stream
     assert call["arguments"].startswith('{"text":"')
     with pytest.raises(json.JSONDecodeError):
         json.loads(call["arguments"])
+
+
+def test_required_with_only_hosted_tools_says_they_are_left_out(http: httpx.Client) -> None:
+    """The 400 said no 'tools' were given, to a client that had given some."""
+    response = http.post("/v1/responses", json={
+        "model": "demo", "input": "Hi.", "tools": HOSTED[:2], "tool_choice": "required"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "tool_choice"
+    assert "tools[0], tools[1]" in error["message"] and "hosted" in error["message"]
+
+
+def test_an_allowed_custom_tool_is_echoed_as_custom(http: httpx.Client) -> None:
+    """The echo of an ``allowed_tools`` choice typed every entry ``function``."""
+    choice = {"type": "allowed_tools", "mode": "required",
+              "tools": [{"type": "custom", "name": "pick"}, {"type": "function", "name": "add"}]}
+    answer = post(http, input="Yes or no?", tools=[PICK, ADD], tool_choice=choice,
+                  max_output_tokens=16)
+    assert answer["tool_choice"] == choice

@@ -12,7 +12,7 @@ are left out of the prompt and named (``tools[i]``), refused only under ``[api] 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -266,17 +266,23 @@ def _choice_name(value: Any, param: str, names_: set[str], strict: bool) -> str:
 
 def parse_tool_choice(
     value: Any, tools: tuple[ToolSpec, ...], server_tools: Collection[str], *,
-    strict: bool = False,
+    strict: bool = False, left_out: Sequence[str] = (),
 ) -> tuple[ToolChoice, str | dict[str, Any]]:
     """``tool_choice`` against the tools on offer, and its echo (``strict``: no unknown
-    key in it)."""
+    key in it; ``left_out``: the params of the hosted tools not offered, which a
+    ``required`` choice cannot call)."""
     names_ = {t.name for t in tools} | set(server_tools)
+    custom = {t.name for t in tools if t.custom}
     if value is None:
         return ToolChoice("auto" if names_ else "none"), "auto"
     if isinstance(value, str):
         if value not in ("none", "auto", "required"):
             raise not_one_of("tool_choice", value, ("none", "auto", "required"))
         if value == "required" and not names_:
+            if left_out:
+                raise invalid("tool_choice", "'tool_choice' is 'required' but afmd can call "
+                              "none of 'tools': hosted tools are left out ("
+                              + ", ".join(left_out) + ").")
             raise invalid("tool_choice", "'tool_choice' is 'required' but no 'tools' are given.")
         return ToolChoice(value if names_ else "none"), value
     if not isinstance(value, dict):
@@ -297,7 +303,8 @@ def parse_tool_choice(
                    for i, t in enumerate(listed)]
         return ToolChoice(mode, tuple(dict.fromkeys(allowed))), {
             "type": "allowed_tools", "mode": mode,
-            "tools": [{"type": "function", "name": n} for n in allowed]}
+            "tools": [{"type": "custom" if n in custom else "function", "name": n}
+                      for n in allowed]}
     name = _choice_name(value, "tool_choice", names_, strict)
     return ToolChoice("required", (name,), named=True), {"type": value["type"], "name": name}
 

@@ -215,7 +215,8 @@ def parse_responses_request(
         reject_unknown(options, frozenset({"include_obfuscation"}), prefix="stream_options.")
     tools = parse_tools(body.get("tools"), strict=strict)
     choice, choice_echo = parse_tool_choice(body.get("tool_choice"), tools.specs,
-                                            server_tools, strict=strict)
+                                            server_tools, strict=strict,
+                                            left_out=tools.ignored)
     response_format, text_echo = parse_text(body.get("text"), strict=strict)
     reasoning = parse_reasoning(body.get("reasoning"))
     echo = Echo(
