@@ -255,6 +255,10 @@ def test_identifiers_and_max_tool_calls_are_checked_and_echoed(client, http) -> 
         assert created.response.safety_identifier == "user-hash"
         for _ in stream:
             pass
+    # top_logprobs too, which the response said was 0 whatever was sent.
+    echoed, _ = create(client, input="Hi", max_output_tokens=16, top_logprobs=4)
+    assert echoed.top_logprobs == 4
+    assert create(client, input="Hi", max_output_tokens=16)[0].top_logprobs == 0
     for key, value in (("safety_identifier", 5), ("prompt_cache_key", ["a"]),
                        ("max_tool_calls", "3"), ("max_tool_calls", 1.5)):
         refused = http.post("/v1/responses", json={"model": "demo", "input": "Hi", key: value})

@@ -94,7 +94,7 @@ def response_object(echo: Echo, *, id: str, created_at: int, model: str, status:
         "text": echo.text,
         "tool_choice": echo.tool_choice,
         "tools": list(echo.tools),
-        "top_logprobs": 0,
+        "top_logprobs": echo.top_logprobs,
         "top_p": echo.top_p,
         "truncation": echo.truncation,
         "metadata": echo.metadata,

@@ -127,6 +127,8 @@ class Echo:
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     max_tool_calls: int | None = None
+    #: Echoed as sent (no log-probabilities are written: see docs/responses.md).
+    top_logprobs: int = 0
     include: tuple[str, ...] = ()
     #: This request's input items, canonical (what ``input_items`` lists).
     input_items: tuple[Item, ...] = ()
@@ -239,6 +241,7 @@ def parse_responses_request(
         safety_identifier=scalars["safety_identifier"],
         prompt_cache_key=scalars["prompt_cache_key"],
         max_tool_calls=scalars["max_tool_calls"],
+        top_logprobs=scalars["top_logprobs"] or 0,
         include=parse_include(body.get("include")),
         input_items=tuple(items),
         history=history,
