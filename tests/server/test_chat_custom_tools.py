@@ -92,8 +92,11 @@ def test_a_bad_custom_tool_is_named(client: Any, tool: Any, param: str) -> None:
     assert caught.value.body["param"] == param
 
 
-def test_a_custom_choice_names_a_custom_tool(client: Any) -> None:
+@pytest.mark.parametrize("tools", [[TOOL, FUNCTION], [FUNCTION]], ids=["both", "functions"])
+def test_a_custom_choice_names_a_custom_tool(client: Any, tools: list[Any]) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        _ask(client, {"type": "custom", "custom": {"name": "other"}})
+        client.chat.completions.create(
+            model="demo", messages=MESSAGES, tools=tools, max_tokens=8,
+            tool_choice={"type": "custom", "custom": {"name": "other"}})
     assert caught.value.body["param"] == "tool_choice.custom.name"
     assert caught.value.body["code"] == "unknown_tool"

@@ -196,18 +196,17 @@ def parse_tool_choice(
         if name not in names:
             raise _unknown_tool(name, param)
         return ToolChoice("required", (name,), named=True)
-    if kind == "custom" and any(t.custom for t in tools):
+    if kind == "custom":
         name = _custom_name(value, "tool_choice", strict)
         if name not in {t.name for t in tools if t.custom}:
             raise _unknown_tool(name, "tool_choice.custom.name")
         return ToolChoice("required", (name,), named=True)
     if kind == "allowed_tools":
         return _allowed_tools(value, names, strict)
-    kinds = "'function', 'custom'" if any(t.custom for t in tools) else "'function'"
     raise invalid(
         "tool_choice.type",
-        f"Invalid value for 'tool_choice.type': {quoted(kind)}. Supported values are {kinds} "
-        "and 'allowed_tools'.",
+        f"Invalid value for 'tool_choice.type': {quoted(kind)}. Supported values are "
+        "'function', 'custom' and 'allowed_tools'.",
     )
 
 
