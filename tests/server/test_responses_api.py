@@ -371,3 +371,34 @@ def test_input_tokens_counts_what_create_uses(client) -> None:
     follow, _ = create(client, input="And then?", previous_response_id=response.id,
                        max_output_tokens=16)
     assert chained.input_tokens == follow.usage.input_tokens
+
+
+def test_output_text_logprobs_when_include_asks(client) -> None:
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: the message's
+    tokens in its part, and in its deltas when streamed, the numbers chat gives the same
+    greedy answer. They were always ``[]``."""
+    body = {"input": "Hi", "max_output_tokens": 16, "temperature": 0,
+            "reasoning": {"effort": "none"}, "top_logprobs": 2,
+            "include": ["message.output_text.logprobs"]}
+    response, _ = create(client, **body)
+    (message,) = [item for item in response.output if item.type == "message"]
+    tokens = message.content[0].logprobs
+    assert tokens and all(len(t.top_logprobs) == 2 for t in tokens)
+    chat = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=16,
+        temperature=0, reasoning_effort="none", logprobs=True, top_logprobs=2)
+    assert [(t.token, t.logprob) for t in tokens] == [
+        (t.token, t.logprob) for t in chat.choices[0].logprobs.content]
+
+    streamed, done = [], None
+    with client.responses.stream(model="demo", **body) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                streamed += [(t.token, t.logprob) for t in event.logprobs]
+            elif event.type == "response.output_text.done":
+                done = [(t.token, t.logprob) for t in event.logprobs]
+    assert streamed == done == [(t.token, t.logprob) for t in tokens]
+
+    plain, _ = create(client, input="Hi", max_output_tokens=16, top_logprobs=2)
+    assert all(item.content[0].logprobs == [] for item in plain.output
+               if item.type == "message")

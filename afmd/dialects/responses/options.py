@@ -48,6 +48,8 @@ GRAMMAR_SYNTAXES = ("lark", "regex")
 LARK_FORMAT = "x-afmd-lark"
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 SUMMARIES = ("auto", "concise", "detailed")
+#: The ``include`` entry that asks for output text's log-probabilities.
+LOGPROBS = "message.output_text.logprobs"
 INCLUDABLE = (
     "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
     "message.input_image.image_url", "computer_call_output.output.image_url",

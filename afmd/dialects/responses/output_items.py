@@ -24,15 +24,18 @@ from afmd.core.events import (
     Content,
     Event,
     Finish,
+    Logprobs,
     Profile,
     Reasoning,
     Refusal,
+    TokenLogprob,
     ToolCallArguments,
     ToolCallEnd,
     ToolCallStart,
     Usage,
 )
 from afmd.dialects.responses.items import Item, item_id
+from afmd.dialects.responses.options import LOGPROBS
 from afmd.dialects.responses.responses_body import Echo
 from afmd.errors import APIError
 
@@ -59,8 +62,24 @@ def sse_event(payload: dict[str, Any]) -> bytes:
     return b"event: " + payload["type"].encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: list[Item] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [],
+            "logprobs": logprobs or []}
+
+
+def _part_logprob(t: TokenLogprob) -> Item:
+    """A token of an ``output_text`` part (OpenAI's ``LogProb``: with its bytes)."""
+    return {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
+            "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": list(a.bytes)}
+                             for a in t.top]}
+
+
+def _event_logprobs(entries: list[Item]) -> list[Item]:
+    """The same tokens as the text events carry them (OpenAI's ``ResponseLogProb``: no
+    bytes)."""
+    return [{"token": e["token"], "logprob": e["logprob"], "top_logprobs": [
+        {"token": a["token"], "logprob": a["logprob"]} for a in e["top_logprobs"]]}
+        for e in entries]
 
 
 def response_object(echo: Echo, *, id: str, created_at: int, model: str, status: str,
@@ -120,6 +139,12 @@ class _Open:
     name: str = ""
     namespace: str | None = None  # a namespace tool's function
     delta_head: bytes = b""  # the pre-encoded start of this item's delta events
+    #: A message's tokens (``include: ["message.output_text.logprobs"]``), as its part
+    #: writes them.
+    logprobs: list[Item] = field(default_factory=list)
+    #: A message's text written but not yet sent: with log-probabilities asked for, a
+    #: delta waits for its tokens' numbers, which come after the text in the same batch.
+    held: list[str] = field(default_factory=list)
 
 
 def _reasoning_item(rid: str, content: list[Item], status: str, encrypted: bool) -> Item:
@@ -161,7 +186,7 @@ def _done_item(item: _Open, text: str, status: str, encrypted: bool) -> Item:
     if item.kind in ("function_call", "custom_tool_call"):
         return _call_item(item, text, status)
     if item.kind in ("message", "refusal"):
-        part = _output_text(text) if item.kind == "message" else \
+        part = _output_text(text, item.logprobs) if item.kind == "message" else \
             {"type": "refusal", "refusal": text}
         return {"id": item.id, "type": "message", "status": status, "role": "assistant",
                 "content": [part]}
@@ -193,10 +218,12 @@ class _EventLog:
             self.sequence += 1
             self.out.append(sse_event(payload))
 
-    def delta(self, item: _Open, text: str) -> None:
+    def delta(self, item: _Open, text: str, logprobs: list[Item] | None = None) -> None:
         if self.stream:
-            self.out.append(item.delta_head + orjson.dumps(text) + b',"sequence_number":'
-                            + str(self.sequence).encode() + b"}\n\n")
+            tail = b"" if logprobs is None else b',"logprobs":' + orjson.dumps(logprobs)
+            self.out.append(item.delta_head + orjson.dumps(text) + tail
+                            + b',"sequence_number":' + str(self.sequence).encode()
+                            + b"}\n\n")
             self.sequence += 1
 
     def take(self) -> bytes:
@@ -219,6 +246,11 @@ class ResponseBuilder:
         self._open: _Open | None = None
         self._log = _EventLog(stream)
         self._encrypted = "reasoning.encrypted_content" in echo.include
+        self._logprobs = LOGPROBS in echo.include
+        #: The message whose text this batch carried: its tokens' numbers follow.
+        self._written: _Open | None = None
+        #: The last message closed, with its part, which late numbers still join.
+        self._closed: tuple[_Open, Item] | None = None
 
     def response(self, status: str, error: APIError | None = None) -> dict[str, Any]:
         return response_object(self.echo, id=self.id, created_at=self.created_at,
@@ -241,15 +273,26 @@ class ResponseBuilder:
         return self._log.take()
 
     def feed(self, events: list[Event]) -> None:
+        self._written = None
         for event in events:
+            if isinstance(event, Logprobs):
+                self._join_logprobs(event)
+                continue
+            if not isinstance(event, Content):
+                self._release()
             if isinstance(event, Content | Reasoning | Refusal):
                 kind = "message" if isinstance(event, Content) else \
                     "refusal" if isinstance(event, Refusal) else "reasoning"
                 item = self._open
                 if item is None or item.kind != kind:
+                    self._release()
                     item = self._open_text(kind)
                 item.parts.append(event.text)
-                self._log.delta(item, event.text)
+                if kind == "message" and self._logprobs:
+                    item.held.append(event.text)
+                    self._written = item
+                else:
+                    self._log.delta(item, event.text)
             elif isinstance(event, ToolCallStart):
                 self._open_call(event)
             elif isinstance(event, ToolCallArguments):
@@ -269,6 +312,30 @@ class ResponseBuilder:
             elif isinstance(event, Profile):
                 key = next(iter(event.payload))
                 self._log.emit({"type": key, **event.payload})
+        self._release()
+
+    def _join_logprobs(self, event: Logprobs) -> None:
+        """The numbers of the tokens whose text this batch's events carried, given to the
+        message that text went to (a batch without message text: thinking, call markup,
+        has none to give them to), and its held delta sent with them."""
+        item = self._written
+        if item is None:
+            return
+        entries = [_part_logprob(t) for t in event.tokens]
+        if self._open is item:
+            item.logprobs.extend(entries)
+            self._release(_event_logprobs(entries))
+        elif self._closed is not None and self._closed[0] is item:
+            self._closed[1]["logprobs"].extend(entries)  # closed in this batch
+
+    def _release(self, logprobs: list[Item] | None = None) -> None:
+        """The open message's held text as one delta (with log-probabilities asked for,
+        it carries its tokens' numbers, or none when they did not come with it)."""
+        item = self._open
+        if item is not None and item.held:
+            text = "".join(item.held)
+            item.held.clear()
+            self._log.delta(item, text, [] if logprobs is None else logprobs)
 
     def _open_item(self) -> _Open:
         assert self._open is not None
@@ -292,7 +359,8 @@ class ResponseBuilder:
                         "item": added})
         self._log.emit({"type": "response.content_part.added", "item_id": item.id,
                         "output_index": item.index, "content_index": 0, "part": empty})
-        extra = ',"logprobs":[]' if kind == "message" else ""
+        # With log-probabilities asked for, each delta writes its own.
+        extra = ',"logprobs":[]' if kind == "message" and not self._logprobs else ""
         item.delta_head = _delta_head(f"response.{part}.delta", item,
                                       f',"content_index":0{extra}')
         return item
@@ -316,6 +384,7 @@ class ResponseBuilder:
 
     def _close(self, *, status: str = "completed", arguments: str | None = None) -> None:
         """The open item's ``….done`` events, and the item into ``output``."""
+        self._release()
         item, self._open = self._open, None
         if item is None:
             return
@@ -339,8 +408,10 @@ class ResponseBuilder:
         if item.kind not in calls:
             part: Item = done["content"][0]
             if item.kind == "message":
+                self._closed = (item, part)
                 self._log.emit({"type": "response.output_text.done", **base,
-                                "content_index": 0, "text": text, "logprobs": []})
+                                "content_index": 0, "text": text,
+                                "logprobs": _event_logprobs(item.logprobs)})
             elif item.kind == "refusal":
                 self._log.emit({"type": "response.refusal.done", **base,
                                 "content_index": 0, "refusal": text})

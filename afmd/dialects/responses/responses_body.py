@@ -37,6 +37,7 @@ from afmd.dialects.fields.prediction import parse_prediction
 from afmd.dialects.fields.unused import PROMPT_CACHE_RETENTION, SERVICE_TIER, metadata_of
 from afmd.dialects.responses.items import Item, ItemParams, canonical_items, to_messages
 from afmd.dialects.responses.options import (
+    LOGPROBS,
     parse_include,
     parse_reasoning,
     parse_text,
@@ -263,6 +264,8 @@ def parse_responses_request(
         response_format=response_format,
         reasoning_effort=reasoning["effort"],
         has_images=any(m.has_images for m in messages),
+        # OpenAI writes log-probabilities into output_text parts when include asks.
+        logprobs=(scalars["top_logprobs"] or 0) if LOGPROBS in echo.include else None,
         prediction=None if counting else parse_prediction(body.get("prediction")),
         keep_alive=None if counting else keep_alive_of(body),
         chat_template_kwargs=chat_template_kwargs_of(body),
