@@ -529,6 +529,10 @@ def test_requests_beyond_max_concurrent_requests_wait_for_a_session(
 def test_logprobs_bias_penalties_and_raw_completions_are_refused(http: httpx.Client) -> None:
     logprobs = chat(http, messages=user("hi"), logprobs=True)
     assert logprobs.status_code == 400 and logprobs.json()["error"]["param"] == "logprobs"
+    # The Responses API asks for them in include, which its 400 names.
+    included = http.post("/v1/responses", json={
+        "model": "system", "input": "hi", "include": ["message.output_text.logprobs"]})
+    assert included.status_code == 400 and included.json()["error"]["param"] == "include"
     for field, value in (("logit_bias", {"5": 10}), ("presence_penalty", 0.5),
                          ("frequency_penalty", -1.0)):  # sampling the framework has no hook for
         refused = chat(http, messages=user("hi"), **{field: value})

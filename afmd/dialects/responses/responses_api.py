@@ -42,6 +42,8 @@ def rename_param(param: str | None) -> str | None:
         return "text.format"
     if param == "max_tokens":
         return "max_output_tokens"
+    if param == "logprobs":
+        return "include"  # message.output_text.logprobs asks for them here
     match = _CHAT_TOOL.fullmatch(param)
     if match is not None:
         return f"tools[{match.group(1)}].{match.group(2)}"
