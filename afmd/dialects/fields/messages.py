@@ -241,6 +241,10 @@ def message(value: Any, param: str, *, strict: bool = False) -> Message:
     role = value.get("role")
     if type(role) is not str or role not in _ROLE_SET:
         role = required(value, "role", f"{param}.role", str, "a string")
+        if role == "function":  # OpenAI's deprecated answer to a `function_call`
+            raise invalid(f"{param}.role", "'function' messages are deprecated and not "
+                          "supported (as 'functions' and 'function_call'); send the result "
+                          "as a 'tool' message answering the assistant's 'tool_calls'.")
         if role not in ROLES:
             raise not_one_of(f"{param}.role", role, ROLES)
     if strict:

@@ -613,6 +613,15 @@ def test_field_errors(fields: dict[str, Any], code: str, param: str) -> None:
     assert_error({"messages": [USER], **fields}, code, param, strict=True)
 
 
+def test_a_function_message_is_refused_as_deprecated() -> None:
+    """The SDK still types OpenAI's legacy ``role: "function"`` message; afmd refuses it
+    as it refuses ``functions`` and ``function_call``, saying what to send instead (it
+    listed the roles, as for a role that does not exist)."""
+    err = assert_error({"messages": [USER, {"role": "function", "name": "f", "content": "1"}]},
+                       "invalid_value", "messages[1].role")
+    assert "deprecated" in err.message and "'tool'" in err.message
+
+
 @pytest.mark.parametrize("field", ["temprature", "prompt"], ids=["typo", "prompt"])
 def test_unknown_fields_ignored_or_refused_when_strict(field: str) -> None:
     assert parse(**{field: 0.5}).ignored_fields == (field,)
