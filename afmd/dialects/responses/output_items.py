@@ -10,6 +10,8 @@ Streamed, each item opens (``output_item.added``, ``content_part.added``), grows
 and closes (``….done``, ``content_part.done``, ``output_item.done``), every event numbered
 by ``sequence_number``; the non-streamed body is the same items, built from the same
 events. Deltas are the per-token path: their JSON is spliced into a pre-encoded head.
+With log-probabilities asked for, a message's deltas wait for the numbers of their tokens,
+which the run sends after the text they made, at the end of the same batch.
 """
 
 from __future__ import annotations
@@ -285,7 +287,6 @@ class ResponseBuilder:
                     "refusal" if isinstance(event, Refusal) else "reasoning"
                 item = self._open
                 if item is None or item.kind != kind:
-                    self._release()
                     item = self._open_text(kind)
                 item.parts.append(event.text)
                 if kind == "message" and self._logprobs:
