@@ -38,11 +38,6 @@ CUSTOM_KEYS = frozenset({"name", "description", "format"})
 NAMED_CHOICE_KEYS = frozenset({"type", "function", "name"})
 CHOICE_FUNCTION_KEYS = frozenset({"name"})
 NAMED_CUSTOM_CHOICE_KEYS = frozenset({"type", "custom"})
-
-#: A custom tool's ``format`` (its value, its param, strict) -> the parameters of the
-#: one-string function it is offered as; the dialect that serves custom tools supplies it
-#: (reading a grammar is above this layer).
-CustomFormat = Callable[[Any, str, bool], dict[str, Any]]
 ALLOWED_CHOICE_KEYS = frozenset({"type", "allowed_tools"})
 ALLOWED_TOOLS_KEYS = frozenset({"mode", "tools"})
 RESPONSE_FORMAT_KEYS: dict[str, frozenset[str]] = {
@@ -51,6 +46,11 @@ RESPONSE_FORMAT_KEYS: dict[str, frozenset[str]] = {
     "json_schema": frozenset({"type", "json_schema"}),
 }
 JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
+
+#: A custom tool's ``format`` (its value, its param, strict) -> the parameters of the
+#: one-string function it is offered as; the dialect that serves custom tools supplies it
+#: (reading a grammar is above this layer).
+CustomFormat = Callable[[Any, str, bool], dict[str, Any]]
 
 
 def _check_name(name: str, param: str, seen: set[str]) -> None:
