@@ -596,6 +596,13 @@ class Residency:
 
     def _unavailable(self, model_id: str, size: int) -> ServiceUnavailableError:
         busy = ", ".join(sorted(m for m in self.loaded if self.busy(m))) or "none"
+        # What else holds the room: other models' loads under way and unloads still
+        # freeing, named too, or a wait behind them read "busy: none", as if nothing did.
+        loading = sorted(m for m in self._reserved if m != model_id)
+        if loading:
+            busy += f"; loading: {', '.join(loading)}"
+        if self._unloading:
+            busy += f"; unloading: {len(self._unloading)}"
         if self._count() + 1 > self.max_loaded:
             limit = f"max_loaded ({self.max_loaded} models)"
         else:

@@ -209,6 +209,23 @@ def test_a_request_giving_up_as_its_room_appears_is_told_the_load_is_under_way()
     run(main)
 
 
+def test_a_load_waiting_behind_another_load_names_it_in_its_503() -> None:
+    """With ``max_loaded`` taken by another model's load under way (no model busy yet),
+    the 503 at the deadline names that load: it said only "busy: none", as if nothing
+    kept the model out (a chaos run with max_loaded 1 and four models in turn)."""
+    async def main() -> None:
+        res, _ = residency(max_loaded=1)
+        await res.make_room("a", 10, time.monotonic() + 1)  # reserved: a loads
+        with pytest.raises(ServiceUnavailableError) as info:
+            await res.make_room("b", 10, time.monotonic() + 0.05)
+        message = info.value.message
+        assert "max_loaded (1 models)" in message
+        assert "busy: none; loading: a" in message
+        res.unreserve("a")
+
+    run(main)
+
+
 def test_keep_alive_zero_forever_and_seconds() -> None:
     async def main() -> None:
         res, freed = residency()
