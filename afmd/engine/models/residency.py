@@ -299,7 +299,8 @@ class Residency:
         self._unloading: dict[int, int] = {}  # per model object being freed: bytes it holds
         self._unload_tasks: set[asyncio.Task[None]] = set()
         self._reserved: dict[str, int] = {}  # loads under way: bytes their weights will take
-        self._wanted: dict[str, int] = {}  # loads waiting for room: their sizes
+        #: Loads waiting for room: their sizes, and whether they may unload idle models.
+        self._wanted: dict[str, tuple[int, bool]] = {}
         #: Per load waiting for room: since when, and the busy models it waits for. They
         #: take no request that came after that (see :meth:`held_for`).
         self._claims: dict[str, tuple[float, frozenset[str]]] = {}
@@ -430,7 +431,7 @@ class Residency:
         idle models as needed (unless not ``evict``); wait for busy ones until
         ``deadline`` (then 503). ``since``: when the load was asked for (default: now);
         requests for the busy models it waits for that come later wait behind it."""
-        self._wanted[model_id] = size
+        self._wanted[model_id] = (size, evict)
         if since is None:
             since = time.monotonic()
         try:
@@ -524,9 +525,19 @@ class Residency:
 
     def room_error(self, model_id: str) -> ServiceUnavailableError | None:
         """The 503 for a request that gave up on ``model_id`` while its load was still
-        waiting for room (None: the load itself is under way)."""
-        size = self._wanted.get(model_id)
-        return None if size is None else self._unavailable(model_id, size)
+        waiting for room (None: the load itself is under way, or has its room now and
+        only has not woken yet to take it). A deadline can pass in the moment between a
+        model going idle, or an unload ending, and the load running again (a stalled
+        event loop makes it long): told then that busy models kept the load out, the
+        request read "busy: none", or the budget with nothing in use."""
+        wanted = self._wanted.get(model_id)
+        if wanted is None:
+            return None
+        size, evict = wanted
+        victims = self._victims(size)
+        if victims == [] or (victims and evict):
+            return None
+        return self._unavailable(model_id, size)
 
     def _trim(self, keep: str) -> None:
         """After a load whose size was not known beforehand: unload idle models until the
@@ -585,6 +596,13 @@ class Residency:
 
     def _unavailable(self, model_id: str, size: int) -> ServiceUnavailableError:
         busy = ", ".join(sorted(m for m in self.loaded if self.busy(m))) or "none"
+        # What else holds the room: other models' loads under way and unloads still
+        # freeing, named too, or a wait behind them read "busy: none", as if nothing did.
+        loading = sorted(m for m in self._reserved if m != model_id)
+        if loading:
+            busy += f"; loading: {', '.join(loading)}"
+        if self._unloading:
+            busy += f"; unloading: {len(self._unloading)}"
         if self._count() + 1 > self.max_loaded:
             limit = f"max_loaded ({self.max_loaded} models)"
         else:

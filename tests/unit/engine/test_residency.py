@@ -168,6 +168,64 @@ def test_a_load_waits_for_a_busy_model_to_become_idle() -> None:
     assert 0.199 <= waited < 2
 
 
+def test_a_request_giving_up_as_its_room_appears_is_told_the_load_is_under_way() -> None:
+    """A request whose deadline passes in the moment its load's room appeared, before the
+    load woke to take it, is 503 ``busy`` (the model is loading), not ``model_unavailable``
+    blaming busy models: that message named none ("busy: none"), or the budget with
+    nothing in use. A stalled event loop makes the moment long (a chaos run, max_loaded 1,
+    found both on a loaded machine)."""
+    async def main() -> None:
+        res, freed = residency(max_loaded=1)
+        a = Fake("a")
+        admit(res, a)
+        lease = res.hold(a, 300.0)  # type: ignore[arg-type]
+        load = asyncio.ensure_future(res.make_room("b", 10, time.monotonic() + 60))
+        await asyncio.sleep(0.01)  # waiting for a, which is busy
+        error = res.room_error("b")
+        assert error is not None and error.code == "model_unavailable"
+        assert "busy: a" in error.message
+        lease.release()  # a is idle: the load unloads it as soon as it runs again
+        assert res.room_error("b") is None
+        await load
+        await res.drain()
+        assert freed == ["a"]
+        assert res.room_error("b") is None  # found its room: no load waits for any
+
+        # The same once the room is there outright (the unload done, nothing loaded),
+        # and for a load that may not unload (a preload's) while an idle model is in
+        # its way: that one does wait for room.
+        res, _ = residency(max_loaded=1)
+        c = Fake("c")
+        admit(res, c)
+        lease = res.hold(c, 300.0)  # type: ignore[arg-type]
+        kept = asyncio.ensure_future(res.make_room("d", 10, time.monotonic() + 60,
+                                                   evict=False))
+        await asyncio.sleep(0.01)
+        lease.release()
+        error = res.room_error("d")
+        assert error is not None and "max_loaded (1 models)" in error.message
+        kept.cancel()
+
+    run(main)
+
+
+def test_a_load_waiting_behind_another_load_names_it_in_its_503() -> None:
+    """With ``max_loaded`` taken by another model's load under way (no model busy yet),
+    the 503 at the deadline names that load: it said only "busy: none", as if nothing
+    kept the model out (a chaos run with max_loaded 1 and four models in turn)."""
+    async def main() -> None:
+        res, _ = residency(max_loaded=1)
+        await res.make_room("a", 10, time.monotonic() + 1)  # reserved: a loads
+        with pytest.raises(ServiceUnavailableError) as info:
+            await res.make_room("b", 10, time.monotonic() + 0.05)
+        message = info.value.message
+        assert "max_loaded (1 models)" in message
+        assert "busy: none; loading: a" in message
+        res.unreserve("a")
+
+    run(main)
+
+
 def test_keep_alive_zero_forever_and_seconds() -> None:
     async def main() -> None:
         res, freed = residency()
