@@ -123,14 +123,22 @@ def _repo_id(folder: Path) -> str | None:
 
 
 def inspect(repo: str, revision: str = "main", cache: Path | None = None) -> CachedRepo | None:
-    """The repo's state in the cache (None: nothing of it is there)."""
+    """The repo's state in the cache (None: nothing of it is there). A repo removed while
+    it is read (a delete beside this one, ``afmd rm``) is not there: walking its folder as
+    it went raised FileNotFoundError, and the request that read it was a 500."""
     folder = repo_folder(repo, cache)
     if not folder.is_dir():
         return None
-    snapshot = snapshot_of(folder, revision)
-    if snapshot is None:
-        return CachedRepo(repo, folder, None, ("a snapshot",), 0)
-    return CachedRepo(repo, folder, snapshot, missing_files(snapshot), snapshot_size(snapshot))
+    try:
+        snapshot = snapshot_of(folder, revision)
+        if snapshot is None:
+            return CachedRepo(repo, folder, None, ("a snapshot",), 0)
+        return CachedRepo(repo, folder, snapshot, missing_files(snapshot),
+                          snapshot_size(snapshot))
+    except FileNotFoundError:
+        if folder.is_dir():
+            raise
+        return None
 
 
 def cached_repos(cache: Path | None = None) -> Iterator[CachedRepo]:

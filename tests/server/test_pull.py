@@ -415,3 +415,29 @@ def test_a_listing_that_names_no_commit_is_refused(hub: FakeHub, env: dict[str, 
     result = afmd(env, "pull", REPO)
     assert_clean_failure(result, f"did not name the commit of {REPO}@main")
     assert not [r for r in hub.log if "/resolve/" in r.path]
+
+
+def test_a_repo_removed_while_it_is_read_is_not_there(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delete renames the repo's folder away while another request reads it (several
+    ``/api/delete``s at once, ``afmd rm`` beside the server): walking the snapshot as it
+    went raised FileNotFoundError, and that request was a 500."""
+    from afmd.hub import cache as hubcache
+
+    commit = "c" * 40
+    folder = tmp_path / "models--test-org--racing"
+    snapshot = folder / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / "model.safetensors").write_bytes(b"x")
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(commit)
+    assert hubcache.complete_snapshot("test-org/racing", cache=tmp_path) == snapshot
+
+    def removed_meanwhile(path: Path) -> int:
+        # What os.scandir raises when the folder goes between rglob's look and its read.
+        folder.rename(tmp_path / ".models--test-org--racing.deleting")
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+
+    monkeypatch.setattr(hubcache, "snapshot_size", removed_meanwhile)
+    assert hubcache.inspect("test-org/racing", cache=tmp_path) is None
