@@ -495,14 +495,8 @@ def _document(block: dict[str, Any], p: str, strict: bool) -> str:
         if isinstance(content, str):
             body = content
         elif isinstance(content, list):
-            parts = []
-            for k, part in enumerate(content):
-                q = f"{p}.source.content[{k}]"
-                if _block_type(part, q, strict) != "text":
-                    raise invalid(f"{q}.type", "A document's content holds text blocks only "
-                                  "here ('text').")
-                parts.append(required(part, "text", f"{q}.text", str, "a string"))
-            body = "\n\n".join(parts)
+            body = _text_blocks(content, f"{p}.source.content", strict,
+                                "A document's content holds text blocks only here ('text').")
         elif content is None:
             raise missing(f"{p}.source.content")
         else:
@@ -530,14 +524,21 @@ def _search_result(block: dict[str, Any], p: str, strict: bool) -> str:
     title = required(block, "title", f"{p}.title", str, "a string")
     source = required(block, "source", f"{p}.source", str, "a string")
     content = required(block, "content", f"{p}.content", list, "an array of text blocks")
+    text = _text_blocks(content, f"{p}.content", strict,
+                        "A search result's content holds text blocks only ('text').")
+    return f"Search result: {title}\nSource: {source}\n\n" + text
+
+
+def _text_blocks(content: list[Any], p: str, strict: bool, refusal: str) -> str:
+    """Blocks (at ``p``) that may only be text, joined as paragraphs; another kind is a
+    400 saying ``refusal``."""
     parts = []
     for k, part in enumerate(content):
-        q = f"{p}.content[{k}]"
+        q = f"{p}[{k}]"
         if _block_type(part, q, strict) != "text":
-            raise invalid(f"{q}.type", "A search result's content holds text blocks only "
-                          "('text').")
+            raise invalid(f"{q}.type", refusal)
         parts.append(required(part, "text", f"{q}.text", str, "a string"))
-    return f"Search result: {title}\nSource: {source}\n\n" + "\n\n".join(parts)
+    return "\n\n".join(parts)
 
 
 def _tool_result(block: dict[str, Any], p: str, strict: bool,
