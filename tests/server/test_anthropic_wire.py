@@ -591,6 +591,26 @@ def test_a_conversation_in_afmds_terms() -> None:
     assert chat.ignored_fields == ("unknown_field",)  # named in X-AFM-Ignored-Fields
 
 
+def test_claude_codes_blank_text_blocks_are_read_as_nothing() -> None:
+    """Claude Code sends empty and whitespace-only text blocks beside real content (which
+    Anthropic refuses): afmd answers, and they leave no empty paragraph, nor a user turn
+    of spaces after the tool's answer."""
+    raw = json.dumps(body(max_tokens=5, tools=TOOLS, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                     {"type": "text", "text": ""}]},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": ""},
+            {"type": "tool_use", "id": "toolu_a", "name": "add", "input": {"a": 1, "b": 2}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_a",
+             "content": [{"type": "text", "text": " "}, {"type": "text", "text": "3"}]},
+            {"type": "text", "text": " \n"}]},
+    ])).encode()
+    chat = ANTHROPIC_MESSAGES.parse(raw)
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("user", "Hi"), ("assistant", None), ("tool", "3")]
+
+
 def _offered(**fields: Any) -> tuple[str, ...]:
     return tuple(t.name for t in ANTHROPIC_MESSAGES.parse(json.dumps(body(**fields)).encode())
                  .tools)

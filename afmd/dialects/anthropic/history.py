@@ -292,7 +292,7 @@ def parse_messages(value: Any, *, strict: bool = False) -> Conversation:
         for p, block in turn.blocks:
             kind = _block_type(block, p, strict)
             if kind == "text":
-                texts.append(required(block, "text", f"{p}.text", str, "a string"))
+                _add_text(texts, required(block, "text", f"{p}.text", str, "a string"))
             elif kind == "image":
                 pictures.append(ImageInput(_image(block, p, strict), f"{p}.source",
                                            len("\n\n".join(texts))))
@@ -537,8 +537,17 @@ def _text_blocks(content: list[Any], p: str, strict: bool, refusal: str) -> str:
         q = f"{p}[{k}]"
         if _block_type(part, q, strict) != "text":
             raise invalid(f"{q}.type", refusal)
-        parts.append(required(part, "text", f"{q}.text", str, "a string"))
+        _add_text(parts, required(part, "text", f"{q}.text", str, "a string"))
     return "\n\n".join(parts)
+
+
+def _add_text(texts: list[str], text: str) -> None:
+    """A text block joins the paragraphs unless it is blank. Anthropic refuses blank
+    blocks, yet Claude Code sends them (an empty hook output or tool answer beside the
+    real content): read as nothing, they neither fail its session nor leave an empty
+    paragraph or a turn of spaces in the prompt."""
+    if text.strip():
+        texts.append(text)
 
 
 def _tool_result(block: dict[str, Any], p: str, strict: bool,
@@ -559,7 +568,7 @@ def _tool_result(block: dict[str, Any], p: str, strict: bool,
             q = f"{p}.content[{k}]"
             kind = _block_type(part, q, strict)
             if kind == "text":
-                texts.append(required(part, "text", f"{q}.text", str, "a string"))
+                _add_text(texts, required(part, "text", f"{q}.text", str, "a string"))
             elif kind == "image":
                 images.append(ImageInput(_image(part, q, strict), f"{q}.source",
                                          len("\n\n".join(texts))))
