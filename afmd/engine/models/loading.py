@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import logging
 import os
@@ -75,6 +76,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     from afmd.engine.sharded.sharding import load_shard
     from afmd.engine.speculative.draft import load_draft
 
+    _freeze_imports()
     path = backend.current()  # an AFMD_BACKEND_LAYOUT that is not a choice fails the load
     backend.prepare_mlx()
     apply_memory_bounds(config.cache.mlx_buffer_cache_bytes)
@@ -162,6 +164,23 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         shard=shard,
         vision=vision,
     )
+
+
+_frozen = False
+
+
+def _freeze_imports() -> None:
+    """Take what the heavy imports made (hundreds of thousands of objects: modules,
+    functions, classes that live as long as the process) out of the garbage collector's
+    view, once. The collector runs holding the GIL, and a full collection walks every
+    tracked object: unloading a model collects (its modules hold cycles), and the
+    allocations of a load set off collections of their own, each of which stalled the
+    event loop for as long as the walk took. What is frozen is never collected, so this
+    happens before the first model's objects exist."""
+    global _frozen
+    if not _frozen:
+        _frozen = True
+        gc.freeze()
 
 
 def _load_system(entry: ModelEntry, config: Config) -> LoadedModel:
