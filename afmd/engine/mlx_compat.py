@@ -230,6 +230,12 @@ def _download() -> Callable[..., Any]:
     return _download
 
 
+def _load_tokenizer() -> Callable[..., Any]:
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer
+
+
 def _vlm_get_model_and_args() -> Callable[..., Any]:
     from mlx_vlm.utils import get_model_and_args
 
@@ -276,6 +282,8 @@ UPSTREAM_CODE: dict[str, tuple[Callable[[], Callable[..., Any] | type], str]] = 
     # load_tokenizer with the config's eos_token_id) as it does
     "mlx_lm.load": (lambda: mlx_lm.load, "3ecfb3a0d2a8a81a"),
     "mlx_lm.utils._download": (_download, "89796073210d7f1c"),
+    # afmd.engine.models.kept_tokenizers knows a tokenizer by the files this fetches
+    "mlx_lm.utils.load_tokenizer": (_load_tokenizer, "a1832454eb3ab228"),
     "mlx-vlm get_model_and_args": (_vlm_get_model_and_args, "27caa2efb3de4dd8"),
     "mlx-vlm get_model_type": (_vlm_get_model_type, "2168da8285ad58f9"),
 }
