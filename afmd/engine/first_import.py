@@ -1,9 +1,9 @@
 """transformers' first import, made on one thread before any other thread can begin one.
 
-afmd imports mlx-lm, mlx-vlm and ``llguidance.hf`` lazily, on whichever thread first needs
+afmd imports mlx-lm, mlx-vlm and transformers lazily, on whichever thread first needs
 them (a model's load, ``/api/tags`` describing a model or building the vision demo, a
 grammar's tokenizer), so that a server that has loaded no model stays small. All three
-import transformers, and transformers' package initialisation is not safe from two threads
+are or import transformers, and transformers' package initialisation is not safe from two threads
 at once: the second thread sees the package half set up and gets ``ImportError: cannot
 import name 'AutoProcessor' from 'transformers'``, which reached clients as a 500 on a
 fresh server (the default model loading while ``/api/tags`` built the vision demo). Once

@@ -31,6 +31,10 @@ What afmd needs from them, and how:
   whose ``model_type`` neither can build is refused before its load unloads other models;
   mlx-lm resolves the name through ``MODEL_REMAPPING`` and ``MODEL_ARCHITECTURE_REMAPPING``
   (``_get_classes``), mlx-vlm through ``get_model_type`` (``get_model_and_args``).
+* **A model's folder, then its parts** (:func:`model_path`): ``mlx_lm.load`` finds the
+  folder (downloading a Hugging Face repo) with ``_download``, then loads the model and
+  the tokenizer from it with the public ``load_model`` and ``load_tokenizer``. afmd takes
+  those steps itself, so that it can keep a tokenizer from one load of a model to the next.
 * **mlx-vlm's rotary state** (:func:`reset_rope_state`): Qwen2-VL-style language models
   keep the multimodal position ids and their offset (``_position_ids``, ``_rope_deltas``)
   from one generation to the next; a request without images would decode at the previous
@@ -42,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -132,6 +137,14 @@ def hf_tokenizer(tokenizer: Any) -> Any:
     return getattr(tokenizer, "_tokenizer", tokenizer)
 
 
+def model_path(source: str) -> Path:
+    """The folder of a model path or Hugging Face repo id, as ``mlx_lm.load`` finds it
+    (a repo not on disk yet is downloaded)."""
+    from mlx_lm.utils import _download
+
+    return _download(source)
+
+
 #: mlx-vlm language models' multimodal rotary state, kept across generations.
 ROPE_STATE = ("_position_ids", "_rope_deltas")
 
@@ -211,6 +224,18 @@ def _get_classes() -> Callable[..., Any]:
     return _get_classes
 
 
+def _download() -> Callable[..., Any]:
+    from mlx_lm.utils import _download
+
+    return _download
+
+
+def _load_tokenizer() -> Callable[..., Any]:
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer
+
+
 def _vlm_get_model_and_args() -> Callable[..., Any]:
     from mlx_vlm.utils import get_model_and_args
 
@@ -253,6 +278,12 @@ UPSTREAM_CODE: dict[str, tuple[Callable[[], Callable[..., Any] | type], str]] = 
     # unsupported_model_type resolves model_type through the same tables, then the
     # module each would import
     "mlx_lm.utils._get_classes": (_get_classes, "c5f60582f151ad98"),
+    # model_path is its first step; afmd's load takes the rest (load_model, then
+    # load_tokenizer with the config's eos_token_id) as it does
+    "mlx_lm.load": (lambda: mlx_lm.load, "3ecfb3a0d2a8a81a"),
+    "mlx_lm.utils._download": (_download, "89796073210d7f1c"),
+    # afmd.engine.models.kept_tokenizers knows a tokenizer by the files this fetches
+    "mlx_lm.utils.load_tokenizer": (_load_tokenizer, "a1832454eb3ab228"),
     "mlx-vlm get_model_and_args": (_vlm_get_model_and_args, "27caa2efb3de4dd8"),
     "mlx-vlm get_model_type": (_vlm_get_model_type, "2168da8285ad58f9"),
 }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import itertools
 import json
 import threading
@@ -99,39 +100,54 @@ class _Known:
 
 
 #: Per model tokenizer, weakly held: each load of a model has its own tokenizer, and an
-#: unloaded model's goes with everything built from it (its llguidance tokenizer, the
-#: matchers, the worker's copy), where holding them by ``id()`` kept them for the
-#: process's life, one set a load.
+#: unloaded model's goes with everything built from it (its matchers, the worker's copy),
+#: where holding them by ``id()`` kept them for the process's life, one set a load.
 _tokenizers: weakref.WeakKeyDictionary[Any, LLTokenizer] = weakref.WeakKeyDictionary()
 _tokenizers_lock = threading.Lock()
-#: By the llguidance tokenizer's ``id()``, while its model tokenizer lives (and so while
-#: it does: that id is not reused meanwhile).
+#: By the llguidance tokenizer's ``id()``, while a model tokenizer it was built for lives
+#: (and so while it does: that id is not reused meanwhile).
 _known: dict[int, _Known] = {}
 _keys = itertools.count(1)
 #: Prototypes kept per tokenizer: agents resend the same few tool sets.
 _PROTOTYPES = 64
+#: llguidance tokenizers kept by what they were built from, most recently used last, so
+#: that a model loaded again (``keep_alive: 0`` reloads it for every request) finds its
+#: own: building one runs in llguidance's native code without letting go of the GIL, and
+#: for as long as it takes every other thread (the event loop's included) waits. Each
+#: holds tens of megabytes at a 32k vocabulary, more at a larger one, outside any model's
+#: share of the budget: only the last few are kept.
+_built: OrderedDict[tuple[bytes, int, tuple[int, ...]], LLTokenizer] = OrderedDict()
+_BUILT = 2
 
 
 def llg_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> LLTokenizer:
-    """The llguidance view of a model's tokenizer, built once per tokenizer."""
-    # llguidance.hf imports transformers (~45 MB resident); only a loaded model needs it,
-    # so a server without one stays small.
+    """The llguidance view of a model's tokenizer, built once per tokenizer's content
+    (an earlier load's, if it had the same)."""
+    # transformers (~45 MB resident) comes with mlx-lm's tokenizer; only a loaded model
+    # needs it, so a server without one stays small.
     transformers_ready()
-    import llguidance.hf
-
     from afmd.engine.mlx_compat import hf_tokenizer
 
     with _tokenizers_lock:
         cached = _tokenizers.get(tokenizer)
-        if cached is None:
-            hf = hf_tokenizer(tokenizer)
-            cached = llguidance.hf.from_tokenizer(
-                hf, n_vocab=vocab_size, eos_token=sorted(eos_ids)
-            )
-            known = _Known(next(_keys), _source(hf, vocab_size, eos_ids))
-            _tokenizers[tokenizer] = cached
-            _known[id(cached)] = known
-            weakref.finalize(tokenizer, _forget, id(cached), known.key)
+        if cached is not None and id(cached) in _known:
+            return cached
+        text = _serialized(hf_tokenizer(tokenizer))
+        eos = tuple(sorted(eos_ids))
+        if cached is None:  # else its entry went with another model's tokenizer (below)
+            content = (hashlib.sha256(text.encode()).digest(), vocab_size, eos)
+            cached = _built.pop(content, None)
+            if cached is None:
+                cached = LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos))
+            _built[content] = cached
+            while len(_built) > _BUILT:
+                _built.popitem(last=False)
+        # An entry of its own even where a live tokenizer of the same content has one
+        # (two models on the same files): each entry goes with its tokenizer.
+        known = _Known(next(_keys), TokenizerSource(text, vocab_size, eos))
+        _tokenizers[tokenizer] = cached
+        _known[id(cached)] = known
+        weakref.finalize(tokenizer, _forget, id(cached), known.key)
         return cached
 
 
@@ -145,12 +161,22 @@ def _forget(llg_id: int, key: int) -> None:
     compile_worker().forget(key)
 
 
-def _source(hf: Any, vocab_size: int, eos_ids: Sequence[int]) -> TokenizerSource:
-    """The tokenizer as llguidance.hf serializes it, for the compile worker."""
-    backend = copy.copy(hf.backend_tokenizer)
-    backend.no_padding()
-    backend.no_truncation()
-    return TokenizerSource(backend.to_str(), vocab_size, tuple(sorted(eos_ids)))
+def _serialized(hf: Any) -> str:
+    """The tokenizer as llguidance.hf serializes it (with the added tokens of
+    ``tokenizer_config.json``, which ``tokenizer.json`` may lack), without padding or
+    truncation. Copying the Rust tokenizer to strip those holds the GIL longer than
+    serializing it does, so it is copied only when it has either."""
+    import transformers
+
+    if not isinstance(hf, transformers.PreTrainedTokenizerFast):
+        raise ValueError("Only fast tokenizers are supported")  # as llguidance.hf says
+    backend = hf.backend_tokenizer
+    if backend.padding is not None or backend.truncation is not None:
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+    text: str = backend.to_str()
+    return text
 
 
 def _validate(grammar: str, tokenizer: LLTokenizer) -> tuple[bool, tuple[str, ...]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import logging
 import os
@@ -61,7 +62,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     transformers_ready()
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm import load as mlx_load
+    from mlx_lm.utils import load_model
 
     from afmd.engine.batch import backend
     from afmd.engine.batch.cpu_layout import relayout_for_cpu
@@ -70,11 +71,14 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     from afmd.engine.embedding_thread import Embedder
     from afmd.engine.kvcache import folder as kv_folder
     from afmd.engine.kvcache.identity import model_identity
+    from afmd.engine.mlx_compat import model_path
+    from afmd.engine.models.kept_tokenizers import tokenizer_for
     from afmd.engine.models.memory import apply_memory_bounds
     from afmd.engine.sharded import lockstep
     from afmd.engine.sharded.sharding import load_shard
     from afmd.engine.speculative.draft import load_draft
 
+    _freeze_imports()
     path = backend.current()  # an AFMD_BACKEND_LAYOUT that is not a choice fails the load
     backend.prepare_mlx()
     apply_memory_bounds(config.cache.mlx_buffer_cache_bytes)
@@ -110,7 +114,11 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
             )
         else:
             group = None
-            model, tokenizer, model_config = mlx_load(source, return_config=True)  # type: ignore[misc]  # mlx-lm types load() 2- or 3-tuple whatever return_config says
+            # mlx_lm.load's steps, with the tokenizer of an earlier load of the same files
+            # where there was one (loading it again stalls every other thread).
+            loaded_from = model_path(source)
+            model, model_config = load_model(loaded_from)
+            tokenizer = tokenizer_for(loaded_from, model_config.get("eos_token_id"))
         _check_tokenizer(tokenizer, source)
         # A repo's files are on disk now: its folder can say what kind of model it is.
         kind, spec = kinds.resolve(entry, folder or kinds.model_folder(entry.path), model_config)
@@ -162,6 +170,25 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
         shard=shard,
         vision=vision,
     )
+
+
+_frozen = False
+
+
+def _freeze_imports() -> None:
+    """Take what the heavy imports made (hundreds of thousands of objects: modules,
+    functions, classes that live as long as the process) out of the garbage collector's
+    view, once. The collector runs holding the GIL, and a full collection walks every
+    tracked object: unloading a model collects (its modules hold cycles), and the
+    allocations of a load set off collections of their own, each of which stalled the
+    event loop for as long as the walk took. What is frozen is never collected (a cycle
+    among frozen objects stays for good, even once unreachable), so this happens before
+    the first model's objects exist, after a collection of what is garbage already."""
+    global _frozen
+    if not _frozen:
+        _frozen = True
+        gc.collect()
+        gc.freeze()
 
 
 def _load_system(entry: ModelEntry, config: Config) -> LoadedModel:
