@@ -532,7 +532,7 @@ def _search_result(block: dict[str, Any], p: str, strict: bool) -> str:
 def _text_blocks(content: list[Any], p: str, strict: bool, refusal: str) -> str:
     """Blocks (at ``p``) that may only be text, joined as paragraphs; another kind is a
     400 saying ``refusal``."""
-    parts = []
+    parts: list[str] = []
     for k, part in enumerate(content):
         q = f"{p}[{k}]"
         if _block_type(part, q, strict) != "text":
@@ -563,7 +563,7 @@ def _tool_result(block: dict[str, Any], p: str, strict: bool,
     elif isinstance(content, str):
         text = content
     elif isinstance(content, list):
-        texts = []
+        texts: list[str] = []
         for k, part in enumerate(content):
             q = f"{p}.content[{k}]"
             kind = _block_type(part, q, strict)
