@@ -86,6 +86,63 @@ def installed() -> Path:
     return folder
 
 
+def opencode_config() -> Path | None:
+    """A folder to copy as OpenCode's config folder (``$XDG_CONFIG_HOME/opencode``): what
+    OpenCode installs there on its first start, its plugin package at its own version,
+    installed here once (beside the agents, under their lock) from the same npm cache.
+
+    OpenCode's first start in a fresh home npm-installs that package (a few dozen
+    packages from the registry) before it sends a request: every test run paid that, on
+    the CPU the servers share, and needed the registry mid-test. A home whose config
+    folder holds it is one where OpenCode has run before, as on a user's machine; what
+    it sends afmd is the same. None when the install fails (OpenCode then installs the
+    package itself, as it does in a fresh home)."""
+    version = json.loads(PINS.read_bytes())["dependencies"]["opencode-ai"]
+    root = cache_root()
+    folder = root / f"opencode-config-{version}"
+    marker = folder / ".installed"
+    with _locked(root / "agents.lock"):
+        if not marker.is_file():
+            staging = Path(tempfile.mkdtemp(prefix=".opencode-config-", dir=root))
+            try:
+                (staging / "package.json").write_text(json.dumps(
+                    {"dependencies": {"@opencode-ai/plugin": version}}, indent=2) + "\n")
+                try:
+                    done = subprocess.run(
+                        ["npm", "install", "--no-audit", "--no-fund", "--loglevel=error",
+                         "--cache", str(root / "npm")],
+                        cwd=staging, check=False, stdin=subprocess.DEVNULL,
+                        capture_output=True, timeout=300)
+                except subprocess.TimeoutExpired:
+                    return None
+                if done.returncode != 0:
+                    return None
+                shutil.rmtree(folder, ignore_errors=True)
+                os.rename(staging, folder)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+            marker.write_text(version + "\n")
+    return folder
+
+
+def copy_opencode_config(dest: Path) -> None:
+    """``dest`` (a home's ``$XDG_CONFIG_HOME/opencode``) made from :func:`opencode_config`:
+    hard links where the file system allows, as the installed files are only read (npm
+    replaces files, never writes one in place); nothing when there is none."""
+    source = opencode_config()
+    if source is None:
+        return
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:  # another file system
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source, dest, copy_function=link, symlinks=True,
+                    ignore=shutil.ignore_patterns(".installed"))
+
+
 class RegistryUnreachable(Exception):
     """pip could not reach the package index: the one reason a pinned tool may be skipped."""
 

@@ -89,6 +89,7 @@ def _opencode(folder: Path, url: str, work: Path, env: dict[str, str]) -> list[l
             "models": {MODEL: {"name": MODEL}}}},
         "model": f"afmd/{MODEL}", "autoupdate": False, "share": "disabled"}))
     home = Path(env["HOME"])
+    agents.copy_opencode_config(home / ".config" / "opencode")
     env.update({"XDG_CONFIG_HOME": str(home / ".config"),
                 "XDG_DATA_HOME": str(home / ".local" / "share"),
                 "XDG_CACHE_HOME": str(home / ".cache"),
