@@ -110,6 +110,19 @@ def afmd_command() -> list[str]:
     return [sys.executable, "-m", "afmd"]
 
 
+def run_afmd(args: Sequence[str], *, env: dict[str, str], cwd: str | Path, timeout: float,
+             input: str | None = None, stdin: int | None = None,
+             ) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([*afmd_command(), *args], capture_output=True, text=True, ...)``
+    for a short CLI command: forked from a warm interpreter (:func:`helpers.zygote.run`)
+    where that is the same as a fresh start for what afmd does, plainly otherwise."""
+    done = zygote.run(args, env=env, cwd=str(cwd), timeout=timeout, input=input, stdin=stdin)
+    if done is not None:
+        return done
+    return subprocess.run([*afmd_command(), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=str(cwd), input=input, stdin=stdin)
+
+
 def start_server(
     tmp_path: Path,
     *,

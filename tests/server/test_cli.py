@@ -15,6 +15,7 @@ import pytest
 import afmd
 
 from conftest import ROOT, afmd_command, start_server
+from helpers.servers import run_afmd
 
 pytestmark = pytest.mark.slow  # a CLI subprocess per test, servers stopped by signals
 
@@ -32,15 +33,7 @@ def _env() -> dict[str, str]:
 
 
 def afmd_run(*args: str, cwd: Path = ROOT, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*afmd_command(), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=_env(),
-        cwd=str(cwd),
-        stdin=subprocess.DEVNULL,
-    )
+    return run_afmd(args, env=_env(), cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 # ---------------------------------------------------------------------------- help, version

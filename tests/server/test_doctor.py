@@ -19,7 +19,8 @@ from afmd.cli import doctor, doctor_report, port_owners
 from afmd.config.load import BREW_PREFIXES
 from afmd.ports import free_ports
 
-from conftest import ROOT, ServerProcess, afmd_command, start_server
+from conftest import ROOT, ServerProcess, start_server
+from helpers.servers import run_afmd
 
 pytestmark = pytest.mark.slow  # CLI subprocesses and servers
 
@@ -35,10 +36,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _doctor_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*afmd_command(), "doctor", *args], capture_output=True, text=True, timeout=60,
-        env=env, cwd=str(ROOT), stdin=subprocess.DEVNULL,
-    )
+    return run_afmd(["doctor", *args], env=env, cwd=ROOT, timeout=60, stdin=subprocess.DEVNULL)
 
 
 def _no_brew_config() -> bool:

@@ -19,7 +19,8 @@ import pytest
 
 from afmd.cli import doctor
 
-from conftest import ROOT, ServerProcess, afmd_command, start_server
+from conftest import ROOT, ServerProcess, start_server
+from helpers.servers import run_afmd
 
 pytestmark = pytest.mark.slow  # servers and CLI subprocesses
 
@@ -88,9 +89,8 @@ def test_loopback_shows_the_details(keyed: ServerProcess) -> None:
 def _cli(*args: str, config: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AFMD_")}
     env["HOMEBREW_PREFIX"] = "/nonexistent-afmd-test-prefix"
-    return subprocess.run([*afmd_command(), *args, "--config", str(config)],
-                          capture_output=True, text=True, timeout=60, env=env, cwd=str(ROOT),
-                          stdin=subprocess.DEVNULL)
+    return run_afmd([*args, "--config", str(config)], env=env, cwd=ROOT, timeout=60,
+                    stdin=subprocess.DEVNULL)
 
 
 def test_doctor_and_ps_send_the_key(keyed: ServerProcess, outside: str,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from afmd.ports import free_ports
 
 from conftest import ROOT, ServerProcess, start_server
 from helpers.hub import FakeHub, safetensors_bytes
+from helpers.servers import run_afmd
 
 pytestmark = pytest.mark.slow  # the hub stand-in, CLI subprocesses and a server
 
@@ -80,8 +80,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str],
 
 def afmd(env: dict[str, str], *args: str, stdin: str | None = None
          ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "afmd", *args], env=env, input=stdin,
-                          capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    return run_afmd(args, env=env, input=stdin, timeout=120, cwd=ROOT)
 
 
 def as_json(result: subprocess.CompletedProcess[str]) -> Any:

@@ -25,6 +25,7 @@ from afmd.ports import free_ports
 
 from conftest import ROOT
 from helpers.hub import FakeHub, safetensors_bytes
+from helpers.servers import run_afmd
 
 pytestmark = pytest.mark.slow  # the hub stand-in and pulls through huggingface_hub
 
@@ -64,8 +65,7 @@ def env(tmp_path: Path, hub: FakeHub) -> dict[str, str]:
 
 def afmd(env: dict[str, str], *args: str, stdin: str | None = None,
          timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "afmd", *args], env=env, input=stdin,
-                          capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+    return run_afmd(args, env=env, input=stdin, timeout=timeout, cwd=ROOT)
 
 
 def cache_of(env: dict[str, str]) -> Path:
