@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import start_server
+from conftest import ROOT, afmd_command, start_server
 from helpers import zygote
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -62,3 +65,44 @@ def test_an_environment_read_at_import_starts_plainly(tmp_path: Path) -> None:
     finally:
         server.stop()
 
+
+
+@pytest.mark.parametrize(("args", "input"), [
+    (["version"], None), (["--bogus"], None), (["list", "--json"], None),
+    (["check-config", "config.example.toml"], None), (["check-config", "missing.toml"], None),
+    (["rm", "test-org/not-pulled"], "n\n"),
+])
+def test_a_forked_cli_command_is_a_fresh_one(args: list[str], input: str | None) -> None:
+    """Exit code, stdout and stderr (stdin piped) as ``python -m afmd`` gives them."""
+    env = _env(HF_HOME="/nonexistent-hf-home", HOMEBREW_PREFIX="/nonexistent-prefix")
+    forked = zygote.run(args, env=env, cwd=str(ROOT), timeout=60, input=input)
+    assert forked is not None
+    fresh = subprocess.run([*afmd_command(), *args], capture_output=True, text=True,
+                           timeout=60, env=env, cwd=str(ROOT), input=input)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (
+        fresh.returncode, fresh.stdout, fresh.stderr)
+
+
+def test_cli_zygotes_follow_what_is_read_at_import(tmp_path: Path) -> None:
+    """One zygote per environment as read at import; HF_* and AFMD_* are read later."""
+    env = _env(PYTHONPATH=str(ROOT))
+    zygote.run(["version"], env=env, cwd=str(tmp_path), timeout=60)
+    count = len(zygote._CLI_ZYGOTES)
+    for extra in ({"HF_HOME": str(tmp_path)}, {"AFMD_LOG_LEVEL": "debug"}):
+        done = zygote.run(["version"], env={**env, **extra}, cwd=str(tmp_path), timeout=60)
+        assert done is not None and done.returncode == 0
+    assert len(zygote._CLI_ZYGOTES) == count
+    zygote.run(["version"], env={**env, "PYTHONWARNINGS": "error"}, cwd=str(tmp_path),
+               timeout=60)
+    assert len(zygote._CLI_ZYGOTES) == count + 1
+
+
+def test_a_cli_child_past_its_timeout_is_killed() -> None:
+    """As subprocess.run does: TimeoutExpired, the child killed (its pipes closed)."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired):
+            zygote.run(["ps", "--url", url, "--timeout", "30"], env=_env(), cwd=str(ROOT),
+                       timeout=1)
+        assert time.monotonic() - started < 20
