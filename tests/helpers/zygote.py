@@ -111,6 +111,7 @@ def _run_child(spec: dict[str, Any], fds: list[int], inherited: list[socket.sock
                cli: bool = False) -> None:
     """In the forked child: become ``python -m afmd <argv>``; never returns."""
     code = 1
+    interrupted = False
     try:
         signal.set_wakeup_fd(-1)
         for sock in inherited:
@@ -141,28 +142,22 @@ def _run_child(spec: dict[str, Any], fds: list[int], inherited: list[socket.sock
             if exc.code is not None and not isinstance(exc.code, int):
                 print(exc.code, file=sys.stderr)  # as the interpreter reports sys.exit("...")
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if cli:
-            _exit_as_python_does()
-    except KeyboardInterrupt:
-        import traceback
-
-        traceback.print_exc()
-        if cli:  # an interrupted interpreter ends by SIGINT, as Popen reports it (-2)
-            with contextlib.suppress(Exception):
-                sys.stdout.flush()
-                sys.stderr.flush()
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        code = 1
-    except BaseException:
+    except BaseException as exc:
         import traceback
 
         traceback.print_exc()
         code = 1
+        interrupted = isinstance(exc, KeyboardInterrupt)
     finally:
+        if cli:
+            with contextlib.suppress(BaseException):
+                _exit_as_python_does()
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
+        if cli and interrupted:  # an interrupted interpreter ends by SIGINT (Popen: -2)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         os._exit(code)
 
 
@@ -179,7 +174,7 @@ def serve_forks(path: str, cli: bool = False) -> None:
         __import__(name)
     if cli:
         loaded = [name for name in CLI_NOT_PRELOADED if name in sys.modules]
-        assert not loaded, f"the CLI zygote imported {loaded}: they read HF_* at import"
+        assert not loaded, f"the CLI zygote imported {loaded} (see CLI_NOT_PRELOADED)"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(16)
