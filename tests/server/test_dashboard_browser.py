@@ -56,9 +56,18 @@ def page(browser: Any, dash: ServerProcess) -> Iterator[Watched]:
         watched.check()
 
 
+#: How long an ``expect`` waits for the page to show what it asserts.
+EXPECT_TIMEOUT_MS = 15_000
+
+
 def _expect() -> Any:
+    """Playwright's ``expect``, waiting up to EXPECT_TIMEOUT_MS: its default of 5 s is
+    less than a page polling every second may take to show a change on two cores that
+    the whole suite shares with this browser and its server (a wait, not a bound the
+    dashboard is held to)."""
     from playwright.sync_api import expect
 
+    expect.set_options(timeout=EXPECT_TIMEOUT_MS)
     return expect
 
 
