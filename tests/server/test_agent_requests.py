@@ -11,6 +11,7 @@ has none); each such request names the source it was read from."""
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 from urllib.parse import unquote
 
@@ -68,6 +69,33 @@ def test_claude_code(http: httpx.Client, index: int) -> None:
     without = {**count, "messages": [m for m in body["messages"] if m["role"] != "system"]}
     fewer = http.post("/v1/messages/count_tokens", json=without).json()["input_tokens"]
     assert counted.json()["input_tokens"] > fewer
+
+
+def test_claude_code_billing_header_keeps_the_prefix_cache(http: httpx.Client) -> None:
+    """Claude Code opens its system prompt with an attribution block, ``x-anthropic-
+    billing-header: cc_version=<version>.<3 hex>; ...``, whose hex is a hash of its
+    conversation's first user message (and a sub-agent adds ``cc_is_subagent=true;``).
+    Rendered, it made every other session and every sub-agent miss the whole prefix
+    cache after its first few tokens: the system prompt and the tools behind it, most of
+    the prompt, prefilled again. Anthropic reads the block as attribution, not prompt;
+    afmd leaves it out, so two sessions share their prefix."""
+    request = requests_of("claude_code")[0]
+    unique = f"run {uuid.uuid4().hex}: " + "Follow the repository's conventions. " * 40
+    usages = []
+    for header in ("cc_version=2.1.332.0b8; cc_entrypoint=sdk-cli;",
+                   "cc_version=2.1.332.f13; cc_entrypoint=sdk-cli; cc_is_subagent=true;"):
+        system = [{"type": "text", "text": f"x-anthropic-billing-header: {header}"},
+                  *request["body"]["system"][1:]]
+        system[1] = {**system[1], "text": unique}
+        body = {**request["body"], "system": system, "max_tokens": 8, "stream": False}
+        response = http.post(request["path"], json=body, headers=request["headers"])
+        assert response.status_code == 200, response.text
+        usages.append(response.json()["usage"])
+    first, second = usages
+    whole = first["input_tokens"] + first["cache_read_input_tokens"]
+    assert second["input_tokens"] + second["cache_read_input_tokens"] == whole
+    # Everything up to the first user message's own text, at least: the system prompt.
+    assert second["cache_read_input_tokens"] > whole - 60, (first, second)
 
 
 def test_codex(http: httpx.Client) -> None:

@@ -142,12 +142,29 @@ class _Turn:
     effort: str | None = None
 
 
+#: How Claude Code's attribution block starts: ``x-anthropic-billing-header: cc_version=
+#: <version>.<3 hex>; cc_entrypoint=<name>;`` (and more fields), the hex a hash of the
+#: conversation's first user message, a sub-agent's with ``cc_is_subagent=true;``.
+_BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _without_billing_header(text: str) -> str:
+    """``text`` less the attribution line it opens with, if any: attribution for
+    Anthropic's billing, nothing the model is asked. Rendered first in the prompt, it
+    differed between sessions and between a session and its sub-agents, and so kept each
+    from the prefix cache of the system prompt and tools behind it."""
+    if not text.startswith(_BILLING_HEADER):
+        return text
+    return text.partition("\n")[2].lstrip("\n")
+
+
 def parse_system(value: Any, *, strict: bool = False) -> tuple[Message, ...]:
-    """The system prompt: a string or text blocks (joined by blank lines); ``strict``
-    refuses a block's unknown key."""
+    """The system prompt: a string or text blocks (joined by blank lines), less a leading
+    attribution line (``_BILLING_HEADER``); ``strict`` refuses a block's unknown key."""
     if value is None:
         return ()
     if isinstance(value, str):
+        value = _without_billing_header(value)
         return (Message("system", value),) if value else ()
     if not isinstance(value, list):
         raise wrong_type("system", "a string or an array of text blocks", value)
@@ -163,6 +180,8 @@ def parse_system(value: Any, *, strict: bool = False) -> tuple[Message, ...]:
         if strict:
             _refuse_extra(block, _TEXT_KEYS, f"{p}.")
         texts.append(required(block, "text", f"{p}.text", str, "a string"))
+    if texts:
+        texts[0] = _without_billing_header(texts[0])
     text = "\n\n".join(t for t in texts if t)
     return (Message("system", text),) if text else ()
 
