@@ -69,17 +69,7 @@ def installed() -> Path:
     marker = folder / ".installed"
     with _locked(root / "agents.lock"):
         if not marker.is_file():
-            staging = Path(tempfile.mkdtemp(prefix=".agents-", dir=root))
-            try:
-                (staging / "package.json").write_bytes(pins)
-                subprocess.run(
-                    ["npm", "install", "--no-audit", "--no-fund", "--loglevel=error",
-                     "--cache", str(root / "npm")],
-                    cwd=staging, check=True, stdin=subprocess.DEVNULL, timeout=900)
-                shutil.rmtree(folder, ignore_errors=True)
-                os.rename(staging, folder)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
+            _npm_install(folder, pins, timeout=900, quiet=False)
             marker.write_text(json.dumps(json.loads(pins)["dependencies"]) + "\n")
         for name in SCRIPTS:
             shutil.copyfile(PINS.parent / name, folder / name)
@@ -101,28 +91,36 @@ def opencode_config() -> Path | None:
     root = cache_root()
     folder = root / f"opencode-config-{version}"
     marker = folder / ".installed"
+    package = json.dumps({"dependencies": {"@opencode-ai/plugin": version}}, indent=2) + "\n"
     with _locked(root / "agents.lock"):
         if not marker.is_file():
-            staging = Path(tempfile.mkdtemp(prefix=".opencode-config-", dir=root))
             try:
-                (staging / "package.json").write_text(json.dumps(
-                    {"dependencies": {"@opencode-ai/plugin": version}}, indent=2) + "\n")
-                try:
-                    done = subprocess.run(
-                        ["npm", "install", "--no-audit", "--no-fund", "--loglevel=error",
-                         "--cache", str(root / "npm")],
-                        cwd=staging, check=False, stdin=subprocess.DEVNULL,
-                        capture_output=True, timeout=300)
-                except subprocess.TimeoutExpired:
-                    return None
-                if done.returncode != 0:
-                    return None
-                shutil.rmtree(folder, ignore_errors=True)
-                os.rename(staging, folder)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
+                _npm_install(folder, package.encode(), timeout=300, quiet=True)
+            except (subprocess.SubprocessError, OSError):
+                return None
             marker.write_text(version + "\n")
     return folder
+
+
+def _npm_install(folder: Path, package: bytes, *, timeout: float, quiet: bool) -> None:
+    """``package`` (a package.json) installed into ``folder`` from the suite's npm cache,
+    in a staging folder renamed into place once npm succeeded, so that an install cut
+    short never passes for a finished one; a failure raises. ``quiet`` keeps npm's output
+    out of the test's log (an install whose failure only costs time); the agents' own
+    shows there. The caller holds the agents' lock."""
+    root = cache_root()
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=root))
+    try:
+        (staging / "package.json").write_bytes(package)
+        subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--loglevel=error",
+             "--cache", str(root / "npm")],
+            cwd=staging, check=True, stdin=subprocess.DEVNULL, capture_output=quiet,
+            timeout=timeout)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.rename(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def copy_opencode_config(dest: Path) -> None:
