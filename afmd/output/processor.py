@@ -57,6 +57,12 @@ class ToolFormat:
         found = self.reader_family
         return found is not None and found.channels
 
+    @property
+    def start_alone_opens(self) -> bool:
+        """Only ``start`` opens a call (the generic reader reads calls between markers)."""
+        found = self.reader_family
+        return bool(self.start) and (found is None or found.start_alone_opens)
+
 
 class OutputProcessor:
     def __init__(

@@ -61,6 +61,8 @@ class ModelFormats:
     syntax: CallGrammar | None  # None: its calls cannot be forced
     #: The reasoning block's tokens, harmony's analysis channel included, for the count.
     reasoning: ReasoningMarkers | None = None
+    #: The call format's ``start`` where it is one token: what ``tool_choice: "none"`` bans.
+    start_token: int | None = None
 
     @property
     def channels(self) -> bool:
@@ -94,6 +96,7 @@ def model_formats(model: LoadedModel) -> ModelFormats:
         None if channels else thinking,
         for_family(name, array_calls=detect.array_calls(vocab)),
         _reasoning_markers(HARMONY_ANALYSIS if channels else thinking),
+        model.single_token(tool_format.start) if tool_format and tool_format.start else None,
     )
     with _formats_lock:
         _formats[tokenizer] = found
@@ -102,6 +105,21 @@ def model_formats(model: LoadedModel) -> ModelFormats:
 
 def _reasoning_markers(markers: tuple[str, str] | None) -> ReasoningMarkers | None:
     return ReasoningMarkers(*markers) if markers is not None and all(markers) else None
+
+
+def shows_tools(request: ChatRequest, model: LoadedModel) -> bool:
+    """Whether the prompt lists the request's tools. ``tool_choice: "none"`` lists them
+    too, as OpenAI and Anthropic do (the model knows of tools it may not call, and the
+    prompt keeps the prefix of the turns that could call, for the prefix cache), where
+    banning the call format's one start token keeps every call out. Elsewhere they are
+    left out, so that nothing draws the model to a call it could still write."""
+    if not request.tools:
+        return False
+    if request.tool_choice.mode != "none":
+        return True
+    formats = model_formats(model)
+    return (formats.start_token is not None and formats.tool_format is not None
+            and formats.tool_format.start_alone_opens)
 
 
 def template_kwargs(request: ChatRequest, model: LoadedModel) -> dict[str, Any]:
@@ -341,9 +359,8 @@ def plan_output(
                             required=formats.channels)
 
     if not tools_on:
-        if tool_format is not None and request.tools and tool_format.start:
-            banned = model.single_token(tool_format.start)
-            plan.ban = (banned,) if banned is not None else ()
+        if request.tools and formats.start_token is not None:
+            plan.ban = (formats.start_token,)
         if formats.channels:
             plan.tool_format, plan.calls_on = tool_format, False
     else:

@@ -24,7 +24,13 @@ from afmd.errors import ContextLengthError, InvalidRequestError
 from afmd.service import image_pool
 from afmd.service.chat_template import template_messages, template_tools
 from afmd.service.context_trim import droppable_units, without_units
-from afmd.service.output_plan import OutputPlan, check_schemas, plan_output, template_kwargs
+from afmd.service.output_plan import (
+    OutputPlan,
+    check_schemas,
+    plan_output,
+    shows_tools,
+    template_kwargs,
+)
 
 
 @dataclass(slots=True)
@@ -157,7 +163,7 @@ class RoundBuilder:
         vision = self.model.vision
         messages = template_messages(request.messages, instructions=self._instructions,
                                      images=vision is not None)
-        tools = self._tools if request.tools and request.tool_choice.mode != "none" else None
+        tools = self._tools if shows_tools(request, self.model) else None
         # The client's chat_template_kwargs win over what afmd derives (reasoning_effort).
         kwargs = {**template_kwargs(request, self.model), **request.chat_template_kwargs}
         try:

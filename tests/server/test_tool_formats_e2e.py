@@ -202,6 +202,34 @@ def test_free_turns_keep_markup_out_of_content(models: Models, spec: Spec) -> No
         assert finish(events) in ("stop", "length", "tool_calls")
 
 
+def usage(events: list[Event]) -> Usage:
+    return next(e for e in events if isinstance(e, Usage))
+
+
+@pytest.mark.parametrize("spec", FAMILIES, ids=lambda s: s.id)
+def test_tool_choice_none_lists_the_tools_where_no_call_can_open(
+    models: Models, spec: Spec
+) -> None:
+    """``none`` keeps the tools in the prompt (as OpenAI does; the prefix of the turns that
+    could call stays cached) in every family whose calls open only with one start token,
+    which is then banned. Harmony's and Llama 3.1's calls can open without one, and
+    MiniCPM5's and Kimi K3's open with text over several tokens: there the tools are left
+    out. Either way no call is made."""
+    body: dict[str, Any] = {"seed": 0, "max_tokens": 1, "reasoning_effort": "none"}
+    listed = usage(models.run(spec, **body)).prompt_tokens
+    bare = usage(models.run(spec, **body, tools=None)).prompt_tokens
+    assert listed > bare
+    hidden = spec.id in ("harmony", "llama3", "minicpm5", "kimi_k3")
+    start = model_formats(models.model(spec)).tool_format.start  # type: ignore[union-attr]
+    for events in models.run_seeds(spec, SEEDS[:2], reasoning_effort="none", max_tokens=60,
+                                   tool_choice="none"):
+        assert not [e for e in events if isinstance(e, ToolCallStart)]
+        assert finish(events) in ("stop", "length")
+        assert usage(events).prompt_tokens == (bare if hidden else listed)
+        if not hidden:
+            assert start not in "".join(e.text for e in events if isinstance(e, Content))
+
+
 @pytest.mark.parametrize("spec", FAMILIES, ids=lambda s: s.id)
 def test_tool_loop_renders_history_in_the_family_markup(models: Models, spec: Spec) -> None:
     first = models.run(spec, tool_choice="required", parallel_tool_calls=False, seed=7,

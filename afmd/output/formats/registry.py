@@ -28,6 +28,10 @@ class Family:
     incremental_json: bool = False
     channels: bool = False  # the markup carries reasoning too (no thinking markers)
     call_id: Callable[[str, int], str] | None = None  # ids the family's template expects
+    # No call opens without ``start``, so banning it (one token) keeps every call out:
+    # ``tool_choice: "none"`` can then leave the tools in the prompt, as OpenAI does.
+    # Llama 3.1's JSON calls also open as plain text (``{"name": …``).
+    start_alone_opens: bool = True
 
 
 def _tagged(name: str, syntax: tagged.TagSyntax) -> Family:
@@ -54,8 +58,8 @@ FAMILIES: dict[str, Family] = {
         Family("gemma4", gemma.GEMMA4.start, gemma.GEMMA4.end, gemma.reader(gemma.GEMMA4)),
         Family("function_gemma", gemma.FUNCTION_GEMMA.start, gemma.FUNCTION_GEMMA.end,
                gemma.reader(gemma.FUNCTION_GEMMA)),
-        Family("harmony", "", "", harmony.reader, channels=True),
-        Family("llama3_json", llama.PYTHON_TAG, "", llama.reader),
+        Family("harmony", "", "", harmony.reader, channels=True, start_alone_opens=False),
+        Family("llama3_json", llama.PYTHON_TAG, "", llama.reader, start_alone_opens=False),
     )
 }
 
