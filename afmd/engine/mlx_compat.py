@@ -35,6 +35,10 @@ What afmd needs from them, and how:
   folder (downloading a Hugging Face repo) with ``_download``, then loads the model and
   the tokenizer from it with the public ``load_model`` and ``load_tokenizer``. afmd takes
   those steps itself, so that it can keep a tokenizer from one load of a model to the next.
+  ``mlx_vlm.load`` likewise: the model (:func:`vlm_model`), then its processor
+  (:func:`vlm_processor`: the image processor of the model's module, and
+  ``load_processor`` with the end ids of the model's config), taken apart so that a vision
+  model's processor is kept too.
 * **mlx-vlm's rotary state** (:func:`reset_rope_state`): Qwen2-VL-style language models
   keep the multimodal position ids and their offset (``_position_ids``, ``_rope_deltas``)
   from one generation to the next; a request without images would decode at the previous
@@ -145,6 +149,26 @@ def model_path(source: str) -> Path:
     return _download(source)
 
 
+def vlm_model(folder: Path) -> Any:
+    """The vision model in ``folder``, loaded as ``mlx_vlm.load`` loads it (its weights
+    evaluated, every one required)."""
+    from mlx_vlm.utils import load_model
+
+    return load_model(folder, False, strict=True)
+
+
+def vlm_processor(folder: Path, eos_token_ids: Any) -> Any:
+    """The processor ``mlx_vlm.load`` gives the model in ``folder``, whose config's end
+    ids are ``eos_token_ids`` (the loaded model's ``config.eos_token_id``)."""
+    from mlx_vlm.utils import load_image_processor, load_processor
+
+    image_processor = load_image_processor(folder)
+    processor = load_processor(folder, True, eos_token_ids=eos_token_ids)
+    if image_processor is not None:
+        processor.image_processor = image_processor
+    return processor
+
+
 #: mlx-vlm language models' multimodal rotary state, kept across generations.
 ROPE_STATE = ("_position_ids", "_rope_deltas")
 
@@ -242,6 +266,24 @@ def _vlm_get_model_and_args() -> Callable[..., Any]:
     return get_model_and_args
 
 
+def _vlm_load() -> Callable[..., Any]:
+    from mlx_vlm.utils import load
+
+    return load
+
+
+def _vlm_load_processor() -> Callable[..., Any]:
+    from mlx_vlm.utils import load_processor
+
+    return load_processor
+
+
+def _vlm_load_image_processor() -> Callable[..., Any]:
+    from mlx_vlm.utils import load_image_processor
+
+    return load_image_processor
+
+
 def _vlm_get_model_type() -> Callable[..., Any]:
     from mlx_vlm.utils import get_model_type
 
@@ -286,6 +328,13 @@ UPSTREAM_CODE: dict[str, tuple[Callable[[], Callable[..., Any] | type], str]] = 
     "mlx_lm.utils.load_tokenizer": (_load_tokenizer, "a1832454eb3ab228"),
     "mlx-vlm get_model_and_args": (_vlm_get_model_and_args, "27caa2efb3de4dd8"),
     "mlx-vlm get_model_type": (_vlm_get_model_type, "2168da8285ad58f9"),
+    # vlm_model and vlm_processor are its steps (no adapter, no download: the folder is
+    # found first); what it sets on the processor, vlm_processor sets
+    "mlx-vlm load": (_vlm_load, "de9dfe44dbc77f4c"),
+    # kept_tokenizers keeps its processor across loads: it sets nothing per model but the
+    # end ids it is given, and reads the files kept_tokenizers knows it by
+    "mlx-vlm load_processor": (_vlm_load_processor, "1666c40a4ad42fd1"),
+    "mlx-vlm load_image_processor": (_vlm_load_image_processor, "c8569d051c9b156d"),
 }
 
 #: What GenerationRows reads of a running batch's instance state.

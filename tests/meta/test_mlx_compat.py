@@ -179,6 +179,49 @@ def test_rope_state_is_what_mlx_vlm_keeps() -> None:
     mlx_compat.reset_rope_state(object())  # a model without the state: nothing to reset
 
 
+def test_mlx_vlm_load_taken_in_steps_is_mlx_vlm_load(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """vlm_model then vlm_processor give what ``mlx_vlm.load`` gives: the same weights,
+    and a processor set up alike (its image processor, end ids, detokenizer) that turns a
+    picture and a prompt into the same inputs."""
+    import numpy as np
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import load, prepare_inputs
+    from PIL import Image
+
+    folder = demo.materialize("demo-vision", tmp_path_factory.mktemp("mlx-compat-vision"))
+    model, processor = load(str(folder))
+    ours = mlx_compat.vlm_model(folder)
+    eos = ours.config.eos_token_id
+    assert eos == model.config.eos_token_id
+    mine = mlx_compat.vlm_processor(folder, eos)
+
+    theirs_weights = dict(tree_flatten(model.parameters()))
+    our_weights = dict(tree_flatten(ours.parameters()))
+    assert theirs_weights.keys() == our_weights.keys() and theirs_weights
+    assert all(mx.array_equal(theirs_weights[k], our_weights[k]) for k in theirs_weights)
+    assert type(mine) is type(processor)
+    assert type(mine.image_processor) is type(processor.image_processor)
+    assert type(mine.detokenizer) is type(processor.detokenizer)
+    assert (mine.tokenizer.stopping_criteria.eos_token_ids
+            == processor.tokenizer.stopping_criteria.eos_token_ids)
+    assert mine.tokenizer.chat_template == processor.tokenizer.chat_template
+
+    picture = Image.fromarray(np.random.default_rng(2).integers(0, 256, (56, 56, 3),
+                                                                dtype=np.uint8))
+    prompt = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
+        tokenize=False, add_generation_prompt=True)
+    index = getattr(model.config, "image_token_index", None)
+    a, b = (prepare_inputs(p, images=[picture], prompts=[prompt], image_token_index=index)
+            for p in (processor, mine))
+    assert a.keys() == b.keys()
+    for key in a:
+        if a[key] is not None:
+            assert np.array_equal(np.array(a[key]), np.array(b[key])), key
+
+
 # --------------------------------------------------------------------------- no one else
 
 

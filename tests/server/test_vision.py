@@ -479,6 +479,35 @@ def test_streamed_image_answer_equals_the_whole_one(srv: ServerProcess,
     assert json.dumps(chunks)  # plain JSON all the way
 
 
+def test_a_vision_model_loaded_again_answers_as_before(srv: ServerProcess,
+                                                       client: openai.OpenAI) -> None:
+    """``keep_alive: 0`` unloads the model after each answer, and its next load takes
+    the previous load's tokenizer and processor (and the grammar state built from them):
+    the same picture still gets the same answer and the same count of prompt tokens, and
+    a schema still shapes it."""
+    url = png_url(noise(15))
+    expected = ask(client, url)
+    schema = {"type": "object", "properties": {"n": {"type": "boolean"}},
+              "required": ["n"], "additionalProperties": False}
+    for _ in range(3):
+        r = post(srv, {"model": MODEL, "temperature": 0, "max_tokens": 12, "keep_alive": 0,
+                       "messages": [{"role": "user", "content": parts(url)}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == expected.choices[0].message.content
+        assert r.json()["usage"]["prompt_tokens"] == expected.usage.prompt_tokens
+        deadline = time.monotonic() + 30
+        while httpx.get(srv.url + "/health", timeout=10).json()[
+                "model_details"][MODEL]["state"] != "available":
+            assert time.monotonic() < deadline, f"{MODEL} stayed loaded"
+            time.sleep(0.02)
+        shaped = post(srv, {"model": MODEL, "max_tokens": 40, "keep_alive": 0,
+                            "messages": [{"role": "user", "content": parts(url)}],
+                            "response_format": {"type": "json_schema", "json_schema": {
+                                "name": "n", "schema": schema, "strict": True}}})
+        assert shaped.status_code == 200, shaped.text
+        assert set(json.loads(shaped.json()["choices"][0]["message"]["content"])) == {"n"}
+
+
 def test_grammar_and_logprobs_on_a_vision_model(client: openai.OpenAI) -> None:
     url = png_url(noise(14))
     schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 8}},

@@ -214,23 +214,25 @@ def _load_vision(
     transformers_ready()
     try:
         from mlx_vlm.utils import get_model_path
-        from mlx_vlm.utils import load as vlm_load
     except ImportError:
         raise RuntimeError(
             "this is a vision model, and vision support is not installed: "
             "pip install 'afmd[vision]'"
         ) from None
     import mlx.core as mx
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+    from afmd.engine.mlx_compat import vlm_model
+    from afmd.engine.models.kept_tokenizers import processor_for, tokenizer_for
     from afmd.engine.vision.vision_model import VisionSupport
     from afmd.engine.vision.vision_thread import VisionWorker
 
     folder = Path(get_model_path(source))
-    model, processor = vlm_load(str(folder))
-    model_config = model.config
-    eos = getattr(model_config, "eos_token_id", None)
-    tokenizer = load_tokenizer(folder, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+    # mlx_vlm.load's steps, with the processor and tokenizer of an earlier load of the same
+    # files where there was one (building them again stalls every other thread).
+    model = vlm_model(folder)
+    eos = getattr(model.config, "eos_token_id", None)
+    processor = processor_for(folder, eos)
+    tokenizer = tokenizer_for(folder, [eos] if isinstance(eos, int) else eos)
     _check_tokenizer(tokenizer, source)
     mx.clear_cache()
     raw = _config_json(folder)

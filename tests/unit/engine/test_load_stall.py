@@ -167,5 +167,89 @@ def test_only_the_last_few_are_kept(tmp_path: Path) -> None:
     kept_tokenizers.forget()
 
 
+# ------------------------------------------------------- a vision model's, and its processor
+
+
+@pytest.fixture(scope="module")
+def vision_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from afmd.engine.demo import builtin as demo
+
+    return demo.materialize("demo-vision", tmp_path_factory.mktemp("vision"))
+
+
+def _vision_load(folder: Path) -> tuple[Any, Any, list[int], Any]:
+    """The vision model in ``folder`` loaded and unloaded: its tokenizer, processor, and
+    the prompt ids and pixels of a question about a picture, rendered while it was loaded."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from afmd.config.sections import Config
+    from afmd.config.tables import ModelEntry
+    from afmd.core.request import ImageInput
+    from afmd.engine.models.loading import load_sync
+    from afmd.engine.models.residency import free_model
+
+    picture = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (56, 56, 3), dtype=np.uint8)
+                    ).save(picture, "PNG")
+    image = ImageInput(data=picture.getvalue(), param="messages[0].content[0]", offset=0)
+    model = load_sync(ModelEntry(id="vision", path=str(folder)), Config())
+    try:
+        assert model.vision is not None
+        ids, inputs = model.vision.render([{"role": "user", "content": [
+            {"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]}])
+        assert inputs is not None
+        return (model.tokenizer, model.vision.processor, ids,
+                np.array(inputs["pixel_values"]))
+    finally:
+        free_model(model)
+
+
+def test_a_vision_model_loaded_again_keeps_its_tokenizer_and_processor(
+    vision_folder: Path,
+) -> None:
+    """mlx-vlm's load built a processor (a tokenizer of its own) and mlx-lm's tokenizer
+    anew each time; the same files now give the previous load's, which render an image
+    prompt as the first did."""
+    import numpy as np
+
+    from afmd.engine.models import kept_tokenizers
+
+    kept_tokenizers.forget()
+    tokenizer, processor, ids, pixels = _vision_load(vision_folder)
+    again = _vision_load(vision_folder)
+    assert again[0] is tokenizer and again[1] is processor
+    assert again[2] == ids and np.array_equal(again[3], pixels)
+    assert kept_tokenizers.kept() == 1 and kept_tokenizers.kept_processors() == 1
+    kept_tokenizers.forget()
+
+
+def test_a_vision_model_s_rewritten_tokenizer_file_gives_new_ones(
+    vision_folder: Path, tmp_path: Path,
+) -> None:
+    import shutil
+
+    from afmd.engine.models import kept_tokenizers
+
+    folder = tmp_path / "vision"
+    shutil.copytree(vision_folder, folder)
+    kept_tokenizers.forget()
+    tokenizer, processor, ids, _ = _vision_load(folder)
+    config = folder / "tokenizer_config.json"
+    data = json.loads(config.read_text())
+    data["model_max_length"] = 123
+    config.unlink()  # the folder's files may be links into a shared cache
+    config.write_text(json.dumps(data))
+    changed = _vision_load(folder)
+    assert changed[0] is not tokenizer and changed[1] is not processor
+    assert changed[0].model_max_length == changed[1].tokenizer.model_max_length == 123
+    assert changed[2] == ids
+    again = _vision_load(folder)  # and the new ones are kept in turn
+    assert again[0] is changed[0] and again[1] is changed[1]
+    kept_tokenizers.forget()
+
+
 if __name__ == "__main__":
     print(json.dumps(_reload_probe()))
