@@ -11,7 +11,9 @@ missing. What afmd adds:
 * integrity: the hub client checks no hash, so afmd hashes every file against the hashes
   the hub lists (sha256 for LFS files, the git blob id for the others) and deletes a file
   that does not match, and stops one that runs past the size listed;
-* bounds: the listing has a timeout (the hub client's tree listing has none);
+* bounds: the listing has a timeout between reads (the hub client's tree listing has
+  none), a deadline for the whole of it and a cap on its size (the hub client reads any
+  body to its end);
 * "present" means complete: files are fetched at the commit the revision resolved to,
   ``config.json`` last, and the ref (``refs/main``) is written only once every file was
   verified (:mod:`afmd.hub.cache` reads that state).
@@ -23,18 +25,24 @@ import contextlib
 import fnmatch
 import functools
 import hashlib
+import json
 import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+from urllib.parse import quote
 
 from afmd.hub.cache import REPO_ID, human_bytes, repo_folder
 from afmd.hub.progress import bar_class
 from afmd.paths import huggingface_hub_cache
+
+if TYPE_CHECKING:
+    from huggingface_hub import ModelInfo
 
 #: mlx-lm's own download patterns (``mlx_lm.utils.DEFAULT_ALLOW_PATTERNS``): afmd fetches
 #: exactly what a load of the repo would, and nothing it would not.
@@ -77,6 +85,17 @@ class Pulled:
     files: int
     downloaded: int  # files fetched now (the rest were in the cache already)
     size_bytes: int
+
+
+#: The most a repo's listing may be. Each file adds a few hundred bytes (its name, git id,
+#: size and LFS sha256) to the listing, so this is room for tens of thousands of files where
+#: the largest model repos have a few thousand; and it bounds what parsing it can cost, a
+#: JSON text becoming several times its size in Python objects.
+LISTING_CAP = 16 * 1024 * 1024
+
+#: The whole listing's time, in waits of the hub client's metadata setting
+#: (``HF_HUB_ETAG_TIMEOUT``): a minute unless set.
+LISTING_WAITS = 6
 
 
 #: A branch, tag or commit as the hub names them (``refs/pr/1`` included). It becomes a file
@@ -146,18 +165,71 @@ def _timeout(setting: str = "HF_HUB_ETAG_TIMEOUT") -> float:
     return float(getattr(constants, setting))
 
 
+def _listing(repo: str, revision: str) -> ModelInfo:
+    """The repo's info at ``revision`` with every file's size and hashes, as the hub client's
+    ``HfApi().model_info(files_metadata=True)`` asks for and parses it, but read with bounds.
+
+    The hub client reads a body to its end, and its timeout bounds only the wait between
+    two reads: a hub, a proxy or an ``HF_ENDPOINT`` that answered with JSON without end was
+    read into memory until the process was killed (a server's pull runs in the server), and
+    one that dripped a byte now and then held the pull for ever. So the request is the hub
+    client's own (its shared HTTP client, with its offline check, headers and token), but
+    its body is streamed, refused past :data:`LISTING_CAP`, and the whole read has a
+    deadline of :data:`LISTING_WAITS` times ``HF_HUB_ETAG_TIMEOUT``: the setting people
+    already raise for a slow link raises this too, and no second one is needed. An error
+    status is mapped by the hub client's own ``hf_raise_for_status`` (repo not found,
+    gated, revision not found), so :func:`_explain` reads it as before."""
+    import httpx2
+    from huggingface_hub import ModelInfo, constants
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    timeout = _timeout()
+    deadline = LISTING_WAITS * timeout
+    url = f"{constants.ENDPOINT}/api/models/{repo}/revision/{quote(revision, safe='')}"
+    start = time.monotonic()
+    body = bytearray()
+    with get_session().stream("GET", url, params={"blobs": True}, headers=build_hf_headers(),
+                              timeout=timeout) as response:
+        for chunk in response.iter_bytes():
+            body += chunk
+            if len(body) > LISTING_CAP:
+                raise PullError(
+                    f"the hub at {_endpoint()} sent a listing of {repo}@{revision} longer than "
+                    f"{human_bytes(LISTING_CAP)}, far past any model repo's, and it was not "
+                    "read further; check HF_ENDPOINT (and any proxy on the way)")
+            if time.monotonic() - start > deadline:
+                raise PullError(
+                    f"the hub at {_endpoint()} did not finish the listing of {repo}@{revision} "
+                    f"within {deadline:g} s ({LISTING_WAITS} × HF_HUB_ETAG_TIMEOUT); check the "
+                    "network connection, or allow it longer with HF_HUB_ETAG_TIMEOUT")
+        # The body as read, decoded already: its framing and coding headers no longer apply.
+        read = httpx2.Response(
+            response.status_code, request=response.request, content=bytes(body),
+            headers=[(k, v) for k, v in response.headers.multi_items() if k.lower() not in
+                     ("content-encoding", "content-length", "transfer-encoding")])
+    hf_raise_for_status(read)
+    try:
+        data = json.loads(body)
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON {type(data).__name__}, not an object")
+        return ModelInfo(**data)
+    except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as exc:
+        raise PullError(f"the hub at {_endpoint()} answered the listing of {repo}@{revision} "
+                        f"with what is not a repo's listing ({type(exc).__name__}: "
+                        f"{exc!s:.200}); check HF_ENDPOINT") from None
+
+
 def remote_files(repo: str, revision: str) -> tuple[str, list[RemoteFile]]:
     """(commit, the files an MLX load needs) at ``revision``; raises PullError.
 
-    One request, with a timeout: the repo's info with every file's size and hashes
-    (``files_metadata``). The hub client's tree listing takes no timeout (its HTTP
-    client has none by default), so a hub that took the connection and never replied
-    held the pull for ever."""
-    from huggingface_hub import HfApi
-
+    One request, bounded (:func:`_listing`): the repo's info with every file's size and
+    hashes. The hub client's tree listing takes no timeout (its HTTP client has none by
+    default), so a hub that took the connection and never replied held the pull for
+    ever."""
     try:
-        info = HfApi().model_info(repo, revision=revision, files_metadata=True,
-                                  timeout=_timeout())
+        info = _listing(repo, revision)
+    except PullError:
+        raise
     except Exception as exc:
         raise PullError(_explain(exc, repo, revision)) from exc
     commit = info.sha

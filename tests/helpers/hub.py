@@ -14,9 +14,10 @@ It answers exactly what ``huggingface_hub`` asks when ``HF_ENDPOINT`` points at 
 Faults a test can ask for: cut a file's connection after some bytes (the client resumes
 with ``Range``), serve a file with one byte flipped while the tree keeps the true hash,
 answer a file with an HTTP error, send a file slowly (a download a client can leave
-in the middle of), send a file's bytes and then zeros without end, or hold every API
-request unanswered (a hub that accepts connections and never replies). Every request is
-logged for assertions.
+in the middle of), send a file's bytes and then zeros without end, hold every API
+request unanswered (a hub that accepts connections and never replies), or answer a repo's
+listing with JSON without end, sent as fast as it goes or a byte at a time. Every request
+is logged for assertions.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Logged:
     method: str
     path: str
     range: str | None
+    query: str = ""
 
 
 @dataclass
@@ -78,6 +80,8 @@ class FakeHub:
     endless: set[tuple[str, str]] = field(default_factory=set)
     #: while set, API requests wait unanswered (released when the hub stops)
     stalled: bool = False
+    #: repo -> how its listing is answered with JSON that never ends: "fast" or "drip"
+    listings: dict[str, str] = field(default_factory=dict)
     _released: threading.Event = field(default_factory=threading.Event)
     _server: ThreadingHTTPServer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -118,6 +122,13 @@ class FakeHub:
         """Answer a file's GET with its bytes, then zeros until the client leaves (or,
         so that a client that never stops cannot fill the disk, :data:`ENDLESS_CAP`)."""
         self.endless.add((repo, path))
+
+    def listing_without_end(self, repo: str, *, drip: bool = False) -> None:
+        """Answer ``repo``'s listing with the start of a true one, then siblings without
+        end: as fast as the client reads (until :data:`ENDLESS_CAP`), or with ``drip`` a
+        byte every few hundredths of a second, never long enough apart for a read
+        timeout (until the client leaves or the hub stops)."""
+        self.listings[repo] = "drip" if drip else "fast"
 
     def gets(self, path_suffix: str) -> list[Logged]:
         return [r for r in self.log if r.method == "GET" and r.path.endswith(path_suffix)]
@@ -166,9 +177,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, *, head: bool) -> None:
         hub = self.owner
-        path = urlsplit(self.path).path
+        path, query = urlsplit(self.path).path, urlsplit(self.path).query
         with hub._lock:
-            hub.log.append(Logged(self.command, path, self.headers.get("Range")))
+            hub.log.append(Logged(self.command, path, self.headers.get("Range"), query))
         parts = [unquote(p) for p in path.strip("/").split("/")]
         if parts[:2] == ["api", "models"] and hub.stalled:
             hub._released.wait()
@@ -201,7 +212,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if not rest or rest[0] == "revision":
             commit = self._commit(repo, "/".join(rest[1:]) or "main")
-            if commit is not None:
+            if commit is not None and repo_id in self.owner.listings:
+                self._listing_without_end(repo_id, commit, self.owner.listings[repo_id])
+            elif commit is not None:
                 blobs = "blobs=true" in urlsplit(self.path).query
                 self._json({"_id": "0" * 24, "id": repo_id, "modelId": repo_id,
                             "sha": commit, "private": False, "disabled": False, "tags": [],
@@ -322,6 +335,35 @@ class _Handler(BaseHTTPRequestHandler):
                 if self.owner._released.is_set():
                     return
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(zeros), zeros))
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:  # the client went away
+            pass
+
+    def _listing_without_end(self, repo_id: str, commit: str, how: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.close_connection = True
+        head = json.dumps({"id": repo_id, "sha": commit, "siblings": []})[:-2].encode()
+        # Long names: few objects per byte, so that a client that parses it all anyway
+        # (an unbounded one, given ENDLESS_CAP) is not slowed by millions of them.
+        entry = b'{"rfilename": "%s.json", "size": 2}, ' % (b"x" * 4000)
+        released = self.owner._released
+        try:
+            if how == "drip":
+                for byte in head + entry * 1000:
+                    if released.wait(0.05):
+                        return
+                    self.wfile.write(b"1\r\n%c\r\n" % byte)
+                    self.wfile.flush()
+                return
+            block = entry * 16
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(head), head))
+            for _ in range(ENDLESS_CAP // len(block)):
+                if released.is_set():
+                    return
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(block), block))
             self.wfile.write(b"0\r\n\r\n")
         except OSError:  # the client went away
             pass

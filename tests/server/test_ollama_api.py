@@ -30,11 +30,14 @@ from afmd.core.events import Content, Finish, Reasoning, Timings, ToolCallEnd, U
 from afmd.core.request import ToolCall
 from afmd.dialects.ollama.ollama_api import OLLAMA_CHAT
 from afmd.engine.demo import builtin as demo
+from afmd.hub.cache import human_bytes
+from afmd.hub.download import LISTING_CAP
 from afmd.ports import free_ports
 
 from conftest import ServerProcess, start_server
 from helpers.format_models import FormatModels
 from helpers.hub import FakeHub
+from helpers.smoke import vm_rss_kib
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Name three colours."}]
@@ -946,6 +949,44 @@ def test_a_failed_pull_says_why(hub_server: tuple[ServerProcess, FakeHub]) -> No
     with pytest.raises(ollama.ResponseError) as whole:
         client.pull("tiny-org/missing")
     assert whole.value.status_code == 400
+
+
+ENDLESS = "tiny-org/endless-listing"
+
+
+def test_a_listing_without_end_fails_the_pull_and_the_server_stays_up(
+        hub_server: tuple[ServerProcess, FakeHub]) -> None:
+    """A pull runs in the server's process, and the hub client read a listing to its end:
+    a hub (or a proxy, or HF_ENDPOINT) that answered with JSON without end grew the server
+    until it was killed. The listing's read stops at its cap, the pull is refused as other
+    hub failures are, and the server's memory never rose by much more than the cap."""
+    server, hub = hub_server
+    hub.add_folder(ENDLESS, demo.materialize("demo"))
+    hub.listing_without_end(ENDLESS)
+    pid = server.proc.pid
+    before = vm_rss_kib(pid)
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            peak.append(vm_rss_kib(pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        answer = httpx.post(server.url + "/api/pull", json={"model": ENDLESS, "stream": False},
+                            timeout=60)
+    finally:
+        done.set()
+        sampler.join(5)
+    grown_mib = (max(peak) - before) / 1024
+    assert grown_mib < LISTING_CAP / (1 << 20) * 3, grown_mib
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert f"sent a listing of {ENDLESS}@main longer than {human_bytes(LISTING_CAP)}" in error
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert not [r for r in hub.log if f"/{ENDLESS}/resolve/" in r.path]
 
 
 SLOW = "tiny-org/slow-chat"

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from afmd.hub.download import PullError, parse_ref
+from afmd.hub.cache import human_bytes
+from afmd.hub.download import LISTING_CAP, LISTING_WAITS, PullError, parse_ref
 from afmd.ports import free_ports
 
 from conftest import ROOT
@@ -317,6 +318,63 @@ def test_a_hub_that_never_answers_fails_the_pull(hub: FakeHub, env: dict[str, st
     result = afmd({**env, "HF_HUB_ETAG_TIMEOUT": "1"}, "pull", REPO, timeout=60)
     assert_clean_failure(result, f"the hub at {hub.url} did not answer within 1 s",
                          "HF_HUB_ETAG_TIMEOUT")
+    assert REPO not in listed(env)
+
+
+def test_the_bounded_listing_asks_and_reads_what_the_hub_client_does(
+        hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The listing is read with bounds by afmd itself, through the hub client's HTTP
+    session, in place of ``HfApi().model_info(files_metadata=True)``: it must ask the hub
+    the same request and build the same ModelInfo, or an upgrade of the hub client that
+    changed either would go unnoticed until a pull against the real hub."""
+    from huggingface_hub import HfApi, constants
+
+    from afmd.hub import download
+
+    hub.add_repo(REPO, tiny_model(), tags=("v1.0",))
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)  # as `afmd pull` has it
+    for revision in ("main", "v1.0"):
+        del hub.log[:]
+        theirs = HfApi(endpoint=hub.url).model_info(REPO, revision=revision,
+                                                    files_metadata=True)
+        ours = download._listing(REPO, revision)
+        # (the hub client may also ask for its agent registry, for its user agent)
+        asked, ours_asked = [r for r in hub.log if r.path.startswith("/api/models/")]
+        # (the hub client may also ask for its agent registry, for its user agent)
+        asked, ours_asked = [r for r in hub.log if r.path.startswith("/api/models/")]
+        assert (ours_asked.method, ours_asked.path, ours_asked.query) == (
+            asked.method, asked.path, asked.query)
+        assert (ours.id, ours.sha, ours.siblings) == (theirs.id, theirs.sha, theirs.siblings)
+        assert ours.siblings and all(s.blob_id and s.size is not None for s in ours.siblings)
+
+
+def test_a_listing_without_end_fails_the_pull(hub: FakeHub, env: dict[str, str]) -> None:
+    """The hub client reads a listing to its end, whatever its size: a hub (or a proxy, or
+    an HF_ENDPOINT pointing somewhere wrong) that answered with JSON without end was read
+    into memory until the process was killed. The read stops at a cap far past any real
+    repo's listing, and the pull fails saying so."""
+    hub.add_repo(REPO, tiny_model())
+    hub.listing_without_end(REPO)
+    result = afmd(env, "pull", REPO, timeout=60)
+    assert_clean_failure(result, f"the hub at {hub.url} sent a listing of {REPO}@main longer "
+                         f"than {human_bytes(LISTING_CAP)}", "HF_ENDPOINT")
+    assert not [r for r in hub.log if "/resolve/" in r.path]
+    assert REPO not in listed(env)
+
+
+def test_a_listing_that_drips_fails_at_its_deadline(hub: FakeHub, env: dict[str, str]) -> None:
+    """A byte every few hundredths of a second never trips a timeout between reads, so a
+    listing that dripped without end held the pull for ever. The whole listing has a
+    deadline, in waits of the hub client's HF_HUB_ETAG_TIMEOUT."""
+    hub.add_repo(REPO, tiny_model())
+    hub.listing_without_end(REPO, drip=True)
+    started = time.monotonic()
+    result = afmd({**env, "HF_HUB_ETAG_TIMEOUT": "1"}, "pull", REPO, timeout=60)
+    took = time.monotonic() - started
+    assert_clean_failure(result, f"the hub at {hub.url} did not finish the listing of "
+                         f"{REPO}@main within {LISTING_WAITS} s", "HF_HUB_ETAG_TIMEOUT")
+    assert LISTING_WAITS <= took < LISTING_WAITS + 20, took
     assert REPO not in listed(env)
 
 
