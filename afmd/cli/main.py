@@ -48,10 +48,14 @@ exit codes: 0 clean stop, 1 runtime failure, 2 bad configuration."""
 
 
 
-#: Set (unless the user set them) before `serve` imports mlx-lm: transformers prints
-#: plain-text warnings that would break the JSON log; afmd reports what matters itself.
-QUIET_LIBRARIES = {"TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-                   "TOKENIZERS_PARALLELISM": "false"}
+#: Set (unless the user set them) before anything imports mlx-lm or the hub client, which
+#: read them at import: transformers prints plain-text warnings that would break the JSON
+#: log (afmd reports what matters itself), and the hub client's telemetry asks the hub
+#: for things of its own (a registry of coding agents, read to its end, on a pull's first
+#: request of the day), where afmd asks it only for the pulls a user asks for.
+LIBRARY_ENVIRONMENT = {"TRANSFORMERS_VERBOSITY": "error",
+                       "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+                       "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -145,9 +149,6 @@ def _serve(args: argparse.Namespace) -> int:
         write_outcome(EXIT_CONFIG, "configuration error")  # under `afmd launch`
         return _config_error(exc)
 
-    for key, value in QUIET_LIBRARIES.items():
-        os.environ.setdefault(key, value)
-
     # Until the server's own handlers are in place (importing MLX takes a second or two), a
     # SIGTERM/SIGINT is a clean stop: there is nothing in flight to drain yet.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -212,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return mlx_launch(raw[1:])
     parser = _parser()
     args = parser.parse_args(argv)
+    for key, value in LIBRARY_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
     if args.command == "launch":
         from afmd.distributed.launch import run as launch
 

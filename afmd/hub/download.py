@@ -306,7 +306,6 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
     out = out if out is not None else sys.stderr
     terminal = out.isatty() if terminal is None else terminal
     repo, revision = parse_ref(ref)
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
     def check() -> None:
         if stop is not None and stop.is_set():

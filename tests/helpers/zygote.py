@@ -276,9 +276,9 @@ class ForkedServer:
 
 def _as_serve_sets(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` with what `afmd serve` sets before it imports mlx-lm."""
-    from afmd.cli.main import QUIET_LIBRARIES
+    from afmd.cli.main import LIBRARY_ENVIRONMENT
 
-    return {**QUIET_LIBRARIES, **env}
+    return {**LIBRARY_ENVIRONMENT, **env}
 
 
 def _import_time_env(env: Mapping[str, str], cli: bool) -> dict[str, str]:

@@ -891,8 +891,8 @@ def hub_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve
     tmp = tmp_path_factory.mktemp("ollama-hub")
     with FakeHub() as hub:
         hub.add_folder(REPO, demo.materialize("demo"))
-        server = start_server(tmp, env={"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp / "hf"),
-                                        "HF_HUB_DISABLE_TELEMETRY": "1"})
+        # Telemetry as a user has it: not switched off (afmd switches it off itself).
+        server = start_server(tmp, env={"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp / "hf")})
         yield server, hub
         server.stop()
 
@@ -909,6 +909,10 @@ def test_pull_reports_progress_then_the_model_serves(
     assert files and all(p.total and p.completed is not None for p in files)
     weights = [p for p in files if p.digest.startswith("sha256:")]
     assert weights and weights[-1].completed == weights[-1].total
+    # The hub was asked for the listing and the files, nothing else: with its telemetry on,
+    # the hub client first fetched a registry of coding agents, read to its end.
+    assert hub.log and all(r.path.startswith((f"/api/models/{REPO}/", f"/{REPO}/resolve/"))
+                           for r in hub.log), [r.path for r in hub.log]
     names = {m.model for m in client.list().models}
     assert REPO + ":latest" in names
     answer = client.chat(model=REPO, messages=MESSAGES, options=GREEDY)
