@@ -915,8 +915,12 @@ def test_pull_reports_progress_then_the_model_serves(
                            for r in hub.log), [r.path for r in hub.log]
     names = {m.model for m in client.list().models}
     assert REPO + ":latest" in names
+    pulled = len(hub.log)
     answer = client.chat(model=REPO, messages=MESSAGES, options=GREEDY)
     assert answer.eval_count == 12
+    # The load read the pulled snapshot and asked the hub nothing (mlx-lm, given the id,
+    # asked whether the revision had moved, and would have fetched what changed).
+    assert hub.log[pulled:] == []
     reference = client.chat(model="demo", messages=MESSAGES, options=GREEDY)
     assert answer.message.content == reference.message.content  # the same weights
     with pytest.raises(ollama.ResponseError) as caught:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from afmd.config.tables import ModelEntry
+from afmd.hub import cache as hubcache
 from afmd.paths import huggingface_hub_cache
 
 CHAT = "chat"
@@ -130,6 +131,26 @@ def hub_snapshot(repo: str) -> Path | None:
 def looks_like_repo(path: str) -> bool:
     """``owner/name``: a Hugging Face id that mlx-lm may download, not a local path."""
     return path.count("/") == 1 and not path.startswith((".", "/", "~"))
+
+
+def load_source(path: str) -> str:
+    """What a load reads a configured model ``path`` (not a built-in) from: its local
+    folder; for a Hugging Face id whose snapshot in the cache is complete, that snapshot
+    (the revision ``refs/main`` names); else the id itself, which mlx-lm downloads.
+
+    Given the id, mlx-lm (and mlx-vlm) ask the hub at every load whether the revision
+    moved, and fetch what changed: a model loaded for a request (``keep_alive: 0`` loads
+    one each time) waited on the network, up to ``HF_HUB_ETAG_TIMEOUT`` where it was slow,
+    and a repo updated upstream was downloaded anew, unverified, behind a request. A model
+    on disk changes only when it is pulled, as in Ollama."""
+    local = Path(path).expanduser()
+    if os.path.exists(local):
+        return str(local)
+    if looks_like_repo(path) and hubcache.REPO_ID.match(path):
+        snapshot = hubcache.complete_snapshot(path)
+        if snapshot is not None:
+            return str(snapshot)
+    return path
 
 
 def local_path_problem(path: str) -> str | None:

@@ -92,8 +92,7 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     kind = CHAT
     if kinds.is_vision(entry, kinds.model_folder(entry.path)):
         variant = entry.path[len(BUILTIN_PREFIX):]
-        local = demo.materialize(variant) if is_demo else Path(entry.path).expanduser()
-        source = str(local) if os.path.exists(local) else entry.path
+        source = str(demo.materialize(variant)) if is_demo else kinds.load_source(entry.path)
         folder, model, tokenizer, context_length, worker, vision = _load_vision(
             entry, config, source
         )
@@ -103,9 +102,8 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
             folder = demo.materialize(variant)
             source = str(folder)
         else:
-            candidate = Path(entry.path).expanduser()
-            folder = candidate if os.path.exists(candidate) else None
-            source = str(candidate) if folder else entry.path
+            source = kinds.load_source(entry.path)
+            folder = Path(source) if os.path.exists(source) else None
         group = lockstep.current()
         if group is not None and entry == config.resolve_model(None):
             # A launched group's model: this rank's share of it, in step with the others.

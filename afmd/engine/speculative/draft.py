@@ -8,14 +8,12 @@ operator sees it (the load fails, ``/health`` names the reason), not on a reques
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 from afmd.config.sections import Config
 from afmd.config.tables import ModelEntry
 from afmd.engine.first_import import transformers_ready
-from afmd.engine.models.kinds import BUILTIN_PREFIX
+from afmd.engine.models.kinds import BUILTIN_PREFIX, load_source
 
 
 class DraftMismatch(ValueError):
@@ -38,8 +36,7 @@ def load_draft(entry: ModelEntry, config: Config, tokenizer: Any) -> Any:
     if draft.path.startswith(BUILTIN_PREFIX):
         source = str(demo.materialize(draft.path[len(BUILTIN_PREFIX):]))
     else:
-        local = Path(draft.path).expanduser()
-        source = str(local) if os.path.exists(local) else draft.path
+        source = load_source(draft.path)
     model, draft_tokenizer = mlx_load(source)  # type: ignore[misc]  # mlx-lm types load() 2- or 3-tuple whatever return_config says
     problem = tokenizer_difference(tokenizer, draft_tokenizer)
     if problem is not None:
