@@ -63,6 +63,7 @@ RANKS = 2
 BIG = "big"  # the compute-bound model's id in the servers' config
 BIG_TITLE = "compute-bound (h512×8L)"
 START_TIMEOUT = 240.0
+IDLE_SECONDS = 3.0
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Setup:
     max_tokens: int = MAX_TOKENS
     streams: int = STREAMS
     timeout: float = 300.0
+    idle_seconds: float = IDLE_SECONDS  # each system's idle CPU is read over this long
 
 
 def config_text(setup: Setup, strategy: str | None) -> str:
@@ -215,7 +217,7 @@ def _bodies(tag: str, n: int, max_tokens: int) -> list[dict[str, Any]]:
             for i in range(n)]
 
 
-async def _idle_cpu(system: System, seconds: float = 3.0) -> float | None:
+async def _idle_cpu(system: System, seconds: float) -> float | None:
     """% of one core the whole system takes while serving nothing (alone, the others
     paused)."""
     await asyncio.sleep(0.5)
@@ -246,7 +248,7 @@ async def m_distributed(setup: Setup, work: Path, env: dict[str, str],
             warm = _bodies(f"dist-warm-{name}", setup.streams, 4)
             await measure(s, warm[:1], setup.timeout)
             await measure(s, warm, setup.timeout)
-            idle[name] = await _idle_cpu(s)
+            idle[name] = await _idle_cpu(s, setup.idle_seconds)
             s.pause()
         samples: dict[tuple[str, str], list[Sample]] = {
             (n, k): [] for n in names for k in ("single", "agg")}
@@ -305,7 +307,8 @@ def summarize(setup: Setup, samples: dict[tuple[str, str], list[Sample]],
     out.idle_cpu_pct = {k: None if v is None else round(v, 1) for k, v in idle.items()}
     out.setup = {"model": setup.model, "ranks": RANKS, "strategies": list(setup.strategies),
                  "rounds": setup.rounds, "max_tokens": setup.max_tokens,
-                 "streams": setup.streams, "backend": "ring (loopback)",
+                 "streams": setup.streams, "idle_seconds": setup.idle_seconds,
+                 "backend": "ring (loopback)",
                  "loadavg_start": load_start,
                  "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
     return out
@@ -360,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated subset of tensor,pipeline")
     ap.add_argument("--model", choices=(BIG, "demo-32k"), default=BIG,
                     help="big: the compute-bound h512×8L model (default); demo-32k: tiny")
+    ap.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS,
+                    help="how long each system's idle CPU is read (default %(default)g)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
@@ -379,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         path = (str(raw_engine.build_big(base, cache)) if args.model == BIG
                 else "afmd:demo-32k")
         setup = Setup(args.model, path, strategies, max(1, args.rounds), args.max_tokens,
-                      max(1, args.streams))
+                      max(1, args.streams), idle_seconds=max(0.1, args.idle_seconds))
         result = asyncio.run(m_distributed(
             setup, work / "servers", {"AFMD_CACHE_DIR": str(cache)},
             log=lambda m: print(m, file=sys.stderr if args.json else sys.stdout, flush=True)))

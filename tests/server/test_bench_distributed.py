@@ -103,7 +103,8 @@ def test_pause_stops_the_whole_tree_and_resume_starts_it_again() -> None:
 def test_distributed_bench_runs_one_process_against_a_tensor_group() -> None:
     proc = subprocess.run(
         [sys.executable, "bench/distributed.py", "--model", "demo-32k", "--strategies",
-         "tensor", "--rounds", "1", "--max-tokens", "4", "--streams", "2", "--json"],
+         "tensor", "--rounds", "1", "--max-tokens", "4", "--streams", "2",
+         "--idle-seconds", "0.5", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -120,7 +121,9 @@ def test_distributed_bench_runs_one_process_against_a_tensor_group() -> None:
     skipped = result["distributed_pipeline_single_x"]
     assert skipped["median"] is None and "--strategies tensor" in skipped["reason"]
     assert result["distributed_setup"]["strategies"] == ["tensor"]
-    assert set(result["distributed_idle_cpu_pct"]) == {"one", "tensor"}
+    idle = result["distributed_idle_cpu_pct"]
+    assert set(idle) == {"one", "tensor"}
+    assert all(isinstance(v, int | float) and v >= 0 for v in idle.values()), idle
     rows = {row["id"]: row for row in result["rows"]}
     tensor = rows["distributed_tensor_single_tps"]
     assert tensor["target"] == "report" and tensor["check"]["pass"] is None

@@ -62,13 +62,18 @@ def _unix(server: ServerProcess) -> Path:
                 if not a.startswith("http"))
 
 
+#: The one_slot server's request_timeout: the stalled stream's deadline. The queued
+#: request is sent 2 s in, while the stalled one still holds the slot.
+DEADLINE = 3.0
+
+
 @pytest.fixture(scope="module")
 def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     folder = tmp_path_factory.mktemp("one_slot")
     proc = start_server(folder, config=f"""
 [server]
 unix_socket = "{folder / 'afmd.sock'}"
-request_timeout = 4.0
+request_timeout = {DEADLINE}
 [queue]
 max_concurrent_requests = 1
 max_queued_requests = 4
@@ -98,7 +103,7 @@ def test_a_stream_nobody_reads_frees_its_slot_at_its_deadline(
             "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 3})
         assert queued.status_code == 200, queued.text
         # Still not reading past the deadline and its grace: the connection is cut.
-        time.sleep(max(0.0, sent + 4.0 + STALL_GRACE + 0.5 - time.monotonic()))
+        time.sleep(max(0.0, sent + DEADLINE + STALL_GRACE + 0.5 - time.monotonic()))
         assert _cut(stalled, 2.0), "the stalled connection was left open"
     finally:
         stalled.close()
