@@ -277,6 +277,21 @@ def test_format_schema_is_enforced(client: ollama.Client) -> None:
         jsonschema.validate(json.loads(answer.message.content or ""), schema)
 
 
+def test_a_line_separator_in_the_answer_does_not_split_a_streamed_line(
+        client: ollama.Client) -> None:
+    """The official client reads a stream with httpx's ``iter_lines``, which ends a line at
+    U+2028, U+2029 and U+0085 as ``str.splitlines`` does: written raw, one in the answer
+    cut its object in two and the client failed with a ``JSONDecodeError``. Ollama's Go
+    encoder writes the first two escaped. Found by the schema-driven fuzzer."""
+    separators = "\u2028\u2029\u0085"
+    parts = list(client.chat(model="demo", messages=[{"role": "user", "content": "hi"}],
+                             stream=True, think=False, format={"enum": [separators * 2]},
+                             options={"temperature": 0, "num_predict": 20}))
+    assert parts[-1].done
+    text = "".join(part.message.content or "" for part in parts)
+    assert json.loads(text) == separators * 2
+
+
 def test_tool_history_in_ollamas_shape(client: ollama.Client) -> None:
     """A call whose arguments are an object, answered by a ``tool`` message naming it."""
     tools = [{"type": "function", "function": {

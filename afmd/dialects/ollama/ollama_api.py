@@ -59,8 +59,21 @@ def created_at() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
+#: Characters ``str.splitlines`` ends a line at that JSON writes raw (the others it
+#: escapes): the official Python client splits a stream with httpx's ``iter_lines``,
+#: which splits there too, so one raw in a string cut its object in two. Escaped they
+#: are the same string; Ollama's Go encoder escapes the first two itself.
+_LINE_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"),
+                (b"\xc2\x85", b"\\u0085"))
+
+
 def ndjson(payload: Mapping[str, Any]) -> bytes:
-    return orjson.dumps(payload) + b"\n"
+    """One object as one line, whichever line splitter reads it."""
+    line = orjson.dumps(payload)
+    for raw, escaped in _LINE_BREAKS:
+        if raw in line:
+            line = line.replace(raw, escaped)
+    return line + b"\n"
 
 
 def nanoseconds(seconds: float) -> int:
