@@ -100,6 +100,30 @@ def test_stop_sequences_and_seeds_hold_under_speculation(spec_server: ServerProc
         assert again["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
 
 
+def test_penalized_requests_speculate_and_answer_the_same(spec_server: ServerProcess) -> None:
+    """Penalties and biases read the tokens before each position: the pass replays them
+    there, so such a request takes the prediction and answers as it does without one."""
+    settings = {"frequency_penalty": 0.7, "presence_penalty": 0.3, "logit_bias": {"30": 3}}
+    with httpx.Client(base_url=spec_server.url, timeout=60) as http:
+        plain = _chat(http, "usage please").json()["choices"][0]["message"]["content"]
+        want = _chat(http, "usage please", **settings).json()["choices"][0]["message"]
+        assert want["content"] != plain
+        got = _chat(http, "usage please", **settings,
+                    prediction={"type": "content", "content": want["content"]}).json()
+        assert got["choices"][0]["message"] == want
+        assert got["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 20
+        streamed = http.post("/v1/chat/completions", headers={"X-AFM-Profile": "true"}, json={
+            "model": "demo", "messages": [{"role": "user", "content": "usage please"}],
+            "max_tokens": 150, "temperature": 0, "stream": True, **settings,
+            "prediction": {"type": "content", "content": want["content"]}})
+        events = [e for e in parse_sse(streamed.text) if e != "[DONE]"]
+        assert "".join(c["choices"][0]["delta"].get("content") or ""
+                       for c in events if c.get("choices")) == want["content"]
+        # Verified by passes, not only counted against the output.
+        profile = next(e["afm_profile"] for e in events if "afm_profile" in e)
+        assert profile["speculation"]["prediction"]["accepted"] > 20
+
+
 @pytest.mark.parametrize(("value", "param"), [
     ("text", "prediction"),
     ({"type": "text", "content": "x"}, "prediction.type"),

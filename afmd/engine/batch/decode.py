@@ -281,7 +281,7 @@ class DecodeBatch(GenerationRows):
         if len(self.uids) != 1 or not self.spec_rows:
             return False
         spec = self.spec_rows.get(self.uids[0])
-        if spec is None or not spec.enabled or self.generated[0] == 0:
+        if spec is None or self.generated[0] == 0:
             return False
         if self.max_tokens[0] - self.generated[0] < 3:
             return False
@@ -320,7 +320,7 @@ class DecodeBatch(GenerationRows):
         first = self.next_tokens
         rest = proposal[1:]
         verify = Verification(spec, state, first, _as_array(rest), len(rest), self._wanted())
-        verify.launch(self.model, self.prompt_cache, None)
+        verify.launch(self.model, self.prompt_cache, None, self._context(spec))
         self._verify = verify
         return self._account([[int(first)]], [self.next_logprobs[:1]])
 
@@ -341,7 +341,7 @@ class DecodeBatch(GenerationRows):
                 first = mx.array([pending], dtype=mx.uint32)
                 verify = Verification(spec, state, first, _as_array(proposal), len(proposal),
                                       self._wanted())
-                verify.launch(self.model, self.prompt_cache, mask)
+                verify.launch(self.model, self.prompt_cache, mask, self._context(spec))
                 self._verify = verify
                 return
         self._launch(mx.array([pending], dtype=mx.uint32))
@@ -360,9 +360,17 @@ class DecodeBatch(GenerationRows):
         if rejected:
             trim_prompt_cache(self.prompt_cache, rejected)
         consume(verify.spec.processors, proposal[:n])
-        self.tokens[0] += [int(verify.first), *proposal[:n]]
+        fed = [int(verify.first), *proposal[:n]]
+        self.tokens[0] += fed
+        if verify.spec.replayed:  # the step's processors read what the cache holds
+            self.token_context(0).update_and_fetch(mx.array(fed, dtype=mx.int32))
         verify.state.record(verify.k, n, len(verify.spec.history))
         return proposal[:n], targets[n], verify.entries(n + 1)
+
+    def _context(self, spec: RowSpec) -> mx.array | None:
+        """The lone row's tokens as its penalties see them, if it has any: what was fed
+        to the model before this pass."""
+        return self.token_context(0).tokens if spec.replayed else None
 
     def _wanted(self) -> int | None:
         """The alternatives the lone row reports, if it reports log-probabilities."""

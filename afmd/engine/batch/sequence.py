@@ -120,4 +120,4 @@ def speculation(spec: RowSpec | None) -> dict[str, Any]:
         return {}
     accepted, rejected = spec.usage()
     return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": rejected,
-            "speculation": spec.stats() if spec.enabled else {}}
+            "speculation": spec.stats()}

@@ -11,7 +11,11 @@ greedy rows; for sampled rows, the argmax of the same scores plus the same Gumbe
 drawn from the request's own key chain for that position (:mod:`afmd.engine.batch.sampler`).
 So speculation changes no token, greedy or seeded, and sampled output keeps the model's
 distribution exactly. Grammar masks are computed for every position, the matcher walked
-through the proposal first: a proposal ends at the first token the grammar refuses. A row
+through the proposal first: a proposal ends at the first token the grammar refuses. The
+other processors (logit bias, repetition, presence and frequency penalties) read the tokens
+before the position they score, so each position's logits go through them with its own
+context, the tokens fed so far and the proposal up to it (:class:`Replay`), as the step
+that would have scored that position alone hands them the tokens it was fed. A row
 that reports log-probabilities takes each verified token's numbers from the pass that
 verified it (the logits the model computed for that position, masked as a step masks them).
 
@@ -103,7 +107,10 @@ class RowSpec:
     processors: Sequence[Any] = ()
     sampler: RowSampler | None = None
     prediction: PredictionSource | None = field(default=None)
-    enabled: bool = True
+    #: How much the replayed processors can widen a difference between two logits (a
+    #: repetition penalty divides or multiplies some by itself), for the host projection's
+    #: rounding bound.
+    spread: float = 1.0
 
     @classmethod
     def of(cls, prompt: Sequence[int], sources: Sequence[Any], *, stop_ids: frozenset[int],
@@ -124,29 +131,34 @@ class RowSpec:
                     sampler: RowSampler | None, stop_ids: frozenset[int], *,
                     tokenizer: Any, prompt_lookup: bool, draft: Any = None,
                     standing: dict[str, Standing] | None = None) -> RowSpec | None:
-        """The row's speculation, or None when it has no source or must not speculate: a
-        processor that reads the row's past tokens (repetition penalty) is not replayed
-        over a proposal."""
-        allowed = all(isinstance(p, MASKING) for p in processors)
+        """The row's speculation, or None when it has no source."""
         sources: list[Any] = []
         if request.prediction:
             tokens = tokenizer.encode(request.prediction, add_special_tokens=False)
             if tokens:
                 sources.append(PredictionSource(tokens, _pieces(tokenizer)))
-        if allowed and prompt_lookup:
+        if prompt_lookup:
             sources.append(LookupSource())
-        if allowed and draft is not None:
+        if draft is not None:
             sources.append(DraftSource(draft))
         if not sources:
             return None
         spec = cls.of(request.prompt, sources, stop_ids=stop_ids, processors=processors,
                       sampler=sampler, standing=standing)
-        spec.enabled = allowed  # else kept only to count the prediction's tokens
+        penalty = request.sampling.repetition_penalty
+        if penalty:
+            spec.spread = max(penalty, 1.0 / penalty)
         return spec
 
     @property
     def constrained(self) -> bool:
-        return bool(self.processors)
+        """Whether a grammar (or a ban) decides which proposed tokens may stand."""
+        return any(isinstance(p, MASKING) for p in self.processors)
+
+    @property
+    def replayed(self) -> list[Any]:
+        """The processors that read the row's past tokens, replayed at every position."""
+        return [p for p in self.processors if not isinstance(p, MASKING)]
 
     def propose(self, budget: int, *, guess: bool
                 ) -> tuple[SourceState, list[int] | mx.array] | None:
@@ -256,6 +268,30 @@ def consume(processors: Sequence[Any], tokens: Sequence[int]) -> None:
                 proc.advance(token)
 
 
+class Replay:
+    """A pass's logits through the row's history-reading processors, position by
+    position: position ``i`` scores the token after ``first`` and the proposal's first
+    ``i`` tokens, so its processors see the tokens fed before the pass (the row's token
+    context) followed by those."""
+
+    __slots__ = ("_base", "_inputs", "_processors")
+
+    def __init__(self, processors: Sequence[Any], context: mx.array, inputs: mx.array) -> None:
+        self._processors = processors
+        self._base = context.shape[0]
+        self._inputs = mx.concatenate([context, inputs.astype(context.dtype)])
+
+    def row(self, i: int, logits: mx.array) -> mx.array:
+        """Position ``i``'s ``(1, vocab)`` logits as a step would score them."""
+        context = self._inputs[: self._base + i + 1]
+        for proc in self._processors:
+            logits = proc(context, logits)
+        return logits
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        return mx.concatenate([self.row(i, logits[i : i + 1]) for i in range(logits.shape[0])])
+
+
 class Verification:
     """One verification pass in flight: ``first`` plus a ``k``-token proposal."""
 
@@ -272,13 +308,26 @@ class Verification:
         self._keys: list[mx.array] = []
         self._head: VerifyHead | None = None
 
-    def launch(self, model: Any, cache: list[Any], mask: np.ndarray | None) -> None:
-        """Start the pass (lazily: :meth:`resolve` waits for it)."""
-        inputs = mx.concatenate([self.first.astype(mx.uint32), self.proposal.astype(mx.uint32)])
+    @property
+    def inputs(self) -> mx.array:
+        """What the pass feeds the model: ``first`` and the proposal."""
+        return mx.concatenate([self.first.astype(mx.uint32), self.proposal.astype(mx.uint32)])
+
+    def launch(self, model: Any, cache: list[Any], mask: np.ndarray | None,
+               context: mx.array | None = None) -> None:
+        """Start the pass (lazily: :meth:`resolve` waits for it). ``context``: the tokens
+        fed to the model so far, as the row's history-reading processors see them (needed
+        when it has any)."""
+        inputs = self.inputs
         self._mask = mask
+        replayed = self.spec.replayed
+        replay = None
+        if replayed:
+            assert context is not None, "a row with penalties verifies with its context"
+            replay = Replay(replayed, context, inputs)
         head = VerifyHead.of(model)
         head.start(model, inputs[None], cache, mask, self.spec.sampler, self._noise,
-                   self.logprobs)
+                   self.logprobs, replay, self.spec.spread)
         self._head = head
 
     def _noise(self, vocab: int) -> mx.array:

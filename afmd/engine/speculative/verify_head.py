@@ -24,7 +24,7 @@ import ctypes
 import glob
 import os
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,6 +39,15 @@ _EPS32 = 2.0**-24
 
 #: Draws a sampled row's noise for a vocabulary of the given width.
 Noise = Callable[[int], mx.array]
+
+
+class Processed(Protocol):
+    """A pass's logits through the row's history-reading processors
+    (:class:`afmd.engine.speculative.verification.Replay`): all positions, or one."""
+
+    def __call__(self, logits: mx.array) -> mx.array: ...
+
+    def row(self, i: int, logits: mx.array) -> mx.array: ...
 
 
 class _Hidden(nn.Module):
@@ -63,10 +72,13 @@ class VerifyHead:
         return DeviceHead(model)
 
     def start(self, model: Any, inputs: mx.array, cache: list[Any], mask: np.ndarray | None,
-              sampler: Any, noise: Noise, logprobs: int | None = None) -> None:
+              sampler: Any, noise: Noise, logprobs: int | None = None,
+              replay: Processed | None = None, spread: float = 1.0) -> None:
         """Build the pass; ``noise(vocab)`` draws a sampled row's noise (unused when
         ``sampler`` is None: greedy); ``logprobs``: the alternatives the row reports, if
-        it reports log-probabilities (:meth:`logprobs` then has them)."""
+        it reports log-probabilities (:meth:`logprobs` then has them); ``replay``: the
+        row's penalties and biases, after the mask as a step applies them, and
+        ``spread``, how much they can widen a gap between two logits."""
         raise NotImplementedError
 
     def targets(self) -> list[int]:
@@ -86,10 +98,13 @@ class DeviceHead(VerifyHead):
         self._logprobs: StepLogprobs | None = None
 
     def start(self, model: Any, inputs: mx.array, cache: list[Any], mask: np.ndarray | None,
-              sampler: Any, noise: Noise, logprobs: int | None = None) -> None:
+              sampler: Any, noise: Noise, logprobs: int | None = None,
+              replay: Processed | None = None, spread: float = 1.0) -> None:
         logits = model(inputs, cache=cache)[0]
         if mask is not None:
             logits = mx.where(mx.array(mask), logits, _NEG_INF)
+        if replay is not None:
+            logits = replay(logits)
         drawn = noise(logits.shape[-1]) if sampler is not None else None
         self._picks = _pick(logits, sampler, drawn)
         if logprobs is None:
@@ -119,15 +134,19 @@ class HostHead(VerifyHead):
         self._noise: mx.array | None = None
         self._keep = False
         self._logprobs: StepLogprobs | None = None
+        self._replay: Processed | None = None
+        self._spread = 1.0
 
     def start(self, model: Any, inputs: mx.array, cache: list[Any], mask: np.ndarray | None,
-              sampler: Any, noise: Noise, logprobs: int | None = None) -> None:
+              sampler: Any, noise: Noise, logprobs: int | None = None,
+              replay: Processed | None = None, spread: float = 1.0) -> None:
         model.lm_head = _HIDDEN
         try:
             self._hidden = model(inputs, cache=cache)[0]
         finally:
             model.lm_head = self._head
         self._mask, self._sampler, self._keep = mask, sampler, logprobs is not None
+        self._replay, self._spread = replay, spread
         self._noise = noise(self._head.weight_t.shape[-1]) if sampler is not None else None
         mx.async_eval(self._hidden)
 
@@ -149,10 +168,14 @@ class HostHead(VerifyHead):
             logits = hidden @ weight
         if self._mask is not None:
             logits = np.where(self._mask, logits, _NEG_INF)
+        if self._replay is not None:
+            logits = np.array(self._replay(mx.array(logits)))
         if self._keep:
             self._logprobs = StepLogprobs.projected(logits)
-        # |numpy - MLX| for one logit is at most about 2·H·eps·Σ|h||w| (sequential sums).
-        tol = 2.0 * hidden.shape[-1] * _EPS32 * np.abs(hidden).sum(axis=-1) * w_max
+        # |numpy - MLX| for one logit is at most about 2·H·eps·Σ|h||w| (sequential sums),
+        # widened by what the replayed processors multiply a logit by.
+        tol = (2.0 * hidden.shape[-1] * _EPS32 * np.abs(hidden).sum(axis=-1) * w_max
+               * self._spread)
         sampler = self._sampler
         if sampler is None:
             scores = logits
@@ -180,6 +203,8 @@ class HostHead(VerifyHead):
         logits = self._head(self._hidden[i : i + 1])
         if self._mask is not None:
             logits = mx.where(mx.array(self._mask[i : i + 1]), logits, _NEG_INF)
+        if self._replay is not None:
+            logits = self._replay.row(i, logits)
         noise = self._noise[i : i + 1] if self._noise is not None else None
         return int(_pick(logits, self._sampler, noise))
 
