@@ -216,9 +216,10 @@ def pull_before_serving(config: Config) -> int | None:
         return None
     if hubcache.complete_snapshot(entry.path) is not None:
         return None
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+    from afmd.hub.download import PullError, offline, pull
+
+    if offline():
         return None  # offline on purpose: the server reports the model unavailable itself
-    from afmd.hub.download import PullError, pull
 
     try:
         pull(entry.path)

@@ -121,6 +121,12 @@ def parse_ref(ref: str) -> tuple[str, str]:
     return repo, revision or "main"
 
 
+def offline() -> bool:
+    """Whether the hub client is told to stay offline (``HF_HUB_OFFLINE``), as it reads
+    the variable: then nothing is pulled, and a model not on disk is unavailable."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
@@ -376,5 +382,5 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
     return Pulled(repo, revision, commit, snapshot, len(files), downloaded, total)
 
 
-__all__ = ["ALLOW_PATTERNS", "PullError", "PullStopped", "Pulled", "RemoteFile", "parse_ref",
-           "pull"]
+__all__ = ["ALLOW_PATTERNS", "PullError", "PullStopped", "Pulled", "RemoteFile", "offline",
+           "parse_ref", "pull"]

@@ -6,7 +6,9 @@ client at the stand-in, ``HF_HOME`` at a temporary folder."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
 import json
 import os
 import pty
@@ -18,15 +20,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from PIL import Image
 
-from afmd.hub.cache import human_bytes
+from afmd.engine.demo import builtin as demo
+from afmd.hub.cache import complete_snapshot, human_bytes
 from afmd.hub.download import LISTING_CAP, LISTING_WAITS, PullError, parse_ref
 from afmd.ports import free_ports
 
 from conftest import ROOT
 from helpers.hub import FakeHub, safetensors_bytes
-from helpers.servers import run_afmd
+from helpers.servers import run_afmd, start_server
 
 pytestmark = pytest.mark.slow  # the hub stand-in and pulls through huggingface_hub
 
@@ -499,3 +504,70 @@ def test_a_repo_removed_while_it_is_read_is_not_there(tmp_path: Path,
 
     monkeypatch.setattr(hubcache, "snapshot_size", removed_meanwhile)
     assert hubcache.inspect("test-org/racing", cache=tmp_path) is None
+
+
+CONFIGURED = "test-org/configured-chat"
+
+
+def test_a_configured_repo_not_on_disk_is_pulled_and_verified_by_its_first_load(
+        hub: FakeHub, tmp_path: Path) -> None:
+    """A ``[[models.model]]`` repo nobody pulled is fetched by afmd's own pull when a
+    request first loads it: bounded and verified, a file that fails verification deleted
+    and the load refused (mlx-lm's download kept whatever the hub sent, and served it)."""
+    folder = demo.materialize("demo")
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    hub.add_repo(CONFIGURED, {**files, "notes.txt": b"nothing a load reads\n"})
+    hub.corrupt(CONFIGURED, "notes.txt")
+    hf = tmp_path / "hf"
+    server = start_server(
+        tmp_path, config=f'[[models.model]]\nid = "tiny"\npath = "{CONFIGURED}"\n',
+        env={"HF_ENDPOINT": hub.url, "HF_HOME": str(hf)})
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 4, "temperature": 0}
+            refused = http.post("/v1/chat/completions", json=body)
+            assert refused.status_code == 500, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "model_load_failed" and error["param"] == "model"
+            assert "notes.txt failed verification" in error["message"], error["message"]
+            assert not list(hf.rglob("notes.txt"))
+            hub.corrupted.clear()
+            answer = http.post("/v1/chat/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            reference = http.post("/v1/chat/completions", json={**body, "model": "demo"})
+            assert (answer.json()["choices"][0]["message"]
+                    == reference.json()["choices"][0]["message"])  # the same weights
+        snapshot = complete_snapshot(CONFIGURED, hf / "hub")
+        assert snapshot is not None and (snapshot / "notes.txt").read_bytes().startswith(b"nothing")
+    finally:
+        server.stop()
+
+
+CONFIGURED_VISION = "test-org/configured-vision"
+
+
+def test_a_configured_repo_pulled_by_its_load_is_what_its_folder_says(
+        hub: FakeHub, tmp_path: Path) -> None:
+    """The kind of a repo nobody pulled is read once its load has pulled it: a vision
+    conversion with no ``kind`` in its entry takes images (it was loaded as a text model,
+    which mlx-lm has no architecture for)."""
+    folder = demo.materialize("demo-vision")
+    hub.add_folder(CONFIGURED_VISION, folder)
+    server = start_server(
+        tmp_path, config=f'[[models.model]]\nid = "eyes"\npath = "{CONFIGURED_VISION}"\n',
+        env={"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")})
+    picture = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(picture, "PNG")
+    image = "data:image/png;base64," + base64.b64encode(picture.getvalue()).decode()
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            answer = http.post("/v1/chat/completions", json={
+                "model": "eyes", "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image_url", "image_url": {"url": image}}]}]})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["usage"]["prompt_tokens"] > 20  # the image's tokens
+    finally:
+        server.stop()

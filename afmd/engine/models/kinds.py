@@ -30,7 +30,9 @@ standard file states it, so only the ``afmd_embedding`` object can.
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,6 +42,8 @@ from typing import Any
 from afmd.config.tables import ModelEntry
 from afmd.hub import cache as hubcache
 from afmd.paths import huggingface_hub_cache
+
+log = logging.getLogger("afmd.engine")
 
 CHAT = "chat"
 EMBEDDING = "embedding"
@@ -135,14 +139,17 @@ def looks_like_repo(path: str) -> bool:
 
 def load_source(path: str) -> str:
     """What a load reads a configured model ``path`` (not a built-in) from: its local
-    folder; for a Hugging Face id whose snapshot in the cache is complete, that snapshot
-    (the revision ``refs/main`` names); else the id itself, which mlx-lm downloads.
+    folder; for a Hugging Face id, the snapshot in the cache that ``refs/main`` names,
+    pulled first (as ``afmd pull`` pulls it) where it is not complete; offline, the id
+    itself, which mlx-lm then finds in the cache or reports missing.
 
     Given the id, mlx-lm (and mlx-vlm) ask the hub at every load whether the revision
     moved, and fetch what changed: a model loaded for a request (``keep_alive: 0`` loads
     one each time) waited on the network, up to ``HF_HUB_ETAG_TIMEOUT`` where it was slow,
     and a repo updated upstream was downloaded anew, unverified, behind a request. A model
-    on disk changes only when it is pulled, as in Ollama."""
+    on disk changes only when it is pulled, as in Ollama. A repo not on disk yet is pulled
+    by afmd's own pull, whose listing and files are bounded and verified, where mlx-lm's
+    download wrote whatever the hub sent."""
     local = Path(path).expanduser()
     if os.path.exists(local):
         return str(local)
@@ -150,6 +157,11 @@ def load_source(path: str) -> str:
         snapshot = hubcache.complete_snapshot(path)
         if snapshot is not None:
             return str(snapshot)
+        from afmd.hub.download import offline, pull
+
+        if not offline():
+            log.info("pulling %s for its first load", path)
+            return str(pull(path, out=io.StringIO(), terminal=False).snapshot)
     return path
 
 

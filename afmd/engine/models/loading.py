@@ -90,20 +90,15 @@ def load_sync(entry: ModelEntry, config: Config) -> LoadedModel:
     vision: VisionSupport | None = None
     shard = None
     kind = CHAT
+    # A repo not on disk is pulled here, so that its folder can say what it is.
+    source = (str(demo.materialize(entry.path[len(BUILTIN_PREFIX):])) if is_demo
+              else kinds.load_source(entry.path))
     if kinds.is_vision(entry, kinds.model_folder(entry.path)):
-        variant = entry.path[len(BUILTIN_PREFIX):]
-        source = str(demo.materialize(variant)) if is_demo else kinds.load_source(entry.path)
         folder, model, tokenizer, context_length, worker, vision = _load_vision(
             entry, config, source
         )
     else:
-        if is_demo:
-            variant = entry.path[len(BUILTIN_PREFIX):]
-            folder = demo.materialize(variant)
-            source = str(folder)
-        else:
-            source = kinds.load_source(entry.path)
-            folder = Path(source) if os.path.exists(source) else None
+        folder = Path(source) if os.path.exists(source) else None
         group = lockstep.current()
         if group is not None and entry == config.resolve_model(None):
             # A launched group's model: this rank's share of it, in step with the others.
