@@ -65,7 +65,9 @@ def load_shard(folder: Path, lockstep: Lockstep, wanted: str) -> tuple[Any, Any,
     from mlx.utils import tree_flatten
 
     transformers_ready()
-    from mlx_lm.utils import load_model, load_tokenizer
+    from mlx_lm.utils import load_model
+
+    from afmd.engine.models.kept_tokenizers import tokenizer_for
 
     model, config = load_model(folder, lazy=True, strict=False)
     strategy = choose(model, wanted)
@@ -76,7 +78,9 @@ def load_shard(folder: Path, lockstep: Lockstep, wanted: str) -> tuple[Any, Any,
     else:
         model.model.pipeline(lockstep.group)
         first, last = model.model.start_idx, model.model.end_idx
-    tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    # The one an earlier load of these files made, where there was one: building it again
+    # holds the GIL long enough to stall this rank's serving loop.
+    tokenizer = tokenizer_for(folder, config.get("eos_token_id"))
     mx.eval(model.parameters())
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # type: ignore[str-unpack, union-attr]  # mlx types tree_flatten list-or-dict alike
     lockstep.share(b"" if lockstep.leads else None)  # everyone has loaded

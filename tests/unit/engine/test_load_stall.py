@@ -253,3 +253,21 @@ def test_a_vision_model_s_rewritten_tokenizer_file_gives_new_ones(
 
 if __name__ == "__main__":
     print(json.dumps(_reload_probe()))
+
+
+def test_a_launched_groups_share_loaded_again_keeps_its_tokenizer(folder: Path) -> None:
+    """A rank's share of a sharded model (here a group of one) takes the kept tokenizer
+    too: a rank that unloads its model and loads it again built the tokenizer anew."""
+    import mlx.core as mx
+
+    from afmd.engine.models import kept_tokenizers
+    from afmd.engine.sharded.lockstep import Lockstep
+    from afmd.engine.sharded.sharding import load_shard
+
+    group = Lockstep(mx.distributed.init())
+    assert group.size == 1
+    _, tokenizer, config, shard = load_shard(folder, group, "tensor")
+    _, again, _, _ = load_shard(folder, group, "tensor")
+    assert shard.strategy == "tensor" and again is tokenizer
+    assert kept_tokenizers.tokenizer_for(folder, config.get("eos_token_id")) is tokenizer
+    kept_tokenizers.forget()
