@@ -7,6 +7,7 @@ with ``previous_response_id`` and without; bad items are 400s naming their param
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -97,12 +98,16 @@ def test_a_streamed_call_has_the_apis_events(client: Any, http: httpx.Client,
         final = stream.get_final_response()
     (call,) = final.output
     assert isinstance(call, KINDS[kind][0]) and call.status == "completed"
-    core = ["response.output_item.added", "response.output_item.done"]
-    if kind == "shell":
-        commands = call.action.commands
-        core[1:1] = ["response.shell_call_command.added", "response.shell_call_command.delta",
-                     "response.shell_call_command.done"] * len(commands)
-    assert types == ["response.created", "response.in_progress", *core, "response.completed"]
+    assert types[:3] == ["response.created", "response.in_progress",
+                         "response.output_item.added"]
+    assert types[-2:] == ["response.output_item.done", "response.completed"]
+    if kind == "shell":  # each command added, written as it goes, done
+        event = r"response\.shell_call_command\."
+        command = rf"({event}added,({event}delta,)*{event}done,)"
+        assert re.fullmatch(f"{command}{{{len(call.action.commands)}}}",
+                            ",".join(types[3:-2]) + ",")
+    else:
+        assert len(types) == 5
     # On the wire, every event in OpenAI's published schema.
     sent = {**{k: v for k, v in request.items() if k != "extra_body"}, **request["extra_body"],
             "stream": True}
@@ -119,6 +124,10 @@ def test_a_streamed_call_has_the_apis_events(client: Any, http: httpx.Client,
         finished = [e["command"] for e in events
                     if e["type"] == "response.shell_call_command.done"]
         assert finished == done["action"]["commands"]
+        for index, command in enumerate(finished):
+            assert "".join(e["delta"] for e in events
+                           if e["type"] == "response.shell_call_command.delta"
+                           and e["command_index"] == index) == command
         assert {e["output_index"] for e in events if "command_index" in e} == {0}
 
 

@@ -284,6 +284,112 @@ def call_item(call_type: str, item_id: str, call_id: str, arguments: str | None,
     return item
 
 
+def _decoded(raw: str) -> str:
+    """A JSON string's text as far as it was written: decoded up to its last whole escape,
+    never ending in half of a surrogate pair."""
+    for cut in range(min(len(raw), 11) + 1):
+        try:
+            text = orjson.loads('"' + raw[:len(raw) - cut] + '"')
+        except orjson.JSONDecodeError:
+            continue
+        return str(text)
+    return ""
+
+
+#: A command's events as :class:`CommandStream` reads them: ``(kind, index, text)``, kind
+#: ``added``, ``delta`` or ``done``.
+CommandEvent = tuple[str, int, str]
+
+
+class CommandStream:
+    """A shell call's commands read from its arguments as the model writes them, for the
+    API's ``shell_call_command`` events: a command is added when its string opens, grows
+    by what each fragment wrote of it, and is done when the string closes. The grammar
+    holds the arguments to the shell schema, so a string inside the top-level
+    ``commands`` array is a command."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escape = False
+        self.expect_key = False
+        self.key = ""  # the top-level key whose value is being written
+        self.role = ""  # the open string's: "key", "command" or "" (another value)
+        self.raw: list[str] = []  # the open key's or command's text, as escaped JSON
+        self.sent = ""  # what deltas sent of the open command
+        self.added = 0
+        self.done: list[str] = []
+
+    def feed(self, fragment: str) -> list[CommandEvent]:
+        events: list[CommandEvent] = []
+        for c in fragment:
+            if self.in_string:
+                if self.escape or c not in '"\\':
+                    self.escape = False
+                    if self.role:
+                        self.raw.append(c)
+                elif c == "\\":
+                    self.escape = True
+                    if self.role:
+                        self.raw.append(c)
+                else:
+                    self.in_string = False
+                    self._closed(events)
+            elif c == '"':
+                self.in_string = True
+                self.raw = []
+                if self.depth == 1 and self.expect_key:
+                    self.role = "key"
+                elif self.depth == 2 and self.key == "commands":
+                    self.role = "command"
+                    self.sent = ""
+                    events.append(("added", self.added, ""))
+                    self.added += 1
+                else:
+                    self.role = ""
+            elif c in "{[":
+                self.depth += 1
+                self.expect_key = c == "{" and self.depth == 1
+            elif c in "}]":
+                self.depth -= 1
+            elif c == ":" and self.depth == 1:
+                self.expect_key = False
+            elif c == "," and self.depth == 1:
+                self.expect_key = True
+        if self.in_string and self.role == "command":
+            self._grown(_decoded("".join(self.raw)), events)
+        return events
+
+    def _grown(self, text: str, events: list[CommandEvent]) -> None:
+        if len(text) > len(self.sent) and text.startswith(self.sent):
+            events.append(("delta", len(self.done), text[len(self.sent):]))
+            self.sent = text
+
+    def _closed(self, events: list[CommandEvent]) -> None:
+        text = _decoded("".join(self.raw))
+        if self.role == "key":
+            self.key = text
+        elif self.role == "command":
+            self._grown(text, events)
+            events.append(("done", len(self.done), text))
+            self.done.append(text)
+        self.role = ""
+
+    def finish(self, commands: list[str]) -> list[CommandEvent]:
+        """The events the call's whole commands still need (none where the arguments
+        streamed as they were written)."""
+        events: list[CommandEvent] = []
+        for index in range(len(self.done), len(commands)):
+            if index >= self.added:
+                events.append(("added", index, ""))
+                self.added += 1
+                self.sent = ""
+            self._grown(commands[index], events)
+            events.append(("done", index, commands[index]))
+            self.done.append(commands[index])
+        return events
+
+
 # ---------------------------------------------------------------------------- input items
 
 

@@ -8,7 +8,8 @@ an assistant ``message`` with one ``output_text`` part, each call as a ``functio
 ``custom_tool_call`` whose ``input`` is the text the model wrote (streamed once, whole),
 or for a client-run tool its own item (``shell_call``, ``local_shell_call``,
 ``apply_patch_call``: :mod:`afmd.dialects.responses.client_tools`), built once its
-arguments are whole; a shell call's commands stream then as ``shell_call_command`` events.
+arguments are whole; a shell call's commands stream as ``shell_call_command`` events as
+they are written.
 Streamed, each item opens (``output_item.added``, ``content_part.added``), grows by deltas
 and closes (``….done``, ``content_part.done``, ``output_item.done``), every event numbered
 by ``sequence_number``; the non-streamed body is the same items, built from the same
@@ -40,7 +41,7 @@ from afmd.core.events import (
     Usage,
 )
 from afmd.dialects.responses import client_tools
-from afmd.dialects.responses.client_tools import ClientTool
+from afmd.dialects.responses.client_tools import ClientTool, CommandEvent, CommandStream
 from afmd.dialects.responses.items import Item, item_id
 from afmd.dialects.responses.options import LOGPROBS
 from afmd.dialects.responses.responses_body import Echo
@@ -146,6 +147,7 @@ class _Open:
     name: str = ""
     namespace: str | None = None  # a namespace tool's function
     client: ClientTool | None = None  # a client-run tool's call
+    commands: CommandStream | None = None  # a shell call's, as they are written
     delta_head: bytes = b""  # the pre-encoded start of this item's delta events
     #: A message's tokens (``include: ["message.output_text.logprobs"]``), as its part
     #: writes them.
@@ -314,6 +316,8 @@ class ResponseBuilder:
                 call.parts.append(event.fragment)
                 if call.kind == "function_call":
                     self._log.delta(call, event.fragment)
+                elif call.commands is not None:
+                    self._commands(call, call.commands.feed(event.fragment))
             elif isinstance(event, ToolCallEnd):
                 # One the output ended inside is cut short: its arguments are not whole.
                 self._close(arguments=event.call.arguments,
@@ -388,7 +392,8 @@ class ResponseBuilder:
         prefix = client_tools.CALL_PREFIXES.get(kind) or ("ctc" if custom else "fc")
         item = _Open(kind, len(self.output), item_id(prefix), call_id=event.id,
                      name=event.name, namespace=self.echo.namespaces.get(event.name),
-                     client=client)
+                     client=client,
+                     commands=CommandStream() if kind == "shell_call" and self.stream else None)
         self._open = item
         # An apply_patch_call has no shape without its operation: it is added once whole.
         if kind != "apply_patch_call":
@@ -402,6 +407,8 @@ class ResponseBuilder:
             item.parts.append(event.arguments)
             if kind == "function_call":
                 self._log.delta(item, event.arguments)
+            elif item.commands is not None:
+                self._commands(item, item.commands.feed(event.arguments))
 
     def _close(self, *, status: str = "completed", arguments: str | None = None) -> None:
         """The open item's ``….done`` events, and the item into ``output``."""
@@ -426,8 +433,8 @@ class ResponseBuilder:
             self._log.emit({"type": "response.custom_tool_call_input.done", **base,
                             "input": written})
         done = _done_item(item, text, status, self._encrypted)
-        if item.kind == "shell_call":
-            self._shell_commands(item.index, done["action"]["commands"])
+        if item.commands is not None:
+            self._commands(item, item.commands.finish(done["action"]["commands"]))
         elif item.kind == "apply_patch_call":
             self._log.emit({"type": "response.output_item.added", "output_index": item.index,
                             "item": {**done, "status": "in_progress"}})
@@ -450,17 +457,12 @@ class ResponseBuilder:
         self._log.emit({"type": "response.output_item.done", "output_index": item.index,
                         "item": done})
 
-    def _shell_commands(self, index: int, commands: list[str]) -> None:
-        """A shell call's commands as the API streams them, each added, written (here in
-        one delta: they are read from whole arguments) and done."""
-        for number, command in enumerate(commands):
-            where = {"output_index": index, "command_index": number}
-            self._log.emit({"type": "response.shell_call_command.added", **where,
-                            "command": ""})
-            self._log.emit({"type": "response.shell_call_command.delta", **where,
-                            "delta": command})
-            self._log.emit({"type": "response.shell_call_command.done", **where,
-                            "command": command})
+    def _commands(self, item: _Open, events: list[CommandEvent]) -> None:
+        """A shell call's commands as the API streams them: each added, written and done."""
+        for kind, number, text in events:
+            self._log.emit({"type": f"response.shell_call_command.{kind}",
+                            "output_index": item.index, "command_index": number,
+                            "delta" if kind == "delta" else "command": text})
 
     def finish(self) -> dict[str, Any]:
         """The final response object, and its terminal event when streamed."""
