@@ -169,16 +169,18 @@ def custom_format(value: Any, p: str, strict: bool) -> dict[str, Any] | None:
     return {"type": "grammar", "syntax": syntax, "definition": definition}
 
 
-def _client_name_taken(name: str, tool: str, function: str) -> InvalidRequestError:
-    """A function or custom tool named as a client-run tool offered beside it: the model
-    calls both by that name, so the calls could not be told apart."""
-    return invalid(function, f"The tool name '{name}' is the name the '{name}' tool "
-                   f"({tool.removesuffix('.type')}) is offered to the model under; rename "
-                   "this tool.")
+def _client_name_taken(name: str, client_at: str, param: str) -> InvalidRequestError:
+    """A function or custom tool (its name at ``param``) named as a client-run tool offered
+    beside it (its type at ``client_at``): the model calls both by that name, so the calls
+    could not be told apart."""
+    return invalid(param, f"The tool name '{name}' is the name the '{name}' tool "
+                   f"({client_at.removesuffix('.type')}) is offered to the model under; "
+                   "rename this tool.")
 
 
 def _function_or_custom(tool: dict[str, Any], p: str, kind: str, specs: list[ToolSpec],
-                        strict: bool) -> tuple[ToolSpec, dict[str, Any]]:
+                        client: Collection[str], strict: bool
+                        ) -> tuple[ToolSpec, dict[str, Any]]:
     if strict:
         reject_unknown(tool, TOOL_KEYS[kind], prefix=f"{p}.")
     name = required(tool, "name", f"{p}.name", str, "a string")
@@ -187,8 +189,8 @@ def _function_or_custom(tool: dict[str, Any], p: str, kind: str, specs: list[Too
                       "characters among a-z, A-Z, 0-9, _ and -.")
     taken = next((s for s in specs if s.name == name), None)
     if taken is not None:
-        if taken.named_at is not None and taken.named_at.endswith(".type"):
-            raise _client_name_taken(name, taken.named_at, f"{p}.name")
+        if name in client:
+            raise _client_name_taken(name, taken.name_param(0), f"{p}.name")
         raise invalid(f"{p}.name", f"Duplicate tool name '{name}'.")
     description = optional(tool, "description", f"{p}.description", str, "a string")
     if kind == "custom":
@@ -240,13 +242,13 @@ def parse_tools(value: Any, *, strict: bool = False) -> Tools:
             spec, offered, shown = client_tools.parse_tool(tool, p, strict)
             taken = next((s for s in specs if s.name == spec.name), None)
             if taken is not None:
-                raise _client_name_taken(spec.name, f"{p}.type", taken.named_at or p)
+                raise _client_name_taken(spec.name, f"{p}.type", taken.name_param(0))
             specs.append(spec)
             echo.append(shown)
             client[spec.name] = offered
             continue
         if kind != "namespace":
-            spec, shown = _function_or_custom(tool, p, kind, specs, strict)
+            spec, shown = _function_or_custom(tool, p, kind, specs, client, strict)
             specs.append(spec)
             echo.append(shown)
             if kind == "custom":
@@ -267,7 +269,8 @@ def parse_tools(value: Any, *, strict: bool = False) -> Tools:
             member_kind = required(member, "type", f"{q}.type", str, "a string")
             if member_kind not in ("function", "custom"):
                 raise not_one_of(f"{q}.type", member_kind, ("function", "custom"))
-            spec, shown = _function_or_custom(member, q, member_kind, specs, strict)
+            spec, shown = _function_or_custom(member, q, member_kind, specs, client,
+                                              strict)
             specs.append(spec)
             members.append(shown)
             namespaces[spec.name] = namespace
