@@ -170,6 +170,9 @@ def test_the_output_goes_back_and_the_loop_goes_on(client: Any, kind: str) -> No
                call.model_dump(mode="json"), answer(kind, call)]
     third = client.responses.create(input=history, store=False, **step)
     assert third.status in ("completed", "incomplete") and third.output
+    counted = client.post("/responses/input_tokens", cast_to=object, body={
+        "model": "demo", "input": history, "tools": [{"type": kind}]})
+    assert counted["input_tokens"] > 10
     # The prompt has the call as the function the model was offered, then its result.
     parsed = parse_responses_request({"model": "demo", "input": history,
                                       "tools": [{"type": kind}]}, lookup=lambda _: None)
@@ -179,6 +182,47 @@ def test_the_output_goes_back_and_the_loop_goes_on(client: Any, kind: str) -> No
     assert json.loads(written.arguments) == arguments(call.model_dump(mode="json"))
     assert result.role == "tool" and result.tool_call_id == call.call_id
     assert "notes.txt" in (result.content or "")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_cut_call_carries_only_whole_values(client: Any, http: httpx.Client, kind: str,
+                                              stream: bool) -> None:
+    """Cut by max_output_tokens: still the SDK's type, in the published schema, its status
+    not ``completed`` (``apply_patch_call`` has no ``incomplete``), and each value it
+    carries one the same call, written to its end, carries whole: none cut mid-way."""
+    whole = client.responses.with_raw_response.create(**body(kind)).http_response.json()
+    (full,) = whole["output"]
+    used = whole["usage"]["output_tokens"]
+    assert used > 32  # room to cut it inside its values
+    request = body(kind, max_output_tokens=used // 2)
+    sent = {**{k: v for k, v in request.items() if k != "extra_body"},
+            **request["extra_body"], "stream": stream}
+    response = http.post("/v1/responses", json=sent)
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [json.loads(block.partition("data: ")[2])
+                  for block in response.text.split("\n\n") if block.strip()]
+        for event in events:
+            validate_event(event)
+        wire = events[-1]["response"]
+    else:
+        wire = response.json()
+    validate_response(wire)
+    assert wire["status"] == "incomplete"
+    (item,) = wire["output"]
+    call = KINDS[kind][0].model_validate(item)
+    assert call.status == ("in_progress" if kind == "apply_patch" else "incomplete")
+    carried = "operation" if kind == "apply_patch" else "action"
+    assert item[carried] != full[carried]  # something was cut
+    if kind == "apply_patch":
+        cut, done = item["operation"], full["operation"]
+        assert cut["path"] in ("", done["path"]) and cut.get("diff", "") in (
+            "", done.get("diff"))
+    else:
+        key = "commands" if kind == "shell" else "command"
+        cut_commands = item["action"][key]
+        assert cut_commands == full["action"][key][:len(cut_commands)]
 
 
 def test_allowed_tools_and_a_named_choice_force_them(client: Any, http: httpx.Client) -> None:
