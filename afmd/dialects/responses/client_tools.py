@@ -53,7 +53,7 @@ OUTPUT_TYPES = {"shell": "shell_call_output", "local_shell": "local_shell_call_o
                 "apply_patch": "apply_patch_call_output"}
 KIND_OF_CALL = {call: kind for kind, call in CALL_TYPES.items()}
 KIND_OF_OUTPUT = {output: kind for kind, output in OUTPUT_TYPES.items()}
-#: Item id prefixes, as OpenAI's.
+#: Item id prefixes in the shape of OpenAI's (``apc_`` is its own; the others alike).
 CALL_PREFIXES = {"shell_call": "sh", "local_shell_call": "lsh", "apply_patch_call": "apc",
                  "shell_call_output": "sho", "local_shell_call_output": "lsho",
                  "apply_patch_call_output": "apco"}
