@@ -28,7 +28,7 @@ PICK = {"type": "custom", "name": "pick", "description": "Say yes or no.",
         "format": {"type": "grammar", "syntax": "regex", "definition": "(yes|no)"}}
 HOSTED = [{"type": "web_search", "external_web_access": False},
           {"type": "image_generation"}, {"type": "tool_search"}, {"type": "mcp"},
-          {"type": "local_shell"}]
+          {"type": "shell", "environment": {"type": "container_auto"}}]  # OpenAI's container
 
 
 def sse_events(text: str) -> list[dict[str, Any]]:

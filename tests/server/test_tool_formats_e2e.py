@@ -37,6 +37,7 @@ from afmd.core.events import (
 )
 from afmd.core.request import Message, ToolCall
 from afmd.dialects.openai.chat import OPENAI_CHAT
+from afmd.dialects.responses.client_tools import PARAMETERS
 from afmd.dialects.responses.options import custom_parameters
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.service.chat_template import template_messages
@@ -396,3 +397,26 @@ def test_a_recursive_grammar_a_raw_reader_would_cut_is_downgraded(
     plan = plan_output(request, models.model(spec), [], 100)
     assert plan.grammar is not None
     assert plan.downgraded == (spec.id in TRIMMING)
+
+
+@pytest.mark.parametrize("spec", FAMILIES, ids=lambda s: s.id)
+def test_the_client_run_tools_schemas_are_enforced(models: Models, spec: Spec) -> None:
+    """The Responses API's ``shell``, ``local_shell`` and ``apply_patch`` are offered as
+    functions of fixed schemas: every family enforces them whole (never downgraded), and
+    each forced call is valid against its schema (but one max_tokens cut)."""
+    from afmd.service.output_plan import plan_output
+
+    tools = [{"type": "function", "function": {"name": kind, "parameters": schema}}
+             for kind, schema in PARAMETERS.items()]
+    request = OPENAI_CHAT.parse(orjson.dumps({
+        "messages": [USER], "tools": tools, "tool_choice": "required"}))
+    plan = plan_output(request, models.model(spec), [], 100)
+    assert plan.grammar is not None and not plan.downgraded
+    for kind, tool in zip(PARAMETERS, tools, strict=True):
+        for events in models.run_seeds(spec, SEEDS[:2], tools=[tool], tool_choice="required",
+                                       parallel_tool_calls=False, reasoning_effort="none",
+                                       max_tokens=300):
+            (end,) = [e for e in events if isinstance(e, ToolCallEnd)]
+            assert end.call.name == kind
+            if finish(events) == "tool_calls":
+                jsonschema.validate(json.loads(end.call.arguments), PARAMETERS[kind])

@@ -33,6 +33,7 @@ from afmd.dialects.fields.checks import (
     required,
     wrong_type,
 )
+from afmd.dialects.responses import client_tools
 from afmd.errors import InvalidRequestError, NotFoundError
 
 Item = dict[str, Any]
@@ -41,18 +42,15 @@ ROLES = ("user", "assistant", "system", "developer")
 #: Item types of the API that only OpenAI's hosted tools produce or consume.
 HOSTED_ITEMS = frozenset({
     "file_search_call", "computer_call", "computer_call_output", "web_search_call",
-    "image_generation_call", "code_interpreter_call", "local_shell_call",
-    "local_shell_call_output", "shell_call", "shell_call_output", "apply_patch_call",
-    "apply_patch_call_output", "mcp_list_tools", "mcp_approval_request",
-    "mcp_approval_response", "mcp_call",
+    "image_generation_call", "code_interpreter_call", "mcp_list_tools",
+    "mcp_approval_request", "mcp_approval_response", "mcp_call",
     "tool_search_call", "tool_search_output", "additional_tools", "compaction",
     "compaction_trigger", "program", "program_output",
 })
-ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_call",
-              "custom_tool_call_output", "reasoning", "item_reference")
-#: The calls and their outputs, custom tools' beside functions'.
-CALLS = ("function_call", "custom_tool_call")
-OUTPUTS = ("function_call_output", "custom_tool_call_output")
+#: The calls and their outputs: custom tools' and client-run tools' beside functions'.
+CALLS = ("function_call", "custom_tool_call", *client_tools.KIND_OF_CALL)
+OUTPUTS = ("function_call_output", "custom_tool_call_output", *client_tools.KIND_OF_OUTPUT)
+ITEM_TYPES = ("message", *CALLS, *OUTPUTS, "reasoning", "item_reference")
 
 # The keys ``[api] strict`` admits in each item and part, as OpenAI refuses any other: the
 # openai SDK's (every variant of the item it types; tests/unit/dialects/test_sdk_fields.py
@@ -69,6 +67,7 @@ ITEM_KEYS: dict[str, frozenset[str]] = {
     "reasoning": frozenset({"type", "id", "summary", "content", "encrypted_content",
                             "status"}),
     "item_reference": frozenset({"type", "id"}),
+    **client_tools.ITEM_KEYS,
 }
 _INPUT_TEXT_KEYS = frozenset({"type", "text", "prompt_cache_breakpoint"})
 _OUTPUT_TEXT_KEYS = frozenset({"type", "text", "annotations", "logprobs"})
@@ -245,12 +244,44 @@ def _call_output(item: Item, p: str, kind: str, strict: bool) -> Item:
             "call_id": call_id, "output": output, "status": "completed"}
 
 
+def _client_call(item: Item, p: str, strict: bool) -> Item:
+    kind = item["type"]
+    return client_tools.parse_call(
+        item, p, _given_id(item, p, client_tools.CALL_PREFIXES[kind]), _call_id(item, p),
+        strict)
+
+
+def _client_output(item: Item, p: str, strict: bool) -> Item:
+    kind = item["type"]
+    call_id = client_tools.output_call_id(item, p)
+    return client_tools.parse_output(
+        item, p, _given_id(item, p, client_tools.CALL_PREFIXES[kind]), call_id, strict)
+
+
 def call_arguments(item: Item) -> str:
     """A call item as the model wrote it: a custom tool's text is the one string of the
-    function it is offered as (:func:`afmd.dialects.responses.options.custom_parameters`)."""
+    function it is offered as (:func:`afmd.dialects.responses.options.custom_parameters`),
+    a client-run tool's action that function's arguments."""
     if item["type"] == "custom_tool_call":
         return orjson.dumps({"input": item["input"]}).decode()
+    if item["type"] in client_tools.KIND_OF_CALL:
+        return client_tools.call_arguments(item)
     return str(item["arguments"])
+
+
+def call_name(item: Item) -> str:
+    """The function a call item calls: a client-run tool's is the tool's type."""
+    kind = item["type"]
+    return client_tools.KIND_OF_CALL[kind] if kind in client_tools.KIND_OF_CALL else \
+        str(item["name"])
+
+
+def output_text(item: Item) -> str | list[Item]:
+    """An output item's output: text, or content parts (images among them)."""
+    if item["type"] in client_tools.KIND_OF_OUTPUT:
+        return client_tools.output_text(item)
+    output: str | list[Item] = item["output"]
+    return output
 
 
 def _text_parts(value: Any, p: str, kind: str, strict: bool) -> list[Item]:
@@ -304,6 +335,10 @@ def canonical_items(value: Any, param: str = "input", *,
             reject_unknown(item, ITEM_KEYS[kind], prefix=f"{p}.")
         if kind == "message":
             items.append(_message(item, p, strict))
+        elif kind in client_tools.KIND_OF_CALL:
+            items.append(_client_call(item, p, strict))
+        elif kind in client_tools.KIND_OF_OUTPUT:
+            items.append(_client_output(item, p, strict))
         elif kind in CALLS:
             items.append(_call(item, p, kind))
         elif kind in OUTPUTS:
@@ -408,7 +443,7 @@ def to_messages(items: Sequence[Item], params: ItemParams) -> tuple[Message, ...
                     f"The call_id {quoted(call_id)} is used by more than one function_call.",
                     code="duplicate_tool_call_id", param=params(index, ".call_id"))
             assistant(index).calls.append(
-                (ToolCall(call_id, item["name"], call_arguments(item)), index))
+                (ToolCall(call_id, call_name(item), call_arguments(item)), index))
         elif kind in OUTPUTS:
             flush()
             call_id = item["call_id"]
@@ -420,7 +455,7 @@ def to_messages(items: Sequence[Item], params: ItemParams) -> tuple[Message, ...
                 raise InvalidRequestError(
                     f"No function_call before this output has the call_id {quoted(call_id)}.",
                     code="unknown_tool_call_id", param=params(index, ".call_id"))
-            output = item["output"]
+            output = output_text(item)
             text = output if isinstance(output, str) else _text_of(output)
             where = open_calls[call_id][0]
             images = _images(output, params, index, ".output")

@@ -5,8 +5,10 @@ and also returned in the form the response object echoes.
 Tools as OpenAI defines them: ``function`` tools (flat), ``namespace`` tools (a group of
 function and custom tools, offered to the model as their functions; a call names its
 namespace), ``custom`` tools (free-form text input, e.g. Codex's ``apply_patch``: offered
-as a function of one string, its call returned as the text). Hosted tools afmd cannot run
-are left out of the prompt and named (``tools[i]``), refused only under ``[api] strict``.
+as a function of one string, its call returned as the text), and the tools OpenAI's models
+call for the client to run (``shell``, ``local_shell``, ``apply_patch``: offered as fixed
+functions, :mod:`afmd.dialects.responses.client_tools`). Hosted tools afmd cannot run are left
+out of the prompt and named (``tools[i]``), refused only under ``[api] strict``.
 """
 
 from __future__ import annotations
@@ -27,20 +29,22 @@ from afmd.dialects.fields.checks import (
     required,
     wrong_type,
 )
+from afmd.dialects.responses import client_tools
+from afmd.dialects.responses.client_tools import ClientTool
 from afmd.errors import InvalidRequestError
 from afmd.grammar.lark_input import LARK_KEY
 from afmd.grammar.lark_regex import NotRegular, check_lark, lark_regex
 
 #: OpenAI's hosted tools (and any other type that is not a function, a namespace of
-#: functions, or a custom tool): afmd cannot run them, so they are left out of the prompt
-#: and named in ``X-AFM-Ignored-Fields`` as ``tools[i]`` (``[api] strict``: a 400).
+#: functions, a custom tool or a client-run tool; and a ``shell`` in OpenAI's container):
+#: afmd cannot run them, so they are left out of the prompt and named in
+#: ``X-AFM-Ignored-Fields`` as ``tools[i]`` (``[api] strict``: a 400).
 HOSTED_TOOLS = frozenset({
     "file_search", "computer", "computer_use_preview", "web_search", "web_search_2025_08_26",
     "web_search_preview", "web_search_preview_2025_03_11", "mcp", "code_interpreter",
-    "programmatic_tool_calling", "image_generation", "local_shell", "shell",
-    "tool_search", "apply_patch",
+    "programmatic_tool_calling", "image_generation", "tool_search",
 })
-TOOL_TYPES = ("function", "namespace", "custom")
+TOOL_TYPES = ("function", "namespace", "custom", *client_tools.KINDS)
 GRAMMAR_SYNTAXES = ("lark", "regex")
 #: The string format that marks a custom tool's input as a recursive lark grammar (held
 #: under ``LARK_KEY``): the call grammars write it as rules; a path that does not knows no
@@ -67,6 +71,7 @@ TOOL_KEYS: dict[str, frozenset[str]] = {
     "function": _TOOL_KEYS | {"parameters", "strict", "output_schema"},
     "custom": _TOOL_KEYS | {"format"},
     "namespace": frozenset({"type", "name", "description", "tools"}),
+    **client_tools.TOOL_KEYS,
 }
 CUSTOM_FORMAT_KEYS: dict[str, frozenset[str]] = {
     "text": frozenset({"type"}),
@@ -75,6 +80,8 @@ CUSTOM_FORMAT_KEYS: dict[str, frozenset[str]] = {
 #: A named choice (``function`` or ``custom``) and ``allowed_tools``; the latter's entries
 #: the SDK types as any object, so they are read, not held to a set.
 CHOICE_KEYS = frozenset({"type", "name"})
+#: A client-run tool's choice (``{"type": "shell"}``), named by its type.
+CLIENT_CHOICE_KEYS = frozenset({"type"})
 ALLOWED_CHOICE_KEYS = frozenset({"type", "mode", "tools"})
 TEXT_FORMAT_KEYS: dict[str, frozenset[str]] = {
     "text": frozenset({"type"}),
@@ -86,22 +93,25 @@ TEXT_FORMAT_KEYS: dict[str, frozenset[str]] = {
 def _unsupported_tool(param: str, kind: object) -> InvalidRequestError:
     return InvalidRequestError(
         f"The tool type {quoted(kind)} is a hosted tool, which afmd cannot run; 'function', "
-        "'namespace' and 'custom' tools are supported (without [api] strict, other tools "
-        "are left out and named in X-AFM-Ignored-Fields).", code="unsupported_tool",
+        "'namespace', 'custom' and the client-run 'shell' (without a container), "
+        "'local_shell' and 'apply_patch' tools are supported (without [api] strict, other "
+        "tools are left out and named in X-AFM-Ignored-Fields).", code="unsupported_tool",
         param=param)
 
 
 @dataclass(frozen=True, slots=True)
 class Tools:
-    """A body's ``tools``: what the model is offered (each namespace's and custom tool as a
-    function), the echo, the hosted tools left out, and how each offered name is called
-    back (a custom tool's call is its text, a namespaced function's names its namespace)."""
+    """A body's ``tools``: what the model is offered (each namespace's, custom and
+    client-run tool as a function), the echo, the hosted tools left out, and how each
+    offered name is called back (a custom tool's call is its text, a namespaced function's
+    names its namespace, a client-run tool's is its own item)."""
 
     specs: tuple[ToolSpec, ...] = ()
     echo: tuple[dict[str, Any], ...] = ()
     ignored: tuple[str, ...] = ()
     custom: frozenset[str] = frozenset()
     namespaces: dict[str, str] = field(default_factory=dict)
+    client: dict[str, ClientTool] = field(default_factory=dict)
 
 
 def custom_parameters(format_: dict[str, Any] | None) -> dict[str, Any]:
@@ -159,15 +169,28 @@ def custom_format(value: Any, p: str, strict: bool) -> dict[str, Any] | None:
     return {"type": "grammar", "syntax": syntax, "definition": definition}
 
 
+def _client_name_taken(name: str, client_at: str, param: str) -> InvalidRequestError:
+    """A function or custom tool (its name at ``param``) named as a client-run tool offered
+    beside it (its type at ``client_at``): the model calls both by that name, so the calls
+    could not be told apart."""
+    return invalid(param, f"The tool name '{name}' is the name the '{name}' tool "
+                   f"({client_at.removesuffix('.type')}) is offered to the model under; "
+                   "rename this tool.")
+
+
 def _function_or_custom(tool: dict[str, Any], p: str, kind: str, specs: list[ToolSpec],
-                        strict: bool) -> tuple[ToolSpec, dict[str, Any]]:
+                        client: Collection[str], strict: bool
+                        ) -> tuple[ToolSpec, dict[str, Any]]:
     if strict:
         reject_unknown(tool, TOOL_KEYS[kind], prefix=f"{p}.")
     name = required(tool, "name", f"{p}.name", str, "a string")
     if _NAME.fullmatch(name) is None:
         raise invalid(f"{p}.name", f"Invalid tool name {quoted(name)}: use 1-64 "
                       "characters among a-z, A-Z, 0-9, _ and -.")
-    if any(s.name == name for s in specs):
+    taken = next((s for s in specs if s.name == name), None)
+    if taken is not None:
+        if name in client:
+            raise _client_name_taken(name, taken.name_param(0), f"{p}.name")
         raise invalid(f"{p}.name", f"Duplicate tool name '{name}'.")
     description = optional(tool, "description", f"{p}.description", str, "a string")
     if kind == "custom":
@@ -198,6 +221,7 @@ def parse_tools(value: Any, *, strict: bool = False) -> Tools:
     ignored: list[str] = []
     custom: set[str] = set()
     namespaces: dict[str, str] = {}
+    client: dict[str, ClientTool] = {}
     for i, tool in enumerate(value):
         p = f"tools[{i}]"
         if not isinstance(tool, dict):
@@ -207,13 +231,24 @@ def parse_tools(value: Any, *, strict: bool = False) -> Tools:
             raise missing(f"{p}.type")
         if not isinstance(kind, str):
             raise wrong_type(f"{p}.type", "a string", kind)
-        if kind not in TOOL_TYPES:
+        if kind not in TOOL_TYPES or client_tools.is_hosted(tool):
             if strict:
                 raise _unsupported_tool(p, kind)
             ignored.append(p)
             continue
+        if kind in client_tools.KINDS:
+            if kind in client:
+                raise invalid(f"{p}.type", f"Duplicate tool '{kind}'.")
+            spec, offered, shown = client_tools.parse_tool(tool, p, strict)
+            taken = next((s for s in specs if s.name == spec.name), None)
+            if taken is not None:
+                raise _client_name_taken(spec.name, f"{p}.type", taken.name_param(0))
+            specs.append(spec)
+            echo.append(shown)
+            client[spec.name] = offered
+            continue
         if kind != "namespace":
-            spec, shown = _function_or_custom(tool, p, kind, specs, strict)
+            spec, shown = _function_or_custom(tool, p, kind, specs, client, strict)
             specs.append(spec)
             echo.append(shown)
             if kind == "custom":
@@ -234,7 +269,8 @@ def parse_tools(value: Any, *, strict: bool = False) -> Tools:
             member_kind = required(member, "type", f"{q}.type", str, "a string")
             if member_kind not in ("function", "custom"):
                 raise not_one_of(f"{q}.type", member_kind, ("function", "custom"))
-            spec, shown = _function_or_custom(member, q, member_kind, specs, strict)
+            spec, shown = _function_or_custom(member, q, member_kind, specs, client,
+                                              strict)
             specs.append(spec)
             members.append(shown)
             namespaces[spec.name] = namespace
@@ -244,14 +280,24 @@ def parse_tools(value: Any, *, strict: bool = False) -> Tools:
                      "description": optional(tool, "description", f"{p}.description", str,
                                              "a string") or "",
                      "tools": members})
-    return Tools(tuple(specs), tuple(echo), tuple(ignored), frozenset(custom), namespaces)
+    return Tools(tuple(specs), tuple(echo), tuple(ignored), frozenset(custom), namespaces,
+                 client)
 
 
-def _choice_name(value: Any, param: str, names_: set[str], strict: bool) -> str:
+def _choice_name(value: Any, param: str, names_: set[str], client: Collection[str],
+                 strict: bool) -> str:
     if not isinstance(value, dict):
         raise wrong_type(param, "an object", value)
     # A string before any lookup: an object or array here is unhashable.
     kind = required(value, "type", f"{param}.type", str, "a string")
+    if kind in client_tools.KINDS:  # named by its type alone
+        if strict:
+            reject_unknown(value, CLIENT_CHOICE_KEYS, prefix=f"{param}.")
+        if kind not in client:
+            raise InvalidRequestError(
+                f"'{param}' names the {quoted(kind)} tool, which is not in 'tools'.",
+                code="unknown_tool", param=f"{param}.type")
+        return kind
     if kind not in ("function", "custom"):
         if kind in HOSTED_TOOLS:
             raise _unsupported_tool(f"{param}.type", kind)
@@ -268,11 +314,12 @@ def _choice_name(value: Any, param: str, names_: set[str], strict: bool) -> str:
 
 def parse_tool_choice(
     value: Any, tools: tuple[ToolSpec, ...], server_tools: Collection[str], *,
-    strict: bool = False, left_out: Sequence[str] = (),
+    strict: bool = False, left_out: Sequence[str] = (), client: Collection[str] = (),
 ) -> tuple[ToolChoice, str | dict[str, Any]]:
     """``tool_choice`` against the tools on offer, and its echo (``strict``: no unknown
     key in it; ``left_out``: the params of the hosted tools not offered, which a
-    ``required`` choice cannot call)."""
+    ``required`` choice cannot call; ``client``: the client-run tools offered, which a
+    choice names by type)."""
     names_ = {t.name for t in tools} | set(server_tools)
     custom = {t.name for t in tools if t.custom}
     if value is None:
@@ -301,14 +348,22 @@ def parse_tool_choice(
             raise missing("tool_choice.tools")
         if not isinstance(listed, list) or not listed:
             raise invalid("tool_choice.tools", "'tool_choice.tools' must be a non-empty array.")
-        allowed = [_choice_name(t, f"tool_choice.tools[{i}]", names_, False)
+        allowed = [_choice_name(t, f"tool_choice.tools[{i}]", names_, client, False)
                    for i, t in enumerate(listed)]
         return ToolChoice(mode, tuple(dict.fromkeys(allowed))), {
             "type": "allowed_tools", "mode": mode,
-            "tools": [{"type": "custom" if n in custom else "function", "name": n}
-                      for n in allowed]}
-    name = _choice_name(value, "tool_choice", names_, strict)
-    return ToolChoice("required", (name,), named=True), {"type": value["type"], "name": name}
+            "tools": [_choice_echo(t["type"], n, custom) for t, n in zip(listed, allowed,
+                                                                          strict=True)]}
+    name = _choice_name(value, "tool_choice", names_, client, strict)
+    echo = {"type": value["type"]} if value["type"] in client_tools.KINDS else \
+        {"type": value["type"], "name": name}
+    return ToolChoice("required", (name,), named=True), echo
+
+
+def _choice_echo(kind: str, name: str, custom: Collection[str]) -> dict[str, Any]:
+    if kind in client_tools.KINDS:
+        return {"type": kind}
+    return {"type": "custom" if name in custom else "function", "name": name}
 
 
 def parse_text(

@@ -5,7 +5,11 @@ wrote them: thinking as a ``reasoning`` item (its text as ``reasoning_text`` con
 API's ``summary`` is for summaries, which afmd does not write, so it stays empty), text as
 an assistant ``message`` with one ``output_text`` part, each call as a ``function_call``
 (with its ``namespace`` when a namespace tool's function made it) or, for a custom tool, a
-``custom_tool_call`` whose ``input`` is the text the model wrote (streamed once, whole).
+``custom_tool_call`` whose ``input`` is the text the model wrote (streamed once, whole),
+or for a client-run tool its own item (``shell_call``, ``local_shell_call``,
+``apply_patch_call``: :mod:`afmd.dialects.responses.client_tools`), built once its
+arguments are whole; a shell call's commands stream as ``shell_call_command`` events as
+they are written.
 Streamed, each item opens (``output_item.added``, ``content_part.added``), grows by deltas
 and closes (``….done``, ``content_part.done``, ``output_item.done``), every event numbered
 by ``sequence_number``; the non-streamed body is the same items, built from the same
@@ -36,6 +40,8 @@ from afmd.core.events import (
     ToolCallStart,
     Usage,
 )
+from afmd.dialects.responses import client_tools
+from afmd.dialects.responses.client_tools import ClientTool, CommandEvent, CommandStream
 from afmd.dialects.responses.items import Item, item_id
 from afmd.dialects.responses.options import LOGPROBS
 from afmd.dialects.responses.responses_body import Echo
@@ -140,6 +146,8 @@ class _Open:
     call_id: str = ""
     name: str = ""
     namespace: str | None = None  # a namespace tool's function
+    client: ClientTool | None = None  # a client-run tool's call
+    commands: CommandStream | None = None  # a shell call's, as they are written
     delta_head: bytes = b""  # the pre-encoded start of this item's delta events
     #: A message's tokens (``include: ["message.output_text.logprobs"]``), as its part
     #: writes them.
@@ -160,6 +168,9 @@ def _reasoning_item(rid: str, content: list[Item], status: str, encrypted: bool)
 def _call_item(item: _Open, arguments: str, status: str) -> Item:
     """A function call, or a custom tool's: the text of the one string the model wrote
     for it (what a call cut short wrote of it, when its JSON did not close)."""
+    if item.client is not None:
+        return client_tools.call_item(item.kind, item.id, item.call_id, arguments, status,
+                                      item.client)
     if item.kind == "custom_tool_call":
         out: Item = {"id": item.id, "type": "custom_tool_call", "status": status,
                      "call_id": item.call_id, "name": item.name,
@@ -185,7 +196,7 @@ def custom_input(arguments: str) -> str:
 def _done_item(item: _Open, text: str, status: str, encrypted: bool) -> Item:
     """The item as it ends, whether closed in turn or cut short by a failure; a text item's
     one content part is the part its ``content_part.done`` event carries."""
-    if item.kind in ("function_call", "custom_tool_call"):
+    if item.kind in CALL_KINDS:
         return _call_item(item, text, status)
     if item.kind in ("message", "refusal"):
         part = _output_text(text, item.logprobs) if item.kind == "message" else \
@@ -194,6 +205,10 @@ def _done_item(item: _Open, text: str, status: str, encrypted: bool) -> Item:
                 "content": [part]}
     return _reasoning_item(item.id, [{"type": "reasoning_text", "text": text}], status,
                            encrypted)
+
+
+#: The kinds of output item a call becomes.
+CALL_KINDS = frozenset({"function_call", "custom_tool_call", *client_tools.KIND_OF_CALL})
 
 
 def _delta_head(event: str, item: _Open, fields: str) -> bytes:
@@ -301,6 +316,8 @@ class ResponseBuilder:
                 call.parts.append(event.fragment)
                 if call.kind == "function_call":
                     self._log.delta(call, event.fragment)
+                elif call.commands is not None:
+                    self._commands(call, call.commands.feed(event.fragment))
             elif isinstance(event, ToolCallEnd):
                 # One the output ended inside is cut short: its arguments are not whole.
                 self._close(arguments=event.call.arguments,
@@ -368,20 +385,30 @@ class ResponseBuilder:
 
     def _open_call(self, event: ToolCallStart) -> None:
         self._close()
+        client = self.echo.client_tools.get(event.name)
         custom = event.name in self.echo.custom_tools
-        item = _Open("custom_tool_call" if custom else "function_call", len(self.output),
-                     item_id("ctc" if custom else "fc"), call_id=event.id, name=event.name,
-                     namespace=self.echo.namespaces.get(event.name))
+        kind = client_tools.CALL_TYPES[client.kind] if client is not None else \
+            "custom_tool_call" if custom else "function_call"
+        prefix = client_tools.CALL_PREFIXES.get(kind) or ("ctc" if custom else "fc")
+        item = _Open(kind, len(self.output), item_id(prefix), call_id=event.id,
+                     name=event.name, namespace=self.echo.namespaces.get(event.name),
+                     client=client,
+                     commands=CommandStream() if kind == "shell_call" and self.stream else None)
         self._open = item
-        self._log.emit({"type": "response.output_item.added", "output_index": item.index,
-                        "item": _call_item(item, "", "in_progress")})
-        # A custom tool's input streams once whole: its deltas are the text, not JSON.
-        item.delta_head = b"" if custom else \
+        # An apply_patch_call has no shape without its operation: it is added once whole.
+        if kind != "apply_patch_call":
+            self._log.emit({"type": "response.output_item.added", "output_index": item.index,
+                            "item": _call_item(item, "", "in_progress")})
+        # Only a function's arguments stream as written; a custom tool's input and a
+        # client-run tool's action go out once whole.
+        item.delta_head = b"" if kind != "function_call" else \
             _delta_head("response.function_call_arguments.delta", item, "")
         if event.arguments:
             item.parts.append(event.arguments)
-            if not custom:
+            if kind == "function_call":
                 self._log.delta(item, event.arguments)
+            elif item.commands is not None:
+                self._commands(item, item.commands.feed(event.arguments))
 
     def _close(self, *, status: str = "completed", arguments: str | None = None) -> None:
         """The open item's ``….done`` events, and the item into ``output``."""
@@ -391,7 +418,7 @@ class ResponseBuilder:
             return
         text = "".join(item.parts)
         base = {"item_id": item.id, "output_index": item.index}
-        calls = ("function_call", "custom_tool_call")
+        calls = CALL_KINDS
         if item.kind in calls:
             text = text if arguments is None else arguments
             if arguments is None and status == "completed":
@@ -406,6 +433,11 @@ class ResponseBuilder:
             self._log.emit({"type": "response.custom_tool_call_input.done", **base,
                             "input": written})
         done = _done_item(item, text, status, self._encrypted)
+        if item.commands is not None:
+            self._commands(item, item.commands.finish(done["action"]["commands"]))
+        elif item.kind == "apply_patch_call":
+            self._log.emit({"type": "response.output_item.added", "output_index": item.index,
+                            "item": {**done, "status": "in_progress"}})
         if item.kind not in calls:
             part: Item = done["content"][0]
             if item.kind == "message":
@@ -424,6 +456,13 @@ class ResponseBuilder:
         self.output.append(done)
         self._log.emit({"type": "response.output_item.done", "output_index": item.index,
                         "item": done})
+
+    def _commands(self, item: _Open, events: list[CommandEvent]) -> None:
+        """A shell call's commands as the API streams them: each added, written and done."""
+        for kind, number, text in events:
+            self._log.emit({"type": f"response.shell_call_command.{kind}",
+                            "output_index": item.index, "command_index": number,
+                            "delta" if kind == "delta" else "command": text})
 
     def finish(self) -> dict[str, Any]:
         """The final response object, and its terminal event when streamed."""

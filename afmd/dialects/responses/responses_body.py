@@ -35,6 +35,7 @@ from afmd.dialects.fields.extensions import (
 from afmd.dialects.fields.keep_alive import keep_alive_of
 from afmd.dialects.fields.prediction import parse_prediction
 from afmd.dialects.fields.unused import PROMPT_CACHE_RETENTION, SERVICE_TIER, metadata_of
+from afmd.dialects.responses.client_tools import ClientTool
 from afmd.dialects.responses.items import Item, ItemParams, canonical_items, to_messages
 from afmd.dialects.responses.options import (
     LOGPROBS,
@@ -112,6 +113,8 @@ class Echo:
     custom_tools: frozenset[str] = frozenset()
     #: Offered function names that belong to a namespace tool, and its name.
     namespaces: dict[str, str] = field(default_factory=dict)
+    #: The offered names of client-run tools (``shell``, …), whose calls are their own items.
+    client_tools: dict[str, ClientTool] = field(default_factory=dict)
     tool_choice: str | dict[str, Any] = "auto"
     text: dict[str, Any] = field(default_factory=lambda: {"format": {"type": "text"}})
     reasoning: dict[str, Any] = field(
@@ -219,7 +222,7 @@ def parse_responses_request(
     tools = parse_tools(body.get("tools"), strict=strict)
     choice, choice_echo = parse_tool_choice(body.get("tool_choice"), tools.specs,
                                             server_tools, strict=strict,
-                                            left_out=tools.ignored)
+                                            left_out=tools.ignored, client=tools.client)
     response_format, text_echo = parse_text(body.get("text"), strict=strict)
     reasoning = parse_reasoning(body.get("reasoning"))
     echo = Echo(
@@ -227,6 +230,7 @@ def parse_responses_request(
         tools=tools.echo,
         custom_tools=tools.custom,
         namespaces=tools.namespaces,
+        client_tools=tools.client,
         tool_choice=choice_echo,
         text=text_echo,
         reasoning=reasoning,

@@ -35,20 +35,25 @@ _KEY_IN_OBJECT = re.compile(r"(?<=[{,])\s*(\w+)\s*:")
 
 class _HeldValue:
     """A non-string value, held until it ends (a top-level ``,`` or ``}``, not included):
-    it is only known to be JSON, or one of the family's looser literals, when whole."""
+    it is only known to be JSON, or one of the family's looser literals, when whole. Its
+    strings are the family's (between quote tokens) or JSON's (afmd's grammar writes
+    non-string values as JSON): a ``,`` or bracket inside either is text."""
 
-    __slots__ = ("depth", "in_string", "quote", "raw")
+    __slots__ = ("depth", "escape", "in_json", "in_string", "quote", "raw")
 
     def __init__(self, quote: str) -> None:
         self.quote = quote
         self.depth = 0
         self.in_string = False
+        self.in_json = False  # inside a JSON string
+        self.escape = False  # after its backslash
         self.raw = ""
 
     def take(self) -> str:
         """The value as JSON; the scanner starts over for the next one."""
         text = dumps(_convert(self.raw, self.quote))
-        self.depth, self.in_string, self.raw = 0, False, ""
+        self.depth, self.in_string, self.in_json, self.escape, self.raw = \
+            0, False, False, False, ""
         return text
 
     def feed(self, text: str) -> tuple[int, bool]:
@@ -60,6 +65,15 @@ class _HeldValue:
     def _scan(self, text: str) -> tuple[int, bool]:
         i = 0
         while i < len(text):
+            if self.in_json:
+                if self.escape:
+                    self.escape = False
+                elif text[i] == "\\":
+                    self.escape = True
+                elif text[i] == '"':
+                    self.in_json = False
+                i += 1
+                continue
             if text.startswith(self.quote, i):
                 self.in_string = not self.in_string
                 i += len(self.quote)
@@ -68,7 +82,9 @@ class _HeldValue:
                 return i, False  # maybe a quote: wait for the rest
             ch = text[i]
             if not self.in_string:
-                if ch in "[{":
+                if ch == '"':
+                    self.in_json = True
+                elif ch in "[{":
                     self.depth += 1
                 elif ch in "]}":
                     if self.depth == 0:

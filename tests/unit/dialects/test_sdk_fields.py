@@ -26,6 +26,7 @@ from openai.types.chat import chat_completion_named_tool_choice_custom_param as 
 from openai.types.chat import chat_completion_named_tool_choice_param as named_choice
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import input_token_count_params, response_create_params
+from openai.types.responses import response_function_shell_call_output_content_param as shell_output
 from openai.types.responses import response_input_item_param as input_item
 from openai.types.responses import response_reasoning_item_param as reasoning_item
 from openai.types.shared_params import (
@@ -37,7 +38,7 @@ from openai.types.shared_params import (
 from afmd.dialects.anthropic import history, messages_body, tools_body
 from afmd.dialects.fields import messages, tool_specs
 from afmd.dialects.openai import chat_body, completions_body, custom_tools, embeddings
-from afmd.dialects.responses import items, options, responses_body
+from afmd.dialects.responses import client_tools, items, options, responses_body
 
 #: Fields afmd knows and refuses with a pointer to their replacement.
 REFUSED = {"functions", "function_call"}
@@ -130,6 +131,28 @@ NESTED: list[tuple[str, tuple[Any, ...], frozenset[str]]] = [
      items.ITEM_KEYS["reasoning"]),
     ("responses.input[item_reference]", (input_item.ItemReference,),
      items.ITEM_KEYS["item_reference"]),
+    ("responses.input[shell_call]", (input_item.ShellCall,), items.ITEM_KEYS["shell_call"]),
+    ("responses.input[shell_call].action", (input_item.ShellCallAction,),
+     client_tools.SHELL_ACTION_KEYS),
+    ("responses.input[shell_call_output]", (input_item.ShellCallOutput,),
+     items.ITEM_KEYS["shell_call_output"]),
+    ("responses.input[shell_call_output].output[]",
+     (r.ResponseFunctionShellCallOutputContentParam,), client_tools.SHELL_OUTPUT_KEYS),
+    ("responses.input[shell_call_output].output[].outcome",
+     (shell_output.OutcomeExit, shell_output.OutcomeTimeout), client_tools.OUTCOME_KEYS),
+    ("responses.input[local_shell_call]", (input_item.LocalShellCall,),
+     items.ITEM_KEYS["local_shell_call"]),
+    ("responses.input[local_shell_call].action", (input_item.LocalShellCallAction,),
+     client_tools.EXEC_ACTION_KEYS),
+    ("responses.input[local_shell_call_output]", (input_item.LocalShellCallOutput,),
+     items.ITEM_KEYS["local_shell_call_output"]),
+    ("responses.input[apply_patch_call]", (input_item.ApplyPatchCall,),
+     items.ITEM_KEYS["apply_patch_call"]),
+    ("responses.input[apply_patch_call].operation", (
+        input_item.ApplyPatchCallOperationCreateFile, input_item.ApplyPatchCallOperationDeleteFile,
+        input_item.ApplyPatchCallOperationUpdateFile), client_tools.OPERATION_KEYS),
+    ("responses.input[apply_patch_call_output]", (input_item.ApplyPatchCallOutput,),
+     items.ITEM_KEYS["apply_patch_call_output"]),
     ("responses.content[input_text]", (r.ResponseInputTextParam,
                                        r.ResponseInputTextContentParam),
      items.PART_KEYS["input_text"]),
@@ -144,6 +167,11 @@ NESTED: list[tuple[str, tuple[Any, ...], frozenset[str]]] = [
     ("responses.tools[function]", (r.FunctionToolParam,), options.TOOL_KEYS["function"]),
     ("responses.tools[custom]", (r.CustomToolParam,), options.TOOL_KEYS["custom"]),
     ("responses.tools[namespace]", (r.NamespaceToolParam,), options.TOOL_KEYS["namespace"]),
+    ("responses.tools[shell]", (r.FunctionShellToolParam,), options.TOOL_KEYS["shell"]),
+    ("responses.tools[local_shell]", (r.tool_param.LocalShell,), options.TOOL_KEYS["local_shell"]),
+    ("responses.tools[apply_patch]", (r.ApplyPatchToolParam,), options.TOOL_KEYS["apply_patch"]),
+    ("responses.tool_choice[shell]", (r.ToolChoiceShellParam, r.ToolChoiceApplyPatchParam),
+     options.CLIENT_CHOICE_KEYS),
     ("responses.tools[custom].format[text]", (custom_tool_input_format.Text,),
      options.CUSTOM_FORMAT_KEYS["text"]),
     ("responses.tools[custom].format[grammar]", (custom_tool_input_format.Grammar,),

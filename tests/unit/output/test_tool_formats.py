@@ -293,3 +293,19 @@ def test_every_format_of_mlx_lm_has_a_reader() -> None:
     names = {m.name for m in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__)}
     assert names <= set(FAMILIES), names - set(FAMILIES)
     assert set(FAMILIES) == set(GRAMMARS)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "function_gemma"])
+def test_gemma_json_values_keep_commas_and_brackets_in_their_strings(family: str) -> None:
+    """afmd's grammar writes a Gemma call's non-string values as JSON: a ``,`` or ``}``
+    inside one of their strings (a patch's diff) is text, not where the value ends."""
+    spec = SPECS[family]
+    start, end, quote = {"gemma4": ("<|tool_call>", "<tool_call|>", '<|"|>'),
+                         "function_gemma": ("<start_function_call>", "<end_function_call>",
+                                            "<escape>")}[family]
+    filters = [{"k": 'a, "b"} c] \\', "v": None}, {"k": "{", "v": [1]}]
+    text = (f"{start}call:search{{filters:{json.dumps(filters)},query:{quote}q{quote}}}"
+            f"{end}")
+    for chunks in ([text], list(text)):
+        (call,) = replay(spec, chunks).calls
+        assert json.loads(call["arguments"]) == {"filters": filters, "query": "q"}
