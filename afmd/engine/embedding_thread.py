@@ -21,7 +21,7 @@ import contextlib
 import logging
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -101,9 +101,16 @@ class Encoder:
         self.batches = 0  # forward passes run
 
     def encode_jobs(self, jobs: Sequence[EmbeddingJob]) -> list[np.ndarray]:
-        """Every job's vectors, from as few forward passes as their sequences allow."""
+        """Every job's vectors, from as few forward passes as their sequences allow.
+
+        A job cancelled meanwhile (its deadline passed, its client left, a cancel by its
+        id) is encoded no further from the next forward pass on, and its rows stay zero:
+        its result is dropped, and a large one went on for minutes after its request was
+        answered, holding this thread and every embeddings request of the model queued
+        behind it."""
         sequences = [seq for job in jobs for seq in job.inputs]
-        vectors = self.encode(sequences)
+        owners = [job for job in jobs for _ in job.inputs]
+        vectors = self.encode(sequences, skip=lambda i: owners[i].cancelled)
         out: list[np.ndarray] = []
         start = 0
         for job in jobs:
@@ -112,16 +119,27 @@ class Encoder:
             out.append(truncate(rows, job.dimensions, self.spec.normalize))
         return out
 
-    def encode(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
-        """One pooled (and, as the model says, normalized) float32 vector per sequence."""
+    def encode(
+        self, sequences: Sequence[Sequence[int]], skip: Callable[[int], bool] | None = None
+    ) -> np.ndarray:
+        """One pooled (and, as the model says, normalized) float32 vector per sequence.
+
+        ``skip(i)``, asked before each forward pass, leaves sequence ``i`` out of it and its
+        row zero; with every sequence skipped the rows have no columns."""
         lengths = [len(s) for s in sequences]
         vectors: np.ndarray | None = None
         for group in groups(lengths):
+            if skip is not None:
+                group = [i for i in group if not skip(i)]
+                if not group:
+                    continue
             pooled = self._forward([sequences[i] for i in group])
             if vectors is None:
-                vectors = np.empty((len(sequences), pooled.shape[-1]), dtype=np.float32)
+                vectors = np.zeros((len(sequences), pooled.shape[-1]), dtype=np.float32)
             vectors[group] = pooled
-        assert vectors is not None, "no sequences"
+        if vectors is None:
+            assert sequences and skip is not None, "no sequences"
+            return np.zeros((len(sequences), 0), dtype=np.float32)
         return normalize(vectors) if self.spec.normalize else vectors
 
     def _forward(self, rows: Sequence[Sequence[int]]) -> np.ndarray:

@@ -203,7 +203,8 @@ class EmbeddingJob:
         self.loop = self.future.get_loop()
 
     def cancel(self) -> None:
-        """Skip the job if its batch has not started; its result is dropped otherwise."""
+        """Skip the job if its batch has not started; otherwise its sequences leave the
+        batch's next forward pass, and what was encoded of them is dropped."""
         self.cancelled = True
 
 

@@ -50,13 +50,33 @@ def _content(message: Message, images: bool) -> str | list[dict[str, Any]]:
     return parts
 
 
-def _joined(first: Any, second: Any) -> Any:
-    """Two user turns as one (templates expect alternating turns)."""
-    if isinstance(first, str) and isinstance(second, str):
-        return first + "\n\n" + second
-    listed = [p if isinstance(p, list) else [{"type": "text", "text": p}]
-              for p in (first, second)]
-    return [*listed[0], {"type": "text", "text": "\n\n"}, *listed[1]]
+_SEPARATOR = {"type": "text", "text": "\n\n"}
+
+
+def _parts(content: Any) -> list[Any]:
+    return content if isinstance(content, list) else [{"type": "text", "text": content}]
+
+
+def _joined(contents: Sequence[Any]) -> Any:
+    """Several turns' contents as one (templates expect alternating turns), a blank line
+    between two: one string while they are strings, parts from the first list of parts on.
+
+    Joined in one pass: joined two at a time, each join copied everything joined before
+    it, and a body of a few hundred thousand one-letter user messages took minutes to
+    render (past the request's deadline, until the server's response timeout)."""
+    strings = 0
+    while strings < len(contents) and isinstance(contents[strings], str):
+        strings += 1
+    if strings == len(contents):
+        return "\n\n".join(contents)
+    parts: list[Any] = []
+    if strings:
+        parts.append({"type": "text", "text": "\n\n".join(contents[:strings])})
+    for content in contents[strings:]:
+        if parts:
+            parts.append(dict(_SEPARATOR))
+        parts.extend(_parts(content))
+    return parts
 
 
 def template_messages(
@@ -75,6 +95,7 @@ def template_messages(
     if system_parts:
         out.append({"role": "system", "content": "\n\n".join(system_parts)})
     call_names: dict[str, str] = {}
+    runs: dict[int, list[Any]] = {}  # a user turn's place in out: the contents it joins
     for i, message in enumerate(messages):
         if message.role in ("system", "developer"):
             if message.in_place and i > first_turn and message.content:
@@ -83,7 +104,7 @@ def template_messages(
         if message.role == "user":
             content = _content(message, images)
             if out and out[-1]["role"] == "user":
-                out[-1]["content"] = _joined(out[-1]["content"], content)
+                runs.setdefault(len(out) - 1, [out[-1]["content"]]).append(content)
             else:
                 out.append({"role": "user", "content": content})
         elif message.role == "assistant":
@@ -110,6 +131,8 @@ def template_messages(
                 if name:
                     item["name"] = name
             out.append(item)
+    for index, contents in runs.items():
+        out[index]["content"] = _joined(contents)
     return out
 
 
@@ -124,18 +147,41 @@ def folded_system_turns(
     if not late:
         return None
     out = [dict(m) for m in messages]
-    for i in late:
-        text = out[i]["content"]
-        after = next((j for j in range(i + 1, len(out)) if out[j]["role"] == "user"), None)
-        if after is not None:
-            out[after]["content"] = _joined(text, out[after]["content"])
+    # Each turn's texts folded in before and after it, found in one pass each way (a
+    # search per system turn took the square of the conversation's length).
+    next_user: list[int | None] = [None] * len(out)
+    upcoming: int | None = None
+    for j in range(len(out) - 1, -1, -1):
+        next_user[j] = upcoming
+        if out[j]["role"] == "user":
+            upcoming = j
+    before: dict[int, list[str]] = {}  # in the order they came: the last is put first
+    after: dict[int, list[str]] = {}
+    last_turn: int | None = None  # the nearest user or tool turn before
+    for i, message in enumerate(out):
+        if i > 0 and message["role"] == "system":
+            target = next_user[i]
+            if target is not None:
+                before.setdefault(target, []).append(message["content"])
+            else:  # else the one before; with none, the leading system prompt takes it
+                after.setdefault(0 if last_turn is None else last_turn,
+                                 []).append(message["content"])
+        elif message["role"] in ("user", "tool"):
+            last_turn = i
+    for j in before.keys() | after.keys():
+        content = out[j]["content"]
+        prepended, appended = before.get(j, [])[::-1], after.get(j, [])
+        if isinstance(content, str):
+            out[j]["content"] = "\n\n".join([*prepended, content, *appended])
             continue
-        before = next((j for j in range(i - 1, -1, -1) if out[j]["role"] in ("user", "tool")),
-                      None)
-        if before is not None:
-            out[before]["content"] = _joined(out[before]["content"], text)
-        else:  # nothing to fold into: the leading system prompt takes it
-            out[0]["content"] = _joined(out[0]["content"], text)
+        # Each text its own part, as when they were folded in one at a time.
+        parts: list[Any] = []
+        for text in prepended:
+            parts += [*_parts(text), dict(_SEPARATOR)]
+        parts += content
+        for text in appended:
+            parts += [dict(_SEPARATOR), *_parts(text)]
+        out[j]["content"] = parts
     dropped = set(late)
     return [m for i, m in enumerate(out) if i not in dropped]
 

@@ -33,6 +33,18 @@ from afmd.errors import (
 )
 from afmd.service.scheduler import Arrival, Cancelled, Scheduler, Ticket
 
+#: Texts are tokenized in parts of at most this many texts and characters, the request's
+#: deadline and cancel looked at between two.
+TOKENIZE_TEXTS = 1024
+TOKENIZE_CHARS = 1 << 20
+
+
+def timeout_error() -> GatewayTimeoutError:
+    return GatewayTimeoutError(
+        "The embeddings were not computed within the server's request_timeout.",
+        code="timeout",
+    )
+
 
 def cancelled_error(request_id: str) -> ConflictError:
     return ConflictError(
@@ -128,7 +140,7 @@ class EmbeddingService:
         model = lease.model
         request_id = run.request_id
         self._check_dimensions(model, request.dimensions)
-        sequences = await self._sequences(model, request)
+        sequences = await self._sequences(model, request, run, deadline)
         lease.ticket = run.ticket  # queued until it holds a slot: /health's counts
         try:
             try:
@@ -145,10 +157,7 @@ class EmbeddingService:
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
                     vectors = await future
             except TimeoutError:
-                raise GatewayTimeoutError(
-                    "The embeddings were not computed within the server's request_timeout.",
-                    code="timeout",
-                ) from None
+                raise timeout_error() from None
         finally:
             if run.job is not None:
                 run.job.cancel()
@@ -194,11 +203,12 @@ class EmbeddingService:
             )
 
     async def _sequences(
-        self, model: LoadedModel, request: EmbeddingRequest
+        self, model: LoadedModel, request: EmbeddingRequest, run: EmbeddingRun,
+        deadline: float,
     ) -> list[list[int]]:
         """Token ids per input, each checked against the model's vocabulary and context."""
         texts = [text for text in request.inputs if isinstance(text, str)]
-        encoded = iter(await asyncio.to_thread(model.tokenize, texts) if texts else [])
+        encoded = iter(await _tokenize(model, texts, run, deadline))
         vocab = model.vocab_size
         sequences: list[list[int]] = []
         for item, param in zip(request.inputs, request.params, strict=True):
@@ -236,3 +246,43 @@ class EmbeddingService:
             )
         run = self._runs[request_id] = EmbeddingRun(request_id)
         return run
+
+
+def _parts(texts: list[str]) -> list[list[str]]:
+    """``texts`` in consecutive parts of at most ``TOKENIZE_TEXTS`` texts and, unless one
+    text is longer alone, ``TOKENIZE_CHARS`` characters."""
+    parts: list[list[str]] = []
+    part: list[str] = []
+    chars = 0
+    for text in texts:
+        if part and (len(part) >= TOKENIZE_TEXTS or chars + len(text) > TOKENIZE_CHARS):
+            parts.append(part)
+            part, chars = [], 0
+        part.append(text)
+        chars += len(text)
+    if part:
+        parts.append(part)
+    return parts
+
+
+async def _tokenize(
+    model: LoadedModel, texts: list[str], run: EmbeddingRun, deadline: float
+) -> list[list[int]]:
+    """The texts' ids, tokenized on a thread part by part, so that a request whose
+    deadline passes or that is cancelled meanwhile is answered then and stops: a body of
+    millions of short texts (Ollama's ``input`` has no count limit) took minutes to
+    tokenize at once, its 504 coming that long past ``request_timeout`` and its cancel
+    unheard."""
+    ids: list[list[int]] = []
+    for part in _parts(texts):
+        if run.error is not None:
+            raise run.error
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise timeout_error()
+        try:
+            async with asyncio.timeout(remaining):
+                ids += await asyncio.to_thread(model.tokenize, part)
+        except TimeoutError:
+            raise timeout_error() from None
+    return ids

@@ -267,7 +267,8 @@ class ChatPipeline:
             check_logit_bias(request.logit_bias, model.vocab_size, entry.id)
         request = _with_server_tools(request, self.server_tools)
         rounds = RoundBuilder(model, request, instructions=self.config.server.instructions,
-                              trim=self._trims(request), server_tools=self.server_tools.names)
+                              trim=self._trims(request), server_tools=self.server_tools.names,
+                              deadline=started + self.policy.request_timeout)
         return PreparedChat(
             request_id=request_id,
             rounds=rounds,
@@ -292,6 +293,7 @@ class ChatPipeline:
         token-counting endpoints answer; ``must_fit`` refuses a prompt the context
         window cannot hold, as a turn would."""
         entry = self.registry.resolve(request.model)
+        started = time.monotonic()
         lease = await self.registry.lease(entry, keep_alive=request.keep_alive)
         pixels = 0
         try:
@@ -301,8 +303,10 @@ class ChatPipeline:
             rounds = RoundBuilder(lease.model, request,
                                   instructions=self.config.server.instructions,
                                   trim=self._trims(request),
-                                  server_tools=self.server_tools.names)
-            return await rounds.offload(rounds.prompt_tokens, request, must_fit=must_fit)
+                                  server_tools=self.server_tools.names,
+                                  deadline=started + self.policy.request_timeout)
+            return int(await rounds.bounded(rounds.prompt_tokens, request,
+                                            must_fit=must_fit))
         finally:
             self._pixels_held -= pixels
             lease.release()

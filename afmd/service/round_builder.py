@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from afmd.service.output_plan import (
     shows_tools,
     template_kwargs,
 )
+from afmd.service.run_control import timeout_error
 
 
 @dataclass(slots=True)
@@ -52,14 +54,17 @@ class Round:
 class RoundBuilder:
     """How one request's rounds are made; its tools are the same in every round."""
 
-    __slots__ = ("_inputs", "_instructions", "_pictures", "_server_tools", "_tools", "_trim",
-                 "model", "offload")
+    __slots__ = ("_deadline", "_inputs", "_instructions", "_pictures", "_server_tools",
+                 "_tools", "_trim", "model", "offload")
 
     def __init__(
         self, model: LoadedModel, request: ChatRequest, *, instructions: str, trim: bool,
-        server_tools: frozenset[str] = frozenset(),
+        server_tools: frozenset[str] = frozenset(), deadline: float | None = None,
     ) -> None:
         self.model = model
+        #: The request's deadline (``time.monotonic()``): a round still being built then
+        #: is the request's 504, and trimming renders no further.
+        self._deadline = deadline
         self._instructions = instructions
         self._trim = trim
         self._server_tools = server_tools  # their calls run inside a model that calls tools
@@ -76,14 +81,30 @@ class RoundBuilder:
 
     async def first(self, request: ChatRequest) -> Round:
         """The request's first round: trimmed if the policy allows, ``tool_choice`` binds."""
-        return await self.offload(self._build, request, self._trim, True)
+        return await self.bounded(self._build, request, self._trim, True)
 
     async def next(self, request: ChatRequest) -> Round:
         """A round afmd adds after server tools ran, free of ``tool_choice`` (which binds
         the request's first step only), and trimmed as the first was when the policy
         allows: a tool's output may be what pushes the conversation past the window, and
         the request asked for old turns to go rather than fail."""
-        return await self.offload(self._build, request, self._trim, False)
+        return await self.bounded(self._build, request, self._trim, False)
+
+    async def bounded(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``call`` off the event loop, given up at the deadline with the request's 504.
+
+        Trimming renders the conversation again for each step of its search, and a body of
+        hundreds of thousands of short turns takes seconds a render: the request was
+        answered well past its deadline, and with a slower template past the server's
+        response timeout, as a 500. The thread's render in progress ends by itself, and
+        trimming looks at the deadline before each render."""
+        if self._deadline is None:
+            return await self.offload(call, *args, **kwargs)
+        try:
+            async with asyncio.timeout(max(self._deadline - time.monotonic(), 0.0)):
+                return await self.offload(call, *args, **kwargs)
+        except TimeoutError:
+            raise timeout_error() from None
 
     def release(self) -> None:
         """Let go of the image inputs of the rounds built: the request is over. A finished
@@ -229,6 +250,8 @@ class RoundBuilder:
         best: tuple[ChatRequest, list[int], int] | None = None
         lo, hi = 1, len(units)
         while lo <= hi:
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                raise timeout_error()
             mid = (lo + hi) // 2
             messages, dropped = without_units(request.messages, units, mid)
             candidate = dataclasses.replace(request, messages=messages)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from afmd.dialects.openai.chat_body import parse_chat_request
 from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease
-from afmd.errors import InvalidRequestError
+from afmd.errors import GatewayTimeoutError, InvalidRequestError
 from afmd.service.context_trim import droppable_units, without_units
 from afmd.service.pipeline import ChatPipeline
 from afmd.service.scheduler import Scheduler
@@ -248,7 +249,8 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoadedMode
     registry.close()
 
 
-def pipeline_for(model: LoadedModel, tmp_path: Path, policy: str) -> ChatPipeline:
+def pipeline_for(model: LoadedModel, tmp_path: Path, policy: str,
+                 timeout: float = 60) -> ChatPipeline:
     path = tmp_path / f"{policy}.toml"
     path.write_text(f'[context]\npolicy = "{policy}"\n' + SMALL_MODEL)
 
@@ -257,7 +259,7 @@ def pipeline_for(model: LoadedModel, tmp_path: Path, policy: str) -> ChatPipelin
             return Lease.detached(model)
 
     return ChatPipeline(Registry(load_config(path, env={})), Scheduler(2, 2),
-                        request_timeout=60)
+                        request_timeout=timeout)
 
 
 def trim_round(model: LoadedModel, tmp_path: Path, messages: list[dict[str, Any]],
@@ -296,6 +298,41 @@ def test_pipeline_trims_the_fewest_oldest_units(small_model: LoadedModel, tmp_pa
     # At this budget the recent tool call survives, with both its outputs.
     assert any(m.tool_calls for m in kept)
     assert [m.tool_call_id for m in kept if m.role == "tool"] == ["call_a", "call_b"]
+
+
+def test_trimming_stops_at_the_deadline(small_model: LoadedModel, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trimming renders the conversation once per step of its search: a body of hundreds
+    of thousands of short turns was answered its 504 tens of seconds past the deadline,
+    on a slower template past the response timeout as a 500. It is the 504 at the
+    deadline, and the renders stop."""
+    pipeline = pipeline_for(small_model, tmp_path, "trim", timeout=0.5)
+    messages: list[dict[str, Any]] = []
+    for t in range(20_000):
+        messages += [{"role": "user", "content": f"q{t}"}, {"role": "assistant", "content": "a"}]
+    request = parse_chat_request(body([*messages, {"role": "user", "content": "last?"}]))
+    renders = 0
+    render = LoadedModel.render_prompt
+
+    def counted(model: LoadedModel, *args: Any, **kwargs: Any) -> list[int]:
+        nonlocal renders
+        renders += 1
+        return render(model, *args, **kwargs)
+
+    monkeypatch.setattr(LoadedModel, "render_prompt", counted)
+
+    async def go() -> tuple[float, int]:
+        started = time.monotonic()
+        with pytest.raises(GatewayTimeoutError, match="request_timeout"):
+            await pipeline.prepare(request, "trim-deadline")
+        took = time.monotonic() - started
+        at_answer = renders
+        await asyncio.sleep(1.5)  # the render in progress ends, and no other starts
+        return took, renders - at_answer
+
+    took, after = asyncio.run(go())
+    assert took < 0.5 + 0.5, took
+    assert after <= 1, after
 
 
 def test_pipeline_keeps_a_tool_call_with_its_outputs(

@@ -491,3 +491,29 @@ def test_request_timeout_is_504(tmp_path: Path) -> None:
         assert r.json()["error"]["code"] == "timeout"
     finally:
         srv.stop()
+
+
+def test_a_batch_of_millions_of_texts_is_answered_by_its_deadline(tmp_path: Path) -> None:
+    """Ollama's ``input`` has no count limit: two million one-letter texts (10 MB) took
+    tens of seconds to tokenize at once, and the 504 came that long past
+    ``request_timeout``; they are tokenized in parts, the deadline looked at between two.
+    The embedding model is not held afterwards."""
+    srv = start_server(tmp_path, config="[server]\nrequest_timeout = 2\n")
+    try:
+        warm = httpx.post(srv.url + "/api/embed", json={"model": MODEL, "input": "warm"},
+                          timeout=60)
+        assert warm.status_code == 200, warm.text
+        body = json.dumps({"model": MODEL, "input": ["a"] * 2_000_000}).encode()
+        started = time.monotonic()
+        r = httpx.post(srv.url + "/api/embed", content=body, timeout=120,
+                       headers={"Content-Type": "application/json"})
+        took = time.monotonic() - started
+        assert r.status_code == 504, r.text[:300]
+        assert "request_timeout" in r.json()["error"]
+        assert took < 2 + 4, took
+        started = time.monotonic()
+        after = httpx.post(srv.url + "/api/embed", json={"model": MODEL, "input": "after"},
+                           timeout=60)
+        assert after.status_code == 200 and time.monotonic() - started < 2, after.text
+    finally:
+        srv.stop()

@@ -181,6 +181,36 @@ def test_a_cancelled_job_is_skipped(model: Any) -> None:
     assert not gone_done and vectors.shape == (1, 64)
 
 
+def test_a_job_cancelled_while_encoding_stops_at_the_next_forward_pass(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large job whose request ended (deadline, client gone, cancel) is not encoded to
+    its end: it held the thread, and the requests queued behind it, for minutes."""
+    monkeypatch.setattr(embedding, "MAX_ROWS", 2)
+    encoder = Embedder(model, EmbeddingSpec(), name="t").encoder
+    loop = asyncio.new_event_loop()
+    try:
+        big = EmbeddingJob(sequences([9] * 20), loop.create_future())
+        small = EmbeddingJob(sequences([3]), loop.create_future())
+        forward = encoder._forward
+
+        def first_then_cancel(rows: Any) -> np.ndarray:
+            big.cancel()  # the request ends while its first rows are encoded
+            return forward(rows)
+
+        monkeypatch.setattr(encoder, "_forward", first_then_cancel)
+        big_vectors, small_vectors = encoder.encode_jobs([big, small])
+    finally:
+        loop.close()
+    assert encoder.batches == 2  # its first pass, then the small job's alone
+    assert big_vectors.shape == (20, 64) and small_vectors.shape == (1, 64)
+    np.testing.assert_allclose(small_vectors[0], unit(hidden(model, small.inputs[0])[-1]),
+                               atol=tolerance(2e-5))
+    gone = EmbeddingJob(sequences([4, 5]), asyncio.Future(loop=loop))
+    gone.cancel()
+    assert encoder.encode_jobs([gone])[0].shape == (2, 0)
+
+
 @pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
 def test_pooling_and_padding_match_each_sequence_alone(model: Any, pooling: str) -> None:
     embedder = Embedder(model, EmbeddingSpec(pooling, normalize=False), name="t")
