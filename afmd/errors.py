@@ -152,6 +152,14 @@ class GatewayTimeoutError(APIError):
     default_code = "timeout"
 
 
+def request_timeout_error() -> GatewayTimeoutError:
+    """A request's deadline passed (``request_timeout``): the one 504 every layer that
+    finds it gives, whether the request was still rendering, queued or generating."""
+    return GatewayTimeoutError(
+        "The request did not complete within the server's request_timeout.", code="timeout"
+    )
+
+
 class MethodNotAllowedError(APIError):
     status = 405
     error_type = "invalid_request_error"

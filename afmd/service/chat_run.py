@@ -22,12 +22,12 @@ from afmd.core.request import ChatRequest, ToolCall
 from afmd.engine.batch.tokens import token_table
 from afmd.engine.generation import Finished, Generation, GenerationRequest, SamplingParams
 from afmd.engine.models.loaded_model import LoadedModel
-from afmd.errors import APIError
+from afmd.errors import APIError, request_timeout_error
 from afmd.service import profiling
 from afmd.service.output_plan import OutputPlan
 from afmd.service.round_builder import Round, RoundBuilder
 from afmd.service.round_reader import RoundReader
-from afmd.service.run_control import RunControl, RunPolicy, timeout_error
+from afmd.service.run_control import RunControl, RunPolicy
 from afmd.service.scheduler import Ticket
 from afmd.service.servertools import ServerTools
 from afmd.service.toolloop import ToolLoop
@@ -297,7 +297,7 @@ class ChatRun:
     def _fail(self) -> None:
         """The deadline passed: the consumer wakes with the 504 even mid-prefill."""
         if self.generation is not None:
-            self.generation.fail(timeout_error())
+            self.generation.fail(request_timeout_error())
 
 
 def _generation(prepared: PreparedChat, rnd: Round, choice: int,

@@ -41,11 +41,11 @@ from afmd.engine.generation import (
     SamplingParams,
     Text,
 )
-from afmd.errors import APIError
+from afmd.errors import APIError, request_timeout_error
 from afmd.output.stops import StopScanner
 from afmd.service import profiling
 from afmd.service.completion_prompts import CompletionPrompt, PreparedCompletion
-from afmd.service.run_control import RunControl, RunPolicy, timeout_error
+from afmd.service.run_control import RunControl, RunPolicy
 from afmd.service.scheduler import Ticket
 
 
@@ -317,7 +317,7 @@ class CompletionRun:
     def _fail(self) -> None:
         """The deadline passed: every consumer wakes with the 504 even mid-prefill."""
         for generation in self.generations:
-            generation.fail(timeout_error())
+            generation.fail(request_timeout_error())
 
 
 async def _any_events(

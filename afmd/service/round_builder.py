@@ -21,7 +21,7 @@ from typing import Any
 from afmd.core.request import CONTEXT_WINDOW_PARAM, ChatRequest, context_limit
 from afmd.engine.apple.conversation import SystemTurn, system_turn
 from afmd.engine.models.loaded_model import LoadedModel
-from afmd.errors import ContextLengthError, InvalidRequestError
+from afmd.errors import ContextLengthError, InvalidRequestError, request_timeout_error
 from afmd.service import image_pool
 from afmd.service.chat_template import template_messages, template_tools
 from afmd.service.context_trim import droppable_units, without_units
@@ -32,7 +32,6 @@ from afmd.service.output_plan import (
     shows_tools,
     template_kwargs,
 )
-from afmd.service.run_control import timeout_error
 
 
 @dataclass(slots=True)
@@ -104,7 +103,7 @@ class RoundBuilder:
             async with asyncio.timeout(max(self._deadline - time.monotonic(), 0.0)):
                 return await self.offload(call, *args, **kwargs)
         except TimeoutError:
-            raise timeout_error() from None
+            raise request_timeout_error() from None
 
     def release(self) -> None:
         """Let go of the image inputs of the rounds built: the request is over. A finished
@@ -251,7 +250,7 @@ class RoundBuilder:
         lo, hi = 1, len(units)
         while lo <= hi:
             if self._deadline is not None and time.monotonic() >= self._deadline:
-                raise timeout_error()
+                raise request_timeout_error()
             mid = (lo + hi) // 2
             messages, dropped = without_units(request.messages, units, mid)
             candidate = dataclasses.replace(request, messages=messages)

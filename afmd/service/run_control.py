@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from afmd.config.sections import Config
-from afmd.errors import APIError, GatewayTimeoutError
+from afmd.errors import APIError, request_timeout_error
 from afmd.logs import get_logger
 
 log = get_logger("afmd.service.pipeline")
@@ -42,12 +42,6 @@ class RunPolicy:
             max_tool_calls=config.tools.max_calls,
             request_timeout=request_timeout,
         )
-
-
-def timeout_error() -> GatewayTimeoutError:
-    return GatewayTimeoutError(
-        "The request did not complete within the server's request_timeout.", code="timeout"
-    )
 
 
 def _weakly(call: Callable[[], None]) -> Callable[[], None]:
@@ -102,7 +96,7 @@ class RunControl:
     def check(self) -> None:
         """The 504, once the deadline passed: the run ends at its next batch."""
         if self.timed_out:
-            raise timeout_error()
+            raise request_timeout_error()
 
     def cancel(self) -> None:
         """Stop for good (client cancel or disconnect; also when the response is over)."""

@@ -22,7 +22,13 @@ from afmd.core.events import Event, Usage
 from afmd.core.ids import new_request_id
 from afmd.core.request import ChatRequest, CompletionRequest
 from afmd.dialects.dialect import Dialect, ReplyEncoder
-from afmd.errors import APIError, InvalidRequestError, NotFoundError, ServiceUnavailableError
+from afmd.errors import (
+    APIError,
+    InvalidRequestError,
+    NotFoundError,
+    ServiceUnavailableError,
+    request_timeout_error,
+)
 from afmd.http.access import log_access, note_error
 from afmd.http.app_state import AppState
 from afmd.http.routes.event_stream import STALL_GRACE, EventStream, Stalled
@@ -34,7 +40,6 @@ from afmd.service.completion_run import CompletionRun
 from afmd.service.embedding_pipeline import EmbeddingService
 from afmd.service.pipeline import ChatPipeline, NotStarted
 from afmd.service.profiling import parse_profile_header
-from afmd.service.run_control import timeout_error
 
 # The state routes live in afmd.http.routes.state_routes; app.py, the connection protocol and the
 # tests find them here too.
@@ -313,7 +318,7 @@ async def _stream_run(
                     try:
                         await out.write(data, until=prepared.deadline)
                     except Stalled:
-                        raise timeout_error() from None
+                        raise request_timeout_error() from None
         finally:
             pipeline.release(run)
         # Written once the slot is free: a slow reader's last bytes keep only its connection.
