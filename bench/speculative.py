@@ -73,7 +73,14 @@ ROWS = (
             "report, same text", None),
     SpecRow("edit_concurrency_8", "edit workload, 8 streams at once (aggregate)",
             "not slower than without (≥ 1.0×)", 1.0),
+    SpecRow("edit_penalized", "edit workload under penalties and a logit bias",
+            "≥ 1.2× without, same text", 1.2),
 )
+
+#: The sampling fields that read the tokens before each position (they turned speculation
+#: off until each position of a pass was scored with its own).
+PENALIZED: dict[str, Any] = {"frequency_penalty": 0.5, "presence_penalty": 0.3,
+                             "logit_bias": {"30": 1.5}}
 
 
 @dataclass
@@ -229,6 +236,24 @@ async def measure(args: argparse.Namespace, plain_port: int, lookup_port: int,
     async def edit_row(result: Result) -> None:
         _fill(result, await _pairs(rounds, plain, edited))
 
+    penalized: dict[int, str] = {}
+
+    async def own_penalized(i: int) -> str:
+        if i not in penalized:
+            penalized[i] = (await _stream(plain_port, _body(prompts[i], n, **PENALIZED))).text
+        return penalized[i]
+
+    async def plain_penalized(i: int) -> client.StreamResult:
+        await own_penalized(i)
+        return await _stream(plain_port, _body(prompts[i], n, **PENALIZED))
+
+    async def edited_penalized(i: int) -> client.StreamResult:
+        prediction = _prediction(_edit(await own_penalized(i)))
+        return await _stream(plain_port, _body(prompts[i], n, **PENALIZED, **prediction))
+
+    async def edit_penalized_row(result: Result) -> None:
+        _fill(result, await _pairs(rounds, plain_penalized, edited_penalized))
+
     async def unrelated_row(result: Result) -> None:
         _fill(result, await _pairs(rounds, plain, unrelated))
 
@@ -286,7 +311,8 @@ async def measure(args: argparse.Namespace, plain_port: int, lookup_port: int,
             "lookup_json_schema": grammar_row("json_schema"),
             "lookup_tool_required": grammar_row("tool_required"),
             "prediction_unrelated": unrelated_row,
-            "draft_model": draft_row, "edit_concurrency_8": concurrency_row}
+            "draft_model": draft_row, "edit_concurrency_8": concurrency_row,
+            "edit_penalized": edit_penalized_row}
     await _stream(plain_port, _body("warm up", 8))
     await _stream(lookup_port, _body("warm up", 8))
     for row in ROWS:
