@@ -52,13 +52,13 @@ import sanic
 from sanic import headers as sanic_headers
 from sanic import helpers as sanic_helpers
 from sanic.compat import Header
-from sanic.exceptions import ServiceUnavailable
 from sanic.http import Http, Stage
 from sanic.request import Request
 from sanic.response import BaseHTTPResponse
 from sanic.server.protocols.base_protocol import SanicProtocol
 from sanic.server.protocols.http_protocol import HttpProtocol
 
+from afmd.errors import request_timeout_error
 from afmd.logs import get_logger
 
 if TYPE_CHECKING:
@@ -308,7 +308,10 @@ class SanicConnection(HttpProtocol):
                     return
                 left = self._time + self.response_timeout - now
                 if left <= 0:
-                    http.exception = ServiceUnavailable("Response Timeout")
+                    # The request's own deadline passed long before this one (the response
+                    # timeout is request_timeout and a margin): the same 504, in the route's
+                    # envelope, where Sanic's 503 became a 500 "server error".
+                    http.exception = request_timeout_error()
                     self._task.cancel()
                     return
             else:

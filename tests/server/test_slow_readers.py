@@ -185,3 +185,39 @@ def test_the_keep_alive_clock_waits_for_a_slow_reader(capped: ServerProcess) -> 
             time.sleep(0.6)
         slow.buf = got
         _whole(slow.read_response("POST"))
+
+
+@pytest.mark.parametrize(("path", "body", "envelope"), [
+    ("/v1/chat/completions",
+     {"model": "demo", "messages": [{"role": "user", "content": "Hi."}]}, "openai"),
+    ("/v1/messages",
+     {"model": "demo", "max_tokens": 4000, "messages": [{"role": "user", "content": "Hi."}]},
+     "anthropic"),
+])
+def test_a_handler_past_sanics_response_timeout_is_the_deadlines_504(
+        path: str, body: dict[str, object], envelope: str) -> None:
+    """Sanic's response timeout is a margin past ``request_timeout`` that only a handler
+    stuck past its own deadline reaches: what the client gets then is that deadline's 504 in
+    its route's envelope, not a 500 "server error", and the server serves on. The timeout is
+    lowered under a running server so that an ordinary long answer reaches it."""
+    from helpers.inprocess import InProcessServer
+
+    inproc = InProcessServer()
+    try:
+        config = inproc.server.app.config  # read by each new connection
+        # The keep-alive timeout paces the connection's first timeout check.
+        config.RESPONSE_TIMEOUT, config.KEEP_ALIVE_TIMEOUT = 0.3, 1.0
+        url = f"http://127.0.0.1:{inproc.port}"
+        reply = httpx.post(url + path, json={**body, "max_tokens": 4000, **BIG}, timeout=30)
+        assert reply.status_code == 504, reply.text
+        if envelope == "openai":
+            assert reply.json()["error"]["code"] == "timeout"
+        else:
+            assert reply.json()["type"] == "error"
+            assert reply.json()["error"]["type"] == "timeout_error"
+        config.RESPONSE_TIMEOUT, config.KEEP_ALIVE_TIMEOUT = 60.0, 60.0
+        ok = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi."}]})
+        assert ok.status_code == 200, ok.text
+    finally:
+        inproc.stop()
