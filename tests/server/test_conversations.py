@@ -13,6 +13,8 @@ import httpx
 import openai
 import pytest
 
+from afmd.config.bounds import ConfigError
+from afmd.config.load import load_config
 from afmd.core.events import Content, Finish, Usage
 from afmd.dialects.responses import conversation_store
 from afmd.dialects.responses.conversation_store import ConversationStore, ConversationTooLarge
@@ -359,3 +361,22 @@ def test_a_persisted_conversation_survives_a_restart(tmp_path: Path) -> None:
         assert len(all_items(client, made.id)) == len(before) + 1 + len(again.output)
     finally:
         srv.stop()
+
+
+def test_conversation_settings(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[responses]\nmax_conversations = 3\nmax_conversations_bytes = 4096\n")
+    config = load_config(path, env={})
+    assert (config.responses.max_conversations,
+            config.responses.max_conversations_bytes) == (3, 4096)
+    default = load_config(None, env={}).responses
+    assert (default.max_conversations, default.max_conversations_bytes) == (1000, 256 << 20)
+    env = load_config(None, env={"AFMD_RESPONSES_MAX_CONVERSATIONS": "7",
+                                 "AFMD_RESPONSES_MAX_CONVERSATIONS_BYTES": "0"}).responses
+    assert (env.max_conversations, env.max_conversations_bytes) == (7, 0)
+    for bad, key in (("max_conversations = 0", "responses.max_conversations"),
+                     ("max_conversations_bytes = -1", "responses.max_conversations_bytes")):
+        path.write_text(f"[responses]\n{bad}\n")
+        with pytest.raises(ConfigError) as error:
+            load_config(path, env={})
+        assert error.value.key == key
