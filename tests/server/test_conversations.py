@@ -173,6 +173,14 @@ def test_a_refused_turn_adds_nothing(client: Any) -> None:
         input=[{"type": "function_call_output", "call_id": "nope", "output": "x"}]))
     assert refused.status_code == 400 and refused.body["param"] == "input[0].call_id"
     assert len(all_items(client, made.id)) == 1
+    # A problem in the conversation's own items is named by the field that brought them.
+    client.conversations.items.create(made.id, items=[
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}])
+    unanswered = status_error(lambda: client.responses.create(
+        model="demo", conversation=made.id, input="Go on", max_output_tokens=16))
+    assert unanswered.code == "missing_tool_output"
+    assert unanswered.body["param"] == "conversation"
+    assert len(all_items(client, made.id)) == 2
 
 
 # -- what is refused ------------------------------------------------------------------------
