@@ -177,7 +177,8 @@ class ContextConfig:
 
 @dataclass(frozen=True)
 class ResponsesConfig:
-    """The Responses API's store of responses (``store``, ``previous_response_id``)."""
+    """The Responses API's store of responses (``store``, ``previous_response_id``) and
+    of conversations (the Conversations API, ``conversation``)."""
 
     # Responses kept, the oldest leaving first; 0 keeps none.
     max_stored: int = field(default=1000, metadata=at_least(0))
@@ -189,6 +190,13 @@ class ResponsesConfig:
     # Seconds a response is kept after it was made; 0: no limit.
     ttl: float = field(default=86400.0, metadata=at_least(0))
     persist: bool = False  # also under the cache folder, so a restart keeps them
+    # The Conversations API's conversations, held apart from responses: a long-lived
+    # conversation must not be pushed out by the responses of its own turns. The least
+    # recently changed leaves first; ``ttl`` counts from a conversation's last change.
+    max_conversations: int = field(default=1000, metadata=at_least(1))
+    # Bytes the kept conversations may hold together (each counted as its stored JSON);
+    # 0: no limit but max_conversations.
+    max_conversations_bytes: int = field(default=256 * 1024 * 1024, metadata=at_least(0))
 
 
 @dataclass(frozen=True)

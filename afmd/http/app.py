@@ -31,7 +31,7 @@ from afmd.errors import APIError, InvalidRequestError, PayloadTooLargeError, Ser
 from afmd.http.access import CLIENT_CLOSED, log_access, note_error
 from afmd.http.app_state import AppState
 from afmd.http.routes import anthropic_routes as messages
-from afmd.http.routes import cache_routes, dashboard
+from afmd.http.routes import cache_routes, conversation_routes, dashboard
 from afmd.http.routes import embedding_routes as embeddings
 from afmd.http.routes import handlers as routes
 from afmd.http.routes import ollama_routes as ollama
@@ -168,7 +168,7 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
                   name="embeddings_root", ctx_dialect=OPENAI_EMBEDDINGS)
     app.add_route(embeddings.cancel, "/v1/embeddings/<request_id:str>/cancel",
                   methods=["POST"], name="embeddings_cancel")
-    responses.add_routes(app, state.config)
+    conversation_routes.add_routes(app, responses.add_routes(app, state.config))
     messages.add_routes(app)
     ollama.add_routes(app)
     for route in STATE_ROUTES:

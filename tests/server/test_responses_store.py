@@ -340,7 +340,12 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
 
 ROUTES = [("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"),
           ("DELETE", "/v1/responses/resp_1"), ("GET", "/v1/responses/resp_1/input_items"),
-          ("POST", "/v1/responses/input_tokens"), ("POST", "/v1/responses/rid/cancel")]
+          ("POST", "/v1/responses/input_tokens"), ("POST", "/v1/responses/rid/cancel"),
+          ("POST", "/v1/conversations"), ("GET", "/v1/conversations/conv_1"),
+          ("POST", "/v1/conversations/conv_1"), ("DELETE", "/v1/conversations/conv_1"),
+          ("GET", "/v1/conversations/conv_1/items"), ("POST", "/v1/conversations/conv_1/items"),
+          ("GET", "/v1/conversations/conv_1/items/msg_1"),
+          ("DELETE", "/v1/conversations/conv_1/items/msg_1")]
 
 
 @pytest.mark.parametrize(("method", "path"), ROUTES)

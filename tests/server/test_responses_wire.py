@@ -230,7 +230,10 @@ BAD: list[tuple[dict[str, Any], str, str | None]] = [
     ({"input": "x", "metadata": {"k": 1}}, "invalid_type", "metadata.k"),
     ({"input": "x", "truncation": "middle"}, "invalid_value", "truncation"),
     ({"input": "x", "background": True}, "invalid_value", "background"),
-    ({"input": "x", "conversation": "conv_1"}, "unsupported_value", "conversation"),
+    ({"input": "x", "conversation": "resp_1"}, "invalid_value", "conversation"),
+    ({"input": "x", "conversation": {"id": 1}}, "invalid_type", "conversation.id"),
+    ({"input": "x", "conversation": "conv_1", "previous_response_id": "resp_1"},
+     "mutually_exclusive_parameters", None),
     ({"input": "x", "stream_options": {"include_obfuscation": False}}, "invalid_value",
      "stream_options"),
 ]

@@ -388,14 +388,16 @@ def _reasoning_text(item: Item) -> str:
 
 class ItemParams:
     """Names the param of an item by its index in the whole conversation: the stored
-    items of ``previous_response_id`` first, then this request's ``input``."""
+    items first (named by the field that brought them: ``previous_response_id`` or
+    ``conversation``), then this request's ``input``."""
 
-    def __init__(self, stored: int) -> None:
+    def __init__(self, stored: int, source: str = "previous_response_id") -> None:
         self.stored = stored
+        self.source = source
 
     def __call__(self, index: int, rest: str = "") -> str:
         if index < self.stored:
-            return "previous_response_id"
+            return self.source
         return f"input[{index - self.stored}]{rest}"
 
 

@@ -126,6 +126,8 @@ def response_object(echo: Echo, *, id: str, created_at: int, model: str, status:
         "truncation": echo.truncation,
         "metadata": echo.metadata,
     }
+    if echo.conversation is not None:
+        body["conversation"] = {"id": echo.conversation}
     for key, value in (("user", echo.user), ("safety_identifier", echo.safety_identifier),
                        ("prompt_cache_key", echo.prompt_cache_key)):
         if value is not None:

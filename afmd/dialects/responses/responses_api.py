@@ -6,8 +6,11 @@ items in :mod:`afmd.dialects.responses.items`, tools, ``text`` and the rest in
 or its stream of semantic events (:mod:`afmd.dialects.responses.output_items`), and a response
 with ``store`` (the API's default) is kept in the bounded store
 (:mod:`afmd.dialects.responses.store`) that ``previous_response_id`` and the
-``/v1/responses/{id}`` routes read. Errors are OpenAI's envelope, their ``param`` named as
-this API names it (the pipeline names chat's: ``messages``, ``response_format``, …).
+``/v1/responses/{id}`` routes read; a response with ``conversation`` continues that
+conversation and, once it has ended, adds its input and output to it
+(:mod:`afmd.dialects.responses.conversation_store`). Errors are OpenAI's envelope, their
+``param`` named as this API names it (the pipeline names chat's: ``messages``,
+``response_format``, …).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import orjson
 from afmd.core.events import Event
 from afmd.core.request import ChatRequest
 from afmd.dialects.fields.body import parse_json_body
+from afmd.dialects.responses.conversation_store import ConversationStore
 from afmd.dialects.responses.output_items import ResponseBuilder
 from afmd.dialects.responses.responses_body import ResponsesRequest, parse_responses_request
 from afmd.dialects.responses.store import ResponseStore, Stored
@@ -56,14 +60,22 @@ def param_of(error: APIError) -> str | None:
     return error.param if error.code == "unknown_parameter" else rename_param(error.param)
 
 
+#: The statuses whose turn joins its conversation: one that ended by itself (cut at
+#: ``max_output_tokens`` included). A failed or cancelled turn adds nothing, so that the
+#: conversation never holds an input without its answer or half an answer.
+_TURN_ENDED = frozenset({"completed", "incomplete"})
+
+
 class ResponsesReply:
     """One response, whole or streamed; stored at its end when the request says so."""
 
-    __slots__ = ("_builder", "_request", "_saved", "_store")
+    __slots__ = ("_builder", "_conversations", "_request", "_saved", "_store")
 
-    def __init__(self, request: ResponsesRequest, *, model: str, store: ResponseStore) -> None:
+    def __init__(self, request: ResponsesRequest, *, model: str, store: ResponseStore,
+                 conversations: ConversationStore) -> None:
         self._request = request
         self._store = store
+        self._conversations = conversations
         self._builder = ResponseBuilder(request.echo, model=model, stream=request.stream)
         self._saved = False  # the response reached its end (or its failure) here
 
@@ -100,6 +112,9 @@ class ResponsesReply:
     def _save(self, response: dict[str, Any]) -> dict[str, Any]:
         self._saved = True
         echo = self._request.echo
+        if echo.conversation is not None and response["status"] in _TURN_ENDED:
+            self._conversations.append_turn(echo.conversation,
+                                            (*echo.input_items, *self._builder.output))
         if echo.store:
             conversation = (*echo.history, *echo.input_items, *self._builder.output)
             self._store.put(response["id"], Stored(response, echo.input_items, conversation,
@@ -112,13 +127,16 @@ class OpenAIResponses:
 
     name = "openai_responses"
 
-    def __init__(self, store: ResponseStore, *, truncation: str = "disabled") -> None:
+    def __init__(self, store: ResponseStore, conversations: ConversationStore, *,
+                 truncation: str = "disabled") -> None:
         self.store = store
+        self.conversations = conversations
         self.truncation = truncation  # a body's that names none: the server's policy
 
     def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
               strict: bool = False) -> ResponsesRequest:
         return parse_responses_request(parse_json_body(raw), lookup=self.store.conversation,
+                                       conversations=self.conversations.items,
                                        find_item=self.store.item, server_tools=server_tools,
                                        strict=strict, truncation=self.truncation)
 
@@ -127,13 +145,15 @@ class OpenAIResponses:
     ) -> ResponsesRequest:
         """An ``input_tokens`` body (the fields that shape the prompt, nothing else)."""
         return parse_responses_request(parse_json_body(raw), lookup=self.store.conversation,
+                                       conversations=self.conversations.items,
                                        find_item=self.store.item, server_tools=server_tools,
                                        counting=True,
                                        strict=strict)
 
     def reply(self, request: ChatRequest, *, model: str, fingerprint: str) -> ResponsesReply:
         assert isinstance(request, ResponsesRequest), "parse() made it"
-        return ResponsesReply(request, model=model, store=self.store)
+        return ResponsesReply(request, model=model, store=self.store,
+                              conversations=self.conversations)
 
     def error_envelope(self, error: APIError) -> dict[str, Any]:
         envelope = error.envelope()

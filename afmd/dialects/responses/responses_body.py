@@ -18,6 +18,7 @@ from afmd.core.request import ChatRequest, Message
 from afmd.dialects.fields.checks import (
     Scalar,
     invalid,
+    missing,
     names,
     quoted,
     read_scalars,
@@ -97,7 +98,8 @@ COUNT_FIELDS = frozenset({"conversation", "input", "instructions", "model",
                           "reasoning", "text", "tool_choice", "tools", "truncation",
                           CHAT_TEMPLATE_KWARGS})
 
-#: ``previous_response_id`` -> the stored conversation's items, or None if unknown.
+#: ``previous_response_id`` (or ``conversation``) -> the items before the input, or None if
+#: unknown.
 Lookup = Callable[[str], Sequence[Item] | None]
 #: An ``item_reference``'s id -> the stored item (any stored response's input or output).
 ItemLookup = Callable[[str], Item | None]
@@ -125,6 +127,8 @@ class Echo:
     parallel_tool_calls: bool = True
     metadata: dict[str, str] = field(default_factory=dict)
     previous_response_id: str | None = None
+    #: The conversation this turn continues, and whose items it appends at its end.
+    conversation: str | None = None
     store: bool = True
     truncation: str = "disabled"
     user: str | None = None
@@ -136,7 +140,7 @@ class Echo:
     include: tuple[str, ...] = ()
     #: This request's input items, canonical (what ``input_items`` lists).
     input_items: tuple[Item, ...] = ()
-    #: The conversation before them (``previous_response_id``'s items).
+    #: The conversation before them (``previous_response_id``'s or ``conversation``'s items).
     history: tuple[Item, ...] = ()
 
 
@@ -148,16 +152,60 @@ class ResponsesRequest(ChatRequest):
 
 
 def _refuse(body: dict[str, Any]) -> None:
-    """What afmd cannot do: background runs, stored prompts, the Conversations API."""
+    """What afmd cannot do: background runs, stored prompts."""
     if body.get("background"):
         raise invalid("background", "Background responses are not supported: afmd answers "
                       "while the client waits (stream it, or cancel by X-Request-ID).")
-    for key, what in (("conversation", "afmd has no Conversations API; continue a "
-                       "conversation with 'previous_response_id' or send the whole input."),
-                      ("prompt", "afmd has no stored prompts; send 'instructions' and "
-                       "'input' instead.")):
-        if body.get(key) is not None:
-            raise InvalidRequestError(what, code="unsupported_value", param=key)
+    if body.get("prompt") is not None:
+        raise InvalidRequestError("afmd has no stored prompts; send 'instructions' and "
+                                  "'input' instead.", code="unsupported_value", param="prompt")
+
+
+def _conversation_id(value: Any, strict: bool) -> str | None:
+    """``conversation``: an id, or ``{"id": ...}``."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        if strict:
+            reject_unknown(value, frozenset({"id"}), prefix="conversation.")
+        value = value.get("id")
+        if value is None:
+            raise missing("conversation.id")
+        if not isinstance(value, str):
+            raise wrong_type("conversation.id", "a string", value)
+    elif not isinstance(value, str):
+        raise wrong_type("conversation", "a string or an object with an 'id'", value)
+    if not value.startswith("conv_"):
+        raise invalid("conversation", f"Invalid 'conversation': {quoted(value)}. Expected an "
+                      "ID that begins with 'conv_'.")
+    return value
+
+
+def _history(previous: str | None, conversation: str | None, lookup: Lookup,
+             conversations: Lookup) -> tuple[Item, ...]:
+    """The items before ``input``: a stored response's conversation, or a conversation's."""
+    if previous is not None and conversation is not None:
+        raise InvalidRequestError(
+            "Mutually exclusive parameters. Ensure you are only providing one of: "
+            "'previous_response_id' or 'conversation'.",
+            code="mutually_exclusive_parameters", param=None)
+    if previous is not None:
+        found = lookup(previous)
+        if found is None:
+            raise NotFoundError(
+                f"Previous response with id {quoted(previous)} not found (it was never stored, "
+                "was deleted, or expired).", code="response_not_found",
+                param="previous_response_id")
+        return tuple(found)
+    if conversation is not None:
+        found = conversations(conversation)
+        if found is None:
+            raise NotFoundError(
+                f"Conversation with id {quoted(conversation)} not found (it was never made, "
+                "was deleted, or expired).", code="conversation_not_found",
+                param="conversation")
+        return tuple(found)
+    return ()
 
 
 def _check_turn(messages: tuple[Message, ...], params: ItemParams, count: int) -> None:
@@ -176,6 +224,7 @@ def parse_responses_request(
     body: dict[str, Any],
     *,
     lookup: Lookup,
+    conversations: Lookup = lambda _: None,
     find_item: ItemLookup = lambda _: None,
     server_tools: Collection[str] = (),
     counting: bool = False,
@@ -194,17 +243,11 @@ def parse_responses_request(
     scalars = read_scalars(body, _SCALARS)
     _refuse(body)
     previous = scalars["previous_response_id"]
-    history: tuple[Item, ...] = ()
-    if previous is not None:
-        found = lookup(previous)
-        if found is None:
-            raise NotFoundError(
-                f"Previous response with id {quoted(previous)} not found (it was never stored, "
-                "was deleted, or expired).", code="response_not_found",
-                param="previous_response_id")
-        history = tuple(found)
+    conversation_id = _conversation_id(body.get("conversation"), strict)
+    history = _history(previous, conversation_id, lookup, conversations)
     items = canonical_items(body.get("input"), find_item=find_item, strict=strict)
-    params = ItemParams(len(history))
+    params = ItemParams(len(history), "previous_response_id" if conversation_id is None
+                        else "conversation")
     conversation = to_messages((*history, *items), params)
     instructions = scalars["instructions"]
     messages = conversation
@@ -240,6 +283,7 @@ def parse_responses_request(
         parallel_tool_calls=scalars["parallel_tool_calls"],
         metadata=metadata_of(body.get("metadata")),
         previous_response_id=previous,
+        conversation=conversation_id,
         store=scalars["store"],
         truncation=truncation if body.get("truncation") is None else scalars["truncation"],
         user=scalars["user"],

@@ -68,13 +68,14 @@ class Stored:
         if isinstance(created, bool) or not isinstance(created, int | float) \
                 or not math.isfinite(created):
             raise ValueError("its creation time is not a number")
-        return cls(raw["response"], _checked(inputs), _checked(conversation), float(created))
+        return cls(raw["response"], checked_items(inputs), checked_items(conversation),
+                   float(created))
 
 
 _STATUSES = frozenset({"in_progress", "completed", "incomplete"})
 
 
-def _checked(items: list[Item]) -> tuple[Item, ...]:
+def checked_items(items: list[Item]) -> tuple[Item, ...]:
     """Items read back from a file, in the shape a request's items have: continuing a
     conversation renders them as they are, and an item edited out of shape (a message
     without content, a part that is not an object) would fail that render as a 500. An
@@ -265,25 +266,12 @@ class ResponseStore:
         with contextlib.suppress(OSError):
             self._path(response_id).unlink()
 
-    def _read(self, path: Path) -> bytes:
-        """A file's bytes, if it is a file the store could have written: reading a FIFO
-        waits for a writer forever (the server never starts), a device such as
-        ``/dev/zero`` never ends, and a file larger than the whole bound would be
-        dropped once read."""
-        with open(path, "rb", opener=_nonblocking) as file:
-            info = os.fstat(file.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise ValueError("not a regular file")
-            if self.max_bytes and info.st_size > self.max_bytes:
-                raise ValueError(f"{info.st_size} bytes, more than max_stored_bytes")
-            return file.read()
-
     def _load(self, folder: Path) -> None:
         """The responses a previous run persisted, oldest first, bounds applied."""
         found: list[tuple[str, Stored, int]] = []
         for path in folder.glob("resp_*.json") if folder.is_dir() else ():
             try:
-                data = self._read(path)
+                data = read_stored_file(path, self.max_bytes, "max_stored_bytes")
                 stored = Stored.from_json(data)
                 if stored.response.get("id") != path.stem:
                     raise ValueError("the response in it has another id than its name")
@@ -304,6 +292,20 @@ _POINTER = 8
 def _distinct(items: Sequence[Item]) -> list[Item]:
     """The item objects, each once."""
     return list({id(item): item for item in items}.values())
+
+
+def read_stored_file(path: Path, max_bytes: int, bound: str) -> bytes:
+    """A file's bytes, if it is a file a store could have written: reading a FIFO waits
+    for a writer forever (the server never starts), a device such as ``/dev/zero`` never
+    ends, and a file larger than the whole bound (``max_bytes``, named ``bound``) would
+    be dropped once read."""
+    with open(path, "rb", opener=_nonblocking) as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        if max_bytes and info.st_size > max_bytes:
+            raise ValueError(f"{info.st_size} bytes, more than {bound}")
+        return file.read()
 
 
 def _nonblocking(path: str, flags: int) -> int:

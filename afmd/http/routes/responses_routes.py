@@ -18,16 +18,19 @@ from sanic.response import HTTPResponse
 
 from afmd.config.sections import Config
 from afmd.dialects.fields.checks import quoted
+from afmd.dialects.responses.conversation_store import ConversationStore
 from afmd.dialects.responses.responses_api import OpenAIResponses
 from afmd.dialects.responses.store import ResponseStore
 from afmd.errors import InvalidRequestError, NotFoundError
 from afmd.http.routes import handlers as routes
 from afmd.http.routes.handlers import json_response, request_id_of
 from afmd.http.routes.ignored import ignored_headers
+from afmd.http.routes.item_pages import list_page
 from afmd.paths import cache_dir
 
 #: Where ``[responses] persist`` keeps them.
 STORE_FOLDER = "responses"
+CONVERSATION_FOLDER = "conversations"
 
 
 def _dialect(request: Request) -> OpenAIResponses:
@@ -66,44 +69,13 @@ async def delete(request: Request, response_id: str) -> HTTPResponse:
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-def _limit(request: Request) -> int:
-    raw = request.args.get("limit")
-    if raw is None:
-        return 20
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 100:
-        raise InvalidRequestError(
-            f"Invalid 'limit': '{raw[:20]}'; expected an integer from 1 to 100.", param="limit")
-    return int(raw)
-
-
 async def input_items(request: Request, response_id: str) -> HTTPResponse:
     """The response's input items (``ResponseItemList``), paged as OpenAI pages lists."""
     stored = _dialect(request).store.get(response_id)
     if stored is None:
         raise _not_found(response_id)
-    limit = _limit(request)
-    order = request.args.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise InvalidRequestError(
-            f"Invalid 'order': '{order[:20]}'; supported values are 'asc' and 'desc'.",
-            param="order")
-    items = list(stored.input_items if order == "asc" else reversed(stored.input_items))
-    after = request.args.get("after")
-    if after is not None:
-        index = next((i for i, item in enumerate(items) if item["id"] == after), None)
-        if index is None:
-            raise InvalidRequestError(
-                f"Invalid 'after': no input item of {quoted(response_id)} has the id "
-                f"{quoted(after)}.", param="after")
-        items = items[index + 1:]
-    page = items[:limit]
-    return json_response({
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(items) > limit,
-    })
+    return json_response(list_page(request, stored.input_items,
+                                   f"input item of {quoted(response_id)}"))
 
 
 async def input_tokens(request: Request) -> HTTPResponse:
@@ -150,8 +122,12 @@ def add_routes(app: Sanic, config: Config) -> OpenAIResponses:
     """Register the routes on ``app``, over a store made from ``config``."""
     settings = config.responses
     folder = cache_dir() / STORE_FOLDER if settings.persist else None
+    conversations = cache_dir() / CONVERSATION_FOLDER if settings.persist else None
     dialect = OpenAIResponses(ResponseStore(settings.max_stored, settings.ttl, folder,
                                             max_bytes=settings.max_stored_bytes),
+                              ConversationStore(settings.max_conversations, settings.ttl,
+                                                conversations,
+                                                max_bytes=settings.max_conversations_bytes),
                               truncation="auto" if config.context.policy == "trim"
                               else "disabled")
     for path, name in (("/v1/responses", "responses"), ("/responses", "responses_root")):

@@ -1,0 +1,261 @@
+"""Conversations: what ``/v1/conversations`` and a response's ``conversation`` read and grow.
+
+A conversation is an ordered list of items (the Responses API's own, as it returns them)
+with metadata. It lives as long as it is used, not as long as one response: ``[responses]
+ttl`` counts from its last change, and when ``max_conversations`` or
+``max_conversations_bytes`` is exceeded the least recently changed leaves first. A
+conversation is counted as its stored JSON; one that alone would exceed the byte bound
+is not grown (the request adding to it is refused, a turn's items are left out and
+logged), since dropping it whole would lose more than the items that did not fit.
+
+With ``persist`` each conversation is also one JSON file under the cache folder, written
+again whole at every change by one writer thread, in the order of the changes. Ids come
+only from afmd (``conv_`` and hex digits), and a client's id is only ever looked up in
+memory, never used as a path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from afmd.dialects.fields.unused import metadata_of
+from afmd.dialects.responses.items import Item, item_id
+from afmd.dialects.responses.store import checked_items, read_stored_file
+from afmd.errors import APIError, InvalidRequestError
+from afmd.logs import get_logger
+
+log = get_logger("afmd.conversations")
+
+
+@dataclass(slots=True)
+class Conversation:
+    id: str
+    created_at: int
+    metadata: dict[str, str]
+    items: list[Item]
+    updated: float  # time.time() of its last change: ttl and eviction count from it
+
+    def object(self) -> dict[str, Any]:
+        """As the API returns it (``Conversation``)."""
+        return {"id": self.id, "object": "conversation", "created_at": self.created_at,
+                "metadata": self.metadata}
+
+    def find(self, item_id: str) -> int | None:
+        """The index of the item with this id (the first, should a client have given two
+        items one id)."""
+        return next((i for i, item in enumerate(self.items) if item.get("id") == item_id),
+                    None)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps({"id": self.id, "created_at": self.created_at,
+                             "metadata": self.metadata, "items": self.items,
+                             "updated": self.updated})
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Conversation:
+        """A stored file read back; ValueError for any other shape (a file edited or written
+        by another version must not stop the server from starting)."""
+        raw = orjson.loads(data)
+        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
+            raise ValueError("not a stored conversation")
+        created, updated = raw.get("created_at"), raw.get("updated")
+        if type(created) is not int:
+            raise ValueError("its creation time is not an integer")
+        if isinstance(updated, bool) or not isinstance(updated, int | float) \
+                or not math.isfinite(updated):
+            raise ValueError("its time of change is not a number")
+        items = raw.get("items")
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            raise ValueError("its items are not a list of objects")
+        try:
+            metadata = metadata_of(raw.get("metadata"))
+        except APIError as exc:
+            raise ValueError(exc.message) from None
+        return cls(raw["id"], created, metadata, list(checked_items(items)), float(updated))
+
+
+class ConversationTooLarge(InvalidRequestError):
+    """Adding the items would make the one conversation larger than the whole store."""
+
+
+class ConversationStore:
+    """The bounded store; ``folder`` None keeps it in memory only."""
+
+    def __init__(self, max_count: int, ttl: float, folder: Path | None = None, *,
+                 max_bytes: int = 0) -> None:
+        self.max_count = max_count
+        self.max_bytes = max_bytes  # 0: no bound in bytes
+        self.ttl = ttl
+        self.folder = folder
+        self._entries: OrderedDict[str, Conversation] = OrderedDict()  # least recent first
+        self._sizes: dict[str, int] = {}
+        self.bytes = 0
+        self._writer = ThreadPoolExecutor(1, "afmd-conversations") if folder else None
+        if folder is not None:
+            self._load(folder)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, conversation_id: str) -> Conversation | None:
+        self._expire()
+        return self._entries.get(conversation_id)
+
+    def items(self, conversation_id: str) -> Sequence[Item] | None:
+        """Its items as they are now (a turn's history: later changes do not reach it)."""
+        found = self.get(conversation_id)
+        return None if found is None else tuple(found.items)
+
+    def create(self, metadata: dict[str, str], items: Sequence[Item]) -> Conversation:
+        conversation = Conversation(item_id("conv"), int(time.time()), metadata, [],
+                                    time.time())
+        self._fit(conversation, items)
+        conversation.items.extend(items)
+        self._changed(conversation)
+        return conversation
+
+    def set_metadata(self, conversation: Conversation, metadata: dict[str, str]) -> None:
+        conversation.metadata = metadata
+        self._changed(conversation)
+
+    def add(self, conversation: Conversation, items: Sequence[Item]) -> None:
+        """Append a client's items; :class:`ConversationTooLarge` where they do not fit."""
+        self._fit(conversation, items)
+        conversation.items.extend(items)
+        self._changed(conversation)
+
+    def append_turn(self, conversation_id: str, items: Sequence[Item]) -> None:
+        """Append a finished response's input and output items. The client has its answer
+        already, so a conversation gone meanwhile (deleted, expired) or one these items
+        would make too large is logged, not an error."""
+        conversation = self.get(conversation_id)
+        if conversation is None:
+            log.warning("turn not added: the conversation is gone", id=conversation_id)
+            return
+        try:
+            self._fit(conversation, items)
+        except ConversationTooLarge:
+            log.warning("turn not added: larger than max_conversations_bytes",
+                        id=conversation_id, max_conversations_bytes=self.max_bytes)
+            return
+        conversation.items.extend(items)
+        self._changed(conversation)
+
+    def delete_item(self, conversation: Conversation, index: int) -> None:
+        del conversation.items[index]
+        self._changed(conversation)
+
+    def delete(self, conversation_id: str) -> bool:
+        if self.get(conversation_id) is None:
+            return False
+        self._remove(conversation_id)
+        return True
+
+    def close(self) -> None:
+        """Finish the pending writes (at shutdown)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+
+    def _fit(self, conversation: Conversation, items: Sequence[Item]) -> None:
+        if not self.max_bytes:
+            return
+        size = len(conversation.to_json()) + sum(len(orjson.dumps(i)) + 1 for i in items)
+        if size > self.max_bytes:
+            raise ConversationTooLarge(
+                f"The conversation would hold {size} bytes with these items, more than the "
+                f"server keeps for all conversations together ({self.max_bytes}, [responses] "
+                "max_conversations_bytes); start a new conversation.",
+                code="conversation_too_large", param="items")
+
+    def _changed(self, conversation: Conversation) -> None:
+        conversation.updated = time.time()
+        key = conversation.id
+        self.bytes -= self._sizes.pop(key, 0)
+        self._entries[key] = conversation
+        self._entries.move_to_end(key)
+        data = conversation.to_json()
+        self._sizes[key] = len(data)
+        self.bytes += len(data)
+        if self._writer is not None:
+            self._writer.submit(self._write_file, key, data)
+        self._expire()
+        self._bound()
+
+    def _expire(self) -> None:
+        if self.ttl <= 0:
+            return
+        horizon = time.time() - self.ttl
+        while self._entries:
+            oldest, conversation = next(iter(self._entries.items()))
+            if conversation.updated >= horizon:
+                break
+            self._remove(oldest)
+
+    def _bound(self) -> None:
+        """The least recently changed out until both the count and the bytes are within
+        bounds (the one just changed fits alone: :meth:`_fit`)."""
+        while self._entries and (
+            len(self._entries) > self.max_count
+            or (self.max_bytes and self.bytes > self.max_bytes)
+        ):
+            self._remove(next(iter(self._entries)))
+
+    def _remove(self, conversation_id: str) -> None:
+        del self._entries[conversation_id]
+        self.bytes -= self._sizes.pop(conversation_id)
+        if self._writer is not None:
+            self._writer.submit(self._unlink, conversation_id)
+
+    # -- the folder --
+
+    def _path(self, conversation_id: str) -> Path:
+        assert self.folder is not None
+        return self.folder / f"{conversation_id}.json"
+
+    def _write_file(self, conversation_id: str, data: bytes) -> None:
+        path = self._path(conversation_id)
+        tmp = path.with_suffix(".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            log.warning("conversation not persisted", id=conversation_id, error=str(exc))
+
+    def _unlink(self, conversation_id: str) -> None:
+        with contextlib.suppress(OSError):
+            self._path(conversation_id).unlink()
+
+    def _load(self, folder: Path) -> None:
+        """The conversations a previous run persisted, least recently changed first,
+        bounds applied."""
+        found: list[tuple[Conversation, int]] = []
+        for path in folder.glob("conv_*.json") if folder.is_dir() else ():
+            try:
+                data = read_stored_file(path, self.max_bytes, "max_conversations_bytes")
+                conversation = Conversation.from_json(data)
+                if conversation.id != path.stem:
+                    raise ValueError("the conversation in it has another id than its name")
+                found.append((conversation, len(data)))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("stored conversation unreadable", path=str(path), error=str(exc))
+        found.sort(key=lambda entry: entry[0].updated)
+        for conversation, size in found:
+            self._entries[conversation.id] = conversation
+            self._sizes[conversation.id] = size
+            self.bytes += size
+        self._expire()
+        self._bound()
