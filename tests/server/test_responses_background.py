@@ -232,6 +232,9 @@ def test_shutdown_fails_a_running_one_and_it_stays_retrievable(tmp_path: Path) -
         assert server.proc.wait(30) == 0
     finally:
         server.stop()
+    line = next(e for e in server.events if e.get("method") == "BACKGROUND")
+    assert line["stream_error"] == "server_shutting_down"
+    assert not [e for e in server.events if e.get("level") == "error"], server.log_text()
     server = start_server(tmp_path, config=config, env=env)
     try:
         failed = _client(server).responses.retrieve(made.id)
@@ -258,3 +261,20 @@ def test_a_persisted_unfinished_one_is_read_back_failed(tmp_path: Path) -> None:
     third = ResponseStore(10, 0, tmp_path)
     assert third.get(response["id"]).response == stored.response  # type: ignore[union-attr]
     third.close()
+
+
+def test_background_timeout_bounds_it_in_place_of_request_timeout(tmp_path: Path) -> None:
+    server = start_server(tmp_path, config="[server]\nrequest_timeout = 1.0\n"
+                                           "[responses]\nbackground_timeout = 3.0\n")
+    try:
+        client = _client(server)
+        made = client.responses.create(model="demo", background=True, **LONG)
+        _until(client, made.id, ("in_progress",))
+        time.sleep(1.5)  # past request_timeout: still running
+        assert client.responses.retrieve(made.id).status == "in_progress"
+        failed = _ended(client, made.id)
+    finally:
+        server.stop()
+    assert failed.status == "failed" and failed.error is not None
+    assert "did not complete" in failed.error.message
+    assert failed.output  # what it had written by then

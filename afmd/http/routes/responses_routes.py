@@ -78,8 +78,10 @@ async def retrieve(request: Request, response_id: str) -> HTTPResponse | None:
     if live is None and stored is None:
         raise _not_found(response_id)
     if request.args.get("stream") not in ("true", "1"):
-        return json_response(live.current() if live is not None
-                             else stored.response if stored is not None else None)
+        if live is not None:
+            return json_response(live.current())
+        assert stored is not None
+        return json_response(stored.response)
     after = background_runs.starting_after(request)
     headers = {"X-Request-ID": routes.request_id_of(request)}
     if live is not None and live.streamed:
