@@ -124,7 +124,7 @@ def test_a_background_stream_goes_on_without_its_reader_and_resumes(one_slot) ->
                                           starting_after=seen[-1].sequence_number))
     numbers = [e.sequence_number for e in [*seen, *rest]]
     assert numbers == list(range(len(numbers)))  # continuous, none twice
-    for event in rest:
+    for event in [*seen, *rest]:
         validate_event(event.model_dump(mode="json", exclude_unset=True))
     final = client.responses.retrieve(response_id)
     assert rest[-1].type == f"response.{final.status}"
@@ -278,3 +278,17 @@ def test_background_timeout_bounds_it_in_place_of_request_timeout(tmp_path: Path
     assert failed.status == "failed" and failed.error is not None
     assert "did not complete" in failed.error.message
     assert failed.output  # what it had written by then
+
+
+def test_a_streamed_background_response_keeps_its_profile_event(one_slot) -> None:
+    """``X-AFM-Profile`` holds for a background stream: its event is among those kept, and
+    replayed; the POST's headers are any response's."""
+    body = {**SHORT, "model": "demo", "background": True, "stream": True}
+    with httpx.stream("POST", one_slot.url + "/v1/responses", json=body, timeout=60,
+                      headers={"X-AFM-Profile": "true", "X-Request-ID": "bg-profile"}) as r:
+        assert r.headers["x-request-id"] == "bg-profile"
+        text = r.read().decode()
+    assert "event: afm_profile" in text
+    response_id = text.split('"id":"', 1)[1].split('"', 1)[0]
+    replayed = httpx.get(f"{one_slot.url}/v1/responses/{response_id}?stream=true", timeout=30)
+    assert replayed.text == text  # every event kept, in order, the profile's included
