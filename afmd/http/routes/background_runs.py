@@ -31,6 +31,7 @@ from afmd.dialects.responses.responses_api import OpenAIResponses
 from afmd.dialects.responses.responses_body import ResponsesRequest
 from afmd.errors import APIError, InvalidRequestError, ServerError
 from afmd.http.access import log_access, log_request
+from afmd.http.app_state import AppState
 from afmd.http.routes.handlers import (
     SSE_HEADERS,
     json_response,
@@ -44,7 +45,7 @@ from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.choices import ChoicesRun
 from afmd.service.completion_prompts import PreparedCompletion
 from afmd.service.completion_run import CompletionRun
-from afmd.service.pipeline import NotStarted
+from afmd.service.pipeline import ChatPipeline, NotStarted
 from afmd.service.profiling import parse_profile_header
 
 __all__ = ["cancel", "create", "follow", "replay", "starting_after"]
@@ -60,7 +61,7 @@ CANCEL_WAIT_SECONDS = 10.0
 AnyRun = ChatRun | ChoicesRun | CompletionRun
 
 
-async def _drive(state: Any, bg: BackgroundRun, prepared: PreparedChat | PreparedCompletion,
+async def _drive(state: AppState, bg: BackgroundRun, prepared: PreparedChat | PreparedCompletion,
                  path: str, received: float | None) -> None:
     """Run the turn to its end and store it; nothing escapes (the task's failures are the
     response's, and logged)."""
@@ -112,7 +113,7 @@ async def _drive(state: Any, bg: BackgroundRun, prepared: PreparedChat | Prepare
         bg.close()
 
 
-def _log_end(state: Any, path: str, bg: BackgroundRun, run: AnyRun | None,
+def _log_end(state: AppState, path: str, bg: BackgroundRun, run: AnyRun | None,
              received: float | None, error: str | None) -> None:
     """The access log's line for the run itself (the POST had its own when it answered):
     method ``BACKGROUND``, the response's path, its usage and how it ended."""
@@ -123,7 +124,7 @@ def _log_end(state: Any, path: str, bg: BackgroundRun, run: AnyRun | None,
                 stream_error=error, run=run)
 
 
-async def cancel(bg: BackgroundRun, pipeline: Any) -> dict[str, Any]:
+async def cancel(bg: BackgroundRun, pipeline: ChatPipeline) -> dict[str, Any]:
     """Cancel the run (its slot is freed as it stops) and answer the response as it
     ended: ``cancelled``, or how it ended first if the cancel came too late."""
     pipeline.cancel(bg.request_id)
