@@ -52,14 +52,17 @@ DEMO_WARNING = (
 async def _end_what_runs(state: AppState, app: Sanic, gate: GateContext) -> None:
     """After the grace period, what still runs ends the way any failure does (an error
     event, [DONE] and the body's last chunk for a stream), then goes idle and closes;
-    only what cannot even do that in time is cut."""
+    only what cannot even do that in time is cut. A background response still running
+    ends ``failed`` with the same error, stored (and persisted) as such."""
     error = server_stopping_error()
 
     def interrupt() -> None:
         interrupt_requests(state, error)
         interrupt_embeddings(app, error)
 
-    await gate.close_when_idle(time.monotonic() + FINAL_WRITE_SECONDS, each_turn=interrupt)
+    last = time.monotonic() + FINAL_WRITE_SECONDS
+    await gate.close_when_idle(last, each_turn=interrupt)
+    await state.background.wait(last)
 
 
 async def _stop_sanic(lifecycle: Any) -> None:
@@ -173,9 +176,12 @@ class Server:
             return
         self._stopping = True
         await self._listeners.stop_accepting()
-        # Every listener's connections, restarted ones' included.
-        await self.gate.close_when_idle(time.monotonic() + self.config.server.shutdown_grace)
-        if self.gate.connections:
+        # Every listener's connections, restarted ones' included; background responses
+        # get the same grace to end by themselves.
+        grace = time.monotonic() + self.config.server.shutdown_grace
+        await self.gate.close_when_idle(grace)
+        await self.state.background.wait(grace)
+        if self.gate.connections or self.state.background:
             await _end_what_runs(self.state, self.app, self.gate)
         self.gate.close_all()
         self._listeners.close()

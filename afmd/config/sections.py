@@ -190,6 +190,10 @@ class ResponsesConfig:
     # Seconds a response is kept after it was made; 0: no limit.
     ttl: float = field(default=86400.0, metadata=at_least(0))
     persist: bool = False  # also under the cache folder, so a restart keeps them
+    # Seconds a background response (``background: true``) may take from its arrival to
+    # its end, its wait for a slot included, in place of [server] request_timeout: that
+    # one bounds what a client waits for, and background mode is for runs longer than that.
+    background_timeout: float = field(default=3600.0, metadata=at_least(1))
     # The Conversations API's conversations, held apart from responses: a long-lived
     # conversation must not be pushed out by the responses of its own turns. The least
     # recently changed leaves first; ``ttl`` counts from a conversation's last change.

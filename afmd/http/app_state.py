@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from afmd.config.sections import Config
+from afmd.dialects.responses.background import BackgroundRuns
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.errors import APIError
 from afmd.http.dashboard_state import Activity, Dashboard
@@ -52,6 +53,8 @@ class AppState:
     activity: Activity = field(default_factory=Activity)
     #: The dashboard's own state: None while it is off.
     dashboard: Dashboard | None = None
+    #: The Responses API's background responses (``background: true``).
+    background: BackgroundRuns = field(default_factory=BackgroundRuns)
 
 
 __all__ = ["AppState", "GroupHealth"]

@@ -172,8 +172,12 @@ class ChatPipeline:
         *,
         received_at: float | None = None,
         profile: str | None = None,
+        timeout: float | None = None,
     ) -> PreparedChat | PreparedCompletion:
+        """Lease the model and render the prompt; the request's deadline is ``timeout``
+        seconds from now (None: ``request_timeout``; a background response has its own)."""
         started = time.monotonic()
+        deadline = started + (self.policy.request_timeout if timeout is None else timeout)
         arrived = received_at if received_at is not None else time.perf_counter()
         entry = self.registry.resolve(request.model)
         if self.live(request_id) or self.taken(request_id):
@@ -182,8 +186,7 @@ class ChatPipeline:
         try:
             # Held until the response is over (release): a model in use is never unloaded.
             lease = await arrival.unless_cancelled(self.registry.lease(
-                entry, deadline=started + self.policy.request_timeout,
-                keep_alive=request.keep_alive), Lease.release)
+                entry, deadline=deadline, keep_alive=request.keep_alive), Lease.release)
         except Cancelled:
             self._arrivals.pop(request_id, None)
             raise NotStarted(request, entry, time.monotonic() - started, arrived) from None
@@ -196,7 +199,7 @@ class ChatPipeline:
             pixels = await self._hold_pixels(request, lease.model)
             # Rendering (a grammar's compile with it) is not cut short: a cancel meanwhile
             # ends the run as soon as it starts, as one cancelled in the queue.
-            prepared = await self._prepare(lease.model, entry, request, request_id, started,
+            prepared = await self._prepare(lease.model, entry, request, request_id, deadline,
                                            received_at, profile)
         except BaseException:
             self._arrivals.pop(request_id, None)
@@ -246,7 +249,7 @@ class ChatPipeline:
         entry: ModelEntry,
         request: ChatRequest | CompletionRequest,
         request_id: str,
-        started: float,
+        deadline: float,
         received_at: float | None,
         profile: str | None,
     ) -> PreparedChat | PreparedCompletion:
@@ -259,7 +262,7 @@ class ChatPipeline:
         if isinstance(request, CompletionRequest):  # raw prompts: no template, no tools
             return await prepare_completion(
                 model, entry, request, request_id, fingerprint=_fingerprint(entry),
-                deadline=started + self.policy.request_timeout, received_at=received_at,
+                deadline=deadline, received_at=received_at,
                 profile=profile,
             )
         _check_images(request, model, entry)
@@ -268,7 +271,7 @@ class ChatPipeline:
         request = _with_server_tools(request, self.server_tools)
         rounds = RoundBuilder(model, request, instructions=self.config.server.instructions,
                               trim=self._trims(request), server_tools=self.server_tools.names,
-                              deadline=started + self.policy.request_timeout)
+                              deadline=deadline)
         return PreparedChat(
             request_id=request_id,
             rounds=rounds,
@@ -276,7 +279,7 @@ class ChatPipeline:
             max_tokens=request.max_tokens,
             model_name=request.model or entry.id,
             fingerprint=_fingerprint(entry),
-            deadline=started + self.policy.request_timeout,
+            deadline=deadline,
             received_at=received_at if received_at is not None else time.perf_counter(),
             profile=profile,
         )

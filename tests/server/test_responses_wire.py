@@ -229,7 +229,7 @@ BAD: list[tuple[dict[str, Any], str, str | None]] = [
     ({"input": "x", "include": ["reasoning.plaintext"]}, "invalid_value", "include[0]"),
     ({"input": "x", "metadata": {"k": 1}}, "invalid_type", "metadata.k"),
     ({"input": "x", "truncation": "middle"}, "invalid_value", "truncation"),
-    ({"input": "x", "background": True}, "invalid_value", "background"),
+    ({"input": "x", "background": True, "store": False}, "invalid_value", "background"),
     ({"input": "x", "conversation": "resp_1"}, "invalid_value", "conversation"),
     ({"input": "x", "conversation": {"id": 1}}, "invalid_type", "conversation.id"),
     ({"input": "x", "conversation": "conv_1", "previous_response_id": "resp_1"},

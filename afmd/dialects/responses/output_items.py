@@ -55,6 +55,10 @@ TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplet
             "cancelled": "response.incomplete", "failed": "response.failed"}
 
 
+#: The statuses of a response whose run has not ended: no output or usage to show yet.
+UNDER_WAY = frozenset({"queued", "in_progress"})
+
+
 def usage_object(usage: Usage) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
@@ -100,7 +104,7 @@ def response_object(echo: Echo, *, id: str, created_at: int, model: str, status:
         "object": "response",
         "created_at": created_at,
         "status": status,
-        "background": False,
+        "background": echo.background,
         "completed_at": int(time.time()) if status == "completed" else None,
         "error": None if error is None else {
             "code": "rate_limit_exceeded" if error.status == 429 else "server_error",
@@ -111,7 +115,7 @@ def response_object(echo: Echo, *, id: str, created_at: int, model: str, status:
         "max_output_tokens": echo.max_output_tokens,
         "max_tool_calls": echo.max_tool_calls,
         "model": model,
-        "output": list(output) if status != "in_progress" else [],
+        "output": list(output) if status not in UNDER_WAY else [],
         "parallel_tool_calls": echo.parallel_tool_calls,
         "previous_response_id": echo.previous_response_id,
         "reasoning": echo.reasoning,
@@ -132,7 +136,7 @@ def response_object(echo: Echo, *, id: str, created_at: int, model: str, status:
                        ("prompt_cache_key", echo.prompt_cache_key)):
         if value is not None:
             body[key] = value
-    if usage is not None and status != "in_progress":
+    if usage is not None and status not in UNDER_WAY:
         body["usage"] = usage_object(usage)
     return body
 
@@ -246,7 +250,11 @@ class _EventLog:
             self.sequence += 1
 
     def take(self) -> bytes:
-        out, self.out = b"".join(self.out), []
+        return b"".join(self.take_events())
+
+    def take_events(self) -> list[bytes]:
+        """The events written since the last take, one SSE event each, in sequence."""
+        out, self.out = self.out, []
         return out
 
 
@@ -283,13 +291,22 @@ class ResponseBuilder:
         """``response.created`` and ``response.in_progress``, numbered 0 and 1 however
         late the stream's head is written (it may go out after the first events were
         encoded: those are numbered from 2 on)."""
+        return b"".join(self.start_events())
+
+    def start_events(self, created: str = "in_progress") -> list[bytes]:
+        """:meth:`start`'s two events apart (``created``: the status ``response.created``
+        shows, ``queued`` for a background response waiting for its slot)."""
         response = self.response("in_progress")
-        return b"".join(
-            sse_event({"type": kind, "response": response, "sequence_number": number})
-            for number, kind in enumerate(("response.created", "response.in_progress")))
+        return [sse_event({"type": kind, "response": self.response(created)
+                           if kind == "response.created" else response,
+                           "sequence_number": number})
+                for number, kind in enumerate(("response.created", "response.in_progress"))]
 
     def take(self) -> bytes:
         return self._log.take()
+
+    def take_events(self) -> list[bytes]:
+        return self._log.take_events()
 
     def feed(self, events: list[Event]) -> None:
         self._written = None

@@ -25,11 +25,13 @@ import orjson
 from afmd.core.events import Event
 from afmd.core.request import ChatRequest
 from afmd.dialects.fields.body import parse_json_body
+from afmd.dialects.fields.checks import quoted
 from afmd.dialects.responses.conversation_store import ConversationStore
-from afmd.dialects.responses.output_items import ResponseBuilder
+from afmd.dialects.responses.items import Item
+from afmd.dialects.responses.output_items import UNDER_WAY, ResponseBuilder
 from afmd.dialects.responses.responses_body import ResponsesRequest, parse_responses_request
 from afmd.dialects.responses.store import ResponseStore, Stored
-from afmd.errors import APIError
+from afmd.errors import APIError, InvalidRequestError
 
 _CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function\.(.+)")
 
@@ -102,6 +104,43 @@ class ResponsesReply:
         self._save(self._builder.fail(error, param_of(error)))
         return self._builder.take()
 
+    # -- a background response (afmd.http.routes.background_runs runs it) --
+
+    @property
+    def background(self) -> bool:
+        return self._request.echo.background
+
+    def queued(self) -> tuple[dict[str, Any], list[bytes]]:
+        """The response as its POST answers it, ``queued``, and, streamed, the two events
+        that open its stream: ``response.created`` (queued) and ``response.in_progress``
+        (to be sent once it holds a slot)."""
+        response = self._builder.response("queued")
+        return response, self._builder.start_events("queued") if self._request.stream else []
+
+    def keep(self, response: dict[str, Any]) -> None:
+        """Store the response as it stands (a background one, ``queued``, once its POST
+        was let in): ``GET /v1/responses/{id}`` finds it while it runs, and a restart
+        finds it unfinished. Its end replaces it."""
+        self._put(response)
+
+    def current(self, status: str) -> dict[str, Any]:
+        """The response as it stands while its run goes on (``queued``, ``in_progress``)."""
+        return self._builder.response(status)
+
+    def stream_events(self, events: Sequence[Event]) -> list[bytes]:
+        """:meth:`stream`, one SSE event apiece (a background stream is resumed after any
+        of them by its ``sequence_number``, which is its index)."""
+        self._builder.feed(list(events))
+        return self._builder.take_events()
+
+    def end_events(self) -> tuple[dict[str, Any], list[bytes]]:
+        response = self._save(self._builder.finish())
+        return response, self._builder.take_events()
+
+    def error_events(self, error: APIError) -> tuple[dict[str, Any], list[bytes]]:
+        response = self._save(self._builder.fail(error, param_of(error)))
+        return response, self._builder.take_events()
+
     def stream_abandoned(self) -> None:
         """Stored as ``cancelled`` with what it had written: the client was told its id in
         ``response.created``, and fetching it, or continuing from it, must find it (its run
@@ -115,11 +154,15 @@ class ResponsesReply:
         if echo.conversation is not None and response["status"] in _TURN_ENDED:
             self._conversations.append_turn(echo.conversation,
                                             (*echo.input_items, *self._builder.output))
+        self._put(response)
+        return response
+
+    def _put(self, response: dict[str, Any]) -> None:
+        echo = self._request.echo
         if echo.store:
             conversation = (*echo.history, *echo.input_items, *self._builder.output)
             self._store.put(response["id"], Stored(response, echo.input_items, conversation,
                                                    time.time()))
-        return response
 
 
 class OpenAIResponses:
@@ -135,7 +178,7 @@ class OpenAIResponses:
 
     def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
               strict: bool = False) -> ResponsesRequest:
-        return parse_responses_request(parse_json_body(raw), lookup=self.store.conversation,
+        return parse_responses_request(parse_json_body(raw), lookup=self._history,
                                        conversations=self.conversations.items,
                                        find_item=self.store.item, server_tools=server_tools,
                                        strict=strict, truncation=self.truncation)
@@ -144,11 +187,25 @@ class OpenAIResponses:
         self, raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
     ) -> ResponsesRequest:
         """An ``input_tokens`` body (the fields that shape the prompt, nothing else)."""
-        return parse_responses_request(parse_json_body(raw), lookup=self.store.conversation,
+        return parse_responses_request(parse_json_body(raw), lookup=self._history,
                                        conversations=self.conversations.items,
                                        find_item=self.store.item, server_tools=server_tools,
                                        counting=True,
                                        strict=strict)
+
+    def _history(self, response_id: str) -> Sequence[Item] | None:
+        """What ``previous_response_id`` continues: a background response still running
+        has no answer yet to continue from."""
+        stored = self.store.get(response_id)
+        if stored is None:
+            return None
+        status = stored.response.get("status")
+        if status in UNDER_WAY:
+            raise InvalidRequestError(
+                f"Previous response {quoted(response_id)} is still {status} (a background "
+                "response): continue from it once it has ended.", code="invalid_value",
+                param="previous_response_id")
+        return stored.conversation
 
     def reply(self, request: ChatRequest, *, model: str, fingerprint: str) -> ResponsesReply:
         assert isinstance(request, ResponsesRequest), "parse() made it"

@@ -130,6 +130,8 @@ class Echo:
     #: The conversation this turn continues, and whose items it appends at its end.
     conversation: str | None = None
     store: bool = True
+    #: Run detached from its connection (``/v1/responses/{id}`` follows it).
+    background: bool = False
     truncation: str = "disabled"
     user: str | None = None
     safety_identifier: str | None = None
@@ -152,10 +154,12 @@ class ResponsesRequest(ChatRequest):
 
 
 def _refuse(body: dict[str, Any]) -> None:
-    """What afmd cannot do: background runs, stored prompts."""
-    if body.get("background"):
-        raise invalid("background", "Background responses are not supported: afmd answers "
-                      "while the client waits (stream it, or cancel by X-Request-ID).")
+    """What afmd cannot do (stored prompts), and a background response that would not be
+    stored: its client reads it from the store, so it would be lost the moment it ended."""
+    if body.get("background") and body.get("store") is False:
+        raise invalid("background", "Background mode requires 'store' to be true: a "
+                      "background response is read from the store ('store': false was "
+                      "given).")
     if body.get("prompt") is not None:
         raise InvalidRequestError("afmd has no stored prompts; send 'instructions' and "
                                   "'input' instead.", code="unsupported_value", param="prompt")
@@ -285,6 +289,7 @@ def parse_responses_request(
         previous_response_id=previous,
         conversation=conversation_id,
         store=scalars["store"],
+        background=scalars["background"],
         truncation=truncation if body.get("truncation") is None else scalars["truncation"],
         user=scalars["user"],
         safety_identifier=scalars["safety_identifier"],

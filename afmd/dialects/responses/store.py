@@ -27,7 +27,7 @@ import os
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,7 @@ from typing import Any
 import orjson
 
 from afmd.dialects.responses.items import Item, canonical_items
+from afmd.dialects.responses.output_items import UNDER_WAY
 from afmd.errors import APIError
 from afmd.logs import get_logger
 
@@ -120,6 +121,10 @@ class ResponseStore:
         self._items: dict[str, dict[int, list[Any]]] = {}
         # One writer thread: file writes leave the event loop, in the order they were made.
         self._writer = ThreadPoolExecutor(1, "afmd-responses") if folder else None
+        #: Told the id of each response that leaves the store (deleted, expired, pushed
+        #: out), not of one replaced by a newer state of itself: what is kept beside a
+        #: response (a background stream's events) goes with it.
+        self.on_remove: Callable[[str], None] | None = None
         if folder is not None:
             self._load(folder)
 
@@ -173,7 +178,7 @@ class ResponseStore:
                         bytes=len(data), max_stored_bytes=self.max_bytes)
             return
         if response_id in self._entries:
-            self._remove(response_id)
+            self._remove(response_id, replaced=True)
         self._add(response_id, stored, len(data))
         self._write(response_id, data)
         self._expire()
@@ -224,8 +229,10 @@ class ResponseStore:
         ):
             self._remove(next(iter(self._entries)))
 
-    def _remove(self, response_id: str) -> None:
+    def _remove(self, response_id: str, *, replaced: bool = False) -> None:
         stored = self._entries.pop(response_id)
+        if not replaced and self.on_remove is not None:
+            self.on_remove(response_id)
         items = _distinct(stored.conversation)
         self._unindex(items)
         self.bytes -= self._sizes.pop(response_id)
@@ -236,7 +243,7 @@ class ResponseStore:
                 if not held[1]:
                     del self._held[id(item)]
                     self.bytes -= held[0]
-        if self._writer is not None:
+        if self._writer is not None and not replaced:
             self._writer.submit(self._unlink, response_id)
 
     # -- the folder --
@@ -275,6 +282,10 @@ class ResponseStore:
                 stored = Stored.from_json(data)
                 if stored.response.get("id") != path.stem:
                     raise ValueError("the response in it has another id than its name")
+                if stored.response.get("status") in UNDER_WAY:
+                    stored = _interrupted(stored)
+                    data = stored.to_json()
+                    self._write(path.stem, data)
                 found.append((path.stem, stored, len(data)))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("stored response unreadable", path=str(path), error=str(exc))
@@ -283,6 +294,15 @@ class ResponseStore:
             self._add(response_id, stored, size)
         self._expire()
         self._bound()
+
+
+def _interrupted(stored: Stored) -> Stored:
+    """A background response the previous run left unfinished (it stopped, or died, while
+    the response ran): ``failed``, as nothing will ever run it on."""
+    response = {**stored.response, "status": "failed", "error": {
+        "code": "server_error",
+        "message": "The server stopped before this background response ended."}}
+    return Stored(response, stored.input_items, stored.conversation, stored.created)
 
 
 #: What an entry's tuple spends on each item it holds, shared or not.

@@ -94,7 +94,7 @@ def dialect_of(request: Request | None) -> Dialect[Any] | None:
     return getattr(route.ctx, "dialect", None) if route is not None else None
 
 
-def _response_headers(
+def response_headers(
     prepared: PreparedChat | PreparedCompletion, extra: dict[str, str]
 ) -> dict[str, str]:
     headers = {"X-Request-ID": prepared.request_id, "OpenAI-Request-ID": prepared.request_id,
@@ -249,7 +249,7 @@ async def _complete(
     while not run.finished:
         events += await _next_batch(state, run, batches)
     _note_end(request, run)
-    return HTTPResponse(reply.body(events), headers=_response_headers(run.prepared, extra),
+    return HTTPResponse(reply.body(events), headers=response_headers(run.prepared, extra),
                         content_type="application/json")
 
 
@@ -258,7 +258,7 @@ async def _stream(
     extra: dict[str, str],
 ) -> None:
     state = request.app.ctx.state
-    out = EventStream(request, reply, {**SSE_HEADERS, **_response_headers(prepared, extra)})
+    out = EventStream(request, reply, {**SSE_HEADERS, **response_headers(prepared, extra)})
     # A client that stops reading gets until its deadline, and then a grace for the stream's
     # end, before its connection is cut: its writes are the only thing it can stall.
     late = prepared.deadline + STALL_GRACE

@@ -1,12 +1,14 @@
 """The Responses API's routes: the turn itself, and the stored responses around it.
 
 ``POST /v1/responses`` is a turn like any other (:func:`afmd.http.routes.handlers.turn` with the
-Responses adapter). The others read the adapter's store: retrieve, delete, list a
-response's input items; count an input's tokens; cancel a running response by the
-``X-Request-ID`` it was sent with (afmd has no background responses, so a stored response
-is always finished and a ``resp_`` id names nothing to cancel). Every route is registered
-on the app, so the gate screens them as all others (Host, Origin, key, media type, size),
-and every error is in the adapter's envelope, OpenAI's.
+Responses adapter), or with ``background: true`` a run of its own
+(:mod:`afmd.http.routes.background_runs`). The others read the adapter's store and the
+background runs: retrieve (a background response while it runs, and a streamed one's
+events again with ``?stream=true``), delete, list a response's input items; count an
+input's tokens; cancel a background response by its ``resp_`` id, or any running response
+by the ``X-Request-ID`` it was sent with. Every route is registered on the app, so the
+gate screens them as all others (Host, Origin, key, media type, size), and every error is
+in the adapter's envelope, OpenAI's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from afmd.dialects.responses.conversation_store import ConversationStore
 from afmd.dialects.responses.responses_api import OpenAIResponses
 from afmd.dialects.responses.store import ResponseStore
 from afmd.errors import InvalidRequestError, NotFoundError
+from afmd.http.routes import background_runs
 from afmd.http.routes import handlers as routes
 from afmd.http.routes.handlers import json_response, request_id_of
 from afmd.http.routes.ignored import ignored_headers
@@ -45,7 +48,7 @@ def _not_found(response_id: str) -> NotFoundError:
         "or expired).", code="response_not_found", param="response_id")
 
 
-async def stored_response(request: Request, response_id: str) -> HTTPResponse:
+async def stored_response(request: Request, response_id: str) -> HTTPResponse | None:
     """``GET`` or ``DELETE`` one stored response (one route for both methods, so that a
     405 lists both in ``Allow``)."""
     if request.method == "DELETE":
@@ -53,17 +56,53 @@ async def stored_response(request: Request, response_id: str) -> HTTPResponse:
     return await retrieve(request, response_id)
 
 
-async def retrieve(request: Request, response_id: str) -> HTTPResponse:
+async def create(request: Request) -> HTTPResponse | None:
+    """``POST /v1/responses``: a turn, or with ``background: true`` a background run."""
+    dialect = _dialect(request)
+    state = request.app.ctx.state
+    routes.request_id_of(request)  # a bad X-Request-ID is refused before the body is read
+    chat = dialect.parse(request.body, server_tools=state.pipeline.server_tools.names,
+                         strict=state.config.api.strict)
+    if chat.echo.background:
+        return await background_runs.create(request, dialect, chat)
+    return await routes.turn(request, chat)
+
+
+async def retrieve(request: Request, response_id: str) -> HTTPResponse | None:
+    """The response; a background one as it stands while it runs. With ``?stream=true``,
+    a streamed background response's events after ``starting_after``, followed live to
+    its end if it still runs."""
+    runs = request.app.ctx.state.background
+    live = runs.running(response_id)
     stored = _dialect(request).store.get(response_id)
-    if stored is None:
+    if live is None and stored is None:
         raise _not_found(response_id)
-    if request.args.get("stream") in ("true", "1"):
-        raise InvalidRequestError("Streaming a stored response again is not supported: afmd "
-                                  "keeps the response, not its events.", param="stream")
-    return json_response(stored.response)
+    if request.args.get("stream") not in ("true", "1"):
+        if live is not None:
+            return json_response(live.current())
+        assert stored is not None
+        return json_response(stored.response)
+    after = background_runs.starting_after(request)
+    headers = {"X-Request-ID": routes.request_id_of(request)}
+    if live is not None and live.streamed:
+        await background_runs.follow(request, live.follow(after), headers)
+        return None
+    events = runs.events(response_id)
+    if events is None:
+        raise InvalidRequestError(
+            f"Response {quoted(response_id)} cannot be streamed: only a background response "
+            "created with 'stream': true can, while it is stored (its events are not kept "
+            "across a restart).", param="stream")
+    await background_runs.follow(request, background_runs.replay(events, after), headers)
+    return None
 
 
 async def delete(request: Request, response_id: str) -> HTTPResponse:
+    """Delete a stored response; a background response still running is cancelled first
+    (deleted, it would have nowhere to end)."""
+    live = request.app.ctx.state.background.running(response_id)
+    if live is not None:
+        await background_runs.cancel(live, request.app.ctx.state.pipeline)
     if not _dialect(request).store.delete(response_id):
         raise _not_found(response_id)
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
@@ -93,10 +132,24 @@ async def input_tokens(request: Request) -> HTTPResponse:
 
 
 async def cancel(request: Request, request_id: str) -> HTTPResponse:
-    """Cancel a running response by its ``X-Request-ID``: it ends with status
-    ``cancelled``, streamed or not."""
+    """Cancel a background response by its ``resp_`` id (OpenAI's cancel: the response
+    object, ``cancelled``; one already ended as it ended; a 400 for one that was not
+    created in the background), or any running response by its ``X-Request-ID``: it ends
+    with status ``cancelled``, streamed or not."""
+    state = request.app.ctx.state
+    live = state.background.running(request_id)
+    if live is not None:
+        return json_response(await background_runs.cancel(live, state.pipeline))
+    stored = _dialect(request).store.get(request_id)
+    if stored is not None:
+        if stored.response.get("background"):
+            return json_response(stored.response)
+        raise InvalidRequestError(
+            f"Only background responses can be cancelled: {quoted(request_id)} was not "
+            "created with 'background': true (cancel a running one by the X-Request-ID it "
+            "was sent with).", code="invalid_value", param="response_id")
     body: dict[str, Any] = {"id": request_id, "object": "response.cancellation"}
-    if not request.app.ctx.state.pipeline.cancel(request_id):
+    if not state.pipeline.cancel(request_id):
         error = NotFoundError(
             f"No running request has the id {quoted(request_id)} (cancel by the X-Request-ID the "
             "response was sent with; a stored response is already finished).",
@@ -130,8 +183,10 @@ def add_routes(app: Sanic, config: Config) -> OpenAIResponses:
                                                 max_bytes=settings.max_conversations_bytes),
                               truncation="auto" if config.context.policy == "trim"
                               else "disabled")
+    # A background stream's events leave with its response.
+    dialect.store.on_remove = app.ctx.state.background.forget
     for path, name in (("/v1/responses", "responses"), ("/responses", "responses_root")):
-        app.add_route(routes.turn, path, methods=["POST"], name=name, ctx_dialect=dialect)
+        app.add_route(create, path, methods=["POST"], name=name, ctx_dialect=dialect)
     app.add_route(input_tokens, "/v1/responses/input_tokens", methods=["POST"],
                   name="responses_input_tokens", ctx_dialect=dialect)
     app.add_route(compact, "/v1/responses/compact", methods=["POST"],

@@ -1,0 +1,149 @@
+"""Background responses (``background: true``) while they run, and the events a streamed
+one leaves: what ``GET /v1/responses/{id}``, its ``?stream=true`` and the cancel route read
+(:mod:`afmd.http.routes.background_runs` runs them).
+
+A streamed background response's events are kept as written, one encoded SSE event each,
+so that the list's index is the event's ``sequence_number`` and a client resumes after
+any of them. They are kept while the response runs and then for as long as its response
+stays in the store (:attr:`afmd.dialects.responses.store.ResponseStore.on_remove` drops
+them with it): a few per output item and one per delta written, so they grow with the
+response's output, which ``max_output_tokens`` bounds, as the response itself does. A
+non-streamed background response keeps none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Callable, Coroutine
+from typing import Any
+
+from afmd.dialects.responses.responses_api import ResponsesReply
+from afmd.errors import APIError
+from afmd.logs import get_logger
+
+__all__ = ["BackgroundRun", "BackgroundRuns"]
+
+log = get_logger("afmd.responses")
+
+
+class BackgroundRun:
+    """One background response from its POST to its end: its task, its reply (which
+    stores it) and, streamed, its events so far."""
+
+    __slots__ = ("_changed", "_pending", "answered", "ended", "events", "final", "refused",
+                 "reply", "request_id", "status", "streamed", "task")
+
+    def __init__(self, reply: ResponsesReply, request_id: str, opening: list[bytes],
+                 *, streamed: bool) -> None:
+        self.reply = reply
+        self.request_id = request_id  # the pipeline's id for the run (its X-Request-ID)
+        self.streamed = streamed
+        # response.created now; response.in_progress once the run holds a slot.
+        self.events: list[bytes] = opening[:1]
+        self._pending = opening[1:]
+        self.status = "queued"
+        self.final: dict[str, Any] | None = None
+        #: Set once the POST has answered: a failure from then on is the response's.
+        self.answered = False
+        #: A refusal before the run could queue (the queue's 429): the POST's own answer.
+        self.refused: APIError | None = None
+        self.ended = asyncio.Event()
+        self._changed = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def id(self) -> str:
+        return self.reply.id
+
+    def current(self) -> dict[str, Any]:
+        """The response as ``GET`` shows it now."""
+        return self.final if self.final is not None else self.reply.current(self.status)
+
+    def started(self) -> None:
+        """The run holds its slot: ``in_progress``."""
+        self.status = "in_progress"
+        self.publish(self._pending)
+        self._pending = []
+
+    def publish(self, events: list[bytes]) -> None:
+        if events:
+            self.events.extend(events)
+            self._wake()
+
+    def finish(self, final: dict[str, Any], events: list[bytes]) -> None:
+        """The response's end, as stored, and its last events."""
+        self.final = final
+        self.status = final["status"]
+        self.publish(events)
+
+    def close(self) -> None:
+        """Nothing more will be written: followers end."""
+        self.ended.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, after: int) -> AsyncGenerator[bytes, None]:
+        """The events after sequence number ``after``, then each as it is written, to the
+        run's end."""
+        next_event = max(after + 1, 0)
+        while True:
+            if next_event < len(self.events):
+                chunk = b"".join(self.events[next_event:])
+                next_event = len(self.events)
+                yield chunk
+                continue
+            if self.ended.is_set():
+                return
+            await self._changed.wait()
+
+
+class BackgroundRuns:
+    """The server's background responses: those running (their tasks held here, as asyncio
+    keeps only a weak reference to a task), and the events of the streamed ones that
+    ended, until their response leaves the store."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, BackgroundRun] = {}
+        self._events: dict[str, list[bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def running(self, response_id: str) -> BackgroundRun | None:
+        return self._running.get(response_id)
+
+    def events(self, response_id: str) -> list[bytes] | None:
+        """A finished streamed background response's events (None: none are kept)."""
+        return self._events.get(response_id)
+
+    def forget(self, response_id: str) -> None:
+        """The response left the store: its events go with it."""
+        self._events.pop(response_id, None)
+
+    def add(self, bg: BackgroundRun, work: Coroutine[Any, Any, None],
+            stored: Callable[[str], bool]) -> None:
+        """Run ``work`` as ``bg``'s task; once it ends, a streamed response's events stay
+        while ``stored`` says its response is in the store."""
+        task = asyncio.get_running_loop().create_task(work, name=f"background {bg.id}")
+        bg.task = task
+        self._running[bg.id] = bg
+
+        def ended(done: asyncio.Task[None]) -> None:
+            self._running.pop(bg.id, None)
+            if bg.streamed and bg.refused is None and stored(bg.id):
+                self._events[bg.id] = bg.events
+            if not done.cancelled() and done.exception() is not None:
+                log.error("background response task failed", id=bg.id,
+                          error=repr(done.exception()))
+
+        task.add_done_callback(ended)
+
+    async def wait(self, deadline: float) -> None:
+        """Until every run has ended or ``deadline`` (a :func:`time.monotonic` reading)."""
+        tasks = {bg.task for bg in self._running.values() if bg.task is not None}
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(deadline - time.monotonic(), 0.0))
