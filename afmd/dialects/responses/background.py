@@ -7,14 +7,19 @@ so that the list's index is the event's ``sequence_number`` and a client resumes
 any of them. They are kept while the response runs and then for as long as its response
 stays in the store (:attr:`afmd.dialects.responses.store.ResponseStore.on_remove` drops
 them with it): a few per output item and one per delta written, so they grow with the
-response's output, which ``max_output_tokens`` bounds, as the response itself does. A
-non-streamed background response keeps none.
+response's output, which ``max_output_tokens`` bounds, as the response itself does. An
+event repeats far more than the text it adds (its envelope, the ids, the response whole
+at the start and the end), so the finished responses' events are held together to a bound
+of their own, ``[responses] max_stored_bytes`` again, the oldest dropped first: such a
+response can still be fetched, not streamed again. A non-streamed background response
+keeps none.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
@@ -106,9 +111,12 @@ class BackgroundRuns:
     keeps only a weak reference to a task), and the events of the streamed ones that
     ended, until their response leaves the store."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_event_bytes: int = 0) -> None:
         self._running: dict[str, BackgroundRun] = {}
-        self._events: dict[str, list[bytes]] = {}
+        self._events: OrderedDict[str, list[bytes]] = OrderedDict()  # oldest first
+        self._sizes: dict[str, int] = {}
+        self.max_event_bytes = max_event_bytes  # 0: no bound
+        self.event_bytes = 0  # what the finished responses' kept events come to
 
     def __len__(self) -> int:
         return len(self._running)
@@ -122,7 +130,18 @@ class BackgroundRuns:
 
     def forget(self, response_id: str) -> None:
         """The response left the store: its events go with it."""
-        self._events.pop(response_id, None)
+        if self._events.pop(response_id, None) is not None:
+            self.event_bytes -= self._sizes.pop(response_id)
+
+    def _keep(self, response_id: str, events: list[bytes]) -> None:
+        size = sum(map(len, events))
+        if self.max_event_bytes and size > self.max_event_bytes:
+            return
+        self._events[response_id] = events
+        self._sizes[response_id] = size
+        self.event_bytes += size
+        while self.max_event_bytes and self.event_bytes > self.max_event_bytes:
+            self.forget(next(iter(self._events)))
 
     def add(self, bg: BackgroundRun, work: Coroutine[Any, Any, None],
             stored: Callable[[str], bool]) -> None:
@@ -135,7 +154,7 @@ class BackgroundRuns:
         def ended(done: asyncio.Task[None]) -> None:
             self._running.pop(bg.id, None)
             if bg.streamed and bg.refused is None and stored(bg.id):
-                self._events[bg.id] = bg.events
+                self._keep(bg.id, bg.events)
             if not done.cancelled() and done.exception() is not None:
                 log.error("background response task failed", id=bg.id,
                           error=repr(done.exception()))

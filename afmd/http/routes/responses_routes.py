@@ -91,8 +91,9 @@ async def retrieve(request: Request, response_id: str) -> HTTPResponse | None:
     if events is None:
         raise InvalidRequestError(
             f"Response {quoted(response_id)} cannot be streamed: only a background response "
-            "created with 'stream': true can, while it is stored (its events are not kept "
-            "across a restart).", param="stream")
+            "created with 'stream': true can, while it is stored and its events are kept "
+            "(they are not kept across a restart, and the oldest go past "
+            "max_stored_bytes); fetch it without 'stream'.", param="stream")
     await background_runs.follow(request, background_runs.replay(events, after), headers)
     return None
 
@@ -184,7 +185,9 @@ def add_routes(app: Sanic, config: Config) -> OpenAIResponses:
                               truncation="auto" if config.context.policy == "trim"
                               else "disabled")
     # A background stream's events leave with its response.
-    dialect.store.on_remove = app.ctx.state.background.forget
+    runs = app.ctx.state.background
+    runs.max_event_bytes = settings.max_stored_bytes
+    dialect.store.on_remove = runs.forget
     for path, name in (("/v1/responses", "responses"), ("/responses", "responses_root")):
         app.add_route(create, path, methods=["POST"], name=name, ctx_dialect=dialect)
     app.add_route(input_tokens, "/v1/responses/input_tokens", methods=["POST"],
