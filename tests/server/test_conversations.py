@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from afmd.config.bounds import ConfigError
