@@ -242,6 +242,7 @@ def test_bad_item_requests_are_400_and_unknown_ids_404(client: Any,
          "items[0].content"),
         ("GET", base + "/items?limit=0", None, "limit"),
         ("GET", base + "/items?limit=101", None, "limit"),
+        ("GET", base + "/items?limit=" + "9" * 5000, None, "limit"),  # int() refuses it
         ("GET", base + "/items?order=sideways", None, "order"),
         ("GET", base + "/items?after=msg_nope", None, "after"),
         ("GET", base + "/items?include[]=everything", None, "include[0]"),
@@ -301,6 +302,35 @@ def test_the_byte_bound_evicts_others_and_refuses_what_cannot_fit() -> None:
     assert refused.value.param == "items" and len(made[3].items) == 1
     store.append_turn(made[3].id, items("y" * bound))  # logged, not added
     assert len(made[3].items) == 1 and store.get(made[3].id) is made[3]
+
+
+def test_metadata_that_would_not_fit_is_refused_and_the_conversation_stays() -> None:
+    store = ConversationStore(max_count=10, ttl=0, max_bytes=2000)
+    made = store.create({}, items("x" * 1500))
+    with pytest.raises(ConversationTooLarge) as refused:
+        store.set_metadata(made, {f"k{n}": "v" * 100 for n in range(16)})
+    assert refused.value.param == "metadata" and made.metadata == {}
+    assert store.get(made.id) is made
+    store.set_metadata(made, {"k": "v"})  # a small change still fits
+    assert store.get(made.id) is made and made.metadata == {"k": "v"}
+
+
+def test_a_change_let_in_at_the_very_bound_never_evicts_that_conversation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its time of change is counted at its old length when it is let in; a longer one
+    then must not make the store push out the conversation just changed."""
+    now = [1000.0]
+    monkeypatch.setattr(conversation_store.time, "time", lambda: now[0])
+    probe = ConversationStore(10, 0).create({}, items("a"))
+    added = items("b")
+    exact = len(probe.to_json()) + len(orjson.dumps(added[0])) + 1  # what _fit counts
+    store = ConversationStore(max_count=10, ttl=0, max_bytes=exact)
+    other = store.create({}, [])
+    made = store.create({}, items("a"))
+    now[0] = 1000.123456789
+    store.add(made, added)  # fits by _fit's count, a few bytes over once stored
+    assert store.get(made.id) is made and len(made.items) == 2
+    assert store.get(other.id) is None  # the others still leave for it
 
 
 def test_a_failed_or_cancelled_turn_adds_nothing() -> None:

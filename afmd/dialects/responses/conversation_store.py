@@ -126,6 +126,9 @@ class ConversationStore:
         return conversation
 
     def set_metadata(self, conversation: Conversation, metadata: dict[str, str]) -> None:
+        """Replace its metadata; :class:`ConversationTooLarge` (at ``metadata``) where the
+        conversation would no longer fit."""
+        self._fit(conversation, (), metadata)
         conversation.metadata = metadata
         self._changed(conversation)
 
@@ -167,16 +170,24 @@ class ConversationStore:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
 
-    def _fit(self, conversation: Conversation, items: Sequence[Item]) -> None:
+    def _fit(self, conversation: Conversation, items: Sequence[Item],
+             metadata: dict[str, str] | None = None) -> None:
+        """Refuse a change (``items`` added, or ``metadata`` in place of its own) after
+        which the conversation alone would exceed the byte bound: kept, it would push out
+        every other conversation and then itself."""
         if not self.max_bytes:
             return
         size = len(conversation.to_json()) + sum(len(orjson.dumps(i)) + 1 for i in items)
+        if metadata is not None:
+            size += len(orjson.dumps(metadata)) - len(orjson.dumps(conversation.metadata))
         if size > self.max_bytes:
+            what = "these items" if metadata is None else "this metadata"
             raise ConversationTooLarge(
-                f"The conversation would hold {size} bytes with these items, more than the "
+                f"The conversation would hold {size} bytes with {what}, more than the "
                 f"server keeps for all conversations together ({self.max_bytes}, [responses] "
                 "max_conversations_bytes); start a new conversation.",
-                code="conversation_too_large", param="items")
+                code="conversation_too_large",
+                param="items" if metadata is None else "metadata")
 
     def _changed(self, conversation: Conversation) -> None:
         conversation.updated = time.time()
@@ -190,7 +201,7 @@ class ConversationStore:
         if self._writer is not None:
             self._writer.submit(self._write_file, key, data)
         self._expire()
-        self._bound()
+        self._bound(spare=key)
 
     def _expire(self) -> None:
         if self.ttl <= 0:
@@ -202,14 +213,19 @@ class ConversationStore:
                 break
             self._remove(oldest)
 
-    def _bound(self) -> None:
+    def _bound(self, spare: str | None = None) -> None:
         """The least recently changed out until both the count and the bytes are within
-        bounds (the one just changed fits alone: :meth:`_fit`)."""
+        bounds, never ``spare``: the conversation just changed, which the request that
+        changed it was told is there. :meth:`_fit` let it in alone, but counts its time of
+        change at its old length (a float's shortest form varies by a few digits)."""
         while self._entries and (
             len(self._entries) > self.max_count
             or (self.max_bytes and self.bytes > self.max_bytes)
         ):
-            self._remove(next(iter(self._entries)))
+            oldest = next(iter(self._entries))
+            if oldest == spare:
+                break
+            self._remove(oldest)
 
     def _remove(self, conversation_id: str) -> None:
         del self._entries[conversation_id]
