@@ -148,8 +148,11 @@ def test_only_a_streamed_background_response_streams_again(one_slot) -> None:
         answer = httpx.get(f"{one_slot.url}/v1/responses/{response_id}?stream=true")
         assert answer.status_code == 400, answer.text
         assert answer.json()["error"]["param"] == "stream"
-    bad = httpx.get(f"{one_slot.url}/v1/responses/{made.id}?stream=true&starting_after=x")
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "starting_after"
+    for after in ("x", "-2", "+1", " 1", "1_0", "\u0663", "9" * 5000):
+        bad = httpx.get(f"{one_slot.url}/v1/responses/{made.id}",
+                        params={"stream": "true", "starting_after": after})
+        assert bad.status_code == 400, (after, bad.text)
+        assert bad.json()["error"]["param"] == "starting_after"
 
 
 # -- cancel, delete, the queue ---------------------------------------------------------------

@@ -242,13 +242,12 @@ def starting_after(request: Request) -> int:
     raw = request.args.get("starting_after")
     if raw is None or raw == "":
         return -1
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -2
-    if value < -1:
+    # ASCII digits only: int() would also take "+1", " 1", "1_0" and other scripts' digits,
+    # and refuse thousands of digits with an error of its own.
+    digits = raw.removeprefix("-")
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 18) or int(raw) < -1:
         raise InvalidRequestError(
             "Invalid 'starting_after': expected a sequence number (an integer, 0 or more).",
             code="invalid_value", param="starting_after")
-    return value
+    return int(raw)
 
