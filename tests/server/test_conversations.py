@@ -117,6 +117,17 @@ def test_items_are_paged_added_retrieved_and_deleted(client: Any) -> None:
     assert len(with_include.data) == 6
 
 
+def test_an_item_with_an_id_of_the_clients_own_is_found_by_it(client: Any) -> None:
+    """The SDK percent-encodes the id in the path; the server looks up what it encodes."""
+    own = ["x y", "caf\u00e9", "a/b", "a%2Fb", "a?b#c"]
+    made = client.conversations.create(items=[{**message(n), "id": n} for n in own])
+    for item_id in own:
+        found = client.conversations.items.retrieve(item_id, conversation_id=made.id)
+        assert found.id == item_id
+    client.conversations.items.delete("a/b", conversation_id=made.id)
+    assert [i.id for i in all_items(client, made.id)] == ["x y", "caf\u00e9", "a%2Fb", "a?b#c"]
+
+
 # -- turns ----------------------------------------------------------------------------------
 
 

@@ -8,6 +8,8 @@ from the path is only looked up in memory.
 
 from __future__ import annotations
 
+from urllib.parse import unquote
+
 from sanic import Request, Sanic
 from sanic.response import HTTPResponse
 
@@ -33,7 +35,15 @@ def _strict(request: Request) -> bool:
     return bool(request.app.ctx.state.config.api.strict)
 
 
+def _path_id(raw: str) -> str:
+    """An id from the path as the client meant it: Sanic hands a path parameter over
+    still percent-encoded, and the SDK encodes every character outside a path segment's
+    own (an item's id is the client's choice: a space, a slash, any letter)."""
+    return unquote(raw)
+
+
 def _conversation(request: Request, conversation_id: str) -> Conversation:
+    conversation_id = _path_id(conversation_id)
     found = _dialect(request).conversations.get(conversation_id)
     if found is None:
         raise NotFoundError(
@@ -44,6 +54,7 @@ def _conversation(request: Request, conversation_id: str) -> Conversation:
 
 
 def _item_index(conversation: Conversation, item_id: str) -> int:
+    item_id = _path_id(item_id)
     index = conversation.find(item_id)
     if index is None:
         raise NotFoundError(
