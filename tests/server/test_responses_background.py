@@ -7,16 +7,19 @@ failed), and a persisted unfinished one read back after a restart."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import openai
 import pytest
 
+from afmd.dialects.responses.background import KEEPALIVE, BackgroundRun
+from afmd.dialects.responses.responses_api import ResponsesReply
 from afmd.dialects.responses.store import ResponseStore, Stored
 
 from conftest import ServerProcess, start_server
@@ -295,3 +298,25 @@ def test_a_streamed_background_response_keeps_its_profile_event(one_slot) -> Non
     response_id = text.split('"id":"', 1)[1].split('"', 1)[0]
     replayed = httpx.get(f"{one_slot.url}/v1/responses/{response_id}?stream=true", timeout=30)
     assert replayed.text == text  # every event kept, in order, the profile's included
+
+
+def test_a_quiet_follower_is_kept_alive_until_the_run_ends() -> None:
+    """A follower whose run writes nothing for a while (queued behind others) is sent a
+    comment, as the server cuts a response that writes nothing for request_timeout and a
+    margin; the events around it are as written."""
+    async def follow() -> list[bytes]:
+        reply = cast(ResponsesReply, None)  # follow() reads only the events
+        run = BackgroundRun(reply, "req", [b"created", b"in_progress"], streamed=True)
+        got: list[bytes] = []
+        async for chunk in run.follow(-1, quiet=0.01):
+            got.append(chunk)
+            if chunk == KEEPALIVE and b"in_progress" not in got:
+                run.started()
+            elif chunk == b"in_progress":
+                run.finish({"status": "completed"}, [b"completed"])
+                run.close()
+        return got
+
+    got = asyncio.run(follow())
+    assert got[0] == b"created" and got[1] == KEEPALIVE and got[-1] == b"completed"
+    assert [c for c in got if c != KEEPALIVE] == [b"created", b"in_progress", b"completed"]

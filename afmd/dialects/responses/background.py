@@ -27,9 +27,18 @@ from afmd.dialects.responses.responses_api import ResponsesReply
 from afmd.errors import APIError
 from afmd.logs import get_logger
 
-__all__ = ["BackgroundRun", "BackgroundRuns"]
+__all__ = ["KEEPALIVE", "BackgroundRun", "BackgroundRuns"]
 
 log = get_logger("afmd.responses")
+
+#: How long a follower's stream may stay quiet (its run queued behind others, a long
+#: prefill) before a comment shows the connection is alive: the server cuts a response
+#: that writes nothing for ``request_timeout`` and a margin, and a background run may take
+#: its far longer ``background_timeout``.
+KEEPALIVE_SECONDS = 15.0
+#: An SSE comment: readers skip it (the SDK's among them), and as no event it leaves the
+#: sequence numbers the events' indexes.
+KEEPALIVE = b": keep-alive\n\n"
 
 
 class BackgroundRun:
@@ -91,9 +100,10 @@ class BackgroundRun:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def follow(self, after: int) -> AsyncGenerator[bytes, None]:
+    async def follow(self, after: int, quiet: float = KEEPALIVE_SECONDS
+                     ) -> AsyncGenerator[bytes, None]:
         """The events after sequence number ``after``, then each as it is written, to the
-        run's end."""
+        run's end; :data:`KEEPALIVE` after every ``quiet`` seconds without one."""
         next_event = max(after + 1, 0)
         while True:
             if next_event < len(self.events):
@@ -103,7 +113,11 @@ class BackgroundRun:
                 continue
             if self.ended.is_set():
                 return
-            await self._changed.wait()
+            try:
+                async with asyncio.timeout(quiet):
+                    await self._changed.wait()
+            except TimeoutError:
+                yield KEEPALIVE
 
 
 class BackgroundRuns:
