@@ -368,6 +368,22 @@ def test_a_failed_or_cancelled_turn_adds_nothing() -> None:
     assert made.items[2]["content"][0]["text"] == "Hello"
 
 
+def test_a_stored_time_still_to_come_does_not_hold_back_the_ttl(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file written under a clock since set back (or edited) reads back as of now: the
+    store expires from its front, and that one would hold every later one past its ttl."""
+    now = [1000.0]
+    monkeypatch.setattr(conversation_store.time, "time", lambda: now[0])
+    ahead = ConversationStore(max_count=10, ttl=0).create({}, items("Hi"))
+    ahead.updated = 1e12
+    (tmp_path / f"{ahead.id}.json").write_bytes(ahead.to_json())
+    store = ConversationStore(max_count=10, ttl=60, folder=tmp_path)
+    later = store.create({}, items("Later"))
+    now[0] = 1061.0
+    assert store.get(later.id) is None and store.get(ahead.id) is None
+    store.close()
+
+
 def test_a_persisted_store_skips_what_it_cannot_read(tmp_path: Path) -> None:
     store = ConversationStore(max_count=10, ttl=0, folder=tmp_path)
     kept = store.create({"a": "b"}, items("Hi"))

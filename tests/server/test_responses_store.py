@@ -64,6 +64,21 @@ def test_store_forgets_after_ttl(monkeypatch: pytest.MonkeyPatch) -> None:
     assert store.get("resp_new") is not None
 
 
+def test_a_stored_time_still_to_come_does_not_hold_back_the_ttl(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file written under a clock since set back (or edited) reads back as of now: the
+    store expires from its front, and that one would hold every later one past its ttl."""
+    now = [1000.0]
+    monkeypatch.setattr(responses_store.time, "time", lambda: now[0])
+    (tmp_path / "resp_0.json").write_bytes(stored(0, 1e12).to_json())
+    store = ResponseStore(max_stored=10, ttl=60, folder=tmp_path)
+    assert store.get("resp_0") is not None  # read back
+    store.put("resp_1", stored(1, 1000.0))
+    now[0] = 1061.0
+    assert store.get("resp_1") is None and store.get("resp_0") is None
+    store.close()
+
+
 def test_store_persists_and_reloads(tmp_path: Path) -> None:
     store = ResponseStore(max_stored=2, ttl=0, folder=tmp_path)
     for n in range(3):

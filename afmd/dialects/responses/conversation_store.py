@@ -268,6 +268,12 @@ class ConversationStore:
                 found.append((conversation, len(data)))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("stored conversation unreadable", path=str(path), error=str(exc))
+        # A time still to come (a clock set back since, an edited file) is taken as now:
+        # the store expires from its front, so one such would hold every later
+        # conversation behind it past its ttl.
+        now = time.time()
+        for conversation, _ in found:
+            conversation.updated = min(conversation.updated, now)
         found.sort(key=lambda entry: entry[0].updated)
         for conversation, size in found:
             self._entries[conversation.id] = conversation

@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -289,6 +289,12 @@ class ResponseStore:
                 found.append((path.stem, stored, len(data)))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("stored response unreadable", path=str(path), error=str(exc))
+        # A time still to come (a clock set back since, an edited file) is taken as now:
+        # the store expires from its front, so one such would hold every later response
+        # behind it past its ttl.
+        now = time.time()
+        found = [(rid, stored if stored.created <= now else replace(stored, created=now), size)
+                 for rid, stored, size in found]
         found.sort(key=lambda entry: entry[1].created)
         for response_id, stored, size in found:
             self._add(response_id, stored, size)
