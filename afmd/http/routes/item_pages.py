@@ -17,7 +17,7 @@ def _limit(request: Request) -> int:
     if raw is None:
         return 20
     # The length first: int() refuses a string of thousands of digits with a ValueError.
-    if not (raw.isascii() and raw.isdigit() and len(raw) <= 3) or not 1 <= int(raw) <= 100:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 18) or not 1 <= int(raw) <= 100:
         raise InvalidRequestError(
             f"Invalid 'limit': '{raw[:20]}'; expected an integer from 1 to 100.", param="limit")
     return int(raw)
