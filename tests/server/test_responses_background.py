@@ -283,6 +283,7 @@ def test_background_timeout_bounds_it_in_place_of_request_timeout(tmp_path: Path
         server.stop()
     assert failed.status == "failed" and failed.error is not None
     assert "did not complete" in failed.error.message
+    assert "background_timeout" in failed.error.message  # the setting that bounded it
     assert failed.output  # what it had written by then
 
 

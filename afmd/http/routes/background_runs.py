@@ -29,7 +29,7 @@ from afmd.core.events import Usage
 from afmd.dialects.responses.background import BackgroundRun, BackgroundRuns
 from afmd.dialects.responses.responses_api import OpenAIResponses
 from afmd.dialects.responses.responses_body import ResponsesRequest
-from afmd.errors import APIError, InvalidRequestError, ServerError
+from afmd.errors import APIError, GatewayTimeoutError, InvalidRequestError, ServerError
 from afmd.http.access import log_access, log_request
 from afmd.http.app_state import AppState
 from afmd.http.routes.handlers import (
@@ -91,6 +91,8 @@ async def _drive(state: AppState, bg: BackgroundRun, prepared: PreparedChat | Pr
         finally:
             pipeline.release(run)
     except APIError as exc:
+        if isinstance(exc, GatewayTimeoutError):
+            exc = _past_deadline()
         error = exc.code
         bg.finish(*bg.reply.error_events(exc))
     except asyncio.CancelledError:
@@ -111,6 +113,14 @@ async def _drive(state: AppState, bg: BackgroundRun, prepared: PreparedChat | Pr
         if bg.refused is None:
             _log_end(state, path, bg, run, received, error)
         bg.close()
+
+
+def _past_deadline() -> GatewayTimeoutError:
+    """The run's deadline passed, queued or generating: the pipeline's 504 names
+    ``request_timeout``, which a background response is not held to."""
+    return GatewayTimeoutError(
+        "The background response did not complete within the server's background_timeout "
+        "([responses] background_timeout).", code="timeout")
 
 
 def _log_end(state: AppState, path: str, bg: BackgroundRun, run: AnyRun | None,
