@@ -18,8 +18,10 @@ import httpx
 import openai
 import pytest
 
+from afmd.core.events import Content, Finish, Usage
 from afmd.dialects.responses.background import KEEPALIVE, BackgroundRun
-from afmd.dialects.responses.responses_api import ResponsesReply
+from afmd.dialects.responses.conversation_store import ConversationStore
+from afmd.dialects.responses.responses_api import OpenAIResponses, ResponsesReply
 from afmd.dialects.responses.store import ResponseStore, Stored
 
 from conftest import ServerProcess, start_server
@@ -321,3 +323,18 @@ def test_a_quiet_follower_is_kept_alive_until_the_run_ends() -> None:
     got = asyncio.run(follow())
     assert got[0] == b"created" and got[1] == KEEPALIVE and got[-1] == b"completed"
     assert [c for c in got if c != KEEPALIVE] == [b"created", b"in_progress", b"completed"]
+
+
+def test_a_run_that_ends_after_its_delete_answered_is_not_stored_again() -> None:
+    """The delete waits for the cancelled run's end only so long; a later end stores
+    nothing, or the deleted response would be back."""
+    dialect = OpenAIResponses(ResponseStore(10, 0), ConversationStore(10, 0))
+    body = b'{"model": "demo", "input": "Hi", "background": true}'
+    reply = dialect.reply(dialect.parse(body), model="demo", fingerprint="")
+    queued, _ = reply.queued()
+    reply.keep(queued)
+    assert dialect.store.delete(reply.id)
+    reply.deleted()
+    reply.stream_events([Content("late"), Finish("cancelled"), Usage(3, 1)])
+    final, _ = reply.end_events()
+    assert final["status"] == "cancelled" and dialect.store.get(reply.id) is None

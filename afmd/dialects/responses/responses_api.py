@@ -71,7 +71,7 @@ _TURN_ENDED = frozenset({"completed", "incomplete"})
 class ResponsesReply:
     """One response, whole or streamed; stored at its end when the request says so."""
 
-    __slots__ = ("_builder", "_conversations", "_request", "_saved", "_store")
+    __slots__ = ("_builder", "_conversations", "_deleted", "_request", "_saved", "_store")
 
     def __init__(self, request: ResponsesRequest, *, model: str, store: ResponseStore,
                  conversations: ConversationStore) -> None:
@@ -80,6 +80,7 @@ class ResponsesReply:
         self._conversations = conversations
         self._builder = ResponseBuilder(request.echo, model=model, stream=request.stream)
         self._saved = False  # the response reached its end (or its failure) here
+        self._deleted = False  # deleted while it ran: whatever comes later is not stored
 
     @property
     def id(self) -> str:
@@ -141,6 +142,11 @@ class ResponsesReply:
         response = self._save(self._builder.fail(error, param_of(error)))
         return response, self._builder.take_events()
 
+    def deleted(self) -> None:
+        """The response was deleted while its run went on: an end that comes after the
+        delete answered must not store it again."""
+        self._deleted = True
+
     def stream_abandoned(self) -> None:
         """Stored as ``cancelled`` with what it had written: the client was told its id in
         ``response.created``, and fetching it, or continuing from it, must find it (its run
@@ -159,7 +165,7 @@ class ResponsesReply:
 
     def _put(self, response: dict[str, Any]) -> None:
         echo = self._request.echo
-        if echo.store:
+        if echo.store and not self._deleted:
             conversation = (*echo.history, *echo.input_items, *self._builder.output)
             self._store.put(response["id"], Stored(response, echo.input_items, conversation,
                                                    time.time()))

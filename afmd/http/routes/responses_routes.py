@@ -104,6 +104,9 @@ async def delete(request: Request, response_id: str) -> HTTPResponse:
     live = request.app.ctx.state.background.running(response_id)
     if live is not None:
         await background_runs.cancel(live, request.app.ctx.state.pipeline)
+        # The cancel waits for the run's end only so long: one later must not store it
+        # again once this delete has answered.
+        live.reply.deleted()
     if not _dialect(request).store.delete(response_id):
         raise _not_found(response_id)
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
