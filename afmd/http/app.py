@@ -149,32 +149,35 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
     app.ctx.state = state
 
     # A turn's route names its dialect: the adapter that parses its bodies, encodes its
-    # answers and renders its errors.
+    # answers and renders its errors. Every route with a parameter in its path is
+    # registered with ``unquote``: Sanic hands a parameter over still percent-encoded, and
+    # the SDKs encode the ids they put in a path (a model's ``org/name`` came as
+    # ``org%2Fname``, and was not found).
     app.add_route(routes.turn, "/v1/chat/completions", methods=["POST"],
                   name="chat_completions", ctx_dialect=OPENAI_CHAT)
     app.add_route(routes.turn, "/chat/completions", methods=["POST"],
                   name="chat_completions_root", ctx_dialect=OPENAI_CHAT)
     app.add_route(routes.cancel, "/v1/chat/completions/<request_id:str>/cancel",
-                  methods=["POST"], name="cancel")
+                  methods=["POST"], name="cancel", unquote=True)
     app.add_route(routes.turn, "/v1/completions", methods=["POST"],
                   name="completions", ctx_dialect=OPENAI_COMPLETIONS)
     app.add_route(routes.turn, "/completions", methods=["POST"],
                   name="completions_root", ctx_dialect=OPENAI_COMPLETIONS)
     app.add_route(routes.cancel, "/v1/completions/<request_id:str>/cancel",
-                  methods=["POST"], name="completions_cancel")
+                  methods=["POST"], name="completions_cancel", unquote=True)
     app.add_route(embeddings.embeddings, "/v1/embeddings", methods=["POST"],
                   name="embeddings", ctx_dialect=OPENAI_EMBEDDINGS)
     app.add_route(embeddings.embeddings, "/embeddings", methods=["POST"],
                   name="embeddings_root", ctx_dialect=OPENAI_EMBEDDINGS)
     app.add_route(embeddings.cancel, "/v1/embeddings/<request_id:str>/cancel",
-                  methods=["POST"], name="embeddings_cancel")
+                  methods=["POST"], name="embeddings_cancel", unquote=True)
     conversation_routes.add_routes(app, responses.add_routes(app, state.config))
     messages.add_routes(app)
     ollama.add_routes(app)
     for route in STATE_ROUTES:
         app.add_route(route.handler, route.path, methods=["GET"], name=route.name)
     app.add_route(get_model, "/v1/models/<model_id:path>", methods=["GET"],
-                  name="model")
+                  name="model", unquote=True)
     app.add_route(metrics, "/metrics", methods=["GET"], name="metrics")
     cache_routes.add_routes(app)
     app.add_route(_root, "/", methods=["GET", "HEAD"], name="root")

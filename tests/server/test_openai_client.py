@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
+import openai
 
-from conftest import parse_sse
+from conftest import parse_sse, start_server
 from helpers.openai_schemas import validate_chunk, validate_models, validate_response
 from helpers.smoke import MESSAGES, check_completion
 
@@ -148,6 +150,44 @@ def test_models_endpoints(client, http) -> None:
     missing = http.get("/v1/models/nope")
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_ids_in_a_path_are_read_as_the_client_encoded_them(tmp_path: Path) -> None:
+    """The SDK percent-encodes an id it puts in a path: a Hugging Face repo id's slash, a
+    space, an X-Request-ID's colon. Sanic hands path parameters over still encoded, so
+    ``models.retrieve("org/name")`` was a 404 naming ``org%2Fname``."""
+    server = start_server(tmp_path, config='[models.aliases]\n"mlx-community/A model" = "demo"\n')
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        assert client.models.retrieve("mlx-community/A model").id == "mlx-community/A model"
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            assert http.get("/v1/models/mlx-community%2FA%20model").status_code == 200
+            done: dict[str, str] = {}
+
+            def long_stream() -> None:
+                with httpx.Client(base_url=server.url, timeout=60) as c:
+                    body = {"messages": MESSAGES, "max_tokens": 4000, "stream": True,
+                            "logit_bias": {"5": 100}}
+                    with c.stream("POST", "/v1/chat/completions", json=body,
+                                  headers={"X-Request-ID": "run:1"}) as r:
+                        done["text"] = r.read().decode()
+
+            thread = threading.Thread(target=long_stream)
+            thread.start()
+            try:
+                deadline = time.monotonic() + 30
+                while http.get("/health").json()["active_requests"] < 1:
+                    assert time.monotonic() < deadline, "the stream never started"
+                    time.sleep(0.02)
+                cancelled = http.post("/v1/chat/completions/run%3A1/cancel")
+                assert cancelled.status_code == 200, cancelled.text
+                assert cancelled.json() == {"id": "run:1", "cancelled": True,
+                                            "object": "chat.completion.cancellation"}
+            finally:
+                thread.join(60)
+            assert '"finish_reason":"cancelled"' in done["text"].replace(" ", "")
+    finally:
+        server.stop()
 
 
 def test_health_answers_during_long_generation(server, http) -> None:

@@ -22,7 +22,8 @@ def add_routes(app: Sanic) -> None:
     app.add_route(count_tokens, "/v1/messages/count_tokens", methods=["POST"],
                   name="messages_count_tokens", ctx_dialect=ANTHROPIC_MESSAGES)
     app.add_route(cancel, "/v1/messages/<request_id:str>/cancel", methods=["POST"],
-                  name="messages_cancel", ctx_dialect=ANTHROPIC_MESSAGES)
+                  name="messages_cancel", ctx_dialect=ANTHROPIC_MESSAGES,
+                  unquote=True)
 
 
 async def count_tokens(request: Request) -> HTTPResponse:

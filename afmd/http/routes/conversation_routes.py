@@ -8,8 +8,6 @@ from the path is only looked up in memory.
 
 from __future__ import annotations
 
-from urllib.parse import unquote
-
 from sanic import Request, Sanic
 from sanic.response import HTTPResponse
 
@@ -35,15 +33,7 @@ def _strict(request: Request) -> bool:
     return bool(request.app.ctx.state.config.api.strict)
 
 
-def _path_id(raw: str) -> str:
-    """An id from the path as the client meant it: Sanic hands a path parameter over
-    still percent-encoded, and the SDK encodes every character outside a path segment's
-    own (an item's id is the client's choice: a space, a slash, any letter)."""
-    return unquote(raw)
-
-
 def _conversation(request: Request, conversation_id: str) -> Conversation:
-    conversation_id = _path_id(conversation_id)
     found = _dialect(request).conversations.get(conversation_id)
     if found is None:
         raise NotFoundError(
@@ -54,7 +44,6 @@ def _conversation(request: Request, conversation_id: str) -> Conversation:
 
 
 def _item_index(conversation: Conversation, item_id: str) -> int:
-    item_id = _path_id(item_id)
     index = conversation.find(item_id)
     if index is None:
         raise NotFoundError(
@@ -130,8 +119,10 @@ def add_routes(app: Sanic, dialect: OpenAIResponses) -> None:
                   name="conversations", ctx_dialect=dialect)
     app.add_route(conversation, "/v1/conversations/<conversation_id:str>",
                   methods=["GET", "POST", "DELETE"], name="conversation",
-                  ctx_dialect=dialect)
+                  ctx_dialect=dialect, unquote=True)
     app.add_route(items, "/v1/conversations/<conversation_id:str>/items",
-                  methods=["GET", "POST"], name="conversation_items", ctx_dialect=dialect)
+                  methods=["GET", "POST"], name="conversation_items", ctx_dialect=dialect,
+                  unquote=True)
     app.add_route(item, "/v1/conversations/<conversation_id:str>/items/<item_id:str>",
-                  methods=["GET", "DELETE"], name="conversation_item", ctx_dialect=dialect)
+                  methods=["GET", "DELETE"], name="conversation_item", ctx_dialect=dialect,
+                  unquote=True)

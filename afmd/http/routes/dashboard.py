@@ -70,7 +70,8 @@ def add_routes(app: Sanic, state: AppState) -> None:
     app.add_route(_to_page, "/ui", methods=["GET"], name="ui_redirect", strict_slashes=True)
     app.add_route(_page, PAGE_PATH, methods=["GET"], name="ui", strict_slashes=True)
     app.add_route(_auth, "/ui/auth", methods=["GET"], name="ui_auth")
-    app.add_route(_asset, "/ui/<name:str>", methods=["GET"], name="ui_asset")
+    app.add_route(_asset, "/ui/<name:str>", methods=["GET"], name="ui_asset",
+                  unquote=True)
     app.add_route(_status, "/ui/api/status", methods=["GET"], name="ui_status")
     app.add_route(_models, "/ui/api/models", methods=["GET"], name="ui_models")
     app.add_route(_activity, "/ui/api/activity", methods=["GET"], name="ui_activity")

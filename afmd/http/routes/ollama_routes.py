@@ -124,7 +124,8 @@ def add_routes(app: Sanic) -> None:
                       name="ollama_" + path.rsplit("/", 1)[1], ctx_dialect=OLLAMA)
     for path, (verbs, _) in NOT_SERVED.items():
         app.add_route(not_served, path, methods=list(verbs),
-                      name="ollama_not_served_" + path.split("/")[2], ctx_dialect=OLLAMA)
+                      name="ollama_not_served_" + path.split("/")[2], ctx_dialect=OLLAMA,
+                      unquote=True)
 
 
 async def not_served(request: Request, **_: str) -> HTTPResponse:

@@ -198,9 +198,12 @@ def add_routes(app: Sanic, config: Config) -> OpenAIResponses:
     app.add_route(compact, "/v1/responses/compact", methods=["POST"],
                   name="responses_compact", ctx_dialect=dialect)
     app.add_route(stored_response, "/v1/responses/<response_id:str>",
-                  methods=["GET", "DELETE"], name="responses_stored", ctx_dialect=dialect)
+                  methods=["GET", "DELETE"], name="responses_stored", ctx_dialect=dialect,
+                  unquote=True)
     app.add_route(input_items, "/v1/responses/<response_id:str>/input_items",
-                  methods=["GET"], name="responses_input_items", ctx_dialect=dialect)
+                  methods=["GET"], name="responses_input_items", ctx_dialect=dialect,
+                  unquote=True)
     app.add_route(cancel, "/v1/responses/<request_id:str>/cancel", methods=["POST"],
-                  name="responses_cancel", ctx_dialect=dialect)
+                  name="responses_cancel", ctx_dialect=dialect,
+                  unquote=True)
     return dialect

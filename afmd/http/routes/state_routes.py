@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import unquote
 
 import orjson
 from sanic import Request
@@ -88,6 +89,9 @@ def _models(state: AppState) -> tuple[int, dict[str, Any]]:
 
 
 async def get_model(request: Request, model_id: str) -> HTTPResponse:
+    # The route's ``unquote`` does not reach a ``path`` parameter (Sanic matches those by
+    # a regular expression, and decodes only the ones its tree matches): decoded here.
+    model_id = unquote(model_id)
     state = request.app.ctx.state
     for obj in _model_objects(state):
         if obj["id"] == model_id:
