@@ -448,3 +448,34 @@ def test_conversation_settings(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as error:
             load_config(path, env={})
         assert error.value.key == key
+
+
+def test_a_conversations_size_is_kept_as_it_changes_without_serializing_it_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each change counts what it adds or takes away; its JSON is never serialized whole
+    on the event loop again (a large conversation held the server for as long as it took
+    to write out, at every item added), and the count stays what that JSON's length is."""
+    store = ConversationStore(max_count=10, ttl=0, max_bytes=1 << 30)
+    made = store.create({"k": "v"}, items(*(f"item {n} " * 200 for n in range(20))))
+    for _ in range(10):
+        store.add(made, items(*("z" * 1000 for _ in range(20))))
+    assert made.size() == len(made.to_json()) == store.bytes
+    serialized: list[int] = []
+    real = orjson.dumps
+
+    def counting(value: Any, *args: Any) -> bytes:
+        data = real(value, *args)
+        serialized.append(len(data))
+        return data
+
+    monkeypatch.setattr(conversation_store.orjson, "dumps", counting)
+    store.add(made, items("one more"))
+    assert sum(serialized) < 2000, serialized  # the new item and the head, no more
+    monkeypatch.undo()
+    store.delete_item(made, 3)
+    store.set_metadata(made, {"a": "b" * 50})
+    assert made.size() == len(made.to_json()) == store.bytes
+    store.delete_item(made, 0)
+    while made.items:
+        store.delete_item(made, 0)
+    assert made.size() == len(made.to_json()) == store.bytes

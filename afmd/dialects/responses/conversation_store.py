@@ -45,6 +45,10 @@ class Conversation:
     metadata: dict[str, str]
     items: list[Item]
     updated: float  # time.time() of its last change: ttl and eviction count from it
+    #: The items' share of its JSON, each counted once, as it joins: a change then costs
+    #: what it adds, where serializing the whole conversation again held the event loop
+    #: for as long as the conversation was large.
+    items_bytes: int = 0
 
     def object(self) -> dict[str, Any]:
         """As the API returns it (``Conversation``)."""
@@ -57,10 +61,27 @@ class Conversation:
         return next((i for i, item in enumerate(self.items) if item.get("id") == item_id),
                     None)
 
+    def extend(self, items: Sequence[Item]) -> None:
+        self.items.extend(items)
+        self.items_bytes += items_size(items)
+
+    def pop(self, index: int) -> None:
+        self.items_bytes -= items_size([self.items.pop(index)])
+
+    def size(self) -> int:
+        """The length of :meth:`to_json`, its items counted as they joined."""
+        head = len(orjson.dumps(self.snapshot(items=())))
+        return head + self.items_bytes - (1 if self.items else 0)  # n items, n - 1 commas
+
+    def snapshot(self, items: Sequence[Item] | None = None) -> dict[str, Any]:
+        """What its file holds, as it is now: the item list copied (pointers only), so the
+        writer thread serializes it while the conversation changes on."""
+        return {"id": self.id, "created_at": self.created_at, "metadata": dict(self.metadata),
+                "items": list(self.items if items is None else items),
+                "updated": self.updated}
+
     def to_json(self) -> bytes:
-        return orjson.dumps({"id": self.id, "created_at": self.created_at,
-                             "metadata": self.metadata, "items": self.items,
-                             "updated": self.updated})
+        return orjson.dumps(self.snapshot())
 
     @classmethod
     def from_json(cls, data: bytes) -> Conversation:
@@ -82,7 +103,14 @@ class Conversation:
             metadata = metadata_of(raw.get("metadata"))
         except APIError as exc:
             raise ValueError(exc.message) from None
-        return cls(raw["id"], created, metadata, list(checked_items(items)), float(updated))
+        conversation = cls(raw["id"], created, metadata, [], float(updated))
+        conversation.extend(checked_items(items))
+        return conversation
+
+
+def items_size(items: Sequence[Item]) -> int:
+    """The items' share of a conversation's JSON: each with the comma after it."""
+    return sum(len(orjson.dumps(item)) + 1 for item in items)
 
 
 class ConversationTooLarge(InvalidRequestError):
@@ -121,7 +149,7 @@ class ConversationStore:
         conversation = Conversation(item_id("conv"), int(time.time()), metadata, [],
                                     time.time())
         self._fit(conversation, items)
-        conversation.items.extend(items)
+        conversation.extend(items)
         self._changed(conversation)
         return conversation
 
@@ -135,7 +163,7 @@ class ConversationStore:
     def add(self, conversation: Conversation, items: Sequence[Item]) -> None:
         """Append a client's items; :class:`ConversationTooLarge` where they do not fit."""
         self._fit(conversation, items)
-        conversation.items.extend(items)
+        conversation.extend(items)
         self._changed(conversation)
 
     def append_turn(self, conversation_id: str, items: Sequence[Item]) -> None:
@@ -152,11 +180,11 @@ class ConversationStore:
             log.warning("turn not added: larger than max_conversations_bytes",
                         id=conversation_id, max_conversations_bytes=self.max_bytes)
             return
-        conversation.items.extend(items)
+        conversation.extend(items)
         self._changed(conversation)
 
     def delete_item(self, conversation: Conversation, index: int) -> None:
-        del conversation.items[index]
+        conversation.pop(index)
         self._changed(conversation)
 
     def delete(self, conversation_id: str) -> bool:
@@ -177,7 +205,7 @@ class ConversationStore:
         every other conversation and then itself."""
         if not self.max_bytes:
             return
-        size = len(conversation.to_json()) + sum(len(orjson.dumps(i)) + 1 for i in items)
+        size = conversation.size() + items_size(items)
         if metadata is not None:
             size += len(orjson.dumps(metadata)) - len(orjson.dumps(conversation.metadata))
         if size > self.max_bytes:
@@ -195,11 +223,11 @@ class ConversationStore:
         self.bytes -= self._sizes.pop(key, 0)
         self._entries[key] = conversation
         self._entries.move_to_end(key)
-        data = conversation.to_json()
-        self._sizes[key] = len(data)
-        self.bytes += len(data)
+        size = conversation.size()
+        self._sizes[key] = size
+        self.bytes += size
         if self._writer is not None:
-            self._writer.submit(self._write_file, key, data)
+            self._writer.submit(self._write_file, key, conversation.snapshot())
         self._expire()
         self._bound(spare=key)
 
@@ -239,7 +267,8 @@ class ConversationStore:
         assert self.folder is not None
         return self.folder / f"{conversation_id}.json"
 
-    def _write_file(self, conversation_id: str, data: bytes) -> None:
+    def _write_file(self, conversation_id: str, snapshot: dict[str, Any]) -> None:
+        data = orjson.dumps(snapshot)
         path = self._path(conversation_id)
         tmp = path.with_suffix(".tmp")
         try:
