@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import httpx
@@ -184,6 +185,38 @@ def test_cancel_ends_it_cancelled_and_frees_its_slot_at_once(one_slot) -> None:
     assert client.responses.cancel(made.id).model_dump() == cancelled.model_dump()
 
 
+def test_a_background_stream_is_queued_until_its_run_begins(one_slot) -> None:
+    """``response.created`` and ``response.queued`` open it, both ``queued``, as OpenAI's
+    do; ``response.in_progress`` comes only once its run has begun, and one cancelled
+    while it still waits in the queue goes from ``queued`` to its end."""
+    client = _client(one_slot)
+    holder = client.responses.create(model="demo", background=True, **LONG)
+    _until(client, holder.id, ("in_progress",))
+    try:
+        stream = client.responses.create(model="demo", background=True, stream=True, **LONG)
+        events = iter(stream)
+        opening = [next(events), next(events)]
+        assert [e.type for e in opening] == ["response.created", "response.queued"]
+        assert [e.sequence_number for e in opening] == [0, 1]
+        assert all(e.response.status == "queued" for e in opening)
+        for event in opening:
+            validate_event(event.model_dump(mode="json", exclude_unset=True))
+        waiting = opening[0].response.id
+        time.sleep(0.3)  # still behind the holder
+        assert client.responses.retrieve(waiting).status == "queued"
+        assert client.responses.cancel(waiting).status == "cancelled"
+        rest = list(events)
+        assert "response.in_progress" not in [e.type for e in rest]
+        assert [e.sequence_number for e in rest] == list(range(2, 2 + len(rest)))
+        assert rest[-1].response.status == "cancelled"
+    finally:
+        client.responses.cancel(holder.id)
+    ran = client.responses.create(model="demo", background=True, stream=True, **SHORT)
+    kinds = [e.type for e in ran]
+    assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+
+
 def test_cancel_of_a_finished_one_answers_it_and_of_a_plain_one_is_400(one_slot) -> None:
     client = _client(one_slot)
     made = client.responses.create(model="demo", background=True, **SHORT)
@@ -308,8 +341,9 @@ def test_a_quiet_follower_is_kept_alive_until_the_run_ends() -> None:
     comment, as the server cuts a response that writes nothing for request_timeout and a
     margin; the events around it are as written."""
     async def follow() -> list[bytes]:
-        reply = cast(ResponsesReply, None)  # follow() reads only the events
-        run = BackgroundRun(reply, "req", [b"created", b"in_progress"], streamed=True)
+        # follow() reads only the events; started() takes the reply's in_progress.
+        reply = cast(ResponsesReply, SimpleNamespace(began=lambda: [b"in_progress"]))
+        run = BackgroundRun(reply, "req", [b"created"], streamed=True)
         got: list[bytes] = []
         async for chunk in run.follow(-1, quiet=0.01):
             got.append(chunk)

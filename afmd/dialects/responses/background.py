@@ -45,7 +45,7 @@ class BackgroundRun:
     """One background response from its POST to its end: its task, its reply (which
     stores it) and, streamed, its events so far."""
 
-    __slots__ = ("_changed", "_pending", "answered", "ended", "events", "final", "refused",
+    __slots__ = ("_changed", "answered", "ended", "events", "final", "refused",
                  "reply", "request_id", "status", "streamed", "task")
 
     def __init__(self, reply: ResponsesReply, request_id: str, opening: list[bytes],
@@ -53,9 +53,9 @@ class BackgroundRun:
         self.reply = reply
         self.request_id = request_id  # the pipeline's id for the run (its X-Request-ID)
         self.streamed = streamed
-        # response.created now; response.in_progress once the run holds a slot.
-        self.events: list[bytes] = opening[:1]
-        self._pending = opening[1:]
+        # response.created and response.queued now; response.in_progress once the run has
+        # begun (started()).
+        self.events: list[bytes] = list(opening)
         self.status = "queued"
         self.final: dict[str, Any] | None = None
         #: Set once the POST has answered: a failure from then on is the response's.
@@ -75,10 +75,9 @@ class BackgroundRun:
         return self.final if self.final is not None else self.reply.current(self.status)
 
     def started(self) -> None:
-        """The run holds its slot: ``in_progress``."""
+        """The run has begun (its first events came): ``in_progress``."""
         self.status = "in_progress"
-        self.publish(self._pending)
-        self._pending = []
+        self.publish(self.reply.began())
 
     def publish(self, events: list[bytes]) -> None:
         if events:

@@ -230,9 +230,9 @@ class _EventLog:
 
     __slots__ = ("out", "sequence", "stream")
 
-    def __init__(self, stream: bool) -> None:
+    def __init__(self, stream: bool, opening: int) -> None:
         self.stream = stream
-        self.sequence = 2  # after ResponseBuilder.start()'s two events
+        self.sequence = opening  # after ResponseBuilder.start_events()'s
         self.out: list[bytes] = []
 
     def emit(self, payload: dict[str, Any]) -> None:
@@ -271,7 +271,7 @@ class ResponseBuilder:
         self.usage: Usage | None = None
         self.reason: str | None = None
         self._open: _Open | None = None
-        self._log = _EventLog(stream)
+        self._log = _EventLog(stream, len(self._opening()))
         self._encrypted = "reasoning.encrypted_content" in echo.include
         self._logprobs = LOGPROBS in echo.include
         #: The message whose text this batch carried: its tokens' numbers follow.
@@ -293,14 +293,27 @@ class ResponseBuilder:
         encoded: those are numbered from 2 on)."""
         return b"".join(self.start_events())
 
-    def start_events(self, created: str = "in_progress") -> list[bytes]:
-        """:meth:`start`'s two events apart (``created``: the status ``response.created``
-        shows, ``queued`` for a background response waiting for its slot)."""
-        response = self.response("in_progress")
-        return [sse_event({"type": kind, "response": self.response(created)
-                           if kind == "response.created" else response,
+    def _opening(self) -> tuple[str, ...]:
+        """The events that open the stream. A background response is ``queued`` first:
+        ``response.created`` shows it so and ``response.queued`` follows, as OpenAI streams
+        one; its ``response.in_progress`` is :meth:`began`'s, numbered as it comes, so
+        that one cancelled while still queued goes from those to its end with no gap in
+        the numbers (a client resumes after any of them)."""
+        if self.echo.background:
+            return ("response.created", "response.queued")
+        return ("response.created", "response.in_progress")
+
+    def start_events(self) -> list[bytes]:
+        """:meth:`start`'s events apart, one SSE event each."""
+        status = "queued" if self.echo.background else "in_progress"
+        return [sse_event({"type": kind, "response": self.response(status),
                            "sequence_number": number})
-                for number, kind in enumerate(("response.created", "response.in_progress"))]
+                for number, kind in enumerate(self._opening())]
+
+    def began(self) -> list[bytes]:
+        """A background response's ``response.in_progress``: its run has begun."""
+        self._log.emit({"type": "response.in_progress", "response": self.response("in_progress")})
+        return self._log.take_events()
 
     def take(self) -> bytes:
         return self._log.take()

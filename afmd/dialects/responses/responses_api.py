@@ -112,11 +112,14 @@ class ResponsesReply:
         return self._request.echo.background
 
     def queued(self) -> tuple[dict[str, Any], list[bytes]]:
-        """The response as its POST answers it, ``queued``, and, streamed, the two events
-        that open its stream: ``response.created`` (queued) and ``response.in_progress``
-        (to be sent once it holds a slot)."""
+        """The response as its POST answers it, ``queued``, and, streamed, the events that
+        open its stream: ``response.created`` and ``response.queued``."""
         response = self._builder.response("queued")
-        return response, self._builder.start_events("queued") if self._request.stream else []
+        return response, self._builder.start_events() if self._request.stream else []
+
+    def began(self) -> list[bytes]:
+        """Its run has begun: ``response.in_progress``, streamed (none otherwise)."""
+        return self._builder.began() if self._request.stream else []
 
     def keep(self, response: dict[str, Any]) -> None:
         """Store the response as it stands (a background one, ``queued``, once its POST

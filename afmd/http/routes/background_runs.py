@@ -77,13 +77,17 @@ async def _drive(state: AppState, bg: BackgroundRun, prepared: PreparedChat | Pr
                 return
             raise
         try:
-            bg.started()
             async with aclosing(aiter(run)) as batches:
                 while True:
                     batch = await anext(batches)
                     stop = state.stop_error
-                    if stop is not None and run.finished and run.finish_reason == "cancelled":
+                    cancelled = run.finished and run.finish_reason == "cancelled"
+                    if stop is not None and cancelled:
                         raise stop  # cancelled by the shutdown: failed with its error
+                    if bg.status == "queued" and not cancelled:
+                        # Its first events: it has left the queue (one cancelled while
+                        # still waiting there goes from queued to its end).
+                        bg.started()
                     bg.publish(bg.reply.stream_events(batch))
                     if run.finished:
                         break
