@@ -198,7 +198,7 @@ class ModelRegistry:
         task = self.residency.unload(model_id, reason)
         if task is None:
             return False
-        await task
+        await self.residency.freed(task)
         return True
 
     async def unload_when_idle(self, entry: ModelEntry) -> None:
