@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -1211,3 +1212,68 @@ def test_truncate_drops_the_oldest_turns_to_fit_num_ctx(http: httpx.Client) -> N
     assert answer["prompt_eval_count"] + answer["eval_count"] <= 120
     refused = http.post("/api/chat", json={**body, "truncate": False})
     assert refused.status_code == 400 and "context length" in refused.json()["error"]
+
+
+def test_sigterm_ends_pulls_with_the_shutdown_error(tmp_path: Path) -> None:
+    """Pulls clients still wait on when the grace period ends are ended as the turns are:
+    a streamed one with an ``{"error": ...}`` line and its body's end, one not streamed
+    with the 503 ``server_shutting_down``. Before, the shutdown cut both connections:
+    the stream's body ended without its last chunk (httpx: "incomplete chunked read"),
+    the other had no answer at all."""
+    with FakeHub() as hub:
+        for repo in (SLOW, SLOW + "-2"):
+            hub.add_folder(repo, demo.materialize("demo"))
+            hub.throttle(repo, "model.safetensors", 20_000)  # a minute of weights
+        server = start_server(tmp_path, config="[server]\nshutdown_grace = 0.5\n",
+                              env={"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")})
+        lines: list[dict[str, Any]] = []
+        plain: dict[str, Any] = {}
+        weights = threading.Event()
+
+        def streamed() -> None:
+            try:
+                with httpx.stream("POST", server.url + "/api/pull", json={"model": SLOW},
+                                  timeout=60) as response:
+                    for line in response.iter_lines():
+                        lines.append(json.loads(line))
+                        if lines[-1].get("digest", "").startswith("sha256:"):
+                            weights.set()
+            except BaseException as exc:  # recorded for the test to report
+                lines.append({"raised": repr(exc)})
+            finally:
+                weights.set()
+
+        def not_streamed() -> None:
+            try:
+                r = httpx.post(server.url + "/api/pull", timeout=60,
+                               json={"model": SLOW + "-2", "stream": False})
+                plain["status"], plain["body"] = r.status_code, r.json()
+            except BaseException as exc:
+                plain["raised"] = repr(exc)
+
+        threads = [threading.Thread(target=streamed, daemon=True),
+                   threading.Thread(target=not_streamed, daemon=True)]
+        try:
+            for thread in threads:
+                thread.start()
+            assert weights.wait(60), lines
+            deadline = time.monotonic() + 30
+            while not hub.gets(f"/{SLOW}-2/resolve/" + hub.repos[SLOW + "-2"].commit
+                               + "/model.safetensors"):
+                assert time.monotonic() < deadline, "the second pull never fetched weights"
+                time.sleep(0.02)
+            server.proc.send_signal(signal.SIGTERM)
+            for thread in threads:
+                thread.join(30)
+            code = server.proc.wait(30)
+        finally:
+            server.stop()
+    assert code == 0
+    assert "raised" not in lines[-1], lines[-1]
+    assert set(lines[-1]) == {"error"} and "stopping" in lines[-1]["error"], lines[-1]
+    assert plain.get("status") == 503, plain
+    assert "stopping" in plain["body"]["error"], plain
+    access = [e for e in server.events if e.get("event") == "request"
+              and e.get("path") == "/api/pull"]
+    assert {e.get("stream_error") or e.get("error_code") for e in access} \
+        == {"server_shutting_down"}, access

@@ -38,6 +38,7 @@ from afmd.dialects.ollama.ollama_api import (
     OLLAMA,
     OLLAMA_CHAT,
     OLLAMA_GENERATE,
+    error_body,
     load_answer,
     ndjson,
 )
@@ -50,7 +51,7 @@ from afmd.dialects.ollama.ollama_body import (
     wants_thinking,
 )
 from afmd.engine.models.kinds import CHAT, EMBEDDING
-from afmd.errors import ConflictError, InvalidRequestError, NotFoundError
+from afmd.errors import APIError, ConflictError, InvalidRequestError, NotFoundError
 from afmd.http.access import log_access
 from afmd.http.app_state import AppState
 from afmd.http.routes import handlers as routes
@@ -355,9 +356,17 @@ async def pull(request: Request) -> HTTPResponse | None:
         parse_ref(name.removesuffix(ollama_models.TAG))
     except PullError as exc:
         raise InvalidRequestError(str(exc), param="model") from None
+    state: AppState = request.app.ctx.state
+    if state.stop_error is not None:  # the shutdown's grace period is over, as for a turn
+        raise state.stop_error
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    # Progress objects, then None; or the shutdown's error (see interrupt_pulls).
+    queue: asyncio.Queue[dict[str, Any] | APIError | None] = asyncio.Queue()
     stop = threading.Event()
+
+    def interrupt(error: APIError) -> None:
+        stop.set()
+        queue.put_nowait(error)
 
     def put(item: dict[str, Any] | None) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is gone: the server stopped
@@ -394,10 +403,13 @@ async def pull(request: Request) -> HTTPResponse | None:
     # A daemon thread, not the loop's executor: a server stopping mid-file must not wait
     # for the hub client's next progress step to notice the flag.
     threading.Thread(target=work, name=f"afmd-ollama-pull-{name}", daemon=True).start()
+    state.pulls.add(interrupt)
     try:
         if not values["stream"]:
             last: dict[str, Any] = {}
             while (item := await queue.get()) is not None:
+                if isinstance(item, APIError):
+                    raise item
                 last = item
             if "error" in last:
                 raise InvalidRequestError(last["error"], code="pull_failed", param="model")
@@ -405,16 +417,35 @@ async def pull(request: Request) -> HTTPResponse | None:
         await _stream_pull(request, queue, headers)
         return None
     finally:
+        state.pulls.discard(interrupt)
         stop.set()  # cancelled (the client left, the server stops) or over: harmless then
 
 
-async def _stream_pull(request: Request, queue: asyncio.Queue[dict[str, Any] | None],
+def interrupt_pulls(state: AppState, error: APIError) -> None:
+    """End every pull a client still waits on with ``error`` (the server is stopping), as
+    :func:`~afmd.http.routes.handlers.interrupt_requests` ends the turns: a stream with
+    an error line and its end, one not streamed with the error itself, the download
+    stopped. Before, the shutdown cut their connections: a streamed pull's body ended
+    without its last chunk (a broken connection to the client), a plain one unanswered."""
+    for interrupt in list(state.pulls):
+        interrupt(error)
+    state.pulls.clear()
+
+
+async def _stream_pull(request: Request,
+                       queue: asyncio.Queue[dict[str, Any] | APIError | None],
                        headers: dict[str, str]) -> None:
     request.ctx.streamed = True
     response = await request.respond(status=200, headers=headers, content_type=MEDIA_TYPE)
     sent = 0
     try:
         while (item := await queue.get()) is not None:
+            if isinstance(item, APIError):
+                request.ctx.stream_error = item.code
+                line = ndjson(error_body(item))
+                sent += len(line)
+                await response.send(line)
+                break
             if "error" in item:
                 request.ctx.stream_error = "pull_failed"
             line = ndjson(item)
