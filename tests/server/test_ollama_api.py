@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -1046,6 +1047,64 @@ def test_a_pull_stops_when_its_client_leaves(hub_server: tuple[ServerProcess, Fa
     assert fetched("tokenizer.json") == 1  # kept from the first pull, not fetched again
     assert SLOW + ":latest" in {m.model for m in client.list().models}
     assert client.delete(SLOW).status == "success"
+
+
+AGAIN = "tiny-org/pulled-again"
+
+
+def test_a_model_being_pulled_is_not_deleted(hub_server: tuple[ServerProcess, FakeHub]
+                                            ) -> None:
+    """A downloaded repo pulled again (a new commit upstream) while a client deletes it:
+    the delete is a 409 ``model_in_use`` until the pull is over. Before, it was a 200,
+    the files the pull had verified went from under it, and the pull failed on a blob
+    gone missing ("FileNotFoundError"), leaving nothing."""
+    server, hub = hub_server
+    folder = demo.materialize("demo")
+    hub.add_folder(AGAIN, folder)
+    client = ollama.Client(host=server.url, timeout=120)
+    assert client.pull(AGAIN).status == "success"
+    files = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*")
+             if p.is_file()}
+    files["tokenizer_config.json"] += b"\n"  # a later commit
+    commit = hub.add_repo(AGAIN, files)
+    # Seconds of that file, which the pull fetches to its end even once its client left.
+    hub.throttle(AGAIN, "tokenizer_config.json", 1200)
+    body = json.dumps({"model": AGAIN}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as pulling:
+        pulling.sendall(b"POST /api/pull HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        b"Content-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while not hub.gets(f"/{commit}/tokenizer_config.json"):
+            assert time.monotonic() < deadline, "the pull never reached the slow file"
+            time.sleep(0.02)
+        refused = httpx.request("DELETE", server.url + "/api/delete", json={"model": AGAIN},
+                                timeout=60)
+    assert refused.status_code == 409, refused.text
+    assert "being pulled" in refused.json()["error"]
+    # Its client gone, the pull stops after that file; then the delete goes ahead.
+    server.wait_event("pull stopped", model=AGAIN)
+    assert client.delete(AGAIN).status == "success"
+    # The same for the dashboard's pull, which runs on its own until it is done.
+    hub.rates.clear()
+    assert client.pull(AGAIN).status == "success"
+    files["tokenizer_config.json"] += b"\n"
+    commit = hub.add_repo(AGAIN, files)
+    hub.throttle(AGAIN, "tokenizer_config.json", 1200)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.post("/ui/api/pull", json={"model": AGAIN}).status_code == 202
+        deadline = time.monotonic() + 30
+        while not hub.gets(f"/{commit}/tokenizer_config.json"):
+            assert time.monotonic() < deadline, "the pull never reached the slow file"
+            time.sleep(0.02)
+        refused = http.request("DELETE", "/api/delete", json={"model": AGAIN})
+        assert refused.status_code == 409, refused.text
+        while (pull := next(p for p in http.get("/ui/api/models").json()["pulls"]
+                            if p["repo"] == AGAIN))["state"] == "pulling":
+            assert time.monotonic() < deadline + 30, pull
+            time.sleep(0.05)
+        assert pull["state"] == "done", pull
+        assert http.request("DELETE", "/api/delete", json={"model": AGAIN}).status_code == 200
 
 
 TWICE = "tiny-org/deleted-twice"

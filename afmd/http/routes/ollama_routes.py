@@ -59,6 +59,7 @@ from afmd.http.routes import ollama_models
 from afmd.http.routes.embedding_routes import service_of
 from afmd.http.routes.ignored import ignored_headers
 from afmd.hub import cache as hubcache
+from afmd.hub.server_pulls import PULLING
 from afmd.logs import get_logger
 from afmd.service.pipeline import thinking_not_supported
 
@@ -320,10 +321,24 @@ async def delete(request: Request) -> HTTPResponse:
         raise ConflictError(f"model '{name}' is loading for a request; delete it once that "
                             "is answered and the model unloaded", code="model_in_use",
                             param="model")
+    if _pulling(state, repo):  # its files would go from under the download
+        raise ConflictError(f"model '{name}' is being pulled; delete it once the pull is "
+                            "over", code="model_in_use", param="model")
     if await asyncio.to_thread(hubcache.remove, repo) is None:  # a delete beside it won
         raise NotFoundError(f"model '{name}' not found: it was deleted meanwhile",
                             code="model_not_found", param="model")
     return HTTPResponse(status=200, headers=headers)
+
+
+def _pulling(state: AppState, repo: str) -> bool:
+    """Whether the server is pulling ``repo`` (``/api/pull``, its download thread still
+    running; the dashboard): a delete then took the files the pull had verified from under
+    it, and the pull failed on a file gone missing ("FileNotFoundError: ... blobs/...")
+    after its client was told the delete succeeded."""
+    if repo in state.pulls.values():
+        return True
+    page = state.dashboard.pulls.get(repo) if state.dashboard is not None else None
+    return page is not None and page.state == PULLING
 
 
 # ---------------------------------------------------------------------------- pull
@@ -353,7 +368,7 @@ async def pull(request: Request) -> HTTPResponse | None:
     name = values["model"]
     request.ctx.model = name
     try:
-        parse_ref(name.removesuffix(ollama_models.TAG))
+        repo = parse_ref(name.removesuffix(ollama_models.TAG))[0]
     except PullError as exc:
         raise InvalidRequestError(str(exc), param="model") from None
     state: AppState = request.app.ctx.state
@@ -383,12 +398,21 @@ async def pull(request: Request) -> HTTPResponse | None:
             put({"status": f"pulling {digest.split(':', 1)[1][:12]}", "digest": digest,
                  "total": total, "completed": done})
 
+    def ended(stopped: bool) -> None:
+        """On the loop, once the download thread is over: the repo is being pulled until
+        then, which may be after its client left (a file under way is fetched to its end
+        before the flag is seen)."""
+        state.pulls.pop(interrupt, None)
+        if stopped:  # nobody is left to tell but the log
+            _log.info("pull stopped", model=name, reason="the request ended before the pull")
+
     def work() -> None:
+        stopped = False
         try:
             pull_model(name.removesuffix(ollama_models.TAG), out=_Discard(), terminal=False,
                        report=report, stop=stop)
-        except PullStopped:  # nobody is left to tell but the log
-            _log.info("pull stopped", model=name, reason="the request ended before the pull")
+        except PullStopped:
+            stopped = True
         except PullError as exc:
             put({"error": str(exc)})
         except Exception as exc:  # the hub client's own failure, named as it is
@@ -398,12 +422,14 @@ async def pull(request: Request) -> HTTPResponse | None:
                 put({"status": status})
         finally:
             put(None)
+            with contextlib.suppress(RuntimeError):  # the loop is gone: the server stopped
+                loop.call_soon_threadsafe(ended, stopped)
 
     put({"status": "pulling manifest"})
     # A daemon thread, not the loop's executor: a server stopping mid-file must not wait
     # for the hub client's next progress step to notice the flag.
+    state.pulls[interrupt] = repo
     threading.Thread(target=work, name=f"afmd-ollama-pull-{name}", daemon=True).start()
-    state.pulls.add(interrupt)
     try:
         if not values["stream"]:
             last: dict[str, Any] = {}
@@ -417,7 +443,6 @@ async def pull(request: Request) -> HTTPResponse | None:
         await _stream_pull(request, queue, headers)
         return None
     finally:
-        state.pulls.discard(interrupt)
         stop.set()  # cancelled (the client left, the server stops) or over: harmless then
 
 
