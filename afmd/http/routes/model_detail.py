@@ -33,8 +33,8 @@ def model_details(state: AppState) -> dict[str, dict[str, Any]]:
     registry = state.registry
     details: dict[str, dict[str, Any]] = {}
     configured = state.config.models.model
-    for entry in [*configured, *(e for e in registry.downloads_in_use()
-                                 if e.id not in {c.id for c in configured})]:
+    ids = {entry.id for entry in configured}
+    for entry in [*configured, *(e for e in registry.downloads_in_use() if e.id not in ids)]:
         usage = registry.residency.usage(entry.id)
         failure = registry.failure(entry.id)
         loaded = registry.loaded(entry.id) if usage is not None else None
