@@ -381,15 +381,16 @@ def test_a_request_waiting_for_its_model_at_shutdown_gets_the_503_and_loads_noth
                                    "messages": [{"role": "user", "content": "Hi."}]},
      529),  # Anthropic's own for a server that cannot serve now
     ("/api/generate", {"model": "demo-32k"}, 503),  # Ollama's load body
+    ("/ui/api/load", {"model": "demo-32k"}, 503),  # the dashboard's
 ])
 def test_a_request_outside_a_turn_waiting_for_its_model_at_shutdown_loads_nothing(
     tmp_path: Path, path: str, body: dict[str, Any], status: int,
 ) -> None:
-    """Counting tokens and Ollama's load bodies wait for their model without a turn, so
-    the shutdown's end of the turns did not reach them: once it had cut the busy stream
-    the model was loaded for them in the server's last moment (a large model's load
-    outlasting it, the connection was then closed unanswered). Nothing loads once the
-    grace period is over: they get the 503 a turn gets."""
+    """Counting tokens, Ollama's load bodies and the dashboard's load wait for their model
+    without a turn, so the shutdown's end of the turns did not reach them: once it had cut
+    the busy stream the model was loaded for them in the server's last moment (a large
+    model's load outlasting it, the connection was then closed unanswered). Nothing loads
+    once the grace period is over: they get the 503 a turn gets."""
     server = start_server(tmp_path, config="[server]\nshutdown_grace = 0.5\n"
                                            "[models]\nmax_loaded = 1\n")
     tag = uuid.uuid4().hex[:8]
