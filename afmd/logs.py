@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
+import threading
 import unicodedata
 from collections.abc import MutableMapping
 from typing import Any, TextIO
@@ -74,18 +76,35 @@ def _single_line(renderer: Any) -> Any:
     return render
 
 
+#: Held for every line written to the log stream, by structlog's printer and by the stdlib
+#: handler alike: both write from several threads (the event loop, model loads, the
+#: engine's), and structlog's own lock is its alone, so a stdlib line could land between
+#: a structlog line and its newline (two JSON objects on one line, then an empty one).
+_LINE_LOCK = threading.RLock()
+os.register_at_fork(after_in_child=_LINE_LOCK._at_fork_reinit)  # type: ignore[attr-defined]
+
+
 class _SafePrintLogger(structlog.PrintLogger):
-    """A PrintLogger that never raises: a closed or broken log stream (the reader of a pipe
-    went away) must not turn ``log.info`` into an exception in whatever called it, such as
-    the SIGTERM handler, which would then never stop the server. Like stdlib logging,
-    which swallows write errors in ``Handler.handleError``."""
+    """A PrintLogger that writes each line whole (see ``_LINE_LOCK``) and never raises: a
+    closed or broken log stream (the reader of a pipe went away) must not turn
+    ``log.info`` into an exception in whatever called it, such as the SIGTERM handler,
+    which would then never stop the server. Like stdlib logging, which swallows write
+    errors in ``Handler.handleError``."""
 
     def msg(self, message: str) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            super().msg(message)
+        with contextlib.suppress(OSError, ValueError), _LINE_LOCK:
+            self._file.write(message + "\n")
+            self._file.flush()
 
     log = debug = info = warn = warning = msg
     fatal = failure = err = error = critical = exception = msg
+
+
+class _LineHandler(logging.StreamHandler):
+    """The stdlib handler, its lines written under ``_LINE_LOCK`` as structlog's are."""
+
+    def createLock(self) -> None:
+        self.lock = _LINE_LOCK
 
 
 def _orjson_dumps(obj: Any, **_: Any) -> str:
@@ -117,7 +136,7 @@ def configure(level: str = "info", fmt: str = "json", stream: TextIO | None = No
         logger_factory=lambda *_: printer,
         cache_logger_on_first_use=False,
     )
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = _LineHandler(stream or sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processors=[

@@ -24,6 +24,7 @@ from afmd.http.app import create_app
 from afmd.http.app_state import AppState
 from afmd.http.routes.embedding_routes import interrupt_embeddings
 from afmd.http.routes.handlers import interrupt_requests, server_stopping_error
+from afmd.http.routes.ollama_routes import interrupt_pulls
 from afmd.http.transport.binding import bind_listeners
 from afmd.http.transport.connection import direct_routes, route_checker
 from afmd.http.transport.connection_limits import GateContext
@@ -59,6 +60,7 @@ async def _end_what_runs(state: AppState, app: Sanic, gate: GateContext) -> None
     def interrupt() -> None:
         interrupt_requests(state, error)
         interrupt_embeddings(app, error)
+        interrupt_pulls(state, error)
 
     last = time.monotonic() + FINAL_WRITE_SECONDS
     await gate.close_when_idle(last, each_turn=interrupt)

@@ -344,6 +344,19 @@ def _ps(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- rm
 
 
+def _refuse_if_served(args: argparse.Namespace, config: Config, repo: str) -> None:
+    """Refuse to delete a repo the running server has loaded or is loading."""
+    try:
+        details = _details(args, config)
+    except endpoint.ServerUnreachable:
+        return  # no server: nothing can have it loaded
+    serving = [i for i, d in details.items()
+               if d.get("state") in SERVING and repo in (i, d.get("path"))]
+    if serving:
+        raise CommandError(f"{repo} is loaded by the running server (as model "
+                           f"'{serving[0]}'); stop the server or serve another model first")
+
+
 def _rm(args: argparse.Namespace) -> int:
     repo = args.repo
     if not hubcache.REPO_ID.match(repo):
@@ -352,15 +365,7 @@ def _rm(args: argparse.Namespace) -> int:
     if cached is None:
         raise CommandError(f"{repo} is not in the Hugging Face cache ({huggingface_hub_cache()})")
     config = _config(args.config)
-    try:
-        details = _details(args, config)
-    except endpoint.ServerUnreachable:
-        details = {}  # no server: nothing can have it loaded
-    serving = [i for i, d in details.items()
-               if d.get("state") in SERVING and repo in (i, d.get("path"))]
-    if serving:
-        raise CommandError(f"{repo} is loaded by the running server (as model "
-                           f"'{serving[0]}'); stop the server or serve another model first")
+    _refuse_if_served(args, config, repo)
     size = human_bytes(hubcache.snapshot_size(cached.snapshot)) if cached.snapshot else "?"
     if not args.yes:
         try:
@@ -370,6 +375,9 @@ def _rm(args: argparse.Namespace) -> int:
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing deleted")
             return EXIT_FAILURE
+        # The answer may come long after the look above: a request may have had the server
+        # load the model meanwhile, and its files would go from under it.
+        _refuse_if_served(args, config, repo)
     linked = cached.folder.resolve() if cached.folder.is_symlink() else None
     freed = hubcache.remove(repo)
     if freed is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,6 +46,9 @@ class AppState:
     running: Counter[str] = field(default_factory=Counter)
     #: Set once the shutdown ends the requests still running: what they are told.
     stop_error: APIError | None = None
+    #: The pulls clients wait on (``/api/pull``): what ends each with an error (no turn of
+    #: the pipeline, so the shutdown's end of the turns does not reach them), and its repo.
+    pulls: dict[Callable[[APIError], None], str] = field(default_factory=dict)
     #: What ``GET /metrics`` reports: this server's own, never a process-wide registry.
     metrics: Metrics = field(default_factory=Metrics)
     #: Rank 0's side of a launched group, else None.

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import socket
+import threading
 import time
 import unicodedata
 import uuid
@@ -615,3 +616,41 @@ def test_logging_to_a_dead_stream_never_raises(restore_logging: None, stream: An
     logs.configure(fmt="json", stream=stream)
     logs.get_logger("afmd.test").info("stopping", reason="SIGTERM")
     logs.get_logger("afmd.test").error("boom")
+
+
+class _SlowStream(io.StringIO):
+    """A stream that gives other threads their turn within every write, as a pipe to a
+    busy reader may."""
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        time.sleep(0.0005)
+        return written
+
+
+def test_lines_from_several_threads_stay_whole(restore_logging: None) -> None:
+    """afmd's own events (structlog) and those of the libraries and the model threads
+    (stdlib logging) go to one stream from several threads. structlog wrote a line and
+    its newline in two writes under a lock of its own, so a stdlib line landed between
+    them: two JSON objects on one line and an empty one after it, both events lost to a
+    reader of JSON lines (found on a live server as a model loaded beside the access
+    log)."""
+    stream = _SlowStream()
+    logs.configure(fmt="json", stream=stream)
+    own, library = logs.get_logger("afmd.test"), logging.getLogger("afmd.test")
+    go = threading.Barrier(2)
+
+    def write(log: Callable[..., None]) -> None:
+        go.wait(10)
+        for i in range(50):
+            log("line %d", i)
+
+    threads = [threading.Thread(target=write, args=(own.info,)),
+               threading.Thread(target=write, args=(library.warning,))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 100, [line for line in lines if not line.startswith("{")][:3]
+    assert all(json.loads(line)["event"].startswith("line ") for line in lines)

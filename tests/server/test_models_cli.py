@@ -20,7 +20,7 @@ from afmd.ports import free_ports
 
 from conftest import ROOT, ServerProcess, start_server
 from helpers.hub import FakeHub, safetensors_bytes
-from helpers.servers import run_afmd
+from helpers.servers import afmd_command, run_afmd
 
 pytestmark = pytest.mark.slow  # the hub stand-in, CLI subprocesses and a server
 
@@ -310,6 +310,64 @@ def test_rm_asks_refuses_a_loaded_model_and_deletes(served: tuple[ServerProcess,
     assert missing.returncode == 1 and f"{EMBED} is not in the Hugging Face cache" in \
         missing.stderr
     assert afmd(env, "rm", "not-a-repo", "--yes").returncode == 2
+
+
+def test_a_download_loaded_by_its_repo_id_is_shown_and_kept(
+        served: tuple[ServerProcess, str], env: dict[str, str]) -> None:
+    """A download a client loaded by naming its repo (not configured) is the server's
+    model as much as a configured one: ``/health``'s detail listed configured models only,
+    so ``afmd ps`` did not show it and ``afmd rm --yes`` deleted its files from under the
+    server."""
+    server, _ = served
+    assert afmd(env, "pull", EMBED).returncode == 0
+    folder = Path(env["HF_HOME"]) / "hub" / "models--test-org--embed"
+    loaded = httpx.post(server.url + "/v1/embeddings", json={"model": EMBED, "input": "x"},
+                        timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    try:
+        rows = {r["id"]: r for r in as_json(afmd(env, "ps", "--json", "--url",
+                                                 server.url))["models"]}
+        assert rows[EMBED]["state"] == "loaded", rows
+        refused = afmd(env, "rm", EMBED, "--yes", "--url", server.url)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert f"{EMBED} is loaded by the running server (as model '{EMBED}')" in \
+            refused.stderr
+        assert folder.is_dir()
+    finally:
+        httpx.post(server.url + "/api/embed", json={"model": EMBED, "keep_alive": 0},
+                   timeout=60)
+
+
+def test_rm_looks_again_once_it_is_answered(served: tuple[ServerProcess, str],
+                                            env: dict[str, str]) -> None:
+    """``afmd rm`` asked the server once, before its question: a model loaded while the
+    question waited for its answer had its files deleted from under it. It asks again
+    once answered."""
+    server, _ = served
+    assert afmd(env, "pull", EMBED).returncode == 0
+    folder = Path(env["HF_HOME"]) / "hub" / "models--test-org--embed"
+    rm = subprocess.Popen([*afmd_command(), "rm", EMBED, "--url", server.url], env=env,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        assert rm.stdout is not None
+        asked = ""
+        while "[y/N]" not in asked:  # the question is written without a newline
+            piece = rm.stdout.read(1)
+            assert piece, asked
+            asked += piece
+        loaded = httpx.post(server.url + "/v1/embeddings", json={"model": EMBED, "input": "x"},
+                            timeout=60)
+        assert loaded.status_code == 200, loaded.text
+        out, err = rm.communicate("y\n", timeout=60)
+    finally:
+        rm.kill()
+    assert rm.returncode == 1, out + err
+    assert f"{EMBED} is loaded by the running server" in err
+    assert folder.is_dir()
+    unloaded = httpx.post(server.url + "/api/embed", json={"model": EMBED, "keep_alive": 0},
+                          timeout=60)
+    assert unloaded.status_code == 200, unloaded.text
 
 
 # ---------------------------------------------------------------------------- show

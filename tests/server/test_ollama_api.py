@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -1047,6 +1049,64 @@ def test_a_pull_stops_when_its_client_leaves(hub_server: tuple[ServerProcess, Fa
     assert client.delete(SLOW).status == "success"
 
 
+AGAIN = "tiny-org/pulled-again"
+
+
+def test_a_model_being_pulled_is_not_deleted(hub_server: tuple[ServerProcess, FakeHub]
+                                            ) -> None:
+    """A downloaded repo pulled again (a new commit upstream) while a client deletes it:
+    the delete is a 409 ``model_in_use`` until the pull is over. Before, it was a 200,
+    the files the pull had verified went from under it, and the pull failed on a blob
+    gone missing ("FileNotFoundError"), leaving nothing."""
+    server, hub = hub_server
+    folder = demo.materialize("demo")
+    hub.add_folder(AGAIN, folder)
+    client = ollama.Client(host=server.url, timeout=120)
+    assert client.pull(AGAIN).status == "success"
+    files = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*")
+             if p.is_file()}
+    files["tokenizer_config.json"] += b"\n"  # a later commit
+    commit = hub.add_repo(AGAIN, files)
+    # Seconds of that file, which the pull fetches to its end even once its client left.
+    hub.throttle(AGAIN, "tokenizer_config.json", 1200)
+    body = json.dumps({"model": AGAIN}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as pulling:
+        pulling.sendall(b"POST /api/pull HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        b"Content-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while not hub.gets(f"/{commit}/tokenizer_config.json"):
+            assert time.monotonic() < deadline, "the pull never reached the slow file"
+            time.sleep(0.02)
+        refused = httpx.request("DELETE", server.url + "/api/delete", json={"model": AGAIN},
+                                timeout=60)
+    assert refused.status_code == 409, refused.text
+    assert "being pulled" in refused.json()["error"]
+    # Its client gone, the pull stops after that file; then the delete goes ahead.
+    server.wait_event("pull stopped", model=AGAIN)
+    assert client.delete(AGAIN).status == "success"
+    # The same for the dashboard's pull, which runs on its own until it is done.
+    hub.rates.clear()
+    assert client.pull(AGAIN).status == "success"
+    files["tokenizer_config.json"] += b"\n"
+    commit = hub.add_repo(AGAIN, files)
+    hub.throttle(AGAIN, "tokenizer_config.json", 1200)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.post("/ui/api/pull", json={"model": AGAIN}).status_code == 202
+        deadline = time.monotonic() + 30
+        while not hub.gets(f"/{commit}/tokenizer_config.json"):
+            assert time.monotonic() < deadline, "the pull never reached the slow file"
+            time.sleep(0.02)
+        refused = http.request("DELETE", "/api/delete", json={"model": AGAIN})
+        assert refused.status_code == 409, refused.text
+        while (pull := next(p for p in http.get("/ui/api/models").json()["pulls"]
+                            if p["repo"] == AGAIN))["state"] == "pulling":
+            assert time.monotonic() < deadline + 30, pull
+            time.sleep(0.05)
+        assert pull["state"] == "done", pull
+        assert http.request("DELETE", "/api/delete", json={"model": AGAIN}).status_code == 200
+
+
 TWICE = "tiny-org/deleted-twice"
 
 
@@ -1211,3 +1271,68 @@ def test_truncate_drops_the_oldest_turns_to_fit_num_ctx(http: httpx.Client) -> N
     assert answer["prompt_eval_count"] + answer["eval_count"] <= 120
     refused = http.post("/api/chat", json={**body, "truncate": False})
     assert refused.status_code == 400 and "context length" in refused.json()["error"]
+
+
+def test_sigterm_ends_pulls_with_the_shutdown_error(tmp_path: Path) -> None:
+    """Pulls clients still wait on when the grace period ends are ended as the turns are:
+    a streamed one with an ``{"error": ...}`` line and its body's end, one not streamed
+    with the 503 ``server_shutting_down``. Before, the shutdown cut both connections:
+    the stream's body ended without its last chunk (httpx: "incomplete chunked read"),
+    the other had no answer at all."""
+    with FakeHub() as hub:
+        for repo in (SLOW, SLOW + "-2"):
+            hub.add_folder(repo, demo.materialize("demo"))
+            hub.throttle(repo, "model.safetensors", 20_000)  # a minute of weights
+        server = start_server(tmp_path, config="[server]\nshutdown_grace = 0.5\n",
+                              env={"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")})
+        lines: list[dict[str, Any]] = []
+        plain: dict[str, Any] = {}
+        weights = threading.Event()
+
+        def streamed() -> None:
+            try:
+                with httpx.stream("POST", server.url + "/api/pull", json={"model": SLOW},
+                                  timeout=60) as response:
+                    for line in response.iter_lines():
+                        lines.append(json.loads(line))
+                        if lines[-1].get("digest", "").startswith("sha256:"):
+                            weights.set()
+            except BaseException as exc:  # recorded for the test to report
+                lines.append({"raised": repr(exc)})
+            finally:
+                weights.set()
+
+        def not_streamed() -> None:
+            try:
+                r = httpx.post(server.url + "/api/pull", timeout=60,
+                               json={"model": SLOW + "-2", "stream": False})
+                plain["status"], plain["body"] = r.status_code, r.json()
+            except BaseException as exc:
+                plain["raised"] = repr(exc)
+
+        threads = [threading.Thread(target=streamed, daemon=True),
+                   threading.Thread(target=not_streamed, daemon=True)]
+        try:
+            for thread in threads:
+                thread.start()
+            assert weights.wait(60), lines
+            deadline = time.monotonic() + 30
+            while not hub.gets(f"/{SLOW}-2/resolve/" + hub.repos[SLOW + "-2"].commit
+                               + "/model.safetensors"):
+                assert time.monotonic() < deadline, "the second pull never fetched weights"
+                time.sleep(0.02)
+            server.proc.send_signal(signal.SIGTERM)
+            for thread in threads:
+                thread.join(30)
+            code = server.proc.wait(30)
+        finally:
+            server.stop()
+    assert code == 0
+    assert "raised" not in lines[-1], lines[-1]
+    assert set(lines[-1]) == {"error"} and "stopping" in lines[-1]["error"], lines[-1]
+    assert plain.get("status") == 503, plain
+    assert "stopping" in plain["body"]["error"], plain
+    access = [e for e in server.events if e.get("event") == "request"
+              and e.get("path") == "/api/pull"]
+    assert {e.get("stream_error") or e.get("error_code") for e in access} \
+        == {"server_shutting_down"}, access

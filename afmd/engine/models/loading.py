@@ -35,7 +35,7 @@ from afmd.engine.models.kinds import BUILTIN_PREFIX, CHAT
 from afmd.engine.models.loaded_model import DEFAULT_CONTEXT_LENGTH, LoadedModel, context_length_from
 from afmd.engine.models.residency import RETRY_AFTER_S, Residency, format_bytes, size_before_loading
 from afmd.engine.worker_threads import WorkerThread
-from afmd.errors import InvalidRequestError, ServerError, ServiceUnavailableError
+from afmd.errors import APIError, InvalidRequestError, ServerError, ServiceUnavailableError
 
 if TYPE_CHECKING:
     from afmd.engine.vision.vision_model import VisionSupport
@@ -376,6 +376,8 @@ class Loads:
         # Models that must not serve again in this process (a launched group lost a rank).
         self._withdrawn: dict[str, str] = {}
         self._ever_loaded: set[str] = set()
+        #: Set once the server stops: what a request that would start a load is told.
+        self._stopped: APIError | None = None
 
     # -- what /health reports --
     def status(self) -> dict[str, str]:
@@ -418,6 +420,18 @@ class Loads:
             raise _withdrawn_error(entry, self._withdrawn[entry.id])
 
     # -- loading --
+    def stop(self, error: APIError) -> None:
+        """The server is stopping: no load starts from now on (a request that would start
+        one is told ``error``), and those still waiting for room are dropped; a load under
+        way finishes. Turns waiting for their model are cancelled by the pipeline, but
+        counting tokens and Ollama's load bodies wait without a turn: once the shutdown
+        had cut the busy model's stream, their model was loaded in the server's last
+        moment, and a load outlasting it left their connections closed unanswered."""
+        self._stopped = error
+        for model_id, task in list(self._loading.items()):
+            if model_id in self._finding_room:
+                task.cancel()
+
     def begin(
         self, entry: ModelEntry, deadline: float | None = None, *, evict: bool = True,
         for_request: bool = False,
@@ -427,6 +441,8 @@ class Loads:
         the dashboard's load)."""
         task = self._loading.get(entry.id)
         if task is None:
+            if self._stopped is not None:
+                raise self._stopped
             if deadline is None:
                 deadline = time.monotonic() + self._config.server.request_timeout
             self._finding_room.add(entry.id)

@@ -107,6 +107,12 @@ class ModelRegistry:
             return None
         return self._repos.setdefault(repo, ModelEntry(id=repo, path=repo))
 
+    def downloads_in_use(self) -> list[ModelEntry]:
+        """The downloads served under their repo id (not configured) that are loaded or
+        loading now: models of the server's as much as the configured ones."""
+        return [e for e in self._repos.values()
+                if e.id in self._loaded or self.loads.is_loading(e.id)]
+
     def listed_ids(self) -> list[str]:
         return [*self._config.model_ids(), *self._config.models.aliases]
 
@@ -198,7 +204,7 @@ class ModelRegistry:
         task = self.residency.unload(model_id, reason)
         if task is None:
             return False
-        await task
+        await self.residency.freed(task)
         return True
 
     async def unload_when_idle(self, entry: ModelEntry) -> None:

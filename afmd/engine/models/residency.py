@@ -443,8 +443,8 @@ class Residency:
                 if evict:
                     self._claim(model_id, size, since)
                 if victims and evict:
-                    tasks = [self._unload(r, f"making room for {model_id}") for r in victims]
-                    await asyncio.gather(*tasks)
+                    await self.freed(*(self._unload(r, f"making room for {model_id}")
+                                       for r in victims))
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -579,6 +579,16 @@ class Residency:
         task.add_done_callback(self._unload_tasks.discard)
         return task
 
+    @staticmethod
+    async def freed(*unloads: asyncio.Task[None]) -> None:
+        """Until ``unloads`` (tasks :meth:`unload` returned) have freed their models.
+
+        Whoever waits may stop waiting (a load dropped by its last client, a client that
+        left) but never stops the unload: one cancelled before its first step never ran
+        its clean-up, so its model was never freed and stayed counted as unloading, which
+        kept every later load out once ``max_loaded`` was reached."""
+        await asyncio.shield(asyncio.gather(*unloads))
+
     async def _free_later(self, model: LoadedModel, held: int, reason: str) -> None:
         try:
             # Callbacks already scheduled (a finished request's last events) may still hold
@@ -613,7 +623,7 @@ class Residency:
     async def drain(self) -> None:
         """Wait for the unloads under way (tests, shutdown)."""
         while self._unload_tasks:
-            await asyncio.gather(*list(self._unload_tasks), return_exceptions=True)
+            await self.freed(*self._unload_tasks)
 
     def close(self) -> list[LoadedModel]:
         """Stop every timer (safe from any thread: a timer that fires finds nothing); the

@@ -290,7 +290,17 @@ async def _load(request: Request) -> HTTPResponse:
     task = registry.begin_load(entry)
     # The load goes on if this client leaves; its outcome is the registry's to report.
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    loaded = await asyncio.shield(task)
+    try:
+        loaded = await asyncio.shield(task)
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        stop = state.stop_error
+        if stop is None or not task.cancelled() or (current is not None
+                                                    and current.cancelling()):
+            raise  # this client left
+        # The shutdown dropped the load, which still waited for room: its error, as any
+        # request waiting for a model gets (the cancel itself read as a 500).
+        raise stop from None
     return _json({"id": entry.id, "state": "loaded", "memory_bytes": loaded.memory_bytes})
 
 

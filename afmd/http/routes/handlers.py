@@ -128,6 +128,7 @@ def interrupt_requests(state: AppState, error: APIError) -> None:
     started a new round meanwhile (server tools) is caught by the next call.
     """
     state.stop_error = error
+    state.registry.loads.stop(error)  # nothing is loaded any more, for a turn or not
     state.pipeline.cancel_arriving()  # each answers the error, not a model loaded for it
     for request_id in list(state.running):
         run = state.pipeline.find(request_id)

@@ -25,12 +25,16 @@ from afmd.http.app_state import AppState
 
 
 def model_details(state: AppState) -> dict[str, dict[str, Any]]:
-    """Per configured model, from the registry, which counts every request that holds or
-    waits for a model (chat, completions, responses, messages, embeddings) and runs each
-    model's keep-alive."""
+    """Per configured model, and per download served under its repo id while it is loaded
+    or loading, from the registry, which counts every request that holds or waits for a
+    model (chat, completions, responses, messages, embeddings) and runs each model's
+    keep-alive. Without the downloads, ``afmd ps`` did not show one a client had loaded
+    by its repo id, and ``afmd rm`` deleted its files from under the server."""
     registry = state.registry
     details: dict[str, dict[str, Any]] = {}
-    for entry in state.config.models.model:
+    configured = state.config.models.model
+    ids = {entry.id for entry in configured}
+    for entry in [*configured, *(e for e in registry.downloads_in_use() if e.id not in ids)]:
         usage = registry.residency.usage(entry.id)
         failure = registry.failure(entry.id)
         loaded = registry.loaded(entry.id) if usage is not None else None

@@ -38,6 +38,7 @@ from afmd.dialects.ollama.ollama_api import (
     OLLAMA,
     OLLAMA_CHAT,
     OLLAMA_GENERATE,
+    error_body,
     load_answer,
     ndjson,
 )
@@ -50,7 +51,7 @@ from afmd.dialects.ollama.ollama_body import (
     wants_thinking,
 )
 from afmd.engine.models.kinds import CHAT, EMBEDDING
-from afmd.errors import ConflictError, InvalidRequestError, NotFoundError
+from afmd.errors import APIError, ConflictError, InvalidRequestError, NotFoundError
 from afmd.http.access import log_access
 from afmd.http.app_state import AppState
 from afmd.http.routes import handlers as routes
@@ -58,6 +59,7 @@ from afmd.http.routes import ollama_models
 from afmd.http.routes.embedding_routes import service_of
 from afmd.http.routes.ignored import ignored_headers
 from afmd.hub import cache as hubcache
+from afmd.hub.server_pulls import PULLING
 from afmd.logs import get_logger
 from afmd.service.pipeline import thinking_not_supported
 
@@ -320,10 +322,24 @@ async def delete(request: Request) -> HTTPResponse:
         raise ConflictError(f"model '{name}' is loading for a request; delete it once that "
                             "is answered and the model unloaded", code="model_in_use",
                             param="model")
+    if _pulling(state, repo):  # its files would go from under the download
+        raise ConflictError(f"model '{name}' is being pulled; delete it once the pull is "
+                            "over", code="model_in_use", param="model")
     if await asyncio.to_thread(hubcache.remove, repo) is None:  # a delete beside it won
         raise NotFoundError(f"model '{name}' not found: it was deleted meanwhile",
                             code="model_not_found", param="model")
     return HTTPResponse(status=200, headers=headers)
+
+
+def _pulling(state: AppState, repo: str) -> bool:
+    """Whether the server is pulling ``repo`` (``/api/pull``, its download thread still
+    running; the dashboard): a delete then took the files the pull had verified from under
+    it, and the pull failed on a file gone missing ("FileNotFoundError: ... blobs/...")
+    after its client was told the delete succeeded."""
+    if repo in state.pulls.values():
+        return True
+    page = state.dashboard.pulls.get(repo) if state.dashboard is not None else None
+    return page is not None and page.state == PULLING
 
 
 # ---------------------------------------------------------------------------- pull
@@ -353,12 +369,20 @@ async def pull(request: Request) -> HTTPResponse | None:
     name = values["model"]
     request.ctx.model = name
     try:
-        parse_ref(name.removesuffix(ollama_models.TAG))
+        repo = parse_ref(name.removesuffix(ollama_models.TAG))[0]
     except PullError as exc:
         raise InvalidRequestError(str(exc), param="model") from None
+    state: AppState = request.app.ctx.state
+    if state.stop_error is not None:  # the shutdown's grace period is over, as for a turn
+        raise state.stop_error
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    # Progress objects, then None; or the shutdown's error (see interrupt_pulls).
+    queue: asyncio.Queue[dict[str, Any] | APIError | None] = asyncio.Queue()
     stop = threading.Event()
+
+    def interrupt(error: APIError) -> None:
+        stop.set()
+        queue.put_nowait(error)
 
     def put(item: dict[str, Any] | None) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is gone: the server stopped
@@ -375,12 +399,21 @@ async def pull(request: Request) -> HTTPResponse | None:
             put({"status": f"pulling {digest.split(':', 1)[1][:12]}", "digest": digest,
                  "total": total, "completed": done})
 
+    def ended(stopped: bool) -> None:
+        """On the loop, once the download thread is over: the repo is being pulled until
+        then, which may be after its client left (a file under way is fetched to its end
+        before the flag is seen)."""
+        state.pulls.pop(interrupt, None)
+        if stopped:  # nobody is left to tell but the log
+            _log.info("pull stopped", model=name, reason="the request ended before the pull")
+
     def work() -> None:
+        stopped = False
         try:
             pull_model(name.removesuffix(ollama_models.TAG), out=_Discard(), terminal=False,
                        report=report, stop=stop)
-        except PullStopped:  # nobody is left to tell but the log
-            _log.info("pull stopped", model=name, reason="the request ended before the pull")
+        except PullStopped:
+            stopped = True
         except PullError as exc:
             put({"error": str(exc)})
         except Exception as exc:  # the hub client's own failure, named as it is
@@ -390,15 +423,20 @@ async def pull(request: Request) -> HTTPResponse | None:
                 put({"status": status})
         finally:
             put(None)
+            with contextlib.suppress(RuntimeError):  # the loop is gone: the server stopped
+                loop.call_soon_threadsafe(ended, stopped)
 
     put({"status": "pulling manifest"})
     # A daemon thread, not the loop's executor: a server stopping mid-file must not wait
     # for the hub client's next progress step to notice the flag.
+    state.pulls[interrupt] = repo
     threading.Thread(target=work, name=f"afmd-ollama-pull-{name}", daemon=True).start()
     try:
         if not values["stream"]:
             last: dict[str, Any] = {}
             while (item := await queue.get()) is not None:
+                if isinstance(item, APIError):
+                    raise item
                 last = item
             if "error" in last:
                 raise InvalidRequestError(last["error"], code="pull_failed", param="model")
@@ -409,13 +447,31 @@ async def pull(request: Request) -> HTTPResponse | None:
         stop.set()  # cancelled (the client left, the server stops) or over: harmless then
 
 
-async def _stream_pull(request: Request, queue: asyncio.Queue[dict[str, Any] | None],
+def interrupt_pulls(state: AppState, error: APIError) -> None:
+    """End every pull a client still waits on with ``error`` (the server is stopping), as
+    :func:`~afmd.http.routes.handlers.interrupt_requests` ends the turns: a stream with
+    an error line and its end, one not streamed with the error itself, the download
+    stopped. Before, the shutdown cut their connections: a streamed pull's body ended
+    without its last chunk (a broken connection to the client), a plain one unanswered."""
+    for interrupt in list(state.pulls):
+        interrupt(error)
+    state.pulls.clear()
+
+
+async def _stream_pull(request: Request,
+                       queue: asyncio.Queue[dict[str, Any] | APIError | None],
                        headers: dict[str, str]) -> None:
     request.ctx.streamed = True
     response = await request.respond(status=200, headers=headers, content_type=MEDIA_TYPE)
     sent = 0
     try:
         while (item := await queue.get()) is not None:
+            if isinstance(item, APIError):
+                request.ctx.stream_error = item.code
+                line = ndjson(error_body(item))
+                sent += len(line)
+                await response.send(line)
+                break
             if "error" in item:
                 request.ctx.stream_error = "pull_failed"
             line = ndjson(item)

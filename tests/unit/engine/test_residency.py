@@ -232,6 +232,28 @@ def test_a_load_waiting_behind_another_load_names_it_in_its_503() -> None:
     run(main)
 
 
+def test_a_load_cancelled_as_it_unloads_a_model_still_frees_it() -> None:
+    """A load making room is cancelled (its last client left) in the turn it started
+    unloading the idle model in its way. Before, the cancel reached the unload before its
+    first step, so its clean-up never ran: the model was never freed (its thread and
+    arrays stayed) and was counted as unloading for good, which under ``max_loaded = 1``
+    kept every later load out with 503 ``model_unavailable`` ("unloading: 1")."""
+    async def main() -> tuple[list[str], list[str]]:
+        res, freed = residency(max_loaded=1)
+        admit(res, Fake("a"))
+        making = asyncio.ensure_future(res.make_room("b", 10, time.monotonic() + 5))
+        await asyncio.sleep(0)  # make_room has started a's unload and waits for it
+        making.cancel()
+        await asyncio.gather(making, return_exceptions=True)
+        await res.drain()
+        await asyncio.wait_for(res.make_room("c", 10, time.monotonic() + 1), HANG_S)
+        return freed, sorted(res._reserved)
+
+    freed, reserved = run(main)
+    assert freed == ["a"]
+    assert reserved == ["c"]
+
+
 def test_keep_alive_zero_forever_and_seconds() -> None:
     async def main() -> None:
         res, freed = residency()
@@ -666,6 +688,33 @@ def test_a_load_dropped_in_the_turn_it_began_is_not_left_under_way(
     registry.close()
     assert (loading, status) == (False, "available")
     assert ready and loads == ["demo-32k"]
+
+
+def test_an_unload_whose_client_leaves_at_once_still_frees_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dashboard's unload (``ModelRegistry.unload``) waits for the unload's task: a
+    client leaving in the same turn cancelled that task before its first step, so the
+    model was never freed and stayed counted as unloading, and with ``max_loaded = 1`` no
+    model could load again (503 ``model_unavailable``, "unloading: 1")."""
+    loads: list[str] = []
+    registry = one_model_registry(tmp_path, monkeypatch, loads)
+    demo, other = registry.resolve("demo"), registry.resolve("demo-32k")
+
+    async def main() -> list[str]:
+        (await registry.lease(demo)).release()
+        leaving = asyncio.ensure_future(registry.unload(demo.id))
+        await asyncio.sleep(0)  # the unload has begun and is waited for
+        leaving.cancel()
+        await asyncio.gather(leaving, return_exceptions=True)
+        lease = await asyncio.wait_for(registry.lease(other), HANG_S)
+        lease.release()
+        return sorted(registry.residency.loaded)
+
+    loaded = run(main)
+    registry.close()
+    assert loads == ["demo", "demo-32k"]
+    assert loaded == ["demo-32k"]
 
 
 def test_turns_go_on_after_the_switch_a_later_request_for_the_new_model_waits_too(
