@@ -84,17 +84,20 @@ _LINE_LOCK = threading.RLock()
 os.register_at_fork(after_in_child=_LINE_LOCK._at_fork_reinit)  # type: ignore[attr-defined]
 
 
-class _SafePrintLogger(structlog.PrintLogger):
-    """A PrintLogger that writes each line whole (see ``_LINE_LOCK``) and never raises: a
-    closed or broken log stream (the reader of a pipe went away) must not turn
-    ``log.info`` into an exception in whatever called it, such as the SIGTERM handler,
-    which would then never stop the server. Like stdlib logging, which swallows write
-    errors in ``Handler.handleError``."""
+class _SafePrintLogger:
+    """structlog's printer: each line written whole (see ``_LINE_LOCK``), and never an
+    exception: a closed or broken log stream (the reader of a pipe went away) must not
+    turn ``log.info`` into an exception in whatever called it, such as the SIGTERM
+    handler, which would then never stop the server. Like stdlib logging, which swallows
+    write errors in ``Handler.handleError``."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
 
     def msg(self, message: str) -> None:
         with contextlib.suppress(OSError, ValueError), _LINE_LOCK:
-            self._file.write(message + "\n")
-            self._file.flush()
+            self.stream.write(message + "\n")
+            self.stream.flush()
 
     log = debug = info = warn = warning = msg
     fatal = failure = err = error = critical = exception = msg
