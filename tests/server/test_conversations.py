@@ -6,6 +6,7 @@ bounded store in process, and a persisted conversation across a restart."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +194,46 @@ def test_a_refused_turn_adds_nothing(client: Any) -> None:
     assert unanswered.code == "missing_tool_output"
     assert unanswered.body["param"] == "conversation"
     assert len(all_items(client, made.id)) == 2
+
+
+def test_one_response_at_a_time_runs_on_a_conversation(client: Any) -> None:
+    """A second response on a conversation while one runs would read its history without
+    the first's turn and append its own after it: it is OpenAI's 400
+    ``conversation_locked``, background or not, until the first has ended."""
+    made = client.conversations.create(items=[message("Hi")])
+    long = {"model": "demo", "conversation": made.id, "input": "Tell me a long story.",
+            "max_output_tokens": 8000, "temperature": 0}
+    again = {"model": "demo", "conversation": made.id, "input": "Again",
+             "max_output_tokens": 16}
+
+    def locked(**extra: Any) -> None:
+        error = status_error(lambda: client.responses.create(**again, **extra))
+        assert (error.status_code, error.code, error.body["param"]) == (
+            400, "conversation_locked", "conversation")
+
+    stream = client.responses.create(**long, stream=True)
+    next(iter(stream))  # it runs
+    locked()
+    locked(background=True)
+    stream.close()  # its client left: cancelled, its turn not appended
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.responses.create(**again)
+            break
+        except openai.BadRequestError as error:
+            assert error.code == "conversation_locked" and time.monotonic() < deadline
+            time.sleep(0.05)
+    assert len(all_items(client, made.id)) == 3  # Hi, then Again and its answer
+    running = client.responses.create(**long, background=True)
+    locked()
+    client.responses.cancel(running.id)  # answered once the run has ended
+    client.responses.create(**again)
+    # A turn refused before it runs lets the conversation go at once.
+    assert status_error(lambda: client.responses.create(
+        **{**again, "model": "no-such-model"})).status_code == 404
+    client.responses.create(**again, background=True)
+    assert client.conversations.retrieve(made.id).id == made.id
 
 
 # -- what is refused ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import math
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +129,9 @@ class ConversationStore:
         self._entries: OrderedDict[str, Conversation] = OrderedDict()  # least recent first
         self._sizes: dict[str, int] = {}
         self.bytes = 0
+        #: The conversations a response is running on: a second one at the same time would
+        #: read the history without the first's turn and append its own after it.
+        self._busy: set[str] = set()
         self._writer = ThreadPoolExecutor(1, "afmd-conversations") if folder else None
         if folder is not None:
             self._load(folder)
@@ -192,6 +195,31 @@ class ConversationStore:
             return False
         self._remove(conversation_id)
         return True
+
+    def hold(self, conversation_id: str | None) -> None:
+        """A response begins on the conversation (None: none); while one runs, another is
+        refused with OpenAI's 400 ``conversation_locked``. Called in the same step of the
+        event loop as the request's parse, which read its history."""
+        if conversation_id is None:
+            return
+        if conversation_id in self._busy:
+            raise InvalidRequestError(
+                "Another process is currently operating on this conversation. Please retry "
+                "in a few seconds.", code="conversation_locked", param="conversation")
+        self._busy.add(conversation_id)
+
+    def release(self, conversation_id: str | None) -> None:
+        """The response that :meth:`hold` let in has ended (its turn appended, or not)."""
+        if conversation_id is not None:
+            self._busy.discard(conversation_id)
+
+    @contextlib.contextmanager
+    def holding(self, conversation_id: str | None) -> Iterator[None]:
+        self.hold(conversation_id)
+        try:
+            yield
+        finally:
+            self.release(conversation_id)
 
     def close(self) -> None:
         """Finish the pending writes (at shutdown)."""

@@ -18,7 +18,7 @@ The running responses and their events are kept by
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from contextlib import aclosing
 from typing import Any, cast
 
@@ -62,9 +62,9 @@ AnyRun = ChatRun | ChoicesRun | CompletionRun
 
 
 async def _drive(state: AppState, bg: BackgroundRun, prepared: PreparedChat | PreparedCompletion,
-                 path: str, received: float | None) -> None:
+                 path: str, received: float | None, release: Callable[[], None]) -> None:
     """Run the turn to its end and store it; nothing escapes (the task's failures are the
-    response's, and logged)."""
+    response's, and logged). ``release`` lets its conversation go, at its end."""
     pipeline = state.pipeline
     run: AnyRun | None = None
     error: str | None = None
@@ -111,6 +111,7 @@ async def _drive(state: AppState, bg: BackgroundRun, prepared: PreparedChat | Pr
         error = failure.code
         bg.finish(*bg.reply.error_events(failure))
     finally:
+        release()
         state.running[bg.request_id] -= 1
         if not state.running[bg.request_id]:
             del state.running[bg.request_id]
@@ -150,7 +151,21 @@ async def cancel(bg: BackgroundRun, pipeline: ChatPipeline) -> dict[str, Any]:
 async def create(request: Request, dialect: OpenAIResponses, chat: ResponsesRequest
                  ) -> HTTPResponse | None:
     """The POST of a background response: prepared while the client waits (a refusal is
-    its answer), then run by a task of its own."""
+    its answer), then run by a task of its own, which holds its conversation to its end."""
+    conversations, conversation = dialect.conversations, chat.echo.conversation
+    conversations.hold(conversation)
+    handed: list[BackgroundRun] = []  # the run whose task took the conversation over
+    try:
+        return await _create(request, dialect, chat,
+                             lambda: conversations.release(conversation), handed)
+    finally:
+        if not handed:  # refused, or cancelled, before its task began
+            conversations.release(conversation)
+
+
+async def _create(request: Request, dialect: OpenAIResponses, chat: ResponsesRequest,
+                  release: Callable[[], None], handed: list[BackgroundRun]
+                  ) -> HTTPResponse | None:
     state = request.app.ctx.state
     runs: BackgroundRuns = state.background
     pipeline = state.pipeline
@@ -175,8 +190,9 @@ async def create(request: Request, dialect: OpenAIResponses, chat: ResponsesRequ
     bg = BackgroundRun(reply, request_id, opening, streamed=chat.stream)
     state.running[request_id] += 1  # interrupt_requests() finds it, as a turn's run
     runs.add(bg, _drive(state, bg, prepared, request.path,
-                        getattr(request.ctx, "started", None)),
+                        getattr(request.ctx, "started", None), release),
              lambda rid: dialect.store.get(rid) is not None)
+    handed.append(bg)
     # The task's first step runs before this handler resumes: by then the run holds a
     # slot, waits in the queue, or was refused (a full queue's 429) before it began.
     await asyncio.sleep(0)

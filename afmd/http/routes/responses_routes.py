@@ -65,7 +65,8 @@ async def create(request: Request) -> HTTPResponse | None:
                          strict=state.config.api.strict)
     if chat.echo.background:
         return await background_runs.create(request, dialect, chat)
-    return await routes.turn(request, chat)
+    with dialect.conversations.holding(chat.echo.conversation):
+        return await routes.turn(request, chat)
 
 
 async def retrieve(request: Request, response_id: str) -> HTTPResponse | None:
