@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import threading
 import unicodedata
@@ -81,7 +80,6 @@ def _single_line(renderer: Any) -> Any:
 #: engine's), and structlog's own lock is its alone, so a stdlib line could land between
 #: a structlog line and its newline (two JSON objects on one line, then an empty one).
 _LINE_LOCK = threading.RLock()
-os.register_at_fork(after_in_child=_LINE_LOCK._at_fork_reinit)  # type: ignore[attr-defined]
 
 
 class _SafePrintLogger:
@@ -107,6 +105,10 @@ class _LineHandler(logging.StreamHandler):
     """The stdlib handler, its lines written under ``_LINE_LOCK`` as structlog's are."""
 
     def createLock(self) -> None:
+        # The stdlib's own: it also has logging make the handler's lock new in a forked
+        # child (a lock held by another thread at the fork would be held there for good),
+        # which, the lock being _LINE_LOCK, keeps the printer's usable there too.
+        super().createLock()
         self.lock = _LINE_LOCK
 
 
