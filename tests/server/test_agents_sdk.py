@@ -8,24 +8,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from agents import (
-    Agent,
-    ModelSettings,
-    OpenAIConversationsSession,
-    OpenAIResponsesModel,
-    Runner,
-    function_tool,
-    set_tracing_disabled,
-)
 from openai import AsyncOpenAI
 
 from helpers import agents as agent_tools
 from helpers.servers import ServerProcess, start_server
 
+if TYPE_CHECKING:
+    from agents import Agent
+
 pytestmark = pytest.mark.slow  # a server of its own, on a model built for it
+
+# The SDK is imported where it is used, not at the top: importing it (and the MCP package
+# it brings) is a large share of collecting the whole suite, which every pytest-xdist
+# worker does, while only the worker that runs this file uses it.
 
 MODEL = "demo-agent"
 
@@ -35,12 +33,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     model = agent_tools.quick_model(tmp_path_factory.mktemp("model"))
     proc = start_server(tmp_path_factory.mktemp("server"),
                         config=f'[[models.model]]\nid = "{MODEL}"\npath = "{model}"\n')
+    from agents import set_tracing_disabled
+
     set_tracing_disabled(True)  # its traces would go to OpenAI
     yield proc
     proc.stop()
 
 
 def _agent(client: AsyncOpenAI, **settings: Any) -> Agent[Any]:
+    from agents import Agent, ModelSettings, OpenAIResponsesModel
+
     return Agent(name="helper", instructions="Be brief.",
                  model=OpenAIResponsesModel(model=MODEL, openai_client=client),
                  model_settings=ModelSettings(max_tokens=256, **settings))
@@ -51,6 +53,8 @@ def _client(server: ServerProcess) -> AsyncOpenAI:
 
 
 def test_a_session_kept_in_a_conversation(server: ServerProcess) -> None:
+    from agents import OpenAIConversationsSession, Runner
+
     async def run() -> None:
         client = _client(server)
         conversation = (await client.conversations.create()).id
@@ -80,6 +84,8 @@ def test_a_session_kept_in_a_conversation(server: ServerProcess) -> None:
 
 
 def test_a_conversation_by_id_and_a_previous_response(server: ServerProcess) -> None:
+    from agents import Runner
+
     async def run() -> None:
         client = _client(server)
         agent = _agent(client)
@@ -98,6 +104,8 @@ def test_a_conversation_by_id_and_a_previous_response(server: ServerProcess) -> 
 
 
 def test_a_function_tool_and_a_streamed_run(server: ServerProcess) -> None:
+    from agents import Runner, function_tool
+
     calls: list[tuple[int, int]] = []
 
     @function_tool
