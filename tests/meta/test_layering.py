@@ -40,6 +40,7 @@ afmd.dialects.* or afmd.http.*.
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,11 +171,18 @@ def _resolve_relative(module: str, is_package: bool, level: int, name: str | Non
     return ".".join([*parts, name] if name else parts)
 
 
+@functools.cache
+def _import_nodes(source: str) -> tuple[ast.AST, ...]:
+    """The nodes of ``source`` that :func:`imports_of` reads, in ``ast.walk``'s order:
+    parsed once per source text, as three tests here read every module of the package."""
+    return tuple(node for node in ast.walk(ast.parse(source))
+                 if isinstance(node, ast.Import | ast.ImportFrom | ast.Call))
+
+
 def imports_of(source: str, module: str, is_package: bool, known: set[str]) -> Iterator[Import]:
     """Every import anywhere in the module (functions and TYPE_CHECKING blocks included),
     plus ``importlib.import_module("x")`` / ``__import__("x")`` with a literal name."""
-    tree = ast.parse(source)
-    for node in ast.walk(tree):
+    for node in _import_nodes(source):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield Import(alias.name, node.lineno)
