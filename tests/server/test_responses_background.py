@@ -217,6 +217,45 @@ def test_a_background_stream_is_queued_until_its_run_begins(one_slot) -> None:
     assert kinds[-1] in ("response.completed", "response.incomplete")
 
 
+def test_a_stored_response_still_streaming_is_shown_in_progress(one_slot) -> None:
+    """A stored response (not a background one) whose stream still runs: GET shows it
+    ``in_progress`` with its input items, continuing from it or cancelling it by its id
+    are 400s, and a DELETE meanwhile keeps it from being stored at its end (it found
+    nothing, and the response was stored after all)."""
+    client = _client(one_slot)
+    stream = client.responses.create(model="demo", stream=True, **LONG)
+    events = iter(stream)
+    response_id = next(events).response.id
+    try:
+        shown = client.responses.retrieve(response_id)
+        assert shown.status == "in_progress" and shown.id == response_id
+        validate_response(shown.model_dump(mode="json", exclude_unset=True))
+        listed = client.responses.input_items.list(response_id)
+        assert [i.type for i in listed] == ["message"]
+        with pytest.raises(openai.BadRequestError) as early:
+            client.responses.create(model="demo", input="And?",
+                                    previous_response_id=response_id)
+        assert early.value.body["param"] == "previous_response_id"
+        with pytest.raises(openai.BadRequestError) as cancel:
+            client.responses.cancel(response_id)
+        assert "background" in cancel.value.body["message"]
+        client.responses.delete(response_id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response_id)
+    finally:
+        stream.close()  # the run ends (stored cancelled, were it not deleted)
+    deadline = time.monotonic() + 10
+    while True:  # the slot comes free once the run has ended, and stored nothing
+        try:
+            quick = _client(one_slot, timeout=5).responses.create(model="demo", **SHORT)
+            break
+        except openai.APIError:
+            assert time.monotonic() < deadline
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response_id)
+    assert client.responses.retrieve(quick.id).status == quick.status  # stored as ever
+
+
 def test_cancel_of_a_finished_one_answers_it_and_of_a_plain_one_is_400(one_slot) -> None:
     client = _client(one_slot)
     made = client.responses.create(model="demo", background=True, **SHORT)

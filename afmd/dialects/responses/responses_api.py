@@ -111,6 +111,10 @@ class ResponsesReply:
     def background(self) -> bool:
         return self._request.echo.background
 
+    @property
+    def input_items(self) -> tuple[Item, ...]:
+        return self._request.echo.input_items
+
     def queued(self) -> tuple[dict[str, Any], list[bytes]]:
         """The response as its POST answers it, ``queued``, and, streamed, the events that
         open its stream: ``response.created`` and ``response.queued``."""
@@ -184,6 +188,12 @@ class OpenAIResponses:
         self.store = store
         self.conversations = conversations
         self.truncation = truncation  # a body's that names none: the server's policy
+        #: The responses to be stored whose turn still runs (a background one is stored
+        #: from its POST on), by id: ``GET`` shows one ``in_progress``, and a ``DELETE``
+        #: keeps it from being stored at its end, where it found nothing and the response
+        #: was stored after all. Each leaves at its turn's end (:meth:`settled`).
+        self.running: dict[str, ResponsesReply] = {}
+        self._of_request: dict[int, ResponsesReply] = {}
 
     def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
               strict: bool = False) -> ResponsesRequest:
@@ -207,6 +217,11 @@ class OpenAIResponses:
         has no answer yet to continue from."""
         stored = self.store.get(response_id)
         if stored is None:
+            if response_id in self.running:
+                raise InvalidRequestError(
+                    f"Previous response {quoted(response_id)} is still in_progress: continue "
+                    "from it once it has ended.", code="invalid_value",
+                    param="previous_response_id")
             return None
         status = stored.response.get("status")
         if status in UNDER_WAY:
@@ -218,8 +233,19 @@ class OpenAIResponses:
 
     def reply(self, request: ChatRequest, *, model: str, fingerprint: str) -> ResponsesReply:
         assert isinstance(request, ResponsesRequest), "parse() made it"
-        return ResponsesReply(request, model=model, store=self.store,
-                              conversations=self.conversations)
+        reply = ResponsesReply(request, model=model, store=self.store,
+                               conversations=self.conversations)
+        if request.echo.store and not request.echo.background:
+            self.running[reply.id] = reply
+            self._of_request[id(request)] = reply
+        return reply
+
+    def settled(self, request: ResponsesRequest) -> None:
+        """The turn of ``request`` is over, its response stored or its failure answered:
+        it runs no more."""
+        reply = self._of_request.pop(id(request), None)
+        if reply is not None:
+            self.running.pop(reply.id, None)
 
     def error_envelope(self, error: APIError) -> dict[str, Any]:
         envelope = error.envelope()

@@ -66,16 +66,22 @@ async def create(request: Request) -> HTTPResponse | None:
     if chat.echo.background:
         return await background_runs.create(request, dialect, chat)
     with dialect.conversations.holding(chat.echo.conversation):
-        return await routes.turn(request, chat)
+        try:
+            return await routes.turn(request, chat)
+        finally:
+            dialect.settled(chat)
 
 
 async def retrieve(request: Request, response_id: str) -> HTTPResponse | None:
-    """The response; a background one as it stands while it runs. With ``?stream=true``,
-    a streamed background response's events after ``starting_after``, followed live to
-    its end if it still runs."""
+    """The response; one still running (background or not) as it stands. With
+    ``?stream=true``, a streamed background response's events after ``starting_after``,
+    followed live to its end if it still runs."""
     runs = request.app.ctx.state.background
     live = runs.running(response_id)
     stored = _dialect(request).store.get(response_id)
+    turn = _dialect(request).running.get(response_id) if stored is None else None
+    if turn is not None and request.args.get("stream") not in ("true", "1"):
+        return json_response(turn.current("in_progress"))
     if live is None and stored is None:
         raise _not_found(response_id)
     if request.args.get("stream") not in ("true", "1"):
@@ -101,7 +107,13 @@ async def retrieve(request: Request, response_id: str) -> HTTPResponse | None:
 
 async def delete(request: Request, response_id: str) -> HTTPResponse:
     """Delete a stored response; a background response still running is cancelled first
-    (deleted, it would have nowhere to end)."""
+    (deleted, it would have nowhere to end). One whose turn still runs otherwise runs on
+    for the client reading it, and is not stored at its end."""
+    turn = _dialect(request).running.pop(response_id, None)
+    if turn is not None:
+        turn.deleted()
+        return json_response({"id": response_id, "object": "response.deleted",
+                              "deleted": True})
     live = request.app.ctx.state.background.running(response_id)
     if live is not None:
         await background_runs.cancel(live, request.app.ctx.state.pipeline)
@@ -116,10 +128,11 @@ async def delete(request: Request, response_id: str) -> HTTPResponse:
 async def input_items(request: Request, response_id: str) -> HTTPResponse:
     """The response's input items (``ResponseItemList``), paged as OpenAI pages lists."""
     stored = _dialect(request).store.get(response_id)
-    if stored is None:
+    turn = _dialect(request).running.get(response_id) if stored is None else None
+    if stored is None and turn is None:
         raise _not_found(response_id)
-    return json_response(list_page(request, stored.input_items,
-                                   f"input item of {quoted(response_id)}"))
+    items = stored.input_items if stored is not None else turn.input_items if turn else ()
+    return json_response(list_page(request, items, f"input item of {quoted(response_id)}"))
 
 
 async def input_tokens(request: Request) -> HTTPResponse:
@@ -146,8 +159,8 @@ async def cancel(request: Request, request_id: str) -> HTTPResponse:
     if live is not None:
         return json_response(await background_runs.cancel(live, state.pipeline))
     stored = _dialect(request).store.get(request_id)
-    if stored is not None:
-        if stored.response.get("background"):
+    if stored is not None or request_id in _dialect(request).running:
+        if stored is not None and stored.response.get("background"):
             return json_response(stored.response)
         raise InvalidRequestError(
             f"Only background responses can be cancelled: {quoted(request_id)} was not "
