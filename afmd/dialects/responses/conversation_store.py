@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +28,9 @@ from typing import Any
 import orjson
 
 from afmd.dialects.fields.unused import metadata_of
+from afmd.dialects.responses.entry_files import EntryFiles, read_entry_file
 from afmd.dialects.responses.items import Item, item_id
-from afmd.dialects.responses.store import checked_items, read_stored_file
+from afmd.dialects.responses.store import checked_items
 from afmd.errors import APIError, InvalidRequestError
 from afmd.logs import get_logger
 
@@ -132,9 +131,9 @@ class ConversationStore:
         #: The conversations a response is running on: a second one at the same time would
         #: read the history without the first's turn and append its own after it.
         self._busy: set[str] = set()
-        self._writer = ThreadPoolExecutor(1, "afmd-conversations") if folder else None
-        if folder is not None:
-            self._load(folder)
+        self._files = EntryFiles(folder, "conversation") if folder is not None else None
+        if self._files is not None:
+            self._load(self._files)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -223,8 +222,8 @@ class ConversationStore:
 
     def close(self) -> None:
         """Finish the pending writes (at shutdown)."""
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
+        if self._files is not None:
+            self._files.close()
 
     def _fit(self, conversation: Conversation, items: Sequence[Item],
              metadata: dict[str, str] | None = None) -> None:
@@ -254,8 +253,9 @@ class ConversationStore:
         size = conversation.size()
         self._sizes[key] = size
         self.bytes += size
-        if self._writer is not None:
-            self._writer.submit(self._write_file, key, conversation.snapshot())
+        if self._files is not None:
+            snapshot = conversation.snapshot()
+            self._files.write(key, lambda: orjson.dumps(snapshot))
         self._expire()
         self._bound(spare=key)
 
@@ -286,39 +286,16 @@ class ConversationStore:
     def _remove(self, conversation_id: str) -> None:
         del self._entries[conversation_id]
         self.bytes -= self._sizes.pop(conversation_id)
-        if self._writer is not None:
-            self._writer.submit(self._unlink, conversation_id)
+        if self._files is not None:
+            self._files.remove(conversation_id)
 
-    # -- the folder --
-
-    def _path(self, conversation_id: str) -> Path:
-        assert self.folder is not None
-        return self.folder / f"{conversation_id}.json"
-
-    def _write_file(self, conversation_id: str, snapshot: dict[str, Any]) -> None:
-        data = orjson.dumps(snapshot)
-        path = self._path(conversation_id)
-        tmp = path.with_suffix(".tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            log.warning("conversation not persisted", id=conversation_id, error=str(exc))
-
-    def _unlink(self, conversation_id: str) -> None:
-        with contextlib.suppress(OSError):
-            self._path(conversation_id).unlink()
-
-    def _load(self, folder: Path) -> None:
+    def _load(self, files: EntryFiles) -> None:
         """The conversations a previous run persisted, least recently changed first,
         bounds applied."""
         found: list[tuple[Conversation, int]] = []
-        for path in folder.glob("conv_*.json") if folder.is_dir() else ():
+        for path in files.stored("conv_"):
             try:
-                data = read_stored_file(path, self.max_bytes, "max_conversations_bytes")
+                data = read_entry_file(path, self.max_bytes, "max_conversations_bytes")
                 conversation = Conversation.from_json(data)
                 if conversation.id != path.stem:
                     raise ValueError("the conversation in it has another id than its name")

@@ -21,20 +21,17 @@ up in memory, never used as a path.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from afmd.dialects.responses.entry_files import EntryFiles, read_entry_file
 from afmd.dialects.responses.items import Item, canonical_items
 from afmd.dialects.responses.output_items import UNDER_WAY
 from afmd.errors import APIError
@@ -119,14 +116,13 @@ class ResponseStore:
         # of one conversation hold the same objects, so a conversation continued N times
         # is N objects here, where an entry each per item was N squared.
         self._items: dict[str, dict[int, list[Any]]] = {}
-        # One writer thread: file writes leave the event loop, in the order they were made.
-        self._writer = ThreadPoolExecutor(1, "afmd-responses") if folder else None
+        self._files = EntryFiles(folder, "response") if folder is not None else None
         #: Told the id of each response that leaves the store (deleted, expired, pushed
         #: out), not of one replaced by a newer state of itself: what is kept beside a
         #: response (a background stream's events) goes with it.
         self.on_remove: Callable[[str], None] | None = None
-        if folder is not None:
-            self._load(folder)
+        if self._files is not None:
+            self._load(self._files)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -192,8 +188,8 @@ class ResponseStore:
 
     def close(self) -> None:
         """Finish the pending writes (at shutdown)."""
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
+        if self._files is not None:
+            self._files.close()
 
     def _expire(self) -> None:
         if self.ttl <= 0:
@@ -243,42 +239,19 @@ class ResponseStore:
                 if not held[1]:
                     del self._held[id(item)]
                     self.bytes -= held[0]
-        if self._writer is not None and not replaced:
-            self._writer.submit(self._unlink, response_id)
-
-    # -- the folder --
-
-    def _path(self, response_id: str) -> Path:
-        assert self.folder is not None
-        return self.folder / f"{response_id}.json"
+        if self._files is not None and not replaced:
+            self._files.remove(response_id)
 
     def _write(self, response_id: str, data: bytes) -> None:
-        if self._writer is not None:
-            self._writer.submit(self._write_file, response_id, data)
+        if self._files is not None:
+            self._files.write(response_id, data)
 
-    def _write_file(self, response_id: str, data: bytes) -> None:
-        path = self._path(response_id)
-        tmp = path.with_suffix(".tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        except OSError as exc:
-            # A full disk leaves part of a file: one per response would pile up unseen.
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            log.warning("response not persisted", id=response_id, error=str(exc))
-
-    def _unlink(self, response_id: str) -> None:
-        with contextlib.suppress(OSError):
-            self._path(response_id).unlink()
-
-    def _load(self, folder: Path) -> None:
+    def _load(self, files: EntryFiles) -> None:
         """The responses a previous run persisted, oldest first, bounds applied."""
         found: list[tuple[str, Stored, int]] = []
-        for path in folder.glob("resp_*.json") if folder.is_dir() else ():
+        for path in files.stored("resp_"):
             try:
-                data = read_stored_file(path, self.max_bytes, "max_stored_bytes")
+                data = read_entry_file(path, self.max_bytes, "max_stored_bytes")
                 stored = Stored.from_json(data)
                 if stored.response.get("id") != path.stem:
                     raise ValueError("the response in it has another id than its name")
@@ -318,23 +291,3 @@ _POINTER = 8
 def _distinct(items: Sequence[Item]) -> list[Item]:
     """The item objects, each once."""
     return list({id(item): item for item in items}.values())
-
-
-def read_stored_file(path: Path, max_bytes: int, bound: str) -> bytes:
-    """A file's bytes, if it is a file a store could have written: reading a FIFO waits
-    for a writer forever (the server never starts), a device such as ``/dev/zero`` never
-    ends, and a file larger than the whole bound (``max_bytes``, named ``bound``) would
-    be dropped once read."""
-    with open(path, "rb", opener=_nonblocking) as file:
-        info = os.fstat(file.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("not a regular file")
-        if max_bytes and info.st_size > max_bytes:
-            raise ValueError(f"{info.st_size} bytes, more than {bound}")
-        return file.read()
-
-
-def _nonblocking(path: str, flags: int) -> int:
-    """Opening a FIFO for reading blocks until a writer comes; non-blocking, it does not
-    (and a regular file reads the same either way)."""
-    return os.open(path, flags | os.O_NONBLOCK)
