@@ -334,63 +334,26 @@ def test_sigterm_ends_every_endpoint_in_its_wire_format(tmp_path: Path) -> None:
     assert not [e for e in server.events if e.get("level") == "error"]
 
 
-def test_a_request_waiting_for_its_model_at_shutdown_gets_the_503_and_loads_nothing(
-    tmp_path: Path,
-) -> None:
-    """A request still waiting for its model (``max_loaded`` 1, the loaded one busy) when
-    the grace period ends is answered the 503 at once: before, it waited on, had its model
-    loaded once the busy stream was cut, and only then heard the server was stopping."""
-    server = start_server(tmp_path, config="[server]\nshutdown_grace = 1.0\n"
-                                           "[models]\nmax_loaded = 1\n")
-    tag = uuid.uuid4().hex[:8]
-    busy = Stream(server.url, f"busy-{tag}")
-    busy_thread = busy.start()
-    waiting: dict[str, Any] = {}
-
-    def wait_for_model() -> None:
-        r = httpx.post(server.url + CHAT, timeout=60, headers={"X-Request-ID": f"wait-{tag}"},
-                       json={"model": "demo-32k", "max_tokens": 4,
-                             "messages": [{"role": "user", "content": "Hi."}]})
-        waiting["status"], waiting["body"] = r.status_code, r.json()
-
-    try:
-        assert busy.first.wait(60)
-        waiter = threading.Thread(target=wait_for_model, daemon=True)
-        waiter.start()
-        deadline = time.monotonic() + 10
-        while httpx.get(server.url + "/health", timeout=5).json()["models"]["demo-32k"] != \
-                "unavailable: loading":
-            assert time.monotonic() < deadline, "the request never waited for its model"
-            time.sleep(0.02)
-        server.proc.send_signal(signal.SIGTERM)
-        waiter.join(30)
-        busy_thread.join(30)
-        code = server.proc.wait(30)
-    finally:
-        server.stop()
-    assert waiting["status"] == 503, waiting
-    assert waiting["body"]["error"]["code"] == "server_shutting_down"
-    _assert_ends_with_shutdown_error(busy.text)
-    assert code == 0
-    loaded = [e for e in server.events if "model loaded: demo-32k" in str(e.get("event"))]
-    assert loaded == [], "a model was loaded for a request the shutdown ended"
-
-
 @pytest.mark.parametrize(("path", "body", "status"), [
+    (CHAT, {"model": "demo-32k", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Hi."}]}, 503),  # a turn
     ("/v1/messages/count_tokens", {"model": "demo-32k",
                                    "messages": [{"role": "user", "content": "Hi."}]},
      529),  # Anthropic's own for a server that cannot serve now
     ("/api/generate", {"model": "demo-32k"}, 503),  # Ollama's load body
     ("/ui/api/load", {"model": "demo-32k"}, 503),  # the dashboard's
 ])
-def test_a_request_outside_a_turn_waiting_for_its_model_at_shutdown_loads_nothing(
+def test_a_request_waiting_for_its_model_at_shutdown_gets_the_503_and_loads_nothing(
     tmp_path: Path, path: str, body: dict[str, Any], status: int,
 ) -> None:
-    """Counting tokens, Ollama's load bodies and the dashboard's load wait for their model
-    without a turn, so the shutdown's end of the turns did not reach them: once it had cut
-    the busy stream the model was loaded for them in the server's last moment (a large
-    model's load outlasting it, the connection was then closed unanswered). Nothing loads
-    once the grace period is over: they get the 503 a turn gets."""
+    """A request still waiting for its model (``max_loaded`` 1, the loaded one busy) when
+    the grace period ends is answered the 503 at once: before, a turn waited on, had its
+    model loaded once the busy stream was cut, and only then heard the server was
+    stopping. Counting tokens, Ollama's load bodies and the dashboard's load wait for their
+    model without a turn, so the shutdown's end of the turns did not reach them at all:
+    the model was loaded for them in the server's last moment (a large model's load
+    outlasting it, the connection was then closed unanswered). Nothing loads once the
+    grace period is over: they get the 503 a turn gets."""
     server = start_server(tmp_path, config="[server]\nshutdown_grace = 0.5\n"
                                            "[models]\nmax_loaded = 1\n")
     tag = uuid.uuid4().hex[:8]
@@ -419,6 +382,8 @@ def test_a_request_outside_a_turn_waiting_for_its_model_at_shutdown_loads_nothin
         server.stop()
     assert waiting.get("status") == status, waiting
     assert "stopping" in str(waiting["body"]), waiting
+    if path == CHAT:
+        assert waiting["body"]["error"]["code"] == "server_shutting_down"
     _assert_ends_with_shutdown_error(busy.text)
     assert code == 0
     loaded = [e for e in server.events if "model loaded: demo-32k" in str(e.get("event"))]
