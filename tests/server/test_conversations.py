@@ -236,6 +236,37 @@ def test_one_response_at_a_time_runs_on_a_conversation(client: Any) -> None:
     assert client.conversations.retrieve(made.id).id == made.id
 
 
+def test_an_item_reference_finds_an_item_of_a_conversation(client: Any) -> None:
+    """Items added through the Conversations API are referred to by id as a stored
+    response's are; one deleted is no longer found."""
+    made = client.conversations.create(items=[message("Remember the number 7.")])
+    [kept] = all_items(client, made.id)
+    alone = client.responses.create(model="demo", input="Which number?", max_output_tokens=16)
+    referred = client.responses.create(
+        model="demo", max_output_tokens=16, store=False,  # or it would hold the item too
+        input=[{"type": "item_reference", "id": kept.id},
+               {"type": "message", "role": "user", "content": "Which number?"}])
+    assert referred.usage.input_tokens > alone.usage.input_tokens  # the item was in it
+    client.conversations.items.delete(kept.id, conversation_id=made.id)
+    gone = status_error(lambda: client.responses.create(
+        model="demo", max_output_tokens=16,
+        input=[{"type": "item_reference", "id": kept.id}, message("Which number?")]))
+    assert gone.status_code in (400, 404) and gone.body["param"].startswith("input[0]")
+
+
+def test_the_item_index_follows_the_conversations() -> None:
+    store = ConversationStore(max_count=2, ttl=0)
+    first = store.create({}, items("one"))
+    one = first.items[0]
+    assert store.item(one["id"]) is one
+    second = store.create({}, items("two"))
+    store.delete_item(second, 0)
+    assert store.item(second.id) is None
+    store.create({}, items("three"))
+    store.create({}, items("four"))  # pushes the first out
+    assert store.get(first.id) is None and store.item(one["id"]) is None
+
+
 # -- what is refused ------------------------------------------------------------------------
 
 

@@ -128,6 +128,10 @@ class ConversationStore:
         self._entries: OrderedDict[str, Conversation] = OrderedDict()  # least recent first
         self._sizes: dict[str, int] = {}
         self.bytes = 0
+        #: Every kept item by its id, for a response's ``item_reference``: each item object
+        #: with it (a client may give its own id to items of several conversations), the
+        #: last added last.
+        self._by_item: dict[str, dict[int, Item]] = {}
         #: The conversations a response is running on: a second one at the same time would
         #: read the history without the first's turn and append its own after it.
         self._busy: set[str] = set()
@@ -142,6 +146,12 @@ class ConversationStore:
         self._expire()
         return self._entries.get(conversation_id)
 
+    def item(self, item_id: str) -> Item | None:
+        """The kept item with this id (an ``item_reference``'s), the last added if several."""
+        self._expire()
+        held = self._by_item.get(item_id)
+        return next(reversed(held.values())) if held else None
+
     def items(self, conversation_id: str) -> Sequence[Item] | None:
         """Its items as they are now (a turn's history: later changes do not reach it)."""
         found = self.get(conversation_id)
@@ -151,7 +161,7 @@ class ConversationStore:
         conversation = Conversation(item_id("conv"), int(time.time()), metadata, [],
                                     time.time())
         self._fit(conversation, items)
-        conversation.extend(items)
+        self._extend(conversation, items)
         self._changed(conversation)
         return conversation
 
@@ -165,7 +175,7 @@ class ConversationStore:
     def add(self, conversation: Conversation, items: Sequence[Item]) -> None:
         """Append a client's items; :class:`ConversationTooLarge` where they do not fit."""
         self._fit(conversation, items)
-        conversation.extend(items)
+        self._extend(conversation, items)
         self._changed(conversation)
 
     def append_turn(self, conversation_id: str, items: Sequence[Item]) -> None:
@@ -182,10 +192,11 @@ class ConversationStore:
             log.warning("turn not added: larger than max_conversations_bytes",
                         id=conversation_id, max_conversations_bytes=self.max_bytes)
             return
-        conversation.extend(items)
+        self._extend(conversation, items)
         self._changed(conversation)
 
     def delete_item(self, conversation: Conversation, index: int) -> None:
+        self._unindex(conversation.items[index:index + 1])
         conversation.pop(index)
         self._changed(conversation)
 
@@ -283,8 +294,26 @@ class ConversationStore:
                 break
             self._remove(oldest)
 
+    def _extend(self, conversation: Conversation, items: Sequence[Item]) -> None:
+        conversation.extend(items)
+        self._index(items)
+
+    def _index(self, items: Sequence[Item]) -> None:
+        for item in items:
+            if isinstance(item.get("id"), str):
+                self._by_item.setdefault(item["id"], {})[id(item)] = item
+
+    def _unindex(self, items: Sequence[Item]) -> None:
+        for item in items:
+            key = item.get("id")
+            held = self._by_item.get(key) if isinstance(key, str) else None
+            if held is not None:
+                held.pop(id(item), None)
+                if not held:
+                    del self._by_item[item["id"]]
+
     def _remove(self, conversation_id: str) -> None:
-        del self._entries[conversation_id]
+        self._unindex(self._entries.pop(conversation_id).items)
         self.bytes -= self._sizes.pop(conversation_id)
         if self._files is not None:
             self._files.remove(conversation_id)
@@ -311,6 +340,7 @@ class ConversationStore:
         found.sort(key=lambda entry: entry[0].updated)
         for conversation, size in found:
             self._entries[conversation.id] = conversation
+            self._index(conversation.items)
             self._sizes[conversation.id] = size
             self.bytes += size
         self._expire()

@@ -350,8 +350,9 @@ def canonical_items(value: Any, param: str = "input", *,
             found = find_item(ref)
             if found is None:
                 raise NotFoundError(
-                    f"Item with id {quoted(ref)} not found (no stored response has it: it "
-                    "was never stored, was deleted, or expired).", code="item_not_found",
+                    f"Item with id {quoted(ref)} not found (no stored response or "
+                    "conversation has it: it was never stored, was deleted, or expired).",
+                    code="item_not_found",
                     param=f"{p}.id")
             items.append(dict(found))
         elif kind in HOSTED_ITEMS:

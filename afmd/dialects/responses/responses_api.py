@@ -199,7 +199,7 @@ class OpenAIResponses:
               strict: bool = False) -> ResponsesRequest:
         return parse_responses_request(parse_json_body(raw), lookup=self._history,
                                        conversations=self.conversations.items,
-                                       find_item=self.store.item, server_tools=server_tools,
+                                       find_item=self.find_item, server_tools=server_tools,
                                        strict=strict, truncation=self.truncation)
 
     def parse_count(
@@ -208,9 +208,14 @@ class OpenAIResponses:
         """An ``input_tokens`` body (the fields that shape the prompt, nothing else)."""
         return parse_responses_request(parse_json_body(raw), lookup=self._history,
                                        conversations=self.conversations.items,
-                                       find_item=self.store.item, server_tools=server_tools,
+                                       find_item=self.find_item, server_tools=server_tools,
                                        counting=True,
                                        strict=strict)
+
+    def find_item(self, item_id: str) -> Item | None:
+        """An ``item_reference``'s item: one a stored response holds, or a conversation."""
+        found = self.store.item(item_id)
+        return found if found is not None else self.conversations.item(item_id)
 
     def _history(self, response_id: str) -> Sequence[Item] | None:
         """What ``previous_response_id`` continues: a background response still running

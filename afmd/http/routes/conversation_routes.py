@@ -62,7 +62,7 @@ def _check_include(request: Request) -> None:
 async def create(request: Request) -> HTTPResponse:
     dialect = _dialect(request)
     body = parse_json_body(request.body) if request.body else {}
-    metadata, items = parse_create(body, find_item=dialect.store.item,
+    metadata, items = parse_create(body, find_item=dialect.find_item,
                                    strict=_strict(request))
     return json_response(dialect.conversations.create(metadata, items).object())
 
@@ -90,7 +90,7 @@ async def items(request: Request, conversation_id: str) -> HTTPResponse:
         return json_response(list_page(request, found.items,
                                        f"item of {quoted(found.id)}"))
     dialect = _dialect(request)
-    added = parse_add(parse_json_body(request.body), find_item=dialect.store.item,
+    added = parse_add(parse_json_body(request.body), find_item=dialect.find_item,
                       strict=_strict(request))
     dialect.conversations.add(found, added)
     return json_response({
