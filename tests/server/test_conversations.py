@@ -27,7 +27,7 @@ from afmd.errors import ServerError
 
 from conftest import start_server
 from helpers.openai_schemas import validate_error
-from helpers.responses_schemas import validate_event, validate_response
+from helpers.responses_schemas import validate_event, validate_item_list, validate_response
 
 CONV_ID = re.compile(r"^conv_[0-9a-f]{48}$")
 
@@ -81,9 +81,11 @@ def test_an_empty_conversation_has_empty_metadata(client: Any, http: httpx.Clien
 # -- items ----------------------------------------------------------------------------------
 
 
-def test_items_are_paged_added_retrieved_and_deleted(client: Any) -> None:
+def test_items_are_paged_added_retrieved_and_deleted(client: Any, http: httpx.Client) -> None:
     texts = [f"line {n}" for n in range(5)]
     made = client.conversations.create(items=[message(t) for t in texts])
+    # A page on the wire has the published shape of a list of items, as input_items does.
+    validate_item_list(http.get(f"/v1/conversations/{made.id}/items?limit=2").json())
     ids = [i.id for i in all_items(client, made.id)]
     assert [i.content[0].text for i in all_items(client, made.id)] == texts
     newest = client.conversations.items.list(made.id, limit=2)  # desc by default
