@@ -127,6 +127,41 @@ def test_item_references_resolve_to_stored_items(http: httpx.Client) -> None:
     assert (error["code"], error["param"]) == ("item_not_found", "input[0].id")
 
 
+def test_an_async_call_may_wait_for_its_output(http: httpx.Client) -> None:
+    """A call marked ``async`` (its tool's answer may come after the next response, as
+    OpenAI defines ``async`` on function and custom tools and their calls) needs no output
+    yet: the Agents SDK (0.25) keeps such a pending call in the history it sends. The flag
+    is kept on the stored item, the output may come in a later request, and a call not
+    marked async still needs its output there and then."""
+    user = {"role": "user", "content": "Look it up, and tell me a joke meanwhile."}
+    calls = [{"type": "function_call", "call_id": "call_a1", "name": "add",
+              "arguments": '{"a": 1, "b": 2}', "async": True},
+             {"type": "custom_tool_call", "call_id": "call_a2", "name": "pick",
+              "input": "yes", "async": True}]
+    tools = [{**ADD, "async": True}, {**PICK, "async": True}]
+    first = post(http, tools=tools, max_output_tokens=16,
+                 input=[user, *calls, {"role": "user", "content": "And?"}])
+    listed = http.get(f"/v1/responses/{first['id']}/input_items?order=asc").json()["data"]
+    assert [(i["type"], i.get("async")) for i in listed] == [
+        ("message", None), ("function_call", True), ("custom_tool_call", True),
+        ("message", None)]
+    later = post(http, tools=tools, max_output_tokens=16, previous_response_id=first["id"],
+                 input=[{"type": "function_call_output", "call_id": "call_a1", "output": "3"},
+                        {"role": "user", "content": "Done?"}])
+    assert later["output"]
+    for flag in (False, None):
+        call = {**calls[0], "async": flag}
+        refused = http.post("/v1/responses", json={
+            "model": "demo", "tools": tools, "input": [user, call, user]})
+        assert refused.status_code == 400, refused.text
+        assert (refused.json()["error"]["code"], refused.json()["error"]["param"]) == (
+            "missing_tool_output", "input[1]")
+    wrong = http.post("/v1/responses", json={"model": "demo", "tools": tools, "input": [
+        user, {**calls[0], "async": "yes"}, user]})
+    assert wrong.status_code == 400, wrong.text
+    assert wrong.json()["error"]["param"] == "input[1].async"
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_call_the_output_ended_inside_is_incomplete(http: httpx.Client, stream: bool) -> None:
     """A function call cut short (here by max_output_tokens; a cancel cuts alike) is an

@@ -229,6 +229,11 @@ def _call(item: Item, p: str, kind: str) -> Item:
     namespace = optional(item, "namespace", f"{p}.namespace", str, "a string")
     if namespace is not None:
         out["namespace"] = namespace
+    # Kept as sent: an async call may wait for its output (:func:`to_messages`), and a
+    # client reading the stored item back sends it again as it was.
+    pending = optional(item, "async", f"{p}.async", bool, "a boolean")
+    if pending is not None:
+        out["async"] = pending
     return out
 
 
@@ -404,11 +409,15 @@ class ItemParams:
 
 def to_messages(items: Sequence[Item], params: ItemParams) -> tuple[Message, ...]:
     """The conversation as chat messages, its tool history checked (every call answered
-    by exactly one output, outputs only for calls made before them)."""
+    by exactly one output, outputs only for calls made before them). A call marked
+    ``async`` may be unanswered: its tool's answer comes in a later request, as on
+    OpenAI's API, and the model sees the call it made without an output yet."""
     messages: list[Message] = []
     turn: _Turn | None = None
     answered: dict[str, int] = {}  # call id -> the output's index
     open_calls: dict[str, tuple[int, int]] = {}  # call id -> (message index, item index)
+    waiting = {item["call_id"] for item in items
+               if item["type"] in CALLS and item.get("async") is True}
     pending: dict[int, dict[str, Message]] = {}  # message index -> outputs by call id
 
     def flush() -> None:
@@ -473,7 +482,7 @@ def to_messages(items: Sequence[Item], params: ItemParams) -> tuple[Message, ...
                                     has_images=bool(images), images=images))
     flush()
     for call_id, (_, index) in open_calls.items():
-        if call_id not in answered:
+        if call_id not in answered and call_id not in waiting:
             raise InvalidRequestError(
                 f"The function call {quoted(call_id)} has no function_call_output answering "
                 "it; add one to 'input'.", code="missing_tool_output", param=params(index))
@@ -490,5 +499,5 @@ def _with_outputs(
         out.append(message)
         if i in pending:
             outputs = pending[i]
-            out.extend(outputs[call.id] for call in message.tool_calls)
+            out.extend(outputs[call.id] for call in message.tool_calls if call.id in outputs)
     return tuple(out)
