@@ -7,6 +7,7 @@ the SDK treats a response cut at ``max_output_tokens`` as a failure)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -124,5 +125,36 @@ def test_a_function_tool_and_a_streamed_run(server: ServerProcess) -> None:
         kinds = [event.type async for event in streamed.stream_events()]
         assert "raw_response_event" in kinds and streamed.is_complete
         assert isinstance(streamed.final_output, str) and streamed.final_output
+
+    asyncio.run(run())
+
+
+def test_a_pending_async_call_in_the_session(server: ServerProcess) -> None:
+    """A call marked ``async`` waits for its output across responses. The SDK keeps such a
+    pending call in the history it reads from the conversation (0.25; 0.24 dropped every
+    unanswered call), so the conversation must give the flag back and a response must
+    take the call without its output, as OpenAI's API does."""
+    import httpx
+    from agents import OpenAIConversationsSession, Runner
+
+    sent: list[dict[str, Any]] = []
+
+    async def record(request: httpx.Request) -> None:
+        if request.method == "POST" and request.url.path.endswith("/responses"):
+            sent.append(json.loads(request.content))
+
+    async def run() -> None:
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                             http_client=httpx.AsyncClient(event_hooks={"request": [record]}))
+        conversation = (await client.conversations.create(items=[
+            {"type": "message", "role": "user", "content": "Look it up."},
+            {"type": "function_call", "call_id": "call_later", "name": "lookup",
+             "arguments": "{}", "async": True}])).id
+        session = OpenAIConversationsSession(conversation_id=conversation,
+                                             openai_client=client)
+        await Runner.run(_agent(client), "Anything else?", session=session, max_turns=2)
+        (body,) = sent
+        assert [(i.get("type"), i.get("async")) for i in body["input"]][1] == (
+            "function_call", True), body["input"]
 
     asyncio.run(run())
