@@ -1,8 +1,9 @@
 """OpenAI's Agents SDK (``openai-agents``) against the real server: its Responses model,
 its session kept in afmd's Conversations API (``OpenAIConversationsSession``), a
-conversation by id, ``previous_response_id``, a function tool, and a streamed run. The
-model is the agents' quick one (``helpers.agents.quick_model``: it ends its turns soon, as
-the SDK treats a response cut at ``max_output_tokens`` as a failure)."""
+conversation by id, ``previous_response_id``, a function tool, a streamed run, and a pending
+async call in a session's history. The model is the agents' quick one
+(``helpers.agents.quick_model``: it ends its turns soon, as the SDK treats a response cut at
+``max_output_tokens`` as a failure)."""
 
 from __future__ import annotations
 
