@@ -29,7 +29,12 @@ from afmd.dialects.fields.checks import quoted
 from afmd.dialects.responses.conversation_store import ConversationStore
 from afmd.dialects.responses.items import Item
 from afmd.dialects.responses.output_items import UNDER_WAY, ResponseBuilder
-from afmd.dialects.responses.responses_body import ResponsesRequest, parse_responses_request
+from afmd.dialects.responses.responses_body import (
+    ResponsesRequest,
+    Through,
+    direct,
+    parse_responses_request,
+)
 from afmd.dialects.responses.store import ResponseStore, Stored
 from afmd.errors import APIError, InvalidRequestError
 
@@ -196,21 +201,25 @@ class OpenAIResponses:
         self._of_request: dict[int, ResponsesReply] = {}
 
     def parse(self, raw: bytes, *, server_tools: Collection[str] = (),
-              strict: bool = False) -> ResponsesRequest:
-        return parse_responses_request(parse_json_body(raw), lookup=self._history,
-                                       conversations=self.conversations.items,
-                                       find_item=self.find_item, server_tools=server_tools,
-                                       strict=strict, truncation=self.truncation)
+              strict: bool = False, through: Through = direct) -> ResponsesRequest:
+        """The body checked into a request; the stores are read ``through`` (a parse on
+        another thread than theirs hands its lookups over)."""
+        return parse_responses_request(
+            parse_json_body(raw), lookup=through(self._history),
+            conversations=through(self.conversations.items),
+            find_item=through(self.find_item), server_tools=server_tools, strict=strict,
+            truncation=self.truncation)
 
     def parse_count(
-        self, raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False
+        self, raw: bytes, *, server_tools: Collection[str] = (), strict: bool = False,
+        through: Through = direct,
     ) -> ResponsesRequest:
         """An ``input_tokens`` body (the fields that shape the prompt, nothing else)."""
-        return parse_responses_request(parse_json_body(raw), lookup=self._history,
-                                       conversations=self.conversations.items,
-                                       find_item=self.find_item, server_tools=server_tools,
-                                       counting=True,
-                                       strict=strict)
+        return parse_responses_request(
+            parse_json_body(raw), lookup=through(self._history),
+            conversations=through(self.conversations.items),
+            find_item=through(self.find_item), server_tools=server_tools, counting=True,
+            strict=strict)
 
     def find_item(self, item_id: str) -> Item | None:
         """An ``item_reference``'s item: one a stored response holds, or a conversation."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from afmd.core.request import ChatRequest, Message
 from afmd.dialects.fields.checks import (
@@ -103,6 +103,21 @@ COUNT_FIELDS = frozenset({"conversation", "input", "instructions", "model",
 Lookup = Callable[[str], Sequence[Item] | None]
 #: An ``item_reference``'s id -> the stored item (any stored response's input or output).
 ItemLookup = Callable[[str], Item | None]
+
+_Found = TypeVar("_Found")
+
+
+class Through(Protocol):
+    """How the parse calls a lookup: the stores belong to the event loop, and a large body
+    is parsed on another thread (afmd.http.routes.large_bodies), which must not read them
+    itself (a lookup also expires entries)."""
+
+    def __call__(self, lookup: Callable[[str], _Found], /) -> Callable[[str], _Found]: ...
+
+
+def direct(lookup: Callable[[str], _Found], /) -> Callable[[str], _Found]:
+    """The lookup called as it is, by a parse on the stores' own thread."""
+    return lookup
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from afmd.dialects.anthropic.messages_api import ANTHROPIC_MESSAGES
 from afmd.errors import NotFoundError
 from afmd.http.routes import handlers as routes
 from afmd.http.routes.ignored import ignored_headers
+from afmd.http.routes.large_bodies import parse_body
 
 
 def add_routes(app: Sanic) -> None:
@@ -32,9 +33,8 @@ async def count_tokens(request: Request) -> HTTPResponse:
     state = request.app.ctx.state
     pipeline = state.pipeline
     request_id = routes.request_id_of(request)
-    chat = ANTHROPIC_MESSAGES.parse_count(request.body,
-                                          server_tools=pipeline.server_tools.names,
-                                          strict=state.config.api.strict)
+    chat = await parse_body(request, lambda raw: ANTHROPIC_MESSAGES.parse_count(
+        raw, server_tools=pipeline.server_tools.names, strict=state.config.api.strict))
     request.ctx.model = chat.model
     tokens = await pipeline.count(chat, must_fit=True)
     return routes.json_response(

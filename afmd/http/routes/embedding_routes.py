@@ -18,6 +18,7 @@ from afmd.dialects.openai.embeddings import OPENAI_EMBEDDINGS, OpenAIEmbeddings
 from afmd.errors import APIError, NotFoundError
 from afmd.http.routes.handlers import json_response, request_id_of
 from afmd.http.routes.ignored import ignored_headers
+from afmd.http.routes.large_bodies import parse_body
 from afmd.service.embedding_pipeline import EmbeddingService
 
 
@@ -55,7 +56,8 @@ def _dialect(request: Request) -> OpenAIEmbeddings:
 async def embeddings(request: Request) -> HTTPResponse:
     dialect = _dialect(request)
     request_id = request_id_of(request)
-    parsed = dialect.parse(request.body, strict=request.app.ctx.state.config.api.strict)
+    strict = request.app.ctx.state.config.api.strict
+    parsed = await parse_body(request, lambda raw: dialect.parse(raw, strict=strict))
     request.ctx.model = parsed.model
     extra = ignored_headers(parsed.ignored_fields, request_id)
     stop = request.app.ctx.state.stop_error

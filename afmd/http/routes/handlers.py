@@ -33,6 +33,7 @@ from afmd.http.access import log_access, note_error
 from afmd.http.app_state import AppState
 from afmd.http.routes.event_stream import STALL_GRACE, EventStream, Stalled
 from afmd.http.routes.ignored import ignored_headers
+from afmd.http.routes.large_bodies import parse_body
 from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.choices import ChoicesRun
 from afmd.service.completion_prompts import PreparedCompletion
@@ -168,8 +169,8 @@ async def turn(request: Request, parsed: ChatRequest | CompletionRequest | None 
     state = request.app.ctx.state
     pipeline: ChatPipeline = state.pipeline
     request_id = request_id_of(request)
-    chat = parsed if parsed is not None else dialect.parse(
-        request.body, server_tools=pipeline.server_tools.names, strict=state.config.api.strict)
+    chat = parsed if parsed is not None else await parse_body(request, lambda raw: dialect.parse(
+        raw, server_tools=pipeline.server_tools.names, strict=state.config.api.strict))
     request.ctx.model = chat.model
     extra = ignored_headers(chat.ignored_fields, request_id)
     try:

@@ -58,6 +58,7 @@ from afmd.http.routes import handlers as routes
 from afmd.http.routes import ollama_models
 from afmd.http.routes.embedding_routes import service_of
 from afmd.http.routes.ignored import ignored_headers
+from afmd.http.routes.large_bodies import parse_body
 from afmd.hub import cache as hubcache
 from afmd.hub.server_pulls import PULLING
 from afmd.logs import get_logger
@@ -147,21 +148,33 @@ def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None
 
 async def chat(request: Request) -> HTTPResponse | None:
     state = request.app.ctx.state
-    body = parse_json_body(request.body)
-    if is_load_request(body, chat=True):
+
+    def parse(raw: bytes) -> tuple[dict[str, Any], ChatRequest | None]:
+        body = parse_json_body(raw)
+        if is_load_request(body, chat=True):
+            return body, None
+        return body, chat_request(body, server_tools=state.pipeline.server_tools.names,
+                                  strict=state.config.api.strict)
+
+    body, parsed = await parse_body(request, parse)
+    if parsed is None:
         return await _load(request, body, chat=True)
-    parsed = chat_request(body, server_tools=state.pipeline.server_tools.names,
-                          strict=state.config.api.strict)
     await _refuse_thinking_unloaded(state, parsed)
     return await routes.turn(request, parsed)
 
 
 async def generate(request: Request) -> HTTPResponse | None:
     state = request.app.ctx.state
-    body = parse_json_body(request.body)
-    if is_load_request(body, chat=False):
+
+    def parse(raw: bytes) -> tuple[dict[str, Any], ChatRequest | CompletionRequest | None]:
+        body = parse_json_body(raw)
+        if is_load_request(body, chat=False):
+            return body, None
+        return body, generate_request(body, strict=state.config.api.strict)
+
+    body, parsed = await parse_body(request, parse)
+    if parsed is None:
         return await _load(request, body, chat=False)
-    parsed = generate_request(body, strict=state.config.api.strict)
     await _refuse_thinking_unloaded(state, parsed)
     return await routes.turn(request, parsed)
 
@@ -224,10 +237,9 @@ async def _embed(request: Request, *, legacy: bool) -> HTTPResponse:
     state = request.app.ctx.state
     started = time.perf_counter()
     request_id = routes.request_id_of(request)
-    body = parse_json_body(request.body)
     strict = state.config.api.strict
-    parsed = embeddings_request(body, strict=strict) if legacy else embed_request(
-        body, strict=strict)
+    read = embeddings_request if legacy else embed_request
+    parsed = await parse_body(request, lambda raw: read(parse_json_body(raw), strict=strict))
     request.ctx.model = parsed.model
     extra = ignored_headers(parsed.ignored_fields, request_id)
     if state.stop_error is not None:

@@ -29,6 +29,7 @@ from afmd.http.routes import handlers as routes
 from afmd.http.routes.handlers import json_response, request_id_of
 from afmd.http.routes.ignored import ignored_headers
 from afmd.http.routes.item_pages import list_page
+from afmd.http.routes.large_bodies import on_loop, parse_body
 from afmd.paths import cache_dir
 
 #: Where ``[responses] persist`` keeps them.
@@ -61,8 +62,10 @@ async def create(request: Request) -> HTTPResponse | None:
     dialect = _dialect(request)
     state = request.app.ctx.state
     routes.request_id_of(request)  # a bad X-Request-ID is refused before the body is read
-    chat = dialect.parse(request.body, server_tools=state.pipeline.server_tools.names,
-                         strict=state.config.api.strict)
+    through = on_loop()
+    chat = await parse_body(request, lambda raw: dialect.parse(
+        raw, server_tools=state.pipeline.server_tools.names, strict=state.config.api.strict,
+        through=through))
     if chat.echo.background:
         return await background_runs.create(request, dialect, chat)
     with dialect.conversations.holding(chat.echo.conversation):
@@ -140,9 +143,10 @@ async def input_tokens(request: Request) -> HTTPResponse:
     request_id = request_id_of(request)  # a bad X-Request-ID is refused here as everywhere
     state = request.app.ctx.state
     pipeline = state.pipeline
-    parsed = _dialect(request).parse_count(request.body,
-                                           server_tools=pipeline.server_tools.names,
-                                           strict=state.config.api.strict)
+    dialect, through = _dialect(request), on_loop()
+    parsed = await parse_body(request, lambda raw: dialect.parse_count(
+        raw, server_tools=pipeline.server_tools.names, strict=state.config.api.strict,
+        through=through))
     request.ctx.model = parsed.model
     count = await pipeline.count(parsed)
     return json_response({"object": "response.input_tokens", "input_tokens": count},

@@ -1,0 +1,85 @@
+"""Request bodies read into their dialect's request off the event loop when they are large.
+
+A body near ``max_request_body_bytes`` can hold hundreds of thousands of messages, and
+building the internal request from it is seconds of Python. On the event loop those were
+seconds in which no other client was answered: no token streamed to anyone, /health
+silent, the cancel of a run unheard. A body of at least :data:`LARGE_BODY` bytes is
+parsed on a thread instead, where the interpreter gives the loop its turns every few
+milliseconds; a smaller one is parsed where it is, as the hop would cost more than the
+parse. The threads are a small pool of their own (as images have theirs,
+:mod:`afmd.service.image_pool`): requests that bring such bodies wait for each other, not
+every other request for asyncio's default executor, which renders every prompt.
+
+What a parse reads that the event loop owns (the Responses stores, whose lookups also
+expire entries) is read on the loop all the same: :func:`on_loop` hands those calls over
+and waits for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from sanic import Request
+
+from afmd.dialects.responses.responses_body import Through
+
+R = TypeVar("R")
+T = TypeVar("T")
+
+#: Bytes of body from which it is parsed off the loop.
+LARGE_BODY = 256 * 1024
+
+#: Threads for large bodies: the parse holds the interpreter, so more would not be faster.
+WORKERS = 2
+
+#: How long a parsing thread waits for the loop to run a lookup for it: the loop is free
+#: (its handler awaits the parse), so only a loop that stopped meanwhile takes this long.
+LOOP_CALL_TIMEOUT = 30.0
+
+_pool: ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="afmd-bodies")
+        return _pool
+
+
+async def parse_body(request: Request, parse: Callable[[bytes], R]) -> R:
+    """``parse(body)``: on a thread of this pool when the body is large, else here."""
+    body = request.body or b""
+    if len(body) < LARGE_BODY:
+        return parse(body)
+    context = contextvars.copy_context()
+    call = functools.partial(context.run, parse, body)
+    return await asyncio.get_running_loop().run_in_executor(_executor(), call)
+
+
+def on_loop() -> Through:
+    """A :class:`~afmd.dialects.responses.responses_body.Through` that runs each lookup on
+    the running event loop, whichever thread calls it (the loop itself calls it directly)."""
+    loop = asyncio.get_running_loop()
+    thread = threading.get_ident()
+
+    def through(lookup: Callable[[str], T], /) -> Callable[[str], T]:
+        def call(key: str) -> T:
+            if threading.get_ident() == thread:
+                return lookup(key)
+
+            async def run() -> T:
+                return lookup(key)
+
+            return asyncio.run_coroutine_threadsafe(run(), loop).result(LOOP_CALL_TIMEOUT)
+
+        return call
+
+    return through

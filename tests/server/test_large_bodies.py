@@ -1,0 +1,114 @@
+"""A body near the size limit is read into its request off the event loop.
+
+Each of these bodies holds hundreds of thousands of messages and ends in one the dialect
+refuses, so the whole body is read before the 400 and nothing is rendered. Read on the
+event loop, they took two to five seconds each on a 2-core machine, and /health (every
+other client, every stream) waited as long. The Responses API reads its stores while it
+parses (``previous_response_id``, ``item_reference``): those lookups still run on the loop,
+which owns the stores, and their answers and errors reach the parse on its thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from conftest import ServerProcess
+
+#: A user turn and the assistant's, as each dialect writes them.
+TURNS: dict[str, list[dict[str, Any]]] = {
+    "/v1/chat/completions": [{"role": "user", "content": "a"},
+                             {"role": "assistant", "content": "b"}],
+    "/v1/messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+    "/v1/responses": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+    "/api/chat": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+}
+#: Where each dialect's refusal of the last message points, and its error's shape.
+LAST = {
+    "/v1/chat/completions": ("messages", "messages[{n}].content"),
+    "/v1/messages": ("messages", "messages[{n}].content"),
+    "/v1/responses": ("input", "input[{n}].content"),
+    "/api/chat": ("messages", None),
+}
+#: Pairs of turns: about 14 MB of JSON for the quick dialects, fewer for the slower ones.
+PAIRS = {"/v1/chat/completions": 230_000, "/v1/messages": 160_000,
+         "/v1/responses": 160_000, "/api/chat": 230_000}
+
+
+def _body(path: str) -> tuple[bytes, int]:
+    """The body and the index of its last, refused, message."""
+    key, _ = LAST[path]
+    turns = TURNS[path] * PAIRS[path] + [{"role": "user", "content": 5}]
+    body: dict[str, Any] = {"model": "demo", key: turns}
+    if path == "/v1/messages":
+        body["max_tokens"] = 1
+    elif path == "/api/chat":
+        body["stream"] = False
+    return orjson.dumps(body), len(turns) - 1
+
+
+def _worst_health_while(server: ServerProcess, path: str, raw: bytes
+                        ) -> tuple[httpx.Response, float]:
+    """The answer to ``raw`` at ``path``, and the slowest /health answer while it ran."""
+    answer: list[httpx.Response] = []
+
+    def send() -> None:
+        answer.append(httpx.post(server.url + path, content=raw, timeout=120,
+                                 headers={"Content-Type": "application/json"}))
+
+    sender = threading.Thread(target=send)
+    worst = 0.0
+    with httpx.Client(timeout=60) as http:
+        assert http.get(server.url + "/health").status_code == 200  # connected already
+        sender.start()
+        while sender.is_alive():
+            started = time.monotonic()
+            assert http.get(server.url + "/health").status_code == 200
+            worst = max(worst, time.monotonic() - started)
+            time.sleep(0.02)
+    sender.join()
+    return answer[0], worst
+
+
+@pytest.mark.parametrize("path", list(TURNS))
+def test_a_body_of_many_messages_does_not_stall_the_event_loop(
+        server: ServerProcess, path: str) -> None:
+    raw, last = _body(path)
+    response, worst = _worst_health_while(server, path, raw)
+    assert response.status_code == 400, response.text[:500]
+    _, param = LAST[path]
+    error = response.json()["error"]
+    if path == "/v1/messages":  # Anthropic's envelope names the field in its message
+        assert error["message"].startswith(param.format(n=last) + ":"), response.text
+    elif param is not None:
+        assert error["param"] == param.format(n=last), response.text
+    assert worst < 1.0, f"/health took {worst:.2f} s while a {len(raw) >> 20} MB body was read"
+
+
+def test_responses_lookups_from_a_large_body_read_the_stores(http: httpx.Client) -> None:
+    """A large body's ``previous_response_id`` and ``item_reference`` find what the stores
+    hold (counted: a turn would prefill the padding's many tokens), and an id they do not
+    hold is the same 404 a small body gets."""
+    first = http.post("/v1/responses", json={
+        "model": "demo", "input": "Hello there.", "max_output_tokens": 16, "store": True})
+    assert first.status_code == 200, first.text
+    stored = first.json()
+    reference = {"type": "item_reference", "id": stored["output"][0]["id"]}
+    padding = {"role": "user", "content": "word " * 60_000}  # past large_bodies.LARGE_BODY
+
+    def count(**fields: Any) -> httpx.Response:
+        return http.post("/v1/responses/input_tokens", json={"model": "demo", **fields})
+
+    alone = count(input=[padding])
+    continued = count(previous_response_id=stored["id"], input=[reference, padding])
+    assert alone.status_code == 200 and continued.status_code == 200, continued.text
+    assert continued.json()["input_tokens"] > alone.json()["input_tokens"]
+    unknown = http.post("/v1/responses", json={
+        "model": "demo", "previous_response_id": "resp_unknown", "input": [padding]})
+    assert unknown.status_code == 404, unknown.text
+    assert unknown.json()["error"]["param"] == "previous_response_id"
