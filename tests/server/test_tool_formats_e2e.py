@@ -86,12 +86,16 @@ class Models:
     def run_seeds(self, spec: Spec, seeds: Any, **body: Any) -> list[list[Event]]:
         """One request per seed, all at once: the engine decodes them in one batch, as
         it would concurrent clients' (and in a fraction of the time of one by one)."""
-        request = {"model": spec.id, "messages": [USER], "tools": TOOLS, "max_tokens": 200,
-                   "temperature": 1.0, **body}
+        return self.run_many(spec, [body if seed is None else {**body, "seed": seed}
+                                    for seed in seeds])
 
-        async def one(seed: int | None) -> list[Event]:
-            parsed = OPENAI_CHAT.parse(orjson.dumps(
-                request if seed is None else {**request, "seed": seed}))
+    def run_many(self, spec: Spec, bodies: list[dict[str, Any]]) -> list[list[Event]]:
+        """These requests all at once, decoded in one batch (see :meth:`run_seeds`)."""
+        base = {"model": spec.id, "messages": [USER], "tools": TOOLS, "max_tokens": 200,
+                "temperature": 1.0}
+
+        async def one(body: dict[str, Any]) -> list[Event]:
+            parsed = OPENAI_CHAT.parse(orjson.dumps({**base, **body}))
             run = await self.pipeline.start(
                 await self.pipeline.prepare(parsed, uuid.uuid4().hex))
             try:
@@ -100,7 +104,7 @@ class Models:
                 self.pipeline.release(run)
 
         async def go() -> list[list[Event]]:
-            return list(await asyncio.gather(*(one(seed) for seed in seeds)))
+            return list(await asyncio.gather(*(one(body) for body in bodies)))
 
         return asyncio.run(go())
 
@@ -412,11 +416,13 @@ def test_the_client_run_tools_schemas_are_enforced(models: Models, spec: Spec) -
         "messages": [USER], "tools": tools, "tool_choice": "required"}))
     plan = plan_output(request, models.model(spec), [], 100)
     assert plan.grammar is not None and not plan.downgraded
-    for kind, tool in zip(PARAMETERS, tools, strict=True):
-        for events in models.run_seeds(spec, SEEDS[:2], tools=[tool], tool_choice="required",
-                                       parallel_tool_calls=False, reasoning_effort="none",
-                                       max_tokens=300):
-            (end,) = [e for e in events if isinstance(e, ToolCallEnd)]
-            assert end.call.name == kind
-            if finish(events) == "tool_calls":
-                jsonschema.validate(json.loads(end.call.arguments), PARAMETERS[kind])
+    asked = [(kind, seed) for kind in PARAMETERS for seed in SEEDS[:2]]
+    runs = models.run_many(spec, [
+        {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False,
+         "reasoning_effort": "none", "max_tokens": 300, "seed": seed}
+        for (kind, seed) in asked for tool in tools if tool["function"]["name"] == kind])
+    for (kind, _), events in zip(asked, runs, strict=True):
+        (end,) = [e for e in events if isinstance(e, ToolCallEnd)]
+        assert end.call.name == kind
+        if finish(events) == "tool_calls":
+            jsonschema.validate(json.loads(end.call.arguments), PARAMETERS[kind])
