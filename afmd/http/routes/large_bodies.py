@@ -35,8 +35,10 @@ T = TypeVar("T")
 #: Bytes of body from which it is parsed off the loop.
 LARGE_BODY = 256 * 1024
 
-#: Threads for large bodies: the parse holds the interpreter, so more would not be faster.
-WORKERS = 2
+#: Threads for large bodies: one. The parse holds the interpreter, so a second would not
+#: be faster, and one at a time is what the loop did: a parse builds several times its
+#: body's bytes in objects, and two at once would have doubled that peak.
+WORKERS = 1
 
 #: How long a parsing thread waits for the loop to run a lookup for it: the loop is free
 #: (its handler awaits the parse), so only a loop that stopped meanwhile takes this long.
