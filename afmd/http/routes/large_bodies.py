@@ -6,7 +6,7 @@ seconds in which no other client was answered: no token streamed to anyone, /hea
 silent, the cancel of a run unheard. A body of at least :data:`LARGE_BODY` bytes is
 parsed on a thread instead, where the interpreter gives the loop its turns every few
 milliseconds; a smaller one is parsed where it is, as the hop would cost more than the
-parse. The threads are a small pool of their own (as images have theirs,
+parse. The thread is one of their own (as images have theirs,
 :mod:`afmd.service.image_pool`): requests that bring such bodies wait for each other, not
 every other request for asyncio's default executor, which renders every prompt.
 
@@ -57,7 +57,7 @@ def _executor() -> ThreadPoolExecutor:
 
 
 async def parse_body(request: Request, parse: Callable[[bytes], R]) -> R:
-    """``parse(body)``: on a thread of this pool when the body is large, else here."""
+    """``parse(body)``: on the large bodies' thread when the body is large, else here."""
     body = request.body or b""
     if len(body) < LARGE_BODY:
         return parse(body)
