@@ -18,6 +18,7 @@ import importlib
 import inspect
 import itertools
 import json
+import pkgutil
 import random
 import re
 import zlib
@@ -342,18 +343,20 @@ READERS = {gemma: ("gemma4", "function_gemma"), harmony: ("harmony",), kimi: ("k
            tagged: tuple(n for n, f in FAMILIES.items() if f.reader is not None
                          and getattr(f.reader, "__module__", "") == tagged.__name__)}
 # What a special token's text looks like in markup: ``<…>`` (``<|x|>``, ``<x>``, ``</x>``,
-# ``<|x>``) or Mistral's ``[UPPER]``.
-SPECIAL_LOOKING = re.compile(r"<[^\s<>]+>|\[[A-Z_/]+\]")
+# ``<|x>``) or Mistral's ``[UPPER]``; a regex's named group (``(?P<name>``) is no markup.
+SPECIAL_LOOKING = re.compile(r"<[^\s<>()\[\]]+>|\[[A-Z_/]+\]")
+_GROUP_NAME = re.compile(r"\(\?P<\w+>")
 
 
 def code_strings(module: Any) -> list[str]:
-    """The string literals of a module's code (not its docstrings), regex escapes undone."""
+    """The string literals of a module's code (not its docstrings), regex escapes undone
+    and named groups left out."""
     tree = ast.parse(inspect.getsource(module))
     docstrings = {id(node.body[0].value) for node in ast.walk(tree)
                   if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
                   and node.body and isinstance(node.body[0], ast.Expr)
                   and isinstance(node.body[0].value, ast.Constant)}
-    return [node.value.replace("\\", "") for node in ast.walk(tree)
+    return [_GROUP_NAME.sub("", node.value).replace("\\", "") for node in ast.walk(tree)
             if isinstance(node, ast.Constant) and isinstance(node.value, str)
             and id(node) not in docstrings]
 
@@ -369,6 +372,18 @@ def test_families_declare_every_marker_their_reader_module_names(module: Any) ->
     for literal in code_strings(module):
         for found in SPECIAL_LOOKING.findall(literal):
             assert is_read(found, declared), (module.__name__, found)
+
+
+@pytest.mark.parametrize("name", sorted(
+    m.name for m in pkgutil.iter_modules(importlib.import_module("mlx_lm.tool_parsers").__path__)))
+def test_mlx_lm_parsers_read_no_marker_their_family_leaves_out(name: str) -> None:
+    """A family's reader hands what it cannot follow to mlx-lm's parser for the family:
+    that parser must find every token it reads in the text too (an mlx-lm upgrade whose
+    parser reads a new marker fails here)."""
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+    for literal in code_strings(module):
+        for found in SPECIAL_LOOKING.findall(literal):
+            assert is_read(found, FAMILIES[name].markers), (name, found)
 
 
 def test_every_family_declares_its_start_and_end() -> None:
