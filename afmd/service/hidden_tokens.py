@@ -12,8 +12,10 @@ of several tokens (Kimi K3's ``<|open|>tools<|sep|>``). End ids end generation u
 already. Where an mlx-lm parser afmd has no reader for reads the calls, nothing is
 hidden: afmd cannot know which tokens that parser reads.
 
-A client's stop sequence is matched in the answer's text, so a special token whose text
-overlaps one is kept for that request: the stop still ends the answer where it did.
+A client's stop sequence is matched in the answer's text, so a special token a stop
+sequence holds (``<|im_start|>``, Gemma's ``<start_of_turn>``: clients stop on the next
+turn's opener) is kept for that request: the stop still ends the answer where it did. The
+tokenizer finds them, as it splits the prompt, in time linear in the stops' length.
 
 Only the text goes: a hidden token is still a completion token with its
 log-probabilities, and the engine leaves it out before its streaming detokenizer, so the
@@ -24,23 +26,7 @@ and Ollama's raw ``/api/generate`` hide nothing: their text is the decode of the
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
-
-
-@dataclass(frozen=True, slots=True)
-class HiddenTokens:
-    """A model's special tokens whose text a chat answer leaves out."""
-
-    texts: tuple[tuple[int, str], ...] = ()  # (id, text), by id
-    ids: frozenset[int] = frozenset()
-
-    def for_stops(self, stops: Sequence[str]) -> frozenset[int]:
-        """The ids to hide for a request with these stop sequences."""
-        if not stops or not self.ids:
-            return self.ids
-        return frozenset(i for i, text in self.texts
-                         if not any(text in stop or stop in text for stop in stops))
 
 
 def special_tokens(tokenizer: Any) -> dict[int, str]:
@@ -67,14 +53,21 @@ def is_read(text: str, markers: Iterable[str]) -> bool:
 
 
 def hidden_tokens(tokenizer: Any, markers: Iterable[str] | None,
-                  end_ids: Iterable[int]) -> HiddenTokens:
+                  end_ids: Iterable[int]) -> frozenset[int]:
     """The special tokens of ``tokenizer`` that are neither read (``markers``: every
     literal the model's call format and reasoning markers are read by; None: not known,
     nothing is hidden) nor end ids."""
     if markers is None:
-        return HiddenTokens()
+        return frozenset()
     read = tuple(m for m in markers if m)
     ends = set(end_ids)
-    texts = tuple(sorted((i, text) for i, text in special_tokens(tokenizer).items()
-                         if i not in ends and not is_read(text, read)))
-    return HiddenTokens(texts, frozenset(i for i, _ in texts))
+    return frozenset(i for i, text in special_tokens(tokenizer).items()
+                     if i not in ends and not is_read(text, read))
+
+
+def for_stops(hidden: frozenset[int], tokenizer: Any, stops: Sequence[str]) -> frozenset[int]:
+    """``hidden`` less the tokens the request's stop sequences hold."""
+    if not stops or not hidden:
+        return hidden
+    held = {i for stop in stops for i in tokenizer.encode(stop, add_special_tokens=False)}
+    return hidden - held

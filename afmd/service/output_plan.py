@@ -39,7 +39,7 @@ from afmd.grammar.limits import schema_limit_param
 from afmd.output.formats import detect
 from afmd.output.formats.harmony import ANALYSIS as HARMONY_ANALYSIS
 from afmd.output.processor import OutputProcessor, ToolFormat
-from afmd.service.hidden_tokens import HiddenTokens, hidden_tokens
+from afmd.service.hidden_tokens import for_stops, hidden_tokens
 
 if TYPE_CHECKING:
     from afmd.engine.batch.penalties import LogitsProcessor
@@ -65,7 +65,7 @@ class ModelFormats:
     #: The call format's ``start`` where it is one token: what ``tool_choice: "none"`` bans.
     start_token: int | None = None
     #: The special tokens a chat answer leaves out of its text.
-    hidden: HiddenTokens = field(default_factory=HiddenTokens)
+    hidden: frozenset[int] = frozenset()
 
     @property
     def channels(self) -> bool:
@@ -343,7 +343,7 @@ def plan_output(
     plan = OutputPlan(stops=request.stop, thinking=formats.thinking,
                       reasoning=formats.reasoning,
                       tools=template_tools if template_tools is not None else [],
-                      hidden_ids=formats.hidden.for_stops(request.stop))
+                      hidden_ids=for_stops(formats.hidden, model.tokenizer, request.stop))
     plan.starts_in_reasoning = model.prompt_opens_thinking(prompt)
     choice = request.tool_choice
     tool_format = formats.tool_format

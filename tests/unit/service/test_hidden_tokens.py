@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from afmd.output.formats.registry import FAMILIES
-from afmd.service.hidden_tokens import hidden_tokens, special_tokens
+from afmd.service.hidden_tokens import for_stops, hidden_tokens, special_tokens
 
 from helpers.format_models import build
 from helpers.formats import SPECS
@@ -45,25 +45,23 @@ def test_only_tokens_nothing_reads_are_hidden(tokenizers: dict[str, Any], name: 
     spec, tokenizer = SPECS[name], tokenizers[name]
     markers = FAMILIES[spec.reader].markers + (spec.think or ())
     hidden = hidden_tokens(tokenizer, markers, ids_of(tokenizer, spec.eos))
-    assert hidden.ids == ids_of(tokenizer, HIDDEN[name])
-    assert dict(hidden.texts) == {i: tokenizer.convert_ids_to_tokens(i) for i in hidden.ids}
+    assert hidden == ids_of(tokenizer, HIDDEN[name])
 
 
 def test_an_unknown_parser_hides_nothing(tokenizers: dict[str, Any]) -> None:
     """Where an mlx-lm parser afmd has no reader for reads the calls, afmd cannot tell
     which special tokens it reads."""
-    assert hidden_tokens(tokenizers["mistral"], None, ()).ids == frozenset()
+    assert hidden_tokens(tokenizers["mistral"], None, ()) == frozenset()
 
 
-def test_a_token_a_stop_sequence_overlaps_is_kept(tokenizers: dict[str, Any]) -> None:
+def test_a_token_a_stop_sequence_holds_is_kept(tokenizers: dict[str, Any]) -> None:
     """A client's stop sequence must still match where the token's text was."""
     tokenizer = tokenizers["mistral"]
     hidden = hidden_tokens(tokenizer, FAMILIES["mistral"].markers, ())
-    inst, system = ids_of(tokenizer, ["[INST]"]), ids_of(tokenizer, ["[SYSTEM_PROMPT]"])
-    assert hidden.for_stops(()) is hidden.ids
-    assert not hidden.for_stops(["\n[INST]"]) & inst  # the token inside the stop
-    assert not hidden.for_stops(["[SYSTEM"]) & system  # the stop inside the token
-    assert hidden.for_stops(["\n\n"]) == hidden.ids
+    inst = ids_of(tokenizer, ["[INST]", "[/INST]"])
+    assert for_stops(hidden, tokenizer, ()) is hidden
+    assert for_stops(hidden, tokenizer, ["\n\n", "</x>"]) == hidden
+    assert for_stops(hidden, tokenizer, ["x[/INST]", "[INST]"]) == hidden - inst
 
 
 def test_named_special_tokens_count_too() -> None:
@@ -75,9 +73,9 @@ def test_named_special_tokens_count_too() -> None:
                                 convert_ids_to_tokens=lambda ids: [["<unk>", "<s>"][i]
                                                                    for i in ids])
     assert special_tokens(tokenizer) == {0: "<unk>", 1: "<s>", 7: "<|im_start|>"}
-    assert hidden_tokens(tokenizer, (), [1]).ids == {0, 7}
+    assert hidden_tokens(tokenizer, (), [1]) == {0, 7}
 
 
 def test_a_tokenizer_without_special_tokens_hides_nothing() -> None:
-    assert hidden_tokens(SimpleNamespace(), ("<tool_call>",), ()).ids == frozenset()
+    assert hidden_tokens(SimpleNamespace(), ("<tool_call>",), ()) == frozenset()
 
