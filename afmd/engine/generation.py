@@ -88,6 +88,10 @@ class GenerationRequest:
     # Tokens besides the model's end-of-sequence ones that end generation, unseen (the end
     # markers of fill-in-the-middle).
     stop_ids: tuple[int, ...] = ()
+    # Tokens that add no text (a chat answer's special tokens that its output chain does
+    # not read: afmd.service.hidden_tokens), yet are generated like any other: counted,
+    # with their log-probabilities.
+    hidden_ids: frozenset[int] = frozenset()
     # The client's guess of the output (OpenAI's ``prediction``): proposed to the model
     # where the output so far agrees with it (afmd.engine.speculative.verification).
     prediction: str | None = None

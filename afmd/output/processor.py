@@ -58,6 +58,18 @@ class ToolFormat:
         return found is not None and found.channels
 
     @property
+    def markers(self) -> tuple[str, ...] | None:
+        """Every literal the format's reader reads in the model's text; None where an
+        mlx-lm parser afmd has no reader for reads the calls, as it cannot name what that
+        parser reads between ``start`` and ``end``."""
+        found = self.reader_family
+        if found is not None:
+            return found.markers
+        if self.parse is not None:
+            return None
+        return tuple(m for m in (self.start, self.end) if m)
+
+    @property
     def start_alone_opens(self) -> bool:
         """Only ``start`` opens a call (the generic reader reads calls between markers)."""
         found = self.reader_family

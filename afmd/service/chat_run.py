@@ -314,6 +314,7 @@ def _generation(prepared: PreparedChat, rnd: Round, choice: int,
         reasoning=rnd.plan.reasoning,
         starts_in_reasoning=rnd.plan.starts_in_reasoning,
         logprobs=r.logprobs,
+        hidden_ids=rnd.plan.hidden_ids,
         vision=rnd.vision,
         # What the client predicted is this turn's answer: later rounds (after server
         # tools) write something else.

@@ -39,6 +39,7 @@ from afmd.grammar.limits import schema_limit_param
 from afmd.output.formats import detect
 from afmd.output.formats.harmony import ANALYSIS as HARMONY_ANALYSIS
 from afmd.output.processor import OutputProcessor, ToolFormat
+from afmd.service.hidden_tokens import for_stops, hidden_tokens
 
 if TYPE_CHECKING:
     from afmd.engine.batch.penalties import LogitsProcessor
@@ -63,6 +64,8 @@ class ModelFormats:
     reasoning: ReasoningMarkers | None = None
     #: The call format's ``start`` where it is one token: what ``tool_choice: "none"`` bans.
     start_token: int | None = None
+    #: The special tokens a chat answer leaves out of its text.
+    hidden: frozenset[int] = frozenset()
 
     @property
     def channels(self) -> bool:
@@ -91,12 +94,16 @@ def model_formats(model: LoadedModel) -> ModelFormats:
     thinking = detect.thinking_markers(model.thinking, vocab)
     name = tool_format.family if tool_format is not None else None
     channels = tool_format is not None and tool_format.channels
+    markers = tool_format.markers if tool_format is not None else ()
     found = ModelFormats(
         tool_format,
         None if channels else thinking,
         for_family(name, array_calls=detect.array_calls(vocab)),
         _reasoning_markers(HARMONY_ANALYSIS if channels else thinking),
         model.single_token(tool_format.start) if tool_format and tool_format.start else None,
+        hidden_tokens(model.tokenizer,
+                      None if markers is None else (*markers, *(thinking or ())),
+                      model.eos_ids),
     )
     with _formats_lock:
         _formats[tokenizer] = found
@@ -151,6 +158,8 @@ class OutputPlan:
     calls_on: bool = True  # False: the format is only read for its channels
     enforced: bool = False  # the grammar makes every call well formed
     call_offset: int = 0  # calls earlier in the conversation (ids that count them)
+    # Special tokens whose text the answer leaves out (afmd.service.hidden_tokens).
+    hidden_ids: frozenset[int] = frozenset()
     tools: list[dict[str, Any]] = field(default_factory=list)
     max_calls: int | None = None
     schema: dict[str, Any] | None = None  # response_format schema to check the answer against
@@ -333,7 +342,8 @@ def plan_output(
     formats = model_formats(model)
     plan = OutputPlan(stops=request.stop, thinking=formats.thinking,
                       reasoning=formats.reasoning,
-                      tools=template_tools if template_tools is not None else [])
+                      tools=template_tools if template_tools is not None else [],
+                      hidden_ids=for_stops(formats.hidden, model.tokenizer, request.stop))
     plan.starts_in_reasoning = model.prompt_opens_thinking(prompt)
     choice = request.tool_choice
     tool_format = formats.tool_format

@@ -186,6 +186,34 @@ def test_verbatim_text_keeps_the_first_tokens_leading_space(loaded, worker) -> N
     assert text_of(chat) == tokenizer.decode(ids)[1:]  # what chat (rightly) shows
 
 
+def test_hidden_tokens_are_counted_and_scored_but_add_no_text(loaded, worker) -> None:
+    """A hidden token (a chat answer's special token no reader needs) is generated like any
+    other: it counts, it has its log-probability, and what follows is unchanged; only its
+    text is left out, before the streaming detokenizer, so the text around it is the
+    text of the other tokens. The engine hides whatever ids it is given: here a plain
+    token of the answer, so that it surely comes mid-answer."""
+    _, tokenizer = loaded
+    prompt = tokenizer.encode("def area(r):\n    return", add_special_tokens=False)
+    (plain,) = generate(worker, request(prompt, 16, logprobs=0))
+    ids = [e.token for e in entries(plain)]
+    hidden = next(t for t in ids[2:-2] if t not in ids[:2])
+    for top in (0, None):
+        (events,) = generate(worker, request(prompt, 16, logprobs=top,
+                                             hidden_ids=frozenset({hidden})))
+        (finished,) = [e for e in events if isinstance(e, Finished)]
+        assert finished.completion_tokens == len(ids)
+        assert sum(e.tokens for e in events if isinstance(e, Text)) == len(ids)
+        if top is not None:
+            assert [e.token for e in entries(events)] == ids
+        detokenizer = tokenizer.detokenizer
+        for token in ids:
+            if token != hidden:
+                detokenizer.add_token(token)
+        detokenizer.finalize()
+        assert text_of(events) == detokenizer.text
+        assert text_of(events) != text_of(plain)
+
+
 @pytest.mark.parametrize("vocab", [100, 32768, 50257, 151936])
 def test_host_normalisation_is_a_full_log_softmax(vocab: int) -> None:
     """The host path's shortcuts (alternatives found in the columns whose maximum can hold

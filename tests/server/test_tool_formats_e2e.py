@@ -29,6 +29,7 @@ from afmd.core.events import (
     Content,
     Event,
     Finish,
+    Logprobs,
     Reasoning,
     ToolCallArguments,
     ToolCallEnd,
@@ -40,7 +41,9 @@ from afmd.dialects.openai.chat import OPENAI_CHAT
 from afmd.dialects.responses.client_tools import PARAMETERS
 from afmd.dialects.responses.options import custom_parameters
 from afmd.engine.models.model_registry import ModelRegistry
+from afmd.output.formats.registry import FAMILIES as READERS
 from afmd.service.chat_template import template_messages
+from afmd.service.hidden_tokens import is_read
 from afmd.service.output_plan import model_formats
 from afmd.service.pipeline import ChatPipeline
 from afmd.service.scheduler import Scheduler
@@ -162,6 +165,35 @@ def test_format_is_detected_and_forced(models: Models, spec: Spec) -> None:
     formats = model_formats(models.model(spec))
     assert formats.tool_format is not None and formats.tool_format.family == spec.reader
     assert formats.syntax is not None  # afmd has a grammar for it
+
+
+@pytest.mark.parametrize("spec", FAMILIES, ids=lambda s: s.id)
+def test_special_tokens_no_reader_needs_never_reach_the_text(models: Models,
+                                                             spec: Spec) -> None:
+    """The family's special tokens that are neither read (its call markers, its reasoning
+    markers, as mlx-lm detects them on this model) nor end ids are hidden; a free turn (no
+    tools, so no grammar) pushed to write them between words counts and scores them but
+    never shows them."""
+    model = models.model(spec)
+    vocab = model.tokenizer.get_vocab()
+    markers = READERS[spec.reader].markers + (spec.think or ())
+    hidden = {vocab[t] for t in spec.tokens
+              if vocab[t] not in model.eos_ids and not is_read(t, markers)}
+    assert model_formats(model).hidden == hidden
+    if not hidden:
+        return  # harmony and Kimi K3: every token is read or ends the turn
+    word = model.tokenizer.encode(" ok", add_special_tokens=False)[0]  # a plain token
+    # Greedy, the biased tokens on top, the penalty taking turns among them.
+    events = models.run(spec, tools=None, max_tokens=24, temperature=0, logprobs=True,
+                        frequency_penalty=2.0, reasoning_effort="none",
+                        logit_bias={str(t): 100 for t in (*hidden, word)})
+    text = "".join(e.text for e in events if isinstance(e, Content | Reasoning))
+    scored = [t.token for e in events if isinstance(e, Logprobs) for t in e.tokens]
+    shown = {model.tokenizer.convert_ids_to_tokens(t) for t in hidden}
+    assert model.tokenizer.decode([word]).strip() in text, text
+    assert not any(token in text for token in shown), text
+    assert usage(events).completion_tokens == len(scored) == 24
+    assert shown & set(scored)
 
 
 @pytest.mark.parametrize("spec", FAMILIES, ids=lambda s: s.id)

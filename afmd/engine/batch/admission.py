@@ -82,6 +82,7 @@ class Admissions:
                        ReasoningCount(request.reasoning, inside=request.starts_in_reasoning)),
             logprobs=request.logprobs,
             stop_ids=self._eos.union(request.stop_ids),
+            hidden_ids=request.hidden_ids,
         )
         if generation.cancel_requested:
             row.finish("cancelled")

@@ -43,6 +43,8 @@ class Row:
     # Tokens that end this sequence unseen: the model's end-of-sequence ones and the
     # request's own (fill-in-the-middle end markers).
     stop_ids: frozenset[int] = frozenset()
+    # Tokens generated and counted that add no text (GenerationRequest.hidden_ids).
+    hidden_ids: frozenset[int] = frozenset()
     # Speculation's numbers, read when the sequence leaves (see DecodeBatch.spec_rows).
     spec: RowSpec | None = None
 
@@ -59,8 +61,12 @@ class Row:
             pass
         else:
             self.completion_tokens += 1
-            self.detokenizer.add_token(token)
-            segment = self.detokenizer.last_segment
+            if token in self.hidden_ids:
+                # Never detokenized: the text around it is what it would be without it.
+                segment = ""
+            else:
+                self.detokenizer.add_token(token)
+                segment = self.detokenizer.last_segment
             reasoning = self.reasoning
             if reasoning is not None:
                 reasoning.take(segment)

@@ -65,8 +65,11 @@ class VisionStream:
             return False
         request = self._request
         self._completion += 1
-        self._detokenizer.add_token(token)
-        segment = self._detokenizer.last_segment
+        if token in request.hidden_ids:
+            segment = ""  # never detokenized (see Row.take)
+        else:
+            self._detokenizer.add_token(token)
+            segment = self._detokenizer.last_segment
         if self._reasoning is not None:
             self._reasoning.take(segment)
         if request.logprobs is not None:

@@ -25,6 +25,11 @@ class GemmaSyntax:
     end: str
     quote: str
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """Every marker the reader reads (see ``kimi.MARKERS``)."""
+        return (self.start, self.end, self.quote)
+
 
 GEMMA4 = GemmaSyntax("<|tool_call>", "<tool_call|>", '<|"|>')
 FUNCTION_GEMMA = GemmaSyntax("<start_function_call>", "<end_function_call>", "<escape>")

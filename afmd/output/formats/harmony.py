@@ -24,6 +24,9 @@ from afmd.output.markers import earliest, partial_suffix
 START, END, MESSAGE, CHANNEL, CONSTRAIN = (
     "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>")
 CALL, RETURN = "<|call|>", "<|return|>"
+#: Every marker the reader reads (see kimi.MARKERS): ``<|call|>`` and ``<|return|>`` end
+#: generation on gpt-oss, and still end a body where a model's end ids lack them.
+MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, CALL, RETURN)
 #: An analysis message read as a reasoning block: where it opens, where it closes.
 ANALYSIS = (f"{CHANNEL}analysis{MESSAGE}", END)
 _BODY_ENDS = (END, CALL, RETURN)

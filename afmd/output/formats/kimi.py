@@ -19,6 +19,9 @@ from afmd.output.markers import partial_suffix
 
 SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 CALL = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+#: Every marker the reader reads: a chat answer must keep their tokens (afmd.service.
+#: hidden_tokens hides the other special tokens).
+MARKERS = (*SECTION, *CALL)
 _HEADER = re.compile(r"\s*(?:functions\.)?(.+?):\d+\s*", re.DOTALL)
 
 _OUT, _SECTION, _HEAD, _ARGS, _AFTER, _JUNK = range(6)

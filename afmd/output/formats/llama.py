@@ -17,6 +17,9 @@ from afmd.output.formats.jsonargs import JsonArguments, JsonValueEnd
 from afmd.output.toolcalls import match_header
 
 PYTHON_TAG = "<|python_tag|>"
+#: Every marker the reader reads (see kimi.MARKERS); ``<|eom_id|>`` ends the turn, an end
+#: id, not something read.
+MARKERS = (PYTHON_TAG,)
 _KEYS = ("parameters", "arguments")
 
 _START, _HEAD, _ARGS, _REST, _AFTER, _TEXT = range(6)

@@ -22,7 +22,9 @@ from afmd.output.toolcalls import match_header
 
 MARKER = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
-_CALL_ID = "[CALL_ID]"
+CALL_ID = "[CALL_ID]"
+#: Every marker the reader reads (see kimi.MARKERS).
+MARKERS = (MARKER, ARGS, CALL_ID)
 _HEADER = re.compile(r"([\w-]+)\s*(?:\[CALL_ID\]\s*[\w-]*\s*)?\[ARGS\]")
 _HEADER_SO_FAR = re.compile(r"[\w-]*\s*(?:\[CALL_ID\]\s*[\w-]*\s*)?")
 _ALPHABET = string.ascii_letters + string.digits
@@ -40,7 +42,7 @@ def _header(text: str) -> tuple[str, str, int]:
     if match:
         return "call", match.group(1), match.end()
     rest = text[_HEADER_SO_FAR.match(text).end():]  # type: ignore[union-attr]
-    if not rest or ARGS.startswith(rest) or _CALL_ID.startswith(rest):
+    if not rest or ARGS.startswith(rest) or CALL_ID.startswith(rest):
         return "maybe", "", 0
     return "no", "", 0
 

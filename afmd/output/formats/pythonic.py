@@ -13,6 +13,8 @@ from afmd.output.formats.base import CallContext, MarkupReader, is_name
 from afmd.output.formats.values import ArgumentsObject, Trim, ValueStream
 
 START, END = "<|tool_call_start|>", "<|tool_call_end|>"
+#: Every marker the reader reads (see kimi.MARKERS).
+MARKERS = (START, END)
 
 _OUT, _LIST, _NAME, _ARGS, _KEY, _VALUE, _SEP, _TAIL, _JUNK = range(9)
 

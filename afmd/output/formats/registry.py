@@ -22,6 +22,10 @@ class Family:
     name: str
     start: str  # what opens the calls ("": nothing to ban when tools are hidden)
     end: str
+    # Every literal the family's reader reads in the model's text (``start`` and ``end``
+    # among them): the special tokens these are made of reach the reader, every other
+    # special token is kept out of a chat answer (afmd.service.hidden_tokens).
+    markers: tuple[str, ...]
     # The family's own reader; None: the generic one (markers and mlx-lm's parser, or
     # the Hermes JSON stream with ``incremental_json``).
     reader: Callable[[CallContext], MarkupReader] | None = None
@@ -35,13 +39,20 @@ class Family:
 
 
 def _tagged(name: str, syntax: tagged.TagSyntax) -> Family:
-    return Family(name, syntax.section[0], syntax.section[1], tagged.reader(syntax))
+    return Family(name, syntax.section[0], syntax.section[1], syntax.markers,
+                  tagged.reader(syntax))
 
+
+def _gemma(name: str, syntax: gemma.GemmaSyntax) -> Family:
+    return Family(name, syntax.start, syntax.end, syntax.markers, gemma.reader(syntax))
+
+
+_HERMES = ("<tool_call>", "</tool_call>")
 
 FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
-        Family("json_tools", "<tool_call>", "</tool_call>", incremental_json=True),
+        Family("json_tools", *_HERMES, _HERMES, incremental_json=True),
         _tagged("qwen3_coder", tagged.QWEN3_CODER),
         _tagged("glm47", tagged.GLM47),
         _tagged("laguna", tagged.GLM47),
@@ -50,16 +61,18 @@ FAMILIES: dict[str, Family] = {
         _tagged("muse_spark", tagged.MUSE_SPARK),
         _tagged("minicpm5", tagged.MINICPM5),
         _tagged("kimi_k3", tagged.KIMI_K3),
-        Family("kimi_k2", kimi.SECTION[0], kimi.SECTION[1], kimi.KimiReader,
+        Family("kimi_k2", kimi.SECTION[0], kimi.SECTION[1], kimi.MARKERS, kimi.KimiReader,
                call_id=kimi.call_id),
-        Family("mistral", mistral.MARKER, "", mistral.MistralReader,
+        Family("mistral", mistral.MARKER, "", mistral.MARKERS, mistral.MistralReader,
                call_id=mistral.call_id),
-        Family("pythonic", pythonic.START, pythonic.END, pythonic.PythonicReader),
-        Family("gemma4", gemma.GEMMA4.start, gemma.GEMMA4.end, gemma.reader(gemma.GEMMA4)),
-        Family("function_gemma", gemma.FUNCTION_GEMMA.start, gemma.FUNCTION_GEMMA.end,
-               gemma.reader(gemma.FUNCTION_GEMMA)),
-        Family("harmony", "", "", harmony.reader, channels=True, start_alone_opens=False),
-        Family("llama3_json", llama.PYTHON_TAG, "", llama.reader, start_alone_opens=False),
+        Family("pythonic", pythonic.START, pythonic.END, pythonic.MARKERS,
+               pythonic.PythonicReader),
+        _gemma("gemma4", gemma.GEMMA4),
+        _gemma("function_gemma", gemma.FUNCTION_GEMMA),
+        Family("harmony", "", "", harmony.MARKERS, harmony.reader, channels=True,
+               start_alone_opens=False),
+        Family("llama3_json", llama.PYTHON_TAG, "", llama.MARKERS, llama.reader,
+               start_alone_opens=False),
     )
 }
 

@@ -69,6 +69,14 @@ class TagSyntax:
     strings_by_type: bool = False  # the key header says whether the value is a string
     drop: tuple[str, ...] = ()  # structural markup outside calls that is not content
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """Every tag the reader reads (see ``kimi.MARKERS``): a chat answer must keep the
+        special tokens they are made of."""
+        found = (*self.section, self.call_open, *self.head_ends, self.call_close, *self.key,
+                 *self.value, *(self.json_block or ()), *self.drop)
+        return tuple(dict.fromkeys(m for m in found if m))
+
 
 QWEN3_CODER = TagSyntax(
     section=("<tool_call>", "</tool_call>"), call_open="<function=", head_ends=(">",),

@@ -12,10 +12,15 @@ models per family) is in ``test_tool_formats_e2e.py``.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import importlib
+import inspect
 import itertools
 import json
+import pkgutil
 import random
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +28,11 @@ from typing import Any
 import pytest
 
 from afmd.core.events import Content, Piece, Reasoning, ToolCallArguments, ToolCallStart
+from afmd.output.formats import gemma, harmony, kimi, llama, mistral, pythonic, tagged
 from afmd.output.formats.base import parse_whole
 from afmd.output.formats.registry import FAMILIES
 from afmd.output.processor import OutputProcessor, ToolFormat
+from afmd.service.hidden_tokens import is_read
 
 from helpers.formats import SPECS, Calls, Spec
 
@@ -309,3 +316,88 @@ def test_gemma_json_values_keep_commas_and_brackets_in_their_strings(family: str
     for chunks in ([text], list(text)):
         (call,) = replay(spec, chunks).calls
         assert json.loads(call["arguments"]) == {"filters": filters, "query": "q"}
+
+
+def hidden_by_afmd(spec: Spec) -> set[str]:
+    """The spec's special tokens a chat answer would leave out: neither an end id nor
+    part of a marker its call format's reader or its reasoning reads."""
+    markers = FAMILIES[spec.reader].markers + (spec.think or ())
+    return {t for t in spec.tokens if t not in spec.eos and not is_read(t, markers)}
+
+
+@pytest.mark.parametrize(("spec", "case"), ALL, ids=[f"{s.id}:{c.id}" for s, c in ALL])
+def test_each_reader_needs_only_its_declared_markers(spec: Spec, case: Case) -> None:
+    """The turn as the client's text would carry it, every special token the family does
+    not declare taken out (afmd.service.hidden_tokens), reads back the same: a marker the
+    reader needs but its family does not declare would break the calls or the thinking."""
+    text = model_text(spec, case)
+    for token in hidden_by_afmd(spec):
+        text = text.replace(token, "")
+    for chunks in ([text], list(text)):
+        check(spec, case, replay(spec, chunks, max_calls=case.max_calls))
+
+
+# Reader modules, each with the families whose markers name its literals.
+READERS = {gemma: ("gemma4", "function_gemma"), harmony: ("harmony",), kimi: ("kimi_k2",),
+           llama: ("llama3_json",), mistral: ("mistral",), pythonic: ("pythonic",),
+           tagged: tuple(n for n, f in FAMILIES.items() if f.reader is not None
+                         and getattr(f.reader, "__module__", "") == tagged.__name__)}
+# What a special token's text looks like in markup: ``<…>`` (``<|x|>``, ``<x>``, ``</x>``,
+# ``<|x>``) or Mistral's ``[UPPER]``; a regex's named group (``(?P<name>``) is no markup.
+SPECIAL_LOOKING = re.compile(r"<[^\s<>()\[\]]+>|\[[A-Z_/]+\]")
+_GROUP_NAME = re.compile(r"\(\?P<\w+>")
+
+
+def code_strings(module: Any) -> list[str]:
+    """The string literals of a module's code (not its docstrings), regex escapes undone
+    and named groups left out."""
+    tree = ast.parse(inspect.getsource(module))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    return [_GROUP_NAME.sub("", node.value).replace("\\", "") for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in docstrings]
+
+
+@pytest.mark.parametrize("module", list(READERS), ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_families_declare_every_marker_their_reader_module_names(module: Any) -> None:
+    """Every markup literal in a reader's code lies inside a marker its families declare,
+    so a marker added to a reader without declaring it fails here, not in a chat answer
+    that lost its token."""
+    names = READERS[module]
+    assert names, module.__name__
+    declared = tuple(m for name in names for m in FAMILIES[name].markers)
+    for literal in code_strings(module):
+        for found in SPECIAL_LOOKING.findall(literal):
+            assert is_read(found, declared), (module.__name__, found)
+
+
+@pytest.mark.parametrize("name", sorted(
+    m.name for m in pkgutil.iter_modules(importlib.import_module("mlx_lm.tool_parsers").__path__)))
+def test_mlx_lm_parsers_read_no_marker_their_family_leaves_out(name: str) -> None:
+    """A family's reader hands what it cannot follow to mlx-lm's parser for the family:
+    that parser must find every token it reads in the text too (an mlx-lm upgrade whose
+    parser reads a new marker fails here)."""
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+    for literal in code_strings(module):
+        for found in SPECIAL_LOOKING.findall(literal):
+            assert is_read(found, FAMILIES[name].markers), (name, found)
+
+
+def test_every_family_declares_its_start_and_end() -> None:
+    for family in FAMILIES.values():
+        assert {family.start, family.end} - {""} <= set(family.markers), family.name
+
+
+def test_tag_syntax_markers_name_every_tag_field() -> None:
+    """A tag added to TagSyntax is read by the tagged reader: its markers must list it."""
+    tags = {f.name for f in dataclasses.fields(tagged.TagSyntax)
+            if f.name not in ("trim", "name", "key_name", "strings_by_type")}
+    for syntax in (tagged.QWEN3_CODER, tagged.GLM47, tagged.LONGCAT, tagged.MINIMAX_M2,
+                   tagged.MUSE_SPARK, tagged.MINICPM5, tagged.KIMI_K3):
+        for name in tags:
+            value = getattr(syntax, name)
+            values = value if isinstance(value, tuple) else (value,)
+            assert {v for v in values if v} <= set(syntax.markers), name
