@@ -1190,6 +1190,18 @@ def test_a_model_loading_is_not_deleted(tmp_path: Path) -> None:
             asker.join(60)
             assert answers["chat"].status_code == 200, answers["chat"].text
             assert answers["chat"].json()["eval_count"] == 12
+            # Loaded as "pulled", its files are as much in use named by their repo id: the
+            # delete went ahead (it looked for a model loaded under the repo's id), and a
+            # request naming the repo loaded a second copy of the same files beside it.
+            by_repo = httpx.request("DELETE", server.url + "/api/delete",
+                                    json={"model": LOADING})
+            assert by_repo.status_code == 409, by_repo.text
+            same = httpx.post(server.url + "/api/chat", timeout=60, json={
+                "model": LOADING, "messages": MESSAGES, "stream": False, "options": GREEDY})
+            assert same.status_code == 200, same.text
+            assert same.json()["message"] == answers["chat"].json()["message"]
+            loaded = [m["name"] for m in httpx.get(server.url + "/api/ps").json()["models"]]
+            assert loaded == ["pulled:latest"], loaded
         finally:
             server.stop()
 

@@ -79,10 +79,12 @@ class ModelRegistry:
         entry = self._config.resolve_model(name)
         if entry is None and name is not None:
             # Ollama's clients name a model's default tag (``demo:latest``); a model pulled
-            # into the Hugging Face cache serves under its repo id without configuring it.
+            # into the Hugging Face cache serves under its repo id without configuring it,
+            # or as the configured model of that path, when there is one: its own id would
+            # have loaded a second copy of the same files beside it.
             base = name.removesuffix(":latest")
             entry = self._config.resolve_model(base) if base != name else None
-            entry = entry or self._downloaded(base)
+            entry = entry or self._configured_path(base) or self._downloaded(base)
         if entry is None:
             raise NotFoundError(
                 f"The model '{name}' does not exist. Available models: "
@@ -92,6 +94,18 @@ class ModelRegistry:
                 param="model",
             )
         return entry
+
+    def _configured_path(self, repo: str) -> ModelEntry | None:
+        """The first configured model whose path is this repo id."""
+        if not hubcache.REPO_ID.match(repo):
+            return None
+        return next((e for e in self._config.models.model if e.path == repo), None)
+
+    def sharing_files(self, repo: str) -> list[str]:
+        """The ids of every model served from this repo's download: the configured ones of
+        that path, and the repo id itself (a download served unconfigured)."""
+        return [*(e.id for e in self._config.models.model if e.path == repo and e.id != repo),
+                repo]
 
     def _downloaded(self, repo: str) -> ModelEntry | None:
         """The entry a complete download of ``repo`` serves under (one per repo, so that

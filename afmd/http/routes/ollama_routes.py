@@ -326,14 +326,17 @@ async def delete(request: Request) -> HTTPResponse:
         raise NotFoundError(f"model '{name}' not found: only models downloaded into the "
                             "Hugging Face cache can be deleted", code="model_not_found",
                             param="model")
-    if state.registry.loaded(entry.id) is not None:
-        raise ConflictError(f"model '{name}' is loaded; unload it first (a request with "
-                            "keep_alive 0) or wait for its keep-alive to end",
-                            code="model_in_use", param="model")
-    if state.registry.loads.is_loading(entry.id):  # its files would go from under the load
-        raise ConflictError(f"model '{name}' is loading for a request; delete it once that "
-                            "is answered and the model unloaded", code="model_in_use",
-                            param="model")
+    # Whatever id serves these files (a configured one of this path, the repo id itself).
+    for model_id in state.registry.sharing_files(repo):
+        as_id = "" if model_id in (name, entry.id) else f" (as '{model_id}')"
+        if state.registry.loaded(model_id) is not None:
+            raise ConflictError(f"model '{name}' is loaded{as_id}; unload it first (a "
+                                "request with keep_alive 0) or wait for its keep-alive to "
+                                "end", code="model_in_use", param="model")
+        if state.registry.loads.is_loading(model_id):  # the files would go from under it
+            raise ConflictError(f"model '{name}' is loading{as_id} for a request; delete it "
+                                "once that is answered and the model unloaded",
+                                code="model_in_use", param="model")
     if _pulling(state, repo):  # its files would go from under the download
         raise ConflictError(f"model '{name}' is being pulled; delete it once the pull is "
                             "over", code="model_in_use", param="model")
