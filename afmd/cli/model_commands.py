@@ -357,6 +357,36 @@ def _refuse_if_served(args: argparse.Namespace, config: Config, repo: str) -> No
                            f"'{serving[0]}'); stop the server or serve another model first")
 
 
+def _remove(args: argparse.Namespace, config: Config, repo: str, folder: Path) -> int | None:
+    """Delete ``repo``; the bytes freed, None when it was gone already.
+
+    A running server deletes it itself (Ollama's ``/api/delete``): it refuses a model it
+    has loaded, is loading or is pulling in the same step as it deletes, where a look at
+    its /health followed by a delete here left a load free to start in between, on files
+    about to go (the look before asking stays, for its plainer message). Deleted here
+    when no server answers, or when the server's own cache has no such repo (a server
+    run with another ``HF_HOME``: nothing of it uses these files)."""
+    target = _endpoint(args, config)
+    if target is not None:
+        size = hubcache.stored_bytes(folder)
+        try:
+            status, answer = _ask_server(target, "DELETE", "/api/delete", {"model": repo},
+                                         args.timeout)
+        except endpoint.ServerUnreachable:
+            pass
+        else:
+            if status == 200:
+                return size
+            if status == 409:  # loaded, loading or pulled: in the server's own words
+                error = answer.get("error") if isinstance(answer, dict) else None
+                raise CommandError(f"{repo} is in use by the running server: {error}"
+                                   if isinstance(error, str) else
+                                   f"{repo} is in use by the running server")
+            if status != 404:
+                raise _refusal(target, status, answer)
+    return hubcache.remove(repo)
+
+
 def _rm(args: argparse.Namespace) -> int:
     repo = args.repo
     if not hubcache.REPO_ID.match(repo):
@@ -375,11 +405,8 @@ def _rm(args: argparse.Namespace) -> int:
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing deleted")
             return EXIT_FAILURE
-        # The answer may come long after the look above: a request may have had the server
-        # load the model meanwhile, and its files would go from under it.
-        _refuse_if_served(args, config, repo)
     linked = cached.folder.resolve() if cached.folder.is_symlink() else None
-    freed = hubcache.remove(repo)
+    freed = _remove(args, config, repo, cached.folder)
     if freed is None:
         raise CommandError(f"{repo} is no longer in the Hugging Face cache (deleted meanwhile)")
     print(f"deleted {repo} ({human_bytes(freed)} freed)")
@@ -450,19 +477,18 @@ def _print_info(info: dict[str, Any], as_json: bool) -> int:
 # ---------------------------------------------------------------------------- cache
 
 
-def _post_clear(target: endpoint.Endpoint, model: str | None, timeout: float) -> dict[str, Any]:
-    """Ask the running server to clear (``ServerUnreachable`` when none answers)."""
+def _ask_server(target: endpoint.Endpoint, method: str, path: str, body: dict[str, Any],
+                timeout: float) -> tuple[int, Any]:
+    """The running server's status and JSON answer (None: not JSON) to one request;
+    ``ServerUnreachable`` when none answers."""
     import http.client
 
-    from afmd.engine.kvcache.folder import CLEAR_PATH
-
-    body = json.dumps({"model": model} if model else {})
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
     if target.api_key:
         headers["Authorization"] = f"Bearer {target.api_key}"
     conn = target.connect(timeout)
     try:
-        conn.request("POST", CLEAR_PATH, body=body, headers=headers)
+        conn.request(method, path, body=json.dumps(body), headers=headers)
         response = conn.getresponse()
         raw = response.read(1 << 20)
     except (OSError, http.client.HTTPException) as exc:
@@ -471,14 +497,27 @@ def _post_clear(target: endpoint.Endpoint, model: str | None, timeout: float) ->
     finally:
         conn.close()
     try:
-        answer = json.loads(raw)
+        return response.status, json.loads(raw) if raw else None
     except ValueError:
-        answer = None
-    if response.status != 200 or not isinstance(answer, dict):
-        message = (answer or {}).get("error", {}).get("message") if isinstance(
-            answer, dict) else None
-        raise CommandError(f"the server at {target.label} refused: HTTP {response.status}"
-                           + (f": {message}" if message else ""))
+        return response.status, None
+
+
+def _refusal(target: endpoint.Endpoint, status: int, answer: Any) -> CommandError:
+    """A server's refusal, in its words (OpenAI's envelope or Ollama's)."""
+    error = answer.get("error") if isinstance(answer, dict) else None
+    message = error.get("message") if isinstance(error, dict) else error
+    return CommandError(f"the server at {target.label} refused: HTTP {status}"
+                        + (f": {message}" if isinstance(message, str) and message else ""))
+
+
+def _post_clear(target: endpoint.Endpoint, model: str | None, timeout: float) -> dict[str, Any]:
+    """Ask the running server to clear (``ServerUnreachable`` when none answers)."""
+    from afmd.engine.kvcache.folder import CLEAR_PATH
+
+    status, answer = _ask_server(target, "POST", CLEAR_PATH, {"model": model} if model else {},
+                                 timeout)
+    if status != 200 or not isinstance(answer, dict):
+        raise _refusal(target, status, answer)
     return answer
 
 

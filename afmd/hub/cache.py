@@ -185,16 +185,25 @@ def remove(repo: str, cache: Path | None = None) -> int | None:
         folder.rename(doomed)
     except FileNotFoundError:
         return None
-    freed = 0
-    for dirpath, _dirs, files in os.walk(doomed):
+    freed = stored_bytes(doomed)
+    shutil.rmtree(doomed, ignore_errors=False)
+    shutil.rmtree(locks, ignore_errors=True)
+    return freed
+
+
+def stored_bytes(folder: Path) -> int:
+    """What deleting a repo's folder frees: its files, not the links between them (a
+    snapshot links to blobs), nothing for a folder that is itself a link."""
+    if folder.is_symlink():
+        return 0
+    total = 0
+    for dirpath, _dirs, files in os.walk(folder):
         for name in files:
             path = Path(dirpath) / name
             if not path.is_symlink():
                 with contextlib.suppress(OSError):
-                    freed += path.stat().st_size
-    shutil.rmtree(doomed, ignore_errors=False)
-    shutil.rmtree(locks, ignore_errors=True)
-    return freed
+                    total += path.stat().st_size
+    return total
 
 
 def human_bytes(n: float) -> str:

@@ -302,6 +302,8 @@ def test_rm_asks_refuses_a_loaded_model_and_deletes(served: tuple[ServerProcess,
     assert folder.is_dir()
     gone = afmd(env, "rm", EMBED, "--url", server.url, stdin="y\n")
     assert gone.returncode == 0 and f"deleted {EMBED} (1.3 MB freed)" in gone.stdout
+    # By the server, which refuses a model in use in the same step as it deletes.
+    assert server.wait_event("request", path="/api/delete", status=200)
     assert not folder.exists()
     assert not (folder.parent / ".locks" / folder.name).exists()
     assert EMBED not in {m["id"] for m in as_json(afmd(env, "list", "--json"))["models"]}
@@ -341,8 +343,8 @@ def test_a_download_loaded_by_its_repo_id_is_shown_and_kept(
 def test_rm_looks_again_once_it_is_answered(served: tuple[ServerProcess, str],
                                             env: dict[str, str]) -> None:
     """``afmd rm`` asked the server once, before its question: a model loaded while the
-    question waited for its answer had its files deleted from under it. It asks again
-    once answered."""
+    question waited for its answer had its files deleted from under it. Once answered,
+    the server deletes it, and refuses: the model is in use."""
     server, _ = served
     assert afmd(env, "pull", EMBED).returncode == 0
     folder = Path(env["HF_HOME"]) / "hub" / "models--test-org--embed"
@@ -363,7 +365,7 @@ def test_rm_looks_again_once_it_is_answered(served: tuple[ServerProcess, str],
     finally:
         rm.kill()
     assert rm.returncode == 1, out + err
-    assert f"{EMBED} is loaded by the running server" in err
+    assert f"{EMBED} is in use by the running server: model '{EMBED}' is loaded" in err
     assert folder.is_dir()
     unloaded = httpx.post(server.url + "/api/embed", json={"model": EMBED, "keep_alive": 0},
                           timeout=60)
