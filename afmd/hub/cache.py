@@ -165,11 +165,37 @@ def complete_snapshot(repo: str, cache: Path | None = None) -> Path | None:
 def remove(repo: str, cache: Path | None = None) -> int | None:
     """Delete every revision of ``repo`` (and its download locks); the bytes freed, None
     when it was not there (another removal took it first). A repo folder that is a link
-    (moved to another disk) loses the link only: nothing outside the cache is deleted.
+    (moved to another disk) loses the link only: nothing outside the cache is deleted."""
+    taken = take_out(repo, cache)
+    return None if taken is None else taken.delete()
 
-    The folder is first renamed out of the cache's view, which only one of several
-    removals at once (two requests, the server and ``afmd rm``) can do: the others find
-    nothing, where each went into the same tree and found it vanishing under it."""
+
+@dataclass(frozen=True, slots=True)
+class TakenOut:
+    """A repo out of the cache's view, its files still to delete (:meth:`delete`)."""
+
+    folder: Path | None  # None: the repo's folder was a link, and the link is gone
+    locks: Path
+
+    def delete(self) -> int:
+        """Delete what was taken out; the bytes freed."""
+        freed = 0
+        if self.folder is not None:
+            freed = stored_bytes(self.folder)
+            shutil.rmtree(self.folder, ignore_errors=False)
+        shutil.rmtree(self.locks, ignore_errors=True)
+        return freed
+
+
+def take_out(repo: str, cache: Path | None = None) -> TakenOut | None:
+    """Take ``repo`` out of the cache's view at once (one rename, or a link unlinked);
+    None when it was not there.
+
+    Only one of several removals at once (two requests, the server and ``afmd rm``) can
+    rename the folder: the others find nothing, where each went into the same tree and
+    found it vanishing under it. And a caller that has just checked that nothing uses the
+    repo (the server, on its event loop) takes it out in the same step, so no load can
+    start on files about to go; the deleting itself can then wait for a thread."""
     root = cache or huggingface_hub_cache()
     folder = repo_folder(repo, root)
     locks = root / ".locks" / folder.name
@@ -178,17 +204,13 @@ def remove(repo: str, cache: Path | None = None) -> int | None:
             folder.unlink()
         except FileNotFoundError:
             return None
-        shutil.rmtree(locks, ignore_errors=True)
-        return 0
+        return TakenOut(None, locks)
     doomed = root / f".{folder.name}.deleting-{uuid.uuid4().hex}"
     try:
         folder.rename(doomed)
     except FileNotFoundError:
         return None
-    freed = stored_bytes(doomed)
-    shutil.rmtree(doomed, ignore_errors=False)
-    shutil.rmtree(locks, ignore_errors=True)
-    return freed
+    return TakenOut(doomed, locks)
 
 
 def stored_bytes(folder: Path) -> int:

@@ -340,9 +340,13 @@ async def delete(request: Request) -> HTTPResponse:
     if _pulling(state, repo):  # its files would go from under the download
         raise ConflictError(f"model '{name}' is being pulled; delete it once the pull is "
                             "over", code="model_in_use", param="model")
-    if await asyncio.to_thread(hubcache.remove, repo) is None:  # a delete beside it won
+    # Out of the cache's view in the same step as the checks above: a load that starts
+    # after them finds no files, rather than files about to go.
+    taken = hubcache.take_out(repo)
+    if taken is None:  # a delete beside it won
         raise NotFoundError(f"model '{name}' not found: it was deleted meanwhile",
                             code="model_not_found", param="model")
+    await asyncio.to_thread(taken.delete)
     return HTTPResponse(status=200, headers=headers)
 
 
