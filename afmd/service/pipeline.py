@@ -227,7 +227,7 @@ class ChatPipeline:
             return 0
         from afmd.service import images as image_decoding  # Pillow: only with images
 
-        pixels = await image_pool.run(
+        pixels = await image_pool.IMAGE_THREADS.run(
             image_decoding.check_total,
             [image for message in request.messages for image in message.images],
             self.config.models.max_request_image_pixels)

@@ -75,7 +75,7 @@ class RoundBuilder:
         self._inputs: list[dict[str, Any]] = []
         #: How the builder's blocking work is run off the event loop.
         self.offload: Callable[..., Awaitable[Any]] = (
-            image_pool.run if request.has_images and model.vision is not None
+            image_pool.IMAGE_THREADS.run if request.has_images and model.vision is not None
             else asyncio.to_thread)
 
     async def first(self, request: ChatRequest) -> Round:

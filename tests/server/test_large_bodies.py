@@ -10,8 +10,6 @@ which owns the stores, and their answers and errors reach the parse on its threa
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any
 
 import httpx
@@ -19,6 +17,7 @@ import orjson
 import pytest
 
 from conftest import ServerProcess
+from helpers.loop_watch import worst_health_while
 
 #: A user turn and the assistant's, as each dialect writes them.
 TURNS: dict[str, list[dict[str, Any]]] = {
@@ -52,34 +51,13 @@ def _body(path: str) -> tuple[bytes, int]:
     return orjson.dumps(body), len(turns) - 1
 
 
-def _worst_health_while(server: ServerProcess, path: str, raw: bytes
-                        ) -> tuple[httpx.Response, float]:
-    """The answer to ``raw`` at ``path``, and the slowest /health answer while it ran."""
-    answer: list[httpx.Response] = []
-
-    def send() -> None:
-        answer.append(httpx.post(server.url + path, content=raw, timeout=120,
-                                 headers={"Content-Type": "application/json"}))
-
-    sender = threading.Thread(target=send)
-    worst = 0.0
-    with httpx.Client(timeout=60) as http:
-        assert http.get(server.url + "/health").status_code == 200  # connected already
-        sender.start()
-        while sender.is_alive():
-            started = time.monotonic()
-            assert http.get(server.url + "/health").status_code == 200
-            worst = max(worst, time.monotonic() - started)
-            time.sleep(0.02)
-    sender.join()
-    return answer[0], worst
-
-
 @pytest.mark.parametrize("path", list(TURNS))
 def test_a_body_of_many_messages_does_not_stall_the_event_loop(
         server: ServerProcess, path: str) -> None:
     raw, last = _body(path)
-    response, worst = _worst_health_while(server, path, raw)
+    response, worst = worst_health_while(server.url, lambda: httpx.post(
+        server.url + path, content=raw, timeout=120,
+        headers={"Content-Type": "application/json"}))
     assert response.status_code == 400, response.text[:500]
     _, param = LAST[path]
     error = response.json()["error"]

@@ -18,11 +18,11 @@ import httpx
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from afmd.engine.demo import builtin as demo
 
 from conftest import parse_sse, start_server
+from helpers.numerics import greedy
 
 SPECIAL = "<|im_start|>"
 USER = "Say something."
@@ -54,20 +54,6 @@ class Served:
         return str(detokenizer.text)
 
 
-def greedy(model: Any, tokenizer: Any, prompt: str, n: int) -> list[int]:
-    cache = make_prompt_cache(model)
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
-    logits = model(mx.array([ids]), cache=cache)[:, -1, :]
-    out: list[int] = []
-    while len(out) < n:
-        token = int(mx.argmax(logits, axis=-1).item())
-        if token in tokenizer.eos_token_ids:
-            break
-        out.append(token)
-        logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
-    return out
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("specials")
@@ -77,7 +63,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     special = tokenizer.get_vocab()[SPECIAL]
     prompt = tokenizer.apply_chat_template(MESSAGES, tokenize=False,
                                            add_generation_prompt=True)
-    plain = greedy(model, tokenizer, prompt, N)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    plain = greedy((model, tokenizer), ids, N)
     # The special token's row becomes that of a token of the answer's second half, a
     # little longer, so that it wins where that token would (its logit there the largest,
     # and positive): the first such token it does not win before, up to a near tie.
@@ -86,7 +73,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     for k in range(N // 2, len(plain) - 1):
         head[special] = head[plain[k]] * 1.05
         model.load_weights(list(weights.items()))
-        answer = greedy(model, tokenizer, prompt, N)
+        answer = greedy((model, tokenizer), ids, N)
         if answer[:k] == plain[:k] and answer[k] == special and len(answer) > k + 1:
             break
     else:

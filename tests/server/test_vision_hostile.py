@@ -21,6 +21,7 @@ import pytest
 from PIL import Image
 
 from conftest import ServerProcess, start_server
+from helpers.loop_watch import worst_health_while
 from helpers.smoke import vm_rss_kib
 
 MODEL = "demo-vision"
@@ -80,23 +81,6 @@ def post(srv: ServerProcess, body: dict[str, Any], path: str = CHAT) -> httpx.Re
     return httpx.post(srv.url + path, json=body, timeout=300)
 
 
-def worst_health_while(srv: ServerProcess, body: dict[str, Any], path: str
-                       ) -> tuple[httpx.Response, float]:
-    """The response to ``body``, and the slowest /health answer while it ran."""
-    answer: list[httpx.Response] = []
-    sender = threading.Thread(target=lambda: answer.append(post(srv, body, path)))
-    sender.start()
-    worst = 0.0
-    with httpx.Client(timeout=60) as http:
-        while sender.is_alive():
-            started = time.monotonic()
-            assert http.get(srv.url + "/health").status_code == 200
-            worst = max(worst, time.monotonic() - started)
-            time.sleep(0.02)
-    sender.join()
-    return answer[0], worst
-
-
 # -- the event loop ----------------------------------------------------------------------
 
 
@@ -109,7 +93,7 @@ def test_a_slow_header_does_not_stall_the_event_loop(srv: ServerProcess, path: s
     data = jpeg_with_empty_segments(2_000_000)
     body = (chat_body(data, "image/jpeg") if path == CHAT
             else messages_body(data, "image/jpeg"))
-    response, worst = worst_health_while(srv, body, path)
+    response, worst = worst_health_while(srv.url, lambda: post(srv, body, path))
     assert response.status_code == 200, response.text
     assert worst < 1.0, f"/health took {worst:.2f} s while the image was read"
 

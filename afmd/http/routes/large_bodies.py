@@ -6,9 +6,9 @@ seconds in which no other client was answered: no token streamed to anyone, /hea
 silent, the cancel of a run unheard. A body of at least :data:`LARGE_BODY` bytes is
 parsed on a thread instead, where the interpreter gives the loop its turns every few
 milliseconds; a smaller one is parsed where it is, as the hop would cost more than the
-parse. The thread is one of their own (as images have theirs,
-:mod:`afmd.service.image_pool`): requests that bring such bodies wait for each other, not
-every other request for asyncio's default executor, which renders every prompt.
+parse. The thread is one of their own (:mod:`afmd.service.own_threads`): requests that
+bring such bodies wait for each other, not every other request for asyncio's default
+executor, which renders every prompt.
 
 What a parse reads that the event loop owns (the Responses stores, whose lookups also
 expire entries) is read on the loop all the same: :func:`on_loop` hands those calls over
@@ -18,16 +18,14 @@ and waits for them.
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import functools
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from sanic import Request
 
 from afmd.dialects.responses.responses_body import Through
+from afmd.service.own_threads import OwnThreads
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -38,22 +36,11 @@ LARGE_BODY = 256 * 1024
 #: Threads for large bodies: one. The parse holds the interpreter, so a second would not
 #: be faster, and one at a time is what the loop did: a parse builds several times its
 #: body's bytes in objects, and two at once would have doubled that peak.
-WORKERS = 1
+BODY_THREADS = OwnThreads(1, "afmd-bodies")
 
 #: How long a parsing thread waits for the loop to run a lookup for it: the loop is free
 #: (its handler awaits the parse), so only a loop that stopped meanwhile takes this long.
 LOOP_CALL_TIMEOUT = 30.0
-
-_pool: ThreadPoolExecutor | None = None
-_lock = threading.Lock()
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="afmd-bodies")
-        return _pool
 
 
 async def parse_body(request: Request, parse: Callable[[bytes], R]) -> R:
@@ -61,9 +48,7 @@ async def parse_body(request: Request, parse: Callable[[bytes], R]) -> R:
     body = request.body or b""
     if len(body) < LARGE_BODY:
         return parse(body)
-    context = contextvars.copy_context()
-    call = functools.partial(context.run, parse, body)
-    return await asyncio.get_running_loop().run_in_executor(_executor(), call)
+    return await BODY_THREADS.run(parse, body)
 
 
 def on_loop() -> Through:
