@@ -51,7 +51,13 @@ from afmd.dialects.ollama.ollama_body import (
     wants_thinking,
 )
 from afmd.engine.models.kinds import CHAT, EMBEDDING
-from afmd.errors import APIError, ConflictError, InvalidRequestError, NotFoundError
+from afmd.errors import (
+    APIError,
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    ServerError,
+)
 from afmd.http.access import log_access
 from afmd.http.app_state import AppState
 from afmd.http.routes import handlers as routes
@@ -457,8 +463,8 @@ async def pull(request: Request) -> HTTPResponse | None:
                 if isinstance(item, APIError):
                     raise item
                 last = item
-            if "error" in last:
-                raise InvalidRequestError(last["error"], code="pull_failed", param="model")
+            if "error" in last:  # the hub's failure (or its files'): Ollama's 500
+                raise ServerError(last["error"], code="pull_failed", param="model")
             return _json({"status": "success"}, headers=headers)
         await _stream_pull(request, queue, headers)
         return None
