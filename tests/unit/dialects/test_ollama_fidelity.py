@@ -75,6 +75,7 @@ class _HarmonyModel:
 
     tool_format = None
     thinking = None
+    eos_ids: tuple[int, ...] = ()
 
     def __init__(self) -> None:
         self.tokenizer = _HarmonyTokenizer()
