@@ -70,8 +70,12 @@ async function drain(stream) {
 async function openaiSteps() {
   const s = (name, fn) => step("openai", name, fn);
   await s("chat", async () => {
-    const r = await openai.chat.completions.create({ model: MODEL, messages, max_tokens: 8, temperature: 0 });
-    return { object: r.object, text: r.choices[0].message.content, finish: r.choices[0].finish_reason, usage: r.usage };
+    const { data: r, response } = await openai.chat.completions
+      .create({ model: MODEL, messages, max_tokens: 8, temperature: 0 }).withResponse();
+    return {
+      object: r.object, text: r.choices[0].message.content, finish: r.choices[0].finish_reason,
+      usage: r.usage, requestID: r._request_id, headers: [...response.headers],
+    };
   });
   await s("chat_stream", async () => {
     const chunks = await drain(await openai.chat.completions.create({

@@ -104,6 +104,10 @@ def test_openai_chat(run: tuple[dict[str, Any], list[dict[str, Any]]],
     chat = ok(results, "openai", "chat")
     assert chat["object"] == "chat.completion" and chat["finish"] == "length"
     assert chat["usage"]["completion_tokens"] == 8 and chat["text"]
+    headers = dict(chat["headers"])
+    assert chat["requestID"] == headers["x-request-id"]
+    # Sanic's empty alt-svc went out on every answer, which the SDK shows as it is.
+    assert all(value for _, value in chat["headers"]), chat["headers"]
     want = http.post("/v1/chat/completions", json={
         "model": "demo", "messages": MESSAGES, "max_tokens": 8, "temperature": 0}).json()
     assert chat["text"] == want["choices"][0]["message"]["content"]
