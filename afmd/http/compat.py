@@ -29,6 +29,11 @@ What afmd needs from them, and how:
   ``response`` and ``response_func`` and their ``stream``, unlinked when a client went away
   mid-answer, which Sanic leaves referring to each other (a cycle holding the body).
 * **Reason phrases** Sanic lacks (421, 431), patched into its status-line table.
+* **An answer's head without the empty ``alt-svc``** (:func:`_format_head`): Sanic's
+  ``Http.http1_response_header`` sets ``alt-svc: ""`` for its touchup pass to fill or
+  remove at start, a pass afmd turns off (it rewrites Sanic's source, which a frozen
+  build cannot read); the head formatter its module calls is replaced by one that leaves
+  that empty header out.
 * **The head of an HTTP/1.0 stream** (:meth:`ExactHttp.http1_response_header`): Sanic's
   framing state (``response_func``, ``stage``, ``_send``), to end such a body with the
   connection where Sanic would send chunked coding HTTP/1.0 does not have.
@@ -44,7 +49,7 @@ import contextlib
 import contextvars
 import hashlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +58,7 @@ from sanic import headers as sanic_headers
 from sanic import helpers as sanic_helpers
 from sanic.compat import Header
 from sanic.http import Http, Stage
+from sanic.http import http1 as sanic_http1
 from sanic.request import Request
 from sanic.response import BaseHTTPResponse
 from sanic.server.protocols.base_protocol import SanicProtocol
@@ -81,6 +87,20 @@ def _patch_reason_phrases() -> None:
 
 
 _patch_reason_phrases()
+
+#: What Sanic's ``Http.http1_response_header`` adds to every head, for its touchup pass.
+_EMPTY_ALT_SVC = (b"alt-svc", b"")
+
+
+def _format_head(status: int, headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """Sanic's head formatter, less the empty ``alt-svc`` Sanic sets for its touchup pass
+    to fill or remove: with that pass off it went out empty on every answer, which is no
+    Alt-Svc value (RFC 7838 section 3: ``clear`` or alternatives)."""
+    return sanic_headers.format_http1_response(
+        status, (field for field in headers if field != _EMPTY_ALT_SVC))
+
+
+sanic_http1.format_http1_response = _format_head
 
 
 def exact_fields(head: bytes) -> list[tuple[str, str]]:
@@ -370,7 +390,8 @@ SANIC_CODE: dict[str, tuple[Callable[..., Any], str]] = {
     "Http.http1_request_header": (Http.http1_request_header, "d3cd937dc1821c5e"),
     # framing, keep-alive and 100-continue of an answer's head; ExactHttp takes over the
     # HTTP/1.0 stream of unknown length, with the same state (response_func, stage,
-    # response_size, expecting_continue, _send, log_response)
+    # response_size, expecting_continue, _send, log_response); sets the empty alt-svc
+    # _format_head drops, and formats through its module's format_http1_response
     "Http.http1_response_header": (Http.http1_response_header, "dff02555548d5f37"),
     # runs init_for_request at each request-loop turn, then waits on recv_buffer; returns
     # on a lost connection before unlinking its request (ExactHttp.http1 does it then)
@@ -416,6 +437,8 @@ def upstream_problems() -> list[str]:
         missing = [a for a in attributes if a not in slots]
         if missing:  # ExactHttp.http1 unlinks them when a connection ends
             problems.append(f"sanic {cls.__name__} has no {', '.join(missing)}")
+    if getattr(sanic_http1, "format_http1_response", None) is not _format_head:
+        problems.append("sanic.http.http1.format_http1_response is not afmd's _format_head")
     current = getattr(Request, "_current", None)
     if not isinstance(current, contextvars.ContextVar):
         problems.append("sanic Request._current is not a ContextVar")

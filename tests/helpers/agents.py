@@ -1,4 +1,5 @@
-"""The coding agents of tests/server/test_agents.py: installed from npm at the versions
+"""The coding agents of tests/server/test_agents.py (and the JavaScript SDKs of
+tests/server/test_js_sdks.py): installed from npm at the versions
 tests/agents/package.json pins, into a cache folder keyed by that file's hash (aider from
 PyPI, at the version tests/agents/requirements-aider.txt pins, into a virtual environment
 keyed the same way), and the model they talk to.
@@ -32,7 +33,7 @@ PINS = ROOT / "tests" / "agents" / "package.json"
 AIDER_PINS = ROOT / "tests" / "agents" / "requirements-aider.txt"
 #: Files copied next to the installed packages (Node resolves an ES module's imports from
 #: the script's own folder, not from NODE_PATH).
-SCRIPTS = ("ai_sdk_loop.mjs",)
+SCRIPTS = ("ai_sdk_loop.mjs", "js_sdks.mjs")
 #: Set to use another cache folder (CI's, a shared one).
 CACHE_ENV = "AFMD_AGENTS_CACHE"
 

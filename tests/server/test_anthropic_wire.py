@@ -262,6 +262,24 @@ def test_the_gates_refusals_use_the_routes_envelope(http: httpx.Client) -> None:
     assert chat.status_code == 404 and chat.json()["error"]["code"] == "unknown_url"
 
 
+def test_a_missing_model_is_anthropics_404_to_anthropics_sdk(server: ServerProcess,
+                                                              http: httpx.Client) -> None:
+    """``/v1/models/{id}`` serves both SDKs: a request with ``anthropic-version`` (which
+    Anthropic's SDKs send on every request, OpenAI's never) is told a missing model in
+    Anthropic's envelope with ``request-id``, where the SDK's error reads its type and id
+    (it was OpenAI's ``invalid_request_error`` and no id); without it, OpenAI's."""
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    assert claude.models.retrieve("demo").id == "demo"
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        claude.models.retrieve("nope")
+    assert missing.value.body == {"type": "error", "error": {
+        "type": "not_found_error", "message": "model: The model 'nope' does not exist."}}
+    assert missing.value.request_id and missing.value.request_id.startswith("req_")
+    openai_style = http.get("/v1/models/nope")
+    assert openai_style.status_code == 404 and "request-id" not in openai_style.headers
+    assert openai_style.json()["error"]["code"] == "model_not_found"
+
+
 def test_every_answer_names_its_request_id_where_the_sdk_reads_it(
         server: ServerProcess, http: httpx.Client) -> None:
     """Anthropic's SDK reads ``request-id`` (``_request_id``, ``APIStatusError.request_id``):

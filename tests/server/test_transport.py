@@ -296,6 +296,25 @@ def test_keep_alive_and_pipelining(screen: ServerProcess) -> None:
         assert conn.closed()  # the request after the refusal is never answered
 
 
+def test_answers_carry_no_empty_header(screen: ServerProcess) -> None:
+    """Sanic puts an empty ``alt-svc`` on every answer it writes, for a start-up pass
+    (its touchup) to fill or drop; with that pass off, as afmd runs Sanic, it went out
+    as sent: not an Alt-Svc value (RFC 7838 section 3: ``clear`` or alternatives), and on
+    every answer a client's SDK shows it. An answer, a stream, a direct one, an error."""
+    body, streamed = chat_body(), chat_body(stream=True, max_tokens=2)
+    with RawConn(screen.port) as conn:
+        conn.send((POST_HEAD + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+                  + (POST_HEAD + f"Content-Length: {len(streamed)}\r\n\r\n").encode()
+                  + streamed + f"GET /v1/models HTTP/1.1\r\n{H}{AUTH}\r\n".encode()
+                  + f"GET /v1/models/nope HTTP/1.1\r\n{H}{AUTH}\r\n".encode())
+        answers = [conn.read_response("POST"), conn.read_response("POST"),
+                   conn.read_response(), conn.read_response()]
+    assert [a.status for a in answers] == [200, 200, 200, 404]
+    for answer in answers:
+        assert all(value for _, value in answer.header_list), answer.header_list
+        assert "alt-svc" not in answer.headers
+
+
 def test_pipelined_stream_then_refusal_do_not_interleave(screen: ServerProcess) -> None:
     body = chat_body(stream=True, max_tokens=20)
     raw = ((POST_HEAD + f"Content-Length: {len(body)}\r\n\r\n").encode() + body

@@ -90,8 +90,14 @@ def request_id_of(request: Request) -> str:
 
 def dialect_of(request: Request | None) -> Dialect[Any] | None:
     """The dialect of the route ``request`` matched (None: not a turn's route), whichever
-    kind of request it reads."""
-    route = getattr(request, "route", None) if request is not None else None
+    kind of request it reads; or the one a route that two APIs share chose for this
+    request (``request.ctx.dialect``: ``/v1/models/{id}`` for an Anthropic client)."""
+    if request is None:
+        return None
+    chosen: Dialect[Any] | None = getattr(request.ctx, "dialect", None)
+    if chosen is not None:
+        return chosen
+    route = getattr(request, "route", None)
     return getattr(route.ctx, "dialect", None) if route is not None else None
 
 

@@ -6,7 +6,8 @@ model's object by id).
 ``created``, ``owned_by``; Anthropic's ``type``, ``display_name``, ``created_at``,
 ``lifecycle`` (``active``: the SDK's model types require it), and the
 list's ``has_more``, ``first_id``, ``last_id``), each SDK reading its own and passing the
-other's by. The whole list is one page.
+other's by. The whole list is one page. A missing model's 404 is in the envelope of
+the SDK that asked (``anthropic-version`` says Anthropic's).
 
 They read the registry, the scheduler's counts and, on rank 0 of a launched group, the
 group's health; no model is loaded and no slot is taken to answer them, so a client (or a
@@ -25,6 +26,7 @@ import orjson
 from sanic import Request
 from sanic.response import HTTPResponse
 
+from afmd.dialects.anthropic.messages_api import ANTHROPIC_MESSAGES
 from afmd.errors import NotFoundError
 from afmd.http.app_state import AppState
 from afmd.http.routes.model_detail import model_details
@@ -92,6 +94,11 @@ async def get_model(request: Request, model_id: str) -> HTTPResponse:
     # The route's ``unquote`` does not reach a ``path`` parameter (Sanic matches those by
     # a regular expression, and decodes only the ones its tree matches): decoded here.
     model_id = unquote(model_id)
+    if "anthropic-version" in request.headers:
+        # Anthropic's SDKs send this header on every request and OpenAI's never do: their
+        # 404 is then Anthropic's (``not_found_error``, with ``request-id``), which is what
+        # the SDK's error reads its ``type`` and ``requestID`` from.
+        request.ctx.dialect = ANTHROPIC_MESSAGES
     state = request.app.ctx.state
     for obj in _model_objects(state):
         if obj["id"] == model_id:
