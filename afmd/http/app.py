@@ -22,7 +22,6 @@ from sanic.exceptions import (
 from sanic.handlers import ErrorHandler
 from sanic.response import HTTPResponse
 
-from afmd.core.ids import new_request_id
 from afmd.dialects.dialect import error_response
 from afmd.dialects.openai.chat import OPENAI_CHAT
 from afmd.dialects.openai.completions import OPENAI_COMPLETIONS
@@ -197,14 +196,16 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
             cors.apply(request.headers.get("origin"), response.headers)
 
     @app.on_response
-    async def _dialect_request_id(request: Request, response: HTTPResponse) -> None:
-        # The request's id under the header the route's SDK reads it from (Anthropic's
-        # ``request-id``), beside X-Request-ID; streams pass here before their head.
+    async def _request_id(request: Request, response: HTTPResponse) -> None:
+        # Every answer names its request, as OpenAI's API does (its SDKs read the id of
+        # any answer, a model listing's too), and under the header the route's SDK reads
+        # it from as well (Anthropic's ``request-id``); streams pass here before their head.
+        rid = response.headers.get("X-Request-ID") or routes.answer_request_id(request)
+        if "X-Request-ID" not in response.headers:
+            response.headers["X-Request-ID"] = rid
         name = getattr(routes.dialect_of(request), "request_id_header", None)
         if name and name not in response.headers:
-            response.headers[name] = (response.headers.get("X-Request-ID")
-                                      or getattr(request.ctx, "request_id", None)
-                                      or new_request_id())
+            response.headers[name] = rid
 
     @app.on_response
     async def _access_log(request: Request, response: HTTPResponse) -> None:

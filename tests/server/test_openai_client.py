@@ -221,3 +221,20 @@ def test_health_answers_during_long_generation(server, http) -> None:
         thread.join(120)
     assert result["tokens"] > 0
     assert http.get("/health").json()["active_requests"] == 0
+
+
+def test_every_answer_has_a_request_id(client: openai.OpenAI, http: httpx.Client) -> None:
+    """OpenAI's API names the request on every answer, and its SDK reads the id of any
+    (``_request_id``): a model listing, one model, and afmd's own state routes had none."""
+    listed = client.models.with_raw_response.list()
+    assert listed.request_id and listed.request_id.startswith("req_")
+    assert listed.parse()._request_id == listed.request_id
+    one = client.models.with_raw_response.retrieve("demo")
+    assert one.request_id and one.request_id != listed.request_id
+    with_id = client.models.with_raw_response.retrieve(
+        "demo", extra_headers={"X-Request-ID": "mine-models-1"})
+    assert with_id.request_id == "mine-models-1"
+    for path in ("/health", "/v1/models/nope"):
+        answer = http.get(path, headers={"X-Request-ID": "mine-state-2"})
+        assert answer.headers["x-request-id"] == "mine-state-2", (path, answer.headers)
+    assert http.get("/health").headers["x-request-id"].startswith("req_")

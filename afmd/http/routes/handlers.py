@@ -8,7 +8,6 @@ so one handler serves every dialect and the wire formats live in their adapters.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -34,6 +33,7 @@ from afmd.http.app_state import AppState
 from afmd.http.routes.event_stream import STALL_GRACE, EventStream, Stalled
 from afmd.http.routes.ignored import ignored_headers
 from afmd.http.routes.large_bodies import parse_body
+from afmd.http.sansio.screen import REQUEST_ID
 from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.choices import ChoicesRun
 from afmd.service.completion_prompts import PreparedCompletion
@@ -55,8 +55,6 @@ __all__ = [
     "turn",
 ]
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-
 SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
@@ -77,7 +75,7 @@ def request_id_of(request: Request) -> str:
     if rid:
         return rid
     sent = request.headers.get("x-request-id") or None  # empty means absent
-    if sent is not None and not _REQUEST_ID.fullmatch(sent):
+    if sent is not None and not REQUEST_ID.fullmatch(sent):
         raise InvalidRequestError(
             "X-Request-ID must be 1-128 characters among A-Z, a-z, 0-9, '.', '_', ':' and '-'.",
             code="invalid_value",
@@ -86,6 +84,18 @@ def request_id_of(request: Request) -> str:
     rid = sent or new_request_id()
     request.ctx.request_id = rid
     return rid
+
+
+def answer_request_id(request: Request) -> str:
+    """The id an answer names, whatever route gave it: the request's own once read
+    (:func:`request_id_of`), else the client's X-Request-ID when it is a sane token, else a
+    fresh one; never an error, as the answer is already made."""
+    rid = getattr(request.ctx, "request_id", None)
+    if not rid:
+        sent = request.headers.get("x-request-id") or ""
+        rid = sent if REQUEST_ID.fullmatch(sent) else new_request_id()
+        request.ctx.request_id = rid
+    return str(rid)
 
 
 def dialect_of(request: Request | None) -> Dialect[Any] | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import re
 import string
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ __all__ = [
     "RouteVerdict",
     "method_not_allowed",
     "normalize_origin",
+    "presented_request_id",
     "same_origin",
     "screen",
     "unknown_url",
@@ -289,6 +291,21 @@ def _needs_key(policy: GatePolicy, path: str) -> bool:
     if path in policy.open_paths:
         return False
     return not path.startswith(UI_PREFIX) or path.startswith(UI_API_PREFIX)
+
+
+#: What an X-Request-ID a client sends may be: it goes back out in a header and into the
+#: log, and names a run to cancel in a URL.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def presented_request_id(head: RequestHead) -> str | None:
+    """The client's X-Request-ID when it is one :data:`REQUEST_ID` allows; never raises
+    (for answers that only echo it, not for refusing)."""
+    for line in head.lines:
+        if line[:13].lower() == b"x-request-id:":
+            sent = line[13:].strip(b" \t").decode("latin-1")
+            return sent if REQUEST_ID.fullmatch(sent) else None
+    return None
 
 
 def presented_key(head: RequestHead) -> bytes | None:

@@ -40,13 +40,20 @@ from typing import Any, ClassVar
 from sanic import Sanic
 from sanic.exceptions import MethodNotAllowed, NotFound
 
+from afmd.core.ids import new_request_id
 from afmd.dialects.dialect import ErrorStyle
 from afmd.errors import NotFoundError, RequestTimeoutError
 from afmd.http.access import log_request
 from afmd.http.compat import SanicConnection
 from afmd.http.routes.state_routes import StateRoute
 from afmd.http.sansio.gate import Direct, Forward, Gate, Output, Reply
-from afmd.http.sansio.screen import GatePolicy, RouteCheck, RouteVerdict, presented_key
+from afmd.http.sansio.screen import (
+    GatePolicy,
+    RouteCheck,
+    RouteVerdict,
+    presented_key,
+    presented_request_id,
+)
 from afmd.http.sansio.wire import Rejection, render_json
 from afmd.http.transport.connection_limits import (
     OVERLOADED,
@@ -362,7 +369,10 @@ class AfmdProtocol(_Lifecycle):
             status, body = route.answer(state, full=full)
         except Exception:
             return False  # Sanic runs the same builder and answers its failure as usual
-        transport.write(render_json(status, body, item.headers, close=item.close))
+        # Every answer names its request (as Sanic's path does: app.py's _request_id).
+        rid = presented_request_id(item.forward.head) or new_request_id()
+        transport.write(render_json(status, body, (*item.headers, ("X-Request-ID", rid)),
+                                    close=item.close))
         self.afmd_touch()
         self._afmd_slot.since = monotonic()
         log_request(state, "GET", item.path, status, len(body), started=started)
