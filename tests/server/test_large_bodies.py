@@ -71,7 +71,7 @@ def test_a_body_of_many_messages_does_not_stall_the_event_loop(
 def test_responses_lookups_from_a_large_body_read_the_stores(http: httpx.Client) -> None:
     """A large body's ``previous_response_id`` and ``item_reference`` find what the stores
     hold (counted: a turn would prefill the padding's many tokens), and an id they do not
-    hold is the same 404 a small body gets."""
+    hold is the same error a small body gets."""
     first = http.post("/v1/responses", json={
         "model": "demo", "input": "Hello there.", "max_output_tokens": 16, "store": True})
     assert first.status_code == 200, first.text
@@ -88,5 +88,6 @@ def test_responses_lookups_from_a_large_body_read_the_stores(http: httpx.Client)
     assert continued.json()["input_tokens"] > alone.json()["input_tokens"]
     unknown = http.post("/v1/responses", json={
         "model": "demo", "previous_response_id": "resp_unknown", "input": [padding]})
-    assert unknown.status_code == 404, unknown.text
+    assert unknown.status_code == 400, unknown.text
+    assert unknown.json()["error"]["code"] == "previous_response_not_found"
     assert unknown.json()["error"]["param"] == "previous_response_id"

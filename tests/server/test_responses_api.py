@@ -189,9 +189,9 @@ def test_previous_response_id_continues_from_the_prefix_cache(client) -> None:
     assert stateless.output_text == second.output_text
     items = client.responses.input_items.list(second.id)
     assert [i.content[0].text for i in items.data] == ["And Rome?"]
-    with pytest.raises(openai.NotFoundError) as missing:
+    with pytest.raises(openai.BadRequestError) as missing:
         client.responses.create(model="demo", input="Hi", previous_response_id="resp_nope")
-    assert missing.value.body["code"] == "response_not_found"
+    assert missing.value.body["code"] == "previous_response_not_found"
     assert missing.value.body["param"] == "previous_response_id"
 
 
@@ -274,8 +274,8 @@ def test_an_unknown_id_of_any_length_is_quoted_short(http) -> None:
     long_id = "resp_" + "a" * 100_000
     gone = http.post("/v1/responses", json={"model": "demo", "input": "Hi",
                                             "previous_response_id": long_id})
-    assert gone.status_code == 404
-    assert gone.json()["error"]["code"] == "response_not_found"
+    assert gone.status_code == 400
+    assert gone.json()["error"]["code"] == "previous_response_not_found"
     assert len(gone.json()["error"]["message"]) < 300
     path_id = "resp_" + "b" * 3000
     for method, path in (("GET", ""), ("DELETE", ""), ("GET", "/input_items"),

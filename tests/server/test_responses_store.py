@@ -21,7 +21,7 @@ from afmd.dialects.responses import store as responses_store
 from afmd.dialects.responses.items import ItemParams, canonical_items, to_messages
 from afmd.dialects.responses.responses_body import parse_responses_request
 from afmd.dialects.responses.store import ResponseStore, Stored
-from afmd.errors import NotFoundError
+from afmd.errors import InvalidRequestError
 from afmd.service.chat_template import template_messages
 
 from conftest import ServerProcess, start_server
@@ -134,9 +134,10 @@ def test_a_stored_file_whose_items_are_out_of_shape_is_skipped(tmp_path: Path) -
     assert store.get("resp_1") == good
     assert store.conversation("resp_2")[-1] == cut  # read back with the status it had
     for name in (*bad, "renamed"):
-        with pytest.raises(NotFoundError):
+        with pytest.raises(InvalidRequestError) as unknown:
             parse_responses_request({"input": "hi", "previous_response_id": f"resp_{name}"},
                                     lookup=store.conversation)
+        assert unknown.value.code == "previous_response_not_found"
     store.close()
 
 

@@ -261,12 +261,19 @@ def test_a_regex_llguidance_refuses_says_why(http) -> None:
     assert "look-around" in error["message"], error
 
 
-def test_unknown_model_and_previous_response_are_404s(http) -> None:
+def test_unknown_model_and_previous_response(http) -> None:
+    """An unknown model is a 404; an unknown ``previous_response_id`` is OpenAI's 400
+    ``previous_response_not_found``, which clients (Codex's proxies among them) read to
+    send the whole conversation again instead."""
     model = http.post("/v1/responses", json={"model": "nope", "input": "x"})
     assert model.status_code == 404 and model.json()["error"]["param"] == "model"
     previous = http.post("/v1/responses", json={"input": "x", "previous_response_id": "r"})
-    assert previous.status_code == 404
-    assert previous.json()["error"]["code"] == "response_not_found"
+    assert previous.status_code == 400
+    assert previous.json()["error"] == {
+        "message": "Previous response with id 'r' not found (it was never stored, was "
+                   "deleted, or expired).",
+        "type": "invalid_request_error", "param": "previous_response_id",
+        "code": "previous_response_not_found"}
     # Not a field of a count: ignored and named ([api] strict refuses it).
     counted = http.post("/v1/responses/input_tokens", json={"input": "x", "stream": True})
     assert counted.status_code == 200, counted.text

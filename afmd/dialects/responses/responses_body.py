@@ -210,10 +210,10 @@ def _history(previous: str | None, conversation: str | None, lookup: Lookup,
             code="mutually_exclusive_parameters", param=None)
     if previous is not None:
         found = lookup(previous)
-        if found is None:
-            raise NotFoundError(
+        if found is None:  # OpenAI's 400 and code, which clients read to start afresh
+            raise InvalidRequestError(
                 f"Previous response with id {quoted(previous)} not found (it was never stored, "
-                "was deleted, or expired).", code="response_not_found",
+                "was deleted, or expired).", code="previous_response_not_found",
                 param="previous_response_id")
         return tuple(found)
     if conversation is not None:
