@@ -118,6 +118,16 @@ class KeepsAlive(Protocol):
 
 
 @runtime_checkable
+class OpensWithPrompt(Protocol):
+    """A reply whose stream's first event reports the prompt's size (Anthropic's
+    ``message_start`` usage: many clients take ``input_tokens`` from it alone, and only
+    ``output_tokens`` from ``message_delta``). The handler tells it the prompt's tokens
+    before the stream starts."""
+
+    def prompt_counted(self, tokens: int) -> None: ...
+
+
+@runtime_checkable
 class AnyBodyMediaType(Protocol):
     """A dialect whose reference server reads every request body as JSON, whatever its
     ``Content-Type`` says (Ollama's: its own docs' ``curl -d`` sends curl's default

@@ -1131,3 +1131,22 @@ def test_thinking_budget_closes_the_block_in_free_text(demo_model: LoadedModel) 
     assert matcher.validate_tokens(end) == len(end)
     free = grammar.matcher()
     assert free.consume_tokens(words), "an answer without thinking is free text"
+
+
+def test_message_start_counts_the_prompt(http: httpx.Client) -> None:
+    """Many clients take a stream's input tokens from ``message_start`` alone (and only
+    ``output_tokens`` from ``message_delta``): it said 0. It counts the whole prompt; the
+    end's usage splits it into what the prefix cache held and what it did not."""
+    messages = [{"role": "user", "content": f"Count me {uuid.uuid4().hex}."}]
+    for turn in range(2):  # the second finds the first's prompt in the prefix cache
+        response = http.post(PATH, json={"model": "demo", "max_tokens": 4, "stream": True,
+                                         "messages": messages})
+        assert response.status_code == 200, response.text
+        events = parse_events(response.text)
+        start = events[0][1]["message"]["usage"]
+        end = next(data for name, data in events if name == "message_delta")["usage"]
+        prompt = end["input_tokens"] + end["cache_read_input_tokens"]
+        assert prompt > 0 and start["input_tokens"] == prompt, (start, end)
+        assert start["output_tokens"] == 0 and end["output_tokens"] > 0
+        if turn:
+            assert end["cache_read_input_tokens"] > 0, end

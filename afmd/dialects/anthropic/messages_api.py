@@ -13,8 +13,9 @@ Choices where afmd and Anthropic differ (docs/anthropic.md says the same):
 * ``usage.input_tokens`` is the prompt's tokens the prefix cache did not hold,
   ``cache_read_input_tokens`` those it did, ``cache_creation_input_tokens`` is 0 (afmd
   caches every prompt by itself; nothing is written at a client's breakpoint). Their sum
-  is the whole prompt, as Anthropic's is. ``message_start`` carries zeros: the counts are
-  known at the end, in ``message_delta``, whose usage the client takes as the totals.
+  is the whole prompt, as Anthropic's is. ``message_start`` counts the whole prompt as
+  ``input_tokens`` (many clients read the input there alone): what the cache held is known
+  once the run is admitted, and ``message_delta``'s usage, the totals, splits it.
 * ``stop_reason`` is ``cancelled`` for a run cancelled by its ``X-Request-ID`` (Anthropic
   has no such end; afmd's chat says ``finish_reason: "cancelled"`` alike).
 * ``max_tokens`` is a cap, as Anthropic's: a prompt that leaves less room in the context
@@ -142,7 +143,8 @@ class MessageReply:
 
     keepalive_interval = PING_INTERVAL
 
-    __slots__ = ("_block", "_finish", "_index", "_refused", "max_tokens", "message_id", "model")
+    __slots__ = ("_block", "_finish", "_index", "_prompt_tokens", "_refused", "max_tokens",
+                 "message_id", "model")
 
     def __init__(self, *, model: str, max_tokens: int | None = None) -> None:
         self.message_id = new_message_id()
@@ -152,6 +154,7 @@ class MessageReply:
         self._block: str | None = None  # the open block's type
         self._finish = Finish("stop")
         self._refused = False  # the model declined: stop_reason "refusal", its text shown
+        self._prompt_tokens = 0  # what message_start reports (prompt_counted)
 
     def _message(self, content: list[dict[str, Any]], usage: Usage | None,
                  stop: tuple[str | None, str | None]) -> dict[str, Any]:
@@ -198,9 +201,15 @@ class MessageReply:
         return orjson.dumps(self._message(content, usage, stop))
 
     # -- the stream --
+    def prompt_counted(self, tokens: int) -> None:
+        self._prompt_tokens = tokens
+
     def stream_start(self) -> bytes:
+        # The whole prompt as input: how much of it the prefix cache holds is known only
+        # once the run is admitted, and message_delta's usage then splits it.
+        usage = Usage(self._prompt_tokens, 0)
         return sse("message_start", {"type": "message_start",
-                                     "message": self._message([], None, (None, None))})
+                                     "message": self._message([], usage, (None, None))})
 
     def keepalive(self) -> bytes:
         return PING

@@ -20,7 +20,7 @@ from sanic.response import HTTPResponse
 from afmd.core.events import Event, Usage
 from afmd.core.ids import new_request_id
 from afmd.core.request import ChatRequest, CompletionRequest
-from afmd.dialects.dialect import Dialect, ReplyEncoder
+from afmd.dialects.dialect import Dialect, OpensWithPrompt, ReplyEncoder
 from afmd.errors import (
     APIError,
     InvalidRequestError,
@@ -276,6 +276,8 @@ async def _stream(
     extra: dict[str, str],
 ) -> None:
     state = request.app.ctx.state
+    if isinstance(reply, OpensWithPrompt) and isinstance(prepared, PreparedChat):
+        reply.prompt_counted(len(prepared.prompt))
     out = EventStream(request, reply, {**SSE_HEADERS, **response_headers(prepared, extra)})
     # A client that stops reading gets until its deadline, and then a grace for the stream's
     # end, before its connection is cut: its writes are the only thing it can stall.
