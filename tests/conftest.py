@@ -118,9 +118,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 LONGEST_FILES = ("test_bench_quick.py", "test_distributed.py", "test_pull.py",
                  "test_kvcache.py", "test_ollama_api.py", "test_speculative.py",
                  "test_listeners.py", "test_slow_readers.py", "test_dashboard_browser.py",
-                 "test_completions.py", "test_anthropic_wire.py", "test_cli.py",
-                 "test_model_budget.py", "test_server_tools.py", "test_metrics.py",
-                 "test_models_cli.py", "test_memory_bounds.py")
+                 "test_fuzz_heads.py", "test_completions.py", "test_anthropic_wire.py",
+                 "test_cli.py", "test_model_budget.py", "test_server_tools.py",
+                 "test_models_cli.py")
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected what they do
