@@ -112,10 +112,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 #: The files that take a worker longest, handed out first under xdist (in collection
 #: order: tests/helpers/schedule.py), longest first: one started last would leave the
 #: others idle at the end, while short files (and the call-format file's per-family units)
-#: fill the gaps late.
-LONGEST_FILES = ("test_bench_quick.py", "test_completions.py", "test_cli.py",
-                 "test_listeners.py", "test_model_budget.py", "test_metrics.py",
-                 "test_models_cli.py", "test_memory_bounds.py")
+#: fill the gaps late. Ranked by a whole run's worker time per file (``--durations=0``
+#: summed by file), which the list must follow as files grow: the engine's speculative
+#: tests, collected last of all (tests/unit), once started with the others done.
+LONGEST_FILES = ("test_bench_quick.py", "test_distributed.py", "test_pull.py",
+                 "test_kvcache.py", "test_ollama_api.py", "test_speculative.py",
+                 "test_listeners.py", "test_slow_readers.py", "test_dashboard_browser.py",
+                 "test_fuzz_heads.py", "test_completions.py", "test_anthropic_wire.py",
+                 "test_cli.py", "test_model_budget.py", "test_server_tools.py",
+                 "test_models_cli.py")
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected what they do

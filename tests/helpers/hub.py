@@ -149,7 +149,10 @@ class FakeHub:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        # shutdown() waits for the serving loop's next poll: at the default half second,
+        # every test's teardown would wait that long for nothing.
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02},
+                         daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:

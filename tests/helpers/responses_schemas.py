@@ -57,10 +57,33 @@ def validate_response(body: Any) -> None:
     validate("Response", body)
 
 
+@functools.cache
+def _event_schemas() -> dict[str, tuple[str, ...]]:
+    """The names of ``ResponseStreamEvent``'s variants, by the ``type`` values each admits
+    (every variant has an ``enum`` of them)."""
+    by_type: dict[str, list[str]] = {}
+    for variant in _components()["schemas"]["ResponseStreamEvent"]["anyOf"]:
+        name = variant["$ref"].rsplit("/", 1)[1]
+        for value in _components()["schemas"][name]["properties"]["type"]["enum"]:
+            by_type.setdefault(value, []).append(name)
+    return {value: tuple(names) for value, names in by_type.items()}
+
+
 def validate_event(event: Any) -> None:
-    """A stream event; afmd's own profile events (``afm_profile…``) are not OpenAI's."""
-    if not str(event.get("type", "")).startswith("afm_profile"):
-        validate("ResponseStreamEvent", event)
+    """A stream event; afmd's own profile events (``afm_profile…``) are not OpenAI's.
+
+    ``ResponseStreamEvent`` is an ``anyOf`` of its variants, and a variant whose ``type``
+    enum lacks the event's ``type`` cannot match it: the variants that admit that type
+    are tried first, which is the same verdict without trying every other variant for
+    each of a long stream's deltas. Where none matches, the whole schema is checked, for
+    its own error."""
+    kind = event.get("type")
+    if str(kind or "").startswith("afm_profile"):
+        return
+    for name in _event_schemas().get(kind, ()) if isinstance(kind, str) else ():
+        if _validator(name).is_valid(event):
+            return
+    validate("ResponseStreamEvent", event)
 
 
 def validate_item_list(body: Any) -> None:

@@ -556,12 +556,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Screening on (key, origins, a body limit); one slot, one queue place, a short
-    request timeout: short enough to wait out, long enough that, on a loaded machine,
-    the queue test's first steps all fit before the first request's deadline."""
+    request timeout: short enough to wait out (the queue test's four prompts decode at
+    full speed until it passes), long enough that, on a loaded machine, the queue test's
+    first steps all fit before the first request's deadline (they take a fraction of a
+    second with every core busy, the model's load included)."""
     proc = start_server(
         tmp_path_factory.mktemp("tight"),
         config=(
-            f'[server]\napi_key = "{KEY}"\nrequest_timeout = 10.0\n'
+            f'[server]\napi_key = "{KEY}"\nrequest_timeout = 5.0\n'
             "max_request_body_bytes = 65536\n"
             'allowed_origins = ["http://good.example"]\n'
             "[queue]\nmax_concurrent_requests = 1\nmax_queued_requests = 1\n"

@@ -83,7 +83,15 @@ def via_sanic(path: str, extra: str = "", version: str = "HTTP/1.1") -> str:
     return f"GET {path} {version}\r\n{H}{extra}Content-Length: 1\r\n\r\nx"
 
 
-def ask(port: int, raw: str) -> tuple[Response, bool]:
+def ask(port: int, raw: str) -> Response:
+    with RawConn(port) as conn:
+        conn.send(raw)
+        return conn.read_response()
+
+
+def ask_closed(port: int, raw: str) -> tuple[Response, bool]:
+    """The response, and whether the server closed the connection after it: a connection
+    still open is waited on for 0.3 s, so only the tests that assert it ask."""
     with RawConn(port) as conn:
         conn.send(raw)
         resp = conn.read_response()
@@ -182,8 +190,8 @@ def test_gate_refusals_come_first() -> None:
     ("/v1/models", AUTH + "Connection: close\r\n"),
 ])
 def test_same_answer_as_sanic(srv: ServerProcess, path: str, extra: str) -> None:
-    fast, fast_closed = ask(srv.port, get(path, extra))
-    slow, slow_closed = ask(srv.port, via_sanic(path, extra))
+    fast, fast_closed = ask_closed(srv.port, get(path, extra))
+    slow, slow_closed = ask_closed(srv.port, via_sanic(path, extra))
     assert direct(fast) and not direct(slow)
     assert comparable(fast) == comparable(slow)
     assert fast.status == 200
@@ -208,20 +216,20 @@ def test_same_answer_as_sanic(srv: ServerProcess, path: str, extra: str) -> None
 
 def test_http10(srv: ServerProcess) -> None:
     for extra, closes in (("", True), ("Connection: keep-alive\r\n", False)):
-        fast, fast_closed = ask(srv.port, get("/health", extra, "HTTP/1.0"))
-        slow, slow_closed = ask(srv.port, via_sanic("/health", extra, "HTTP/1.0"))
+        fast, fast_closed = ask_closed(srv.port, get("/health", extra, "HTTP/1.0"))
+        slow, slow_closed = ask_closed(srv.port, via_sanic("/health", extra, "HTTP/1.0"))
         assert direct(fast) and comparable(fast) == comparable(slow)
         assert fast_closed is slow_closed is closes
 
 
 def test_screening_still_applies(srv: ServerProcess) -> None:
-    resp, closed = ask(srv.port, get("/v1/models"))
+    resp, closed = ask_closed(srv.port, get("/v1/models"))
     check_error(resp, 401, "invalid_api_key")
     assert closed
-    resp, closed = ask(srv.port, get("/health", "Origin: http://evil.example\r\n"))
+    resp = ask(srv.port, get("/health", "Origin: http://evil.example\r\n"))
     check_error(resp, 403, "origin_not_allowed")
     # HEAD gets GET's refusal without its content (RFC 9110): nothing follows the head.
-    get_resp, _ = ask(srv.port, f"PUT /health HTTP/1.1\r\n{H}Content-Length: 0\r\n\r\n")
+    get_resp = ask(srv.port, f"PUT /health HTTP/1.1\r\n{H}Content-Length: 0\r\n\r\n")
     check_error(get_resp, 405, "method_not_allowed")
     for path in ("/health", "/metrics", "/v1/models", "/nope"):
         with RawConn(srv.port) as conn:
@@ -289,8 +297,8 @@ def test_sent_during_a_stream_answered_after_it(srv: ServerProcess) -> None:
 def test_health_counts_are_truthful(srv: ServerProcess) -> None:
     """One slot: a running stream is active, a second one queued; both paths agree."""
     def health() -> tuple[dict[str, Any], dict[str, Any]]:
-        fast, _ = ask(srv.port, get("/health"))
-        slow, _ = ask(srv.port, via_sanic("/health"))
+        fast = ask(srv.port, get("/health"))
+        slow = ask(srv.port, via_sanic("/health"))
         assert direct(fast) and not direct(slow)
         return fast.json(), slow.json()
 
@@ -317,8 +325,8 @@ def test_health_counts_are_truthful(srv: ServerProcess) -> None:
         wait(1, 0)
         second.send(post_chat(stream=True, max_tokens=2))
         wait(1, 1)
-        cancelled, _ = ask(srv.port, f"POST {CHAT}/direct-hog/cancel HTTP/1.1\r\n{H}{AUTH}"
-                                     "Content-Length: 0\r\n\r\n")
+        cancelled = ask(srv.port, f"POST {CHAT}/direct-hog/cancel HTTP/1.1\r\n{H}{AUTH}"
+                               "Content-Length: 0\r\n\r\n")
         assert cancelled.json()["cancelled"] is True
         assert second.read_response("POST").status == 200  # it got the freed slot
         wait(0, 0)
@@ -340,14 +348,24 @@ def _wait_events(srv: ServerProcess, path: str, count: int) -> list[dict[str, An
     return events
 
 
+def _settled_count(srv: ServerProcess, path: str) -> int:
+    """How many access lines ``path`` has once the earlier tests' stop arriving: a line is
+    written after its answer has gone, so the last of a test before may still come."""
+    count = -1
+    while (now := len(_access_events(srv, path))) != count:
+        count = now
+        time.sleep(0.3)
+    return count
+
+
 @pytest.mark.parametrize(("path", "extra"), [("/health", "X-Request-ID: log-id-1\r\n"),
                                              ("/v1/models", AUTH)])
 def test_access_log(srv: ServerProcess, path: str, extra: str) -> None:
-    before = len(_access_events(srv, path))
-    fast, _ = ask(srv.port, get(path + "?q=1", extra))
+    before = _settled_count(srv, path)
+    fast = ask(srv.port, get(path + "?q=1", extra))
     assert direct(fast)
     [event] = _wait_events(srv, path, before + 1)[before:]
-    slow, _ = ask(srv.port, via_sanic(path + "?q=1", extra))
+    slow = ask(srv.port, via_sanic(path + "?q=1", extra))
     assert not direct(slow)
     [reference] = _wait_events(srv, path, before + 2)[before + 1:]
     assert set(event) == set(reference)
@@ -452,11 +470,11 @@ def test_a_failing_builder_is_answered_by_sanic() -> None:
 
     object.__setattr__(route, "build", broken)  # the one object both paths call
     try:
-        resp, _ = ask(inproc.port, get("/health"))
+        resp = ask(inproc.port, get("/health"))
         assert not direct(resp)
         check_error(resp, 500, "internal_error")
         object.__setattr__(route, "build", build)
-        resp, _ = ask(inproc.port, get("/health"))
+        resp = ask(inproc.port, get("/health"))
         assert direct(resp) and resp.status == 200
     finally:
         object.__setattr__(route, "build", build)
@@ -464,7 +482,7 @@ def test_a_failing_builder_is_answered_by_sanic() -> None:
 
 
 def test_health_body_shape(srv: ServerProcess) -> None:
-    resp, _ = ask(srv.port, get("/health"))
+    resp = ask(srv.port, get("/health"))
     body = json.loads(resp.body)
     assert body["status"] == "ok" and body["models"]["demo"]
     assert set(body) == {"status", "models", "active_requests", "queued_requests",

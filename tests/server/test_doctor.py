@@ -47,7 +47,8 @@ def _no_brew_config() -> bool:
 def plain_http() -> Iterator[int]:
     """An HTTP server that is not afmd (answers 404 to /health)."""
     httpd = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02},
+                              daemon=True)
     thread.start()
     yield httpd.server_address[1]
     httpd.shutdown()

@@ -1068,8 +1068,9 @@ def test_a_model_being_pulled_is_not_deleted(hub_server: tuple[ServerProcess, Fa
              if p.is_file()}
     files["tokenizer_config.json"] += b"\n"  # a later commit
     commit = hub.add_repo(AGAIN, files)
-    # Seconds of that file, which the pull fetches to its end even once its client left.
-    hub.throttle(AGAIN, "tokenizer_config.json", 1200)
+    # Two seconds of that file (the delete below comes within moments of its first bytes),
+    # which the pull fetches to its end even once its client left.
+    hub.throttle(AGAIN, "tokenizer_config.json", 3000)
     body = json.dumps({"model": AGAIN}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as pulling:
         pulling.sendall(b"POST /api/pull HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -1091,7 +1092,7 @@ def test_a_model_being_pulled_is_not_deleted(hub_server: tuple[ServerProcess, Fa
     assert client.pull(AGAIN).status == "success"
     files["tokenizer_config.json"] += b"\n"
     commit = hub.add_repo(AGAIN, files)
-    hub.throttle(AGAIN, "tokenizer_config.json", 1200)
+    hub.throttle(AGAIN, "tokenizer_config.json", 3000)
     with httpx.Client(base_url=server.url, timeout=60) as http:
         assert http.post("/ui/api/pull", json={"model": AGAIN}).status_code == 202
         deadline = time.monotonic() + 30

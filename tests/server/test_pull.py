@@ -31,7 +31,7 @@ from afmd.ports import free_ports
 
 from conftest import ROOT
 from helpers.hub import FakeHub, safetensors_bytes
-from helpers.servers import run_afmd, start_server
+from helpers.servers import ServerProcess, run_afmd, start_server
 
 pytestmark = pytest.mark.slow  # the hub stand-in and pulls through huggingface_hub
 
@@ -507,21 +507,39 @@ def test_a_repo_removed_while_it_is_read_is_not_there(tmp_path: Path,
 
 
 CONFIGURED = "test-org/configured-chat"
+CONFIGURED_VISION = "test-org/configured-vision"
+
+
+@pytest.fixture(scope="module")
+def configured(tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[tuple[ServerProcess, FakeHub, Path]]:
+    """A server with two configured repos nobody pulled, each a model of its own that only
+    its own test loads, the hub holding both, and the server's HF_HOME. Shared: its
+    environment names the hub, so it is a fresh interpreter, not a fork."""
+    tmp = tmp_path_factory.mktemp("configured")
+    hf = tmp / "hf"
+    with FakeHub() as hub:
+        chat = demo.materialize("demo")
+        files = {p.name: p.read_bytes() for p in chat.iterdir() if p.is_file()}
+        hub.add_repo(CONFIGURED, {**files, "notes.txt": b"nothing a load reads\n"})
+        hub.add_folder(CONFIGURED_VISION, demo.materialize("demo-vision"))
+        server = start_server(
+            tmp, config=(f'[[models.model]]\nid = "tiny"\npath = "{CONFIGURED}"\n'
+                         f'[[models.model]]\nid = "eyes"\npath = "{CONFIGURED_VISION}"\n'),
+            env={"HF_ENDPOINT": hub.url, "HF_HOME": str(hf)})
+        try:
+            yield server, hub, hf
+        finally:
+            server.stop()
 
 
 def test_a_configured_repo_not_on_disk_is_pulled_and_verified_by_its_first_load(
-        hub: FakeHub, tmp_path: Path) -> None:
+        configured: tuple[ServerProcess, FakeHub, Path]) -> None:
     """A ``[[models.model]]`` repo nobody pulled is fetched by afmd's own pull when a
     request first loads it: bounded and verified, a file that fails verification deleted
     and the load refused (mlx-lm's download kept whatever the hub sent, and served it)."""
-    folder = demo.materialize("demo")
-    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
-    hub.add_repo(CONFIGURED, {**files, "notes.txt": b"nothing a load reads\n"})
+    server, hub, hf = configured
     hub.corrupt(CONFIGURED, "notes.txt")
-    hf = tmp_path / "hf"
-    server = start_server(
-        tmp_path, config=f'[[models.model]]\nid = "tiny"\npath = "{CONFIGURED}"\n',
-        env={"HF_ENDPOINT": hub.url, "HF_HOME": str(hf)})
     try:
         with httpx.Client(base_url=server.url, timeout=120) as http:
             body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
@@ -541,33 +559,23 @@ def test_a_configured_repo_not_on_disk_is_pulled_and_verified_by_its_first_load(
         snapshot = complete_snapshot(CONFIGURED, hf / "hub")
         assert snapshot is not None and (snapshot / "notes.txt").read_bytes().startswith(b"nothing")
     finally:
-        server.stop()
-
-
-CONFIGURED_VISION = "test-org/configured-vision"
+        hub.corrupted.clear()
 
 
 def test_a_configured_repo_pulled_by_its_load_is_what_its_folder_says(
-        hub: FakeHub, tmp_path: Path) -> None:
+        configured: tuple[ServerProcess, FakeHub, Path]) -> None:
     """The kind of a repo nobody pulled is read once its load has pulled it: a vision
     conversion with no ``kind`` in its entry takes images (it was loaded as a text model,
     which mlx-lm has no architecture for)."""
-    folder = demo.materialize("demo-vision")
-    hub.add_folder(CONFIGURED_VISION, folder)
-    server = start_server(
-        tmp_path, config=f'[[models.model]]\nid = "eyes"\npath = "{CONFIGURED_VISION}"\n',
-        env={"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")})
+    server, _, _ = configured
     picture = io.BytesIO()
     Image.new("RGB", (32, 32), (200, 30, 30)).save(picture, "PNG")
     image = "data:image/png;base64," + base64.b64encode(picture.getvalue()).decode()
-    try:
-        with httpx.Client(base_url=server.url, timeout=120) as http:
-            answer = http.post("/v1/chat/completions", json={
-                "model": "eyes", "max_tokens": 4, "temperature": 0,
-                "messages": [{"role": "user", "content": [
-                    {"type": "text", "text": "What is this?"},
-                    {"type": "image_url", "image_url": {"url": image}}]}]})
-            assert answer.status_code == 200, answer.text
-            assert answer.json()["usage"]["prompt_tokens"] > 20  # the image's tokens
-    finally:
-        server.stop()
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        answer = http.post("/v1/chat/completions", json={
+            "model": "eyes", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": image}}]}]})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["prompt_tokens"] > 20  # the image's tokens
