@@ -27,6 +27,7 @@ from afmd.engine.models.residency import Lease
 from afmd.errors import (
     APIError,
     ConflictError,
+    ContextLengthError,
     GatewayTimeoutError,
     InvalidRequestError,
     NotFoundError,
@@ -227,11 +228,14 @@ class EmbeddingService:
             if len(ids) > model.context_length and request.truncate:
                 ids = ids[: model.context_length]
             elif len(ids) > model.context_length:
-                raise InvalidRequestError(
-                    f"'{param}' is {len(ids)} tokens long; the model '{model.id}' embeds at "
-                    f"most {model.context_length} tokens per input. Shorten or split it.",
-                    code="context_length_exceeded",
-                    param=param,
+                # OpenAI's words for an embedding input over the window, which clients
+                # match to split and retry (LiteLLM's ContextWindowExceededError); the
+                # param names the input.
+                raise ContextLengthError(
+                    f"This model's maximum context length is {model.context_length} tokens, "
+                    f"however you requested {len(ids)} tokens ({len(ids)} in your prompt; 0 "
+                    "for the completion). Please reduce your prompt; or completion length.",
+                    prompt_tokens=len(ids), limit=model.context_length, param=param,
                 )
             sequences.append(ids)
         return sequences

@@ -269,15 +269,22 @@ class RoundBuilder:
 
 def _context_error(limit: int, prompt: int, completion: int | None,
                    own: bool) -> ContextLengthError:
-    """``own``: the window is the request's ``context_window``, which the error names."""
+    """``own``: the window is the request's ``context_window``, which the error names.
+
+    A prompt that alone fills the window is worded as OpenAI words it for its current
+    models, ``Input tokens exceed the configured limit``: clients tell a context overflow
+    from other 400s by that phrase (LangChain's ``ContextOverflowError``, LiteLLM's
+    ``ContextWindowExceededError``), and the openai SDK no longer puts the error's code in
+    the exception's text, so the message is all they read. A prompt that fits but leaves
+    no room for the ``max_tokens`` asked keeps the wording that names both parts."""
     param = CONTEXT_WINDOW_PARAM if own else "messages"
-    if completion is not None:
+    if completion is not None and prompt < limit:
         return ContextLengthError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the "
             "completion). Please reduce the length of the messages or completion.",
             prompt_tokens=prompt, limit=limit, param=param)
     return ContextLengthError(
-        f"This model's maximum context length is {limit} tokens. However, your messages "
+        f"Input tokens exceed the configured limit of {limit} tokens. Your messages "
         f"resulted in {prompt} tokens. Please reduce the length of the messages.",
         prompt_tokens=prompt, limit=limit, param=param)

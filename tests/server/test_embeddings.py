@@ -185,6 +185,25 @@ def test_openai_client_float_and_base64(url: str) -> None:
     assert [d.index for d in default.data] == list(range(len(TEXTS)))
 
 
+def test_input_over_the_window_is_worded_as_openai_words_it(url: str) -> None:
+    """An input over the model's window says OpenAI's embeddings sentence, which clients
+    match to split the input and retry (LiteLLM raises its ContextWindowExceededError on
+    it); the param still names the input."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model=MODEL, input=["a", LONG_TEXT])
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "input[1]")
+    body = info.value.body
+    assert isinstance(body, dict)
+    assert body["message"].startswith(
+        "This model's maximum context length is 512 tokens, however you requested ")
+    assert body["message"].endswith(
+        " in your prompt; 0 for the completion). Please reduce your prompt; or completion "
+        "length.")
+
+
 def test_concurrent_requests_get_their_own_vectors(url: str) -> None:
     """Requests batched together (different lengths, padded into one pass) each get what
     they would get alone."""

@@ -498,3 +498,25 @@ def test_oversized_body(tiny: ServerProcess) -> None:
     response = _tiny_post(tiny, body, "tiny-big-body")
     error = check_error(response, 413, "malformed_request", None)
     assert "max_request_body_bytes" in error["message"]
+
+
+@pytest.mark.parametrize("max_tokens", [None, 8], ids=["no-max-tokens", "max-tokens"])
+def test_long_prompt_worded_as_openai_words_an_input_overflow(tiny: ServerProcess,
+                                                               max_tokens: int | None) -> None:
+    """Clients tell a context overflow from other 400s by the message alone (the openai SDK
+    3.x puts only the message in the exception's text, which is what LangChain searches for
+    OpenAI's ``Input tokens exceed the configured limit``): a prompt that alone fills the
+    window says so, with or without ``max_tokens``."""
+    import openai
+
+    _prompt_tokens(tiny, f"tiny-input-words-{max_tokens}-warm")
+    client = openai.OpenAI(base_url=f"{tiny.url}/v1", api_key="unused", max_retries=0)
+    long_prompt = " ".join(f"word{i}" for i in range(3000))
+    extra: dict[str, Any] = {} if max_tokens is None else {"max_tokens": max_tokens}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny-ctx", messages=[{"role": "user", "content": long_prompt}], **extra)
+    assert info.value.code == "context_length_exceeded"
+    assert info.value.param == "messages"
+    assert "Input tokens exceed the configured limit of 64 tokens." in str(info.value)
+    assert "Please reduce the length of the messages." in info.value.message

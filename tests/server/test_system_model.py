@@ -488,6 +488,19 @@ def test_a_prompt_that_cannot_fit_is_refused_before_generating(http: httpx.Clien
     assert native.STATE.log == []
 
 
+def test_a_prompt_over_the_window_is_worded_as_openai_words_it(http: httpx.Client,
+                                                               native: ModuleType) -> None:
+    """A prompt that alone fills the window says OpenAI's ``Input tokens exceed the
+    configured limit``, the phrase clients read to tell an overflow from other 400s, as
+    the MLX models' refusal says it."""
+    response = chat(http, messages=user("word " * 9000))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["message"].startswith("Input tokens exceed the configured limit of 8192 tokens.")
+    assert native.STATE.log == []
+
+
 def test_a_refusal_is_a_200_with_refusal(client: OpenAI, http: httpx.Client) -> None:
     completion = client.chat.completions.create(
         model="system", messages=user("!raise RefusalError I cannot help with that."))

@@ -368,7 +368,8 @@ class _Job:
     def _fit(self, tokens: int) -> int | None:
         """The response's limit once the prompt is counted: ``max_tokens``, lowered to the
         room left where it is only a cap; 400 ``context_length_exceeded`` when the prompt
-        leaves no room, or not the room a demanded ``max_tokens`` needs."""
+        leaves no room, or not the room a demanded ``max_tokens`` needs, worded as the MLX
+        models' refusal (``round_builder``) for the clients that read the wording."""
         limit = framework.CONTEXT_LENGTH
         wanted = self.turn.max_tokens
         room = limit - tokens
@@ -376,14 +377,14 @@ class _Job:
             return min(wanted, room)
         if tokens + (wanted or 1) <= limit:
             return wanted
-        if wanted is not None and not self.turn.max_tokens_shrinks:
+        if wanted is not None and not self.turn.max_tokens_shrinks and tokens < limit:
             raise InvalidRequestError(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {tokens + wanted} tokens ({tokens} in the messages, {wanted} in "
                 "the completion). Please reduce the length of the messages or completion.",
                 code="context_length_exceeded", param="messages")
         raise InvalidRequestError(
-            f"This model's maximum context length is {limit} tokens. However, your messages "
+            f"Input tokens exceed the configured limit of {limit} tokens. Your messages "
             f"resulted in {tokens} tokens. Please reduce the length of the messages.",
             code="context_length_exceeded", param="messages")
 
