@@ -498,6 +498,13 @@ def test_a_prompt_over_the_window_is_worded_as_openai_words_it(http: httpx.Clien
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded"
     assert error["message"].startswith("Input tokens exceed the configured limit of 8192 tokens.")
+    # Anthropic's words on /v1/messages, the phrase Claude Code compacts a conversation on
+    # (the system model's refusal carried no numbers for the dialect to word it with).
+    messages = http.post("/v1/messages", json={"model": "system", "max_tokens": 64,
+                                               "messages": user("word " * 9000)})
+    assert messages.status_code == 400, messages.text
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 8192 maximum",
+                        messages.json()["error"]["message"]), messages.text
     assert native.STATE.log == []
 
 

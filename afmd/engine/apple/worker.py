@@ -41,7 +41,7 @@ from afmd.engine.apple import fm_compat as compat
 from afmd.engine.apple.conversation import SystemTurn, ToolDef
 from afmd.engine.apple.tools import Capture, CapturedCall, framework_tools
 from afmd.engine.generation import Finished, Generation, Refused, Text, ToolCalled
-from afmd.errors import APIError, InvalidRequestError, ServerError
+from afmd.errors import APIError, ContextLengthError, ServerError
 from afmd.logs import get_logger
 
 log = get_logger("afmd.engine.apple")
@@ -377,16 +377,18 @@ class _Job:
             return min(wanted, room)
         if tokens + (wanted or 1) <= limit:
             return wanted
+        # A ContextLengthError carries its numbers, which each dialect words its own way
+        # (Anthropic's "prompt is too long", the phrase Claude Code compacts on).
         if wanted is not None and not self.turn.max_tokens_shrinks and tokens < limit:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {tokens + wanted} tokens ({tokens} in the messages, {wanted} in "
                 "the completion). Please reduce the length of the messages or completion.",
-                code="context_length_exceeded", param="messages")
-        raise InvalidRequestError(
+                prompt_tokens=tokens, limit=limit)
+        raise ContextLengthError(
             f"Input tokens exceed the configured limit of {limit} tokens. Your messages "
             f"resulted in {tokens} tokens. Please reduce the length of the messages.",
-            code="context_length_exceeded", param="messages")
+            prompt_tokens=tokens, limit=limit)
 
     def _server_runner(self) -> Callable[[str, str], Future[str]] | None:
         run_tool = self.generation.request.run_tool
