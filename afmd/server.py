@@ -25,6 +25,7 @@ from afmd.http.app_state import AppState
 from afmd.http.routes.embedding_routes import interrupt_embeddings
 from afmd.http.routes.handlers import interrupt_requests, server_stopping_error
 from afmd.http.routes.ollama_routes import interrupt_pulls
+from afmd.http.routes.state_routes import CLIENT_STYLES
 from afmd.http.transport.binding import bind_listeners
 from afmd.http.transport.connection import direct_routes, route_checker
 from afmd.http.transport.connection_limits import GateContext
@@ -94,7 +95,7 @@ class Server:
         self.app = create_app(self.state)
         self.gate = GateContext(config.server, route_checker(self.app),
                                 access_log=config.log.access_log,
-                                direct=direct_routes(self.app))
+                                direct=direct_routes(self.app), client_styles=CLIENT_STYLES)
         self._listeners = Listeners(self.app, on_gave_up=self._listener_gave_up)
         self.supervisor.callbacks.append(self.state.metrics.listener_state)
         self._stop = asyncio.Event()

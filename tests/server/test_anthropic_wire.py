@@ -27,6 +27,7 @@ import pytest
 from PIL import Image
 
 from afmd.config.load import load_config
+from afmd.config.sections import ServerConfig
 from afmd.core.request import ChatRequest, Message
 from afmd.dialects.anthropic.messages_api import ANTHROPIC_MESSAGES
 from afmd.dialects.anthropic.messages_body import parse_count_request
@@ -340,6 +341,15 @@ def test_api_key_in_x_api_key_or_bearer(guarded: ServerProcess) -> None:
     payload = {"messages": MESSAGES, "max_tokens": 1}
     assert httpx.post(chat, json=payload, headers={"x-api-key": KEY}).status_code == 200
     assert httpx.post(chat, json=payload).json()["error"]["code"] == "invalid_api_key"
+    # Listing models with a wrong key: each SDK reads the 401 in its own envelope.
+    with pytest.raises(anthropic.AuthenticationError) as listed:
+        anthropic.Anthropic(base_url=guarded.url, api_key="sk-wrong", max_retries=0
+                            ).models.list()
+    assert listed.value.body == {"type": "error", "error": {
+        "type": "authentication_error", "message": "Incorrect API key provided."}}
+    assert listed.value.request_id and listed.value.request_id.startswith("req_")
+    refused = httpx.get(guarded.url + "/v1/models", headers={"x-api-key": "sk-wrong"})
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     # The official client sends x-api-key.
     claude = anthropic.Anthropic(base_url=guarded.url, api_key=KEY, max_retries=0)
     greedy = body(max_tokens=1, extra_body={"temperature": 0})
@@ -554,6 +564,28 @@ def test_the_gate_answers_in_the_style_its_route_names() -> None:
     accepted = Gate(policy).feed(f"POST {PATH} HTTP/1.1\r\nHost: localhost\r\nx-api-key: "
                                  f"{KEY}\r\nContent-Length: 0\r\n\r\n".encode())
     assert not isinstance(accepted[0], Reply)
+
+
+def test_a_refusal_on_a_shared_path_reads_as_the_sdk_that_sent_it() -> None:
+    """``/v1/models`` belongs to no dialect (OpenAI's and Anthropic's SDKs both list models
+    there): the gate refuses a request carrying ``anthropic-version`` in Anthropic's
+    envelope, with ``request-id``, and any other in OpenAI's."""
+    def route(method: str, path: str) -> RouteVerdict:
+        return RouteVerdict(200) if path == "/v1/models" else RouteVerdict(404)
+
+    policy = GatePolicy.from_config(
+        ServerConfig(api_key=KEY), route, check_host=True,
+        client_styles=(("Anthropic-Version", ANTHROPIC_MESSAGES),))
+    for path, status in (("/v1/models", 401), ("/v1/nope", 404)):
+        for version, kind in (("anthropic-VERSION: 2023-06-01\r\n", "error"), ("", None)):
+            out = Gate(policy).feed(f"GET {path} HTTP/1.1\r\nHost: localhost\r\n{version}"
+                                    "x-api-key: sk-wrong\r\n\r\n".encode())
+            assert isinstance(out[0], Reply) and out[0].rejection is not None
+            assert out[0].rejection.status == status
+            head, _, raw = out[0].data.partition(b"\r\n\r\n")
+            payload = json.loads(raw)
+            assert payload.get("type") == kind, (path, version, payload)
+            assert (b"\r\nrequest-id: req_" in head.lower()) == (kind is not None)
 
 
 def test_a_conversation_in_afmds_terms() -> None:

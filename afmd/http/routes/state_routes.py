@@ -27,10 +27,17 @@ from sanic import Request
 from sanic.response import HTTPResponse
 
 from afmd.dialects.anthropic.messages_api import ANTHROPIC_MESSAGES
+from afmd.dialects.dialect import Dialect
 from afmd.errors import NotFoundError
 from afmd.http.app_state import AppState
 from afmd.http.routes.model_detail import model_details
 from afmd.http.sansio.screen import local_connection, reveals_machine
+
+#: ``(header, dialect)``: a request to a route two APIs share (``/v1/models``) that carries
+#: ``header`` comes from that API's SDK, and its errors go out in that dialect's envelope,
+#: the one the SDK reads. Anthropic's SDKs send ``anthropic-version`` on every request and
+#: OpenAI's never do. The gate's refusals on such paths follow the same table.
+CLIENT_STYLES: tuple[tuple[str, Dialect[Any]], ...] = (("anthropic-version", ANTHROPIC_MESSAGES),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,11 +101,12 @@ async def get_model(request: Request, model_id: str) -> HTTPResponse:
     # The route's ``unquote`` does not reach a ``path`` parameter (Sanic matches those by
     # a regular expression, and decodes only the ones its tree matches): decoded here.
     model_id = unquote(model_id)
-    if "anthropic-version" in request.headers:
-        # Anthropic's SDKs send this header on every request and OpenAI's never do: their
-        # 404 is then Anthropic's (``not_found_error``, with ``request-id``), which is what
-        # the SDK's error reads its ``type`` and ``requestID`` from.
-        request.ctx.dialect = ANTHROPIC_MESSAGES
+    for header, dialect in CLIENT_STYLES:
+        if header in request.headers:
+            # Anthropic's 404 (``not_found_error``, with ``request-id``) is what its SDK's
+            # error reads its ``type`` and ``requestID`` from.
+            request.ctx.dialect = dialect
+            break
     state = request.app.ctx.state
     for obj in _model_objects(state):
         if obj["id"] == model_id:

@@ -181,7 +181,7 @@ class Gate:
             head = self._head
             extra = self.policy.cors.headers(head.origin) if refused.cors and head else ()
             # Once a head is parsed, its refusal reads like its route's own errors.
-            style = self.policy.style_of(head.method, head.path) if head else None
+            style = self.policy.style_of(head) if head else None
             rejection = Rejection.from_error(refused.error, extra, style)
             self.kill()
             head_only = head is not None and head.method == "HEAD"

@@ -175,6 +175,11 @@ class GatePolicy:
     open_paths: frozenset[str] = OPEN_PATHS
     #: Paths whose bodiless GETs the gate marks for a direct answer.
     direct_paths: frozenset[str] = frozenset()
+    #: ``(header, style)``: a header one API's SDKs send on every request and no other
+    #: API's client does (Anthropic's ``anthropic-version``). A refusal on a path no
+    #: dialect owns (``/v1/models``, which two APIs' SDKs call, or an unknown URL under
+    #: ``/v1``) goes out in the envelope of the SDK that sent it, which is the one it reads.
+    client_styles: tuple[tuple[bytes, ErrorStyle], ...] = ()
     cors: Cors = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -190,6 +195,7 @@ class GatePolicy:
         extra_hosts: Iterable[str] = (),
         direct_paths: Iterable[str] = (),
         local: bool = False,
+        client_styles: Iterable[tuple[str, ErrorStyle]] = (),
     ) -> GatePolicy:
         """``local``: the listener is reachable from this machine alone (loopback TCP or
         the Unix socket), where :data:`LOCAL_OPEN_PATHS` need no key."""
@@ -206,6 +212,8 @@ class GatePolicy:
             max_body_bytes=server.max_request_body_bytes,
             direct_paths=frozenset(direct_paths),
             open_paths=LOCAL_OPEN_PATHS if local else OPEN_PATHS,
+            client_styles=tuple((name.lower().encode("ascii") + b":", style)
+                                for name, style in client_styles),
         )
 
     def host_allowed(self, host: bytes) -> bool:
@@ -221,9 +229,16 @@ class GatePolicy:
         found = self.route(method, path)
         return found if isinstance(found, RouteVerdict) else RouteVerdict(*found)
 
-    def style_of(self, method: str, path: str) -> ErrorStyle | None:
-        """The envelope of errors about a request for ``path`` (None: OpenAI's)."""
-        return self.verdict(method, path).style
+    def style_of(self, head: RequestHead) -> ErrorStyle | None:
+        """The envelope of errors about the request ``head`` (None: OpenAI's): its route's,
+        else that of the client it comes from (:attr:`client_styles`)."""
+        style = self.verdict(head.method, head.path).style
+        if style is None and self.client_styles:
+            for line in head.lines:
+                for name, client_style in self.client_styles:
+                    if line[:len(name)].lower() == name:
+                        return client_style
+        return style
 
 
 def screen(policy: GatePolicy, head: RequestHead) -> bytes | None:

@@ -28,6 +28,7 @@ from time import monotonic
 from typing import Protocol
 
 from afmd.config.sections import ServerConfig
+from afmd.dialects.dialect import ErrorStyle
 from afmd.errors import ServiceUnavailableError, TooManyConnectionsError
 from afmd.http.routes.state_routes import StateRoute
 from afmd.http.sansio.screen import GatePolicy, RouteCheck
@@ -65,9 +66,11 @@ class GateContext:
     """What every connection of one server shares, across listeners and their restarts."""
 
     def __init__(self, server: ServerConfig, route: RouteCheck, *, access_log: bool = True,
-                 direct: Iterable[StateRoute] = ()):
+                 direct: Iterable[StateRoute] = (),
+                 client_styles: Iterable[tuple[str, ErrorStyle]] = ()):
         self.server = server
         self.route = route
+        self.client_styles = tuple(client_styles)
         self.access_log = access_log
         #: The routes answered without Sanic, by path (the app must serve them too).
         self.direct: dict[str, StateRoute] = {r.path: r for r in direct}
@@ -121,7 +124,7 @@ class GateContext:
                local: bool = False) -> GatePolicy:
         return GatePolicy.from_config(self.server, self.route, check_host=check_host,
                                       extra_hosts=extra_hosts, direct_paths=self.direct,
-                                      local=local)
+                                      local=local, client_styles=self.client_styles)
 
 
 class ConnectionSlot:
