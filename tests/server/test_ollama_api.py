@@ -435,6 +435,25 @@ def test_raw_and_fill_in_the_middle_are_completions(client: ollama.Client,
         assert streamed == want
 
 
+def test_raw_takes_the_empty_fields_a_client_always_sends(http: httpx.Client) -> None:
+    """Ollama refuses a raw prompt with a ``system``, ``template`` or ``context`` only
+    where one is given (its check is ``!= ""``): a client that fills every field of the
+    body, empty ones included, gets the raw completion. An empty ``system`` was a 400."""
+    prompt = "def area(r):\n    return"
+    want = http.post("/v1/completions", json={
+        "model": "demo", "prompt": prompt, "max_tokens": 6,
+        "temperature": 0}).json()["choices"][0]["text"]
+    response = http.post("/api/generate", json={
+        "model": "demo", "prompt": prompt, "raw": True, "stream": False, "system": "",
+        "template": "", "context": [], "images": [], "format": "",
+        "options": {"temperature": 0, "num_predict": 6}})
+    assert response.status_code == 200, response.text
+    assert response.json()["response"] == want
+    refused = http.post("/api/generate", json={
+        "model": "demo", "prompt": prompt, "raw": True, "system": "Be terse."})
+    assert refused.status_code == 400 and "system" in refused.json()["error"]
+
+
 def test_without_num_predict_the_context_bounds_the_answer(http: httpx.Client) -> None:
     body = {"model": "demo", "prompt": "Hello", "stream": False,
             "options": {"temperature": 0, "num_ctx": 40}}
