@@ -234,6 +234,28 @@ def test_think_is_refused_where_show_lists_no_thinking(families: httpx.Client,
     assert after == before  # the loaded model says what its folder said
 
 
+def test_show_says_fill_in_the_middle_where_continue_looks_for_it(
+        client: ollama.Client, families: httpx.Client) -> None:
+    """Continue's Ollama provider fills in the middle through ``/api/generate``'s
+    ``suffix`` only for a model whose ``/api/show`` ``template`` mentions Ollama's
+    ``.Suffix``; otherwise it writes a FIM prompt of its own guessing, by the model's
+    name, and sends it raw. A model with ``insert`` said so only in ``capabilities``, so
+    Continue never used afmd's fill-in-the-middle. The template says it in a Jinja
+    comment after the model's own template, which renders the same."""
+    import jinja2
+
+    shown = client.show("demo")
+    assert "insert" in (shown.capabilities or [])
+    own = json.loads((demo.materialize("demo") / "tokenizer_config.json").read_text(
+        encoding="utf-8"))["chat_template"]
+    template = shown.template or ""
+    assert template.startswith(own) and ".Suffix" in template
+    assert jinja2.Environment().from_string(template[len(own):]).render() == ""
+    for family in FAMILY_MODELS:  # none of these has FIM tokens
+        show = families.post("/api/show", json={"model": family}).json()
+        assert "insert" not in show["capabilities"] and ".Suffix" not in show["template"]
+
+
 def test_think_is_refused_before_the_model_loads(families: httpx.Client) -> None:
     """As Ollama: the refusal comes without loading the model (a load is seconds, and may
     unload another model, for an answer that is a 400 either way)."""
