@@ -1006,6 +1006,41 @@ def test_pull_reports_progress_then_the_model_serves(
     assert hub.log[asked:] == []
 
 
+def test_a_pull_of_a_model_the_server_serves_by_its_name(tmp_path: Path) -> None:
+    """Scripts and apps make sure of a model with ``pull`` before they use it, as Ollama
+    answers a pull of a model it has: a built-in, a local folder or an alias is there
+    already (nothing to download: ``success``), and a configured id whose path is a
+    Hugging Face repo pulls that repo. Each was a 400 "'demo' is not a Hugging Face repo
+    id", which stopped the script before its first request."""
+    with FakeHub() as hub:
+        hub.add_folder(REPO, demo.materialize("demo"))
+        config = (f'[[models.model]]\nid = "mine"\npath = "{REPO}"\n'
+                  f'[[models.model]]\nid = "local"\npath = "{demo.materialize("demo")}"\n'
+                  '[models.aliases]\nbuddy = "demo"\n')
+        server = start_server(tmp_path, config=config, env={
+            "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")})
+        try:
+            client = ollama.Client(host=server.url, timeout=120)
+            for name in ("demo", "demo:latest", "local", "buddy:latest"):
+                assert client.pull(name).status == "success"
+                statuses = [p.status for p in client.pull(name, stream=True)]
+                assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
+            assert hub.log == []  # nothing to fetch
+            progress = list(client.pull("mine:latest", stream=True))
+            assert progress[-1].status == "success"
+            assert any((p.digest or "").startswith("sha256:") for p in progress)
+            assert hub.log and all(r.path.startswith((f"/api/models/{REPO}/",
+                                                      f"/{REPO}/resolve/"))
+                                   for r in hub.log)
+            answer = client.chat(model="mine", messages=MESSAGES, options=GREEDY)
+            assert answer.eval_count == 12
+            with pytest.raises(ollama.ResponseError) as caught:
+                client.pull("nope")  # neither served nor a repo id: as before
+            assert caught.value.status_code == 400
+        finally:
+            server.stop()
+
+
 def test_a_failed_pull_says_why(hub_server: tuple[ServerProcess, FakeHub]) -> None:
     server, _ = hub_server
     client = ollama.Client(host=server.url, timeout=60)
