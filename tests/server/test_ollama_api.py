@@ -234,6 +234,32 @@ def test_think_is_refused_where_show_lists_no_thinking(families: httpx.Client,
     assert after == before  # the loaded model says what its folder said
 
 
+def test_show_says_fill_in_the_middle_where_continue_looks_for_it(
+        client: ollama.Client, families: httpx.Client) -> None:
+    """Continue's Ollama provider fills in the middle through ``/api/generate``'s
+    ``suffix`` only for a model whose ``/api/show`` ``template`` mentions Ollama's
+    ``.Suffix``; otherwise it writes a FIM prompt of its own guessing, by the model's
+    name, and sends it raw. A model with ``insert`` said so only in ``capabilities``, so
+    Continue never used afmd's fill-in-the-middle. The template says it in a Jinja
+    comment after the model's own template, which renders the same."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    shown = client.show("demo")
+    assert "insert" in (shown.capabilities or [])
+    own = json.loads((demo.materialize("demo") / "tokenizer_config.json").read_text(
+        encoding="utf-8"))["chat_template"]
+    template = shown.template or ""
+    assert template.startswith(own) and ".Suffix" in template
+    # Rendered as transformers renders a chat template: the same prompt.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    rendered = [env.from_string(t).render(messages=MESSAGES, add_generation_prompt=True)
+                for t in (template, own)]
+    assert rendered[0] == rendered[1]
+    for family in FAMILY_MODELS:  # none of these has FIM tokens
+        show = families.post("/api/show", json={"model": family}).json()
+        assert "insert" not in show["capabilities"] and ".Suffix" not in show["template"]
+
+
 def test_think_is_refused_before_the_model_loads(families: httpx.Client) -> None:
     """As Ollama: the refusal comes without loading the model (a load is seconds, and may
     unload another model, for an answer that is a 400 either way)."""
@@ -433,6 +459,25 @@ def test_raw_and_fill_in_the_middle_are_completions(client: ollama.Client,
             model="demo", prompt=prompt, stream=True,
             options={"temperature": 0, "num_predict": 10}, **ollama_extra))
         assert streamed == want
+
+
+def test_raw_takes_the_empty_fields_a_client_always_sends(http: httpx.Client) -> None:
+    """Ollama refuses a raw prompt with a ``system``, ``template`` or ``context`` only
+    where one is given (its check is ``!= ""``): a client that fills every field of the
+    body, empty ones included, gets the raw completion. An empty ``system`` was a 400."""
+    prompt = "def area(r):\n    return"
+    want = http.post("/v1/completions", json={
+        "model": "demo", "prompt": prompt, "max_tokens": 6,
+        "temperature": 0}).json()["choices"][0]["text"]
+    response = http.post("/api/generate", json={
+        "model": "demo", "prompt": prompt, "raw": True, "stream": False, "system": "",
+        "template": "", "context": [], "images": [], "format": "",
+        "options": {"temperature": 0, "num_predict": 6}})
+    assert response.status_code == 200, response.text
+    assert response.json()["response"] == want
+    refused = http.post("/api/generate", json={
+        "model": "demo", "prompt": prompt, "raw": True, "system": "Be terse."})
+    assert refused.status_code == 400 and "system" in refused.json()["error"]
 
 
 def test_without_num_predict_the_context_bounds_the_answer(http: httpx.Client) -> None:
@@ -963,6 +1008,41 @@ def test_pull_reports_progress_then_the_model_serves(
             call()
         assert unknown.value.status_code == 404, unknown.value.error
     assert hub.log[asked:] == []
+
+
+def test_a_pull_of_a_model_the_server_serves_by_its_name(tmp_path: Path) -> None:
+    """Scripts and apps make sure of a model with ``pull`` before they use it, as Ollama
+    answers a pull of a model it has: a built-in, a local folder or an alias is there
+    already (nothing to download: ``success``), and a configured id whose path is a
+    Hugging Face repo pulls that repo. Each was a 400 "'demo' is not a Hugging Face repo
+    id", which stopped the script before its first request."""
+    with FakeHub() as hub:
+        hub.add_folder(REPO, demo.materialize("demo"))
+        config = (f'[[models.model]]\nid = "mine"\npath = "{REPO}"\n'
+                  f'[[models.model]]\nid = "local"\npath = "{demo.materialize("demo")}"\n'
+                  '[models.aliases]\nbuddy = "demo"\n')
+        server = start_server(tmp_path, config=config, env={
+            "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")})
+        try:
+            client = ollama.Client(host=server.url, timeout=120)
+            for name in ("demo", "demo:latest", "local", "buddy:latest"):
+                assert client.pull(name).status == "success"
+                statuses = [p.status for p in client.pull(name, stream=True)]
+                assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
+            assert hub.log == []  # nothing to fetch
+            progress = list(client.pull("mine:latest", stream=True))
+            assert progress[-1].status == "success"
+            assert any((p.digest or "").startswith("sha256:") for p in progress)
+            assert hub.log and all(r.path.startswith((f"/api/models/{REPO}/",
+                                                      f"/{REPO}/resolve/"))
+                                   for r in hub.log)
+            answer = client.chat(model="mine", messages=MESSAGES, options=GREEDY)
+            assert answer.eval_count == 12
+            with pytest.raises(ollama.ResponseError) as caught:
+                client.pull("nope")  # neither served nor a repo id: as before
+            assert caught.value.status_code == 400
+        finally:
+            server.stop()
 
 
 def test_a_failed_pull_says_why(hub_server: tuple[ServerProcess, FakeHub]) -> None:

@@ -428,7 +428,9 @@ def generate_request(body: dict[str, Any], *, strict: bool = False
                                     "does not support template, system, or context.")
     if raw or suffix:
         # The prompt as given (or the model's fill-in-the-middle prompt): no template.
-        for name, given in (("system", system is not None), ("images", bool(images)),
+        # Given means not empty, as Ollama checks it: a client that sends every field
+        # of the body, ``"system": ""`` among them, is asking for no system message.
+        for name, given in (("system", bool(system)), ("images", bool(images)),
                             ("format", response_format is not None)):
             if given:
                 why = "raw mode" if raw else "a 'suffix' (fill in the middle)"

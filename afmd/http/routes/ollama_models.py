@@ -169,6 +169,15 @@ def _template(folder: Path) -> str:
     return template if isinstance(template, str) else ""
 
 
+#: Said after the template of a model that fills in the middle, as a Jinja comment (it
+#: renders nothing). Clients read ``.Suffix`` in an Ollama template as that model taking
+#: ``/api/generate``'s ``suffix`` (Continue's Ollama provider sends its autocomplete so
+#: only then, and otherwise a FIM prompt of its own guessing, sent raw); afmd's template
+#: is the model's Jinja one, which never names Ollama's variables.
+FIM_NOTE = ("\n{#- afmd: /api/generate fills in the middle of {{ .Prompt }} and "
+            "{{ .Suffix }} (its prompt and suffix) with the model's own FIM tokens #}\n")
+
+
 def _capabilities(state: AppState, entry: ModelEntry, folder: Path) -> list[str]:
     """Ollama's capability words, from the loaded model, else from the folder's tokenizer
     (by the same detection: ``thinking`` is what ``think: true`` is refused without)."""
@@ -239,6 +248,9 @@ def show(state: AppState, name: str, entry: ModelEntry) -> dict[str, Any]:
     template = (loaded.tokenizer.chat_template if loaded is not None
                 and isinstance(getattr(loaded.tokenizer, "chat_template", None), str)
                 else _template(folder))
+    capabilities = _capabilities(state, entry, folder)
+    if "insert" in capabilities:
+        template += FIM_NOTE
     return {
         "license": "",
         "modelfile": f"# afmd model {entry.id}\nFROM {entry.path}\n",
@@ -246,7 +258,7 @@ def show(state: AppState, name: str, entry: ModelEntry) -> dict[str, Any]:
         "template": template,
         "details": details,
         "model_info": model_info,
-        "capabilities": _capabilities(state, entry, folder),
+        "capabilities": capabilities,
         "modified_at": _modified(folder),
     }
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -378,7 +379,8 @@ async def pull(request: Request) -> HTTPResponse | None:
     """Download a model (a Hugging Face repo id, ``:latest`` allowed) with ``afmd pull``'s
     checks, reporting Ollama's progress objects: ``pulling manifest``, per file ``pulling
     <digest>`` with ``total`` and ``completed`` bytes, ``verifying sha256 digest``,
-    ``writing manifest``, ``success``.
+    ``writing manifest``, ``success``. A name the server serves already is pulled as
+    Ollama pulls a model it has (:func:`_served`; a configured repo: that repo).
 
     The pull is the request's, as Ollama's is its request context's: a client that goes
     away (or a server that stops) stops the download thread, which nothing else would,
@@ -393,11 +395,19 @@ async def pull(request: Request) -> HTTPResponse | None:
     values = read_scalars(body, _PULL)
     name = values["model"]
     request.ctx.model = name
+    state: AppState = request.app.ctx.state
+    source = name.removesuffix(ollama_models.TAG)
+    configured = state.config.resolve_model(source)
+    if configured is not None and not _from_hub(configured.path):
+        if state.stop_error is not None:
+            raise state.stop_error
+        return await _served(request, values["stream"], headers)
+    if configured is not None:  # a configured id (or alias) of a repo: that repo
+        source = configured.path
     try:
-        repo = parse_ref(name.removesuffix(ollama_models.TAG))[0]
+        repo = parse_ref(source)[0]
     except PullError as exc:
         raise InvalidRequestError(str(exc), param="model") from None
-    state: AppState = request.app.ctx.state
     if state.stop_error is not None:  # the shutdown's grace period is over, as for a turn
         raise state.stop_error
     loop = asyncio.get_running_loop()
@@ -435,8 +445,7 @@ async def pull(request: Request) -> HTTPResponse | None:
     def work() -> None:
         stopped = False
         try:
-            pull_model(name.removesuffix(ollama_models.TAG), out=_Discard(), terminal=False,
-                       report=report, stop=stop)
+            pull_model(source, out=_Discard(), terminal=False, report=report, stop=stop)
         except PullStopped:
             stopped = True
         except PullError as exc:
@@ -470,6 +479,42 @@ async def pull(request: Request) -> HTTPResponse | None:
         return None
     finally:
         stop.set()  # cancelled (the client left, the server stops) or over: harmless then
+
+
+def _from_hub(path: str) -> bool:
+    """Whether a configured model's files come from the hub: a repo id that names no
+    folder here (``models/qwen`` may be either, and a folder wins, as a load reads it)."""
+    return hubcache.REPO_ID.match(path) is not None and not os.path.isdir(
+        os.path.expanduser(path))
+
+
+#: What a pull of a model already here reports: Ollama's steps around the files, none of
+#: which needs fetching.
+_SERVED_STEPS = ("pulling manifest", "verifying sha256 digest", "writing manifest", "success")
+
+
+async def _served(request: Request, stream: bool, headers: dict[str, str]
+                  ) -> HTTPResponse | None:
+    """A pull of a model the server serves from no repo (a built-in, a local folder, an
+    alias of one): nothing to download, so ``success``, as Ollama answers a pull of a
+    model it has. Scripts and apps pull a model to make sure of it before using it."""
+    if not stream:
+        return _json({"status": "success"}, headers=headers)
+    request.ctx.streamed = True
+    response = await request.respond(status=200, headers=headers, content_type=MEDIA_TYPE)
+    sent = 0
+    try:
+        for status in _SERVED_STEPS:
+            line = ndjson({"status": status})
+            sent += len(line)
+            await response.send(line)
+        await response.eof()
+    except asyncio.CancelledError:
+        request.ctx.disconnected = True
+        raise
+    finally:
+        log_access(request, 200, sent)
+    return None
 
 
 def interrupt_pulls(state: AppState, error: APIError) -> None:
