@@ -187,13 +187,12 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
         request.ctx.started = time.perf_counter()
 
     cors = Cors.from_origins(server.allowed_origins)  # the gate's, from the same config
-    if cors.allowed:
 
-        @app.on_response
-        async def _cors(request: Request, response: HTTPResponse) -> None:
-            # The gate already refused disallowed origins with 403; streamed responses pass
-            # here too (request.respond() runs response middleware before the head is sent).
-            cors.apply(request.headers.get("origin"), response.headers)
+    @app.on_response
+    async def _cors(request: Request, response: HTTPResponse) -> None:
+        # The gate already refused disallowed origins with 403; streamed responses pass
+        # here too (request.respond() runs response middleware before the head is sent).
+        cors.apply(request.headers.get("origin"), response.headers)
 
     @app.on_response
     async def _request_id(request: Request, response: HTTPResponse) -> None:

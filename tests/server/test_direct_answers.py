@@ -158,7 +158,7 @@ def test_gate_forwards_other_requests(raw: str) -> None:
 def test_empty_origin_gets_no_cors_headers() -> None:
     """With any origin allowed, an empty Origin is still no origin: no CORS headers on a
     direct answer or a refusal, as on Sanic's responses (one CORS rule for all three)."""
-    anyone = GatePolicy(route=_route, any_origin=True,
+    anyone = GatePolicy(route=_route, allowed_origins=frozenset({"*"}),
                         direct_paths=frozenset({"/health", "/v1/models"}))
     [out] = Gate(anyone).feed(get("/health", "Origin: \r\n").encode())
     assert isinstance(out, Direct) and out.headers == ()

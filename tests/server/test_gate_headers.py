@@ -14,8 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from afmd.http.sansio.gate import Forward, Gate, Output, Reply
-from afmd.http.sansio.screen import normalize_origin
+from afmd.config.sections import ServerConfig
+from afmd.http.sansio.gate import Direct, Forward, Gate, Output, Reply
+from afmd.http.sansio.screen import Cors, GatePolicy, normalize_origin
 
 from conftest import ServerProcess, start_server
 from helpers.fuzz import POLICY
@@ -96,6 +97,55 @@ def test_origin_with_other_whitespace_does_not_match(origin: bytes) -> None:
 def test_allowed_origin_still_matches() -> None:
     for origin in (GOOD, GOOD.upper().replace("HTTP", "http"), GOOD + "/"):
         assert isinstance(feed(get(extra=f"Origin: \t{origin} \r\n".encode()))[0], Forward)
+
+
+@pytest.mark.parametrize(("origin", "passes"), [
+    (b"app://obsidian.md", True),  # Obsidian's pages, Electron apps
+    (b"file://", True),  # an Electron page loaded from a file
+    (b"tauri://localhost", True),
+    (b"vscode-webview://1abc2def", True),
+    (b"vscode-file://vscode-app", True),
+    (b"APP://Obsidian.md", True),
+    (b"null", False),  # a browser's local file or sandboxed page: any web page can be one
+    (b"http://app.example", False),
+    (b"https://obsidian.md", False),
+    (b"app:/obsidian.md", False),
+    (b"xapp://obsidian.md", False),
+])
+def test_origins_only_local_apps_send_are_allowed_as_ollama_allows_them(
+        origin: bytes, passes: bool) -> None:
+    """Desktop apps and editor plugins call the API from pages of their own schemes, which
+    no web page can send: they are let in with no ``allowed_origins``, as Ollama's default
+    ``OLLAMA_ORIGINS`` lets them, and get CORS headers; web origins still need listing."""
+    out = Gate(GatePolicy(route=POLICY.route)).feed(
+        get(b"/health", extra=b"Origin: " + origin + b"\r\n"))
+    if passes:
+        assert isinstance(out[0], Direct | Forward), origin
+        assert Cors.from_origins(()).headers(origin.decode())[0] == (
+            "Access-Control-Allow-Origin", origin.decode())
+    else:
+        assert isinstance(out[0], Reply) and out[0].rejection is not None
+        assert out[0].rejection.status == 403
+
+
+@pytest.mark.parametrize(("entry", "origin", "passes"), [
+    ("chrome-extension://*", "chrome-extension://jfgfiigpkhlkbnfnbobbkinehhfdhndo", True),
+    ("chrome-extension://*", "moz-extension://abc", False),
+    ("http://localhost:*", "http://localhost:3000", True),
+    ("http://127.0.0.1:*", "http://127.0.0.1", False),
+    ("http://localhost:*", "https://localhost:3000", False),
+    ("http://localhost:*", "http://localhost:3000/evil", False),  # never past the port
+    ("https://*.example.com", "https://chat.example.com", True),
+    ("https://*.example.com", "https://example.com.evil.net", False),
+    ("HTTP://LOCALHOST:*", "http://localhost:5173", True),
+])
+def test_an_allowed_origin_may_hold_a_wildcard(entry: str, origin: str, passes: bool) -> None:
+    """``allowed_origins`` takes ``*`` as Ollama's ``OLLAMA_ORIGINS`` does (browser
+    extensions' guides say ``chrome-extension://*``): any run of characters but ``/``."""
+    config = ServerConfig(allowed_origins=(entry,))
+    policy = GatePolicy.from_config(config, POLICY.route, check_host=True)
+    out = Gate(policy).feed(get(b"/v1/models", extra=f"Origin: {origin}\r\n".encode()))
+    assert isinstance(out[0], Forward | Direct) is passes, (entry, origin)
 
 
 @pytest.mark.parametrize(("host", "origin", "passes"), [
@@ -305,3 +355,29 @@ def test_host_port_out_of_range_end_to_end(srv: ServerProcess) -> None:
                                           b"\r\n\r\n")
     check_error(response, 400, "malformed_request")
     assert closed
+
+
+def test_an_apps_own_origin_reaches_the_api_and_may_read_it(srv: ServerProcess) -> None:
+    """An Obsidian plugin's request (``app://obsidian.md``) is preflighted, answered by a
+    handler (Sanic's CORS middleware) and by a direct answer, each with its CORS headers,
+    though ``allowed_origins`` names only a web origin; a ``null`` origin still is not."""
+    app = b"app://obsidian.md"
+    preflight, _ = exchange(srv.port, b"OPTIONS /api/chat HTTP/1.1\r\nHost: localhost\r\n"
+                            b"Origin: " + app + b"\r\nAccess-Control-Request-Method: POST\r\n"
+                            b"Connection: close\r\n\r\n")
+    assert preflight.status == 204
+    assert preflight.headers["access-control-allow-origin"] == app.decode()
+    body = json.dumps({"model": "demo", "prompt": "Hi", "stream": False,
+                       "options": {"num_predict": 1}}).encode()
+    for raw in (b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
+                + KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode() + b"\r\nOrigin: " + app
+                + b"\r\nConnection: close\r\n\r\n" + body,
+                b"GET /health HTTP/1.1\r\nHost: localhost\r\nOrigin: " + app
+                + b"\r\nConnection: close\r\n\r\n"):
+        answer, _ = exchange(srv.port, raw)
+        assert answer.status == 200, raw
+        assert answer.headers["access-control-allow-origin"] == app.decode()
+    null, _ = exchange(srv.port, b"GET /health HTTP/1.1\r\nHost: localhost\r\nOrigin: null"
+                       b"\r\nConnection: close\r\n\r\n")
+    check_error(null, 403, "origin_not_allowed")

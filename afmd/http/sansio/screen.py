@@ -91,7 +91,9 @@ def normalize_origin(origin: str) -> str:
     """The form origins are compared in: only optional whitespace is trimmed and only
     ASCII letters are folded, so that no other character (a leading U+00A0, a KELVIN SIGN
     that ``str.lower`` turns into ``k``) can make a foreign origin match the allow-list."""
-    return origin.strip(" \t").translate(_ASCII_LOWER).rstrip("/")
+    origin = origin.strip(" \t").translate(_ASCII_LOWER)
+    bare = origin.rstrip("/")
+    return origin if bare.endswith(":") else bare  # ``file://`` names no host: kept whole
 
 
 def unknown_url(method: str, path: str) -> NotFoundError:
@@ -106,20 +108,44 @@ def method_not_allowed(method: str, path: str, allowed: Iterable[str]) -> Method
                                  headers={"Allow": methods} if methods else None)
 
 
+#: Origins only an app on this machine sends, never a web page (a browser names a page by
+#: its ``http(s)`` origin, and a local file's or a sandboxed page as ``null``): Electron's
+#: and Obsidian's ``app://`` and ``file://``, Tauri's, VS Code's webviews. They are always
+#: allowed, as Ollama's default ``OLLAMA_ORIGINS`` allows them, so that desktop apps and
+#: editor plugins calling the API from their own pages work unchanged.
+APP_ORIGINS = ("app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*")
+
+
+def origin_pattern(entry: str) -> re.Pattern[str]:
+    """An allowed-origin entry with ``*`` (``chrome-extension://*``, ``http://localhost:*``)
+    as a pattern: each ``*`` stands for any run of characters but ``/``, so no pattern
+    reaches past an origin's host and port."""
+    parts = normalize_origin(entry).split("*")
+    return re.compile("[^/]*".join(re.escape(part) for part in parts))
+
+
 @dataclass(frozen=True, slots=True)
 class Cors:
     """Which origins may read afmd's answers, and the headers that tell browsers so."""
 
     allowed: frozenset[str] = frozenset()  # normalised (:func:`normalize_origin`)
     any_origin: bool = False
+    #: Entries with ``*``, and :data:`APP_ORIGINS`.
+    patterns: tuple[re.Pattern[str], ...] = tuple(origin_pattern(o) for o in APP_ORIGINS)
 
     @classmethod
     def from_origins(cls, origins: Iterable[str]) -> Cors:
         origins = tuple(origins)
-        return cls(frozenset(normalize_origin(o) for o in origins), "*" in origins)
+        globbed = tuple(o for o in origins if "*" in o and o.strip(" \t") != "*")
+        return cls(frozenset(normalize_origin(o) for o in origins if "*" not in o),
+                   any(o.strip(" \t") == "*" for o in origins),
+                   tuple(origin_pattern(o) for o in (*APP_ORIGINS, *globbed)))
 
     def allows(self, origin: str) -> bool:
-        return self.any_origin or normalize_origin(origin) in self.allowed
+        if self.any_origin:
+            return True
+        origin = normalize_origin(origin)
+        return origin in self.allowed or any(p.fullmatch(origin) for p in self.patterns)
 
     def headers(self, origin: str | None) -> tuple[tuple[str, str], ...]:
         """What a response to ``origin`` carries so that its page may read it (nothing
@@ -167,8 +193,8 @@ class GatePolicy:
     route: RouteCheck
     check_host: bool = True
     allowed_hosts: frozenset[str] = LOCAL_HOSTS
+    #: ``server.allowed_origins``' entries, ``*`` and patterns included.
     allowed_origins: frozenset[str] = frozenset()
-    any_origin: bool = False
     api_key: bytes = b""
     max_header_bytes: int = 65536
     max_body_bytes: int = 16 * 1024 * 1024
@@ -183,7 +209,7 @@ class GatePolicy:
     cors: Cors = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "cors", Cors(self.allowed_origins, self.any_origin))
+        object.__setattr__(self, "cors", Cors.from_origins(self.allowed_origins))
 
     @classmethod
     def from_config(
@@ -200,13 +226,11 @@ class GatePolicy:
         """``local``: the listener is reachable from this machine alone (loopback TCP or
         the Unix socket), where :data:`LOCAL_OPEN_PATHS` need no key."""
         hosts = {_normalize_host_entry(h) for h in (*server.allowed_hosts, *extra_hosts)}
-        cors = Cors.from_origins(server.allowed_origins)
         return cls(
             route=route,
             check_host=check_host and "*" not in hosts,
             allowed_hosts=frozenset(LOCAL_HOSTS | hosts),
-            allowed_origins=cors.allowed,
-            any_origin=cors.any_origin,
+            allowed_origins=frozenset(server.allowed_origins),
             api_key=server.api_key.encode(),
             max_header_bytes=server.max_header_bytes,
             max_body_bytes=server.max_request_body_bytes,
