@@ -494,6 +494,8 @@ BAD = [
      "stream_options"),
     ({"prompt": "hi", "stream": True, "stream_options": {"x": 1}}, 400, "unknown_parameter",
      "stream_options.x"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_obfuscation": 1}}, 400,
+     "invalid_type", "stream_options.include_obfuscation"),
     ({"prompt": "hi", "model": "nope"}, 404, "model_not_found", "model"),
     ({"prompt": "hi", "model": "demo-embedding"}, 400, "invalid_model_kind", "model"),
 ]

@@ -175,6 +175,9 @@ def parse_stream_options(value: Any, stream: bool) -> bool:
     usage = optional(
         value, "include_usage", "stream_options.include_usage", bool, "a boolean"
     )
+    # Read for its type only: afmd's chunks carry no obfuscation padding to switch off.
+    optional(value, "include_obfuscation", "stream_options.include_obfuscation", bool,
+             "a boolean")
     return bool(usage)
 
 

@@ -20,6 +20,7 @@ from afmd.dialects.fields.checks import (
     invalid,
     missing,
     names,
+    optional,
     quoted,
     read_scalars,
     reject_unknown,
@@ -281,6 +282,8 @@ def parse_responses_request(
             raise invalid("stream_options", "The 'stream_options' parameter is only allowed "
                           "when 'stream' is enabled.")
         reject_unknown(options, frozenset({"include_obfuscation"}), prefix="stream_options.")
+        optional(options, "include_obfuscation", "stream_options.include_obfuscation", bool,
+                 "a boolean")
     tools = parse_tools(body.get("tools"), strict=strict)
     choice, choice_echo = parse_tool_choice(body.get("tool_choice"), tools.specs,
                                             server_tools, strict=strict,

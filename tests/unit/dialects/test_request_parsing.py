@@ -594,6 +594,8 @@ def test_tool_errors(fields: dict[str, Any], code: str, param: str) -> None:
          "stream_options.include_usage"),
         ({"stream": True, "stream_options": {"chunk": 1}}, "unknown_parameter",
          "stream_options.chunk"),
+        ({"stream": True, "stream_options": {"include_obfuscation": "no"}}, "invalid_type",
+         "stream_options.include_obfuscation"),
         ({"top_logprobs": 2}, "invalid_value", "top_logprobs"),
         ({"logprobs": "no"}, "invalid_type", "logprobs"),
         ({"response_format": "json"}, "invalid_type", "response_format"),
@@ -604,7 +606,8 @@ def test_tool_errors(fields: dict[str, Any], code: str, param: str) -> None:
     ],
     ids=["model-type", "stream-string", "stream-int", "stream-options-without-stream",
          "stream-options-stream-false", "stream-options-type", "include-usage-type",
-         "stream-option-unknown", "top-logprobs-without-logprobs", "logprobs-type",
+         "stream-option-unknown", "include-obfuscation-type",
+         "top-logprobs-without-logprobs", "logprobs-type",
          "response-format-type",
          "response-format-no-type", "response-format-unknown", "functions", "function-call"],
 )
