@@ -61,6 +61,8 @@ from afmd.dialects.fields.unused import (
     SERVICE_TIER,
     STORE,
     VERBOSITY,
+    check_modalities,
+    check_option_objects,
     metadata_of,
 )
 
@@ -210,6 +212,8 @@ def parse_chat_request(
     tool_use = read_scalars(body, _TOOL_USE)
     read_scalars(body, _UNUSED)  # checked only: afmd does not act on them
     metadata_of(body.get("metadata"))
+    check_modalities(body.get("modalities"))
+    check_option_objects(body)
 
     if sampling["top_logprobs"] is not None and not sampling["logprobs"]:
         raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs' set to true.")

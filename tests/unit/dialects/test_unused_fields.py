@@ -1,5 +1,6 @@
 """OpenAI's fields that afmd accepts and does not act on (``store``, ``metadata``,
-``service_tier``, ``prompt_cache_retention``, chat's ``verbosity``) are still held to
+``service_tier``, ``prompt_cache_retention``, chat's ``verbosity``, ``modalities``,
+``audio``, ``web_search_options``, ``prompt_cache_options`` and ``moderation``) are still held to
 OpenAI's types: a value OpenAI refuses is a 400 naming it in chat as in Responses. Chat
 took any value of them."""
 
@@ -31,8 +32,15 @@ def responses(**fields: Any) -> Any:
     ({"verbosity": "extreme"}, "invalid_value", "verbosity"),
     ({"service_tier": 1}, "invalid_type", "service_tier"),
     ({"prompt_cache_retention": 24}, "invalid_type", "prompt_cache_retention"),
+    ({"modalities": "text"}, "invalid_type", "modalities"),
+    ({"modalities": ["text", 1]}, "invalid_type", "modalities[1]"),
+    ({"audio": "alloy"}, "invalid_type", "audio"),
+    ({"web_search_options": True}, "invalid_type", "web_search_options"),
+    ({"prompt_cache_options": "explicit"}, "invalid_type", "prompt_cache_options"),
+    ({"moderation": "block"}, "invalid_type", "moderation"),
 ], ids=["store", "metadata", "metadata-value", "metadata-pairs", "metadata-long",
-        "verbosity", "service-tier", "cache-retention"])
+        "verbosity", "service-tier", "cache-retention", "modalities", "modality",
+        "audio", "web-search-options", "cache-options", "moderation"])
 def test_chat_holds_them_to_openais_types(fields: dict[str, Any], code: str,
                                           param: str) -> None:
     with pytest.raises(InvalidRequestError) as caught:
@@ -55,6 +63,12 @@ def test_their_values_pass_new_tiers_too() -> None:
     fields = {"store": True, "metadata": {"k": "v"}, "verbosity": "low",
               "service_tier": "ultrafast", "prompt_cache_retention": "7d"}
     chat(**fields)
+    # Chat's own: the answer is text whatever they ask, and OpenAI adds modalities.
+    chat(modalities=["text", "audio", "image"], audio={"voice": "alloy", "format": "wav"},
+         web_search_options={}, prompt_cache_options={"mode": "implicit"},
+         moderation={"model": "omni-moderation-latest"})
+    chat(**dict.fromkeys(("modalities", "audio", "web_search_options",
+                          "prompt_cache_options", "moderation")))
     responses(**{k: v for k, v in fields.items() if k != "verbosity"})
     chat(**dict.fromkeys(fields))
     responses(**dict.fromkeys(fields))
