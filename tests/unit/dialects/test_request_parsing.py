@@ -379,6 +379,12 @@ def _assistant(**fields: Any) -> list[dict[str, Any]]:
          "messages[0].content[0].type"),
         ([{"role": "user", "content": [{"type": "input_audio"}]}], "invalid_value",
          "messages[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64,iVBORw0KGgo=", "detail": 5}}]}], "invalid_type",
+         "messages[0].content[0].image_url.detail"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64,iVBORw0KGgo=", "detail": "ultra"}}]}],
+         "invalid_value", "messages[0].content[0].image_url.detail"),
         ([{"role": "user", "content": "x", "name": 5}], "invalid_type", "messages[0].name"),
         ([USER, {"role": "tool", "content": "x"}], "missing_required_parameter",
          "messages[1].tool_call_id"),
@@ -429,7 +435,8 @@ def _assistant(**fields: Any) -> list[dict[str, Any]]:
         "missing", "string", "object", "empty", "not-object", "role-missing", "role-type",
         "role-unknown", "role-case", "content-missing", "content-null", "content-number",
         "content-object", "part-not-object", "part-type-missing", "part-text-missing",
-        "part-text-type", "part-unknown", "part-audio", "name-type",
+        "part-text-type", "part-unknown", "part-audio", "image-detail-type", "image-detail-value",
+        "name-type",
         "tool-no-id", "tool-id-type", "tool-id-empty", "assistant-empty",
         "assistant-refusal-type", "assistant-refusal-part-missing", "user-refusal-part",
         "assistant-empty-calls", "assistant-function-call", "tool-calls-object",
