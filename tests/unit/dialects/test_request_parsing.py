@@ -608,6 +608,9 @@ def test_tool_errors(fields: dict[str, Any], code: str, param: str) -> None:
         ({"response_format": "json"}, "invalid_type", "response_format"),
         ({"response_format": {}}, "missing_required_parameter", "response_format.type"),
         ({"response_format": {"type": "xml"}}, "invalid_value", "response_format.type"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "a", "description": 5, "schema": {}}}}, "invalid_type",
+         "response_format.json_schema.description"),
         ({"functions": [{"name": "f"}]}, "invalid_value", "functions"),
         ({"function_call": "auto"}, "invalid_value", "function_call"),
     ],
@@ -616,7 +619,8 @@ def test_tool_errors(fields: dict[str, Any], code: str, param: str) -> None:
          "stream-option-unknown", "include-obfuscation-type",
          "top-logprobs-without-logprobs", "logprobs-type",
          "response-format-type",
-         "response-format-no-type", "response-format-unknown", "functions", "function-call"],
+         "response-format-no-type", "response-format-unknown", "json-schema-description",
+         "functions", "function-call"],
 )
 def test_field_errors(fields: dict[str, Any], code: str, param: str) -> None:
     assert_error({"messages": [USER], **fields}, code, param)
