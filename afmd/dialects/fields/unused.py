@@ -19,6 +19,18 @@ STORE = Scalar("store", "boolean")
 SERVICE_TIER = Scalar("service_tier", "string")
 PROMPT_CACHE_RETENTION = Scalar("prompt_cache_retention", "string")
 VERBOSITY = Scalar("verbosity", "string", choices=("low", "medium", "high"))
+#: OpenAI's bound on a ``safety_identifier``'s characters.
+MAX_SAFETY_IDENTIFIER = 64
+
+
+def _short_identifier(value: str, param: str) -> None:
+    if len(value) > MAX_SAFETY_IDENTIFIER:
+        raise invalid(param, f"Invalid '{param}': a string of at most "
+                             f"{MAX_SAFETY_IDENTIFIER} characters is expected, got "
+                             f"{len(value)}.")
+
+
+SAFETY_IDENTIFIER = Scalar("safety_identifier", "string", rule=_short_identifier)
 #: OpenAI's bounds on ``metadata``: pairs, a key's and a value's characters.
 MAX_METADATA = 16
 MAX_METADATA_KEY = 64

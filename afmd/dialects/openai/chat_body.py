@@ -58,6 +58,7 @@ from afmd.dialects.fields.tool_specs import (
 )
 from afmd.dialects.fields.unused import (
     PROMPT_CACHE_RETENTION,
+    SAFETY_IDENTIFIER,
     SERVICE_TIER,
     STORE,
     VERBOSITY,
@@ -136,7 +137,7 @@ _TOOL_USE = (
     Scalar("reasoning_effort", "string", choices=REASONING_EFFORTS),
 )
 # Ignored, but held to OpenAI's type: a number there is a client's bug worth telling.
-_UNUSED = (Scalar("user", "string"), Scalar("safety_identifier", "string"),
+_UNUSED = (Scalar("user", "string"), SAFETY_IDENTIFIER,
                     Scalar("prompt_cache_key", "string"), STORE, SERVICE_TIER,
                     PROMPT_CACHE_RETENTION, VERBOSITY)
 

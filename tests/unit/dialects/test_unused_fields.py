@@ -38,9 +38,10 @@ def responses(**fields: Any) -> Any:
     ({"web_search_options": True}, "invalid_type", "web_search_options"),
     ({"prompt_cache_options": "explicit"}, "invalid_type", "prompt_cache_options"),
     ({"moderation": "block"}, "invalid_type", "moderation"),
+    ({"safety_identifier": "u" * 65}, "invalid_value", "safety_identifier"),
 ], ids=["store", "metadata", "metadata-value", "metadata-pairs", "metadata-long",
         "verbosity", "service-tier", "cache-retention", "modalities", "modality",
-        "audio", "web-search-options", "cache-options", "moderation"])
+        "audio", "web-search-options", "cache-options", "moderation", "safety-identifier"])
 def test_chat_holds_them_to_openais_types(fields: dict[str, Any], code: str,
                                           param: str) -> None:
     with pytest.raises(InvalidRequestError) as caught:
@@ -56,6 +57,16 @@ def test_responses_holds_them_to_openais_types(fields: dict[str, Any], param: st
     with pytest.raises(InvalidRequestError) as caught:
         responses(**fields)
     assert (caught.value.code, caught.value.param) == ("invalid_type", param)
+
+
+def test_a_safety_identifier_is_at_most_64_characters() -> None:
+    """OpenAI's bound on it, in Responses as in chat; one of 64 passes."""
+    for parse in (chat, responses):
+        with pytest.raises(InvalidRequestError) as caught:
+            parse(safety_identifier="u" * 65)
+        assert (caught.value.code, caught.value.param) == ("invalid_value",
+                                                           "safety_identifier")
+        parse(safety_identifier="u" * 64)
 
 
 def test_their_values_pass_new_tiers_too() -> None:
