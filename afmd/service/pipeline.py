@@ -21,6 +21,7 @@ from afmd.config.sections import Config
 from afmd.config.tables import ModelEntry
 from afmd.core.events import Choice, Event, Finish, Timings, Usage
 from afmd.core.request import ChatRequest, CompletionRequest
+from afmd.engine.apple import framework
 from afmd.engine.batch.penalties import check_logit_bias
 from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
@@ -123,6 +124,14 @@ def _with_server_tools(request: ChatRequest, tools: ServerTools) -> ChatRequest:
     return dataclasses.replace(request, tools=(*request.tools, *tools.specs()))
 
 
+def _no_raw_prompts(entry: ModelEntry) -> InvalidRequestError:
+    """A model that reads conversations (Apple's) asked for a completion of a raw prompt."""
+    return InvalidRequestError(
+        f"The model '{entry.id}' answers conversations, not raw prompts: use "
+        "/v1/chat/completions (or Responses, or Messages) with it.",
+        code="invalid_model_kind", param="model")
+
+
 def _duplicate_id(rid: str) -> ConflictError:
     """Two running requests under one id: cancel by id could not tell them apart."""
     return ConflictError(
@@ -180,6 +189,10 @@ class ChatPipeline:
         deadline = started + (self.policy.request_timeout if timeout is None else timeout)
         arrived = received_at if received_at is not None else time.perf_counter()
         entry = self.registry.resolve(request.model)
+        if isinstance(request, CompletionRequest) and framework.is_system(entry):
+            # Known before the lease, which is a 503 while the framework cannot answer:
+            # this request could not be served even when it can.
+            raise _no_raw_prompts(entry)
         if self.live(request_id) or self.taken(request_id):
             raise _duplicate_id(request_id)
         arrival = self._arrivals[request_id] = Arrival()
@@ -255,10 +268,7 @@ class ChatPipeline:
     ) -> PreparedChat | PreparedCompletion:
         _check_thinking(request, model, entry)
         if isinstance(request, CompletionRequest) and model.reads_conversation:
-            raise InvalidRequestError(
-                f"The model '{entry.id}' answers conversations, not raw prompts: use "
-                "/v1/chat/completions (or Responses, or Messages) with it.",
-                code="invalid_model_kind", param="model")
+            raise _no_raw_prompts(entry)
         if isinstance(request, CompletionRequest):  # raw prompts: no template, no tools
             return await prepare_completion(
                 model, entry, request, request_id, fingerprint=_fingerprint(entry),

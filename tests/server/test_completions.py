@@ -494,8 +494,13 @@ BAD = [
      "stream_options"),
     ({"prompt": "hi", "stream": True, "stream_options": {"x": 1}}, 400, "unknown_parameter",
      "stream_options.x"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_obfuscation": 1}}, 400,
+     "invalid_type", "stream_options.include_obfuscation"),
     ({"prompt": "hi", "model": "nope"}, 404, "model_not_found", "model"),
     ({"prompt": "hi", "model": "demo-embedding"}, 400, "invalid_model_kind", "model"),
+    # Apple's model takes no raw prompt on any machine: a 400 where it cannot answer too
+    # (it was the 503 model_unavailable, which clients retry).
+    ({"prompt": "hi", "model": "system"}, 400, "invalid_model_kind", "model"),
 ]
 
 

@@ -297,6 +297,17 @@ def test_bad_input(url: str, payload: Any, status: int, code: str, param: str | 
         assert "'demo'" in body["error"]["message"]
 
 
+def test_apples_model_is_a_chat_model_even_where_it_cannot_answer(url: str) -> None:
+    """Embeddings from ``system`` can never be had, so the answer is the 400 that says so,
+    not the 503 ``model_unavailable`` (with ``Retry-After``, which the SDKs retry) of a
+    machine without Apple's framework: that was the answer here."""
+    r = httpx.post(url + EMBED, json={"model": "system", "input": "a"}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_model_kind", "model")
+    assert "retry-after" not in r.headers
+
+
 def test_malformed_json_is_invalid_json(url: str) -> None:
     r = httpx.post(url + EMBED, content=b'{"input": ', timeout=30,
                    headers={"Content-Type": "application/json"})

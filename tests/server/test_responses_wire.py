@@ -236,6 +236,8 @@ BAD: list[tuple[dict[str, Any], str, str | None]] = [
      "mutually_exclusive_parameters", None),
     ({"input": "x", "stream_options": {"include_obfuscation": False}}, "invalid_value",
      "stream_options"),
+    ({"input": "x", "stream": True, "stream_options": {"include_obfuscation": "no"}},
+     "invalid_type", "stream_options.include_obfuscation"),
 ]
 
 

@@ -21,6 +21,7 @@ from afmd.dialects.fields.checks import (
     invalid,
     missing,
     not_one_of,
+    optional,
     quoted,
     reject_unknown,
     required,
@@ -52,6 +53,8 @@ PART_KEYS: dict[str, frozenset[str]] = {
     "refusal": frozenset({"type", "refusal"}),
 }
 IMAGE_URL_KEYS = frozenset({"url", "detail"})
+#: OpenAI's levels of an image's ``detail`` (the openai SDK's), in chat as in Responses.
+IMAGE_DETAILS = ("auto", "low", "high", "original")
 TOOL_CALL_KEYS = frozenset({"id", "type", "function"})
 CALL_FUNCTION_KEYS = frozenset({"name", "arguments"})
 CUSTOM_CALL_KEYS = frozenset({"id", "type", "custom"})
@@ -71,6 +74,11 @@ def _check_image_part(part: dict[str, Any], p: str, strict: bool) -> bytes:
     if strict:
         reject_unknown(image, IMAGE_URL_KEYS, prefix=f"{p}.image_url.")
     url = required(image, "url", f"{p}.image_url.url", str, "a string")
+    # Never acted on (the model sees the image as it came), but held to OpenAI's levels
+    # as the Responses API holds its own ``detail``: a typo there is OpenAI's 400 too.
+    detail = optional(image, "detail", f"{p}.image_url.detail", str, "a string")
+    if detail is not None and detail not in IMAGE_DETAILS:
+        raise not_one_of(f"{p}.image_url.detail", detail, IMAGE_DETAILS)
     if url[:5].lower() != "data:":
         raise InvalidRequestError(
             "Only base64 'data:' image URLs are accepted; afmd does not fetch remote URLs.",

@@ -278,4 +278,8 @@ def parse_response_format(value: Any, *, strict: bool = False) -> ResponseFormat
     if not isinstance(schema, dict):
         raise wrong_type("response_format.json_schema.schema", "an object", schema)
     exact = optional(spec, "strict", "response_format.json_schema.strict", bool, "a boolean")
+    # Typed as a tool's description is (and Responses' text.format.description), though
+    # the grammar, not the prompt, carries the schema.
+    optional(spec, "description", "response_format.json_schema.description", str,
+             "a string")
     return ResponseFormat("json_schema", schema, name, bool(exact))

@@ -4,7 +4,9 @@ A billing tier, a cache's retention, stored completions, tags for OpenAI's dashb
 changes what a local model could answer, so none is refused. But a value OpenAI refuses (a
 number as a metadata value, a string for ``store``, a verbosity it has no level for) is a
 400 here too, naming it: taken silently, the client's bug would surface only against OpenAI.
-Tiers and retentions are held to their type alone, since OpenAI adds values to them.
+Tiers, retentions and modalities are held to their type alone, since OpenAI adds values to
+them; chat's option objects (``audio``, ``web_search_options``, ``prompt_cache_options``,
+``moderation``) to being objects, their keys unread.
 """
 
 from __future__ import annotations
@@ -17,6 +19,18 @@ STORE = Scalar("store", "boolean")
 SERVICE_TIER = Scalar("service_tier", "string")
 PROMPT_CACHE_RETENTION = Scalar("prompt_cache_retention", "string")
 VERBOSITY = Scalar("verbosity", "string", choices=("low", "medium", "high"))
+#: OpenAI's bound on a ``safety_identifier``'s characters.
+MAX_SAFETY_IDENTIFIER = 64
+
+
+def _short_identifier(value: str, param: str) -> None:
+    if len(value) > MAX_SAFETY_IDENTIFIER:
+        raise invalid(param, f"Invalid '{param}': a string of at most "
+                             f"{MAX_SAFETY_IDENTIFIER} characters is expected, got "
+                             f"{len(value)}.")
+
+
+SAFETY_IDENTIFIER = Scalar("safety_identifier", "string", rule=_short_identifier)
 #: OpenAI's bounds on ``metadata``: pairs, a key's and a value's characters.
 MAX_METADATA = 16
 MAX_METADATA_KEY = 64
@@ -43,3 +57,26 @@ def metadata_of(value: Any) -> dict[str, str]:
             raise invalid(f"metadata.{key}",
                           f"A metadata value is at most {MAX_METADATA_VALUE} characters.")
     return dict(value)
+
+
+#: Chat's option objects afmd ignores: what each is for has no meaning for a local model.
+OPTION_OBJECTS = ("audio", "web_search_options", "prompt_cache_options", "moderation")
+
+
+def check_modalities(value: Any) -> None:
+    """``modalities``: null or an array of strings (the answer is text whatever it asks)."""
+    if value is None:
+        return
+    if not isinstance(value, list):
+        raise wrong_type("modalities", "an array of strings", value)
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise wrong_type(f"modalities[{i}]", "a string", item)
+
+
+def check_option_objects(body: dict[str, Any]) -> None:
+    """Each of :data:`OPTION_OBJECTS` the body holds: null or an object."""
+    for key in OPTION_OBJECTS:
+        value = body.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise wrong_type(key, "an object", value)

@@ -58,9 +58,12 @@ from afmd.dialects.fields.tool_specs import (
 )
 from afmd.dialects.fields.unused import (
     PROMPT_CACHE_RETENTION,
+    SAFETY_IDENTIFIER,
     SERVICE_TIER,
     STORE,
     VERBOSITY,
+    check_modalities,
+    check_option_objects,
     metadata_of,
 )
 
@@ -134,7 +137,7 @@ _TOOL_USE = (
     Scalar("reasoning_effort", "string", choices=REASONING_EFFORTS),
 )
 # Ignored, but held to OpenAI's type: a number there is a client's bug worth telling.
-_UNUSED = (Scalar("user", "string"), Scalar("safety_identifier", "string"),
+_UNUSED = (Scalar("user", "string"), SAFETY_IDENTIFIER,
                     Scalar("prompt_cache_key", "string"), STORE, SERVICE_TIER,
                     PROMPT_CACHE_RETENTION, VERBOSITY)
 
@@ -175,6 +178,9 @@ def parse_stream_options(value: Any, stream: bool) -> bool:
     usage = optional(
         value, "include_usage", "stream_options.include_usage", bool, "a boolean"
     )
+    # Read for its type only: afmd's chunks carry no obfuscation padding to switch off.
+    optional(value, "include_obfuscation", "stream_options.include_obfuscation", bool,
+             "a boolean")
     return bool(usage)
 
 
@@ -207,6 +213,8 @@ def parse_chat_request(
     tool_use = read_scalars(body, _TOOL_USE)
     read_scalars(body, _UNUSED)  # checked only: afmd does not act on them
     metadata_of(body.get("metadata"))
+    check_modalities(body.get("modalities"))
+    check_option_objects(body)
 
     if sampling["top_logprobs"] is not None and not sampling["logprobs"]:
         raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs' set to true.")

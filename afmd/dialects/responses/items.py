@@ -33,6 +33,7 @@ from afmd.dialects.fields.checks import (
     required,
     wrong_type,
 )
+from afmd.dialects.fields.messages import IMAGE_DETAILS
 from afmd.dialects.responses import client_tools
 from afmd.errors import InvalidRequestError, NotFoundError
 
@@ -142,8 +143,8 @@ def _input_part(part: Any, p: str, role: str, strict: bool) -> Item:
         url = required(part, "image_url", f"{p}.image_url", str, "a string")
         _check_image_url(url, f"{p}.image_url")
         detail = part.get("detail", "auto")
-        if detail not in ("auto", "low", "high", "original"):
-            raise not_one_of(f"{p}.detail", detail, ("auto", "low", "high", "original"))
+        if detail not in IMAGE_DETAILS:
+            raise not_one_of(f"{p}.detail", detail, IMAGE_DETAILS)
         return {"type": "input_image", "image_url": url, "detail": detail}
     if kind == "input_file":
         raise _unsupported(f"{p}.type", "File inputs are not supported: afmd accepts text "

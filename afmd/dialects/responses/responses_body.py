@@ -20,6 +20,7 @@ from afmd.dialects.fields.checks import (
     invalid,
     missing,
     names,
+    optional,
     quoted,
     read_scalars,
     reject_unknown,
@@ -35,7 +36,12 @@ from afmd.dialects.fields.extensions import (
 )
 from afmd.dialects.fields.keep_alive import keep_alive_of
 from afmd.dialects.fields.prediction import parse_prediction
-from afmd.dialects.fields.unused import PROMPT_CACHE_RETENTION, SERVICE_TIER, metadata_of
+from afmd.dialects.fields.unused import (
+    PROMPT_CACHE_RETENTION,
+    SAFETY_IDENTIFIER,
+    SERVICE_TIER,
+    metadata_of,
+)
 from afmd.dialects.responses.client_tools import ClientTool
 from afmd.dialects.responses.items import Item, ItemParams, canonical_items, to_messages
 from afmd.dialects.responses.options import (
@@ -79,7 +85,7 @@ _SCALARS = (
     Scalar("top_logprobs", "integer", minimum=0, maximum=20),
     # Not acted on (afmd has no built-in tools to count, no cache keyed by them), but of
     # OpenAI's type and echoed, as the response object repeats them.
-    Scalar("safety_identifier", "string"),
+    SAFETY_IDENTIFIER,
     Scalar("prompt_cache_key", "string"),
     # Ignored, but of OpenAI's type.
     SERVICE_TIER,
@@ -281,6 +287,8 @@ def parse_responses_request(
             raise invalid("stream_options", "The 'stream_options' parameter is only allowed "
                           "when 'stream' is enabled.")
         reject_unknown(options, frozenset({"include_obfuscation"}), prefix="stream_options.")
+        optional(options, "include_obfuscation", "stream_options.include_obfuscation", bool,
+                 "a boolean")
     tools = parse_tools(body.get("tools"), strict=strict)
     choice, choice_echo = parse_tool_choice(body.get("tool_choice"), tools.specs,
                                             server_tools, strict=strict,

@@ -266,6 +266,9 @@ class ModelRegistry:
         self.loads.refuse_withdrawn(entry)
         found = self.availability(entry)
         if found is not None and found.reason is not None:
+            # Its kind does not wait on the framework: a request it could never serve is
+            # told so, not told to retry.
+            self.check_kind(entry, kind)
             raise framework.unavailable_error(entry.id, found)
         residency.waiting[entry.id] += 1
         try:

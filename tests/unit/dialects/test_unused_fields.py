@@ -1,5 +1,6 @@
 """OpenAI's fields that afmd accepts and does not act on (``store``, ``metadata``,
-``service_tier``, ``prompt_cache_retention``, chat's ``verbosity``) are still held to
+``service_tier``, ``prompt_cache_retention``, chat's ``verbosity``, ``modalities``,
+``audio``, ``web_search_options``, ``prompt_cache_options`` and ``moderation``) are still held to
 OpenAI's types: a value OpenAI refuses is a 400 naming it in chat as in Responses. Chat
 took any value of them."""
 
@@ -31,8 +32,16 @@ def responses(**fields: Any) -> Any:
     ({"verbosity": "extreme"}, "invalid_value", "verbosity"),
     ({"service_tier": 1}, "invalid_type", "service_tier"),
     ({"prompt_cache_retention": 24}, "invalid_type", "prompt_cache_retention"),
+    ({"modalities": "text"}, "invalid_type", "modalities"),
+    ({"modalities": ["text", 1]}, "invalid_type", "modalities[1]"),
+    ({"audio": "alloy"}, "invalid_type", "audio"),
+    ({"web_search_options": True}, "invalid_type", "web_search_options"),
+    ({"prompt_cache_options": "explicit"}, "invalid_type", "prompt_cache_options"),
+    ({"moderation": "block"}, "invalid_type", "moderation"),
+    ({"safety_identifier": "u" * 65}, "invalid_value", "safety_identifier"),
 ], ids=["store", "metadata", "metadata-value", "metadata-pairs", "metadata-long",
-        "verbosity", "service-tier", "cache-retention"])
+        "verbosity", "service-tier", "cache-retention", "modalities", "modality",
+        "audio", "web-search-options", "cache-options", "moderation", "safety-identifier"])
 def test_chat_holds_them_to_openais_types(fields: dict[str, Any], code: str,
                                           param: str) -> None:
     with pytest.raises(InvalidRequestError) as caught:
@@ -50,11 +59,27 @@ def test_responses_holds_them_to_openais_types(fields: dict[str, Any], param: st
     assert (caught.value.code, caught.value.param) == ("invalid_type", param)
 
 
+def test_a_safety_identifier_is_at_most_64_characters() -> None:
+    """OpenAI's bound on it, in Responses as in chat; one of 64 passes."""
+    for parse in (chat, responses):
+        with pytest.raises(InvalidRequestError) as caught:
+            parse(safety_identifier="u" * 65)
+        assert (caught.value.code, caught.value.param) == ("invalid_value",
+                                                           "safety_identifier")
+        parse(safety_identifier="u" * 64)
+
+
 def test_their_values_pass_new_tiers_too() -> None:
     """OpenAI adds tiers and retentions: any string of them passes, as does null."""
     fields = {"store": True, "metadata": {"k": "v"}, "verbosity": "low",
               "service_tier": "ultrafast", "prompt_cache_retention": "7d"}
     chat(**fields)
+    # Chat's own: the answer is text whatever they ask, and OpenAI adds modalities.
+    chat(modalities=["text", "audio", "image"], audio={"voice": "alloy", "format": "wav"},
+         web_search_options={}, prompt_cache_options={"mode": "implicit"},
+         moderation={"model": "omni-moderation-latest"})
+    chat(**dict.fromkeys(("modalities", "audio", "web_search_options",
+                          "prompt_cache_options", "moderation")))
     responses(**{k: v for k, v in fields.items() if k != "verbosity"})
     chat(**dict.fromkeys(fields))
     responses(**dict.fromkeys(fields))
