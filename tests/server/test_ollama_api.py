@@ -582,11 +582,18 @@ def test_stop_and_no_op_options(http: httpx.Client) -> None:
     assert cut and text.index(cut) == 3
     stopped = http.post("/api/chat", json={
         "model": "demo", "messages": MESSAGES, "stream": False,
-        "options": {**GREEDY, "stop": [cut], "num_gpu": 99, "num_thread": 8,
-                    "mirostat": 2, "numa": False, "use_mmap": True, "typical_p": 0.7}})
+        "options": {**GREEDY, "stop": [*(f"\x00{i}" for i in range(63)), cut],
+                    "num_gpu": 99, "num_thread": 8, "mirostat": 2, "numa": False,
+                    "use_mmap": True, "typical_p": 0.7}})
     assert stopped.status_code == 200, stopped.text
     assert stopped.json()["message"]["content"] == text[:3]
     assert stopped.json()["done_reason"] == "stop"
+    # Ollama sets no limit; an editor's autocomplete adds its language's stop words to its
+    # template's, so afmd takes 64, and names the list past that.
+    many = http.post("/api/chat", json={
+        "model": "demo", "messages": MESSAGES, "stream": False,
+        "options": {**GREEDY, "stop": [f"s{i}" for i in range(65)]}})
+    assert many.status_code == 400 and "options.stop" in many.json()["error"]
     assert "X-AFM-Ignored-Fields" not in stopped.headers  # Ollama's own options: accepted
     odd = http.post("/api/chat", json={"model": "demo", "messages": MESSAGES, "stream": False,
                                        "options": {**GREEDY, "warp_speed": 9}})

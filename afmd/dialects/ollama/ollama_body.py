@@ -61,8 +61,10 @@ from afmd.errors import InvalidRequestError
 
 __all__ = ["OPTIONS", "is_load_request", "parse_chat", "parse_generate", "wants_thinking"]
 
-#: Stop sequences ``options.stop`` may hold.
-MAX_STOP_SEQUENCES = 16
+#: Stop sequences ``options.stop`` may hold. Ollama sets no limit, and editors' autocomplete
+#: sends its template's stops with its language's stop words added; a stop costs the scan
+#: one automaton step a character, so the bound only keeps a body from making that large.
+MAX_STOP_SEQUENCES = 64
 #: Tokens "no cap" stands for: the context window lowers it to what is left.
 UNCAPPED = 1 << 30
 #: The seed Ollama (and llama.cpp) read as "none": sample from a fresh seed, as without
