@@ -213,7 +213,11 @@ def test_cancel_by_request_id(server: ServerProcess, http: httpx.Client) -> None
 def test_request_errors_are_anthropic_errors(http: httpx.Client) -> None:
     cases = [
         ({"model": "demo", "messages": MESSAGES}, "max_tokens: "),
-        (body(max_tokens=0), "max_tokens: "),
+        (body(max_tokens=-1), "max_tokens: "),
+        # 0 fills the prompt cache and answers nothing: no stream of it.
+        (body(max_tokens=0, stream=True), "stream: "),
+        (body(max_tokens=0, output_config={"format": {"type": "json_schema", "schema": {
+            "type": "object"}}}), "output_config.format: "),
         (body(messages=[]), "messages: "),
         (body(messages=[{"role": "system", "content": "x"}]), "messages: "),
         # A prefill (tests/server/test_prefill.py) may not end in whitespace.
@@ -295,7 +299,7 @@ def test_every_answer_names_its_request_id_where_the_sdk_reads_it(
         assert stream.request_id == stream.response.headers["x-request-id"]
         stream.until_done()
     with pytest.raises(anthropic.BadRequestError) as refused:
-        claude.messages.create(**body(max_tokens=0))
+        claude.messages.create(**body(max_tokens=-1))
     assert refused.value.request_id
     assert refused.value.request_id == refused.value.response.headers["x-request-id"]
     with pytest.raises(anthropic.NotFoundError) as unknown:

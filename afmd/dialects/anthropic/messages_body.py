@@ -60,7 +60,8 @@ FORMAT_KEYS = frozenset({"type", "schema"})
 _MODEL = Scalar("model", "string", required=True)
 _CREATE = (
     _MODEL,
-    Scalar("max_tokens", "integer", minimum=1, required=True),
+    # 0: the prompt into the prefix cache, no answer (Anthropic's cache pre-warming).
+    Scalar("max_tokens", "integer", minimum=0, required=True),
     Scalar("stream", "boolean", default=False),
     # Anthropic's ranges (temperature up to 1). The current client passes these three in
     # extra_body; they are plain fields on the wire.
@@ -156,6 +157,8 @@ def _parse(
     if response_format is None:  # the structured-outputs beta's spelling
         response_format = _format(body.get("output_format"), "output_format", strict)
         format_param = "output_format"
+    if max_tokens == 0:
+        _check_warm_up(values.get("stream", False), response_format, format_param)
     messages, prefill = prefilled(messages)
     if prefill:
         if kind in ("enabled", "adaptive"):
@@ -195,6 +198,19 @@ def _parse(
 
 
 # ---------------------------------------------------------------------------- output
+
+
+def _check_warm_up(stream: bool, response_format: ResponseFormat | None,
+                   format_param: str) -> None:
+    """``max_tokens: 0`` writes nothing: as Anthropic, a stream of no content or a format
+    for no answer is a request that misunderstood it (thinking is refused by its budget,
+    which must be less than ``max_tokens``)."""
+    if stream:
+        raise invalid("stream", "'max_tokens' 0 only fills the prompt cache and answers "
+                      "nothing, so it cannot be streamed; set 'stream' to false.")
+    if response_format is not None:
+        raise invalid(format_param, "'max_tokens' 0 only fills the prompt cache and "
+                      "answers nothing: a format has no answer to shape.")
 
 
 def _thinking(
