@@ -239,6 +239,18 @@ def test_request_errors_are_anthropic_errors(http: httpx.Client) -> None:
         (body(thinking={"type": "sometimes"}), "thinking.type: "),
         (body(output_config={"effort": "extreme"}), "output_config.effort: "),
         (body(stream="yes"), "stream: "),
+        # Fields afmd does not act on still have Anthropic's types (they were taken as
+        # anything, so a client's bug surfaced only against Anthropic).
+        (body(metadata="u-1"), "metadata: "),
+        (body(metadata={"user_id": 7}), "metadata.user_id: "),
+        (body(service_tier=["auto"]), "service_tier: "),
+        (body(speed=1), "speed: "),
+        (body(inference_geo={"region": "us"}), "inference_geo: "),
+        (body(container=3), "container: "),
+        (body(cache_control="ephemeral"), "cache_control: "),
+        (body(context_management=[]), "context_management: "),
+        (body(mcp_servers={"type": "url"}), "mcp_servers: "),
+        (body(mcp_servers=["https://mcp.example"]), "mcp_servers[0]: "),
     ]
     for payload, prefix in cases:
         response = http.post(PATH, json=payload)

@@ -86,6 +86,13 @@ UNUSED_FIELDS = frozenset({
     "billing_policy", "user_profile_id", "workspace_id", "metadata", "service_tier",
     "container", "diagnostics", "inference_geo", "fallbacks", "fallback_credit_token",
 })
+#: The unused fields held to the types Anthropic's SDK gives them (a tier, a region or a
+#: speed to being a string, since Anthropic adds values to them; option objects to being
+#: objects, their keys unread): a client's wrong value is Anthropic's 400 here too, not
+#: a bug that surfaces only against Anthropic.
+_UNUSED_SCALARS = (Scalar("service_tier", "string"), Scalar("inference_geo", "string"),
+                   Scalar("speed", "string"))
+_UNUSED_OBJECTS = ("cache_control", "context_management", "diagnostics")
 #: A create body's: the above, generation's own fields, and afmd's ``seed``.
 CREATE_FIELDS = COUNT_FIELDS | {
     "max_tokens", "stream", "temperature", "top_p", "top_k", "stop_sequences", "metadata",
@@ -132,6 +139,7 @@ def _parse(
             "conversation between requests. Send the whole conversation in 'messages', "
             "without 'thread'.", code="thread_unsupported_request", param="thread")
     values = read_scalars(body, scalars)
+    _check_unused(body)
     max_tokens: int | None = values.get("max_tokens")
     system = parse_system(body.get("system"), strict=strict)
     messages, images, changes, turn_effort = parse_messages(body.get("messages"),
@@ -198,6 +206,29 @@ def _parse(
 
 
 # ---------------------------------------------------------------------------- output
+
+
+def _check_unused(body: dict[str, Any]) -> None:
+    """The fields afmd accepts without acting on, held to their types (the SDK's)."""
+    read_scalars(body, _UNUSED_SCALARS)
+    for key in _UNUSED_OBJECTS:
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            raise wrong_type(key, "an object", body[key])
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise wrong_type("metadata", "an object", metadata)
+        optional(metadata, "user_id", "metadata.user_id", str, "a string")
+    container = body.get("container")
+    if container is not None and not isinstance(container, str | dict):
+        raise wrong_type("container", "a string or an object", container)
+    servers = body.get("mcp_servers")
+    if servers is not None:
+        if not isinstance(servers, list):
+            raise wrong_type("mcp_servers", "an array", servers)
+        for i, server in enumerate(servers):
+            if not isinstance(server, dict):
+                raise wrong_type(f"mcp_servers[{i}]", "an object", server)
 
 
 def _check_warm_up(stream: bool, response_format: ResponseFormat | None,
