@@ -105,7 +105,8 @@ class Admissions:
 
     def admit(self, joining: Joining) -> Row | None:
         """Run the request's model work; its row, now in the batch (``None``: it asked for
-        the prompt's numbers only, and has ended)."""
+        no tokens, only the prompt's numbers or the prompt in the prefix cache, and has
+        ended)."""
         row, plan = joining.row, joining.plan
         request = row.generation.request
         if plan.prompt_logprobs is not None:
