@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from typing import Any
 
 import anthropic
@@ -89,6 +90,23 @@ def test_stream_reassembles_into_the_created_message(claude: anthropic.Anthropic
     assert total_input(final.usage) == total_input(whole.usage)
     with claude.messages.stream(model="demo", messages=MESSAGES, **kwargs) as stream:
         assert "".join(stream.text_stream) == whole.content[0].text
+
+
+def test_max_tokens_0_fills_the_prompt_cache_and_answers_nothing(
+        claude: anthropic.Anthropic) -> None:
+    """Anthropic's cache pre-warming (the SDK: "Set to 0 to populate the prompt cache
+    without generating a response"): the prompt goes into the prefix cache, and the next
+    request that shares it reads it there. It was a 400 (``max_tokens`` at least 1)."""
+    system = f"{uuid.uuid4()} You answer questions about the weather. " * 20
+    warm = create(claude, max_tokens=0, system=system)
+    assert warm.content == [] and warm.stop_reason == "max_tokens"
+    assert warm.usage.output_tokens == 0
+    prompt = claude.messages.count_tokens(model="demo", messages=MESSAGES, system=system)
+    assert total_input(warm.usage) == prompt.input_tokens
+    asked = create(claude, max_tokens=1, system=system,
+                   messages=[{"role": "user", "content": "And in Rome?"}])
+    assert asked.usage.cache_read_input_tokens > prompt.input_tokens // 2
+    assert asked.usage.output_tokens == 1
 
 
 def test_count_tokens_counts_system_and_tools(claude: anthropic.Anthropic) -> None:

@@ -213,7 +213,11 @@ def test_cancel_by_request_id(server: ServerProcess, http: httpx.Client) -> None
 def test_request_errors_are_anthropic_errors(http: httpx.Client) -> None:
     cases = [
         ({"model": "demo", "messages": MESSAGES}, "max_tokens: "),
-        (body(max_tokens=0), "max_tokens: "),
+        (body(max_tokens=-1), "max_tokens: "),
+        # 0 fills the prompt cache and answers nothing: no stream of it.
+        (body(max_tokens=0, stream=True), "stream: "),
+        (body(max_tokens=0, output_config={"format": {"type": "json_schema", "schema": {
+            "type": "object"}}}), "output_config.format: "),
         (body(messages=[]), "messages: "),
         (body(messages=[{"role": "system", "content": "x"}]), "messages: "),
         # A prefill (tests/server/test_prefill.py) may not end in whitespace.
@@ -235,6 +239,18 @@ def test_request_errors_are_anthropic_errors(http: httpx.Client) -> None:
         (body(thinking={"type": "sometimes"}), "thinking.type: "),
         (body(output_config={"effort": "extreme"}), "output_config.effort: "),
         (body(stream="yes"), "stream: "),
+        # Fields afmd does not act on still have Anthropic's types (they were taken as
+        # anything, so a client's bug surfaced only against Anthropic).
+        (body(metadata="u-1"), "metadata: "),
+        (body(metadata={"user_id": 7}), "metadata.user_id: "),
+        (body(service_tier=["auto"]), "service_tier: "),
+        (body(speed=1), "speed: "),
+        (body(inference_geo={"region": "us"}), "inference_geo: "),
+        (body(container=3), "container: "),
+        (body(cache_control="ephemeral"), "cache_control: "),
+        (body(context_management=[]), "context_management: "),
+        (body(mcp_servers={"type": "url"}), "mcp_servers: "),
+        (body(mcp_servers=["https://mcp.example"]), "mcp_servers[0]: "),
     ]
     for payload, prefix in cases:
         response = http.post(PATH, json=payload)
@@ -295,7 +311,7 @@ def test_every_answer_names_its_request_id_where_the_sdk_reads_it(
         assert stream.request_id == stream.response.headers["x-request-id"]
         stream.until_done()
     with pytest.raises(anthropic.BadRequestError) as refused:
-        claude.messages.create(**body(max_tokens=0))
+        claude.messages.create(**body(max_tokens=-1))
     assert refused.value.request_id
     assert refused.value.request_id == refused.value.response.headers["x-request-id"]
     with pytest.raises(anthropic.NotFoundError) as unknown:

@@ -235,9 +235,12 @@ def test_prompt_logprobs_and_completions_match_one_process(
     group: ServerProcess, single: ServerProcess
 ) -> None:
     """echo + logprobs with max_tokens 0 is a forward pass over the prompt alone (every
-    rank runs it), then a plain completion reuses the same batch."""
+    rank runs it), then a plain completion reuses the same batch. max_tokens 0 alone puts
+    the prompt in the prefix cache on every rank, so the completion after it resumes from
+    the same cached prefix everywhere (a rank that had not warmed is out of step)."""
     for body in ({"prompt": "one two three four", "echo": True, "logprobs": 2,
                   "max_tokens": 0},
+                 {"prompt": "def add(a, b):", "max_tokens": 0},
                  {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0}):
         answers = [httpx.post(url + "/v1/completions", timeout=60,
                               json={"model": "demo-32k", **body}).json()

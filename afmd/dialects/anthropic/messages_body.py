@@ -60,7 +60,8 @@ FORMAT_KEYS = frozenset({"type", "schema"})
 _MODEL = Scalar("model", "string", required=True)
 _CREATE = (
     _MODEL,
-    Scalar("max_tokens", "integer", minimum=1, required=True),
+    # 0: the prompt into the prefix cache, no answer (Anthropic's cache pre-warming).
+    Scalar("max_tokens", "integer", minimum=0, required=True),
     Scalar("stream", "boolean", default=False),
     # Anthropic's ranges (temperature up to 1). The current client passes these three in
     # extra_body; they are plain fields on the wire.
@@ -85,6 +86,13 @@ UNUSED_FIELDS = frozenset({
     "billing_policy", "user_profile_id", "workspace_id", "metadata", "service_tier",
     "container", "diagnostics", "inference_geo", "fallbacks", "fallback_credit_token",
 })
+#: The unused fields held to the types Anthropic's SDK gives them (a tier, a region or a
+#: speed to being a string, since Anthropic adds values to them; option objects to being
+#: objects, their keys unread): a client's wrong value is Anthropic's 400 here too, not
+#: a bug that surfaces only against Anthropic.
+_UNUSED_SCALARS = (Scalar("service_tier", "string"), Scalar("inference_geo", "string"),
+                   Scalar("speed", "string"))
+_UNUSED_OBJECTS = ("cache_control", "context_management", "diagnostics")
 #: A create body's: the above, generation's own fields, and afmd's ``seed``.
 CREATE_FIELDS = COUNT_FIELDS | {
     "max_tokens", "stream", "temperature", "top_p", "top_k", "stop_sequences", "metadata",
@@ -131,6 +139,7 @@ def _parse(
             "conversation between requests. Send the whole conversation in 'messages', "
             "without 'thread'.", code="thread_unsupported_request", param="thread")
     values = read_scalars(body, scalars)
+    _check_unused(body)
     max_tokens: int | None = values.get("max_tokens")
     system = parse_system(body.get("system"), strict=strict)
     messages, images, changes, turn_effort = parse_messages(body.get("messages"),
@@ -156,6 +165,8 @@ def _parse(
     if response_format is None:  # the structured-outputs beta's spelling
         response_format = _format(body.get("output_format"), "output_format", strict)
         format_param = "output_format"
+    if max_tokens == 0:
+        _check_warm_up(values.get("stream", False), response_format, format_param)
     messages, prefill = prefilled(messages)
     if prefill:
         if kind in ("enabled", "adaptive"):
@@ -195,6 +206,42 @@ def _parse(
 
 
 # ---------------------------------------------------------------------------- output
+
+
+def _check_unused(body: dict[str, Any]) -> None:
+    """The fields afmd accepts without acting on, held to their types (the SDK's)."""
+    read_scalars(body, _UNUSED_SCALARS)
+    for key in _UNUSED_OBJECTS:
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            raise wrong_type(key, "an object", body[key])
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise wrong_type("metadata", "an object", metadata)
+        optional(metadata, "user_id", "metadata.user_id", str, "a string")
+    container = body.get("container")
+    if container is not None and not isinstance(container, str | dict):
+        raise wrong_type("container", "a string or an object", container)
+    servers = body.get("mcp_servers")
+    if servers is not None:
+        if not isinstance(servers, list):
+            raise wrong_type("mcp_servers", "an array", servers)
+        for i, server in enumerate(servers):
+            if not isinstance(server, dict):
+                raise wrong_type(f"mcp_servers[{i}]", "an object", server)
+
+
+def _check_warm_up(stream: bool, response_format: ResponseFormat | None,
+                   format_param: str) -> None:
+    """``max_tokens: 0`` writes nothing: as Anthropic, a stream of no content or a format
+    for no answer is a request that misunderstood it (thinking is refused by its budget,
+    which must be less than ``max_tokens``)."""
+    if stream:
+        raise invalid("stream", "'max_tokens' 0 only fills the prompt cache and answers "
+                      "nothing, so it cannot be streamed; set 'stream' to false.")
+    if response_format is not None:
+        raise invalid(format_param, "'max_tokens' 0 only fills the prompt cache and "
+                      "answers nothing: a format has no answer to shape.")
 
 
 def _thinking(

@@ -322,6 +322,8 @@ class _Job:
                 return self._end("cancelled")
             if counted:
                 self._max_tokens = self._fit(tokens)
+            if self._max_tokens == 0:  # nothing to write, and the framework keeps no
+                return self._end("length")  # prefix cache a prompt alone could fill
             self._session = _Session(fm, self.turn, self._report, self._capture,
                                      self._server_runner(), self._max_tokens)
             self._session.start()

@@ -89,7 +89,7 @@ class Admissions:
             flush([row])
             return None
         cache, rest = (None, request.prompt)
-        if request.max_tokens > 0:
+        if request.max_tokens > 0 or request.prompt_logprobs is None:
             resume = self._stepper.resume(request.prompt)
             cache, rest = resume.cache, request.prompt[resume.tokens:]
             row.cached_disk_tokens = resume.disk_tokens
@@ -105,7 +105,8 @@ class Admissions:
 
     def admit(self, joining: Joining) -> Row | None:
         """Run the request's model work; its row, now in the batch (``None``: it asked for
-        the prompt's numbers only, and has ended)."""
+        no tokens, only the prompt's numbers or the prompt in the prefix cache, and has
+        ended)."""
         row, plan = joining.row, joining.plan
         request = row.generation.request
         if plan.prompt_logprobs is not None:
@@ -113,6 +114,8 @@ class Admissions:
                 prompt_logprobs(self._stepper.model, plan.prompt, plan.prompt_logprobs)
             ))
         if plan.max_tokens <= 0:
+            if plan.prompt_logprobs is None:  # the prompt alone: into the prefix cache
+                self._stepper.warm(plan.prompt, joining.rest, joining.cache)
             row.first_token_at = time.perf_counter()
             row.finish("length")
             flush([row])

@@ -16,7 +16,12 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
 from afmd.engine.batch.decode import DecodeBatch
 from afmd.engine.kvcache import kv_compat
@@ -156,6 +161,20 @@ class Stepper:
             # bounded a fraction of what it held. Evaluating copies the row out now.
             mx.eval([c.state for c in cache])
             self.prompt_cache.insert_cache(self._cache_key, list(tokens), cache)
+
+    def warm(self, prompt: list[int], rest: list[int], cache: Any) -> None:
+        """Run the prompt's ``rest`` after its ``cache``d prefix and keep the whole prompt
+        in the prefix cache, generating nothing: a request with no tokens to write asks
+        for this (Anthropic's ``max_tokens: 0``), so a later request that shares the
+        prompt starts from it."""
+        if not rest or (self.prompt_cache is None and self.blocks is None):
+            return
+        if cache is None:
+            cache = make_prompt_cache(self.model)
+        for start in range(0, len(rest), self._prefill_step_size):
+            self.model(mx.array([rest[start : start + self._prefill_step_size]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        self.remember(prompt, cache)
 
     def insert(
         self,

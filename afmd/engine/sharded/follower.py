@@ -83,9 +83,13 @@ class Follower:
         prompt = admission.prompt
         if admission.prompt_logprobs is not None:
             prompt_pass(self._stepper.model, prompt)
+        cache, rest = (None, prompt)
+        if admission.max_tokens > 0 or admission.prompt_logprobs is None:
+            cache, rest = self._resume(prompt, admission.cached)
         if admission.max_tokens <= 0:
+            if admission.prompt_logprobs is None:  # as rank 0 warms its prefix cache
+                self._stepper.warm(prompt, rest, cache)
             return
-        cache, rest = self._resume(prompt, admission.cached)
         uid = self._stepper.insert(
             prompt, rest, cache, max_tokens=admission.max_tokens, sampler=None,
             processors=[], stop_ids=admission.stop_ids,
