@@ -265,6 +265,14 @@ def test_identifiers_and_max_tool_calls_are_checked_and_echoed(client, http) -> 
         assert refused.status_code == 400, (key, refused.text)
         assert refused.json()["error"]["param"] == key
         assert refused.json()["error"]["code"] == "invalid_type"
+    # It bounds the calls of the tools the server runs (tests/server/test_server_tools.py):
+    # as OpenAI, less than one is refused.
+    for value in (0, -1):
+        refused = http.post("/v1/responses", json={"model": "demo", "input": "Hi",
+                                                   "max_tool_calls": value})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "max_tool_calls"
+        assert refused.json()["error"]["code"] == "invalid_value"
 
 
 def test_an_unknown_id_of_any_length_is_quoted_short(http) -> None:

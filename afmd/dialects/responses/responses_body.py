@@ -83,14 +83,16 @@ _SCALARS = (
     # Ignored (afmd writes no log-probabilities here), but held to OpenAI's bounds: a
     # value OpenAI refuses is refused here too, not taken silently.
     Scalar("top_logprobs", "integer", minimum=0, maximum=20),
-    # Not acted on (afmd has no built-in tools to count, no cache keyed by them), but of
-    # OpenAI's type and echoed, as the response object repeats them.
+    # Not acted on (no cache is keyed by them), but of OpenAI's type and echoed, as the
+    # response object repeats them.
     SAFETY_IDENTIFIER,
     Scalar("prompt_cache_key", "string"),
     # Ignored, but of OpenAI's type.
     SERVICE_TIER,
     PROMPT_CACHE_RETENTION,
-    Scalar("max_tool_calls", "integer"),
+    # OpenAI's bound on the calls of the tools it runs itself (never the client's): here
+    # the server tools' (``[[tools.server]]``). OpenAI refuses less than one.
+    Scalar("max_tool_calls", "integer", minimum=1),
 )
 _STRUCTURED = frozenset({"input", "tools", "tool_choice", "text", "reasoning", "include",
                          "metadata", "stream_options", "conversation", "prompt", "prediction",
@@ -345,6 +347,7 @@ def parse_responses_request(
         prediction=None if counting else parse_prediction(body.get("prediction")),
         keep_alive=None if counting else keep_alive_of(body),
         chat_template_kwargs=chat_template_kwargs_of(body),
+        max_server_tool_calls=scalars["max_tool_calls"],
         # "auto" drops the oldest turns to fit, "disabled" fails as OpenAI does; a
         # request that says neither follows the server's [context] policy.
         trim_context=None if body.get("truncation") is None else (
