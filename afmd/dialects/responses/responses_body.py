@@ -38,8 +38,11 @@ from afmd.dialects.fields.keep_alive import keep_alive_of
 from afmd.dialects.fields.prediction import parse_prediction
 from afmd.dialects.fields.unused import (
     PROMPT_CACHE_RETENTION,
+    RESPONSES_OPTION_OBJECTS,
     SAFETY_IDENTIFIER,
     SERVICE_TIER,
+    check_context_management,
+    check_option_objects,
     metadata_of,
 )
 from afmd.dialects.responses.client_tools import ClientTool
@@ -268,6 +271,9 @@ def parse_responses_request(
     if ignored:  # a field ignored is not checked either (a count reads create's scalars)
         body = {key: value for key, value in body.items() if key not in ignored}
     scalars = read_scalars(body, _SCALARS)
+    # Ignored, but held to OpenAI's types as chat holds its own option objects.
+    check_option_objects(body, RESPONSES_OPTION_OBJECTS)
+    check_context_management(body.get("context_management"))
     _refuse(body)
     previous = scalars["previous_response_id"]
     conversation_id = _conversation_id(body.get("conversation"), strict)
