@@ -46,7 +46,13 @@ from afmd.dialects.fields.unused import (
     metadata_of,
 )
 from afmd.dialects.responses.client_tools import ClientTool
-from afmd.dialects.responses.items import Item, ItemParams, canonical_items, to_messages
+from afmd.dialects.responses.items import (
+    Item,
+    ItemParams,
+    canonical_items,
+    check_unique_ids,
+    to_messages,
+)
 from afmd.dialects.responses.options import (
     LOGPROBS,
     parse_include,
@@ -279,6 +285,7 @@ def parse_responses_request(
     conversation_id = _conversation_id(body.get("conversation"), strict)
     history = _history(previous, conversation_id, lookup, conversations)
     items = canonical_items(body.get("input"), find_item=find_item, strict=strict)
+    check_unique_ids(body.get("input"), items)
     params = ItemParams(len(history), "previous_response_id" if conversation_id is None
                         else "conversation")
     conversation = to_messages((*history, *items), params)
