@@ -167,6 +167,10 @@ class ChatRequest:
     #: Variables for the model's chat template from the client (``enable_thinking``);
     #: they win over those afmd derives from ``reasoning_effort``.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: At most this many calls of the server's own tools in this request, below ``[tools]
+    #: max_calls`` (the Responses API's ``max_tool_calls``, which bounds the tools the
+    #: server runs and never the client's); None: the server's budget alone.
+    max_server_tool_calls: int | None = None
     #: Top-level fields of the body afmd did not know and ignored, in the body's order
     #: (the response names them in ``X-AFM-Ignored-Fields``).
     ignored_fields: tuple[str, ...] = ()

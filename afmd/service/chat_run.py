@@ -116,8 +116,10 @@ class ChatRun:
         self.finished = False
         self.finish_reason: str | None = None  # once finished
         self.usage: Usage | None = None  # once finished
+        limit = prepared.round.request.max_server_tool_calls
         self._tools = ToolLoop(tools, max_rounds=policy.max_tool_rounds,
-                               max_calls=policy.max_tool_calls)
+                               max_calls=policy.max_tool_calls if limit is None
+                               else min(limit, policy.max_tool_calls))
         self._totals = _Totals()
         # The current round's processors: its grammar's matcher says afterwards whether
         # it was followed to the end.

@@ -325,6 +325,10 @@ def test_bad_item_requests_are_400_and_unknown_ids_404(client: Any,
         ("POST", base + "/items", {"items": [message(str(n)) for n in range(21)]}, "items"),
         ("POST", base + "/items", {"items": [{"role": "user", "content": 3}]},
          "items[0].content"),
+        # Two items of one id: getting or deleting it by its id found only the first.
+        ("POST", base + "/items", {"items": [{**message("a"), "id": "msg_twice"},
+                                             {**message("b"), "id": "msg_twice"}]},
+         "items[1].id"),
         ("GET", base + "/items?limit=0", None, "limit"),
         ("GET", base + "/items?limit=101", None, "limit"),
         ("GET", base + "/items?limit=" + "9" * 5000, None, "limit"),  # int() refuses it

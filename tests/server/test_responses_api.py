@@ -227,6 +227,18 @@ def test_retrieve_list_input_items_and_delete(client, http) -> None:
         refused = http.get(f"/v1/responses/{response.id}/input_items", params={"limit": limit})
         assert refused.status_code == 400, (limit, refused.text)
         assert refused.json()["error"]["param"] == "limit"
+    # include is checked as a conversation's items check it: a value OpenAI does not
+    # know was taken silently here (the SDK sends include[]).
+    kept = ["message.output_text.logprobs", "reasoning.encrypted_content"]
+    assert client.responses.retrieve(response.id, include=kept).id == response.id
+    assert len(client.responses.input_items.list(response.id, include=kept).data) == 3
+    for path in ("", "/input_items"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.get(f"/responses/{response.id}{path}", cast_to=object,
+                       options={"params": {"include": ["everything"]}})
+        assert caught.value.body["param"] == "include[0]", path
+        refused = http.get(f"/v1/responses/{response.id}{path}?include[]=everything")
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "include[0]"
 
     deleted = http.delete(f"/v1/responses/{response.id}")
     assert deleted.json() == {"id": response.id, "object": "response.deleted", "deleted": True}
@@ -265,6 +277,14 @@ def test_identifiers_and_max_tool_calls_are_checked_and_echoed(client, http) -> 
         assert refused.status_code == 400, (key, refused.text)
         assert refused.json()["error"]["param"] == key
         assert refused.json()["error"]["code"] == "invalid_type"
+    # It bounds the calls of the tools the server runs (tests/server/test_server_tools.py):
+    # as OpenAI, less than one is refused.
+    for value in (0, -1):
+        refused = http.post("/v1/responses", json={"model": "demo", "input": "Hi",
+                                                   "max_tool_calls": value})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "max_tool_calls"
+        assert refused.json()["error"]["code"] == "invalid_value"
 
 
 def test_an_unknown_id_of_any_length_is_quoted_short(http) -> None:

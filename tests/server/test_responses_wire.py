@@ -195,6 +195,17 @@ BAD: list[tuple[dict[str, Any], str, str | None]] = [
      "duplicate_tool_output", "input[3].call_id"),
     ({"input": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
      "invalid_last_message", "input[1]"),
+    # Two items of one id, as OpenAI refuses: both were stored under it, and paging
+    # input_items after it or referencing it found only the first.
+    ({"input": [{"id": "msg_1", "role": "user", "content": "x"},
+                {"id": "msg_1", "type": "message", "role": "user", "content": "y"}]},
+     "duplicate_item", "input[1].id"),
+    ({"input": [{"role": "user", "content": "x"},
+                {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "add",
+                 "arguments": "{}"},
+                {"type": "function_call_output", "id": "fc_1", "call_id": "c1",
+                 "output": "1"}]},
+     "duplicate_item", "input[2].id"),
     ({"input": [{"role": "developer", "content": "x"}]}, "missing_user_message", "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": IMAGE}]}]},
      "image_input_not_supported", "input[0].content[0].image_url"),  # demo reads text only

@@ -31,6 +31,7 @@ from afmd.config.tables import ModelEntry, ServerTool
 from afmd.core.events import Content, Finish, ToolCallArguments, ToolCallEnd, ToolCallStart
 from afmd.core.request import ChatRequest, Message, ToolCall, ToolChoice
 from afmd.dialects.openai.chat_body import parse_chat_request
+from afmd.dialects.responses.responses_body import parse_responses_request
 from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
 from afmd.engine.models.residency import Lease
@@ -745,6 +746,35 @@ def test_budgets_stop_a_model_that_always_calls(
     assert len(tool_outputs) == runs
     assert all(NONCE in (m.content or "") for m in tool_outputs)
     assert run.usage is not None and run.usage.completion_tokens <= 400
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_responses_max_tool_calls_bounds_the_server_tools(
+    demo_model: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: int,
+) -> None:
+    """The Responses API's ``max_tool_calls`` bounds the calls of the tools the server
+    runs itself, as OpenAI's bounds its built-in tools': afmd took it, echoed it and ran
+    the server tools up to ``[tools]`` budgets alone (four rounds here)."""
+    plan_output = round_builder.plan_output
+    monkeypatch.setattr(round_builder, "plan_output",
+                        lambda *a, **k: plan_output(*a, **{**k, "first_step": True}))
+    mark = tmp_path / "probe.jsonl"
+    pipeline = in_process(demo_model, tmp_path, command_tool(
+        PROBE, "echo_tool.py", env={"MARK_FILE": str(mark), "TOOL_NONCE": NONCE}))
+    body = {"model": "demo", "input": "Look up a word for me.", "max_output_tokens": 400,
+            "temperature": 0, "reasoning": {"effort": "none"}, "parallel_tool_calls": False,
+            "tool_choice": {"type": "function", "name": PROBE}, "max_tool_calls": limit}
+
+    async def run_it() -> tuple[ChatRun, list[Any]]:
+        request = parse_responses_request(body, lookup=lambda _: None,
+                                          server_tools=pipeline.server_tools.names)
+        return await drain(pipeline, await pipeline.prepare(request, "req-max-tool-calls"))
+
+    run, _ = asyncio.run(run_it())
+    assert len(marks(mark)) == limit
+    last = run.round.request
+    assert last.tool_choice.mode == "none"  # the budget ended the loop
+    assert len([m for m in last.messages if m.role == "tool"]) == limit
 
 
 @pytest.mark.parametrize("choice", ["required", "named"])

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from afmd.dialects.fields.checks import Scalar, invalid, wrong_type
+from afmd.dialects.fields.checks import Scalar, invalid, missing, wrong_type
+from afmd.errors import InvalidRequestError
 
 STORE = Scalar("store", "boolean")
 SERVICE_TIER = Scalar("service_tier", "string")
@@ -74,9 +75,40 @@ def check_modalities(value: Any) -> None:
             raise wrong_type(f"modalities[{i}]", "a string", item)
 
 
-def check_option_objects(body: dict[str, Any]) -> None:
-    """Each of :data:`OPTION_OBJECTS` the body holds: null or an object."""
-    for key in OPTION_OBJECTS:
+#: The Responses API's option objects afmd ignores (its ``moderation`` and
+#: ``prompt_cache_options`` as chat's; a background run's completion window, an access
+#: program, image compression), each an object in OpenAI's SDK.
+RESPONSES_OPTION_OBJECTS = ("prompt_cache_options", "moderation", "background_options",
+                            "access_programs", "image")
+
+
+def check_option_objects(body: dict[str, Any],
+                         keys: tuple[str, ...] = OPTION_OBJECTS) -> None:
+    """Each of ``keys`` the body holds: null or an object."""
+    for key in keys:
         value = body.get(key)
         if value is not None and not isinstance(value, dict):
             raise wrong_type(key, "an object", value)
+
+
+def check_context_management(value: Any) -> None:
+    """The Responses API's ``context_management`` (OpenAI's server-side compaction, which
+    afmd does not do): null or a non-empty array of entries, each an object with a string
+    ``type``, as OpenAI's schema has it."""
+    if value is None:
+        return
+    if not isinstance(value, list):
+        raise wrong_type("context_management", "an array", value)
+    if not value:
+        raise InvalidRequestError(
+            "Invalid 'context_management': empty array. Expected an array with minimum "
+            "length 1, but got an empty array instead.", code="empty_array",
+            param="context_management")
+    for i, entry in enumerate(value):
+        if not isinstance(entry, dict):
+            raise wrong_type(f"context_management[{i}]", "an object", entry)
+        kind = entry.get("type")
+        if kind is None:
+            raise missing(f"context_management[{i}].type")
+        if not isinstance(kind, str):
+            raise wrong_type(f"context_management[{i}].type", "a string", kind)

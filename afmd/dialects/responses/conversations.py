@@ -15,7 +15,7 @@ from typing import Any
 
 from afmd.dialects.fields.checks import missing, reject_unknown, wrong_type
 from afmd.dialects.fields.unused import metadata_of
-from afmd.dialects.responses.items import Item, canonical_items
+from afmd.dialects.responses.items import Item, canonical_items, check_unique_ids
 from afmd.errors import InvalidRequestError
 
 #: How many items one request may add (OpenAI's bound).
@@ -35,7 +35,9 @@ def _items(value: Any, find_item: Callable[[str], Item | None], strict: bool) ->
             f"Invalid 'items': array too long. Expected an array with maximum length "
             f"{MAX_ITEMS}, but got an array with length {len(value)} instead.",
             code="array_above_max_length", param="items")
-    return canonical_items(value, "items", find_item=find_item, strict=strict)
+    items = canonical_items(value, "items", find_item=find_item, strict=strict)
+    check_unique_ids(value, items, "items")
+    return items
 
 
 def parse_create(body: dict[str, Any], *, find_item: Callable[[str], Item | None],

@@ -369,6 +369,24 @@ def canonical_items(value: Any, param: str = "input", *,
     return items
 
 
+def check_unique_ids(value: Any, items: Sequence[Item], param: str = "input") -> None:
+    """No two of the items sent (``value``, as :func:`canonical_items` read it into
+    ``items``) share an id, as OpenAI refuses: the id names one item in what is stored,
+    listed after it (``after``) and referenced (``item_reference``)."""
+    if not isinstance(value, list):
+        return  # a string: one item, its id afmd's own
+    seen: set[str] = set()
+    for i, (sent, item) in enumerate(zip(value, items, strict=True)):
+        if sent.get("id") is None and sent.get("type") != "item_reference":
+            continue  # an id afmd made, unique
+        if item["id"] in seen:
+            raise InvalidRequestError(
+                f"Duplicate item found with id {quoted(item['id'])}. Remove duplicate items "
+                "from your input and try again.", code="duplicate_item",
+                param=f"{param}[{i}].id")
+        seen.add(item["id"])
+
+
 # ---------------------------------------------------------------------------- messages
 
 

@@ -38,12 +38,21 @@ from afmd.dialects.fields.keep_alive import keep_alive_of
 from afmd.dialects.fields.prediction import parse_prediction
 from afmd.dialects.fields.unused import (
     PROMPT_CACHE_RETENTION,
+    RESPONSES_OPTION_OBJECTS,
     SAFETY_IDENTIFIER,
     SERVICE_TIER,
+    check_context_management,
+    check_option_objects,
     metadata_of,
 )
 from afmd.dialects.responses.client_tools import ClientTool
-from afmd.dialects.responses.items import Item, ItemParams, canonical_items, to_messages
+from afmd.dialects.responses.items import (
+    Item,
+    ItemParams,
+    canonical_items,
+    check_unique_ids,
+    to_messages,
+)
 from afmd.dialects.responses.options import (
     LOGPROBS,
     parse_include,
@@ -83,14 +92,16 @@ _SCALARS = (
     # Ignored (afmd writes no log-probabilities here), but held to OpenAI's bounds: a
     # value OpenAI refuses is refused here too, not taken silently.
     Scalar("top_logprobs", "integer", minimum=0, maximum=20),
-    # Not acted on (afmd has no built-in tools to count, no cache keyed by them), but of
-    # OpenAI's type and echoed, as the response object repeats them.
+    # Not acted on (no cache is keyed by them), but of OpenAI's type and echoed, as the
+    # response object repeats them.
     SAFETY_IDENTIFIER,
     Scalar("prompt_cache_key", "string"),
     # Ignored, but of OpenAI's type.
     SERVICE_TIER,
     PROMPT_CACHE_RETENTION,
-    Scalar("max_tool_calls", "integer"),
+    # OpenAI's bound on the calls of the tools it runs itself (never the client's): here
+    # the server tools' (``[[tools.server]]``). OpenAI refuses less than one.
+    Scalar("max_tool_calls", "integer", minimum=1),
 )
 _STRUCTURED = frozenset({"input", "tools", "tool_choice", "text", "reasoning", "include",
                          "metadata", "stream_options", "conversation", "prompt", "prediction",
@@ -266,11 +277,15 @@ def parse_responses_request(
     if ignored:  # a field ignored is not checked either (a count reads create's scalars)
         body = {key: value for key, value in body.items() if key not in ignored}
     scalars = read_scalars(body, _SCALARS)
+    # Ignored, but held to OpenAI's types as chat holds its own option objects.
+    check_option_objects(body, RESPONSES_OPTION_OBJECTS)
+    check_context_management(body.get("context_management"))
     _refuse(body)
     previous = scalars["previous_response_id"]
     conversation_id = _conversation_id(body.get("conversation"), strict)
     history = _history(previous, conversation_id, lookup, conversations)
     items = canonical_items(body.get("input"), find_item=find_item, strict=strict)
+    check_unique_ids(body.get("input"), items)
     params = ItemParams(len(history), "previous_response_id" if conversation_id is None
                         else "conversation")
     conversation = to_messages((*history, *items), params)
@@ -345,6 +360,7 @@ def parse_responses_request(
         prediction=None if counting else parse_prediction(body.get("prediction")),
         keep_alive=None if counting else keep_alive_of(body),
         chat_template_kwargs=chat_template_kwargs_of(body),
+        max_server_tool_calls=scalars["max_tool_calls"],
         # "auto" drops the oldest turns to fit, "disabled" fails as OpenAI does; a
         # request that says neither follows the server's [context] policy.
         trim_context=None if body.get("truncation") is None else (

@@ -15,12 +15,11 @@ from afmd.dialects.fields.body import parse_json_body
 from afmd.dialects.fields.checks import quoted
 from afmd.dialects.responses.conversation_store import Conversation
 from afmd.dialects.responses.conversations import parse_add, parse_create, parse_update
-from afmd.dialects.responses.options import parse_include
 from afmd.dialects.responses.responses_api import OpenAIResponses
 from afmd.errors import NotFoundError
 from afmd.http.routes import handlers as routes
 from afmd.http.routes.handlers import json_response
-from afmd.http.routes.item_pages import list_page
+from afmd.http.routes.item_pages import check_include, list_page
 
 
 def _dialect(request: Request) -> OpenAIResponses:
@@ -52,13 +51,6 @@ def _item_index(conversation: Conversation, item_id: str) -> int:
     return index
 
 
-def _check_include(request: Request) -> None:
-    """``include`` (the SDK sends ``include[]``) is checked against the Responses API's
-    values and changes nothing: a stored item already holds all afmd keeps of it."""
-    values = [*request.args.getlist("include", []), *request.args.getlist("include[]", [])]
-    parse_include(values)
-
-
 async def create(request: Request) -> HTTPResponse:
     dialect = _dialect(request)
     body = parse_json_body(request.body) if request.body else {}
@@ -85,7 +77,7 @@ async def items(request: Request, conversation_id: str) -> HTTPResponse:
     """``GET`` lists the items (``ConversationItemList``, paged), ``POST`` appends up to
     20 and lists those."""
     found = _conversation(request, conversation_id)
-    _check_include(request)
+    check_include(request)
     if request.method == "GET":
         return json_response(list_page(request, found.items,
                                        f"item of {quoted(found.id)}"))
@@ -109,7 +101,7 @@ async def item(request: Request, conversation_id: str, item_id: str) -> HTTPResp
     if request.method == "DELETE":
         _dialect(request).conversations.delete_item(found, index)
         return json_response(found.object())
-    _check_include(request)
+    check_include(request)
     return json_response(found.items[index])
 
 

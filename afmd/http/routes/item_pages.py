@@ -9,7 +9,16 @@ from typing import Any
 from sanic import Request
 
 from afmd.dialects.fields.checks import quoted
+from afmd.dialects.responses.options import parse_include
 from afmd.errors import InvalidRequestError
+
+
+def check_include(request: Request) -> None:
+    """``include`` (the SDK sends ``include[]``) is checked against the Responses API's
+    values and changes nothing: a stored response or item already holds all afmd keeps of
+    it."""
+    values = [*request.args.getlist("include", []), *request.args.getlist("include[]", [])]
+    parse_include(values)
 
 
 def _limit(request: Request) -> int:

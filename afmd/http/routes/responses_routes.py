@@ -28,7 +28,7 @@ from afmd.http.routes import background_runs
 from afmd.http.routes import handlers as routes
 from afmd.http.routes.handlers import json_response, request_id_of
 from afmd.http.routes.ignored import ignored_headers
-from afmd.http.routes.item_pages import list_page
+from afmd.http.routes.item_pages import check_include, list_page
 from afmd.http.routes.large_bodies import on_loop, parse_body
 from afmd.paths import cache_dir
 
@@ -79,6 +79,7 @@ async def retrieve(request: Request, response_id: str) -> HTTPResponse | None:
     """The response; one still running (background or not) as it stands. With
     ``?stream=true``, a streamed background response's events after ``starting_after``,
     followed live to its end if it still runs."""
+    check_include(request)
     runs = request.app.ctx.state.background
     live = runs.running(response_id)
     stored = _dialect(request).store.get(response_id)
@@ -130,6 +131,7 @@ async def delete(request: Request, response_id: str) -> HTTPResponse:
 
 async def input_items(request: Request, response_id: str) -> HTTPResponse:
     """The response's input items (``ResponseItemList``), paged as OpenAI pages lists."""
+    check_include(request)
     stored = _dialect(request).store.get(response_id)
     turn = _dialect(request).running.get(response_id) if stored is None else None
     if stored is None and turn is None:

@@ -52,11 +52,34 @@ def test_chat_holds_them_to_openais_types(fields: dict[str, Any], code: str,
 @pytest.mark.parametrize(("fields", "param"), [
     ({"service_tier": 1}, "service_tier"),
     ({"prompt_cache_retention": ["24h"]}, "prompt_cache_retention"),
-], ids=["service-tier", "cache-retention"])
+    ({"prompt_cache_options": "explicit"}, "prompt_cache_options"),
+    ({"moderation": "block"}, "moderation"),
+    ({"background_options": "2h"}, "background_options"),
+    ({"access_programs": ["standard"]}, "access_programs"),
+    ({"image": "auto"}, "image"),
+    ({"context_management": {"type": "compaction"}}, "context_management"),
+    ({"context_management": ["compaction"]}, "context_management[0]"),
+    ({"context_management": [{"type": 1}]}, "context_management[0].type"),
+], ids=["service-tier", "cache-retention", "cache-options", "moderation",
+        "background-options", "access-programs", "image", "context-management",
+        "context-management-entry", "context-management-type"])
 def test_responses_holds_them_to_openais_types(fields: dict[str, Any], param: str) -> None:
+    """Responses' option objects and ``context_management`` took any value, where chat
+    refuses its own option objects of another type."""
     with pytest.raises(InvalidRequestError) as caught:
         responses(**fields)
     assert (caught.value.code, caught.value.param) == ("invalid_type", param)
+
+
+def test_responses_context_management_is_a_non_empty_array_of_typed_entries() -> None:
+    """As OpenAI's schema has it: at least one entry, each with its ``type``."""
+    for value, code, param in (([], "empty_array", "context_management"),
+                               ([{}], "missing_required_parameter",
+                                "context_management[0].type")):
+        with pytest.raises(InvalidRequestError) as caught:
+            responses(context_management=value)
+        assert (caught.value.code, caught.value.param) == (code, param)
+    responses(context_management=[{"type": "compaction", "compact_threshold": 1000}])
 
 
 def test_a_safety_identifier_is_at_most_64_characters() -> None:
@@ -81,5 +104,10 @@ def test_their_values_pass_new_tiers_too() -> None:
     chat(**dict.fromkeys(("modalities", "audio", "web_search_options",
                           "prompt_cache_options", "moderation")))
     responses(**{k: v for k, v in fields.items() if k != "verbosity"})
+    responses(prompt_cache_options={"mode": "implicit"}, moderation={"model": "m"},
+              background_options={"completion_window": "2h"},
+              access_programs={"cyber": "standard"}, image={"context_compression": "auto"})
     chat(**dict.fromkeys(fields))
     responses(**dict.fromkeys(fields))
+    responses(**dict.fromkeys(("prompt_cache_options", "moderation", "background_options",
+                               "access_programs", "image", "context_management")))
