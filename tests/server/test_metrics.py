@@ -329,6 +329,45 @@ def test_gauges_count_running_and_queued_requests(tmp_path: Path) -> None:
         proc.stop()
 
 
+def test_a_request_cancelled_in_the_queue_looked_nothing_up(tmp_path: Path) -> None:
+    """A request cancelled while it waits for a slot never reaches the model, so it never
+    looks its prompt up in the prefix cache: counted as a lookup, it lowered the hit ratio
+    (hits over lookups) by a request the cache never saw. Its usage (the prompt it was
+    told of, no tokens out) still counts, as what the client was told."""
+    proc = start_server(tmp_path, config="[queue]\nmax_concurrent_requests = 1\n")
+    long = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 8000,
+            "temperature": 0, "stream": True}
+    told: dict[str, Any] = {}
+
+    def wait_in_queue() -> None:
+        told.update(httpx.post(proc.url + CHAT, headers={"X-Request-ID": "waiter"}, timeout=60,
+                               json={**long, "stream": False, "max_tokens": 2}).json())
+
+    waiter = threading.Thread(target=wait_in_queue)
+    try:
+        with httpx.Client(timeout=60) as client, client.stream(
+                "POST", proc.url + CHAT, json=long, headers={"X-Request-ID": "hog"}) as first:
+            chunks = first.iter_bytes()
+            next(chunks)  # it holds the slot now
+            waiter.start()
+            deadline = time.monotonic() + 30
+            while (before := scrape(proc.url)).value("afmd_queue_depth") != 1:
+                assert time.monotonic() < deadline, before.text
+                time.sleep(0.05)
+            assert httpx.post(proc.url + CHAT + "/waiter/cancel").json()["cancelled"] is True
+            waiter.join(60)
+            assert told["choices"][0]["finish_reason"] == "cancelled", told
+            after = scrape(proc.url)
+            assert httpx.post(proc.url + CHAT + "/hog/cancel").json()["cancelled"] is True
+        demo = (("model", "demo"),)
+        assert after.moved(before, "afmd_prompt_tokens_total") == {
+            demo: told["usage"]["prompt_tokens"]}
+        assert after.moved(before, "afmd_prefix_cache_lookups_total") == {}
+        assert after.moved(before, "afmd_time_to_first_token_seconds_count") == {}
+    finally:
+        proc.stop()
+
+
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A key set, on a listener other machines reach (0.0.0.0)."""

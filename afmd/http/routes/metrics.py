@@ -177,6 +177,8 @@ class Metrics:
     def _timings(self, model: str, run: AnyRun, usage: Usage) -> None:
         """Time to first token and each generation's decode speed, from the engine's own
         timings."""
+        if not generations_of(run):
+            return  # cancelled while it waited for a slot: the cache never saw its prompt
         self.cache_lookups[model] += 1
         if usage.cached_tokens:
             self.cache_hits[model] += 1
