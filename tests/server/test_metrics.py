@@ -368,6 +368,45 @@ def test_a_request_cancelled_in_the_queue_looked_nothing_up(tmp_path: Path) -> N
         proc.stop()
 
 
+def test_a_stream_cut_off_after_its_first_token_has_its_time_to_first_token(
+        tmp_path: Path) -> None:
+    """A stream whose client leaves, or that runs into request_timeout, after its first
+    token generated one: its time to first token is observed (and logged), though its
+    engine timings come with its end, after the request is counted. It told no usage, so
+    no tokens are counted for it."""
+    proc = start_server(tmp_path, config="[server]\nrequest_timeout = 3.0\n")
+    long = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 8000,
+            "temperature": 0, "stream": True}
+    try:
+        before = scrape(proc.url)
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", proc.url + CHAT, json=long,
+                               headers={"X-Request-ID": "left"}) as left:
+                assert left.status_code == 200
+                next(left.iter_bytes())  # then the client goes
+            timed_out = client.post(proc.url + CHAT, json=long,
+                                    headers={"X-Request-ID": "timed-out"})
+        assert timed_out.status_code == 200
+        assert parse_sse(timed_out.text)[-2]["error"]["code"] == "timeout"
+        deadline = time.monotonic() + 30
+        while not (lines := [e for e in proc.events if e.get("event") == "request"
+                             and e.get("request_id") in ("left", "timed-out")])[1:]:
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.05)
+        after = scrape(proc.url)
+        demo = (("model", "demo"),)
+        assert after.moved(before, "afmd_http_requests_total") == {
+            _key(CHAT, "openai_chat", 200): 2, _key("/metrics", "none", 200): 1}
+        assert after.moved(before, "afmd_time_to_first_token_seconds_count") == {demo: 2}
+        assert after.moved(before, "afmd_time_to_first_token_seconds_sum")[demo] > 0
+        assert after.moved(before, "afmd_completion_tokens_total") == {}
+        assert {e["request_id"]: e.get("disconnected", e.get("stream_error")) for e in lines} == {
+            "left": True, "timed-out": "timeout"}
+        assert all(e["ttft_ms"] > 0 for e in lines), lines
+    finally:
+        proc.stop()
+
+
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A key set, on a listener other machines reach (0.0.0.0)."""
