@@ -226,11 +226,22 @@ def test_every_family_served_is_on_the_metrics_page(served: ServerProcess) -> No
 
     page = (REPO_ROOT / "docs" / "metrics.md").read_text()
     rows = dict(re.findall(r"^\| `(afmd_\w+)` \| (\w+) \|", page, flags=re.M))
+    # Ollama's routes too, so that every dialect label has a series to be read from.
+    for path, body in (("/api/chat", {"messages": MESSAGES}), ("/api/generate", {"prompt": "1"}),
+                       ("/api/embed", {"model": "demo-embedding", "input": "one"})):
+        answer = httpx.post(served.url + path, json={
+            "model": "demo", "stream": False, "options": {"num_predict": 1}, **body}, timeout=60)
+        assert answer.status_code == 200, answer.text
     now = scrape(served.url)
     assert "afmd_kv_cache_disk_writing" in now.types  # the disk tier's, with a model loaded
     for family, kind in now.types.items():
         name = f"{family}_total" if kind == "counter" else family
         assert rows.get(name) == kind, f"{name} ({kind}) is not in docs/metrics.md's table"
+    dialects = {value for labels in now.samples["afmd_http_requests_total"]
+                for label, value in labels if label == "dialect"}
+    assert {"ollama", "ollama_chat", "ollama_generate"} <= dialects
+    for dialect in dialects:
+        assert f"`{dialect}`" in page, f"dialect {dialect} is not named in docs/metrics.md"
 
 
 def test_unloads_and_reloads_are_counted(tmp_path: Path) -> None:
