@@ -229,6 +229,7 @@ class Generation:
         "created_at",
         "done",
         "finish",
+        "first_token_seen_at",
         "request",
         "tokens",
     )
@@ -246,6 +247,10 @@ class Generation:
         #: Tokens generated so far, as they reach the event loop: a live count that the
         #: dashboard's tokens-per-second reads while the generation runs.
         self.tokens = 0
+        #: When its first token reached the event loop (a perf_counter reading): the time to
+        #: first token of a generation cut off before its end (its client gone) reports,
+        #: as its engine timings come with that end, after the request is logged.
+        self.first_token_seen_at: float | None = None
 
     # -- engine side (called on the event loop via call_soon_threadsafe) --
     def push(self, events: Sequence[Event]) -> None:
@@ -253,6 +258,8 @@ class Generation:
         for event in events:
             if isinstance(event, Text):
                 self.tokens += event.tokens
+                if self.first_token_seen_at is None and event.tokens:
+                    self.first_token_seen_at = time.perf_counter()
             elif isinstance(event, Finished):
                 self.done = True
                 self.finish = event

@@ -210,6 +210,10 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
     async def _access_log(request: Request, response: HTTPResponse) -> None:
         if getattr(request.ctx, "streamed", False):
             return  # logged when the stream ends
+        # Sanic runs response middleware last registered first: _request_id has not named
+        # the answer yet, and the line must name the id it will carry.
+        request.ctx.request_id = (response.headers.get("X-Request-ID")
+                                  or routes.answer_request_id(request))
         body = getattr(response, "body", None)
         log_access(request, response.status, len(body) if body else 0)
 

@@ -293,6 +293,27 @@ def test_access_log_for_streamed_chat_completion(server: ServerProcess, http: An
     assert event["duration_ms"] > 0
 
 
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/health"),  # answered by the connection itself
+    ("GET", "/api/ps"),
+    ("GET", "/v1/models/no-such-model"),  # an error, from a route that reads no id
+    ("POST", "/v1/chat/completions/no-such-request/cancel"),
+])
+@pytest.mark.parametrize("sent", [True, False])
+def test_access_log_names_the_request_id_the_answer_carries(
+    server: ServerProcess, http: Any, method: str, path: str, sent: bool
+) -> None:
+    """Every answer names its request (X-Request-ID, the client's own when it sent one);
+    its log line must name the same id, or a client's id leads nowhere in the log."""
+    rid = f"logs-{uuid.uuid4().hex[:12]}"
+    response = http.request(method, path, headers={"X-Request-ID": rid} if sent else {})
+    told = response.headers["x-request-id"]
+    assert told == rid if sent else told.startswith("req_")
+    events = _poll(lambda: _access_events(server, request_id=told))
+    assert [(e["method"], e["path"], e["status"]) for e in events] == [
+        (method, path, response.status_code)], _access_events(server, path=path)[-2:]
+
+
 def test_access_log_for_model_alias(server: ServerProcess, http: Any) -> None:
     rid = f"logs-{uuid.uuid4().hex[:12]}"
     response = http.post(
@@ -409,7 +430,11 @@ def test_invalid_request_id_with_raw_non_ascii_bytes(server: ServerProcess) -> N
     event = events[0]
     assert (event["method"], event["path"], event["status"]) == ("POST", "/v1/chat/completions",
                                                                  400)
-    assert event["request_id"] is None  # the invalid id is neither echoed nor logged
+    # The invalid id is neither echoed nor logged: the line names the fresh one the answer
+    # carries in its place.
+    head = reply.partition(b"\r\n\r\n")[0].decode("latin-1").lower()
+    told = head.split("x-request-id: ", 1)[1].split("\r\n", 1)[0]
+    assert told.startswith("req_") and event["request_id"] == told
     assert event["bytes"] > 0
 
 

@@ -226,11 +226,22 @@ def test_every_family_served_is_on_the_metrics_page(served: ServerProcess) -> No
 
     page = (REPO_ROOT / "docs" / "metrics.md").read_text()
     rows = dict(re.findall(r"^\| `(afmd_\w+)` \| (\w+) \|", page, flags=re.M))
+    # Ollama's routes too, so that every dialect label has a series to be read from.
+    for path, body in (("/api/chat", {"messages": MESSAGES}), ("/api/generate", {"prompt": "1"}),
+                       ("/api/embed", {"model": "demo-embedding", "input": "one"})):
+        answer = httpx.post(served.url + path, json={
+            "model": "demo", "stream": False, "options": {"num_predict": 1}, **body}, timeout=60)
+        assert answer.status_code == 200, answer.text
     now = scrape(served.url)
     assert "afmd_kv_cache_disk_writing" in now.types  # the disk tier's, with a model loaded
     for family, kind in now.types.items():
         name = f"{family}_total" if kind == "counter" else family
         assert rows.get(name) == kind, f"{name} ({kind}) is not in docs/metrics.md's table"
+    dialects = {value for labels in now.samples["afmd_http_requests_total"]
+                for label, value in labels if label == "dialect"}
+    assert {"ollama", "ollama_chat", "ollama_generate"} <= dialects
+    for dialect in dialects:
+        assert f"`{dialect}`" in page, f"dialect {dialect} is not named in docs/metrics.md"
 
 
 def test_unloads_and_reloads_are_counted(tmp_path: Path) -> None:
@@ -325,6 +336,84 @@ def test_gauges_count_running_and_queued_requests(tmp_path: Path) -> None:
         waiter.join(60)
         now = scrape(proc.url)
         assert (now.value("afmd_queue_depth"), now.value("afmd_active_generations")) == (0, 0)
+    finally:
+        proc.stop()
+
+
+def test_a_request_cancelled_in_the_queue_looked_nothing_up(tmp_path: Path) -> None:
+    """A request cancelled while it waits for a slot never reaches the model, so it never
+    looks its prompt up in the prefix cache: counted as a lookup, it lowered the hit ratio
+    (hits over lookups) by a request the cache never saw. Its usage (the prompt it was
+    told of, no tokens out) still counts, as what the client was told."""
+    proc = start_server(tmp_path, config="[queue]\nmax_concurrent_requests = 1\n")
+    long = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 8000,
+            "temperature": 0, "stream": True}
+    told: dict[str, Any] = {}
+
+    def wait_in_queue() -> None:
+        told.update(httpx.post(proc.url + CHAT, headers={"X-Request-ID": "waiter"}, timeout=60,
+                               json={**long, "stream": False, "max_tokens": 2}).json())
+
+    waiter = threading.Thread(target=wait_in_queue)
+    try:
+        with httpx.Client(timeout=60) as client, client.stream(
+                "POST", proc.url + CHAT, json=long, headers={"X-Request-ID": "hog"}) as first:
+            chunks = first.iter_bytes()
+            next(chunks)  # it holds the slot now
+            waiter.start()
+            deadline = time.monotonic() + 30
+            while (before := scrape(proc.url)).value("afmd_queue_depth") != 1:
+                assert time.monotonic() < deadline, before.text
+                time.sleep(0.05)
+            assert httpx.post(proc.url + CHAT + "/waiter/cancel").json()["cancelled"] is True
+            waiter.join(60)
+            assert told["choices"][0]["finish_reason"] == "cancelled", told
+            after = scrape(proc.url)
+            assert httpx.post(proc.url + CHAT + "/hog/cancel").json()["cancelled"] is True
+        demo = (("model", "demo"),)
+        assert after.moved(before, "afmd_prompt_tokens_total") == {
+            demo: told["usage"]["prompt_tokens"]}
+        assert after.moved(before, "afmd_prefix_cache_lookups_total") == {}
+        assert after.moved(before, "afmd_time_to_first_token_seconds_count") == {}
+    finally:
+        proc.stop()
+
+
+def test_a_stream_cut_off_after_its_first_token_has_its_time_to_first_token(
+        tmp_path: Path) -> None:
+    """A stream whose client leaves, or that runs into request_timeout, after its first
+    token generated one: its time to first token is observed (and logged), though its
+    engine timings come with its end, after the request is counted. It told no usage, so
+    no tokens are counted for it."""
+    proc = start_server(tmp_path, config="[server]\nrequest_timeout = 3.0\n")
+    long = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 8000,
+            "temperature": 0, "stream": True}
+    try:
+        before = scrape(proc.url)
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", proc.url + CHAT, json=long,
+                               headers={"X-Request-ID": "left"}) as left:
+                assert left.status_code == 200
+                next(left.iter_bytes())  # then the client goes
+            timed_out = client.post(proc.url + CHAT, json=long,
+                                    headers={"X-Request-ID": "timed-out"})
+        assert timed_out.status_code == 200
+        assert parse_sse(timed_out.text)[-2]["error"]["code"] == "timeout"
+        deadline = time.monotonic() + 30
+        while not (lines := [e for e in proc.events if e.get("event") == "request"
+                             and e.get("request_id") in ("left", "timed-out")])[1:]:
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.05)
+        after = scrape(proc.url)
+        demo = (("model", "demo"),)
+        assert after.moved(before, "afmd_http_requests_total") == {
+            _key(CHAT, "openai_chat", 200): 2, _key("/metrics", "none", 200): 1}
+        assert after.moved(before, "afmd_time_to_first_token_seconds_count") == {demo: 2}
+        assert after.moved(before, "afmd_time_to_first_token_seconds_sum")[demo] > 0
+        assert after.moved(before, "afmd_completion_tokens_total") == {}
+        assert {e["request_id"]: e.get("disconnected", e.get("stream_error")) for e in lines} == {
+            "left": True, "timed-out": "timeout"}
+        assert all(e["ttft_ms"] > 0 for e in lines), lines
     finally:
         proc.stop()
 

@@ -213,6 +213,7 @@ async def turn(request: Request, parsed: ChatRequest | CompletionRequest | None 
             await _stream(request, prepared, reply, extra)
             return None
         run = await pipeline.start(prepared)
+        request.ctx.run = run  # its engine timings for /metrics, however it ends
         try:
             async with aclosing(aiter(run)) as batches:
                 return await _complete(request, run, batches, reply, extra)
@@ -326,6 +327,7 @@ async def _stream_run(
     pipeline: ChatPipeline = state.pipeline
     try:
         run = await pipeline.start(prepared)
+        request.ctx.run = run  # its engine timings for /metrics, however it ends
         try:
             async with aclosing(aiter(run)) as batches:
                 while True:

@@ -124,9 +124,11 @@ class Metrics:
                           status] += 1
         ctx = request.ctx
         usage = getattr(ctx, "usage", None)
-        if usage is None:
-            return
+        # The run, from its start: a stream the client left, or that failed after its 200,
+        # told no usage, but its generations ran, and their timings are the engine's.
         run = getattr(ctx, "run", None)
+        if usage is None and run is None:
+            return
         state = request.app.ctx.state
         if run is not None:
             model = run.prepared.model.id
@@ -137,8 +139,9 @@ class Metrics:
                 model = state.registry.resolve(getattr(ctx, "model", None)).id
             except APIError:
                 return
-        self.prompt_tokens[model] += usage.prompt_tokens
-        self.completion_tokens[model] += usage.completion_tokens
+        if usage is not None:
+            self.prompt_tokens[model] += usage.prompt_tokens
+            self.completion_tokens[model] += usage.completion_tokens
         if run is not None:
             self._timings(model, run, usage)
 
@@ -174,13 +177,16 @@ class Metrics:
             label = self._endpoints[uri] = _PARAM.sub(r"{\1}", uri)
         return label
 
-    def _timings(self, model: str, run: AnyRun, usage: Usage) -> None:
+    def _timings(self, model: str, run: AnyRun, usage: Usage | None) -> None:
         """Time to first token and each generation's decode speed, from the engine's own
         timings."""
-        self.cache_lookups[model] += 1
-        if usage.cached_tokens:
-            self.cache_hits[model] += 1
-            self.cached_tokens[model] += usage.cached_tokens
+        if not generations_of(run):
+            return  # cancelled while it waited for a slot: the cache never saw its prompt
+        if usage is not None:  # else what the cache gave it is unknown: not counted
+            self.cache_lookups[model] += 1
+            if usage.cached_tokens:
+                self.cache_hits[model] += 1
+                self.cached_tokens[model] += usage.cached_tokens
         first = first_token_seconds(run)
         if first is not None:
             ttft = self.ttft.get(model) or self.ttft.setdefault(model, Buckets(TTFT_BUCKETS))
@@ -221,8 +227,13 @@ def _ends(run: AnyRun) -> list[Finished]:
 
 def first_token_seconds(run: AnyRun) -> float | None:
     """From the request's arrival to its first generated token (as ``X-AFM-Profile`` has
-    it: queue and prefill included); None when it generated nothing."""
+    it: queue and prefill included); None when it generated nothing. A generation not
+    ended yet (its client gone, or failed after its first token) has no engine timings:
+    its first token's arrival on the event loop stands for them."""
     first = [e.timings["first_token_at"] for e in _ends(run) if e.completion_tokens > 0]
+    if not first:
+        first = [g.first_token_seen_at for g in generations_of(run)
+                 if g.finish is None and g.first_token_seen_at is not None]
     return max(0.0, min(first) - run.prepared.received_at) if first else None
 
 

@@ -375,7 +375,8 @@ class AfmdProtocol(_Lifecycle):
                                     close=item.close))
         self.afmd_touch()
         self._afmd_slot.since = monotonic()
-        log_request(state, "GET", item.path, status, len(body), started=started)
+        log_request(state, "GET", item.path, status, len(body), started=started,
+                    request_id=rid)
         state.metrics.direct(item.path, status)
         if item.close:
             self.close()  # as Sanic does after a Connection: close response
