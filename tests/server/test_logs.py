@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -293,6 +294,33 @@ def test_access_log_for_streamed_chat_completion(server: ServerProcess, http: An
     assert event["duration_ms"] > 0
 
 
+@pytest.mark.parametrize("sent", [True, False])
+def test_a_gate_refusal_names_its_request_id_in_its_answer_and_its_log_line(
+    server: ServerProcess, sent: bool
+) -> None:
+    """A refusal the gate answers itself (an unknown URL, a wrong method) names a request
+    id as every other answer does (the client's own when valid), and its ``refused``
+    line names the same: it carried none, so a client's report of it led nowhere."""
+    rid = f"gate-{uuid.uuid4().hex[:12]}"
+    for method, path in (("GET", "/no-such-path"), ("PUT", "/health")):
+        before = len(server.raw_lines)
+        sent_id = f"X-Request-ID: {rid}\r\n" if sent else ""
+        reply = _raw_http(server, f"{method} {path} HTTP/1.1\r\nHost: localhost\r\n"
+                                  f"{sent_id}Connection: close\r\n\r\n".encode())
+        head = reply.partition(b"\r\n\r\n")[0].decode("latin-1")
+        told = re.search(r"\r\nx-request-id: (\S+)(?:\r\n|$)", head, re.IGNORECASE)
+        assert told is not None, head
+        assert told.group(1) == rid if sent else told.group(1).startswith("req_")
+
+        def refused(before: int = before) -> list[dict[str, Any]]:
+            with server._cond:
+                lines = server.raw_lines[before:]
+            return [e for e in map(json.loads, lines) if e.get("event") == "refused"]
+
+        events = _poll(refused)
+        assert [e["request_id"] for e in events] == [told.group(1)], events
+
+
 @pytest.mark.parametrize(("method", "path"), [
     ("GET", "/health"),  # answered by the connection itself
     ("GET", "/api/ps"),
@@ -394,7 +422,9 @@ def test_invalid_request_id_with_raw_bytes(server: ServerProcess) -> None:
     )
     assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
     head, _, body = reply.partition(b"\r\n\r\n")
-    assert b"forged" not in reply and b"x-request-id" not in head.lower()
+    assert b"forged" not in reply
+    # The refusal names a request of its own, never the forged id.
+    assert re.search(rb"\r\nx-request-id: req_[0-9a-f]{32}(?:\r\n|$)", head, re.IGNORECASE), head
     assert json.loads(body)["error"]["code"] == "malformed_request"
     assert "control character" in json.loads(body)["error"]["message"]
 

@@ -37,7 +37,7 @@ from afmd.http.sansio.framing import (
     RequestHead,
     parse_head,
 )
-from afmd.http.sansio.screen import GatePolicy, screen
+from afmd.http.sansio.screen import GatePolicy, presented_request_id, screen
 from afmd.http.sansio.wire import CONTINUE, GateRefusal, Rejection
 
 __all__ = ["CONTINUE_REPLY", "Direct", "Forward", "Gate", "Output", "Reply"]
@@ -182,7 +182,9 @@ class Gate:
             extra = self.policy.cors.headers(head.origin) if refused.cors and head else ()
             # Once a head is parsed, its refusal reads like its route's own errors.
             style = self.policy.style_of(head) if head else None
-            rejection = Rejection.from_error(refused.error, extra, style)
+            rejection = Rejection.from_error(
+                refused.error, extra, style,
+                presented_request_id(head) if head else None).named()
             self.kill()
             head_only = head is not None and head.method == "HEAD"
             out.append(Reply(rejection.render(head_only=head_only), close=True,

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 
 import orjson
 
+from afmd.core.ids import new_request_id
 from afmd.dialects.dialect import ErrorStyle, error_response
 from afmd.errors import APIError, InvalidRequestError
 
@@ -170,18 +171,29 @@ def render_json(status: int, body: bytes, headers: Iterable[tuple[str, str]] = (
 class Rejection:
     """A refusal afmd answers itself, with ``Connection: close``: the error in the
     envelope of the route it was meant for (the one Sanic's error handler sends too; see
-    :func:`afmd.dialects.dialect.error_response`) and its headers."""
+    :func:`afmd.dialects.dialect.error_response`) and its headers.
+
+    It names a request id (``X-Request-ID``, and the header the style's SDK reads) as
+    every other answer does, so a client reports a refusal as it reports any error and
+    the access log's line for it is found by that id: the client's own id when it sent a
+    valid one, else a fresh one."""
 
     error: APIError
     headers: tuple[tuple[str, str], ...] = ()
     style: ErrorStyle | None = None  # None: OpenAI's envelope
+    request_id: str = ""  # "": one is made for each answer (:meth:`named`)
 
     @classmethod
     def from_error(
         cls, error: APIError, extra: Iterable[tuple[str, str]] = (),
-        style: ErrorStyle | None = None,
+        style: ErrorStyle | None = None, request_id: str | None = None,
     ) -> Rejection:
-        return cls(error, (*error.headers.items(), *extra), style)
+        return cls(error, (*error.headers.items(), *extra), style, request_id or "")
+
+    def named(self) -> Rejection:
+        """This refusal with a request id of its own (one made once and sent to many
+        connections, as the connection limits' are, gets a fresh one each time)."""
+        return self if self.request_id else replace(self, request_id=new_request_id())
 
     @property
     def status(self) -> int:
@@ -196,6 +208,8 @@ class Rejection:
         return self.error.message
 
     def render(self, *, head_only: bool = False) -> bytes:
-        status, body, headers = error_response(self.style, self.error)
-        return render_json(status, orjson.dumps(body), {**dict(self.headers), **headers}.items(),
+        rid = self.request_id or new_request_id()
+        status, body, headers = error_response(self.style, self.error, rid)
+        return render_json(status, orjson.dumps(body),
+                           {**dict(self.headers), "X-Request-ID": rid, **headers}.items(),
                            close=True, head_only=head_only)

@@ -349,7 +349,7 @@ class AfmdProtocol(_Lifecycle):
                                                    rejection.status)
                 if self.context.access_log:
                     log.info("refused", status=rejection.status, code=rejection.code,
-                             message=rejection.message)
+                             message=rejection.message, request_id=rejection.request_id)
             if item.close:
                 self._linger()
                 return
@@ -395,6 +395,7 @@ class AfmdProtocol(_Lifecycle):
 
     def _refuse(self, rejection: Rejection) -> None:
         self._afmd_gate.kill()
+        rejection = rejection.named()
         self._afmd_pending.append(Reply(rejection.render(), close=True, rejection=rejection))
         self._drain()
         self._account()
