@@ -155,6 +155,11 @@ class ChatRequest:
     #: the server's ``[context] policy``.
     trim_context: bool | None = None
     has_images: bool = False
+    #: Token ids that come before the rendered conversation: an earlier generation's
+    #: prompt and answer as the client got them back (Ollama's generate ``context``), so
+    #: this turn continues that one exactly. Ids, not text: decoding and re-encoding
+    #: them could make other tokens, and the prefix cache resumes only the same ones.
+    prompt_prefix: tuple[int, ...] = ()
     #: Report each generated token's log-probability with this many most likely
     #: alternatives (0-20); None: no log-probabilities (``logprobs`` false or absent).
     logprobs: int | None = None
@@ -212,6 +217,10 @@ class CompletionRequest:
     require_thinking: bool = False  # as ChatRequest's (the prompt is raw: nothing else)
     ignored_fields: tuple[str, ...] = ()  # as ChatRequest's
 
+
+#: The ``param`` of an error about ``ChatRequest.prompt_prefix`` (``prompt_prefix[3]``
+#: for one of its ids): a dialect names its own field.
+PROMPT_PREFIX_PARAM = "prompt_prefix"
 
 #: The ``param`` of a context error whose window is the request's own ``context_window``
 #: (Ollama's ``options.num_ctx``) rather than the model's: the dialect names its field,

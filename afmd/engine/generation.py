@@ -157,6 +157,13 @@ class Finished:
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
     speculation: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: The ids the model wrote, as it wrote them: hidden special tokens, thinking and the
+    #: end-of-sequence token that ended it included (the last is not counted in
+    #: ``completion_tokens``). A prompt that starts with the prompt and these is the
+    #: conversation continued exactly, and resumes from the prefix cache; a client gets
+    #: them where its API returns token ids (Ollama's generate ``context``). None: the
+    #: engine has no token ids to give (a vision model's, Apple's framework).
+    output_ids: tuple[int, ...] | None = None
 
     def stopped_after(self, tokens: int) -> Finished:
         """This end as the client's stop made it, ``tokens`` in: a stop sequence is found on
@@ -165,8 +172,9 @@ class Finished:
         counts the answer through that token)."""
         if tokens >= self.completion_tokens:
             return self
+        ids = self.output_ids[:tokens] if self.output_ids is not None else None
         return replace(self, completion_tokens=tokens,
-                       reasoning_tokens=min(self.reasoning_tokens, tokens))
+                       reasoning_tokens=min(self.reasoning_tokens, tokens), output_ids=ids)
 
 
 @dataclass(frozen=True, slots=True)

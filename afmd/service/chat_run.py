@@ -69,6 +69,10 @@ class PreparedChat:
     def trimmed(self) -> int:
         return self.round.trimmed
 
+    @property
+    def trimmed_prefix(self) -> int:
+        return self.round.trimmed_prefix
+
 
 @dataclass(slots=True)
 class _Totals:
@@ -121,6 +125,8 @@ class ChatRun:
                                max_calls=policy.max_tool_calls if limit is None
                                else min(limit, policy.max_tool_calls))
         self._totals = _Totals()
+        # The last round's prompt and the ids its generation wrote (see token_ids).
+        self._ran: list[int] | None = None
         # The current round's processors: its grammar's matcher says afterwards whether
         # it was followed to the end.
         self._processors: list[LogitsProcessor] = []
@@ -135,6 +141,15 @@ class ChatRun:
     def attempt(self) -> int:
         """Retries made."""
         return self._control.attempt
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        """The ids the model last ran and wrote: the last round's prompt, then what its
+        generation wrote through the answer's end (its end-of-sequence token included,
+        a stop sequence's overrun not). A client that sends them back as the start of
+        its next prompt continues this conversation, and the prefix cache resumes it.
+        None: nothing was generated, or the engine gives no ids (vision, Apple's)."""
+        return self._ran
 
     def __aiter__(self) -> AsyncGenerator[list[Event], None]:
         return self._events
@@ -167,6 +182,8 @@ class ChatRun:
                     yield out
             # The round is over: run the server tools it called and go again, or finish.
             self._totals.add(finished)
+            written = finished.output_ids
+            self._ran = None if written is None else [*self.round.prompt, *written]
             reason, server_calls = self._settle(reading, finished)
             if not server_calls:
                 stop = reading.output.stop_sequence if reason == "stop" else None

@@ -33,6 +33,7 @@ from afmd.service.choices import ChoicesRun
 from afmd.service.completion_prompts import PreparedCompletion, prepare_completion
 from afmd.service.completion_run import CompletionRun
 from afmd.service.output_plan import model_formats
+from afmd.service.prompt_prefix import check_prompt_prefix
 from afmd.service.round_builder import RoundBuilder
 from afmd.service.run_control import RunPolicy
 from afmd.service.scheduler import Arrival, Cancelled, Scheduler
@@ -276,6 +277,7 @@ class ChatPipeline:
                 profile=profile,
             )
         _check_images(request, model, entry)
+        check_prompt_prefix(request.prompt_prefix, model, entry.id)
         if not model.reads_conversation:  # Apple's model has no token ids to bias
             check_logit_bias(request.logit_bias, model.vocab_size, entry.id)
         request = _with_server_tools(request, self.server_tools)

@@ -32,6 +32,7 @@ from afmd.service.output_plan import (
     shows_tools,
     template_kwargs,
 )
+from afmd.service.prompt_prefix import continued
 
 
 @dataclass(slots=True)
@@ -48,6 +49,8 @@ class Round:
     #: What a model that reads the conversation itself is given instead of ``prompt``
     #: (Apple's on-device model).
     conversation: SystemTurn | None = None
+    #: Tokens of the request's ``prompt_prefix`` left out to fit the context window.
+    trimmed_prefix: int = 0
 
 
 class RoundBuilder:
@@ -191,8 +194,9 @@ class RoundBuilder:
                 return vision.render(messages, tools=tools, template_kwargs=kwargs,
                                      decoded=self._pictures,
                                      continue_final=request.continue_final)
-            return self.model.render_prompt(messages, tools=tools, template_kwargs=kwargs,
-                                            continue_final=request.continue_final), None
+            ids = self.model.render_prompt(messages, tools=tools, template_kwargs=kwargs,
+                                           continue_final=request.continue_final)
+            return continued(request.prompt_prefix, ids, self.model.bos_id), None
         except InvalidRequestError:  # an image's own (undecodable, too large)
             raise
         except Exception as exc:  # template errors are about the conversation's shape
@@ -222,7 +226,14 @@ class RoundBuilder:
         # The room the prompt must leave: all of max_tokens, unless it is only a cap.
         need = budget if budget is not None and not request.max_tokens_shrinks else 1
         prompt, vision = self._render(request)
-        trimmed = 0
+        trimmed = dropped = 0
+        if len(prompt) + need > limit and trim and request.prompt_prefix:
+            # The earlier turns the prefix holds are the oldest, and go first, whole: their
+            # ids say nothing of where a turn starts, and a turn cut in the middle would
+            # read as another (Ollama's llama.cpp engine cuts tokens from the front).
+            dropped = len(request.prompt_prefix)
+            request = dataclasses.replace(request, prompt_prefix=())
+            prompt = self._render(request)[0]
         if len(prompt) + need > limit and trim:
             request, prompt, trimmed = self._fit(request, limit, need)
             vision = self._render(request)[1] if vision is not None else None
@@ -239,7 +250,7 @@ class RoundBuilder:
         plan = plan_output(request, self.model, prompt, max_tokens, first_step=first_step,
                          template_tools=self._tools)
         plan.prepare_processors()  # the grammar matcher is built here, off the event loop
-        return Round(request, prompt, max_tokens, plan, trimmed, vision)
+        return Round(request, prompt, max_tokens, plan, trimmed, vision, trimmed_prefix=dropped)
 
     def _fit(
         self, request: ChatRequest, limit: int, budget: int

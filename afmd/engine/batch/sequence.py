@@ -47,11 +47,15 @@ class Row:
     hidden_ids: frozenset[int] = frozenset()
     # Speculation's numbers, read when the sequence leaves (see DecodeBatch.spec_rows).
     spec: RowSpec | None = None
+    # Every token the engine produced for this row, its end-of-sequence token included:
+    # the ids a client may send back as the start of its next prompt (Finished.output_ids).
+    ids: list[int] = field(default_factory=list)
 
     def take(self, token: int, reason: str | None, logprobs: Any, now: float) -> bool:
         """One token the engine produced for this row (``reason``: it ends here); whether
         the client was still waiting for visible text when it came."""
         waiting = not self.shown
+        self.ids.append(token)
         if not self.first_token_at:
             self.first_token_at = now
         every = self.generation.request.sample_every
@@ -116,6 +120,7 @@ class Row:
                 },
                 peak_memory_bytes=mx.get_peak_memory(),
                 samples=tuple(self.samples),
+                output_ids=tuple(self.ids),
                 **speculation(self.spec),
             )
         )

@@ -182,6 +182,13 @@ class LoadedModel:
         return sorted(self.tokenizer.eos_token_ids)
 
     @property
+    def bos_id(self) -> int | None:
+        """The beginning-of-sequence token a chat template opens with, if the tokenizer
+        has one (a prompt continued from earlier ids keeps only the first)."""
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        return bos if isinstance(bos, int) else None
+
+    @property
     def supports_vision(self) -> bool:
         return self.vision is not None or self.reads_conversation
 
