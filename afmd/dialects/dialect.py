@@ -128,6 +128,17 @@ class OpensWithPrompt(Protocol):
 
 
 @runtime_checkable
+class ReturnsTokens(Protocol):
+    """A reply whose last object gives the client the token ids the model ran and wrote
+    (Ollama's generate ``context``), to send back as the start of its next prompt. The
+    handler tells it the ids once the run is over, before the last batch is encoded: the
+    prompt is the handler's, the written ids the run's, and neither is an event every
+    dialect would carry."""
+
+    def tokens_ran(self, tokens: list[int]) -> None: ...
+
+
+@runtime_checkable
 class AnyBodyMediaType(Protocol):
     """A dialect whose reference server reads every request body as JSON, whatever its
     ``Content-Type`` says (Ollama's: its own docs' ``curl -d`` sends curl's default

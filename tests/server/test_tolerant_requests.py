@@ -516,13 +516,17 @@ def test_api_strict_setting() -> None:
     assert load_config(None, env={"AFMD_API_STRICT": "true"}).api.strict is True
 
 
-@pytest.mark.parametrize("field", [{"template": "{{ .Prompt }}"}, {"context": [1, 2]}])
 def test_strict_refuses_the_generate_fields_afmd_does_not_act_on(
-    strict: ServerProcess, field: dict[str, Any]
+    strict: ServerProcess
 ) -> None:
-    """Ollama defines them, but afmd's answer would not honour them: strict says so."""
-    (name,) = field
-    body = {"model": "demo", "prompt": "x", "stream": False, **field}
-    refused = httpx.post(strict.url + "/api/generate", json=body, timeout=60)
+    """Ollama defines ``template``, but afmd's answer would not honour it: strict says
+    so. ``context`` it honours (the earlier answer's ids come first), so strict takes it."""
+    body = {"model": "demo", "prompt": "x", "stream": False, "options": {"num_predict": 2}}
+    refused = httpx.post(strict.url + "/api/generate", json={
+        **body, "template": "{{ .Prompt }}"}, timeout=60)
     assert refused.status_code == 400, refused.text
-    assert refused.json() == {"error": f"Unrecognized request argument supplied: {name}"}
+    assert refused.json() == {"error": "Unrecognized request argument supplied: template"}
+    taken = httpx.post(strict.url + "/api/generate", json={**body, "context": [1, 2]},
+                       timeout=60)
+    assert taken.status_code == 200, taken.text
+    assert taken.json()["context"][:2] == [1, 2]

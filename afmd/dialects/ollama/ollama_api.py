@@ -15,7 +15,8 @@ Choices where afmd and Ollama differ (docs/ollama.md says the same):
   afmd's ``cancelled`` for a run cancelled by its ``X-Request-ID``; a turn that ends in
   tool calls is ``stop``, as Ollama says.
 * ``prompt_eval_count`` is the whole prompt, the part the prefix cache held included.
-* A generate answer has no ``context`` (Ollama's deprecated token list).
+* A templated generate's ``context`` is the ids the engine ran and wrote, not the text
+  encoded again: sent back, its tokens are the next prompt's first ones exactly.
 * ``X-AFM-Profile`` adds an ``afm_profile`` key to the last object.
 """
 
@@ -42,11 +43,17 @@ from afmd.core.events import (
     ToolCallEnd,
     Usage,
 )
-from afmd.core.request import CONTEXT_WINDOW_PARAM, ChatRequest, CompletionRequest
+from afmd.core.request import (
+    CONTEXT_WINDOW_PARAM,
+    PROMPT_PREFIX_PARAM,
+    ChatRequest,
+    CompletionRequest,
+)
 from afmd.dialects.ollama.ollama_body import parse_chat, parse_generate
 from afmd.errors import APIError, ContextLengthError, ModelKindError
 
-__all__ = ["MEDIA_TYPE", "OLLAMA", "OLLAMA_CHAT", "OLLAMA_GENERATE", "OllamaReply",
+__all__ = ["MEDIA_TYPE", "OLLAMA", "OLLAMA_CHAT", "OLLAMA_GENERATE", "OllamaGenerateReply",
+           "OllamaReply",
            "created_at", "error_body", "load_answer", "ndjson"]
 
 MEDIA_TYPE = "application/x-ndjson"
@@ -82,12 +89,14 @@ def nanoseconds(seconds: float) -> int:
 
 #: The fields the pipeline names, as Ollama's body names them: the grammar's (chat's
 #: ``response_format``), the request's own context window (``options.num_ctx``), the
-#: thinking a model lacks (``think``), and the body's own paths (kept as they are).
+#: earlier answer's ids (``context``), the thinking a model lacks (``think``), and the
+#: body's own paths (kept as they are).
 _FIELDS = (
     (re.compile(r"response_format\.json_schema\.schema(.*)"), r"format\1"),
     (re.compile(r"response_format(\..+)?"), "format"),
     (re.compile(r"(tools\[\d+\]\.function\..+)"), r"\1"),
     (re.compile(CONTEXT_WINDOW_PARAM), "options.num_ctx"),
+    (re.compile(PROMPT_PREFIX_PARAM + r"(\[\d+\])?"), r"context\1"),
     (re.compile(r"reasoning_effort"), "think"),
     (re.compile(r"((?:messages\[\d+\]\.)?images\[\d+\])"), r"\1"),
     (re.compile(r"(input\[\d+\]|options\..+)"), r"\1"),
@@ -260,9 +269,13 @@ class OllamaReply:
             out["logprobs"] = _logprobs(parts.tokens)
         if done:
             out.update(parts.end())
+            self._ended(out)
         else:
             out["done"] = False
         return out
+
+    def _ended(self, out: dict[str, Any]) -> None:
+        """What the last object adds besides the counts (see OllamaGenerateReply)."""
 
     def body(self, events: Sequence[Event]) -> bytes:
         parts = _Parts()
@@ -294,6 +307,26 @@ class OllamaReply:
 
     def stream_abandoned(self) -> None:
         pass  # nothing outlives the request
+
+
+class OllamaGenerateReply(OllamaReply):
+    """A templated ``/api/generate`` answer: its last object carries ``context``, the ids
+    the model ran and wrote (:class:`~afmd.dialects.dialect.ReturnsTokens`), which the
+    client sends back to go on with the conversation. A raw or fill-in-the-middle one
+    has none, as in Ollama (a raw prompt is the client's own text to continue)."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, *, model: str, logprobs: bool) -> None:
+        super().__init__(model=model, chat=False, logprobs=logprobs)
+        self._context: list[int] | None = None
+
+    def tokens_ran(self, tokens: list[int]) -> None:
+        self._context = tokens
+
+    def _ended(self, out: dict[str, Any]) -> None:
+        if self._context is not None:
+            out["context"] = self._context
 
 
 class OllamaErrors:
@@ -343,7 +376,10 @@ class OllamaGenerate(OllamaErrors):
 
     def reply(self, request: ChatRequest | CompletionRequest, *, model: str,
               fingerprint: str) -> OllamaReply:
-        return OllamaReply(model=model, chat=False, logprobs=request.logprobs is not None)
+        logprobs = request.logprobs is not None
+        if isinstance(request, ChatRequest):  # through the template: it has a context
+            return OllamaGenerateReply(model=model, logprobs=logprobs)
+        return OllamaReply(model=model, chat=False, logprobs=logprobs)
 
 
 OLLAMA = OllamaErrors()

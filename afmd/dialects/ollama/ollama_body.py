@@ -18,6 +18,8 @@ What Ollama spells differently:
   are objects; a ``tool`` message names its tool (``tool_name``) instead of a call id, and
   is matched to the call it answers.
 - ``format`` is ``"json"`` or a JSON schema, ``think`` a boolean or a level.
+- a templated generate's ``context`` (an earlier answer's ids) is the prompt's prefix,
+  ids before the rendered turn (:mod:`afmd.service.prompt_prefix`).
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ _KNOWN_OPTIONS = names(OPTIONS) | {"stop"} | names(NO_OP_OPTIONS)
 _COMMON = frozenset({"model", "stream", "format", "options", "keep_alive", "think",
                      "truncate", "shift", "logprobs", "top_logprobs"})
 CHAT_FIELDS = _COMMON | {"messages", "tools"}
-GENERATE_FIELDS = _COMMON | {"prompt", "suffix", "system", "raw", "images"}
+GENERATE_FIELDS = _COMMON | {"prompt", "suffix", "system", "raw", "images", "context"}
 
 _TOP = (
     Scalar("model", "string", required=True),
@@ -239,17 +241,19 @@ def _images(value: Any, param: str) -> tuple[ImageInput, ...]:
     return tuple(out)
 
 
-def _check_context(value: Any) -> None:
-    """``context``, Ollama's deprecated token list from an earlier answer: afmd returns
-    none and ignores one sent, but a value that is no list of integers is a 400, as
-    Ollama's own decoder makes it."""
+def _context(value: Any) -> tuple[int, ...]:
+    """``context``: the token ids an earlier generate answered with (its prompt and
+    answer), which this prompt continues. Not a list of integers is a 400, as Ollama's own
+    decoder makes it; an id the model does not have is the pipeline's (it knows the
+    vocabulary). Empty or absent: no earlier turn."""
     if value is None:
-        return
+        return ()
     if not isinstance(value, list):
         raise wrong_type("context", "an array of integers", value)
     for i, token in enumerate(value):
         if isinstance(token, bool) or not isinstance(token, int):
             raise wrong_type(f"context[{i}]", "an integer", token)
+    return tuple(value)
 
 
 def _arguments(function: dict[str, Any], param: str) -> str:
@@ -420,7 +424,7 @@ def generate_request(body: dict[str, Any], *, strict: bool = False
     response_format = _format(body.get("format"))
     sampling = _sampling(options)
     limit = _num_predict(options)
-    _check_context(body.get("context"))
+    context = _context(body.get("context"))
     if raw:
         # Ollama refuses these with raw too: a client sending them expects a template or
         # an earlier turn to shape the prompt, and raw mode would silently drop both.
@@ -428,6 +432,13 @@ def generate_request(body: dict[str, Any], *, strict: bool = False
             if body.get(name):
                 raise invalid(name, f"'{name}' cannot be combined with raw mode: raw mode "
                                     "does not support template, system, or context.")
+    if suffix and context:
+        # Ollama puts the earlier conversation's text before the fill-in-the-middle
+        # prompt, where the model reads it as what precedes the file: the code around the
+        # cursor is what a completion continues, and the editor sends it whole each time.
+        raise invalid("context", "'context' cannot be combined with a 'suffix' (fill in "
+                                 "the middle): an earlier answer's tokens do not continue "
+                                 "a file; send the text before the cursor as 'prompt'.")
     if raw or suffix:
         # The prompt as given (or the model's fill-in-the-middle prompt): no template.
         # Given means not empty, as Ollama checks it: a client that sends every field
@@ -465,6 +476,7 @@ def generate_request(body: dict[str, Any], *, strict: bool = False
         reasoning_effort=_think(body.get("think")),
         require_thinking=wants_thinking(body.get("think")),
         has_images=bool(images),
+        prompt_prefix=context,
         logprobs=(top["top_logprobs"] or 0) if top["logprobs"] else None,
         keep_alive=keep_alive_of(body),
         ignored_fields=ignored,

@@ -20,7 +20,7 @@ from sanic.response import HTTPResponse
 from afmd.core.events import Event, Usage
 from afmd.core.ids import new_request_id
 from afmd.core.request import ChatRequest, CompletionRequest
-from afmd.dialects.dialect import Dialect, OpensWithPrompt, ReplyEncoder
+from afmd.dialects.dialect import Dialect, OpensWithPrompt, ReplyEncoder, ReturnsTokens
 from afmd.errors import (
     APIError,
     InvalidRequestError,
@@ -120,6 +120,8 @@ def response_headers(
         headers["X-Grammar-Constraints"] = "downgraded"
     if prepared.trimmed:
         headers["X-AFM-Trimmed-Messages"] = str(prepared.trimmed)
+    if isinstance(prepared, PreparedChat) and prepared.trimmed_prefix:
+        headers["X-AFM-Trimmed-Context"] = str(prepared.trimmed_prefix)
     return headers
 
 
@@ -170,10 +172,17 @@ async def _next_batch(
     return batch
 
 
-def _note_end(request: Request, run: ChatRun | ChoicesRun | CompletionRun) -> None:
+def _note_end(request: Request, run: ChatRun | ChoicesRun | CompletionRun,
+              reply: ReplyEncoder) -> None:
+    """The run is over: what the access log and /metrics read, and the ids it ran for a
+    reply that returns them (told before the last batch is encoded)."""
     request.ctx.usage = run.usage
     request.ctx.run = run  # its model and engine timings, for /metrics
     request.ctx.finish_reason = run.finish_reason
+    if isinstance(reply, ReturnsTokens) and isinstance(run, ChatRun):
+        tokens = run.token_ids
+        if tokens is not None:
+            reply.tokens_ran(tokens)
 
 
 async def turn(request: Request, parsed: ChatRequest | CompletionRequest | None = None
@@ -267,7 +276,7 @@ async def _complete(
     events: list[Event] = []
     while not run.finished:
         events += await _next_batch(state, run, batches)
-    _note_end(request, run)
+    _note_end(request, run, reply)
     return HTTPResponse(reply.body(events), headers=response_headers(run.prepared, extra),
                         content_type="application/json")
 
@@ -332,11 +341,11 @@ async def _stream_run(
             async with aclosing(aiter(run)) as batches:
                 while True:
                     batch = await _next_batch(state, run, batches)
-                    data = reply.stream(batch)
                     if run.finished:
-                        _note_end(request, run)
-                        data += reply.stream_end()
+                        _note_end(request, run, reply)
+                        data = reply.stream(batch) + reply.stream_end()
                         break
+                    data = reply.stream(batch)
                     try:
                         await out.write(data, until=prepared.deadline)
                     except Stalled:

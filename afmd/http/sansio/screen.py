@@ -67,7 +67,7 @@ CORS_ALLOW_HEADERS = ("Authorization, Content-Type, X-Request-ID, X-AFM-Profile,
                       "Anthropic-Version, Anthropic-Beta")
 CORS_EXPOSE_HEADERS = (
     "X-Request-ID, OpenAI-Request-ID, Request-Id, X-Grammar-Constraints, "
-    "X-AFM-Trimmed-Messages, X-AFM-Ignored-Fields"
+    "X-AFM-Trimmed-Messages, X-AFM-Trimmed-Context, X-AFM-Ignored-Fields"
 )
 CORS_MAX_AGE = "600"
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
