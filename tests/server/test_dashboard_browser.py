@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from afmd import __version__
+from afmd.ports import free_ports
 
 from conftest import ServerProcess, parse_sse, start_server
 from helpers.browser import Watched, launched, watched_page
@@ -422,3 +424,74 @@ def test_pull_with_its_progress(browser: Any, tmp_path: Path) -> None:
                 watched.check()
         finally:
             server.stop()
+
+
+# ---------------------------------------------------------------------------- a server that
+# stops answering, or is another one
+
+
+def test_the_page_follows_a_restarted_server(browser: Any, tmp_path: Path) -> None:
+    """A server started again on the same port is another server: its last requests and
+    its uptime are shown, not held back behind the first one's count."""
+    expect = _expect()
+    port = free_ports()
+    first = start_server(tmp_path, port=False, args=["--port", str(port)])
+    url = first.url
+    second = None
+    try:
+        with watched_page(browser, url) as watched:
+            ui = _open(watched, url)
+            for _ in range(25):  # more lines in the first one's ring than the second's
+                assert httpx.get(url + "/v1/models").status_code == 200
+            expect(ui.get_by_test_id("request-row").first).to_contain_text("GET /v1/models")
+            # Older than the second one will be when its uptime is read.
+            started = httpx.get(url + "/ui/api/status").json()["started_at"]
+            time.sleep(max(0.0, started + 8 - time.time()))
+            first.stop()
+            expect(ui.get_by_test_id("connection")).to_contain_text("cannot reach")
+            second = start_server(tmp_path, port=False, args=["--port", str(port)])
+            request_id = f"again-{time.monotonic_ns()}"
+            httpx.post(url + "/v1/chat/completions", headers={"X-Request-ID": request_id},
+                       json={"model": "demo", "max_tokens": 3,
+                             "messages": [{"role": "user", "content": "Hi"}]}, timeout=60)
+            row = ui.locator(f'[data-testid="request-row"][data-request-id="{request_id}"]')
+            expect(row).to_contain_text("POST /v1/chat/completions")
+            # The first server's requests are not mixed into the second one's.
+            expect(ui.get_by_test_id("request-row").filter(
+                has_text="GET /v1/models")).to_have_count(0)
+            # The second one's uptime, read soon (not the first one's, still counting).
+            started = httpx.get(url + "/ui/api/status").json()["started_at"]
+            _until(lambda: _uptime_s(ui.get_by_test_id("uptime").text_content())
+                   <= time.time() - started + 1.5, timeout=3)
+            watched.check(allowed_errors=("ERR_CONNECTION_REFUSED",))
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def _uptime_s(text: str | None) -> int:
+    found = re.fullmatch(r"(?:(\d+)m )?(\d+)s", text or "")
+    assert found, text
+    return int(found[1] or 0) * 60 + int(found[2])
+
+
+def test_a_hung_server_is_not_sent_more_polls(page: Watched, dash: ServerProcess) -> None:
+    """A server that takes the connection but does not answer (stopped, swapping) gets one
+    poll at a time, not a second's worth more each second, and the page says it waits."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    expect(ui.get_by_test_id("connection")).to_contain_text("updated")
+    ui.wait_for_timeout(1500)  # a poll answered, none in flight
+    dash.proc.send_signal(signal.SIGSTOP)
+    try:
+        sent = len(page.requests)
+        expect(ui.get_by_test_id("connection")).to_contain_text("not answered")
+        ui.wait_for_timeout(3000)
+        reads = [r.url for r in page.requests[sent:] if "/ui/api/" in r.url]
+        assert len(reads) <= 3, reads  # one poll: its status, models and activity at most
+    finally:
+        dash.proc.send_signal(signal.SIGCONT)
+    expect(ui.get_by_test_id("connection")).to_contain_text("updated")
+    expect(ui.locator("main")).not_to_have_class(re.compile("stale"))
+

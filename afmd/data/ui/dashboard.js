@@ -4,6 +4,8 @@
 
 const KEY_STORAGE = "afmd.apiKey";
 const POLL_MS = 1000;
+const SLOW_MS = 2500; // a poll unanswered this long: the page says it is waiting
+const POLL_TIMEOUT_MS = 15000; // a poll unanswered this long is dropped, and sent again
 const STATUS_EVERY = 10; // polls between two status reads
 const REQUESTS_SHOWN = 50;
 const CHART_SECONDS = 300;
@@ -98,8 +100,9 @@ const view = {
   requests: [],
   series: [],
   polls: 0,
-  sent: 0, // polls started
-  shown: 0, // the latest poll shown
+  instance: null, // the server answering (another one on the same address counts anew)
+  inFlight: null, // performance.now() when the poll under way started
+  again: false, // poll again as soon as the one under way ends
   timer: null,
   busy: new Set(), // model ids with an action under way
 };
@@ -121,6 +124,8 @@ function connection(ok, text) {
   const node = $("connection");
   node.textContent = text;
   node.classList.toggle("lost", !ok);
+  // What the panels show is the last the server said, not what it holds now.
+  $("main").classList.toggle("stale", !ok);
 }
 
 // ------------------------------------------------------------------ status
@@ -253,7 +258,7 @@ async function modelAction(id, action) {
   try {
     // Loading is answered once the model is in memory: poll meanwhile so the row says so.
     const pending = api(`/ui/api/${action}`, { json: { model: id } });
-    setTimeout(poll, 100);
+    setTimeout(refresh, 100);
     await pending;
   } catch (err) {
     if (err instanceof Unauthorized) { showKeyPanel(err.message); return; }
@@ -261,7 +266,7 @@ async function modelAction(id, action) {
   } finally {
     view.busy.delete(id);
   }
-  poll();
+  refresh();
 }
 
 async function startPull(event) {
@@ -276,7 +281,7 @@ async function startPull(event) {
     if (err instanceof Unauthorized) { showKeyPanel(err.message); return; }
     $("model-error").textContent = `pull ${repo}: ${err.message}`;
   }
-  poll();
+  refresh();
 }
 
 // ------------------------------------------------------------------ live
@@ -367,18 +372,41 @@ function renderCharts() {
 
 // ------------------------------------------------------------------ polling
 
+function forgetServer() {
+  // Another server answers: its requests count from one again and its series is its own.
+  view.seq = 0;
+  view.after = 0;
+  view.requests = [];
+  view.series = [];
+  view.status = null;
+  $("request-rows").replaceChildren();
+  renderCharts();
+}
+
 async function poll() {
-  const number = ++view.sent;
+  view.inFlight = performance.now();
+  view.again = false;
+  const controller = new AbortController();
+  const timer = setTimeout(() => controller.abort(), POLL_TIMEOUT_MS);
+  const read = (path) => api(path, { signal: controller.signal });
   try {
     const wantStatus = view.polls % STATUS_EVERY === 0 || !view.status;
     view.polls += 1;
     const [status, models, activity] = await Promise.all([
-      wantStatus ? api("/ui/api/status") : null,
-      api("/ui/api/models"),
-      api(`/ui/api/activity?since=${view.seq}&after=${view.after}`),
+      wantStatus ? read("/ui/api/status") : null,
+      read("/ui/api/models"),
+      read(`/ui/api/activity?since=${view.seq}&after=${view.after}`),
     ]);
-    if (number < view.shown) return; // a later poll has been shown already
-    view.shown = number;
+    if (activity.instance !== view.instance) {
+      const restarted = view.instance !== null;
+      view.instance = activity.instance;
+      if (restarted) {
+        // What this poll read was asked of the server before: read it all again, now.
+        forgetServer();
+        view.again = true;
+        return;
+      }
+    }
     if (status) { view.status = status; view.statusAt = performance.now(); }
     showMain();
     renderStatus();
@@ -392,15 +420,37 @@ async function poll() {
       showKeyPanel(refused ? `The server refused this key: ${err.message}` : "");
       return;
     }
-    connection(false, `cannot reach the server: ${err.message}`);
+    if (err.name === "AbortError") {
+      connection(false, `the server has not answered for ${seconds(POLL_TIMEOUT_MS / 1000)}`);
+    } else {
+      connection(false, `cannot reach the server: ${err.message}`);
+    }
+  } finally {
+    clearTimeout(timer);
+    view.inFlight = null;
+    if (view.again && view.timer !== null) poll();
   }
+}
+
+function tick() {
+  // One poll at a time: a server that takes the connection but does not answer (stopped,
+  // swapping) is not sent another second's worth of reads every second.
+  if (view.inFlight === null) { poll(); return; }
+  const waited = performance.now() - view.inFlight;
+  if (waited >= SLOW_MS) connection(false, `the server has not answered for ${seconds(waited / 1000)}`);
+}
+
+function refresh() {
+  // After an action: read now, or as soon as the poll under way ends.
+  if (view.inFlight === null) poll();
+  else view.again = true;
 }
 
 function startPolling() {
   stopPolling();
   view.polls = 0;
-  poll();
-  view.timer = setInterval(poll, POLL_MS);
+  view.timer = setInterval(tick, POLL_MS);
+  refresh();
 }
 
 function stopPolling() {
