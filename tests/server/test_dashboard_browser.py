@@ -495,3 +495,49 @@ def test_a_hung_server_is_not_sent_more_polls(page: Watched, dash: ServerProcess
     expect(ui.get_by_test_id("connection")).to_contain_text("updated")
     expect(ui.locator("main")).not_to_have_class(re.compile("stale"))
 
+
+# ---------------------------------------------------------------------------- many models,
+# a narrow window, the keyboard
+
+LONG_ID = "mlx-community-" + "Qwen2.5-Coder-32B-Instruct-4bit-" * 4 + "end"
+MISSING = "/models/" + "a-folder-whose-name-has-no-place-to-break-" * 4 + "x"
+
+
+@pytest.fixture(scope="module")
+def crowded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Many models, one of them with a very long id, one whose folder is missing."""
+    models = "".join(f'[[models.model]]\nid = "extra-{i:02d}"\npath = "afmd:demo"\n'
+                     for i in range(30))
+    models += f'[[models.model]]\nid = "{LONG_ID}"\npath = "afmd:demo"\n'
+    models += f'[[models.model]]\nid = "missing"\npath = "{MISSING}"\nkind = "chat"\n'
+    server = start_server(tmp_path_factory.mktemp("crowded"),
+                          config=f'[models]\ndefault = "demo"\n{models}')
+    yield server
+    server.stop()
+
+
+def _sideways(ui: Any) -> int:
+    """How far the page scrolls sideways: a narrow window fits everything in its width."""
+    return int(ui.evaluate("document.documentElement.scrollWidth - window.innerWidth"))
+
+
+def test_a_narrow_window_does_not_scroll_sideways(browser: Any, crowded: ServerProcess) -> None:
+    expect = _expect()
+    with watched_page(browser, crowded.url) as watched:
+        ui = _open(watched, crowded.url)
+        expect(ui.locator('[data-testid="model-row"]:not([data-source="downloaded"])')
+               ).to_have_count(len(_health(crowded.url)["model_details"]))
+        ui.set_viewport_size({"width": 375, "height": 800})
+        expect(_row(ui, LONG_ID)).to_be_visible()
+        assert _sideways(ui) <= 0
+        # A long error (a missing folder's path) wraps too.
+        _row(ui, "missing").get_by_test_id("load").click()
+        expect(ui.get_by_test_id("model-error")).to_contain_text("does not exist")
+        expect(_row(ui, "missing")).to_have_attribute("data-state", "unavailable")
+        assert _sideways(ui) <= 0
+        # Every model's row and actions stay reachable: the table scrolls in its panel.
+        _row(ui, LONG_ID).get_by_test_id("load").click()
+        expect(_row(ui, LONG_ID)).to_have_attribute("data-state", "loaded")
+        assert _sideways(ui) <= 0
+        watched.check(allowed_errors=("500",))
+
