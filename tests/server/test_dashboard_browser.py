@@ -541,3 +541,16 @@ def test_a_narrow_window_does_not_scroll_sideways(browser: Any, crowded: ServerP
         assert _sideways(ui) <= 0
         watched.check(allowed_errors=("500",))
 
+
+def test_charts_with_nothing_to_show_claim_no_scale(browser: Any,
+                                                   crowded: ServerProcess) -> None:
+    """A chart with no point (no request has ended: no TTFT yet) or only zeros shows no
+    made-up maximum."""
+    expect = _expect()
+    with watched_page(browser, crowded.url) as watched:
+        ui = _open(watched, crowded.url)
+        expect(ui.locator("#chart-queue polyline").first).to_be_attached()
+        assert not re.search(r"\d", ui.locator("#chart-ttft-max").text_content() or "")
+        assert ui.locator("#chart-queue-max").text_content() == "max 0"
+        watched.check()
+

@@ -339,9 +339,9 @@ function drawChart(id, lines, unit) {
   const svg = $(id);
   const end = view.series.length ? view.series[view.series.length - 1].t : 0;
   const start = end - CHART_SECONDS;
-  let top = 0;
-  for (const line of lines) for (const [, v] of line.points) if (v !== null) top = Math.max(top, v);
-  top = top > 0 ? top * 1.15 : 1;
+  let peak = null; // null: no point at all
+  for (const line of lines) for (const [, v] of line.points) if (v !== null) peak = Math.max(peak ?? v, v);
+  const top = peak > 0 ? peak * 1.15 : 1;
   const children = [];
   for (const line of lines) {
     const pts = line.points.filter(([, v]) => v !== null)
@@ -353,8 +353,9 @@ function drawChart(id, lines, unit) {
     children.push(poly);
   }
   svg.replaceChildren(...children);
-  // The scale in the caption: text inside a stretched SVG would be stretched too.
-  $(`${id}-max`).textContent = `max ${Math.round((top / 1.15) * 10) / 10}${unit}`;
+  // The scale in the caption: text inside a stretched SVG would be stretched too. With
+  // nothing drawn there is no scale to tell.
+  $(`${id}-max`).textContent = peak === null ? "" : `max ${Math.round(peak * 10) / 10}${unit}`;
 }
 
 function renderCharts() {
