@@ -554,3 +554,19 @@ def test_charts_with_nothing_to_show_claim_no_scale(browser: Any,
         assert ui.locator("#chart-queue-max").text_content() == "max 0"
         watched.check()
 
+
+def test_ctrl_enter_checks_the_form_as_send_does(page: Watched, dash: ServerProcess) -> None:
+    """Ctrl+Enter is the Send button: an empty prompt or a max tokens below 1 is refused
+    by the form, not sent."""
+    ui = _open(page, dash.url)
+    _settings(ui, max_tokens="8", prompt="")
+    ui.get_by_test_id("prompt").press("Control+Enter")
+    _settings(ui, max_tokens="0", prompt="Hi")
+    ui.get_by_test_id("prompt").press("Control+Enter")
+    ui.wait_for_timeout(500)
+    assert not [r for r in page.requests if "/v1/chat/completions" in r.url]
+    _settings(ui, max_tokens="4", prompt="Hi")
+    with ui.expect_request("**/v1/chat/completions") as sent:
+        ui.get_by_test_id("prompt").press("Control+Enter")
+    assert json.loads(sent.value.post_data)["max_tokens"] == 4
+    _expect()(ui.get_by_test_id("finish-reason")).to_have_text("length")

@@ -673,7 +673,8 @@ document.addEventListener("DOMContentLoaded", () => {
   $("play-form").addEventListener("submit", send);
   $("stop").addEventListener("click", stop);
   $("prompt").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) send(e);
+    // As the Send button: through the form's own checks (a prompt, numbers in range).
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); $("play-form").requestSubmit(); }
   });
   setInterval(renderStatus, 1000); // the uptime ticks between status reads
   boot();
