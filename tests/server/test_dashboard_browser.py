@@ -396,6 +396,34 @@ def test_the_key_flow(browser: Any, keyed: ServerProcess) -> None:
         fresh.check()
 
 
+def test_a_key_that_cannot_be_sent_is_refused_at_once(browser: Any, keyed: ServerProcess) -> None:
+    """A key pasted with an invisible character (a zero-width space) cannot go in a header:
+    the page says so, keeps nothing, and asks again, where it said 'checking…' for ever,
+    blamed the server ('cannot reach'), and after a reload showed neither panel."""
+    expect = _expect()
+    with watched_page(browser, keyed.url) as watched:
+        ui = watched.page
+        ui.goto(keyed.url + "/ui/")
+        field = ui.get_by_test_id("api-key")
+        field.fill(KEY + "\u200b")
+        ui.get_by_test_id("api-key-submit").click()
+        expect(ui.get_by_test_id("api-key-error")).to_contain_text("U+200B")
+        assert ui.evaluate("sessionStorage.length") == 0
+        expect(field).to_be_visible()
+        expect(field).to_be_focused()
+        assert not [r.url for r in watched.requests if "/ui/api/" in r.url]
+        # One kept from before (another version of the page) is dropped the same way.
+        ui.evaluate("k => sessionStorage.setItem('afmd.apiKey', k)", KEY + "\u200b")
+        ui.reload()
+        expect(field).to_be_visible()
+        expect(ui.get_by_test_id("api-key-error")).to_contain_text("U+200B")
+        assert ui.evaluate("sessionStorage.length") == 0
+        field.fill(KEY)
+        ui.get_by_test_id("api-key-submit").click()
+        expect(_row(ui, "demo")).to_have_attribute("data-state", "loaded")
+        watched.check()
+
+
 # ---------------------------------------------------------------------------- pull
 
 

@@ -56,6 +56,23 @@ class APIError extends Error {
 
 function apiKey() { return sessionStorage.getItem(KEY_STORAGE) || ""; }
 
+function unsendable(key) {
+  // A header carries ISO-8859-1 and no control characters: fetch refuses anything else
+  // before it sends, so such a key (pasted with a zero-width space, say) could never be
+  // tried, only fail every read as if the server were gone.
+  let i = 0;
+  for (const ch of key) {
+    i += 1;
+    const code = ch.codePointAt(0);
+    if (code > 0xff || code < 0x20 || code === 0x7f) {
+      const name = `U+${code.toString(16).toUpperCase().padStart(4, "0")}`;
+      return `The key cannot be sent: its character ${i} (${name}) is not allowed in an `
+        + "HTTP header; it may have been pasted with the key. Type or paste it again without it.";
+    }
+  }
+  return null;
+}
+
 function headers(extra = {}) {
   const h = { ...extra };
   const key = apiKey();
@@ -661,6 +678,8 @@ function saveKey(event) {
   event.preventDefault();
   const key = $("api-key").value.trim();
   if (!key) return;
+  const refused = unsendable(key);
+  if (refused) { showKeyPanel(refused); return; }
   sessionStorage.setItem(KEY_STORAGE, key);
   $("api-key").value = "";
   $("key-error").textContent = "checking…";
@@ -681,6 +700,8 @@ document.addEventListener("DOMContentLoaded", () => {
 });
 
 async function boot() {
+  const kept = unsendable(apiKey());
+  if (kept) { sessionStorage.removeItem(KEY_STORAGE); showKeyPanel(kept); return; }
   // Whether a key is needed is public: without one, ask for it before reading anything.
   try {
     const auth = await (await fetch("/ui/auth", { cache: "no-store" })).json();
