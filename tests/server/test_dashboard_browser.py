@@ -524,6 +524,32 @@ def test_a_hung_server_is_not_sent_more_polls(page: Watched, dash: ServerProcess
     expect(ui.locator("main")).not_to_have_class(re.compile("stale"))
 
 
+def test_a_reply_cut_off_by_the_server_going_away_says_so(browser: Any,
+                                                         tmp_path: Path) -> None:
+    """The server dies mid-reply: the playground says the connection was lost mid-reply
+    (not only the browser's bare 'network error'), and what came stays shown."""
+    expect = _expect()
+    server = start_server(tmp_path)
+    try:
+        with watched_page(browser, server.url) as watched:
+            ui = _open(watched, server.url)
+            _settings(ui, max_tokens="20000", prompt="Tell a long story.")
+            ui.get_by_test_id("send").click()
+            expect(ui.get_by_test_id("output")).not_to_be_empty()
+            server.stop(signal.SIGKILL)
+            expect(ui.get_by_test_id("error")).to_contain_text(
+                "connection to the server was lost")
+            assert ui.get_by_test_id("output").text_content()
+            expect(ui.get_by_test_id("send")).to_be_enabled()
+            expect(ui.get_by_test_id("stop")).to_be_disabled()
+            # Sent again while it is gone: the page says it cannot reach it.
+            ui.get_by_test_id("send").click()
+            expect(ui.get_by_test_id("error")).to_contain_text("cannot reach the server")
+            watched.check(allowed_errors=("ERR_CONNECTION_REFUSED", "ERR_INCOMPLETE_CHUNKED"))
+    finally:
+        server.stop()
+
+
 # ---------------------------------------------------------------------------- many models,
 # a narrow window, the keyboard
 

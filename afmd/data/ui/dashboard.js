@@ -600,12 +600,13 @@ function setRunning(running) {
 }
 
 async function readStream(response) {
+  // Whether the stream ended as the server ends one (with [DONE]).
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
   for (;;) {
     const { value, done } = await reader.read();
-    if (done) break;
+    if (done) return false;
     buffer += decoder.decode(value, { stream: true });
     let cut;
     while ((cut = buffer.search(/\r?\n\r?\n/)) >= 0) {
@@ -614,7 +615,7 @@ async function readStream(response) {
       const data = block.split(/\r?\n/).filter((l) => l.startsWith("data:"))
         .map((l) => l.slice(5).replace(/^ /, "")).join("\n");
       if (!data) continue; // a comment (keep-alive)
-      if (data === "[DONE]") return;
+      if (data === "[DONE]") return true;
       applyChunk(JSON.parse(data));
     }
   }
@@ -632,6 +633,7 @@ async function send(event) {
   play.controller = new AbortController();
   $("request-id").textContent = requestId;
   setRunning(true);
+  let replying = false; // the server has answered: a failure now cuts the reply off
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST",
@@ -643,9 +645,18 @@ async function send(event) {
     });
     if (response.status === 401) { showKeyPanel((await errorOf(response)).message); return; }
     if (!response.ok) { $("play-error").textContent = (await errorOf(response)).message; return; }
-    await readStream(response);
+    replying = true;
+    if (!(await readStream(response)) && !$("play-error").textContent) {
+      $("play-error").textContent = "The reply ended before the server finished it.";
+    }
   } catch (err) {
-    if (err.name !== "AbortError") $("play-error").textContent = err.message;
+    // The browser's own words ("network error", "Failed to fetch") say little of what
+    // happened: the server went away mid-reply, or could not be reached at all.
+    if (err.name !== "AbortError") {
+      $("play-error").textContent = replying
+        ? `The connection to the server was lost mid-reply (${err.message}).`
+        : `The page cannot reach the server (${err.message}).`;
+    }
   } finally {
     clearTimeout(play.cancelTimer);
     play.requestId = null;
