@@ -515,9 +515,12 @@ def test_a_hung_server_is_not_sent_more_polls(page: Watched, dash: ServerProcess
     try:
         sent = len(page.requests)
         expect(ui.get_by_test_id("connection")).to_contain_text("not answered")
+        uptime = ui.get_by_test_id("uptime").text_content()
         ui.wait_for_timeout(3000)
         reads = [r.url for r in page.requests[sent:] if "/ui/api/" in r.url]
         assert len(reads) <= 3, reads  # one poll: its status, models and activity at most
+        # The uptime is the last the server told, not counted on as if it were still up.
+        assert ui.get_by_test_id("uptime").text_content() == uptime
     finally:
         dash.proc.send_signal(signal.SIGCONT)
     expect(ui.get_by_test_id("connection")).to_contain_text("updated")

@@ -121,6 +121,7 @@ const view = {
   inFlight: null, // performance.now() when the poll under way started
   again: false, // poll again as soon as the one under way ends
   timer: null,
+  lost: false, // the server does not answer: the uptime stops where it was last told
   busy: new Set(), // model ids with an action under way
 };
 
@@ -141,6 +142,7 @@ function connection(ok, text) {
   const node = $("connection");
   node.textContent = text;
   node.classList.toggle("lost", !ok);
+  view.lost = !ok;
   // What the panels show is the last the server said, not what it holds now.
   $("main").classList.toggle("stale", !ok);
 }
@@ -706,7 +708,7 @@ document.addEventListener("DOMContentLoaded", () => {
     // As the Send button: through the form's own checks (a prompt, numbers in range).
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); $("play-form").requestSubmit(); }
   });
-  setInterval(renderStatus, 1000); // the uptime ticks between status reads
+  setInterval(() => { if (!view.lost) renderStatus(); }, 1000); // the uptime ticks between reads
   boot();
 });
 
