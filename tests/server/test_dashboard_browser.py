@@ -305,6 +305,24 @@ def test_unload_and_load_from_the_row(page: Watched, dash: ServerProcess) -> Non
     expect(row.get_by_test_id("unload")).to_have_count(1)
 
 
+def test_row_actions_name_their_model_and_work_from_the_keyboard(
+        page: Watched, dash: ServerProcess) -> None:
+    """Each row's button says whose it is (a screen reader, or a keyboard user's Tab through
+    a column of identical 'Load's, hears 'Load demo-32k'), and Enter on it acts."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    unload = ui.get_by_role("button", name="Unload demo", exact=True)
+    expect(unload).to_have_count(1)
+    unload.focus()
+    ui.keyboard.press("Enter")
+    expect(_row(ui, "demo")).to_have_attribute("data-state", "available")
+    load = ui.get_by_role("button", name="Load demo", exact=True)
+    load.focus()
+    ui.keyboard.press("Enter")
+    expect(_row(ui, "demo")).to_have_attribute("data-state", "loaded")
+    assert _health(dash.url)["model_details"]["demo"]["state"] == "loaded"
+
+
 def test_actions_refuse_another_origin(browser: Any, dash: ServerProcess) -> None:
     """A page of another origin (the same server under another name) cannot unload."""
     with watched_page(browser, dash.url) as watched:

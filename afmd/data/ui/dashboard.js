@@ -190,7 +190,9 @@ function modelRow(m) {
 }
 
 function actionButton(id, action, label) {
-  const button = el("button", { type: "button", testid: action, text: label });
+  // Named with the model: a column of identical "Load"s says nothing to a screen reader.
+  const button = el("button", { type: "button", testid: action, text: label,
+    "aria-label": `${label} ${id}` });
   button.addEventListener("click", () => modelAction(id, action));
   return button;
 }
