@@ -160,6 +160,32 @@ def test_model_rows_and_status_are_the_apis(page: Watched, dash: ServerProcess) 
     expect(ui.get_by_test_id("uptime")).to_have_text(re.compile(r"^\d+(s|m \d+s)$"))
 
 
+def test_a_selection_survives_the_polls(page: Watched, dash: ServerProcess) -> None:
+    """Text a user selects to copy (a model id, the config file, a listener, a request)
+    stays selected while the page polls: a poll that rewrote it, even with the same text,
+    dropped the selection within a second."""
+    ui = _open(page, dash.url)
+    assert httpx.get(dash.url + "/v1/models").status_code == 200
+    _expect()(ui.get_by_test_id("request-row").first).to_be_visible()
+    targets = {
+        "model id": _row(ui, "demo").locator(".model-id"),
+        "model kind": _row(ui, "demo").locator("td").nth(1),
+        "config file": ui.get_by_test_id("config-file"),
+        "listener": ui.get_by_test_id("listener").first,
+        "memory": ui.locator("#memory-text"),
+        "per model": ui.locator('[data-testid="model-activity"] .model-id').first,
+        "request": ui.get_by_test_id("request-row").last.locator("td.path"),
+    }
+    for name, target in targets.items():
+        target.select_text()
+        chosen = ui.evaluate("getSelection().toString()")
+        assert chosen, name
+        # A new request's row arrives meanwhile, and two polls at least.
+        assert httpx.get(dash.url + "/v1/models").status_code == 200
+        ui.wait_for_timeout(2200)
+        assert ui.evaluate("getSelection().toString()") == chosen, name
+
+
 def test_live_count_last_requests_and_charts(page: Watched, dash: ServerProcess) -> None:
     expect = _expect()
     ui = _open(page, dash.url)

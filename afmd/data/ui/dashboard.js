@@ -23,6 +23,19 @@ const el = (tag, attrs = {}, ...children) => {
   return node;
 };
 
+// What a poll writes, it writes only where it changed: rewriting a node, even with the same
+// text, drops the user's selection in it, so nothing could be selected to copy for longer
+// than a second (a model id, the config file, a request).
+function setText(node, text) {
+  if (node.textContent !== text) node.textContent = text;
+}
+
+function replaceIfChanged(node, key, build) {
+  if (node.dataset.key === key) return;
+  node.dataset.key = key;
+  node.replaceChildren(...build());
+}
+
 // ------------------------------------------------------------------ formatting
 
 function bytes(n) {
@@ -152,15 +165,14 @@ function connection(ok, text) {
 function renderStatus() {
   const s = view.status;
   if (!s) return;
-  $("version").textContent = s.version;
+  setText($("version"), s.version);
   const elapsed = (performance.now() - view.statusAt) / 1000;
-  $("uptime").textContent = seconds(s.now - s.started_at + elapsed);
-  const list = $("listeners");
-  list.replaceChildren(...s.listeners.map((l) => el("li", {
+  setText($("uptime"), seconds(s.now - s.started_at + elapsed));
+  replaceIfChanged($("listeners"), JSON.stringify(s.listeners), () => s.listeners.map((l) => el("li", {
     "class": l.up ? "up" : "down", testid: "listener", text: l.address,
     title: l.up ? "accepting connections" : "down",
   })));
-  $("config-file").textContent = s.config_file || "none (built-in defaults)";
+  setText($("config-file"), s.config_file || "none (built-in defaults)");
 }
 
 // ------------------------------------------------------------------ models
@@ -201,20 +213,22 @@ function updateModelRow(row, m, now) {
   row.dataset.state = m.state;
   row.dataset.source = m.source;
   const cells = row.children;
-  const idCell = cells[0];
-  idCell.replaceChildren(el("span", { "class": "model-id", text: m.id }));
-  if (m.default) idCell.append(el("span", { "class": "badge", text: "default" }));
-  if (m.source !== "configured") idCell.append(el("span", { "class": "badge", text: m.source }));
-  for (const alias of m.aliases) idCell.append(el("span", { "class": "badge", text: `alias ${alias}` }));
-  cells[1].textContent = m.kind || "—";
+  const badges = [];
+  if (m.default) badges.push("default");
+  if (m.source !== "configured") badges.push(m.source);
+  for (const alias of m.aliases) badges.push(`alias ${alias}`);
+  replaceIfChanged(cells[0], JSON.stringify([m.id, badges]), () => [
+    el("span", { "class": "model-id", text: m.id }),
+    ...badges.map((text) => el("span", { "class": "badge", text }))]);
+  setText(cells[1], m.kind || "—");
   const state = cells[2].children[0];
-  state.textContent = m.state;
-  state.className = `state ${m.state}`;
-  cells[2].children[1].textContent = m.reason ? ` ${m.reason}` : "";
-  cells[3].textContent = m.memory_bytes === null ? (m.size_bytes ? `${bytes(m.size_bytes)} on disk` : "—") : bytes(m.memory_bytes);
-  cells[4].textContent = String(m.active);
-  cells[5].textContent = String(m.queued);
-  cells[6].textContent = keepAliveText(m, now);
+  setText(state, m.state);
+  if (state.className !== `state ${m.state}`) state.className = `state ${m.state}`;
+  setText(cells[2].children[1], m.reason ? ` ${m.reason}` : "");
+  setText(cells[3], m.memory_bytes === null ? (m.size_bytes ? `${bytes(m.size_bytes)} on disk` : "—") : bytes(m.memory_bytes));
+  setText(cells[4], String(m.active));
+  setText(cells[5], String(m.queued));
+  setText(cells[6], keepAliveText(m, now));
   // The actions a model's state allows, and only those (a row that is not loaded has no
   // unload button at all).
   const wanted = [];
@@ -248,14 +262,14 @@ function renderModels(payload) {
   const mem = payload.memory;
   $("memory-bar").max = Math.max(1, mem.budget_bytes);
   $("memory-bar").value = mem.used_bytes;
-  $("memory-text").textContent =
-    `${bytes(mem.used_bytes)} of ${bytes(mem.budget_bytes)} budget · ${mem.loaded} of ${mem.max_loaded} models loaded`;
+  setText($("memory-text"),
+    `${bytes(mem.used_bytes)} of ${bytes(mem.budget_bytes)} budget · ${mem.loaded} of ${mem.max_loaded} models loaded`);
   renderPulls(payload.pulls);
   renderModelChoices(payload.models);
 }
 
 function renderPulls(pulls) {
-  $("pulls").replaceChildren(...pulls.map((p) => {
+  replaceIfChanged($("pulls"), JSON.stringify(pulls), () => pulls.map((p) => {
     const done = p.total_bytes ? p.completed_bytes / p.total_bytes : 0;
     const bar = el("progress", { testid: "pull-progress", max: "1" });
     bar.value = p.state === "done" ? 1 : done;
@@ -308,23 +322,25 @@ async function startPull(event) {
 // ------------------------------------------------------------------ live
 
 function renderActivity(payload) {
-  $("active-requests").textContent = `${payload.active} running · ${payload.queued} queued`;
-  const lines = Object.entries(payload.models)
-    .filter(([id, c]) => c.active || c.queued || view.models.some((m) => m.id === id && m.state === "loaded"))
-    .map(([id, c]) => {
-      const li = el("li", { testid: "model-activity" },
-        el("span", { "class": "model-id", text: id }),
-        el("span", { text: `${c.active} running · ${c.queued} queued` }));
-      li.dataset.modelId = id;
-      return li;
-    });
-  $("per-model").replaceChildren(...lines);
+  setText($("active-requests"), `${payload.active} running · ${payload.queued} queued`);
+  const shown = Object.entries(payload.models)
+    .filter(([id, c]) => c.active || c.queued || view.models.some((m) => m.id === id && m.state === "loaded"));
+  replaceIfChanged($("per-model"), JSON.stringify(shown), () => shown.map(([id, c]) => {
+    const li = el("li", { testid: "model-activity" },
+      el("span", { "class": "model-id", text: id }),
+      el("span", { text: `${c.active} running · ${c.queued} queued` }));
+    li.dataset.modelId = id;
+    return li;
+  }));
 
   // Two polls may overlap (an action polls at once): keep only what is new.
   const requests = payload.requests.filter((r) => r.seq > view.seq);
   if (requests.length) {
     view.requests = view.requests.concat(requests).slice(-REQUESTS_SHOWN);
-    $("request-rows").replaceChildren(...view.requests.slice().reverse().map(requestRow));
+    // The new rows go on top; the rows already shown stay as they are.
+    const body = $("request-rows");
+    body.prepend(...requests.slice(-REQUESTS_SHOWN).reverse().map(requestRow));
+    while (body.children.length > REQUESTS_SHOWN) body.lastElementChild.remove();
   }
   view.seq = Math.max(view.seq, payload.seq);
   const points = payload.series.filter((p) => p.t > view.after);
@@ -376,7 +392,7 @@ function drawChart(id, lines, unit) {
   svg.replaceChildren(...children);
   // The scale in the caption: text inside a stretched SVG would be stretched too. With
   // nothing drawn there is no scale to tell.
-  $(`${id}-max`).textContent = peak === null ? "" : `max ${Math.round(peak * 10) / 10}${unit}`;
+  setText($(`${id}-max`), peak === null ? "" : `max ${Math.round(peak * 10) / 10}${unit}`);
 }
 
 function renderCharts() {
@@ -387,9 +403,9 @@ function renderCharts() {
     { points: s.map((p) => [p.t, p.active]), second: true }], "");
   const last = s[s.length - 1];
   const lastTtft = [...s].reverse().find((p) => p.ttft_ms !== null);
-  $("now-tokens").textContent = last ? `${Math.round(last.tokens_per_s)}` : "";
-  $("now-ttft").textContent = lastTtft ? `last ${Math.round(lastTtft.ttft_ms)} ms` : "";
-  $("now-queue").textContent = last ? `${last.queued} · ${last.active}` : "";
+  setText($("now-tokens"), last ? `${Math.round(last.tokens_per_s)}` : "");
+  setText($("now-ttft"), lastTtft ? `last ${Math.round(lastTtft.ttft_ms)} ms` : "");
+  setText($("now-queue"), last ? `${last.queued} · ${last.active}` : "");
 }
 
 // ------------------------------------------------------------------ polling
