@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import os
 import time
+import uuid
 import weakref
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
@@ -237,6 +238,10 @@ class Dashboard:
     """What the dashboard keeps for one server: its files, its pulls, the downloads seen."""
 
     assets: dict[str, bytes] = field(default_factory=_read_assets)
+    #: Which server process this is, for a page that outlives it: another server on the
+    #: same address counts its requests from one again, so a page that went on from the
+    #: first one's count would show none of them.
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex)
     pulls: Pulls = field(default_factory=Pulls)
     _downloads: list[hubcache.CachedRepo] = field(default_factory=list)
     _downloads_at: float = -DOWNLOADS_TTL_S

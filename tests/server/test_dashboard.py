@@ -200,6 +200,17 @@ def test_status(ui: ServerProcess, http: httpx.Client) -> None:
     assert 0 <= status["uptime_s"] <= status["now"] - status["started_at"] + 1
 
 
+def test_the_server_instance_tells_a_restart(http: httpx.Client, keyed: ServerProcess) -> None:
+    """Which server answers, for a page that outlives one: the same in every read of one
+    server, another for another (whose requests count from one again)."""
+    instance = http.get("/ui/api/status").json()["instance"]
+    assert re.fullmatch(r"[0-9a-f]{32}", instance)
+    assert http.get("/ui/api/activity").json()["instance"] == instance
+    other = httpx.get(keyed.url + "/ui/api/activity",
+                      headers={"Authorization": f"Bearer {KEY}"}).json()["instance"]
+    assert other != instance
+
+
 def test_models_are_the_apis_models_with_their_state(http: httpx.Client) -> None:
     payload = http.get("/ui/api/models").json()
     rows = {m["id"]: m for m in payload["models"] if m["source"] != "downloaded"}

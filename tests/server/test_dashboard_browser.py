@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from afmd import __version__
+from afmd.ports import free_ports
 
 from conftest import ServerProcess, parse_sse, start_server
 from helpers.browser import Watched, launched, watched_page
@@ -156,6 +158,32 @@ def test_model_rows_and_status_are_the_apis(page: Watched, dash: ServerProcess) 
     expect(ui.get_by_test_id("listener")).to_have_text([dash.url])
     expect(ui.get_by_test_id("config-file")).to_have_text(dash.wait_event("listening")["config"])
     expect(ui.get_by_test_id("uptime")).to_have_text(re.compile(r"^\d+(s|m \d+s)$"))
+
+
+def test_a_selection_survives_the_polls(page: Watched, dash: ServerProcess) -> None:
+    """Text a user selects to copy (a model id, the config file, a listener, a request)
+    stays selected while the page polls: a poll that rewrote it, even with the same text,
+    dropped the selection within a second."""
+    ui = _open(page, dash.url)
+    assert httpx.get(dash.url + "/v1/models").status_code == 200
+    _expect()(ui.get_by_test_id("request-row").first).to_be_visible()
+    targets = {
+        "model id": _row(ui, "demo").locator(".model-id"),
+        "model kind": _row(ui, "demo").locator("td").nth(1),
+        "config file": ui.get_by_test_id("config-file"),
+        "listener": ui.get_by_test_id("listener").first,
+        "memory": ui.locator("#memory-text"),
+        "per model": ui.locator('[data-testid="model-activity"] .model-id').first,
+        "request": ui.get_by_test_id("request-row").last.locator("td.path"),
+    }
+    for name, target in targets.items():
+        target.select_text()
+        chosen = ui.evaluate("getSelection().toString()")
+        assert chosen, name
+        # A new request's row arrives meanwhile, and two polls at least.
+        assert httpx.get(dash.url + "/v1/models").status_code == 200
+        ui.wait_for_timeout(2200)
+        assert ui.evaluate("getSelection().toString()") == chosen, name
 
 
 def test_live_count_last_requests_and_charts(page: Watched, dash: ServerProcess) -> None:
@@ -303,6 +331,24 @@ def test_unload_and_load_from_the_row(page: Watched, dash: ServerProcess) -> Non
     expect(row.get_by_test_id("unload")).to_have_count(1)
 
 
+def test_row_actions_name_their_model_and_work_from_the_keyboard(
+        page: Watched, dash: ServerProcess) -> None:
+    """Each row's button says whose it is (a screen reader, or a keyboard user's Tab through
+    a column of identical 'Load's, hears 'Load demo-32k'), and Enter on it acts."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    unload = ui.get_by_role("button", name="Unload demo", exact=True)
+    expect(unload).to_have_count(1)
+    unload.focus()
+    ui.keyboard.press("Enter")
+    expect(_row(ui, "demo")).to_have_attribute("data-state", "available")
+    load = ui.get_by_role("button", name="Load demo", exact=True)
+    load.focus()
+    ui.keyboard.press("Enter")
+    expect(_row(ui, "demo")).to_have_attribute("data-state", "loaded")
+    assert _health(dash.url)["model_details"]["demo"]["state"] == "loaded"
+
+
 def test_actions_refuse_another_origin(browser: Any, dash: ServerProcess) -> None:
     """A page of another origin (the same server under another name) cannot unload."""
     with watched_page(browser, dash.url) as watched:
@@ -394,6 +440,34 @@ def test_the_key_flow(browser: Any, keyed: ServerProcess) -> None:
         fresh.check()
 
 
+def test_a_key_that_cannot_be_sent_is_refused_at_once(browser: Any, keyed: ServerProcess) -> None:
+    """A key pasted with an invisible character (a zero-width space) cannot go in a header:
+    the page says so, keeps nothing, and asks again, where it said 'checking…' for ever,
+    blamed the server ('cannot reach'), and after a reload showed neither panel."""
+    expect = _expect()
+    with watched_page(browser, keyed.url) as watched:
+        ui = watched.page
+        ui.goto(keyed.url + "/ui/")
+        field = ui.get_by_test_id("api-key")
+        field.fill(KEY + "\u200b")
+        ui.get_by_test_id("api-key-submit").click()
+        expect(ui.get_by_test_id("api-key-error")).to_contain_text("U+200B")
+        assert ui.evaluate("sessionStorage.length") == 0
+        expect(field).to_be_visible()
+        expect(field).to_be_focused()
+        assert not [r.url for r in watched.requests if "/ui/api/" in r.url]
+        # One kept from before (another version of the page) is dropped the same way.
+        ui.evaluate("k => sessionStorage.setItem('afmd.apiKey', k)", KEY + "\u200b")
+        ui.reload()
+        expect(field).to_be_visible()
+        expect(ui.get_by_test_id("api-key-error")).to_contain_text("U+200B")
+        assert ui.evaluate("sessionStorage.length") == 0
+        field.fill(KEY)
+        ui.get_by_test_id("api-key-submit").click()
+        expect(_row(ui, "demo")).to_have_attribute("data-state", "loaded")
+        watched.check()
+
+
 # ---------------------------------------------------------------------------- pull
 
 
@@ -422,3 +496,178 @@ def test_pull_with_its_progress(browser: Any, tmp_path: Path) -> None:
                 watched.check()
         finally:
             server.stop()
+
+
+# ---------------------------------------------------------------------------- a server that
+# stops answering, or is another one
+
+
+def test_the_page_follows_a_restarted_server(browser: Any, tmp_path: Path) -> None:
+    """A server started again on the same port is another server: its last requests and
+    its uptime are shown, not held back behind the first one's count."""
+    expect = _expect()
+    port = free_ports()
+    first = start_server(tmp_path, port=False, args=["--port", str(port)])
+    url = first.url
+    second = None
+    try:
+        with watched_page(browser, url) as watched:
+            ui = _open(watched, url)
+            for _ in range(25):  # more lines in the first one's ring than the second's
+                assert httpx.get(url + "/v1/models").status_code == 200
+            expect(ui.get_by_test_id("request-row").first).to_contain_text("GET /v1/models")
+            # Older than the second one will be when its uptime is read.
+            started = httpx.get(url + "/ui/api/status").json()["started_at"]
+            time.sleep(max(0.0, started + 8 - time.time()))
+            first.stop()
+            expect(ui.get_by_test_id("connection")).to_contain_text("cannot reach")
+            second = start_server(tmp_path, port=False, args=["--port", str(port)])
+            request_id = f"again-{time.monotonic_ns()}"
+            httpx.post(url + "/v1/chat/completions", headers={"X-Request-ID": request_id},
+                       json={"model": "demo", "max_tokens": 3,
+                             "messages": [{"role": "user", "content": "Hi"}]}, timeout=60)
+            row = ui.locator(f'[data-testid="request-row"][data-request-id="{request_id}"]')
+            expect(row).to_contain_text("POST /v1/chat/completions")
+            # The first server's requests are not mixed into the second one's.
+            expect(ui.get_by_test_id("request-row").filter(
+                has_text="GET /v1/models")).to_have_count(0)
+            # The second one's uptime, read soon (not the first one's, still counting).
+            started = httpx.get(url + "/ui/api/status").json()["started_at"]
+            _until(lambda: _uptime_s(ui.get_by_test_id("uptime").text_content())
+                   <= time.time() - started + 1.5, timeout=3)
+            watched.check(allowed_errors=("ERR_CONNECTION_REFUSED",))
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def _uptime_s(text: str | None) -> int:
+    found = re.fullmatch(r"(?:(\d+)m )?(\d+)s", text or "")
+    assert found, text
+    return int(found[1] or 0) * 60 + int(found[2])
+
+
+def test_a_hung_server_is_not_sent_more_polls(page: Watched, dash: ServerProcess) -> None:
+    """A server that takes the connection but does not answer (stopped, swapping) gets one
+    poll at a time, not a second's worth more each second, and the page says it waits."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    expect(ui.get_by_test_id("connection")).to_contain_text("updated")
+    ui.wait_for_timeout(1500)  # a poll answered, none in flight
+    dash.proc.send_signal(signal.SIGSTOP)
+    try:
+        sent = len(page.requests)
+        expect(ui.get_by_test_id("connection")).to_contain_text("not answered")
+        uptime = ui.get_by_test_id("uptime").text_content()
+        ui.wait_for_timeout(3000)
+        reads = [r.url for r in page.requests[sent:] if "/ui/api/" in r.url]
+        assert len(reads) <= 3, reads  # one poll: its status, models and activity at most
+        # The uptime is the last the server told, not counted on as if it were still up.
+        assert ui.get_by_test_id("uptime").text_content() == uptime
+    finally:
+        dash.proc.send_signal(signal.SIGCONT)
+    expect(ui.get_by_test_id("connection")).to_contain_text("updated")
+    expect(ui.locator("main")).not_to_have_class(re.compile("stale"))
+
+
+def test_a_reply_cut_off_by_the_server_going_away_says_so(browser: Any,
+                                                         tmp_path: Path) -> None:
+    """The server dies mid-reply: the playground says the connection was lost mid-reply
+    (not only the browser's bare 'network error'), and what came stays shown."""
+    expect = _expect()
+    server = start_server(tmp_path)
+    try:
+        with watched_page(browser, server.url) as watched:
+            ui = _open(watched, server.url)
+            _settings(ui, max_tokens="20000", prompt="Tell a long story.")
+            ui.get_by_test_id("send").click()
+            expect(ui.get_by_test_id("output")).not_to_be_empty()
+            server.stop(signal.SIGKILL)
+            expect(ui.get_by_test_id("error")).to_contain_text(
+                "connection to the server was lost")
+            assert ui.get_by_test_id("output").text_content()
+            expect(ui.get_by_test_id("send")).to_be_enabled()
+            expect(ui.get_by_test_id("stop")).to_be_disabled()
+            # Sent again while it is gone: the page says it cannot reach it.
+            ui.get_by_test_id("send").click()
+            expect(ui.get_by_test_id("error")).to_contain_text("cannot reach the server")
+            watched.check(allowed_errors=("ERR_CONNECTION_REFUSED", "ERR_INCOMPLETE_CHUNKED"))
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------------- many models,
+# a narrow window, the keyboard
+
+LONG_ID = "mlx-community-" + "Qwen2.5-Coder-32B-Instruct-4bit-" * 4 + "end"
+MISSING = "/models/" + "a-folder-whose-name-has-no-place-to-break-" * 4 + "x"
+
+
+@pytest.fixture(scope="module")
+def crowded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Many models, one of them with a very long id, one whose folder is missing."""
+    models = "".join(f'[[models.model]]\nid = "extra-{i:02d}"\npath = "afmd:demo"\n'
+                     for i in range(30))
+    models += f'[[models.model]]\nid = "{LONG_ID}"\npath = "afmd:demo"\n'
+    models += f'[[models.model]]\nid = "missing"\npath = "{MISSING}"\nkind = "chat"\n'
+    server = start_server(tmp_path_factory.mktemp("crowded"),
+                          config=f'[models]\ndefault = "demo"\n{models}')
+    yield server
+    server.stop()
+
+
+def _sideways(ui: Any) -> int:
+    """How far the page scrolls sideways: a narrow window fits everything in its width."""
+    return int(ui.evaluate("document.documentElement.scrollWidth - window.innerWidth"))
+
+
+def test_a_narrow_window_does_not_scroll_sideways(browser: Any, crowded: ServerProcess) -> None:
+    expect = _expect()
+    with watched_page(browser, crowded.url) as watched:
+        ui = _open(watched, crowded.url)
+        expect(ui.locator('[data-testid="model-row"]:not([data-source="downloaded"])')
+               ).to_have_count(len(_health(crowded.url)["model_details"]))
+        ui.set_viewport_size({"width": 375, "height": 800})
+        expect(_row(ui, LONG_ID)).to_be_visible()
+        assert _sideways(ui) <= 0
+        # A long error (a missing folder's path) wraps too.
+        _row(ui, "missing").get_by_test_id("load").click()
+        expect(ui.get_by_test_id("model-error")).to_contain_text("does not exist")
+        expect(_row(ui, "missing")).to_have_attribute("data-state", "unavailable")
+        assert _sideways(ui) <= 0
+        # Every model's row and actions stay reachable: the table scrolls in its panel.
+        _row(ui, LONG_ID).get_by_test_id("load").click()
+        expect(_row(ui, LONG_ID)).to_have_attribute("data-state", "loaded")
+        assert _sideways(ui) <= 0
+        watched.check(allowed_errors=("500",))
+
+
+def test_charts_with_nothing_to_show_claim_no_scale(browser: Any,
+                                                   crowded: ServerProcess) -> None:
+    """A chart with no point (no request has ended: no TTFT yet) or only zeros shows no
+    made-up maximum."""
+    expect = _expect()
+    with watched_page(browser, crowded.url) as watched:
+        ui = _open(watched, crowded.url)
+        expect(ui.locator("#chart-queue polyline").first).to_be_attached()
+        assert not re.search(r"\d", ui.locator("#chart-ttft-max").text_content() or "")
+        assert ui.locator("#chart-queue-max").text_content() == "max 0"
+        watched.check()
+
+
+def test_ctrl_enter_checks_the_form_as_send_does(page: Watched, dash: ServerProcess) -> None:
+    """Ctrl+Enter is the Send button: an empty prompt or a max tokens below 1 is refused
+    by the form, not sent."""
+    ui = _open(page, dash.url)
+    _settings(ui, max_tokens="8", prompt="")
+    ui.get_by_test_id("prompt").press("Control+Enter")
+    _settings(ui, max_tokens="0", prompt="Hi")
+    ui.get_by_test_id("prompt").press("Control+Enter")
+    ui.wait_for_timeout(500)
+    assert not [r for r in page.requests if "/v1/chat/completions" in r.url]
+    _settings(ui, max_tokens="4", prompt="Hi")
+    with ui.expect_request("**/v1/chat/completions") as sent:
+        ui.get_by_test_id("prompt").press("Control+Enter")
+    assert json.loads(sent.value.post_data)["max_tokens"] == 4
+    _expect()(ui.get_by_test_id("finish-reason")).to_have_text("length")

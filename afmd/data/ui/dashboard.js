@@ -4,6 +4,8 @@
 
 const KEY_STORAGE = "afmd.apiKey";
 const POLL_MS = 1000;
+const SLOW_MS = 2500; // a poll unanswered this long: the page says it is waiting
+const POLL_TIMEOUT_MS = 15000; // a poll unanswered this long is dropped, and sent again
 const STATUS_EVERY = 10; // polls between two status reads
 const REQUESTS_SHOWN = 50;
 const CHART_SECONDS = 300;
@@ -20,6 +22,19 @@ const el = (tag, attrs = {}, ...children) => {
   for (const child of children) node.append(child);
   return node;
 };
+
+// What a poll writes, it writes only where it changed: rewriting a node, even with the same
+// text, drops the user's selection in it, so nothing could be selected to copy for longer
+// than a second (a model id, the config file, a request).
+function setText(node, text) {
+  if (node.textContent !== text) node.textContent = text;
+}
+
+function replaceIfChanged(node, key, build) {
+  if (node.dataset.key === key) return;
+  node.dataset.key = key;
+  node.replaceChildren(...build());
+}
 
 // ------------------------------------------------------------------ formatting
 
@@ -53,6 +68,23 @@ class APIError extends Error {
 }
 
 function apiKey() { return sessionStorage.getItem(KEY_STORAGE) || ""; }
+
+function unsendable(key) {
+  // A header carries ISO-8859-1 and no control characters: fetch refuses anything else
+  // before it sends, so such a key (pasted with a zero-width space, say) could never be
+  // tried, only fail every read as if the server were gone.
+  let i = 0;
+  for (const ch of key) {
+    i += 1;
+    const code = ch.codePointAt(0);
+    if (code > 0xff || code < 0x20 || code === 0x7f) {
+      const name = `U+${code.toString(16).toUpperCase().padStart(4, "0")}`;
+      return `The key cannot be sent: its character ${i} (${name}) is not allowed in an `
+        + "HTTP header; it may have been pasted with the key. Type or paste it again without it.";
+    }
+  }
+  return null;
+}
 
 function headers(extra = {}) {
   const h = { ...extra };
@@ -98,9 +130,11 @@ const view = {
   requests: [],
   series: [],
   polls: 0,
-  sent: 0, // polls started
-  shown: 0, // the latest poll shown
+  instance: null, // the server answering (another one on the same address counts anew)
+  inFlight: null, // performance.now() when the poll under way started
+  again: false, // poll again as soon as the one under way ends
   timer: null,
+  lost: false, // the server does not answer: the uptime stops where it was last told
   busy: new Set(), // model ids with an action under way
 };
 
@@ -121,6 +155,9 @@ function connection(ok, text) {
   const node = $("connection");
   node.textContent = text;
   node.classList.toggle("lost", !ok);
+  view.lost = !ok;
+  // What the panels show is the last the server said, not what it holds now.
+  $("main").classList.toggle("stale", !ok);
 }
 
 // ------------------------------------------------------------------ status
@@ -128,15 +165,14 @@ function connection(ok, text) {
 function renderStatus() {
   const s = view.status;
   if (!s) return;
-  $("version").textContent = s.version;
+  setText($("version"), s.version);
   const elapsed = (performance.now() - view.statusAt) / 1000;
-  $("uptime").textContent = seconds(s.now - s.started_at + elapsed);
-  const list = $("listeners");
-  list.replaceChildren(...s.listeners.map((l) => el("li", {
+  setText($("uptime"), seconds(s.now - s.started_at + elapsed));
+  replaceIfChanged($("listeners"), JSON.stringify(s.listeners), () => s.listeners.map((l) => el("li", {
     "class": l.up ? "up" : "down", testid: "listener", text: l.address,
     title: l.up ? "accepting connections" : "down",
   })));
-  $("config-file").textContent = s.config_file || "none (built-in defaults)";
+  setText($("config-file"), s.config_file || "none (built-in defaults)");
 }
 
 // ------------------------------------------------------------------ models
@@ -166,7 +202,9 @@ function modelRow(m) {
 }
 
 function actionButton(id, action, label) {
-  const button = el("button", { type: "button", testid: action, text: label });
+  // Named with the model: a column of identical "Load"s says nothing to a screen reader.
+  const button = el("button", { type: "button", testid: action, text: label,
+    "aria-label": `${label} ${id}` });
   button.addEventListener("click", () => modelAction(id, action));
   return button;
 }
@@ -175,20 +213,22 @@ function updateModelRow(row, m, now) {
   row.dataset.state = m.state;
   row.dataset.source = m.source;
   const cells = row.children;
-  const idCell = cells[0];
-  idCell.replaceChildren(el("span", { "class": "model-id", text: m.id }));
-  if (m.default) idCell.append(el("span", { "class": "badge", text: "default" }));
-  if (m.source !== "configured") idCell.append(el("span", { "class": "badge", text: m.source }));
-  for (const alias of m.aliases) idCell.append(el("span", { "class": "badge", text: `alias ${alias}` }));
-  cells[1].textContent = m.kind || "—";
+  const badges = [];
+  if (m.default) badges.push("default");
+  if (m.source !== "configured") badges.push(m.source);
+  for (const alias of m.aliases) badges.push(`alias ${alias}`);
+  replaceIfChanged(cells[0], JSON.stringify([m.id, badges]), () => [
+    el("span", { "class": "model-id", text: m.id }),
+    ...badges.map((text) => el("span", { "class": "badge", text }))]);
+  setText(cells[1], m.kind || "—");
   const state = cells[2].children[0];
-  state.textContent = m.state;
-  state.className = `state ${m.state}`;
-  cells[2].children[1].textContent = m.reason ? ` ${m.reason}` : "";
-  cells[3].textContent = m.memory_bytes === null ? (m.size_bytes ? `${bytes(m.size_bytes)} on disk` : "—") : bytes(m.memory_bytes);
-  cells[4].textContent = String(m.active);
-  cells[5].textContent = String(m.queued);
-  cells[6].textContent = keepAliveText(m, now);
+  setText(state, m.state);
+  if (state.className !== `state ${m.state}`) state.className = `state ${m.state}`;
+  setText(cells[2].children[1], m.reason ? ` ${m.reason}` : "");
+  setText(cells[3], m.memory_bytes === null ? (m.size_bytes ? `${bytes(m.size_bytes)} on disk` : "—") : bytes(m.memory_bytes));
+  setText(cells[4], String(m.active));
+  setText(cells[5], String(m.queued));
+  setText(cells[6], keepAliveText(m, now));
   // The actions a model's state allows, and only those (a row that is not loaded has no
   // unload button at all).
   const wanted = [];
@@ -222,14 +262,14 @@ function renderModels(payload) {
   const mem = payload.memory;
   $("memory-bar").max = Math.max(1, mem.budget_bytes);
   $("memory-bar").value = mem.used_bytes;
-  $("memory-text").textContent =
-    `${bytes(mem.used_bytes)} of ${bytes(mem.budget_bytes)} budget · ${mem.loaded} of ${mem.max_loaded} models loaded`;
+  setText($("memory-text"),
+    `${bytes(mem.used_bytes)} of ${bytes(mem.budget_bytes)} budget · ${mem.loaded} of ${mem.max_loaded} models loaded`);
   renderPulls(payload.pulls);
   renderModelChoices(payload.models);
 }
 
 function renderPulls(pulls) {
-  $("pulls").replaceChildren(...pulls.map((p) => {
+  replaceIfChanged($("pulls"), JSON.stringify(pulls), () => pulls.map((p) => {
     const done = p.total_bytes ? p.completed_bytes / p.total_bytes : 0;
     const bar = el("progress", { testid: "pull-progress", max: "1" });
     bar.value = p.state === "done" ? 1 : done;
@@ -253,7 +293,7 @@ async function modelAction(id, action) {
   try {
     // Loading is answered once the model is in memory: poll meanwhile so the row says so.
     const pending = api(`/ui/api/${action}`, { json: { model: id } });
-    setTimeout(poll, 100);
+    setTimeout(refresh, 100);
     await pending;
   } catch (err) {
     if (err instanceof Unauthorized) { showKeyPanel(err.message); return; }
@@ -261,7 +301,7 @@ async function modelAction(id, action) {
   } finally {
     view.busy.delete(id);
   }
-  poll();
+  refresh();
 }
 
 async function startPull(event) {
@@ -276,29 +316,31 @@ async function startPull(event) {
     if (err instanceof Unauthorized) { showKeyPanel(err.message); return; }
     $("model-error").textContent = `pull ${repo}: ${err.message}`;
   }
-  poll();
+  refresh();
 }
 
 // ------------------------------------------------------------------ live
 
 function renderActivity(payload) {
-  $("active-requests").textContent = `${payload.active} running · ${payload.queued} queued`;
-  const lines = Object.entries(payload.models)
-    .filter(([id, c]) => c.active || c.queued || view.models.some((m) => m.id === id && m.state === "loaded"))
-    .map(([id, c]) => {
-      const li = el("li", { testid: "model-activity" },
-        el("span", { "class": "model-id", text: id }),
-        el("span", { text: `${c.active} running · ${c.queued} queued` }));
-      li.dataset.modelId = id;
-      return li;
-    });
-  $("per-model").replaceChildren(...lines);
+  setText($("active-requests"), `${payload.active} running · ${payload.queued} queued`);
+  const shown = Object.entries(payload.models)
+    .filter(([id, c]) => c.active || c.queued || view.models.some((m) => m.id === id && m.state === "loaded"));
+  replaceIfChanged($("per-model"), JSON.stringify(shown), () => shown.map(([id, c]) => {
+    const li = el("li", { testid: "model-activity" },
+      el("span", { "class": "model-id", text: id }),
+      el("span", { text: `${c.active} running · ${c.queued} queued` }));
+    li.dataset.modelId = id;
+    return li;
+  }));
 
   // Two polls may overlap (an action polls at once): keep only what is new.
   const requests = payload.requests.filter((r) => r.seq > view.seq);
   if (requests.length) {
     view.requests = view.requests.concat(requests).slice(-REQUESTS_SHOWN);
-    $("request-rows").replaceChildren(...view.requests.slice().reverse().map(requestRow));
+    // The new rows go on top; the rows already shown stay as they are.
+    const body = $("request-rows");
+    body.prepend(...requests.slice(-REQUESTS_SHOWN).reverse().map(requestRow));
+    while (body.children.length > REQUESTS_SHOWN) body.lastElementChild.remove();
   }
   view.seq = Math.max(view.seq, payload.seq);
   const points = payload.series.filter((p) => p.t > view.after);
@@ -334,9 +376,9 @@ function drawChart(id, lines, unit) {
   const svg = $(id);
   const end = view.series.length ? view.series[view.series.length - 1].t : 0;
   const start = end - CHART_SECONDS;
-  let top = 0;
-  for (const line of lines) for (const [, v] of line.points) if (v !== null) top = Math.max(top, v);
-  top = top > 0 ? top * 1.15 : 1;
+  let peak = null; // null: no point at all
+  for (const line of lines) for (const [, v] of line.points) if (v !== null) peak = Math.max(peak ?? v, v);
+  const top = peak > 0 ? peak * 1.15 : 1;
   const children = [];
   for (const line of lines) {
     const pts = line.points.filter(([, v]) => v !== null)
@@ -348,8 +390,9 @@ function drawChart(id, lines, unit) {
     children.push(poly);
   }
   svg.replaceChildren(...children);
-  // The scale in the caption: text inside a stretched SVG would be stretched too.
-  $(`${id}-max`).textContent = `max ${Math.round((top / 1.15) * 10) / 10}${unit}`;
+  // The scale in the caption: text inside a stretched SVG would be stretched too. With
+  // nothing drawn there is no scale to tell.
+  setText($(`${id}-max`), peak === null ? "" : `max ${Math.round(peak * 10) / 10}${unit}`);
 }
 
 function renderCharts() {
@@ -360,25 +403,48 @@ function renderCharts() {
     { points: s.map((p) => [p.t, p.active]), second: true }], "");
   const last = s[s.length - 1];
   const lastTtft = [...s].reverse().find((p) => p.ttft_ms !== null);
-  $("now-tokens").textContent = last ? `${Math.round(last.tokens_per_s)}` : "";
-  $("now-ttft").textContent = lastTtft ? `last ${Math.round(lastTtft.ttft_ms)} ms` : "";
-  $("now-queue").textContent = last ? `${last.queued} · ${last.active}` : "";
+  setText($("now-tokens"), last ? `${Math.round(last.tokens_per_s)}` : "");
+  setText($("now-ttft"), lastTtft ? `last ${Math.round(lastTtft.ttft_ms)} ms` : "");
+  setText($("now-queue"), last ? `${last.queued} · ${last.active}` : "");
 }
 
 // ------------------------------------------------------------------ polling
 
+function forgetServer() {
+  // Another server answers: its requests count from one again and its series is its own.
+  view.seq = 0;
+  view.after = 0;
+  view.requests = [];
+  view.series = [];
+  view.status = null;
+  $("request-rows").replaceChildren();
+  renderCharts();
+}
+
 async function poll() {
-  const number = ++view.sent;
+  view.inFlight = performance.now();
+  view.again = false;
+  const controller = new AbortController();
+  const timer = setTimeout(() => controller.abort(), POLL_TIMEOUT_MS);
+  const read = (path) => api(path, { signal: controller.signal });
   try {
     const wantStatus = view.polls % STATUS_EVERY === 0 || !view.status;
     view.polls += 1;
     const [status, models, activity] = await Promise.all([
-      wantStatus ? api("/ui/api/status") : null,
-      api("/ui/api/models"),
-      api(`/ui/api/activity?since=${view.seq}&after=${view.after}`),
+      wantStatus ? read("/ui/api/status") : null,
+      read("/ui/api/models"),
+      read(`/ui/api/activity?since=${view.seq}&after=${view.after}`),
     ]);
-    if (number < view.shown) return; // a later poll has been shown already
-    view.shown = number;
+    if (activity.instance !== view.instance) {
+      const restarted = view.instance !== null;
+      view.instance = activity.instance;
+      if (restarted) {
+        // What this poll read was asked of the server before: read it all again, now.
+        forgetServer();
+        view.again = true;
+        return;
+      }
+    }
     if (status) { view.status = status; view.statusAt = performance.now(); }
     showMain();
     renderStatus();
@@ -392,15 +458,37 @@ async function poll() {
       showKeyPanel(refused ? `The server refused this key: ${err.message}` : "");
       return;
     }
-    connection(false, `cannot reach the server: ${err.message}`);
+    if (err.name === "AbortError") {
+      connection(false, `the server has not answered for ${seconds(POLL_TIMEOUT_MS / 1000)}`);
+    } else {
+      connection(false, `cannot reach the server: ${err.message}`);
+    }
+  } finally {
+    clearTimeout(timer);
+    view.inFlight = null;
+    if (view.again && view.timer !== null) poll();
   }
+}
+
+function tick() {
+  // One poll at a time: a server that takes the connection but does not answer (stopped,
+  // swapping) is not sent another second's worth of reads every second.
+  if (view.inFlight === null) { poll(); return; }
+  const waited = performance.now() - view.inFlight;
+  if (waited >= SLOW_MS) connection(false, `the server has not answered for ${seconds(waited / 1000)}`);
+}
+
+function refresh() {
+  // After an action: read now, or as soon as the poll under way ends.
+  if (view.inFlight === null) poll();
+  else view.again = true;
 }
 
 function startPolling() {
   stopPolling();
   view.polls = 0;
-  poll();
-  view.timer = setInterval(poll, POLL_MS);
+  view.timer = setInterval(tick, POLL_MS);
+  refresh();
 }
 
 function stopPolling() {
@@ -532,12 +620,13 @@ function setRunning(running) {
 }
 
 async function readStream(response) {
+  // Whether the stream ended as the server ends one (with [DONE]).
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
   for (;;) {
     const { value, done } = await reader.read();
-    if (done) break;
+    if (done) return false;
     buffer += decoder.decode(value, { stream: true });
     let cut;
     while ((cut = buffer.search(/\r?\n\r?\n/)) >= 0) {
@@ -546,7 +635,7 @@ async function readStream(response) {
       const data = block.split(/\r?\n/).filter((l) => l.startsWith("data:"))
         .map((l) => l.slice(5).replace(/^ /, "")).join("\n");
       if (!data) continue; // a comment (keep-alive)
-      if (data === "[DONE]") return;
+      if (data === "[DONE]") return true;
       applyChunk(JSON.parse(data));
     }
   }
@@ -564,6 +653,7 @@ async function send(event) {
   play.controller = new AbortController();
   $("request-id").textContent = requestId;
   setRunning(true);
+  let replying = false; // the server has answered: a failure now cuts the reply off
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST",
@@ -575,9 +665,18 @@ async function send(event) {
     });
     if (response.status === 401) { showKeyPanel((await errorOf(response)).message); return; }
     if (!response.ok) { $("play-error").textContent = (await errorOf(response)).message; return; }
-    await readStream(response);
+    replying = true;
+    if (!(await readStream(response)) && !$("play-error").textContent) {
+      $("play-error").textContent = "The reply ended before the server finished it.";
+    }
   } catch (err) {
-    if (err.name !== "AbortError") $("play-error").textContent = err.message;
+    // The browser's own words ("network error", "Failed to fetch") say little of what
+    // happened: the server went away mid-reply, or could not be reached at all.
+    if (err.name !== "AbortError") {
+      $("play-error").textContent = replying
+        ? `The connection to the server was lost mid-reply (${err.message}).`
+        : `The page cannot reach the server (${err.message}).`;
+    }
   } finally {
     clearTimeout(play.cancelTimer);
     play.requestId = null;
@@ -610,6 +709,8 @@ function saveKey(event) {
   event.preventDefault();
   const key = $("api-key").value.trim();
   if (!key) return;
+  const refused = unsendable(key);
+  if (refused) { showKeyPanel(refused); return; }
   sessionStorage.setItem(KEY_STORAGE, key);
   $("api-key").value = "";
   $("key-error").textContent = "checking…";
@@ -622,13 +723,16 @@ document.addEventListener("DOMContentLoaded", () => {
   $("play-form").addEventListener("submit", send);
   $("stop").addEventListener("click", stop);
   $("prompt").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) send(e);
+    // As the Send button: through the form's own checks (a prompt, numbers in range).
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); $("play-form").requestSubmit(); }
   });
-  setInterval(renderStatus, 1000); // the uptime ticks between status reads
+  setInterval(() => { if (!view.lost) renderStatus(); }, 1000); // the uptime ticks between reads
   boot();
 });
 
 async function boot() {
+  const kept = unsendable(apiKey());
+  if (kept) { sessionStorage.removeItem(KEY_STORAGE); showKeyPanel(kept); return; }
   // Whether a key is needed is public: without one, ask for it before reading anything.
   try {
     const auth = await (await fetch("/ui/auth", { cache: "no-store" })).json();

@@ -13,7 +13,8 @@ uses the API itself (a streamed chat completion, the cancel endpoint for its req
   memory and requests, the memory budget, and the pulls;
 * ``GET /ui/api/activity?since=SEQ&after=T``: running and queued requests, per model
   too, the access log's last lines after ``SEQ`` and the per-second series after Unix
-  second ``T`` (:mod:`afmd.http.dashboard_state`);
+  second ``T`` (:mod:`afmd.http.dashboard_state`), and the server's ``instance``, which
+  tells a page that another server now answers on its address (``SEQ`` counts again);
 * ``POST /ui/api/load``, ``/ui/api/unload`` and ``/ui/api/pull`` with ``{"model": ...}``:
   the actions. They change what the server holds, so beyond the gate's screening they are
   refused from any other origin, even one ``server.allowed_origins`` lets read the API.
@@ -164,6 +165,7 @@ async def _status(request: Request) -> HTTPResponse:
     default = config.resolve_model(None)
     return _json({
         "version": __version__,
+        "instance": state.dashboard.instance,
         "pid": os.getpid(),
         "started_at": state.started_at,
         "now": round(time.time(), 3),
@@ -248,6 +250,7 @@ async def _activity(request: Request) -> HTTPResponse:
     details = model_details(state)
     return _json({
         "now": round(time.time(), 3),
+        "instance": state.dashboard.instance,
         "active": scheduler.active,
         "queued": scheduler.queued,
         "models": {model_id: {"active": d["active"], "queued": d["queued"]}
