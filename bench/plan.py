@@ -78,7 +78,7 @@ class Plan:
                        prefix_max_tokens=8, grammar_runs=1, grammar_max_tokens=32,
                        grammar_batch=8, grammar_alone=1, paired_runs=1, paired_batch_runs=1,
                        paired_ttft_runs=3, paired_reuse=True,
-                       rps_seconds=0.5, rps_runs=1,
+                       rps_seconds=0.25, rps_runs=1,
                        rps_connections=32, big=False,
                        access_log=False, profile=False, profile_seconds=0.0, timeout=120.0,
                        soak_rounds=2, soak_requests=10, soak_concurrency=4,
