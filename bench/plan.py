@@ -64,6 +64,7 @@ class Plan:
     soak_concurrency: int  # requests in flight (and the soak server's max_concurrent)
     soak_settle_s: float  # idle before each RSS reading
     soak_max_seconds: float  # no new round after this
+    soak_footprint: bool  # the demo model's cold start and idle RSS from the soak's server
     slowloris_attackers: int
     slowloris_legit: int  # legitimate clients, each one request at a time
     slowloris_seconds: float  # how long the legitimate clients run
@@ -82,7 +83,7 @@ class Plan:
                        rps_connections=32, big=False,
                        access_log=False, profile=False, profile_seconds=0.0, timeout=120.0,
                        soak_rounds=2, soak_requests=10, soak_concurrency=4,
-                       soak_settle_s=0.2, soak_max_seconds=60.0,
+                       soak_settle_s=0.2, soak_max_seconds=60.0, soak_footprint=True,
                        slowloris_attackers=40, slowloris_legit=2, slowloris_seconds=1.5,
                        slowloris_warmup=0.5, slowloris_max_connections=16)
         else:
@@ -94,7 +95,7 @@ class Plan:
                        rps_seconds=3.0, rps_runs=3, rps_connections=32, big=True,
                        access_log=True, profile=True, profile_seconds=8.0, timeout=300.0,
                        soak_rounds=6, soak_requests=300, soak_concurrency=4,
-                       soak_settle_s=1.0, soak_max_seconds=900.0,
+                       soak_settle_s=1.0, soak_max_seconds=900.0, soak_footprint=False,
                        slowloris_attackers=150, slowloris_legit=4, slowloris_seconds=20.0,
                        slowloris_warmup=2.0, slowloris_max_connections=None)
         if args.runs:
