@@ -57,9 +57,10 @@ def find_binary(explicit: str | None) -> Path | None:
 async def bench_footprint(ctx: Ctx, binary: Path | None) -> None:
     a = ctx.res.afmd.footprint
     try:
-        seconds, rss = await idle_rss(ctx, "afmd-demo")
-        a.rss_idle_demo_mb = stat([rss], "MiB")
-        a.cold_start_demo_s = stat([seconds], "s")
+        if not ctx.plan.soak_footprint:  # else bench_soak's fresh demo server is measured
+            seconds, rss = await idle_rss(ctx, "afmd-demo")
+            a.rss_idle_demo_mb = stat([rss], "MiB")
+            a.cold_start_demo_s = stat([seconds], "s")
         if ctx.plan.quick:
             a.rss_no_model_mb = null("skipped in --quick")
         else:

@@ -102,7 +102,7 @@ async def m_ttft(ctx: Ctx, port: int, tag: str, *, afmd: bool = False) -> Ttft:
     rs = []
     paired: list[float | None] = []
     headers = {"X-AFM-Profile": "true"} if afmd else None
-    raw = await RawSampler.start(ctx) if afmd else None
+    raw = (ctx.sampler or await RawSampler.start(ctx)) if afmd else None
     try:
         for i in range(p.ttft_runs):
             text = workload.prompt(f"{tag}-ttft", i)
@@ -112,7 +112,9 @@ async def m_ttft(ctx: Ctx, port: int, tag: str, *, afmd: bool = False) -> Ttft:
             if raw is not None:  # the server is idle now: one raw sample right after
                 paired.append(await raw.ttft(text, p.ttft_max_tokens))
     finally:
-        if raw is not None:
+        if raw is not None and ctx.plan.paired_reuse:
+            ctx.sampler = raw  # the rounds in turns sample the same process
+        elif raw is not None:
             await raw.stop()
     ok = [r for r in rs if r.ok]
     out = Ttft(ms=stat([r.ttft for r in ok], "ms", scale=1000, reason=first_error(rs)))

@@ -95,7 +95,10 @@ async def bench_http(ctx: Ctx, system: str, srv: servers.Server, *, grammar: boo
         ctx.log(f"  ! {system} failed: {exc}")
         r.fatal = f"{type(exc).__name__}: {exc}"
     finally:
-        srv.stop()
+        if p.paired_reuse and r.fatal is None and srv.alive():
+            ctx.kept[system] = srv  # idle until the rounds in turns take it
+        else:
+            srv.stop()
         ctx.load_note(f"{system}-end")
 
 

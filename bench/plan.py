@@ -11,9 +11,14 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench import workload
 from bench.results import SYSTEMS, Measurements
+
+if TYPE_CHECKING:
+    from bench.sampler import RawSampler
+    from bench.servers import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,6 +50,7 @@ class Plan:
     paired_runs: int  # single-stream rounds taking turns: afmd, mlx_lm.server, raw
     paired_batch_runs: int  # rounds of 8 streams taking turns: afmd, mlx_lm.server
     paired_ttft_runs: int  # short-prompt rounds taking turns: afmd, mlx_lm.server, raw
+    paired_reuse: bool  # the rounds in turns take the phases' servers, kept up, not fresh ones
     rps_seconds: float
     rps_runs: int
     rps_connections: int
@@ -58,6 +64,7 @@ class Plan:
     soak_concurrency: int  # requests in flight (and the soak server's max_concurrent)
     soak_settle_s: float  # idle before each RSS reading
     soak_max_seconds: float  # no new round after this
+    soak_footprint: bool  # the demo model's cold start and idle RSS from the soak's server
     slowloris_attackers: int
     slowloris_legit: int  # legitimate clients, each one request at a time
     slowloris_seconds: float  # how long the legitimate clients run
@@ -71,12 +78,12 @@ class Plan:
                        ttft_runs=3, ttft_max_tokens=4, prefix_tokens=1000, prefix_runs=1,
                        prefix_max_tokens=8, grammar_runs=1, grammar_max_tokens=32,
                        grammar_batch=8, grammar_alone=1, paired_runs=1, paired_batch_runs=1,
-                       paired_ttft_runs=3,
-                       rps_seconds=0.5, rps_runs=1,
+                       paired_ttft_runs=3, paired_reuse=True,
+                       rps_seconds=0.25, rps_runs=1,
                        rps_connections=32, big=False,
                        access_log=False, profile=False, profile_seconds=0.0, timeout=120.0,
                        soak_rounds=2, soak_requests=10, soak_concurrency=4,
-                       soak_settle_s=0.2, soak_max_seconds=60.0,
+                       soak_settle_s=0.2, soak_max_seconds=60.0, soak_footprint=True,
                        slowloris_attackers=40, slowloris_legit=2, slowloris_seconds=1.5,
                        slowloris_warmup=0.5, slowloris_max_connections=16)
         else:
@@ -84,11 +91,11 @@ class Plan:
                        ttft_runs=25, ttft_max_tokens=4, prefix_tokens=2000, prefix_runs=5,
                        prefix_max_tokens=32, grammar_runs=8, grammar_max_tokens=256,
                        grammar_batch=8, grammar_alone=4, paired_runs=9, paired_batch_runs=4,
-                       paired_ttft_runs=30,
+                       paired_ttft_runs=30, paired_reuse=False,
                        rps_seconds=3.0, rps_runs=3, rps_connections=32, big=True,
                        access_log=True, profile=True, profile_seconds=8.0, timeout=300.0,
                        soak_rounds=6, soak_requests=300, soak_concurrency=4,
-                       soak_settle_s=1.0, soak_max_seconds=900.0,
+                       soak_settle_s=1.0, soak_max_seconds=900.0, soak_footprint=False,
                        slowloris_attackers=150, slowloris_legit=4, slowloris_seconds=20.0,
                        slowloris_warmup=2.0, slowloris_max_connections=None)
         if args.runs:
@@ -114,6 +121,10 @@ class Ctx:
     loads: dict[str, list[float]] = field(default_factory=dict)
     counter: workload.TokenCounter | None = None
     log: Callable[[str], None] = print
+    #: With ``Plan.paired_reuse``: the servers and the raw sampler the per-system phases
+    #: leave up for the rounds in turns, which stop them (``run.run_all`` if those never run).
+    kept: dict[str, Server] = field(default_factory=dict)
+    sampler: RawSampler | None = None
 
     def load_note(self, label: str) -> None:
         """The load average around a phase: the document flags a busy machine."""

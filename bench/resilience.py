@@ -16,7 +16,7 @@ import traceback
 from typing import Any
 
 from afmd.config.sections import ServerConfig
-from bench import slowloris, soak
+from bench import servers, slowloris, soak
 from bench.plan import Ctx
 from bench.results import Slowloris, Soak, null, stat
 
@@ -43,6 +43,8 @@ async def bench_soak(ctx: Ctx) -> None:
             soak.start_server, ctx.work / "soak", model=soak.MODEL,
             concurrency=p.soak_concurrency, settings={}, launcher=None, cache_dir=ctx.cache)
         try:
+            if p.soak_footprint:
+                await _footprint(ctx, server)
             rounds = await soak.soak(
                 server, rounds=p.soak_rounds, requests=p.soak_requests,
                 concurrency=p.soak_concurrency, seed=SOAK_SEED, max_seconds=p.soak_max_seconds,
@@ -58,6 +60,9 @@ async def bench_soak(ctx: Ctx) -> None:
             await asyncio.to_thread(server.stop)
     except Exception as exc:
         reason = _failed(ctx, "soak", exc)
+        a = ctx.res.afmd.footprint
+        if p.soak_footprint and a.rss_idle_demo_mb is None:
+            a.cold_start_demo_s = a.rss_idle_demo_mb = null(reason)
         ctx.res.afmd.soak = Soak(growth_pct=null(reason, "%"), growth_mib=null(reason, "MiB"),
                                  setup=setup)
         return
@@ -74,6 +79,16 @@ async def bench_soak(ctx: Ctx) -> None:
         setup={**setup, "plateau": dataclasses.asdict(flat) if flat else None},
     )
     ctx.log(f"  soak plateau: {flat.text() if flat else why}")
+
+
+async def _footprint(ctx: Ctx, server: servers.Server) -> None:
+    """The footprint phase's demo-model row, measured as ``footprint.idle_rss`` does, on
+    the soak's server before its first request: a fresh afmd on the same model, so one
+    start serves both (``Plan.soak_footprint``)."""
+    a = ctx.res.afmd.footprint
+    a.cold_start_demo_s = stat([server.ready_after], "s", reason="no ready time")
+    await asyncio.sleep(0.5)
+    a.rss_idle_demo_mb = stat([servers.rss_mb(server.pid)], "MiB", reason="/proc unavailable")
 
 
 async def bench_slowloris(ctx: Ctx) -> None:

@@ -55,6 +55,18 @@ def materialize(ctx_cache: Path, big: bool) -> dict[str, str | None]:
 
 async def run_all(ctx: Ctx, binary: Path | None, systems: set[str]) -> None:
     """The phases in order: afmd's, mlx_lm.server's, raw's, then the rounds in turns."""
+    try:
+        await _phases(ctx, binary, systems)
+    finally:  # what the phases kept up for rounds in turns that did not take it
+        for srv in ctx.kept.values():
+            srv.stop()
+        ctx.kept.clear()
+        if ctx.sampler is not None:
+            await ctx.sampler.stop()
+            ctx.sampler = None
+
+
+async def _phases(ctx: Ctx, binary: Path | None, systems: set[str]) -> None:
     p = ctx.plan
     for s in SYSTEMS:
         if s not in systems:

@@ -23,17 +23,21 @@ async def bench_paired(ctx: Ctx) -> None:
     p = ctx.plan
     folder = ctx.folders.get("demo-32k")
     assert folder
-    afmd = servers.afmd_server(ctx.work, "afmd-paired", cache_root=ctx.cache,
-                               default="demo-32k")
-    mlx = servers.mlx_server(ctx.work, "mlx-paired", Path(folder))
-    raw: RawSampler | None = None
+    # Those the phases kept (Plan.paired_reuse) are taken as they are: one that has exited
+    # since fails its ready() with its log, where a fresh start would hide the crash.
+    kept = (ctx.kept.pop("afmd", None), ctx.kept.pop("mlx_lm_server", None))
+    afmd = kept[0] or servers.afmd_server(ctx.work, "afmd-paired", cache_root=ctx.cache,
+                                          default="demo-32k")
+    mlx = kept[1] or servers.mlx_server(ctx.work, "mlx-paired", Path(folder))
+    raw, ctx.sampler = ctx.sampler, None
     ctx.load_note("paired-start")
     try:
-        afmd.start()
-        mlx.start()
+        for srv, old in zip((afmd, mlx), kept, strict=True):
+            if old is None:
+                srv.start()
         await afmd.ready()
         await mlx.ready()
-        raw = await RawSampler.start(ctx)
+        raw = raw or await RawSampler.start(ctx)
         if raw is None:
             raise RuntimeError("the raw sampler did not start")
         ports = {"afmd": afmd.port, "mlx_lm_server": mlx.port}

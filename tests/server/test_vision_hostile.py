@@ -102,7 +102,7 @@ def test_image_work_does_not_hold_up_text_requests(srv: ServerProcess) -> None:
     """Image requests' blocking work (headers, decoding) ran on asyncio's default
     executor, as every request's prompt rendering does: six of these at once filled its
     threads, and a text request to another model waited 12 s for one."""
-    data = jpeg_with_empty_segments(500_000)
+    data = jpeg_with_empty_segments(300_000)
     answers: list[int] = []
 
     def send() -> None:
