@@ -125,9 +125,14 @@ def from_url(url: str, api_key: str = "") -> Endpoint:
     if url.startswith("unix:"):
         return unix(url[len("unix:"):], api_key)
     parts = urlsplit(url if "://" in url else "http://" + url)
+    try:
+        port = parts.port  # urllib's own words ("Port out of range") name no option
+    except ValueError:
+        port = None
+        parts = parts._replace(netloc="")
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"--url must be http://HOST:PORT or unix:/path/to.sock, not {url!r}")
-    return tcp(parts.hostname, parts.port or 80, api_key)
+    return tcp(parts.hostname, port or 80, api_key)
 
 
 def probe_health(conn: http.client.HTTPConnection, api_key: str = "") -> dict[str, Any]:

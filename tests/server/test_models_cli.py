@@ -232,6 +232,9 @@ def test_no_server_is_a_clear_message(env: dict[str, str]) -> None:
         assert "Traceback" not in result.stderr
     bad = afmd(env, "ps", "--url", "ftp://x")
     assert bad.returncode == 2 and "--url must be" in bad.stderr
+    for url in ("http://127.0.0.1:99999", "http://127.0.0.1:port"):
+        bad = afmd(env, "ps", "--url", url)
+        assert bad.returncode == 2 and "--url" in bad.stderr and url in bad.stderr, bad.stderr
 
 
 def test_a_keyed_server_is_told_where_the_key_is_read(env: dict[str, str]) -> None:
