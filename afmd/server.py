@@ -209,6 +209,11 @@ class Server:
         try:
             await self.start()
             await self.wait_stopped()
+        except StartupError:
+            # Set before shutdown logs "stopped": that line must not say 0 for a server
+            # that never served and exits 1.
+            self.exit_code = 1
+            raise
         finally:
             await self.shutdown()
             if install_signal_handlers:

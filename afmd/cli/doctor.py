@@ -146,7 +146,8 @@ def diagnose(config_flag: str | None = None, *, env: dict[str, str] | None = Non
     where = endpoint.from_config(config)
     if where is not None:
         report.server = {"url": where.health_label(),
-                         **endpoint.probe_health(where.connect(timeout), where.api_key)}
+                         **endpoint.probe_health(where.connect(timeout), where.api_key),
+                         "key_sent": bool(where.api_key)}
     else:
         report.server = {"answering": False, "error": "port 0: the OS picks a port at start"}
     health = report.server.get("health") if report.server.get("afmd") else None
@@ -179,7 +180,7 @@ def _find_problems(report: Report, config: Config) -> None:
         )
     elif srv.get("limited"):
         report.problems.append(f"afmd answers at {srv['url']} but shows its details only "
-                               "with its API key: put it in [server] api_key of this config")
+                               f"with its API key: {endpoint.key_advice(srv['key_sent'])}")
     elif srv.get("afmd") and srv.get("http_status") != 200:
         reason = srv["health"].get("reason", "unknown")
         report.problems.append(f"afmd answers but is not ready: /health {srv['http_status']} "

@@ -90,7 +90,10 @@ def render(report: Report) -> str:
         lines.append(f"           unix socket {report.unix_socket}")
 
     srv = report.server
-    if srv.get("afmd"):
+    if srv.get("limited"):  # its status alone: the counts are the key's to see
+        lines.append(f"server     running: {srv['url']} -> HTTP {srv['http_status']} "
+                     f"{srv['health'].get('status')}; details only with its API key")
+    elif srv.get("afmd"):
         health = srv["health"]
         lines.append(f"server     running: {srv['url']} -> HTTP {srv['http_status']} "
                      f"{health.get('status')}"

@@ -86,6 +86,18 @@ class Endpoint:
             self.label + "/health")
 
 
+def key_advice(sent: bool) -> str:
+    """What to do about a server that wants a key this command did not send, or sent wrong.
+    The client commands read the key where the server does, so the operator is told both
+    places (the docs prefer the variable to a secret in a file), and a key that was sent is
+    said to be wrong rather than missing: "put it in the config" misled whoever had."""
+    where = ("AFMD_SERVER_API_KEY, else [server] api_key of the config this command reads "
+             "(--config FILE)")
+    if sent:
+        return f"the API key this command sent is not the server's (it is read from {where})"
+    return f"this command sends the key it finds in {where}: set one to the server's key"
+
+
 def tcp(host: str, port: int, api_key: str = "") -> Endpoint:
     dial = connect_host(host)
     return Endpoint(url_of(dial, port),
@@ -113,9 +125,14 @@ def from_url(url: str, api_key: str = "") -> Endpoint:
     if url.startswith("unix:"):
         return unix(url[len("unix:"):], api_key)
     parts = urlsplit(url if "://" in url else "http://" + url)
+    try:
+        port = parts.port  # urllib's own words ("Port out of range") name no option
+    except ValueError:
+        port = None
+        parts = parts._replace(netloc="")
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"--url must be http://HOST:PORT or unix:/path/to.sock, not {url!r}")
-    return tcp(parts.hostname, parts.port or 80, api_key)
+    return tcp(parts.hostname, port or 80, api_key)
 
 
 def probe_health(conn: http.client.HTTPConnection, api_key: str = "") -> dict[str, Any]:
@@ -163,14 +180,13 @@ def health(endpoint: Endpoint | None, timeout: float = 2.0) -> dict[str, Any]:
                                 f"({probe['error']}); start one with `afmd serve`, or pass "
                                 "--url")
     if probe["http_status"] == 401:
-        raise ServerUnreachable(f"the server at {endpoint.label} wants an API key: put it in "
-                                "[server] api_key of the config this command reads")
+        raise ServerUnreachable(f"the server at {endpoint.label} wants an API key: "
+                                f"{key_advice(bool(endpoint.api_key))}")
     if not probe["afmd"]:
         raise ServerUnreachable(f"something that is not afmd answers at {endpoint.label} "
                                 f"(HTTP {probe['http_status']})")
     if probe.get("limited"):
         raise ServerUnreachable(f"the server at {endpoint.label} shows its details only with "
-                                "its API key: put it in [server] api_key of the config this "
-                                "command reads")
+                                f"its API key: {key_advice(bool(endpoint.api_key))}")
     body: dict[str, Any] = probe["health"]
     return body

@@ -506,8 +506,12 @@ def _refusal(target: endpoint.Endpoint, status: int, answer: Any) -> CommandErro
     """A server's refusal, in its words (OpenAI's envelope or Ollama's)."""
     error = answer.get("error") if isinstance(answer, dict) else None
     message = error.get("message") if isinstance(error, dict) else error
+    # The server's own 401 tells an HTTP client which header to send; someone at this
+    # command needs to know where the command reads the key from.
+    advice = f"; {endpoint.key_advice(bool(target.api_key))}" if status == 401 else ""
     return CommandError(f"the server at {target.label} refused: HTTP {status}"
-                        + (f": {message}" if isinstance(message, str) and message else ""))
+                        + (f": {message}" if isinstance(message, str) and message else "")
+                        + advice)
 
 
 def _post_clear(target: endpoint.Endpoint, model: str | None, timeout: float) -> dict[str, Any]:

@@ -11,10 +11,10 @@ not an error.
 The tables themselves are afmd.config.sections' dataclasses; a setting's bounds and
 choices are its field's metadata (``at_least``, ``between``, ``one_of``), checked by one
 walker (afmd.config.bounds); afmd.config.layers merges the file, env and flags,
-afmd.config.tables reads the arrays of tables and afmd.config.rules checks the rules
-across settings. This module builds the result from them (each name is imported from the
-module that defines it); it and those five are afmd's lowest layer and import nothing else
-from it.
+afmd.config.tables reads the arrays of tables, afmd.config.rules checks the rules
+across settings and afmd.config.locate finds the line of the file a bad key is on. This
+module builds the result from them (each name is imported from the module that defines
+it); it and those six are afmd's lowest layer and import nothing else from it.
 """
 
 import dataclasses
@@ -23,8 +23,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
-from afmd.config.bounds import check_fields
+from afmd.config.bounds import ConfigError, check_fields
 from afmd.config.layers import Merged, Schema, apply_env, apply_file, apply_overrides, read_toml
+from afmd.config.locate import line_of
 from afmd.config.rules import (
     apply_model_flag,
     validate_aliases,
@@ -79,6 +80,34 @@ def load_config(
     if path is not None:
         # As the shell would: a launchd plist or ``--config=~/...`` hands "~" over as is.
         path = os.path.expanduser(os.fspath(path))
+    try:
+        return _build(path, env, overrides, merged)
+    except ConfigError as exc:
+        raise _placed(exc, path, merged) from None
+
+
+def _placed(exc: ConfigError, path: str | None, merged: Merged) -> ConfigError:
+    """``exc`` naming the file and line that set its key, where the file set it: a key
+    alone sent an operator searching a long file (or one they did not know was read)."""
+    if path is None or exc.key == path or merged.origin.get(exc.key, "file") != "file":
+        return exc
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return exc
+    line = line_of(text, exc.key)
+    if line is None:
+        return exc
+    return ConfigError(exc.key, f"{exc.message} ({path}, line {line})")
+
+
+def _build(
+    path: str | None,
+    env: Mapping[str, str] | None,
+    overrides: Mapping[str, object] | None,
+    merged: Merged,
+) -> Config:
+    if path is not None:
         apply_file(read_toml(path), merged)
     apply_env(os.environ if env is None else env, merged)
     if overrides:
@@ -86,7 +115,7 @@ def load_config(
 
     cfg = Config(
         **{section: cls(**merged.values[section]) for section, cls in SECTIONS.items()},
-        source=None if path is None else os.fspath(path),
+        source=path,
     )
     tables = cast(dict[tuple[str, str], Any], merged.structured)
     server_tools = tables.get(("tools", "server"), [])

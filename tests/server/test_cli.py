@@ -324,6 +324,9 @@ def test_port_in_use_exits_1(tmp_path: Path) -> None:
     assert failures[0]["level"] == "error"
     assert "Traceback" not in result.stderr
     assert not any(e.get("event") == "listening" for e in events)
+    # The log's last word on the run agrees with the exit code launchd sees.
+    stopped = [e for e in events if e.get("event") == "stopped"]
+    assert all(e["exit_code"] == 1 for e in stopped), result.stderr
 
 
 def test_unix_socket_path_taken_by_a_file_exits_1(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from afmd.config.load import BREW_PREFIXES
 from afmd.ports import free_ports
 
 from conftest import ROOT, ServerProcess, start_server
+from helpers.keyed import KEY, keyed_afmd
 from helpers.servers import run_afmd
 
 pytestmark = pytest.mark.slow  # CLI subprocesses and servers
@@ -152,6 +153,24 @@ def test_running_afmd_with_other_models_is_a_note(server: ServerProcess, tmp_pat
     report = doctor.diagnose(str(config), env=_env())
     assert report.exit_code == 0
     assert any("started with other settings" in note for note in report.notes), report.notes
+
+
+def test_a_keyed_server_seen_without_its_key() -> None:
+    """/health's status alone: the screen says so (not "active None"), and the problem says
+    where doctor reads the key, or that the key it sent is not the server's."""
+    with keyed_afmd() as url:
+        port = url.rsplit(":", 1)[1]
+        for key, says in (("", "AFMD_SERVER_API_KEY, else [server] api_key"),
+                          ("not-it", "the API key this command sent is not the server's")):
+            report = doctor.diagnose(env=_env(AFMD_SERVER_PORT=port, AFMD_SERVER_API_KEY=key))
+            assert report.exit_code == 1
+            assert any(says in p for p in report.problems), report.problems
+            text = doctor_report.render(report)
+            server_line = next(line for line in text.splitlines() if line.startswith("server"))
+            assert "None" not in server_line, server_line
+            assert "details only with its API key" in server_line, server_line
+        report = doctor.diagnose(env=_env(AFMD_SERVER_PORT=port, AFMD_SERVER_API_KEY=KEY))
+        assert report.exit_code == 0, report.problems
 
 
 def test_port_held_by_a_silent_listener(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from afmd.ports import free_ports
 
 from conftest import ROOT, ServerProcess, start_server
 from helpers.hub import FakeHub, safetensors_bytes
+from helpers.keyed import KEY, keyed_afmd
 from helpers.servers import afmd_command, run_afmd
 
 pytestmark = pytest.mark.slow  # the hub stand-in, CLI subprocesses and a server
@@ -231,6 +232,26 @@ def test_no_server_is_a_clear_message(env: dict[str, str]) -> None:
         assert "Traceback" not in result.stderr
     bad = afmd(env, "ps", "--url", "ftp://x")
     assert bad.returncode == 2 and "--url must be" in bad.stderr
+    for url in ("http://127.0.0.1:99999", "http://127.0.0.1:port"):
+        bad = afmd(env, "ps", "--url", url)
+        assert bad.returncode == 2 and "--url" in bad.stderr and url in bad.stderr, bad.stderr
+
+
+def test_a_keyed_server_is_told_where_the_key_is_read(env: dict[str, str]) -> None:
+    """Without the key, ps sees /health's status alone and cache clear a 401; each says
+    where the command reads the key, and a key it sent that is wrong is said to be wrong."""
+    with keyed_afmd() as url:
+        for verb in (("ps",), ("cache", "clear")):
+            missing = afmd(env, *verb, "--url", url)
+            assert missing.returncode == 1, missing
+            assert "AFMD_SERVER_API_KEY" in missing.stderr, missing.stderr
+            assert "[server] api_key" in missing.stderr, missing.stderr
+            wrong = afmd({**env, "AFMD_SERVER_API_KEY": "not-it"}, *verb, "--url", url)
+            assert wrong.returncode == 1, wrong
+            assert "the API key this command sent is not the server's" in wrong.stderr, (
+                wrong.stderr)
+            right = afmd({**env, "AFMD_SERVER_API_KEY": KEY}, *verb, "--url", url)
+            assert right.returncode == 0, right.stderr
 
 
 # ---------------------------------------------------------------------------- list, rm

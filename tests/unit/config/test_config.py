@@ -401,6 +401,39 @@ def test_unknown_key_suggestions(tmp_path: Path) -> None:
         load_config(env={}, overrides={"server.prot": 1})
 
 
+@pytest.mark.parametrize(("text", "key", "line"), [
+    ("# afmd\n[server]\nhost = '127.0.0.1'\nprot = 1\n", "server.prot", 4),
+    ("[log]\nlevel = 'info'\n[models]\ndefault = 'nope'\n", "models.default", 4),
+    ("[server]\nport = 1\n[queue]\nmax_concurrent_requests = 0\n",
+     "queue.max_concurrent_requests", 4),
+    ("server.port = 70000\n", "server.port", 1),
+    ("[server]\nallowed_hosts = [\n  'a',\n  3,\n]\n", "server.allowed_hosts[1]", 2),
+    ("[sever]\nport = 1\n", "sever", 1),
+    ("[[models.model]]\nid = 'a'\npath = 'x/y'\n[[models.model]]\nid = 'b'\npath = 3\n",
+     "models.model[1].path", 6),
+    ("[[models.model]]\nid = 'a'\npath = 'x/y'\n\n[[models.model]]\nid = 'b'\n",
+     "models.model[1].path", 5),
+    ("[[models.model]]\nid = 'a'\npath = 'x/y'\nfim = { prefix = 1, suffix = 'b' }\n",
+     "models.model[0].fim.prefix", 4),
+    ("[models.aliases]\n'gpt-4o' = 'zzz'\n", "models.aliases.gpt-4o", 2),
+    ("[server]\ninstructions = \"\"\"\n[sever]\nprot = 1\n\"\"\"\nprot = 2\n", "server.prot", 6),
+])
+def test_an_error_names_the_file_and_line_that_set_its_key(
+        tmp_path: Path, text: str, key: str, line: int) -> None:
+    err = error_for(tmp_path, text)
+    assert err.key == key
+    assert err.message.endswith(f"({tmp_path / 'config.toml'}, line {line})"), err.message
+
+
+def test_an_error_the_file_did_not_cause_names_no_line(tmp_path: Path) -> None:
+    """A bad value from the environment is its variable's; a default the file does not
+    name is no line's (``[server]`` is not where a missing listener is)."""
+    err = error_for(tmp_path, "[server]\nport = 8000\n", env={"AFMD_SERVER_PORT": "70000"})
+    assert err.message.endswith("(from AFMD_SERVER_PORT)"), err.message
+    err = error_for(tmp_path, "[server]\nport = 8000\n", env={"AFMD_SERVER_HOST": ""})
+    assert "line" not in err.message, err.message
+
+
 def test_missing_file(tmp_path: Path) -> None:
     path = tmp_path / "nope.toml"
     with pytest.raises(ConfigError) as info:
