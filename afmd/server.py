@@ -200,7 +200,7 @@ class Server:
         log.info("stopped", exit_code=self.exit_code)
 
     async def serve(self, *, install_signal_handlers: bool = True) -> int:
-        """Run until SIGINT/SIGTERM (or :meth:`request_stop`); return the exit code."""
+        """Run until SIGINT/SIGTERM/SIGHUP (or :meth:`request_stop`); return the exit code."""
         loop = asyncio.get_running_loop()
         stop_signals = self._stop_signals()
         if install_signal_handlers:
@@ -222,13 +222,15 @@ class Server:
         return self.exit_code
 
     def _stop_signals(self) -> tuple[int, ...]:
-        """SIGINT and SIGTERM; rank 0 of a launched group stops on SIGINT only (from
+        """SIGINT, SIGTERM and SIGHUP (the terminal of an ``afmd serve`` in the foreground
+        closed: its streams drain and its socket file goes, where the default action
+        killed it mid-answer); rank 0 of a launched group stops on SIGINT only (from
         ``afmd launch``): MLX's launcher sends SIGTERM the moment another rank dies, and
         rank 0 must stay to fail what runs, say why, and exit 1 itself."""
         if self.group is not None:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             return (signal.SIGINT,)
-        return (signal.SIGINT, signal.SIGTERM)
+        return (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def run(config: Config, group: GroupLead | None = None) -> int:

@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="start the server",
-        description="Start the OpenAI-compatible server and serve until SIGINT/SIGTERM.",
+        description="Start the OpenAI-compatible server and serve until SIGINT/SIGTERM/SIGHUP.",
     )
     serve.add_argument("--config", metavar="FILE",
                        help="TOML config file (default: $AFMD_CONFIG, then "
@@ -150,8 +150,8 @@ def _serve(args: argparse.Namespace) -> int:
         return _config_error(exc)
 
     # Until the server's own handlers are in place (importing MLX takes a second or two), a
-    # SIGTERM/SIGINT is a clean stop: there is nothing in flight to drain yet.
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGTERM/SIGINT/SIGHUP is a clean stop: there is nothing in flight to drain yet.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _stop_while_starting)
 
     # A Hugging Face model not on disk yet is pulled first, with the progress `afmd pull`

@@ -258,8 +258,10 @@ def test_afmd_config_env_is_read(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- signals, binding
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_signal_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGHUP too: an ``afmd serve`` in a terminal that closes drains as on SIGTERM (the
+    default action killed it: no drain, no ``stopped`` line, its socket file left)."""
     server = start_server(tmp_path)
     code = server.stop(sig, timeout=30)
     assert code == 0, server.log_text()[-4000:]
