@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from afmd import __version__
+from afmd.ports import host_port
 
 __all__ = ["EXIT_CONFIG", "EXIT_OK", "EXIT_PROBLEM", "Report", "owner_text", "render"]
 
@@ -108,7 +109,7 @@ def render(report: Report) -> str:
 
     port = report.port
     if port:
-        where = f"{port['host']}:{port['port']}"
+        where = host_port(port["host"], port["port"])
         if port["in_use"] is None:
             lines.append(f"port       {where}: cannot tell (bind refused for another reason)")
         elif not port["in_use"]:

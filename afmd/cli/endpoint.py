@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from afmd.config.sections import Config
+from afmd.ports import host_port
 
 #: The longest ``--timeout`` taken: past it a deadline overflows the platform's clock.
 MAX_WAIT_S = 86_400.0
@@ -70,7 +71,7 @@ def connect_host(host: str) -> str:
 
 
 def url_of(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"http://{host_port(host, port)}"
 
 
 @dataclass(frozen=True, slots=True)

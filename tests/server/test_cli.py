@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -327,6 +328,26 @@ def test_port_in_use_exits_1(tmp_path: Path) -> None:
     # The log's last word on the run agrees with the exit code launchd sees.
     stopped = [e for e in events if e.get("event") == "stopped"]
     assert all(e["exit_code"] == 1 for e in stopped), result.stderr
+
+
+def _startup_error(result: subprocess.CompletedProcess[str]) -> str:
+    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    failures = [e for e in events if e.get("event") == "startup failed"]
+    assert len(failures) == 1, result.stderr
+    error: str = failures[0]["error"]
+    return error
+
+
+def test_an_ipv6_bind_error_brackets_the_address(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET6) as holder:
+        holder.bind(("::1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        result = afmd_run("serve", "--log-format", "json", "--host", "::1", "--port", str(port),
+                          cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    error = _startup_error(result)
+    assert f"cannot listen on [::1]:{port}: the port is already in use" in error, error
 
 
 def test_unix_socket_path_taken_by_a_file_exits_1(tmp_path: Path) -> None:
