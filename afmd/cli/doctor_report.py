@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from afmd import __version__
+from afmd.cli.port_owners import owner_text
 from afmd.ports import host_port
 
 __all__ = ["EXIT_CONFIG", "EXIT_OK", "EXIT_PROBLEM", "Report", "owner_text", "render"]
@@ -67,11 +68,6 @@ class Report:
             "notes": self.notes,
             "exit_code": self.exit_code,
         }
-
-
-def owner_text(owners: list[dict[str, Any]]) -> str:
-    """The processes holding the port, as both a problem and the port line name them."""
-    return ", ".join(f"pid {o['pid']} ({o['command'] or '?'})" for o in owners)
 
 
 def render(report: Report) -> str:

@@ -303,7 +303,9 @@ def test_unix_socket_removed_on_stop(tmp_path: Path) -> None:
 
 
 def test_port_in_use_exits_1(tmp_path: Path) -> None:
-    first = start_server(tmp_path, ready=False)
+    """The holder is named: another afmd (started by exec, so that its command line is
+    afmd's, not a test zygote's)."""
+    first = start_server(tmp_path, ready=False, fork=False)
     try:
         started = time.monotonic()
         result = subprocess.run(
@@ -321,7 +323,8 @@ def test_port_in_use_exits_1(tmp_path: Path) -> None:
     assert len(failures) == 1, result.stderr
     error = failures[0]["error"]
     assert str(first.port) in error
-    assert "already in use" in error
+    assert f"already in use by another afmd, pid {first.proc.pid} (" in error, error
+    assert "is another afmd running?" not in error
     assert failures[0]["level"] == "error"
     assert "Traceback" not in result.stderr
     assert not any(e.get("event") == "listening" for e in events)
@@ -348,6 +351,9 @@ def test_an_ipv6_bind_error_brackets_the_address(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stderr
     error = _startup_error(result)
     assert f"cannot listen on [::1]:{port}: the port is already in use" in error, error
+    # The holder is this test's process, not an afmd: named, and no afmd is asked about.
+    assert f"in use by pid {os.getpid()} (" in error, error
+    assert "afmd running" not in error and "another afmd" not in error, error
 
 
 def test_unix_socket_path_taken_by_a_file_exits_1(tmp_path: Path) -> None:

@@ -212,6 +212,16 @@ def test_port_held_by_another_http_server(plain_http: int) -> None:
     assert any("not afmd" in p for p in report.problems), report.problems
 
 
+@pytest.mark.parametrize(("command", "afmd"), [
+    ("/opt/homebrew/bin/afmd serve", True), ("afmd serve --port 9", True),
+    ("/x/.venv/bin/python /x/.venv/bin/afmd serve", True), ("python3 -m afmd serve", True),
+    ("python -m http.server 9999", False), ("ollama serve", False), ("", False),
+    ("/usr/bin/python3 /srv/afmd-tools/proxy.py", False),
+])
+def test_an_afmd_is_told_by_its_command_line(command: str, afmd: bool) -> None:
+    assert port_owners.is_afmd(command) is afmd
+
+
 @pytest.mark.skipif(port_owners.find_lsof() is None, reason="lsof is not installed")
 def test_lsof_finds_the_owner_too() -> None:
     """The macOS path (no /proc): lsof names the pid and the full command."""

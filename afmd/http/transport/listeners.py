@@ -23,6 +23,7 @@ from typing import Any
 
 from sanic import Sanic
 
+from afmd.cli.port_owners import holder_text
 from afmd.http.compat import accept_failure, forget_accept_reader
 from afmd.http.transport.connection import AfmdProtocol
 from afmd.http.transport.supervisor import ListenerState, ListenerSupervisor, Supervised
@@ -130,10 +131,8 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise StartupError(
-                f"cannot listen on {host_port(host, port)}: the port is already in use "
-                "(is another afmd running? `afmd doctor` tells what holds it)"
-            ) from None
+            raise StartupError(f"cannot listen on {host_port(host, port)}: the port is "
+                               f"already in use {holder_text(port)}") from None
         raise StartupError(f"cannot listen on {host_port(host, port)}: {exc.strerror}") from None
     sock.setblocking(False)
     return sock
