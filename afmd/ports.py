@@ -58,3 +58,9 @@ def free_ports(n: int = 1, host: str = "127.0.0.1") -> int:
             for s in held:
                 s.close()
     return _LAST_RESORT
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as a person or a URL reads it: an IPv6 address in brackets, since
+    ``::1:18091`` could be read as an address ending in ``:18091``."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

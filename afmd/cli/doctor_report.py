@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from afmd import __version__
+from afmd.cli.port_owners import owner_text
+from afmd.ports import host_port
 
 __all__ = ["EXIT_CONFIG", "EXIT_OK", "EXIT_PROBLEM", "Report", "owner_text", "render"]
 
@@ -68,11 +70,6 @@ class Report:
         }
 
 
-def owner_text(owners: list[dict[str, Any]]) -> str:
-    """The processes holding the port, as both a problem and the port line name them."""
-    return ", ".join(f"pid {o['pid']} ({o['command'] or '?'})" for o in owners)
-
-
 def render(report: Report) -> str:
     """The report for a person: one section a line, aligned, the problems last."""
     lines = [f"afmd {report.version}  ({'frozen binary' if report.frozen else 'Python'}: "
@@ -108,7 +105,7 @@ def render(report: Report) -> str:
 
     port = report.port
     if port:
-        where = f"{port['host']}:{port['port']}"
+        where = host_port(port["host"], port["port"])
         if port["in_use"] is None:
             lines.append(f"port       {where}: cannot tell (bind refused for another reason)")
         elif not port["in_use"]:

@@ -16,11 +16,12 @@ import json
 import math
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
 from afmd.config.sections import Config
+from afmd.ports import host_port
 
 #: The longest ``--timeout`` taken: past it a deadline overflows the platform's clock.
 MAX_WAIT_S = 86_400.0
@@ -70,7 +71,7 @@ def connect_host(host: str) -> str:
 
 
 def url_of(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"http://{host_port(host, port)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,8 @@ class Endpoint:
     label: str
     connect: Callable[[float], http.client.HTTPConnection]
     api_key: str = ""
+    #: Named by ``--url`` rather than found in the config: then "pass --url" is no advice.
+    given: bool = False
 
     def health_label(self) -> str:
         return f"{self.label} /health" if self.label.startswith("unix:") else (
@@ -123,7 +126,7 @@ def from_config(config: Config) -> Endpoint | None:
 def from_url(url: str, api_key: str = "") -> Endpoint:
     """``--url``: ``http://HOST:PORT`` (a trailing ``/v1`` is fine) or ``unix:/path``."""
     if url.startswith("unix:"):
-        return unix(url[len("unix:"):], api_key)
+        return replace(unix(url[len("unix:"):], api_key), given=True)
     parts = urlsplit(url if "://" in url else "http://" + url)
     try:
         port = parts.port  # urllib's own words ("Port out of range") name no option
@@ -132,7 +135,7 @@ def from_url(url: str, api_key: str = "") -> Endpoint:
         parts = parts._replace(netloc="")
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"--url must be http://HOST:PORT or unix:/path/to.sock, not {url!r}")
-    return tcp(parts.hostname, port or 80, api_key)
+    return replace(tcp(parts.hostname, port or 80, api_key), given=True)
 
 
 def probe_health(conn: http.client.HTTPConnection, api_key: str = "") -> dict[str, Any]:
@@ -176,9 +179,9 @@ def health(endpoint: Endpoint | None, timeout: float = 2.0) -> dict[str, Any]:
                                 "picks one at start) and has no unix_socket; pass --url")
     probe = probe_health(endpoint.connect(timeout), endpoint.api_key)
     if not probe["answering"]:
+        elsewhere = "" if endpoint.given else ", or pass --url"
         raise ServerUnreachable(f"no afmd server is running at {endpoint.label} "
-                                f"({probe['error']}); start one with `afmd serve`, or pass "
-                                "--url")
+                                f"({probe['error']}); start one with `afmd serve`{elsewhere}")
     if probe["http_status"] == 401:
         raise ServerUnreachable(f"the server at {endpoint.label} wants an API key: "
                                 f"{key_advice(bool(endpoint.api_key))}")

@@ -234,7 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "version":
         print(f"afmd {__version__}")
         return EXIT_OK
-    parser.print_help()
+    # No command is a usage error (exit 2, as argparse's own): the help goes to stderr, so
+    # that `afmd > file` or a service definition missing `serve` does not pass for output.
+    parser.print_help(sys.stderr)
     return EXIT_CONFIG
 
 

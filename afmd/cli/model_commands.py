@@ -139,7 +139,7 @@ def _config(path: str | None) -> Config:
 
 
 def _endpoint(args: argparse.Namespace, config: Config) -> endpoint.Endpoint | None:
-    if args.url:
+    if args.url is not None:  # `--url ''` is a malformed URL, not the config's endpoint
         try:
             return endpoint.from_url(args.url, config.server.api_key)
         except ValueError as exc:

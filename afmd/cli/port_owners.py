@@ -8,6 +8,7 @@ invisible (then the caller says so).
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import shutil
 import socket
@@ -15,7 +16,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["find_lsof", "lsof_owners", "port_in_use", "port_owners"]
+__all__ = ["find_lsof", "holder_text", "is_afmd", "lsof_owners", "owner_text", "port_in_use",
+           "port_owners"]
 
 
 def port_in_use(host: str, port: int) -> bool | None:
@@ -124,3 +126,32 @@ def port_owners(port: int) -> tuple[list[dict[str, Any]], str]:
             return owners, "/proc"
     owners = lsof_owners(port)
     return owners, ("lsof" if owners else "")
+
+
+def owner_text(owners: list[dict[str, Any]]) -> str:
+    """The processes holding a port, as doctor and the bind errors name them."""
+    return ", ".join(f"pid {o['pid']} ({o['command'] or '?'})" for o in owners)
+
+
+def is_afmd(command: str) -> bool:
+    """Whether a command line is an afmd's: its binary or script (``afmd serve``,
+    ``python …/bin/afmd serve``) or ``python -m afmd``. A guess from the words alone, good
+    enough to choose between "another afmd" and a program's name in a message."""
+    words = command.split()
+    if any(os.path.basename(word) == "afmd" for word in words[:2]):
+        return True
+    return any(word == "-m" and module.split(".")[0] == "afmd"
+               for word, module in itertools.pairwise(words))
+
+
+def holder_text(port: int) -> str:
+    """Who holds a TCP port, for the sentence that says it is taken: another afmd, or the
+    program by pid and command line. Only where the holder is not visible (another user's
+    process) is another afmd the guess, since a second start of the service is the usual
+    cause. This process is left out: a listener rebuilt while its old socket lingers."""
+    owners = [o for o in port_owners(port)[0] if o["pid"] != os.getpid()]
+    if not owners:
+        return "(is another afmd running? `afmd doctor` tells what holds it)"
+    if all(is_afmd(o["command"]) for o in owners):
+        return f"by another afmd, {owner_text(owners)}: stop it or choose another port"
+    return f"by {owner_text(owners)}: stop it or choose another port"

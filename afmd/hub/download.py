@@ -292,13 +292,18 @@ def _discard(link: Path, blobs: Path) -> None:
             blob.unlink()
 
 
-def _discard_partial(folder: Path, remote: RemoteFile) -> None:
-    """Remove what the hub client kept of a file to resume it (``blobs/<etag>.incomplete``,
-    the etag being the hash the hub listed): a resume would start past the listed size."""
+def _discard_partial(cache: Path, repo: str, remote: RemoteFile) -> None:
+    """Delete what interrupted downloads of this file left in the cache before it is
+    fetched again: a killed pull's, or a server's stopped mid-pull. The hub client starts
+    a file over under a new name each time and never reads those again
+    (:mod:`afmd.hub.hub_compat`), so each was a weight file's worth of disk kept for
+    nothing. A download stopped here by an exception (past the listed size, stopped by
+    its caller) leaves nothing: the hub client deletes its file on the way out."""
+    from afmd.hub import hub_compat
+
     etag = remote.sha256 or remote.blob_id
     if re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", etag):
-        with contextlib.suppress(FileNotFoundError):
-            (folder / "blobs" / f"{etag}.incomplete").unlink()
+        hub_compat.discard_leftovers(cache, repo_folder(repo, cache), etag)
 
 
 def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
@@ -342,6 +347,8 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
         link = snapshot / remote.path
         cached = link.is_file()
         check()
+        if not cached:
+            _discard_partial(cache, repo, remote)
         try:
             local = Path(hf_hub_download(
                 repo, remote.path, revision=commit, cache_dir=str(cache),
@@ -351,7 +358,6 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
         except PullStopped:
             raise
         except _TooLong:
-            _discard_partial(repo_folder(repo, cache), remote)
             raise PullError(f"{remote.path}: the hub sent more than the {remote.size} bytes it "
                             "listed; the download was stopped and deleted") from None
         except Exception as exc:

@@ -129,8 +129,9 @@ class Pulls:
 
 async def _in_daemon_thread(pull: Pull) -> None:
     """The download, in a thread of its own that does not hold the process: a server
-    stopping mid-pull exits at once (the hub client resumes the file next time), where
-    the loop's executor would wait for the whole download."""
+    stopping mid-pull exits at once (the file cut short starts over at the next pull of
+    it, which deletes what this one left in the cache), where the loop's executor would
+    wait for the whole download."""
     from afmd.hub.download import pull as download
 
     loop = asyncio.get_running_loop()

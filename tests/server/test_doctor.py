@@ -186,11 +186,40 @@ def test_port_held_by_a_silent_listener(tmp_path: Path) -> None:
     assert any(f"port {port} is taken by pid {os.getpid()}" in p for p in report.problems)
 
 
+def test_an_ipv6_address_is_written_in_brackets_beside_its_port() -> None:
+    """``::1:18091`` reads as an address of its own: every host and port of the text and
+    every address string of ``--json`` bracket an IPv6 host, as a URL does."""
+    with socket.socket(socket.AF_INET6) as holder:
+        holder.bind(("::1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        report = doctor.diagnose(env=_env(AFMD_SERVER_HOST="::1", AFMD_SERVER_PORT=str(port)),
+                                 timeout=0.3)
+    assert report.port["in_use"] is True
+    text = doctor_report.render(report)
+    assert f"port       [::1]:{port} is in use" in text, text
+    assert f"::1:{port}" not in text.replace(f"[::1]:{port}", ""), text
+    data = report.as_dict()
+    assert data["endpoint"] == f"http://[::1]:{port}/v1"
+    assert data["server"]["url"] == f"http://[::1]:{port}/health"
+    assert f"::1:{port}" not in json.dumps(data).replace(f"[::1]:{port}", "")
+
+
 def test_port_held_by_another_http_server(plain_http: int) -> None:
     report = doctor.diagnose(env=_env(AFMD_SERVER_PORT=str(plain_http)))
     assert report.server["answering"] is True and report.server["afmd"] is False
     assert report.exit_code == 1
     assert any("not afmd" in p for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize(("command", "afmd"), [
+    ("/opt/homebrew/bin/afmd serve", True), ("afmd serve --port 9", True),
+    ("/x/.venv/bin/python /x/.venv/bin/afmd serve", True), ("python3 -m afmd serve", True),
+    ("python -m http.server 9999", False), ("ollama serve", False), ("", False),
+    ("/usr/bin/python3 /srv/afmd-tools/proxy.py", False),
+])
+def test_an_afmd_is_told_by_its_command_line(command: str, afmd: bool) -> None:
+    assert port_owners.is_afmd(command) is afmd
 
 
 @pytest.mark.skipif(port_owners.find_lsof() is None, reason="lsof is not installed")

@@ -230,8 +230,14 @@ def test_no_server_is_a_clear_message(env: dict[str, str]) -> None:
         assert result.returncode == 1, result
         assert f"no afmd server is running at {where}" in result.stderr
         assert "Traceback" not in result.stderr
+        # --url is suggested only to whoever did not pass one.
+        assert ("pass --url" in result.stderr) is ("--url" not in args), result.stderr
     bad = afmd(env, "ps", "--url", "ftp://x")
     assert bad.returncode == 2 and "--url must be" in bad.stderr
+    # An empty --url is a malformed one too, not "--url not given" (the config's endpoint).
+    empty = afmd(env, "ps", "--url", "")
+    assert empty.returncode == 2 and "--url must be" in empty.stderr, empty.stderr
+    assert "''" in empty.stderr and "no afmd server" not in empty.stderr, empty.stderr
     for url in ("http://127.0.0.1:99999", "http://127.0.0.1:port"):
         bad = afmd(env, "ps", "--url", url)
         assert bad.returncode == 2 and "--url" in bad.stderr and url in bad.stderr, bad.stderr

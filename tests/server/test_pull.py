@@ -403,6 +403,36 @@ def test_a_file_longer_than_the_hub_listed_is_cut_off(hub: FakeHub,
     assert REPO in listed(env)
 
 
+def test_what_a_killed_pull_left_is_deleted_by_the_next(hub: FakeHub,
+                                                          env: dict[str, str]) -> None:
+    """A pull killed mid-file (or a server stopped mid-pull: its download thread does not
+    hold the process) leaves the hub client's ``blobs/<etag>.<8 hex>.incomplete``, which no
+    later download reads: the hub client starts the file over under a new name. The next
+    pull of the repo deletes it before it fetches the file again."""
+    files = tiny_model()
+    hub.add_repo(REPO, files)
+    hub.throttle(REPO, "model.safetensors", 512)  # seconds for its few KiB
+    etag = hashlib.sha256(files["model.safetensors"]).hexdigest()
+    blobs = cache_of(env) / "models--test-org--tiny-mlx" / "blobs"
+    proc = subprocess.Popen([sys.executable, "-m", "afmd", "pull", REPO], env=env, cwd=ROOT,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(blobs.glob(f"{etag}.*.incomplete")):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+    left = list(blobs.glob(f"{etag}.*.incomplete"))
+    assert len(left) == 1 and not (blobs / etag).exists(), left
+    hub.rates.clear()
+    assert afmd(env, "pull", REPO).returncode == 0
+    assert not list(blobs.glob("*.incomplete")), list(blobs.iterdir())
+    assert (blobs / etag).read_bytes() == files["model.safetensors"]
+
+
 def test_a_file_that_fails_verification_is_deleted_only_inside_the_cache(
         hub: FakeHub, env: dict[str, str], tmp_path: Path) -> None:
     """The cache is shared: a snapshot's file may be a link another tool or its user made

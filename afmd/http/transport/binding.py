@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import socket
 
-from afmd.cli.port_owners import port_in_use, port_owners
+from afmd.cli.port_owners import owner_text, port_in_use, port_owners
 from afmd.config.sections import ServerConfig
 from afmd.http.transport.connection import AfmdProtocol, make_protocol
 from afmd.http.transport.connection_limits import GateContext
 from afmd.http.transport.listeners import Listeners, StartupError, bind_tcp, bind_unix, is_loopback
+from afmd.ports import host_port
 
 #: Where ``[ollama] port`` listens: this machine only, as Ollama does by default.
 OLLAMA_HOST = "127.0.0.1"
@@ -36,11 +37,10 @@ def bind_ollama(port: int) -> socket.socket:
     sentence naming what holds it (as ``afmd doctor`` finds it)."""
     if port_in_use(OLLAMA_HOST, port):
         owners, _ = port_owners(port)
-        who = (", ".join(f"pid {o['pid']} ({o['command'] or '?'})" for o in owners)
-               or "a process afmd cannot see (another user's?)")
+        who = owner_text(owners) or "a process afmd cannot see (another user's?)"
         raise StartupError(
-            f"cannot listen on {OLLAMA_HOST}:{port} for [ollama] port: the port is in use "
-            f"by {who}. Stop it (an Ollama app or `ollama serve`?) or set another "
+            f"cannot listen on {host_port(OLLAMA_HOST, port)} for [ollama] port: the port is "
+            f"in use by {who}. Stop it (an Ollama app or `ollama serve`?) or set another "
             "[ollama] port (0 turns the listener off)")
     return bind_tcp(OLLAMA_HOST, port)
 

@@ -23,9 +23,11 @@ from typing import Any
 
 from sanic import Sanic
 
+from afmd.cli.port_owners import holder_text
 from afmd.http.compat import accept_failure, forget_accept_reader
 from afmd.http.transport.connection import AfmdProtocol
 from afmd.http.transport.supervisor import ListenerState, ListenerSupervisor, Supervised
+from afmd.ports import host_port
 
 #: What ``loop.set_exception_handler`` takes (and ``get_exception_handler`` gives back).
 _ExceptionHandler = Callable[[asyncio.AbstractEventLoop, dict[str, Any]], object]
@@ -70,7 +72,7 @@ class Listener:
         if self.kind == "unix":
             return f"unix:{self.address}"
         host, port = self.address[:2]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return f"http://{host_port(host, port)}"
 
     def fd_is_ours(self) -> bool:
         try:
@@ -129,11 +131,9 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise StartupError(
-                f"cannot listen on {host}:{port}: the port is already in use "
-                "(is another afmd running? `afmd doctor` tells what holds it)"
-            ) from None
-        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+            raise StartupError(f"cannot listen on {host_port(host, port)}: the port is "
+                               f"already in use {holder_text(port)}") from None
+        raise StartupError(f"cannot listen on {host_port(host, port)}: {exc.strerror}") from None
     sock.setblocking(False)
     return sock
 
