@@ -22,11 +22,13 @@ import io
 import re
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from PIL import Image, ImageFile
 
 from afmd.core.request import ImageInput
 from afmd.errors import InvalidRequestError
+from afmd.service import pillow_compat
 
 #: Pillow's names of the formats the image parts may carry.
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -48,13 +50,49 @@ Image.MAX_IMAGE_PIXELS = None
 ImageFile.LOAD_TRUNCATED_IMAGES = False
 
 
-def _size(image: ImageInput) -> tuple[int, int] | None:
+@dataclass(slots=True)
+class Header:
+    """An image part as its one open left it, for every later step to go on from: Pillow
+    reads a header in Python through all the metadata before the pixels (seconds for a
+    body's worth of it), so the pixel total, the size limit, the scan guard and the decode
+    each opening the file again multiplied what a hostile one costs the image threads."""
+
+    #: The picture opened, nothing decoded yet (its size and mode read); None: the bytes
+    #: are no image Pillow reads in :data:`FORMATS`.
+    picture: Image.Image | None
+    #: A JPEG's: where its first scan's data begins, the open's walk having reached it
+    #: (:func:`afmd.service.pillow_compat.first_scan_end`); None: the guard walks it all.
+    first_scan_end: int | None = None
+
+
+def read_header(image: ImageInput) -> Header:
+    """The part opened, or noted as no image: blocking, as :func:`check_total` says."""
     try:
-        with Image.open(io.BytesIO(image.data), formats=FORMATS) as picture:
-            width, height = picture.size
+        picture = Image.open(io.BytesIO(image.data), formats=FORMATS)
     except Exception:
-        return None
-    return width, height
+        return Header(None)
+    return Header(picture, pillow_compat.first_scan_end(picture))
+
+
+class Headers:
+    """A request's image parts as opened for their pixel total, each given once to
+    :func:`decode` (:meth:`take`), which decodes from it instead of opening the file again.
+    A later round (after server tools ran) opens its pictures anew: the open pictures go
+    with their first decode, whose memory is let go after each round."""
+
+    __slots__ = ("_by_part", "pixels")
+
+    def __init__(self) -> None:
+        #: The pixels the request's pictures will take decoded.
+        self.pixels = 0
+        self._by_part: dict[int, Header] = {}
+
+    def add(self, image: ImageInput, header: Header) -> None:
+        self._by_part[id(image)] = header
+
+    def take(self, image: ImageInput) -> Header | None:
+        """The part's header, once; None after (or for a part not read here)."""
+        return self._by_part.pop(id(image), None)
 
 
 def media_type(data: bytes) -> str | None:
@@ -76,38 +114,43 @@ def media_type(data: bytes) -> str | None:
     return None
 
 
-def check_total(images: Sequence[ImageInput], max_total: int) -> int:
+def check_total(images: Sequence[ImageInput], max_total: int) -> Headers:
     """The pixels ``images`` will take decoded, read from their headers before any is
     decoded, or the 400 for a request whose pictures together pass ``max_total``: the
     pictures of one request are held at once (the processor takes them together), so the
     per-image limit alone does not bound memory. An image whose header does not read
-    counts nothing; :func:`decode` names it.
+    counts nothing; :func:`decode` names it. The headers read are kept for :func:`decode`.
 
     Blocking: Pillow reads a header in Python, through whatever metadata comes before
     the pixels, so a body's worth of it takes seconds; call it off the event loop."""
-    total = 0
+    headers = Headers()
     for image in images:
-        size = _size(image)
-        if size is None:
+        header = read_header(image)
+        headers.add(image, header)
+        if header.picture is None:
             continue
-        total += size[0] * size[1]
-        if total > max_total:
+        width, height = header.picture.size
+        headers.pixels += width * height
+        if headers.pixels > max_total:
             raise InvalidRequestError(
-                f"The images of this request have {total} pixels up to and including this "
-                f"one, more than this server's limit of {max_total} for one request "
-                "([models] max_request_image_pixels); send fewer or smaller images.",
+                f"The images of this request have {headers.pixels} pixels up to and "
+                f"including this one, more than this server's limit of {max_total} for one "
+                "request ([models] max_request_image_pixels); send fewer or smaller images.",
                 code="image_too_large",
                 param=image.param,
             )
-    return total
+    return headers
 
 
-def decode(image: ImageInput, max_pixels: int) -> Image.Image:
-    """The part's picture as RGB, or the 400 that names why it cannot be one."""
-    try:
-        picture = Image.open(io.BytesIO(image.data), formats=FORMATS)
-    except Exception:
-        raise _invalid(image, "is not a PNG, JPEG, WebP or GIF image") from None
+def decode(image: ImageInput, max_pixels: int, header: Header | None = None) -> Image.Image:
+    """The part's picture as RGB, or the 400 that names why it cannot be one; from
+    ``header`` when :func:`check_total` read it (taken from its :class:`Headers`), which
+    is then used up."""
+    if header is None:
+        header = read_header(image)
+    picture = header.picture
+    if picture is None:
+        raise _invalid(image, "is not a PNG, JPEG, WebP or GIF image")
     width, height = picture.size
     if width * height > max_pixels:
         raise InvalidRequestError(
@@ -117,7 +160,8 @@ def decode(image: ImageInput, max_pixels: int) -> Image.Image:
             code="image_too_large",
             param=image.param,
         )
-    if picture.format in ("JPEG", "MPO") and _jpeg_scans(image.data) > MAX_JPEG_SCANS:
+    if picture.format in ("JPEG", "MPO") \
+            and _jpeg_scans(image.data, header.first_scan_end) > MAX_JPEG_SCANS:
         raise _invalid(image, f"is a JPEG of more than {MAX_JPEG_SCANS} scans, which this "
                        "server does not decode (encoders write about ten)")
     try:
@@ -130,12 +174,17 @@ def decode(image: ImageInput, max_pixels: int) -> Image.Image:
         raise _invalid(image, "could not be decoded (truncated or corrupt data)") from None
 
 
-def _jpeg_scans(data: bytes) -> int:
+def _jpeg_scans(data: bytes, first_scan_end: int | None = None) -> int:
     """The scans (SOS segments) of a JPEG's first picture, counted up to one past
     :data:`MAX_JPEG_SCANS`: its segments walked by their lengths as libjpeg reads them,
-    and a scan's data (or junk between segments) skipped to the next marker."""
-    scans = 0
-    at = 2  # past the start of image
+    and a scan's data (or junk between segments) skipped to the next marker. From
+    ``first_scan_end`` (the first scan counted) when the open's walk reached it: up to
+    there Pillow's walk and this one read the same segments by the same lengths, so
+    walking that part again would count nothing new. Where they part (a JPGn extension,
+    an end of image before any scan) the file does not open, libjpeg refuses it before
+    any scan, or the frame libjpeg decodes is the one counted
+    (``tests/meta/test_pillow_compat.py``)."""
+    scans, at = (0, 2) if first_scan_end is None else (1, first_scan_end)  # 2: past SOI
     while scans <= MAX_JPEG_SCANS:
         marker = _JPEG_MARKER.search(data, at)
         if marker is None or marker[0][1] == 0xD9:  # the data's or the picture's end

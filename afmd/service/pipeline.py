@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from afmd import __version__
 from afmd.config.sections import Config
@@ -38,6 +39,9 @@ from afmd.service.round_builder import RoundBuilder
 from afmd.service.run_control import RunPolicy
 from afmd.service.scheduler import Arrival, Cancelled, Scheduler
 from afmd.service.servertools import ServerTools
+
+if TYPE_CHECKING:
+    from afmd.service.images import Headers
 
 
 def _fingerprint(entry: ModelEntry) -> str:
@@ -210,11 +214,11 @@ class ChatPipeline:
         waited = time.monotonic() - started  # the model's load, when it was not loaded
         pixels = 0
         try:
-            pixels = await self._hold_pixels(request, lease.model)
+            pixels, headers = await self._hold_pixels(request, lease.model)
             # Rendering (a grammar's compile with it) is not cut short: a cancel meanwhile
             # ends the run as soon as it starts, as one cancelled in the queue.
             prepared = await self._prepare(lease.model, entry, request, request_id, deadline,
-                                           received_at, profile)
+                                           received_at, profile, headers)
         except BaseException:
             self._arrivals.pop(request_id, None)
             self._pixels_held -= pixels
@@ -225,9 +229,10 @@ class ChatPipeline:
         return prepared
 
     async def _hold_pixels(self, request: ChatRequest | CompletionRequest,
-                           model: LoadedModel) -> int:
+                           model: LoadedModel) -> tuple[int, Headers | None]:
         """Count a vision request's image pixels as held, or refuse it: a 400 past
-        ``max_request_image_pixels``, a 429 past ``max_image_pixels_in_flight``.
+        ``max_request_image_pixels``, a 429 past ``max_image_pixels_in_flight``; and the
+        headers read for it, which its first round decodes from (a file is opened once).
 
         Its pictures are decoded as it is prepared, before it waits for a slot, and its
         processed image inputs kept until it ends (the pictures themselves are let go once
@@ -238,13 +243,14 @@ class ChatPipeline:
         """
         if not isinstance(request, ChatRequest) or not request.has_images \
                 or not model.supports_vision:
-            return 0
+            return 0, None
         from afmd.service import images as image_decoding  # Pillow: only with images
 
-        pixels = await image_pool.IMAGE_THREADS.run(
+        headers = await image_pool.IMAGE_THREADS.run(
             image_decoding.check_total,
             [image for message in request.messages for image in message.images],
             self.config.models.max_request_image_pixels)
+        pixels = headers.pixels
         limit = self.config.models.max_image_pixels_in_flight
         if self._pixels_held and self._pixels_held + pixels > limit:
             raise RateLimitError(
@@ -255,7 +261,7 @@ class ChatPipeline:
                 headers={"Retry-After": str(self.scheduler.retry_after)},
             )
         self._pixels_held += pixels
-        return pixels
+        return pixels, headers
 
     async def _prepare(
         self,
@@ -266,6 +272,7 @@ class ChatPipeline:
         deadline: float,
         received_at: float | None,
         profile: str | None,
+        headers: Headers | None = None,
     ) -> PreparedChat | PreparedCompletion:
         _check_thinking(request, model, entry)
         if isinstance(request, CompletionRequest) and model.reads_conversation:
@@ -283,7 +290,7 @@ class ChatPipeline:
         request = _with_server_tools(request, self.server_tools)
         rounds = RoundBuilder(model, request, instructions=self.config.server.instructions,
                               trim=self._trims(request), server_tools=self.server_tools.names,
-                              deadline=deadline)
+                              deadline=deadline, headers=headers)
         return PreparedChat(
             request_id=request_id,
             rounds=rounds,
@@ -313,13 +320,14 @@ class ChatPipeline:
         pixels = 0
         try:
             _check_images(request, lease.model, entry)  # the turn would refuse them
-            pixels = await self._hold_pixels(request, lease.model)
+            pixels, headers = await self._hold_pixels(request, lease.model)
             request = _with_server_tools(request, self.server_tools)
             rounds = RoundBuilder(lease.model, request,
                                   instructions=self.config.server.instructions,
                                   trim=self._trims(request),
                                   server_tools=self.server_tools.names,
-                                  deadline=started + self.policy.request_timeout)
+                                  deadline=started + self.policy.request_timeout,
+                                  headers=headers)
             return int(await rounds.bounded(rounds.prompt_tokens, request,
                                             must_fit=must_fit))
         finally:

@@ -16,7 +16,7 @@ import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from afmd.core.request import CONTEXT_WINDOW_PARAM, ChatRequest, context_limit
 from afmd.engine.apple.conversation import SystemTurn, system_turn
@@ -33,6 +33,9 @@ from afmd.service.output_plan import (
     template_kwargs,
 )
 from afmd.service.prompt_prefix import continued
+
+if TYPE_CHECKING:
+    from afmd.service.images import Headers
 
 
 @dataclass(slots=True)
@@ -56,12 +59,13 @@ class Round:
 class RoundBuilder:
     """How one request's rounds are made; its tools are the same in every round."""
 
-    __slots__ = ("_deadline", "_inputs", "_instructions", "_pictures", "_server_tools",
-                 "_tools", "_trim", "model", "offload")
+    __slots__ = ("_deadline", "_headers", "_inputs", "_instructions", "_pictures",
+                 "_server_tools", "_tools", "_trim", "model", "offload")
 
     def __init__(
         self, model: LoadedModel, request: ChatRequest, *, instructions: str, trim: bool,
         server_tools: frozenset[str] = frozenset(), deadline: float | None = None,
+        headers: Headers | None = None,
     ) -> None:
         self.model = model
         #: The request's deadline (``time.monotonic()``): a round still being built then
@@ -76,6 +80,9 @@ class RoundBuilder:
         # several times), and the image inputs of the rounds built, until release().
         self._pictures: dict[int, Any] = {}
         self._inputs: list[dict[str, Any]] = []
+        # The request's pictures as opened for its pixel total, decoded from by the first
+        # round built (or count) instead of opened again; let go after it.
+        self._headers = headers
         #: How the builder's blocking work is run off the event loop.
         self.offload: Callable[..., Awaitable[Any]] = (
             image_pool.IMAGE_THREADS.run if request.has_images and model.vision is not None
@@ -137,6 +144,7 @@ class RoundBuilder:
                 tokens = len(self._fit(request, limit, 1)[1])
         finally:
             self._pictures.clear()
+            self._headers = None
         if must_fit and tokens >= limit:
             raise _context_error(limit, tokens, None, own)
         return tokens
@@ -192,7 +200,7 @@ class RoundBuilder:
         try:
             if vision is not None:
                 return vision.render(messages, tools=tools, template_kwargs=kwargs,
-                                     decoded=self._pictures,
+                                     decoded=self._pictures, headers=self._headers,
                                      continue_final=request.continue_final)
             ids = self.model.render_prompt(messages, tools=tools, template_kwargs=kwargs,
                                            continue_final=request.continue_final)
@@ -214,6 +222,7 @@ class RoundBuilder:
             # again): a finished run waits for the garbage collector (see release), and
             # its pictures, three bytes a pixel, waited with it.
             self._pictures.clear()
+            self._headers = None
         if built.vision is not None:
             self._inputs.append(built.vision)
         return built

@@ -11,7 +11,7 @@ Layers, lowest first; a module may import its own layer and lower ones, never hi
          afmd.dialects.fields.tool_specs
     2    afmd.dialects.fields.*, afmd.dialects.openai.chat_body,
          afmd.dialects.openai.completions_body, afmd.hub.*, afmd.output.*,
-         afmd.service.images, afmd.service.profiling
+         afmd.service.images, afmd.service.pillow_compat, afmd.service.profiling
     3    afmd.engine.*, afmd.grammar.*, afmd.service.*
     3.5  afmd.service.output_plan, afmd.service.toolloop
     3.6  afmd.service.completion_prompts, afmd.service.round_builder
@@ -106,6 +106,7 @@ LAYERS: tuple[tuple[str, float], ...] = (
     # the embeddings service: model, queue slot, batched encoding
     ("afmd.service.embedding_pipeline", 4),
     ("afmd.service.images", 2),  # a request's image parts decoded (Pillow), for vision models
+    ("afmd.service.pillow_compat", 2),  # the Pillow privates afmd.service.images relies on
     # a round's output plan (grammar, bans, how output is read): above engine/grammar
     ("afmd.service.output_plan", 3.5),
     # from a validated request to a running turn, independent of HTTP and of wire formats

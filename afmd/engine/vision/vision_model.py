@@ -51,6 +51,7 @@ class VisionSupport:
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         decoded: dict[int, Any] | None = None,
+        headers: image_decoding.Headers | None = None,
         continue_final: bool = False,
     ) -> tuple[list[int], dict[str, Any] | None]:
         """Prompt ids (image placeholders expanded to the image's tokens) and the vision
@@ -59,7 +60,8 @@ class VisionSupport:
         ``messages`` are chat-template messages whose content may be a list of parts;
         an image part carries its :class:`ImageInput` under ``image``. ``decoded``
         keeps decoded pictures across the renders of one request (trimming renders
-        several times). ``continue_final``: as
+        several times). ``headers``: the pictures as opened for the request's pixel total,
+        decoded from instead of opened again. ``continue_final``: as
         :meth:`~afmd.engine.models.loaded_model.LoadedModel.render_prompt`'s.
         """
         from mlx_vlm.utils import prepare_inputs
@@ -74,7 +76,7 @@ class VisionSupport:
                 for part in content:
                     if part.get("type") == "image":
                         sent.append(part["image"])
-                        pictures.append(self._picture(part["image"], decoded))
+                        pictures.append(self._picture(part["image"], decoded, headers))
                         parts.append({"type": "image"})
                     else:
                         parts.append(part)
@@ -122,10 +124,12 @@ class VisionSupport:
             return True
         return False
 
-    def _picture(self, image: ImageInput, decoded: dict[int, Any] | None) -> Any:
+    def _picture(self, image: ImageInput, decoded: dict[int, Any] | None,
+                 headers: image_decoding.Headers | None) -> Any:
         if decoded is not None and id(image) in decoded:
             return decoded[id(image)]
-        picture = image_decoding.decode(image, self.max_pixels)
+        picture = image_decoding.decode(image, self.max_pixels,
+                                        headers.take(image) if headers is not None else None)
         if decoded is not None:
             decoded[id(image)] = picture
         return picture
