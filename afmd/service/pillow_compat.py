@@ -2,7 +2,7 @@
 
 Written against **Pillow 13.0.0** (``PIL/JpegImagePlugin.py``). No other afmd module
 reaches into it, and :func:`upstream_problems` names whatever an upgrade moved or rewrote
-of what is used here; ``tests/unit/test_pillow_compat.py`` fails loudly with its list.
+of what is used here; ``tests/meta/test_pillow_compat.py`` fails loudly with its list.
 
 What afmd needs from it, and how:
 
