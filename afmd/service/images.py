@@ -183,13 +183,16 @@ def _jpeg_scans(data: bytes, first_scan_end: int | None = None) -> int:
     walking that part again would count nothing new. Where they part (a JPGn extension,
     an end of image before any scan) the file does not open, libjpeg refuses it before
     any scan, or the frame libjpeg decodes is the one counted
-    (``tests/meta/test_pillow_compat.py``)."""
+    (``tests/meta/test_pillow_compat.py``); walked from the start, an end of image before
+    any scan is read past as they read it, so the frame they decode is counted too."""
     scans, at = (0, 2) if first_scan_end is None else (1, first_scan_end)  # 2: past SOI
     while scans <= MAX_JPEG_SCANS:
         marker = _JPEG_MARKER.search(data, at)
-        if marker is None or marker[0][1] == 0xD9:  # the data's or the picture's end
+        if marker is None or (marker[0][1] == 0xD9 and scans):  # the data's or picture's end
             break
         at = marker.end()
+        if marker[0][1] == 0xD9:  # an end before any scan: Pillow and libjpeg read past it
+            continue
         if marker[0][1] in (0x01, 0xD8):  # markers without a length
             continue
         if marker[0][1] == 0xDA:

@@ -131,3 +131,5 @@ def test_where_the_walks_part_no_scan_is_decoded_uncounted() -> None:
         at = pillow_compat.first_scan_end(picture)
         picture.load()
     assert images._jpeg_scans(EARLY_END, at) == images.MAX_JPEG_SCANS + 1
+    # Walked from the start (where Pillow's first scan is not known), the same.
+    assert images._jpeg_scans(EARLY_END) == images.MAX_JPEG_SCANS + 1
