@@ -1316,6 +1316,7 @@ def test_ollama_port_serves_and_a_taken_one_is_refused(tmp_path: Path) -> None:
         assert result.returncode == 1, result.stderr
         assert f"127.0.0.1:{port}" in result.stderr and "[ollama] port" in result.stderr
         assert f"pid {first.proc.pid}" in result.stderr  # who holds it, as doctor says
+        assert "ollama serve" not in result.stderr  # a holder named needs no guess
     finally:
         first.stop()
 

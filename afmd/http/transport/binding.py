@@ -37,11 +37,13 @@ def bind_ollama(port: int) -> socket.socket:
     sentence naming what holds it (as ``afmd doctor`` finds it)."""
     if port_in_use(OLLAMA_HOST, port):
         owners, _ = port_owners(port)
-        who = owner_text(owners) or "a process afmd cannot see (another user's?)"
+        # Named, the holder needs no guess; unseen, Ollama's own app is the likely one.
+        who = owner_text(owners) or ("a process afmd cannot see (another user's? an Ollama "
+                                     "app or `ollama serve`?)")
         raise StartupError(
             f"cannot listen on {host_port(OLLAMA_HOST, port)} for [ollama] port: the port is "
-            f"in use by {who}. Stop it (an Ollama app or `ollama serve`?) or set another "
-            "[ollama] port (0 turns the listener off)")
+            f"in use by {who}. Stop it or set another [ollama] port (0 turns the listener "
+            "off)")
     return bind_tcp(OLLAMA_HOST, port)
 
 
