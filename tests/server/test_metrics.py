@@ -428,7 +428,9 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def test_gate_refusals_and_direct_answers_are_counted(keyed: ServerProcess) -> None:
-    """The gate answers 401, 404 and 405 itself; the connection answers ``/health``."""
+    """The gate answers 401, 404 and 405 itself; the connection answers ``/health``. A
+    405 is counted under the route's template (the path is served, with other methods),
+    a 404 under ``other``."""
     url = f"http://127.0.0.1:{keyed.port}"
     before = scrape(url, BEARER)
     assert httpx.post(url + CHAT, json={"messages": MESSAGES}).status_code == 401
@@ -442,7 +444,7 @@ def test_gate_refusals_and_direct_answers_are_counted(keyed: ServerProcess) -> N
         _key(CHAT, "openai_chat", 401): 1,
         _key("/v1/messages", "anthropic_messages", 401): 1,
         _key("other", "none", 404): 1,
-        _key("other", "none", 405): 1,
+        _key("/health", "none", 405): 1,  # a route's path: its template, another method
         _key("/health", "none", 200): 1,
         _key("/v1/models", "none", 200): 1,
         _key("/metrics", "none", 200): 1,

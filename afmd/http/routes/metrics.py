@@ -21,6 +21,7 @@ for routes without one), ``model`` a configured model id (aliases resolved).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from bisect import bisect_left
 from collections import Counter
@@ -28,6 +29,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from sanic import Request, Sanic
+from sanic.exceptions import MethodNotAllowed
 from sanic.response import HTTPResponse
 
 from afmd.config.sections import Config
@@ -155,9 +157,15 @@ class Metrics:
         refused before its head was read); ``style`` is the envelope it went out in."""
         endpoint = OTHER
         if target is not None:
+            method, path = target
             try:
-                route = app.router.get(target[1], target[0], None)[0]
-            except Exception:  # no route, or not with this method: not a label
+                route = app.router.get(path, method, None)[0]
+            except MethodNotAllowed as exc:  # a route's path, another method: its template
+                allowed = sorted(getattr(exc, "allowed_methods", None) or ())
+                with contextlib.suppress(Exception):
+                    route = app.router.get(path, str(allowed[0]), None)[0]
+                    endpoint = self._endpoint(route.uri)
+            except Exception:  # no route: not a label
                 pass
             else:
                 endpoint = self._endpoint(route.uri)
