@@ -12,6 +12,7 @@ configured API key on any other interface.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -311,28 +312,38 @@ def test_kv_cache_counters_never_go_back_across_an_unload(tmp_path: Path) -> Non
         proc.stop()
 
 
+#: A stream that holds the one slot far longer than a test (8000 greedy tokens, as in
+#: test_direct_answers), cancelled by its id at the end.
+HOG = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 8000,
+       "temperature": 0, "stream": True}
+
+
+@contextlib.contextmanager
+def a_request_queued(proc: ServerProcess, waiter: threading.Thread) -> Iterator[Scrape]:
+    """The one slot held by :data:`HOG` (id ``hog``) and ``waiter``'s request queued
+    behind it; the scrape that shows it queued. The stream is cancelled as the block ends."""
+    with httpx.Client(timeout=60) as client, client.stream(
+            "POST", proc.url + CHAT, json=HOG, headers={"X-Request-ID": "hog"}) as first:
+        assert first.status_code == 200
+        chunks = first.iter_bytes()  # kept: a dropped iterator closes the response
+        next(chunks)  # it holds the slot now
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while (now := scrape(proc.url)).value("afmd_queue_depth") != 1:
+            assert time.monotonic() < deadline, now.text
+            time.sleep(0.05)
+        yield now
+        assert httpx.post(proc.url + CHAT + "/hog/cancel").json()["cancelled"] is True
+
+
 def test_gauges_count_running_and_queued_requests(tmp_path: Path) -> None:
     """One slot: a long stream holds it, a second request waits in the queue."""
     proc = start_server(tmp_path, config="[queue]\nmax_concurrent_requests = 1\n")
-    # 8000 greedy tokens take far longer than this test (as in test_direct_answers); the
-    # long one is cancelled by its id at the end.
-    long = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 8000,
-            "temperature": 0, "stream": True}
     waiter = threading.Thread(target=lambda: httpx.post(
-        proc.url + CHAT, json={**long, "max_tokens": 2}, timeout=60))
+        proc.url + CHAT, json={**HOG, "max_tokens": 2}, timeout=60))
     try:
-        with httpx.Client(timeout=60) as client, client.stream(
-                "POST", proc.url + CHAT, json=long, headers={"X-Request-ID": "hog"}) as first:
-            assert first.status_code == 200
-            chunks = first.iter_bytes()  # kept: a dropped iterator closes the response
-            next(chunks)  # it holds the slot now
-            waiter.start()
-            deadline = time.monotonic() + 30
-            while (now := scrape(proc.url)).value("afmd_queue_depth") != 1:
-                assert time.monotonic() < deadline, now.text
-                time.sleep(0.05)
+        with a_request_queued(proc, waiter) as now:
             assert now.value("afmd_active_generations") == 1
-            assert httpx.post(proc.url + CHAT + "/hog/cancel").json()["cancelled"] is True
         waiter.join(60)
         now = scrape(proc.url)
         assert (now.value("afmd_queue_depth"), now.value("afmd_active_generations")) == (0, 0)
@@ -346,30 +357,19 @@ def test_a_request_cancelled_in_the_queue_looked_nothing_up(tmp_path: Path) -> N
     (hits over lookups) by a request the cache never saw. Its usage (the prompt it was
     told of, no tokens out) still counts, as what the client was told."""
     proc = start_server(tmp_path, config="[queue]\nmax_concurrent_requests = 1\n")
-    long = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 8000,
-            "temperature": 0, "stream": True}
     told: dict[str, Any] = {}
 
     def wait_in_queue() -> None:
         told.update(httpx.post(proc.url + CHAT, headers={"X-Request-ID": "waiter"}, timeout=60,
-                               json={**long, "stream": False, "max_tokens": 2}).json())
+                               json={**HOG, "stream": False, "max_tokens": 2}).json())
 
     waiter = threading.Thread(target=wait_in_queue)
     try:
-        with httpx.Client(timeout=60) as client, client.stream(
-                "POST", proc.url + CHAT, json=long, headers={"X-Request-ID": "hog"}) as first:
-            chunks = first.iter_bytes()
-            next(chunks)  # it holds the slot now
-            waiter.start()
-            deadline = time.monotonic() + 30
-            while (before := scrape(proc.url)).value("afmd_queue_depth") != 1:
-                assert time.monotonic() < deadline, before.text
-                time.sleep(0.05)
+        with a_request_queued(proc, waiter) as before:
             assert httpx.post(proc.url + CHAT + "/waiter/cancel").json()["cancelled"] is True
             waiter.join(60)
             assert told["choices"][0]["finish_reason"] == "cancelled", told
             after = scrape(proc.url)
-            assert httpx.post(proc.url + CHAT + "/hog/cancel").json()["cancelled"] is True
         demo = (("model", "demo"),)
         assert after.moved(before, "afmd_prompt_tokens_total") == {
             demo: told["usage"]["prompt_tokens"]}

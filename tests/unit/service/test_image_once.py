@@ -21,40 +21,22 @@ import orjson
 import pytest
 from PIL import Image
 
-from afmd.config.load import load_config
-from afmd.config.tables import ModelEntry
 from afmd.dialects.openai.chat import OPENAI_CHAT
 from afmd.engine.models.loaded_model import LoadedModel
-from afmd.engine.models.model_registry import ModelRegistry
-from afmd.engine.models.residency import Lease
 from afmd.errors import InvalidRequestError
 from afmd.service import images
 from afmd.service.pipeline import ChatPipeline
 from afmd.service.scheduler import Scheduler
 
+from helpers.one_model import SharedRegistry, loaded
+
 #: Empty segments before the frame: each is a step of any walk that reads them.
 SEGMENTS = 20_000
 
 
-class SharedRegistry(ModelRegistry):
-    def __init__(self, model: LoadedModel) -> None:
-        super().__init__(load_config(None, env={}))
-        self._model = model
-
-    async def lease(self, entry: ModelEntry, *args: Any, **kwargs: Any) -> Lease:
-        return Lease.detached(self._model)
-
-
 @pytest.fixture(scope="module")
 def vision_model() -> Iterator[LoadedModel]:
-    registry = ModelRegistry(load_config(None, env={}))
-    entry = registry.resolve("demo-vision")
-
-    async def load() -> LoadedModel:
-        return await registry.begin_load(entry)
-
-    yield asyncio.run(load())
-    registry.close()
+    yield from loaded("demo-vision")
 
 
 def encoded(picture: Image.Image, fmt: str, **options: Any) -> bytes:

@@ -19,8 +19,7 @@ import orjson
 import pytest
 from mlx_lm.tool_parsers import json_tools
 
-from afmd.config.load import load_config
-from afmd.config.tables import ModelEntry, ServerTool
+from afmd.config.tables import ServerTool
 from afmd.core.events import (
     Content,
     Event,
@@ -33,8 +32,6 @@ from afmd.core.events import (
 from afmd.dialects.openai.chat import OPENAI_CHAT
 from afmd.engine.generation import Finished, Text
 from afmd.engine.models.loaded_model import LoadedModel
-from afmd.engine.models.model_registry import ModelRegistry
-from afmd.engine.models.residency import Lease
 from afmd.output.processor import ToolFormat
 from afmd.service.output_plan import OutputPlan
 from afmd.service.pipeline import ChatPipeline
@@ -43,6 +40,7 @@ from afmd.service.scheduler import Scheduler
 from afmd.service.servertools import ServerTools
 from afmd.service.toolloop import ClientView
 
+from helpers.one_model import SharedRegistry, loaded
 from helpers.openai_schemas import validate_response
 
 SMALL = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
@@ -167,25 +165,9 @@ def test_a_stop_completed_by_the_last_token_allowed_ends_with_stop(
 # --------------------------------------------------------------------------- a whole run
 
 
-class SharedRegistry(ModelRegistry):
-    def __init__(self, model: LoadedModel) -> None:
-        super().__init__(load_config(None, env={}))
-        self._model = model
-
-    async def lease(self, entry: ModelEntry, *args: Any, **kwargs: Any) -> Lease:
-        return Lease.detached(self._model)
-
-
 @pytest.fixture(scope="module")
 def demo_model() -> Iterator[LoadedModel]:
-    registry = ModelRegistry(load_config(None, env={}))
-    entry = registry.resolve("demo")
-
-    async def load() -> LoadedModel:
-        return await registry.begin_load(entry)
-
-    yield asyncio.run(load())
-    registry.close()
+    yield from loaded("demo")
 
 
 def run_events(model: LoadedModel, body: dict[str, Any]) -> list[list[Event]]:
