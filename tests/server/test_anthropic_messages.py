@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 import uuid
 from typing import Any
 
 import anthropic
+import httpx
 import jsonschema
 import pytest
 
@@ -451,3 +454,36 @@ def test_models_list_and_retrieve_in_anthropic_s_shape(claude: anthropic.Anthrop
     one = claude.models.retrieve("gpt-4o-mini")
     assert (one.id, one.type, one.display_name, one.lifecycle) == (
         "gpt-4o-mini", "model", "gpt-4o-mini", "active")
+
+
+def test_a_warm_up_runs_beside_the_batch_and_ends_on_cancel(
+        server: ServerProcess, claude: anthropic.Anthropic) -> None:
+    """A ``max_tokens: 0`` prompt is run a chunk per step, as a joining prompt is: run
+    whole at its admission, a long one held up every stream for as long as it took, and a
+    cancel by its X-Request-ID (or its deadline) could not end it, so it answered
+    ``max_tokens`` seconds after the client had given up on it."""
+    rid = f"warm-{uuid.uuid4()}"
+    long = f"{uuid.uuid4()} " + "the weather in Rome is mild today. " * 1500
+    done: dict[str, Any] = {}
+
+    def warm() -> None:
+        done["warm"] = httpx.post(
+            f"{server.url}/v1/messages", timeout=120,
+            headers={"anthropic-version": "2023-06-01", "x-request-id": rid},
+            json={"model": "demo", "max_tokens": 0,
+                  "messages": [{"role": "user", "content": long}]})
+
+    thread = threading.Thread(target=warm)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "warm" not in done:
+        if httpx.get(f"{server.url}/health").json()["active_requests"]:
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)  # into its first chunks
+    beside = create(claude, max_tokens=2)
+    assert beside.usage.output_tokens == 2
+    cancelled = httpx.post(f"{server.url}/v1/chat/completions/{rid}/cancel")
+    thread.join(120)
+    assert cancelled.json()["cancelled"] is True, "the warm-up ended before its cancel"
+    assert done["warm"].json()["stop_reason"] == "cancelled"

@@ -43,6 +43,20 @@ class Joining:
     rest: list[int]
 
 
+@dataclass(slots=True)
+class Warming:
+    """A request with no tokens to write whose prompt goes into the prefix cache a chunk
+    per iteration of the generation thread, beside the batch's steps. Run whole at its
+    admission, a long prompt held up every stream in the batch for as long as it took,
+    and neither a cancel nor the request's deadline could end it."""
+
+    row: Row
+    prompt: list[int]
+    rest: list[int]
+    cache: Any
+    done: int = 0
+
+
 class Admissions:
     """Builds and inserts the rows of the requests that arrive (thread-owned)."""
 
@@ -102,6 +116,35 @@ class Admissions:
             prompt_logprobs=request.prompt_logprobs,
         )
         return Joining(row, plan, cache, rest)
+
+    def warming(self, joining: Joining) -> Warming | None:
+        """The request as a warm-up run a chunk at a time (``None``: it is not one, or
+        there is no model work to it: :meth:`admit` ends it)."""
+        plan = joining.plan
+        if (plan.max_tokens > 0 or plan.prompt_logprobs is not None or not joining.rest
+                or not self._stepper.keeps_prompts):
+            return None
+        cache = joining.cache if joining.cache is not None else self._stepper.new_cache()
+        return Warming(joining.row, plan.prompt, joining.rest, cache)
+
+    def advance(self, warming: Warming) -> bool:
+        """Run the warm-up's next chunk; whether it has ended (its prompt kept, or it was
+        cancelled, the chunks run so far thrown away)."""
+        row = warming.row
+        if row.generation.cancel_requested:
+            row.finish("cancelled")
+            flush([row])
+            return True
+        step = self._stepper.prefill_step_size
+        self._stepper.prefill(warming.rest[warming.done : warming.done + step], warming.cache)
+        warming.done += step
+        if warming.done < len(warming.rest):
+            return False
+        self._stepper.remember(warming.prompt, warming.cache)
+        row.first_token_at = time.perf_counter()
+        row.finish("length")
+        flush([row])
+        return True
 
     def admit(self, joining: Joining) -> Row | None:
         """Run the request's model work; its row, now in the batch (``None``: it asked for

@@ -10,6 +10,7 @@ its slot within one decode step. Results of a step go to the event loop in one
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from afmd.engine.batch import backend
-from afmd.engine.batch.admission import Admissions
+from afmd.engine.batch.admission import Admissions, Warming
 from afmd.engine.batch.handoff import Handoff, fail, flush
 from afmd.engine.batch.inbox import Inbox
 from afmd.engine.batch.sequence import Row
@@ -131,6 +132,8 @@ class BatchWorker:
         # This round's requests prepared but not yet in the batch: a failure admitting one
         # must fail them too, or they would wait for their deadline unanswered.
         self._joining: list[Generation] = []
+        # Warm-ups (requests for no tokens) running their prompts a chunk per iteration.
+        self._warming: collections.deque[Warming] = collections.deque()
         self._thread = WorkerThread(self._run, f"afmd-engine-{name}")
         self._started = False
         self._handoff = Handoff()
@@ -194,7 +197,7 @@ class BatchWorker:
         self._warm_up()
         while True:
             try:
-                items = self._inbox.take(block=not self._active)
+                items = self._inbox.take(block=not self._active and not self._warming)
                 if items is None:
                     break
                 self.busy_since = time.monotonic()
@@ -251,11 +254,29 @@ class BatchWorker:
                 [a.plan for a in admissions], [s.uid for s in cancelled], len(self._active)))
         self._joining = [a.row.generation for a in admissions]
         for admission in admissions:
+            warming = (self._admissions.warming(admission) if self._lockstep is None
+                       else None)
+            if warming is not None:
+                self._joining.remove(admission.row.generation)
+                self._warming.append(warming)
+                continue
             row = self._admissions.admit(admission)
             self._joining.remove(admission.row.generation)
             if row is not None:
                 self._active[row.uid] = row
         self._remove(cancelled)
+        if self._warming:
+            # One chunk of the oldest warm-up per step, as a joining prompt is run.
+            warming = self._warming[0]
+            try:
+                ended = self._admissions.advance(warming)
+            except Exception as exc:
+                self._warming.popleft()
+                log.exception("warming a prompt failed")
+                fail(warming.row.generation, _ending(exc))
+            else:
+                if ended:
+                    self._warming.popleft()
         if self._active:
             self._step(started)
         if self._lockstep is not None:
@@ -302,6 +323,9 @@ class BatchWorker:
         for generation in self._joining:
             fail(generation, error)
         self._joining = []
+        for warming in self._warming:
+            fail(warming.row.generation, error)
+        self._warming.clear()
         # Generations still in the inbox at shutdown are failed too.
         if exc is None:
             for generation in self._inbox.drain():

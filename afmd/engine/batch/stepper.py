@@ -166,15 +166,33 @@ class Stepper:
         """Run the prompt's ``rest`` after its ``cache``d prefix and keep the whole prompt
         in the prefix cache, generating nothing: a request with no tokens to write asks
         for this (Anthropic's ``max_tokens: 0``), so a later request that shares the
-        prompt starts from it."""
-        if not rest or (self.prompt_cache is None and self.blocks is None):
+        prompt starts from it. All at once: a sharded model's other ranks do it so,
+        in step with rank 0 (rank 0 alone runs it a chunk at a time, :meth:`prefill`)."""
+        if not rest or not self.keeps_prompts:
             return
         if cache is None:
             cache = make_prompt_cache(self.model)
         for start in range(0, len(rest), self._prefill_step_size):
-            self.model(mx.array([rest[start : start + self._prefill_step_size]]), cache=cache)
-            mx.eval([c.state for c in cache])
+            self.prefill(rest[start : start + self._prefill_step_size], cache)
         self.remember(prompt, cache)
+
+    @property
+    def keeps_prompts(self) -> bool:
+        """Whether a prompt run into a cache has anywhere to be kept (a warm-up without
+        one would be work for nothing)."""
+        return self.prompt_cache is not None or self.blocks is not None
+
+    @property
+    def prefill_step_size(self) -> int:
+        return self._prefill_step_size
+
+    def prefill(self, tokens: list[int], cache: Any) -> None:
+        """Run ``tokens`` into ``cache`` (made by :func:`make_prompt_cache`)."""
+        self.model(mx.array([tokens]), cache=cache)
+        mx.eval([c.state for c in cache])
+
+    def new_cache(self) -> Any:
+        return make_prompt_cache(self.model)
 
     def insert(
         self,
