@@ -37,6 +37,7 @@ from afmd.dialects.fields.checks import (
 )
 from afmd.dialects.fields.keep_alive import keep_alive_of
 from afmd.dialects.fields.messages import check_prefill, prefilled
+from afmd.dialects.fields.unused import check_option_objects
 from afmd.errors import InvalidRequestError
 
 __all__ = ["parse_count_request", "parse_messages_request"]
@@ -211,9 +212,7 @@ def _parse(
 def _check_unused(body: dict[str, Any]) -> None:
     """The fields afmd accepts without acting on, held to their types (the SDK's)."""
     read_scalars(body, _UNUSED_SCALARS)
-    for key in _UNUSED_OBJECTS:
-        if body.get(key) is not None and not isinstance(body[key], dict):
-            raise wrong_type(key, "an object", body[key])
+    check_option_objects(body, _UNUSED_OBJECTS)
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
