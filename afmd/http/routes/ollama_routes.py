@@ -500,20 +500,11 @@ async def _served(request: Request, stream: bool, headers: dict[str, str]
     model it has. Scripts and apps pull a model to make sure of it before using it."""
     if not stream:
         return _json({"status": "success"}, headers=headers)
-    request.ctx.streamed = True
-    response = await request.respond(status=200, headers=headers, content_type=MEDIA_TYPE)
-    sent = 0
-    try:
-        for status in _SERVED_STEPS:
-            line = ndjson({"status": status})
-            sent += len(line)
-            await response.send(line)
-        await response.eof()
-    except asyncio.CancelledError:
-        request.ctx.disconnected = True
-        raise
-    finally:
-        log_access(request, 200, sent)
+    steps: asyncio.Queue[dict[str, Any] | APIError | None] = asyncio.Queue()
+    for status in _SERVED_STEPS:
+        steps.put_nowait({"status": status})
+    steps.put_nowait(None)
+    await _stream_pull(request, steps, headers)
     return None
 
 
