@@ -155,21 +155,24 @@ def test_running_afmd_with_other_models_is_a_note(server: ServerProcess, tmp_pat
     assert any("started with other settings" in note for note in report.notes), report.notes
 
 
-def test_a_keyed_server_seen_without_its_key() -> None:
-    """/health's status alone: the screen says so (not "active None"), and the problem says
-    where doctor reads the key, or that the key it sent is not the server's."""
-    with keyed_afmd() as url:
-        port = url.rsplit(":", 1)[1]
+def test_a_keyed_server_seen_without_its_key(tmp_path: Path) -> None:
+    """/health's status alone (a keyed server reached from another machine's side): the
+    screen says so (not "active None"), and the problem says where doctor reads the key,
+    or that the key it sent is not the server's."""
+    with keyed_afmd(tmp_path) as (host, number):
+        port = str(number)
         for key, says in (("", "AFMD_SERVER_API_KEY, else [server] api_key"),
                           ("not-it", "the API key this command sent is not the server's")):
-            report = doctor.diagnose(env=_env(AFMD_SERVER_PORT=port, AFMD_SERVER_API_KEY=key))
+            report = doctor.diagnose(env=_env(AFMD_SERVER_HOST=host, AFMD_SERVER_PORT=port,
+                                              AFMD_SERVER_API_KEY=key))
             assert report.exit_code == 1
             assert any(says in p for p in report.problems), report.problems
             text = doctor_report.render(report)
             server_line = next(line for line in text.splitlines() if line.startswith("server"))
             assert "None" not in server_line, server_line
             assert "details only with its API key" in server_line, server_line
-        report = doctor.diagnose(env=_env(AFMD_SERVER_PORT=port, AFMD_SERVER_API_KEY=KEY))
+        report = doctor.diagnose(env=_env(AFMD_SERVER_HOST=host, AFMD_SERVER_PORT=port,
+                                          AFMD_SERVER_API_KEY=KEY))
         assert report.exit_code == 0, report.problems
 
 

@@ -243,10 +243,13 @@ def test_no_server_is_a_clear_message(env: dict[str, str]) -> None:
         assert bad.returncode == 2 and "--url" in bad.stderr and url in bad.stderr, bad.stderr
 
 
-def test_a_keyed_server_is_told_where_the_key_is_read(env: dict[str, str]) -> None:
-    """Without the key, ps sees /health's status alone and cache clear a 401; each says
-    where the command reads the key, and a key it sent that is wrong is said to be wrong."""
-    with keyed_afmd() as url:
+def test_a_keyed_server_is_told_where_the_key_is_read(env: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    """Without the key, ps sees /health's status alone and cache clear a 401 (a keyed
+    server reached from another machine's side); each says where the command reads the
+    key, and a key it sent that is wrong is said to be wrong."""
+    with keyed_afmd(tmp_path) as (host, port):
+        url = f"http://{host}:{port}"
         for verb in (("ps",), ("cache", "clear")):
             missing = afmd(env, *verb, "--url", url)
             assert missing.returncode == 1, missing
