@@ -38,6 +38,12 @@ from afmd.service.scheduler import Arrival, Cancelled, Scheduler, Ticket
 #: deadline and cancel looked at between two.
 TOKENIZE_TEXTS = 1024
 TOKENIZE_CHARS = 1 << 20
+#: The most numbers one response may carry (inputs times the vectors' width): OpenAI's
+#: 2048 inputs at a width of 8192, so no request OpenAI takes is refused for it by a
+#: model that wide or narrower. Ollama's ``input`` has no count limit, and millions of
+#: short texts fit in a body: their vectors, then their JSON, were held whole, gigabytes
+#: for one request.
+MAX_VALUES = 2048 * 8192
 
 
 def timeout_error() -> GatewayTimeoutError:
@@ -141,6 +147,7 @@ class EmbeddingService:
         model = lease.model
         request_id = run.request_id
         self._check_dimensions(model, request.dimensions)
+        self._check_size(model, request)
         sequences = await self._sequences(model, request, run, deadline)
         lease.ticket = run.ticket  # queued until it holds a slot: /health's counts
         try:
@@ -201,6 +208,19 @@ class EmbeddingService:
                 "trained to be shortened (Matryoshka). Omit 'dimensions'.",
                 code="invalid_value",
                 param="dimensions",
+            )
+
+    @staticmethod
+    def _check_size(model: LoadedModel, request: EmbeddingRequest) -> None:
+        width = request.dimensions or model.hidden_size
+        most = max(MAX_VALUES // width, 1)
+        if len(request.inputs) > most:
+            raise InvalidRequestError(
+                f"'input' has {len(request.inputs)} entries; the model '{model.id}' makes "
+                f"vectors of {width} numbers, and one request may carry at most "
+                f"{MAX_VALUES} numbers: send at most {most} inputs a request.",
+                code="invalid_value",
+                param="input",
             )
 
     async def _sequences(

@@ -527,13 +527,15 @@ def test_a_batch_of_millions_of_texts_is_answered_by_its_deadline(tmp_path: Path
     """Ollama's ``input`` has no count limit: two million one-letter texts (10 MB) took
     tens of seconds to tokenize at once, and the 504 came that long past
     ``request_timeout``; they are tokenized in parts, the deadline looked at between two.
-    The embedding model is not held afterwards."""
+    The embedding model is not held afterwards. (A width of one keeps that many vectors
+    under the cap on a response's numbers.)"""
     srv = start_server(tmp_path, config="[server]\nrequest_timeout = 2\n")
     try:
         warm = httpx.post(srv.url + "/api/embed", json={"model": MODEL, "input": "warm"},
                           timeout=60)
         assert warm.status_code == 200, warm.text
-        body = json.dumps({"model": MODEL, "input": ["a"] * 2_000_000}).encode()
+        body = json.dumps({"model": MODEL, "input": ["a"] * 2_000_000,
+                           "dimensions": 1}).encode()
         started = time.monotonic()
         r = httpx.post(srv.url + "/api/embed", content=body, timeout=120,
                        headers={"Content-Type": "application/json"})
@@ -547,5 +549,29 @@ def test_a_batch_of_millions_of_texts_is_answered_by_its_deadline(tmp_path: Path
         after = httpx.post(srv.url + "/api/embed", json={"model": MODEL, "input": "after"},
                            timeout=60)
         assert after.status_code == 200 and time.monotonic() - started < 2, after.text
+    finally:
+        srv.stop()
+
+
+def test_more_vectors_than_one_response_may_carry_is_a_400_naming_input(
+    tmp_path: Path,
+) -> None:
+    """Ollama's ``input`` has no count limit, and a body of short texts holds millions:
+    their vectors and then their JSON were held whole, gigabytes for one request. Past
+    the cap on a response's numbers (inputs times the width) the request is refused before
+    any tokenizing; a narrower ``dimensions`` lets more through."""
+    srv = start_server(tmp_path)
+    try:
+        width = 64  # the demo embedding model's hidden size
+        most = 2048 * 8192 // width
+        started = time.monotonic()
+        r = httpx.post(srv.url + "/api/embed", json={"model": MODEL, "input": ["a"] * (most + 1)},
+                       timeout=60)
+        assert r.status_code == 400, r.text[:300]
+        assert f"at most {most} inputs" in r.json()["error"]
+        assert time.monotonic() - started < 10
+        r = httpx.post(srv.url + "/api/embed",
+                       json={"model": MODEL, "input": ["a", "b"], "dimensions": 8}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["embeddings"][1]) == 8, r.text
     finally:
         srv.stop()
