@@ -543,6 +543,61 @@ def test_cancel_by_request_id_ends_every_choice(server: ServerProcess) -> None:
     assert ends == {0: "cancelled", 1: "cancelled", 2: "cancelled"}
 
 
+def test_a_scored_prompt_runs_beside_the_batch_and_ends_on_cancel(
+        server: ServerProcess) -> None:
+    """``echo`` with ``logprobs`` runs the prompt once more for every position's numbers.
+    Run whole at its admission, a long prompt held up every stream in the batch for as
+    long as it took (minutes, on a long prompt), and neither a cancel by its X-Request-ID
+    nor its deadline could end it; it is now run a chunk per step, as a joining prompt is."""
+    rid = f"cmpl-score-{time.monotonic_ns()}"
+    long = f"{rid} " + "the weather in Rome is mild today. " * 1500
+    done: dict[str, Any] = {}
+
+    def score() -> None:
+        done["score"] = httpx.post(
+            f"{server.url}{COMPLETIONS}", timeout=300, headers={"X-Request-ID": rid},
+            json={"prompt": long, "echo": True, "logprobs": 5, "max_tokens": 0})
+
+    thread = threading.Thread(target=score)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "score" not in done:
+        if httpx.get(f"{server.url}/health").json()["active_requests"]:
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)  # into its first chunks
+    beside = httpx.post(f"{server.url}{COMPLETIONS}", timeout=120,
+                        json={"prompt": "a", "max_tokens": 2, "temperature": 0})
+    assert beside.json()["usage"]["completion_tokens"] == 2, beside.text
+    cancelled = httpx.post(f"{server.url}{COMPLETIONS}/{rid}/cancel", timeout=10)
+    asked = time.monotonic()
+    thread.join(300)
+    assert cancelled.json()["cancelled"] is True, "the scoring ended before its cancel"
+    assert time.monotonic() - asked < 30
+    choice = done["score"].json()["choices"][0]
+    assert choice["finish_reason"] == "cancelled", choice
+
+
+def test_scored_prompt_then_tokens_equal_the_tokens_alone(server: ServerProcess) -> None:
+    """A row that writes tokens after its prompt was scored resumes from the scoring
+    pass instead of running the prompt again: its tokens and their numbers are those of
+    the same request without ``echo``."""
+    body = {"prompt": "The quick brown fox jumps over the lazy dog " * 12,
+            "max_tokens": 12, "temperature": 0, "logprobs": 3}
+    alone = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=60).json()
+    echoed = httpx.post(f"{server.url}{COMPLETIONS}", json={**body, "echo": True},
+                        timeout=60).json()
+    a, e = alone["choices"][0], echoed["choices"][0]
+    prompt_tokens = alone["usage"]["prompt_tokens"]
+    assert e["text"] == body["prompt"] + a["text"]
+    assert e["logprobs"]["tokens"][prompt_tokens:] == a["logprobs"]["tokens"]
+    assert e["logprobs"]["token_logprobs"][0] is None
+    for got, want in zip(e["logprobs"]["token_logprobs"][prompt_tokens:],
+                         a["logprobs"]["token_logprobs"], strict=True):
+        assert abs(got - want) <= LOGPROB_TOLERANCE
+    assert echoed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_profile_event_before_done(base_url) -> None:
     events = stream(base_url, {"prompt": ["a", "b"], "max_tokens": 5, "temperature": 0,
                                "stream_options": {"include_usage": True}},

@@ -15,7 +15,7 @@ from typing import Any
 from afmd.engine.batch import backend
 from afmd.engine.batch.detokenize import ExactDetokenizer
 from afmd.engine.batch.handoff import flush
-from afmd.engine.batch.logprobs import prompt_logprobs
+from afmd.engine.batch.logprobs import PromptScorer, prompt_logprobs
 from afmd.engine.batch.penalties import sampling_processors
 from afmd.engine.batch.sampler import RowSampler
 from afmd.engine.batch.sequence import Row
@@ -45,16 +45,23 @@ class Joining:
 
 @dataclass(slots=True)
 class Warming:
-    """A request with no tokens to write whose prompt goes into the prefix cache a chunk
-    per iteration of the generation thread, beside the batch's steps. Run whole at its
-    admission, a long prompt held up every stream in the batch for as long as it took,
-    and neither a cancel nor the request's deadline could end it."""
+    """A request's prompt run a chunk per iteration of the generation thread, beside the
+    batch's steps: a request with no tokens to write whose prompt goes into the prefix
+    cache, or one that asked for the prompt's own log-probabilities (``echo``), which
+    then joins the batch or ends. Run whole at its admission, a long prompt held up
+    every stream in the batch for as long as it took, and neither a cancel nor the
+    request's deadline could end it."""
 
     row: Row
     prompt: list[int]
     rest: list[int]
     cache: Any
     done: int = 0
+    #: Scoring the prompt rather than keeping it.
+    scorer: PromptScorer | None = None
+    plan: Admission | None = None
+    #: The scored row, once in the batch.
+    joined: Row | None = None
 
 
 class Admissions:
@@ -103,7 +110,11 @@ class Admissions:
             flush([row])
             return None
         cache, rest = (None, request.prompt)
-        if request.max_tokens > 0 or request.prompt_logprobs is None:
+        # A scored prompt runs whole (every position's logits), and a row that writes
+        # tokens after it resumes from that pass; a sharded model's ranks score it at
+        # admission and then resume from the prefix cache, as the plan says.
+        if request.prompt_logprobs is None or (
+                request.max_tokens > 0 and self._stepper.lockstep is not None):
             resume = self._stepper.resume(request.prompt)
             cache, rest = resume.cache, request.prompt[resume.tokens:]
             row.cached_disk_tokens = resume.disk_tokens
@@ -121,8 +132,11 @@ class Admissions:
         """The request as a warm-up run a chunk at a time (``None``: it is not one, or
         there is no model work to it: :meth:`admit` ends it)."""
         plan = joining.plan
-        if (plan.max_tokens > 0 or plan.prompt_logprobs is not None or not joining.rest
-                or not self._stepper.keeps_prompts):
+        if plan.prompt_logprobs is not None:
+            return Warming(joining.row, plan.prompt, joining.rest, None, plan=plan,
+                           scorer=PromptScorer(self._stepper.model, plan.prompt,
+                                               plan.prompt_logprobs))
+        if plan.max_tokens > 0 or not joining.rest or not self._stepper.keeps_prompts:
             return None
         cache = joining.cache if joining.cache is not None else self._stepper.new_cache()
         return Warming(joining.row, plan.prompt, joining.rest, cache)
@@ -136,6 +150,8 @@ class Admissions:
             flush([row])
             return True
         step = self._stepper.prefill_step_size
+        if warming.scorer is not None:
+            return self._score(warming, step)
         self._stepper.prefill(warming.rest[warming.done : warming.done + step], warming.cache)
         warming.done += step
         if warming.done < len(warming.rest):
@@ -146,13 +162,29 @@ class Admissions:
         flush([row])
         return True
 
+    def _score(self, warming: Warming, step: int) -> bool:
+        scorer, plan, row = warming.scorer, warming.plan, warming.row
+        assert scorer is not None and plan is not None
+        scorer.advance(step)
+        if not scorer.finished:
+            return False
+        row.pending.append(PromptLogprobs(tuple(scorer.scores)))
+        if plan.max_tokens <= 0:
+            row.first_token_at = time.perf_counter()
+            row.finish("length")
+            flush([row])
+            return True
+        cache, rest = ((scorer.cache, plan.prompt[scorer.done:]) if scorer.done
+                       else (None, plan.prompt))
+        warming.joined = self._insert(row, plan, cache, rest)
+        return True
+
     def admit(self, joining: Joining) -> Row | None:
         """Run the request's model work; its row, now in the batch (``None``: it asked for
         no tokens, only the prompt's numbers or the prompt in the prefix cache, and has
         ended)."""
         row, plan = joining.row, joining.plan
-        request = row.generation.request
-        if plan.prompt_logprobs is not None:
+        if plan.prompt_logprobs is not None:  # a sharded model's: whole, in step
             row.pending.append(PromptLogprobs(
                 prompt_logprobs(self._stepper.model, plan.prompt, plan.prompt_logprobs)
             ))
@@ -163,6 +195,10 @@ class Admissions:
             row.finish("length")
             flush([row])
             return None
+        return self._insert(row, plan, joining.cache, joining.rest)
+
+    def _insert(self, row: Row, plan: Admission, cache: Any, rest: list[int]) -> Row:
+        request = row.generation.request
         processors = [*request.logits_processors,
                       *sampling_processors(request.sampling, plan.max_tokens)]
         sampler = make_sampler(request.sampling)
@@ -173,7 +209,7 @@ class Admissions:
                 standing=self._standing,
             )
         row.uid = self._stepper.insert(
-            plan.prompt, joining.rest, joining.cache, max_tokens=plan.max_tokens,
+            plan.prompt, rest, cache, max_tokens=plan.max_tokens,
             sampler=sampler, processors=processors, stop_ids=plan.stop_ids,
         )
         batch = self._stepper.batch

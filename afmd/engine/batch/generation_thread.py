@@ -277,6 +277,8 @@ class BatchWorker:
             else:
                 if ended:
                     self._warming.popleft()
+                    if warming.joined is not None:  # scored, it writes tokens now
+                        self._active[warming.joined.uid] = warming.joined
         if self._active:
             self._step(started)
         if self._lockstep is not None:

@@ -200,17 +200,49 @@ def prompt_pass(model: Any, prompt: list[int]) -> None:
         mx.eval(model(mx.array([inputs[start : start + _PROMPT_CHUNK]]), cache=cache))
 
 
+class PromptScorer:
+    """A prompt's own log-probabilities (:func:`prompt_logprobs`), computed a few chunks
+    at a time, so that the engine can run them beside the batch's steps and stop them on
+    a cancel; its ``cache`` then holds the prompt but its last token, which the row can
+    resume from instead of running the prompt a second time."""
+
+    __slots__ = ("_k", "_model", "_prompt", "cache", "done", "scores")
+
+    def __init__(self, model: Any, prompt: list[int], k: int) -> None:
+        self._model = model
+        self._prompt = prompt
+        self._k = k
+        self.cache: Any = make_prompt_cache(model)
+        #: Prompt tokens run into ``cache`` (each scored the token after it).
+        self.done = 0
+        self.scores: list[TokenIdLogprob] = (
+            [TokenIdLogprob(prompt[0], None, ())] if prompt else [])
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= len(self._prompt) - 1
+
+    def advance(self, positions: int) -> None:
+        """Score ``positions`` more tokens or a little more: whole chunks, as
+        :func:`prompt_pass` runs them."""
+        prompt, k = self._prompt, self._k
+        for _ in range(max(-(-positions // _PROMPT_CHUNK), 1)):
+            if self.finished:
+                return
+            start = self.done
+            chunk = prompt[start : min(start + _PROMPT_CHUNK, len(prompt) - 1)]
+            targets = prompt[start + 1 : start + 1 + len(chunk)]
+            logits = self._model(mx.array([chunk]), cache=self.cache)[0]
+            step = StepLogprobs(logits, mx.array(targets),
+                                [(row, k) for row in range(len(chunk))])
+            mx.eval(step.arrays)
+            self.scores += [step.row(row, token, k) for row, token in enumerate(targets)]
+            self.done += len(chunk)
+
+
 def prompt_logprobs(model: Any, prompt: list[int], k: int) -> tuple[TokenIdLogprob, ...]:
     """Each prompt token's log-probability given the tokens before it (the first: None),
     with the ``k`` most likely tokens at its position."""
-    out = [TokenIdLogprob(prompt[0], None, ())] if prompt else []
-    cache = make_prompt_cache(model)
-    inputs = prompt[:-1]
-    for start in range(0, len(inputs), _PROMPT_CHUNK):
-        chunk = inputs[start : start + _PROMPT_CHUNK]
-        targets = prompt[start + 1 : start + 1 + len(chunk)]
-        logits = model(mx.array([chunk]), cache=cache)[0]
-        step = StepLogprobs(logits, mx.array(targets), [(row, k) for row in range(len(chunk))])
-        mx.eval(step.arrays)
-        out += [step.row(row, token, k) for row, token in enumerate(targets)]
-    return tuple(out)
+    scorer = PromptScorer(model, prompt, k)
+    scorer.advance(len(prompt))
+    return tuple(scorer.scores)
