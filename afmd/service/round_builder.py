@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from afmd.core.request import CONTEXT_WINDOW_PARAM, ChatRequest, context_limit
 from afmd.engine.apple.conversation import SystemTurn, system_turn
 from afmd.engine.models.loaded_model import LoadedModel
+from afmd.engine.models.prompt_bound import PromptTooLong
 from afmd.errors import ContextLengthError, InvalidRequestError, request_timeout_error
 from afmd.service import image_pool
 from afmd.service.chat_template import template_messages, template_tools
@@ -141,7 +142,8 @@ class RoundBuilder:
             tokens = len(self.render(request))
             limit, own = context_limit(self.model.context_length, request.context_window)
             if tokens >= limit and self._trim:
-                tokens = len(self._fit(request, limit, 1)[1])
+                fitted, prompt, _, _ = self._fit(request, limit, 1)
+                tokens = len(prompt if prompt is not None else self.render(fitted))
         finally:
             self._pictures.clear()
             self._headers = None
@@ -189,8 +191,19 @@ class RoundBuilder:
         max_tokens = request.max_tokens if request.max_tokens is not None else limit
         return Round(request, [], max_tokens, plan, conversation=turn)
 
-    def _render(self, request: ChatRequest) -> tuple[list[int], dict[str, Any] | None]:
-        """The prompt's token ids and, for a vision model, its image inputs."""
+    def _within(self, request: ChatRequest, limit: int) -> tuple[list[int] | None, int]:
+        """The prompt's token ids, or None and the tokens it holds at least when it is far
+        past the window ``limit``: a body of megabytes is not encoded whole only to be
+        refused (:mod:`afmd.engine.models.prompt_bound`)."""
+        try:
+            return self._render(request, bound=limit)[0], 0
+        except PromptTooLong as exc:
+            return None, exc.at_least
+
+    def _render(self, request: ChatRequest, bound: int | None = None,
+                ) -> tuple[list[int], dict[str, Any] | None]:
+        """The prompt's token ids and, for a vision model, its image inputs; ``bound``:
+        the window, past which a text prompt far longer is :class:`PromptTooLong`."""
         vision = self.model.vision
         messages = template_messages(request.messages, instructions=self._instructions,
                                      images=vision is not None)
@@ -203,9 +216,9 @@ class RoundBuilder:
                                      decoded=self._pictures, headers=self._headers,
                                      continue_final=request.continue_final)
             ids = self.model.render_prompt(messages, tools=tools, template_kwargs=kwargs,
-                                           continue_final=request.continue_final)
+                                           continue_final=request.continue_final, bound=bound)
             return continued(request.prompt_prefix, ids, self.model.bos_id), None
-        except InvalidRequestError:  # an image's own (undecodable, too large)
+        except (InvalidRequestError, PromptTooLong):  # an image's own; a prompt far too long
             raise
         except Exception as exc:  # template errors are about the conversation's shape
             raise InvalidRequestError(
@@ -234,18 +247,26 @@ class RoundBuilder:
         budget = request.max_tokens
         # The room the prompt must leave: all of max_tokens, unless it is only a cap.
         need = budget if budget is not None and not request.max_tokens_shrinks else 1
-        prompt, vision = self._render(request)
+        if self.model.vision is not None:  # its images are decoded once, here
+            found: list[int] | None
+            found, vision = self._render(request)
+            over = 0
+        else:
+            (found, over), vision = self._within(request, limit), None
         trimmed = dropped = 0
-        if len(prompt) + need > limit and trim and request.prompt_prefix:
+        if (found is None or len(found) + need > limit) and trim and request.prompt_prefix:
             # The earlier turns the prefix holds are the oldest, and go first, whole: their
             # ids say nothing of where a turn starts, and a turn cut in the middle would
             # read as another (Ollama's llama.cpp engine cuts tokens from the front).
             dropped = len(request.prompt_prefix)
             request = dataclasses.replace(request, prompt_prefix=())
-            prompt = self._render(request)[0]
-        if len(prompt) + need > limit and trim:
-            request, prompt, trimmed = self._fit(request, limit, need)
+            found, over = self._within(request, limit)
+        if (found is None or len(found) + need > limit) and trim:
+            request, found, trimmed, over = self._fit(request, limit, need)
             vision = self._render(request)[1] if vision is not None else None
+        if found is None:  # far past the window, trimmed as far as it goes or not at all
+            raise _context_error(limit, over, None, own, at_least=True)
+        prompt = found
         if budget is not None and not request.max_tokens_shrinks:
             if len(prompt) + budget > limit:
                 raise _context_error(limit, len(prompt), budget, own)
@@ -263,10 +284,12 @@ class RoundBuilder:
 
     def _fit(
         self, request: ChatRequest, limit: int, budget: int
-    ) -> tuple[ChatRequest, list[int], int]:
-        """Drop the fewest oldest units that make the prompt fit (binary search)."""
+    ) -> tuple[ChatRequest, list[int] | None, int, int]:
+        """Drop the fewest oldest units that make the prompt fit (binary search): the
+        request, its prompt (None: far past the window even so, see :meth:`_within`),
+        the messages dropped, and the tokens a prompt far past the window holds at least."""
         units = droppable_units(request.messages)
-        best: tuple[ChatRequest, list[int], int] | None = None
+        best: tuple[ChatRequest, list[int] | None, int, int] | None = None
         lo, hi = 1, len(units)
         while lo <= hi:
             if self._deadline is not None and time.monotonic() >= self._deadline:
@@ -274,21 +297,22 @@ class RoundBuilder:
             mid = (lo + hi) // 2
             messages, dropped = without_units(request.messages, units, mid)
             candidate = dataclasses.replace(request, messages=messages)
-            prompt = self.render(candidate)
-            if len(prompt) + budget <= limit:
-                best = (candidate, prompt, dropped)
+            prompt, _ = self._within(candidate, limit)
+            if prompt is not None and len(prompt) + budget <= limit:
+                best = (candidate, prompt, dropped, 0)
                 hi = mid - 1
             else:
                 lo = mid + 1
         if best is None:  # even the protected messages do not fit: report as usual
             messages, dropped = without_units(request.messages, units, len(units))
             candidate = dataclasses.replace(request, messages=messages)
-            return candidate, self.render(candidate), dropped
+            prompt, over = self._within(candidate, limit)
+            return candidate, prompt, dropped, over
         return best
 
 
 def _context_error(limit: int, prompt: int, completion: int | None,
-                   own: bool) -> ContextLengthError:
+                   own: bool, *, at_least: bool = False) -> ContextLengthError:
     """``own``: the window is the request's ``context_window``, which the error names.
 
     A prompt that alone fills the window is worded as OpenAI words it for its current
@@ -296,7 +320,9 @@ def _context_error(limit: int, prompt: int, completion: int | None,
     from other 400s by that phrase (LangChain's ``ContextOverflowError``, LiteLLM's
     ``ContextWindowExceededError``), and the openai SDK no longer puts the error's code in
     the exception's text, so the message is all they read. A prompt that fits but leaves
-    no room for the ``max_tokens`` asked keeps the wording that names both parts."""
+    no room for the ``max_tokens`` asked keeps the wording that names both parts.
+    ``at_least``: ``prompt`` is what was counted before counting stopped, far past the
+    window (:mod:`afmd.engine.models.prompt_bound`), not the whole prompt's count."""
     param = CONTEXT_WINDOW_PARAM if own else "messages"
     if completion is not None and prompt < limit:
         return ContextLengthError(
@@ -306,5 +332,6 @@ def _context_error(limit: int, prompt: int, completion: int | None,
             prompt_tokens=prompt, limit=limit, param=param)
     return ContextLengthError(
         f"Input tokens exceed the configured limit of {limit} tokens. Your messages "
-        f"resulted in {prompt} tokens. Please reduce the length of the messages.",
+        f"resulted in {'at least ' if at_least else ''}{prompt} tokens. Please reduce the "
+        "length of the messages.",
         prompt_tokens=prompt, limit=limit, param=param)

@@ -10,6 +10,8 @@ which owns the stores, and their answers and errors reach the parse on its threa
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -18,6 +20,7 @@ import pytest
 
 from conftest import ServerProcess
 from helpers.loop_watch import worst_health_while
+from helpers.smoke import vm_rss_kib
 
 #: A user turn and the assistant's, as each dialect writes them.
 TURNS: dict[str, list[dict[str, Any]]] = {
@@ -91,3 +94,62 @@ def test_responses_lookups_from_a_large_body_read_the_stores(http: httpx.Client)
     assert unknown.status_code == 400, unknown.text
     assert unknown.json()["error"]["code"] == "previous_response_not_found"
     assert unknown.json()["error"]["param"] == "previous_response_id"
+
+
+#: A message of about 8 MB: some sixty times the demo model's window.
+FAR_TOO_LONG = "hello world " * 700_000
+#: Each dialect's body with that message, and how its refusal shows the count.
+FAR_BODIES: dict[str, tuple[dict[str, Any], Callable[[dict[str, Any]], str]]] = {
+    "/v1/chat/completions": (
+        {"model": "demo", "max_tokens": 1,
+         "messages": [{"role": "user", "content": FAR_TOO_LONG}]},
+        lambda answer: answer["error"]["message"]),
+    "/v1/messages": (
+        {"model": "demo", "max_tokens": 1,
+         "messages": [{"role": "user", "content": FAR_TOO_LONG}]},
+        lambda answer: answer["error"]["message"]),
+    "/api/chat": (  # trimming on (Ollama's truncate): the last message cannot go
+        {"model": "demo", "stream": False, "options": {"num_predict": 1},
+         "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                      {"role": "user", "content": FAR_TOO_LONG}]},
+        lambda answer: answer["error"]),
+}
+
+
+@pytest.mark.parametrize("path", list(FAR_BODIES))
+def test_a_prompt_far_past_the_window_is_refused_without_encoding_it_whole(
+        server: ServerProcess, path: str) -> None:
+    """A body's worth of text was encoded whole before the context check: the fast
+    tokenizer's encoding of megabytes (ids, token strings, offsets, per-byte alignments)
+    took the server up by gigabytes and its CPU for tens of seconds, on past the request's
+    deadline. It is counted in pieces now, and counting stops once the prompt is clearly
+    past the window: the refusal is the context error it was, with the count so far."""
+    body, message = FAR_BODIES[path]
+    pid = server.proc.pid
+    before = vm_rss_kib(pid)
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            peak.append(vm_rss_kib(pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        response = httpx.post(server.url + path, content=orjson.dumps(body), timeout=120,
+                              headers={"Content-Type": "application/json"})
+    finally:
+        done.set()
+        sampler.join(5)
+    assert response.status_code == 400, response.text[:500]
+    text = message(response.json())
+    if path == "/v1/chat/completions":
+        assert response.json()["error"]["code"] == "context_length_exceeded"
+        assert "resulted in at least " in text, text
+    elif path == "/v1/messages":
+        assert text.startswith("prompt is too long: ") and text.endswith(" > 131072 maximum")
+    else:
+        assert text.endswith("exceeds the model's maximum context length (131072 tokens)")
+    grown_mib = (max(peak) - before) / 1024
+    assert grown_mib < 250, f"the server grew by {grown_mib:.0f} MiB for an 8 MB message"

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from afmd.config.tables import ModelEntry
 from afmd.engine.generation import Generation, GenerationRequest
 from afmd.engine.models.kinds import CHAT, EmbeddingSpec
+from afmd.engine.models.prompt_bound import encode_prompt
 from afmd.output.processor import ToolFormat
 from afmd.service.chat_template import continuation_kwargs, folded_system_turns
 
@@ -223,12 +224,15 @@ class LoadedModel:
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         continue_final: bool = False,
+        bound: int | None = None,
     ) -> list[int]:
         """Prompt token ids through the model's own chat template. A template that refuses
         a system turn after the first message (many raise on it) gets those folded into
         the nearest user turn instead (:func:`afmd.service.chat_template.folded_system_turns`).
         ``continue_final``: the last message is an assistant's text the answer continues,
-        so the prompt ends inside it, without the end of its turn or a new one."""
+        so the prompt ends inside it, without the end of its turn or a new one. ``bound``:
+        the window the prompt must fit, past which a far longer prompt is
+        :class:`~afmd.engine.models.prompt_bound.PromptTooLong` before it is encoded whole."""
         kwargs = {**(template_kwargs or {}), **continuation_kwargs(continue_final)}
         if tools:
             kwargs["tools"] = list(tools)
@@ -239,7 +243,7 @@ class LoadedModel:
             if folded is None:
                 raise
             text = self.tokenizer.apply_chat_template(folded, tokenize=False, **kwargs)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_prompt(self.tokenizer, text, bound)
 
     def start(self, request: GenerationRequest) -> Generation:
         assert self.worker is not None, f"{self.id} is not a chat model"
