@@ -548,7 +548,8 @@ def test_a_scored_prompt_runs_beside_the_batch_and_ends_on_cancel(
     """``echo`` with ``logprobs`` runs the prompt once more for every position's numbers.
     Run whole at its admission, a long prompt held up every stream in the batch for as
     long as it took (minutes, on a long prompt), and neither a cancel by its X-Request-ID
-    nor its deadline could end it; it is now run a chunk per step, as a joining prompt is."""
+    nor its deadline could end it; it is now run a chunk per step, as a joining prompt is,
+    in turns with other prompts being scored."""
     rid = f"cmpl-score-{time.monotonic_ns()}"
     long = f"{rid} " + "the weather in Rome is mild today. " * 1500
     done: dict[str, Any] = {}
@@ -569,6 +570,10 @@ def test_a_scored_prompt_runs_beside_the_batch_and_ends_on_cancel(
     beside = httpx.post(f"{server.url}{COMPLETIONS}", timeout=120,
                         json={"prompt": "a", "max_tokens": 2, "temperature": 0})
     assert beside.json()["usage"]["completion_tokens"] == 2, beside.text
+    # Prompts scored together take turns: a short one is not held up by the long one.
+    short = httpx.post(f"{server.url}{COMPLETIONS}", timeout=120, json={
+        "prompt": "one two three", "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert short.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None, short.text
     cancelled = httpx.post(f"{server.url}{COMPLETIONS}/{rid}/cancel", timeout=10)
     asked = time.monotonic()
     thread.join(300)

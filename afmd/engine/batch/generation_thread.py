@@ -266,7 +266,8 @@ class BatchWorker:
                 self._active[row.uid] = row
         self._remove(cancelled)
         if self._warming:
-            # One chunk of the oldest warm-up per step, as a joining prompt is run.
+            # One chunk of a warm-up per step, as a joining prompt is run; in turns, so
+            # that a long one holds none of the others up.
             warming = self._warming[0]
             try:
                 ended = self._admissions.advance(warming)
@@ -279,6 +280,8 @@ class BatchWorker:
                     self._warming.popleft()
                     if warming.joined is not None:  # scored, it writes tokens now
                         self._active[warming.joined.uid] = warming.joined
+                else:
+                    self._warming.rotate(-1)
         if self._active:
             self._step(started)
         if self._lockstep is not None:
