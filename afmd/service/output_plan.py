@@ -40,6 +40,7 @@ from afmd.output.formats import detect
 from afmd.output.formats.harmony import ANALYSIS as HARMONY_ANALYSIS
 from afmd.output.processor import OutputProcessor, ToolFormat
 from afmd.service.hidden_tokens import for_stops, hidden_tokens
+from afmd.service.metaschema import metaschema_problem
 
 if TYPE_CHECKING:
     from afmd.engine.batch.penalties import LogitsProcessor
@@ -282,27 +283,16 @@ def _schema_problem(schema: dict[str, Any]) -> str | None:
     try:  # json, not orjson: NaN stays NaN and big integers stay exact in the key
         text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError):  # not plain JSON data: checked every time
-        return _metaschema_problem(schema)
+        return metaschema_problem(schema)
     return _schema_text_problem(text)
 
 
 @functools.lru_cache(maxsize=256)
 def _schema_text_problem(text: str) -> str | None:
-    """Verdicts cached by canonical schema text: checking against the metaschema is
-    ~2.4 ms of pure Python (holding the GIL), and agents send the same tool schemas with
-    every request."""
-    return _metaschema_problem(json.loads(text))
-
-
-def _metaschema_problem(schema: Any) -> str | None:
-    import jsonschema
-
-    validator_cls = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
-    try:
-        validator_cls.check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        return str(exc.message)
-    return None
+    """Verdicts cached by canonical schema text: checking against the metaschema is pure
+    Python (holding the GIL) at a cost per subschema, and agents send the same tool
+    schemas with every request."""
+    return metaschema_problem(json.loads(text))
 
 
 def check_schemas(request: ChatRequest) -> None:
