@@ -36,6 +36,7 @@ from afmd.grammar.compiler import (
 )
 from afmd.grammar.frames import Thinking
 from afmd.grammar.limits import schema_limit_param
+from afmd.grammar.schema_size import MAX_SUBSCHEMAS, subschemas
 from afmd.output.formats import detect
 from afmd.output.formats.harmony import ANALYSIS as HARMONY_ANALYSIS
 from afmd.output.processor import OutputProcessor, ToolFormat
@@ -297,13 +298,27 @@ def _schema_text_problem(text: str) -> str | None:
 
 def check_schemas(request: ChatRequest) -> None:
     """400 ``invalid_schema`` for a tool's parameters or a ``json_schema`` that is not a
-    JSON Schema, whichever model serves the request."""
-    for i, tool in enumerate(request.tools):
-        if tool.parameters is not None:
-            _check_schema(tool.parameters, tool.parameters_param(i))
+    JSON Schema, whichever model serves the request; and for schemas that together hold
+    more subschemas than the compiler takes in one (:mod:`afmd.grammar.schema_size`),
+    counted before any of them is checked, naming the one the count passed the bound in."""
+    schemas = [(tool.parameters, tool.parameters_param(i))
+               for i, tool in enumerate(request.tools) if tool.parameters is not None]
     response_format = request.response_format
     if response_format is not None and response_format.schema is not None:
-        _check_schema(response_format.schema, "response_format.json_schema.schema")
+        schemas.append((response_format.schema, "response_format.json_schema.schema"))
+    left = MAX_SUBSCHEMAS
+    for schema, param in schemas:
+        left -= subschemas(schema, left)
+        if left < 0:
+            holds = ("the request's schemas hold more than {} subschemas together, "
+                     "counted up to this one" if len(schemas) > 1
+                     else "it holds more than {} subschemas").format(MAX_SUBSCHEMAS)
+            raise InvalidRequestError(
+                f"Unsupported JSON schema: {holds} (objects where a schema may be); the "
+                f"grammar compiler takes at most {MAX_SUBSCHEMAS} in one.",
+                code="invalid_schema", param=param)
+    for schema, param in schemas:
+        _check_schema(schema, param)
 
 
 def _answer_schema(response_format: Any) -> dict[str, Any] | None:
