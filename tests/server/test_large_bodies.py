@@ -110,6 +110,9 @@ FAR_BODIES: dict[str, tuple[dict[str, Any], Callable[[dict[str, Any]], str]]] = 
         {"model": "demo", "max_tokens": 1,
          "messages": [{"role": "user", "content": FAR_TOO_LONG}]},
         lambda answer: answer["error"]["message"]),
+    "/v1/messages/count_tokens": (  # refuses what its create would, as a create does
+        {"model": "demo", "messages": [{"role": "user", "content": FAR_TOO_LONG}]},
+        lambda answer: answer["error"]["message"]),
     "/api/chat": (  # trimming on (Ollama's truncate): the last message cannot go
         {"model": "demo", "stream": False, "options": {"num_predict": 1},
          "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
@@ -160,7 +163,7 @@ def test_a_prompt_far_past_the_window_is_refused_without_encoding_it_whole(
         assert response.json()["error"]["code"] == "context_length_exceeded"
         assert response.json()["error"]["param"] == "prompt"
         assert "however you requested at least " in text, text
-    elif path == "/v1/messages":
+    elif path.startswith("/v1/messages"):
         assert text.startswith("prompt is too long: ") and text.endswith(" > 131072 maximum")
     else:
         assert text.endswith("exceeds the model's maximum context length (131072 tokens)")
