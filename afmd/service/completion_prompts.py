@@ -4,7 +4,9 @@ Each prompt is tokenized as given, after the model's BOS where its tokenizer add
 (token-id prompts are used as they are); with a ``suffix`` it becomes the model family's
 fill-in-the-middle prompt (:mod:`afmd.service.fim`), and the family's end markers end it unseen.
 Every prompt must fit the context with ``max_tokens`` and every token id must exist,
-checked before anything is queued, each refusal naming its prompt.
+checked before anything is queued, each refusal naming its prompt. A text far past the
+window is refused without being encoded whole (:mod:`afmd.engine.models.prompt_bound`),
+and the tokenizing is given up at the request's deadline, as a chat round's is.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from afmd.config.tables import ModelEntry
 from afmd.core.request import CONTEXT_WINDOW_PARAM, CompletionRequest, context_limit
 from afmd.engine.batch.penalties import check_logit_bias
 from afmd.engine.models.loaded_model import LoadedModel
-from afmd.errors import ContextLengthError, InvalidRequestError
+from afmd.engine.models.prompt_bound import PromptTooLong
+from afmd.errors import ContextLengthError, InvalidRequestError, request_timeout_error
 from afmd.service import fim
 from afmd.service.output_plan import OutputPlan
 
@@ -90,7 +93,7 @@ async def prepare_completion(
             )
         stop_ids = plan.end_ids
         stops = tuple(dict.fromkeys((*request.stop, *plan.end_texts)))
-    prompts = await asyncio.to_thread(_prompts, model, request, plan)
+    prompts = await _tokenized(model, request, plan, deadline)
     return PreparedCompletion(
         request_id=request_id,
         request=request,
@@ -106,26 +109,46 @@ async def prepare_completion(
     )
 
 
+async def _tokenized(model: LoadedModel, request: CompletionRequest,
+                     plan: fim.FimPlan | None, deadline: float) -> list[CompletionPrompt]:
+    """:func:`_prompts` off the event loop, given up at the deadline with the request's
+    504: a body of many prompts, each just within the window, is seconds of a tokenizer,
+    and was answered long past the deadline. The thread's prompt in progress ends by
+    itself, and the thread looks at the deadline before each prompt."""
+    try:
+        async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+            return await asyncio.to_thread(_prompts, model, request, plan, deadline)
+    except TimeoutError:
+        raise request_timeout_error() from None
+
+
 def _prompts(
-    model: LoadedModel, request: CompletionRequest, plan: fim.FimPlan | None
+    model: LoadedModel, request: CompletionRequest, plan: fim.FimPlan | None, deadline: float,
 ) -> list[CompletionPrompt]:
     """Every prompt tokenized and checked (CPU work: run off the event loop)."""
     tokenizer = model.tokenizer
     several = len(request.prompts) > 1
+    limit, _ = context_limit(model.context_length, request.context_window)
     out: list[CompletionPrompt] = []
     for i, prompt in enumerate(request.prompts):
+        if time.monotonic() >= deadline:
+            raise request_timeout_error()
         param = f"prompt[{i}]" if several else "prompt"
         if not isinstance(prompt, str):
             _check_ids(model, prompt, param)
         lead = 0
-        if plan is not None:
-            prefix = prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))
-            ids = fim.build_prompt(tokenizer, plan, prefix, request.suffix or "")
-        elif isinstance(prompt, str):
-            ids = fim.encode_text(tokenizer, prompt)
-            lead = len(ids) - len(tokenizer.encode(prompt, add_special_tokens=False))
-        else:
-            ids = list(prompt)
+        try:
+            if plan is not None:
+                prefix = prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))
+                ids = fim.build_prompt(tokenizer, plan, prefix, request.suffix or "",
+                                       bound=limit)
+            elif isinstance(prompt, str):
+                lead = len(fim.lead_for(tokenizer, prompt))
+                ids = fim.encode_text(tokenizer, prompt, bound=limit)
+            else:
+                ids = list(prompt)
+        except PromptTooLong as exc:
+            raise _too_long(model, request, exc.at_least, param) from None
         if not ids:
             raise InvalidRequestError(
                 f"'{param}' is empty: the model needs at least one token to continue from.",
@@ -136,7 +159,7 @@ def _prompts(
         echo = None
         if request.echo:
             echo = prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))
-        out.extend(CompletionPrompt(ids, echo, max(lead, 0), max_tokens, choice)
+        out.extend(CompletionPrompt(ids, echo, lead, max_tokens, choice)
                    for choice in range(request.n))
     return out
 
@@ -168,11 +191,29 @@ def _fitted(model: LoadedModel, request: CompletionRequest, prompt: int, param: 
     return request.max_tokens
 
 
+def _too_long(model: LoadedModel, request: CompletionRequest, at_least: int,
+              param: str) -> ContextLengthError:
+    """The refusal of a prompt far past the window, counted only until it clearly was:
+    the usual one, its counts said to be lower bounds."""
+    limit, own = context_limit(model.context_length, request.context_window)
+    completion = 1 if request.max_tokens_shrinks else request.max_tokens
+    return _context_error(limit, at_least, completion,
+                          CONTEXT_WINDOW_PARAM if own else param, at_least=True)
+
+
 def _check_fits(limit: int, prompt: int, completion: int, param: str) -> None:
     if prompt + completion > limit:
-        raise ContextLengthError(
-            f"This model's maximum context length is {limit} tokens, however you requested "
-            f"{prompt + completion} tokens ({prompt} in your prompt; {completion} for the "
-            "completion). Please reduce your prompt; or completion length.",
-            prompt_tokens=prompt, limit=limit, param=param,
-        )
+        raise _context_error(limit, prompt, completion, param)
+
+
+def _context_error(limit: int, prompt: int, completion: int, param: str, *,
+                   at_least: bool = False) -> ContextLengthError:
+    """OpenAI's legacy Completions wording; ``at_least``: ``prompt`` is what was counted
+    before counting stopped, not the whole prompt's count."""
+    some = "at least " if at_least else ""
+    return ContextLengthError(
+        f"This model's maximum context length is {limit} tokens, however you requested "
+        f"{some}{prompt + completion} tokens ({some}{prompt} in your prompt; {completion} "
+        "for the completion). Please reduce your prompt; or completion length.",
+        prompt_tokens=prompt, limit=limit, param=param,
+    )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from afmd.config.tables import FimSetting
+from afmd.engine.models.prompt_bound import encode_prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,20 +157,29 @@ def leading_ids(tokenizer: Any) -> tuple[int, ...]:
     return ()
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """A raw prompt's ids: the text as given, after the model's BOS where it adds one
-    (not twice when the text already starts with it); nothing the tokenizer might append."""
+def lead_for(tokenizer: Any, text: str) -> list[int]:
+    """The ids a raw prompt gets before ``text``: the model's BOS where it adds one, not
+    twice when the text already starts with it."""
     lead = list(leading_ids(tokenizer))
     bos = getattr(tokenizer, "bos_token", None)
     if lead and bos and text.startswith(bos):
-        lead = []
-    return lead + list(tokenizer.encode(text, add_special_tokens=False))
+        return []
+    return lead
 
 
-def build_prompt(tokenizer: Any, plan: FimPlan, prefix: str, suffix: str) -> list[int]:
-    """The FIM prompt's ids: BOS where the model adds one, then the family's order."""
+def encode_text(tokenizer: Any, text: str, bound: int | None = None) -> list[int]:
+    """A raw prompt's ids: the text as given, after :func:`lead_for`; nothing the
+    tokenizer might append. ``bound``: the window, past which a text far longer is
+    :class:`~afmd.engine.models.prompt_bound.PromptTooLong` before it is encoded whole."""
+    return lead_for(tokenizer, text) + encode_prompt(tokenizer, text, bound)
+
+
+def build_prompt(tokenizer: Any, plan: FimPlan, prefix: str, suffix: str,
+                 bound: int | None = None) -> list[int]:
+    """The FIM prompt's ids: BOS where the model adds one, then the family's order;
+    ``bound`` as :func:`encode_text`'s, for each part."""
     def text(part: str) -> list[int]:
-        return list(tokenizer.encode(part, add_special_tokens=False)) if part else []
+        return encode_prompt(tokenizer, part, bound) if part else []
 
     ids = list(leading_ids(tokenizer))
     if plan.format.suffix_first:

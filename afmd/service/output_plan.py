@@ -36,10 +36,12 @@ from afmd.grammar.compiler import (
 )
 from afmd.grammar.frames import Thinking
 from afmd.grammar.limits import schema_limit_param
+from afmd.grammar.schema_size import MAX_SUBSCHEMAS, subschemas
 from afmd.output.formats import detect
 from afmd.output.formats.harmony import ANALYSIS as HARMONY_ANALYSIS
 from afmd.output.processor import OutputProcessor, ToolFormat
 from afmd.service.hidden_tokens import for_stops, hidden_tokens
+from afmd.service.metaschema import metaschema_problem
 
 if TYPE_CHECKING:
     from afmd.engine.batch.penalties import LogitsProcessor
@@ -282,38 +284,41 @@ def _schema_problem(schema: dict[str, Any]) -> str | None:
     try:  # json, not orjson: NaN stays NaN and big integers stay exact in the key
         text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError):  # not plain JSON data: checked every time
-        return _metaschema_problem(schema)
+        return metaschema_problem(schema)
     return _schema_text_problem(text)
 
 
 @functools.lru_cache(maxsize=256)
 def _schema_text_problem(text: str) -> str | None:
-    """Verdicts cached by canonical schema text: checking against the metaschema is
-    ~2.4 ms of pure Python (holding the GIL), and agents send the same tool schemas with
-    every request."""
-    return _metaschema_problem(json.loads(text))
-
-
-def _metaschema_problem(schema: Any) -> str | None:
-    import jsonschema
-
-    validator_cls = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
-    try:
-        validator_cls.check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        return str(exc.message)
-    return None
+    """Verdicts cached by canonical schema text: checking against the metaschema is pure
+    Python (holding the GIL) at a cost per subschema, and agents send the same tool
+    schemas with every request."""
+    return metaschema_problem(json.loads(text))
 
 
 def check_schemas(request: ChatRequest) -> None:
     """400 ``invalid_schema`` for a tool's parameters or a ``json_schema`` that is not a
-    JSON Schema, whichever model serves the request."""
-    for i, tool in enumerate(request.tools):
-        if tool.parameters is not None:
-            _check_schema(tool.parameters, tool.parameters_param(i))
+    JSON Schema, whichever model serves the request; and for schemas that together hold
+    more subschemas than the compiler takes in one (:mod:`afmd.grammar.schema_size`),
+    counted before any of them is checked, naming the one the count passed the bound in."""
+    schemas = [(tool.parameters, tool.parameters_param(i))
+               for i, tool in enumerate(request.tools) if tool.parameters is not None]
     response_format = request.response_format
     if response_format is not None and response_format.schema is not None:
-        _check_schema(response_format.schema, "response_format.json_schema.schema")
+        schemas.append((response_format.schema, "response_format.json_schema.schema"))
+    left = MAX_SUBSCHEMAS
+    for schema, param in schemas:
+        left -= subschemas(schema, left)
+        if left < 0:
+            holds = ("the request's schemas hold more than {} subschemas together, "
+                     "counted up to this one" if len(schemas) > 1
+                     else "it holds more than {} subschemas").format(MAX_SUBSCHEMAS)
+            raise InvalidRequestError(
+                f"Unsupported JSON schema: {holds} (objects where a schema may be); the "
+                f"grammar compiler takes at most {MAX_SUBSCHEMAS} in one.",
+                code="invalid_schema", param=param)
+    for schema, param in schemas:
+        _check_schema(schema, param)
 
 
 def _answer_schema(response_format: Any) -> dict[str, Any] | None:

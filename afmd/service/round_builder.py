@@ -134,22 +134,32 @@ class RoundBuilder:
         """What the conversation takes of the context window (blocking): trimmed as the
         turn would trim it, when the builder trims. ``must_fit``: a prompt that leaves no
         room for one token of answer is the context error a turn would get (Anthropic's
-        count_tokens refuses what its create would)."""
+        count_tokens refuses what its create would), and one far past the window is
+        refused as a turn refuses it, counted only until it clearly is (an exact count
+        is the answer only where the route answers one whatever the window)."""
         if self.model.reads_conversation:
             worker: Any = self.model.worker
             return int(worker.prompt_tokens(self._conversation(request, True)))
+        limit, own = context_limit(self.model.context_length, request.context_window)
         try:
-            tokens = len(self.render(request))
-            limit, own = context_limit(self.model.context_length, request.context_window)
-            if tokens >= limit and self._trim:
-                fitted, prompt, _, _ = self._fit(request, limit, 1)
-                tokens = len(prompt if prompt is not None else self.render(fitted))
+            prompt: list[int] | None
+            over = 0
+            if must_fit and self.model.vision is None:
+                prompt, over = self._within(request, limit)
+            else:
+                prompt = self.render(request)
+            if (prompt is None or len(prompt) >= limit) and self._trim:
+                fitted, prompt, _, over = self._fit(request, limit, 1)
+                if prompt is None and not must_fit:
+                    prompt = self.render(fitted)
         finally:
             self._pictures.clear()
             self._headers = None
-        if must_fit and tokens >= limit:
-            raise _context_error(limit, tokens, None, own)
-        return tokens
+        if prompt is None:  # far past the window, trimmed as far as it goes or not at all
+            raise _context_error(limit, over, None, own, at_least=True)
+        if must_fit and len(prompt) >= limit:
+            raise _context_error(limit, len(prompt), None, own)
+        return len(prompt)
 
     def _conversation(self, request: ChatRequest, first_step: bool) -> SystemTurn:
         if request.continue_final:  # the framework starts every answer afresh

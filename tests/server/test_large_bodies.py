@@ -11,14 +11,16 @@ which owns the stores, and their answers and errors reach the parse on its threa
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from conftest import ServerProcess
+from conftest import ServerProcess, start_server
 from helpers.loop_watch import worst_health_while
 from helpers.smoke import vm_rss_kib
 
@@ -108,10 +110,20 @@ FAR_BODIES: dict[str, tuple[dict[str, Any], Callable[[dict[str, Any]], str]]] = 
         {"model": "demo", "max_tokens": 1,
          "messages": [{"role": "user", "content": FAR_TOO_LONG}]},
         lambda answer: answer["error"]["message"]),
+    "/v1/messages/count_tokens": (  # refuses what its create would, as a create does
+        {"model": "demo", "messages": [{"role": "user", "content": FAR_TOO_LONG}]},
+        lambda answer: answer["error"]["message"]),
     "/api/chat": (  # trimming on (Ollama's truncate): the last message cannot go
         {"model": "demo", "stream": False, "options": {"num_predict": 1},
          "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                       {"role": "user", "content": FAR_TOO_LONG}]},
+        lambda answer: answer["error"]),
+    "/v1/completions": (  # no template: the prompt is encoded as given
+        {"model": "demo", "max_tokens": 1, "prompt": FAR_TOO_LONG},
+        lambda answer: answer["error"]["message"]),
+    "/api/generate": (  # raw: the completions path in Ollama's words
+        {"model": "demo", "stream": False, "raw": True, "prompt": FAR_TOO_LONG,
+         "options": {"num_predict": 1}},
         lambda answer: answer["error"]),
 }
 
@@ -147,9 +159,36 @@ def test_a_prompt_far_past_the_window_is_refused_without_encoding_it_whole(
     if path == "/v1/chat/completions":
         assert response.json()["error"]["code"] == "context_length_exceeded"
         assert "resulted in at least " in text, text
-    elif path == "/v1/messages":
+    elif path == "/v1/completions":
+        assert response.json()["error"]["code"] == "context_length_exceeded"
+        assert response.json()["error"]["param"] == "prompt"
+        assert "however you requested at least " in text, text
+    elif path.startswith("/v1/messages"):
         assert text.startswith("prompt is too long: ") and text.endswith(" > 131072 maximum")
     else:
         assert text.endswith("exceeds the model's maximum context length (131072 tokens)")
     grown_mib = (max(peak) - before) / 1024
     assert grown_mib < 250, f"the server grew by {grown_mib:.0f} MiB for an 8 MB message"
+
+
+#: A prompt of about 126,000 of the demo model's tokens: just within its window.
+WITHIN = "hello world " * 21_000
+
+
+def test_tokenizing_many_prompts_gives_up_at_the_deadline(tmp_path: Path) -> None:
+    """Completions tokenized every prompt of a body with no deadline: a body of prompts
+    each just within the window is seconds of a tokenizer per prompt, and the 504 came
+    only once all were done, far past ``request_timeout``. The tokenizing is given up at
+    the deadline now, and stops before the next prompt."""
+    proc = start_server(tmp_path, config="[server]\nrequest_timeout = 1\n")
+    try:
+        started = time.monotonic()
+        response = httpx.post(proc.url + "/v1/completions", timeout=120,
+                              json={"model": "demo", "max_tokens": 1, "prompt": [WITHIN] * 32})
+        took = time.monotonic() - started
+        assert response.status_code == 504, response.text[:500]
+        assert response.json()["error"]["code"] == "timeout"
+        assert took < 4, f"the 504 came after {took:.1f} s"
+        assert httpx.get(proc.url + "/health", timeout=5).status_code == 200
+    finally:
+        proc.stop()
