@@ -541,3 +541,66 @@ def test_an_image_the_processor_will_not_take_is_named(srv: ServerProcess, count
     error = assert_error(r, "invalid_image", f"messages[0].content[{count}].image_url")
     assert "image processor cannot take this image" in error["message"]
     assert "aspect ratio" in error["message"]
+
+
+def test_a_scored_prompt_is_run_in_chunks_with_mlx_vlm_s_numbers(
+        tmp_path: Path, vision_folder: Path) -> None:
+    """``echo`` with ``logprobs`` on a vision model ran the whole prompt in one forward
+    pass: its attention and its logits (the prompt's length times the vocabulary, in
+    float32, several times over) held at once, gigabytes for one long prompt on a real
+    model. It is scored a chunk at a time through a KV cache: the server's peak MLX
+    memory stays under what the whole prompt's logits alone take, its numbers are
+    mlx-vlm's over the whole prompt, and the prompt's tokens count in the usage."""
+    import mlx.core as mx
+    from mlx_vlm import load
+
+    from helpers.numerics import LOGPROB_TOLERANCE
+
+    srv = start_server(tmp_path, config=f'[models]\ndefault = "{MODEL}"\n')
+    try:
+        long = "the weather in Rome is mild today. " * 300
+        streamed = httpx.post(srv.url + "/v1/completions", timeout=300,
+                              headers={"X-AFM-Profile": "true"},
+                              json={"prompt": long, "echo": True, "logprobs": 1,
+                                    "max_tokens": 0, "stream": True,
+                                    "stream_options": {"include_usage": True}})
+        events = parse_sse(streamed.text)
+        usage = next(e["usage"] for e in events if isinstance(e, dict) and e.get("usage"))
+        peak = next(e["afm_profile"]["peak_memory_bytes"] for e in events
+                    if isinstance(e, dict) and "afm_profile" in e)
+        vocab = json.loads((vision_folder / "config.json").read_text())["vocab_size"]
+        assert usage["prompt_tokens"] > 4000
+        assert peak < usage["prompt_tokens"] * vocab * 4, peak
+
+        short = "one two three four five six seven eight nine ten " * 20
+        scored = post(srv, {"prompt": short, "echo": True, "logprobs": 2, "max_tokens": 0},
+                      path="/v1/completions").json()
+        got = scored["choices"][0]["logprobs"]["token_logprobs"]
+        assert scored["usage"]["prompt_tokens"] == len(got)
+        model, processor = load(str(vision_folder))
+        ids = processor.tokenizer.encode(short, add_special_tokens=False)
+        logits = model.language_model(mx.array([ids])).logits[0].astype(mx.float32)
+        want = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        assert got[0] is None and len(got) == len(ids)
+        for i in range(1, len(ids)):
+            assert abs(got[i] - float(want[i - 1, ids[i]])) <= LOGPROB_TOLERANCE, i
+
+        # A cancel by its X-Request-ID ends the scoring between two chunks.
+        rid = f"vision-score-{time.monotonic_ns()}"
+        done: dict[str, httpx.Response] = {}
+        thread = threading.Thread(target=lambda: done.setdefault("r", httpx.post(
+            srv.url + "/v1/completions", timeout=300, headers={"X-Request-ID": rid},
+            json={"prompt": long, "echo": True, "logprobs": 1, "max_tokens": 0})))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "r" not in done:
+            if httpx.get(srv.url + "/health").json()["active_requests"]:
+                break
+            time.sleep(0.05)
+        time.sleep(0.3)  # into its first chunks
+        cancelled = httpx.post(f"{srv.url}/v1/completions/{rid}/cancel", timeout=10)
+        thread.join(300)
+        assert cancelled.json()["cancelled"] is True, "the scoring ended before its cancel"
+        assert done["r"].json()["choices"][0]["finish_reason"] == "cancelled", done["r"].text
+    finally:
+        srv.stop()

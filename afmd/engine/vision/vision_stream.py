@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -105,13 +106,33 @@ def sampling(request: GenerationRequest) -> tuple[Any, list[Any]]:
     return make_sampler(request.sampling) or _argmax, processors
 
 
-def prompt_logprobs(model: Any, prompt: list[int], top: int) -> tuple[TokenIdLogprob, ...]:
-    """The prompt's own tokens' log-probabilities (echo), text prompts only."""
-    logits = model.language_model(mx.array([prompt])).logits[0].astype(mx.float32)
-    rows = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+#: Prompt positions scored per forward pass: bounds the float32 logits held at once.
+PROMPT_CHUNK = 64
+
+
+def prompt_logprobs(model: Any, prompt: list[int], top: int,
+                    cancelled: Callable[[], bool] = lambda: False,
+                    ) -> tuple[TokenIdLogprob, ...] | None:
+    """The prompt's own tokens' log-probabilities (echo), text prompts only; None when
+    ``cancelled`` says so between two chunks. A chunk of positions at a time through a
+    KV cache: the whole prompt's logits at once were its length times the vocabulary in
+    float32, several times over, gigabytes for one long prompt."""
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    from afmd.engine.mlx_compat import reset_rope_state
+
+    language = model.language_model
+    reset_rope_state(language)
+    cache = make_prompt_cache(language)
     out = [TokenIdLogprob(prompt[0], None)]
-    for i in range(1, len(prompt)):
-        out.append(_entry(rows[i - 1], prompt[i], top))
+    for start in range(0, len(prompt) - 1, PROMPT_CHUNK):
+        if cancelled():
+            return None
+        chunk = prompt[start : min(start + PROMPT_CHUNK, len(prompt) - 1)]
+        logits = language(mx.array([chunk]), cache=cache).logits[0].astype(mx.float32)
+        rows = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        out += [_entry(rows[i], token, top)
+                for i, token in enumerate(prompt[start + 1 : start + 1 + len(chunk)])]
     return tuple(out)
 
 

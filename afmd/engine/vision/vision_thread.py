@@ -136,10 +136,15 @@ class VisionWorker:
             return
         pending: list[Event] = []
         if request.prompt_logprobs is not None:
-            pending.append(PromptLogprobs(prompt_logprobs(self._model, request.prompt,
-                                                          request.prompt_logprobs)))
-        if request.max_tokens <= 0:
-            pending.append(finished(generation, "length", 0, 0, 0, started, started))
+            scores = prompt_logprobs(self._model, request.prompt, request.prompt_logprobs,
+                                     lambda: generation.cancel_requested)
+            if scores is None:
+                push(generation, [finished(generation, "cancelled", 0, 0, 0, started, 0.0)])
+                return
+            pending.append(PromptLogprobs(scores))
+        if request.max_tokens <= 0:  # the prompt's numbers alone: its tokens still count
+            pending.append(finished(generation, "length", len(request.prompt), 0, 0, started,
+                                    started))
             push(generation, pending)
             return
         vision = dict(request.vision or {})
