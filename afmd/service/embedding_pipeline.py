@@ -23,6 +23,7 @@ from afmd.engine.generation import EmbeddingJob
 from afmd.engine.models.kinds import EMBEDDING
 from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.model_registry import ModelRegistry
+from afmd.engine.models.prompt_bound import PromptTooLong, check_bound, first_part, may_be_past
 from afmd.engine.models.residency import Lease
 from afmd.errors import (
     APIError,
@@ -228,7 +229,7 @@ class EmbeddingService:
         deadline: float,
     ) -> list[list[int]]:
         """Token ids per input, each checked against the model's vocabulary and context."""
-        texts = [text for text in request.inputs if isinstance(text, str)]
+        texts = await _bounded(model, request, run, deadline)
         encoded = iter(await _tokenize(model, texts, run, deadline))
         vocab = model.vocab_size
         sequences: list[list[int]] = []
@@ -270,6 +271,39 @@ class EmbeddingService:
             )
         run = self._runs[request_id] = EmbeddingRun(request_id)
         return run
+
+
+async def _bounded(model: LoadedModel, request: EmbeddingRequest, run: EmbeddingRun,
+                   deadline: float) -> list[str]:
+    """The texts to tokenize: one that would be cut to the context anyway, only its start;
+    one far past the context, refused counted in pieces only until it clearly is (a text
+    of megabytes encoded whole held gigabytes and a core for tens of seconds, to be cut
+    or refused afterwards: :mod:`afmd.engine.models.prompt_bound`)."""
+    window = model.context_length
+    texts: list[str] = []
+    for text, param in zip(request.inputs, request.params, strict=True):
+        if not isinstance(text, str):
+            continue
+        if may_be_past(text, window) and request.truncate:
+            text = first_part(text, window)
+        elif may_be_past(text, window):
+            if run.error is not None:
+                raise run.error
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                    await asyncio.to_thread(check_bound, model.tokenizer, text, window)
+            except TimeoutError:
+                raise timeout_error() from None
+            except PromptTooLong as exc:
+                raise ContextLengthError(
+                    f"This model's maximum context length is {window} tokens, however you "
+                    f"requested at least {exc.at_least} tokens (at least {exc.at_least} in "
+                    "your prompt; 0 for the completion). Please reduce your prompt; or "
+                    "completion length.",
+                    prompt_tokens=exc.at_least, limit=window, param=param,
+                ) from None
+        texts.append(text)
+    return texts
 
 
 def _parts(texts: list[str]) -> list[list[str]]:

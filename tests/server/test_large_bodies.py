@@ -137,6 +137,27 @@ def test_a_prompt_far_past_the_window_is_refused_without_encoding_it_whole(
     deadline. It is counted in pieces now, and counting stops once the prompt is clearly
     past the window: the refusal is the context error it was, with the count so far."""
     body, message = FAR_BODIES[path]
+    response, grown_mib = _grown_mib(server, path, body)
+    assert response.status_code == 400, response.text[:500]
+    text = message(response.json())
+    if path == "/v1/chat/completions":
+        assert response.json()["error"]["code"] == "context_length_exceeded"
+        assert "resulted in at least " in text, text
+    elif path == "/v1/completions":
+        assert response.json()["error"]["code"] == "context_length_exceeded"
+        assert response.json()["error"]["param"] == "prompt"
+        assert "however you requested at least " in text, text
+    elif path.startswith("/v1/messages"):
+        assert text.startswith("prompt is too long: ") and text.endswith(" > 131072 maximum")
+    else:
+        assert text.endswith("exceeds the model's maximum context length (131072 tokens)")
+    assert grown_mib < 250, f"the server grew by {grown_mib:.0f} MiB for an 8 MB message"
+
+
+def _grown_mib(server: ServerProcess, path: str, body: dict[str, Any],
+               ) -> tuple[httpx.Response, float]:
+    """The answer to ``body`` and how far above where it was the server's RSS rose while
+    it was answered, in MiB."""
     pid = server.proc.pid
     before = vm_rss_kib(pid)
     peak = [before]
@@ -154,21 +175,32 @@ def test_a_prompt_far_past_the_window_is_refused_without_encoding_it_whole(
     finally:
         done.set()
         sampler.join(5)
-    assert response.status_code == 400, response.text[:500]
-    text = message(response.json())
-    if path == "/v1/chat/completions":
-        assert response.json()["error"]["code"] == "context_length_exceeded"
-        assert "resulted in at least " in text, text
-    elif path == "/v1/completions":
-        assert response.json()["error"]["code"] == "context_length_exceeded"
-        assert response.json()["error"]["param"] == "prompt"
-        assert "however you requested at least " in text, text
-    elif path.startswith("/v1/messages"):
-        assert text.startswith("prompt is too long: ") and text.endswith(" > 131072 maximum")
-    else:
-        assert text.endswith("exceeds the model's maximum context length (131072 tokens)")
-    grown_mib = (max(peak) - before) / 1024
-    assert grown_mib < 250, f"the server grew by {grown_mib:.0f} MiB for an 8 MB message"
+    return response, (max(peak) - before) / 1024
+
+
+def test_a_text_to_embed_far_past_the_context_is_not_encoded_whole(
+        server: ServerProcess) -> None:
+    """An embedding input of megabytes was encoded whole, then cut to the model's context
+    (Ollama's ``truncate``, on by default) or refused (OpenAI's): gigabytes and tens of
+    seconds of a core for one request. Only its start is encoded when it is cut, and a
+    refusal counts it only until it is clearly past the context: the vector is the one of
+    the text's start, and the refusal the context error it was, its count a lower bound."""
+    model = "demo-embedding"
+    start = "hello world " * 2_000  # well past the model's context on its own
+    short = httpx.post(server.url + "/api/embed", json={"model": model, "input": start},
+                       timeout=60)
+    assert short.status_code == 200, short.text
+    cut, grown = _grown_mib(server, "/api/embed", {"model": model, "input": FAR_TOO_LONG})
+    assert cut.status_code == 200, cut.text[:300]
+    assert cut.json()["embeddings"] == short.json()["embeddings"]
+    assert grown < 250, f"the server grew by {grown:.0f} MiB for an 8 MB text"
+    refused, grown = _grown_mib(server, "/v1/embeddings",
+                                {"model": model, "input": ["a", FAR_TOO_LONG]})
+    assert refused.status_code == 400, refused.text[:300]
+    error = refused.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "input[1]", error
+    assert "however you requested at least " in error["message"], error
+    assert grown < 250, f"the server grew by {grown:.0f} MiB for an 8 MB text"
 
 
 #: A prompt of about 126,000 of the demo model's tokens: just within its window.

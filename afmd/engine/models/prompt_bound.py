@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["PromptTooLong", "encode_prompt"]
+__all__ = ["PromptTooLong", "check_bound", "encode_prompt", "first_part", "may_be_past"]
 
 #: Characters per token of the window a text may have before it is counted in pieces
 #: first: prose and code are 3 to 5, so a prompt that fits is almost never counted twice.
@@ -48,13 +48,36 @@ def encode_prompt(tokenizer: Any, text: str, bound: int | None) -> list[int]:
     """``text``'s token ids, as ``tokenizer.encode`` gives them without special tokens;
     :class:`PromptTooLong` when ``bound`` is given and the text clearly holds more than
     ``OVERSHOOT`` times ``bound`` tokens, found by encoding only about that many."""
-    if bound is not None and len(text) > max(bound, PIECE_CHARS) * CHARS_PER_TOKEN:
+    if bound is not None:
+        check_bound(tokenizer, text, bound)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def may_be_past(text: str, bound: int) -> bool:
+    """Whether ``text`` is long enough that it may be far past ``bound`` tokens: one that
+    is not is encoded whole at no risk."""
+    return len(text) > max(bound, PIECE_CHARS) * CHARS_PER_TOKEN
+
+
+def first_part(text: str, bound: int) -> str:
+    """The start of ``text`` that holds its first ``bound`` tokens, for a text cut to
+    ``bound`` tokens anyway (Ollama's ``truncate``): encoding the rest only to throw it
+    away cost what encoding a prompt far past the window did. Only a text whose tokens
+    average more than ``OVERSHOOT * CHARS_PER_TOKEN`` characters loses some of those."""
+    if not may_be_past(text, bound):
+        return text
+    return text[: max(bound, PIECE_CHARS) * CHARS_PER_TOKEN * OVERSHOOT]
+
+
+def check_bound(tokenizer: Any, text: str, bound: int) -> None:
+    """:class:`PromptTooLong` when ``text`` clearly holds more than ``OVERSHOOT`` times
+    ``bound`` tokens, found by encoding only about that many; nothing otherwise."""
+    if may_be_past(text, bound):
         counted = 0
         for cuts, piece in enumerate(_pieces(text)):
             counted += len(tokenizer.encode(piece, add_special_tokens=False))
             if counted > OVERSHOOT * bound:
                 raise PromptTooLong(counted - _PER_CUT * cuts)
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _pieces(text: str) -> Iterator[str]:
