@@ -190,12 +190,24 @@ def aider_installed() -> Path:
     return folder / "venv"
 
 
-def quick_model(dest: Path) -> Path:
+#: The end token's logit per unit of the hidden dimension it follows, by layers kept: one
+#: layer's hidden states lean further from positive there, so it needs a steeper head for
+#: the end token to be about as likely as after two.
+END_SCALE = {2: 12.0, 1: 20.0}
+
+
+def quick_model(dest: Path, layers: int = 2) -> Path:
     """The demo-32k model (its larger vocabulary makes an agent's prompt about a third
     fewer tokens to prefill), its head made to end a turn soon: only the end token's logit
     follows one hidden dimension, every other logit is 0, so the end token is likely
     wherever that dimension is positive. A real model for the engine; only the text it
-    writes is (as the demo's) nonsense."""
+    writes is (as the demo's) nonsense.
+
+    ``layers=1`` keeps the first layer alone: a prefill then computes no attention (the
+    one layer's keys and values follow from the embeddings; its attention output is only
+    needed for the last token's logits), which is nearly all of what an agent's prompt of
+    many thousand tokens costs on a CPU. What it writes differs from the two-layer model's,
+    which some agents' flows depend on (see the agents' tests)."""
     import mlx.core as mx
 
     from afmd.engine.demo import builtin as demo
@@ -204,11 +216,20 @@ def quick_model(dest: Path) -> Path:
     path = dest / "model.safetensors"
     weights = mx.load(str(path))
     assert isinstance(weights, dict)
-    end = json.loads((dest / "config.json").read_text())["eos_token_id"][0]
+    config = json.loads((dest / "config.json").read_text())
+    if layers != config["num_hidden_layers"]:
+        assert 1 <= layers < config["num_hidden_layers"], layers
+        kept = {f"model.layers.{i}." for i in range(layers)}
+        weights = {name: value for name, value in weights.items()
+                   if not name.startswith("model.layers.")
+                   or any(name.startswith(prefix) for prefix in kept)}
+        config["num_hidden_layers"] = layers
+        (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    end = config["eos_token_id"][0]
     norm = mx.zeros_like(weights["model.norm.weight"])
     norm[0] = 1.0
     head = mx.zeros_like(weights["lm_head.weight"])
-    head[end, 0] = 12.0
+    head[end, 0] = END_SCALE[layers]
     weights["model.norm.weight"], weights["lm_head.weight"] = norm, head
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
     return dest

@@ -142,6 +142,11 @@ def _continue(folder: Path, url: str, work: Path, env: dict[str, str]) -> list[l
 AGENTS: dict[str, Callable[[Path, str, Path, dict[str, str]], list[list[str]]]] = {
     "claude": _claude, "codex": _codex, "opencode": _opencode, "ai_sdk": _ai_sdk,
     "aider": _aider, "continue": _continue}
+#: Layers of the model each agent talks to (helpers.agents.quick_model): one where the
+#: agent's flow allows, as its prefill of an agent's long prompt costs a fraction of two
+#: layers'; aider's flow did not finish against a one-layer model, so it gets two.
+LAYERS: dict[str, int] = {"claude": 1, "codex": 1, "opencode": 1, "ai_sdk": 1,
+                          "continue": 1, "aider": 2}
 #: Which agent each test needs: the fixture runs only those of the selected tests.
 NEEDS = {"test_claude_code": "claude", "test_codex": "codex", "test_opencode": "opencode",
          "test_ai_sdk_tool_loop": "ai_sdk", "test_aider": "aider",
@@ -186,12 +191,14 @@ def runs(request: pytest.FixtureRequest,
         except agents.RegistryUnreachable as error:
             names.remove("aider")
             unreachable["aider"] = f"pip could not reach the package index: {error}"
-    model = agents.quick_model(tmp_path_factory.mktemp("model"))
+    models = {layers: agents.quick_model(tmp_path_factory.mktemp("model"), layers)
+              for layers in {LAYERS[name] for name in names}}
     # A first prompt of ~13k tokens may take minutes to prefill on a busy CPU.
-    config = (f'[server]\nrequest_timeout = {TIMEOUT}\n'
-              f'[[models.model]]\nid = "{MODEL}"\npath = "{model}"\n')
-    servers = {name: start_server(tmp_path_factory.mktemp(f"server-{name}"), config=config)
-               for name in names}
+    servers = {name: start_server(
+        tmp_path_factory.mktemp(f"server-{name}"),
+        config=(f'[server]\nrequest_timeout = {TIMEOUT}\n[[models.model]]\nid = "{MODEL}"\n'
+                f'path = "{models[LAYERS[name]]}"\n'))
+        for name in names}
     try:
         with ThreadPoolExecutor(max(1, len(names))) as pool:
             futures = {name: pool.submit(_run, name, folder, servers[name],
