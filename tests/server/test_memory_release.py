@@ -89,8 +89,12 @@ def test_models_loaded_and_unloaded_again_and_again_leave_no_threads_behind(
     every thread that computes its own streams (mlx-lm's and mlx-vlm's generation stream
     is thread-local too), each with a native thread behind it that outlives the Python
     thread: every load's worker thread left one or two behind, with their stacks, for
-    good (a chat or vision model two, an embedding model one). The workers now run on
-    reused threads, so the count stays level."""
+    good (a chat or vision model two, an embedding model one): five rounds of the three
+    models left a dozen or more. The workers now run on reused threads, so the count
+    levels off; a few threads may still start in the first rounds measured, as pools
+    that start threads on demand up to their bound (asyncio's default executor, started
+    by whichever work overlaps) reach it, and then it stays level however many rounds
+    follow."""
     import base64
     import io
     import os
@@ -141,5 +145,5 @@ def test_models_loaded_and_unloaded_again_and_again_leave_no_threads_behind(
     before = settled()
     for _ in range(5):
         cycle()
-    grown = settled(at_most=before + 1) - before
-    assert grown <= 1, f"{grown} more threads after five loads and unloads of three models"
+    grown = settled(at_most=before + 4) - before
+    assert grown <= 4, f"{grown} more threads after five loads and unloads of three models"
