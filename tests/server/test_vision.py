@@ -382,6 +382,14 @@ def test_a_requests_images_are_counted_against_max_request_images(
     assert ollama.status_code == 400, ollama.text
     assert "max_request_images" in ollama.json()["error"]
     assert ollama.json()["error"].startswith(f"messages[0].images[{MAX_IMAGES}]")
+    generate = httpx.post(srv.url + "/api/generate", timeout=60, json={
+        "model": MODEL, "stream": False, "prompt": QUESTION, "images": [b64] * (MAX_IMAGES + 1)})
+    assert generate.status_code == 400, generate.text
+    assert generate.json()["error"].startswith(f"images[{MAX_IMAGES}]")
+    counted = httpx.post(srv.url + "/v1/messages/count_tokens", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": [block] * (MAX_IMAGES + 1)}]})
+    assert counted.status_code == 400, counted.text
+    assert "max_request_images" in counted.json()["error"]["message"]
 
 
 def test_vision_requests_in_flight_share_max_image_pixels_in_flight(
