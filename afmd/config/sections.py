@@ -90,6 +90,9 @@ class ModelsConfig:
     # decoded: a compressed file can be tiny beside its pixels, so a request's body limit
     # alone lets one request hold more pictures than memory.
     max_request_image_pixels: int = field(default=268435456, metadata=at_least(1))
+    # Image parts one request may have (OpenAI's own limit): each costs the processor a
+    # fixed amount whatever its pixels, which the pixel limits do not see.
+    max_request_images: int = field(default=500, metadata=at_least(1))
     # Pixels the vision requests in flight may hold decoded together (each is decoded when
     # it arrives, before it waits for a slot); one more is 429 while others hold images.
     max_image_pixels_in_flight: int = field(default=1073741824, metadata=at_least(1))

@@ -6,7 +6,8 @@ image Pillow reads in the formats the API accepts (PNG, JPEG, WebP, GIF) are
 ``invalid_image``; a picture larger than ``[models] max_image_pixels`` is
 ``image_too_large``, decided from the header before any pixel is decoded, because the
 decoded RGB array is what costs memory (three bytes a pixel, however small the file); so
-are a request's pictures past ``[models] max_request_image_pixels`` together. Time is
+are a request's pictures past ``[models] max_request_image_pixels`` together, and more
+than ``[models] max_request_images`` of them is ``too_many_images``. Time is
 bounded the same way: decoding is proportional to the pixels, except a progressive JPEG's,
 which passes over them once per scan, so a JPEG of more than :data:`MAX_JPEG_SCANS` is
 ``invalid_image`` too.
@@ -114,15 +115,30 @@ def media_type(data: bytes) -> str | None:
     return None
 
 
-def check_total(images: Sequence[ImageInput], max_total: int) -> Headers:
+def check_total(images: Sequence[ImageInput], max_total: int,
+                max_images: int | None = None) -> Headers:
     """The pixels ``images`` will take decoded, read from their headers before any is
     decoded, or the 400 for a request whose pictures together pass ``max_total``: the
     pictures of one request are held at once (the processor takes them together), so the
     per-image limit alone does not bound memory. An image whose header does not read
     counts nothing; :func:`decode` names it. The headers read are kept for :func:`decode`.
 
+    More than ``max_images`` is refused before any header is read: the processor scales
+    every picture up to its smallest input and keeps its patches and Python objects, a
+    fixed cost per image that no pixel count sees, so a body of one-pixel PNGs (a hundred
+    bytes each) cost hundreds of kilobytes of memory and a few milliseconds of a core per
+    byte-sized image, and was refused for its context only after all of it.
+
     Blocking: Pillow reads a header in Python, through whatever metadata comes before
     the pixels, so a body's worth of it takes seconds; call it off the event loop."""
+    if max_images is not None and len(images) > max_images:
+        raise InvalidRequestError(
+            f"This request has {len(images)} images; this server takes at most "
+            f"{max_images} in one request ([models] max_request_images), a conversation's "
+            "earlier turns included. Send fewer images.",
+            code="too_many_images",
+            param=images[max_images].param,
+        )
     headers = Headers()
     for image in images:
         header = read_header(image)

@@ -231,8 +231,9 @@ class ChatPipeline:
     async def _hold_pixels(self, request: ChatRequest | CompletionRequest,
                            model: LoadedModel) -> tuple[int, Headers | None]:
         """Count a vision request's image pixels as held, or refuse it: a 400 past
-        ``max_request_image_pixels``, a 429 past ``max_image_pixels_in_flight``; and the
-        headers read for it, which its first round decodes from (a file is opened once).
+        ``max_request_image_pixels`` or ``max_request_images``, a 429 past
+        ``max_image_pixels_in_flight``; and the headers read for it, which its first round
+        decodes from (a file is opened once).
 
         Its pictures are decoded as it is prepared, before it waits for a slot, and its
         processed image inputs kept until it ends (the pictures themselves are let go once
@@ -249,7 +250,8 @@ class ChatPipeline:
         headers = await image_pool.IMAGE_THREADS.run(
             image_decoding.check_total,
             [image for message in request.messages for image in message.images],
-            self.config.models.max_request_image_pixels)
+            self.config.models.max_request_image_pixels,
+            self.config.models.max_request_images)
         pixels = headers.pixels
         limit = self.config.models.max_image_pixels_in_flight
         if self._pixels_held and self._pixels_held + pixels > limit:

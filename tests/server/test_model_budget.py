@@ -179,6 +179,32 @@ def test_a_model_in_steady_use_gives_way_to_a_request_for_another_that_came_firs
         assert server.stop() == 0
 
 
+def test_loads_waiting_for_room_take_it_in_turn(tmp_path: Path) -> None:
+    """``max_loaded = 1``, three requests for each of four models at once. A load that
+    unloaded an idle model for its room found the room taken, before it woke, by a load
+    asked for after it, and then unloaded that one as soon as it was loaded, before its
+    requests could hold it: the twelve requests took about sixty loads, each a model read
+    from disk. Now the loads take the room in the order they were asked for, and each
+    model's requests are served by one load of it (or a few, as requests arrive)."""
+    server = start_server(tmp_path, config="[models]\nmax_loaded = 1\n")
+
+    def ask(model: str) -> httpx.Response:
+        if model == "demo-embedding":
+            return httpx.post(server.url + "/api/embed", timeout=60,
+                              json={"model": model, "input": "hi"})
+        return chat(server, model, max_tokens=50)
+
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(ask, ["demo", "demo-32k", "demo-vision",
+                                          "demo-embedding"] * 3))
+        assert [r.status_code for r in answers] == [200] * 12, [r.text for r in answers]
+        loads = server.log_text().count("model loaded: ")
+        assert loads <= 8, loads
+    finally:
+        assert server.stop() == 0
+
+
 def test_budget_too_large_model_keep_alive_and_preload(tmp_path: Path) -> None:
     """A 10 MB budget: demo-32k (16.7 MB of weights) is refused before loading, naming both
     sizes; the small models come and go by their keep-alive: the server's (1 s), a

@@ -36,6 +36,7 @@ MODEL = "demo-vision"
 QUESTION = "What is in the picture?"
 MAX_PIXELS = 112 * 112  # the server's [models] max_image_pixels below
 MAX_REQUEST_PIXELS = 3 * MAX_PIXELS  # and its max_request_image_pixels
+MAX_IMAGES = 8  # and its max_request_images
 CHAT = "/v1/chat/completions"
 
 
@@ -93,6 +94,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory, vision_folder: Path
     config = (
         f'[models]\ndefault = "{MODEL}"\nmax_image_pixels = {MAX_PIXELS}\n'
         f'max_request_image_pixels = {MAX_REQUEST_PIXELS}\n'
+        f'max_request_images = {MAX_IMAGES}\n'
         f'max_image_pixels_in_flight = {MAX_REQUEST_PIXELS}\n'
         # The same folder with no kind: detected as a vision model from its config.json.
         f'[[models.model]]\nid = "vision-auto"\npath = "{vision_folder}"\n'
@@ -336,6 +338,60 @@ def test_a_requests_images_together_stay_under_max_request_image_pixels(
     assert ollama.status_code == 400 and "max_request_image_pixels" in ollama.json()["error"]
 
 
+def test_a_requests_images_are_counted_against_max_request_images(
+        srv: ServerProcess) -> None:
+    """One-pixel pictures pass every pixel limit, but the processor scales each up to its
+    smallest input: ten thousand of them (1.6 MB of body) took the server past 2 GB for a
+    400 about the context. One past the count is refused before any is read, naming it,
+    in every dialect, and an earlier turn's images count."""
+    dot = encoded(solid((200, 10, 10), (1, 1)))
+    b64 = base64.b64encode(dot).decode()
+    url = data_url(dot)
+    image = {"type": "image_url", "image_url": {"url": url}}
+    ok = post(srv, {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": QUESTION}] + [image] * MAX_IMAGES}]})
+    assert ok.status_code == 200, ok.text
+    r = post(srv, {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": QUESTION}]
+         + [image] * (MAX_IMAGES + 1)}]})
+    error = assert_error(r, "too_many_images", f"messages[0].content[{MAX_IMAGES + 1}].image_url")
+    validate_error(r.json())
+    assert "max_request_images" in error["message"]
+    history = post(srv, {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": [image] * MAX_IMAGES},
+        {"role": "assistant", "content": "dots"},
+        {"role": "user", "content": parts(url)}]})
+    assert_error(history, "too_many_images", "messages[2].content[1].image_url")
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": b64}}
+    messages = httpx.post(srv.url + "/v1/messages", timeout=60, json={
+        "model": MODEL, "max_tokens": 1,
+        "messages": [{"role": "user", "content": [block] * (MAX_IMAGES + 1)}]})
+    assert messages.status_code == 400, messages.text
+    assert messages.json()["error"]["message"].startswith(
+        f"messages[0].content[{MAX_IMAGES}].source")
+    responses = httpx.post(srv.url + "/v1/responses", timeout=60, json={
+        "model": MODEL, "max_output_tokens": 16, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": url}] * (MAX_IMAGES + 1)}]})
+    assert responses.status_code == 400, responses.text
+    assert (responses.json()["error"]["code"], responses.json()["error"]["param"]) == (
+        "too_many_images", f"input[0].content[{MAX_IMAGES}].image_url")
+    ollama = httpx.post(srv.url + "/api/chat", timeout=60, json={
+        "model": MODEL, "stream": False,
+        "messages": [{"role": "user", "content": QUESTION, "images": [b64] * (MAX_IMAGES + 1)}]})
+    assert ollama.status_code == 400, ollama.text
+    assert "max_request_images" in ollama.json()["error"]
+    assert ollama.json()["error"].startswith(f"messages[0].images[{MAX_IMAGES}]")
+    generate = httpx.post(srv.url + "/api/generate", timeout=60, json={
+        "model": MODEL, "stream": False, "prompt": QUESTION, "images": [b64] * (MAX_IMAGES + 1)})
+    assert generate.status_code == 400, generate.text
+    assert generate.json()["error"].startswith(f"images[{MAX_IMAGES}]")
+    counted = httpx.post(srv.url + "/v1/messages/count_tokens", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": [block] * (MAX_IMAGES + 1)}]})
+    assert counted.status_code == 400, counted.text
+    assert "max_request_images" in counted.json()["error"]["message"]
+
+
 def test_vision_requests_in_flight_share_max_image_pixels_in_flight(
         srv: ServerProcess) -> None:
     """A request's pictures are decoded when it arrives, before it queues, and counted
@@ -381,6 +437,9 @@ def test_the_request_total_is_read_from_headers_before_decoding() -> None:
         images.check_total(parts_, 2 * 10**10 - 1)  # only headers: nothing to decode
     assert (caught.value.code, caught.value.param) == ("image_too_large", "p1")
     images.check_total(parts_, 2 * 10**10)
+    with pytest.raises(InvalidRequestError) as many:
+        images.check_total(parts_, 2 * 10**10, max_images=1)
+    assert (many.value.code, many.value.param) == ("too_many_images", "p1")
     images.check_total([ImageInput(b"not an image", "bad", 0)], 1)  # decode() names it
 
 

@@ -301,6 +301,8 @@ class Residency:
         self._reserved: dict[str, int] = {}  # loads under way: bytes their weights will take
         #: Loads waiting for room: their sizes, and whether they may unload idle models.
         self._wanted: dict[str, tuple[int, bool]] = {}
+        #: Per load waiting for room: when it was asked for (see :meth:`_behind`).
+        self._wanted_since: dict[str, float] = {}
         #: Per load waiting for room: since when, and the busy models it waits for. They
         #: take no request that came after that (see :meth:`held_for`).
         self._claims: dict[str, tuple[float, frozenset[str]]] = {}
@@ -434,8 +436,15 @@ class Residency:
         self._wanted[model_id] = (size, evict)
         if since is None:
             since = time.monotonic()
+        self._wanted_since[model_id] = since
         try:
             while True:
+                if self._behind(model_id, since):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise self._unavailable(model_id, size)
+                    await self._changes.wait(remaining)
+                    continue
                 victims = self._victims(size)
                 if victims == []:
                     self._reserved[model_id] = size
@@ -452,7 +461,25 @@ class Residency:
                 await self._changes.wait(remaining)
         finally:
             del self._wanted[model_id]
+            del self._wanted_since[model_id]
             self.drop_claim(model_id)
+            self._changes.pulse()  # a load behind this one goes on
+
+    def _behind(self, model_id: str, since: float) -> bool:
+        """Whether a load asked for before this one waits for room it could take now (the
+        room is there, or idle models it may unload): this one waits its turn. Without
+        the order, a load whose unload had just freed the room found it taken, in the
+        moment before it woke, by a later load, whose model it then unloaded as soon as
+        it was idle, before its requests could hold it: with ``max_loaded = 1`` and
+        requests for four models at once, a dozen requests took sixty loads."""
+        for other, asked in self._wanted_since.items():
+            if other == model_id or asked >= since:
+                continue
+            size, evict = self._wanted[other]
+            victims = self._victims(size)
+            if victims == [] or (victims and evict):
+                return True
+        return False
 
     def expect(self, model_id: str, since: float) -> None:
         """A load of ``model_id`` was asked for at ``since`` and is reading its size:
