@@ -13,14 +13,16 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from helpers.openai_schemas import validate_chunk, validate_error, validate_response
 from helpers.servers import ServerProcess
+
+T = TypeVar("T")
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -178,3 +180,52 @@ def vm_rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
+
+
+def grown_mib_while(pid: int, call: Callable[[], T]) -> tuple[T, float]:
+    """What ``call`` returns and how far above where it was the RSS of process ``pid``
+    rose while it ran, in MiB (sampled every few milliseconds: a peak the process gives
+    back before the call returns still counts)."""
+    before = vm_rss_kib(pid)
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            peak.append(vm_rss_kib(pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = call()
+    finally:
+        done.set()
+        sampler.join(5)
+    return result, (max(peak) - before) / 1024
+
+
+class Running:
+    """A request sent on a thread of its own: :meth:`under_way` returns once the server
+    counts it as running, :meth:`answer` waits for its answer."""
+
+    def __init__(self, base_url: str, call: Callable[[], httpx.Response]) -> None:
+        self._base_url = base_url
+        self._answers: list[httpx.Response] = []
+        self._thread = threading.Thread(target=lambda: self._answers.append(call()))
+        self._thread.start()
+
+    def under_way(self, settle: float = 0.3) -> Running:
+        """Once ``/health`` counts a running request (or this one was answered), and
+        ``settle`` seconds more: a long prompt is then into its first chunks."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not self._answers:
+            if httpx.get(self._base_url + "/health", timeout=10).json()["active_requests"]:
+                break
+            time.sleep(0.05)
+        time.sleep(settle)
+        return self
+
+    def answer(self, timeout: float = 300) -> httpx.Response:
+        self._thread.join(timeout)
+        assert self._answers, f"no answer within {timeout} s"
+        return self._answers[0]

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import time
 import uuid
 from typing import Any
 
@@ -18,6 +16,7 @@ import pytest
 
 from conftest import ServerProcess
 from helpers.anthropic_cases import MESSAGES, NO_THINKING, SCHEMAS, THINKS, TOOLS
+from helpers.smoke import Running
 
 ALIAS = "gpt-4o-mini"  # the shared server's alias of demo (Claude Code's names work alike)
 TOOL_USE_ID = re.compile(r"^toolu_[A-Za-z0-9]{24}$")
@@ -464,26 +463,14 @@ def test_a_warm_up_runs_beside_the_batch_and_ends_on_cancel(
     ``max_tokens`` seconds after the client had given up on it."""
     rid = f"warm-{uuid.uuid4()}"
     long = f"{uuid.uuid4()} " + "the weather in Rome is mild today. " * 1500
-    done: dict[str, Any] = {}
-
-    def warm() -> None:
-        done["warm"] = httpx.post(
-            f"{server.url}/v1/messages", timeout=120,
-            headers={"anthropic-version": "2023-06-01", "x-request-id": rid},
-            json={"model": "demo", "max_tokens": 0,
-                  "messages": [{"role": "user", "content": long}]})
-
-    thread = threading.Thread(target=warm)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and "warm" not in done:
-        if httpx.get(f"{server.url}/health").json()["active_requests"]:
-            break
-        time.sleep(0.05)
-    time.sleep(0.3)  # into its first chunks
+    warming = Running(server.url, lambda: httpx.post(
+        f"{server.url}/v1/messages", timeout=120,
+        headers={"anthropic-version": "2023-06-01", "x-request-id": rid},
+        json={"model": "demo", "max_tokens": 0,
+              "messages": [{"role": "user", "content": long}]})).under_way()
     beside = create(claude, max_tokens=2)
     assert beside.usage.output_tokens == 2
     cancelled = httpx.post(f"{server.url}/v1/chat/completions/{rid}/cancel")
-    thread.join(120)
+    answer = warming.answer(120)
     assert cancelled.json()["cancelled"] is True, "the warm-up ended before its cancel"
-    assert done["warm"].json()["stop_reason"] == "cancelled"
+    assert answer.json()["stop_reason"] == "cancelled"

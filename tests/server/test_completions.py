@@ -34,6 +34,7 @@ from conftest import ServerProcess, parse_sse, start_server
 from helpers.numerics import LOGPROB_TOLERANCE, greedy
 from helpers.openai_schemas import _allow_nullable, validate_error
 from helpers.paths import TESTS_DIR
+from helpers.smoke import Running
 
 COMPLETIONS = "/v1/completions"
 _SCHEMAS = TESTS_DIR / "data" / "openai-completions-schemas.json"
@@ -552,21 +553,9 @@ def test_a_scored_prompt_runs_beside_the_batch_and_ends_on_cancel(
     in turns with other prompts being scored."""
     rid = f"cmpl-score-{time.monotonic_ns()}"
     long = f"{rid} " + "the weather in Rome is mild today. " * 1500
-    done: dict[str, Any] = {}
-
-    def score() -> None:
-        done["score"] = httpx.post(
-            f"{server.url}{COMPLETIONS}", timeout=300, headers={"X-Request-ID": rid},
-            json={"prompt": long, "echo": True, "logprobs": 5, "max_tokens": 0})
-
-    thread = threading.Thread(target=score)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and "score" not in done:
-        if httpx.get(f"{server.url}/health").json()["active_requests"]:
-            break
-        time.sleep(0.05)
-    time.sleep(0.3)  # into its first chunks
+    scoring = Running(server.url, lambda: httpx.post(
+        f"{server.url}{COMPLETIONS}", timeout=300, headers={"X-Request-ID": rid},
+        json={"prompt": long, "echo": True, "logprobs": 5, "max_tokens": 0})).under_way()
     beside = httpx.post(f"{server.url}{COMPLETIONS}", timeout=120,
                         json={"prompt": "a", "max_tokens": 2, "temperature": 0})
     assert beside.json()["usage"]["completion_tokens"] == 2, beside.text
@@ -576,10 +565,10 @@ def test_a_scored_prompt_runs_beside_the_batch_and_ends_on_cancel(
     assert short.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None, short.text
     cancelled = httpx.post(f"{server.url}{COMPLETIONS}/{rid}/cancel", timeout=10)
     asked = time.monotonic()
-    thread.join(300)
+    answer = scoring.answer()
     assert cancelled.json()["cancelled"] is True, "the scoring ended before its cancel"
     assert time.monotonic() - asked < 30
-    choice = done["score"].json()["choices"][0]
+    choice = answer.json()["choices"][0]
     assert choice["finish_reason"] == "cancelled", choice
 
 

@@ -10,7 +10,6 @@ which owns the stores, and their answers and errors reach the parse on its threa
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 
 from conftest import ServerProcess, start_server
 from helpers.loop_watch import worst_health_while
-from helpers.smoke import vm_rss_kib
+from helpers.smoke import grown_mib_while
 
 #: A user turn and the assistant's, as each dialect writes them.
 TURNS: dict[str, list[dict[str, Any]]] = {
@@ -158,24 +157,9 @@ def _grown_mib(server: ServerProcess, path: str, body: dict[str, Any],
                ) -> tuple[httpx.Response, float]:
     """The answer to ``body`` and how far above where it was the server's RSS rose while
     it was answered, in MiB."""
-    pid = server.proc.pid
-    before = vm_rss_kib(pid)
-    peak = [before]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.005):
-            peak.append(vm_rss_kib(pid))
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        response = httpx.post(server.url + path, content=orjson.dumps(body), timeout=120,
-                              headers={"Content-Type": "application/json"})
-    finally:
-        done.set()
-        sampler.join(5)
-    return response, (max(peak) - before) / 1024
+    return grown_mib_while(server.proc.pid, lambda: httpx.post(
+        server.url + path, content=orjson.dumps(body), timeout=120,
+        headers={"Content-Type": "application/json"}))
 
 
 def test_a_text_to_embed_far_past_the_context_is_not_encoded_whole(

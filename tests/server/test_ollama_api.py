@@ -39,7 +39,7 @@ from afmd.ports import free_ports
 from conftest import ServerProcess, start_server
 from helpers.format_models import FormatModels
 from helpers.hub import FakeHub
-from helpers.smoke import vm_rss_kib
+from helpers.smoke import grown_mib_while
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Name three colours."}]
@@ -1076,24 +1076,8 @@ def test_a_listing_without_end_fails_the_pull_and_the_server_stays_up(
     server, hub = hub_server
     hub.add_folder(ENDLESS, demo.materialize("demo"))
     hub.listing_without_end(ENDLESS)
-    pid = server.proc.pid
-    before = vm_rss_kib(pid)
-    peak = [before]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.005):
-            peak.append(vm_rss_kib(pid))
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        answer = httpx.post(server.url + "/api/pull", json={"model": ENDLESS, "stream": False},
-                            timeout=60)
-    finally:
-        done.set()
-        sampler.join(5)
-    grown_mib = (max(peak) - before) / 1024
+    answer, grown_mib = grown_mib_while(server.proc.pid, lambda: httpx.post(
+        server.url + "/api/pull", json={"model": ENDLESS, "stream": False}, timeout=60))
     assert grown_mib < LISTING_CAP / (1 << 20) * 3, grown_mib
     assert answer.status_code == 500, answer.text  # Ollama's status for a failed pull
     error = answer.json()["error"]

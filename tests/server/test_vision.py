@@ -31,6 +31,7 @@ from afmd.errors import InvalidRequestError
 
 from conftest import ServerProcess, parse_sse, start_server
 from helpers.openai_schemas import validate_error
+from helpers.smoke import Running
 
 MODEL = "demo-vision"
 QUESTION = "What is in the picture?"
@@ -646,20 +647,12 @@ def test_a_scored_prompt_is_run_in_chunks_with_mlx_vlm_s_numbers(
 
         # A cancel by its X-Request-ID ends the scoring between two chunks.
         rid = f"vision-score-{time.monotonic_ns()}"
-        done: dict[str, httpx.Response] = {}
-        thread = threading.Thread(target=lambda: done.setdefault("r", httpx.post(
+        scoring = Running(srv.url, lambda: httpx.post(
             srv.url + "/v1/completions", timeout=300, headers={"X-Request-ID": rid},
-            json={"prompt": long, "echo": True, "logprobs": 1, "max_tokens": 0})))
-        thread.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and "r" not in done:
-            if httpx.get(srv.url + "/health").json()["active_requests"]:
-                break
-            time.sleep(0.05)
-        time.sleep(0.3)  # into its first chunks
+            json={"prompt": long, "echo": True, "logprobs": 1, "max_tokens": 0})).under_way()
         cancelled = httpx.post(f"{srv.url}/v1/completions/{rid}/cancel", timeout=10)
-        thread.join(300)
+        answer = scoring.answer()
         assert cancelled.json()["cancelled"] is True, "the scoring ended before its cancel"
-        assert done["r"].json()["choices"][0]["finish_reason"] == "cancelled", done["r"].text
+        assert answer.json()["choices"][0]["finish_reason"] == "cancelled", answer.text
     finally:
         srv.stop()
