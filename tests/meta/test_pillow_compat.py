@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import io
 import re
-from typing import Any
 
-import numpy as np
 import pytest
 from PIL import Image
 
 from afmd.service import images, pillow_compat
 
 from helpers.paths import REPO_ROOT
+from helpers.pictures import encoded, noise
+
+#: The size of the cases' pictures (they were written with it).
+SIZE = (40, 24)
 
 
 def test_upstream_is_what_compat_was_written_against() -> None:
@@ -39,15 +41,6 @@ def test_no_other_module_reaches_into_pillow_plugins() -> None:
     assert users == ["afmd/service/pillow_compat.py"]
 
 
-def encoded(picture: Image.Image, fmt: str, **options: Any) -> bytes:
-    buf = io.BytesIO()
-    picture.save(buf, fmt, **options)
-    return buf.getvalue()
-
-
-def noise(seed: int, size: tuple[int, int] = (40, 24)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
 
 
 def first_scan_by_walking(data: bytes) -> int:
@@ -77,22 +70,22 @@ def progressive(extra_scans: int) -> bytes:
     return data[:-2] + data[last:-2] * extra_scans + data[-2:]
 
 
-BASE = encoded(noise(1), "JPEG")
+BASE = encoded(noise(1, SIZE), "JPEG")
 
 JPEGS = {
     "baseline": BASE,
-    "progressive": encoded(noise(2), "JPEG", progressive=True),
+    "progressive": encoded(noise(2, SIZE), "JPEG", progressive=True),
     "many scans": progressive(150),
-    "cmyk": encoded(noise(3).convert("CMYK"), "JPEG"),
-    "grey, restarts": encoded(noise(4).convert("L"), "JPEG", restart_marker_blocks=1),
-    "exif, icc": encoded(noise(5), "JPEG", exif=turned(),
+    "cmyk": encoded(noise(3, SIZE).convert("CMYK"), "JPEG"),
+    "grey, restarts": encoded(noise(4, SIZE).convert("L"), "JPEG", restart_marker_blocks=1),
+    "exif, icc": encoded(noise(5, SIZE), "JPEG", exif=turned(),
                          icc_profile=b"\0" * 300),
     "empty segments": BASE[:2] + b"\xff\xe5\x00\x02" * 5000 + BASE[2:],
     "comments": BASE[:2] + b"\xff\xfe\x00\x05abc" * 50 + BASE[2:],
     # between segments: junk, fill bytes, a stuffed zero, a restart marker
     "junk and fill": BASE[:2] + b"\xff\xe5\x00\x02" + b"junk\xff\x00\xff\xff\xff\xd3zz"
     + BASE[2:],
-    "mpo": encoded(noise(6), "MPO", save_all=True, append_images=[noise(7)]),
+    "mpo": encoded(noise(6, SIZE), "MPO", save_all=True, append_images=[noise(7, SIZE)]),
 }
 
 
@@ -107,7 +100,7 @@ def test_the_first_scan_is_where_the_guard_would_find_it(name: str) -> None:
 
 
 def test_other_formats_have_no_first_scan() -> None:
-    with Image.open(io.BytesIO(encoded(noise(1), "PNG"))) as picture:
+    with Image.open(io.BytesIO(encoded(noise(1, SIZE), "PNG"))) as picture:
         assert pillow_compat.first_scan_end(picture) is None
 
 

@@ -31,6 +31,7 @@ from afmd.errors import InvalidRequestError
 
 from conftest import ServerProcess, parse_sse, start_server
 from helpers.openai_schemas import validate_error
+from helpers.pictures import encoded, noise
 from helpers.smoke import Running
 
 MODEL = "demo-vision"
@@ -44,19 +45,10 @@ CHAT = "/v1/chat/completions"
 # -- pictures ----------------------------------------------------------------------------
 
 
-def noise(seed: int, size: tuple[int, int] = (64, 64)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
-
 
 def solid(color: tuple[int, int, int], size: tuple[int, int] = (64, 64)) -> Image.Image:
     return Image.new("RGB", size, color)
 
-
-def encoded(picture: Image.Image, fmt: str = "PNG", **options: Any) -> bytes:
-    buf = io.BytesIO()
-    picture.save(buf, fmt, **options)
-    return buf.getvalue()
 
 
 def data_url(data: bytes, media: str = "image/png") -> str:

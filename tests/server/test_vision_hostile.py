@@ -22,21 +22,13 @@ from PIL import Image
 
 from conftest import ServerProcess, start_server
 from helpers.loop_watch import worst_health_while
+from helpers.pictures import encoded, noise
 from helpers.smoke import vm_rss_kib
 
 MODEL = "demo-vision"
 CHAT = "/v1/chat/completions"
 
 
-def noise(seed: int, size: tuple[int, int] = (64, 64)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
-
-
-def encoded(picture: Image.Image, fmt: str = "PNG", **options: Any) -> bytes:
-    buf = io.BytesIO()
-    picture.save(buf, fmt, **options)
-    return buf.getvalue()
 
 
 def b64(data: bytes) -> str:

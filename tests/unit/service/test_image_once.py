@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import re
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import orjson
 import pytest
 from PIL import Image
@@ -29,6 +27,10 @@ from afmd.service.pipeline import ChatPipeline
 from afmd.service.scheduler import Scheduler
 
 from helpers.one_model import SharedRegistry, loaded
+from helpers.pictures import encoded, noise
+
+#: The size of these tests' pictures (they were written with it).
+SIZE = (32, 32)
 
 #: Empty segments before the frame: each is a step of any walk that reads them.
 SEGMENTS = 20_000
@@ -39,19 +41,10 @@ def vision_model() -> Iterator[LoadedModel]:
     yield from loaded("demo-vision")
 
 
-def encoded(picture: Image.Image, fmt: str, **options: Any) -> bytes:
-    buf = io.BytesIO()
-    picture.save(buf, fmt, **options)
-    return buf.getvalue()
-
-
-def noise(seed: int, size: tuple[int, int] = (32, 32)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
 
 
 def padded_jpeg(**options: Any) -> bytes:
-    good = encoded(noise(1), "JPEG", **options)
+    good = encoded(noise(1, SIZE), "JPEG", **options)
     return good[:2] + b"\xff\xe5\x00\x02" * SEGMENTS + good[2:]
 
 
@@ -111,7 +104,7 @@ def test_each_image_is_opened_and_walked_once(vision_model: LoadedModel,
                                               markers: CountingMarkers,
                                               options: dict[str, Any]) -> None:
     jpeg = padded_jpeg(**options)
-    png = encoded(noise(2), "PNG")
+    png = encoded(noise(2, SIZE), "PNG")
     prepare(vision_model, (jpeg, "image/jpeg"), (png, "image/png"))
     assert opens == {jpeg: 1, png: 1}
     # The scan guard went on from the open's first scan: the segments before it are
