@@ -170,25 +170,29 @@ class MessageReply:
         }
 
     def body(self, events: Sequence[Event]) -> bytes:
+        # A text or thinking block's pieces are joined once at the end: added to its
+        # string one by one, the block was copied again at every token.
         content: list[dict[str, Any]] = []
+        pieces: list[list[str]] = []  # per block of text or thinking: its pieces
         usage = Usage(0, 0)
         finish = Finish("stop")
         refused = False
         for event in events:
-            last = content[-1] if content else None
+            last = content[-1]["type"] if content else None
             if isinstance(event, Reasoning):
-                if last is not None and last["type"] == "thinking":
-                    last["thinking"] += event.text
+                if last == "thinking":
+                    pieces[-1].append(event.text)
                 else:
-                    content.append({"type": "thinking", "thinking": event.text,
-                                    "signature": ""})
+                    content.append({"type": "thinking", "thinking": "", "signature": ""})
+                    pieces.append([event.text])
             elif isinstance(event, Content | Refusal):
                 if isinstance(event, Refusal):
                     refused = True
-                if last is not None and last["type"] == "text":
-                    last["text"] += event.text
+                if last == "text":
+                    pieces[-1].append(event.text)
                 else:
-                    content.append({"type": "text", "text": event.text})
+                    content.append({"type": "text", "text": ""})
+                    pieces.append([event.text])
             elif isinstance(event, ToolCallEnd):
                 call = event.call
                 content.append({"type": "tool_use", "id": tool_use_id(call.id),
@@ -197,6 +201,10 @@ class MessageReply:
                 finish = event
             elif isinstance(event, Usage):
                 usage = event
+        texts = iter(pieces)
+        for block in content:
+            if block["type"] != "tool_use":
+                block[block["type"]] = "".join(next(texts))
         stop = ("refusal", None) if refused else stop_reason(finish, usage, self.max_tokens)
         return orjson.dumps(self._message(content, usage, stop))
 

@@ -92,14 +92,17 @@ def embeddings_request(body: dict[str, Any], *, strict: bool = False) -> Embeddi
 
 
 def embed_body(result: Embeddings | None, model: str, *, total: float, load: float) -> bytes:
+    """Each vector is encoded by a call of its own, as in ``/v1/embeddings``' answer
+    (afmd.dialects.openai.embeddings): a thread building a large one lets the loop in."""
     vectors = result.vectors if result is not None else []
-    return orjson.dumps({
-        "model": model,
-        "embeddings": vectors,
+    rest = orjson.dumps({
         "total_duration": max(0, round(total * 1e9)),
         "load_duration": max(0, round(load * 1e9)),
         "prompt_eval_count": result.prompt_tokens if result is not None else 0,
-    }, option=orjson.OPT_SERIALIZE_NUMPY)
+    })
+    listed = b",".join(orjson.dumps(v, option=orjson.OPT_SERIALIZE_NUMPY) for v in vectors)
+    return b"".join((b'{"model":', orjson.dumps(model), b',"embeddings":[', listed, b"],",
+                     rest[1:]))
 
 
 def embeddings_body(result: Embeddings | None) -> bytes:

@@ -113,27 +113,25 @@ def parse_embedding_request(body: dict[str, Any], *, strict: bool = False) -> Em
 
 
 def encode_response(result: Embeddings, request: EmbeddingRequest) -> bytes:
-    """The ``list`` object, vectors encoded as the request asked."""
+    """The ``list`` object, vectors encoded as the request asked. Each vector is encoded
+    by a call of its own: orjson holds the interpreter for a whole call, and a body of
+    many long vectors built on a thread (afmd.http.routes.large_bodies) lets the event
+    loop in between them."""
     vectors = result.vectors
-    data: list[dict[str, Any]] = []
+    items: list[bytes] = []
     if request.encoding_format == "base64":
         raw = vectors.astype("<f4", copy=False)
         for i in range(len(raw)):
             text = base64.b64encode(raw[i].tobytes()).decode("ascii")
-            data.append({"object": "embedding", "index": i, "embedding": text})
+            items.append(orjson.dumps({"object": "embedding", "index": i, "embedding": text}))
     else:
         for i in range(len(vectors)):
-            data.append({"object": "embedding", "index": i, "embedding": vectors[i]})
-    return orjson.dumps(
-        {
-            "object": "list",
-            "data": data,
-            "model": result.model,
-            "usage": {"prompt_tokens": result.prompt_tokens,
-                      "total_tokens": result.prompt_tokens},
-        },
-        option=orjson.OPT_SERIALIZE_NUMPY,
-    )
+            items.append(orjson.dumps({"object": "embedding", "index": i,
+                                       "embedding": vectors[i]},
+                                      option=orjson.OPT_SERIALIZE_NUMPY))
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    return b"".join((b'{"object":"list","data":[', b",".join(items), b'],"model":',
+                     orjson.dumps(result.model), b',"usage":', orjson.dumps(usage), b"}"))
 
 
 class OpenAIEmbeddings:

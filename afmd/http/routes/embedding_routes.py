@@ -18,7 +18,7 @@ from afmd.dialects.openai.embeddings import OPENAI_EMBEDDINGS, OpenAIEmbeddings
 from afmd.errors import APIError, NotFoundError
 from afmd.http.routes.handlers import json_response, request_id_of
 from afmd.http.routes.ignored import ignored_headers
-from afmd.http.routes.large_bodies import parse_body
+from afmd.http.routes.large_bodies import built_off_loop, parse_body
 from afmd.service.embedding_pipeline import EmbeddingService
 
 
@@ -66,8 +66,10 @@ async def embeddings(request: Request) -> HTTPResponse:
     result = await service_of(request.app).embed(parsed, request_id)
     request.ctx.model = result.model
     request.ctx.usage = Usage(result.prompt_tokens, 0)
+    body = await built_off_loop(lambda: dialect.body(result, parsed),
+                                weight=result.vectors.size)
     return HTTPResponse(
-        dialect.body(result, parsed),
+        body,
         headers={"X-Request-ID": request_id, "OpenAI-Request-ID": request_id, **extra},
         content_type="application/json",
     )

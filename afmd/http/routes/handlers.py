@@ -32,7 +32,7 @@ from afmd.http.access import log_access, note_error
 from afmd.http.app_state import AppState
 from afmd.http.routes.event_stream import STALL_GRACE, EventStream, Stalled
 from afmd.http.routes.ignored import ignored_headers
-from afmd.http.routes.large_bodies import parse_body
+from afmd.http.routes.large_bodies import answer_body, parse_body
 from afmd.http.sansio.screen import REQUEST_ID
 from afmd.service.chat_run import ChatRun, PreparedChat
 from afmd.service.choices import ChoicesRun
@@ -277,7 +277,8 @@ async def _complete(
     while not run.finished:
         events += await _next_batch(state, run, batches)
     _note_end(request, run, reply)
-    return HTTPResponse(reply.body(events), headers=response_headers(run.prepared, extra),
+    return HTTPResponse(await answer_body(reply, events),
+                        headers=response_headers(run.prepared, extra),
                         content_type="application/json")
 
 

@@ -65,7 +65,7 @@ from afmd.http.routes import handlers as routes
 from afmd.http.routes import ollama_models
 from afmd.http.routes.embedding_routes import service_of
 from afmd.http.routes.ignored import ignored_headers
-from afmd.http.routes.large_bodies import parse_body
+from afmd.http.routes.large_bodies import built_off_loop, parse_body
 from afmd.hub import cache as hubcache
 from afmd.hub.server_pulls import PULLING
 from afmd.logs import get_logger
@@ -274,8 +274,10 @@ async def _embed(request: Request, *, legacy: bool) -> HTTPResponse:
         return HTTPResponse(embeddings_body(result), headers=headers,
                             content_type="application/json")
     total = time.perf_counter() - started
-    return HTTPResponse(embed_body(result, parsed.model or entry.id, total=total, load=load),
-                        headers=headers, content_type="application/json")
+    body = await built_off_loop(
+        lambda: embed_body(result, parsed.model or entry.id, total=total, load=load),
+        weight=result.vectors.size if result is not None else 0)
+    return HTTPResponse(body, headers=headers, content_type="application/json")
 
 
 # ---------------------------------------------------------------------------- models
