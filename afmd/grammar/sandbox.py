@@ -17,7 +17,10 @@ it: the worker imports neither transformers nor MLX), and answers ``(is_error,
 messages)`` as ``LLMatcher.validate_grammar_with_warnings`` does, having also built the
 matcher (where the lexer's automata are made: the costly part). One compile at a
 time: compiles take milliseconds and results are cached by text
-(:mod:`afmd.grammar.compiler`).
+(:mod:`afmd.grammar.compiler`). A large schema's can take seconds, and requests bringing
+new ones wait for each other; one waits no longer than its deadline
+(:data:`COMPILE_DEADLINE`), so a request answered 504 meanwhile never keeps the worker
+busy after it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -46,6 +51,18 @@ COMPILE_TIMEOUT_S = 10.0
 #: Longest the worker may take to build a model's tokenizer (a 151k vocabulary's is the
 #: slow case) or to start.
 SETUP_TIMEOUT_S = 120.0
+
+
+#: The deadline (``time.monotonic()``) of the request a thread compiles for, if any. The
+#: compile is reached deep inside a round's build, on the thread the build runs on, which
+#: runs in the request's context (afmd.service.round_builder sets it there).
+COMPILE_DEADLINE: ContextVar[float | None] = ContextVar("afmd_compile_deadline",
+                                                        default=None)
+
+
+class CompileAbandoned(Exception):
+    """The request's deadline passed while its compile waited for the worker: it was not
+    compiled (and has no verdict)."""
 
 
 class CompileFailed(Exception):
@@ -140,8 +157,15 @@ class CompileWorker:
     def validate(self, grammar: str, key: int | None,
                  source: TokenizerSource | None) -> tuple[bool, tuple[str, ...]]:
         """``validate_grammar_with_warnings`` in the worker; :class:`CompileFailed` if the
-        worker dies or overruns on it."""
-        with self._lock:
+        worker dies or overruns on it, :class:`CompileAbandoned` if the request's deadline
+        (:data:`COMPILE_DEADLINE`) passes while it waits for the worker. A compile that
+        began runs to its end, past the deadline too: its verdict is kept for the text."""
+        deadline = COMPILE_DEADLINE.get()
+        wait = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+        if not self._lock.acquire(timeout=wait):
+            raise CompileAbandoned("the request's deadline passed while it waited for the "
+                                   "grammar compiler")
+        try:
             conn = self._connection()
             self._send_forgotten(conn)
             if key is not None and key not in self._known:
@@ -157,6 +181,8 @@ class CompileWorker:
                                    "compiling the grammar")
             is_error, messages = reply
             return bool(is_error), tuple(messages)
+        finally:
+            self._lock.release()
 
     def forget(self, key: int) -> None:
         """The server freed the tokenizer known by ``key``: the worker drops its copy at the
@@ -265,5 +291,5 @@ def compile_worker() -> CompileWorker:
     return _worker
 
 
-__all__ = ["COMPILE_TIMEOUT_S", "CompileFailed", "CompileWorker", "TokenizerSource",
-           "compile_worker"]
+__all__ = ["COMPILE_DEADLINE", "COMPILE_TIMEOUT_S", "CompileAbandoned", "CompileFailed",
+           "CompileWorker", "TokenizerSource", "compile_worker"]

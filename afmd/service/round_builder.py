@@ -6,7 +6,9 @@ fitted into the context window before any prefill (trimming the oldest turns whe
 context policy allows it, for the request's first round only), and planned (grammar,
 output parsing). All of it is CPU work that must not stall the event loop, so a round is
 built in one worker-thread hop: on the image threads (:mod:`afmd.service.image_pool`)
-when a vision model decodes the request's images, else on asyncio's default executor.
+when a vision model decodes the request's images, on the grammar threads
+(:mod:`afmd.service.grammar_pool`) when it may compile a grammar, else on asyncio's
+default executor.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from afmd.engine.apple.conversation import SystemTurn, system_turn
 from afmd.engine.models.loaded_model import LoadedModel
 from afmd.engine.models.prompt_bound import PromptTooLong
 from afmd.errors import ContextLengthError, InvalidRequestError, request_timeout_error
+from afmd.grammar.sandbox import COMPILE_DEADLINE, CompileAbandoned
 from afmd.service import image_pool
 from afmd.service.chat_template import template_messages, template_tools
 from afmd.service.context_trim import droppable_units, without_units
+from afmd.service.grammar_pool import GRAMMAR_THREADS, may_compile
 from afmd.service.output_plan import (
     OutputPlan,
     check_schemas,
@@ -87,6 +91,7 @@ class RoundBuilder:
         #: How the builder's blocking work is run off the event loop.
         self.offload: Callable[..., Awaitable[Any]] = (
             image_pool.IMAGE_THREADS.run if request.has_images and model.vision is not None
+            else GRAMMAR_THREADS.run if may_compile(request)
             else asyncio.to_thread)
 
     async def first(self, request: ChatRequest) -> Round:
@@ -110,11 +115,16 @@ class RoundBuilder:
         trimming looks at the deadline before each render."""
         if self._deadline is None:
             return await self.offload(call, *args, **kwargs)
+        # The thread runs in this context: a compile it reaches waits for the compile
+        # worker no longer than the deadline.
+        token = COMPILE_DEADLINE.set(self._deadline)
         try:
             async with asyncio.timeout(max(self._deadline - time.monotonic(), 0.0)):
                 return await self.offload(call, *args, **kwargs)
-        except TimeoutError:
+        except (TimeoutError, CompileAbandoned):
             raise request_timeout_error() from None
+        finally:
+            COMPILE_DEADLINE.reset(token)
 
     def release(self) -> None:
         """Let go of the image inputs of the rounds built: the request is over. A finished
