@@ -155,6 +155,49 @@ def test_prompt_logprobs_equal_mlx_lm_across_chunks(loaded, worker) -> None:
         assert_matches(lp, i - 1, entry, 4)
 
 
+def test_a_scored_prompt_takes_a_short_turn_per_engine_step(loaded) -> None:
+    """A scored position costs a row of logits over the whole vocabulary, a prefilled one
+    none: scored a prefill step's worth at a time (2,048 positions), a long prompt held
+    every stream beside it for seconds a step on this CPU, and its cancel waited as long.
+    Each step now scores a few chunks, and the scores come out the same as one pass."""
+    from afmd.engine.batch.admission import Admissions
+    from afmd.engine.batch.stepper import Stepper
+
+    model, tokenizer = loaded
+    text = "".join(f"line {i}: value = {i * i}\n" for i in range(90))
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+
+    async def scored() -> tuple[list[int], Any]:
+        stepper = Stepper(model, tokenizer, name="score-steps", prompt_cache_bytes=0)
+        stepper.reset()
+        try:
+            admissions = Admissions(stepper, prompt_lookup=False, draft_model=None,
+                                    speculates=False)
+            generation = Generation(request(prompt, max_tokens=0, prompt_logprobs=3),
+                                    asyncio.get_running_loop())
+            joining = admissions.prepare(generation)
+            assert joining is not None
+            warming = admissions.warming(joining)
+            assert warming is not None and warming.scorer is not None
+            done: list[int] = []
+            while not admissions.advance(warming):
+                done.append(warming.scorer.done)
+            assert len(prompt) < stepper.prefill_step_size  # once, had it been a prefill
+            events = await generation.next_events()
+            return done, next(e for e in events if isinstance(e, PromptLogprobs))
+        finally:
+            stepper.close()
+
+    done, echo = asyncio.run(scored())
+    steps = [b - a for a, b in zip([0, *done], done, strict=False)]
+    assert len(done) >= 4 and max(steps) <= logprobs.SCORE_STEP_POSITIONS, steps
+    whole = logprobs.prompt_logprobs(model, prompt, 3)
+    assert [e.token for e in echo.tokens] == prompt
+    for got, want in zip(echo.tokens[1:], whole[1:], strict=True):
+        assert got.logprob is not None and want.logprob is not None
+        assert abs(got.logprob - want.logprob) <= TOLERANCE
+
+
 def test_stop_ids_end_generation_unseen(loaded, worker) -> None:
     _, tokenizer = loaded
     prompt = tokenizer.encode("The quick brown fox", add_special_tokens=False)

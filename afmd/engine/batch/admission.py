@@ -15,7 +15,7 @@ from typing import Any
 from afmd.engine.batch import backend
 from afmd.engine.batch.detokenize import ExactDetokenizer
 from afmd.engine.batch.handoff import flush
-from afmd.engine.batch.logprobs import PromptScorer, prompt_logprobs
+from afmd.engine.batch.logprobs import SCORE_STEP_POSITIONS, PromptScorer, prompt_logprobs
 from afmd.engine.batch.penalties import sampling_processors
 from afmd.engine.batch.sampler import RowSampler
 from afmd.engine.batch.sequence import Row
@@ -149,9 +149,9 @@ class Admissions:
             row.finish("cancelled")
             flush([row])
             return True
-        step = self._stepper.prefill_step_size
         if warming.scorer is not None:
-            return self._score(warming, step)
+            return self._score(warming, SCORE_STEP_POSITIONS)
+        step = self._stepper.prefill_step_size
         self._stepper.prefill(warming.rest[warming.done : warming.done + step], warming.cache)
         warming.done += step
         if warming.done < len(warming.rest):

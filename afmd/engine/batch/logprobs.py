@@ -34,6 +34,12 @@ from afmd.engine.generation import TokenIdLogprob
 MAX_TOP = 20
 # Prompt positions evaluated per forward pass: bounds the float32 logits held at once.
 _PROMPT_CHUNK = 64
+#: Prompt positions a scored prompt runs per engine step, beside the batch's other rows.
+#: A scored position costs a row of logits over the whole vocabulary (its log-softmax and
+#: best alternatives, on the CPU layout in numpy), where a prefilled one costs none of
+#: it: a prefill step's worth of positions held every stream in the batch for seconds,
+#: and a cancel waited as long.
+SCORE_STEP_POSITIONS = 2 * _PROMPT_CHUNK
 # A row's alternatives are bounded by the column maxima of a (_STRIDES, vocab / _STRIDES)
 # view: numpy's element-wise max over its rows is vectorised, a full-row partition is not.
 _STRIDES = 64
