@@ -336,6 +336,64 @@ def test_tool_history_in_ollamas_shape(client: ollama.Client) -> None:
     assert answer.done and answer.prompt_eval_count and answer.prompt_eval_count > 30
 
 
+def test_a_call_left_unanswered_is_history_as_in_ollama(http: httpx.Client) -> None:
+    """A call with no tool message after it (the user declined it, or went on talking) is
+    rendered as the model made it, as Ollama renders it: afmd refused it with a 400 (an
+    OpenAI rule Ollama's API does not have), so an app's conversation that runs on
+    Ollama failed here."""
+    user = {"role": "user", "content": "Weather in Paris?"}
+    called = {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"function": {"name": "get_time", "arguments": {"city": "Paris"}}}]}
+    later = {"role": "user", "content": "Never mind, name three colours."}
+
+    def prompt_tokens(messages: list[dict[str, Any]]) -> int:
+        response = http.post("/api/chat", json={"model": "demo", "messages": messages,
+                                                "stream": False, "options": GREEDY})
+        assert response.status_code == 200, response.text
+        return int(response.json()["prompt_eval_count"])
+
+    without = prompt_tokens([user, later])
+    assert prompt_tokens([user, called, later]) > without  # the calls are in the prompt
+    answered = prompt_tokens(
+        [user, called, {"role": "tool", "content": "18 C", "tool_name": "get_time"}, later])
+    assert answered > prompt_tokens([user, called, later])
+    assert prompt_tokens([user, called]) > prompt_tokens([user])
+
+
+def test_a_tool_call_id_for_calls_sent_without_ids_answers_by_name(http: httpx.Client
+                                                                   ) -> None:
+    """Calls sent in Ollama's shape have no ids; a client that gives its tool messages
+    ids of its own (``tool_call_id``, beside ``tool_name`` or alone) is answered as
+    Ollama answers it: by the name, else in order. afmd matched the id to the ids it had
+    made up for the calls and refused every such conversation with a 400."""
+    user = {"role": "user", "content": "Weather in Paris?"}
+    called = {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    result = {"role": "tool", "content": "18 C", "tool_name": "get_weather"}
+
+    def answer(tool: dict[str, Any]) -> dict[str, Any]:
+        response = http.post("/api/chat", json={
+            "model": "demo", "messages": [user, called, tool], "stream": False,
+            "options": GREEDY})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    want = answer(result)
+    for tool in ({**result, "tool_call_id": "toolu_01"},
+                 {"role": "tool", "content": "18 C", "tool_call_id": "toolu_01"}):
+        got = answer(tool)
+        assert got["message"] == want["message"], tool
+        assert got["prompt_eval_count"] == want["prompt_eval_count"], tool
+    # Calls the client gave ids are answered by those ids, as before.
+    named = {**called, "tool_calls": [{**called["tool_calls"][0], "id": "c1"}]}
+    response = http.post("/api/chat", json={"model": "demo", "messages": [
+        user, named, {**result, "tool_call_id": "toolu_01"}]})
+    assert response.status_code == 400
+    assert "answers tool call 'toolu_01', which messages[1] did not make" in (
+        response.json()["error"])
+
+
 def test_tool_calls_go_out_with_object_arguments() -> None:
     """The encoder: a finished call is one object, its arguments an object (Ollama's)."""
     request = OLLAMA_CHAT.parse(json.dumps({"model": "demo", "messages": MESSAGES}).encode())

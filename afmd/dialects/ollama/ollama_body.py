@@ -269,7 +269,24 @@ def _arguments(function: dict[str, Any], param: str) -> str:
     return orjson.dumps(value).decode()
 
 
-def _tool_calls(value: Any, param: str, ids: itertools.count[int]) -> tuple[ToolCall, ...]:
+class _CallIds:
+    """The ids given to the calls a client sent without one (Ollama's own shape has
+    none), remembered: a ``tool_call_id`` the client made up for its tool message cannot
+    name one of them, so such a message is matched by its tool's name or its place."""
+
+    __slots__ = ("_count", "made_up")
+
+    def __init__(self) -> None:
+        self._count = itertools.count()
+        self.made_up: set[str] = set()
+
+    def new(self) -> str:
+        call_id = f"call_{next(self._count)}"
+        self.made_up.add(call_id)
+        return call_id
+
+
+def _tool_calls(value: Any, param: str, ids: _CallIds) -> tuple[ToolCall, ...]:
     if not isinstance(value, list):
         raise wrong_type(param, "an array", value)
     calls: list[ToolCall] = []
@@ -279,12 +296,12 @@ def _tool_calls(value: Any, param: str, ids: itertools.count[int]) -> tuple[Tool
             raise wrong_type(p, "an object", call)
         function = required(call, "function", f"{p}.function", dict, "an object")
         name = required(function, "name", f"{p}.function.name", str, "a string")
-        call_id = optional(call, "id", f"{p}.id", str, "a string") or f"call_{next(ids)}"
+        call_id = optional(call, "id", f"{p}.id", str, "a string") or ids.new()
         calls.append(ToolCall(call_id, name, _arguments(function, f"{p}.function.arguments")))
     return tuple(calls)
 
 
-def _message(value: Any, param: str, ids: itertools.count[int]) -> Message:
+def _message(value: Any, param: str, ids: _CallIds) -> Message:
     if not isinstance(value, dict):
         raise wrong_type(param, "an object", value)
     # Ollama lowercases a role as it reads it: "User" is a user's message there.
@@ -309,10 +326,12 @@ def _message(value: Any, param: str, ids: itertools.count[int]) -> Message:
     return Message(role, content, has_images=bool(images), images=images)
 
 
-def _answered(messages: list[Message]) -> tuple[Message, ...]:
+def _answered(messages: list[Message], made_up: Collection[str]) -> tuple[Message, ...]:
     """Each ``tool`` message given the id of the call it answers: its own
     ``tool_call_id``, else the first unanswered call of the assistant message before it
-    with its ``tool_name``, else that message's first unanswered call."""
+    with its ``tool_name``, else that message's first unanswered call. A ``tool_call_id``
+    is only read as naming a call where the client gave those calls ids: one of its own
+    beside calls without any names none of them (ids are afmd's ``made_up`` ones)."""
     out: list[Message] = []
     open_calls: list[ToolCall] = []
     caller: int | None = None  # the assistant message the tool messages answer
@@ -321,7 +340,9 @@ def _answered(messages: list[Message]) -> tuple[Message, ...]:
             open_calls, caller = list(m.tool_calls), i
         elif m.role == "tool":
             call = next((c for c in open_calls if c.id == m.tool_call_id), None)
-            if call is None and m.tool_call_id is None:
+            by_id = m.tool_call_id is not None and any(c.id not in made_up
+                                                       for c in open_calls)
+            if call is None and not by_id:
                 call = next((c for c in open_calls if c.name == m.name), None)
                 if call is None and open_calls and m.name is None:
                     call = open_calls[0]
@@ -361,11 +382,12 @@ def _messages(value: Any) -> tuple[Message, ...]:
         raise missing("messages")
     if not isinstance(value, list):
         raise wrong_type("messages", "an array", value)
-    ids = itertools.count()
+    ids = _CallIds()
     messages = [_message(m, f"messages[{i}]", ids) for i, m in enumerate(value)]
     if not messages:
         raise invalid("messages", "'messages' must contain at least one message.")
-    return check_tool_history(_answered(messages))
+    # A call may go unanswered, as Ollama renders it (a user who declined the call).
+    return check_tool_history(_answered(messages, ids.made_up), every_call_answered=False)
 
 
 def _common(body: dict[str, Any], known: frozenset[str], strict: bool
