@@ -394,6 +394,40 @@ def test_a_tool_call_id_for_calls_sent_without_ids_answers_by_name(http: httpx.C
         response.json()["error"])
 
 
+@pytest.mark.parametrize(("sent", "read"), [
+    # Ollama's Go ``api`` package: a tool without parameters, ``properties`` not omitempty.
+    ({"type": "function", "function": {"name": "now", "parameters": {
+        "type": "object", "properties": None}}},
+     {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}),
+    # Its zero value (no parameters set at all, nor the tool's type).
+    ({"type": "", "function": {"name": "now", "parameters": {"type": "", "properties": None}}},
+     {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}),
+    # Before Ollama 0.12.11 ``required`` was not omitempty either; a pydantic model dumped
+    # without ``exclude_none`` sends every unset keyword as null.
+    ({"function": {"name": "weather", "parameters": {
+        "type": "object", "required": None, "properties": {
+            "city": {"type": "string", "description": None, "enum": None, "items": None}}}}},
+     {"type": "function", "function": {"name": "weather", "parameters": {
+         "type": "object", "properties": {"city": {"type": "string"}}}}}),
+])
+def test_tools_as_go_clients_send_them(http: httpx.Client, sent: dict[str, Any],
+                                       read: dict[str, Any]) -> None:
+    """Nulls where Ollama's Go decoder reads a field left out, and Go's empty ``type``,
+    are the tool they stand for (Ollama renders both alike). afmd refused them: "Invalid
+    JSON schema: None is not of type 'object'", or "Missing required parameter:
+    'tools[0].type'", for tools that Ollama serves."""
+    def answer(tool: dict[str, Any]) -> dict[str, Any]:
+        response = http.post("/api/chat", json={
+            "model": "demo", "messages": MESSAGES, "tools": [tool], "stream": False,
+            "options": GREEDY})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    want, got = answer(read), answer(sent)
+    assert got["message"] == want["message"]
+    assert got["prompt_eval_count"] == want["prompt_eval_count"]
+
+
 def test_tool_calls_go_out_with_object_arguments() -> None:
     """The encoder: a finished call is one object, its arguments an object (Ollama's)."""
     request = OLLAMA_CHAT.parse(json.dumps({"model": "demo", "messages": MESSAGES}).encode())

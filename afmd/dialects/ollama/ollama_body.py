@@ -326,6 +326,57 @@ def _message(value: Any, param: str, ids: _CallIds) -> Message:
     return Message(role, content, has_images=bool(images), images=images)
 
 
+#: The schema keywords of Ollama's ``ToolFunctionParameters`` and ``ToolProperty`` (its
+#: api/types.go): Go decodes ``null`` in any of them as the field left out.
+_GO_SCHEMA_KEYWORDS = frozenset({"type", "$defs", "items", "required", "properties",
+                                 "anyOf", "description", "enum"})
+
+
+def _schema_as_go_reads_it(schema: Any) -> Any:
+    """A tool's parameter schema with the nulls Ollama's decoder reads as absent left out:
+    Go clients built on Ollama's own ``api`` package send ``"properties": null`` for a
+    tool without parameters (and, before it was ``omitempty``, ``"required": null``),
+    which a JSON schema validator refuses. Other keywords are kept as they are."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if value is None and key in _GO_SCHEMA_KEYWORDS:
+            continue
+        if key in ("properties", "$defs") and isinstance(value, dict):
+            value = {name: _schema_as_go_reads_it(v) for name, v in value.items()}
+        elif key == "items":
+            value = _schema_as_go_reads_it(value)
+        elif key == "anyOf" and isinstance(value, list):
+            value = [_schema_as_go_reads_it(v) for v in value]
+        out[key] = value
+    return out
+
+
+def _tools_as_go_reads_them(value: Any) -> Any:
+    """``tools`` as Ollama's decoder reads them: a tool's ``type`` Go left empty (or out)
+    is a function, Ollama's only kind, and each schema as
+    :func:`_schema_as_go_reads_it`; a parameters object of Go's zero value (``"type":
+    ""``) is an object, as every call's arguments are. Anything else is left for
+    :func:`~afmd.dialects.fields.tool_specs.parse_tools` to check."""
+    if not isinstance(value, list):
+        return value
+    tools: list[Any] = []
+    for tool in value:
+        if isinstance(tool, dict):
+            tool = dict(tool)
+            if tool.get("type") in (None, "") and isinstance(tool.get("function"), dict):
+                tool["type"] = "function"
+            function = tool.get("function")
+            if isinstance(function, dict) and isinstance(function.get("parameters"), dict):
+                parameters = _schema_as_go_reads_it(function["parameters"])
+                if parameters.get("type") == "":
+                    parameters["type"] = "object"
+                tool["function"] = {**function, "parameters": parameters}
+        tools.append(tool)
+    return tools
+
+
 def _answered(messages: list[Message], made_up: Collection[str]) -> tuple[Message, ...]:
     """Each ``tool`` message given the id of the call it answers: its own
     ``tool_call_id``, else the first unanswered call of the assistant message before it
@@ -410,7 +461,7 @@ def chat_request(body: dict[str, Any], *, server_tools: Collection[str] = (),
                  strict: bool = False) -> ChatRequest:
     top, options, ignored = _common(body, CHAT_FIELDS, strict)
     messages, prefill = prefilled(_messages(body.get("messages")))
-    tools = parse_tools(body.get("tools"))
+    tools = parse_tools(_tools_as_go_reads_them(body.get("tools")))
     response_format = _format(body.get("format"))
     if prefill:  # as Ollama: the answer continues the last assistant message
         check_prefill(response_format, "format", ToolChoice(), "tools")
