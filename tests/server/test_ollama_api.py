@@ -8,6 +8,7 @@ errors, screening, cancel and ``[ollama] port`` hold as on every route.
 from __future__ import annotations
 
 import base64
+import http.server
 import io
 import json
 import signal
@@ -984,6 +985,81 @@ def test_a_body_is_json_whatever_its_type_says_as_curl_sends_it(
                       headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert chat.status_code == 415
     assert chat.json()["error"]["code"] == "unsupported_media_type"
+
+
+#: What the official JavaScript SDKs send from a page besides ``Content-Type`` (the
+#: ``ollama`` package's ``User-Agent`` where the browser lets it, OpenAI's and Anthropic's
+#: ``x-stainless-*`` telemetry, Anthropic's opt-in to calls from a browser).
+SDK_HEADERS = {
+    "/api/chat": {"Accept": "application/json", "User-Agent": "ollama-js/0.6.4 (x64 linux)"},
+    "/v1/chat/completions": {
+        "Authorization": "Bearer unused", "x-stainless-lang": "js",
+        "x-stainless-package-version": "7.60.0", "x-stainless-os": "Linux",
+        "x-stainless-arch": "x64", "x-stainless-runtime": "browser:chrome",
+        "x-stainless-runtime-version": "120", "x-stainless-retry-count": "0",
+        "x-stainless-timeout": "600"},
+    "/v1/messages": {
+        "x-api-key": "unused", "anthropic-version": "2023-06-01",
+        "anthropic-dangerous-direct-browser-access": "true", "x-stainless-lang": "js",
+        "x-stainless-os": "Linux", "x-stainless-helper-method": "stream"},
+}
+
+
+class _AppPage(http.server.BaseHTTPRequestHandler):
+    """An app's own page, at its own origin on this machine (Chromium refuses a page it
+    takes for a public one access to a loopback address)."""
+
+    def do_GET(self) -> None:
+        body = b"<!doctype html><title>app</title>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def test_a_page_may_send_what_the_official_sdks_send(tmp_path: Path) -> None:
+    """A page of an allowed origin (an Electron app, a VS Code webview) calling through
+    the official JavaScript SDKs sends their headers, so its preflight names them: Ollama
+    allows them all (its OpenAI routes' ``x-stainless-*`` too). afmd's preflight left them
+    out, and Chromium failed every such request before it was sent ("Failed to fetch")."""
+    from helpers.browser import launched
+
+    app = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AppPage)
+    threading.Thread(target=app.serve_forever, daemon=True).start()
+    origin = f"http://127.0.0.1:{app.server_address[1]}"
+    server = start_server(tmp_path, config=f'[server]\nallowed_origins = ["{origin}"]\n')
+    bodies = {
+        "/api/chat": {"model": "demo", "messages": MESSAGES, "stream": False,
+                      "options": GREEDY},
+        "/v1/chat/completions": {"model": "demo", "messages": MESSAGES, "max_tokens": 2},
+        "/v1/messages": {"model": "demo", "max_tokens": 2,
+                         "messages": [{"role": "user", "content": "Hi"}]},
+    }
+    try:
+        with launched() as browser:
+            context = browser.new_context()
+            page = context.new_page()
+            page.goto(origin + "/")
+            for path, headers in SDK_HEADERS.items():
+                got = page.evaluate(
+                    """async ([url, headers, body]) => {
+                        try {
+                            const r = await fetch(url, {method: "POST", body,
+                                headers: {"Content-Type": "application/json", ...headers}});
+                            return [r.status, await r.text()];
+                        } catch (e) { return [0, String(e)]; }
+                    }""",
+                    [server.url + path, headers, json.dumps(bodies[path])])
+                assert got[0] == 200, (path, got)
+            context.close()
+    finally:
+        server.stop()
+        app.shutdown()
+        app.server_close()
 
 
 def test_endpoints_afmd_does_not_serve_say_why_in_ollamas_envelope(
