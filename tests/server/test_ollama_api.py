@@ -98,6 +98,16 @@ def test_tags_list_every_model_with_details(client: ollama.Client) -> None:
     assert (shown.modelinfo or {})["apple-foundation.context_length"] == 8192
 
 
+def test_ollamas_openai_routes_take_the_tag_too(http: httpx.Client) -> None:
+    """Ollama's ``/v1/models/{model}`` takes a model by the name ``/api/tags`` lists, as
+    every other route here does; afmd answered ``demo:latest`` 404."""
+    for name, served in (("demo:latest", "demo"), ("gpt-4o-mini:latest", "gpt-4o-mini")):
+        got = http.get(f"/v1/models/{name}")
+        assert got.status_code == 200, got.text
+        assert got.json()["id"] == served and got.json()["object"] == "model"
+    assert http.get("/v1/models/nope:latest").status_code == 404
+
+
 def test_show_describes_the_model(client: ollama.Client, http: httpx.Client) -> None:
     shown = client.show("demo")
     config = json.loads((demo.materialize("demo") / "config.json").read_text())
