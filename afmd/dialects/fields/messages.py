@@ -371,14 +371,10 @@ def check_prefill(
 
 
 def check_tool_history(
-    messages: tuple[Message, ...], param: str = "messages", *, every_call_answered: bool = True
+    messages: tuple[Message, ...], param: str = "messages"
 ) -> tuple[Message, ...]:
     """Every call answered exactly once, right after its assistant message; tool outputs in
-    the order of the calls (whatever order the client sent them in).
-
-    ``every_call_answered=False`` lets a call go unanswered (never twice), as Ollama
-    renders such a conversation: its API has no rule that a call be answered, and its
-    apps send on a history whose user declined or abandoned a call."""
+    the order of the calls (whatever order the client sent them in)."""
     seen_ids: set[str] = set()
     out: list[Message] = []
     i = 0
@@ -426,7 +422,7 @@ def check_tool_history(
             outputs[call_id] = tool
             i += 1
         for k, call in enumerate(current.tool_calls):
-            if call.id not in outputs and every_call_answered:
+            if call.id not in outputs:
                 raise InvalidRequestError(
                     f"Tool call {quoted(call.id)} of {param}[{a}] has no tool message "
                     "answering it; each call needs exactly one 'tool' message right after the "
@@ -435,6 +431,5 @@ def check_tool_history(
                     param=f"{param}[{a}].tool_calls[{k}]",
                 )
             seen_ids.add(call.id)
-            if call.id in outputs:
-                out.append(outputs[call.id])
+            out.append(outputs[call.id])
     return tuple(out)

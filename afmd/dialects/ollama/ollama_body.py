@@ -49,7 +49,6 @@ from afmd.dialects.fields.checks import (
     missing,
     names,
     optional,
-    quoted,
     read_scalars,
     required,
     string_list,
@@ -57,9 +56,8 @@ from afmd.dialects.fields.checks import (
     wrong_type,
 )
 from afmd.dialects.fields.keep_alive import keep_alive_of
-from afmd.dialects.fields.messages import check_prefill, check_tool_history, prefilled
+from afmd.dialects.fields.messages import check_prefill, prefilled
 from afmd.dialects.fields.tool_specs import parse_tool_choice, parse_tools
-from afmd.errors import InvalidRequestError
 
 __all__ = ["OPTIONS", "is_load_request", "parse_chat", "parse_generate", "wants_thinking"]
 
@@ -382,13 +380,17 @@ def _answered(messages: list[Message], made_up: Collection[str]) -> tuple[Messag
     ``tool_call_id``, else the first unanswered call of the assistant message before it
     with its ``tool_name``, else that message's first unanswered call. A ``tool_call_id``
     is only read as naming a call where the client gave those calls ids: one of its own
-    beside calls without any names none of them (ids are afmd's ``made_up`` ones)."""
+    beside calls without any names none of them (ids are afmd's ``made_up`` ones).
+
+    Nothing else is asked of the history, as Ollama asks nothing of it (its template
+    renders the messages as they come): a call may go unanswered (a user who declined
+    it), and a tool message may answer no call (clients that keep an assistant's text
+    but not its calls, as Continue's Ollama provider did), in the order sent."""
     out: list[Message] = []
     open_calls: list[ToolCall] = []
-    caller: int | None = None  # the assistant message the tool messages answer
-    for i, m in enumerate(messages):
+    for m in messages:
         if m.role == "assistant":
-            open_calls, caller = list(m.tool_calls), i
+            open_calls = list(m.tool_calls)
         elif m.role == "tool":
             call = next((c for c in open_calls if c.id == m.tool_call_id), None)
             by_id = m.tool_call_id is not None and any(c.id not in made_up
@@ -397,35 +399,14 @@ def _answered(messages: list[Message], made_up: Collection[str]) -> tuple[Messag
                 call = next((c for c in open_calls if c.name == m.name), None)
                 if call is None and open_calls and m.name is None:
                     call = open_calls[0]
-                if call is None:
-                    raise _no_call_for(messages, i, caller)
             if call is not None:
                 open_calls.remove(call)
                 m = Message(m.role, m.content, name=m.name, tool_call_id=call.id,
                             has_images=m.has_images, images=m.images)
         else:
-            open_calls, caller = [], None
+            open_calls = []
         out.append(m)
     return tuple(out)
-
-
-def _no_call_for(messages: list[Message], i: int, a: int | None) -> InvalidRequestError:
-    """Why a tool message without a call id answers no call. Ollama's tool messages name
-    a tool, not a call, so the error says which calls there were to answer (a call id
-    made up for it would name a call that never existed)."""
-    param, tool = f"messages[{i}]", messages[i]
-    calls = messages[a].tool_calls if a is not None else ()
-    if not calls:
-        return invalid(param, f"{param} is a tool result, but the message before it is no "
-                       "assistant message with tool_calls: a tool message answers a call of "
-                       "the assistant message right before it.")
-    made = ", ".join(quoted(c.name) for c in calls)
-    if tool.name is not None:
-        return invalid(f"{param}.tool_name",
-                       f"{param} is the result of the tool {quoted(tool.name)}, but "
-                       f"messages[{a}] made no call of it left unanswered (its calls: {made}).")
-    return invalid(param, f"{param} is a tool result, but every call messages[{a}] made "
-                   f"({made}) is answered already.")
 
 
 def _messages(value: Any) -> tuple[Message, ...]:
@@ -437,8 +418,7 @@ def _messages(value: Any) -> tuple[Message, ...]:
     messages = [_message(m, f"messages[{i}]", ids) for i, m in enumerate(value)]
     if not messages:
         raise invalid("messages", "'messages' must contain at least one message.")
-    # A call may go unanswered, as Ollama renders it (a user who declined the call).
-    return check_tool_history(_answered(messages, ids.made_up), every_call_answered=False)
+    return _answered(messages, ids.made_up)
 
 
 def _common(body: dict[str, Any], known: frozenset[str], strict: bool
