@@ -1192,6 +1192,21 @@ def test_pull_reports_progress_then_the_model_serves(
     assert hub.log[asked:] == []
 
 
+def test_a_hub_repo_by_ollamas_name_for_it(hub_server: tuple[ServerProcess, FakeHub]
+                                           ) -> None:
+    """``hf.co/OWNER/NAME`` is how Ollama names a Hugging Face repo (``ollama pull
+    hf.co/…``): it pulls, shows and deletes that repo here too. afmd answered the pull
+    "'hf.co/…' is not a Hugging Face repo id", and every other route a 404."""
+    server, hub = hub_server
+    client = ollama.Client(host=server.url, timeout=120)
+    for name in (f"hf.co/{REPO}", f"HF.co/{REPO}:latest", f"huggingface.co/{REPO}"):
+        assert client.pull(name).status == "success", name
+        assert client.show(name).capabilities == client.show("demo").capabilities, name
+    assert REPO + ":latest" in {m.model for m in client.list().models}
+    assert client.delete(f"hf.co/{REPO}:latest").status == "success"
+    assert REPO + ":latest" not in {m.model for m in client.list().models}
+
+
 def test_a_pull_of_a_model_the_server_serves_by_its_name(tmp_path: Path) -> None:
     """Scripts and apps make sure of a model with ``pull`` before they use it, as Ollama
     answers a pull of a model it has: a built-in, a local folder or an alias is there
