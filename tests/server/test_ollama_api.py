@@ -644,6 +644,26 @@ def test_seed_minus_one_is_a_fresh_seed(client: ollama.Client) -> None:
     assert answer(7) == answer(7)
 
 
+def test_a_temperature_above_two_samples_as_in_ollama(http: httpx.Client) -> None:
+    """Ollama takes any temperature, and SillyTavern's text completion (a raw
+    ``/api/generate`` with its sampler's options) offers up to 5: afmd refused anything
+    above OpenAI's 2 with a 400 naming ``options.temperature``."""
+    def answer(temperature: float) -> str:
+        response = http.post("/api/generate", json={
+            "model": "demo", "prompt": "Once upon a time", "raw": True, "stream": False,
+            "options": {"temperature": temperature, "seed": 11, "num_predict": 16,
+                        "top_k": 0, "top_p": 1, "typical_p": 1, "tfs_z": 1, "min_p": 0,
+                        "repeat_penalty": 1.1, "repeat_last_n": 64}})
+        assert response.status_code == 200, response.text
+        return str(response.json()["response"])
+
+    hot = answer(4.5)
+    assert hot == answer(4.5) and hot != answer(0)  # sampled at that temperature, seeded
+    negative = http.post("/api/generate", json={"model": "demo", "prompt": "x",
+                                                "options": {"temperature": -1}})
+    assert negative.status_code == 400 and "options.temperature" in negative.json()["error"]
+
+
 def test_a_role_is_read_in_any_case(client: ollama.Client) -> None:
     """Ollama lowercases a role as it reads it: afmd answered 400 "Invalid role 'User'"."""
     upper = [{"role": "System", "content": MESSAGES[0]["content"]},

@@ -73,9 +73,10 @@ RANDOM_SEED = -1
 THINK_LEVELS = {"low": "low", "medium": "medium", "high": "high", "max": "xhigh"}
 ROLES = ("system", "user", "assistant", "tool")
 
-#: The options afmd acts on, with afmd's bounds.
+#: The options afmd acts on, with afmd's bounds. ``temperature`` has none above, as in
+#: Ollama (OpenAI's is 2): role-play front ends (SillyTavern) offer up to 5.
 OPTIONS = (
-    Scalar("temperature", "number", minimum=0.0, maximum=2.0),
+    Scalar("temperature", "number", minimum=0.0, maximum=math.inf),
     Scalar("top_k", "integer", minimum=0),
     Scalar("top_p", "number", minimum=0.0, maximum=1.0),
     Scalar("min_p", "number", minimum=0.0, maximum=1.0),
