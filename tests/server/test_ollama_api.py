@@ -1223,6 +1223,7 @@ def test_a_hub_repo_by_ollamas_name_for_it(hub_server: tuple[ServerProcess, Fake
         assert client.pull(name).status == "success", name
         assert client.show(name).capabilities == client.show("demo").capabilities, name
     assert REPO + ":latest" in {m.model for m in client.list().models}
+    assert not [r.path for r in hub.log if ".co/" in r.path]  # the repo's own paths only
     assert client.delete(f"hf.co/{REPO}:latest").status == "success"
     assert REPO + ":latest" not in {m.model for m in client.list().models}
 
