@@ -413,6 +413,11 @@ def test_a_tool_call_id_for_calls_sent_without_ids_answers_by_name(http: httpx.C
             "city": {"type": "string", "description": None, "enum": None, "items": None}}}}},
      {"type": "function", "function": {"name": "weather", "parameters": {
          "type": "object", "properties": {"city": {"type": "string"}}}}}),
+    # A null property is Go's zero value of one: a property of any value.
+    ({"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": None}}}},
+     {"type": "function", "function": {"name": "weather", "parameters": {
+         "type": "object", "properties": {"city": {}}}}}),
 ])
 def test_tools_as_go_clients_send_them(http: httpx.Client, sent: dict[str, Any],
                                        read: dict[str, Any]) -> None:

@@ -343,7 +343,9 @@ def _schema_as_go_reads_it(schema: Any) -> Any:
         if value is None and key in _GO_SCHEMA_KEYWORDS:
             continue
         if key in ("properties", "$defs") and isinstance(value, dict):
-            value = {name: _schema_as_go_reads_it(v) for name, v in value.items()}
+            # (a null property is Go's zero ``ToolProperty``: any value)
+            value = {name: _schema_as_go_reads_it({} if v is None else v)
+                     for name, v in value.items()}
         elif key == "items":
             value = _schema_as_go_reads_it(value)
         elif key == "anyOf" and isinstance(value, list):
