@@ -36,6 +36,10 @@ REPO_ID = re.compile(
     r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
     r"/[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?\Z"
 )
+#: The hub's hosts as a name may start with them: Ollama names a Hugging Face repo
+#: ``hf.co/OWNER/NAME`` (``ollama pull hf.co/…``), and a repo's page is at
+#: ``huggingface.co/OWNER/NAME``.
+HUB_HOSTS = ("hf.co/", "huggingface.co/")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _PREFIX = "models--"
 
@@ -113,6 +117,17 @@ def snapshot_size(snapshot: Path) -> int:
         except OSError:
             continue
     return total
+
+
+def without_hub_host(name: str) -> str:
+    """``hf.co/OWNER/NAME`` (Ollama's name for a hub repo, its host in any case, as
+    Ollama compares hosts) as the repo id ``OWNER/NAME``; any other name as it is
+    (``hf.co/NAME`` too: that is a repo id, an owner ``hf.co``'s)."""
+    for host in HUB_HOSTS:
+        rest = name[len(host):]
+        if name[:len(host)].lower() == host and "/" in rest:
+            return rest
+    return name
 
 
 def _repo_id(folder: Path) -> str | None:

@@ -8,6 +8,7 @@ errors, screening, cancel and ``[ollama] port`` hold as on every route.
 from __future__ import annotations
 
 import base64
+import http.server
 import io
 import json
 import signal
@@ -95,6 +96,16 @@ def test_tags_list_every_model_with_details(client: ollama.Client) -> None:
     shown = client.show("system")
     assert shown.capabilities == ["completion", "tools"]
     assert (shown.modelinfo or {})["apple-foundation.context_length"] == 8192
+
+
+def test_ollamas_openai_routes_take_the_tag_too(http: httpx.Client) -> None:
+    """Ollama's ``/v1/models/{model}`` takes a model by the name ``/api/tags`` lists, as
+    every other route here does; afmd answered ``demo:latest`` 404."""
+    for name, served in (("demo:latest", "demo"), ("gpt-4o-mini:latest", "gpt-4o-mini")):
+        got = http.get(f"/v1/models/{name}")
+        assert got.status_code == 200, got.text
+        assert got.json()["id"] == served and got.json()["object"] == "model"
+    assert http.get("/v1/models/nope:latest").status_code == 404
 
 
 def test_show_describes_the_model(client: ollama.Client, http: httpx.Client) -> None:
@@ -336,6 +347,96 @@ def test_tool_history_in_ollamas_shape(client: ollama.Client) -> None:
     assert answer.done and answer.prompt_eval_count and answer.prompt_eval_count > 30
 
 
+def test_a_call_left_unanswered_is_history_as_in_ollama(http: httpx.Client) -> None:
+    """A call with no tool message after it (the user declined it, or went on talking) is
+    rendered as the model made it, as Ollama renders it: afmd refused it with a 400 (an
+    OpenAI rule Ollama's API does not have), so an app's conversation that runs on
+    Ollama failed here."""
+    user = {"role": "user", "content": "Weather in Paris?"}
+    called = {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"function": {"name": "get_time", "arguments": {"city": "Paris"}}}]}
+    later = {"role": "user", "content": "Never mind, name three colours."}
+
+    def prompt_tokens(messages: list[dict[str, Any]]) -> int:
+        response = http.post("/api/chat", json={"model": "demo", "messages": messages,
+                                                "stream": False, "options": GREEDY})
+        assert response.status_code == 200, response.text
+        return int(response.json()["prompt_eval_count"])
+
+    without = prompt_tokens([user, later])
+    assert prompt_tokens([user, called, later]) > without  # the calls are in the prompt
+    answered = prompt_tokens(
+        [user, called, {"role": "tool", "content": "18 C", "tool_name": "get_time"}, later])
+    assert answered > prompt_tokens([user, called, later])
+    assert prompt_tokens([user, called]) > prompt_tokens([user])
+
+
+def test_a_tool_call_id_for_calls_sent_without_ids_answers_by_name(http: httpx.Client
+                                                                   ) -> None:
+    """Calls sent in Ollama's shape have no ids; a client that gives its tool messages
+    ids of its own (``tool_call_id``, beside ``tool_name`` or alone) is answered as
+    Ollama answers it: by the name, else in order. afmd matched the id to the ids it had
+    made up for the calls and refused every such conversation with a 400."""
+    user = {"role": "user", "content": "Weather in Paris?"}
+    called = {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    result = {"role": "tool", "content": "18 C", "tool_name": "get_weather"}
+
+    def answer(tool: dict[str, Any]) -> dict[str, Any]:
+        response = http.post("/api/chat", json={
+            "model": "demo", "messages": [user, called, tool], "stream": False,
+            "options": GREEDY})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    want = answer(result)
+    for tool in ({**result, "tool_call_id": "toolu_01"},
+                 {"role": "tool", "content": "18 C", "tool_call_id": "toolu_01"}):
+        got = answer(tool)
+        assert got["message"] == want["message"], tool
+        assert got["prompt_eval_count"] == want["prompt_eval_count"], tool
+
+
+@pytest.mark.parametrize(("sent", "read"), [
+    # Ollama's Go ``api`` package: a tool without parameters, ``properties`` not omitempty.
+    ({"type": "function", "function": {"name": "now", "parameters": {
+        "type": "object", "properties": None}}},
+     {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}),
+    # Its zero value (no parameters set at all, nor the tool's type).
+    ({"type": "", "function": {"name": "now", "parameters": {"type": "", "properties": None}}},
+     {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}),
+    # Before Ollama 0.12.11 ``required`` was not omitempty either; a pydantic model dumped
+    # without ``exclude_none`` sends every unset keyword as null.
+    ({"function": {"name": "weather", "parameters": {
+        "type": "object", "required": None, "properties": {
+            "city": {"type": "string", "description": None, "enum": None, "items": None}}}}},
+     {"type": "function", "function": {"name": "weather", "parameters": {
+         "type": "object", "properties": {"city": {"type": "string"}}}}}),
+    # A null property is Go's zero value of one: a property of any value.
+    ({"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": None}}}},
+     {"type": "function", "function": {"name": "weather", "parameters": {
+         "type": "object", "properties": {"city": {}}}}}),
+])
+def test_tools_as_go_clients_send_them(http: httpx.Client, sent: dict[str, Any],
+                                       read: dict[str, Any]) -> None:
+    """Nulls where Ollama's Go decoder reads a field left out, and Go's empty ``type``,
+    are the tool they stand for (Ollama renders both alike). afmd refused them: "Invalid
+    JSON schema: None is not of type 'object'", or "Missing required parameter:
+    'tools[0].type'", for tools that Ollama serves."""
+    def answer(tool: dict[str, Any]) -> dict[str, Any]:
+        response = http.post("/api/chat", json={
+            "model": "demo", "messages": MESSAGES, "tools": [tool], "stream": False,
+            "options": GREEDY})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    want, got = answer(read), answer(sent)
+    assert got["message"] == want["message"]
+    assert got["prompt_eval_count"] == want["prompt_eval_count"]
+
+
 def test_tool_calls_go_out_with_object_arguments() -> None:
     """The encoder: a finished call is one object, its arguments an object (Ollama's)."""
     request = OLLAMA_CHAT.parse(json.dumps({"model": "demo", "messages": MESSAGES}).encode())
@@ -546,6 +647,26 @@ def test_seed_minus_one_is_a_fresh_seed(client: ollama.Client) -> None:
     assert len({answer(-1) for _ in range(4)}) > 1
     assert answer(-5) == answer(-5)
     assert answer(7) == answer(7)
+
+
+def test_a_temperature_above_two_samples_as_in_ollama(http: httpx.Client) -> None:
+    """Ollama takes any temperature, and SillyTavern's text completion (a raw
+    ``/api/generate`` with its sampler's options) offers up to 5: afmd refused anything
+    above OpenAI's 2 with a 400 naming ``options.temperature``."""
+    def answer(temperature: float) -> str:
+        response = http.post("/api/generate", json={
+            "model": "demo", "prompt": "Once upon a time", "raw": True, "stream": False,
+            "options": {"temperature": temperature, "seed": 11, "num_predict": 16,
+                        "top_k": 0, "top_p": 1, "typical_p": 1, "tfs_z": 1, "min_p": 0,
+                        "repeat_penalty": 1.1, "repeat_last_n": 64}})
+        assert response.status_code == 200, response.text
+        return str(response.json()["response"])
+
+    hot = answer(4.5)
+    assert hot == answer(4.5) and hot != answer(0)  # sampled at that temperature, seeded
+    negative = http.post("/api/generate", json={"model": "demo", "prompt": "x",
+                                                "options": {"temperature": -1}})
+    assert negative.status_code == 400 and "options.temperature" in negative.json()["error"]
 
 
 def test_a_role_is_read_in_any_case(client: ollama.Client) -> None:
@@ -826,26 +947,30 @@ def test_a_schema_error_names_its_field(http: httpx.Client, route: str, body: di
     assert response.json()["error"].startswith(f"{field}: "), response.text
 
 
-def test_a_tool_result_answering_no_call_says_so(http: httpx.Client) -> None:
-    """A tool message that names no call id answers no call: the 400 says which calls
-    there were. It said "answers tool call '?'", a call id afmd had made up."""
+def test_a_tool_result_answering_no_call_is_history_as_in_ollama(http: httpx.Client
+                                                                   ) -> None:
+    """A tool message that answers no call is rendered where it stands, as Ollama renders
+    it: after an assistant's text whose calls the client did not send back (Continue's
+    Ollama provider kept only the text), a result the client sent twice, or one naming a
+    tool not called. afmd refused each with a 400, so these apps' tool loops broke on
+    their second turn."""
     user = {"role": "user", "content": "Weather in Paris?"}
+    said = {"role": "assistant", "content": "Let me look that up."}
     called = {"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
     result = {"role": "tool", "content": "18 C"}
-    for messages, says in (
-        ([user, result], "messages[1] is a tool result, but the message before it is no "
-                         "assistant message with tool_calls"),
-        ([user, called, {**result, "tool_name": "get_time"}],
-         "messages[2] is the result of the tool 'get_time', but messages[1] made no call of "
-         "it left unanswered (its calls: 'get_weather')"),
-        ([user, called, result, result],
-         "messages[3] is a tool result, but every call messages[1] made ('get_weather') is "
-         "answered already"),
-    ):
-        response = http.post("/api/chat", json={"model": "demo", "messages": messages})
-        assert response.status_code == 400, response.text
-        assert says in response.json()["error"], response.text
+
+    def prompt_tokens(messages: list[dict[str, Any]]) -> int:
+        response = http.post("/api/chat", json={"model": "demo", "messages": messages,
+                                                "stream": False, "options": GREEDY})
+        assert response.status_code == 200, response.text
+        return int(response.json()["prompt_eval_count"])
+
+    assert prompt_tokens([user, said, result]) > prompt_tokens([user, said])
+    assert prompt_tokens([user, result]) > prompt_tokens([user])
+    once = prompt_tokens([user, called, result])
+    assert prompt_tokens([user, called, result, result]) > once
+    assert prompt_tokens([user, called, {**result, "tool_name": "get_time"}]) >= once
 
 
 @pytest.mark.parametrize(("route", "field", "value"), [
@@ -892,6 +1017,81 @@ def test_a_body_is_json_whatever_its_type_says_as_curl_sends_it(
                       headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert chat.status_code == 415
     assert chat.json()["error"]["code"] == "unsupported_media_type"
+
+
+#: What the official JavaScript SDKs send from a page besides ``Content-Type`` (the
+#: ``ollama`` package's ``User-Agent`` where the browser lets it, OpenAI's and Anthropic's
+#: ``x-stainless-*`` telemetry, Anthropic's opt-in to calls from a browser).
+SDK_HEADERS = {
+    "/api/chat": {"Accept": "application/json", "User-Agent": "ollama-js/0.6.4 (x64 linux)"},
+    "/v1/chat/completions": {
+        "Authorization": "Bearer unused", "x-stainless-lang": "js",
+        "x-stainless-package-version": "7.60.0", "x-stainless-os": "Linux",
+        "x-stainless-arch": "x64", "x-stainless-runtime": "browser:chrome",
+        "x-stainless-runtime-version": "120", "x-stainless-retry-count": "0",
+        "x-stainless-timeout": "600"},
+    "/v1/messages": {
+        "x-api-key": "unused", "anthropic-version": "2023-06-01",
+        "anthropic-dangerous-direct-browser-access": "true", "x-stainless-lang": "js",
+        "x-stainless-os": "Linux", "x-stainless-helper-method": "stream"},
+}
+
+
+class _AppPage(http.server.BaseHTTPRequestHandler):
+    """An app's own page, at its own origin on this machine (Chromium refuses a page it
+    takes for a public one access to a loopback address)."""
+
+    def do_GET(self) -> None:
+        body = b"<!doctype html><title>app</title>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def test_a_page_may_send_what_the_official_sdks_send(tmp_path: Path) -> None:
+    """A page of an allowed origin (an Electron app, a VS Code webview) calling through
+    the official JavaScript SDKs sends their headers, so its preflight names them: Ollama
+    allows them all (its OpenAI routes' ``x-stainless-*`` too). afmd's preflight left them
+    out, and Chromium failed every such request before it was sent ("Failed to fetch")."""
+    from helpers.browser import launched
+
+    app = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AppPage)
+    threading.Thread(target=app.serve_forever, daemon=True).start()
+    origin = f"http://127.0.0.1:{app.server_address[1]}"
+    server = start_server(tmp_path, config=f'[server]\nallowed_origins = ["{origin}"]\n')
+    bodies = {
+        "/api/chat": {"model": "demo", "messages": MESSAGES, "stream": False,
+                      "options": GREEDY},
+        "/v1/chat/completions": {"model": "demo", "messages": MESSAGES, "max_tokens": 2},
+        "/v1/messages": {"model": "demo", "max_tokens": 2,
+                         "messages": [{"role": "user", "content": "Hi"}]},
+    }
+    try:
+        with launched() as browser:
+            context = browser.new_context()
+            page = context.new_page()
+            page.goto(origin + "/")
+            for path, headers in SDK_HEADERS.items():
+                got = page.evaluate(
+                    """async ([url, headers, body]) => {
+                        try {
+                            const r = await fetch(url, {method: "POST", body,
+                                headers: {"Content-Type": "application/json", ...headers}});
+                            return [r.status, await r.text()];
+                        } catch (e) { return [0, String(e)]; }
+                    }""",
+                    [server.url + path, headers, json.dumps(bodies[path])])
+                assert got[0] == 200, (path, got)
+            context.close()
+    finally:
+        server.stop()
+        app.shutdown()
+        app.server_close()
 
 
 def test_endpoints_afmd_does_not_serve_say_why_in_ollamas_envelope(
@@ -1015,6 +1215,22 @@ def test_pull_reports_progress_then_the_model_serves(
             call()
         assert unknown.value.status_code == 404, unknown.value.error
     assert hub.log[asked:] == []
+
+
+def test_a_hub_repo_by_ollamas_name_for_it(hub_server: tuple[ServerProcess, FakeHub]
+                                           ) -> None:
+    """``hf.co/OWNER/NAME`` is how Ollama names a Hugging Face repo (``ollama pull
+    hf.co/…``): it pulls, shows and deletes that repo here too. afmd answered the pull
+    "'hf.co/…' is not a Hugging Face repo id", and every other route a 404."""
+    server, hub = hub_server
+    client = ollama.Client(host=server.url, timeout=120)
+    for name in (f"hf.co/{REPO}", f"HF.co/{REPO}:latest", f"huggingface.co/{REPO}"):
+        assert client.pull(name).status == "success", name
+        assert client.show(name).capabilities == client.show("demo").capabilities, name
+    assert REPO + ":latest" in {m.model for m in client.list().models}
+    assert not [r.path for r in hub.log if ".co/" in r.path]  # the repo's own paths only
+    assert client.delete(f"hf.co/{REPO}:latest").status == "success"
+    assert REPO + ":latest" not in {m.model for m in client.list().models}
 
 
 def test_a_pull_of_a_model_the_server_serves_by_its_name(tmp_path: Path) -> None:

@@ -121,6 +121,9 @@ def test_well_formed_refs() -> None:
     commit = "0123456789abcdef" * 2 + "01234567"
     assert parse_ref(f"a/b@{commit}") == ("a/b", commit)
     assert parse_ref("a/b@v1.0-rc.2") == ("a/b", "v1.0-rc.2")
+    # Ollama's name for a hub repo; a repo of an owner called so is still that repo.
+    assert parse_ref("hf.co/a/b") == parse_ref("HuggingFace.co/a/b@main") == ("a/b", "main")
+    assert parse_ref("hf.co/b") == ("hf.co/b", "main")
 
 
 # ---------------------------------------------------------------------------- pulling

@@ -49,7 +49,6 @@ from afmd.dialects.fields.checks import (
     missing,
     names,
     optional,
-    quoted,
     read_scalars,
     required,
     string_list,
@@ -57,9 +56,8 @@ from afmd.dialects.fields.checks import (
     wrong_type,
 )
 from afmd.dialects.fields.keep_alive import keep_alive_of
-from afmd.dialects.fields.messages import check_prefill, check_tool_history, prefilled
+from afmd.dialects.fields.messages import check_prefill, prefilled
 from afmd.dialects.fields.tool_specs import parse_tool_choice, parse_tools
-from afmd.errors import InvalidRequestError
 
 __all__ = ["OPTIONS", "is_load_request", "parse_chat", "parse_generate", "wants_thinking"]
 
@@ -75,9 +73,10 @@ RANDOM_SEED = -1
 THINK_LEVELS = {"low": "low", "medium": "medium", "high": "high", "max": "xhigh"}
 ROLES = ("system", "user", "assistant", "tool")
 
-#: The options afmd acts on, with afmd's bounds.
+#: The options afmd acts on, with afmd's bounds. ``temperature`` has none above, as in
+#: Ollama (OpenAI's is 2): role-play front ends (SillyTavern) offer up to 5.
 OPTIONS = (
-    Scalar("temperature", "number", minimum=0.0, maximum=2.0),
+    Scalar("temperature", "number", minimum=0.0, maximum=math.inf),
     Scalar("top_k", "integer", minimum=0),
     Scalar("top_p", "number", minimum=0.0, maximum=1.0),
     Scalar("min_p", "number", minimum=0.0, maximum=1.0),
@@ -269,7 +268,24 @@ def _arguments(function: dict[str, Any], param: str) -> str:
     return orjson.dumps(value).decode()
 
 
-def _tool_calls(value: Any, param: str, ids: itertools.count[int]) -> tuple[ToolCall, ...]:
+class _CallIds:
+    """The ids given to the calls a client sent without one (Ollama's own shape has
+    none), remembered: a ``tool_call_id`` the client made up for its tool message cannot
+    name one of them, so such a message is matched by its tool's name or its place."""
+
+    __slots__ = ("_count", "made_up")
+
+    def __init__(self) -> None:
+        self._count = itertools.count()
+        self.made_up: set[str] = set()
+
+    def new(self) -> str:
+        call_id = f"call_{next(self._count)}"
+        self.made_up.add(call_id)
+        return call_id
+
+
+def _tool_calls(value: Any, param: str, ids: _CallIds) -> tuple[ToolCall, ...]:
     if not isinstance(value, list):
         raise wrong_type(param, "an array", value)
     calls: list[ToolCall] = []
@@ -279,12 +295,12 @@ def _tool_calls(value: Any, param: str, ids: itertools.count[int]) -> tuple[Tool
             raise wrong_type(p, "an object", call)
         function = required(call, "function", f"{p}.function", dict, "an object")
         name = required(function, "name", f"{p}.function.name", str, "a string")
-        call_id = optional(call, "id", f"{p}.id", str, "a string") or f"call_{next(ids)}"
+        call_id = optional(call, "id", f"{p}.id", str, "a string") or ids.new()
         calls.append(ToolCall(call_id, name, _arguments(function, f"{p}.function.arguments")))
     return tuple(calls)
 
 
-def _message(value: Any, param: str, ids: itertools.count[int]) -> Message:
+def _message(value: Any, param: str, ids: _CallIds) -> Message:
     if not isinstance(value, dict):
         raise wrong_type(param, "an object", value)
     # Ollama lowercases a role as it reads it: "User" is a user's message there.
@@ -309,51 +325,91 @@ def _message(value: Any, param: str, ids: itertools.count[int]) -> Message:
     return Message(role, content, has_images=bool(images), images=images)
 
 
-def _answered(messages: list[Message]) -> tuple[Message, ...]:
+#: The schema keywords of Ollama's ``ToolFunctionParameters`` and ``ToolProperty`` (its
+#: api/types.go): Go decodes ``null`` in any of them as the field left out.
+_GO_SCHEMA_KEYWORDS = frozenset({"type", "$defs", "items", "required", "properties",
+                                 "anyOf", "description", "enum"})
+
+
+def _schema_as_go_reads_it(schema: Any) -> Any:
+    """A tool's parameter schema with the nulls Ollama's decoder reads as absent left out:
+    Go clients built on Ollama's own ``api`` package send ``"properties": null`` for a
+    tool without parameters (and, before it was ``omitempty``, ``"required": null``),
+    which a JSON schema validator refuses. Other keywords are kept as they are."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if value is None and key in _GO_SCHEMA_KEYWORDS:
+            continue
+        if key in ("properties", "$defs") and isinstance(value, dict):
+            # (a null property is Go's zero ``ToolProperty``: any value)
+            value = {name: _schema_as_go_reads_it({} if v is None else v)
+                     for name, v in value.items()}
+        elif key == "items":
+            value = _schema_as_go_reads_it(value)
+        elif key == "anyOf" and isinstance(value, list):
+            value = [_schema_as_go_reads_it(v) for v in value]
+        out[key] = value
+    return out
+
+
+def _tools_as_go_reads_them(value: Any) -> Any:
+    """``tools`` as Ollama's decoder reads them: a tool's ``type`` Go left empty (or out)
+    is a function, Ollama's only kind, and each schema as
+    :func:`_schema_as_go_reads_it`; a parameters object of Go's zero value (``"type":
+    ""``) is an object, as every call's arguments are. Anything else is left for
+    :func:`~afmd.dialects.fields.tool_specs.parse_tools` to check."""
+    if not isinstance(value, list):
+        return value
+    tools: list[Any] = []
+    for tool in value:
+        if isinstance(tool, dict):
+            tool = dict(tool)
+            if tool.get("type") in (None, "") and isinstance(tool.get("function"), dict):
+                tool["type"] = "function"
+            function = tool.get("function")
+            if isinstance(function, dict) and isinstance(function.get("parameters"), dict):
+                parameters = _schema_as_go_reads_it(function["parameters"])
+                if parameters.get("type") == "":
+                    parameters["type"] = "object"
+                tool["function"] = {**function, "parameters": parameters}
+        tools.append(tool)
+    return tools
+
+
+def _answered(messages: list[Message], made_up: Collection[str]) -> tuple[Message, ...]:
     """Each ``tool`` message given the id of the call it answers: its own
     ``tool_call_id``, else the first unanswered call of the assistant message before it
-    with its ``tool_name``, else that message's first unanswered call."""
+    with its ``tool_name``, else that message's first unanswered call. A ``tool_call_id``
+    is only read as naming a call where the client gave those calls ids: one of its own
+    beside calls without any names none of them (ids are afmd's ``made_up`` ones).
+
+    Nothing else is asked of the history, as Ollama asks nothing of it (its template
+    renders the messages as they come): a call may go unanswered (a user who declined
+    it), and a tool message may answer no call (clients that keep an assistant's text
+    but not its calls, as Continue's Ollama provider did), in the order sent."""
     out: list[Message] = []
     open_calls: list[ToolCall] = []
-    caller: int | None = None  # the assistant message the tool messages answer
-    for i, m in enumerate(messages):
+    for m in messages:
         if m.role == "assistant":
-            open_calls, caller = list(m.tool_calls), i
+            open_calls = list(m.tool_calls)
         elif m.role == "tool":
             call = next((c for c in open_calls if c.id == m.tool_call_id), None)
-            if call is None and m.tool_call_id is None:
+            by_id = m.tool_call_id is not None and any(c.id not in made_up
+                                                       for c in open_calls)
+            if call is None and not by_id:
                 call = next((c for c in open_calls if c.name == m.name), None)
                 if call is None and open_calls and m.name is None:
                     call = open_calls[0]
-                if call is None:
-                    raise _no_call_for(messages, i, caller)
             if call is not None:
                 open_calls.remove(call)
                 m = Message(m.role, m.content, name=m.name, tool_call_id=call.id,
                             has_images=m.has_images, images=m.images)
         else:
-            open_calls, caller = [], None
+            open_calls = []
         out.append(m)
     return tuple(out)
-
-
-def _no_call_for(messages: list[Message], i: int, a: int | None) -> InvalidRequestError:
-    """Why a tool message without a call id answers no call. Ollama's tool messages name
-    a tool, not a call, so the error says which calls there were to answer (a call id
-    made up for it would name a call that never existed)."""
-    param, tool = f"messages[{i}]", messages[i]
-    calls = messages[a].tool_calls if a is not None else ()
-    if not calls:
-        return invalid(param, f"{param} is a tool result, but the message before it is no "
-                       "assistant message with tool_calls: a tool message answers a call of "
-                       "the assistant message right before it.")
-    made = ", ".join(quoted(c.name) for c in calls)
-    if tool.name is not None:
-        return invalid(f"{param}.tool_name",
-                       f"{param} is the result of the tool {quoted(tool.name)}, but "
-                       f"messages[{a}] made no call of it left unanswered (its calls: {made}).")
-    return invalid(param, f"{param} is a tool result, but every call messages[{a}] made "
-                   f"({made}) is answered already.")
 
 
 def _messages(value: Any) -> tuple[Message, ...]:
@@ -361,11 +417,11 @@ def _messages(value: Any) -> tuple[Message, ...]:
         raise missing("messages")
     if not isinstance(value, list):
         raise wrong_type("messages", "an array", value)
-    ids = itertools.count()
+    ids = _CallIds()
     messages = [_message(m, f"messages[{i}]", ids) for i, m in enumerate(value)]
     if not messages:
         raise invalid("messages", "'messages' must contain at least one message.")
-    return check_tool_history(_answered(messages))
+    return _answered(messages, ids.made_up)
 
 
 def _common(body: dict[str, Any], known: frozenset[str], strict: bool
@@ -388,7 +444,7 @@ def chat_request(body: dict[str, Any], *, server_tools: Collection[str] = (),
                  strict: bool = False) -> ChatRequest:
     top, options, ignored = _common(body, CHAT_FIELDS, strict)
     messages, prefill = prefilled(_messages(body.get("messages")))
-    tools = parse_tools(body.get("tools"))
+    tools = parse_tools(_tools_as_go_reads_them(body.get("tools")))
     response_format = _format(body.get("format"))
     if prefill:  # as Ollama: the answer continues the last assistant message
         check_prefill(response_format, "format", ToolChoice(), "tools")

@@ -78,11 +78,12 @@ class ModelRegistry:
     def resolve(self, name: str | None) -> ModelEntry:
         entry = self._config.resolve_model(name)
         if entry is None and name is not None:
-            # Ollama's clients name a model's default tag (``demo:latest``); a model pulled
-            # into the Hugging Face cache serves under its repo id without configuring it,
-            # or as the configured model of that path, when there is one: its own id would
-            # have loaded a second copy of the same files beside it.
-            base = name.removesuffix(":latest")
+            # Ollama's clients name a model's default tag (``demo:latest``), and a hub
+            # repo as Ollama names it (``hf.co/OWNER/NAME``); a model pulled into the
+            # Hugging Face cache serves under its repo id without configuring it, or as
+            # the configured model of that path, when there is one: its own id would have
+            # loaded a second copy of the same files beside it.
+            base = hubcache.without_hub_host(name.removesuffix(":latest"))
             entry = self._config.resolve_model(base) if base != name else None
             entry = entry or self._configured_path(base) or self._downloaded(base)
         if entry is None:

@@ -108,9 +108,12 @@ async def get_model(request: Request, model_id: str) -> HTTPResponse:
             request.ctx.dialect = dialect
             break
     state = request.app.ctx.state
-    for obj in _model_objects(state):
-        if obj["id"] == model_id:
-            return HTTPResponse(orjson.dumps(obj), content_type="application/json")
+    # Ollama's default tag, as every other route reads it: a client of Ollama's OpenAI
+    # routes names its models as ``/api/tags`` lists them (``demo:latest``).
+    for name in dict.fromkeys((model_id, model_id.removesuffix(":latest"))):
+        for obj in _model_objects(state):
+            if obj["id"] == name:
+                return HTTPResponse(orjson.dumps(obj), content_type="application/json")
     raise NotFoundError(
         f"The model '{model_id}' does not exist.", code="model_not_found", param="model"
     )

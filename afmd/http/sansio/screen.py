@@ -63,8 +63,20 @@ class RouteVerdict(NamedTuple):
 #: ``route(method, path)`` -> a :class:`RouteVerdict`, or its first two fields alone.
 RouteCheck = Callable[[str, str], RouteVerdict | tuple[int, tuple[str, ...]]]
 
-CORS_ALLOW_HEADERS = ("Authorization, Content-Type, X-Request-ID, X-AFM-Profile, X-API-Key, "
-                      "Anthropic-Version, Anthropic-Beta")
+#: The request headers an allowed page may send: afmd's own, and those the official SDKs
+#: send from a browser or an Electron app (ollama-js its ``User-Agent``, OpenAI's and
+#: Anthropic's their ``x-stainless-*`` ones; Ollama allows the same): a preflight that
+#: leaves out one header the page sends fails its every request.
+CORS_ALLOW_HEADERS = ", ".join((
+    "Authorization", "Content-Type", "Accept", "User-Agent", "X-Requested-With",
+    "X-Request-ID", "X-AFM-Profile", "X-API-Key",
+    "Anthropic-Version", "Anthropic-Beta", "Anthropic-Dangerous-Direct-Browser-Access",
+    "OpenAI-Beta", "OpenAI-Organization", "OpenAI-Project",
+    *(f"X-Stainless-{name}" for name in (
+        "Arch", "Async", "Custom-Poll-Interval", "Helper", "Helper-Method", "Lang", "OS",
+        "Package-Version", "Poll-Helper", "Read-Timeout", "Retry-Count", "Runtime",
+        "Runtime-Version", "Timeout")),
+))
 CORS_EXPOSE_HEADERS = (
     "X-Request-ID, OpenAI-Request-ID, Request-Id, X-Grammar-Constraints, "
     "X-AFM-Trimmed-Messages, X-AFM-Trimmed-Context, X-AFM-Ignored-Fields"
