@@ -1638,3 +1638,28 @@ def test_sigterm_ends_pulls_with_the_shutdown_error(tmp_path: Path) -> None:
               and e.get("path") == "/api/pull"]
     assert {e.get("stream_error") or e.get("error_code") for e in access} \
         == {"server_shutting_down"}, access
+
+
+def test_namespaced_tool_names_pass_where_openais_rule_refuses_them(
+        http: httpx.Client) -> None:
+    """MCP servers name tools ``calendar.read`` or ``docs/search``, and Ollama's clients
+    pass them on (Ollama takes any name); OpenAI's dialect keeps OpenAI's rule, and a
+    name no call reader could read back is refused naming the field."""
+    def tool(name: str) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {}}}}
+
+    messages = [{"role": "user", "content": "hi"}]
+    ollama_answer = http.post("/api/chat", json={
+        "model": "demo", "stream": False, "messages": messages,
+        "options": {"num_predict": 2}, "tools": [tool("calendar.read"), tool("docs/search")]})
+    assert ollama_answer.status_code == 200, ollama_answer.text
+    refused = http.post("/api/chat", json={"model": "demo", "stream": False,
+                                           "messages": messages, "tools": [tool("bad name!")]})
+    assert refused.status_code == 400
+    assert refused.json()["error"].startswith("tools[0].function.name: Invalid tool name")
+    openai_answer = http.post("/v1/chat/completions", json={
+        "model": "demo", "max_tokens": 2, "messages": messages,
+        "tools": [tool("calendar.read")]})
+    assert openai_answer.status_code == 400
+    assert openai_answer.json()["error"]["param"] == "tools[0].function.name"

@@ -14,6 +14,7 @@ same call; thinking comes before the call; a JSON answer or a call, with tools a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import Iterator
@@ -36,7 +37,8 @@ from afmd.core.events import (
     ToolCallStart,
     Usage,
 )
-from afmd.core.request import Message, ToolCall
+from afmd.core.request import ChatRequest, Message, ToolCall, ToolChoice
+from afmd.dialects.ollama.ollama_body import parse_chat
 from afmd.dialects.openai.chat import OPENAI_CHAT
 from afmd.dialects.responses.client_tools import PARAMETERS
 from afmd.dialects.responses.options import custom_parameters
@@ -108,6 +110,19 @@ class Models:
 
         async def go() -> list[list[Event]]:
             return list(await asyncio.gather(*(one(body) for body in bodies)))
+
+        return asyncio.run(go())
+
+    def run_request(self, request: ChatRequest) -> list[Event]:
+        """One request already parsed (by any dialect) through the pipeline."""
+
+        async def go() -> list[Event]:
+            run = await self.pipeline.start(
+                await self.pipeline.prepare(request, uuid.uuid4().hex))
+            try:
+                return [event async for batch in run for event in batch]
+            finally:
+                self.pipeline.release(run)
 
         return asyncio.run(go())
 
@@ -208,6 +223,32 @@ def test_forced_call_is_valid_every_time(models: Models, spec: Spec) -> None:
         if arguments:  # streamed as written, not in one piece at the end
             assert len(fragments) >= 2, (seed, call)
         assert not [e for e in events if isinstance(e, Content)]
+
+
+#: Tool names as MCP servers give them (dots and slashes), which Ollama's clients pass on.
+NAMESPACED = ("calendar.read", "docs/search_v2")
+
+
+@pytest.mark.parametrize("spec", FAMILIES, ids=lambda s: s.id)
+def test_namespaced_tool_names_from_ollama_clients_are_called_by_name(
+        models: Models, spec: Spec) -> None:
+    """Ollama takes any tool name; afmd takes what every family's call reader reads back,
+    and a forced call to such a tool comes back under its name, its arguments valid."""
+    body = {"model": spec.id, "stream": False, "think": False,
+            "options": {"num_predict": 200, "temperature": 1.0, "seed": 3},
+            "messages": [{"role": "user", "content": "Note this down."}],
+            "tools": [{"type": "function", "function": {
+                "name": name, "description": "Writes a note.", "parameters": NOTE}}
+                for name in NAMESPACED]}
+    parsed = parse_chat(orjson.dumps(body))
+    assert [t.name for t in parsed.tools] == list(NAMESPACED)
+    forced = dataclasses.replace(parsed, tool_choice=ToolChoice(
+        "required", allowed=(NAMESPACED[0],)), parallel_tool_calls=False)
+    events = models.run_request(forced)
+    calls = [e for e in events if isinstance(e, ToolCallEnd)]
+    assert [c.call.name for c in calls] == [NAMESPACED[0]], events
+    jsonschema.validate(json.loads(calls[0].call.arguments), NOTE)
+    assert finish(events) == "tool_calls"
 
 
 @pytest.mark.parametrize("spec", FAMILIES, ids=lambda s: s.id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from afmd.core.request import ResponseFormat, ToolChoice, ToolSpec
@@ -25,8 +26,18 @@ from afmd.dialects.fields.checks import (
 from afmd.dialects.fields.messages import function_object
 from afmd.errors import InvalidRequestError
 
+
+@dataclass(frozen=True, slots=True)
+class ToolNames:
+    """What a dialect takes as a tool's name, and how its refusal puts the rule."""
+
+    pattern: re.Pattern[str]
+    rule: str
+
+
 #: OpenAI's rule for a function name: 1-64 of a-z, A-Z, 0-9, _ and -.
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
+OPENAI_TOOL_NAMES = ToolNames(re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII),
+                              "1-64 characters among a-z, A-Z, 0-9, _ and -")
 
 # The keys ``[api] strict`` admits in each object: the openai SDK's (held to its TypedDicts
 # by tests/unit/dialects/test_sdk_fields.py), as OpenAI refuses any other.
@@ -53,13 +64,10 @@ JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
 CustomFormat = Callable[[Any, str, bool], dict[str, Any]]
 
 
-def _check_name(name: str, param: str, seen: set[str]) -> None:
-    if _TOOL_NAME.fullmatch(name) is None:
-        raise invalid(
-            param,
-            f"Invalid tool name {quoted(name)}: use 1-64 characters among a-z, A-Z, "
-            "0-9, _ and -.",
-        )
+def _check_name(name: str, param: str, seen: set[str],
+                names: ToolNames = OPENAI_TOOL_NAMES) -> None:
+    if names.pattern.fullmatch(name) is None:
+        raise invalid(param, f"Invalid tool name {quoted(name)}: use {names.rule}.")
     if name in seen:
         raise invalid(param, f"Duplicate tool name '{name}'.")
     seen.add(name)
@@ -84,10 +92,10 @@ def _custom_tool(tool: dict[str, Any], p: str, custom: CustomFormat, seen: set[s
 
 def parse_tools(
     value: Any, param: str = "tools", *, strict: bool = False,
-    custom: CustomFormat | None = None,
+    custom: CustomFormat | None = None, names: ToolNames = OPENAI_TOOL_NAMES,
 ) -> tuple[ToolSpec, ...]:
-    """The client's function tools, each named once (``strict``: no unknown key in a tool
-    or its function); with ``custom``, custom tools too."""
+    """The client's function tools, each named once as ``names`` allows (``strict``: no
+    unknown key in a tool or its function); with ``custom``, custom tools too."""
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -114,7 +122,7 @@ def parse_tools(
         function, name = function_object(tool, p)
         if strict:
             reject_unknown(function, FUNCTION_KEYS, prefix=f"{p}.function.")
-        _check_name(name, f"{p}.function.name", seen)
+        _check_name(name, f"{p}.function.name", seen, names)
         description = optional(
             function, "description", f"{p}.function.description", str, "a string"
         )
@@ -268,7 +276,8 @@ def parse_response_format(value: Any, *, strict: bool = False) -> ResponseFormat
     if strict:
         reject_unknown(spec, JSON_SCHEMA_KEYS, prefix="response_format.json_schema.")
     name = required(spec, "name", "response_format.json_schema.name", str, "a string")
-    if _TOOL_NAME.fullmatch(name) is None:  # OpenAI holds a schema's name to a tool's rule
+    # OpenAI holds a schema's name to a tool's rule.
+    if OPENAI_TOOL_NAMES.pattern.fullmatch(name) is None:
         raise invalid("response_format.json_schema.name",
                       f"Invalid name {quoted(name)}: use 1-64 characters among a-z, A-Z, "
                       "0-9, _ and -.")

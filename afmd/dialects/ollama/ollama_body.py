@@ -57,7 +57,8 @@ from afmd.dialects.fields.checks import (
 )
 from afmd.dialects.fields.keep_alive import keep_alive_of
 from afmd.dialects.fields.messages import check_prefill, prefilled
-from afmd.dialects.fields.tool_specs import parse_tool_choice, parse_tools
+from afmd.dialects.fields.tool_specs import ToolNames, parse_tool_choice, parse_tools
+from afmd.output.formats.base import NAME
 
 __all__ = ["OPTIONS", "is_load_request", "parse_chat", "parse_generate", "wants_thinking"]
 
@@ -72,6 +73,12 @@ UNCAPPED = 1 << 30
 RANDOM_SEED = -1
 THINK_LEVELS = {"low": "low", "medium": "medium", "high": "high", "max": "xhigh"}
 ROLES = ("system", "user", "assistant", "tool")
+#: A tool's name: Ollama takes any, and its clients pass MCP servers' tools on as named
+#: (``calendar.read``, ``docs/search``: the MCP spec allows dots and slashes), where
+#: OpenAI's rule refuses them. What the models' call readers read as a name is taken;
+#: a name they could never read back from a model's call is refused, not left uncalled.
+OLLAMA_TOOL_NAMES = ToolNames(
+    NAME, "1-128 characters among a-z, A-Z, 0-9, _, -, ., : and /")
 
 #: The options afmd acts on, with afmd's bounds. ``temperature`` has none above, as in
 #: Ollama (OpenAI's is 2): role-play front ends (SillyTavern) offer up to 5.
@@ -444,7 +451,8 @@ def chat_request(body: dict[str, Any], *, server_tools: Collection[str] = (),
                  strict: bool = False) -> ChatRequest:
     top, options, ignored = _common(body, CHAT_FIELDS, strict)
     messages, prefill = prefilled(_messages(body.get("messages")))
-    tools = parse_tools(_tools_as_go_reads_them(body.get("tools")))
+    tools = parse_tools(_tools_as_go_reads_them(body.get("tools")),
+                        names=OLLAMA_TOOL_NAMES)
     response_format = _format(body.get("format"))
     if prefill:  # as Ollama: the answer continues the last assistant message
         check_prefill(response_format, "format", ToolChoice(), "tools")

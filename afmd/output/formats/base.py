@@ -21,13 +21,13 @@ from afmd.core.request import ToolCall
 from afmd.output.markers import earliest, partial_suffix
 
 _WS = " \t\r\n"
-# What a tool's name may look like in markup (OpenAI's names, plus dots and colons some
-# families put in a namespace): anything else means the text is not a call after all.
-_NAME = re.compile(r"[A-Za-z0-9_.:\-/]{1,128}")
+#: What a tool's name may look like in markup (OpenAI's names, plus dots and colons some
+#: families put in a namespace): anything else means the text is not a call after all.
+NAME = re.compile(r"[A-Za-z0-9_.:\-/]{1,128}")
 
 
 def is_name(text: str) -> bool:
-    return _NAME.fullmatch(text) is not None
+    return NAME.fullmatch(text) is not None
 
 
 class CallLog:

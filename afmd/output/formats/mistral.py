@@ -25,8 +25,11 @@ ARGS = "[ARGS]"
 CALL_ID = "[CALL_ID]"
 #: Every marker the reader reads (see kimi.MARKERS).
 MARKERS = (MARKER, ARGS, CALL_ID)
-_HEADER = re.compile(r"([\w-]+)\s*(?:\[CALL_ID\]\s*[\w-]*\s*)?\[ARGS\]")
-_HEADER_SO_FAR = re.compile(r"[\w-]*\s*(?:\[CALL_ID\]\s*[\w-]*\s*)?")
+# A name as mlx-lm's parser reads it (``[\w-]+``), and the dots, colons and slashes of a
+# namespaced one (base.NAME: an MCP server's tool, as Ollama's clients name it): it ends
+# at ``[ARGS]`` or ``[CALL_ID]`` all the same.
+_HEADER = re.compile(r"([\w.:/-]+)\s*(?:\[CALL_ID\]\s*[\w-]*\s*)?\[ARGS\]")
+_HEADER_SO_FAR = re.compile(r"[\w.:/-]*\s*(?:\[CALL_ID\]\s*[\w-]*\s*)?")
 _ALPHABET = string.ascii_letters + string.digits
 
 _OUT, _AFTER_MARKER, _HEAD, _ARGS, _AFTER, _LIST, _OBJ_ARGS, _OBJ_REST, _JUNK = range(9)
