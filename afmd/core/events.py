@@ -10,6 +10,7 @@ dialect, are built from the very same events.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,3 +134,13 @@ class Choice:
 
 Piece = Content | Reasoning | ToolCallStart | ToolCallArguments
 Event = Piece | Refusal | ToolCallEnd | Finish | Usage | Timings | Profile | Logprobs | Choice
+
+
+def profile_payload(events: Sequence[Event]) -> dict[str, Any]:
+    """The profile's keys for an answer that is one object (none when not asked): a
+    stream sends the profile as an event of its own, a whole answer carries it at its top
+    level, so every dialect answers the header streamed or not."""
+    for event in events:
+        if isinstance(event, Profile):
+            return event.payload
+    return {}

@@ -506,6 +506,44 @@ def test_the_chat_cancel_path_cancels_an_embeddings_request(
     _wait(url, lambda h: h["active_requests"] == 0 and h["queued_requests"] == 0)
 
 
+def test_every_cancel_route_finds_every_live_request(strict: ServerProcess) -> None:
+    """An id names one live request across every route, so each dialect's cancel route
+    cancels whatever runs under it: Anthropic's and the Responses route cancel a queued
+    embeddings request, and the embeddings route a chat stream. They answered 404 "No
+    running request has the id" for a request that was running, and it went on."""
+    url = strict.url
+    hog_id = "hog-" + uuid.uuid4().hex
+    chat = {"model": "demo", "max_tokens": 8000, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    with ThreadPoolExecutor(2) as pool:
+        hog: Future[httpx.Response] = pool.submit(
+            httpx.post, url + "/v1/chat/completions", json=chat, timeout=120,
+            headers={**AUTH, "X-Request-ID": hog_id})
+        _wait(url, lambda h: h["active_requests"] == 1)
+        for route, answer in (("/v1/messages", {"type": "message_cancellation"}),
+                              ("/v1/responses", {"object": "response.cancellation"})):
+            waiting_id = "emb-" + uuid.uuid4().hex
+            waiting = pool.submit(post, url, {"model": MODEL, "input": "queued"},
+                                  headers={**AUTH, "X-Request-ID": waiting_id})
+            _wait(url, lambda h: h["queued_requests"] == 1)
+            cancel = httpx.post(url + f"{route}/{waiting_id}/cancel", headers=AUTH,
+                                timeout=30)
+            assert cancel.status_code == 200, (route, cancel.text)
+            assert cancel.json() == {"id": waiting_id, "cancelled": True, **answer}
+            ended = waiting.result(30)
+            assert ended.status_code == 409, ended.text
+            assert ended.json()["error"]["code"] == "request_cancelled"
+        cancel = httpx.post(url + f"{EMBED}/{hog_id}/cancel", headers=AUTH, timeout=30)
+        assert cancel.status_code == 200, cancel.text
+        assert cancel.json() == {"id": hog_id, "object": "embedding.cancellation",
+                                 "cancelled": True}
+        stream = hog.result(30)
+        assert stream.status_code == 200, stream.text
+        last = json.loads(stream.text.split("data: [DONE]")[0].strip().rsplit("data: ", 1)[1])
+        assert last["choices"][0]["finish_reason"] == "cancelled"
+    _wait(url, lambda h: h["active_requests"] == 0 and h["queued_requests"] == 0)
+
+
 def test_request_timeout_is_504(tmp_path: Path) -> None:
     """request_timeout bounds the whole request, the encoding included."""
     srv = start_server(tmp_path, config="[server]\nrequest_timeout = 0.001\n")

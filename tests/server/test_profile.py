@@ -4,7 +4,7 @@
 ``X-AFM-Profile: extended`` adds ``{"afm_profile_extended": {"summary": PROFILE,
 "samples": [SAMPLE, ...]}}`` instead. Either comes after the finish chunk and the usage
 chunk (when ``include_usage``) and right before ``data: [DONE]``; it is not a chunk (no
-``choices``) and never appears in a non-streaming response.
+``choices``). A non-streaming answer carries the same key at its top level.
 """
 
 from __future__ import annotations
@@ -207,16 +207,48 @@ def test_no_profile_without_the_header(http: httpx.Client) -> None:
         assert events[-1] == "[DONE]" and events[-2]["choices"] == []
 
 
+#: A whole answer's output-token count, where each dialect keeps it.
+NON_STREAMING: dict[str, tuple[str, dict[str, Any], Any]] = {
+    "chat": (CHAT, {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 8},
+             lambda d: d["usage"]["completion_tokens"]),
+    "completions": ("/v1/completions", {"prompt": "Hi.", "max_tokens": 8},
+                    lambda d: d["usage"]["completion_tokens"]),
+    "responses": ("/v1/responses", {"input": "Hi.", "max_output_tokens": 16, "store": False},
+                  lambda d: d["usage"]["output_tokens"]),
+    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "Hi."}],
+                                  "max_tokens": 8}, lambda d: d["usage"]["output_tokens"]),
+    "ollama": ("/api/chat", {"messages": [{"role": "user", "content": "Hi."}],
+                             "options": {"num_predict": 8}}, lambda d: d["eval_count"]),
+}
+
+
+@pytest.mark.parametrize("dialect", list(NON_STREAMING))
 @pytest.mark.parametrize("mode", ["true", "extended"])
-def test_non_streaming_has_no_profile(http: httpx.Client, mode: str) -> None:
-    payload = {**body(max_tokens=8), "stream": False}
-    payload.pop("stream_options")
-    r = http.post(CHAT, json=payload, headers={"X-AFM-Profile": mode})
-    assert r.status_code == 200
+def test_a_whole_answer_carries_the_profile_in_every_dialect(
+    http: httpx.Client, dialect: str, mode: str
+) -> None:
+    """A non-streaming answer has nowhere to put an event: the profile is a key at its
+    top level, in every dialect (Ollama's answer always had it; the others dropped the
+    header silently). Without the header, the body is the API's own, key for key."""
+    path, payload, output_tokens = NON_STREAMING[dialect]
+    payload = {"model": "demo", **payload, "stream": False}
+    r = http.post(path, json=payload, headers={"X-AFM-Profile": mode})
+    assert r.status_code == 200, r.text
     data = r.json()
-    assert set(data) == {"id", "object", "created", "model", "system_fingerprint",
-                         "choices", "usage"}
-    assert "afm_profile" not in r.text
+    if mode == "true":
+        check(PROFILE_SCHEMA, data["afm_profile"])
+        profile = data["afm_profile"]
+    else:
+        check(EXTENDED_EVENT_SCHEMA, {"afm_profile_extended": data["afm_profile_extended"]})
+        profile = data["afm_profile_extended"]["summary"]
+        assert "afm_profile" not in data
+    assert profile["completion_tokens"] == output_tokens(data)
+    plain = http.post(path, json=payload)
+    assert plain.status_code == 200, plain.text
+    assert "afm_profile" not in plain.text
+    if dialect == "chat":
+        assert set(plain.json()) == {"id", "object", "created", "model",
+                                     "system_fingerprint", "choices", "usage"}
 
 
 def test_openai_client_streams_with_profile_header(client: Any) -> None:

@@ -153,6 +153,51 @@ def test_harmony_answers_on_its_final_channel(http: httpx.Client) -> None:
     assert isinstance(json.loads(message["content"]), dict)
 
 
+def test_thinking_sent_back_renders_alike_in_every_dialect(http: httpx.Client) -> None:
+    """A turn's thinking sent back is rendered into the prompt whichever API carries it:
+    chat's ``reasoning_content`` (what afmd's own answer had), a Responses reasoning item,
+    an Anthropic thinking block, Ollama's ``thinking``. Chat dropped it: the prompt was not
+    what the model wrote, and not what the same conversation made through the others."""
+    thought, answer = "Two and two make four.", "Four."
+    asked, again = {"role": "user", "content": "2+2?"}, {"role": "user", "content": "3+3?"}
+
+    def chat(reasoning: str | None) -> int:
+        said: dict[str, Any] = {"role": "assistant", "content": answer}
+        if reasoning is not None:
+            said["reasoning_content"] = reasoning
+        response = http.post("/v1/chat/completions", json={
+            "model": "mistral", "messages": [asked, said, again], "max_tokens": 1})
+        assert response.status_code == 200, response.text
+        return int(response.json()["usage"]["prompt_tokens"])
+
+    responses = http.post("/v1/responses", json={
+        "model": "mistral", "max_output_tokens": 16, "store": False, "input": [
+            asked, {"type": "reasoning", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": thought}]},
+            {"role": "assistant", "content": answer}, again]})
+    messages = http.post("/v1/messages", json={
+        "model": "mistral", "max_tokens": 1, "messages": [
+            asked, {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": thought, "signature": ""},
+                {"type": "text", "text": answer}]}, again]})
+    ollama = http.post("/api/chat", json={
+        "model": "mistral", "stream": False, "options": {"num_predict": 1}, "messages": [
+            asked, {"role": "assistant", "content": answer, "thinking": thought}, again]})
+    for response in (responses, messages, ollama):
+        assert response.status_code == 200, response.text
+    usage = messages.json()["usage"]
+    counts = {"chat": chat(thought), "responses": responses.json()["usage"]["input_tokens"],
+              "messages": usage["input_tokens"] + usage["cache_read_input_tokens"],
+              "ollama": ollama.json()["prompt_eval_count"]}
+    assert len(set(counts.values())) == 1, counts
+    assert counts["chat"] > chat(None)  # the template renders it: it is in the prompt
+    wrong = http.post("/v1/chat/completions", json={
+        "model": "mistral", "max_tokens": 1, "messages": [
+            asked, {"role": "assistant", "content": answer, "reasoning_content": 4}, again]})
+    assert wrong.status_code == 400
+    assert wrong.json()["error"]["param"] == "messages[1].reasoning_content"
+
+
 def test_config_paths_are_the_built_models(tmp_path: Path) -> None:
     """The families' folders are what the server loads (sanity of the fixture)."""
     models = FormatModels(tmp_path)

@@ -48,6 +48,7 @@ from afmd.core.events import (
     ToolCallEnd,
     ToolCallStart,
     Usage,
+    profile_payload,
 )
 from afmd.core.ids import alphanumerics
 from afmd.core.request import ChatRequest
@@ -206,7 +207,7 @@ class MessageReply:
             if block["type"] != "tool_use":
                 block[block["type"]] = "".join(next(texts))
         stop = ("refusal", None) if refused else stop_reason(finish, usage, self.max_tokens)
-        return orjson.dumps(self._message(content, usage, stop))
+        return orjson.dumps({**self._message(content, usage, stop), **profile_payload(events)})
 
     # -- the stream --
     def prompt_counted(self, tokens: int) -> None:

@@ -281,8 +281,13 @@ def message(value: Any, param: str, *, strict: bool = False) -> Message:
             content = refusal  # an answer that was a refusal is sent back as one
         if content is None and not calls:
             raise missing(f"{param}.content")
+        # The turn's thinking as afmd's answer carried it: rendered back for templates that
+        # know it, as a Responses reasoning item, an Anthropic thinking block and Ollama's
+        # ``thinking`` are, so the prompt is what the model wrote whichever API sent it.
+        reasoning = optional(value, "reasoning_content", f"{param}.reasoning_content", str,
+                             "a string")
         return Message(role=role, content=content, name=name, tool_calls=calls,
-                       has_images=bool(images), images=images)
+                       has_images=bool(images), images=images, reasoning=reasoning or None)
     if "content" not in value:
         raise missing(f"{param}.content")
     content, images = value["content"], _NO_IMAGES

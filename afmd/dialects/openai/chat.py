@@ -27,6 +27,7 @@ from afmd.core.events import (
     ToolCallEnd,
     ToolCallStart,
     Usage,
+    profile_payload,
 )
 from afmd.core.ids import alphanumerics
 from afmd.core.request import ChatRequest
@@ -264,6 +265,7 @@ class ChatCompletionReply:
             "system_fingerprint": self.fingerprint,
             "choices": choices,
             "usage": usage_object(usage),
+            **profile_payload(events),
         })
 
     def stream_start(self) -> bytes:

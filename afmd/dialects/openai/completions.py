@@ -15,7 +15,17 @@ from typing import Any
 
 import orjson
 
-from afmd.core.events import Choice, Content, Event, Finish, Logprobs, Profile, TokenLogprob, Usage
+from afmd.core.events import (
+    Choice,
+    Content,
+    Event,
+    Finish,
+    Logprobs,
+    Profile,
+    TokenLogprob,
+    Usage,
+    profile_payload,
+)
 from afmd.core.ids import alphanumerics
 from afmd.core.request import CompletionRequest
 from afmd.dialects.fields.body import parse_json_body
@@ -127,6 +137,7 @@ class CompletionReply:
             **self._common(),
             "choices": [p.choice(i, logprobs=self.logprobs) for i, p in enumerate(parts)],
             "usage": usage_object(usage),
+            **profile_payload(events),
         })
 
     def stream_start(self) -> bytes:

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from afmd.core.events import Event
+from afmd.core.events import Event, profile_payload
 from afmd.core.request import ChatRequest
 from afmd.dialects.fields.body import parse_json_body
 from afmd.dialects.fields.checks import quoted
@@ -93,7 +93,8 @@ class ResponsesReply:
 
     def body(self, events: Sequence[Event]) -> bytes:
         self._builder.feed(list(events))
-        return orjson.dumps(self._save(self._builder.finish()))
+        # The profile is the request's, not the response's: on the wire, never stored.
+        return orjson.dumps({**self._save(self._builder.finish()), **profile_payload(events)})
 
     def stream_start(self) -> bytes:
         return self._builder.start()

@@ -45,8 +45,8 @@ async def count_tokens(request: Request) -> HTTPResponse:
 
 async def cancel(request: Request, request_id: str) -> HTTPResponse:
     """Stop the run with this ``X-Request-ID``: its stream ends with ``stop_reason``
-    ``cancelled`` (the same run chat's cancel route finds)."""
-    if not request.app.ctx.state.pipeline.cancel(request_id):
+    ``cancelled`` (every cancel route finds every live request by its id)."""
+    if not routes.cancel_live(request.app, request_id):
         raise NotFoundError(f"No running request has the id '{request_id}'.",
                             code="not_found")
     return routes.json_response({"id": request_id, "type": "message_cancellation",

@@ -16,7 +16,7 @@ from sanic.response import HTTPResponse
 from afmd.core.events import Usage
 from afmd.dialects.openai.embeddings import OPENAI_EMBEDDINGS, OpenAIEmbeddings
 from afmd.errors import APIError, NotFoundError
-from afmd.http.routes.handlers import json_response, request_id_of
+from afmd.http.routes.handlers import cancel_live, json_response, request_id_of
 from afmd.http.routes.ignored import ignored_headers
 from afmd.http.routes.large_bodies import built_off_loop, parse_body
 from afmd.service.embedding_pipeline import EmbeddingService
@@ -76,8 +76,10 @@ async def embeddings(request: Request) -> HTTPResponse:
 
 
 async def cancel(request: Request, request_id: str) -> HTTPResponse:
+    """Stop the request with this ``X-Request-ID``, an embeddings request (which then
+    answers 409) or a turn: every cancel route finds every live request by its id."""
     body: dict[str, Any] = {"id": request_id, "object": "embedding.cancellation"}
-    if not service_of(request.app).cancel(request_id):
+    if not cancel_live(request.app, request_id):
         error = NotFoundError(
             f"No running request has the id '{request_id}'.", code="not_found", param=None
         )

@@ -14,7 +14,7 @@ from contextlib import aclosing
 from typing import Any
 
 import orjson
-from sanic import Request
+from sanic import Request, Sanic
 from sanic.response import HTTPResponse
 
 from afmd.core.events import Event, Usage
@@ -47,6 +47,7 @@ from afmd.service.profiling import parse_profile_header
 __all__ = [
     "SSE_HEADERS",
     "cancel",
+    "cancel_live",
     "dialect_of",
     "interrupt_requests",
     "json_response",
@@ -359,17 +360,25 @@ async def _stream_run(
         out.stop()
 
 
+def cancel_live(app: Sanic, request_id: str) -> bool:
+    """Cancel the turn or the embeddings request live under this ``X-Request-ID``; False:
+    none is. An id names one live request across every route (a second is a 409), so
+    every cancel route finds any of them: a client that cancels through its own dialect's
+    route must not be told that nothing runs under an id that does."""
+    state: AppState = app.ctx.state
+    embeddings: EmbeddingService | None = getattr(app.ctx, "embeddings", None)
+    return state.pipeline.cancel(request_id) or (
+        embeddings is not None and embeddings.cancel(request_id))
+
+
 async def cancel(request: Request, request_id: str) -> HTTPResponse:
-    """Stop the turn, or the embeddings request, with this ``X-Request-ID``: an id names one
-    live request across every route, and Ollama's embed has no cancel route but this one."""
-    state = request.app.ctx.state
-    embeddings: EmbeddingService | None = getattr(request.app.ctx, "embeddings", None)
+    """Stop the turn, or the embeddings request, with this ``X-Request-ID``: Ollama's routes
+    have no cancel route of their own, and are cancelled here (or through any other)."""
     body: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.cancellation",
     }
-    if not (state.pipeline.cancel(request_id)
-            or (embeddings is not None and embeddings.cancel(request_id))):
+    if not cancel_live(request.app, request_id):
         err = NotFoundError(
             f"No running request has the id '{request_id}'.", code="not_found", param=None
         )

@@ -159,7 +159,7 @@ async def cancel(request: Request, request_id: str) -> HTTPResponse:
     """Cancel a background response by its ``resp_`` id (OpenAI's cancel: the response
     object, ``cancelled``; one already ended as it ended; a 400 for one that was not
     created in the background), or any running response by its ``X-Request-ID``: it ends
-    with status ``cancelled``, streamed or not."""
+    with status ``cancelled``, streamed or not (as any live request the id names does)."""
     state = request.app.ctx.state
     live = state.background.running(request_id)
     if live is not None:
@@ -173,7 +173,7 @@ async def cancel(request: Request, request_id: str) -> HTTPResponse:
             "created with 'background': true (cancel a running one by the X-Request-ID it "
             "was sent with).", code="invalid_value", param="response_id")
     body: dict[str, Any] = {"id": request_id, "object": "response.cancellation"}
-    if not state.pipeline.cancel(request_id):
+    if not routes.cancel_live(request.app, request_id):
         error = NotFoundError(
             f"No running request has the id {quoted(request_id)} (cancel by the X-Request-ID the "
             "response was sent with; a stored response is already finished).",
