@@ -422,3 +422,23 @@ def test_output_text_logprobs_when_include_asks(client) -> None:
     plain, _ = create(client, input="Hi", max_output_tokens=16, top_logprobs=2)
     assert all(item.content[0].logprobs == [] for item in plain.output
                if item.type == "message")
+
+
+def test_an_input_past_the_window_is_openais_responses_error(client, http) -> None:
+    """OpenAI's Responses API words a prompt over the window its own way (agents show it,
+    and key on its code); afmd's numbers follow, and streamed or not it is the same 400."""
+    words = "hello world " * 40_000  # far past the demo model's window
+    for stream in (False, True):
+        answer = http.post("/v1/responses", json={"model": "demo", "input": words,
+                                                  "stream": stream})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert (error["code"], error["param"], error["type"]) == (
+            "context_length_exceeded", "input", "invalid_request_error")
+        assert error["message"].startswith(
+            "Your input exceeds the context window of this model. Please adjust your input "
+            "and try again. ("), error
+        assert "tokens" in error["message"]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.create(model="demo", input=words)
+    assert raised.value.code == "context_length_exceeded"

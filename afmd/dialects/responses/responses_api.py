@@ -36,7 +36,7 @@ from afmd.dialects.responses.responses_body import (
     parse_responses_request,
 )
 from afmd.dialects.responses.store import ResponseStore, Stored
-from afmd.errors import APIError, InvalidRequestError
+from afmd.errors import APIError, ContextLengthError, InvalidRequestError
 
 _CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function\.(.+)")
 
@@ -59,6 +59,20 @@ def rename_param(param: str | None) -> str | None:
     if match is not None:
         return f"tools[{match.group(1)}].{match.group(2)}"
     return param
+
+
+def as_responses(error: APIError) -> APIError:
+    """The error as this API words it: a prompt over the context window is OpenAI's
+    Responses sentence (its clients and agents show it as such), with the numbers after
+    it; any other is as it is."""
+    if not isinstance(error, ContextLengthError):
+        return error
+    reworded = ContextLengthError(
+        "Your input exceeds the context window of this model. Please adjust your input and "
+        f"try again. ({error.message})", prompt_tokens=error.prompt_tokens, limit=error.limit,
+        param=error.param)
+    reworded.code = error.code
+    return reworded
 
 
 def param_of(error: APIError) -> str | None:
@@ -108,6 +122,7 @@ class ResponsesReply:
         return self._builder.take()
 
     def stream_error(self, error: APIError) -> bytes:
+        error = as_responses(error)
         self._save(self._builder.fail(error, param_of(error)))
         return self._builder.take()
 
@@ -152,6 +167,7 @@ class ResponsesReply:
         return response, self._builder.take_events()
 
     def error_events(self, error: APIError) -> tuple[dict[str, Any], list[bytes]]:
+        error = as_responses(error)
         response = self._save(self._builder.fail(error, param_of(error)))
         return response, self._builder.take_events()
 
@@ -263,6 +279,7 @@ class OpenAIResponses:
             self.running.pop(reply.id, None)
 
     def error_envelope(self, error: APIError) -> dict[str, Any]:
+        error = as_responses(error)
         envelope = error.envelope()
         envelope["error"]["param"] = param_of(error)
         return envelope
