@@ -321,6 +321,11 @@ def test_every_answer_names_its_request_id_where_the_sdk_reads_it(
     assert counted.request_id and counted.request_id == counted.headers["x-request-id"]
     sent = http.post(PATH, json=body(max_tokens=1), headers={"X-Request-ID": "mine-1"})
     assert sent.headers["request-id"] == "mine-1"
+    bad = http.post(PATH, json=body(max_tokens=1), headers={"X-Request-ID": "bad id!"})
+    assert bad.status_code == 400  # the field named once, at the start, as Anthropic does
+    assert bad.json()["error"]["message"].startswith("X-Request-ID must be "), bad.text
+    negative = http.post(PATH, json=body(max_tokens=-1)).json()["error"]["message"]
+    assert negative.startswith("max_tokens: "), negative
     media = http.post(PATH, content=b"{}", headers={"Content-Type": "text/plain"})
     assert media.status_code == 415 and media.headers["request-id"].startswith("req_")
     # OpenAI's routes keep their own headers only.

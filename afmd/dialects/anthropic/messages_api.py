@@ -328,7 +328,10 @@ class AnthropicMessages:
             return {"type": "error", "error": {"type": kind, "message": (
                 f"prompt is too long: {error.prompt_tokens} tokens > {error.limit} maximum")}}
         param = _param(error)
-        message = f"{param}: {error.message}" if param else error.message
+        # Anthropic names the field at the start of the message; one that starts with it
+        # already (a header's own rule) is not named twice.
+        named = param is None or error.message.startswith(param)
+        message = error.message if named else f"{param}: {error.message}"
         body: dict[str, Any] = {"type": kind, "message": message}
         if error.code in _DETAILED_CODES:
             body["details"] = {"error_code": error.code}
