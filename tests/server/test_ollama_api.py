@@ -29,10 +29,13 @@ import ollama
 import pytest
 from PIL import Image
 
+from afmd.config.load import load_config
 from afmd.core.events import Content, Finish, Reasoning, Timings, ToolCallEnd, Usage
 from afmd.core.request import ToolCall
 from afmd.dialects.ollama.ollama_api import OLLAMA_CHAT
 from afmd.engine.demo import builtin as demo
+from afmd.engine.models.model_registry import ModelRegistry
+from afmd.errors import NotFoundError
 from afmd.hub.cache import human_bytes
 from afmd.hub.download import LISTING_CAP
 from afmd.ports import free_ports
@@ -1663,3 +1666,27 @@ def test_namespaced_tool_names_pass_where_openais_rule_refuses_them(
         "tools": [tool("calendar.read")]})
     assert openai_answer.status_code == 400
     assert openai_answer.json()["error"]["param"] == "tools[0].function.name"
+
+
+def test_a_model_named_in_another_case_is_that_model(http: httpx.Client,
+                                                     client: ollama.Client,
+                                                     tmp_path: Path) -> None:
+    """Ollama compares names case-insensitively, and its clients lowercase the names they
+    are given; a name two models share but for case is neither of them."""
+    answer = client.chat(model="DEMO:latest", messages=MESSAGES, options={"num_predict": 2})
+    assert answer.message.role == "assistant"
+    assert http.post("/v1/chat/completions", json={
+        "model": "GPT-4o-Mini", "max_tokens": 1,
+        "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    config = tmp_path / "afmd.toml"
+    config.write_text('[[models.model]]\nid = "Ab"\npath = "afmd:demo"\n'
+                      '[[models.model]]\nid = "aB"\npath = "afmd:demo"\n'
+                      '[[models.model]]\nid = "Coder-X"\npath = "afmd:demo"\n')
+    registry = ModelRegistry(load_config(config, env={}))
+    try:
+        assert registry.resolve("coder-x").id == "Coder-X"
+        assert registry.resolve("aB").id == "aB"
+        with pytest.raises(NotFoundError):
+            registry.resolve("ab")
+    finally:
+        registry.close()

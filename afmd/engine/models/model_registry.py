@@ -85,7 +85,8 @@ class ModelRegistry:
             # loaded a second copy of the same files beside it.
             base = hubcache.without_hub_host(name.removesuffix(":latest"))
             entry = self._config.resolve_model(base) if base != name else None
-            entry = entry or self._configured_path(base) or self._downloaded(base)
+            entry = (entry or self._configured_path(base) or self._downloaded(base)
+                     or self._any_case(base))
         if entry is None:
             raise NotFoundError(
                 f"The model '{name}' does not exist. Available models: "
@@ -95,6 +96,15 @@ class ModelRegistry:
                 param="model",
             )
         return entry
+
+    def _any_case(self, name: str) -> ModelEntry | None:
+        """The configured model or alias ``name`` is in another case, when just one is.
+        Ollama compares names case-insensitively and its clients lowercase what they are
+        given (``qwen3-coder`` for a model listed as ``Qwen3-Coder``); two names that
+        differ only in case leave it ambiguous, and neither is guessed."""
+        folded = name.casefold()
+        matches = [n for n in self.listed_ids() if n.casefold() == folded]
+        return self._config.resolve_model(matches[0]) if len(matches) == 1 else None
 
     def _configured_path(self, repo: str) -> ModelEntry | None:
         """The first configured model whose path is this repo id."""
