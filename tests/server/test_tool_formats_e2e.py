@@ -99,32 +99,23 @@ class Models:
         base = {"model": spec.id, "messages": [USER], "tools": TOOLS, "max_tokens": 200,
                 "temperature": 1.0}
 
-        async def one(body: dict[str, Any]) -> list[Event]:
-            parsed = OPENAI_CHAT.parse(orjson.dumps({**base, **body}))
-            run = await self.pipeline.start(
-                await self.pipeline.prepare(parsed, uuid.uuid4().hex))
-            try:
-                return [event async for batch in run for event in batch]
-            finally:
-                self.pipeline.release(run)
-
         async def go() -> list[list[Event]]:
-            return list(await asyncio.gather(*(one(body) for body in bodies)))
+            return list(await asyncio.gather(*(
+                self._events(OPENAI_CHAT.parse(orjson.dumps({**base, **body})))
+                for body in bodies)))
 
         return asyncio.run(go())
 
     def run_request(self, request: ChatRequest) -> list[Event]:
         """One request already parsed (by any dialect) through the pipeline."""
+        return asyncio.run(self._events(request))
 
-        async def go() -> list[Event]:
-            run = await self.pipeline.start(
-                await self.pipeline.prepare(request, uuid.uuid4().hex))
-            try:
-                return [event async for batch in run for event in batch]
-            finally:
-                self.pipeline.release(run)
-
-        return asyncio.run(go())
+    async def _events(self, request: ChatRequest) -> list[Event]:
+        run = await self.pipeline.start(await self.pipeline.prepare(request, uuid.uuid4().hex))
+        try:
+            return [event async for batch in run for event in batch]
+        finally:
+            self.pipeline.release(run)
 
     def model(self, spec: Spec) -> Any:
         async def get() -> Any:
