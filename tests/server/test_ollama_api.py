@@ -11,6 +11,7 @@ import base64
 import http.server
 import io
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -198,12 +199,41 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]
     models = FormatModels(root / "models")
     config = "".join(f'[[models.model]]\nid = "{family}"\npath = "{models.folder(family)}"\n'
                      for family in FAMILY_MODELS)
+    # A model that can think whose template does not unless asked to (a hybrid model's).
+    quiet = root / "thinks-if-asked"
+    shutil.copytree(models.folder("hermes"), quiet)
+    settings = json.loads((quiet / "tokenizer_config.json").read_text())
+    template = settings["chat_template"]
+    assert "enable_thinking is defined and enable_thinking is false" in template
+    settings["chat_template"] = template.replace(
+        "enable_thinking is defined and enable_thinking is false",
+        "not (enable_thinking is defined and enable_thinking)")
+    (quiet / "tokenizer_config.json").write_text(json.dumps(settings))
+    config += f'[[models.model]]\nid = "thinks-if-asked"\npath = "{quiet}"\n'
     server = start_server(root, config=config)
     try:
         with httpx.Client(base_url=server.url, timeout=120) as http:
             yield http
     finally:
         server.stop()
+
+
+def test_think_left_out_thinks_as_ollama_turns_it_on(families: httpx.Client) -> None:
+    """Ollama's server sets ``think`` to true for a model that can think when a request
+    leaves it out, whatever the template's own default: the prompt is the one ``think:
+    true`` renders, not the template's default (which closes the thinking here). mlx-lm's
+    tokenizer does the same (``enable_thinking`` is its ``has_thinking`` unless given):
+    this holds it there."""
+    def prompt_tokens(**think: Any) -> int:
+        answer = families.post("/api/chat", json={
+            "model": "thinks-if-asked", "stream": False, "options": {"num_predict": 1},
+            "messages": [{"role": "user", "content": "Hello there."}], **think})
+        assert answer.status_code == 200, answer.text
+        return int(answer.json()["prompt_eval_count"])
+
+    on, off = prompt_tokens(think=True), prompt_tokens(think=False)
+    assert off > on  # the template closes the thinking when it is off
+    assert prompt_tokens() == on
 
 
 @pytest.mark.parametrize("family", FAMILY_MODELS)
