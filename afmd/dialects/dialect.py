@@ -118,6 +118,18 @@ class KeepsAlive(Protocol):
 
 
 @runtime_checkable
+class BuiltApart(Protocol):
+    """A reply whose whole body is built apart from anything the event loop reads of it
+    (:meth:`build`, on any thread), then kept where it is kept (:meth:`built`, on the
+    loop): Responses' answer, which a GET of the running response reads and the stores
+    keep. ``body(events)`` is ``built(build(events))``."""
+
+    def build(self, events: Sequence[Event]) -> Any: ...
+
+    def built(self, parts: Any) -> bytes: ...
+
+
+@runtime_checkable
 class OpensWithPrompt(Protocol):
     """A reply whose stream's first event reports the prompt's size (Anthropic's
     ``message_start`` usage: many clients take ``input_tokens`` from it alone, and only

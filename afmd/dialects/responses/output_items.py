@@ -279,6 +279,13 @@ class ResponseBuilder:
         #: The last message closed, with its part, which late numbers still join.
         self._closed: tuple[_Open, Item] | None = None
 
+    def fork(self) -> ResponseBuilder:
+        """A builder of the same response (its id, its creation time) with nothing fed:
+        a whole answer is built in it on another thread while GET reads this one."""
+        twin = ResponseBuilder(self.echo, model=self.model, stream=self.stream)
+        twin.id, twin.created_at = self.id, self.created_at
+        return twin
+
     def response(self, status: str, error: APIError | None = None) -> dict[str, Any]:
         return response_object(self.echo, id=self.id, created_at=self.created_at,
                                model=self.model, status=status, output=self.output,

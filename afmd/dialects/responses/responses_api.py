@@ -106,9 +106,22 @@ class ResponsesReply:
         return self._builder.id
 
     def body(self, events: Sequence[Event]) -> bytes:
-        self._builder.feed(list(events))
+        return self.built(self.build(events))
+
+    def build(self, events: Sequence[Event]) -> tuple[ResponseBuilder, dict[str, Any], bytes]:
+        """The whole answer, built in a builder of its own (any thread: a GET reads this
+        reply's meanwhile, and finds it ``in_progress`` until :meth:`built`)."""
+        builder = self._builder.fork()
+        builder.feed(list(events))
+        response = builder.finish()
         # The profile is the request's, not the response's: on the wire, never stored.
-        return orjson.dumps({**self._save(self._builder.finish()), **profile_payload(events)})
+        return builder, response, orjson.dumps({**response, **profile_payload(events)})
+
+    def built(self, parts: tuple[ResponseBuilder, dict[str, Any], bytes]) -> bytes:
+        """The answer :meth:`build` made, now this reply's, and stored (on the loop)."""
+        self._builder, response, body = parts
+        self._save(response)
+        return body
 
     def stream_start(self) -> bytes:
         return self._builder.start()

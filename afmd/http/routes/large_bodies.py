@@ -19,8 +19,9 @@ An answer's body is built from the run's events once it ended, and a large one (
 choices with ``top_logprobs``, an echoed prompt's logprobs, many long embeddings) is
 hundreds of thousands of objects made in Python: on the loop, every stream stopped for as
 long. Such a body is built on the same thread; a small one where it is. A Responses answer
-stays on the loop: its builder is what ``GET /v1/responses/{id}`` reads while the turn
-runs, and its end is written into the stores.
+is built apart (:class:`~afmd.dialects.dialect.BuiltApart`): its builder is what ``GET
+/v1/responses/{id}`` reads while the turn runs, and the stores are the loop's, so the
+answer is built in a builder of its own on the thread and kept on the loop.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ from typing import TypeVar
 from sanic import Request
 
 from afmd.core.events import Choice, Event, Logprobs
-from afmd.dialects.dialect import ReplyEncoder
-from afmd.dialects.responses.responses_api import ResponsesReply
+from afmd.dialects.dialect import BuiltApart, ReplyEncoder
 from afmd.dialects.responses.responses_body import Through
 from afmd.service.own_threads import OwnThreads
 
@@ -81,10 +81,12 @@ def answer_weight(events: Sequence[Event]) -> int:
 
 
 async def answer_body(reply: ReplyEncoder, events: Sequence[Event]) -> bytes:
-    """``reply.body(events)``: on the large bodies' thread when it is large (and not a
-    Responses answer, which the loop owns), else here."""
-    if isinstance(reply, ResponsesReply) or answer_weight(events) < LARGE_ANSWER:
+    """``reply.body(events)``: on the large bodies' thread when it is large (what the loop
+    keeps of a reply built apart kept here), else here."""
+    if answer_weight(events) < LARGE_ANSWER:
         return reply.body(events)
+    if isinstance(reply, BuiltApart):
+        return reply.built(await BODY_THREADS.run(reply.build, events))
     return await BODY_THREADS.run(reply.body, events)
 
 

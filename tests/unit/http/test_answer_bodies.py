@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+import pytest
 
 from afmd.core.embedding_request import EmbeddingRequest, Embeddings
 from afmd.core.events import (
@@ -37,6 +38,7 @@ from afmd.dialects.ollama.embed_body import embed_body
 from afmd.dialects.openai.chat import ChatCompletionReply
 from afmd.dialects.openai.embeddings import encode_response
 from afmd.dialects.responses.conversation_store import ConversationStore
+from afmd.dialects.responses.output_items import ResponseBuilder
 from afmd.dialects.responses.responses_api import OpenAIResponses, ResponsesReply
 from afmd.dialects.responses.store import ResponseStore
 from afmd.http.routes.large_bodies import (
@@ -124,28 +126,53 @@ def test_a_small_answer_is_built_where_it_is() -> None:
     assert orjson.loads(body)["choices"][0]["message"]["content"] == "hi"
 
 
-def test_a_responses_answer_stays_on_the_loop_however_large() -> None:
-    """Its builder is what a GET of the running response reads, on the loop."""
+def test_a_responses_answer_is_built_apart_and_kept_on_the_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its builder is what a GET of the running response reads, on the loop: the answer
+    is built in a builder of its own on the thread, a GET meanwhile sees the response
+    ``in_progress``, and the stores keep it once built."""
     dialect = OpenAIResponses(ResponseStore(10, 0), ConversationStore(10, 0))
-    request = dialect.parse(orjson.dumps({"model": "demo", "input": "hi", "store": False,
-                                          "top_logprobs": 20}))
+    request = dialect.parse(orjson.dumps({
+        "model": "demo", "input": "hi", "store": True, "top_logprobs": 20,
+        "include": ["message.output_text.logprobs"]}))
     reply = dialect.reply(request, model="m", fingerprint="f")
     assert isinstance(reply, ResponsesReply)
-    events: list[Event] = [Content("ab" * 4_000), Logprobs(_tokens(4_000, 20)),
-                           Finish("length"), Usage(1, 4_000)]
+    events: list[Event] = []
+    for _ in range(3_000):
+        events += [Content("ab"), Logprobs(_tokens(1, 20))]
+    events += [Finish("length"), Usage(1, 3_000)]
     assert answer_weight(events) >= LARGE_ANSWER
+    fed: list[str] = []
+    feed = ResponseBuilder.feed
+
+    def noted(builder: ResponseBuilder, batch: Any) -> None:
+        fed.append(threading.current_thread().name)
+        feed(builder, batch)
+
+    monkeypatch.setattr(ResponseBuilder, "feed", noted)
     seen: list[str] = []
-    builder = reply._builder
-    feed = builder.feed
 
-    def noted(batch: Any) -> None:
-        seen.append(threading.current_thread().name)
-        feed(batch)
+    async def build() -> bytes:
+        async def look() -> None:
+            while True:  # what a GET of the running response reads, on the loop
+                seen.append(reply.current("in_progress")["status"])
+                await asyncio.sleep(0)
 
-    builder.feed = noted  # type: ignore[method-assign]
-    body, _, _ = _while_ticking(lambda: answer_body(reply, events))
-    assert seen == ["MainThread"]
-    assert orjson.loads(body)["status"] == "incomplete"
+        looking = asyncio.create_task(look())
+        try:
+            return await answer_body(reply, events)
+        finally:
+            looking.cancel()
+
+    body, _, _ = _while_ticking(build)
+    assert fed == ["afmd-bodies_0"]
+    assert seen and set(seen) == {"in_progress"}
+    answer = orjson.loads(body)
+    assert answer["id"] == reply.id and answer["status"] == "incomplete"
+    assert len(answer["output"][0]["content"][0]["logprobs"]) == 3_000
+    stored = dialect.store.get(reply.id)
+    assert stored is not None and stored.response["status"] == "incomplete"
+    assert reply.current("completed")["output"] == answer["output"]
 
 
 def test_many_long_embeddings_let_the_loop_in_while_built() -> None:
