@@ -388,9 +388,9 @@ def _remove(args: argparse.Namespace, config: Config, repo: str, folder: Path) -
 
 
 def _rm(args: argparse.Namespace) -> int:
-    repo = args.repo
+    repo = _repo_arg(args.repo)
     if not hubcache.REPO_ID.match(repo):
-        raise CommandError(f"'{repo}' is not a Hugging Face repo id (OWNER/NAME)", EXIT_USAGE)
+        raise CommandError(f"'{args.repo}' is not a Hugging Face repo id (OWNER/NAME)", EXIT_USAGE)
     cached = hubcache.inspect(repo)
     if cached is None:
         raise CommandError(f"{repo} is not in the Hugging Face cache ({huggingface_hub_cache()})")
@@ -422,15 +422,28 @@ def _rm(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- show
 
 
+def _configured(name: str, config: Config) -> ModelEntry | None:
+    """The configured model (or alias) ``name`` names, as the server's routes read it:
+    Ollama's ``demo:latest`` is ``demo``."""
+    return config.resolve_model(name) or config.resolve_model(hubcache.plain_name(name))
+
+
+def _repo_arg(name: str) -> str:
+    """A repo named on the command line, Ollama's way included (``hf.co/OWNER/NAME``,
+    ``OWNER/NAME:latest``), as the repo id ``OWNER/NAME``."""
+    return hubcache.plain_name(name)
+
+
 def _show_entry(name: str, config: Config) -> ModelEntry:
-    entry = config.resolve_model(name)
+    entry = _configured(name, config)
     if entry is not None:
         return entry
     local = Path(name).expanduser()
     if name and os.path.isdir(local):  # "" is Path("."): whatever folder the shell is in
         return ModelEntry(id=local.resolve().name, path=str(local))
-    if hubcache.REPO_ID.match(name):
-        return ModelEntry(id=name, path=name)
+    repo = _repo_arg(name)
+    if hubcache.REPO_ID.match(repo):
+        return ModelEntry(id=repo, path=repo)
     raise CommandError(f"'{name}' is neither a configured model, a model folder nor a "
                        "Hugging Face repo id")
 
@@ -531,7 +544,7 @@ def _cache(args: argparse.Namespace) -> int:
     config = _config(args.config)
     model = args.model
     if model is not None:
-        entry = config.resolve_model(model)
+        entry = _configured(model, config)
         if entry is None:
             raise CommandError(f"'{model}' is not a configured model or alias", EXIT_USAGE)
         model = entry.id

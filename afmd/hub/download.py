@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 from urllib.parse import quote
 
-from afmd.hub.cache import REPO_ID, human_bytes, repo_folder, without_hub_host
+from afmd.hub.cache import LATEST_TAG, REPO_ID, human_bytes, repo_folder, without_hub_host
 from afmd.hub.progress import bar_class
 from afmd.paths import huggingface_hub_cache
 
@@ -111,8 +111,10 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 def parse_ref(ref: str) -> tuple[str, str]:
     """``OWNER/NAME[@REVISION]`` -> (repo, revision); the revision defaults to ``main``.
-    ``hf.co/OWNER/NAME``, as Ollama names a hub repo, is that repo."""
+    ``hf.co/OWNER/NAME``, as Ollama names a hub repo, is that repo, and Ollama's default
+    tag (``OWNER/NAME:latest``) names it too."""
     repo, at, revision = without_hub_host(ref).partition("@")
+    repo = repo.removesuffix(LATEST_TAG)
     if not REPO_ID.match(repo):
         raise PullError(f"'{repo}' is not a Hugging Face repo id (expected OWNER/NAME, e.g. "
                         "mlx-community/Qwen2.5-0.5B-Instruct-4bit)")

@@ -451,6 +451,29 @@ def test_show_of_a_missing_folder_or_no_name(env: dict[str, str], tmp_path: Path
     assert "'' is neither a configured model, a model folder nor" in empty.stderr
 
 
+def test_ollamas_names_are_the_models_they_name(env: dict[str, str], tmp_path: Path) -> None:
+    """`hf.co/OWNER/NAME` and the `:latest` tag, as Ollama's users write names and as every
+    route of the server takes them: `afmd pull` refused the tag, `show` and `rm` both
+    forms, and `cache clear --model demo:latest` said demo was not a configured model."""
+    own = {**env, "HF_HOME": str(tmp_path / "hf"), "AFMD_CACHE_DISK_DIR": str(tmp_path / "kv")}
+    folder = tmp_path / "hf" / "hub" / "models--test-org--embed"
+    pulled = afmd(own, "pull", f"hf.co/{EMBED}:latest")
+    assert pulled.returncode == 0, pulled.stderr
+    assert f"{EMBED} is ready" in pulled.stderr and folder.is_dir()
+    for name in (f"hf.co/{EMBED}", f"{EMBED}:latest", f"HF.co/{EMBED}:latest"):
+        assert as_json(afmd(own, "show", name, "--json"))["repo"] == EMBED, name
+    assert as_json(afmd(own, "show", "demo:latest", "--json"))["id"] == "demo"
+    cleared = afmd(own, "cache", "clear", "--model", "demo:latest", "--json")
+    assert as_json(cleared)["model"] == "demo"
+    gone = afmd(own, "rm", "--yes", f"hf.co/{EMBED}:latest")
+    assert gone.returncode == 0 and f"deleted {EMBED}" in gone.stdout, gone.stderr
+    assert not folder.exists()
+    # Another tag names no MLX repo: told so, as a usage error.
+    tagged = afmd(own, "rm", "--yes", f"{EMBED}:Q4_K_M")
+    assert tagged.returncode == 2 and f"'{EMBED}:Q4_K_M' is not a Hugging Face repo id" in \
+        tagged.stderr
+
+
 def test_parameters_and_quantization_from_weight_headers(tmp_path: Path) -> None:
     from afmd.engine.models.describe import count_parameters, quantization_of, safetensors_headers
 

@@ -124,6 +124,8 @@ def test_well_formed_refs() -> None:
     # Ollama's name for a hub repo; a repo of an owner called so is still that repo.
     assert parse_ref("hf.co/a/b") == parse_ref("HuggingFace.co/a/b@main") == ("a/b", "main")
     assert parse_ref("hf.co/b") == ("hf.co/b", "main")
+    # Ollama's default tag, which its users add (`ollama pull hf.co/OWNER/NAME:latest`).
+    assert parse_ref("hf.co/a/b:latest") == parse_ref("a/b:latest") == ("a/b", "main")
 
 
 # ---------------------------------------------------------------------------- pulling
