@@ -295,18 +295,21 @@ def _discard(link: Path, blobs: Path) -> None:
             blob.unlink()
 
 
-def _discard_partial(cache: Path, repo: str, remote: RemoteFile) -> None:
+def _discard_partial(cache: Path, repo: str, remote: RemoteFile) -> bool:
     """Delete what interrupted downloads of this file left in the cache before it is
     fetched again: a killed pull's, or a server's stopped mid-pull. The hub client starts
     a file over under a new name each time and never reads those again
     (:mod:`afmd.hub.hub_compat`), so each was a weight file's worth of disk kept for
     nothing. A download stopped here by an exception (past the listed size, stopped by
-    its caller) leaves nothing: the hub client deletes its file on the way out."""
+    its caller) leaves nothing: the hub client deletes its file on the way out.
+    True: another process (a second ``afmd pull``, a server's pull) downloads the file
+    now, and the hub client waits for it."""
     from afmd.hub import hub_compat
 
     etag = remote.sha256 or remote.blob_id
     if re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", etag):
-        hub_compat.discard_leftovers(cache, repo_folder(repo, cache), etag)
+        return hub_compat.discard_leftovers(cache, repo_folder(repo, cache), etag) is None
+    return False
 
 
 def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
@@ -350,8 +353,11 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
         link = snapshot / remote.path
         cached = link.is_file()
         check()
-        if not cached:
-            _discard_partial(cache, repo, remote)
+        if not cached and _discard_partial(cache, repo, remote):
+            # The hub client waits for it without a word: a weight file is minutes of
+            # a pull that looked hung, and then no line at all for that file.
+            out.write(f"  {remote.path}: another pull is downloading it; waiting for it\n")
+            out.flush()
         try:
             local = Path(hf_hub_download(
                 repo, remote.path, revision=commit, cache_dir=str(cache),

@@ -438,6 +438,38 @@ def test_what_a_killed_pull_left_is_deleted_by_the_next(hub: FakeHub,
     assert (blobs / etag).read_bytes() == files["model.safetensors"]
 
 
+def test_a_second_pull_of_a_file_being_downloaded_says_it_waits(hub: FakeHub,
+                                                                env: dict[str, str]) -> None:
+    """Two `afmd pull` of one repo at once: the second one's hub client waits, silent, on
+    the lock of the file the first is downloading (minutes for a weight file), and then
+    had no line at all for that file. It says it waits, and both pulls end verified."""
+    files = tiny_model()
+    hub.add_repo(REPO, files)
+    hub.throttle(REPO, "model.safetensors", 2048)  # seconds for its few KiB
+    etag = hashlib.sha256(files["model.safetensors"]).hexdigest()
+    blobs = cache_of(env) / "models--test-org--tiny-mlx" / "blobs"
+    first = subprocess.Popen([sys.executable, "-m", "afmd", "pull", REPO], env=env, cwd=ROOT,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(blobs.glob(f"{etag}.*.incomplete")):
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.05)
+        second = afmd(env, "pull", REPO)
+        _, first_err = first.communicate(timeout=60)
+    finally:
+        first.kill()
+        first.wait()
+    assert first.returncode == 0, first_err
+    assert second.returncode == 0, second.stderr
+    assert "model.safetensors: another pull is downloading it; waiting for it" in \
+        second.stderr
+    assert "verified 3 files" in second.stderr
+    assert len(hub.gets("model.safetensors")) == 1  # downloaded once, by the first
+    assert (blobs / etag).read_bytes() == files["model.safetensors"]
+
+
 def test_a_file_that_fails_verification_is_deleted_only_inside_the_cache(
         hub: FakeHub, env: dict[str, str], tmp_path: Path) -> None:
     """The cache is shared: a snapshot's file may be a link another tool or its user made
