@@ -172,6 +172,26 @@ def probe_health(conn: http.client.HTTPConnection, api_key: str = "") -> dict[st
     return result
 
 
+def refuses_key(conn: http.client.HTTPConnection, api_key: str = "") -> bool:
+    """Whether the server refuses an API request with ``api_key`` (none: ""), which
+    /health cannot tell: it answers a loopback client without a key whatever the server
+    wants of the others. A server started with a key this command does not read (another
+    config, the variable set in the service's environment only) is one whose clients
+    need a key all the same. Never raises (no answer: False)."""
+    headers = {"Accept": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    try:
+        conn.request("GET", "/v1/models", headers=headers)
+        response = conn.getresponse()
+        response.read(1 << 20)
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+    return response.status == 401
+
+
 def health(endpoint: Endpoint | None, timeout: float = 2.0) -> dict[str, Any]:
     """The running server's /health body (any status); raises ServerUnreachable."""
     if endpoint is None:
