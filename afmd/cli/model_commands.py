@@ -31,6 +31,12 @@ from afmd.paths import huggingface_hub_cache, models_cache_dir
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 SERVING = ("loaded", "loading")
+#: ``afmd show --json``'s keys, each in every answer (None: not known, or not for that
+#: model): a tool reading ``size_bytes`` of every model ``afmd list`` names meets Apple's
+#: model too, which has no files and describes itself with keys of its own besides.
+SHOW_KEYS = ("id", "path", "repo", "architecture", "model_type", "parameters", "quantization",
+             "context_length", "kind", "chat_template", "tool_format", "reasoning_format",
+             "fim", "vocab_size", "size_bytes")
 
 
 class CommandError(Exception):
@@ -478,7 +484,7 @@ def _show(args: argparse.Namespace) -> int:
 
 def _print_info(info: dict[str, Any], as_json: bool) -> int:
     if as_json:
-        _print_json(info)
+        _print_json({**dict.fromkeys(SHOW_KEYS), **info})
         return EXIT_OK
     labels = {"parameters": lambda v: f"{v:,}", "size_bytes": human_bytes}
     for key, value in info.items():

@@ -474,6 +474,21 @@ def test_ollamas_names_are_the_models_they_name(env: dict[str, str], tmp_path: P
         tagged.stderr
 
 
+def test_show_json_has_the_same_keys_for_every_model(env: dict[str, str]) -> None:
+    """A tool reading `size_bytes` or `quantization` of each model `afmd list --json` names
+    met a KeyError at Apple's model, whose object had keys of its own only."""
+    ids = [m["id"] for m in as_json(afmd(env, "list", "--json"))["models"]]
+    assert "system" in ids and "demo" in ids
+    mlx = as_json(afmd(env, "show", "demo", "--json"))
+    apple = as_json(afmd(env, "show", "system", "--json"))
+    assert list(mlx) == ["id", "path", "repo", "architecture", "model_type", "parameters",
+                         "quantization", "context_length", "kind", "chat_template",
+                         "tool_format", "reasoning_format", "fim", "vocab_size", "size_bytes"]
+    assert list(apple)[:len(mlx)] == list(mlx)
+    assert apple["size_bytes"] is None and apple["repo"] is None
+    assert apple["context_length"] and apple["availability"]
+
+
 def test_parameters_and_quantization_from_weight_headers(tmp_path: Path) -> None:
     from afmd.engine.models.describe import count_parameters, quantization_of, safetensors_headers
 
