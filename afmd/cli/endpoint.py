@@ -124,8 +124,13 @@ def from_config(config: Config) -> Endpoint | None:
 
 
 def from_url(url: str, api_key: str = "") -> Endpoint:
-    """``--url``: ``http://HOST:PORT`` (a trailing ``/v1`` is fine) or ``unix:/path``."""
+    """``--url``: ``http://HOST:PORT`` (a trailing ``/v1`` is fine) or ``unix:/path``.
+    No socket path, or port 0 (no server listens there: the OS picks a port when a server
+    asks for 0), is a malformed URL, not a server that does not answer."""
+    malformed = ValueError(f"--url must be http://HOST:PORT or unix:/path/to.sock, not {url!r}")
     if url.startswith("unix:"):
+        if url == "unix:":
+            raise malformed
         return replace(unix(url[len("unix:"):], api_key), given=True)
     parts = urlsplit(url if "://" in url else "http://" + url)
     try:
@@ -133,8 +138,8 @@ def from_url(url: str, api_key: str = "") -> Endpoint:
     except ValueError:
         port = None
         parts = parts._replace(netloc="")
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"--url must be http://HOST:PORT or unix:/path/to.sock, not {url!r}")
+    if parts.scheme != "http" or not parts.hostname or port == 0:
+        raise malformed
     return replace(tcp(parts.hostname, port or 80, api_key), given=True)
 
 

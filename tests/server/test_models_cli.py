@@ -238,7 +238,10 @@ def test_no_server_is_a_clear_message(env: dict[str, str]) -> None:
     empty = afmd(env, "ps", "--url", "")
     assert empty.returncode == 2 and "--url must be" in empty.stderr, empty.stderr
     assert "''" in empty.stderr and "no afmd server" not in empty.stderr, empty.stderr
-    for url in ("http://127.0.0.1:99999", "http://127.0.0.1:port"):
+    # No socket path, and port 0, were dialled: "no afmd server is running at unix:
+    # (Invalid argument)", and "at http://h:80" for `http://h:0`.
+    for url in ("http://127.0.0.1:99999", "http://127.0.0.1:port", "unix:",
+                "http://127.0.0.1:0"):
         bad = afmd(env, "ps", "--url", url)
         assert bad.returncode == 2 and "--url" in bad.stderr and url in bad.stderr, bad.stderr
 
