@@ -291,12 +291,15 @@ def _list(args: argparse.Namespace) -> int:
               "yes" if r["configured"] else "-", "yes" if r["loaded"] else "-")
              for r, (q, c), (e, _) in zip(rows, extra, entries, strict=True)]
     print(_table(("ID", "SIZE", "QUANTIZATION", "CONTEXT", "CONFIGURED", "LOADED"), table))
+    # The notes go beside the table, not under it: `afmd list | awk 'NR > 1 {print $1}'`
+    # reads model ids, as with `ollama list`, and took "cache:" and "loaded" for two more.
+    sys.stdout.flush()
     for c in partial:
         print(f"partial download: {c.repo} (missing {', '.join(c.missing)}): "
-              f"`afmd pull {c.repo}` resumes it")
-    print(f"cache: {huggingface_hub_cache()}")
+              f"`afmd pull {c.repo}` resumes it", file=sys.stderr)
+    print(f"cache: {huggingface_hub_cache()}", file=sys.stderr)
     if server_note:
-        print(f"loaded state unknown: {server_note}")
+        print(f"loaded state unknown: {server_note}", file=sys.stderr)
     return EXIT_OK
 
 

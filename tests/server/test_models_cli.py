@@ -298,7 +298,7 @@ def test_list_shows_disk_config_and_loaded_state(served: tuple[ServerProcess, st
     line = next(x for x in table.stdout.splitlines() if x.startswith(REPO))
     assert line.split()[-4:] == ["fp32", "131072", "-", "yes"]
     without = afmd(env, "list")  # no server: listed anyway, the loaded state said unknown
-    assert without.returncode == 0 and "loaded state unknown: no afmd server" in without.stdout
+    assert without.returncode == 0 and "loaded state unknown: no afmd server" in without.stderr
 
 
 def test_list_says_loaded_by_id_when_two_models_share_a_path(env: dict[str, str],

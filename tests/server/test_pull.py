@@ -218,7 +218,11 @@ def test_an_interrupted_pull_is_not_present_and_a_second_pull_finishes_it(
     shown = afmd(env, "show", REPO)
     assert_clean_failure(shown, f"{REPO} is not downloaded: `afmd pull {REPO}`")
     table = afmd(env, "list")
-    assert f"partial download: {REPO}" in table.stdout
+    assert f"partial download: {REPO}" in table.stderr
+    # stdout is the table alone, as `ollama list`'s: `afmd list | awk 'NR > 1 {print $1}'`
+    # read "partial", "cache:" and "loaded" (no server) as three more model ids.
+    rows = [line.split()[0] for line in table.stdout.splitlines()[1:]]
+    assert rows == list(listed(env)), table.stdout
 
     hub.failures.clear()
     done = afmd(env, "pull", REPO)
