@@ -111,7 +111,8 @@ def add_parsers(commands: Any) -> None:
         "clear", help="empty the KV cache's tiers (RAM and disk)",
         description="Empty the prefix KV cache: the running server's blocks in RAM and on "
                     "disk (asked of the server when one answers), else the block files in "
-                    "[cache] disk_dir. --model: only that model's (an id or alias).")
+                    "[cache] disk_dir. --model: only that model's (an id, an alias or a repo "
+                    "the server serves).")
     clear.add_argument("--model", metavar="ID", help="only this model's blocks")
     common(clear, server=True)
 
@@ -547,16 +548,28 @@ def _post_clear(target: endpoint.Endpoint, model: str | None, timeout: float) ->
     return answer
 
 
+def _cache_model(name: str, config: Config) -> str:
+    """The model id whose blocks ``--model`` names, as the server resolves it: a
+    configured id or alias, else a repo id, served under its configured id when one has
+    that path and else under its own (a download, or `afmd serve --model REPO`, which
+    this command's config does not list); the server says whether it knows it."""
+    entry = _configured(name, config)
+    if entry is not None:
+        return entry.id
+    repo = _repo_arg(name)
+    if not hubcache.REPO_ID.match(repo):
+        raise CommandError(f"'{name}' is neither a configured model, an alias nor a Hugging "
+                           "Face repo id", EXIT_USAGE)
+    return next((e.id for e in config.models.model if e.path == repo), repo)
+
+
 def _cache(args: argparse.Namespace) -> int:
     from afmd.engine.kvcache import folder as kv_folder
 
     config = _config(args.config)
     model = args.model
     if model is not None:
-        entry = _configured(model, config)
-        if entry is None:
-            raise CommandError(f"'{model}' is not a configured model or alias", EXIT_USAGE)
-        model = entry.id
+        model = _cache_model(model, config)
     try:
         target = _endpoint(args, config)
         if target is None:

@@ -269,6 +269,24 @@ def test_a_keyed_server_is_told_where_the_key_is_read(env: dict[str, str],
 # ---------------------------------------------------------------------------- list, rm
 
 
+def test_cache_clear_of_a_model_the_server_serves_unconfigured(
+        served: tuple[ServerProcess, str], env: dict[str, str]) -> None:
+    """`afmd serve --model REPO`, then `afmd cache clear --model REPO`: refused, exit 2,
+    "not a configured model or alias", by the command's own config, which does not list
+    what the server was started with (nor a download it serves under its repo id); the
+    server, asked, clears it. A name it does not know is the server's refusal."""
+    server, _ = served
+    cleared = afmd(env, "cache", "clear", "--model", f"hf.co/{REPO}", "--url", server.url,
+                   "--json")
+    answer = as_json(cleared)
+    assert answer["model"] == REPO and answer["where"] == f"the server at {server.url}"
+    unknown = afmd(env, "cache", "clear", "--model", "test-org/not-pulled", "--url",
+                   server.url)
+    assert unknown.returncode == 1 and "HTTP 404" in unknown.stderr, unknown.stderr
+    typo = afmd(env, "cache", "clear", "--model", "no such model", "--url", server.url)
+    assert typo.returncode == 2 and "is neither a configured model" in typo.stderr
+
+
 def test_list_shows_disk_config_and_loaded_state(served: tuple[ServerProcess, str],
                                                  env: dict[str, str], tmp_path: Path) -> None:
     server, _ = served
