@@ -151,6 +151,10 @@ def diagnose(config_flag: str | None = None, *, env: dict[str, str] | None = Non
     else:
         report.server = {"answering": False, "error": "port 0: the OS picks a port at start"}
     health = report.server.get("health") if report.server.get("afmd") else None
+    if where is not None and health is not None and not report.server.get("limited") \
+            and endpoint.refuses_key(where.connect(timeout), where.api_key):
+        report.server["key_refused"] = True
+        report.api_key_required = True  # the endpoint's clients need it, whatever we read
 
     if server.host and server.port:
         in_use = port_in_use(server.host, server.port)
@@ -181,6 +185,9 @@ def _find_problems(report: Report, config: Config) -> None:
     elif srv.get("limited"):
         report.problems.append(f"afmd answers at {srv['url']} but shows its details only "
                                f"with its API key: {endpoint.key_advice(srv['key_sent'])}")
+    elif srv.get("key_refused"):
+        report.problems.append("the running afmd refuses API requests without its API key, "
+                               f"which its clients need: {endpoint.key_advice(srv['key_sent'])}")
     elif srv.get("afmd") and srv.get("http_status") != 200:
         reason = srv["health"].get("reason", "unknown")
         report.problems.append(f"afmd answers but is not ready: /health {srv['http_status']} "

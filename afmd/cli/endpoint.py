@@ -124,8 +124,13 @@ def from_config(config: Config) -> Endpoint | None:
 
 
 def from_url(url: str, api_key: str = "") -> Endpoint:
-    """``--url``: ``http://HOST:PORT`` (a trailing ``/v1`` is fine) or ``unix:/path``."""
+    """``--url``: ``http://HOST:PORT`` (a trailing ``/v1`` is fine) or ``unix:/path``.
+    No socket path, or port 0 (no server listens there: the OS picks a port when a server
+    asks for 0), is a malformed URL, not a server that does not answer."""
+    malformed = ValueError(f"--url must be http://HOST:PORT or unix:/path/to.sock, not {url!r}")
     if url.startswith("unix:"):
+        if url == "unix:":
+            raise malformed
         return replace(unix(url[len("unix:"):], api_key), given=True)
     parts = urlsplit(url if "://" in url else "http://" + url)
     try:
@@ -133,8 +138,8 @@ def from_url(url: str, api_key: str = "") -> Endpoint:
     except ValueError:
         port = None
         parts = parts._replace(netloc="")
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"--url must be http://HOST:PORT or unix:/path/to.sock, not {url!r}")
+    if parts.scheme != "http" or not parts.hostname or port == 0:
+        raise malformed
     return replace(tcp(parts.hostname, port or 80, api_key), given=True)
 
 
@@ -170,6 +175,26 @@ def probe_health(conn: http.client.HTTPConnection, api_key: str = "") -> dict[st
         result["afmd"] = False
         result["server_header"] = response.getheader("Server")
     return result
+
+
+def refuses_key(conn: http.client.HTTPConnection, api_key: str = "") -> bool:
+    """Whether the server refuses an API request with ``api_key`` (none: ""), which
+    /health cannot tell: it answers a loopback client without a key whatever the server
+    wants of the others. A server started with a key this command does not read (another
+    config, the variable set in the service's environment only) is one whose clients
+    need a key all the same. Never raises (no answer: False)."""
+    headers = {"Accept": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    try:
+        conn.request("GET", "/v1/models", headers=headers)
+        response = conn.getresponse()
+        response.read(1 << 20)
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+    return response.status == 401
 
 
 def health(endpoint: Endpoint | None, timeout: float = 2.0) -> dict[str, Any]:

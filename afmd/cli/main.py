@@ -17,6 +17,7 @@ from typing import Any
 
 from afmd import __version__
 from afmd.cli.endpoint import wait_seconds
+from afmd.cli.stdout import guarded
 from afmd.config.bounds import ConfigError
 from afmd.config.load import default_config_path, load_config
 from afmd.config.sections import Config
@@ -221,6 +222,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command is None:
+        # No command is a usage error (exit 2, as argparse's own): the help goes to stderr,
+        # so that `afmd > file` or a service definition missing `serve` does not pass for
+        # output.
+        parser.print_help(sys.stderr)
+        return EXIT_CONFIG
+    return guarded(lambda: _report(args), f"afmd {args.command}")
+
+
+def _report(args: argparse.Namespace) -> int:
+    """The commands that answer and exit (their output guarded by :func:`guarded`)."""
     if args.command == "check-config":
         return _check_config(args)
     if args.command == "doctor":
@@ -231,13 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from afmd.cli import model_commands as cli_models
 
         return cli_models.run(args)
-    if args.command == "version":
-        print(f"afmd {__version__}")
-        return EXIT_OK
-    # No command is a usage error (exit 2, as argparse's own): the help goes to stderr, so
-    # that `afmd > file` or a service definition missing `serve` does not pass for output.
-    parser.print_help(sys.stderr)
-    return EXIT_CONFIG
+    print(f"afmd {__version__}")  # version
+    return EXIT_OK
 
 
 if __name__ == "__main__":  # pragma: no cover

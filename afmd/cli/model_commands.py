@@ -31,6 +31,12 @@ from afmd.paths import huggingface_hub_cache, models_cache_dir
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 SERVING = ("loaded", "loading")
+#: ``afmd show --json``'s keys, each in every answer (None: not known, or not for that
+#: model): a tool reading ``size_bytes`` of every model ``afmd list`` names meets Apple's
+#: model too, which has no files and describes itself with keys of its own besides.
+SHOW_KEYS = ("id", "path", "repo", "architecture", "model_type", "parameters", "quantization",
+             "context_length", "kind", "chat_template", "tool_format", "reasoning_format",
+             "fim", "vocab_size", "size_bytes")
 
 
 class CommandError(Exception):
@@ -105,7 +111,8 @@ def add_parsers(commands: Any) -> None:
         "clear", help="empty the KV cache's tiers (RAM and disk)",
         description="Empty the prefix KV cache: the running server's blocks in RAM and on "
                     "disk (asked of the server when one answers), else the block files in "
-                    "[cache] disk_dir. --model: only that model's (an id or alias).")
+                    "[cache] disk_dir. --model: only that model's (an id, an alias or a repo "
+                    "the server serves).")
     clear.add_argument("--model", metavar="ID", help="only this model's blocks")
     common(clear, server=True)
 
@@ -285,12 +292,15 @@ def _list(args: argparse.Namespace) -> int:
               "yes" if r["configured"] else "-", "yes" if r["loaded"] else "-")
              for r, (q, c), (e, _) in zip(rows, extra, entries, strict=True)]
     print(_table(("ID", "SIZE", "QUANTIZATION", "CONTEXT", "CONFIGURED", "LOADED"), table))
+    # The notes go beside the table, not under it: `afmd list | awk 'NR > 1 {print $1}'`
+    # reads model ids, as with `ollama list`, and took "cache:" and "loaded" for two more.
+    sys.stdout.flush()
     for c in partial:
         print(f"partial download: {c.repo} (missing {', '.join(c.missing)}): "
-              f"`afmd pull {c.repo}` resumes it")
-    print(f"cache: {huggingface_hub_cache()}")
+              f"`afmd pull {c.repo}` resumes it", file=sys.stderr)
+    print(f"cache: {huggingface_hub_cache()}", file=sys.stderr)
     if server_note:
-        print(f"loaded state unknown: {server_note}")
+        print(f"loaded state unknown: {server_note}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -388,9 +398,9 @@ def _remove(args: argparse.Namespace, config: Config, repo: str, folder: Path) -
 
 
 def _rm(args: argparse.Namespace) -> int:
-    repo = args.repo
+    repo = _repo_arg(args.repo)
     if not hubcache.REPO_ID.match(repo):
-        raise CommandError(f"'{repo}' is not a Hugging Face repo id (OWNER/NAME)", EXIT_USAGE)
+        raise CommandError(f"'{args.repo}' is not a Hugging Face repo id (OWNER/NAME)", EXIT_USAGE)
     cached = hubcache.inspect(repo)
     if cached is None:
         raise CommandError(f"{repo} is not in the Hugging Face cache ({huggingface_hub_cache()})")
@@ -422,15 +432,28 @@ def _rm(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- show
 
 
+def _configured(name: str, config: Config) -> ModelEntry | None:
+    """The configured model (or alias) ``name`` names, as the server's routes read it:
+    Ollama's ``demo:latest`` is ``demo``."""
+    return config.resolve_model(name) or config.resolve_model(hubcache.plain_name(name))
+
+
+def _repo_arg(name: str) -> str:
+    """A repo named on the command line, Ollama's way included (``hf.co/OWNER/NAME``,
+    ``OWNER/NAME:latest``), as the repo id ``OWNER/NAME``."""
+    return hubcache.plain_name(name)
+
+
 def _show_entry(name: str, config: Config) -> ModelEntry:
-    entry = config.resolve_model(name)
+    entry = _configured(name, config)
     if entry is not None:
         return entry
     local = Path(name).expanduser()
     if name and os.path.isdir(local):  # "" is Path("."): whatever folder the shell is in
         return ModelEntry(id=local.resolve().name, path=str(local))
-    if hubcache.REPO_ID.match(name):
-        return ModelEntry(id=name, path=name)
+    repo = _repo_arg(name)
+    if hubcache.REPO_ID.match(repo):
+        return ModelEntry(id=repo, path=repo)
     raise CommandError(f"'{name}' is neither a configured model, a model folder nor a "
                        "Hugging Face repo id")
 
@@ -465,7 +488,7 @@ def _show(args: argparse.Namespace) -> int:
 
 def _print_info(info: dict[str, Any], as_json: bool) -> int:
     if as_json:
-        _print_json(info)
+        _print_json({**dict.fromkeys(SHOW_KEYS), **info})
         return EXIT_OK
     labels = {"parameters": lambda v: f"{v:,}", "size_bytes": human_bytes}
     for key, value in info.items():
@@ -525,16 +548,28 @@ def _post_clear(target: endpoint.Endpoint, model: str | None, timeout: float) ->
     return answer
 
 
+def _cache_model(name: str, config: Config) -> str:
+    """The model id whose blocks ``--model`` names, as the server resolves it: a
+    configured id or alias, else a repo id, served under its configured id when one has
+    that path and else under its own (a download, or `afmd serve --model REPO`, which
+    this command's config does not list); the server says whether it knows it."""
+    entry = _configured(name, config)
+    if entry is not None:
+        return entry.id
+    repo = _repo_arg(name)
+    if not hubcache.REPO_ID.match(repo):
+        raise CommandError(f"'{name}' is neither a configured model, an alias nor a Hugging "
+                           "Face repo id", EXIT_USAGE)
+    return next((e.id for e in config.models.model if e.path == repo), repo)
+
+
 def _cache(args: argparse.Namespace) -> int:
     from afmd.engine.kvcache import folder as kv_folder
 
     config = _config(args.config)
     model = args.model
     if model is not None:
-        entry = config.resolve_model(model)
-        if entry is None:
-            raise CommandError(f"'{model}' is not a configured model or alias", EXIT_USAGE)
-        model = entry.id
+        model = _cache_model(model, config)
     try:
         target = _endpoint(args, config)
         if target is None:

@@ -15,6 +15,7 @@ from afmd.config.bounds import ConfigError, suggest, toml_key
 from afmd.config.layers import Merged
 from afmd.config.sections import ModelsConfig, ServerConfig
 from afmd.config.tables import ModelEntry
+from afmd.hub.cache import plain_name
 
 # Slack added on top of one maximal request so that header parsing and framing
 # overhead never makes a request that is within both limits unbufferable.
@@ -130,8 +131,11 @@ def apply_model_flag(flag: str, models: ModelsConfig) -> ModelsConfig:
         # Already configured under another id: reuse it instead of loading it twice.
         if entry.path == flag:
             return dataclasses.replace(models, default=entry.id)
-    model_id = flag
     local = os.path.expanduser(flag)  # the engine expands "~" too, so match it
+    plain = plain_name(flag)
+    if plain and plain != flag and not os.path.isdir(local):  # `--model hf.co/OWNER/NAME:latest`
+        return apply_model_flag(plain, models)
+    model_id = flag
     if os.path.isdir(local):
         base = os.path.basename(os.path.abspath(local))
         # The folder name reads better in /v1/models, unless it would collide.

@@ -130,6 +130,18 @@ def without_hub_host(name: str) -> str:
     return name
 
 
+#: Ollama's default tag, which its users and clients add to a name that has none.
+LATEST_TAG = ":latest"
+
+
+def plain_name(name: str) -> str:
+    """A model name as Ollama's users write it (``hf.co/OWNER/NAME:latest``,
+    ``demo:latest``) as afmd knows it: without the hub host and the default tag. The
+    commands take what the server's routes take, so a name copied from Ollama's docs or
+    from ``/api/tags`` works in both."""
+    return without_hub_host(name.removesuffix(LATEST_TAG))
+
+
 def _repo_id(folder: Path) -> str | None:
     name = folder.name[len(_PREFIX):]
     owner, sep, rest = name.partition("--")

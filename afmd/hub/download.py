@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 from urllib.parse import quote
 
-from afmd.hub.cache import REPO_ID, human_bytes, repo_folder, without_hub_host
+from afmd.hub.cache import LATEST_TAG, REPO_ID, human_bytes, repo_folder, without_hub_host
 from afmd.hub.progress import bar_class
 from afmd.paths import huggingface_hub_cache
 
@@ -111,8 +111,10 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 def parse_ref(ref: str) -> tuple[str, str]:
     """``OWNER/NAME[@REVISION]`` -> (repo, revision); the revision defaults to ``main``.
-    ``hf.co/OWNER/NAME``, as Ollama names a hub repo, is that repo."""
+    ``hf.co/OWNER/NAME``, as Ollama names a hub repo, is that repo, and Ollama's default
+    tag (``OWNER/NAME:latest``) names it too."""
     repo, at, revision = without_hub_host(ref).partition("@")
+    repo = repo.removesuffix(LATEST_TAG)
     if not REPO_ID.match(repo):
         raise PullError(f"'{repo}' is not a Hugging Face repo id (expected OWNER/NAME, e.g. "
                         "mlx-community/Qwen2.5-0.5B-Instruct-4bit)")
@@ -293,18 +295,21 @@ def _discard(link: Path, blobs: Path) -> None:
             blob.unlink()
 
 
-def _discard_partial(cache: Path, repo: str, remote: RemoteFile) -> None:
+def _discard_partial(cache: Path, repo: str, remote: RemoteFile) -> bool:
     """Delete what interrupted downloads of this file left in the cache before it is
     fetched again: a killed pull's, or a server's stopped mid-pull. The hub client starts
     a file over under a new name each time and never reads those again
     (:mod:`afmd.hub.hub_compat`), so each was a weight file's worth of disk kept for
     nothing. A download stopped here by an exception (past the listed size, stopped by
-    its caller) leaves nothing: the hub client deletes its file on the way out."""
+    its caller) leaves nothing: the hub client deletes its file on the way out.
+    True: another process (a second ``afmd pull``, a server's pull) downloads the file
+    now, and the hub client waits for it."""
     from afmd.hub import hub_compat
 
     etag = remote.sha256 or remote.blob_id
     if re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", etag):
-        hub_compat.discard_leftovers(cache, repo_folder(repo, cache), etag)
+        return hub_compat.discard_leftovers(cache, repo_folder(repo, cache), etag) is None
+    return False
 
 
 def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
@@ -348,8 +353,11 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
         link = snapshot / remote.path
         cached = link.is_file()
         check()
-        if not cached:
-            _discard_partial(cache, repo, remote)
+        if not cached and _discard_partial(cache, repo, remote):
+            # The hub client waits for it without a word: a weight file is minutes of
+            # a pull that looked hung, and then no line at all for that file.
+            out.write(f"  {remote.path}: another pull is downloading it; waiting for it\n")
+            out.flush()
         try:
             local = Path(hf_hub_download(
                 repo, remote.path, revision=commit, cache_dir=str(cache),

@@ -63,11 +63,12 @@ def _lock_path(cache: Path, folder: Path, etag: str) -> Path:
     return cache / ".locks" / folder.name / f"{etag}.lock"
 
 
-def discard_leftovers(cache: Path, folder: Path, etag: str) -> int:
+def discard_leftovers(cache: Path, folder: Path, etag: str) -> int | None:
     """Delete the partial files interrupted downloads of blob ``etag`` of the repo at
     ``folder`` left; the bytes freed. The hub client's lock on that blob is held meanwhile,
     so no download of it starts in between; while one runs (the lock is held elsewhere),
-    nothing is deleted: its file is in use, not left over."""
+    nothing is deleted: its file is in use, not left over, and None says so (a download
+    of the blob now waits for that one)."""
     pattern = re.compile(rf"{re.escape(etag)}\.[0-9a-f]{{8}}\.incomplete")
     blobs = folder / "blobs"
     lock = _lock_path(cache, folder, etag)
@@ -83,5 +84,5 @@ def discard_leftovers(cache: Path, folder: Path, etag: str) -> int:
                         path.unlink()
                         freed += size
     except Timeout:
-        return 0
+        return None
     return freed

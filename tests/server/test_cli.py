@@ -138,6 +138,46 @@ def test_version_does_not_import_mlx_or_sanic() -> None:
     assert result.stdout.rstrip().endswith("False False"), result.stdout
 
 
+# ---------------------------------------------------------------------------- output
+
+
+def _written_to(stdout: int, *args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**_env(), "HF_HOME": str(tmp_path / "hf"), "AFMD_SERVER_PORT": "1"}
+    return subprocess.run([*afmd_command(), *args], stdout=stdout, stderr=subprocess.PIPE,
+                          stdin=subprocess.DEVNULL, text=True, env=env, cwd=ROOT, timeout=60)
+
+
+REPORTING = [("version",), ("check-config", str(ROOT / "config.example.toml")), ("list",),
+             ("show", "system"), ("doctor", "--json")]
+
+
+@pytest.mark.parametrize("args", REPORTING, ids=lambda a: a[0])
+def test_output_to_a_closed_pipe_is_no_failure(args: tuple[str, ...], tmp_path: Path) -> None:
+    """`afmd version | head -c0`: the reader took what it wanted, as `ls | head` has it.
+    `version` and `check-config` ended in a BrokenPipeError traceback, exit 1."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = _written_to(write, *args, tmp_path=tmp_path)
+    finally:
+        os.close(write)
+    assert "Traceback" not in result.stderr and "Exception" not in result.stderr, result.stderr
+    assert result.returncode in (0, 1) if args[0] == "doctor" else result.returncode == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full (Linux only)")
+@pytest.mark.parametrize("args", REPORTING, ids=lambda a: a[0])
+def test_output_to_a_full_disk_is_one_line_and_exit_1(args: tuple[str, ...],
+                                                      tmp_path: Path) -> None:
+    """`afmd list > /Volumes/full/models.txt` printed a traceback of the `print` that met
+    ENOSPC (and exit code 1 for whatever reason): the user is told the output was lost."""
+    with open("/dev/full", "w") as full:
+        result = _written_to(full.fileno(), *args, tmp_path=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip() == (f"afmd {args[0]}: cannot write the output: No space "
+                                     "left on device"), result.stderr
+
+
 # ---------------------------------------------------------------------------- check-config
 
 

@@ -176,6 +176,28 @@ def test_a_keyed_server_seen_without_its_key(tmp_path: Path) -> None:
         assert report.exit_code == 0, report.problems
 
 
+def test_a_keyed_server_reached_over_loopback_needs_its_key(tmp_path: Path) -> None:
+    """/health answers a loopback client in full without the key, so a doctor whose config
+    sets none said "(no API key needed)" and "no problems found" of a server that answers
+    every API request without its key with 401: the endpoint it tells clients to use."""
+    with keyed_afmd(tmp_path) as (_, number):
+        port = str(number)
+        for key, says in (("", "AFMD_SERVER_API_KEY, else [server] api_key"),
+                          ("not-it", "the API key this command sent is not the server's")):
+            env = _env(AFMD_SERVER_PORT=port, AFMD_SERVER_API_KEY=key)
+            result = _doctor_cli("--json", env=env)
+            assert result.returncode == 1, result.stderr
+            report = json.loads(result.stdout)
+            assert report["api_key_required"] is True
+            assert any("refuses API requests without its API key" in p and says in p
+                       for p in report["problems"]), report["problems"]
+            text = _doctor_cli(env=env).stdout
+            assert "(needs Authorization: Bearer <server.api_key>)" in text, text
+        keyed = _doctor_cli("--json", env=_env(AFMD_SERVER_PORT=port, AFMD_SERVER_API_KEY=KEY))
+        assert keyed.returncode == 0, keyed.stdout
+        assert json.loads(keyed.stdout)["problems"] == []
+
+
 def test_port_held_by_a_silent_listener(tmp_path: Path) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

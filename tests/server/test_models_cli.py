@@ -238,7 +238,10 @@ def test_no_server_is_a_clear_message(env: dict[str, str]) -> None:
     empty = afmd(env, "ps", "--url", "")
     assert empty.returncode == 2 and "--url must be" in empty.stderr, empty.stderr
     assert "''" in empty.stderr and "no afmd server" not in empty.stderr, empty.stderr
-    for url in ("http://127.0.0.1:99999", "http://127.0.0.1:port"):
+    # No socket path, and port 0, were dialled: "no afmd server is running at unix:
+    # (Invalid argument)", and "at http://h:80" for `http://h:0`.
+    for url in ("http://127.0.0.1:99999", "http://127.0.0.1:port", "unix:",
+                "http://127.0.0.1:0"):
         bad = afmd(env, "ps", "--url", url)
         assert bad.returncode == 2 and "--url" in bad.stderr and url in bad.stderr, bad.stderr
 
@@ -264,6 +267,24 @@ def test_a_keyed_server_is_told_where_the_key_is_read(env: dict[str, str],
 
 
 # ---------------------------------------------------------------------------- list, rm
+
+
+def test_cache_clear_of_a_model_the_server_serves_unconfigured(
+        served: tuple[ServerProcess, str], env: dict[str, str]) -> None:
+    """`afmd serve --model REPO`, then `afmd cache clear --model REPO`: refused, exit 2,
+    "not a configured model or alias", by the command's own config, which does not list
+    what the server was started with (nor a download it serves under its repo id); the
+    server, asked, clears it. A name it does not know is the server's refusal."""
+    server, _ = served
+    cleared = afmd(env, "cache", "clear", "--model", f"hf.co/{REPO}", "--url", server.url,
+                   "--json")
+    answer = as_json(cleared)
+    assert answer["model"] == REPO and answer["where"] == f"the server at {server.url}"
+    unknown = afmd(env, "cache", "clear", "--model", "test-org/not-pulled", "--url",
+                   server.url)
+    assert unknown.returncode == 1 and "HTTP 404" in unknown.stderr, unknown.stderr
+    typo = afmd(env, "cache", "clear", "--model", "no such model", "--url", server.url)
+    assert typo.returncode == 2 and "is neither a configured model" in typo.stderr
 
 
 def test_list_shows_disk_config_and_loaded_state(served: tuple[ServerProcess, str],
@@ -295,7 +316,7 @@ def test_list_shows_disk_config_and_loaded_state(served: tuple[ServerProcess, st
     line = next(x for x in table.stdout.splitlines() if x.startswith(REPO))
     assert line.split()[-4:] == ["fp32", "131072", "-", "yes"]
     without = afmd(env, "list")  # no server: listed anyway, the loaded state said unknown
-    assert without.returncode == 0 and "loaded state unknown: no afmd server" in without.stdout
+    assert without.returncode == 0 and "loaded state unknown: no afmd server" in without.stderr
 
 
 def test_list_says_loaded_by_id_when_two_models_share_a_path(env: dict[str, str],
@@ -449,6 +470,44 @@ def test_show_of_a_missing_folder_or_no_name(env: dict[str, str], tmp_path: Path
     empty = afmd(env, "show", "")
     assert empty.returncode == 1 and "Traceback" not in empty.stderr
     assert "'' is neither a configured model, a model folder nor" in empty.stderr
+
+
+def test_ollamas_names_are_the_models_they_name(env: dict[str, str], tmp_path: Path) -> None:
+    """`hf.co/OWNER/NAME` and the `:latest` tag, as Ollama's users write names and as every
+    route of the server takes them: `afmd pull` refused the tag, `show` and `rm` both
+    forms, and `cache clear --model demo:latest` said demo was not a configured model."""
+    own = {**env, "HF_HOME": str(tmp_path / "hf"), "AFMD_CACHE_DISK_DIR": str(tmp_path / "kv")}
+    folder = tmp_path / "hf" / "hub" / "models--test-org--embed"
+    pulled = afmd(own, "pull", f"hf.co/{EMBED}:latest")
+    assert pulled.returncode == 0, pulled.stderr
+    assert f"{EMBED} is ready" in pulled.stderr and folder.is_dir()
+    for name in (f"hf.co/{EMBED}", f"{EMBED}:latest", f"HF.co/{EMBED}:latest"):
+        assert as_json(afmd(own, "show", name, "--json"))["repo"] == EMBED, name
+    assert as_json(afmd(own, "show", "demo:latest", "--json"))["id"] == "demo"
+    cleared = afmd(own, "cache", "clear", "--model", "demo:latest", "--json")
+    assert as_json(cleared)["model"] == "demo"
+    gone = afmd(own, "rm", "--yes", f"hf.co/{EMBED}:latest")
+    assert gone.returncode == 0 and f"deleted {EMBED}" in gone.stdout, gone.stderr
+    assert not folder.exists()
+    # Another tag names no MLX repo: told so, as a usage error.
+    tagged = afmd(own, "rm", "--yes", f"{EMBED}:Q4_K_M")
+    assert tagged.returncode == 2 and f"'{EMBED}:Q4_K_M' is not a Hugging Face repo id" in \
+        tagged.stderr
+
+
+def test_show_json_has_the_same_keys_for_every_model(env: dict[str, str]) -> None:
+    """A tool reading `size_bytes` or `quantization` of each model `afmd list --json` names
+    met a KeyError at Apple's model, whose object had keys of its own only."""
+    ids = [m["id"] for m in as_json(afmd(env, "list", "--json"))["models"]]
+    assert "system" in ids and "demo" in ids
+    mlx = as_json(afmd(env, "show", "demo", "--json"))
+    apple = as_json(afmd(env, "show", "system", "--json"))
+    assert list(mlx) == ["id", "path", "repo", "architecture", "model_type", "parameters",
+                         "quantization", "context_length", "kind", "chat_template",
+                         "tool_format", "reasoning_format", "fim", "vocab_size", "size_bytes"]
+    assert list(apple)[:len(mlx)] == list(mlx)
+    assert apple["size_bytes"] is None and apple["repo"] is None
+    assert apple["context_length"] and apple["availability"]
 
 
 def test_parameters_and_quantization_from_weight_headers(tmp_path: Path) -> None:

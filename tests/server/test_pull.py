@@ -124,6 +124,8 @@ def test_well_formed_refs() -> None:
     # Ollama's name for a hub repo; a repo of an owner called so is still that repo.
     assert parse_ref("hf.co/a/b") == parse_ref("HuggingFace.co/a/b@main") == ("a/b", "main")
     assert parse_ref("hf.co/b") == ("hf.co/b", "main")
+    # Ollama's default tag, which its users add (`ollama pull hf.co/OWNER/NAME:latest`).
+    assert parse_ref("hf.co/a/b:latest") == parse_ref("a/b:latest") == ("a/b", "main")
 
 
 # ---------------------------------------------------------------------------- pulling
@@ -216,7 +218,11 @@ def test_an_interrupted_pull_is_not_present_and_a_second_pull_finishes_it(
     shown = afmd(env, "show", REPO)
     assert_clean_failure(shown, f"{REPO} is not downloaded: `afmd pull {REPO}`")
     table = afmd(env, "list")
-    assert f"partial download: {REPO}" in table.stdout
+    assert f"partial download: {REPO}" in table.stderr
+    # stdout is the table alone, as `ollama list`'s: `afmd list | awk 'NR > 1 {print $1}'`
+    # read "partial", "cache:" and "loaded" (no server) as three more model ids.
+    rows = [line.split()[0] for line in table.stdout.splitlines()[1:]]
+    assert rows == list(listed(env)), table.stdout
 
     hub.failures.clear()
     done = afmd(env, "pull", REPO)
@@ -433,6 +439,38 @@ def test_what_a_killed_pull_left_is_deleted_by_the_next(hub: FakeHub,
     hub.rates.clear()
     assert afmd(env, "pull", REPO).returncode == 0
     assert not list(blobs.glob("*.incomplete")), list(blobs.iterdir())
+    assert (blobs / etag).read_bytes() == files["model.safetensors"]
+
+
+def test_a_second_pull_of_a_file_being_downloaded_says_it_waits(hub: FakeHub,
+                                                                env: dict[str, str]) -> None:
+    """Two `afmd pull` of one repo at once: the second one's hub client waits, silent, on
+    the lock of the file the first is downloading (minutes for a weight file), and then
+    had no line at all for that file. It says it waits, and both pulls end verified."""
+    files = tiny_model()
+    hub.add_repo(REPO, files)
+    hub.throttle(REPO, "model.safetensors", 2048)  # seconds for its few KiB
+    etag = hashlib.sha256(files["model.safetensors"]).hexdigest()
+    blobs = cache_of(env) / "models--test-org--tiny-mlx" / "blobs"
+    first = subprocess.Popen([sys.executable, "-m", "afmd", "pull", REPO], env=env, cwd=ROOT,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(blobs.glob(f"{etag}.*.incomplete")):
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.05)
+        second = afmd(env, "pull", REPO)
+        _, first_err = first.communicate(timeout=60)
+    finally:
+        first.kill()
+        first.wait()
+    assert first.returncode == 0, first_err
+    assert second.returncode == 0, second.stderr
+    assert "model.safetensors: another pull is downloading it; waiting for it" in \
+        second.stderr
+    assert "verified 3 files" in second.stderr
+    assert len(hub.gets("model.safetensors")) == 1  # downloaded once, by the first
     assert (blobs / etag).read_bytes() == files["model.safetensors"]
 
 

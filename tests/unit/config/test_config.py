@@ -520,6 +520,24 @@ def test_model_flag_hf_repo_id(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
                                repo)
 
 
+def test_model_flag_takes_ollamas_names(monkeypatch: pytest.MonkeyPatch,
+                                        tmp_path: Path) -> None:
+    """`--model hf.co/OWNER/NAME:latest`, as Ollama's users name a hub repo, served a
+    model of that path, which no folder and no repo id is: every request failed with
+    "does not exist" and nothing was pulled first. It is the repo, as on every route."""
+    monkeypatch.chdir(tmp_path)
+    repo = "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
+    for flag in (f"hf.co/{repo}", f"hf.co/{repo}:latest", f"{repo}:latest"):
+        cfg = load_config(env={}, overrides={"model": flag})
+        assert cfg.resolve_model(None) == ModelEntry(repo, repo), flag
+    assert load_config(env={}, overrides={"model": "demo-32k:latest"}).models.default == (
+        "demo-32k")
+    # A folder of that name is that folder.
+    (tmp_path / "hf.co" / "a" / "b").mkdir(parents=True)
+    cfg = load_config(env={}, overrides={"model": "hf.co/a/b"})
+    assert cfg.resolve_model(None) == ModelEntry("b", "hf.co/a/b")
+
+
 def test_model_flag_local_dir_uses_basename(tmp_path: Path) -> None:
     folder = tmp_path / "models" / "my-qwen"
     folder.mkdir(parents=True)
