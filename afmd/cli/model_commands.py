@@ -398,7 +398,7 @@ def _remove(args: argparse.Namespace, config: Config, repo: str, folder: Path) -
 
 
 def _rm(args: argparse.Namespace) -> int:
-    repo = _repo_arg(args.repo)
+    repo = hubcache.plain_name(args.repo)
     if not hubcache.REPO_ID.match(repo):
         raise CommandError(f"'{args.repo}' is not a Hugging Face repo id (OWNER/NAME)", EXIT_USAGE)
     cached = hubcache.inspect(repo)
@@ -438,12 +438,6 @@ def _configured(name: str, config: Config) -> ModelEntry | None:
     return config.resolve_model(name) or config.resolve_model(hubcache.plain_name(name))
 
 
-def _repo_arg(name: str) -> str:
-    """A repo named on the command line, Ollama's way included (``hf.co/OWNER/NAME``,
-    ``OWNER/NAME:latest``), as the repo id ``OWNER/NAME``."""
-    return hubcache.plain_name(name)
-
-
 def _show_entry(name: str, config: Config) -> ModelEntry:
     entry = _configured(name, config)
     if entry is not None:
@@ -451,7 +445,7 @@ def _show_entry(name: str, config: Config) -> ModelEntry:
     local = Path(name).expanduser()
     if name and os.path.isdir(local):  # "" is Path("."): whatever folder the shell is in
         return ModelEntry(id=local.resolve().name, path=str(local))
-    repo = _repo_arg(name)
+    repo = hubcache.plain_name(name)
     if hubcache.REPO_ID.match(repo):
         return ModelEntry(id=repo, path=repo)
     raise CommandError(f"'{name}' is neither a configured model, a model folder nor a "
@@ -556,7 +550,7 @@ def _cache_model(name: str, config: Config) -> str:
     entry = _configured(name, config)
     if entry is not None:
         return entry.id
-    repo = _repo_arg(name)
+    repo = hubcache.plain_name(name)
     if not hubcache.REPO_ID.match(repo):
         raise CommandError(f"'{name}' is neither a configured model, an alias nor a Hugging "
                            "Face repo id", EXIT_USAGE)
