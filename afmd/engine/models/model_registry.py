@@ -83,7 +83,7 @@ class ModelRegistry:
             # Hugging Face cache serves under its repo id without configuring it, or as
             # the configured model of that path, when there is one: its own id would have
             # loaded a second copy of the same files beside it.
-            base = hubcache.without_hub_host(name.removesuffix(":latest"))
+            base = hubcache.plain_name(name)
             entry = self._config.resolve_model(base) if base != name else None
             entry = (entry or self._configured_path(base) or self._downloaded(base)
                      or self._any_case(base))

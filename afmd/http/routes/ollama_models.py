@@ -31,9 +31,8 @@ from afmd.hub import cache as hubcache
 from afmd.service import fim
 from afmd.service.output_plan import model_formats
 
-__all__ = ["TAG", "listed", "loaded_models", "show", "tag_object", "tagged", "thinks"]
+__all__ = ["listed", "loaded_models", "show", "tag_object", "tagged", "thinks"]
 
-TAG = ":latest"
 #: What a folder's tokenizer says, per (model id, folder): reading it takes a second.
 _described: dict[tuple[str, str], dict[str, Any]] = {}
 _lock = threading.Lock()
@@ -41,7 +40,7 @@ _lock = threading.Lock()
 
 def tagged(name: str) -> str:
     """``name`` with a tag, as Ollama lists it (``demo:latest``)."""
-    return name if ":" in name.rsplit("/", 1)[-1] else name + TAG
+    return name if ":" in name.rsplit("/", 1)[-1] else name + hubcache.LATEST_TAG
 
 
 def _timestamp(seconds: float) -> str:
@@ -234,7 +233,7 @@ def show(state: AppState, name: str, entry: ModelEntry) -> dict[str, Any]:
     text: dict[str, Any] = text_config if isinstance(text_config, dict) else config
     model_info: dict[str, Any] = {
         "general.architecture": arch,
-        "general.basename": name.removesuffix(TAG),
+        "general.basename": name.removesuffix(hubcache.LATEST_TAG),
         "general.parameter_count": int(info.get("parameters") or 0),
         f"{arch}.context_length": context,
     }
@@ -274,7 +273,7 @@ def _system_show(name: str) -> dict[str, Any]:
         "details": {"parent_model": "", "format": "apple", "family": family,
                     "families": [family], "parameter_size": "", "quantization_level": ""},
         "model_info": {"general.architecture": family,
-                       "general.basename": name.removesuffix(TAG),
+                       "general.basename": name.removesuffix(hubcache.LATEST_TAG),
                        f"{family}.context_length": CONTEXT_LENGTH},
         "capabilities": ["completion", "tools"],
         "modified_at": _modified(None),

@@ -398,7 +398,7 @@ async def pull(request: Request) -> HTTPResponse | None:
     name = values["model"]
     request.ctx.model = name
     state: AppState = request.app.ctx.state
-    source = hubcache.without_hub_host(name.removesuffix(ollama_models.TAG))
+    source = hubcache.plain_name(name)
     configured = state.config.resolve_model(source)
     if configured is not None and not _from_hub(configured.path):
         if state.stop_error is not None:
