@@ -22,6 +22,7 @@ missing. What afmd adds:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import functools
 import hashlib
@@ -154,6 +155,12 @@ def _explain(exc: BaseException, repo: str, revision: str, *,
     if isinstance(exc, errors.HfHubHTTPError):
         status = exc.response.status_code if exc.response is not None else "?"
         return f"the hub at {_endpoint()} answered HTTP {status} for {repo}: {exc}"
+    if _on_this_disk(exc):
+        assert isinstance(exc, OSError)
+        where = f": {exc.filename}" if exc.filename else ""
+        return (f"this machine's disk refused it ({exc.strerror or exc}{where}); the "
+                f"Hugging Face cache is {huggingface_hub_cache()} (HF_HOME or HF_HUB_CACHE "
+                "set where it is): free space there or make it a writable folder")
     module = type(exc).__module__
     if module.startswith(("httpx", "httpcore")) and "Timeout" in type(exc).__name__:
         return (f"the hub at {_endpoint()} did not answer within {_timeout(setting):g} s "
@@ -163,6 +170,19 @@ def _explain(exc: BaseException, repo: str, revision: str, *,
         return (f"cannot reach the Hugging Face hub at {_endpoint()} ({type(exc).__name__}: "
                 f"{exc}); check the network connection (and HF_ENDPOINT)")
     return f"{type(exc).__name__}: {exc}"
+
+
+#: The errors of a write to this machine's disk: no network fault, and pulling again as
+#: it is will not get past them.
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS,
+                          errno.ENOTDIR, errno.EISDIR})
+
+
+def _on_this_disk(exc: BaseException) -> bool:
+    """Whether ``exc`` is this machine's disk refusing a write (a full disk, a cache
+    folder that cannot be made or written), not the hub or the network failing."""
+    return (isinstance(exc, OSError) and not isinstance(exc, ConnectionError)
+            and exc.errno in _DISK_ERRNOS)
 
 
 def _timeout(setting: str = "HF_HUB_ETAG_TIMEOUT") -> float:
@@ -371,8 +391,10 @@ def pull(ref: str, *, out: TextIO | None = None, terminal: bool | None = None,
                             "listed; the download was stopped and deleted") from None
         except Exception as exc:
             said = _explain(exc, repo, revision, setting="HF_HUB_DOWNLOAD_TIMEOUT")
-            raise PullError(f"downloading {remote.path}: {said}; "
-                            "run the pull again to resume (finished files are kept)") from exc
+            then = ("then run the pull again" if _on_this_disk(exc)
+                    else "run the pull again to resume")
+            raise PullError(f"downloading {remote.path}: {said}; {then} (finished files are "
+                            "kept)") from exc
         except KeyboardInterrupt:
             out.write("\n")
             raise

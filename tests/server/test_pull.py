@@ -650,3 +650,19 @@ def test_a_configured_repo_pulled_by_its_load_is_what_its_folder_says(
                 {"type": "image_url", "image_url": {"url": image}}]}]})
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["prompt_tokens"] > 20  # the image's tokens
+
+
+def test_a_cache_the_disk_refuses_is_said_to_be_the_disk(hub: FakeHub, env: dict[str, str],
+                                                         tmp_path: Path) -> None:
+    """A cache folder that cannot be made (under a file, on a full or read-only disk) is
+    this machine's fault, not the network's: the message says where the cache is and
+    how to move it, never "run the pull again to resume"."""
+    hub.add_repo(REPO, tiny_model())
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for moved in ({"HF_HOME": str(blocker / "hf")},
+                  {"HF_HOME": str(tmp_path / "hf2"), "HF_HUB_CACHE": str(blocker / "cache")}):
+        result = afmd({**env, **moved}, "pull", REPO)
+        assert_clean_failure(result, "this machine's disk refused it (Not a directory",
+                                     str(blocker), "HF_HOME or HF_HUB_CACHE")
+        assert "to resume" not in result.stderr, result.stderr
