@@ -20,6 +20,17 @@ composition beside ``properties`` (``allOf``, ``$ref``, ``if``/``then``/``else``
 ``required`` names or a ``minProperties`` the properties cannot meet, a branch of an
 ``allOf`` that has siblings, the target of a ``$ref`` used in such a place, and anything
 under ``not`` or ``if``, where a stricter schema would make the whole looser.
+
+Dates: a string of ``format`` ``date-time``, ``date`` or ``time`` is held, where it has
+no ``pattern`` of its own, to the part of RFC 3339 that date parsers read as well as
+JSON Schema does (llguidance intersects the two): ``T`` and ``Z`` in capitals, seconds
+up to 59, a fraction of up to six digits (microseconds), a year from 0001, February 29
+in leap years only. RFC 3339 also allows ``t``, ``z``, a leap second ``:60`` and any
+day 29 of February, which pydantic, Python's ``datetime`` and the openai SDK's
+``parse()`` (a pydantic ``datetime`` field) refuse: a sampled model wrote them and the
+SDK raised on an answer the schema accepts. The same place as closing, so again
+narrower is safe: every value written is valid against the schema as given. Not under
+``not`` or ``if`` (FROZEN), for the same reason.
 """
 
 from __future__ import annotations
@@ -51,6 +62,22 @@ _BLOCKS_CLOSING = frozenset({
     "allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "if", "then", "else", "not",
     "dependentSchemas", "dependencies", "dependentRequired",
 })
+
+# Dates as parsers read them (see above). Years 0001-9999; leap years are those divisible
+# by 4 but not by 100, or by 400 (year 0000 excluded).
+_YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
+_FOURS = "(?:0[48]|[2468][048]|[13579][26])"
+_LEAP = f"(?:[0-9]{{2}}{_FOURS}|{_FOURS}00)"
+_DATE = (f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+         "|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+         f"|{_LEAP}-02-29)")
+_TIME = ("(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,6})?"
+         "(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])")
+DATE_PATTERNS = {
+    "date-time": f"^{_DATE}T{_TIME}$",
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+}
 
 # How safe closing is at a node: its own keys may be closed (OK), only nested objects may
 # (TOP_UNSAFE: its keys are combined with a sibling's), or nothing below it (FROZEN).
@@ -201,8 +228,20 @@ def _closable(node: Schema) -> bool:
     return isinstance(least, int) and least <= len(properties)
 
 
+def _narrowable(node: Schema) -> str | None:
+    """The pattern a date string is held to, or None where it is left as written."""
+    fmt = node.get("format")
+    if not isinstance(fmt, str) or "pattern" in node:
+        return None
+    kind = node.get("type", "string")
+    if kind != "string" and not (isinstance(kind, list) and "string" in kind):
+        return None
+    return DATE_PATTERNS.get(fmt)
+
+
 def closed(schema: Schema) -> Schema:
-    """``schema`` with ``additionalProperties: false`` wherever that is safe (see above)."""
+    """``schema`` with ``additionalProperties: false`` and date patterns wherever that is
+    safe (see above)."""
     levels = _levels(schema)
     if levels is None:
         return schema
@@ -211,9 +250,11 @@ def closed(schema: Schema) -> Schema:
         out = _rebuild(node, lambda sub_path, sub: walk(path + sub_path, sub))
         if levels.get(path) == OK and _closable(node):
             out["additionalProperties"] = False
+        if levels.get(path) != FROZEN and (pattern := _narrowable(node)) is not None:
+            out["pattern"] = pattern
         return out
 
     return walk((), schema)
 
 
-__all__ = ["closed", "reroot"]
+__all__ = ["DATE_PATTERNS", "closed", "reroot"]

@@ -177,6 +177,8 @@ def create_app(state: AppState, name: str | None = None) -> Sanic:
         app.add_route(route.handler, route.path, methods=["GET"], name=route.name)
     app.add_route(get_model, "/v1/models/<model_id:path>", methods=["GET"],
                   name="model", unquote=True)
+    app.add_route(get_model, "/models/<model_id:path>", methods=["GET"],
+                  name="model_root", unquote=True)
     app.add_route(metrics, "/metrics", methods=["GET"], name="metrics")
     cache_routes.add_routes(app)
     app.add_route(_root, "/", methods=["GET", "HEAD"], name="root")

@@ -55,9 +55,13 @@ def timeout_error() -> GatewayTimeoutError:
 
 
 def cancelled_error(request_id: str) -> ConflictError:
+    """The 409 a cancelled request is answered. The official SDKs retry every 409 unless
+    the answer says ``x-should-retry: false``: without it, the retry ran the embeddings
+    the client had just cancelled."""
     return ConflictError(
         f"The request '{request_id}' was cancelled before its embeddings were computed.",
         code="request_cancelled",
+        headers={"x-should-retry": "false"},
     )
 
 

@@ -459,7 +459,7 @@ def test_only_the_apps_own_state_routes_are_answered_directly() -> None:
     registered = {r.uri: r.handler.__self__ for r in server.app.router.routes
                   if isinstance(getattr(r.handler, "__self__", None), StateRoute)}
     assert server.gate.direct == registered
-    assert set(registered) == {"/health", "/v1/models"}
+    assert set(registered) == {"/health", "/v1/models", "/models"}
 
 
 def test_a_failing_builder_is_answered_by_sanic() -> None:

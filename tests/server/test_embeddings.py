@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import jsonschema
 import numpy as np
+import openai
 import pytest
 
 from conftest import ServerProcess, start_server
@@ -503,6 +504,39 @@ def test_the_chat_cancel_path_cancels_an_embeddings_request(
         assert ended_error(ended.json()), ended.text
         httpx.post(url + f"/v1/chat/completions/{hog_id}/cancel", headers=AUTH, timeout=30)
         assert hog.result(60).status_code == 200
+    _wait(url, lambda h: h["active_requests"] == 0 and h["queued_requests"] == 0)
+
+
+def test_the_openai_client_does_not_retry_a_cancelled_request(strict: ServerProcess) -> None:
+    """The SDK retries a 409 unless told not to: the cancelled request's answer says
+    ``x-should-retry: false``, so ``embeddings.create`` raises the 409 at once. Before, the
+    SDK sent the request again and it waited for its slot to be embedded after all."""
+    url = strict.url
+    hog_id, waiting_id = "hog-" + uuid.uuid4().hex, "emb-" + uuid.uuid4().hex
+    chat = {"model": "demo", "max_tokens": 8000, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=2)
+    with ThreadPoolExecutor(2) as pool:
+        hog: Future[httpx.Response] = pool.submit(
+            httpx.post, url + "/v1/chat/completions", json=chat, timeout=120,
+            headers={**AUTH, "X-Request-ID": hog_id})
+        try:
+            _wait(url, lambda h: h["active_requests"] == 1)
+            waiting = pool.submit(client.embeddings.create, model=MODEL, input="queued",
+                                  extra_headers={"X-Request-ID": waiting_id})
+            _wait(url, lambda h: h["queued_requests"] == 1)
+            cancel = httpx.post(url + f"{EMBED}/{waiting_id}/cancel", headers=AUTH,
+                                timeout=30)
+            assert cancel.json()["cancelled"] is True, cancel.text
+            with pytest.raises(openai.ConflictError) as ended:
+                waiting.result(15)
+            assert ended.value.code == "request_cancelled"
+            assert ended.value.response.headers["x-should-retry"] == "false"
+            assert _health(url)["queued_requests"] == 0
+        finally:
+            httpx.post(url + f"/v1/chat/completions/{hog_id}/cancel", headers=AUTH,
+                       timeout=30)
+            hog.result(60)
     _wait(url, lambda h: h["active_requests"] == 0 and h["queued_requests"] == 0)
 
 

@@ -470,6 +470,41 @@ def test_tools_as_go_clients_send_them(http: httpx.Client, sent: dict[str, Any],
     assert got["prompt_eval_count"] == want["prompt_eval_count"]
 
 
+def lookup(key: int | str, unused: None = None) -> str:
+    """Look a key up.
+
+    Args:
+      key: The key
+      unused: Nothing
+    """
+    return str(key)
+
+
+def test_a_function_with_a_union_argument_is_the_tool_it_stands_for(
+    client: ollama.Client, http: httpx.Client
+) -> None:
+    """The official client builds a tool from a function's signature: a ``Union``
+    argument's ``type`` it writes as its types joined (``"integer, string"``), one typed
+    ``None`` as ``""``, and Ollama takes both. afmd refused the tool: "Invalid JSON
+    schema: 'integer, string' is not valid under any of the given schemas"."""
+    built = ollama._utils.convert_function_to_tool(lookup).model_dump(exclude_none=True)
+    properties = built["function"]["parameters"]["properties"]
+    joined = properties["key"]["type"]
+    assert joined in ("integer, string", "string, integer")
+    assert properties["unused"]["type"] == ""
+    got = client.chat(model="demo", messages=MESSAGES, tools=[lookup], options=GREEDY)
+    read = json.loads(json.dumps(built))
+    read_properties = read["function"]["parameters"]["properties"]
+    read_properties["key"]["type"] = joined.split(", ")
+    del read_properties["unused"]["type"]
+    want = http.post("/api/chat", json={"model": "demo", "messages": MESSAGES,
+                                        "tools": [read], "stream": False, "options": GREEDY})
+    assert want.status_code == 200, want.text
+    assert got.message.model_dump(exclude_none=True) == {
+        k: v for k, v in want.json()["message"].items() if v is not None}
+    assert got.prompt_eval_count == want.json()["prompt_eval_count"]
+
+
 def test_tool_calls_go_out_with_object_arguments() -> None:
     """The encoder: a finished call is one object, its arguments an object (Ollama's)."""
     request = OLLAMA_CHAT.parse(json.dumps({"model": "demo", "messages": MESSAGES}).encode())

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from conftest import parse_sse, start_server
 from helpers.openai_schemas import validate_chunk, validate_models, validate_response
@@ -137,6 +138,23 @@ def test_root_chat_path(http) -> None:
     response = http.post("/chat/completions", json={"messages": MESSAGES, "max_tokens": 3})
     assert response.status_code == 200
     validate_response(response.json())
+
+
+def test_a_base_url_without_v1_reaches_the_models_too(server) -> None:
+    """Chat, completions, embeddings and Responses answer at the root as well, for
+    clients whose base URL leaves out ``/v1``; the model listing did not (404), and
+    ``models.list()``, which apps call first to fill their model picker, failed there."""
+    root = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    listed = root.models.with_raw_response.list()
+    assert listed.http_request.url.path == "/models"
+    assert [m.id for m in listed.parse()] == [
+        m.id for m in openai.OpenAI(base_url=server.url + "/v1", api_key="unused").models.list()]
+    assert root.models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"
+    with pytest.raises(openai.NotFoundError) as missing:
+        root.models.retrieve("nope")
+    assert missing.value.code == "model_not_found"
+    chat = root.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=2)
+    assert chat.choices[0].finish_reason == "length"
 
 
 def test_models_endpoints(client, http) -> None:

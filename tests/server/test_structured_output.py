@@ -7,6 +7,7 @@ write until ``max_tokens``).
 
 from __future__ import annotations
 
+import datetime
 import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -163,6 +164,30 @@ def test_parse_with_a_pydantic_model(client) -> None:
         assert 0 <= person.age <= 120 and len(person.name) <= 12
         assert [k for k, _ in pairs_of(message.content)] == list(Person.model_fields)
         assert "```" not in message.content
+
+
+class Meeting(BaseModel):
+    starts: datetime.datetime
+    day: datetime.date
+    alarm: datetime.time
+    moved: list[datetime.datetime] = Field(max_length=2)
+
+
+def test_dates_are_written_as_pydantic_reads_them(client) -> None:
+    """``format`` ``date-time``, ``date`` and ``time`` (a pydantic date field's schema)
+    are held to what pydantic parses: RFC 3339 as written by llguidance also allowed
+    ``t``/``z``, ``:60`` and any February 29, and ``parse()`` raised on such answers
+    (``2666-12-31T23:48:60Z``, ``6666-11-30t23:56:60Z``)."""
+    for seed in range(4):
+        completion = client.chat.completions.parse(
+            model="demo", messages=MESSAGES, response_format=Meeting, max_tokens=300,
+            seed=seed, reasoning_effort="none",
+        )
+        assert completion.choices[0].finish_reason == "stop"
+        meeting = completion.choices[0].message.parsed
+        assert isinstance(meeting, Meeting) and isinstance(meeting.starts, datetime.datetime)
+        jsonschema.validate(json.loads(completion.choices[0].message.content),
+                            Meeting.model_json_schema())
 
 
 def test_json_object_is_a_json_object(http) -> None:

@@ -183,7 +183,7 @@ def test_allowed_origin_headers_on_responses(screen: ServerProcess) -> None:
         exposed = {h.strip().lower()
                    for h in response.headers["access-control-expose-headers"].split(",")}
         assert {"x-request-id", "openai-request-id", "x-grammar-constraints",
-                "x-afm-trimmed-messages"} <= exposed
+                "x-afm-trimmed-messages", "retry-after", "x-should-retry"} <= exposed
         assert parse_sse(response.body.decode())[-1] == "[DONE]"
         # An error from a handler carries them too, so a page can read it.
         bad = b"{"

@@ -338,17 +338,40 @@ _GO_SCHEMA_KEYWORDS = frozenset({"type", "$defs", "items", "required", "properti
                                  "anyOf", "description", "enum"})
 
 
+#: JSON Schema's type names, which a ``type`` written as a comma-separated list holds.
+_JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array",
+                         "null"})
+
+
+def _listed_types(value: str) -> list[str] | None:
+    """The types of a ``type`` written as ``"integer, string"``, or None for any other
+    string. The official Python client writes a function's ``Union``-typed argument so
+    (``convert_function_to_tool`` joins the union's types), and Ollama takes it, its
+    decoder reading any string as a type name; a JSON schema validator refuses it."""
+    names = [name.strip() for name in value.split(",")]
+    if len(names) < 2 or not set(names) <= _JSON_TYPES:
+        return None
+    return list(dict.fromkeys(names))
+
+
 def _schema_as_go_reads_it(schema: Any) -> Any:
     """A tool's parameter schema with the nulls Ollama's decoder reads as absent left out:
     Go clients built on Ollama's own ``api`` package send ``"properties": null`` for a
     tool without parameters (and, before it was ``omitempty``, ``"required": null``),
-    which a JSON schema validator refuses. Other keywords are kept as they are."""
+    which a JSON schema validator refuses. A ``type`` written as a list in one string
+    is that list (:func:`_listed_types`), and an empty one, Go's zero value (what the
+    Python client writes for an argument typed ``None``), is none: any value. Other
+    keywords are kept as they are."""
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if value is None and key in _GO_SCHEMA_KEYWORDS:
             continue
+        if key == "type" and isinstance(value, str):
+            if value == "":
+                continue
+            value = _listed_types(value) or value
         if key in ("properties", "$defs") and isinstance(value, dict):
             # (a null property is Go's zero ``ToolProperty``: any value)
             value = {name: _schema_as_go_reads_it({} if v is None else v)
@@ -378,7 +401,7 @@ def _tools_as_go_reads_them(value: Any) -> Any:
             function = tool.get("function")
             if isinstance(function, dict) and isinstance(function.get("parameters"), dict):
                 parameters = _schema_as_go_reads_it(function["parameters"])
-                if parameters.get("type") == "":
+                if function["parameters"].get("type") == "":
                     parameters["type"] = "object"
                 tool["function"] = {**function, "parameters": parameters}
         tools.append(tool)

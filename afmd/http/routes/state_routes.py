@@ -188,8 +188,12 @@ def _health(state: AppState) -> tuple[int, dict[str, Any]]:
     return status, body
 
 
-#: The routes that :class:`StateRoute` describes; ``create_app`` registers them.
+#: The routes that :class:`StateRoute` describes; ``create_app`` registers them. The
+#: listing is also at ``/models``, as chat, completions, embeddings and Responses are at
+#: the root too: a client whose base URL leaves out ``/v1`` (the openai SDK's
+#: ``models.list()`` on ``http://127.0.0.1:9999``) reached every route but this one.
 STATE_ROUTES = (
     StateRoute("/v1/models", "models", _models),
+    StateRoute("/models", "models_root", _models),
     StateRoute("/health", "health", _health, limit=_health_limited),
 )

@@ -77,9 +77,13 @@ CORS_ALLOW_HEADERS = ", ".join((
         "Package-Version", "Poll-Helper", "Read-Timeout", "Retry-Count", "Runtime",
         "Runtime-Version", "Timeout")),
 ))
+#: What a page may read of an answer. ``Retry-After`` and ``X-Should-Retry`` are what the
+#: JavaScript SDKs' retries read; no CORS rule lets a page see them unless named here, so
+#: a page's SDK retried a 429 on its own backoff and a cancelled request as any 409.
 CORS_EXPOSE_HEADERS = (
     "X-Request-ID, OpenAI-Request-ID, Request-Id, X-Grammar-Constraints, "
-    "X-AFM-Trimmed-Messages, X-AFM-Trimmed-Context, X-AFM-Ignored-Fields"
+    "X-AFM-Trimmed-Messages, X-AFM-Trimmed-Context, X-AFM-Ignored-Fields, "
+    "Retry-After, X-Should-Retry"
 )
 CORS_MAX_AGE = "600"
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})

@@ -1,4 +1,5 @@
-"""The grammar's copy of a schema (afmd.grammar.schema_copy): re-rooted references, closed objects.
+"""The grammar's copy of a schema (afmd.grammar.schema_copy): re-rooted references, closed
+objects, dates narrowed to what parsers read.
 
 Pure unit tests on pydantic-shaped schemas. Whether a copy means the same thing is checked
 with ``jsonschema`` itself: re-rooted, it accepts and rejects exactly what the original
@@ -8,7 +9,9 @@ does; closed, it rejects keys outside ``properties`` and still accepts every clo
 from __future__ import annotations
 
 import copy
+import datetime
 import json
+import re
 from typing import Any, Literal
 
 import jsonschema
@@ -16,7 +19,7 @@ import pytest
 from pydantic import BaseModel, Field
 from referencing.exceptions import Unresolvable
 
-from afmd.grammar.schema_copy import closed, reroot
+from afmd.grammar.schema_copy import DATE_PATTERNS, closed, reroot
 
 ARGS = ("properties", "arguments")
 
@@ -266,3 +269,55 @@ def test_an_anchor_reached_where_closing_is_unsafe_leaves_the_schema_as_written(
                                                                {"required": ["c"]}]}},
               "$defs": {"B": {"$anchor": "base", "properties": {"b": {}}}}}
     assert closed(schema) == schema
+
+
+# ----------------------------------------------------------------------------------- dates
+
+
+def _parses(text: str, kind: str) -> bool:
+    parse = {"date": datetime.date.fromisoformat, "time": datetime.time.fromisoformat,
+             "date-time": datetime.datetime.fromisoformat}[kind]
+    try:
+        parse(text)
+    except ValueError:
+        return False
+    return True
+
+
+def test_the_date_pattern_is_every_day_python_reads_and_no_other() -> None:
+    years = [*range(0, 30), *range(96, 105), *range(396, 405), *range(1896, 1905),
+             *range(1996, 2105), 2400, 9996, 9999]
+    days = [f"{y:04d}-{m:02d}-{d:02d}" for y in years for m in range(1, 13)
+            for d in range(1, 32)]
+    date = re.compile(DATE_PATTERNS["date"])
+    assert [d for d in days if bool(date.fullmatch(d)) != _parses(d, "date")] == []
+
+
+@pytest.mark.parametrize(("text", "kind", "written"), [
+    ("2024-02-29T23:59:59Z", "date-time", True),
+    ("2000-02-29T00:00:00.123456+05:30", "date-time", True),
+    ("0001-01-01T00:00:00-00:00", "date-time", True),
+    ("2024-01-01t10:00:00Z", "date-time", False),  # RFC 3339 allows t and z
+    ("2024-01-01T10:00:00z", "date-time", False),
+    ("2024-12-31T23:59:60Z", "date-time", False),  # a leap second
+    ("2023-02-29T10:00:00Z", "date-time", False),
+    ("1900-02-29", "date", False),
+    ("0000-01-01", "date", False),
+    ("23:59:59.5Z", "time", True),
+    ("23:59:60Z", "time", False),
+    ("10:00:00.1234567Z", "time", False),  # beyond microseconds
+])
+def test_dates_are_written_as_parsers_read_them(text: str, kind: str, written: bool) -> None:
+    out = closed({"type": "object", "properties": {"at": {"type": "string", "format": kind}}})
+    assert valid(out, {"at": text}) is written
+    if written:
+        assert _parses(text.replace("Z", "+00:00"), kind)
+
+
+def test_a_date_with_its_own_pattern_or_under_not_is_left_as_written() -> None:
+    own = {"type": "string", "format": "date", "pattern": "^2"}
+    negated = {"not": {"type": "string", "format": "date-time"}}
+    out = closed({"type": "object", "properties": {"a": own, "b": negated}})
+    assert out["properties"]["a"] == own and out["properties"]["b"] == negated
+    nullable = closed({"type": ["string", "null"], "format": "time"})
+    assert nullable["pattern"] == DATE_PATTERNS["time"]
