@@ -147,9 +147,19 @@ class ServiceUnavailableError(APIError):
 
 
 class GatewayTimeoutError(APIError):
+    """A deadline the server holds every request to passed. The same request sent again
+    meets it again (a generation too long for it) or waits as long (a queue as busy),
+    and the official SDKs retry a 504 twice: a non-streamed generation past
+    ``request_timeout`` ran three times before the client heard of it. The answer says
+    ``x-should-retry: false``, which those retries read."""
+
     status = 504
     error_type = "timeout_error"
     default_code = "timeout"
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message, **fields)
+        self.headers.setdefault("x-should-retry", "false")
 
 
 def request_timeout_error() -> GatewayTimeoutError:

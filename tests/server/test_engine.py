@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from conftest import ServerProcess, parse_sse, start_server
@@ -384,6 +385,7 @@ def test_request_timeout_504_and_stream_error_chunk(tmp_path: Path) -> None:
         assert b.status_code == 504, b.text
         validate_error(b.json())
         assert b.json()["error"]["code"] == "timeout"
+        assert b.headers["x-should-retry"] == "false"  # the SDKs' retries would meet it again
         assert 0.8 <= elapsed < 5.0, elapsed
 
         a.join(10)
@@ -401,6 +403,17 @@ def test_request_timeout_504_and_stream_error_chunk(tmp_path: Path) -> None:
         assert content_of(chunks), "the stream had begun before it timed out"
         assert finish_reasons(chunks) == []
         wait_health(url, idle)
+        # The openai SDK retries a 504 twice unless told not to: the generation past
+        # request_timeout would have run three times.
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=2)
+        before = len(srv.events)
+        with pytest.raises(openai.APIStatusError) as timed_out:
+            client.chat.completions.create(model="demo", max_tokens=LONG, messages=[
+                {"role": "user", "content": "Go on and on."}])
+        assert timed_out.value.status_code == 504
+        sent = [e for e in list(srv.events)[before:]
+                if e.get("event") == "request" and e.get("path") == CHAT]
+        assert [e["status"] for e in sent] == [504], sent
     finally:
         srv.stop()
 
