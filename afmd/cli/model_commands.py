@@ -266,6 +266,13 @@ def _list(args: argparse.Namespace) -> int:
     entries += [(ModelEntry(id=c.repo, path=c.repo), False)
                 for c in hubcache.cached_repos() if c.complete
                 and c.repo not in {e.path for e in config.models.model}]
+    # The running server's own models that this command's config does not name (`afmd
+    # serve --model ~/folder`, another config): they are what clients can ask for.
+    ids, paths = {e.id for e, _ in entries}, {e.path for e, _ in entries}
+    entries += [(ModelEntry(id=model_id, path=d["path"]), True)
+                for model_id, d in known.items()
+                if model_id not in ids and isinstance(d.get("path"), str)
+                and d["path"] not in paths]
     for entry, configured in entries:
         folder = folder_of(entry)
         rows.append({

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -16,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from afmd.engine.demo import builtin as demo
 from afmd.ports import free_ports
 
 from conftest import ROOT, ServerProcess, start_server
@@ -317,6 +319,26 @@ def test_list_shows_disk_config_and_loaded_state(served: tuple[ServerProcess, st
     assert line.split()[-4:] == ["fp32", "131072", "-", "yes"]
     without = afmd(env, "list")  # no server: listed anyway, the loaded state said unknown
     assert without.returncode == 0 and "loaded state unknown: no afmd server" in without.stderr
+
+
+def test_list_shows_the_servers_own_models_too(env: dict[str, str], tmp_path: Path) -> None:
+    """``afmd serve --model ~/folder`` serves a model no config names: ``afmd list`` lists
+    it (``ps`` did, ``list`` did not), as clients can ask for it."""
+    folder = tmp_path / "my-folder-model"
+    shutil.copytree(demo.materialize("demo"), folder)
+    server = start_server(tmp_path, args=["--model", str(folder)])
+    try:
+        rows = {m["id"]: m for m in as_json(afmd(
+            env, "list", "--json", "--url", server.url))["models"]}
+        mine = rows["my-folder-model"]
+        assert mine.keys() == LIST_KEYS
+        assert (mine["path"], mine["configured"], mine["loaded"]) == (str(folder), True, True)
+        assert mine["size_bytes"] == sum(f.stat().st_size for f in folder.iterdir())
+        assert len(rows) == len(set(rows))  # the built-ins once each
+        table = afmd(env, "list", "--url", server.url).stdout.splitlines()
+        assert any(line.split()[0] == "my-folder-model" for line in table[1:]), table
+    finally:
+        assert server.stop() == 0
 
 
 def test_list_says_loaded_by_id_when_two_models_share_a_path(env: dict[str, str],
