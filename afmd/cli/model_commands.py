@@ -86,10 +86,10 @@ def add_parsers(commands: Any) -> None:
     common(ps, server=True)
 
     rm = commands.add_parser(
-        "rm", help="delete a downloaded model",
-        description="Delete REPO (every revision) from the Hugging Face cache, after "
+        "rm", help="delete downloaded models",
+        description="Delete each REPO (every revision) from the Hugging Face cache, after "
                     "confirmation. Refused while the running server has it loaded.")
-    rm.add_argument("repo", metavar="REPO")
+    rm.add_argument("repos", metavar="REPO", nargs="+")
     rm.add_argument("-y", "--yes", action="store_true", help="do not ask")
     common(rm, server=True, as_json=False)
 
@@ -405,22 +405,38 @@ def _remove(args: argparse.Namespace, config: Config, repo: str, folder: Path) -
 
 
 def _rm(args: argparse.Namespace) -> int:
-    repo = hubcache.plain_name(args.repo)
+    """Each repo in turn, as ``ollama rm a b`` takes several: one that cannot go is said
+    (and makes the exit code) and the others are still deleted."""
+    if len(args.repos) == 1:
+        return _rm_one(args, args.repos[0])
+    code = EXIT_OK
+    for name in args.repos:
+        try:
+            code = max(code, _rm_one(args, name))
+        except CommandError as exc:
+            print(f"afmd rm: {exc}", file=sys.stderr)
+            code = max(code, exc.code)
+    return code
+
+
+def _rm_one(args: argparse.Namespace, name: str) -> int:
+    repo = hubcache.plain_name(name)
     if not hubcache.REPO_ID.match(repo):
-        raise CommandError(f"'{args.repo}' is not a Hugging Face repo id (OWNER/NAME)", EXIT_USAGE)
+        raise CommandError(f"'{name}' is not a Hugging Face repo id (OWNER/NAME)", EXIT_USAGE)
     cached = hubcache.inspect(repo)
     if cached is None:
         raise CommandError(f"{repo} is not in the Hugging Face cache ({huggingface_hub_cache()})")
     config = _config(args.config)
     _refuse_if_served(args, config, repo)
-    size = human_bytes(hubcache.snapshot_size(cached.snapshot)) if cached.snapshot else "?"
+    # What the delete frees (every revision, and the folder's own files), as it reports it.
+    size = human_bytes(hubcache.stored_bytes(cached.folder))
     if not args.yes:
         try:
             answer = input(f"Delete {repo} ({size}) from {cached.folder}? [y/N] ")
         except EOFError:
             answer = ""
         if answer.strip().lower() not in ("y", "yes"):
-            print("nothing deleted")
+            print(f"{repo}: nothing deleted")
             return EXIT_FAILURE
     linked = cached.folder.resolve() if cached.folder.is_symlink() else None
     freed = _remove(args, config, repo, cached.folder)

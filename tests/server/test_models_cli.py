@@ -386,6 +386,14 @@ def test_rm_asks_refuses_a_loaded_model_and_deletes(served: tuple[ServerProcess,
         missing.stderr
     assert afmd(env, "rm", "not-a-repo", "--yes").returncode == 2
 
+    # Several at once, as `ollama rm a b`: the one that cannot go is said, the rest go.
+    assert afmd(env, "pull", EMBED).returncode == 0
+    several = afmd(env, "rm", "--yes", "test-org/absent", EMBED, "--url", server.url)
+    assert several.returncode == 1, several.stderr
+    assert "test-org/absent is not in the Hugging Face cache" in several.stderr
+    assert f"deleted {EMBED} (1.3 MB freed)" in several.stdout
+    assert not folder.exists()
+
 
 def test_a_download_loaded_by_its_repo_id_is_shown_and_kept(
         served: tuple[ServerProcess, str], env: dict[str, str]) -> None:
