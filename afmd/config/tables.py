@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from afmd.config.bounds import ConfigError, coerce, describe, suggest, toml_key
+from afmd.hub.cache import plain_name
 
 __all__ = [
     "MODEL_KINDS",
@@ -112,6 +113,16 @@ def _table_array(
         yield i, base, item
 
 
+def _model_path(path: str) -> str:
+    """A model's ``path`` as the server's routes read a model's name: a repo written as
+    Ollama's users write it (``hf.co/OWNER/NAME``, ``OWNER/NAME:latest``) is that repo,
+    unless a folder has that name. It passed the config's check and then failed to load,
+    as neither a folder nor a repo id."""
+    if path.startswith("afmd:") or os.path.isdir(os.path.expanduser(path)):
+        return path
+    return plain_name(path)
+
+
 def parse_entries(value: object) -> list[ModelEntry]:
     entries: list[ModelEntry] = []
     first_index: dict[str, int] = {}
@@ -125,7 +136,7 @@ def parse_entries(value: object) -> list[ModelEntry]:
         if isinstance(ctx, int) and ctx < 1:
             raise ConfigError(f"{base}.context_length", f"must be >= 1, got {ctx}")
         model_id = str(item["id"])  # both strings: coerced above
-        path = str(item["path"])
+        path = _model_path(str(item["path"]))
         if model_id in first_index:
             raise ConfigError(
                 f"{base}.id",

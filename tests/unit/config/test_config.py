@@ -538,6 +538,22 @@ def test_model_flag_takes_ollamas_names(monkeypatch: pytest.MonkeyPatch,
     assert cfg.resolve_model(None) == ModelEntry("b", "hf.co/a/b")
 
 
+def test_a_configured_path_takes_ollamas_names(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    """A ``path`` written as Ollama names a hub repo passed the check and failed its load
+    (neither a folder nor a repo id): it is the repo, unless a folder has that name."""
+    monkeypatch.chdir(tmp_path)
+    repo = "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
+    (tmp_path / "hf.co" / "a" / "b").mkdir(parents=True)
+    config = tmp_path / "afmd.toml"
+    config.write_text("".join(f'[[models.model]]\nid = "m{i}"\npath = "{path}"\n'
+                              for i, path in enumerate((f"hf.co/{repo}", f"{repo}:latest",
+                                                        "hf.co/a/b", "afmd:demo"))))
+    cfg = load_config(config, env={})
+    assert [cfg.resolve_model(f"m{i}").path for i in range(4)] == [  # type: ignore[union-attr]
+        repo, repo, "hf.co/a/b", "afmd:demo"]
+
+
 def test_model_flag_local_dir_uses_basename(tmp_path: Path) -> None:
     folder = tmp_path / "models" / "my-qwen"
     folder.mkdir(parents=True)
