@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -201,17 +202,36 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
 # ---------------------------------------------------------------------------- pull
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived during a pull. Not an Exception: nothing on the way out may take it
+    for a failed download (retry it, or report it as the hub's)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def _pull(args: argparse.Namespace) -> int:
+    """A SIGTERM (``timeout``, a service manager, ``kill``) ends the pull as Ctrl-C does:
+    unwound, so the hub client deletes the file it was writing, and said on stderr, where
+    the default action killed it mid-file, with no word and a partial file left."""
     from afmd.hub.download import PullError, parse_ref, pull
 
     try:
         parse_ref(args.ref)
     except PullError as exc:  # typed wrong: usage, as `afmd rm` has it
         raise CommandError(str(exc), EXIT_USAGE) from None
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         pull(args.ref)
     except PullError as exc:
         raise CommandError(str(exc)) from None
+    except _Terminated:
+        print("afmd pull: stopped (SIGTERM); finished files are kept, and `afmd pull` "
+              "again resumes", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return EXIT_OK
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -440,6 +441,34 @@ def test_what_a_killed_pull_left_is_deleted_by_the_next(hub: FakeHub,
     assert afmd(env, "pull", REPO).returncode == 0
     assert not list(blobs.glob("*.incomplete")), list(blobs.iterdir())
     assert (blobs / etag).read_bytes() == files["model.safetensors"]
+
+
+def test_a_pull_stopped_by_sigterm_says_so_and_leaves_no_partial_file(
+        hub: FakeHub, env: dict[str, str]) -> None:
+    """SIGTERM (``timeout``, a service manager) ended a pull mid-file with no word, exit
+    by the signal, and the file it was writing left behind; it now ends as Ctrl-C does."""
+    files = tiny_model()
+    hub.add_repo(REPO, files)
+    hub.throttle(REPO, "model.safetensors", 512)  # seconds for its few KiB
+    etag = hashlib.sha256(files["model.safetensors"]).hexdigest()
+    blobs = cache_of(env) / "models--test-org--tiny-mlx" / "blobs"
+    proc = subprocess.Popen([sys.executable, "-m", "afmd", "pull", REPO], env=env, cwd=ROOT,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(blobs.glob(f"{etag}.*.incomplete")):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "afmd pull: stopped (SIGTERM)" in err and "Traceback" not in err, err
+    assert not list(blobs.glob("*.incomplete")), list(blobs.iterdir())
 
 
 def test_a_second_pull_of_a_file_being_downloaded_says_it_waits(hub: FakeHub,
