@@ -413,62 +413,68 @@ def test_a_file_longer_than_the_hub_listed_is_cut_off(hub: FakeHub,
     assert REPO in listed(env)
 
 
+class MidFile:
+    """An ``afmd pull`` of REPO writing its weight file, slowly (the hub throttled to
+    ``rate`` bytes a second): the process, the blobs folder and the file's etag."""
+
+    def __init__(self, hub: FakeHub, env: dict[str, str], rate: int) -> None:
+        self.files = tiny_model()
+        hub.add_repo(REPO, self.files)
+        hub.throttle(REPO, "model.safetensors", rate)
+        self.etag = hashlib.sha256(self.files["model.safetensors"]).hexdigest()
+        self.blobs = cache_of(env) / "models--test-org--tiny-mlx" / "blobs"
+        self.proc = subprocess.Popen([sys.executable, "-m", "afmd", "pull", REPO], env=env,
+                                     cwd=ROOT, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True)
+        deadline = time.monotonic() + 60
+        while not self.partial():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                raise AssertionError("the pull never began writing its weight file")
+            time.sleep(0.05)
+
+    def partial(self) -> list[Path]:
+        return list(self.blobs.glob(f"{self.etag}.*.incomplete"))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+
 def test_what_a_killed_pull_left_is_deleted_by_the_next(hub: FakeHub,
                                                           env: dict[str, str]) -> None:
     """A pull killed mid-file (or a server stopped mid-pull: its download thread does not
     hold the process) leaves the hub client's ``blobs/<etag>.<8 hex>.incomplete``, which no
     later download reads: the hub client starts the file over under a new name. The next
     pull of the repo deletes it before it fetches the file again."""
-    files = tiny_model()
-    hub.add_repo(REPO, files)
-    hub.throttle(REPO, "model.safetensors", 512)  # seconds for its few KiB
-    etag = hashlib.sha256(files["model.safetensors"]).hexdigest()
-    blobs = cache_of(env) / "models--test-org--tiny-mlx" / "blobs"
-    proc = subprocess.Popen([sys.executable, "-m", "afmd", "pull", REPO], env=env, cwd=ROOT,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while not list(blobs.glob(f"{etag}.*.incomplete")):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
-    finally:
-        proc.kill()
-        proc.wait()
-    left = list(blobs.glob(f"{etag}.*.incomplete"))
+    pulling = MidFile(hub, env, 512)  # seconds for its few KiB
+    pulling.stop()
+    blobs, etag = pulling.blobs, pulling.etag
+    left = pulling.partial()
     assert len(left) == 1 and not (blobs / etag).exists(), left
     hub.rates.clear()
     assert afmd(env, "pull", REPO).returncode == 0
     assert not list(blobs.glob("*.incomplete")), list(blobs.iterdir())
-    assert (blobs / etag).read_bytes() == files["model.safetensors"]
+    assert (blobs / etag).read_bytes() == pulling.files["model.safetensors"]
 
 
 def test_a_pull_stopped_by_sigterm_says_so_and_leaves_no_partial_file(
         hub: FakeHub, env: dict[str, str]) -> None:
     """SIGTERM (``timeout``, a service manager) ended a pull mid-file with no word, exit
     by the signal, and the file it was writing left behind; it now ends as Ctrl-C does."""
-    files = tiny_model()
-    hub.add_repo(REPO, files)
-    hub.throttle(REPO, "model.safetensors", 512)  # seconds for its few KiB
-    etag = hashlib.sha256(files["model.safetensors"]).hexdigest()
-    blobs = cache_of(env) / "models--test-org--tiny-mlx" / "blobs"
-    proc = subprocess.Popen([sys.executable, "-m", "afmd", "pull", REPO], env=env, cwd=ROOT,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    pulling = MidFile(hub, env, 512)  # seconds for its few KiB
     try:
-        deadline = time.monotonic() + 60
-        while not list(blobs.glob(f"{etag}.*.incomplete")):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        pulling.proc.send_signal(signal.SIGTERM)
+        _, err = pulling.proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 128 + signal.SIGTERM, err
+        pulling.stop()
+    assert pulling.proc.returncode == 128 + signal.SIGTERM, err
     assert "afmd pull: stopped (SIGTERM)" in err and "Traceback" not in err, err
-    assert not list(blobs.glob("*.incomplete")), list(blobs.iterdir())
+    assert not list(pulling.blobs.glob("*.incomplete")), list(pulling.blobs.iterdir())
 
 
 def test_a_second_pull_of_a_file_being_downloaded_says_it_waits(hub: FakeHub,
@@ -476,31 +482,20 @@ def test_a_second_pull_of_a_file_being_downloaded_says_it_waits(hub: FakeHub,
     """Two `afmd pull` of one repo at once: the second one's hub client waits, silent, on
     the lock of the file the first is downloading (minutes for a weight file), and then
     had no line at all for that file. It says it waits, and both pulls end verified."""
-    files = tiny_model()
-    hub.add_repo(REPO, files)
-    hub.throttle(REPO, "model.safetensors", 2048)  # seconds for its few KiB
-    etag = hashlib.sha256(files["model.safetensors"]).hexdigest()
-    blobs = cache_of(env) / "models--test-org--tiny-mlx" / "blobs"
-    first = subprocess.Popen([sys.executable, "-m", "afmd", "pull", REPO], env=env, cwd=ROOT,
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    pulling = MidFile(hub, env, 2048)  # seconds for its few KiB
+    first = pulling.proc
     try:
-        deadline = time.monotonic() + 60
-        while not list(blobs.glob(f"{etag}.*.incomplete")):
-            assert time.monotonic() < deadline and first.poll() is None
-            time.sleep(0.05)
         second = afmd(env, "pull", REPO)
         _, first_err = first.communicate(timeout=60)
     finally:
-        first.kill()
-        first.wait()
+        pulling.stop()
     assert first.returncode == 0, first_err
     assert second.returncode == 0, second.stderr
     assert "model.safetensors: another pull is downloading it; waiting for it" in \
         second.stderr
     assert "verified 3 files" in second.stderr
     assert len(hub.gets("model.safetensors")) == 1  # downloaded once, by the first
-    assert (blobs / etag).read_bytes() == files["model.safetensors"]
+    assert (pulling.blobs / pulling.etag).read_bytes() == pulling.files["model.safetensors"]
 
 
 def test_a_file_that_fails_verification_is_deleted_only_inside_the_cache(
