@@ -165,6 +165,23 @@ def test_data_images_are_attachments_of_the_prompt(http: httpx.Client, native: M
     assert error["param"] == "messages[0].content[1].image_url"
 
 
+def test_an_image_the_os_cannot_take_is_refused_when_streamed_too(
+        server: SystemServer, native: ModuleType) -> None:
+    """The SDK's stream composes its prompt on a thread of its own, where the image's
+    error is lost and the stream waits for ever: afmd composes the prompt first."""
+    png = base64.b64decode(
+        "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5ErkJggg==")
+    native.STATE.images_supported = False
+    content = [{"type": "text", "text": "Describe it."},
+               {"type": "image_url", "image_url": {
+                   "url": "data:image/png;base64," + base64.b64encode(png).decode()}}]
+    with httpx.Client(base_url=server.url, timeout=10) as quick:
+        refused = quick.post(CHAT, json={"messages": [{"role": "user", "content": content}],
+                                         "stream": True})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "image_input_not_supported"
+
+
 def test_tool_history_is_the_transcript_and_a_last_tool_message_continues(
         http: httpx.Client, native: ModuleType) -> None:
     messages = [

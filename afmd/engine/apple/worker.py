@@ -237,6 +237,8 @@ class _Session:
             if not self.stopped:
                 self.report("text", text)
             return
+        if not isinstance(prompt, str):
+            compat.compose_check(fm, prompt)  # the stream would hang on its error
         async with aclosing(session.stream_response(prompt, options=options)) as stream:
             async for snapshot in stream:
                 if self.stopped:

@@ -255,11 +255,6 @@ def _generate(job: Job, on_snapshot: Any) -> Any:
             name, _, message = rest.partition(" ")
             cls = getattr(errors, name)
             raise errors.make(cls, message or name)
-    if any(p for p in job.prompt if not isinstance(p, str)) and not STATE.images_supported:
-        from .prompt import ImagePromptError
-
-        raise ImagePromptError("Failed to add attachment to prompt: the current OS does not "
-                               "support attachment prompts")
     calls = [(rest.partition(" ")[0], rest.partition(" ")[2]) for head, rest in script
              if head == "call"]
     answer: str | None = None

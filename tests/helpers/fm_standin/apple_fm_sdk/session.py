@@ -19,7 +19,7 @@ from typing import Any
 from . import errors, native
 from .generation_options import GenerationOptions, native_options
 from .generation_schema import GeneratedContent, GenerationSchema
-from .prompt import Prompt, components
+from .prompt import Prompt, _composed_prompt_from_prompt
 
 
 class SystemLanguageModelUnavailableReason(IntEnum):
@@ -73,7 +73,8 @@ class SystemLanguageModel:
         if isinstance(value, list) and all(isinstance(t, Tool) for t in value):
             return native.count(" ".join(json.dumps(t._arguments_schema.to_dict())
                                          for t in value))
-        return native.count(" ".join(p for p in components(value) if isinstance(p, str)))
+        return native.count(" ".join(p for p in _composed_prompt_from_prompt(value)
+                                     if isinstance(p, str)))
 
 
 _ROLES = ("instructions", "user", "response", "tool")
@@ -194,8 +195,9 @@ class LanguageModelSession:
         job = self._job
         return job is not None and job.responding.is_set()
 
-    def _job_for(self, prompt: Prompt, options: GenerationOptions | None,
+    def _job_for(self, prompt: list[Any], options: GenerationOptions | None,
                  schema: dict[str, Any] | None) -> native.Job:
+        """``prompt``: as composed (:func:`~.prompt._composed_prompt_from_prompt`)."""
         if options is not None and not isinstance(options, GenerationOptions):
             raise TypeError("options must be GenerationOptions")
         # The SDK sends options as JSON; the Swift side reads them (numbers only).
@@ -205,7 +207,7 @@ class LanguageModelSession:
         instructions = native._entry_text(first) if first else None
         return native.Job(instructions=instructions or None,
                           entries=[e for e in entries if e is not first],
-                          prompt=components(prompt), tools=self._tools,
+                          prompt=prompt, tools=self._tools,
                           options=native_options(sent), schema=schema)
 
     async def respond(self, prompt: Prompt, generating: Any = None, *,
@@ -216,7 +218,8 @@ class LanguageModelSession:
             raise NotImplementedError("the stand-in answers json_schema and text only")
         if json_schema is not None:
             native.check_schema(json_schema)
-        job = self._job_for(prompt, options, json_schema)
+        # The SDK composes the prompt here, in the coroutine: its errors reach the caller.
+        job = self._job_for(_composed_prompt_from_prompt(prompt), options, json_schema)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
 
@@ -256,13 +259,19 @@ class LanguageModelSession:
 
     async def stream_response(self, prompt: Prompt,
                               options: GenerationOptions | None = None) -> AsyncIterator[str]:
-        """As the SDK streams: a thread iterates the native stream into a queue, which
-        this generator reads with a blocking ``get`` (0.1 s timeout) between yields."""
-        job = self._job_for(prompt, options, None)
+        """As the SDK streams (``session.py`` ``_stream_response_basic``, apple-fm-sdk 0.2.1
+        at e868e60): a thread composes the prompt and iterates the native stream into a
+        queue, which this generator reads with a blocking ``get`` (0.1 s timeout) between
+        yields. An error while composing (an image the OS cannot take) ends that thread
+        without ending the stream: the generator then waits for ever, as the SDK's does."""
         snapshots: queue.Queue[str | None] = queue.Queue()
         failure: list[BaseException] = []
+        started: list[native.Job] = []
 
         def work() -> None:
+            job = self._job_for(_composed_prompt_from_prompt(prompt), options, None)
+            started.append(job)
+            self._job = job
             try:
                 text = native.run(job, on_snapshot=snapshots.put)
                 self._record(job, text)
@@ -273,7 +282,6 @@ class LanguageModelSession:
             finally:
                 snapshots.put(None)
 
-        self._job = job
         thread = threading.Thread(target=work, daemon=True)
         thread.start()
         try:
@@ -292,7 +300,8 @@ class LanguageModelSession:
             # stream, whose release cancels the iteration.
             if thread.is_alive():
                 thread.join(timeout=2.0)
-            job.cancelled.set()
+            for job in started:
+                job.cancelled.set()
 
     def _record(self, job: native.Job, result: Any) -> None:
         entries = self.transcript.entries
