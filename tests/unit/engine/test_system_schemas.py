@@ -219,3 +219,31 @@ def test_a_conversation_ending_in_tool_outputs_has_an_empty_prompt() -> None:
     ), instructions="", first_step=True)
     assert turn.prompt == ("",) and turn.prompt_text == ""
     assert [e["role"] for e in turn.history] == ["user", "response", "tool"]
+
+
+def test_bounds_the_framework_cannot_take_are_not_given(fm: ModuleType) -> None:
+    """The SDK's Swift side turns a bound into ``Int(Double)`` and ``min...max``, which end
+    the process on a 64-bit overflow or a minimum above the maximum: such bounds never
+    reach it, and a fractional bound of an integer is rounded inwards."""
+    parameters = {"type": "object", "properties": {
+        "huge": {"type": "integer", "minimum": 0, "maximum": 9223372036854775807},
+        "wide": {"type": "integer", "minimum": -1e30, "maximum": 1e20},
+        "upside": {"type": "number", "minimum": 5, "maximum": 1},
+        "fraction": {"type": "integer", "minimum": 0.5, "maximum": 9.5},
+        "empty": {"type": "integer", "minimum": 1.2, "maximum": 1.8},
+        "sizes": {"type": "array", "items": {"type": "integer", "maximum": 2 ** 64},
+                  "minItems": 3, "maxItems": 1},
+    }, "required": ["huge", "wide", "upside", "fraction", "empty", "sizes"]}
+    converted = schemas.convert_parameters(parameters, title="bounds")
+    props = converted.schema["properties"]
+    assert props["huge"] == {"type": "integer", "minimum": 0}
+    assert props["wide"] == {"type": "integer"}
+    assert props["upside"] == {"type": "number"}
+    assert props["fraction"] == {"type": "integer", "minimum": 1, "maximum": 9}
+    assert props["empty"] == {"type": "integer"}
+    assert props["sizes"] == {"type": "array", "items": {"type": "integer"}}
+    assert converted.downgraded  # the contradictions are the client's: not enforced
+    schema, _ = tools.arguments_schema(fm, _tool(parameters, "bounds"))
+    schema.to_dict()  # built without a trap
+    answer = schemas.convert(parameters)
+    assert answer.schema["properties"]["upside"] == {"type": "number"}
