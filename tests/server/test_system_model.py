@@ -86,6 +86,7 @@ python = "{tmp / 'tools.py'}:add"
 def fresh(native: ModuleType) -> Iterator[None]:
     native.STATE.log.clear()
     native.STATE.images_supported = True
+    native.STATE.context_size = 8192
     set_availability(native, None)
     yield
 
@@ -503,6 +504,19 @@ def test_a_prompt_that_cannot_fit_is_refused_before_generating(http: httpx.Clien
     assert error["code"] == "context_length_exceeded"
     assert "maximum context length is 8192 tokens" in error["message"]
     assert native.STATE.log == []
+
+
+def test_the_window_is_the_one_the_framework_states(http: httpx.Client,
+                                                   native: ModuleType) -> None:
+    """``SystemLanguageModel.context_size`` (apple-fm-sdk 0.2.1) is the OS's model's
+    window: a conversation is held to it, not to macOS 26's 8,192 tokens."""
+    native.STATE.context_size = 16384
+    fits = chat(http, messages=user("!say ok\n" + "word " * 9000), max_tokens=500)
+    assert fits.status_code == 200, fits.text
+    native.STATE.context_size = 4096
+    response = chat(http, messages=user("word " * 5000), max_tokens=64)
+    assert response.status_code == 400, response.text
+    assert "limit of 4096 tokens" in response.json()["error"]["message"]
 
 
 def test_a_prompt_over_the_window_is_worded_as_openai_words_it(http: httpx.Client,

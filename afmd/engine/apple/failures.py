@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from afmd.engine.apple.framework import CONTEXT_LENGTH, MODEL_NOT_READY, RETRY_AFTER_S
+from afmd.engine.apple.framework import MODEL_NOT_READY, RETRY_AFTER_S, context_length
 from afmd.errors import (
     APIError,
     InvalidRequestError,
@@ -73,7 +73,7 @@ def api_error(fm: ModuleType, exc: BaseException, *, schema_param: str | None = 
             code="unsupported_language", param="messages")
     if isinstance(exc, fm.ExceededContextWindowSizeError):
         return InvalidRequestError(
-            f"This model's maximum context length is {CONTEXT_LENGTH} tokens; the "
+            f"This model's maximum context length is {context_length()} tokens; the "
             f"conversation and its answer do not fit ({detail}). Please reduce the length of "
             "the messages or completion.", code="context_length_exceeded", param="messages")
     if isinstance(exc, fm.InvalidGenerationSchemaError | fm.UnsupportedGuideError):

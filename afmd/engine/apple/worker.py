@@ -374,7 +374,7 @@ class _Job:
         room left where it is only a cap; 400 ``context_length_exceeded`` when the prompt
         leaves no room, or not the room a demanded ``max_tokens`` needs, worded as the MLX
         models' refusal (``round_builder``) for the clients that read the wording."""
-        limit = framework.CONTEXT_LENGTH
+        limit = framework.context_length()
         wanted = self.turn.max_tokens
         room = limit - tokens
         if wanted is not None and self.turn.max_tokens_shrinks and room >= 1:

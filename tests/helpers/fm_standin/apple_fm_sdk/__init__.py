@@ -44,7 +44,7 @@ from .session import (
     Transcript,
 )
 
-__version__ = "0.2.1"
+__version__ = "0.1.0"  # what apple-fm-sdk 0.2.1 itself says; its metadata says 0.2.1
 __all__ = [
     "AssetsUnavailableError",
     "Attachment",
