@@ -201,10 +201,13 @@ def test_the_conversation_splits_into_instructions_transcript_and_prompt() -> No
                 has_images=True),
     ), instructions="OP", first_step=True)
     assert turn.instructions == "OP\n\nS1\n\nD1"
-    assert [e["role"] for e in turn.history] == ["user", "response", "tool"]
-    assert turn.history[1]["toolCalls"] == [{"id": "call_1", "name": "f",
+    assert [e["role"] for e in turn.history] == ["user", "response", "response", "tool"]
+    # The text, then the calls in an entry of their own, as the framework writes them.
+    assert turn.history[1]["contents"][0]["text"] == "b" and "toolCalls" not in turn.history[1]
+    assert set(turn.history[2]) == {"id", "role", "toolCalls"}
+    assert turn.history[2]["toolCalls"] == [{"id": "call_1", "name": "f",
                                              "arguments": '{"x":1}'}]
-    assert turn.history[2]["toolName"] == "f"
+    assert turn.history[3]["toolName"] == "f"
     assert turn.prompt == ("c\n\nd", conversation.PromptImage(b"PNG", "messages[6].content[1]"))
     transcript = turn.transcript()
     assert transcript["transcript"]["entries"][0]["role"] == "instructions"

@@ -81,33 +81,46 @@ _ROLES = ("instructions", "user", "response", "tool")
 
 
 def _check_entry(entry: Any, i: int) -> None:
-    """What the framework's ``Transcript`` decoder requires of an entry."""
+    """What the framework's ``Transcript`` decoder requires of an entry (a failure is
+    ``DecodingFailureError``, as ``FMTranscriptCreateFromJSONString`` reports it)."""
     where = f"entries[{i}]"
     if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
-        raise errors.GenerationError(f"{where}: an entry needs a string id")
+        raise errors.make(errors.DecodingFailureError, f"{where}: an entry needs a string id")
     role = entry.get("role")
     if role not in _ROLES:
-        raise errors.GenerationError(f"{where}: unknown role {role!r}")
+        raise errors.make(errors.DecodingFailureError, f"{where}: unknown role {role!r}")
     contents = entry.get("contents")
-    if contents is None and not (role == "response" and "toolCalls" in entry):
-        raise errors.GenerationError(f"{where}: missing contents")
+    if role == "response" and "toolCalls" in entry:
+        # Transcript.ToolCalls: the framework encodes it as id, role and toolCalls only
+        # (apple-fm-sdk 0.2.1, tests/tester_schemas/test_transcript_full.json); whether its
+        # decoder keeps a response's text beside the calls is unknown: refused here.
+        if contents is not None or "assets" in entry:
+            raise errors.make(errors.DecodingFailureError,
+                              f"{where}: tool calls with a response's contents")
+    elif contents is None:
+        raise errors.make(errors.DecodingFailureError, f"{where}: missing contents")
     for j, content in enumerate(contents or []):
         if not isinstance(content, dict) or not isinstance(content.get("id"), str):
-            raise errors.GenerationError(f"{where}.contents[{j}]: needs a string id")
+            raise errors.make(errors.DecodingFailureError,
+                              f"{where}.contents[{j}]: needs a string id")
         if content.get("type") == "text" and not isinstance(content.get("text"), str):
-            raise errors.GenerationError(f"{where}.contents[{j}]: text must be a string")
+            raise errors.make(errors.DecodingFailureError,
+                              f"{where}.contents[{j}]: text must be a string")
         if content.get("type") not in ("text", "structure"):
-            raise errors.GenerationError(f"{where}.contents[{j}]: unknown type")
+            raise errors.make(errors.DecodingFailureError,
+                              f"{where}.contents[{j}]: unknown type")
     if role == "tool" and not (isinstance(entry.get("toolName"), str)
                                and isinstance(entry.get("toolCallID"), str)):
-        raise errors.GenerationError(f"{where}: a tool entry needs toolName and toolCallID")
+        raise errors.make(errors.DecodingFailureError,
+                          f"{where}: a tool entry needs toolName and toolCallID")
     for call in entry.get("toolCalls") or []:
         if not all(isinstance(call.get(k), str) for k in ("id", "name", "arguments")):
-            raise errors.GenerationError(f"{where}: a tool call needs id, name, arguments "
+            raise errors.make(errors.DecodingFailureError,
+                              f"{where}: a tool call needs id, name, arguments "
                                          "(a JSON string)")
         json.loads(call["arguments"])
     if role == "instructions" and i != 0:
-        raise errors.GenerationError(f"{where}: instructions come first")
+        raise errors.make(errors.DecodingFailureError, f"{where}: instructions come first")
 
 
 class Transcript:
@@ -126,10 +139,12 @@ class Transcript:
     async def from_dict(cls, dict: dict[str, Any]) -> Transcript:  # the SDK's parameter name
         await asyncio.sleep(0)
         if not isinstance(dict, type({})) or not isinstance(dict.get("transcript"), type({})):
-            raise errors.GenerationError("Failed to create transcript from dictionary")
+            raise errors.make(errors.DecodingFailureError,
+                              "Failed to create transcript from dictionary")
         entries = dict["transcript"].get("entries")
         if not isinstance(entries, list):
-            raise errors.GenerationError("Failed to create transcript from dictionary")
+            raise errors.make(errors.DecodingFailureError,
+                              "Failed to create transcript from dictionary")
         for i, entry in enumerate(entries):
             _check_entry(entry, i)
         return cls(_ptr=copy.deepcopy(entries))
