@@ -250,3 +250,18 @@ def test_bounds_the_framework_cannot_take_are_not_given(fm: ModuleType) -> None:
     schema.to_dict()  # built without a trap
     answer = schemas.convert(parameters)
     assert answer.schema["properties"]["upside"] == {"type": "number"}
+
+
+def test_a_type_named_optional_is_still_required(fm: ModuleType) -> None:
+    """The SDK reads a property as optional when ``"Optional"`` is in ``str`` of its type."""
+    parameters = {"type": "object", "properties": {
+        "OptionalSettings": {"type": "object", "properties": {"a": {"type": "string"}},
+                             "required": ["a"]},
+        "items": {"type": "array", "items": {"$ref": "#/$defs/OptionalItem"}},
+    }, "required": ["OptionalSettings", "items"],
+        "$defs": {"OptionalItem": {"type": "object", "properties": {"b": {"type": "string"}},
+                                   "required": ["b"]}}}
+    schema, _ = tools.arguments_schema(fm, _tool(parameters))
+    built = schema.to_dict()
+    assert built["required"] == ["OptionalSettings", "items"]
+    assert any("Optional" in name for name in built["$defs"])  # the name itself is kept
