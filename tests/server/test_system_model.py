@@ -593,6 +593,19 @@ def test_logprobs_bias_penalties_and_raw_completions_are_refused(http: httpx.Cli
     assert completions.json()["error"]["code"] == "invalid_model_kind"
 
 
+def test_a_stream_ended_early_stops_the_framework_with_it(http: httpx.Client,
+                                                         native: ModuleType) -> None:
+    """The SDK's stream is a detached native iteration that releasing the stream cancels:
+    a stop sequence ends the framework's work with the answer (the next request finds it
+    idle), not once the stream's thread is joined."""
+    response = chat(http, messages=user("!delay 50\n!words 200"), stream=True, stop=["w3"])
+    assert response.status_code == 200, response.text
+    ended = time.monotonic()
+    while native.STATE.active and time.monotonic() - ended < 5:
+        time.sleep(0.01)
+    assert time.monotonic() - ended < 1.0
+
+
 def test_cancel_by_request_id_stops_the_framework(http: httpx.Client, native: ModuleType) -> None:
     result: dict[str, Any] = {}
 

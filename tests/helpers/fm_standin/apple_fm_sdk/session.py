@@ -275,29 +275,35 @@ class LanguageModelSession:
     async def stream_response(self, prompt: Prompt,
                               options: GenerationOptions | None = None) -> AsyncIterator[str]:
         """As the SDK streams (``session.py`` ``_stream_response_basic``, apple-fm-sdk 0.2.1
-        at e868e60): a thread composes the prompt and iterates the native stream into a
-        queue, which this generator reads with a blocking ``get`` (0.1 s timeout) between
-        yields. An error while composing (an image the OS cannot take) ends that thread
-        without ending the stream: the generator then waits for ever, as the SDK's does."""
+        at e868e60): a thread composes the prompt and starts the native iteration, which
+        runs detached (``FMLanguageModelSessionResponseStreamIterate`` starts a Swift task
+        and returns) and feeds a queue that this generator reads with a blocking ``get``
+        (0.1 s timeout) between yields. An error while composing (an image the OS cannot
+        take) ends that thread without ending the stream: the generator then waits for
+        ever, as the SDK's does. Closing the generator joins the thread (up to 2 s) and
+        releases the stream, which cancels the iteration."""
         snapshots: queue.Queue[str | None] = queue.Queue()
         failure: list[BaseException] = []
         started: list[native.Job] = []
 
-        def work() -> None:
-            job = self._job_for(_composed_prompt_from_prompt(prompt), options, None)
-            started.append(job)
-            self._job = job
+        def iterate(job: native.Job) -> None:
             try:
                 text = native.run(job, on_snapshot=snapshots.put)
                 self._record(job, text)
             except native.Cancelled:
-                failure.append(errors.FoundationModelsError("Stream cancelled"))
+                failure.append(errors.GenerationError("Stream cancelled"))
             except BaseException as exc:
                 failure.append(exc)
             finally:
                 snapshots.put(None)
 
-        thread = threading.Thread(target=work, daemon=True)
+        def start() -> None:
+            job = self._job_for(_composed_prompt_from_prompt(prompt), options, None)
+            started.append(job)
+            self._job = job
+            threading.Thread(target=iterate, args=(job,), daemon=True).start()
+
+        thread = threading.Thread(target=start, daemon=True)
         thread.start()
         try:
             while True:
@@ -311,11 +317,9 @@ class LanguageModelSession:
             if failure:
                 raise failure[0]
         finally:
-            # The SDK waits for the native iteration (up to 2 s) before releasing the
-            # stream, whose release cancels the iteration.
             if thread.is_alive():
                 thread.join(timeout=2.0)
-            for job in started:
+            for job in started:  # FMRelease of the stream: its iteration is cancelled
                 job.cancelled.set()
 
     def _record(self, job: native.Job, result: Any) -> None:
