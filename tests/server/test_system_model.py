@@ -86,7 +86,7 @@ python = "{tmp / 'tools.py'}:add"
 def fresh(native: ModuleType) -> Iterator[None]:
     native.STATE.log.clear()
     native.STATE.images_supported = True
-    native.STATE.context_size = 8192
+    native.STATE.context_size = 4096
     set_availability(native, None)
     yield
 
@@ -497,19 +497,19 @@ def test_a_transient_decoding_failure_is_retried_then_reported(http: httpx.Clien
 
 def test_a_prompt_that_cannot_fit_is_refused_before_generating(http: httpx.Client,
                                                                native: ModuleType) -> None:
-    long = "word " * 8000
+    long = "word " * 3800
     response = chat(http, messages=user(long), max_tokens=500)
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded"
-    assert "maximum context length is 8192 tokens" in error["message"]
+    assert "maximum context length is 4096 tokens" in error["message"]
     assert native.STATE.log == []
 
 
 def test_the_window_is_the_one_the_framework_states(http: httpx.Client,
                                                    native: ModuleType) -> None:
     """``SystemLanguageModel.context_size`` (apple-fm-sdk 0.2.1) is the OS's model's
-    window: a conversation is held to it, not to macOS 26's 8,192 tokens."""
+    window: a conversation is held to it, not to a window afmd assumes."""
     native.STATE.context_size = 16384
     fits = chat(http, messages=user("!say ok\n" + "word " * 9000), max_tokens=500)
     assert fits.status_code == 200, fits.text
@@ -528,13 +528,13 @@ def test_a_prompt_over_the_window_is_worded_as_openai_words_it(http: httpx.Clien
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded"
-    assert error["message"].startswith("Input tokens exceed the configured limit of 8192 tokens.")
+    assert error["message"].startswith("Input tokens exceed the configured limit of 4096 tokens.")
     # Anthropic's words on /v1/messages, the phrase Claude Code compacts a conversation on
     # (the system model's refusal carried no numbers for the dialect to word it with).
     messages = http.post("/v1/messages", json={"model": "system", "max_tokens": 64,
                                                "messages": user("word " * 9000)})
     assert messages.status_code == 400, messages.text
-    assert re.fullmatch(r"prompt is too long: \d+ tokens > 8192 maximum",
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 4096 maximum",
                         messages.json()["error"]["message"]), messages.text
     assert native.STATE.log == []
 
@@ -672,7 +672,7 @@ def test_messages_reach_the_system_model(server: SystemServer, native: ModuleTyp
     capped = httpx.post(server.url + "/v1/messages", timeout=30, json={
         "model": "system", "max_tokens": 32000, "messages": user("!say ok")})
     assert capped.json()["content"][0]["text"] == "ok"
-    assert native.STATE.log[-1]["options"]["maximum_response_tokens"] < 8192
+    assert native.STATE.log[-1]["options"]["maximum_response_tokens"] < 4096
 
 
 def test_ollama_reaches_the_system_model(server: SystemServer) -> None:
@@ -719,5 +719,5 @@ def test_show_describes_the_model(tmp_path: Path, native: ModuleType) -> None:
     assert run.returncode == 0, run.stderr
     info = json.loads(run.stdout)
     assert info["availability"] == "unavailable: apple_intelligence_not_enabled"
-    assert info["context_length"] == 8192 and info["kind"] == "chat"
+    assert info["context_length"] == 4096 and info["kind"] == "chat"
     assert info["served_through"] == "apple-fm-sdk 0.2.1"

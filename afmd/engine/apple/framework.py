@@ -34,8 +34,9 @@ MODEL_NOT_READY = "model_not_ready"
 REASONS = (DEVICE_NOT_ELIGIBLE, APPLE_INTELLIGENCE_NOT_ENABLED, MODEL_NOT_READY)
 
 #: The context window (prompt, instructions, tools and answer) where the framework does not
-#: say its own (:func:`context_length`): macOS 26's model's.
-CONTEXT_LENGTH = 8192
+#: say its own (:func:`context_length`): the window Apple documents for its on-device model
+#: ("Managing the context window", TN3193).
+CONTEXT_LENGTH = 4096
 #: Seconds an availability answer is reused before the framework is asked again.
 RECHECK_SECONDS = 1.0
 #: Seconds a client is told to wait before retrying a request the model could not take.

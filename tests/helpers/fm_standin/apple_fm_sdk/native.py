@@ -60,7 +60,7 @@ class State:
 
     availability: str | None = field(
         default_factory=lambda: os.environ.get("AFM_STANDIN_UNAVAILABLE") or None)
-    context_size: int = 8192
+    context_size: int = 4096  # the window Apple documents for the on-device model
     max_concurrent: int = field(
         default_factory=lambda: int(os.environ.get("AFM_STANDIN_MAX_CONCURRENT", "64")))
     images_supported: bool = True
