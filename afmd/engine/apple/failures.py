@@ -15,6 +15,11 @@ apple-fm-sdk error                              status  code                    
 ``DecodingFailureError``, any other failure     500     ``generation_failed`` (retried)
 =============================================  ======  ===========================  =========
 
+``InvalidGenerationSchemaError`` and ``UnsupportedGuideError`` come from a tool's arguments
+schema the framework cannot build; a ``json_schema`` answer's schema that the framework's
+decoder refuses comes back from apple-fm-sdk 0.2.1 as a plain ``GenerationError`` (status
+255), a 500 like any other failure.
+
 ``RefusalError`` is no error: the model declined, and the client gets a 200 whose
 ``refusal`` says so (:class:`afmd.engine.generation.Refused`).
 """

@@ -115,22 +115,27 @@ def directives(text: str) -> list[tuple[str, str]]:
     return out
 
 
+def _refused(detail: str) -> errors.GenerationError:
+    """A schema the framework's ``JSONDecoder`` refuses, as the SDK reports it:
+    ``FMLanguageModelSessionRespondWithSchemaFromJSON`` (apple-fm-sdk 0.2.1) catches the
+    decoding error as an unknown one (status 255), a plain ``GenerationError``."""
+    return errors.GenerationError(
+        f"Generation error (status: 255): Error NSCocoaErrorDomain:4864 - {detail}")
+
+
 def check_schema(schema: Any, where: str = "schema") -> None:
     """The framework's decoder of a schema (``GenerationSchema`` JSON): Apple's subset."""
     if not isinstance(schema, dict):
-        raise errors.make(errors.InvalidGenerationSchemaError, f"{where} is not an object")
+        raise _refused(f"{where} is not an object")
     for key, value in schema.items():
         if key not in SCHEMA_KEYWORDS:
-            raise errors.make(errors.InvalidGenerationSchemaError,
-                              f"unsupported keyword {key!r} at {where}")
+            raise _refused(f"unsupported keyword {key!r} at {where}")
         if key == "type" and value not in _TYPES:
-            raise errors.make(errors.InvalidGenerationSchemaError,
-                              f"unsupported type {value!r} at {where}")
+            raise _refused(f"unsupported type {value!r} at {where}")
         if key == "additionalProperties" and value is not False:
-            raise errors.make(errors.InvalidGenerationSchemaError,
-                              f"additionalProperties must be false at {where}")
+            raise _refused(f"additionalProperties must be false at {where}")
         if key == "$ref" and not (value == "#" or str(value).startswith("#/$defs/")):
-            raise errors.make(errors.InvalidGenerationSchemaError, f"bad $ref at {where}")
+            raise _refused(f"bad $ref at {where}")
         if key in ("properties", "$defs"):
             for name, sub in value.items():
                 check_schema(sub, f"{where}.{key}.{name}")
@@ -140,7 +145,7 @@ def check_schema(schema: Any, where: str = "schema") -> None:
             for i, sub in enumerate(value):
                 check_schema(sub, f"{where}.anyOf[{i}]")
         elif key == "enum" and not all(isinstance(v, str) for v in value):
-            raise errors.make(errors.InvalidGenerationSchemaError, f"non-string enum at {where}")
+            raise _refused(f"non-string enum at {where}")
 
 
 def conforms(value: Any, schema: dict[str, Any]) -> str | None:
