@@ -305,9 +305,9 @@ def _list(args: argparse.Namespace) -> int:
         })
         info = summary(folder, entry) if folder is not None else {}
         if entry.path == BUILTIN_SYSTEM_PATH:  # Apple's model: the system's, on the device
-            from afmd.engine.apple.framework import CONTEXT_LENGTH
+            from afmd.engine.apple.framework import context_length
 
-            info = {"context_length": entry.context_length or CONTEXT_LENGTH}
+            info = {"context_length": entry.context_length or context_length()}
         extra.append((str(info.get("quantization", "-")), str(info.get("context_length", "-"))))
     partial = [c for c in hubcache.cached_repos() if not c.complete]
 

@@ -8,9 +8,11 @@ release that moves or changes these fails here, by name, rather than in a reques
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -84,3 +86,14 @@ def test_the_public_surface_afmd_calls(fm: ModuleType) -> None:
                  "InvalidGenerationSchemaError", "UnsupportedGuideError", "ImagePromptError"):
         assert issubclass(getattr(fm, name), Exception), name
     assert "path" in inspect.signature(fm.ImageAttachment).parameters
+
+
+def test_prompts_are_composed_as_the_stream_composes_them(fm: ModuleType,
+                                                         tmp_path: Path) -> None:
+    """``compose_check`` reaches the SDK's composer and releases what it made; an image is
+    either taken (macOS 27) or refused with ``ImagePromptError``, never lost."""
+    compat.compose_check(fm, ["one", "two"])
+    image = tmp_path / "image.png"
+    image.write_bytes(b"\x89PNG\r\n\x1a\n")
+    with contextlib.suppress(fm.ImagePromptError):
+        compat.compose_check(fm, ["look:", fm.ImageAttachment(image)])

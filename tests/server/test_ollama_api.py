@@ -99,7 +99,7 @@ def test_tags_list_every_model_with_details(client: ollama.Client) -> None:
     assert models["system:latest"].details.family == "apple-foundation"
     shown = client.show("system")
     assert shown.capabilities == ["completion", "tools"]
-    assert (shown.modelinfo or {})["apple-foundation.context_length"] == 8192
+    assert (shown.modelinfo or {})["apple-foundation.context_length"] == 4096
 
 
 def test_ollamas_openai_routes_take_the_tag_too(http: httpx.Client) -> None:

@@ -86,6 +86,7 @@ python = "{tmp / 'tools.py'}:add"
 def fresh(native: ModuleType) -> Iterator[None]:
     native.STATE.log.clear()
     native.STATE.images_supported = True
+    native.STATE.context_size = 4096
     set_availability(native, None)
     yield
 
@@ -163,6 +164,23 @@ def test_data_images_are_attachments_of_the_prompt(http: httpx.Client, native: M
     error = refused.json()["error"]
     assert error["code"] == "image_input_not_supported"
     assert error["param"] == "messages[0].content[1].image_url"
+
+
+def test_an_image_the_os_cannot_take_is_refused_when_streamed_too(
+        server: SystemServer, native: ModuleType) -> None:
+    """The SDK's stream composes its prompt on a thread of its own, where the image's
+    error is lost and the stream waits for ever: afmd composes the prompt first."""
+    png = base64.b64decode(
+        "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5ErkJggg==")
+    native.STATE.images_supported = False
+    content = [{"type": "text", "text": "Describe it."},
+               {"type": "image_url", "image_url": {
+                   "url": "data:image/png;base64," + base64.b64encode(png).decode()}}]
+    with httpx.Client(base_url=server.url, timeout=10) as quick:
+        refused = quick.post(CHAT, json={"messages": [{"role": "user", "content": content}],
+                                         "stream": True})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "image_input_not_supported"
 
 
 def test_tool_history_is_the_transcript_and_a_last_tool_message_continues(
@@ -479,13 +497,26 @@ def test_a_transient_decoding_failure_is_retried_then_reported(http: httpx.Clien
 
 def test_a_prompt_that_cannot_fit_is_refused_before_generating(http: httpx.Client,
                                                                native: ModuleType) -> None:
-    long = "word " * 8000
+    long = "word " * 3800
     response = chat(http, messages=user(long), max_tokens=500)
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded"
-    assert "maximum context length is 8192 tokens" in error["message"]
+    assert "maximum context length is 4096 tokens" in error["message"]
     assert native.STATE.log == []
+
+
+def test_the_window_is_the_one_the_framework_states(http: httpx.Client,
+                                                   native: ModuleType) -> None:
+    """``SystemLanguageModel.context_size`` (apple-fm-sdk 0.2.1) is the OS's model's
+    window: a conversation is held to it, not to a window afmd assumes."""
+    native.STATE.context_size = 16384
+    fits = chat(http, messages=user("!say ok\n" + "word " * 9000), max_tokens=500)
+    assert fits.status_code == 200, fits.text
+    native.STATE.context_size = 4096
+    response = chat(http, messages=user("word " * 5000), max_tokens=64)
+    assert response.status_code == 400, response.text
+    assert "limit of 4096 tokens" in response.json()["error"]["message"]
 
 
 def test_a_prompt_over_the_window_is_worded_as_openai_words_it(http: httpx.Client,
@@ -497,13 +528,13 @@ def test_a_prompt_over_the_window_is_worded_as_openai_words_it(http: httpx.Clien
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded"
-    assert error["message"].startswith("Input tokens exceed the configured limit of 8192 tokens.")
+    assert error["message"].startswith("Input tokens exceed the configured limit of 4096 tokens.")
     # Anthropic's words on /v1/messages, the phrase Claude Code compacts a conversation on
     # (the system model's refusal carried no numbers for the dialect to word it with).
     messages = http.post("/v1/messages", json={"model": "system", "max_tokens": 64,
                                                "messages": user("word " * 9000)})
     assert messages.status_code == 400, messages.text
-    assert re.fullmatch(r"prompt is too long: \d+ tokens > 8192 maximum",
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 4096 maximum",
                         messages.json()["error"]["message"]), messages.text
     assert native.STATE.log == []
 
@@ -560,6 +591,19 @@ def test_logprobs_bias_penalties_and_raw_completions_are_refused(http: httpx.Cli
     completions = http.post("/v1/completions", json={"model": "system", "prompt": "hi"})
     assert completions.status_code == 400
     assert completions.json()["error"]["code"] == "invalid_model_kind"
+
+
+def test_a_stream_ended_early_stops_the_framework_with_it(http: httpx.Client,
+                                                         native: ModuleType) -> None:
+    """The SDK's stream is a detached native iteration that releasing the stream cancels:
+    a stop sequence ends the framework's work with the answer (the next request finds it
+    idle), not once the stream's thread is joined."""
+    response = chat(http, messages=user("!delay 50\n!words 200"), stream=True, stop=["w3"])
+    assert response.status_code == 200, response.text
+    ended = time.monotonic()
+    while native.STATE.active and time.monotonic() - ended < 5:
+        time.sleep(0.01)
+    assert time.monotonic() - ended < 1.0
 
 
 def test_cancel_by_request_id_stops_the_framework(http: httpx.Client, native: ModuleType) -> None:
@@ -628,7 +672,7 @@ def test_messages_reach_the_system_model(server: SystemServer, native: ModuleTyp
     capped = httpx.post(server.url + "/v1/messages", timeout=30, json={
         "model": "system", "max_tokens": 32000, "messages": user("!say ok")})
     assert capped.json()["content"][0]["text"] == "ok"
-    assert native.STATE.log[-1]["options"]["maximum_response_tokens"] < 8192
+    assert native.STATE.log[-1]["options"]["maximum_response_tokens"] < 4096
 
 
 def test_ollama_reaches_the_system_model(server: SystemServer) -> None:
@@ -675,5 +719,5 @@ def test_show_describes_the_model(tmp_path: Path, native: ModuleType) -> None:
     assert run.returncode == 0, run.stderr
     info = json.loads(run.stdout)
     assert info["availability"] == "unavailable: apple_intelligence_not_enabled"
-    assert info["context_length"] == 8192 and info["kind"] == "chat"
+    assert info["context_length"] == 4096 and info["kind"] == "chat"
     assert info["served_through"] == "apple-fm-sdk 0.2.1"

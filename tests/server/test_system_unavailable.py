@@ -116,12 +116,12 @@ def test_show_and_list_describe_it_here(tmp_path: Path) -> None:
     run = _afmd("show", "system", home=tmp_path)
     assert run.returncode == 0, run.stderr
     assert "availability      unavailable: device_not_eligible" in run.stdout
-    assert "context length    8192" in run.stdout
+    assert "context length    4096" in run.stdout
     info = json.loads(_afmd("show", "system", "--json", home=tmp_path).stdout)
     assert info["availability"] == "unavailable: device_not_eligible"
     listed = _afmd("list", "--url", "http://127.0.0.1:1", home=tmp_path)
     (row,) = [line.split() for line in listed.stdout.splitlines() if line.startswith("system")]
-    assert row[1:4] == ["on-device", "-", "8192"]
+    assert row[1:4] == ["on-device", "-", "4096"]
 
 
 def test_doctor_describes_it_and_a_problem_only_as_the_default(tmp_path: Path) -> None:

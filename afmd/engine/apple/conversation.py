@@ -9,10 +9,10 @@ time, so each request gets a fresh session built from it:
 - the user messages after the last assistant or tool message are the prompt (their text
   and ``data:`` images, in order); when the conversation ends with tool outputs, the prompt
   is empty and the model continues from them;
-- everything before is the transcript: user turns, assistant turns (their text and tool
-  calls, with the client's call ids) and tool outputs (in the calls' order, which the
-  request's validation already put them in), as the framework's own transcript JSON
-  (``Transcript.from_dict``) has them;
+- everything before is the transcript: user turns, assistant turns (their text, then their
+  tool calls as an entry of their own, with the client's call ids) and tool outputs (in the
+  calls' order, which the request's validation already put them in), as the framework's
+  own transcript JSON (``Transcript.from_dict``) has them;
 - the request's tools become framework tools (:mod:`afmd.engine.apple.tools`), their
   parameters rewritten as the framework's schemas (:mod:`afmd.engine.apple.schemas`);
   ``tool_choice`` ``none`` gives the model none, ``allowed_tools`` only those, and
@@ -181,14 +181,18 @@ def history_entries(history: list[tuple[int, Message]]) -> tuple[dict[str, Any],
                 entries.append({"id": _id(), "role": "user", "options": {},
                                 "contents": [_text(text)]})
         elif message.role == "assistant":
-            entry: dict[str, Any] = {"id": _id(), "role": "response", "assets": [],
-                                     "contents": [_text(message.content)]
-                                     if message.content else []}
+            # The framework writes a turn's tool calls as an entry of their own (role
+            # "response", its id and "toolCalls" only: Transcript.ToolCalls), apart from a
+            # response's text: one entry holding both is a shape it never writes.
+            if message.content or not message.tool_calls:
+                entries.append({"id": _id(), "role": "response", "assets": [],
+                                "contents": [_text(message.content)]
+                                if message.content else []})
             if message.tool_calls:
-                entry["toolCalls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments}
-                                      for c in message.tool_calls]
+                entries.append({"id": _id(), "role": "response", "toolCalls": [
+                    {"id": c.id, "name": c.name, "arguments": c.arguments}
+                    for c in message.tool_calls]})
                 names.update((c.id, c.name) for c in message.tool_calls)
-            entries.append(entry)
         elif message.role == "tool":
             call = message.tool_call_id or ""
             entries.append({"id": _id(), "role": "tool", "toolCallID": call,

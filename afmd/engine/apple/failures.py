@@ -15,6 +15,11 @@ apple-fm-sdk error                              status  code                    
 ``DecodingFailureError``, any other failure     500     ``generation_failed`` (retried)
 =============================================  ======  ===========================  =========
 
+``InvalidGenerationSchemaError`` and ``UnsupportedGuideError`` come from a tool's arguments
+schema the framework cannot build; a ``json_schema`` answer's schema that the framework's
+decoder refuses comes back from apple-fm-sdk 0.2.1 as a plain ``GenerationError`` (status
+255), a 500 like any other failure.
+
 ``RefusalError`` is no error: the model declined, and the client gets a 200 whose
 ``refusal`` says so (:class:`afmd.engine.generation.Refused`).
 """
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from afmd.engine.apple.framework import CONTEXT_LENGTH, MODEL_NOT_READY, RETRY_AFTER_S
+from afmd.engine.apple.framework import MODEL_NOT_READY, RETRY_AFTER_S, context_length
 from afmd.errors import (
     APIError,
     InvalidRequestError,
@@ -73,7 +78,7 @@ def api_error(fm: ModuleType, exc: BaseException, *, schema_param: str | None = 
             code="unsupported_language", param="messages")
     if isinstance(exc, fm.ExceededContextWindowSizeError):
         return InvalidRequestError(
-            f"This model's maximum context length is {CONTEXT_LENGTH} tokens; the "
+            f"This model's maximum context length is {context_length()} tokens; the "
             f"conversation and its answer do not fit ({detail}). Please reduce the length of "
             "the messages or completion.", code="context_length_exceeded", param="messages")
     if isinstance(exc, fm.InvalidGenerationSchemaError | fm.UnsupportedGuideError):

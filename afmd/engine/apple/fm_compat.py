@@ -11,7 +11,15 @@
   ``top_k`` nor ``top_p``, random sampling itself). :func:`options` writes numbers, and
   always a ``top_p`` with a seed (the Swift side reads the seed only beside one of them).
 
-``tests/meta/test_system_compat.py`` fingerprints both against whichever SDK is importable.
+- ``_composed_prompt_from_prompt`` (``apple_fm_sdk.prompt``) and ``FMRelease``
+  (``apple_fm_sdk._ctypes_bindings``): ``stream_response`` composes its prompt on the
+  stream's own thread (``session.py`` ``_stream_response_basic``, 0.2.1 at e868e60), where
+  an error, such as the ``ImagePromptError`` of an image on an OS before macOS 27, ends that
+  thread without ending the stream: the stream then waits for ever, blocking the loop it
+  runs on, so that not even a cancel reaches it. :func:`compose_check` composes the prompt
+  first where its error is raised to the caller, as ``respond`` does.
+
+``tests/meta/test_system_compat.py`` fingerprints these against whichever SDK is importable.
 """
 
 from __future__ import annotations
@@ -28,6 +36,15 @@ _options_class: dict[int, type] = {}
 def property_class(fm: ModuleType) -> Any:
     """The SDK's ``Property(name, type_class, description=None, guides=[])``."""
     return importlib.import_module(fm.__name__ + ".generation_property").Property
+
+
+def compose_check(fm: ModuleType, prompt: Any) -> None:
+    """Raise what composing ``prompt`` for the Swift side raises (``ImagePromptError`` where
+    the OS takes no images); the composed prompt is released."""
+    composed = importlib.import_module(fm.__name__ + ".prompt")._composed_prompt_from_prompt(
+        prompt)
+    if composed:
+        importlib.import_module(fm.__name__ + "._ctypes_bindings").FMRelease(composed)
 
 
 def options_class(fm: ModuleType) -> type:
@@ -79,4 +96,4 @@ def _seed(seed: int | None) -> int | None:
     return None if seed is None else seed & 0x7FFF_FFFF_FFFF_FFFF
 
 
-__all__ = ["options", "options_class", "property_class"]
+__all__ = ["compose_check", "options", "options_class", "property_class"]

@@ -14,6 +14,7 @@ Nothing here imports MLX: ``afmd doctor`` and ``afmd show`` ask it too.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import sys
 import threading
@@ -32,8 +33,10 @@ APPLE_INTELLIGENCE_NOT_ENABLED = "apple_intelligence_not_enabled"
 MODEL_NOT_READY = "model_not_ready"
 REASONS = (DEVICE_NOT_ELIGIBLE, APPLE_INTELLIGENCE_NOT_ENABLED, MODEL_NOT_READY)
 
-#: The context window afmd gives the model (prompt, instructions, tools and answer).
-CONTEXT_LENGTH = 8192
+#: The context window (prompt, instructions, tools and answer) where the framework does not
+#: say its own (:func:`context_length`): the window Apple documents for its on-device model
+#: ("Managing the context window", TN3193).
+CONTEXT_LENGTH = 4096
 #: Seconds an availability answer is reused before the framework is asked again.
 RECHECK_SECONDS = 1.0
 #: Seconds a client is told to wait before retrying a request the model could not take.
@@ -95,6 +98,28 @@ def system_model() -> Any:
         return _model
 
 
+def context_length() -> int:
+    """The model's context window as the framework states it (``context_size``,
+    apple-fm-sdk 0.2.1): it is the OS's model's, which a newer macOS may change, so it is
+    asked rather than assumed; :data:`CONTEXT_LENGTH` where the framework cannot say."""
+    if sdk() is None:
+        return CONTEXT_LENGTH
+    try:
+        size = int(system_model().context_size)
+    except Exception:  # an SDK without it, or the framework failing: the known window
+        return CONTEXT_LENGTH
+    return size if size > 0 else CONTEXT_LENGTH
+
+
+def sdk_version(fm: ModuleType) -> str:
+    """The installed SDK's release: its distribution's version (the package's own
+    ``__version__`` still says 0.1.0 in apple-fm-sdk 0.2.1)."""
+    try:
+        return importlib.metadata.version("apple-fm-sdk")
+    except Exception:  # not installed as a distribution (a frozen build): what it says
+        return str(getattr(fm, "__version__", "?"))
+
+
 def availability() -> Availability:
     """Whether the model can answer now (reused for :data:`RECHECK_SECONDS`)."""
     global _checked
@@ -146,9 +171,9 @@ def describe(entry: ModelEntry) -> dict[str, object]:
         "id": entry.id,
         "path": entry.path,
         "architecture": "Apple Foundation Model (on-device, the model of Apple Intelligence)",
-        "served_through": "apple-fm-sdk " + str(getattr(fm, "__version__", "?"))
+        "served_through": "apple-fm-sdk " + sdk_version(fm)
         if fm is not None else "apple-fm-sdk (not importable here)",
-        "context_length": entry.context_length or CONTEXT_LENGTH,
+        "context_length": entry.context_length or context_length(),
         "kind": "chat",
         "tool_format": "the framework's own tool calling (afmd captures the calls)",
         "reasoning_format": None,
@@ -179,10 +204,12 @@ __all__ = [
     "RETRY_AFTER_S",
     "Availability",
     "availability",
+    "context_length",
     "describe",
     "forget",
     "is_system",
     "sdk",
+    "sdk_version",
     "system_model",
     "unavailable_error",
 ]

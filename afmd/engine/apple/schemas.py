@@ -18,6 +18,11 @@ rewritten into that subset:
   bounds, ``multipleOf``, ``uniqueItems``, non-string enums, …) is described in the
   ``description`` the model reads, not enforced, and the schema is ``downgraded``
   (``X-Grammar-Constraints: downgraded``; the answer is then not held to it);
+- bounds are given only as the framework's Swift side can take them, which ends the whole
+  process otherwise (apple-fm-sdk 0.2.1 converts an integer's bound with ``Int(Double)`` and
+  builds ``minimum...maximum``): an integer's fractional bound is rounded inwards, one beyond
+  a 64-bit integer is dropped, and bounds that admit nothing (``minimum`` above ``maximum``,
+  ``minItems`` above ``maxItems``) are not given (the schema is ``downgraded``);
 - a value the subset cannot shape at all (any JSON value, an object without ``properties``
   such as a map) is asked for as JSON text in a string, and :func:`restore` reads it back.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -281,8 +287,10 @@ class _Converter:
         out: dict[str, Any] = {"type": "array",
                                "items": self.convert(items, root, prefix, depth + 1)}
         for key in ("minItems", "maxItems"):
-            if isinstance(node.get(key), int) and not isinstance(node[key], bool):
+            if isinstance(node.get(key), int) and not isinstance(node[key], bool) \
+                    and node[key] >= 0:
                 out[key] = node[key]
+        self._contradicted(node, out, "minItems", "maxItems")
         self._describe(node, ("uniqueItems", "contains", "minContains", "maxContains"))
         return self._with_description(out, node)
 
@@ -303,6 +311,13 @@ class _Converter:
                     out[bound] = int(value) + step
                 else:
                     self._note(node, key)
+            if kind == "integer":
+                _integer_bounds(out)
+            else:
+                for key in ("minimum", "maximum"):
+                    if key in out and not math.isfinite(out[key]):
+                        del out[key]
+            self._contradicted(node, out, "minimum", "maximum")
             self._describe(node, ("multipleOf",))
         elif kind == "string":
             self._describe(node, ("pattern", "format", "minLength", "maxLength",
@@ -327,6 +342,15 @@ class _Converter:
             return {"type": "object", "properties": {}, "required": [], "x-order": [],
                     "additionalProperties": False}
         return self.convert(schema, schema, prefix)
+
+    def _contradicted(self, node: Mapping[str, Any], out: dict[str, Any], low: str,
+                      high: str) -> None:
+        """Bounds that admit nothing (``minimum`` above ``maximum``) are not given: the
+        framework's Swift side builds ``low...high`` from them, which ends the process when
+        ``low > high``."""
+        if low in out and high in out and out[low] > out[high]:
+            del out[low], out[high]
+            self._note(node, low)
 
     # -- descriptions --
     def _describe(self, node: Mapping[str, Any], keys: tuple[str, ...]) -> None:
@@ -362,6 +386,25 @@ _RULES: dict[str, Any] = {
     "minProperties": lambda v: f"At least {v} keys.",
     "maxProperties": lambda v: f"At most {v} keys.",
 }
+
+
+#: The bounds an integer's guides can carry: the framework's Swift side converts each to a
+#: 64-bit ``Int`` from the ``Double`` it is handed, which ends the process outside this range.
+_INT_LIMIT = 2.0 ** 63
+
+
+def _integer_bounds(out: dict[str, Any]) -> None:
+    """An integer's bounds as whole numbers the framework can hold: a fractional bound
+    rounded inwards (the framework would truncate it, admitting a value the client's schema
+    does not), one beyond a 64-bit integer dropped (no generated integer reaches it)."""
+    for key, rounded in (("minimum", math.ceil), ("maximum", math.floor)):
+        if key not in out:
+            continue
+        value = out[key]
+        if not math.isfinite(value) or not -_INT_LIMIT <= float(value) < _INT_LIMIT:
+            del out[key]
+            continue
+        out[key] = value if isinstance(value, int) else int(rounded(value))
 
 
 def _implied_type(node: Mapping[str, Any]) -> str | None:

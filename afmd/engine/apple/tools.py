@@ -46,6 +46,15 @@ class Shape:
     nested: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
+def _named_type(name: str) -> type:
+    """The Python type whose ``__name__`` the framework takes as a type's name. The SDK
+    tells an optional property by ``"Optional" in str(type_class)`` (apple-fm-sdk 0.2.1,
+    ``generation_property.py``), and ``str`` of a type shows its qualified name: that one
+    is neutral, so a required property whose type is named ``...Optional...`` (from a key
+    or a definition such as ``OptionalSettings``) stays required."""
+    return type(name, (), {"__qualname__": "NamedType"})
+
+
 class _SchemaBuilder:
     """One tool's arguments schema from its (converted) JSON Schema."""
 
@@ -62,13 +71,13 @@ class _SchemaBuilder:
         """The Python stand-in type whose name the framework resolves to a nested type."""
         cls = self.classes.get(name)
         if cls is None:
-            cls = self.classes[name] = type(name, (), {})
+            cls = self.classes[name] = _named_type(name)
             self.built[name] = None  # building: a recursive reference finds the name
             self.built[name] = self.schema(name, self.defs[name])
         return cls
 
     def schema(self, name: str, node: dict[str, Any], nested: list[Any] | None = None) -> Any:
-        cls = self.classes.setdefault(name, type(name, (), {}))
+        cls = self.classes.get(name) or self.classes.setdefault(name, _named_type(name))
         required = set(node.get("required") or ())
         properties = []
         for key in node.get("x-order") or list(node.get("properties") or {}):

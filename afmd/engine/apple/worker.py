@@ -237,6 +237,8 @@ class _Session:
             if not self.stopped:
                 self.report("text", text)
             return
+        if not isinstance(prompt, str):
+            compat.compose_check(fm, prompt)  # the stream would hang on its error
         async with aclosing(session.stream_response(prompt, options=options)) as stream:
             async for snapshot in stream:
                 if self.stopped:
@@ -372,7 +374,7 @@ class _Job:
         room left where it is only a cap; 400 ``context_length_exceeded`` when the prompt
         leaves no room, or not the room a demanded ``max_tokens`` needs, worded as the MLX
         models' refusal (``round_builder``) for the clients that read the wording."""
-        limit = framework.CONTEXT_LENGTH
+        limit = framework.context_length()
         wanted = self.turn.max_tokens
         room = limit - tokens
         if wanted is not None and self.turn.max_tokens_shrinks and room >= 1:

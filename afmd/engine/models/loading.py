@@ -193,7 +193,7 @@ def _load_system(entry: ModelEntry, config: Config) -> LoadedModel:
         raise RuntimeError(f"{found.reason}: {found.detail}")
     return LoadedModel(
         entry=entry, folder=None, model=None, tokenizer=None,
-        context_length=entry.context_length or framework.CONTEXT_LENGTH,
+        context_length=entry.context_length or framework.context_length(),
         worker=SystemWorker(entry.id, debounce=config.system.tool_call_debounce),
         kind=CHAT, reads_conversation=True,
     )

@@ -264,17 +264,18 @@ def show(state: AppState, name: str, entry: ModelEntry) -> dict[str, Any]:
 
 def _system_show(name: str) -> dict[str, Any]:
     """Apple's on-device model: what the framework says of itself (no folder to read)."""
-    from afmd.engine.apple.framework import CONTEXT_LENGTH
+    from afmd.engine.apple.framework import context_length
 
     family = "apple-foundation"
+    window = context_length()
     return {
         "license": "", "modelfile": "", "template": "",
-        "parameters": f"num_ctx {CONTEXT_LENGTH}",
+        "parameters": f"num_ctx {window}",
         "details": {"parent_model": "", "format": "apple", "family": family,
                     "families": [family], "parameter_size": "", "quantization_level": ""},
         "model_info": {"general.architecture": family,
                        "general.basename": name.removesuffix(hubcache.LATEST_TAG),
-                       f"{family}.context_length": CONTEXT_LENGTH},
+                       f"{family}.context_length": window},
         "capabilities": ["completion", "tools"],
         "modified_at": _modified(None),
     }

@@ -201,10 +201,13 @@ def test_the_conversation_splits_into_instructions_transcript_and_prompt() -> No
                 has_images=True),
     ), instructions="OP", first_step=True)
     assert turn.instructions == "OP\n\nS1\n\nD1"
-    assert [e["role"] for e in turn.history] == ["user", "response", "tool"]
-    assert turn.history[1]["toolCalls"] == [{"id": "call_1", "name": "f",
+    assert [e["role"] for e in turn.history] == ["user", "response", "response", "tool"]
+    # The text, then the calls in an entry of their own, as the framework writes them.
+    assert turn.history[1]["contents"][0]["text"] == "b" and "toolCalls" not in turn.history[1]
+    assert set(turn.history[2]) == {"id", "role", "toolCalls"}
+    assert turn.history[2]["toolCalls"] == [{"id": "call_1", "name": "f",
                                              "arguments": '{"x":1}'}]
-    assert turn.history[2]["toolName"] == "f"
+    assert turn.history[3]["toolName"] == "f"
     assert turn.prompt == ("c\n\nd", conversation.PromptImage(b"PNG", "messages[6].content[1]"))
     transcript = turn.transcript()
     assert transcript["transcript"]["entries"][0]["role"] == "instructions"
@@ -219,3 +222,46 @@ def test_a_conversation_ending_in_tool_outputs_has_an_empty_prompt() -> None:
     ), instructions="", first_step=True)
     assert turn.prompt == ("",) and turn.prompt_text == ""
     assert [e["role"] for e in turn.history] == ["user", "response", "tool"]
+
+
+def test_bounds_the_framework_cannot_take_are_not_given(fm: ModuleType) -> None:
+    """The SDK's Swift side turns a bound into ``Int(Double)`` and ``min...max``, which end
+    the process on a 64-bit overflow or a minimum above the maximum: such bounds never
+    reach it, and a fractional bound of an integer is rounded inwards."""
+    parameters = {"type": "object", "properties": {
+        "huge": {"type": "integer", "minimum": 0, "maximum": 9223372036854775807},
+        "wide": {"type": "integer", "minimum": -1e30, "maximum": 1e20},
+        "upside": {"type": "number", "minimum": 5, "maximum": 1},
+        "fraction": {"type": "integer", "minimum": 0.5, "maximum": 9.5},
+        "empty": {"type": "integer", "minimum": 1.2, "maximum": 1.8},
+        "sizes": {"type": "array", "items": {"type": "integer", "maximum": 2 ** 64},
+                  "minItems": 3, "maxItems": 1},
+    }, "required": ["huge", "wide", "upside", "fraction", "empty", "sizes"]}
+    converted = schemas.convert_parameters(parameters, title="bounds")
+    props = converted.schema["properties"]
+    assert props["huge"] == {"type": "integer", "minimum": 0}
+    assert props["wide"] == {"type": "integer"}
+    assert props["upside"] == {"type": "number"}
+    assert props["fraction"] == {"type": "integer", "minimum": 1, "maximum": 9}
+    assert props["empty"] == {"type": "integer"}
+    assert props["sizes"] == {"type": "array", "items": {"type": "integer"}}
+    assert converted.downgraded  # the contradictions are the client's: not enforced
+    schema, _ = tools.arguments_schema(fm, _tool(parameters, "bounds"))
+    schema.to_dict()  # built without a trap
+    answer = schemas.convert(parameters)
+    assert answer.schema["properties"]["upside"] == {"type": "number"}
+
+
+def test_a_type_named_optional_is_still_required(fm: ModuleType) -> None:
+    """The SDK reads a property as optional when ``"Optional"`` is in ``str`` of its type."""
+    parameters = {"type": "object", "properties": {
+        "OptionalSettings": {"type": "object", "properties": {"a": {"type": "string"}},
+                             "required": ["a"]},
+        "items": {"type": "array", "items": {"$ref": "#/$defs/OptionalItem"}},
+    }, "required": ["OptionalSettings", "items"],
+        "$defs": {"OptionalItem": {"type": "object", "properties": {"b": {"type": "string"}},
+                                   "required": ["b"]}}}
+    schema, _ = tools.arguments_schema(fm, _tool(parameters))
+    built = schema.to_dict()
+    assert built["required"] == ["OptionalSettings", "items"]
+    assert any("Optional" in name for name in built["$defs"])  # the name itself is kept

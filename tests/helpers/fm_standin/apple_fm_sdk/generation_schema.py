@@ -1,7 +1,8 @@
 """``GenerationSchema`` (built from properties) and ``GeneratedContent``, as apple-fm-sdk
 0.2.1 has them, with what the framework's Swift side does with a built schema: the type
 of each property, the guides each type allows, named types resolved from the root's list
-(``buildSchema``: an unknown type name, such as ``array<boolean>``'s, fails)."""
+(``buildSchema``: an unknown type name, such as ``array<boolean>``'s, fails), and the
+bounds its Swift side cannot take (:class:`SwiftTrap`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,27 @@ _ALLOWED = {
                       GuideType.element},
 }
 _REFERENCE_ARRAY = {GuideType.count, GuideType.maxItems, GuideType.minItems}
+_BOUNDS = {GuideType.range, GuideType.maximum, GuideType.minimum}
+
+
+class SwiftTrap(BaseException):
+    """A Swift runtime trap in the SDK's bindings, which ends the whole process on a Mac
+    (``FoundationModelsCBindings.swift``, apple-fm-sdk 0.2.1 at e868e60): ``resolveIntGuides``
+    converts a bound with ``Int(Double)``, which traps outside ``Int``'s range, and
+    ``resolveIntGuides``/``resolveDoubleGuides`` build ``min...max``, which traps when
+    ``min > max``."""
+
+
+def _check_bounds(guide: GenerationGuide, integer: bool) -> None:
+    """What ``buildSchema`` does with a bound guide before it can fail gracefully."""
+    values = guide.value if guide.guide_type is GuideType.range else (guide.value,)
+    if integer:
+        for value in values:
+            if not -(2.0 ** 63) <= float(value) < 2.0 ** 63:
+                raise SwiftTrap(f"Fatal error: Double value cannot be converted to Int: {value}")
+        values = tuple(int(float(v)) for v in values)  # Int(Double) truncates toward zero
+    if guide.guide_type is GuideType.range and values[0] > values[1]:
+        raise SwiftTrap("Fatal error: Range requires lowerBound <= upperBound")
 
 
 class GenerationSchema:
@@ -108,6 +130,8 @@ def _property_json(prop: Property) -> dict[str, Any]:
         elif guide.guide_type not in allowed:
             raise make(UnsupportedGuideError,
                        f"{guide.guide_type.name} guide on a property of type {kind}")
+        if guide.guide_type in _BOUNDS:
+            _check_bounds(guide, integer="integer" in kind)
         if guide.guide_type is GuideType.regex:
             try:
                 re.compile(guide.value)

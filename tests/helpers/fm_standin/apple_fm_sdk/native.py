@@ -60,7 +60,7 @@ class State:
 
     availability: str | None = field(
         default_factory=lambda: os.environ.get("AFM_STANDIN_UNAVAILABLE") or None)
-    context_size: int = 8192
+    context_size: int = 4096  # the window Apple documents for the on-device model
     max_concurrent: int = field(
         default_factory=lambda: int(os.environ.get("AFM_STANDIN_MAX_CONCURRENT", "64")))
     images_supported: bool = True
@@ -115,22 +115,27 @@ def directives(text: str) -> list[tuple[str, str]]:
     return out
 
 
+def _refused(detail: str) -> errors.GenerationError:
+    """A schema the framework's ``JSONDecoder`` refuses, as the SDK reports it:
+    ``FMLanguageModelSessionRespondWithSchemaFromJSON`` (apple-fm-sdk 0.2.1) catches the
+    decoding error as an unknown one (status 255), a plain ``GenerationError``."""
+    return errors.GenerationError(
+        f"Generation error (status: 255): Error NSCocoaErrorDomain:4864 - {detail}")
+
+
 def check_schema(schema: Any, where: str = "schema") -> None:
     """The framework's decoder of a schema (``GenerationSchema`` JSON): Apple's subset."""
     if not isinstance(schema, dict):
-        raise errors.make(errors.InvalidGenerationSchemaError, f"{where} is not an object")
+        raise _refused(f"{where} is not an object")
     for key, value in schema.items():
         if key not in SCHEMA_KEYWORDS:
-            raise errors.make(errors.InvalidGenerationSchemaError,
-                              f"unsupported keyword {key!r} at {where}")
+            raise _refused(f"unsupported keyword {key!r} at {where}")
         if key == "type" and value not in _TYPES:
-            raise errors.make(errors.InvalidGenerationSchemaError,
-                              f"unsupported type {value!r} at {where}")
+            raise _refused(f"unsupported type {value!r} at {where}")
         if key == "additionalProperties" and value is not False:
-            raise errors.make(errors.InvalidGenerationSchemaError,
-                              f"additionalProperties must be false at {where}")
+            raise _refused(f"additionalProperties must be false at {where}")
         if key == "$ref" and not (value == "#" or str(value).startswith("#/$defs/")):
-            raise errors.make(errors.InvalidGenerationSchemaError, f"bad $ref at {where}")
+            raise _refused(f"bad $ref at {where}")
         if key in ("properties", "$defs"):
             for name, sub in value.items():
                 check_schema(sub, f"{where}.{key}.{name}")
@@ -140,7 +145,7 @@ def check_schema(schema: Any, where: str = "schema") -> None:
             for i, sub in enumerate(value):
                 check_schema(sub, f"{where}.anyOf[{i}]")
         elif key == "enum" and not all(isinstance(v, str) for v in value):
-            raise errors.make(errors.InvalidGenerationSchemaError, f"non-string enum at {where}")
+            raise _refused(f"non-string enum at {where}")
 
 
 def conforms(value: Any, schema: dict[str, Any]) -> str | None:
@@ -255,11 +260,6 @@ def _generate(job: Job, on_snapshot: Any) -> Any:
             name, _, message = rest.partition(" ")
             cls = getattr(errors, name)
             raise errors.make(cls, message or name)
-    if any(p for p in job.prompt if not isinstance(p, str)) and not STATE.images_supported:
-        from .prompt import ImagePromptError
-
-        raise ImagePromptError("Failed to add attachment to prompt: the current OS does not "
-                               "support attachment prompts")
     calls = [(rest.partition(" ")[0], rest.partition(" ")[2]) for head, rest in script
              if head == "call"]
     answer: str | None = None

@@ -34,7 +34,7 @@ Prompt = Union[PromptComponent, list[PromptComponent]]  # noqa: UP007
 
 
 def components(prompt: Prompt) -> list[str | Attachment]:
-    """The SDK's ``_composed_prompt_from_prompt``: a string, one attachment or a list."""
+    """The parts of a prompt: a string, one attachment or a list."""
     if isinstance(prompt, str | Attachment):
         return [prompt]
     if isinstance(prompt, list):
@@ -43,3 +43,18 @@ def components(prompt: Prompt) -> list[str | Attachment]:
                 raise PromptError(f"Unsupported prompt component: {type(part).__name__}")
         return list(prompt)
     raise PromptError(f"Unsupported prompt type: {type(prompt).__name__}")
+
+
+def _composed_prompt_from_prompt(prompt: Prompt) -> list[str | Attachment]:
+    """The prompt composed for the Swift side, as the SDK composes it (``prompt.py``,
+    apple-fm-sdk 0.2.1 at e868e60): each image goes through
+    ``FMComposedPromptAddAttachment``, which fails before macOS 27 (or in bindings built
+    without its SDK) with ``ImagePromptError``. Here the composed prompt is the parts; release
+    it with ``_ctypes_bindings.FMRelease``."""
+    from . import native
+
+    parts = components(prompt)
+    if not native.STATE.images_supported and any(isinstance(p, Attachment) for p in parts):
+        raise ImagePromptError("Failed to add attachment to prompt: the current OS does not "
+                               "support attachment prompts")
+    return parts

@@ -19,7 +19,7 @@ from typing import Any
 from . import errors, native
 from .generation_options import GenerationOptions, native_options
 from .generation_schema import GeneratedContent, GenerationSchema
-from .prompt import Prompt, components
+from .prompt import Prompt, _composed_prompt_from_prompt
 
 
 class SystemLanguageModelUnavailableReason(IntEnum):
@@ -73,40 +73,54 @@ class SystemLanguageModel:
         if isinstance(value, list) and all(isinstance(t, Tool) for t in value):
             return native.count(" ".join(json.dumps(t._arguments_schema.to_dict())
                                          for t in value))
-        return native.count(" ".join(p for p in components(value) if isinstance(p, str)))
+        return native.count(" ".join(p for p in _composed_prompt_from_prompt(value)
+                                     if isinstance(p, str)))
 
 
 _ROLES = ("instructions", "user", "response", "tool")
 
 
 def _check_entry(entry: Any, i: int) -> None:
-    """What the framework's ``Transcript`` decoder requires of an entry."""
+    """What the framework's ``Transcript`` decoder requires of an entry (a failure is
+    ``DecodingFailureError``, as ``FMTranscriptCreateFromJSONString`` reports it)."""
     where = f"entries[{i}]"
     if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
-        raise errors.GenerationError(f"{where}: an entry needs a string id")
+        raise errors.make(errors.DecodingFailureError, f"{where}: an entry needs a string id")
     role = entry.get("role")
     if role not in _ROLES:
-        raise errors.GenerationError(f"{where}: unknown role {role!r}")
+        raise errors.make(errors.DecodingFailureError, f"{where}: unknown role {role!r}")
     contents = entry.get("contents")
-    if contents is None and not (role == "response" and "toolCalls" in entry):
-        raise errors.GenerationError(f"{where}: missing contents")
+    if role == "response" and "toolCalls" in entry:
+        # Transcript.ToolCalls: the framework encodes it as id, role and toolCalls only
+        # (apple-fm-sdk 0.2.1, tests/tester_schemas/test_transcript_full.json); whether its
+        # decoder keeps a response's text beside the calls is unknown: refused here.
+        if contents is not None or "assets" in entry:
+            raise errors.make(errors.DecodingFailureError,
+                              f"{where}: tool calls with a response's contents")
+    elif contents is None:
+        raise errors.make(errors.DecodingFailureError, f"{where}: missing contents")
     for j, content in enumerate(contents or []):
         if not isinstance(content, dict) or not isinstance(content.get("id"), str):
-            raise errors.GenerationError(f"{where}.contents[{j}]: needs a string id")
+            raise errors.make(errors.DecodingFailureError,
+                              f"{where}.contents[{j}]: needs a string id")
         if content.get("type") == "text" and not isinstance(content.get("text"), str):
-            raise errors.GenerationError(f"{where}.contents[{j}]: text must be a string")
+            raise errors.make(errors.DecodingFailureError,
+                              f"{where}.contents[{j}]: text must be a string")
         if content.get("type") not in ("text", "structure"):
-            raise errors.GenerationError(f"{where}.contents[{j}]: unknown type")
+            raise errors.make(errors.DecodingFailureError,
+                              f"{where}.contents[{j}]: unknown type")
     if role == "tool" and not (isinstance(entry.get("toolName"), str)
                                and isinstance(entry.get("toolCallID"), str)):
-        raise errors.GenerationError(f"{where}: a tool entry needs toolName and toolCallID")
+        raise errors.make(errors.DecodingFailureError,
+                          f"{where}: a tool entry needs toolName and toolCallID")
     for call in entry.get("toolCalls") or []:
         if not all(isinstance(call.get(k), str) for k in ("id", "name", "arguments")):
-            raise errors.GenerationError(f"{where}: a tool call needs id, name, arguments "
+            raise errors.make(errors.DecodingFailureError,
+                              f"{where}: a tool call needs id, name, arguments "
                                          "(a JSON string)")
         json.loads(call["arguments"])
     if role == "instructions" and i != 0:
-        raise errors.GenerationError(f"{where}: instructions come first")
+        raise errors.make(errors.DecodingFailureError, f"{where}: instructions come first")
 
 
 class Transcript:
@@ -125,10 +139,12 @@ class Transcript:
     async def from_dict(cls, dict: dict[str, Any]) -> Transcript:  # the SDK's parameter name
         await asyncio.sleep(0)
         if not isinstance(dict, type({})) or not isinstance(dict.get("transcript"), type({})):
-            raise errors.GenerationError("Failed to create transcript from dictionary")
+            raise errors.make(errors.DecodingFailureError,
+                              "Failed to create transcript from dictionary")
         entries = dict["transcript"].get("entries")
         if not isinstance(entries, list):
-            raise errors.GenerationError("Failed to create transcript from dictionary")
+            raise errors.make(errors.DecodingFailureError,
+                              "Failed to create transcript from dictionary")
         for i, entry in enumerate(entries):
             _check_entry(entry, i)
         return cls(_ptr=copy.deepcopy(entries))
@@ -194,8 +210,9 @@ class LanguageModelSession:
         job = self._job
         return job is not None and job.responding.is_set()
 
-    def _job_for(self, prompt: Prompt, options: GenerationOptions | None,
+    def _job_for(self, prompt: list[Any], options: GenerationOptions | None,
                  schema: dict[str, Any] | None) -> native.Job:
+        """``prompt``: as composed (:func:`~.prompt._composed_prompt_from_prompt`)."""
         if options is not None and not isinstance(options, GenerationOptions):
             raise TypeError("options must be GenerationOptions")
         # The SDK sends options as JSON; the Swift side reads them (numbers only).
@@ -205,7 +222,7 @@ class LanguageModelSession:
         instructions = native._entry_text(first) if first else None
         return native.Job(instructions=instructions or None,
                           entries=[e for e in entries if e is not first],
-                          prompt=components(prompt), tools=self._tools,
+                          prompt=prompt, tools=self._tools,
                           options=native_options(sent), schema=schema)
 
     async def respond(self, prompt: Prompt, generating: Any = None, *,
@@ -216,7 +233,8 @@ class LanguageModelSession:
             raise NotImplementedError("the stand-in answers json_schema and text only")
         if json_schema is not None:
             native.check_schema(json_schema)
-        job = self._job_for(prompt, options, json_schema)
+        # The SDK composes the prompt here, in the coroutine: its errors reach the caller.
+        job = self._job_for(_composed_prompt_from_prompt(prompt), options, json_schema)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
 
@@ -256,25 +274,36 @@ class LanguageModelSession:
 
     async def stream_response(self, prompt: Prompt,
                               options: GenerationOptions | None = None) -> AsyncIterator[str]:
-        """As the SDK streams: a thread iterates the native stream into a queue, which
-        this generator reads with a blocking ``get`` (0.1 s timeout) between yields."""
-        job = self._job_for(prompt, options, None)
+        """As the SDK streams (``session.py`` ``_stream_response_basic``, apple-fm-sdk 0.2.1
+        at e868e60): a thread composes the prompt and starts the native iteration, which
+        runs detached (``FMLanguageModelSessionResponseStreamIterate`` starts a Swift task
+        and returns) and feeds a queue that this generator reads with a blocking ``get``
+        (0.1 s timeout) between yields. An error while composing (an image the OS cannot
+        take) ends that thread without ending the stream: the generator then waits for
+        ever, as the SDK's does. Closing the generator joins the thread (up to 2 s) and
+        releases the stream, which cancels the iteration."""
         snapshots: queue.Queue[str | None] = queue.Queue()
         failure: list[BaseException] = []
+        started: list[native.Job] = []
 
-        def work() -> None:
+        def iterate(job: native.Job) -> None:
             try:
                 text = native.run(job, on_snapshot=snapshots.put)
                 self._record(job, text)
             except native.Cancelled:
-                failure.append(errors.FoundationModelsError("Stream cancelled"))
+                failure.append(errors.GenerationError("Stream cancelled"))
             except BaseException as exc:
                 failure.append(exc)
             finally:
                 snapshots.put(None)
 
-        self._job = job
-        thread = threading.Thread(target=work, daemon=True)
+        def start() -> None:
+            job = self._job_for(_composed_prompt_from_prompt(prompt), options, None)
+            started.append(job)
+            self._job = job
+            threading.Thread(target=iterate, args=(job,), daemon=True).start()
+
+        thread = threading.Thread(target=start, daemon=True)
         thread.start()
         try:
             while True:
@@ -288,11 +317,10 @@ class LanguageModelSession:
             if failure:
                 raise failure[0]
         finally:
-            # The SDK waits for the native iteration (up to 2 s) before releasing the
-            # stream, whose release cancels the iteration.
             if thread.is_alive():
                 thread.join(timeout=2.0)
-            job.cancelled.set()
+            for job in started:  # FMRelease of the stream: its iteration is cancelled
+                job.cancelled.set()
 
     def _record(self, job: native.Job, result: Any) -> None:
         entries = self.transcript.entries
