@@ -674,3 +674,31 @@ def test_ctrl_enter_checks_the_form_as_send_does(page: Watched, dash: ServerProc
         ui.get_by_test_id("prompt").press("Control+Enter")
     assert json.loads(sent.value.post_data)["max_tokens"] == 4
     _expect()(ui.get_by_test_id("finish-reason")).to_have_text("length")
+
+
+def test_a_long_model_id_leaves_its_live_counts_on_one_line(browser: Any,
+                                                           crowded: ServerProcess) -> None:
+    """In the Live panel a loaded model with a very long id kept its counts in a sliver
+    beside it, one word a line ('0 / running / · 0 / queued'), touching the id: the id
+    wraps, the counts stay one line apart from it, in a wide and a phone-wide window."""
+    expect = _expect()
+    loaded = httpx.post(crowded.url + "/ui/api/load", json={"model": LONG_ID}, timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    with watched_page(browser, crowded.url) as watched:
+        ui = _open(watched, crowded.url)
+        item = ui.locator(f'[data-testid="model-activity"][data-model-id="{LONG_ID}"]')
+        expect(item).to_be_visible()
+        for width in (1400, 375):
+            ui.set_viewport_size({"width": width, "height": 800})
+            boxes = item.evaluate("""li => {
+                const [id, counts] = li.children;
+                const text = document.createRange();
+                text.selectNodeContents(counts);
+                const line = [...text.getClientRects()];
+                return {lines: new Set(line.map((r) => Math.round(r.top))).size,
+                        gap: Math.min(...line.map((r) => r.left))
+                             - Math.max(...[...id.getClientRects()].map((r) => r.right))};
+            }""")
+            assert boxes["lines"] == 1 and boxes["gap"] >= 8, (width, boxes)
+            assert _sideways(ui) <= 0
+        watched.check()

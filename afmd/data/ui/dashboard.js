@@ -328,7 +328,7 @@ function renderActivity(payload) {
   replaceIfChanged($("per-model"), JSON.stringify(shown), () => shown.map(([id, c]) => {
     const li = el("li", { testid: "model-activity" },
       el("span", { "class": "model-id", text: id }),
-      el("span", { text: `${c.active} running · ${c.queued} queued` }));
+      el("span", { "class": "counts", text: `${c.active} running · ${c.queued} queued` }));
     li.dataset.modelId = id;
     return li;
   }));
