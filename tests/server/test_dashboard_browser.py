@@ -702,3 +702,27 @@ def test_a_long_model_id_leaves_its_live_counts_on_one_line(browser: Any,
             assert boxes["lines"] == 1 and boxes["gap"] >= 8, (width, boxes)
             assert _sideways(ui) <= 0
         watched.check()
+
+
+def test_a_poll_answered_with_an_error_says_what_the_server_said(page: Watched,
+                                                                dash: ServerProcess) -> None:
+    """A server that answers the page's reads with an error (503 while it shuts down, a
+    proxy's 502) was reported as one the page 'cannot reach': the page says what it
+    answered, and recovers when it answers again."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    refusal = json.dumps({"error": {"message": "the server is shutting down",
+                                    "type": "server_error", "code": "shutting_down"}})
+    ui.route("**/ui/api/models", lambda route: route.fulfill(
+        status=503, content_type="application/json", body=refusal))
+    connection = ui.get_by_test_id("connection")
+    expect(connection).to_contain_text("answered 503: the server is shutting down")
+    assert "cannot reach" not in (connection.text_content() or "")
+    expect(ui.locator("main")).to_have_class(re.compile("stale"))
+    ui.route("**/ui/api/models", lambda route: route.fulfill(
+        status=502, content_type="text/html", body="<html>Bad gateway</html>"))
+    expect(connection).to_have_text("the server answered 502")
+    ui.unroute("**/ui/api/models")
+    expect(connection).to_contain_text("updated")
+    page.check(allowed_errors=("503", "502"))
+    page.errors.clear()

@@ -460,6 +460,11 @@ async function poll() {
     }
     if (err.name === "AbortError") {
       connection(false, `the server has not answered for ${seconds(POLL_TIMEOUT_MS / 1000)}`);
+    } else if (err instanceof APIError) {
+      // It answered, with an error (shutting down, overloaded, a proxy's 502): that is not
+      // a server the page cannot reach.
+      const said = err.message === `HTTP ${err.status}` ? "" : `: ${err.message}`;
+      connection(false, `the server answered ${err.status}${said}`);
     } else {
       connection(false, `cannot reach the server: ${err.message}`);
     }
