@@ -726,3 +726,55 @@ def test_a_poll_answered_with_an_error_says_what_the_server_said(page: Watched,
     expect(connection).to_contain_text("updated")
     page.check(allowed_errors=("503", "502"))
     page.errors.clear()
+
+
+#: Counts, from the page itself, every change of text inside a live region (a screen reader
+#: reads each one out).
+LIVE_CHANGES = """() => {
+    window.liveChanges = [];
+    const live = "[role=status], [role=alert], [role=log], [aria-live]:not([aria-live=off])";
+    new MutationObserver((records) => {
+        for (const r of records) {
+            const node = r.target.nodeType === 1 ? r.target : r.target.parentElement;
+            const region = node && node.closest(live);
+            if (region && region.getAttribute("aria-busy") !== "true") {
+                window.liveChanges.push(region.id + ": " + region.textContent);
+            }
+        }
+    }).observe(document.body, {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def test_a_screen_reader_hears_changes_not_every_poll(page: Watched,
+                                                     dash: ServerProcess) -> None:
+    """The connection line ('updated 12:00:01', rewritten each second) was a live region: a
+    screen reader read the time out every second. It announces the connection's changes
+    only, and a streaming reply is marked busy until it is complete."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    connection = ui.get_by_test_id("connection")
+    expect(connection).to_contain_text("updated")
+    ui.evaluate(LIVE_CHANGES)
+    ui.wait_for_timeout(3500)  # three polls or more, each rewriting the time
+    assert ui.evaluate("window.liveChanges") == []
+    # The connection lost, and back: each said once.
+    ui.route("**/ui/api/models", lambda route: route.abort())
+    news = ui.get_by_test_id("connection-news")
+    expect(news).to_contain_text("cannot reach the server")
+    ui.unroute("**/ui/api/models")
+    expect(news).to_have_text("The server answers again.")
+    ui.wait_for_timeout(2500)
+    changes = ui.evaluate("window.liveChanges")
+    assert len(changes) == 2 and all(c.startswith("connection-news") for c in changes), changes
+    # A reply is busy while it streams, and complete after.
+    output = ui.get_by_test_id("output")
+    expect(output).to_have_attribute("aria-busy", "false")
+    _settings(ui, max_tokens="6000", prompt="Tell a long story.")
+    ui.get_by_test_id("send").click()
+    expect(output).not_to_be_empty()
+    expect(output).to_have_attribute("aria-busy", "true")
+    ui.get_by_test_id("stop").click()
+    expect(ui.get_by_test_id("finish-reason")).to_have_text("cancelled")
+    expect(output).to_have_attribute("aria-busy", "false")
+    page.check(allowed_errors=("ERR_FAILED",))
+    page.errors.clear()

@@ -153,8 +153,11 @@ function showMain() {
 
 function connection(ok, text) {
   const node = $("connection");
-  node.textContent = text;
+  setText(node, text);
   node.classList.toggle("lost", !ok);
+  // A screen reader hears the change only: "updated 12:00:01" each second, or "has not
+  // answered for 5s" counting, in a live region would be read out every second.
+  if (ok === view.lost) $("connection-news").textContent = ok ? "The server answers again." : text;
   view.lost = !ok;
   // What the panels show is the last the server said, not what it holds now.
   $("main").classList.toggle("stale", !ok);
@@ -622,6 +625,8 @@ function setRunning(running) {
   $("send").disabled = running;
   $("stop").disabled = !running;
   $("output").classList.toggle("running", running);
+  // Streamed a token at a time, the reply is read out once it is complete.
+  $("output").setAttribute("aria-busy", String(running));
 }
 
 async function readStream(response) {
