@@ -491,6 +491,8 @@ def test_pull_with_its_progress(browser: Any, tmp_path: Path) -> None:
                 pulled = ui.locator('[data-testid="pull-row"][data-repo="test-org/tiny"]')
                 expect(pulled).to_have_attribute("data-state", "done", timeout=60_000)
                 assert pulled.get_by_test_id("pull-progress").evaluate("p => p.value") == 1
+                # Its bar is named with its repo for a screen reader.
+                expect(ui.get_by_role("progressbar", name="pull test-org/tiny")).to_have_count(1)
                 expect(pulled).to_contain_text("2 files")
                 row = _row(ui, "test-org/tiny")
                 expect(row).to_have_attribute("data-source", "downloaded")
@@ -778,3 +780,21 @@ def test_a_screen_reader_hears_changes_not_every_poll(page: Watched,
     expect(output).to_have_attribute("aria-busy", "false")
     page.check(allowed_errors=("ERR_FAILED",))
     page.errors.clear()
+
+
+def test_bars_and_charts_have_names(page: Watched, dash: ServerProcess) -> None:
+    """The memory bar and the three charts were a bare 'progressbar' and three bare 'img's
+    to a screen reader: each says what it shows."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    expect(ui.locator("#chart-queue polyline").first).to_be_attached()
+    tree = ui.locator("body").aria_snapshot()
+    nameless = [line for line in tree.splitlines()
+                if re.fullmatch(r"\s*- (progressbar|img)( \[[^\]]*\])?:?", line)]
+    assert not nameless, tree
+    memory = ui.get_by_role("progressbar", name="memory budget in use")
+    expect(memory).to_have_count(1)
+    assert "budget" in (memory.evaluate("p => document.getElementById("
+                                        "p.getAttribute('aria-describedby')).textContent") or "")
+    for name in ("tokens per second", "time to first token", "queued and running requests"):
+        expect(ui.get_by_role("img", name=re.compile(name))).to_have_count(1)

@@ -274,7 +274,7 @@ function renderModels(payload) {
 function renderPulls(pulls) {
   replaceIfChanged($("pulls"), JSON.stringify(pulls), () => pulls.map((p) => {
     const done = p.total_bytes ? p.completed_bytes / p.total_bytes : 0;
-    const bar = el("progress", { testid: "pull-progress", max: "1" });
+    const bar = el("progress", { testid: "pull-progress", max: "1", "aria-label": `pull ${p.repo}` });
     bar.value = p.state === "done" ? 1 : done;
     let text = `${p.repo}@${p.revision}: `;
     if (p.state === "pulling") text += p.total_bytes ? `${bytes(p.completed_bytes)} of ${bytes(p.total_bytes)} (${p.files_done}/${p.files} files)` : "listing files…";
