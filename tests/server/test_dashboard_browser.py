@@ -798,3 +798,37 @@ def test_bars_and_charts_have_names(page: Watched, dash: ServerProcess) -> None:
                                         "p.getAttribute('aria-describedby')).textContent") or "")
     for name in ("tokens per second", "time to first token", "queued and running requests"):
         expect(ui.get_by_role("img", name=re.compile(name))).to_have_count(1)
+
+
+def test_the_focus_stays_where_the_keyboard_acted(page: Watched, dash: ServerProcess) -> None:
+    """Enter on a row's Unload, on Send or on Stop disabled or replaced the focused button,
+    and the focus fell to the top of the page: a keyboard or screen reader user lost their
+    place. The focus moves to the button taking its place (Unload → Load, Send ⇄ Stop)."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    unload = ui.get_by_role("button", name="Unload demo", exact=True)
+    unload.focus()
+    ui.keyboard.press("Enter")
+    expect(_row(ui, "demo")).to_have_attribute("data-state", "available")
+    load = ui.get_by_role("button", name="Load demo", exact=True)
+    expect(load).to_be_focused()
+    expect(load).to_be_enabled()
+    ui.keyboard.press("Enter")
+    expect(_row(ui, "demo")).to_have_attribute("data-state", "loaded")
+    unload = ui.get_by_role("button", name="Unload demo", exact=True)
+    expect(unload).to_be_focused()
+    expect(unload).to_be_enabled()
+    assert _health(dash.url)["model_details"]["demo"]["state"] == "loaded"
+
+    _settings(ui, max_tokens="6000", prompt="Tell a long story.")
+    ui.get_by_test_id("send").focus()
+    ui.keyboard.press("Enter")
+    stop = ui.get_by_test_id("stop")
+    expect(stop).to_be_focused()
+    expect(ui.get_by_test_id("output")).not_to_be_empty()
+    ui.keyboard.press("Enter")
+    ui.keyboard.press("Enter")  # pressed again while it stops: nothing more
+    expect(ui.get_by_test_id("finish-reason")).to_have_text("cancelled")
+    expect(ui.get_by_test_id("send")).to_be_focused()
+    expect(stop).to_be_disabled()
+    assert not ui.get_by_test_id("error").text_content()

@@ -30,6 +30,17 @@ function setText(node, text) {
   if (node.textContent !== text) node.textContent = text;
 }
 
+// A focused button that is disabled or removed drops the focus to the top of the page: a
+// keyboard or screen reader user loses their place. A button busy with its action is
+// marked aria-disabled instead (it keeps the focus and ignores clicks), and one replaced
+// passes the focus on.
+function busy(button, on) {
+  if (on) button.setAttribute("aria-disabled", "true");
+  else button.removeAttribute("aria-disabled");
+}
+
+const isBusy = (button) => button.getAttribute("aria-disabled") === "true";
+
 function replaceIfChanged(node, key, build) {
   if (node.dataset.key === key) return;
   node.dataset.key = key;
@@ -208,7 +219,7 @@ function actionButton(id, action, label) {
   // Named with the model: a column of identical "Load"s says nothing to a screen reader.
   const button = el("button", { type: "button", testid: action, text: label,
     "aria-label": `${label} ${id}` });
-  button.addEventListener("click", () => modelAction(id, action));
+  button.addEventListener("click", () => { if (!isBusy(button)) modelAction(id, action); });
   return button;
 }
 
@@ -242,9 +253,16 @@ function updateModelRow(row, m, now) {
   const actions = cells[7];
   const have = [...actions.children].map((b) => b.dataset.testid).join(",");
   if (have !== wanted.map((w) => w[0]).join(",")) {
+    const focused = actions.contains(document.activeElement);
     actions.replaceChildren(...wanted.map(([action, label]) => actionButton(m.id, action, label)));
+    // Unload pressed becomes Load; while the model loads there is no button: the cell holds
+    // the focus until there is one.
+    if (focused) {
+      if (actions.firstElementChild) actions.firstElementChild.focus();
+      else { actions.tabIndex = -1; actions.focus(); }
+    }
   }
-  for (const button of actions.children) button.disabled = view.busy.has(m.id);
+  for (const button of actions.children) busy(button, view.busy.has(m.id));
 }
 
 function renderModels(payload) {
@@ -288,10 +306,11 @@ function renderPulls(pulls) {
 }
 
 async function modelAction(id, action) {
+  if (view.busy.has(id)) return;
   view.busy.add(id);
   $("model-error").textContent = "";
   for (const row of $("model-rows").children) {
-    if (row.dataset.modelId === id) for (const b of row.querySelectorAll("button")) b.disabled = true;
+    if (row.dataset.modelId === id) for (const b of row.querySelectorAll("button")) busy(b, true);
   }
   try {
     // Loading is answered once the model is in memory: poll meanwhile so the row says so.
@@ -622,8 +641,14 @@ function showProfile(p) {
 }
 
 function setRunning(running) {
-  $("send").disabled = running;
-  $("stop").disabled = !running;
+  // Send pressed becomes Stop, and Stop Send again when the reply ends: the focus follows.
+  const [from, to] = running ? [$("send"), $("stop")] : [$("stop"), $("send")];
+  const focused = document.activeElement === from;
+  to.disabled = false;
+  busy(to, false);
+  from.disabled = true;
+  busy(from, false);
+  if (focused) to.focus();
   $("output").classList.toggle("running", running);
   // Streamed a token at a time, the reply is read out once it is complete.
   $("output").setAttribute("aria-busy", String(running));
@@ -697,8 +722,8 @@ async function send(event) {
 
 async function stop() {
   const requestId = play.requestId;
-  if (!requestId) return;
-  $("stop").disabled = true;
+  if (!requestId || isBusy($("stop"))) return;
+  busy($("stop"), true); // pressed once; it keeps the focus until the reply ends
   // The server ends the stream itself (finish_reason "cancelled"); should it not, within a
   // few seconds, the connection is dropped, which cancels the generation too.
   play.cancelTimer = setTimeout(() => { if (play.controller) play.controller.abort(); }, 5000);
