@@ -832,3 +832,41 @@ def test_the_focus_stays_where_the_keyboard_acted(page: Watched, dash: ServerPro
     expect(ui.get_by_test_id("send")).to_be_focused()
     expect(stop).to_be_disabled()
     assert not ui.get_by_test_id("error").text_content()
+
+
+def test_a_key_refused_by_an_action_or_a_send_is_forgotten(browser: Any,
+                                                           keyed: ServerProcess) -> None:
+    """A key the server stops taking (restarted with another) met first by Unload or Send,
+    not by a poll, showed the key panel with the server's bare words and kept the refused
+    key, to be tried again on a reload: it is forgotten and said to be refused, as a poll
+    does."""
+    expect = _expect()
+    with watched_page(browser, keyed.url) as watched:
+        ui = watched.page
+        ui.goto(keyed.url + "/ui/")
+        field = ui.get_by_test_id("api-key")
+        for act in ("unload", "send"):
+            field.fill(KEY)
+            ui.get_by_test_id("api-key-submit").click()
+            expect(_row(ui, "demo")).to_have_attribute("data-state", "loaded")
+            # The polls fail (the page does not learn of the new key from them) and the
+            # server is given a key it does not take.
+            ui.route("**/ui/api/{status,models,activity}*", lambda route: route.abort())
+            ui.evaluate("sessionStorage.setItem('afmd.apiKey', 'sk-not-any-more')")
+            if act == "unload":
+                _row(ui, "demo").get_by_test_id("unload").click()
+            else:
+                _settings(ui, max_tokens="4", prompt="Hi")
+                ui.get_by_test_id("send").click()
+            expect(field).to_be_visible()
+            expect(ui.get_by_test_id("api-key-error")).to_contain_text("refused this key")
+            assert ui.evaluate("sessionStorage.length") == 0, act
+            # The action or the send met the refusal, not a poll.
+            polled = [r.url for r in watched.requests
+                      if re.search(r"/ui/api/(status|models|activity)", r.url)
+                      and r.headers.get("authorization") == "Bearer sk-not-any-more"
+                      and r.response() is not None]
+            assert not polled, polled
+            ui.unroute("**/ui/api/{status,models,activity}*")
+        assert _health(keyed.url)["model_details"]["demo"]["state"] == "loaded"
+        watched.check(allowed_errors=("401", "ERR_FAILED"))

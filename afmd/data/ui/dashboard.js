@@ -157,6 +157,14 @@ function showKeyPanel(message) {
   $("api-key").focus();
 }
 
+function keyRefused(message) {
+  // However it was met (a poll, an action, a send), a refused key is forgotten, so a reload
+  // does not try it again, and the panel says it was refused.
+  const refused = apiKey();
+  sessionStorage.removeItem(KEY_STORAGE);
+  showKeyPanel(refused ? `The server refused this key: ${message}` : "");
+}
+
 function showMain() {
   $("key-panel").hidden = true;
   $("main").hidden = false;
@@ -318,7 +326,7 @@ async function modelAction(id, action) {
     setTimeout(refresh, 100);
     await pending;
   } catch (err) {
-    if (err instanceof Unauthorized) { showKeyPanel(err.message); return; }
+    if (err instanceof Unauthorized) { keyRefused(err.message); return; }
     $("model-error").textContent = `${action} ${id}: ${err.message}`;
   } finally {
     view.busy.delete(id);
@@ -335,7 +343,7 @@ async function startPull(event) {
     await api("/ui/api/pull", { json: { model: repo } });
     $("pull-repo").value = "";
   } catch (err) {
-    if (err instanceof Unauthorized) { showKeyPanel(err.message); return; }
+    if (err instanceof Unauthorized) { keyRefused(err.message); return; }
     $("model-error").textContent = `pull ${repo}: ${err.message}`;
   }
   refresh();
@@ -474,12 +482,7 @@ async function poll() {
     renderActivity(activity);
     connection(true, `updated ${new Date().toLocaleTimeString([], { hour12: false })}`);
   } catch (err) {
-    if (err instanceof Unauthorized) {
-      const refused = apiKey();
-      sessionStorage.removeItem(KEY_STORAGE);
-      showKeyPanel(refused ? `The server refused this key: ${err.message}` : "");
-      return;
-    }
+    if (err instanceof Unauthorized) { keyRefused(err.message); return; }
     if (err.name === "AbortError") {
       connection(false, `the server has not answered for ${seconds(POLL_TIMEOUT_MS / 1000)}`);
     } else if (err instanceof APIError) {
@@ -698,7 +701,7 @@ async function send(event) {
       signal: play.controller.signal,
       cache: "no-store",
     });
-    if (response.status === 401) { showKeyPanel((await errorOf(response)).message); return; }
+    if (response.status === 401) { keyRefused((await errorOf(response)).message); return; }
     if (!response.ok) { $("play-error").textContent = (await errorOf(response)).message; return; }
     replying = true;
     if (!(await readStream(response)) && !$("play-error").textContent) {
