@@ -870,3 +870,25 @@ def test_a_key_refused_by_an_action_or_a_send_is_forgotten(browser: Any,
             ui.unroute("**/ui/api/{status,models,activity}*")
         assert _health(keyed.url)["model_details"]["demo"]["state"] == "loaded"
         watched.check(allowed_errors=("401", "ERR_FAILED"))
+
+
+def test_stop_against_a_hung_server_says_the_reply_was_dropped(page: Watched,
+                                                              dash: ServerProcess) -> None:
+    """Stop on a server that no longer answers (stopped, swapping): after a few seconds the
+    page drops the connection, and the reply ended without a word, no finish reason and no
+    error, as if it were complete. It says what happened."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    _settings(ui, max_tokens="20000", prompt="Tell a long story.")
+    ui.get_by_test_id("send").click()
+    expect(ui.get_by_test_id("output")).not_to_be_empty()
+    dash.proc.send_signal(signal.SIGSTOP)
+    try:
+        ui.get_by_test_id("stop").click()
+        expect(ui.get_by_test_id("send")).to_be_enabled()
+        expect(ui.get_by_test_id("error")).to_contain_text("did not end the reply")
+        assert not ui.get_by_test_id("finish-reason").text_content()
+    finally:
+        dash.proc.send_signal(signal.SIGCONT)
+    expect(ui.get_by_test_id("connection")).to_contain_text("updated")
+    _until(lambda: _health(dash.url)["active_requests"] == 0)

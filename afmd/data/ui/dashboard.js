@@ -528,7 +528,8 @@ function stopPolling() {
 
 // ------------------------------------------------------------------ playground
 
-const play = { requestId: null, controller: null, cancelTimer: null };
+const STOP_WAIT_MS = 5000; // Stop waits this long for the server to end the stream itself
+const play = { requestId: null, controller: null, cancelTimer: null, dropped: false };
 
 function randomId() {
   const bytes = new Uint8Array(12);
@@ -710,13 +711,22 @@ async function send(event) {
   } catch (err) {
     // The browser's own words ("network error", "Failed to fetch") say little of what
     // happened: the server went away mid-reply, or could not be reached at all.
-    if (err.name !== "AbortError") {
+    if (err.name === "AbortError") {
+      // Stop's own fallback: the server (hung, stopped) never ended the stream. Without a
+      // word the reply would look finished, with neither a finish reason nor an error.
+      if (play.dropped) {
+        $("play-error").textContent = `The server did not end the reply within ${seconds(STOP_WAIT_MS / 1000)} `
+          + "of Stop: the page dropped the connection, which cancels the request when the server "
+          + "reads again.";
+      }
+    } else {
       $("play-error").textContent = replying
         ? `The connection to the server was lost mid-reply (${err.message}).`
         : `The page cannot reach the server (${err.message}).`;
     }
   } finally {
     clearTimeout(play.cancelTimer);
+    play.dropped = false;
     play.requestId = null;
     play.controller = null;
     setRunning(false);
@@ -729,7 +739,9 @@ async function stop() {
   busy($("stop"), true); // pressed once; it keeps the focus until the reply ends
   // The server ends the stream itself (finish_reason "cancelled"); should it not, within a
   // few seconds, the connection is dropped, which cancels the generation too.
-  play.cancelTimer = setTimeout(() => { if (play.controller) play.controller.abort(); }, 5000);
+  play.cancelTimer = setTimeout(() => {
+    if (play.controller) { play.dropped = true; play.controller.abort(); }
+  }, STOP_WAIT_MS);
   try {
     const response = await fetch(`/v1/chat/completions/${encodeURIComponent(requestId)}/cancel`, {
       method: "POST", headers: headers(), cache: "no-store",
