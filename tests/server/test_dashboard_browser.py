@@ -892,3 +892,21 @@ def test_stop_against_a_hung_server_says_the_reply_was_dropped(page: Watched,
         dash.proc.send_signal(signal.SIGCONT)
     expect(ui.get_by_test_id("connection")).to_contain_text("updated")
     _until(lambda: _health(dash.url)["active_requests"] == 0)
+
+
+def test_table_headers_and_the_request_log_are_named(page: Watched,
+                                                    dash: ServerProcess) -> None:
+    """The models table's last column (the Load and Unload buttons) had an empty header, read
+    out as nothing, and the last requests, a box that scrolls, could only be scrolled with a
+    mouse where the browser does not make such a box focusable itself."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    tree = ui.locator("main").aria_snapshot()
+    nameless = [line for line in tree.splitlines()
+                if re.fullmatch(r"\s*- columnheader:?", line)]
+    assert not nameless, tree
+    expect(ui.get_by_role("columnheader", name="actions")).to_have_count(1)
+    log = ui.get_by_role("region", name="Last requests").locator(".scroll")
+    assert log.get_attribute("tabindex") == "0"
+    log.focus()
+    expect(log).to_be_focused()
