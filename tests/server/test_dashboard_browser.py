@@ -910,3 +910,43 @@ def test_table_headers_and_the_request_log_are_named(page: Watched,
     assert log.get_attribute("tabindex") == "0"
     log.focus()
     expect(log).to_be_focused()
+
+
+#: Holds back the answers to requests sent with ``key`` (a slow link, a busy server).
+SLOW_KEY = """(key) => {
+    const fetchNow = window.fetch;
+    window.fetch = async (url, init) => {
+        const response = await fetchNow(url, init);
+        const sent = init && init.headers && init.headers.Authorization;
+        if (sent === "Bearer " + key) await new Promise((done) => setTimeout(done, 1500));
+        return response;
+    };
+}"""
+
+
+def test_a_key_typed_again_is_not_forgotten_for_the_first_ones_refusal(
+        browser: Any, keyed: ServerProcess) -> None:
+    """A mistyped key, corrected and sent again before the server's refusal of the first
+    came back: that refusal forgot the corrected key and asked for it once more."""
+    expect = _expect()
+    with watched_page(browser, keyed.url) as watched:
+        ui = watched.page
+        ui.goto(keyed.url + "/ui/")
+        field = ui.get_by_test_id("api-key")
+        expect(field).to_be_visible()
+        ui.evaluate(SLOW_KEY, "sk-typo")
+        field.fill("sk-typo")
+        with ui.expect_request(lambda r: "/ui/api/" in r.url):
+            ui.get_by_test_id("api-key-submit").click()
+        field.fill(KEY)
+        ui.get_by_test_id("api-key-submit").click()
+        expect(_row(ui, "demo")).to_have_attribute("data-state", "loaded")
+        refused = [r for r in watched.requests if "/ui/api/" in r.url
+                   and r.headers.get("authorization") == "Bearer sk-typo"]
+        assert refused
+        _until(lambda: all(r.response() is not None for r in refused))
+        ui.wait_for_timeout(2000)  # the typo's refusals have all come back
+        expect(ui.locator("main")).to_be_visible()
+        expect(field).to_be_hidden()
+        assert ui.evaluate("sessionStorage.getItem('afmd.apiKey')") == KEY
+        watched.check(allowed_errors=("401",))

@@ -72,7 +72,9 @@ const clock = (t) => new Date(t * 1000).toLocaleTimeString([], { hour12: false }
 
 // ------------------------------------------------------------------ the key and the API
 
-class Unauthorized extends Error {}
+class Unauthorized extends Error {
+  constructor(message, key) { super(message); this.key = key; } // the key it refused
+}
 
 class APIError extends Error {
   constructor(status, message, code) { super(message); this.status = status; this.code = code; }
@@ -124,8 +126,9 @@ async function api(path, options = {}) {
     init.headers["Content-Type"] = "application/json";
     delete init.json;
   }
+  const key = apiKey();
   const response = await fetch(path, init);
-  if (response.status === 401) throw new Unauthorized(await errorOf(response).then((e) => e.message));
+  if (response.status === 401) throw new Unauthorized((await errorOf(response)).message, key);
   if (!response.ok) throw await errorOf(response);
   return response.json();
 }
@@ -157,12 +160,15 @@ function showKeyPanel(message) {
   $("api-key").focus();
 }
 
-function keyRefused(message) {
+function keyRefused(message, refused) {
+  // An answer to a key replaced since (typed again while the first was being checked) says
+  // nothing of the one kept now.
+  if (refused !== apiKey()) return false;
   // However it was met (a poll, an action, a send), a refused key is forgotten, so a reload
   // does not try it again, and the panel says it was refused.
-  const refused = apiKey();
   sessionStorage.removeItem(KEY_STORAGE);
   showKeyPanel(refused ? `The server refused this key: ${message}` : "");
+  return true;
 }
 
 function showMain() {
@@ -326,7 +332,7 @@ async function modelAction(id, action) {
     setTimeout(refresh, 100);
     await pending;
   } catch (err) {
-    if (err instanceof Unauthorized) { keyRefused(err.message); return; }
+    if (err instanceof Unauthorized && keyRefused(err.message, err.key)) return;
     $("model-error").textContent = `${action} ${id}: ${err.message}`;
   } finally {
     view.busy.delete(id);
@@ -343,7 +349,7 @@ async function startPull(event) {
     await api("/ui/api/pull", { json: { model: repo } });
     $("pull-repo").value = "";
   } catch (err) {
-    if (err instanceof Unauthorized) { keyRefused(err.message); return; }
+    if (err instanceof Unauthorized && keyRefused(err.message, err.key)) return;
     $("model-error").textContent = `pull ${repo}: ${err.message}`;
   }
   refresh();
@@ -482,7 +488,7 @@ async function poll() {
     renderActivity(activity);
     connection(true, `updated ${new Date().toLocaleTimeString([], { hour12: false })}`);
   } catch (err) {
-    if (err instanceof Unauthorized) { keyRefused(err.message); return; }
+    if (err instanceof Unauthorized) { keyRefused(err.message, err.key); return; }
     if (err.name === "AbortError") {
       connection(false, `the server has not answered for ${seconds(POLL_TIMEOUT_MS / 1000)}`);
     } else if (err instanceof APIError) {
@@ -692,6 +698,7 @@ async function send(event) {
   play.controller = new AbortController();
   $("request-id").textContent = requestId;
   setRunning(true);
+  const key = apiKey();
   let replying = false; // the server has answered: a failure now cuts the reply off
   try {
     const response = await fetch("/v1/chat/completions", {
@@ -702,8 +709,12 @@ async function send(event) {
       signal: play.controller.signal,
       cache: "no-store",
     });
-    if (response.status === 401) { keyRefused((await errorOf(response)).message); return; }
-    if (!response.ok) { $("play-error").textContent = (await errorOf(response)).message; return; }
+    if (!response.ok) {
+      const refusal = (await errorOf(response)).message;
+      if (response.status === 401 && keyRefused(refusal, key)) return;
+      $("play-error").textContent = refusal;
+      return;
+    }
     replying = true;
     if (!(await readStream(response)) && !$("play-error").textContent) {
       $("play-error").textContent = "The reply ended before the server finished it.";
