@@ -803,7 +803,9 @@ def test_bars_and_charts_have_names(page: Watched, dash: ServerProcess) -> None:
 def test_the_focus_stays_where_the_keyboard_acted(page: Watched, dash: ServerProcess) -> None:
     """Enter on a row's Unload, on Send or on Stop disabled or replaced the focused button,
     and the focus fell to the top of the page: a keyboard or screen reader user lost their
-    place. The focus moves to the button taking its place (Unload → Load, Send ⇄ Stop)."""
+    place. The focus stays: on the button taking the row's (Unload → Load), on Send and on
+    Stop, which do nothing while there is nothing for them to do (Enter twice neither stops
+    a reply just sent nor sends one just stopped)."""
     expect = _expect()
     ui = _open(page, dash.url)
     unload = ui.get_by_role("button", name="Unload demo", exact=True)
@@ -821,17 +823,28 @@ def test_the_focus_stays_where_the_keyboard_acted(page: Watched, dash: ServerPro
     assert _health(dash.url)["model_details"]["demo"]["state"] == "loaded"
 
     _settings(ui, max_tokens="6000", prompt="Tell a long story.")
-    ui.get_by_test_id("send").focus()
-    ui.keyboard.press("Enter")
-    stop = ui.get_by_test_id("stop")
-    expect(stop).to_be_focused()
+    send, stop = ui.get_by_test_id("send"), ui.get_by_test_id("stop")
+    send.focus()
+    with ui.expect_request("**/v1/chat/completions"):
+        ui.keyboard.press("Enter")
+    ui.keyboard.press("Enter")  # again: the reply goes on
+    expect(send).to_be_focused()
+    expect(send).to_be_disabled()
     expect(ui.get_by_test_id("output")).not_to_be_empty()
+    ui.keyboard.press("Tab")
+    expect(stop).to_be_focused()
     ui.keyboard.press("Enter")
-    ui.keyboard.press("Enter")  # pressed again while it stops: nothing more
+    ui.keyboard.press("Enter")  # again: nothing more
     expect(ui.get_by_test_id("finish-reason")).to_have_text("cancelled")
-    expect(ui.get_by_test_id("send")).to_be_focused()
+    expect(stop).to_be_focused()
     expect(stop).to_be_disabled()
+    ui.wait_for_timeout(500)
+    sent = [r for r in page.requests if r.url.endswith("/v1/chat/completions")]
+    assert len(sent) == 1, [r.url for r in sent]
     assert not ui.get_by_test_id("error").text_content()
+    ui.keyboard.press("Shift+Tab")
+    expect(send).to_be_focused()
+    expect(send).to_be_enabled()
 
 
 def test_a_key_refused_by_an_action_or_a_send_is_forgotten(browser: Any,

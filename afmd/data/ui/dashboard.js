@@ -651,14 +651,10 @@ function showProfile(p) {
 }
 
 function setRunning(running) {
-  // Send pressed becomes Stop, and Stop Send again when the reply ends: the focus follows.
-  const [from, to] = running ? [$("send"), $("stop")] : [$("stop"), $("send")];
-  const focused = document.activeElement === from;
-  to.disabled = false;
-  busy(to, false);
-  from.disabled = true;
-  busy(from, false);
-  if (focused) to.focus();
+  // Marked, not disabled: the one pressed keeps the focus. (Handing it to the other would
+  // turn a second press, Enter twice, into Stop right after Send, or a new Send after Stop.)
+  busy($("send"), running);
+  busy($("stop"), !running);
   $("output").classList.toggle("running", running);
   // Streamed a token at a time, the reply is read out once it is complete.
   $("output").setAttribute("aria-busy", String(running));
@@ -688,7 +684,7 @@ async function readStream(response) {
 
 async function send(event) {
   if (event) event.preventDefault();
-  if (play.requestId) return;
+  if (play.requestId || isBusy($("send"))) return;
   resetReply();
   if (!$("model").value) { $("play-error").textContent = "No chat model to send to."; return; }
   let body;
