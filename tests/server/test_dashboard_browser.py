@@ -963,3 +963,21 @@ def test_a_key_typed_again_is_not_forgotten_for_the_first_ones_refusal(
         expect(field).to_be_hidden()
         assert ui.evaluate("sessionStorage.getItem('afmd.apiKey')") == KEY
         watched.check(allowed_errors=("401",))
+
+
+def test_the_focus_moves_on_when_the_key_is_taken(browser: Any, keyed: ServerProcess) -> None:
+    """The key typed and Enter pressed: the key panel went away with the focus in its field,
+    which fell to the top of the page. It moves to the first panel's heading, the next Tab
+    to that panel's first button."""
+    expect = _expect()
+    with watched_page(browser, keyed.url) as watched:
+        ui = watched.page
+        ui.goto(keyed.url + "/ui/")
+        field = ui.get_by_test_id("api-key")
+        field.fill(KEY)
+        field.press("Enter")
+        expect(_row(ui, "demo")).to_have_attribute("data-state", "loaded")
+        expect(ui.get_by_role("heading", name="Models")).to_be_focused()
+        ui.keyboard.press("Tab")
+        assert ui.evaluate("document.activeElement.closest('[data-testid=model-row]') !== null")
+        watched.check()

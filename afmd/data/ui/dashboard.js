@@ -172,8 +172,12 @@ function keyRefused(message, refused) {
 }
 
 function showMain() {
+  // The key taken, its panel goes: the focus (in its field) would fall to the top of the
+  // page, so it moves to the first panel.
+  const asked = $("key-panel").contains(document.activeElement);
   $("key-panel").hidden = true;
   $("main").hidden = false;
+  if (asked) $("models-title").focus();
 }
 
 function connection(ok, text) {
