@@ -981,3 +981,20 @@ def test_the_focus_moves_on_when_the_key_is_taken(browser: Any, keyed: ServerPro
         ui.keyboard.press("Tab")
         assert ui.evaluate("document.activeElement.closest('[data-testid=model-row]') !== null")
         watched.check()
+
+
+def test_keep_alive_and_memory_stay_on_one_line(page: Watched, dash: ServerProcess) -> None:
+    """A loaded model's keep-alive ('4m 49s') broke over two lines in a wide window."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    row = _row(ui, "demo")
+    expect(row.locator(".keep-cell")).to_have_text(re.compile(r"\d+m \d+s|\d+s"))
+    for width in (1400, 375):
+        ui.set_viewport_size({"width": width, "height": 900})
+        for cell in (".keep-cell", ".memory-cell"):
+            lines = row.locator(cell).evaluate("""td => {
+                const text = document.createRange();
+                text.selectNodeContents(td);
+                return new Set([...text.getClientRects()].map((r) => Math.round(r.top))).size;
+            }""")
+            assert lines == 1, (width, cell, row.locator(cell).text_content())
