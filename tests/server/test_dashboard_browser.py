@@ -998,3 +998,23 @@ def test_keep_alive_and_memory_stay_on_one_line(page: Watched, dash: ServerProce
                 return new Set([...text.getClientRects()].map((r) => Math.round(r.top))).size;
             }""")
             assert lines == 1, (width, cell, row.locator(cell).text_content())
+
+
+def test_an_action_that_cannot_reach_the_server_says_so(page: Watched,
+                                                       dash: ServerProcess) -> None:
+    """Unload or pull while the server cannot be reached said only the browser's
+    'Failed to fetch'."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    ui.route("**/ui/api/{unload,pull}", lambda route: route.abort())
+    _row(ui, "demo").get_by_test_id("unload").click()
+    error = ui.get_by_test_id("model-error")
+    expect(error).to_contain_text("unload demo: the page cannot reach the server")
+    ui.get_by_test_id("pull-repo").fill("test-org/tiny")
+    ui.get_by_test_id("pull").click()
+    expect(error).to_contain_text("pull test-org/tiny: the page cannot reach the server")
+    ui.unroute("**/ui/api/{unload,pull}")
+    assert _health(dash.url)["model_details"]["demo"]["state"] == "loaded"
+    expect(_row(ui, "demo").get_by_test_id("unload")).to_be_enabled()
+    page.check(allowed_errors=("ERR_FAILED",))
+    page.errors.clear()

@@ -323,6 +323,13 @@ function renderPulls(pulls) {
   }));
 }
 
+function failure(err) {
+  // The server's own message; where there is none, the browser's ("Failed to fetch") says
+  // little: the request never reached the server, or its answer never came back.
+  if (err instanceof APIError || err instanceof Unauthorized) return err.message;
+  return `the page cannot reach the server (${err.message}); it may not have been done`;
+}
+
 async function modelAction(id, action) {
   if (view.busy.has(id)) return;
   view.busy.add(id);
@@ -337,7 +344,7 @@ async function modelAction(id, action) {
     await pending;
   } catch (err) {
     if (err instanceof Unauthorized && keyRefused(err.message, err.key)) return;
-    $("model-error").textContent = `${action} ${id}: ${err.message}`;
+    $("model-error").textContent = `${action} ${id}: ${failure(err)}`;
   } finally {
     view.busy.delete(id);
   }
@@ -354,7 +361,7 @@ async function startPull(event) {
     $("pull-repo").value = "";
   } catch (err) {
     if (err instanceof Unauthorized && keyRefused(err.message, err.key)) return;
-    $("model-error").textContent = `pull ${repo}: ${err.message}`;
+    $("model-error").textContent = `pull ${repo}: ${failure(err)}`;
   }
   refresh();
 }
