@@ -491,6 +491,8 @@ def test_pull_with_its_progress(browser: Any, tmp_path: Path) -> None:
                 pulled = ui.locator('[data-testid="pull-row"][data-repo="test-org/tiny"]')
                 expect(pulled).to_have_attribute("data-state", "done", timeout=60_000)
                 assert pulled.get_by_test_id("pull-progress").evaluate("p => p.value") == 1
+                # Its bar is named with its repo for a screen reader.
+                expect(ui.get_by_role("progressbar", name="pull test-org/tiny")).to_have_count(1)
                 expect(pulled).to_contain_text("2 files")
                 row = _row(ui, "test-org/tiny")
                 expect(row).to_have_attribute("data-source", "downloaded")
@@ -674,3 +676,345 @@ def test_ctrl_enter_checks_the_form_as_send_does(page: Watched, dash: ServerProc
         ui.get_by_test_id("prompt").press("Control+Enter")
     assert json.loads(sent.value.post_data)["max_tokens"] == 4
     _expect()(ui.get_by_test_id("finish-reason")).to_have_text("length")
+
+
+def test_a_long_model_id_leaves_its_live_counts_on_one_line(browser: Any,
+                                                           crowded: ServerProcess) -> None:
+    """In the Live panel a loaded model with a very long id kept its counts in a sliver
+    beside it, one word a line ('0 / running / · 0 / queued'), touching the id: the id
+    wraps, the counts stay one line apart from it, in a wide and a phone-wide window."""
+    expect = _expect()
+    loaded = httpx.post(crowded.url + "/ui/api/load", json={"model": LONG_ID}, timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    with watched_page(browser, crowded.url) as watched:
+        ui = _open(watched, crowded.url)
+        item = ui.locator(f'[data-testid="model-activity"][data-model-id="{LONG_ID}"]')
+        expect(item).to_be_visible()
+        for width in (1400, 375):
+            ui.set_viewport_size({"width": width, "height": 800})
+            boxes = item.evaluate("""li => {
+                const [id, counts] = li.children;
+                const text = document.createRange();
+                text.selectNodeContents(counts);
+                const line = [...text.getClientRects()];
+                return {lines: new Set(line.map((r) => Math.round(r.top))).size,
+                        gap: Math.min(...line.map((r) => r.left))
+                             - Math.max(...[...id.getClientRects()].map((r) => r.right))};
+            }""")
+            assert boxes["lines"] == 1 and boxes["gap"] >= 8, (width, boxes)
+            assert _sideways(ui) <= 0
+        watched.check()
+
+
+def test_a_poll_answered_with_an_error_says_what_the_server_said(page: Watched,
+                                                                dash: ServerProcess) -> None:
+    """A server that answers the page's reads with an error (503 while it shuts down, a
+    proxy's 502) was reported as one the page 'cannot reach': the page says what it
+    answered, and recovers when it answers again."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    refusal = json.dumps({"error": {"message": "the server is shutting down",
+                                    "type": "server_error", "code": "shutting_down"}})
+    ui.route("**/ui/api/models", lambda route: route.fulfill(
+        status=503, content_type="application/json", body=refusal))
+    connection = ui.get_by_test_id("connection")
+    expect(connection).to_contain_text("answered 503: the server is shutting down")
+    assert "cannot reach" not in (connection.text_content() or "")
+    expect(ui.locator("main")).to_have_class(re.compile("stale"))
+    ui.route("**/ui/api/models", lambda route: route.fulfill(
+        status=502, content_type="text/html", body="<html>Bad gateway</html>"))
+    expect(connection).to_have_text("the server answered 502")
+    ui.unroute("**/ui/api/models")
+    expect(connection).to_contain_text("updated")
+    page.check(allowed_errors=("503", "502"))
+    page.errors.clear()
+
+
+#: Counts, from the page itself, every change of text inside a live region (a screen reader
+#: reads each one out).
+LIVE_CHANGES = """() => {
+    window.liveChanges = [];
+    const live = "[role=status], [role=alert], [role=log], [aria-live]:not([aria-live=off])";
+    new MutationObserver((records) => {
+        for (const r of records) {
+            const node = r.target.nodeType === 1 ? r.target : r.target.parentElement;
+            const region = node && node.closest(live);
+            if (region && region.getAttribute("aria-busy") !== "true") {
+                window.liveChanges.push(region.id + ": " + region.textContent);
+            }
+        }
+    }).observe(document.body, {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def test_a_screen_reader_hears_changes_not_every_poll(page: Watched,
+                                                     dash: ServerProcess) -> None:
+    """The connection line ('updated 12:00:01', rewritten each second) was a live region: a
+    screen reader read the time out every second. It announces the connection's changes
+    only, and a streaming reply is marked busy until it is complete."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    connection = ui.get_by_test_id("connection")
+    expect(connection).to_contain_text("updated")
+    ui.evaluate(LIVE_CHANGES)
+    ui.wait_for_timeout(3500)  # three polls or more, each rewriting the time
+    assert ui.evaluate("window.liveChanges") == []
+    # The connection lost, and back: each said once.
+    ui.route("**/ui/api/models", lambda route: route.abort())
+    news = ui.get_by_test_id("connection-news")
+    expect(news).to_contain_text("cannot reach the server")
+    ui.unroute("**/ui/api/models")
+    expect(news).to_have_text("The server answers again.")
+    ui.wait_for_timeout(2500)
+    changes = ui.evaluate("window.liveChanges")
+    assert len(changes) == 2 and all(c.startswith("connection-news") for c in changes), changes
+    # A reply is busy while it streams, and complete after.
+    output = ui.get_by_test_id("output")
+    expect(output).to_have_attribute("aria-busy", "false")
+    _settings(ui, max_tokens="6000", prompt="Tell a long story.")
+    ui.get_by_test_id("send").click()
+    expect(output).not_to_be_empty()
+    expect(output).to_have_attribute("aria-busy", "true")
+    ui.get_by_test_id("stop").click()
+    expect(ui.get_by_test_id("finish-reason")).to_have_text("cancelled")
+    expect(output).to_have_attribute("aria-busy", "false")
+    page.check(allowed_errors=("ERR_FAILED",))
+    page.errors.clear()
+
+
+def test_bars_and_charts_have_names(page: Watched, dash: ServerProcess) -> None:
+    """The memory bar and the three charts were a bare 'progressbar' and three bare 'img's
+    to a screen reader: each says what it shows."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    expect(ui.locator("#chart-queue polyline").first).to_be_attached()
+    tree = ui.locator("body").aria_snapshot()
+    nameless = [line for line in tree.splitlines()
+                if re.fullmatch(r"\s*- (progressbar|img)( \[[^\]]*\])?:?", line)]
+    assert not nameless, tree
+    memory = ui.get_by_role("progressbar", name="memory budget in use")
+    expect(memory).to_have_count(1)
+    assert "budget" in (memory.evaluate("p => document.getElementById("
+                                        "p.getAttribute('aria-describedby')).textContent") or "")
+    for name in ("tokens per second", "time to first token", "queued and running requests"):
+        expect(ui.get_by_role("img", name=re.compile(name))).to_have_count(1)
+
+
+def test_the_focus_stays_where_the_keyboard_acted(page: Watched, dash: ServerProcess) -> None:
+    """Enter on a row's Unload, on Send or on Stop disabled or replaced the focused button,
+    and the focus fell to the top of the page: a keyboard or screen reader user lost their
+    place. The focus stays: on the button taking the row's (Unload → Load), on Send and on
+    Stop, which do nothing while there is nothing for them to do (Enter twice neither stops
+    a reply just sent nor sends one just stopped)."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    unload = ui.get_by_role("button", name="Unload demo", exact=True)
+    unload.focus()
+    ui.keyboard.press("Enter")
+    expect(_row(ui, "demo")).to_have_attribute("data-state", "available")
+    load = ui.get_by_role("button", name="Load demo", exact=True)
+    expect(load).to_be_focused()
+    expect(load).to_be_enabled()
+    ui.keyboard.press("Enter")
+    expect(_row(ui, "demo")).to_have_attribute("data-state", "loaded")
+    unload = ui.get_by_role("button", name="Unload demo", exact=True)
+    expect(unload).to_be_focused()
+    expect(unload).to_be_enabled()
+    assert _health(dash.url)["model_details"]["demo"]["state"] == "loaded"
+
+    _settings(ui, max_tokens="6000", prompt="Tell a long story.")
+    send, stop = ui.get_by_test_id("send"), ui.get_by_test_id("stop")
+    send.focus()
+    with ui.expect_request("**/v1/chat/completions"):
+        ui.keyboard.press("Enter")
+    ui.keyboard.press("Enter")  # again: the reply goes on
+    expect(send).to_be_focused()
+    expect(send).to_be_disabled()
+    expect(ui.get_by_test_id("output")).not_to_be_empty()
+    ui.keyboard.press("Tab")
+    expect(stop).to_be_focused()
+    ui.keyboard.press("Enter")
+    ui.keyboard.press("Enter")  # again: nothing more
+    expect(ui.get_by_test_id("finish-reason")).to_have_text("cancelled")
+    expect(stop).to_be_focused()
+    expect(stop).to_be_disabled()
+    ui.wait_for_timeout(500)
+    sent = [r for r in page.requests if r.url.endswith("/v1/chat/completions")]
+    assert len(sent) == 1, [r.url for r in sent]
+    assert not ui.get_by_test_id("error").text_content()
+    ui.keyboard.press("Shift+Tab")
+    expect(send).to_be_focused()
+    expect(send).to_be_enabled()
+
+
+def test_a_key_refused_by_an_action_or_a_send_is_forgotten(browser: Any,
+                                                           keyed: ServerProcess) -> None:
+    """A key the server stops taking (restarted with another) met first by Unload or Send,
+    not by a poll, showed the key panel with the server's bare words and kept the refused
+    key, to be tried again on a reload: it is forgotten and said to be refused, as a poll
+    does."""
+    expect = _expect()
+    with watched_page(browser, keyed.url) as watched:
+        ui = watched.page
+        ui.goto(keyed.url + "/ui/")
+        field = ui.get_by_test_id("api-key")
+        for act in ("unload", "send"):
+            field.fill(KEY)
+            ui.get_by_test_id("api-key-submit").click()
+            expect(_row(ui, "demo")).to_have_attribute("data-state", "loaded")
+            # The polls fail (the page does not learn of the new key from them) and the
+            # server is given a key it does not take.
+            ui.route("**/ui/api/{status,models,activity}*", lambda route: route.abort())
+            ui.evaluate("sessionStorage.setItem('afmd.apiKey', 'sk-not-any-more')")
+            if act == "unload":
+                _row(ui, "demo").get_by_test_id("unload").click()
+            else:
+                _settings(ui, max_tokens="4", prompt="Hi")
+                ui.get_by_test_id("send").click()
+            expect(field).to_be_visible()
+            expect(ui.get_by_test_id("api-key-error")).to_contain_text("refused this key")
+            assert ui.evaluate("sessionStorage.length") == 0, act
+            # The action or the send met the refusal, not a poll.
+            polled = [r.url for r in watched.requests
+                      if re.search(r"/ui/api/(status|models|activity)", r.url)
+                      and r.headers.get("authorization") == "Bearer sk-not-any-more"
+                      and r.response() is not None]
+            assert not polled, polled
+            ui.unroute("**/ui/api/{status,models,activity}*")
+        assert _health(keyed.url)["model_details"]["demo"]["state"] == "loaded"
+        watched.check(allowed_errors=("401", "ERR_FAILED"))
+
+
+def test_stop_against_a_hung_server_says_the_reply_was_dropped(page: Watched,
+                                                              dash: ServerProcess) -> None:
+    """Stop on a server that no longer answers (stopped, swapping): after a few seconds the
+    page drops the connection, and the reply ended without a word, no finish reason and no
+    error, as if it were complete. It says what happened."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    _settings(ui, max_tokens="20000", prompt="Tell a long story.")
+    ui.get_by_test_id("send").click()
+    expect(ui.get_by_test_id("output")).not_to_be_empty()
+    dash.proc.send_signal(signal.SIGSTOP)
+    try:
+        ui.get_by_test_id("stop").click()
+        expect(ui.get_by_test_id("send")).to_be_enabled()
+        expect(ui.get_by_test_id("error")).to_contain_text("did not end the reply")
+        assert not ui.get_by_test_id("finish-reason").text_content()
+    finally:
+        dash.proc.send_signal(signal.SIGCONT)
+    expect(ui.get_by_test_id("connection")).to_contain_text("updated")
+    _until(lambda: _health(dash.url)["active_requests"] == 0)
+
+
+def test_table_headers_and_the_request_log_are_named(page: Watched,
+                                                    dash: ServerProcess) -> None:
+    """The models table's last column (the Load and Unload buttons) had an empty header, read
+    out as nothing, and the last requests, a box that scrolls, could only be scrolled with a
+    mouse where the browser does not make such a box focusable itself."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    tree = ui.locator("main").aria_snapshot()
+    nameless = [line for line in tree.splitlines()
+                if re.fullmatch(r"\s*- columnheader:?", line)]
+    assert not nameless, tree
+    expect(ui.get_by_role("columnheader", name="actions")).to_have_count(1)
+    log = ui.get_by_role("region", name="Last requests").locator(".scroll")
+    assert log.get_attribute("tabindex") == "0"
+    log.focus()
+    expect(log).to_be_focused()
+
+
+#: Holds back the answers to requests sent with ``key`` (a slow link, a busy server).
+SLOW_KEY = """(key) => {
+    const fetchNow = window.fetch;
+    window.fetch = async (url, init) => {
+        const response = await fetchNow(url, init);
+        const sent = init && init.headers && init.headers.Authorization;
+        if (sent === "Bearer " + key) await new Promise((done) => setTimeout(done, 1500));
+        return response;
+    };
+}"""
+
+
+def test_a_key_typed_again_is_not_forgotten_for_the_first_ones_refusal(
+        browser: Any, keyed: ServerProcess) -> None:
+    """A mistyped key, corrected and sent again before the server's refusal of the first
+    came back: that refusal forgot the corrected key and asked for it once more."""
+    expect = _expect()
+    with watched_page(browser, keyed.url) as watched:
+        ui = watched.page
+        ui.goto(keyed.url + "/ui/")
+        field = ui.get_by_test_id("api-key")
+        expect(field).to_be_visible()
+        ui.evaluate(SLOW_KEY, "sk-typo")
+        field.fill("sk-typo")
+        with ui.expect_request(lambda r: "/ui/api/" in r.url):
+            ui.get_by_test_id("api-key-submit").click()
+        field.fill(KEY)
+        ui.get_by_test_id("api-key-submit").click()
+        expect(_row(ui, "demo")).to_have_attribute("data-state", "loaded")
+        refused = [r for r in watched.requests if "/ui/api/" in r.url
+                   and r.headers.get("authorization") == "Bearer sk-typo"]
+        assert refused
+        _until(lambda: all(r.response() is not None for r in refused))
+        ui.wait_for_timeout(2000)  # the typo's refusals have all come back
+        expect(ui.locator("main")).to_be_visible()
+        expect(field).to_be_hidden()
+        assert ui.evaluate("sessionStorage.getItem('afmd.apiKey')") == KEY
+        watched.check(allowed_errors=("401",))
+
+
+def test_the_focus_moves_on_when_the_key_is_taken(browser: Any, keyed: ServerProcess) -> None:
+    """The key typed and Enter pressed: the key panel went away with the focus in its field,
+    which fell to the top of the page. It moves to the first panel's heading, the next Tab
+    to that panel's first button."""
+    expect = _expect()
+    with watched_page(browser, keyed.url) as watched:
+        ui = watched.page
+        ui.goto(keyed.url + "/ui/")
+        field = ui.get_by_test_id("api-key")
+        field.fill(KEY)
+        field.press("Enter")
+        expect(_row(ui, "demo")).to_have_attribute("data-state", "loaded")
+        expect(ui.get_by_role("heading", name="Models")).to_be_focused()
+        ui.keyboard.press("Tab")
+        assert ui.evaluate("document.activeElement.closest('[data-testid=model-row]') !== null")
+        watched.check()
+
+
+def test_keep_alive_and_memory_stay_on_one_line(page: Watched, dash: ServerProcess) -> None:
+    """A loaded model's keep-alive ('4m 49s') broke over two lines in a wide window."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    row = _row(ui, "demo")
+    expect(row.locator(".keep-cell")).to_have_text(re.compile(r"\d+m \d+s|\d+s"))
+    for width in (1400, 375):
+        ui.set_viewport_size({"width": width, "height": 900})
+        for cell in (".keep-cell", ".memory-cell"):
+            lines = row.locator(cell).evaluate("""td => {
+                const text = document.createRange();
+                text.selectNodeContents(td);
+                return new Set([...text.getClientRects()].map((r) => Math.round(r.top))).size;
+            }""")
+            assert lines == 1, (width, cell, row.locator(cell).text_content())
+
+
+def test_an_action_that_cannot_reach_the_server_says_so(page: Watched,
+                                                       dash: ServerProcess) -> None:
+    """Unload or pull while the server cannot be reached said only the browser's
+    'Failed to fetch'."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    ui.route("**/ui/api/{unload,pull}", lambda route: route.abort())
+    _row(ui, "demo").get_by_test_id("unload").click()
+    error = ui.get_by_test_id("model-error")
+    expect(error).to_contain_text("unload demo: the page cannot reach the server")
+    ui.get_by_test_id("pull-repo").fill("test-org/tiny")
+    ui.get_by_test_id("pull").click()
+    expect(error).to_contain_text("pull test-org/tiny: the page cannot reach the server")
+    ui.unroute("**/ui/api/{unload,pull}")
+    assert _health(dash.url)["model_details"]["demo"]["state"] == "loaded"
+    expect(_row(ui, "demo").get_by_test_id("unload")).to_be_enabled()
+    page.check(allowed_errors=("ERR_FAILED",))
+    page.errors.clear()

@@ -30,6 +30,17 @@ function setText(node, text) {
   if (node.textContent !== text) node.textContent = text;
 }
 
+// A focused button that is disabled or removed drops the focus to the top of the page: a
+// keyboard or screen reader user loses their place. A button busy with its action is
+// marked aria-disabled instead (it keeps the focus and ignores clicks), and one replaced
+// passes the focus on.
+function busy(button, on) {
+  if (on) button.setAttribute("aria-disabled", "true");
+  else button.removeAttribute("aria-disabled");
+}
+
+const isBusy = (button) => button.getAttribute("aria-disabled") === "true";
+
 function replaceIfChanged(node, key, build) {
   if (node.dataset.key === key) return;
   node.dataset.key = key;
@@ -61,7 +72,9 @@ const clock = (t) => new Date(t * 1000).toLocaleTimeString([], { hour12: false }
 
 // ------------------------------------------------------------------ the key and the API
 
-class Unauthorized extends Error {}
+class Unauthorized extends Error {
+  constructor(message, key) { super(message); this.key = key; } // the key it refused
+}
 
 class APIError extends Error {
   constructor(status, message, code) { super(message); this.status = status; this.code = code; }
@@ -113,8 +126,9 @@ async function api(path, options = {}) {
     init.headers["Content-Type"] = "application/json";
     delete init.json;
   }
+  const key = apiKey();
   const response = await fetch(path, init);
-  if (response.status === 401) throw new Unauthorized(await errorOf(response).then((e) => e.message));
+  if (response.status === 401) throw new Unauthorized((await errorOf(response)).message, key);
   if (!response.ok) throw await errorOf(response);
   return response.json();
 }
@@ -146,15 +160,33 @@ function showKeyPanel(message) {
   $("api-key").focus();
 }
 
+function keyRefused(message, refused) {
+  // An answer to a key replaced since (typed again while the first was being checked) says
+  // nothing of the one kept now.
+  if (refused !== apiKey()) return false;
+  // However it was met (a poll, an action, a send), a refused key is forgotten, so a reload
+  // does not try it again, and the panel says it was refused.
+  sessionStorage.removeItem(KEY_STORAGE);
+  showKeyPanel(refused ? `The server refused this key: ${message}` : "");
+  return true;
+}
+
 function showMain() {
+  // The key taken, its panel goes: the focus (in its field) would fall to the top of the
+  // page, so it moves to the first panel.
+  const asked = $("key-panel").contains(document.activeElement);
   $("key-panel").hidden = true;
   $("main").hidden = false;
+  if (asked) $("models-title").focus();
 }
 
 function connection(ok, text) {
   const node = $("connection");
-  node.textContent = text;
+  setText(node, text);
   node.classList.toggle("lost", !ok);
+  // A screen reader hears the change only: "updated 12:00:01" each second, or "has not
+  // answered for 5s" counting, in a live region would be read out every second.
+  if (ok === view.lost) $("connection-news").textContent = ok ? "The server answers again." : text;
   view.lost = !ok;
   // What the panels show is the last the server said, not what it holds now.
   $("main").classList.toggle("stale", !ok);
@@ -205,7 +237,7 @@ function actionButton(id, action, label) {
   // Named with the model: a column of identical "Load"s says nothing to a screen reader.
   const button = el("button", { type: "button", testid: action, text: label,
     "aria-label": `${label} ${id}` });
-  button.addEventListener("click", () => modelAction(id, action));
+  button.addEventListener("click", () => { if (!isBusy(button)) modelAction(id, action); });
   return button;
 }
 
@@ -239,9 +271,16 @@ function updateModelRow(row, m, now) {
   const actions = cells[7];
   const have = [...actions.children].map((b) => b.dataset.testid).join(",");
   if (have !== wanted.map((w) => w[0]).join(",")) {
+    const focused = actions.contains(document.activeElement);
     actions.replaceChildren(...wanted.map(([action, label]) => actionButton(m.id, action, label)));
+    // Unload pressed becomes Load; while the model loads there is no button: the cell holds
+    // the focus until there is one.
+    if (focused) {
+      if (actions.firstElementChild) actions.firstElementChild.focus();
+      else { actions.tabIndex = -1; actions.focus(); }
+    }
   }
-  for (const button of actions.children) button.disabled = view.busy.has(m.id);
+  for (const button of actions.children) busy(button, view.busy.has(m.id));
 }
 
 function renderModels(payload) {
@@ -271,7 +310,7 @@ function renderModels(payload) {
 function renderPulls(pulls) {
   replaceIfChanged($("pulls"), JSON.stringify(pulls), () => pulls.map((p) => {
     const done = p.total_bytes ? p.completed_bytes / p.total_bytes : 0;
-    const bar = el("progress", { testid: "pull-progress", max: "1" });
+    const bar = el("progress", { testid: "pull-progress", max: "1", "aria-label": `pull ${p.repo}` });
     bar.value = p.state === "done" ? 1 : done;
     let text = `${p.repo}@${p.revision}: `;
     if (p.state === "pulling") text += p.total_bytes ? `${bytes(p.completed_bytes)} of ${bytes(p.total_bytes)} (${p.files_done}/${p.files} files)` : "listing files…";
@@ -284,11 +323,19 @@ function renderPulls(pulls) {
   }));
 }
 
+function failure(err) {
+  // The server's own message; where there is none, the browser's ("Failed to fetch") says
+  // little: the request never reached the server, or its answer never came back.
+  if (err instanceof APIError || err instanceof Unauthorized) return err.message;
+  return `the page cannot reach the server (${err.message}); it may not have been done`;
+}
+
 async function modelAction(id, action) {
+  if (view.busy.has(id)) return;
   view.busy.add(id);
   $("model-error").textContent = "";
   for (const row of $("model-rows").children) {
-    if (row.dataset.modelId === id) for (const b of row.querySelectorAll("button")) b.disabled = true;
+    if (row.dataset.modelId === id) for (const b of row.querySelectorAll("button")) busy(b, true);
   }
   try {
     // Loading is answered once the model is in memory: poll meanwhile so the row says so.
@@ -296,8 +343,8 @@ async function modelAction(id, action) {
     setTimeout(refresh, 100);
     await pending;
   } catch (err) {
-    if (err instanceof Unauthorized) { showKeyPanel(err.message); return; }
-    $("model-error").textContent = `${action} ${id}: ${err.message}`;
+    if (err instanceof Unauthorized && keyRefused(err.message, err.key)) return;
+    $("model-error").textContent = `${action} ${id}: ${failure(err)}`;
   } finally {
     view.busy.delete(id);
   }
@@ -313,8 +360,8 @@ async function startPull(event) {
     await api("/ui/api/pull", { json: { model: repo } });
     $("pull-repo").value = "";
   } catch (err) {
-    if (err instanceof Unauthorized) { showKeyPanel(err.message); return; }
-    $("model-error").textContent = `pull ${repo}: ${err.message}`;
+    if (err instanceof Unauthorized && keyRefused(err.message, err.key)) return;
+    $("model-error").textContent = `pull ${repo}: ${failure(err)}`;
   }
   refresh();
 }
@@ -328,7 +375,7 @@ function renderActivity(payload) {
   replaceIfChanged($("per-model"), JSON.stringify(shown), () => shown.map(([id, c]) => {
     const li = el("li", { testid: "model-activity" },
       el("span", { "class": "model-id", text: id }),
-      el("span", { text: `${c.active} running · ${c.queued} queued` }));
+      el("span", { "class": "counts", text: `${c.active} running · ${c.queued} queued` }));
     li.dataset.modelId = id;
     return li;
   }));
@@ -452,14 +499,14 @@ async function poll() {
     renderActivity(activity);
     connection(true, `updated ${new Date().toLocaleTimeString([], { hour12: false })}`);
   } catch (err) {
-    if (err instanceof Unauthorized) {
-      const refused = apiKey();
-      sessionStorage.removeItem(KEY_STORAGE);
-      showKeyPanel(refused ? `The server refused this key: ${err.message}` : "");
-      return;
-    }
+    if (err instanceof Unauthorized) { keyRefused(err.message, err.key); return; }
     if (err.name === "AbortError") {
       connection(false, `the server has not answered for ${seconds(POLL_TIMEOUT_MS / 1000)}`);
+    } else if (err instanceof APIError) {
+      // It answered, with an error (shutting down, overloaded, a proxy's 502): that is not
+      // a server the page cannot reach.
+      const said = err.message === `HTTP ${err.status}` ? "" : `: ${err.message}`;
+      connection(false, `the server answered ${err.status}${said}`);
     } else {
       connection(false, `cannot reach the server: ${err.message}`);
     }
@@ -498,7 +545,8 @@ function stopPolling() {
 
 // ------------------------------------------------------------------ playground
 
-const play = { requestId: null, controller: null, cancelTimer: null };
+const STOP_WAIT_MS = 5000; // Stop waits this long for the server to end the stream itself
+const play = { requestId: null, controller: null, cancelTimer: null, dropped: false };
 
 function randomId() {
   const bytes = new Uint8Array(12);
@@ -614,9 +662,13 @@ function showProfile(p) {
 }
 
 function setRunning(running) {
-  $("send").disabled = running;
-  $("stop").disabled = !running;
+  // Marked, not disabled: the one pressed keeps the focus. (Handing it to the other would
+  // turn a second press, Enter twice, into Stop right after Send, or a new Send after Stop.)
+  busy($("send"), running);
+  busy($("stop"), !running);
   $("output").classList.toggle("running", running);
+  // Streamed a token at a time, the reply is read out once it is complete.
+  $("output").setAttribute("aria-busy", String(running));
 }
 
 async function readStream(response) {
@@ -643,7 +695,7 @@ async function readStream(response) {
 
 async function send(event) {
   if (event) event.preventDefault();
-  if (play.requestId) return;
+  if (play.requestId || isBusy($("send"))) return;
   resetReply();
   if (!$("model").value) { $("play-error").textContent = "No chat model to send to."; return; }
   let body;
@@ -653,6 +705,7 @@ async function send(event) {
   play.controller = new AbortController();
   $("request-id").textContent = requestId;
   setRunning(true);
+  const key = apiKey();
   let replying = false; // the server has answered: a failure now cuts the reply off
   try {
     const response = await fetch("/v1/chat/completions", {
@@ -663,8 +716,12 @@ async function send(event) {
       signal: play.controller.signal,
       cache: "no-store",
     });
-    if (response.status === 401) { showKeyPanel((await errorOf(response)).message); return; }
-    if (!response.ok) { $("play-error").textContent = (await errorOf(response)).message; return; }
+    if (!response.ok) {
+      const refusal = (await errorOf(response)).message;
+      if (response.status === 401 && keyRefused(refusal, key)) return;
+      $("play-error").textContent = refusal;
+      return;
+    }
     replying = true;
     if (!(await readStream(response)) && !$("play-error").textContent) {
       $("play-error").textContent = "The reply ended before the server finished it.";
@@ -672,13 +729,22 @@ async function send(event) {
   } catch (err) {
     // The browser's own words ("network error", "Failed to fetch") say little of what
     // happened: the server went away mid-reply, or could not be reached at all.
-    if (err.name !== "AbortError") {
+    if (err.name === "AbortError") {
+      // Stop's own fallback: the server (hung, stopped) never ended the stream. Without a
+      // word the reply would look finished, with neither a finish reason nor an error.
+      if (play.dropped) {
+        $("play-error").textContent = `The server did not end the reply within ${seconds(STOP_WAIT_MS / 1000)} `
+          + "of Stop: the page dropped the connection, which cancels the request when the server "
+          + "reads again.";
+      }
+    } else {
       $("play-error").textContent = replying
         ? `The connection to the server was lost mid-reply (${err.message}).`
         : `The page cannot reach the server (${err.message}).`;
     }
   } finally {
     clearTimeout(play.cancelTimer);
+    play.dropped = false;
     play.requestId = null;
     play.controller = null;
     setRunning(false);
@@ -687,11 +753,13 @@ async function send(event) {
 
 async function stop() {
   const requestId = play.requestId;
-  if (!requestId) return;
-  $("stop").disabled = true;
+  if (!requestId || isBusy($("stop"))) return;
+  busy($("stop"), true); // pressed once; it keeps the focus until the reply ends
   // The server ends the stream itself (finish_reason "cancelled"); should it not, within a
   // few seconds, the connection is dropped, which cancels the generation too.
-  play.cancelTimer = setTimeout(() => { if (play.controller) play.controller.abort(); }, 5000);
+  play.cancelTimer = setTimeout(() => {
+    if (play.controller) { play.dropped = true; play.controller.abort(); }
+  }, STOP_WAIT_MS);
   try {
     const response = await fetch(`/v1/chat/completions/${encodeURIComponent(requestId)}/cancel`, {
       method: "POST", headers: headers(), cache: "no-store",
