@@ -150,6 +150,10 @@ def test_model_rows_and_status_are_the_apis(page: Watched, dash: ServerProcess) 
         expect(row).to_contain_text(state)
         expect(row.get_by_test_id("unload")).to_have_count(1 if state == "loaded" else 0)
     expect(_row(ui, "demo")).to_contain_text("alias gpt-4o-mini")
+    # Apple's model on a machine without the framework: no load could change that, and
+    # its row offered a Load that could only fail.
+    expect(_row(ui, "system")).to_have_attribute("data-state", "unavailable")
+    expect(_row(ui, "system").get_by_role("button")).to_have_count(0)
     memory = httpx.get(dash.url + "/ui/api/models").json()["memory"]
     expect(ui.get_by_test_id("memory")).to_contain_text(
         f"{memory['loaded']} of {memory['max_loaded']} models loaded")

@@ -233,6 +233,12 @@ function modelRow(m) {
   return row;
 }
 
+// Why Apple's model cannot answer, which no load changes (this Mac, its settings, the OS
+// still downloading the model): a Load button there could only fail. A model whose last
+// load failed keeps its button, to try again.
+const LASTING_REASONS = new Set(["device_not_eligible", "apple_intelligence_not_enabled",
+  "model_not_ready"]);
+
 function actionButton(id, action, label) {
   // Named with the model: a column of identical "Load"s says nothing to a screen reader.
   const button = el("button", { type: "button", testid: action, text: label,
@@ -266,7 +272,8 @@ function updateModelRow(row, m, now) {
   const wanted = [];
   if (m.source !== "downloaded") {
     if (m.state === "loaded") wanted.push(["unload", "Unload"]);
-    else if (m.state === "available" || m.state === "unavailable") wanted.push(["load", "Load"]);
+    else if (m.state === "available"
+      || (m.state === "unavailable" && !LASTING_REASONS.has(m.reason))) wanted.push(["load", "Load"]);
   }
   const actions = cells[7];
   const have = [...actions.children].map((b) => b.dataset.testid).join(",");
