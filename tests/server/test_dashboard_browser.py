@@ -320,6 +320,19 @@ def test_stop_cancels_the_request_on_the_server(page: Watched, dash: ServerProce
     expect(ui.get_by_test_id("send")).to_be_enabled()
 
 
+def test_escape_in_the_playground_stops_the_reply(page: Watched,
+                                                  dash: ServerProcess) -> None:
+    expect = _expect()
+    ui = _open(page, dash.url)
+    _settings(ui, max_tokens="6000", prompt="Tell a long story.")
+    ui.get_by_test_id("send").click()
+    expect(ui.get_by_test_id("output")).not_to_be_empty()
+    ui.locator("#prompt").focus()
+    ui.keyboard.press("Escape")
+    expect(ui.get_by_test_id("finish-reason")).to_have_text("cancelled")
+    assert _health(dash.url)["active_requests"] == 0
+
+
 def test_unload_and_load_from_the_row(page: Watched, dash: ServerProcess) -> None:
     expect = _expect()
     ui = _open(page, dash.url)

@@ -797,6 +797,11 @@ document.addEventListener("DOMContentLoaded", () => {
   $("pull-form").addEventListener("submit", startPull);
   $("play-form").addEventListener("submit", send);
   $("stop").addEventListener("click", stop);
+  // Escape in the playground stops a running reply, as in chat apps (the Stop button is
+  // one Tab away, or more from the prompt).
+  $("play-form").addEventListener("keydown", (e) => {
+    if (e.key === "Escape" && play.requestId) { e.preventDefault(); stop(); }
+  });
   $("prompt").addEventListener("keydown", (e) => {
     // As the Send button: through the form's own checks (a prompt, numbers in range).
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); $("play-form").requestSubmit(); }
