@@ -27,6 +27,7 @@ from afmd.ports import free_ports
 from conftest import ServerProcess, parse_sse, start_server
 from helpers.browser import Watched, launched, watched_page
 from helpers.hub import FakeHub, safetensors_bytes
+from helpers.pictures import encoded, noise
 
 pytestmark = pytest.mark.slow  # a Chromium and servers of its own
 
@@ -267,6 +268,34 @@ def test_playground_streams_what_the_api_streams(page: Watched, dash: ServerProc
     assert float(profile.get_attribute("data-ttft-ms")) > 0
     expect(ui.get_by_test_id("stop")).to_be_disabled()
     expect(ui.get_by_test_id("send")).to_be_enabled()
+
+
+def test_playground_sends_images_to_a_vision_model(page: Watched, dash: ServerProcess,
+                                                   tmp_path: Path) -> None:
+    """A vision model is offered in the playground, and the page had no way to give it a
+    picture: images chosen go as OpenAI's image parts, inline, after the text."""
+    expect = _expect()
+    ui = _open(page, dash.url)
+    picture = tmp_path / "noise.png"
+    picture.write_bytes(encoded(noise(7, (32, 32)), "PNG"))
+    prompt = "What is in this picture?"
+    alone = _stream(dash.url, {"model": "demo-vision", "max_tokens": 2, "temperature": 0,
+                               "stream_options": {"include_usage": True},
+                               "messages": [{"role": "user", "content": prompt}]})
+    ui.get_by_test_id("model-select").select_option("demo-vision")
+    _settings(ui, max_tokens="2", prompt=prompt)
+    ui.get_by_test_id("images").set_input_files(str(picture))
+    with ui.expect_request("**/v1/chat/completions") as sent:
+        ui.get_by_test_id("send").click()
+    (message,) = json.loads(sent.value.post_data)["messages"]
+    assert message["content"][0] == {"type": "text", "text": prompt}
+    assert message["content"][1]["type"] == "image_url"
+    assert message["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
+    expect(ui.get_by_test_id("finish-reason")).to_have_text("length")
+    shown = ui.get_by_test_id("usage").text_content() or ""
+    prompt_tokens = int(shown.split(" prompt")[0].split()[-1])
+    assert prompt_tokens > alone["usage"]["prompt_tokens"], shown  # the picture's tokens
+    assert not ui.get_by_test_id("error").text_content()
 
 
 def test_playground_renders_tool_calls(page: Watched, dash: ServerProcess) -> None:

@@ -582,11 +582,25 @@ function resetReply() {
   for (const id of ["finish-reason", "usage", "profile", "request-id"]) $(id).textContent = "";
 }
 
-function playRequest() {
+function dataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(new Error(`${file.name}: ${reader.error}`));
+    reader.readAsDataURL(file);
+  });
+}
+
+async function playRequest() {
   const messages = [];
   const system = $("system").value;
   if (system.trim()) messages.push({ role: "system", content: system });
-  messages.push({ role: "user", content: $("prompt").value });
+  // Images go as OpenAI's image parts after the text, inline (data: URLs): the server
+  // reads no file of the page's machine and fetches no URL.
+  const images = await Promise.all([...$("images").files].map(dataURL));
+  const text = $("prompt").value;
+  messages.push({ role: "user", content: images.length === 0 ? text : [
+    { type: "text", text }, ...images.map((url) => ({ type: "image_url", image_url: { url } }))] });
   const body = {
     model: $("model").value,
     messages,
@@ -706,7 +720,7 @@ async function send(event) {
   resetReply();
   if (!$("model").value) { $("play-error").textContent = "No chat model to send to."; return; }
   let body;
-  try { body = playRequest(); } catch (err) { $("play-error").textContent = err.message; return; }
+  try { body = await playRequest(); } catch (err) { $("play-error").textContent = err.message; return; }
   const requestId = randomId();
   play.requestId = requestId;
   play.controller = new AbortController();
