@@ -83,7 +83,11 @@ async def prepare_completion(
     plan = None
     if request.suffix is not None:
         plan = fim.plan_for(model.tokenizer, entry.fim)
-        if plan is None:
+        # An empty suffix (an editor completing at the end of a file, a client that always
+        # sends the field) asks nothing a plain completion does not: a model without a
+        # fill-in-the-middle format answers it as one, where the 400 failed every such
+        # request.
+        if plan is None and request.suffix != "":
             raise InvalidRequestError(
                 f"The model '{entry.id}' has no fill-in-the-middle format: its tokenizer "
                 "has no FIM marker tokens and its configuration names none (the model's "
@@ -91,8 +95,9 @@ async def prepare_completion(
                 code="fim_not_supported",
                 param="suffix",
             )
-        stop_ids = plan.end_ids
-        stops = tuple(dict.fromkeys((*request.stop, *plan.end_texts)))
+        if plan is not None:
+            stop_ids = plan.end_ids
+            stops = tuple(dict.fromkeys((*request.stop, *plan.end_texts)))
     prompts = await _tokenized(model, request, plan, deadline)
     return PreparedCompletion(
         request_id=request_id,

@@ -448,6 +448,13 @@ def test_model_without_fim_format(fim_server) -> None:
     assert "plain" in r.json()["error"]["message"]
     ok = post(proc.url, {"model": "plain", "prompt": "def f(", "max_tokens": 2})
     assert ok.status_code == 200
+    # An empty suffix (completing at the end of a file) asks nothing a plain completion
+    # does not: the same answer, where it was the 400 for every such request.
+    greedy = {"model": "plain", "prompt": "def f(", "max_tokens": 4, "temperature": 0}
+    at_end = post(proc.url, {**greedy, "suffix": ""})
+    assert at_end.status_code == 200, at_end.text
+    assert at_end.json()["choices"][0]["text"] == \
+        post(proc.url, greedy).json()["choices"][0]["text"]
 
 
 # -- bad input -------------------------------------------------------------------------
