@@ -157,8 +157,9 @@ class GatewayTimeoutError(APIError):
     error_type = "timeout_error"
     default_code = "timeout"
 
-    def __init__(self, message: str, **fields: Any) -> None:
-        super().__init__(message, **fields)
+    def __init__(self, message: str, *, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message, code=code, headers=headers)
         self.headers.setdefault("x-should-retry", "false")
 
 

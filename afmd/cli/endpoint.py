@@ -143,11 +143,18 @@ def from_url(url: str, api_key: str = "") -> Endpoint:
     return replace(tcp(parts.hostname, port or 80, api_key), given=True)
 
 
-def probe_health(conn: http.client.HTTPConnection, api_key: str = "") -> dict[str, Any]:
-    """GET /health on a connection; never raises."""
+def request_headers(api_key: str = "") -> dict[str, str]:
+    """The headers every command's request to the server carries: JSON wanted, and the
+    key when the command has one."""
     headers = {"Accept": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+def probe_health(conn: http.client.HTTPConnection, api_key: str = "") -> dict[str, Any]:
+    """GET /health on a connection; never raises."""
+    headers = request_headers(api_key)
     try:
         conn.request("GET", "/health", headers=headers)
         response = conn.getresponse()
@@ -183,9 +190,7 @@ def refuses_key(conn: http.client.HTTPConnection, api_key: str = "") -> bool:
     wants of the others. A server started with a key this command does not read (another
     config, the variable set in the service's environment only) is one whose clients
     need a key all the same. Never raises (no answer: False)."""
-    headers = {"Accept": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    headers = request_headers(api_key)
     try:
         conn.request("GET", "/v1/models", headers=headers)
         response = conn.getresponse()

@@ -543,9 +543,7 @@ def _ask_server(target: endpoint.Endpoint, method: str, path: str, body: dict[st
     ``ServerUnreachable`` when none answers."""
     import http.client
 
-    headers = {"Content-Type": "application/json", "Accept": "application/json"}
-    if target.api_key:
-        headers["Authorization"] = f"Bearer {target.api_key}"
+    headers = {"Content-Type": "application/json", **endpoint.request_headers(target.api_key)}
     conn = target.connect(timeout)
     try:
         conn.request(method, path, body=json.dumps(body), headers=headers)
