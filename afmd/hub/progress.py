@@ -88,7 +88,9 @@ class _LineBar(tqdm):
         return True
 
     def close(self) -> None:
-        if not self.disable:
+        # A SIGTERM can end a pull inside tqdm's ``__init__``, before ``disable`` is set;
+        # ``__del__`` then closes the half-built bar, which tqdm's own close allows for.
+        if not getattr(self, "disable", True):
             self._last_line = 0.0  # every file ends with a line, finished or not
             self.display()
             self.disable = True  # tqdm's own close would redraw the bar with \r

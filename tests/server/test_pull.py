@@ -28,6 +28,7 @@ from PIL import Image
 from afmd.engine.demo import builtin as demo
 from afmd.hub.cache import complete_snapshot, human_bytes
 from afmd.hub.download import LISTING_CAP, LISTING_WAITS, PullError, parse_ref
+from afmd.hub.progress import bar_class
 from afmd.ports import free_ports
 
 from conftest import ROOT
@@ -475,6 +476,18 @@ def test_a_pull_stopped_by_sigterm_says_so_and_leaves_no_partial_file(
     assert pulling.proc.returncode == 128 + signal.SIGTERM, err
     assert "afmd pull: stopped (SIGTERM)" in err and "Traceback" not in err, err
     assert not list(pulling.blobs.glob("*.incomplete")), list(pulling.blobs.iterdir())
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_a_bar_stopped_inside_its_construction_closes_quietly(terminal: bool) -> None:
+    """The SIGTERM above can land inside tqdm's ``__init__``: the half-built bar is closed
+    by its ``__del__`` on the way out, and printed a traceback (seen in CI)."""
+    shown = io.StringIO()
+    cls = bar_class("model.safetensors", shown, terminal=terminal, report=lambda n, t: None)
+    half_built = cls.__new__(cls)  # what a signal inside ``__init__`` leaves
+    half_built.close()
+    half_built.close()
+    assert shown.getvalue() == ""
 
 
 def test_a_second_pull_of_a_file_being_downloaded_says_it_waits(hub: FakeHub,
