@@ -549,6 +549,44 @@ def test_pull_with_its_progress(browser: Any, tmp_path: Path) -> None:
             server.stop()
 
 
+def test_a_selection_in_the_pulls_list_survives_its_polls(browser: Any, tmp_path: Path) -> None:
+    """The list was rebuilt at every poll while a pull progressed: text the user had
+    selected in it (a failed pull's message, to copy) was dropped a second later."""
+    expect = _expect()
+    files = {"config.json": json.dumps({"model_type": "qwen2"}).encode(),
+             "model.safetensors": safetensors_bytes({"w": ("F32", [512, 64])})}
+    with FakeHub() as hub:
+        hub.add_repo("test-org/slow", files)
+        hub.throttle("test-org/slow", "model.safetensors", 16 * 1024)  # about 8 s
+        server = start_server(tmp_path, env={"HF_ENDPOINT": hub.url,
+                                             "HF_HOME": str(tmp_path / "hf"),
+                                             "HF_HUB_DISABLE_TELEMETRY": "1"})
+        try:
+            with watched_page(browser, server.url) as watched:
+                ui = _open(watched, server.url)
+                for repo in ("test-org/missing", "test-org/slow"):
+                    ui.get_by_test_id("pull-repo").fill(repo)
+                    ui.get_by_test_id("pull").click()
+                failed = ui.locator('[data-testid="pull-row"][data-repo="test-org/missing"]')
+                expect(failed).to_have_attribute("data-state", "failed", timeout=30_000)
+                slow = ui.locator('[data-testid="pull-row"][data-repo="test-org/slow"]')
+                expect(slow).to_contain_text(" of ", timeout=30_000)
+                selected = failed.locator("span").evaluate("""span => {
+                    const range = document.createRange();
+                    range.selectNodeContents(span);
+                    getSelection().removeAllRanges();
+                    getSelection().addRange(range);
+                    return getSelection().toString();
+                }""")
+                assert "was not found" in selected, selected
+                progress = slow.locator("span").inner_text()
+                expect(slow.locator("span")).not_to_have_text(progress, timeout=10_000)
+                assert ui.evaluate("getSelection().toString()") == selected
+                watched.check()
+        finally:
+            server.stop()
+
+
 # ---------------------------------------------------------------------------- a server that
 # stops answering, or is another one
 

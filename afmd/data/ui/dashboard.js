@@ -314,20 +314,34 @@ function renderModels(payload) {
   renderModelChoices(payload.models);
 }
 
+// Rows are kept and changed in place, as the model rows are: rebuilt at every poll while a
+// pull progresses, the list dropped whatever text the user had selected in it (a failed
+// pull's message, to copy).
 function renderPulls(pulls) {
-  replaceIfChanged($("pulls"), JSON.stringify(pulls), () => pulls.map((p) => {
+  const list = $("pulls");
+  const rows = new Map([...list.children].map((r) => [r.dataset.repo, r]));
+  pulls.forEach((p, i) => {
+    let item = rows.get(p.repo);
+    if (!item) {
+      const bar = el("progress", { testid: "pull-progress", max: "1", "aria-label": `pull ${p.repo}` });
+      item = el("li", { testid: "pull-row" }, bar, el("span"));
+      item.dataset.repo = p.repo;
+    }
+    rows.delete(p.repo);
     const done = p.total_bytes ? p.completed_bytes / p.total_bytes : 0;
-    const bar = el("progress", { testid: "pull-progress", max: "1", "aria-label": `pull ${p.repo}` });
-    bar.value = p.state === "done" ? 1 : done;
+    const bar = item.firstElementChild;
+    const value = p.state === "done" ? 1 : done;
+    if (bar.value !== value) bar.value = value;
     let text = `${p.repo}@${p.revision}: `;
     if (p.state === "pulling") text += p.total_bytes ? `${bytes(p.completed_bytes)} of ${bytes(p.total_bytes)} (${p.files_done}/${p.files} files)` : "listing files…";
     else if (p.state === "done") text += `done, ${p.files} files, ${bytes(p.total_bytes)} verified`;
     else text += `failed: ${p.error}`;
-    const item = el("li", { testid: "pull-row", "class": p.state }, bar, el("span", { text }));
-    item.dataset.repo = p.repo;
-    item.dataset.state = p.state;
-    return item;
-  }));
+    setText(item.lastElementChild, text);
+    if (item.className !== p.state) item.className = p.state;
+    if (item.dataset.state !== p.state) item.dataset.state = p.state;
+    if (list.children[i] !== item) list.insertBefore(item, list.children[i] || null);
+  });
+  for (const gone of rows.values()) gone.remove();
 }
 
 function failure(err) {
