@@ -134,7 +134,13 @@ def diagnose(config_flag: str | None = None, *, env: dict[str, str] | None = Non
     except ConfigError as exc:
         report.config_error = str(exc)
         report.problems.append(f"configuration error: {exc}")
-        config = load_config(None, env={})  # so the rest can still be shown (defaults)
+        # So the rest can still be shown: the defaults under the environment's overrides
+        # (the port or socket a server started with them listens on), or bare defaults if
+        # the environment's values are what is invalid.
+        try:
+            config = load_config(None, env=env)
+        except ConfigError:
+            config = load_config(None, env={})
 
     server = config.server
     report.api_key_required = bool(server.api_key)

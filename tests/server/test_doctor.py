@@ -106,6 +106,21 @@ def test_invalid_config_exits_2(tmp_path: Path) -> None:
     assert "endpoint   http://127.0.0.1:9999/v1" in result.stdout
 
 
+def test_an_invalid_config_still_reads_the_environment(tmp_path: Path) -> None:
+    """The rest of the report came from bare defaults: a server started with
+    ``AFMD_SERVER_PORT`` was looked for on 9999 and reported as not running."""
+    config = tmp_path / "bad.toml"
+    config.write_text("[server]\nprot = 1\n")
+    port = free_ports()
+    report = doctor.diagnose(str(config), env=_env(AFMD_SERVER_PORT=str(port)))
+    assert report.config_error is not None and "server.prot" in report.config_error
+    assert report.endpoint == f"http://127.0.0.1:{port}/v1"
+    assert report.port is not None and report.port["port"] == port
+    # An environment that is itself invalid leaves the bare defaults.
+    report = doctor.diagnose(str(config), env=_env(AFMD_SERVER_PORT="many"))
+    assert report.endpoint == "http://127.0.0.1:9999/v1"
+
+
 def test_doctor_stays_light() -> None:
     code = ("import contextlib, io, sys, afmd.cli.main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
