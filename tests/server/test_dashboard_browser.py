@@ -549,6 +549,42 @@ def test_pull_with_its_progress(browser: Any, tmp_path: Path) -> None:
             server.stop()
 
 
+def test_a_repo_typed_while_a_pull_starts_is_kept(browser: Any, tmp_path: Path) -> None:
+    """A started pull cleared the field when the server answered: a repo typed meanwhile
+    (the next one to pull) was wiped, and a click on Pull then pulled nothing."""
+    expect = _expect()
+    with FakeHub() as hub:
+        server = start_server(tmp_path, env={"HF_ENDPOINT": hub.url,
+                                             "HF_HOME": str(tmp_path / "hf"),
+                                             "HF_HUB_DISABLE_TELEMETRY": "1"})
+        try:
+            with watched_page(browser, server.url) as watched:
+                ui = _open(watched, server.url)
+                held: list[Any] = []
+
+                def hold(route: Any) -> None:
+                    held.append(route)
+
+                ui.route("**/ui/api/pull", hold)
+                field = ui.get_by_test_id("pull-repo")
+                field.fill("test-org/missing")
+                ui.get_by_test_id("pull").click()
+                for _ in range(200):
+                    if held:
+                        break
+                    ui.wait_for_timeout(50)
+                assert held, "the pull was never sent"
+                field.fill("test-org/next")
+                held[0].continue_()
+                ui.unroute("**/ui/api/pull")
+                expect(ui.locator('[data-testid="pull-row"][data-repo="test-org/missing"]')
+                       ).to_have_count(1, timeout=30_000)
+                expect(field).to_have_value("test-org/next")
+                watched.check()
+        finally:
+            server.stop()
+
+
 def test_a_selection_in_the_pulls_list_survives_its_polls(browser: Any, tmp_path: Path) -> None:
     """The list was rebuilt at every poll while a pull progressed: text the user had
     selected in it (a failed pull's message, to copy) was dropped a second later."""

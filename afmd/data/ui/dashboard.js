@@ -379,7 +379,8 @@ async function startPull(event) {
   $("model-error").textContent = "";
   try {
     await api("/ui/api/pull", { json: { model: repo } });
-    $("pull-repo").value = "";
+    // Another repo typed while this one was being started is the user's next pull.
+    if ($("pull-repo").value.trim() === repo) $("pull-repo").value = "";
   } catch (err) {
     if (err instanceof Unauthorized && keyRefused(err.message, err.key)) return;
     $("model-error").textContent = `pull ${repo}: ${failure(err)}`;
