@@ -463,7 +463,10 @@ def to_messages(items: Sequence[Item], params: ItemParams) -> tuple[Message, ...
                 flush()
             assistant(index).reasoning.append(_reasoning_text(item))
         elif kind == "message" and item["role"] == "assistant":
-            if turn is not None and (turn.content or turn.calls):
+            # Text after calls whose outputs have not come yet is still their turn (a
+            # model may write on after a call): as a turn of its own it would be rendered
+            # after the outputs, the conversation ending on it instead of on them.
+            if turn is not None and turn.content and not turn.calls:
                 flush()
             assistant(index).content.append(_text_of(item["content"]))
         elif kind in CALLS:
