@@ -468,3 +468,18 @@ def test_text_after_a_call_before_its_output_is_that_turn(client) -> None:
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.output_text == chat.choices[0].message.content
 
+
+def test_an_item_reference_may_leave_its_type_out(client) -> None:
+    """The SDK types an ``item_reference``'s ``type`` as optional (and nullable): an item
+    of an ``id`` alone names a stored item, as OpenAI reads it. It was read as a message
+    and refused for its missing ``role``."""
+    first, _ = create(client, input="Tell me about Paris.", max_output_tokens=16)
+    (message,) = first.output
+    follow = {"role": "user", "content": "And Rome?"}
+    typed, _ = create(client, max_output_tokens=16, temperature=0, input=[
+        {"type": "item_reference", "id": message.id}, follow])
+    for reference in ({"id": message.id}, {"id": message.id, "type": None}):
+        response, _ = create(client, max_output_tokens=16, temperature=0,
+                             input=[reference, follow])
+        assert response.usage.input_tokens == typed.usage.input_tokens
+        assert response.output_text == typed.output_text

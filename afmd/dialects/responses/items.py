@@ -334,7 +334,12 @@ def canonical_items(value: Any, param: str = "input", *,
         p = f"{param}[{i}]"
         if not isinstance(item, dict):
             raise wrong_type(p, "an object", item)
-        kind = item.get("type", "message")  # EasyInputMessage: the type may be left out
+        kind = item.get("type")
+        if kind is None:
+            # The type may be left out of an EasyInputMessage, and out of an ItemReference
+            # (there also null): an id alone, without a message's role and content.
+            kind = "item_reference" if "id" in item and "role" not in item and (
+                "content" not in item) else "message"
         if not isinstance(kind, str):  # an object or array: unhashable below
             raise wrong_type(f"{p}.type", "a string", kind)
         if strict and kind in ITEM_KEYS:
