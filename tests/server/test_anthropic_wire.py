@@ -1203,3 +1203,19 @@ def test_message_start_counts_the_prompt(http: httpx.Client) -> None:
         assert start["output_tokens"] == 0 and end["output_tokens"] > 0
         if turn:
             assert end["cache_read_input_tokens"] > 0, end
+
+
+def test_a_whitespace_stop_sequence_is_anthropics_400_under_strict() -> None:
+    """Anthropic refuses a stop sequence of whitespace only ("stop_sequences: each stop
+    sequence must contain non-whitespace"), which clients written for other APIs send
+    (``"\\n"``): a strict server refuses it as Anthropic does, where it was taken, so the
+    client's bug surfaced only against Anthropic. Without ``[api] strict`` it still acts."""
+    stops = ["END", "\n", " \t"]
+    raw = json.dumps(body(stop_sequences=stops)).encode()
+    assert ANTHROPIC_MESSAGES.parse(raw).stop == tuple(stops)
+    with pytest.raises(InvalidRequestError) as info:
+        ANTHROPIC_MESSAGES.parse(raw, strict=True)
+    assert info.value.param == "stop_sequences[1]"
+    assert info.value.message == "each stop sequence must contain non-whitespace"
+    raw = json.dumps(body(stop_sequences=["END", "x y"])).encode()
+    assert ANTHROPIC_MESSAGES.parse(raw, strict=True).stop == ("END", "x y")

@@ -442,3 +442,44 @@ def test_an_input_past_the_window_is_openais_responses_error(client, http) -> No
     with pytest.raises(openai.BadRequestError) as raised:
         client.responses.create(model="demo", input=words)
     assert raised.value.code == "context_length_exceeded"
+
+
+def test_text_after_a_call_before_its_output_is_that_turn(client) -> None:
+    """A model may write text after its call ([function_call, message], as afmd returns it
+    too); the client sends that back with the call's output after both, as OpenAI takes
+    it. The text was read as a second assistant turn rendered after the output, and the
+    request refused as ending with an assistant message; it is the call's turn, as chat
+    holds content and calls in one message."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "add",
+            "arguments": '{"a": 2, "b": 3}'}
+    response, _ = create(client, tools=TOOLS, max_output_tokens=16, temperature=0, input=[
+        {"role": "user", "content": "What is 2+3?"}, call,
+        {"role": "assistant", "content": "Let me add them."},
+        {"type": "function_call_output", "call_id": "call_1", "output": "5"}])
+    chat = client.chat.completions.create(
+        model="demo", max_tokens=16, temperature=0,
+        tools=[{"type": "function", "function": {k: tool[k] for k in (
+            "name", "description", "parameters", "strict")}} for tool in TOOLS],
+        messages=[{"role": "user", "content": "What is 2+3?"},
+                  {"role": "assistant", "content": "Let me add them.", "tool_calls": [
+                      {"id": "call_1", "type": "function", "function": {
+                          "name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "5"}])
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.output_text == chat.choices[0].message.content
+
+
+def test_an_item_reference_may_leave_its_type_out(client) -> None:
+    """The SDK types an ``item_reference``'s ``type`` as optional (and nullable): an item
+    of an ``id`` alone names a stored item, as OpenAI reads it. It was read as a message
+    and refused for its missing ``role``."""
+    first, _ = create(client, input="Tell me about Paris.", max_output_tokens=16)
+    (message,) = first.output
+    follow = {"role": "user", "content": "And Rome?"}
+    typed, _ = create(client, max_output_tokens=16, temperature=0, input=[
+        {"type": "item_reference", "id": message.id}, follow])
+    for reference in ({"id": message.id}, {"id": message.id, "type": None}):
+        response, _ = create(client, max_output_tokens=16, temperature=0,
+                             input=[reference, follow])
+        assert response.usage.input_tokens == typed.usage.input_tokens
+        assert response.output_text == typed.output_text

@@ -177,6 +177,14 @@ def _parse(
                           "began. Disable thinking, or end the conversation with a user "
                           "message.")
         check_prefill(response_format, format_param, choice, "tool_choice")
+    stops = string_list(stop, "stop_sequences", MAX_STOP_SEQUENCES)
+    if strict:
+        # Anthropic refuses a stop of whitespace only (a "\n" some clients send), in its
+        # words; locally such a stop is useful, so only a strict server holds to that.
+        for i, sequence in enumerate(stop or ()):
+            if not sequence.strip():
+                raise invalid(f"stop_sequences[{i}]",
+                              "each stop sequence must contain non-whitespace")
     reasoning_effort = effort
     if kind == "disabled":
         reasoning_effort = "none"
@@ -191,7 +199,7 @@ def _parse(
         top_p=values.get("top_p", 1.0),
         top_k=values.get("top_k", 0),
         seed=values.get("seed"),
-        stop=string_list(stop, "stop_sequences", MAX_STOP_SEQUENCES),
+        stop=stops,
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=parallel,

@@ -334,7 +334,12 @@ def canonical_items(value: Any, param: str = "input", *,
         p = f"{param}[{i}]"
         if not isinstance(item, dict):
             raise wrong_type(p, "an object", item)
-        kind = item.get("type", "message")  # EasyInputMessage: the type may be left out
+        kind = item.get("type")
+        if kind is None:
+            # The type may be left out of an EasyInputMessage, and out of an ItemReference
+            # (there also null): an id alone, without a message's role and content.
+            kind = "item_reference" if "id" in item and "role" not in item and (
+                "content" not in item) else "message"
         if not isinstance(kind, str):  # an object or array: unhashable below
             raise wrong_type(f"{p}.type", "a string", kind)
         if strict and kind in ITEM_KEYS:
@@ -463,7 +468,10 @@ def to_messages(items: Sequence[Item], params: ItemParams) -> tuple[Message, ...
                 flush()
             assistant(index).reasoning.append(_reasoning_text(item))
         elif kind == "message" and item["role"] == "assistant":
-            if turn is not None and (turn.content or turn.calls):
+            # Text after calls whose outputs have not come yet is still their turn (a
+            # model may write on after a call): as a turn of its own it would be rendered
+            # after the outputs, the conversation ending on it instead of on them.
+            if turn is not None and turn.content and not turn.calls:
                 flush()
             assistant(index).content.append(_text_of(item["content"]))
         elif kind in CALLS:
