@@ -251,7 +251,8 @@ class EmbeddingService:
                             param=f"{param}[{j}]",
                         )
             if len(ids) > model.context_length and request.truncate:
-                ids = ids[: model.context_length]
+                ids = _cut(ids, model.context_length,
+                           model.appended_ids() if isinstance(item, str) else [])
             elif len(ids) > model.context_length:
                 # OpenAI's words for an embedding input over the window, which clients
                 # match to split and retry (LiteLLM's ContextWindowExceededError); the
@@ -275,6 +276,17 @@ class EmbeddingService:
             )
         run = self._runs[request_id] = EmbeddingRun(request_id)
         return run
+
+
+def _cut(ids: list[int], window: int, appended: list[int]) -> list[int]:
+    """A text's ids cut to ``window``, still ending in what the tokenizer appends to every
+    text: cutting that off pooled a last-token model's vector at whatever token the cut
+    fell on (the vector of no text), where Ollama, cutting the text and encoding it
+    again, keeps it."""
+    tail = len(appended)
+    if tail and tail < window and ids[-tail:] == appended:
+        return ids[: window - tail] + appended
+    return ids[:window]
 
 
 async def _bounded(model: LoadedModel, request: EmbeddingRequest, run: EmbeddingRun,

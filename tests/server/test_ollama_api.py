@@ -815,6 +815,28 @@ def test_embeddings_equal_v1_embeddings(client: ollama.Client, http: httpx.Clien
         assert wrong.status_code == 400 and "options" in wrong.json()["error"], wrong.text
 
 
+def test_a_truncated_input_keeps_the_token_its_pooling_reads(client: ollama.Client,
+                                                              http: httpx.Client) -> None:
+    """``truncate`` cuts an input to the context and still ends it in the
+    ``<|endoftext|>`` the tokenizer appends, which last-token pooling reads, as Ollama's
+    cut does (it cuts the text and encodes it again). The cut took that token off, and the
+    vector was pooled at whatever token the cut fell on."""
+    from tokenizers import Tokenizer
+
+    folder = demo.materialize(demo.EMBEDDING_VARIANT)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    window = 512  # demo-embedding's context
+    text = " ".join(f"w{i}" for i in range(400))
+    ids = tokenizer.encode(text).ids
+    assert len(ids) > window and ids[-1] == tokenizer.token_to_id("<|endoftext|>")
+    want = http.post("/v1/embeddings", json={
+        "model": "demo-embedding", "input": ids[: window - 1] + ids[-1:]}).json()
+    got = client.embed(model="demo-embedding", input=text)
+    np.testing.assert_allclose(got.embeddings[0], want["data"][0]["embedding"], rtol=0,
+                               atol=1e-5)
+    assert got.prompt_eval_count == window
+
+
 def test_an_embed_without_input_loads_with_its_keep_alive(client: ollama.Client,
                                                           http: httpx.Client) -> None:
     """Ollama's load form for embeddings: no texts (none, ``""``, ``[]``, an empty legacy

@@ -172,6 +172,20 @@ class LoadedModel:
         ids = hf(texts, add_special_tokens=True, return_attention_mask=False)["input_ids"]
         return [list(row) for row in ids]
 
+    def appended_ids(self) -> list[int]:
+        """What :meth:`tokenize` puts after any text (an embedding model's end-of-text,
+        the token last-token pooling reads): an input cut to the context keeps it, as a
+        text cut before it is encoded (Ollama's ``truncate``) gets it again."""
+        from afmd.engine.mlx_compat import hf_tokenizer
+
+        hf = hf_tokenizer(self.tokenizer)
+        plain = list(hf("a", add_special_tokens=False)["input_ids"])
+        full = list(hf("a", add_special_tokens=True)["input_ids"])
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[start + len(plain):]
+        return []
+
     @property
     def vocab_size(self) -> int:
         args = getattr(self.model, "args", None)
