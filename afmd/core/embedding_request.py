@@ -29,6 +29,9 @@ class EmbeddingRequest:
     #: An input longer than the model's context is cut to it (Ollama's ``truncate``)
     #: instead of refused.
     truncate: bool = False
+    #: A window smaller than the model's context (Ollama's ``options.num_ctx``), which
+    #: each input must fit or, with ``truncate``, is cut to; a larger one is the model's.
+    context_window: int | None = None
     ignored_fields: tuple[str, ...] = ()  # as afmd.core.request.ChatRequest's
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from afmd.config.tables import ModelEntry
 from afmd.core.embedding_request import EmbeddingRequest, Embeddings
+from afmd.core.request import CONTEXT_WINDOW_PARAM, context_limit
 from afmd.engine.generation import EmbeddingJob
 from afmd.engine.models.kinds import EMBEDDING
 from afmd.engine.models.loaded_model import LoadedModel
@@ -236,6 +237,7 @@ class EmbeddingService:
         texts = await _bounded(model, request, run, deadline)
         encoded = iter(await _tokenize(model, texts, run, deadline))
         vocab = model.vocab_size
+        window, own = context_limit(model.context_length, request.context_window)
         sequences: list[list[int]] = []
         for item, param in zip(request.inputs, request.params, strict=True):
             if isinstance(item, str):
@@ -250,18 +252,18 @@ class EmbeddingService:
                             code="invalid_value",
                             param=f"{param}[{j}]",
                         )
-            if len(ids) > model.context_length and request.truncate:
-                ids = _cut(ids, model.context_length,
-                           model.appended_ids() if isinstance(item, str) else [])
-            elif len(ids) > model.context_length:
+            if len(ids) > window and request.truncate:
+                ids = _cut(ids, window, model.appended_ids() if isinstance(item, str) else [])
+            elif len(ids) > window:
                 # OpenAI's words for an embedding input over the window, which clients
                 # match to split and retry (LiteLLM's ContextWindowExceededError); the
-                # param names the input.
+                # param names the input, or the request's own window when that is it.
                 raise ContextLengthError(
-                    f"This model's maximum context length is {model.context_length} tokens, "
+                    f"This model's maximum context length is {window} tokens, "
                     f"however you requested {len(ids)} tokens ({len(ids)} in your prompt; 0 "
                     "for the completion). Please reduce your prompt; or completion length.",
-                    prompt_tokens=len(ids), limit=model.context_length, param=param,
+                    prompt_tokens=len(ids), limit=window,
+                    param=CONTEXT_WINDOW_PARAM if own else param,
                 )
             sequences.append(ids)
         return sequences
@@ -295,7 +297,7 @@ async def _bounded(model: LoadedModel, request: EmbeddingRequest, run: Embedding
     one far past the context, refused counted in pieces only until it clearly is (a text
     of megabytes encoded whole held gigabytes and a core for tens of seconds, to be cut
     or refused afterwards: :mod:`afmd.engine.models.prompt_bound`)."""
-    window = model.context_length
+    window, own = context_limit(model.context_length, request.context_window)
     texts: list[str] = []
     for text, param in zip(request.inputs, request.params, strict=True):
         if not isinstance(text, str):
@@ -316,7 +318,8 @@ async def _bounded(model: LoadedModel, request: EmbeddingRequest, run: Embedding
                     f"requested at least {exc.at_least} tokens (at least {exc.at_least} in "
                     "your prompt; 0 for the completion). Please reduce your prompt; or "
                     "completion length.",
-                    prompt_tokens=exc.at_least, limit=window, param=param,
+                    prompt_tokens=exc.at_least, limit=window,
+                    param=CONTEXT_WINDOW_PARAM if own else param,
                 ) from None
         texts.append(text)
     return texts

@@ -807,7 +807,8 @@ def test_embeddings_equal_v1_embeddings(client: ollama.Client, http: httpx.Clien
     with pytest.raises(ollama.ResponseError) as caught:
         client.embed(model="demo-embedding", input=long_text, truncate=False)
     assert caught.value.status_code == 400
-    # Options change nothing here, but must be an object, as Ollama's decoder says.
+    # Options other than num_ctx change nothing here, but must be an object, as Ollama's
+    # decoder says.
     assert len(client.embed(model="demo-embedding", input="x",
                             options={"num_ctx": 64}).embeddings) == 1
     for path, text in (("/api/embed", "input"), ("/api/embeddings", "prompt")):
@@ -835,6 +836,37 @@ def test_a_truncated_input_keeps_the_token_its_pooling_reads(client: ollama.Clie
     np.testing.assert_allclose(got.embeddings[0], want["data"][0]["embedding"], rtol=0,
                                atol=1e-5)
     assert got.prompt_eval_count == window
+
+
+def test_num_ctx_is_the_window_an_embedding_input_fits(client: ollama.Client,
+                                                       http: httpx.Client) -> None:
+    """``options.num_ctx`` (LangChain's ``OllamaEmbeddings(num_ctx=...)`` sends it) is the
+    window Ollama loads the model with: an input past it is cut to it, or without
+    ``truncate`` refused naming it. It was ignored: the whole input was embedded."""
+    from tokenizers import Tokenizer
+
+    folder = demo.materialize(demo.EMBEDDING_VARIANT)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    text = " ".join(f"w{i}" for i in range(40))
+    ids = tokenizer.encode(text).ids
+    window = 16
+    assert len(ids) > window
+    want = http.post("/v1/embeddings", json={
+        "model": "demo-embedding", "input": ids[: window - 1] + ids[-1:]}).json()
+    got = client.embed(model="demo-embedding", input=text, options={"num_ctx": window})
+    np.testing.assert_allclose(got.embeddings[0], want["data"][0]["embedding"], rtol=0,
+                               atol=1e-5)
+    assert got.prompt_eval_count == window
+    for path, body in (("/api/embed", {"input": text, "truncate": False}),
+                       ("/api/embeddings", {"prompt": text})):
+        refused = http.post(path, json={"model": "demo-embedding", **body,
+                                        "options": {"num_ctx": window}})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"].startswith("options.num_ctx: the input length"), \
+            refused.text
+    wrong = http.post("/api/embed", json={"model": "demo-embedding", "input": "x",
+                                          "options": {"num_ctx": "big"}})
+    assert wrong.status_code == 400 and "options.num_ctx" in wrong.json()["error"], wrong.text
 
 
 def test_an_embed_without_input_loads_with_its_keep_alive(client: ollama.Client,

@@ -5,7 +5,8 @@ afmd's :class:`~afmd.core.embedding_request.EmbeddingRequest`, and their answers
 ``/api/embed`` answers ``{"model", "embeddings", "total_duration", "load_duration",
 "prompt_eval_count"}``; ``/api/embeddings`` answers ``{"embedding"}``. The vectors are
 those ``/v1/embeddings`` gives for the same texts. ``truncate`` (on by default, as in
-Ollama) cuts an input longer than the model's context instead of refusing it.
+Ollama) cuts an input longer than the model's context (or ``options.num_ctx``) instead of
+refusing it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _EMBED = (
     Scalar("truncate", "boolean", default=True),
     Scalar("dimensions", "integer", minimum=1),
 )
+_NUM_CTX = Scalar("num_ctx", "integer", minimum=1)
 _EMBEDDINGS = (
     Scalar("model", "string", required=True),
     Scalar("prompt", "string", default=""),
@@ -54,12 +56,17 @@ def _inputs(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _check_options(body: dict[str, Any]) -> None:
-    """``options`` change nothing an embedding takes, but one of the wrong type is the
-    client's mistake, as Ollama's decoder says."""
+def _context_window(body: dict[str, Any]) -> int | None:
+    """``options.num_ctx``, the one option an embedding takes: Ollama loads the model with
+    that window, so an input is cut to it (or refused, without ``truncate``), as
+    LangChain's ``OllamaEmbeddings(num_ctx=...)`` asks. The others change nothing here,
+    but ``options`` of the wrong type is the client's mistake, as Ollama's decoder says."""
     options = body.get("options")
-    if options is not None and not isinstance(options, dict):
+    if options is None:
+        return None
+    if not isinstance(options, dict):
         raise wrong_type("options", "an object", options)
+    return read_scalars(options, (_NUM_CTX,), "options.")["num_ctx"]
 
 
 def embed_request(body: dict[str, Any], *, strict: bool = False) -> EmbeddingRequest:
@@ -67,7 +74,7 @@ def embed_request(body: dict[str, Any], *, strict: bool = False) -> EmbeddingReq
     the answer has no vectors."""
     ignored = unknown_keys(body, EMBED_FIELDS, strict=strict)
     values = read_scalars(body, _EMBED)
-    _check_options(body)
+    window = _context_window(body)
     inputs = _inputs(body.get("input"))
     for i, text in enumerate(inputs):
         if not text:
@@ -76,7 +83,8 @@ def embed_request(body: dict[str, Any], *, strict: bool = False) -> EmbeddingReq
               else tuple(f"input[{i}]" for i in range(len(inputs))))
     return EmbeddingRequest(inputs=inputs, params=params, model=values["model"],
                             dimensions=values["dimensions"], keep_alive=keep_alive_of(body),
-                            truncate=values["truncate"], ignored_fields=ignored)
+                            truncate=values["truncate"], context_window=window,
+                            ignored_fields=ignored)
 
 
 def embeddings_request(body: dict[str, Any], *, strict: bool = False) -> EmbeddingRequest:
@@ -84,11 +92,11 @@ def embeddings_request(body: dict[str, Any], *, strict: bool = False) -> Embeddi
     its embedding is empty)."""
     ignored = unknown_keys(body, EMBEDDINGS_FIELDS, strict=strict)
     values = read_scalars(body, _EMBEDDINGS)
-    _check_options(body)
+    window = _context_window(body)
     prompt = values["prompt"]
     return EmbeddingRequest(inputs=(prompt,) if prompt else (), params=("prompt",),
                             model=values["model"], keep_alive=keep_alive_of(body),
-                            ignored_fields=ignored)
+                            context_window=window, ignored_fields=ignored)
 
 
 def embed_body(result: Embeddings | None, model: str, *, total: float, load: float) -> bytes:
