@@ -184,7 +184,7 @@ class ChatRun:
             self._totals.add(finished)
             written = finished.output_ids
             self._ran = None if written is None else [*self.round.prompt, *written]
-            reason, server_calls = self._settle(reading, finished)
+            reason, server_calls = await self._settle(reading, finished)
             if not server_calls:
                 stop = reading.output.stop_sequence if reason == "stop" else None
                 yield out + self._end(reason, finished, stop)
@@ -202,8 +202,13 @@ class ChatRun:
                 return
             self.start_generation()
 
-    def _settle(self, reading: RoundReader, finished: Finished) -> tuple[str, list[ToolCall]]:
-        """The round's finish reason; the server calls to run before the next (none: done)."""
+    async def _settle(self, reading: RoundReader,
+                      finished: Finished) -> tuple[str, list[ToolCall]]:
+        """The round's finish reason; the server calls to run before the next (none: done).
+
+        A structured answer is checked against its schema off the event loop: jsonschema
+        is pure Python, and a long answer against a large ``enum`` (each value compared in
+        turn) held every other request for seconds."""
         reason = reading.reason(finished, cancelled=self._control.cancelled)
         if reason != "cancelled":
             self.round.plan.check_grammar(self._processors)
@@ -221,7 +226,7 @@ class ChatRun:
         # one the model ended itself must be whole.
         if (reason == "stop" and reading.answer is not None
                 and reading.output.stop_sequence is None):
-            self.round.plan.check_answer("".join(reading.answer))
+            await asyncio.to_thread(self.round.plan.check_answer, "".join(reading.answer))
         return reason, []
 
     async def _run_tools(self, calls: list[ToolCall]) -> ChatRequest | None:

@@ -14,6 +14,7 @@ import functools
 import json
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -256,12 +257,45 @@ def _loads(text: str) -> Any:
 def _schema_error(schema: dict[str, Any], value: Any) -> str | None:
     import jsonschema
 
-    validator_cls = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
+    validator_cls = _answer_validator(
+        jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator))
     try:  # a recursive schema lets the answer nest deeper than the validator recurses
         error = jsonschema.exceptions.best_match(validator_cls(schema).iter_errors(value))
     except RecursionError:
         return "it nests too deeply to be checked"
     return None if error is None else error.message
+
+
+def _held_by_the_grammar(*_args: Any) -> Iterator[Any]:
+    return iter(())
+
+
+@functools.cache
+def _answer_validator(validator_cls: Any) -> Any:
+    """``validator_cls`` without the keywords it would check with Python's ``re``:
+    ``pattern``, ``patternProperties``, and ``additionalProperties`` beside them (which
+    keys are additional is a search of the patterns).
+
+    The grammar that wrote the answer already held it to them, with llguidance's regular
+    expressions, whose matcher is linear; ``re`` backtracks, and a client's pattern such
+    as ``^(a|a)*a{40}$`` takes it hours on the very answer the grammar let through, on
+    the event loop, so the server stopped answering anyone. ``re`` also reads a pattern
+    otherwise than the grammar did (``\\d``, ``$``), which would fail an answer the
+    grammar wrote to the pattern. Every other keyword is still checked."""
+    import jsonschema
+
+    additional = validator_cls.VALIDATORS.get("additionalProperties")
+
+    def additional_properties(validator: Any, value: Any, instance: Any,
+                              schema: Any) -> Iterator[Any]:
+        if additional is not None and "patternProperties" not in schema:
+            yield from additional(validator, value, instance, schema)
+
+    return jsonschema.validators.extend(validator_cls, {
+        "pattern": _held_by_the_grammar,
+        "patternProperties": _held_by_the_grammar,
+        "additionalProperties": additional_properties,
+    })
 
 
 def _check_schema(schema: dict[str, Any], param: str) -> None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -343,6 +346,41 @@ def test_final_check_of_a_downgraded_schema_is_best_effort() -> None:
     _plan(json_schema_format(UNIQUE), downgraded=True).check_answer("[1, 1]")
     with pytest.raises(ServerError):
         _plan(json_schema_format(UNIQUE), downgraded=True).check_answer("[1, 1")
+
+
+#: A pattern Python's backtracking ``re`` takes hours to search on any text it matches.
+_BACKTRACKS = "^(a|a)*a{40}$"
+
+
+def test_final_check_leaves_patterns_to_the_grammar() -> None:
+    """The grammar held the answer to its patterns with a linear matcher; the check after
+    it, on the event loop, searched them again with ``re``, which took hours on the very
+    answer the grammar wrote, and the server answered no one meanwhile. Run in a process
+    of its own, so that such a search fails the test instead of stalling the suite. The
+    answer's other keywords are still checked."""
+    code = f"""
+import json
+from afmd.errors import ServerError
+from afmd.service.output_plan import OutputPlan
+
+value = {{"type": "string", "pattern": {_BACKTRACKS!r}}}
+for schema, answer in (
+        ({{"type": "object", "properties": {{"a": value}}, "required": ["a"]}},
+         {{"a": "a" * 41}}),
+        ({{"type": "object", "patternProperties": {{{_BACKTRACKS!r}: {{"type": "integer"}}}},
+          "additionalProperties": False}}, {{"a" * 41: 1}})):
+    plan = OutputPlan(json_answer=True, schema=schema, downgraded=False)
+    plan.check_answer(json.dumps(answer))
+try:
+    OutputPlan(json_answer=True, schema={{"type": "object", "properties": {{"a": value}},
+                                          "required": ["a"]}}).check_answer('{{"a": 5}}')
+except ServerError as exc:
+    assert exc.code == "invalid_json_output"
+else:
+    raise AssertionError("a wrong type passed the check")
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
 
 
 def test_one_schema_verdict_serves_each_place_it_is_used(http) -> None:

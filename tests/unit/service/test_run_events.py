@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -209,3 +210,25 @@ def test_a_forced_run_ends_its_calls_then_finishes(demo_model: LoadedModel,
     assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in sent] == [
         (e.call.id, e.call.name, e.call.arguments) for e in ends]
     assert response["usage"]["completion_tokens"] == usage.completion_tokens
+
+
+def test_a_structured_answer_is_checked_off_the_event_loop(
+        demo_model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The schema check is pure Python at a cost per value: a long answer against a large
+    ``enum`` held the event loop, and every other request, for seconds."""
+    threads: list[threading.Thread] = []
+    check = OutputPlan.check_answer
+
+    def recorded(plan: OutputPlan, content: str | None) -> None:
+        threads.append(threading.current_thread())
+        check(plan, content)
+
+    monkeypatch.setattr(OutputPlan, "check_answer", recorded)
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64,
+            "temperature": 0, "reasoning_effort": "none",
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "x", "schema": schema}}}
+    events = [e for batch in run_events(demo_model, body) for e in batch]
+    assert any(isinstance(e, Finish) and e.reason == "stop" for e in events)
+    assert threads and threading.main_thread() not in threads
