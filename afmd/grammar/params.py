@@ -14,12 +14,13 @@ and the turn is marked ``X-Grammar-Constraints: downgraded``.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llguidance import regex_to_lark
+from llguidance import LLMatcher, regex_to_lark
 
 from afmd.grammar.schema_copy import reroot
 from afmd.output.formats.values import is_string_schema, resolve
@@ -224,9 +225,50 @@ def sequence(rules: Rules, items: Sequence[tuple[str, bool]], sep: str) -> tuple
 
 def with_options(schema: Any, lenient: bool) -> dict[str, Any]:
     schema = schema if isinstance(schema, dict) else {}
+    if lenient:
+        schema = _readable_patterns(schema)
     guidance = dict(schema.get("x-guidance") or {})
     guidance.update({"whitespace_flexible": False, "lenient": lenient})
     return {**schema, "x-guidance": guidance}
+
+
+#: Keywords whose values are data, not subschemas: a ``pattern`` key there is data.
+_DATA = frozenset({"enum", "const", "default", "examples"})
+
+
+@functools.lru_cache(maxsize=1024)
+def pattern_readable(pattern: str) -> bool:
+    """Whether llguidance's regular expressions (Rust's syntax) can enforce ``pattern``.
+    A JSON Schema pattern is ECMA-262's: look-around and back-references are valid there
+    (zod's ``email()`` pattern opens with look-aheads) and not here."""
+    grammar = LLMatcher.grammar_from_json_schema({"type": "string", "pattern": pattern})
+    is_error, _ = LLMatcher.validate_grammar_with_warnings(grammar, None)
+    return not is_error
+
+
+def _readable_patterns(schema: Any) -> Any:
+    """``schema`` without the patterns llguidance cannot read, for the lenient build: the
+    value is then held to the rest of its schema (the turn marked downgraded), where the
+    whole schema was refused as the client's error although it is a valid one."""
+    if isinstance(schema, list):
+        return [_readable_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "pattern" and isinstance(value, str):
+            if pattern_readable(value):
+                out[key] = value
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {k: _readable_patterns(v) for k, v in value.items()
+                        if not isinstance(k, str) or pattern_readable(k)}
+        elif key in _DATA:
+            out[key] = value
+        elif key == "properties" and isinstance(value, dict):  # names, not keywords
+            out[key] = {k: _readable_patterns(v) for k, v in value.items()}
+        else:
+            out[key] = _readable_patterns(value)
+    return out
 
 
 def json_value(schema: Any, lenient: bool) -> str:

@@ -15,6 +15,7 @@ metaschema, as before.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 __all__ = ["metaschema_problem"]
@@ -30,12 +31,11 @@ def metaschema_problem(schema: Any) -> str | None:
 
     validator_cls = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
     if validator_cls is not jsonschema.Draft202012Validator:
-        try:
-            validator_cls.check_schema(schema)
-        except jsonschema.SchemaError as exc:
-            return str(exc.message)
-        return None
-    error = jsonschema.exceptions.best_match(_flat_validator().iter_errors(schema))
+        validator = validator_cls(validator_cls.META_SCHEMA,
+                                  format_checker=_format_checker(validator_cls))
+    else:
+        validator = _flat_validator()
+    error = jsonschema.exceptions.best_match(validator.iter_errors(schema))
     return None if error is None else str(error.message)
 
 
@@ -46,7 +46,44 @@ def _flat_validator() -> Any:
     import jsonschema
 
     cls = jsonschema.Draft202012Validator
-    return cls(flat_metaschema(), format_checker=cls.FORMAT_CHECKER)
+    return cls(flat_metaschema(), format_checker=_format_checker(cls))
+
+
+@functools.cache
+def _format_checker(validator_cls: Any) -> Any:
+    r"""The draft's own format checker, but for ``regex``: jsonschema asks Python's ``re``,
+    and a schema's patterns are ECMA-262's. ``\p{L}`` and ``(?<name>...)``, which zod
+    writes, are errors to ``re``: the whole schema was refused as invalid."""
+    import jsonschema
+
+    checker = jsonschema.FormatChecker(formats=())
+    checker.checkers = dict(validator_cls.FORMAT_CHECKER.checkers)
+    checker.checks("regex")(_ecma_regex)
+    return checker
+
+
+_NAMED_GROUP = re.compile(r"\(\?<([A-Za-z_][A-Za-z0-9_]*)>")
+_NAMED_BACKREF = re.compile(r"\\k<([A-Za-z_][A-Za-z0-9_]*)>")
+_PROPERTY = re.compile(r"\\[pP]\{[A-Za-z0-9_=]+\}")
+
+
+def _ecma_regex(pattern: object) -> bool:
+    """Whether ``pattern`` reads as an ECMA-262 regular expression, as near as two
+    engines tell: Python's with ECMA's spellings of named groups and Unicode properties
+    put in its own (it has look-around and back-references), else llguidance's (which
+    reads those spellings, and is what enforces a pattern)."""
+    if not isinstance(pattern, str):
+        return True
+    spelled = _PROPERTY.sub(r"\\w", _NAMED_BACKREF.sub(r"(?P=\1)",
+                                                        _NAMED_GROUP.sub(r"(?P<\1>", pattern)))
+    try:
+        re.compile(spelled)
+        return True
+    except re.error:
+        pass
+    from afmd.grammar.params import pattern_readable
+
+    return pattern_readable(pattern)
 
 
 def flat_metaschema() -> dict[str, Any]:

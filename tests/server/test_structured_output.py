@@ -230,6 +230,46 @@ def test_unsupported_keyword_is_best_effort_and_says_so(http) -> None:
     assert "error" not in streamed.text
 
 
+#: zod 4's ``z.email()`` pattern (ECMA-262: it opens with look-aheads), as the AI SDK
+#: sends a tool's parameters.
+ZOD_EMAIL = (r"^(?!\.)(?!.*\.\.)([A-Za-z0-9_'+\-\.]*)[A-Za-z0-9_+-]@"
+             r"([A-Za-z0-9][A-Za-z0-9\-]*\.)+[A-Za-z]{2,}$")
+
+
+def test_ecma_patterns_are_valid_schemas(http) -> None:
+    """A schema's ``pattern`` is an ECMA-262 regular expression. Python's ``re`` judged
+    them, so ``\\p{L}`` and ``(?<name>...)`` made the schema invalid (400); llguidance
+    cannot enforce look-around, so zod's email pattern made it one that "cannot be used"
+    (400): the AI SDK's tools with an email parameter failed on every request."""
+    letters = {"type": "object", "additionalProperties": False, "required": ["word", "year"],
+               "properties": {"word": {"type": "string", "pattern": r"^\p{L}{1,6}$"},
+                              "year": {"type": "string", "pattern": r"^(?<y>[0-9]{4})$"}}}
+    response = post(http, response_format=json_schema_format(letters), temperature=0)
+    assert response.status_code == 200, response.text
+    assert "x-grammar-constraints" not in response.headers  # llguidance enforces both
+    value = json.loads(response.json()["choices"][0]["message"]["content"])
+    assert value["word"].isalpha() and 1 <= len(value["word"]) <= 6, value
+    assert value["year"].isdigit() and len(value["year"]) == 4, value
+
+    email = {"type": "object", "additionalProperties": False, "required": ["to"],
+             "properties": {"to": {"type": "string", "format": "email", "maxLength": 12,
+                                   "pattern": ZOD_EMAIL}}}
+    tools = [{"type": "function", "function": {"name": "send", "parameters": email}}]
+    response = post(http, tools=tools, tool_choice="required", temperature=0)
+    assert response.status_code == 200, response.text
+    # The rest of the schema is enforced; the pattern is not, and the answer says so.
+    assert response.headers["x-grammar-constraints"] == "downgraded"
+    call = response.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    arguments = json.loads(call["arguments"])
+    assert set(arguments) == {"to"} and len(arguments["to"]) <= 12, arguments
+
+    broken = {"type": "object", "properties": {"a": {"type": "string", "pattern": "["}}}
+    response = post(http, response_format=json_schema_format(broken))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_schema"
+    assert "is not a 'regex'" in response.json()["error"]["message"]
+
+
 def test_supported_schema_is_not_downgraded(http) -> None:
     response = post(http, response_format=json_schema_format(
         {"type": "object", "properties": {"ok": {"type": "boolean"}},
