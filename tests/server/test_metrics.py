@@ -175,6 +175,40 @@ def test_counters_move_by_exactly_what_was_sent(served: ServerProcess) -> None:
         assert buckets[-1] == (float("inf"), after.value(name + "_count", model="demo"))
 
 
+def test_a_background_response_counts_its_tokens_and_timings(served: ServerProcess) -> None:
+    """A background response runs after its POST was answered, so the POST's count has no
+    usage to give: its tokens, prefix cache lookup and timings are the run's, counted when
+    it ends (they were never counted, and the token totals fell short of the usage the
+    stored responses told)."""
+    url = served.url
+    before = scrape(url)
+    made = httpx.post(url + "/v1/responses", json={
+        "model": "demo", "input": "Count to three.", "max_output_tokens": 16,
+        "background": True}, timeout=60)
+    assert made.status_code == 200, made.text
+    response_id = made.json()["id"]
+    deadline = time.monotonic() + 60
+    while (done := httpx.get(f"{url}/v1/responses/{response_id}", timeout=30).json()
+           )["status"] in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, done
+        time.sleep(0.05)
+    assert done["status"] in ("completed", "incomplete"), done
+    while not [e for e in served.events if e.get("method") == "BACKGROUND"
+               and e.get("path", "").endswith(response_id)]:
+        assert time.monotonic() < deadline, "no access log line for the background run"
+        time.sleep(0.05)
+    after = scrape(url)
+    usage = done["usage"]
+    demo = (("model", "demo"),)
+    assert usage["output_tokens"] > 1
+    assert after.moved(before, "afmd_prompt_tokens_total") == {demo: usage["input_tokens"]}
+    assert after.moved(before, "afmd_completion_tokens_total") == {
+        demo: usage["output_tokens"]}
+    assert after.moved(before, "afmd_prefix_cache_lookups_total") == {demo: 1}
+    assert after.moved(before, "afmd_time_to_first_token_seconds_count") == {demo: 1}
+    assert after.moved(before, "afmd_decode_tokens_per_second_count") == {demo: 1}
+
+
 def test_a_model_named_by_its_tag_counts_as_the_model(served: ServerProcess) -> None:
     """Ollama's clients name ``demo-embedding:latest``; the tokens count under the
     model's id, as docs/metrics.md says of every ``model`` label, not under a series named

@@ -131,8 +131,12 @@ def _past_deadline() -> GatewayTimeoutError:
 def _log_end(state: AppState, path: str, bg: BackgroundRun, run: AnyRun | None,
              received: float | None, error: str | None) -> None:
     """The access log's line for the run itself (the POST had its own when it answered):
-    method ``BACKGROUND``, the response's path, its usage and how it ended."""
+    method ``BACKGROUND``, the response's path, its usage and how it ended; and the run's
+    count in ``/metrics``, which the POST's could not hold: it ended before the run began.
+    A run that failed told no usage (its response has none), as a stream cut off does."""
     usage: Usage | None = run.usage if run is not None else None
+    if run is not None:
+        state.metrics.generated(run.prepared.model.id, run, usage if error is None else None)
     log_request(state, "BACKGROUND", f"{path}/{bg.id}", 200, 0, started=received,
                 request_id=bg.request_id, model=bg.current().get("model"), usage=usage,
                 finish_reason=run.finish_reason if run is not None else None,

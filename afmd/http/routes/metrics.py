@@ -141,6 +141,11 @@ class Metrics:
                 model = state.registry.resolve(getattr(ctx, "model", None)).id
             except APIError:
                 return
+        self.generated(model, run, usage)
+
+    def generated(self, model: str, run: AnyRun | None, usage: Usage | None) -> None:
+        """What a request generated, counted once as it ended: its answer's, or a
+        background response's run, which ends after its POST was answered and counted."""
         if usage is not None:
             self.prompt_tokens[model] += usage.prompt_tokens
             self.completion_tokens[model] += usage.completion_tokens
