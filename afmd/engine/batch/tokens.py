@@ -21,12 +21,17 @@ class TokenTable:
     A byte-level BPE token maps back to bytes through GPT-2's byte alphabet and an SPM
     piece through its ``▁`` and ``<0xNN>`` conventions; any other tokenizer decodes the
     token alone. A token may hold part of a UTF-8 character: its bytes are then not text.
+
+    It holds its tokenizer weakly: the table is kept in a map keyed weakly by that same
+    tokenizer, and a value that refers to its own key keeps it, so every unloaded model's
+    tokenizer (and what is keyed by it elsewhere) stayed for the process's life. Whoever
+    uses a table serves a request on the model, which holds the tokenizer meanwhile.
     """
 
     __slots__ = ("_bytes", "_kind", "_shown", "_tokenizer")
 
     def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
+        self._tokenizer: weakref.ref[Any] = weakref.ref(tokenizer)
         # mlx-lm picks the detokenizer by the tokenizer's decoder; its class says how a
         # token's piece maps to bytes (named, so this module needs no mlx-lm import).
         kind = type(getattr(tokenizer, "detokenizer", None)).__name__
@@ -61,9 +66,11 @@ class TokenTable:
         return shown
 
     def _compute(self, token: int) -> bytes:
+        tokenizer = self._tokenizer()
+        assert tokenizer is not None, "a token table outlived its model"
         if self._kind == "decode":
-            return str(self._tokenizer.decode([token])).encode()
-        piece = self._tokenizer.convert_ids_to_tokens(token)
+            return str(tokenizer.decode([token])).encode()
+        piece = tokenizer.convert_ids_to_tokens(token)
         if piece is None:
             return b""
         if self._kind == "spm":
