@@ -33,7 +33,7 @@ from afmd.engine.first_import import transformers_ready
 from afmd.errors import InvalidRequestError
 from afmd.grammar.calls import CallGrammar, JsonObjectCalls
 from afmd.grammar.frames import Build, Frame, Thinking, Tool
-from afmd.grammar.params import Inexact, with_options
+from afmd.grammar.params import Inexact, kept_patterns, with_options
 from afmd.grammar.sandbox import CompileFailed, TokenizerSource, compile_worker
 from afmd.grammar.schema_copy import closed, reroot
 
@@ -83,6 +83,9 @@ class ToolSchema:
     name: str
     parameters: dict[str, Any]
     param: str  # where the schema came from, for error messages
+    #: A custom tool, whose input's pattern is its own grammar (Rust's regex syntax, as
+    #: OpenAI's): enforced, or the tool refused, never left out as a schema's may be.
+    custom: bool = False
 
 
 @dataclass(slots=True)
@@ -376,6 +379,8 @@ def tool_grammar(
     # Each call's parameters are the grammar's closed copy; a family that embeds them in
     # a larger object re-roots their pointers there itself.
     copies = [Tool(tool.name, _grammar_copy(tool.parameters or {"type": "object"}))
+              if not tool.custom
+              else Tool(tool.name, kept_patterns(_grammar_copy(tool.parameters)))
               for tool in tools]
     answer = _grammar_copy(answer_schema) if answer_schema is not None else None
 

@@ -232,6 +232,8 @@ def with_options(schema: Any, lenient: bool) -> dict[str, Any]:
     return {**schema, "x-guidance": guidance}
 
 
+#: Marks a schema whose ``pattern`` is kept in the lenient build (enforced or refused).
+KEPT_PATTERN = "x-afmd-kept-pattern"
 #: Keywords whose values are data, not subschemas: a ``pattern`` key there is data.
 _DATA = frozenset({"enum", "const", "default", "examples"})
 
@@ -257,7 +259,7 @@ def _readable_patterns(schema: Any) -> Any:
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "pattern" and isinstance(value, str):
-            if pattern_readable(value):
+            if schema.get(KEPT_PATTERN) or pattern_readable(value):
                 out[key] = value
         elif key == "patternProperties" and isinstance(value, dict):
             out[key] = {k: _readable_patterns(v) for k, v in value.items()
@@ -269,6 +271,19 @@ def _readable_patterns(schema: Any) -> Any:
         else:
             out[key] = _readable_patterns(value)
     return out
+
+
+def kept_patterns(parameters: Any) -> dict[str, Any]:
+    """A custom tool's parameters (one string, ``input``) with its pattern kept in the
+    lenient build: the pattern is the tool's grammar, not one keyword of a schema."""
+    schema = parameters if isinstance(parameters, dict) else {"type": "object"}
+    properties = schema.get("properties")
+    if not isinstance(properties, dict):
+        return schema
+    text = properties.get("input")
+    if not isinstance(text, dict) or "pattern" not in text:
+        return schema
+    return {**schema, "properties": {**properties, "input": {**text, KEPT_PATTERN: True}}}
 
 
 def json_value(schema: Any, lenient: bool) -> str:

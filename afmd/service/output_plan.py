@@ -429,7 +429,7 @@ def plan_output(
         allowed = set(allowed_names) if allowed_names is not None else None
         schemas = [
             ToolSchema(t.name, t.parameters or {"type": "object"},
-                       t.parameters_param(i))
+                       t.parameters_param(i), custom=t.custom)
             for i, t in enumerate(request.tools)
             if allowed is None or t.name in allowed
         ]

@@ -65,6 +65,8 @@ class Watched:
     origin: str
     errors: list[str] = field(default_factory=list)
     requests: list[Any] = field(default_factory=list)
+    #: Console errors a test found it may provoke (checked at the fixture's teardown).
+    expected_errors: list[str] = field(default_factory=list)
 
     def off_origin(self) -> list[str]:
         return [r.url for r in self.requests
@@ -74,7 +76,8 @@ class Watched:
     def check(self, *, allowed_errors: tuple[str, ...] = ()) -> None:
         """No console error (beyond those a test provokes on purpose) and no request off
         the origin."""
-        unexpected = [e for e in self.errors if not any(a in e for a in allowed_errors)]
+        allowed = (*allowed_errors, *self.expected_errors)
+        unexpected = [e for e in self.errors if not any(a in e for a in allowed)]
         assert not unexpected, f"console errors: {unexpected}"
         assert not self.off_origin(), f"requests off the origin: {self.off_origin()}"
 

@@ -233,7 +233,7 @@ BAD: list[tuple[dict[str, Any], str, str | None]] = [
         "type": "object", "properties": {"x": {"enum": [-9223372036854775809]}}}}]},
      "invalid_schema", "tools[1].parameters.properties.x.enum[0]"),
     ({"input": "x", "tools": [NAMESPACE, {"type": "custom", "name": "c", "format": {
-        "type": "grammar", "syntax": "regex", "definition": "(?i)abc"}}]},
+        "type": "grammar", "syntax": "regex", "definition": "(a)\\1"}}]},
      "invalid_schema", "tools[1].format.definition"),
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "invalid_value", "reasoning.effort"),
     ({"input": "x", "reasoning": {"budget": 3}}, "unknown_parameter", "reasoning.budget"),
