@@ -520,15 +520,19 @@ def test_a_key_that_cannot_be_sent_is_refused_at_once(browser: Any, keyed: Serve
 # ---------------------------------------------------------------------------- pull
 
 
+def _hub_server(tmp_path: Path, hub: FakeHub) -> ServerProcess:
+    """A server whose pulls go to the hub stand-in, into a cache of the test's own."""
+    return start_server(tmp_path, env={"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"),
+                                       "HF_HUB_DISABLE_TELEMETRY": "1"})
+
+
 def test_pull_with_its_progress(browser: Any, tmp_path: Path) -> None:
     expect = _expect()
     files = {"config.json": json.dumps({"model_type": "qwen2"}).encode(),
              "model.safetensors": safetensors_bytes({"w": ("F32", [512, 64])})}
     with FakeHub() as hub:
         hub.add_repo("test-org/tiny", files)
-        server = start_server(tmp_path, env={"HF_ENDPOINT": hub.url,
-                                             "HF_HOME": str(tmp_path / "hf"),
-                                             "HF_HUB_DISABLE_TELEMETRY": "1"})
+        server = _hub_server(tmp_path, hub)
         try:
             with watched_page(browser, server.url) as watched:
                 ui = _open(watched, server.url)
@@ -554,9 +558,7 @@ def test_a_repo_typed_while_a_pull_starts_is_kept(browser: Any, tmp_path: Path) 
     (the next one to pull) was wiped, and a click on Pull then pulled nothing."""
     expect = _expect()
     with FakeHub() as hub:
-        server = start_server(tmp_path, env={"HF_ENDPOINT": hub.url,
-                                             "HF_HOME": str(tmp_path / "hf"),
-                                             "HF_HUB_DISABLE_TELEMETRY": "1"})
+        server = _hub_server(tmp_path, hub)
         try:
             with watched_page(browser, server.url) as watched:
                 ui = _open(watched, server.url)
@@ -594,9 +596,7 @@ def test_a_selection_in_the_pulls_list_survives_its_polls(browser: Any, tmp_path
     with FakeHub() as hub:
         hub.add_repo("test-org/slow", files)
         hub.throttle("test-org/slow", "model.safetensors", 16 * 1024)  # about 8 s
-        server = start_server(tmp_path, env={"HF_ENDPOINT": hub.url,
-                                             "HF_HOME": str(tmp_path / "hf"),
-                                             "HF_HUB_DISABLE_TELEMETRY": "1"})
+        server = _hub_server(tmp_path, hub)
         try:
             with watched_page(browser, server.url) as watched:
                 ui = _open(watched, server.url)
