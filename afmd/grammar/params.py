@@ -238,11 +238,26 @@ KEPT_PATTERN = "x-afmd-kept-pattern"
 _DATA = frozenset({"enum", "const", "default", "examples"})
 
 
-@functools.lru_cache(maxsize=1024)
+#: Patterns up to this long have their verdicts cached (agents resend their schemas); a
+#: longer one is asked again, so the cache holds little whatever clients send.
+_CACHED_PATTERN = 4096
+
+
 def pattern_readable(pattern: str) -> bool:
     """Whether llguidance's regular expressions (Rust's syntax) can enforce ``pattern``.
     A JSON Schema pattern is ECMA-262's: look-around and back-references are valid there
     (zod's ``email()`` pattern opens with look-aheads) and not here."""
+    if len(pattern) <= _CACHED_PATTERN:
+        return _cached_readable(pattern)
+    return _readable(pattern)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_readable(pattern: str) -> bool:
+    return _readable(pattern)
+
+
+def _readable(pattern: str) -> bool:
     grammar = LLMatcher.grammar_from_json_schema({"type": "string", "pattern": pattern})
     is_error, _ = LLMatcher.validate_grammar_with_warnings(grammar, None)
     return not is_error
