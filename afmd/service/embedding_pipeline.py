@@ -239,6 +239,7 @@ class EmbeddingService:
         vocab = model.vocab_size
         window, own = context_limit(model.context_length, request.context_window)
         sequences: list[list[int]] = []
+        appended: list[int] | None = None  # asked of the tokenizer once, if a text is cut
         for item, param in zip(request.inputs, request.params, strict=True):
             if isinstance(item, str):
                 ids = next(encoded)
@@ -253,7 +254,9 @@ class EmbeddingService:
                             param=f"{param}[{j}]",
                         )
             if len(ids) > window and request.truncate:
-                ids = _cut(ids, window, model.appended_ids() if isinstance(item, str) else [])
+                if isinstance(item, str) and appended is None:
+                    appended = model.appended_ids()
+                ids = _cut(ids, window, appended if isinstance(item, str) and appended else [])
             elif len(ids) > window:
                 # OpenAI's words for an embedding input over the window, which clients
                 # match to split and retry (LiteLLM's ContextWindowExceededError); the
