@@ -115,7 +115,9 @@ def test_n_choices_with_top_logprobs_are_built_off_the_loop() -> None:
     assert body == reply.body(events)  # the same body as built where it is
     answer = orjson.loads(body)
     assert [len(c["logprobs"]["content"]) for c in answer["choices"]] == [1_500] * 8
-    assert gap < took / 3, f"the loop waited {gap:.3f} s of the build's {took:.3f} s"
+    # Built on the loop, it waits the whole build; off it, for the longest single call
+    # that holds the GIL, a larger share on a loaded machine (CI saw a third).
+    assert gap < took / 2, f"the loop waited {gap:.3f} s of the build's {took:.3f} s"
 
 
 def test_a_small_answer_is_built_where_it_is() -> None:
@@ -182,7 +184,9 @@ def test_many_long_embeddings_let_the_loop_in_while_built() -> None:
     request = EmbeddingRequest(inputs=("a",) * 1_024, params=("input",) * 1_024)
     body, took, gap = _while_ticking(lambda: built_off_loop(
         lambda: encode_response(result, request), weight=vectors.size))
-    assert gap < took / 3, f"the loop waited {gap:.3f} s of the build's {took:.3f} s"
+    # Built on the loop, it waits the whole build; off it, for the longest single call
+    # that holds the GIL, a larger share on a loaded machine (CI saw a third).
+    assert gap < took / 2, f"the loop waited {gap:.3f} s of the build's {took:.3f} s"
     answer = orjson.loads(body)
     assert list(answer) == ["object", "data", "model", "usage"]
     assert answer["usage"] == {"prompt_tokens": 2_048, "total_tokens": 2_048}
